@@ -1,0 +1,60 @@
+"""The ``stratatools`` command. Each command group lives in its own module and registers itself here.
+
+Commands parse options, call one library function, and render its result. A :class:`StrataError` becomes
+one line on stderr and exit code 2 (``--debug`` shows the traceback); a failed check exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from ..errors import StrataError
+from . import common
+
+app = typer.Typer(
+    name="stratatools",
+    help="Pack, profile, remap, trace, simulate and validate expert-offloaded MoE releases for Strata.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or notes on stderr."),
+) -> None:
+    common.STATE.debug = debug
+    common.STATE.quiet = quiet
+
+
+def _register_all() -> None:
+    from . import model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd
+
+    for mod in (model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd):
+        mod.register(app)
+
+
+_register_all()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the app, turning project errors into one line and exit code 2."""
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        app(args=argv, prog_name="stratatools", standalone_mode=True)
+    except StrataError as e:
+        if debug or os.environ.get("STRATATOOLS_DEBUG"):
+            raise
+        common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        common.err_console.print("interrupted", markup=False)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)

@@ -1,0 +1,70 @@
+"""Shared CLI plumbing: consoles, global flags, JSON output, progress bars."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@dataclass
+class _State:
+    debug: bool = False
+    quiet: bool = False
+
+
+STATE = _State()
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as JSON on stdout (no rich markup)."""
+    from ..fsutil import _json_default
+
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def note(msg: str) -> None:
+    """A remark on stderr, suppressed by --quiet."""
+    if not STATE.quiet:
+        err_console.print(msg, markup=False, highlight=False)
+
+
+def warn(msg: str) -> None:
+    """A warning on stderr (always shown)."""
+    err_console.print(f"warning: {msg}", markup=False, highlight=False)
+
+
+class _NullBar:
+    def update(self, advance: int = 0, **_: Any) -> None:  # noqa: D401
+        pass
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None, bytes_: bool = True) -> Iterator[Any]:
+    """A rich progress bar on a terminal's stderr; silent in pipes and with --quiet.
+
+    Yields an object with ``update(advance=n)``.
+    """
+    if STATE.quiet or not err_console.is_terminal:
+        yield _NullBar()
+        return
+    cols = [TextColumn("{task.description}"), BarColumn()]
+    cols += [DownloadColumn(), TransferSpeedColumn()] if bytes_ else [TextColumn("{task.completed}/{task.total}")]
+    cols.append(TimeRemainingColumn())
+    with Progress(*cols, console=err_console, transient=True) as p:
+        task = p.add_task(description, total=total)
+
+        class _Bar:
+            def update(self, advance: int = 0, **kw: Any) -> None:
+                p.update(task, advance=advance, **kw)
+
+        yield _Bar()

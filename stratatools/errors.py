@@ -1,0 +1,43 @@
+"""The project's one user-facing error type.
+
+Every error a user can cause (a missing file, bad magic, a wrong geometry, a malformed line) is raised as
+:class:`StrataError`. The CLI prints its message on one line and exits with code 2; no traceback is shown
+unless ``--debug`` is given. A check that ran and failed (a stale profile, a validation gate) is not an
+error: commands report it and exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class StrataError(Exception):
+    """A problem with the user's input, told in one line.
+
+    The message names the file, the place in it (line number, byte offset, tensor name) and, where there is
+    one, the fix. Build messages with :func:`where` so that they read alike everywhere.
+
+    Attributes:
+        path: the file concerned, or None.
+        exit_code: 2 (unusable input); subclasses never change it.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None):
+        self.path = os.fspath(path) if path is not None else None
+        super().__init__(message)
+
+
+def where(path: str | os.PathLike | None, place: str | None = None) -> str:
+    """Return the ``file[:place]`` prefix used in error messages, e.g. ``model.gguf: byte 24``."""
+    p = os.fspath(path) if path is not None else "<input>"
+    return f"{p}: {place}" if place else p
+
+
+def fail(path: str | os.PathLike | None, place: str | None, what: str, fix: str | None = None) -> StrataError:
+    """Build a :class:`StrataError` ``"<path>: <place>: <what> (<fix>)"``; the caller raises it."""
+    msg = f"{where(path, place)}: {what}"
+    if fix:
+        msg += f" ({fix})"
+    return StrataError(msg, path)
