@@ -1,0 +1,58 @@
+"""Shared fixtures: the kit folder (../shared/kit beside the checkout), temp dirs, CLI runner."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kit_dir() -> Path | None:
+    """The kit of real llama.cpp-made files, or None. STRATATOOLS_KIT overrides ../shared/kit."""
+    env = os.environ.get("STRATATOOLS_KIT")
+    cands = [Path(env)] if env else []
+    cands += [ROOT.parent / "shared" / "kit", ROOT / "shared" / "kit"]
+    for c in cands:
+        if (c / "README.md").exists():
+            return c
+    return None
+
+
+@pytest.fixture(scope="session")
+def kit() -> Path:
+    """Path of ../shared/kit; skips the test when the kit is absent."""
+    k = kit_dir()
+    if k is None:
+        pytest.skip("../shared/kit is absent (set STRATATOOLS_KIT to its folder)")
+    return k
+
+
+@pytest.fixture()
+def cli(tmp_path, monkeypatch):
+    """Run the stratatools CLI in-process: cli(*args) -> (exit_code, stdout, stderr)."""
+    import io
+    import sys
+    import contextlib
+
+    from stratatools.cli import main
+
+    def run(*args: str):
+        out, err = io.StringIO(), io.StringIO()
+        code = 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            from stratatools.cli import common
+            common.console.file = out
+            common.err_console.file = err
+            try:
+                main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            finally:
+                common.console.file = sys.stdout
+                common.err_console.file = sys.stderr
+        return code, out.getvalue(), err.getvalue()
+
+    return run
