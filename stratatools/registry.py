@@ -1,0 +1,113 @@
+"""The registry of known releases and profiles (``allocations/releases.toml``).
+
+validate-release and profile provenance use it to recognise a release from a file digest (a shard, an
+allocation map or a profile) and to say which revision a profile was built for. Only public facts are
+recorded; a revision may be a public prefix and is matched as one.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import StrataError
+
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "allocations" / "releases.toml"
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release revision. ``key`` is ``name@revision``."""
+
+    name: str
+    revision: str
+    model: str = ""
+    date: str | None = None
+    n_layers: int | None = None
+    n_expert: int | None = None
+    n_expert_original: int | None = None
+    allocation: str | None = None
+    allocation_sha256: str | None = None
+    shards: tuple[dict[str, Any], ...] = ()
+    notes: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.revision}"
+
+    def matches_revision(self, revision: str) -> bool:
+        """True when ``revision`` equals this one or one is a prefix of the other (public prefixes)."""
+        a, b = self.revision.lower(), revision.lower()
+        return a.startswith(b) or b.startswith(a)
+
+
+@dataclass(frozen=True)
+class KnownProfile:
+    name: str
+    sha256: str
+    built_for: str
+    notes: str = ""
+
+
+@dataclass
+class Registry:
+    """Parsed registry. ``by_sha256`` maps a digest to ("shard"|"allocation"|"profile", release key, entry)."""
+
+    releases: list[Release] = field(default_factory=list)
+    profiles: list[KnownProfile] = field(default_factory=list)
+    path: Path | None = None
+
+    def find(self, name: str, revision: str | None = None) -> list[Release]:
+        return [r for r in self.releases if r.name == name and (revision is None or r.matches_revision(revision))]
+
+    def by_key(self, key: str) -> Release | None:
+        name, _, rev = key.partition("@")
+        hits = self.find(name, rev or None)
+        return hits[0] if len(hits) == 1 else None
+
+    def identify(self, sha256: str) -> tuple[str, str] | None:
+        """(kind, key) for a known digest: kind is shard, allocation or profile; key is name@revision."""
+        s = sha256.lower()
+        for r in self.releases:
+            if r.allocation_sha256 and r.allocation_sha256.lower() == s:
+                return "allocation", r.key
+            for sh in r.shards:
+                if str(sh.get("sha256", "")).lower() == s:
+                    return "shard", r.key
+        for p in self.profiles:
+            if p.sha256.lower() == s:
+                return "profile", p.built_for
+        return None
+
+
+def load_registry(path: str | os.PathLike | None = None) -> Registry:
+    """Load the registry TOML (default: the repository's ``allocations/releases.toml``).
+
+    Raises:
+        StrataError: the file is missing or is not valid TOML / lacks required fields (name, revision).
+    """
+    p = Path(path) if path is not None else DEFAULT_PATH
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StrataError(f"{p}: release registry not found (pass --registry FILE)", p) from None
+    except tomllib.TOMLDecodeError as e:
+        raise StrataError(f"{p}: not valid TOML: {e}", p) from None
+    reg = Registry(path=p)
+    for i, r in enumerate(data.get("release", [])):
+        if "name" not in r or "revision" not in r:
+            raise StrataError(f"{p}: [[release]] #{i + 1} needs name and revision", p)
+        reg.releases.append(Release(
+            name=str(r["name"]), revision=str(r["revision"]), model=str(r.get("model", "")),
+            date=str(r["date"]) if "date" in r else None, n_layers=r.get("n_layers"), n_expert=r.get("n_expert"),
+            n_expert_original=r.get("n_expert_original"), allocation=r.get("allocation"),
+            allocation_sha256=r.get("allocation_sha256"), shards=tuple(r.get("shard", [])),
+            notes=str(r.get("notes", ""))))
+    for i, q in enumerate(data.get("profile", [])):
+        if not {"name", "sha256", "built_for"} <= set(q):
+            raise StrataError(f"{p}: [[profile]] #{i + 1} needs name, sha256 and built_for", p)
+        reg.profiles.append(KnownProfile(str(q["name"]), str(q["sha256"]), str(q["built_for"]), str(q.get("notes", ""))))
+    return reg
