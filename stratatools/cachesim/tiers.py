@@ -1,0 +1,565 @@
+"""Online tier objects: one routed record at a time, the policy code the runtime uses.
+
+Each tier answers ``access(layer, experts) -> bool[k]`` (resident at the time of use, entry by entry, in
+the order given), ``end_round()`` after every round (one decode position, or one verify window), and
+``stats()``. These classes are the reference semantics of every policy; the batch replay
+(:mod:`stratatools.cachesim.kernels`) runs the same rules compiled and is tested equal to them on random
+traces (tests/test_cachesim_equiv.py).
+
+Policies (``make_tier(policy, ...)``):
+
+* ``static``: Strata's static tier: start-up fill from the profile (slot i holds rank i, global or
+  per-layer admission, see :mod:`.layout`); free slots (a profile shorter than the tier, or no profile) are
+  filled on a miss in arrival order; nothing is ever evicted.
+* ``adaptive``: ``static`` plus Strata's adaptive swaps (cache-policy.md "The adaptive tier").
+  Decisions: usage is counted after the entry's hit is decided; a step that is skipped because copies are
+  still in flight also skips the decay; ties sort candidates by (usage desc, expert asc), victims by
+  (usage asc, expert asc), moves by gain desc then (layer, move order); free slots (per-layer mode only:
+  the layer's unfilled slots) are offered before swaps; a copy issued at the end of round r lands at the
+  end of round ``r + copy_delay_rounds`` (default 1: not resident during the next round, resident from
+  the one after; 0 = at once). An evicted expert is non-resident at once.
+* ``lru``: per-layer least-recently-used at entry granularity; starts empty; a miss always loads.
+* ``lfu``: per-layer least-frequently-used; counts of every access decay by ``decay`` (0.7) every
+  ``decay_every`` (4) rounds; a miss loads and evicts the resident with the smallest count (ties: the
+  smallest expert index); starts empty.
+* ``lfru``: two partitions per layer: privileged (LRU, ``ceil(cap * privileged_frac)`` slots,
+  ``privileged_frac`` 0.5) and unprivileged (LFU with the same decayed counts). A miss enters the
+  privileged partition; the privileged LRU expert is demoted to the unprivileged one, whose smallest-count
+  expert is evicted when it overflows; a hit in the unprivileged partition promotes the expert.
+* ``belady``: offline optimum per layer: an optimal free start-up fill (the ``cap`` experts used first),
+  then on a miss load into a free slot, else evict the resident expert whose next use is farthest away,
+  or bypass when the missed expert's own next use is no nearer (ties bypass). Needs the whole entry
+  sequence up front (:class:`BeladyTier`).
+
+Per-layer baselines (lru, lfu, lfru, belady) take ``cap`` (slots per layer) from
+:func:`.layout.per_layer_split` unless ``cap=`` is given (e.g. the split of a global-admission tier).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from ..errors import StrataError
+from ..profile import Profile
+from .layout import TierPlan, per_layer_split, plan_tier, _blob_arrays
+
+POLICIES = ("static", "adaptive", "lru", "lfu", "lfru", "belady")
+ADAPTIVE_DEFAULTS = {"usage_floor": 2.0, "margin": 1.5, "adapt_every": 4, "max_moves": 96, "decay": 0.7,
+                     "copy_delay_rounds": 1}
+LFU_DEFAULTS = {"decay": 0.7, "decay_every": 4}
+LFRU_DEFAULTS = {"decay": 0.7, "decay_every": 4, "privileged_frac": 0.5}
+NEVER = np.iinfo(np.int64).max
+
+
+class Tier:
+    """Base class: hit accounting shared by every policy.
+
+    Attributes:
+        n_layers, n_expert: L, E.
+        cap: int64 [L] slots per layer.
+        blob_bytes: int64 [L] actual blob bytes per layer (1 each when unknown).
+    """
+
+    policy = "base"
+
+    def __init__(self, n_layers: int, n_expert: int, cap: np.ndarray, blob_bytes: np.ndarray):
+        self.n_layers, self.n_expert = int(n_layers), int(n_expert)
+        self.cap = np.asarray(cap, dtype=np.int64).copy()
+        self.blob_bytes = np.asarray(blob_bytes, dtype=np.int64)
+        self.rounds = 0
+        self.records = 0
+        self.all_hit_records = 0
+        self.layer_entries = np.zeros(self.n_layers, dtype=np.int64)
+        self.layer_hits = np.zeros(self.n_layers, dtype=np.int64)
+        self.layer_loads = np.zeros(self.n_layers, dtype=np.int64)  # host->VRAM copies during the replay
+
+    # subclasses implement _access(layer, experts) -> list[bool]
+    def access(self, layer: int, experts) -> np.ndarray:
+        """Route one record: ``experts`` (int array [k], distinct) of ``layer``; returns bool [k] resident at use.
+
+        Raises StrataError for a layer or expert out of range.
+        """
+        layer = int(layer)
+        ex = [int(e) for e in np.asarray(experts).ravel()]
+        if not 0 <= layer < self.n_layers:
+            raise StrataError(f"layer {layer} is out of range for a tier of {self.n_layers} layers")
+        for e in ex:
+            if not 0 <= e < self.n_expert:
+                raise StrataError(f"layer {layer}: expert {e} is out of range for {self.n_expert} experts")
+        hits = self._access(layer, ex)
+        h = np.asarray(hits, dtype=bool)
+        nh = int(h.sum())
+        self.layer_entries[layer] += len(ex)
+        self.layer_hits[layer] += nh
+        self.records += 1
+        self.all_hit_records += int(nh == len(ex))
+        return h
+
+    def end_round(self) -> None:
+        """Close a round (one decode position or verify window)."""
+        self.rounds += 1
+
+    def resident_mask(self) -> np.ndarray:
+        """bool [L, E]: experts resident now (copies in flight excluded)."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        """Counters so far: entries, hits, h_expert, records, h_layer, hit/entry bytes, loads, moved_bytes,
+        per-layer entries/hits/loads (lists of L ints)."""
+        ent = int(self.layer_entries.sum())
+        hits = int(self.layer_hits.sum())
+        eb = int((self.layer_entries * self.blob_bytes).sum())
+        hb = int((self.layer_hits * self.blob_bytes).sum())
+        return {"policy": self.policy, "rounds": self.rounds, "entries": ent, "hits": hits,
+                "h_expert": hits / ent if ent else float("nan"), "records": self.records,
+                "all_hit_records": self.all_hit_records,
+                "h_layer": self.all_hit_records / self.records if self.records else float("nan"),
+                "entry_bytes": eb, "hit_bytes": hb, "h_bytes": hb / eb if eb else float("nan"),
+                "loads": int(self.layer_loads.sum()),
+                "moved_bytes": int((self.layer_loads * self.blob_bytes).sum()),
+                "layer_entries": self.layer_entries.tolist(), "layer_hits": self.layer_hits.tolist(),
+                "layer_loads": self.layer_loads.tolist()}
+
+
+class StaticTier(Tier):
+    """Strata's static tier (see the module docstring). Built from a :class:`TierPlan`."""
+
+    policy = "static"
+
+    def __init__(self, plan: TierPlan, admit_on_miss: bool = True):
+        super().__init__(plan.n_layers, plan.n_expert, plan.cap, plan.blob_bytes)
+        self.plan = plan
+        self.res = plan.resident.copy()
+        self.occupied = self.res.sum(1).astype(np.int64)  # resident + copies in flight, per layer
+        self.pool_slots = int(plan.pool_slots)
+        self.pool_bytes = int(plan.pool_bytes)
+        self.slot_bytes = plan.slot_bytes
+        self.admit_on_miss = bool(admit_on_miss)
+        self.per_layer = plan.admission == "per-layer"
+
+    def _admit(self, layer: int, e: int) -> None:
+        """Arrival-order admission of a missed expert into a free slot, if there is one."""
+        if self.per_layer:
+            if self.occupied[layer] >= self.cap[layer]:
+                return
+        else:
+            if self.pool_slots == 0:
+                return
+            if self.pool_bytes >= 0:
+                if self.pool_bytes < self.slot_bytes[layer]:
+                    self.pool_slots = 0  # the first blob that does not fit closes the pool
+                    return
+                self.pool_bytes -= int(self.slot_bytes[layer])
+            if self.pool_slots > 0:
+                self.pool_slots -= 1
+            self.cap[layer] += 1
+        self.res[layer, e] = True
+        self.occupied[layer] += 1
+        self.layer_loads[layer] += 1
+
+    def _access(self, layer: int, experts: list[int]) -> list[bool]:
+        row = self.res[layer]
+        out = [bool(row[e]) for e in experts]
+        if self.admit_on_miss:
+            for e, h in zip(experts, out):
+                if not h:
+                    self._admit(layer, e)
+        return out
+
+    def resident_mask(self) -> np.ndarray:
+        return self.res.copy()
+
+
+class AdaptiveTier(StaticTier):
+    """Strata's static tier plus its adaptive swaps (cache-policy.md; decisions in the module docstring).
+
+    Params: usage_floor 2.0, margin 1.5, adapt_every 4 (rounds), max_moves 96, decay 0.7,
+    copy_delay_rounds 1.
+    """
+
+    policy = "adaptive"
+
+    def __init__(self, plan: TierPlan, admit_on_miss: bool = True, **params: Any):
+        super().__init__(plan, admit_on_miss)
+        unknown = set(params) - set(ADAPTIVE_DEFAULTS)
+        if unknown:
+            raise StrataError(f"unknown adaptive-tier parameter(s): {', '.join(sorted(unknown))}")
+        p = {**ADAPTIVE_DEFAULTS, **params}
+        self.usage_floor = float(p["usage_floor"])
+        self.margin = float(p["margin"])
+        self.adapt_every = int(p["adapt_every"])
+        self.max_moves = int(p["max_moves"])
+        self.decay = float(p["decay"])
+        self.copy_delay = int(p["copy_delay_rounds"])
+        if self.adapt_every < 1 or self.copy_delay < 0 or self.max_moves < 0:
+            raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+        self.usage = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
+        self.inflight: list[tuple[int, int]] = []
+        self.land_at = -1
+        self.steps = 0
+        self.swaps = 0
+
+    def _access(self, layer: int, experts: list[int]) -> list[bool]:
+        out = super()._access(layer, experts)
+        for e in experts:
+            self.usage[layer, e] += 1.0
+        return out
+
+    def _land(self) -> None:
+        for (l, e) in self.inflight:
+            self.res[l, e] = True
+        self.inflight = []
+
+    def _adapt(self) -> None:
+        moves: list[tuple[float, int, int, int, int]] = []  # (gain, layer, order, new expert, victim or -1)
+        for l in range(self.n_layers):
+            u = self.usage[l]
+            row = self.res[l]
+            cand = [e for e in range(self.n_expert) if not row[e] and u[e] >= self.usage_floor]
+            if not cand:
+                continue
+            cand.sort(key=lambda e: (-u[e], e))
+            vict = sorted((e for e in range(self.n_expert) if row[e]), key=lambda e: (u[e], e))
+            free = int(self.cap[l] - self.occupied[l]) if self.per_layer else 0
+            order = 0
+            nf = min(max(free, 0), len(cand))
+            for i in range(nf):
+                moves.append((float(u[cand[i]]), l, order, cand[i], -1))
+                order += 1
+            for j, c in enumerate(cand[nf:]):
+                if j >= len(vict):
+                    break
+                v = vict[j]
+                if not (u[c] > u[v] + self.margin):
+                    break
+                moves.append((float(u[c] - u[v]), l, order, c, v))
+                order += 1
+        moves.sort(key=lambda m: (-m[0], m[1], m[2]))
+        for gain, l, _, c, v in moves[: self.max_moves]:
+            if v >= 0:
+                self.res[l, v] = False
+                self.swaps += 1
+            else:
+                self.occupied[l] += 1
+            self.inflight.append((l, c))
+            self.layer_loads[l] += 1
+        self.usage *= self.decay
+        self.steps += 1
+
+    def end_round(self) -> None:
+        super().end_round()
+        r = self.rounds
+        if r % self.adapt_every == 0 and not self.inflight:
+            self._adapt()
+            self.land_at = r + self.copy_delay
+        if self.inflight and r >= self.land_at:
+            self._land()
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        s.update({"adapt_steps": self.steps, "swaps": self.swaps})
+        return s
+
+
+class LRUTier(Tier):
+    """Per-layer LRU at entry granularity; starts empty; ``cap`` [L] slots per layer."""
+
+    policy = "lru"
+
+    def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes):
+        super().__init__(n_layers, n_expert, cap, blob_bytes)
+        self.od: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n_layers)]
+
+    def _access(self, layer: int, experts: list[int]) -> list[bool]:
+        od = self.od[layer]
+        c = int(self.cap[layer])
+        out = []
+        for e in experts:
+            if e in od:
+                od.move_to_end(e)
+                out.append(True)
+                continue
+            out.append(False)
+            if c <= 0:
+                continue
+            if len(od) >= c:
+                od.popitem(last=False)
+            od[e] = None
+            self.layer_loads[layer] += 1
+        return out
+
+    def resident_mask(self) -> np.ndarray:
+        m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
+        for l, od in enumerate(self.od):
+            m[l, list(od)] = True
+        return m
+
+
+class _DecayCounts:
+    def _init_counts(self, params: dict, defaults: dict) -> dict:
+        unknown = set(params) - set(defaults)
+        if unknown:
+            raise StrataError(f"unknown {self.policy} parameter(s): {', '.join(sorted(unknown))}")
+        p = {**defaults, **params}
+        self.decay = float(p["decay"])
+        self.decay_every = int(p["decay_every"])
+        if self.decay_every < 1:
+            raise StrataError(f"{self.policy}: decay_every must be >= 1")
+        self.counts = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
+        return p
+
+    def _decay_round(self) -> None:
+        if self.rounds % self.decay_every == 0:
+            self.counts *= self.decay
+
+
+class LFUTier(_DecayCounts, Tier):
+    """Per-layer LFU with decayed counts; starts empty."""
+
+    policy = "lfu"
+
+    def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
+        Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
+        self._init_counts(params, LFU_DEFAULTS)
+        self.res = np.zeros((self.n_layers, self.n_expert), dtype=bool)
+        self.members: list[list[int]] = [[] for _ in range(self.n_layers)]
+
+    def _access(self, layer: int, experts: list[int]) -> list[bool]:
+        cnt = self.counts[layer]
+        row = self.res[layer]
+        mem = self.members[layer]
+        c = int(self.cap[layer])
+        out = []
+        for e in experts:
+            cnt[e] += 1.0
+            if row[e]:
+                out.append(True)
+                continue
+            out.append(False)
+            if c <= 0:
+                continue
+            if len(mem) >= c:
+                v = min(mem, key=lambda x: (cnt[x], x))
+                mem.remove(v)
+                row[v] = False
+            mem.append(e)
+            row[e] = True
+            self.layer_loads[layer] += 1
+        return out
+
+    def end_round(self) -> None:
+        super().end_round()
+        self._decay_round()
+
+    def resident_mask(self) -> np.ndarray:
+        return self.res.copy()
+
+
+class LFRUTier(_DecayCounts, Tier):
+    """Per-layer LFRU: privileged LRU partition + unprivileged decayed-LFU partition; starts empty."""
+
+    policy = "lfru"
+
+    def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
+        Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
+        p = self._init_counts(params, LFRU_DEFAULTS)
+        frac = float(p["privileged_frac"])
+        if not 0.0 < frac <= 1.0:
+            raise StrataError(f"lfru: privileged_frac {frac} must be in (0, 1]")
+        self.pcap = np.array([math.ceil(int(c) * frac) for c in self.cap], dtype=np.int64)
+        self.ucap = self.cap - self.pcap
+        self.priv: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n_layers)]
+        self.unpriv: list[list[int]] = [[] for _ in range(self.n_layers)]
+
+    def _demote(self, layer: int) -> None:
+        pv, up = self.priv[layer], self.unpriv[layer]
+        if len(pv) > self.pcap[layer]:
+            d, _ = pv.popitem(last=False)
+            up.append(d)
+            if len(up) > self.ucap[layer]:
+                cnt = self.counts[layer]
+                v = min(up, key=lambda x: (cnt[x], x))
+                up.remove(v)
+
+    def _access(self, layer: int, experts: list[int]) -> list[bool]:
+        pv, up = self.priv[layer], self.unpriv[layer]
+        cnt = self.counts[layer]
+        out = []
+        for e in experts:
+            cnt[e] += 1.0
+            if e in pv:
+                pv.move_to_end(e)
+                out.append(True)
+            elif e in up:
+                up.remove(e)
+                pv[e] = None
+                self._demote(layer)
+                out.append(True)
+            else:
+                out.append(False)
+                if self.cap[layer] <= 0:
+                    continue
+                pv[e] = None
+                self.layer_loads[layer] += 1
+                self._demote(layer)
+        return out
+
+    def end_round(self) -> None:
+        super().end_round()
+        self._decay_round()
+
+    def resident_mask(self) -> np.ndarray:
+        m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
+        for l in range(self.n_layers):
+            m[l, list(self.priv[l]) + self.unpriv[l]] = True
+        return m
+
+
+def next_uses(layer: np.ndarray, expert: np.ndarray, n_expert: int) -> np.ndarray:
+    """For each entry i, the index of the next entry with the same (layer, expert), or NEVER. int64 [N].
+
+    Vectorised: stable sort by pair, then each entry's successor within its pair group.
+    """
+    key = np.asarray(layer, dtype=np.int64) * int(n_expert) + np.asarray(expert, dtype=np.int64)
+    n = len(key)
+    nxt = np.full(n, NEVER, dtype=np.int64)
+    if n < 2:
+        return nxt
+    order = np.argsort(key, kind="stable")
+    same = key[order[1:]] == key[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
+def belady_start(layer: np.ndarray, expert: np.ndarray, n_layers: int, n_expert: int, cap) -> np.ndarray:
+    """Belady's free start-up fill: per layer, the ``cap[l]`` experts whose first use comes first. bool [L, E]."""
+    key = np.asarray(layer, dtype=np.int64) * int(n_expert) + np.asarray(expert, dtype=np.int64)
+    uniq, first = np.unique(key, return_index=True)
+    order = np.argsort(first, kind="stable")
+    uk = uniq[order]
+    ul = uk // n_expert
+    # k-th first-used expert of each layer is kept while k < cap[layer]
+    srt = np.argsort(ul, kind="stable")
+    starts = np.searchsorted(ul[srt], np.arange(n_layers))
+    occ = np.empty(len(ul), dtype=np.int64)
+    occ[srt] = np.arange(len(ul)) - starts[ul[srt]]
+    keep = occ < np.asarray(cap, dtype=np.int64)[ul]
+    m = np.zeros(n_layers * n_expert, dtype=bool)
+    m[uk[keep]] = True
+    return m.reshape(n_layers, n_expert)
+
+
+class BeladyTier(Tier):
+    """Offline optimum per layer (module docstring). ``layer``/``expert``: the whole entry sequence [N], which
+    ``access`` must then be called with, record by record, in the same order."""
+
+    policy = "belady"
+
+    def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, layer: np.ndarray, expert: np.ndarray):
+        super().__init__(n_layers, n_expert, cap, blob_bytes)
+        self.seq_layer = np.asarray(layer, dtype=np.int64)
+        self.seq_expert = np.asarray(expert, dtype=np.int64)
+        self.nxt = next_uses(self.seq_layer, self.seq_expert, self.n_expert)
+        self.res = belady_start(self.seq_layer, self.seq_expert, self.n_layers, self.n_expert, self.cap)
+        first = np.full((self.n_layers, self.n_expert), NEVER, dtype=np.int64)
+        key = self.seq_layer * self.n_expert + self.seq_expert
+        uniq, idx = np.unique(key, return_index=True)
+        first.ravel()[uniq] = idx
+        self.cur_next = first
+        self.members = [list(np.nonzero(self.res[l])[0].tolist()) for l in range(self.n_layers)]
+        self.pos = 0
+
+    def _access(self, layer: int, experts: list[int]) -> list[bool]:
+        out = []
+        cn = self.cur_next[layer]
+        row = self.res[layer]
+        mem = self.members[layer]
+        c = int(self.cap[layer])
+        for e in experts:
+            i = self.pos
+            if i >= len(self.seq_expert) or self.seq_layer[i] != layer or self.seq_expert[i] != e:
+                raise StrataError(f"Belady tier: entry {i} is not the sequence it was built for")
+            self.pos += 1
+            nu = int(self.nxt[i])
+            if row[e]:
+                out.append(True)
+                cn[e] = nu
+                continue
+            out.append(False)
+            cn[e] = nu
+            if c <= 0:
+                continue
+            if len(mem) < c:
+                mem.append(e)
+                row[e] = True
+                self.layer_loads[layer] += 1
+                continue
+            v = max(mem, key=lambda x: (cn[x], -x))
+            if nu < cn[v]:
+                mem.remove(v)
+                row[v] = False
+                mem.append(e)
+                row[e] = True
+                self.layer_loads[layer] += 1
+        return out
+
+    def resident_mask(self) -> np.ndarray:
+        return self.res.copy()
+
+
+def make_tier(policy: str, *, n_layers: int | None = None, n_expert: int | None = None,
+              profile: Profile | None = None, slots: int | None = None, budget_bytes: int | None = None,
+              blob_bytes=None, admission: str = "global", cap=None, admit_on_miss: bool = True,
+              future: tuple[np.ndarray, np.ndarray] | None = None, **params: Any) -> Tier:
+    """Build an online tier.
+
+    Args:
+        policy: one of ``static``, ``adaptive``, ``lru``, ``lfu``, ``lfru``, ``belady``.
+        n_layers, n_expert: geometry (taken from ``profile`` when omitted).
+        profile: the ranking (static/adaptive; None = arrival-order admission only).
+        slots / budget_bytes: the budget (slot count and/or bytes; bytes need ``blob_bytes``).
+        blob_bytes: per-layer blob bytes [L] (pack ``native_experts.txt`` or model geometry).
+        admission: ``global`` or ``per-layer`` (static/adaptive).
+        cap: per-layer split [L] for lru/lfu/lfru/belady (default :func:`.layout.per_layer_split`).
+        future: ``(layer[N], expert[N])`` for belady: the entry sequence it will be fed.
+        params: policy parameters (adaptive: usage_floor, margin, adapt_every, max_moves, decay,
+            copy_delay_rounds; lfu/lfru: decay, decay_every; lfru: privileged_frac).
+    Raises:
+        StrataError: unknown policy or parameter, missing geometry, budget or future.
+    """
+    if policy not in POLICIES:
+        raise StrataError(f"unknown policy {policy!r} (use {', '.join(POLICIES)})")
+    if profile is not None:
+        n_layers = profile.n_layers if n_layers is None else n_layers
+        n_expert = profile.n_expert if n_expert is None else n_expert
+    if n_layers is None or n_expert is None:
+        raise StrataError("make_tier needs n_layers and n_expert (or a profile)")
+    if policy in ("static", "adaptive"):
+        plan = plan_tier(n_layers, n_expert, profile, slots=slots, budget_bytes=budget_bytes,
+                         blob_bytes=blob_bytes, admission=admission)
+        if policy == "static":
+            if params:
+                raise StrataError(f"unknown static-tier parameter(s): {', '.join(sorted(params))}")
+            return StaticTier(plan, admit_on_miss)
+        return AdaptiveTier(plan, admit_on_miss, **params)
+    bb, _ = _blob_arrays(n_layers, blob_bytes)
+    if cap is None:
+        cap = per_layer_split(n_layers, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+    cap = np.asarray(cap, dtype=np.int64)
+    if cap.shape != (n_layers,):
+        raise StrataError(f"per-layer split has {cap.size} entries for {n_layers} layers")
+    if policy == "lru":
+        if params:
+            raise StrataError(f"unknown lru parameter(s): {', '.join(sorted(params))}")
+        return LRUTier(n_layers, n_expert, cap, bb)
+    if policy == "lfu":
+        return LFUTier(n_layers, n_expert, cap, bb, **params)
+    if policy == "lfru":
+        return LFRUTier(n_layers, n_expert, cap, bb, **params)
+    if future is None:
+        raise StrataError("the belady tier is offline: pass future=(layer[N], expert[N]) of the whole replay")
+    return BeladyTier(n_layers, n_expert, cap, bb, future[0], future[1])
