@@ -127,6 +127,9 @@ def parse_profile(data: bytes, path: str | os.PathLike | None = None,
     Warnings are collected in ``Profile.warnings`` (trailer inconsistencies, trailing bytes, version != 1).
     """
     p = os.fspath(path) if path is not None else "<profile>"
+    data = bytes(data)
+    if len(data) < 4 and MAGIC.startswith(data):
+        raise StrataError(f"{p}: byte {len(data)}: truncated STRP header ({len(data)} of {HEADER_BYTES} bytes)", p)
     if len(data) < 4 or data[:4] != MAGIC:
         raise StrataError(f"{p}: byte 0: not an expert profile (magic {bytes(data[:4])!r}, expected b'STRP')", p)
     if len(data) < HEADER_BYTES:
@@ -193,3 +196,34 @@ def read_profile(path: str | os.PathLike, expect: tuple[int, int] | None = None)
     except IsADirectoryError:
         raise StrataError(f"{path}: is a directory, expected a STRP profile", path) from None
     return parse_profile(data, path, expect)
+
+
+def summarize(prof: Profile, top: int = 8) -> dict:
+    """What ``profile show`` prints: header fields, trailer kind, warnings, per-layer counts and top-K.
+
+    Args:
+        prof: a parsed profile.
+        top: how many experts of each layer to list, in rank order (the layer's first ``top`` ranked pairs).
+
+    Returns:
+        a JSON-able dict: ``n_layers``, ``n_expert``, ``slots``, ``n_ranked``, ``complete``, ``trailer``,
+        ``version``, ``warnings``, ``layers`` (per layer: ``ranked`` pairs, ``first_rank`` (position of its
+        first pair, or None), ``share_top`` (its pairs among the first ``n_layers*top`` ranks: how many of
+        its experts a global fill of that many slots admits), ``top`` experts).
+    """
+    L, E = prof.n_layers, prof.n_expert
+    lay = prof.pairs[:, 0]
+    counts = np.bincount(lay, minlength=L) if L else np.zeros(0, np.int64)
+    head = lay[: L * top]
+    share = np.bincount(head, minlength=L) if L else np.zeros(0, np.int64)
+    layers = []
+    for layer in range(L):
+        sel = np.nonzero(lay == layer)[0]
+        layers.append({"layer": layer, "ranked": int(counts[layer]),
+                       "first_rank": int(sel[0]) if len(sel) else None,
+                       "share_top": int(share[layer]),
+                       "top": prof.pairs[sel[:top], 1].tolist()})
+    return {"n_layers": L, "n_expert": E, "slots": int(prof.slots or 0), "n_ranked": prof.n_ranked,
+            "complete": prof.complete, "trailer": prof.trailer, "version": prof.version,
+            "warnings": list(prof.warnings), "top": top, "layers": layers,
+            "top_pairs": prof.pairs[:top].tolist()}
