@@ -1,0 +1,200 @@
+"""Top-k selections as llama.cpp and torch make them, ties included; llama.cpp's QSA cell selection.
+
+ggml's CPU ``top_k`` (ggml-cpu ``ops.cpp``) fills an index array 0..n-1, runs ``std::partial_sort`` on it
+with the comparator ``data[a] > data[b]`` and then swaps the first two results. libstdc++'s
+``partial_sort`` is a heap selection (build a heap over the first k indices, then replace the heap top by
+every later index that compares strictly better) followed by a heap sort. Cells of one QSA block share one
+score, so *which* cells of a partly taken block are chosen depends on that heap; this module reproduces
+the algorithm step by step (written from its specification: binary heap, hole-percolation ``adjust_heap``
+then ``push_heap``), so the set and the order match llama.cpp's ``indexer_top_k`` tensor.
+
+transformers' indexer picks blocks with ``torch.topk`` on the CPU, which (ATen ``TopKImpl.h``) fills a
+queue of (value, index) pairs and runs ``std::partial_sort`` when ``k * 64 <= n``, else
+``std::nth_element`` at ``k - 1``, with the strict comparator ``a.value > b.value``. Blocks whose ReLU
+score is exactly 0 tie; :func:`torch_topk_indices` reproduces libstdc++'s introselect so the runtime keeps
+the same blocks transformers keeps.
+
+Cell scores (kit README section 6, checked against ``routing/llamacpp-bf16.indexer_topk.csv``): a cell of
+a complete visible block gets its block's score, a visible cell of the incomplete tail +inf, an invisible
+(future) cell -inf.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _adjust_heap(idx: list[int], hole: int, length: int, value: int, less) -> None:
+    top = hole
+    child = hole
+    while child < (length - 1) // 2:
+        child = 2 * (child + 1)
+        if less(idx[child], idx[child - 1]):
+            child -= 1
+        idx[hole] = idx[child]
+        hole = child
+    if (length & 1) == 0 and child == (length - 2) // 2:
+        child = 2 * (child + 1)
+        idx[hole] = idx[child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and less(idx[parent], value):
+        idx[hole] = idx[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    idx[hole] = value
+
+
+def _make_heap(idx: list[int], length: int, less) -> None:
+    if length < 2:
+        return
+    parent = (length - 2) // 2
+    while True:
+        _adjust_heap(idx, parent, length, idx[parent], less)
+        if parent == 0:
+            return
+        parent -= 1
+
+
+def partial_sort_topk(values: np.ndarray, k: int) -> list[int]:
+    """Indices of the top ``k`` of ``values`` exactly as ggml's CPU ``top_k`` returns them.
+
+    Emulates ``std::partial_sort(idx, idx + k, idx + n, [](a, b) { return v[a] > v[b]; })`` of libstdc++
+    (heap select, then sort_heap) and the final swap of the first two entries.
+    """
+    v = [float(x) for x in np.asarray(values, dtype=np.float32).tolist()]
+    n = len(v)
+    k = min(k, n)
+    if k <= 0:
+        return []
+    idx = list(range(n))
+
+    def less(a: int, b: int) -> bool:  # the comparator: "a before b" = v[a] > v[b]
+        return v[a] > v[b]
+
+    _heap_select(idx, 0, k, n, less)
+    last = k
+    while last > 1:  # sort_heap
+        last -= 1
+        val = idx[last]
+        idx[last] = idx[0]
+        _adjust_heap(idx, 0, last, val, less)
+    out = idx[:k]
+    if k > 1:
+        out[0], out[1] = out[1], out[0]
+    return out
+
+
+def llamacpp_cell_scores(block_scores: np.ndarray, ratio: int, pos: int, n_cells: int) -> np.ndarray:
+    """Per-cell scores [n_cells] for a query at ``pos``: block score, +inf for the tail, -inf if invisible."""
+    s = np.full(n_cells, -np.inf, dtype=np.float32)
+    nb = len(block_scores)
+    if nb:
+        s[:nb * ratio] = np.repeat(np.asarray(block_scores, dtype=np.float32), ratio)
+    s[nb * ratio:pos + 1] = np.inf
+    return s
+
+
+def llamacpp_cells(block_scores: np.ndarray, ratio: int, pos: int, k: int, n_cells: int) -> np.ndarray:
+    """The visible cells llama.cpp attends for a query at ``pos`` (its top ``k`` cells, future ones dropped)."""
+    sel = partial_sort_topk(llamacpp_cell_scores(block_scores, ratio, pos, n_cells), k)
+    return np.array([c for c in sel if c <= pos], dtype=np.int64)
+
+
+# --- libstdc++ introselect (std::nth_element), used by torch.topk on the CPU ------------------------------
+def _move_median_to_first(a: list, result: int, x: int, y: int, z: int, less) -> None:
+    if less(a[x], a[y]):
+        if less(a[y], a[z]):
+            a[result], a[y] = a[y], a[result]
+        elif less(a[x], a[z]):
+            a[result], a[z] = a[z], a[result]
+        else:
+            a[result], a[x] = a[x], a[result]
+    elif less(a[x], a[z]):
+        a[result], a[x] = a[x], a[result]
+    elif less(a[y], a[z]):
+        a[result], a[z] = a[z], a[result]
+    else:
+        a[result], a[y] = a[y], a[result]
+
+
+def _unguarded_partition(a: list, first: int, last: int, pivot: int, less) -> int:
+    while True:
+        while less(a[first], a[pivot]):
+            first += 1
+        last -= 1
+        while less(a[pivot], a[last]):
+            last -= 1
+        if not first < last:
+            return first
+        a[first], a[last] = a[last], a[first]
+        first += 1
+
+
+def _insertion_sort(a: list, first: int, last: int, less) -> None:
+    for i in range(first + 1, last):
+        val = a[i]
+        if less(val, a[first]):
+            a[first + 1:i + 1] = a[first:i]
+            a[first] = val
+        else:
+            j = i
+            while less(val, a[j - 1]):
+                a[j] = a[j - 1]
+                j -= 1
+            a[j] = val
+
+
+def _heap_select(a: list, first: int, middle: int, last: int, less) -> None:
+    """libstdc++ ``__heap_select`` on ``a[first:last]`` (elements compared with ``less``)."""
+    heap = a[first:middle]
+    _make_heap(heap, len(heap), less)
+    for i in range(middle, last):
+        if less(a[i], heap[0]):
+            val = a[i]
+            a[i] = heap[0]
+            _adjust_heap(heap, 0, len(heap), val, less)
+    a[first:middle] = heap
+
+
+def nth_element(a: list, nth: int, less) -> None:
+    """In-place ``std::nth_element(a.begin(), a.begin() + nth, a.end(), less)`` as libstdc++ does it."""
+    first, last = 0, len(a)
+    if first == last or nth == last:
+        return
+    depth = 2 * ((last - first).bit_length() - 1)
+    while last - first > 3:
+        if depth == 0:
+            _heap_select(a, first, nth + 1, last, less)
+            a[first], a[nth] = a[nth], a[first]
+            return
+        depth -= 1
+        mid = first + (last - first) // 2
+        _move_median_to_first(a, first, first + 1, mid, last - 1, less)
+        cut = _unguarded_partition(a, first + 1, last, first, less)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    _insertion_sort(a, first, last, less)
+
+
+def torch_topk_indices(values: np.ndarray, k: int) -> list[int]:
+    """The index *set* ``torch.topk(values, k)`` returns on the CPU (largest, non-deterministic mode).
+
+    Emulates ATen ``topk_impl_loop``: ``partial_sort`` when ``k * 64 <= n``, else ``nth_element`` at
+    ``k - 1``; comparator ``x.value > y.value`` (ties compare false). Returned in queue order.
+    """
+    v = np.asarray(values, dtype=np.float32).tolist()
+    n = len(v)
+    k = min(k, n)
+    if k <= 0:
+        return []
+    if k * 64 <= n:
+        out = partial_sort_topk(np.asarray(v, dtype=np.float32), k)
+        if k > 1:  # partial_sort_topk applies ggml's swap; torch does not
+            out[0], out[1] = out[1], out[0]
+        return out
+    q = [(float(x), i) for i, x in enumerate(v)]
+    nth_element(q, k - 1, lambda x, y: x[0] > y[0])
+    return [i for _, i in q[:k]]
