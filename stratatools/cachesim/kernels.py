@@ -1,0 +1,449 @@
+"""Compiled batch replay: the rules of :mod:`.tiers`, run over a whole entry stream at once.
+
+Why numba: the static tier is a table look-up and vectorises in plain numpy, but LRU, LFU, LFRU, Belady and
+the adaptive tier carry state from one entry to the next (an eviction changes every later answer), and the
+adaptive tier's swap step sorts per layer every few rounds; pure numpy cannot express that without a
+Python-level loop per entry or per round, which is orders of magnitude short of the targets (bench/
+bench_cachesim.py measures the per-entry Python loop as its baseline). numba (a well-kept JIT on PyPI, wheels
+for CPython 3.10-3.13, supports numpy 2.4 from numba 0.63 on; checked with numba 0.68.1 / numpy 2.4.6)
+compiles these loops; it is a plain PyPI dependency, so a fresh machine installs it with the project.
+When numba cannot be imported the same functions run as ordinary Python (slow, same results), and
+:data:`HAVE_NUMBA` says so.
+
+Every kernel walks entries in trace order; ``rnd[i]`` is entry i's round number, and a change of round
+between two entries means ``end_round()`` (the rounds a tier counts are the rounds that carry entries).
+Each returns ``hits`` (bool [N]) and ``loads`` (int64 [L], host->VRAM copies during the replay).
+Equality with the online objects is tested in tests/test_cachesim_equiv.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # pragma: no cover - exercised by whichever branch the machine has
+    from numba import njit
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover
+    HAVE_NUMBA = False
+
+    def njit(*args, **kwargs):
+        if args and callable(args[0]):
+            return args[0]
+        return lambda f: f
+
+
+@njit(cache=True, nogil=True)
+def static_kernel(layer, expert, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit):
+    """Static tier with arrival admission into free slots. ``res``/``cap``/``occupied`` are modified."""
+    n = layer.shape[0]
+    L = cap.shape[0]
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    for i in range(n):
+        l = layer[i]
+        e = expert[i]
+        if res[l, e]:
+            hits[i] = True
+            continue
+        if not admit:
+            continue
+        if per_layer:
+            if occupied[l] >= cap[l]:
+                continue
+        else:
+            if pool_slots == 0:
+                continue
+            if pool_bytes >= 0:
+                if pool_bytes < slot_bytes[l]:
+                    pool_slots = 0
+                    continue
+                pool_bytes -= slot_bytes[l]
+            if pool_slots > 0:
+                pool_slots -= 1
+            cap[l] += 1
+        res[l, e] = True
+        occupied[l] += 1
+        loads[l] += 1
+    return hits, loads
+
+
+@njit(cache=True, nogil=True)
+def _adapt_step(res, usage, cap, occupied, per_layer, floor, margin, max_moves, inflight_l, inflight_e, loads):
+    L, E = usage.shape
+    mg = np.zeros(L * E, dtype=np.float64)
+    ml = np.zeros(L * E, dtype=np.int64)
+    mc = np.zeros(L * E, dtype=np.int64)
+    mv = np.zeros(L * E, dtype=np.int64)
+    nm = 0
+    cand = np.empty(E, dtype=np.int64)
+    vict = np.empty(E, dtype=np.int64)
+    key = np.empty(E, dtype=np.float64)
+    for l in range(L):
+        nc = 0
+        nv = 0
+        for e in range(E):
+            if res[l, e]:
+                vict[nv] = e
+                nv += 1
+            elif usage[l, e] >= floor:
+                cand[nc] = e
+                nc += 1
+        if nc == 0:
+            continue
+        for j in range(nc):
+            key[j] = -usage[l, cand[j]]
+        oc = np.argsort(key[:nc], kind="mergesort")
+        cs = cand[:nc][oc]
+        for j in range(nv):
+            key[j] = usage[l, vict[j]]
+        ov = np.argsort(key[:nv], kind="mergesort")
+        vs = vict[:nv][ov]
+        free = cap[l] - occupied[l] if per_layer else 0
+        if free < 0:
+            free = 0
+        nf = min(free, nc)
+        for j in range(nf):
+            mg[nm] = usage[l, cs[j]]
+            ml[nm] = l
+            mc[nm] = cs[j]
+            mv[nm] = -1
+            nm += 1
+        for j in range(nc - nf):
+            if j >= nv:
+                break
+            c = cs[nf + j]
+            v = vs[j]
+            if not (usage[l, c] > usage[l, v] + margin):
+                break
+            mg[nm] = usage[l, c] - usage[l, v]
+            ml[nm] = l
+            mc[nm] = c
+            mv[nm] = v
+            nm += 1
+    order = np.argsort(-mg[:nm], kind="mergesort")
+    nin = 0
+    swaps = 0
+    for t in range(min(nm, max_moves)):
+        m = order[t]
+        l = ml[m]
+        if mv[m] >= 0:
+            res[l, mv[m]] = False
+            swaps += 1
+        else:
+            occupied[l] += 1
+        inflight_l[nin] = l
+        inflight_e[nin] = mc[m]
+        nin += 1
+        loads[l] += 1
+    return nin, swaps
+
+
+@njit(cache=True, nogil=True)
+def adaptive_kernel(layer, expert, rnd, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
+                    floor, margin, adapt_every, max_moves, decay, copy_delay):
+    """Static tier + Strata's adaptive swaps (rules in :mod:`.tiers`). Returns hits, loads, steps, swaps."""
+    n = layer.shape[0]
+    L, E = res.shape
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    usage = np.zeros((L, E), dtype=np.float64)
+    infl_l = np.empty(max(max_moves, 1), dtype=np.int64)
+    infl_e = np.empty(max(max_moves, 1), dtype=np.int64)
+    nin = 0
+    land_at = -1
+    rounds = 0
+    steps = 0
+    swaps = 0
+    for i in range(n + 1):
+        if i == n or (i > 0 and rnd[i] != rnd[i - 1]):
+            rounds += 1
+            if rounds % adapt_every == 0 and nin == 0:
+                nin, sw = _adapt_step(res, usage, cap, occupied, per_layer, floor, margin, max_moves,
+                                      infl_l, infl_e, loads)
+                swaps += sw
+                for l in range(L):
+                    for e in range(E):
+                        usage[l, e] *= decay
+                steps += 1
+                land_at = rounds + copy_delay
+            if nin > 0 and rounds >= land_at:
+                for t in range(nin):
+                    res[infl_l[t], infl_e[t]] = True
+                nin = 0
+            if i == n:
+                break
+        l = layer[i]
+        e = expert[i]
+        if res[l, e]:
+            hits[i] = True
+        elif admit:
+            ok = True
+            if per_layer:
+                if occupied[l] >= cap[l]:
+                    ok = False
+            else:
+                if pool_slots == 0:
+                    ok = False
+                elif pool_bytes >= 0:
+                    if pool_bytes < slot_bytes[l]:
+                        pool_slots = 0
+                        ok = False
+                    else:
+                        pool_bytes -= slot_bytes[l]
+                if ok:
+                    if pool_slots > 0:
+                        pool_slots -= 1
+                    cap[l] += 1
+            if ok:
+                res[l, e] = True
+                occupied[l] += 1
+                loads[l] += 1
+        usage[l, e] += 1.0
+    return hits, loads, steps, swaps
+
+
+@njit(cache=True, nogil=True)
+def lru_kernel(layer, expert, cap, n_expert):
+    """Per-layer LRU (doubly linked list per layer, O(1) per entry)."""
+    n = layer.shape[0]
+    L = cap.shape[0]
+    E = n_expert
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    prv = np.full((L, E), -1, dtype=np.int64)
+    nxt = np.full((L, E), -1, dtype=np.int64)
+    inl = np.zeros((L, E), dtype=np.bool_)
+    head = np.full(L, -1, dtype=np.int64)  # least recent
+    tail = np.full(L, -1, dtype=np.int64)  # most recent
+    size = np.zeros(L, dtype=np.int64)
+    for i in range(n):
+        l = layer[i]
+        e = expert[i]
+        if inl[l, e]:
+            hits[i] = True
+            if tail[l] == e:
+                continue
+            p = prv[l, e]
+            q = nxt[l, e]
+            if p >= 0:
+                nxt[l, p] = q
+            else:
+                head[l] = q
+            prv[l, q] = p
+            prv[l, e] = tail[l]
+            nxt[l, e] = -1
+            nxt[l, tail[l]] = e
+            tail[l] = e
+            continue
+        if cap[l] <= 0:
+            continue
+        if size[l] >= cap[l]:
+            h = head[l]
+            q = nxt[l, h]
+            inl[l, h] = False
+            head[l] = q
+            if q >= 0:
+                prv[l, q] = -1
+            else:
+                tail[l] = -1
+            size[l] -= 1
+        inl[l, e] = True
+        prv[l, e] = tail[l]
+        nxt[l, e] = -1
+        if tail[l] >= 0:
+            nxt[l, tail[l]] = e
+        else:
+            head[l] = e
+        tail[l] = e
+        size[l] += 1
+        loads[l] += 1
+    return hits, loads
+
+
+@njit(cache=True, nogil=True)
+def _argmin_count(members, ms, cnt):
+    best = 0
+    for j in range(1, ms):
+        a = members[j]
+        b = members[best]
+        if cnt[a] < cnt[b] or (cnt[a] == cnt[b] and a < b):
+            best = j
+    return best
+
+
+@njit(cache=True, nogil=True)
+def lfu_kernel(layer, expert, rnd, cap, n_expert, decay, decay_every):
+    """Per-layer LFU with decayed counts (rules in :mod:`.tiers`)."""
+    n = layer.shape[0]
+    L = cap.shape[0]
+    E = n_expert
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    cnt = np.zeros((L, E), dtype=np.float64)
+    res = np.zeros((L, E), dtype=np.bool_)
+    mc = max(1, cap.max()) if L > 0 else 1
+    mem = np.zeros((L, mc), dtype=np.int64)
+    ms = np.zeros(L, dtype=np.int64)
+    rounds = 0
+    for i in range(n):
+        if i > 0 and rnd[i] != rnd[i - 1]:
+            rounds += 1
+            if rounds % decay_every == 0:
+                for a in range(L):
+                    for b in range(E):
+                        cnt[a, b] *= decay
+        l = layer[i]
+        e = expert[i]
+        cnt[l, e] += 1.0
+        if res[l, e]:
+            hits[i] = True
+            continue
+        if cap[l] <= 0:
+            continue
+        if ms[l] >= cap[l]:
+            j = _argmin_count(mem[l], ms[l], cnt[l])
+            res[l, mem[l, j]] = False
+            mem[l, j] = mem[l, ms[l] - 1]
+            ms[l] -= 1
+        mem[l, ms[l]] = e
+        ms[l] += 1
+        res[l, e] = True
+        loads[l] += 1
+    return hits, loads
+
+
+@njit(cache=True, nogil=True)
+def lfru_kernel(layer, expert, rnd, pcap, ucap, n_expert, decay, decay_every):
+    """Per-layer LFRU (privileged LRU + unprivileged decayed LFU; rules in :mod:`.tiers`)."""
+    n = layer.shape[0]
+    L = pcap.shape[0]
+    E = n_expert
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    cnt = np.zeros((L, E), dtype=np.float64)
+    where = np.zeros((L, E), dtype=np.int8)  # 0 absent, 1 privileged, 2 unprivileged
+    prv = np.full((L, E), -1, dtype=np.int64)
+    nxt = np.full((L, E), -1, dtype=np.int64)
+    head = np.full(L, -1, dtype=np.int64)
+    tail = np.full(L, -1, dtype=np.int64)
+    psize = np.zeros(L, dtype=np.int64)
+    mc = max(1, (ucap.max() + 1) if L > 0 else 1)
+    mem = np.zeros((L, mc), dtype=np.int64)
+    ms = np.zeros(L, dtype=np.int64)
+    rounds = 0
+    for i in range(n):
+        if i > 0 and rnd[i] != rnd[i - 1]:
+            rounds += 1
+            if rounds % decay_every == 0:
+                for a in range(L):
+                    for b in range(E):
+                        cnt[a, b] *= decay
+        l = layer[i]
+        e = expert[i]
+        cnt[l, e] += 1.0
+        w = where[l, e]
+        if w == 1:
+            hits[i] = True
+            if tail[l] != e:
+                p = prv[l, e]
+                q = nxt[l, e]
+                if p >= 0:
+                    nxt[l, p] = q
+                else:
+                    head[l] = q
+                prv[l, q] = p
+                prv[l, e] = tail[l]
+                nxt[l, e] = -1
+                nxt[l, tail[l]] = e
+                tail[l] = e
+            continue
+        if w == 2:
+            hits[i] = True
+            for j in range(ms[l]):
+                if mem[l, j] == e:
+                    for t in range(j, ms[l] - 1):
+                        mem[l, t] = mem[l, t + 1]
+                    ms[l] -= 1
+                    break
+        else:
+            if pcap[l] + ucap[l] <= 0:
+                continue
+            loads[l] += 1
+        # insert e as the most recent privileged expert
+        where[l, e] = 1
+        prv[l, e] = tail[l]
+        nxt[l, e] = -1
+        if tail[l] >= 0:
+            nxt[l, tail[l]] = e
+        else:
+            head[l] = e
+        tail[l] = e
+        psize[l] += 1
+        if psize[l] > pcap[l]:
+            d = head[l]
+            q = nxt[l, d]
+            head[l] = q
+            if q >= 0:
+                prv[l, q] = -1
+            else:
+                tail[l] = -1
+            psize[l] -= 1
+            where[l, d] = 2
+            mem[l, ms[l]] = d
+            ms[l] += 1
+            if ms[l] > ucap[l]:
+                j = _argmin_count(mem[l], ms[l], cnt[l])
+                where[l, mem[l, j]] = 0
+                for t in range(j, ms[l] - 1):
+                    mem[l, t] = mem[l, t + 1]
+                ms[l] -= 1
+    return hits, loads
+
+
+@njit(cache=True, nogil=True)
+def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
+    """Per-layer Belady with bypass from a given start-up fill (rules in :mod:`.tiers`). ``res``/``cur_next``
+    are modified."""
+    n = layer.shape[0]
+    L, E = res.shape
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    mc = max(1, cap.max()) if L > 0 else 1
+    mem = np.zeros((L, mc), dtype=np.int64)
+    ms = np.zeros(L, dtype=np.int64)
+    for l in range(L):
+        for e in range(E):
+            if res[l, e]:
+                mem[l, ms[l]] = e
+                ms[l] += 1
+    for i in range(n):
+        l = layer[i]
+        e = expert[i]
+        nu = nxt_use[i]
+        if res[l, e]:
+            hits[i] = True
+            cur_next[l, e] = nu
+            continue
+        cur_next[l, e] = nu
+        if cap[l] <= 0:
+            continue
+        if ms[l] < cap[l]:
+            mem[l, ms[l]] = e
+            ms[l] += 1
+            res[l, e] = True
+            loads[l] += 1
+            continue
+        best = 0
+        for j in range(1, ms[l]):
+            a = mem[l, j]
+            b = mem[l, best]
+            if cur_next[l, a] > cur_next[l, b] or (cur_next[l, a] == cur_next[l, b] and a < b):
+                best = j
+        v = mem[l, best]
+        if nu < cur_next[l, v]:
+            res[l, v] = False
+            mem[l, best] = e
+            res[l, e] = True
+            loads[l] += 1
+    return hits, loads

@@ -1,0 +1,371 @@
+"""Replay traces through tiers: entries, rounds, metrics, the bandwidth model.
+
+Definitions (cache-policy.md "Hit-rate definitions"; every report names which one it shows):
+
+* ``h_expert``: hits / routed (token, layer, expert) entries; hit = resident at the time of use.
+* ``h_layer``: share of records (one token's routing of one layer) whose k experts were all resident.
+* ``h_bytes``: hits weighted by their layer's blob bytes (host-memory traffic is what it decides).
+* ``moved_bytes``: host->VRAM copies during the replay (misses admitted, adaptive copies, baseline loads),
+  in actual blob bytes; the start-up fill is reported apart as ``fill_bytes``.
+* Bandwidth model (:class:`BandwidthModel`, stated in every report): each routed entry reads its expert's
+  blob once, from VRAM on a hit and from host memory on a miss; copies cross PCIe and are not overlapped
+  with compute; everything but routed experts is left out. ``time_per_token_s`` = (hit bytes / VRAM GB/s +
+  miss bytes / host GB/s + moved bytes / PCIe GB/s) / tokens, GB = 1e9 bytes. It ranks policies by traffic;
+  it does not predict an engine's tokens/s.
+
+Rounds: one decode position (request, position); a trace whose table carries a ``window`` column (verify
+windows) makes one round per (request, window). Entries whose phase is known to be prefill are left out by
+default (``phase="decode"``: Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark
+prompt processing with negative positions); ``phase="all"`` keeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import StrataError
+from ..profile import Profile
+from ..trace import PREFILL, TraceTable
+from . import kernels as K
+from .layout import _blob_arrays, per_layer_split, plan_tier
+from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, belady_start, make_tier, next_uses
+
+
+@dataclass(frozen=True)
+class BandwidthModel:
+    """Stated bandwidths in GB/s (1e9 bytes/s): host memory (misses read there), PCIe (host->VRAM copies),
+    VRAM (hits). Defaults: dual-channel DDR5 ~60, PCIe 4.0 x16 ~25, a 12 GB consumer card ~900."""
+
+    host_gbps: float = 60.0
+    pcie_gbps: float = 25.0
+    vram_gbps: float = 900.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"host_gbps": self.host_gbps, "pcie_gbps": self.pcie_gbps, "vram_gbps": self.vram_gbps}
+
+
+@dataclass
+class Entries:
+    """A trace flattened for replay: routed entries in order, with round and record ids.
+
+    Attributes:
+        layer, expert: int64 [N].
+        rnd: int64 [N] round id (non-decreasing; a change means a new round).
+        record: int64 [N] record id (one token's routing of one layer).
+        request: int64 [N] request id (dense over all input traces; folds never split one).
+        n_layers, n_expert: the geometry entries were checked against.
+        n_tokens: decode positions covered.
+        skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
+    """
+
+    layer: np.ndarray
+    expert: np.ndarray
+    rnd: np.ndarray
+    record: np.ndarray
+    request: np.ndarray
+    n_layers: int
+    n_expert: int
+    n_tokens: int
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(len(self.layer))
+
+    @property
+    def n_rounds(self) -> int:
+        return int(len(np.unique(self.rnd)))
+
+    def take(self, mask: np.ndarray) -> "Entries":
+        """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
+        tok = _count_tokens(self.record[mask], self.rnd[mask])
+        return Entries(self.layer[mask], self.expert[mask], self.rnd[mask], self.record[mask], self.request[mask],
+                       self.n_layers, self.n_expert, tok, dict(self.skipped))
+
+
+def _count_tokens(record: np.ndarray, rnd: np.ndarray) -> int:
+    return int(len(np.unique(rnd))) if len(rnd) else 0
+
+
+def merge_traces(tables: Sequence[TraceTable]) -> TraceTable:
+    """One table from several traces with request ids made distinct per input (dense, in input order)."""
+    if not tables:
+        raise StrataError("no traces given (pass at least one --traces file)")
+    parts = []
+    base = 0
+    for t in tables:
+        if len(t) == 0:
+            continue
+        u, inv = np.unique(t.request, return_inverse=True)
+        cols = t.columns()
+        cols["request"] = (inv + base).astype(np.int32)
+        base += len(u)
+        parts.append(TraceTable(**cols, meta=dict(t.meta)))
+    if not parts:
+        raise StrataError("the traces hold no routed entries")
+    return TraceTable.concat(parts)
+
+
+def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *,
+                    phase: str = "decode") -> Entries:
+    """Flatten traces for replay (rounds and records as in the module docstring).
+
+    Args:
+        table: one trace table, or several (merged with :func:`merge_traces`).
+        n_layers, n_expert: the tier's geometry; entries outside it (an MTP block, another model) are skipped
+            and counted.
+        phase: ``decode`` (drop known prefill entries) or ``all``.
+    Raises:
+        StrataError: unknown phase; no entries left.
+    """
+    if phase not in ("decode", "all"):
+        raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
+    t = merge_traces(list(table)) if not isinstance(table, TraceTable) else table
+    n = len(t)
+    if n == 0:
+        raise StrataError("the traces hold no routed entries")
+    req = t.request.astype(np.int64)
+    pos = t.position.astype(np.int64)
+    lay = t.layer.astype(np.int64)
+    rank = t.rank.astype(np.int64)
+    window = getattr(t, "window", None)
+    if window is None:
+        w = t.meta.get("window") if isinstance(t.meta, dict) else None
+        window = w if isinstance(w, np.ndarray) and w.shape == (n,) else None
+    rec_start = np.ones(n, dtype=bool)
+    rec_start[1:] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (rank[1:] <= rank[:-1])
+    record = np.cumsum(rec_start) - 1
+    rs = np.nonzero(rec_start)[0]
+    r_req, r_pos, r_lay = req[rs], pos[rs], lay[rs]
+    r_key = np.asarray(window, dtype=np.int64)[rs] if window is not None else r_pos
+    new_round = np.ones(len(rs), dtype=bool)
+    if len(rs) > 1:
+        unknown = r_pos[1:] < 0
+        new_round[1:] = (r_req[1:] != r_req[:-1]) | (r_key[1:] != r_key[:-1]) | (unknown & (r_lay[1:] <= r_lay[:-1]))
+    rec_round = np.cumsum(new_round) - 1
+    rnd = rec_round[record]
+    keep = np.ones(n, dtype=bool)
+    skipped = {"prefill": 0, "layer": 0, "expert": 0}
+    if phase == "decode":
+        pf = t.phase == PREFILL
+        skipped["prefill"] = int(pf.sum())
+        keep &= ~pf
+    ex = t.expert.astype(np.int64)
+    bad_l = keep & ((lay < 0) | (lay >= n_layers))
+    skipped["layer"] = int(bad_l.sum())
+    keep &= ~bad_l
+    bad_e = keep & ((ex < 0) | (ex >= n_expert))
+    skipped["expert"] = int(bad_e.sum())
+    keep &= ~bad_e
+    if not keep.any():
+        raise StrataError(f"no routed entry of the traces fits {n_layers} layers x {n_expert} experts "
+                          f"(skipped: {skipped}); check the traces belong to this model")
+    return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
+                   _count_tokens(record[keep], rnd[keep]), skipped)
+
+
+@dataclass
+class SimResult:
+    """Metrics of one replay (module docstring gives every definition).
+
+    Attributes:
+        policy, admission, label: what ran (``label`` names the profile for static/adaptive).
+        n_slots: slots of the tier; cap: int [L] slots per layer at the end of the replay.
+        entries, hits, records, all_hit_records, tokens, rounds: counts.
+        h_expert, h_layer, h_bytes: hit rates (fractions).
+        moved_bytes, loads, fill_bytes: host->VRAM traffic (bytes, copies, start-up bytes).
+        layer_h_expert: float [L] per-layer h_expert (nan for a layer without entries).
+        time_per_token_s: estimate from ``bandwidth``.
+        params: policy parameters used.
+    """
+
+    policy: str
+    admission: str
+    label: str
+    n_slots: int
+    cap: list[int]
+    entries: int
+    hits: int
+    records: int
+    all_hit_records: int
+    tokens: int
+    rounds: int
+    h_expert: float
+    h_layer: float
+    h_bytes: float
+    moved_bytes: int
+    loads: int
+    fill_bytes: int
+    layer_h_expert: list[float]
+    time_per_token_s: float
+    bandwidth: dict[str, float]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["layer_h_expert"] = [None if (x != x) else x for x in self.layer_h_expert]
+        return d
+
+
+def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.ndarray,
+            bw: BandwidthModel) -> dict[str, Any]:
+    """Hit rates and traffic from a hit vector [N] and per-layer loads [L]."""
+    L = ent.n_layers
+    hits = np.asarray(hits, dtype=bool)
+    n = len(hits)
+    le = np.bincount(ent.layer, minlength=L)
+    lh = np.bincount(ent.layer, weights=hits, minlength=L)
+    bb = np.asarray(blob_bytes, dtype=np.float64)
+    entry_bytes = float((le * bb).sum())
+    hit_bytes = float((lh * bb).sum())
+    miss_bytes = entry_bytes - hit_bytes
+    # records whose every entry hit: min over the record's entries
+    rec_u, rec_inv = np.unique(ent.record, return_inverse=True)
+    rec_miss = np.bincount(rec_inv, weights=~hits, minlength=len(rec_u))
+    moved = int((np.asarray(loads, dtype=np.int64) * np.asarray(blob_bytes, dtype=np.int64)).sum())
+    t = (hit_bytes / (bw.vram_gbps * 1e9) + miss_bytes / (bw.host_gbps * 1e9) + moved / (bw.pcie_gbps * 1e9))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        layer_h = np.where(le > 0, lh / np.maximum(le, 1), np.nan)
+    return {"entries": n, "hits": int(hits.sum()), "records": int(len(rec_u)),
+            "all_hit_records": int((rec_miss == 0).sum()), "tokens": ent.n_tokens, "rounds": ent.n_rounds,
+            "h_expert": float(hits.mean()) if n else float("nan"),
+            "h_layer": float((rec_miss == 0).mean()) if len(rec_u) else float("nan"),
+            "h_bytes": hit_bytes / entry_bytes if entry_bytes else float("nan"),
+            "moved_bytes": moved, "loads": int(np.asarray(loads).sum()),
+            "layer_h_expert": [float(x) for x in layer_h],
+            "time_per_token_s": t / ent.n_tokens if ent.n_tokens else float("nan")}
+
+
+def _check_params(policy: str, params: dict) -> dict:
+    defaults = {"adaptive": ADAPTIVE_DEFAULTS, "lfu": LFU_DEFAULTS, "lfru": LFRU_DEFAULTS}.get(policy, {})
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise StrataError(f"unknown {policy} parameter(s): {', '.join(sorted(unknown))}")
+    return {**defaults, **params}
+
+
+def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slots: int | None = None,
+               budget_bytes: int | None = None, blob_bytes=None, admission: str = "global", cap=None,
+               admit_on_miss: bool = True, engine: str = "compiled",
+               **params: Any) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Replay ``ent`` through one policy. Returns (hits bool [N], loads int64 [L], info).
+
+    ``engine="compiled"`` runs :mod:`.kernels`; ``engine="python"`` feeds the online tier objects record by
+    record (the reference the compiled path is tested against). ``info`` holds n_slots, cap, fill_bytes,
+    admission and the parameters used. Raises StrataError for unknown policies, parameters or budgets.
+    """
+    if policy not in POLICIES:
+        raise StrataError(f"unknown policy {policy!r} (use {', '.join(POLICIES)})")
+    if engine not in ("compiled", "python"):
+        raise StrataError(f"unknown engine {engine!r}")
+    L, E = ent.n_layers, ent.n_expert
+    p = _check_params(policy, params)
+    bb, _ = _blob_arrays(L, blob_bytes)
+    if engine == "python":
+        return _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p)
+    lay, ex = ent.layer, ent.expert
+    if policy in ("static", "adaptive"):
+        plan = plan_tier(L, E, profile, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,
+                         admission=admission)
+        res = plan.resident.copy()
+        capv = plan.cap.copy()
+        occ = res.sum(1).astype(np.int64)
+        per_layer = plan.admission == "per-layer"
+        info = {"n_slots": plan.n_slots, "fill_bytes": plan.fill_bytes, "admission": plan.admission}
+        no_free = (not admit_on_miss) or (per_layer and (occ >= capv).all()) or (not per_layer and plan.pool_slots == 0)
+        if policy == "static":
+            if no_free:
+                hits = res[lay, ex]
+                loads = np.zeros(L, dtype=np.int64)
+            else:
+                hits, loads = K.static_kernel(lay, ex, res, capv, occ, plan.pool_slots, plan.pool_bytes,
+                                              plan.slot_bytes, per_layer, admit_on_miss)
+        else:
+            hits, loads, steps, swaps = K.adaptive_kernel(
+                lay, ex, ent.rnd, res, capv, occ, plan.pool_slots, plan.pool_bytes, plan.slot_bytes, per_layer,
+                admit_on_miss, float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]),
+                int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]))
+            if int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0 or int(p["max_moves"]) < 0:
+                raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+            info.update({"adapt_steps": int(steps), "swaps": int(swaps)})
+        info["cap"] = capv.tolist()
+        info["params"] = p
+        return np.asarray(hits, dtype=bool), np.asarray(loads), info
+    if cap is None:
+        cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+    cap = np.asarray(cap, dtype=np.int64)
+    info = {"n_slots": int(cap.sum()), "fill_bytes": 0, "admission": "per-layer", "cap": cap.tolist(), "params": p}
+    if policy == "lru":
+        hits, loads = K.lru_kernel(lay, ex, cap, E)
+    elif policy == "lfu":
+        if int(p["decay_every"]) < 1:
+            raise StrataError("lfu: decay_every must be >= 1")
+        hits, loads = K.lfu_kernel(lay, ex, ent.rnd, cap, E, float(p["decay"]), int(p["decay_every"]))
+    elif policy == "lfru":
+        frac = float(p["privileged_frac"])
+        if not 0.0 < frac <= 1.0 or int(p["decay_every"]) < 1:
+            raise StrataError(f"lfru: privileged_frac {frac} must be in (0, 1] and decay_every >= 1")
+        pcap = np.ceil(cap * frac - 1e-12).astype(np.int64)
+        pcap = np.array([int(np.ceil(int(c) * frac)) for c in cap], dtype=np.int64)
+        hits, loads = K.lfru_kernel(lay, ex, ent.rnd, pcap, cap - pcap, E, float(p["decay"]), int(p["decay_every"]))
+    else:  # belady
+        nxt = next_uses(lay, ex, E)
+        res = belady_start(lay, ex, L, E, cap)
+        cur = np.full((L, E), K_NEVER, dtype=np.int64)
+        key = lay * E + ex
+        u, first = np.unique(key, return_index=True)
+        cur.ravel()[u] = first
+        info["fill_bytes"] = int((res.sum(1) * bb).sum())
+        hits, loads = K.belady_kernel(lay, ex, nxt, res, cur, cap)
+    return np.asarray(hits, dtype=bool), np.asarray(loads), info
+
+
+K_NEVER = np.iinfo(np.int64).max
+
+
+def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p):
+    L, E = ent.n_layers, ent.n_expert
+    kw: dict[str, Any] = {}
+    if policy == "belady":
+        if cap is None:
+            cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+        kw["future"] = (ent.layer, ent.expert)
+    tier = make_tier(policy, n_layers=L, n_expert=E, profile=profile, slots=slots, budget_bytes=budget_bytes,
+                     blob_bytes=blob_bytes, admission=admission, cap=cap, admit_on_miss=admit_on_miss,
+                     **kw, **(p if policy in ("adaptive", "lfu", "lfru") else {}))
+    hits = np.zeros(len(ent), dtype=bool)
+    bounds = np.nonzero(np.diff(ent.record))[0] + 1
+    starts = np.concatenate([[0], bounds]).astype(np.int64)
+    ends = np.concatenate([bounds, [len(ent)]]).astype(np.int64)
+    lay, ex, rnd = ent.layer, ent.expert, ent.rnd
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        if s > 0 and rnd[s] != rnd[s - 1]:
+            tier.end_round()
+        hits[s:e] = tier.access(int(lay[s]), ex[s:e])
+    tier.end_round()
+    info: dict[str, Any] = {"cap": tier.cap.tolist(), "params": p}
+    if hasattr(tier, "plan"):
+        info.update({"n_slots": tier.plan.n_slots, "fill_bytes": tier.plan.fill_bytes, "admission": tier.plan.admission})
+    else:
+        info.update({"n_slots": int(tier.cap.sum()), "fill_bytes": 0, "admission": "per-layer"})
+    if policy == "adaptive":
+        info.update({"adapt_steps": tier.steps, "swaps": tier.swaps})
+    return hits, tier.layer_loads.copy(), info
+
+
+def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: BandwidthModel | None = None,
+                    blob_bytes=None, **kw: Any) -> SimResult:
+    """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`."""
+    bw = bandwidth or BandwidthModel()
+    hits, loads, info = run_policy(ent, policy, blob_bytes=blob_bytes, **kw)
+    bb, _ = _blob_arrays(ent.n_layers, blob_bytes)
+    m = metrics(ent, hits, loads, bb, bw)
+    params = dict(info.get("params", {}))
+    for k in ("adapt_steps", "swaps"):
+        if k in info:
+            params[k] = info[k]
+    return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
+                     cap=[int(c) for c in info["cap"]], fill_bytes=int(info["fill_bytes"]),
+                     bandwidth=bw.to_dict(), params=params, **m)
