@@ -1,9 +1,237 @@
-"""CLI commands: (to be filled by its issue)."""
+"""CLI commands: ``trace convert``, ``trace stats`` and ``make-profile`` (routing traces and profile building)."""
 
 from __future__ import annotations
 
+import math
+import re
+from pathlib import Path
+from typing import List, Optional
+
 import typer
+from rich.table import Table
+
+from ..errors import StrataError
+from . import common
+
+trace_app = typer.Typer(help="Routing traces: convert between formats, summarise.", no_args_is_help=True)
+
+
+def _convert(
+    src: Path = typer.Argument(..., help="Input trace (Strata --dump-routing plain/tagged, llama-moe-trace CSV, "
+                                         "kit CSV or Parquet; the format is sniffed)."),
+    out: Path = typer.Option(..., "-o", "--output", help="Output file."),
+    to: str = typer.Option(..., "--to", help="Output format: strata, strata-tagged, parquet or csv."),
+    from_: Optional[str] = typer.Option(None, "--from", help="Input format (strata, llama-csv, csv, parquet); "
+                                                             "default: sniffed."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Trunk layers, to range-check expert ids."),
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer, to range-check ids."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Convert a routing trace to another format (written to OUT.tmp, then renamed)."""
+    from ..trace_formats import convert_trace
+
+    res = convert_trace(src, out, to, from_, force, n_layer, n_expert)
+    if json_:
+        common.emit_json(res.to_dict())
+        return
+    common.console.print(f"{res.input} ({res.from_format}) -> {res.output} ({res.to_format}): "
+                         f"{res.entries:,} routed entries in {res.records:,} records, {res.output_bytes:,} bytes",
+                         markup=False, soft_wrap=True)
+
+
+def _stats(
+    trace: Path = typer.Argument(..., help="Trace file (any supported format)."),
+    from_: Optional[str] = typer.Option(None, "--from", help="Input format; default: sniffed."),
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer (concentration "
+                                                                    "denominator); default: largest id + 1."),
+    json_: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+) -> None:
+    """Tokens, layers, k, distinct experts, concentration (top-10% share) and entropy per layer."""
+    from ..trace import read_trace, trace_stats
+
+    st = trace_stats(read_trace(trace, from_, None, None), n_expert)
+    if json_:
+        common.emit_json(st.to_dict())
+        return
+    c = common.console
+    k = f"{st.k_min}" if st.k_min == st.k_max else f"{st.k_min}..{st.k_max}"
+    c.print(f"{trace} ({st.meta.get('source_format')}): {st.entries:,} routed entries, {st.records:,} records, "
+            f"{st.tokens:,} tokens, {st.requests} request(s), {st.layers} layers, k {k}, {st.n_expert} experts",
+            markup=False, soft_wrap=True)
+    c.print("phases: " + ", ".join(f"{p} {n:,}" for p, n in st.phases.items()), markup=False, soft_wrap=True)
+    c.print(f"concentration (top 10% of pairs): {st.concentration:.1%}; mean entropy {st.mean_entropy_bits:.3f} "
+            f"bits (uniform: {math.log2(st.n_expert) if st.n_expert else 0:.3f})", markup=False, soft_wrap=True)
+    tbl = Table("layer", "entries", "distinct experts", "top-10% share", "entropy (bits)")
+    for ls in st.per_layer:
+        tbl.add_row(str(ls.layer), f"{ls.entries:,}", str(ls.distinct_experts), f"{ls.concentration:.1%}",
+                    f"{ls.entropy_bits:.3f}")
+    c.print(tbl)
+
+
+# -- make-profile ---------------------------------------------------------------------------------------------------
+
+_WEIGHT_SUFFIX = re.compile(r"^(?P<path>.+):(?P<w>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+
+
+def parse_trace_args(args: List[str], weights: Optional[List[float]]) -> tuple[list[str], list[float]]:
+    """``TRACE`` or ``TRACE:WEIGHT`` arguments plus optional ``--weight`` values -> (paths, weights).
+
+    A ``:WEIGHT`` suffix is taken only when the full argument is not an existing file. ``--weight`` gives one
+    weight per trace, in order, and cannot be combined with suffixes.
+
+    Raises:
+        StrataError: a count mismatch, both forms at once, a negative weight.
+    """
+    paths: list[str] = []
+    suffix_w: list[float | None] = []
+    for a in args:
+        m = _WEIGHT_SUFFIX.match(a)
+        if m and not Path(a).exists():
+            paths.append(m.group("path"))
+            suffix_w.append(float(m.group("w")))
+        else:
+            paths.append(a)
+            suffix_w.append(None)
+    if weights:
+        if any(w is not None for w in suffix_w):
+            raise StrataError("give trace weights either as TRACE:W or with --weight, not both")
+        if len(weights) != len(paths):
+            raise StrataError(f"{len(weights)} --weight values for {len(paths)} traces (give one per trace)")
+        ws = [float(w) for w in weights]
+    else:
+        ws = [1.0 if w is None else w for w in suffix_w]
+    for p, w in zip(paths, ws):
+        if not math.isfinite(w) or w < 0:
+            raise StrataError(f"{p}: trace weight {w} must be a finite number >= 0")
+    return paths, ws
+
+
+def pack_geometry(pack_dir: Path) -> tuple[int, int]:
+    """(trunk layers, n_expert) of a native pack directory.
+
+    Uses ``stratatools.pack.read_pack`` when that module exists; otherwise parses ``native_experts.txt``
+    minimally: E from ``(n_expert <E>`` in a comment line (as Strata's ``expert_layout_load``), layers = the
+    number of table lines (formats.md section 5).
+
+    Raises:
+        StrataError: no table, no ``n_expert``, no layer lines.
+    """
+    try:  # the pack module is a colleague's; use it when present
+        from ..pack import read_pack  # type: ignore[attr-defined]
+
+        pk = read_pack(pack_dir)
+        e = getattr(pk, "n_expert", None)
+        nl = getattr(pk, "n_layers", None)
+        if nl is None and getattr(pk, "layers", None) is not None:
+            nl = len(pk.layers)
+        if e is not None and nl is not None:
+            return int(nl), int(e)
+    except ImportError:
+        pass
+    table = pack_dir / "native_experts.txt" if pack_dir.is_dir() else pack_dir
+    try:
+        text = table.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StrataError(f"{table}: no such file (is {pack_dir} a native pack directory?)", table) from None
+    except UnicodeDecodeError:
+        raise StrataError(f"{table}: not UTF-8 text", table) from None
+    e = None
+    layers = 0
+    for ln, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if not s:
+            continue
+        if s.startswith("#"):
+            m = re.search(r"\(n_expert\s+(\d+)", s)
+            if m:
+                e = int(m.group(1))
+            continue
+        first = s.split()[0]
+        if not first.isdigit() or int(first) != layers:
+            raise StrataError(f"{table}: line {ln}: expected layer {layers} first, found {first!r}", table)
+        layers += 1
+    if e is None:
+        raise StrataError(f"{table}: no '(n_expert <E>' in its header comment; pass --n-layer and --n-expert", table)
+    if layers == 0:
+        raise StrataError(f"{table}: no layer lines", table)
+    return layers, e
+
+
+def _make_profile(
+    traces: List[str] = typer.Argument(..., help="Trace files, each optionally TRACE:WEIGHT."),
+    out: Path = typer.Option(..., "-o", "--output", help="Output STRP profile (a .json provenance sidecar is "
+                                                          "written beside it)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF model (any shard): geometry from its routers."),
+    pack: Optional[Path] = typer.Option(None, "--pack", help="Native pack directory: geometry from its table."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Trunk layers (with --n-expert)."),
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer (with --n-layer)."),
+    base: Optional[Path] = typer.Option(None, "--base", help="Base profile to merge (modes default, reorder)."),
+    mode: str = typer.Option("default", "--mode", help="default (base, traces, fill), reorder (traces, base, "
+                                                       "fill) or no-base (traces, fill)."),
+    fill: str = typer.Option("expert-major", "--fill", help="expert-major (Strata) or layer-major."),
+    phase: str = typer.Option("all", "--phase", help="all (Strata) or decode (drop prefill entries)."),
+    weighting: str = typer.Option("count", "--weighting", help="count (Strata) or weight (router weights)."),
+    weight: Optional[List[float]] = typer.Option(None, "--weight", help="Per-trace weight, once per trace in "
+                                                                        "order (or use TRACE:W)."),
+    from_: Optional[str] = typer.Option(None, "--from", help="Trace format; default: sniffed per file."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Build a STRP expert profile from routing traces, ranked exactly as Strata's make_profile (defaults)."""
+    from ..ranking import make_profile_files
+
+    given = [x is not None for x in (model, pack)] + [n_layer is not None or n_expert is not None]
+    if sum(given) != 1:
+        raise StrataError("give the model geometry once: --model M, --pack DIR, or --n-layer L --n-expert E")
+    model_info = None
+    extra_inputs: list[str] = []
+    if model is not None:
+        from ..geometry import read_geometry
+        from ..gguf import open_model
+
+        with open_model(model) as m:
+            g = read_geometry(m)
+            L, E = g.n_trunk, g.n_expert
+            model_info = {"name": model.name, "path": str(model), "size_bytes": m.total_bytes,
+                          "n_mtp": g.n_mtp, "expert_count_kv": g.expert_count_kv}
+            extra_inputs = [str(f.path) for f in m.files] if all(hasattr(f, "path") for f in m.files) else [str(model)]
+    elif pack is not None:
+        L, E = pack_geometry(pack)
+        model_info = {"pack": str(pack)}
+        extra_inputs = [str(pack / "native_experts.txt")] if pack.is_dir() else [str(pack)]
+    else:
+        if n_layer is None or n_expert is None:
+            raise StrataError("--n-layer and --n-expert go together")
+        L, E = n_layer, n_expert
+    paths, ws = parse_trace_args(traces, weight)
+    with common.progress_bar("reading traces", len(paths), bytes_=False) as bar:
+        res = make_profile_files(paths, str(out), L, E, weights=ws, base=str(base) if base else None, mode=mode,
+                                 fill=fill, phase=phase, weighting=weighting, fmt=from_, force=force,
+                                 model_info=model_info, extra_inputs=extra_inputs,
+                                 progress=lambda i, n: bar.update(advance=1))
+    for w in res.warnings:
+        common.warn(w)
+    if json_:
+        common.emit_json(res.to_dict())
+        return
+    c = common.console
+    c.print(f"wrote {res.output}: {res.n_layers * res.n_expert:,} ranked pairs ({res.from_base:,} from the base, "
+            f"{res.from_traces:,} from the traces, {res.from_fill:,} filled in {res.fill}); "
+            f"{res.n_layers} layers x {res.n_expert} experts, mode {res.mode}", markup=False, soft_wrap=True)
+    c.print(f"counted {res.used_entries:,} routed entries ({res.traced_pairs:,} distinct pairs); left out: "
+            f"{res.skipped_layer:,} of layers >= {res.n_layers}, {res.skipped_phase:,} prefill", markup=False, soft_wrap=True)
+    tbl = Table("trace", "format", "weight", "entries", "used", "sha256")
+    for d in res.inputs:
+        tbl.add_row(d["path"], str(d["format"]), f"{d['weight']:g}", f"{d['entries']:,}", f"{d['used']:,}",
+                    str(d["sha256"])[:16])
+    c.print(tbl)
+    c.print(f"provenance: {res.sidecar}", markup=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``trace convert``, ``trace stats`` and ``make-profile`` to ``app``."""
+    trace_app.command("convert")(_convert)
+    trace_app.command("stats")(_stats)
+    app.add_typer(trace_app, name="trace")
+    app.command("make-profile")(_make_profile)

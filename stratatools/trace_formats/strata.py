@@ -1,0 +1,516 @@
+"""Strata ``--dump-routing`` traces, plain and tagged (formats.md section 3).
+
+Record layout (little-endian, no file header): ``i32 layer, i32 k, k x i32 expert ids, k x f32 router weights``;
+a record is ``8 + 8k`` bytes. Source of the format facts: formats.md section 3, Strata ``tools/make_profile.py``
+(the per-record reader) and the tagged fork's ``include/strata/core/routing_trace.hpp`` (tag numbers, the commit
+tag's phase field in version 2, zeros written for missing weights).
+
+Tagged variant: a first record with layer -2 (format tag, payload ``[version]``) marks the file as tagged. Tag
+records have a negative layer and carry their values in the id slots (weights are zero padding):
+
+====  ==========  ===========================================================================
+ tag   name        payload / what the reader does with it
+====  ==========  ===========================================================================
+ -1    commit      ``[window, n_positions, n_accepted(, phase)]``; v2: the phase (0 prompt, 1 decode) of the
+                   window's records, which are the last ``n_positions x layers`` route records before it
+ -2    format      ``[version]``, first record; versions 1 and 2 are understood, others read as 2
+ -3    request     ``[request_id]``: the route records that follow belong to this request
+ -4    owned       flattened ``layer*E + expert`` ids: skipped (counted in meta)
+ -5    phase (v1)  ``[0 prefill | 1 decode]``: the phase of the route records that follow
+ -6    boot        flattened ids: skipped (counted in meta)
+ other             skipped and counted in ``meta["tags_skipped"]``
+====  ==========  ===========================================================================
+
+Decisions on bad input (each raises :class:`StrataError` with the byte offset of the record; nothing is guessed):
+
+* empty file: refused (an empty trace would silently turn a profile into pure fill);
+* a record cut inside its header, ids or weights (the file ends before ``8 + 8k`` bytes): refused, the message
+  says which part was cut;
+* ``k < 0``; ``k = 0`` or ``k > 1024`` on a route record (or ``k`` above the model's expert count when it is
+  known); ``k > 2**20`` on a tag (Strata's own reader bound): refused as corrupt;
+* a route layer above 4096: refused (no model has that many layers; the table stores layers as int16);
+* an expert id < 0: refused; an expert id >= ``n_expert`` (when given) on a layer below ``n_layers`` (all layers
+  when ``n_layers`` is not given): refused, because a trace of another expert numbering would otherwise build a
+  silently wrong profile. Layers >= ``n_layers`` (an MTP block, which may keep the canonical expert count) are
+  kept in the table; :func:`stratatools.ranking.count_pairs` leaves them out and counts them;
+* a non-finite weight: refused. A record whose weights are all zero (verify windows) gets unit weights.
+
+Untagged files: negative-layer records are skipped and counted; every route record is decode (Strata writes
+decode positions only). Positions are not in the format: a record's position is its ordinal among the route
+records of the same layer and request (the token index when every token routes every layer; rejected draft
+positions of verify windows count too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import StrataError
+from ..fsutil import AtomicFile
+from ..trace import DECODE, PREFILL, UNKNOWN, TraceTable
+
+MAX_ROUTE_K = 1024
+MAX_TAG_K = 1 << 20
+MAX_LAYER = 4096
+CHUNK_BYTES = 32 << 20  # > 2 * (8 + 8 * MAX_TAG_K): any record fits in one chunk
+
+TAG_COMMIT, TAG_FORMAT, TAG_REQUEST, TAG_OWNED, TAG_PHASE, TAG_BOOT = -1, -2, -3, -4, -5, -6
+TAG_NAMES = {TAG_COMMIT: "commit", TAG_FORMAT: "format", TAG_REQUEST: "request", TAG_OWNED: "owned",
+             TAG_PHASE: "phase", TAG_BOOT: "boot"}
+_PHASE_OF_VALUE = {0: PREFILL, 1: DECODE}
+
+
+def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
+    msg = f"{path}: byte {off}: {what}"
+    if fix:
+        msg += f" ({fix})"
+    return StrataError(msg, path)
+
+
+class _Reader:
+    """One pass over a trace file in fixed chunks; route records go straight into preallocated columns."""
+
+    def __init__(self, path: Path, n_layers: int | None, n_expert: int | None, chunk_bytes: int):
+        self.path = path
+        self.n_layers = n_layers
+        self.n_expert = n_expert
+        self.chunk = max(int(chunk_bytes) // 4 * 4, 64)
+        self.size = path.stat().st_size
+        # upper bounds: every entry takes >= 8 bytes, every route record >= 16; untouched pages cost no memory
+        self.expert = np.empty(self.size // 8 + 1, np.int32)
+        self.weight = np.empty(self.size // 8 + 1, np.float32)
+        self.rec_layer = np.empty(self.size // 16 + 1, np.int16)
+        self.rec_k = np.empty(self.size // 16 + 1, np.int32)
+        self.n_ent = 0
+        self.n_rec = 0
+        self.events: list[tuple[int, int, np.ndarray, int]] = []  # (route records before it, tag, values, byte)
+        self.n_records_total = 0
+        self.guess = 64
+        self.route_ks: set[int] = set()
+        self.max_route_k = MAX_ROUTE_K if n_expert is None else min(MAX_ROUTE_K, int(n_expert))
+
+    # -- scanning ---------------------------------------------------------------------------------------------
+    def run(self) -> str:
+        """Read the whole file; returns its sha256."""
+        h = hashlib.sha256()
+        buf = np.empty(self.chunk, np.uint8)
+        carry = 0
+        base = 0
+        with open(self.path, "rb", buffering=0) as fh:
+            while True:
+                mv = memoryview(buf)
+                got_total = 0
+                while carry + got_total < len(buf):
+                    got = fh.readinto(mv[carry + got_total:])
+                    if not got:
+                        break
+                    h.update(mv[carry + got_total:carry + got_total + got])
+                    got_total += got
+                avail = carry + got_total
+                eof = avail < len(buf)
+                words = avail // 4
+                a = buf[:words * 4].view("<i4")
+                o = self._scan(a, words, base)
+                consumed = o * 4
+                left = avail - consumed
+                if eof:
+                    if left:
+                        self._cut(buf[consumed:avail], base)
+                    break
+                if consumed == 0:
+                    # one record larger than the buffer: grow it (k is already checked, so this is bounded)
+                    k = int(a[1])
+                    del mv, a
+                    grown = np.empty(max(2 * len(buf), 8 + 8 * k + 8), np.uint8)
+                    grown[:left] = buf[:left]
+                    buf = grown
+                elif left:
+                    buf[:left] = buf[consumed:avail].copy()
+                base += consumed
+                carry = left
+        return h.hexdigest()
+
+    def _cut(self, tail: np.ndarray, off: int) -> None:
+        n = len(tail)
+        if n < 8:
+            raise _err(self.path, off, f"record cut inside its header ({n} of 8 bytes before the end of the file)",
+                       "the trace was truncated; drop the partial last record or re-record")
+        layer, k = (int(x) for x in tail[:8].view("<i4"))
+        self._check_k(layer, k, off)
+        need = 8 + 8 * k
+        part = "ids" if n < 8 + 4 * k else "weights"
+        raise _err(self.path, off, f"record (layer {layer}, k {k}) cut inside its {part}: {n} of {need} bytes "
+                   f"before the end of the file", "the trace was truncated; drop the partial last record or re-record")
+
+    def _check_k(self, layer: int, k: int, off: int) -> None:
+        if k < 0:
+            raise _err(self.path, off + 4, f"k = {k} is negative (layer {layer}); not a Strata --dump-routing "
+                       f"record", "is this a routing trace? pass --from to name its format")
+        if layer >= 0 and not 1 <= k <= self.max_route_k:
+            raise _err(self.path, off + 4, f"k = {k} on a route record of layer {layer} is outside "
+                       f"1..{self.max_route_k}", "the file is corrupt or not a Strata routing trace")
+        if layer < 0 and k > MAX_TAG_K:
+            raise _err(self.path, off + 4, f"k = {k} on a tag record ({layer}) exceeds {MAX_TAG_K}",
+                       "the file is corrupt")
+
+    def _scan(self, a: np.ndarray, W: int, base: int) -> int:
+        """Process the complete records of ``a`` (W int32 words at file byte ``base``); returns words used.
+
+        Runs of records sharing k are found with strided vectorised checks (doubling look-ahead), so a file of
+        constant k costs a few numpy calls per chunk; each run is then handled as one 2-D view.
+        """
+        o = 0
+        while o + 2 <= W:
+            layer0, k = int(a[o]), int(a[o + 1])
+            self._check_k(layer0, k, base + 4 * o)
+            s = 2 + 2 * k
+            m_max = (W - o) // s
+            if m_max == 0:
+                break
+            m = min(self.guess, m_max)
+            ks = a[o + 1:o + 1 + (m - 1) * s + 1:s]
+            neq = np.flatnonzero(ks != k)
+            if len(neq):
+                m = int(neq[0])
+                self.guess = max(64, 2 * m)
+            elif m == self.guess:
+                self.guess = min(self.guess * 4, 1 << 22)
+            self._run(a[o:o + m * s].reshape(m, s), k, base + 4 * o)
+            o += m * s
+        return o
+
+    def _run(self, v: np.ndarray, k: int, off: int) -> None:
+        m, s = v.shape
+        lay = v[:, 0]
+        route = lay >= 0
+        all_route = bool(route.all())
+        self.n_records_total += m
+        if not all_route:
+            tag_rows = np.flatnonzero(~route)
+            before = tag_rows - np.arange(len(tag_rows))
+            for i, rb in zip(tag_rows.tolist(), before.tolist()):
+                t = int(lay[i])
+                vals = v[i, 2:2 + min(k, 8)].copy() if t not in (TAG_OWNED, TAG_BOOT) else np.array([k])
+                self.events.append((self.n_rec + rb, t, vals, off + 4 * s * i))
+            if not route.any():
+                return
+            rows = np.flatnonzero(route)
+            rv = v[rows]
+        else:
+            rows = None
+            rv = v
+        if k > self.max_route_k:  # the run's k was only checked against its first record's layer
+            i = int(rows[0]) if rows is not None else 0
+            self._check_k(int(lay[i]), k, off + 4 * s * i)
+        nr = len(rv)
+        rl = rv[:, 0]
+
+        def rec_off(j: int) -> int:
+            return off + 4 * s * (int(rows[j]) if rows is not None else j)
+
+        if int(rl.max()) > MAX_LAYER:
+            j = int(np.argmax(rl > MAX_LAYER))
+            raise _err(self.path, rec_off(j), f"layer {int(rl[j])} is out of range (above {MAX_LAYER})",
+                       "the file is corrupt or not a Strata routing trace")
+        ids = rv[:, 2:2 + k]
+        if int(ids.min()) < 0:
+            j, c = np.argwhere(ids < 0)[0]
+            raise _err(self.path, rec_off(int(j)) + 8 + 4 * int(c), f"expert id {int(ids[j, c])} is negative "
+                       f"(layer {int(rl[j])})", "the file is corrupt")
+        if self.n_expert is not None and int(ids.max()) >= self.n_expert:
+            bad = ids >= self.n_expert
+            if self.n_layers is not None:
+                bad &= (rl < self.n_layers)[:, None]
+            if bad.any():
+                j, c = np.argwhere(bad)[0]
+                raise _err(self.path, rec_off(int(j)) + 8 + 4 * int(c),
+                           f"expert id {int(ids[j, c])} of layer {int(rl[j])} is out of range for {self.n_expert} "
+                           f"experts", "the trace is for a model with more experts; check --n-expert / --model")
+        w = rv[:, 2 + k:].view(np.float32)
+        fin = np.isfinite(w)
+        if not fin.all():
+            j, c = np.argwhere(~fin)[0]
+            raise _err(self.path, rec_off(int(j)) + 8 + 4 * k + 4 * int(c),
+                       f"router weight {float(w[j, c])} is not finite (layer {int(rl[j])})", "the file is corrupt")
+        e0 = self.n_ent
+        self.expert[e0:e0 + nr * k].reshape(nr, k)[...] = ids
+        wd = self.weight[e0:e0 + nr * k].reshape(nr, k)
+        wd[...] = w
+        zero = ~(w != 0).any(axis=1)
+        if zero.any():
+            wd[zero] = 1.0
+        self.n_ent += nr * k
+        self.rec_layer[self.n_rec:self.n_rec + nr] = rl
+        self.rec_k[self.n_rec:self.n_rec + nr] = k
+        self.n_rec += nr
+        self.route_ks.add(k)
+
+
+def ordinal_positions(rec_request: np.ndarray, rec_layer: np.ndarray) -> np.ndarray:
+    """Per record, its ordinal among earlier records of the same (request, layer). int32 [n].
+
+    This is the token index of a record when every token routes every layer, whatever the record order
+    (token-major decode or layer-major verify windows).
+    """
+    n = len(rec_layer)
+    if n == 0:
+        return np.zeros(0, np.int32)
+    lay = np.asarray(rec_layer)
+    if bool((rec_request == rec_request[0]).all()):
+        key = lay.astype(np.int16)
+    else:
+        _, req_idx = np.unique(rec_request, return_inverse=True)
+        key = req_idx.astype(np.int64) * (MAX_LAYER + 2) + lay.astype(np.int64)
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+    lens = np.diff(np.r_[starts, n])
+    pos_sorted = np.arange(n, dtype=np.int64) - np.repeat(starts, lens)
+    out = np.empty(n, np.int32)
+    out[order] = pos_sorted
+    return out
+
+
+def _fill_segments(n: int, changes: list[tuple[int, int]], initial: int, dtype) -> np.ndarray:
+    """Values per record from (first record index, value) change points (in order)."""
+    out = np.full(n, initial, dtype=dtype)
+    for idx, val in changes:
+        out[idx:] = val
+    return out
+
+
+def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None,
+                chunk_bytes: int = CHUNK_BYTES) -> TraceTable:
+    """Read a Strata ``--dump-routing`` trace (plain or tagged v1/v2) into a :class:`TraceTable`.
+
+    Args:
+        path: the trace file.
+        n_layers: trunk layers of the model, when known (expert ids are range-checked below it).
+        n_expert: experts per layer, when known (bounds k and expert ids).
+        chunk_bytes: read size; memory is the output columns (16 bytes per entry, constant columns are
+            broadcast views) plus one chunk.
+    Returns:
+        the table; ``meta`` has source_format ("strata" or "strata-tagged"), source_sha256, version, records,
+        tag counts, k (when constant).
+    Raises:
+        StrataError: see the module docstring for every refused case (always with the byte offset).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise StrataError(f"{path}: no such file", path) from None
+    if path.is_dir():
+        raise StrataError(f"{path}: is a directory, expected a routing trace", path)
+    if size == 0:
+        raise _err(path, 0, "empty file: no routing records", "record a trace with --dump-routing first")
+    r = _Reader(path, n_layers, n_expert, chunk_bytes)
+    sha = r.run()
+    n, n_ent = r.n_rec, r.n_ent
+    expert, weight = r.expert, r.weight
+    expert.resize(n_ent, refcheck=False)
+    weight.resize(n_ent, refcheck=False)
+    rec_layer = r.rec_layer[:n].copy()
+    rec_k = r.rec_k[:n].copy()
+    del r.rec_layer, r.rec_k
+
+    events = r.events
+    tagged = bool(events) and events[0][3] == 0 and events[0][1] == TAG_FORMAT
+    meta: dict[str, Any] = {"source_format": "strata-tagged" if tagged else "strata", "source_path": str(path),
+                            "source_sha256": sha, "source_bytes": size, "records": r.n_records_total,
+                            "route_records": n}
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    if len(r.route_ks) == 1:
+        meta["k"] = next(iter(r.route_ks))
+    tag_counts: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+
+    rec_request = np.zeros(n, np.int32)
+    if not tagged:
+        rec_phase = np.full(n, DECODE, np.int8)
+        for _, t, _, _ in events:
+            skipped[str(t)] = skipped.get(str(t), 0) + 1
+    else:
+        fv = events[0][2]
+        if len(fv) < 1:
+            raise _err(path, 0, "format tag (-2) carries no version", "the file is corrupt")
+        version = int(fv[0])
+        if version < 1:
+            raise _err(path, 8, f"format version {version} is not a positive number", "the file is corrupt")
+        meta["version"] = version
+        if version not in (1, 2):
+            meta["version_note"] = f"format version {version} is newer than 2; read with version 2 rules"
+        rec_phase = np.full(n, UNKNOWN, np.int8)
+        req_changes: list[tuple[int, int]] = []
+        phase_changes: list[tuple[int, int]] = []
+        boundary = 0
+        commits = accepted = 0
+        for idx, t, vals, off in events[1:]:
+            name = TAG_NAMES.get(t)
+            if name is None or (t == TAG_FORMAT):
+                skipped[str(t)] = skipped.get(str(t), 0) + 1
+                continue
+            tag_counts[name] = tag_counts.get(name, 0) + 1
+            if t == TAG_REQUEST:
+                if len(vals) < 1:
+                    raise _err(path, off, "request tag (-3) carries no request id", "the file is corrupt")
+                req_changes.append((idx, int(vals[0])))
+                boundary = idx
+            elif t == TAG_PHASE and version == 1:
+                if len(vals) < 1:
+                    raise _err(path, off, "phase tag (-5) carries no phase", "the file is corrupt")
+                phase_changes.append((idx, _PHASE_OF_VALUE.get(int(vals[0]), UNKNOWN)))
+            elif t == TAG_COMMIT:
+                if len(vals) < 3:
+                    raise _err(path, off, f"commit tag (-1) carries {len(vals)} values, expected 3 or 4",
+                               "the file is corrupt")
+                commits += 1
+                accepted += max(int(vals[2]), 0)
+                if version >= 2:
+                    ph = _PHASE_OF_VALUE.get(int(vals[3]), UNKNOWN) if len(vals) >= 4 else UNKNOWN
+                    seg = rec_layer[boundary:idx]
+                    if len(seg):
+                        d = len(np.unique(seg))
+                        cnt = min(len(seg), max(int(vals[1]), 0) * d)
+                        if cnt:
+                            rec_phase[idx - cnt:idx] = ph
+                    boundary = idx
+        if version == 1:
+            rec_phase = _fill_segments(n, phase_changes, UNKNOWN, np.int8)
+        rec_request = _fill_segments(n, req_changes, 0, np.int32)
+        meta["commits"] = commits
+        meta["accepted_drafts"] = accepted
+    meta["tags"] = tag_counts
+    meta["tags_skipped"] = skipped
+    if n_ent == 0:
+        t = TraceTable.empty(**meta)
+        return t
+    rec_pos = ordinal_positions(rec_request, rec_layer)
+    return _expand(expert, weight, rec_layer, rec_k, rec_request, rec_phase, rec_pos, meta)
+
+
+def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k: np.ndarray,
+            rec_request: np.ndarray, rec_phase: np.ndarray, rec_pos: np.ndarray, meta: dict) -> TraceTable:
+    """Per-record columns -> per-entry columns (constant ones as zero-memory broadcast views)."""
+    n_ent = len(expert)
+    const_k = len(rec_k) and bool((rec_k == rec_k[0]).all())
+    if const_k:
+        k = int(rec_k[0])
+        layer = np.repeat(rec_layer.astype(np.int16), k)
+        rank = np.tile(np.arange(k, dtype=np.int16), len(rec_k))
+    else:
+        layer = np.repeat(rec_layer.astype(np.int16), rec_k)
+        rank = np.ones(n_ent, np.int16)
+        rank[0] = 0
+        starts = np.cumsum(rec_k)[:-1]
+        rank[starts] = (1 - rec_k[:-1]).astype(np.int16)
+        np.cumsum(rank, dtype=np.int16, out=rank)
+    reps = rec_k if not const_k else int(rec_k[0])
+
+    def per_entry(a: np.ndarray, dtype) -> np.ndarray:
+        if len(a) and (a == a[0]).all():
+            return np.broadcast_to(np.asarray(a[0], dtype=dtype), (n_ent,))
+        return np.repeat(a.astype(dtype, copy=False), reps)
+
+    return TraceTable(request=per_entry(rec_request, np.int32), position=per_entry(rec_pos, np.int32),
+                      phase=per_entry(rec_phase, np.int8), layer=layer, rank=rank, expert=expert, weight=weight,
+                      meta=meta)
+
+
+# -- writers ------------------------------------------------------------------------------------------------------
+
+def record_bounds(table: TraceTable) -> np.ndarray:
+    """Start row of every record (rank 0, or a change of request/position/layer/phase). int64 [n_records]."""
+    n = len(table)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    new = table.rank == 0
+    new = np.array(new, dtype=bool, copy=True)
+    new[0] = True
+    for col in ("request", "position", "layer", "phase"):
+        a = getattr(table, col)
+        if a.strides == (0,):
+            continue
+        new[1:] |= a[1:] != a[:-1]
+    return np.flatnonzero(new)
+
+
+def _check_writable(table: TraceTable, path: Any) -> None:
+    if len(table) and (int(table.layer.min()) < 0 or int(table.expert.min()) < 0):
+        raise StrataError(f"{path}: the trace has negative layers or expert ids; a Strata trace cannot hold them",
+                          path)
+
+
+def _write_records(fh, table: TraceTable, lo: int, hi: int, starts: np.ndarray, ks: np.ndarray,
+                   path: Any, batch_records: int = 1 << 20) -> None:
+    """Write records [lo, hi) (indices into starts/ks) as Strata route records, vectorised by runs of equal k."""
+    i = lo
+    while i < hi:
+        k = int(ks[i])
+        if k > MAX_ROUTE_K:
+            raise StrataError(f"{path}: a record has k = {k} > {MAX_ROUTE_K} entries; not writable as Strata", path)
+        j = i + 1
+        if j < hi and ks[j] == k:
+            diff = np.flatnonzero(ks[i:hi] != k)
+            j = i + (int(diff[0]) if len(diff) else hi - i)
+        for a in range(i, j, batch_records):
+            b = min(j, a + batch_records)
+            m = b - a
+            r0 = int(starts[a])
+            rows = slice(r0, r0 + m * k)
+            out = np.empty((m, 2 + 2 * k), dtype="<i4")
+            out[:, 0] = table.layer[r0:r0 + m * k:k]
+            out[:, 1] = k
+            out[:, 2:2 + k] = np.asarray(table.expert[rows]).reshape(m, k)
+            out[:, 2 + k:] = np.asarray(table.weight[rows], dtype="<f4").reshape(m, k).view("<i4")
+            fh.write(out.tobytes())
+        i = j
+
+
+def _tag(t: int, vals: list[int]) -> bytes:
+    k = len(vals)
+    return np.array([t, k, *vals] + [0] * k, dtype="<i4").tobytes()
+
+
+def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = False) -> None:
+    """Write a Strata ``--dump-routing`` file (atomically: ``<path>.tmp`` then rename).
+
+    Plain: route records only (request and phase are lost; positions are implied by order). Tagged: format tag
+    version 1, then a request tag (-3) at every change of request and a phase tag (-5: 0 prefill, 1 decode,
+    2 unknown) at every change of phase, so :func:`read_strata` gives back request and phase.
+    Rows of one record must be consecutive (as every reader makes them).
+
+    Raises:
+        StrataError: negative layers or ids, or k > 1024.
+    """
+    _check_writable(table, path)
+    starts = record_bounds(table)
+    ks = np.diff(np.r_[starts, len(table)])
+    with AtomicFile(path) as fh:
+        if not tagged:
+            _write_records(fh, table, 0, len(starts), starts, ks, path)
+            return
+        fh.write(_tag(TAG_FORMAT, [1]))
+        if len(starts) == 0:
+            return
+        req = np.asarray(table.request)[starts]
+        ph = np.asarray(table.phase)[starts]
+        change = np.flatnonzero(np.r_[True, (req[1:] != req[:-1]) | (ph[1:] != ph[:-1])])
+        seg_ends = np.r_[change[1:], len(starts)]
+        prev_req = prev_ph = None
+        for a, b in zip(change.tolist(), seg_ends.tolist()):
+            if req[a] != prev_req:
+                fh.write(_tag(TAG_REQUEST, [int(req[a])]))
+                prev_req = req[a]
+            if ph[a] != prev_ph:
+                fh.write(_tag(TAG_PHASE, [int(ph[a])]))
+                prev_ph = ph[a]
+            _write_records(fh, table, a, b, starts, ks, path)
