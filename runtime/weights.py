@@ -34,8 +34,9 @@ from stratatools.errors import StrataError
 from stratatools.ggml_types import GGMLType, type_by_id
 from stratatools.gguf import Model, TensorInfo, open_model
 
+from stratatools.pack import EXPERTS_BIN, NATIVE_TXT, Pack, read_pack
+
 from .config import Qwen4ExpConfig, read_config
-from .pack_table import ARENA_NAME, TABLE_NAME, PackTable, read_pack_table
 
 try:  # the colleague-written dequantizer (numpy + CuPy); gguf.quants plus a local Q2_0 decoder otherwise
     from .dequant import dequantize as _dequantize
@@ -162,11 +163,11 @@ class Weights:
         model: the open GGUF (:class:`stratatools.gguf.Model`).
         cfg: :class:`~runtime.config.Qwen4ExpConfig`.
         experts: :class:`ExpertSource`.
-        pack: the :class:`~runtime.pack_table.PackTable` when loaded through a pack, else None.
+        pack: the :class:`stratatools.pack.Pack` when loaded through a pack, else None.
         xp: the array module (numpy or cupy).
     """
 
-    def __init__(self, model: Model, cfg: Qwen4ExpConfig, experts: ExpertSource, pack: PackTable | None, xp: Any):
+    def __init__(self, model: Model, cfg: Qwen4ExpConfig, experts: ExpertSource, pack: Pack | None, xp: Any):
         self.model = model
         self.cfg = cfg
         self.experts = experts
@@ -245,17 +246,17 @@ def _gguf_expert_slices(model: Model, cfg: Qwen4ExpConfig) -> list[dict[str, Exp
     return out
 
 
-def _check_pack(pack: PackTable, model: Model, cfg: Qwen4ExpConfig,
+def _check_pack(pack: Pack, model: Model, cfg: Qwen4ExpConfig,
                 slices: list[dict[str, ExpertSlice]]) -> None:
     """Refuse a pack whose table does not describe ``model`` (types, sizes, offsets, shard files)."""
-    p = pack.path
+    p = pack.path / NATIVE_TXT
     if len(pack.layers) != cfg.n_layer:
         raise StrataError(f"{p}: the table has {len(pack.layers)} layers but {model.path} has {cfg.n_layer} trunk layers "
                           f"(pack this model again)", p)
     for il, row in enumerate(pack.layers):
         e = cfg.n_expert[il]
         if pack.n_expert != e:
-            raise StrataError(f"{p}: line {row.line}: n_expert {pack.n_expert} but layer {il}'s router in {model.path} has "
+            raise StrataError(f"{p}: layer {il}: n_expert {pack.n_expert} but layer {il}'s router in {model.path} has "
                               f"{e} experts (pack this model again)", p)
         s = slices[il]
         for col, want, role in (("gu_type", row.gu_type, "gate"), ("gu_type", row.gu_type, "up"), ("d_type", row.d_type, "down")):
@@ -264,51 +265,58 @@ def _check_pack(pack: PackTable, model: Model, cfg: Qwen4ExpConfig,
                     wname = type_by_id(want).name
                 except StrataError:
                     wname = f"id {want}"
-                raise StrataError(f"{p}: line {row.line}: {col} is {wname} but blk.{il}.ffn_{role}_exps.weight in "
+                raise StrataError(f"{p}: layer {il}: {col} is {wname} but blk.{il}.ffn_{role}_exps.weight in "
                                   f"{model.path.name} is {s[role].type.name} (the pack was made from another model)", p)
         blob = sum(x.slice_bytes for x in s.values())
         if row.blob_bytes != blob:
-            raise StrataError(f"{p}: line {row.line}: blob_bytes {row.blob_bytes} but layer {il}'s experts in "
+            raise StrataError(f"{p}: layer {il}: blob_bytes {row.blob_bytes} but layer {il}'s experts in "
                               f"{model.path.name} are {blob} bytes each (the pack was made from another model)", p)
-        for role, off, shard in zip(ROLES, (row.gate_off, row.up_off, row.down_off), row.shards):
+        shards = row.shards or ("", "", "")
+        for role, off, shard in zip(ROLES, (row.gate_off, row.up_off, row.down_off), shards):
             if off is None:
                 continue
             t = model.tensor(f"blk.{il}.ffn_{role}_exps.weight")
             fname = model.file_of(t).path.name
             want_file = shard or model.files[0].path.name
             if want_file != fname:
-                raise StrataError(f"{p}: line {row.line}: {role} tensor of layer {il} is named in shard {want_file} but "
+                raise StrataError(f"{p}: layer {il}: {role} tensor of layer {il} is named in shard {want_file} but "
                                   f"{model.path.name}'s shard set has it in {fname}", p)
             if off != t.offset:
-                raise StrataError(f"{p}: line {row.line}: {role}_off {off} but blk.{il}.ffn_{role}_exps.weight starts at byte "
+                raise StrataError(f"{p}: layer {il}: {role}_off {off} but blk.{il}.ffn_{role}_exps.weight starts at byte "
                                   f"{t.offset} of {fname} (the pack was made from another model)", p)
 
 
-def find_pack_model(pack_dir: Path) -> Path | None:
-    """The GGUF a pack was made from: ``experts.bin.src.json``'s first source, or the only shard-1 GGUF in the folder."""
-    src = pack_dir / (ARENA_NAME + ".src.json")
-    if src.exists():
+def find_pack_model(pack: Pack) -> Path | None:
+    """The GGUF a pack was made from, or None.
+
+    Looked up in order: the pack's provenance sidecar (``native_experts.txt.json``, inputs with role
+    ``shard``: their recorded paths), then the header's shard-1 name (and ``experts.bin.src.json``'s shard
+    names) in the pack folder and in its parent.
+    """
+    names: list[str] = []
+    side = pack.path / (NATIVE_TXT + ".json")
+    for f in (side, pack.path / (EXPERTS_BIN + ".src.json")):
         try:
-            info = json.loads(src.read_text())
+            info = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            info = {}
-        cands = []
-        for key in ("sources", "shards", "source", "model"):
-            v = info.get(key) if isinstance(info, dict) else None
-            if isinstance(v, list):
-                for x in v:
-                    cands.append(x.get("path") or x.get("name") if isinstance(x, dict) else x)
-            elif isinstance(v, (str, dict)):
-                cands.append(v.get("path") or v.get("name") if isinstance(v, dict) else v)
-        for c in cands:
-            if not c:
-                continue
-            for q in (Path(c), pack_dir / c, pack_dir / Path(c).name):
-                if q.is_file():
-                    return q
-    ggufs = sorted(x for x in pack_dir.glob("*.gguf") if not x.name.endswith(".tmp"))
-    firsts = [g for g in ggufs if "-00001-of-" in g.name] or ggufs
-    return firsts[0] if len(firsts) == 1 else None
+            continue
+        items = (info.get("inputs") or info.get("shards") or []) if isinstance(info, dict) else []
+        for it in items:
+            if isinstance(it, dict):
+                if it.get("path"):
+                    q = Path(it["path"])
+                    if q.is_file():
+                        return q
+                if it.get("name"):
+                    names.append(str(it["name"]))
+    if pack.source_name:
+        names.insert(0, pack.source_name)
+    for n in names:
+        for d in (pack.path, pack.path.parent):
+            q = d / Path(n).name
+            if q.is_file():
+                return q
+    return None
 
 
 def load(path: str | os.PathLike, model_path: str | os.PathLike | None = None, *, xp: Any = np,
@@ -329,11 +337,11 @@ def load(path: str | os.PathLike, model_path: str | os.PathLike | None = None, *
     """
     p = Path(path)
     pack = None
-    if p.is_dir() or p.name == TABLE_NAME:
-        pack = read_pack_table(p)
-        mp = Path(model_path) if model_path else find_pack_model(pack.dir)
+    if p.is_dir() or p.name == NATIVE_TXT:
+        pack = read_pack(p)
+        mp = Path(model_path) if model_path else find_pack_model(pack)
         if mp is None:
-            raise StrataError(f"{pack.dir}: cannot tell which GGUF this pack was made from; pass --model MODEL.gguf", pack.dir)
+            raise StrataError(f"{pack.path}: cannot tell which GGUF this pack was made from; pass --model MODEL.gguf", pack.path)
         model = open_model(mp)
     else:
         if model_path:
@@ -345,15 +353,18 @@ def load(path: str | os.PathLike, model_path: str | os.PathLike | None = None, *
         arena = None
         if pack is not None:
             _check_pack(pack, model, cfg, slices)
-            have_arena = pack.arena.exists()
+            bin_path = pack.path / EXPERTS_BIN
+            have_arena = bin_path.exists()
             if use_arena and not have_arena:
-                raise StrataError(f"{pack.arena}: no such file (pack with --experts-bin, or run without it)", pack.arena)
+                raise StrataError(f"{bin_path}: no such file (pack with --experts-bin, or run without it)", bin_path)
             if have_arena and use_arena is not False:
-                size = pack.arena.stat().st_size
-                if size != pack.total:
-                    raise StrataError(f"{pack.arena}: {size} bytes but {pack.path.name} describes {pack.total} "
-                                      f"(a stale or cut-short experts.bin; pack again)", pack.arena)
-                arena = (pack.arena, [r.offset for r in pack.layers], [r.blob_bytes for r in pack.layers])
+                size = bin_path.stat().st_size
+                if size != pack.total_bytes:
+                    raise StrataError(f"{bin_path}: {size} bytes but {NATIVE_TXT} describes {pack.total_bytes} "
+                                      f"(a stale or cut-short experts.bin; pack again)", bin_path)
+                arena = (bin_path, [r.offset for r in pack.layers], [r.blob_bytes for r in pack.layers])
+            elif any(r.gate_off is None for r in pack.layers):
+                raise StrataError(f"{pack.path}: the table has no GGUF offsets and there is no experts.bin; pack again", pack.path)
         experts = ExpertSource(slices, cfg.n_expert, xp=xp, cache_bytes=expert_cache_bytes, arena=arena)
         return Weights(model, cfg, experts, pack, xp)
     except BaseException:
