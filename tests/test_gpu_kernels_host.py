@@ -1,0 +1,97 @@
+"""The GPU decoders' index arithmetic, checked on the CPU: the CUDA decoders of runtime.gpu.kernels compiled
+as host C++ (g++, no fused multiply-add) must give exactly runtime.dequant's values, on random blocks of every
+type and on the kit's real tensors. Skips where no C++ compiler is installed."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from runtime.dequant import SUPPORTED_TYPES, dequantize
+from runtime.gpu import kernels as K
+from stratatools.ggml_types import type_by_name
+from stratatools.gguf import open_model
+
+from test_dequant import KIT_FILES, random_blocks, same_bits
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the host copy of the GPU decoders")
+    d = tmp_path_factory.mktemp("deqhost")
+    src = d / "deq_host.cpp"
+    src.write_text(K.host_source())
+    so = d / "deq_host.so"
+    subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-o", str(so), str(src)],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    lib.deq_host.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
+    lib.deq_host.restype = ctypes.c_int
+    return lib
+
+
+def host_dequant(lib, raw: np.ndarray, tname: str) -> np.ndarray:
+    t = type_by_name(tname)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    n = raw.size // t.type_size * t.block_size
+    out = np.full(n, np.nan, dtype=np.float32)
+    assert lib.deq_host(t.id, raw.ctypes.data, out.ctypes.data, n // 8) == 0
+    return out
+
+
+@pytest.mark.parametrize("tname", SUPPORTED_TYPES)
+def test_host_decoders_match_cpu_random(host_lib, tname):
+    raw = random_blocks(tname, 48, seed=11 + len(tname))
+    ref = dequantize(raw, tname)
+    got = host_dequant(host_lib, raw, tname)
+    assert same_bits(got, ref), tname
+    assert np.count_nonzero(ref) > 0
+
+
+@pytest.mark.kit
+@pytest.mark.parametrize("rel", KIT_FILES)
+def test_host_decoders_match_cpu_kit(host_lib, kit, rel):
+    with open_model(kit / rel) as m:
+        seen = {}
+        for t in m.iter_tensors():
+            seen.setdefault(t.type.name, t)
+        for tname, info in seen.items():
+            raw = np.array(m.raw(info))
+            assert same_bits(host_dequant(host_lib, raw, tname), dequantize(raw, tname)), (rel, info.name)
+
+
+def test_tables_come_from_gguf():
+    """The lookup tables in the CUDA source are gguf.quants' own (parsed back from the source text)."""
+    from gguf import quants
+
+    src = K.tables_source()
+
+    def arr(name):
+        m = re.search(rf"{name}\[(\d+)\] = \{{([^}}]*)\}}", src)
+        assert m, name
+        return np.array([int(v) for v in m.group(2).split(",")])
+
+    assert np.array_equal(arr("KSIGNS"), np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8))
+    assert arr("KVALUES_IQ4NL").tolist() == list(quants.IQ4_NL.kvalues)
+    for cls, name in ((quants.IQ2_XS, "GRID_IQ2XS"), (quants.IQ2_S, "GRID_IQ2S"), (quants.IQ3_XXS, "GRID_IQ3XXS"),
+                      (quants.IQ3_S, "GRID_IQ3S"), (quants.IQ1_M, "GRID_IQ1")):
+        cls.init_grid()
+        assert np.array_equal(arr(name), np.asarray(cls.grid).reshape(-1).astype(np.int64)), name
+
+
+def test_every_supported_type_has_a_kernel_unit():
+    for tname in SUPPORTED_TYPES:
+        t = type_by_name(tname)
+        assert t.id in K.UNIT
+        bs, ts = K.UNIT[t.id]
+        if t.block_size > 1:
+            assert (bs, ts) == (t.block_size, t.type_size)
+        else:
+            assert bs == 8 and ts == 8 * t.type_size
