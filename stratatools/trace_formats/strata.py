@@ -120,7 +120,7 @@ class _Reader:
                 left = avail - consumed
                 if eof:
                     if left:
-                        self._cut(buf[consumed:avail], base)
+                        self._cut(buf[consumed:avail], base + consumed)
                     break
                 if consumed == 0:
                     # one record larger than the buffer: grow it (k is already checked, so this is bounded)
