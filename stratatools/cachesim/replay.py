@@ -56,6 +56,7 @@ class Entries:
         rnd: int64 [N] round id (non-decreasing; a change means a new round).
         record: int64 [N] record id (one token's routing of one layer).
         request: int64 [N] request id (dense over all input traces; folds never split one).
+        token: int64 [N] token id: one per (request, position), or per round where positions are unknown.
         n_layers, n_expert: the geometry entries were checked against.
         n_tokens: decode positions covered.
         skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
@@ -69,6 +70,7 @@ class Entries:
     n_layers: int
     n_expert: int
     n_tokens: int
+    token: np.ndarray | None = None
     skipped: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -80,13 +82,13 @@ class Entries:
 
     def take(self, mask: np.ndarray) -> "Entries":
         """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
-        tok = _count_tokens(self.record[mask], self.rnd[mask])
+        tk = self.token[mask] if self.token is not None else self.rnd[mask]
         return Entries(self.layer[mask], self.expert[mask], self.rnd[mask], self.record[mask], self.request[mask],
-                       self.n_layers, self.n_expert, tok, dict(self.skipped))
+                       self.n_layers, self.n_expert, _count_tokens(tk), dict(self.skipped), tk)
 
 
-def _count_tokens(record: np.ndarray, rnd: np.ndarray) -> int:
-    return int(len(np.unique(rnd))) if len(rnd) else 0
+def _count_tokens(token: np.ndarray) -> int:
+    return int(len(np.unique(token))) if len(token) else 0
 
 
 def merge_traces(tables: Sequence[TraceTable]) -> TraceTable:
@@ -162,8 +164,12 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     if not keep.any():
         raise StrataError(f"no routed entry of the traces fits {n_layers} layers x {n_expert} experts "
                           f"(skipped: {skipped}); check the traces belong to this model")
+    # token id: (request, position) when the position is known, else the round
+    tok_key = np.where(pos >= 0, req * (1 << 32) + pos, -(rnd + 1))
+    _, token = np.unique(tok_key[keep], return_inverse=True)
+    token = token.astype(np.int64)
     return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
-                   _count_tokens(record[keep], rnd[keep]), skipped)
+                   _count_tokens(token), skipped, token)
 
 
 @dataclass

@@ -1,9 +1,182 @@
-"""CLI commands: (to be filled by its issue)."""
+"""CLI commands: ``simulate`` (report folder with markdown, JSON, plots) and ``compare`` (profiles side by side).
+
+Both parse options, call :func:`stratatools.cachesim.study.run_study`, and render. See
+:mod:`stratatools.cachesim` for the model and :mod:`stratatools.report` for the outputs.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import typer
+from rich.table import Table
+
+from ..errors import StrataError
+from . import common
+
+POLICY_HELP = "Policy, repeatable or comma-separated: static, adaptive, lru, lfu, lfru, belady."
+
+
+def _split_list(values: list[str] | None) -> list[str]:
+    out: list[str] = []
+    for v in values or []:
+        out += [x.strip() for x in v.split(",") if x.strip()]
+    return out
+
+
+def _parse_sets(sets: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``--set adaptive.adapt_every=2`` -> {"adaptive": {"adapt_every": 2}} (ints, then floats)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in sets or []:
+        if "=" not in s or "." not in s.split("=", 1)[0]:
+            raise StrataError(f"--set {s!r}: expected POLICY.KEY=VALUE, e.g. adaptive.adapt_every=2")
+        k, v = s.split("=", 1)
+        pol, key = k.split(".", 1)
+        try:
+            val: Any = int(v)
+        except ValueError:
+            try:
+                val = float(v)
+            except ValueError:
+                raise StrataError(f"--set {s!r}: value {v!r} is not a number") from None
+        out.setdefault(pol, {})[key] = val
+    return out
+
+
+def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional[int], Optional[int]]:
+    if slots is None and budget_gib is None:
+        raise StrataError("no budget: give --slots N or --budget-gib X")
+    if slots is not None and slots < 0:
+        raise StrataError(f"--slots {slots}: must be >= 0")
+    if budget_gib is not None and budget_gib <= 0:
+        raise StrataError(f"--budget-gib {budget_gib}: must be > 0")
+    return slots, (None if budget_gib is None else int(budget_gib * 2**30))
+
+
+def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: Optional[str],
+        slots: Optional[int], budget_gib: Optional[float], policies: list[str], admission: str,
+        kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
+        sets: list[str], sweep: bool):
+    """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs)."""
+    from ..cachesim.replay import BandwidthModel
+    from ..cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
+
+    s, b = _budget(slots, budget_gib)
+    pols = _split_list(policies) or list(DEFAULT_POLICIES)
+    for p in pols:
+        if p not in DEFAULT_POLICIES:
+            raise StrataError(f"--policy {p!r}: unknown (use {', '.join(DEFAULT_POLICIES)})")
+    if min(host_gbps, pcie_gbps, vram_gbps) <= 0:
+        raise StrataError("bandwidths (--host-gbps, --pcie-gbps, --vram-gbps) must be > 0")
+    inp = load_inputs(traces, profiles, pack=pack, model=model)
+    profs = inp.profiles or [None]
+    names = inp.names or ["no profile"]
+    total = study_steps(len(profs), pols, admission, sweep)
+    with common.progress_bar("simulating", total, bytes_=False) as bar:
+        st = run_study(inp.tables, profs, names, n_layers=inp.n_layers, n_expert=inp.n_expert,
+                       trace_names=inp.trace_names, policies=pols, slots=s, budget_bytes=b,
+                       blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
+                       bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
+                       policy_params=_parse_sets(sets), progress=bar)
+    return st, inp
+
+
+def _table(st) -> Table:
+    from ..report import _bytes, _pct, result_rows
+
+    t = Table(title=f"{st.entries} entries, {st.tokens} tokens; admission {st.admission}")
+    for c in ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token"):
+        t.add_column(c, justify="left" if c in ("profile / split", "policy") else "right")
+    for r in result_rows(st):
+        t.add_row(r["label"], r["policy"], str(r["slots"]), _pct(r["h_expert"]), _pct(r["h_layer"]),
+                  _pct(r["h_bytes"]), _bytes(r["moved_bytes"]), f"{r['ms_per_token']:.3f}")
+    return t
+
+
+_TRACES = typer.Option(..., "--traces", "-t", help="Routing trace (any supported format); repeatable.")
+_PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``simulate`` and ``compare`` to ``app``."""
+
+    @app.command("simulate")
+    def simulate_cmd(
+        traces: list[str] = _TRACES,
+        profile: Optional[list[str]] = _PROFILE,
+        pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
+        slots: Optional[int] = typer.Option(None, "--slots", help="Slot count budget."),
+        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB (needs --pack/--model)."),
+        policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP),
+        admission: str = typer.Option("global", "--admission", help="global (engine default) or per-layer."),
+        kfold: Optional[int] = typer.Option(None, "--kfold", help="Held-out k-fold by request."),
+        phase: str = typer.Option("decode", "--phase", help="decode (drop prefill entries) or all."),
+        host_gbps: float = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s."),
+        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),
+        vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s."),
+        sets: Optional[list[str]] = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable."),
+        no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the budget sweep (faster)."),
+        report: str = typer.Option(..., "--report", help="Folder for report.md, report.json and PNG plots."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing report."),
+        as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
+    ) -> None:
+        """Replay traces through Strata's VRAM tier and baselines; write a report with plots."""
+        from ..report import FILES, study_json, write_report
+        from pathlib import Path
+
+        if not force:
+            for f in FILES:
+                if (Path(report) / f).exists():
+                    raise StrataError(f"{Path(report) / f}: already exists (pass --force to replace the report)")
+        for p in list(traces) + list(profile or []):
+            if Path(report).resolve() == Path(p).resolve():
+                raise StrataError(f"{report}: the report folder would overwrite the input {p}")
+        st, _ = run(traces, profile or [], pack=pack, model=model, slots=slots, budget_gib=budget_gib,
+                    policies=policy or [], admission=admission, kfold=kfold, phase=phase, host_gbps=host_gbps,
+                    pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep)
+        paths = write_report(st, report, force=force)
+        if as_json:
+            import sys
+            sys.stdout.write(study_json(st))
+            return
+        common.console.print(_table(st))
+        if st.kfold is not None:
+            kf = st.kfold
+            for p in kf.policies:
+                common.console.print(f"{kf.k}-fold held-out {p}: h_expert {100 * kf.mean[p]:.2f}% "
+                                     f"[{100 * kf.low[p]:.2f}%, {100 * kf.high[p]:.2f}%], in-sample "
+                                     f"{100 * kf.in_sample[p]:.2f}%")
+        common.note(f"wrote {', '.join(str(p) for p in paths)}")
+
+    @app.command("compare")
+    def compare_cmd(
+        traces: list[str] = _TRACES,
+        profile: Optional[list[str]] = _PROFILE,
+        pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
+        slots: Optional[int] = typer.Option(None, "--slots", help="Slot count budget."),
+        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB."),
+        policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP + " Default: static,adaptive,belady."),
+        admission: str = typer.Option("global", "--admission", help="global or per-layer."),
+        phase: str = typer.Option("decode", "--phase", help="decode or all."),
+        report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing report."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Put several profiles side by side on the same traces and budget."""
+        from ..report import result_rows, write_report
+
+        if not profile:
+            raise StrataError("compare needs at least one --profile")
+        st, _ = run(traces, profile, pack=pack, model=model, slots=slots, budget_gib=budget_gib,
+                    policies=policy or ["static", "adaptive", "belady"], admission=admission, kfold=None,
+                    phase=phase, host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0, sets=[],
+                    sweep=report is not None)
+        if report is not None:
+            write_report(st, report, force=force)
+        if as_json:
+            common.emit_json({"entries": st.entries, "tokens": st.tokens, "budget": st.budget,
+                              "admission": st.admission, "profiles": st.profiles, "rows": result_rows(st)})
+            return
+        common.console.print(_table(st))

@@ -1,0 +1,289 @@
+"""What ``stratatools simulate`` / ``compare`` compute: profiles x policies at one budget, a budget sweep, the
+coverage curves and the optional k-fold, as one :class:`Study` (rendered by :mod:`stratatools.report`).
+
+Same budget (see :mod:`.layout`): the static and adaptive tiers get the slot count / byte budget and the
+admission mode; per-layer baselines (lru, lfu, lfru, belady) get the per-layer admission split of the same
+budget (label ``per-layer split``). With global admission the split depends on the profile, so Belady is
+also run under each profile's split (label ``<profile> split``): that run bounds the profile's static and
+adaptive tiers, which never move a slot to another layer.
+
+Coverage curve of a profile: x = n, the first n ranked pairs; measured = share of the replayed entries whose
+pair is among them (what the static tier with global admission and n slots hits); claimed = the share the
+profile's own float32 frequency table gives its first n pairs when the file carries one, else the curve of
+the best possible ranking for these traces (``oracle``: pairs by count on these traces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import StrataError
+from ..profile import Profile
+from ..trace import TraceTable
+from .kfold import KFoldResult, kfold_eval
+from .layout import rounded_blob_bytes
+from .replay import BandwidthModel, Entries, SimResult, merge_traces, prepare_entries, simulate_policy
+
+DEFAULT_POLICIES = ("static", "adaptive", "lru", "lfu", "lfru", "belady")
+PROFILE_POLICIES = ("static", "adaptive")
+SWEEP_FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0)
+
+
+@dataclass
+class Study:
+    """Everything a simulate report shows.
+
+    Attributes:
+        n_layers, n_expert: geometry.
+        traces: per input ``{"name", "entries"}``; entries/tokens/requests/skipped: of the replay.
+        budget: ``{"slots", "budget_bytes"}`` as given; admission; bandwidth; policies; profiles (names).
+        results: :class:`SimResult` at the main budget (static/adaptive per profile, baselines once, Belady
+            per profile split under global admission).
+        sweep: rows ``{"x", "unit", "label", "policy", "h_expert", "h_bytes"}`` (x in slots or GiB).
+        coverage: per profile ``{"n", "measured", "claimed", "claimed_kind"}``.
+        kfold: the held-out evaluation, when asked.
+    """
+
+    n_layers: int
+    n_expert: int
+    traces: list[dict[str, Any]]
+    entries: int
+    tokens: int
+    requests: int
+    skipped: dict[str, int]
+    budget: dict[str, Any]
+    admission: str
+    bandwidth: dict[str, float]
+    policies: list[str]
+    profiles: list[str]
+    results: list[SimResult] = field(default_factory=list)
+    sweep: list[dict[str, Any]] = field(default_factory=list)
+    coverage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kfold: KFoldResult | None = None
+    blob_bytes: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("results", "kfold")}
+        d["results"] = [r.to_dict() for r in self.results]
+        d["kfold"] = self.kfold.to_dict() if self.kfold is not None else None
+        d["hit_rate_definitions"] = {
+            "h_expert": "hits / routed (token, layer, expert) entries; hit = resident at the time of use",
+            "h_layer": "share of (token, layer) records whose k experts were all resident",
+            "h_bytes": "hits weighted by the layer's blob bytes",
+        }
+        return d
+
+
+def unique_names(names: Sequence[str]) -> list[str]:
+    """Make labels unique by appending #2, #3, ... to repeats."""
+    out, seen = [], {}
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def coverage_curve(ent: Entries, profile: Profile, points: int = 64) -> dict[str, Any]:
+    """Claimed vs measured coverage of a profile's first n pairs (module docstring)."""
+    L, E = ent.n_layers, ent.n_expert
+    N = profile.n_ranked
+    grid = np.unique(np.linspace(0, N, points + 1).round().astype(np.int64))
+    rank = profile.rank_table()[ent.layer, ent.expert].astype(np.int64)
+    ranked = rank[rank >= 0]
+    hist = np.bincount(ranked, minlength=N)
+    cum = np.concatenate([[0], np.cumsum(hist)])
+    measured = cum[grid] / max(len(ent), 1)
+    if profile.trailer == "freq" and profile.freq is not None:
+        f = profile.freq.ravel()[profile.flat()].astype(np.float64)
+        tot = float(profile.freq.sum())
+        cf = np.concatenate([[0.0], np.cumsum(f)]) / (tot if tot > 0 else 1.0)
+        claimed, kind = cf[grid], "frequency table"
+    else:
+        counts = np.bincount(ent.layer * E + ent.expert, minlength=L * E).astype(np.float64)
+        cs = np.concatenate([[0.0], np.cumsum(np.sort(counts)[::-1])]) / max(len(ent), 1)
+        claimed, kind = cs[np.minimum(grid, L * E)], "oracle"
+    return {"n": grid.tolist(), "measured": [float(x) for x in measured], "claimed": [float(x) for x in claimed],
+            "claimed_kind": kind}
+
+
+def _sweep_points(slots, budget_bytes, L, E, blob_bytes) -> list[tuple[dict, float, str]]:
+    pts = []
+    if budget_bytes is not None:
+        full = int((rounded_blob_bytes(blob_bytes) * E).sum())
+        vals = sorted({min(full, max(1, int(budget_bytes * f))) for f in SWEEP_FRACTIONS} | {int(budget_bytes)})
+        for v in vals:
+            pts.append(({"slots": slots, "budget_bytes": v}, v / 2**30, "GiB"))
+    else:
+        vals = sorted({min(L * E, max(1, int(round(slots * f)))) for f in SWEEP_FRACTIONS} | {int(slots)})
+        for v in vals:
+            pts.append(({"slots": v, "budget_bytes": None}, float(v), "slots"))
+    return pts
+
+
+def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], names: Sequence[str], *,
+              n_layers: int | None = None, n_expert: int | None = None, trace_names: Sequence[str] | None = None,
+              policies: Sequence[str] = DEFAULT_POLICIES, slots: int | None = None, budget_bytes: int | None = None,
+              blob_bytes=None, admission: str = "global", phase: str = "decode", kfold: int | None = None,
+              bandwidth: BandwidthModel | None = None, sweep: bool = True,
+              policy_params: dict[str, dict] | None = None, progress=None) -> Study:
+    """Simulate profiles and policies on traces (module docstring).
+
+    Args:
+        tables: traces; profiles / names: the profiles (None = no profile: arrival-order admission) and labels.
+        n_layers, n_expert: geometry (default: the profiles'; all must agree).
+        policies: any of static, adaptive, lru, lfu, lfru, belady.
+        slots / budget_bytes: the budget; blob_bytes: per-layer blob bytes (pack or model).
+        kfold: k for the held-out evaluation (profile-driven policies), None to skip.
+        progress: object with ``update(advance=n)`` (a progress bar), optional.
+    Raises:
+        StrataError: profiles of different geometries, no geometry, bad budget, unknown policies.
+    """
+    bw = bandwidth or BandwidthModel()
+    pp = policy_params or {}
+    geo = {(p.n_layers, p.n_expert) for p in profiles if p is not None}
+    if len(geo) > 1:
+        raise StrataError(f"profiles are for different geometries {sorted(geo)}; compare profiles of one model")
+    if geo:
+        L, E = geo.pop()
+        if (n_layers is not None and n_layers != L) or (n_expert is not None and n_expert != E):
+            raise StrataError(f"profiles are for {L} layers x {E} experts, the model has {n_layers} x {n_expert}")
+    else:
+        if n_layers is None or n_expert is None:
+            raise StrataError("no profile and no model: give --profile or --model/--pack for the geometry")
+        L, E = n_layers, n_expert
+    for p in policies:
+        if p not in DEFAULT_POLICIES:
+            raise StrataError(f"unknown policy {p!r} (use {', '.join(DEFAULT_POLICIES)})")
+    if slots is None and budget_bytes is None:
+        raise StrataError("no budget: give --slots N or --budget-gib X")
+    merged = merge_traces(list(tables))
+    ent = prepare_entries(merged, L, E, phase=phase)
+    tn = list(trace_names) if trace_names else [f"trace{i}" for i in range(len(tables))]
+    st = Study(L, E, [{"name": n, "entries": len(t)} for n, t in zip(tn, tables)], len(ent), ent.n_tokens,
+               int(len(np.unique(ent.request))), ent.skipped, {"slots": slots, "budget_bytes": budget_bytes},
+               admission, bw.to_dict(), list(policies), list(names),
+               blob_bytes=None if blob_bytes is None else [int(b) for b in blob_bytes])
+
+    def tick():
+        if progress is not None:
+            progress.update(advance=1)
+
+    def run_at(budget: dict, collect: list | None, x: float | None, unit: str | None) -> list[SimResult]:
+        out = []
+        common = dict(blob_bytes=blob_bytes, bandwidth=bw, **budget)
+        for pol in policies:
+            if pol in PROFILE_POLICIES:
+                for prof, name in zip(profiles, names):
+                    r = simulate_policy(ent, pol, label=name, profile=prof, admission=admission, **common,
+                                        **pp.get(pol, {}))
+                    out.append(r)
+                    tick()
+            else:
+                out.append(simulate_policy(ent, pol, label="per-layer split", **common, **pp.get(pol, {})))
+                tick()
+        if "belady" in policies and admission == "global":
+            # one Belady per profile, under the largest per-layer split its static/adaptive tiers reached
+            # (arrival admission can grow a layer's share in global mode; more slots never hurt the optimum)
+            caps: dict[str, np.ndarray] = {}
+            for r0 in out:
+                if r0.policy in PROFILE_POLICIES:
+                    c = np.asarray(r0.cap, dtype=np.int64)
+                    caps[r0.label] = np.maximum(caps[r0.label], c) if r0.label in caps else c
+            for name, c in caps.items():
+                out.append(simulate_policy(ent, "belady", label=f"{name} split", cap=c, blob_bytes=blob_bytes,
+                                           bandwidth=bw))
+                tick()
+        if collect is not None:
+            for r in out:
+                collect.append({"x": x, "unit": unit, "label": r.label, "policy": r.policy,
+                                "h_expert": r.h_expert, "h_bytes": r.h_bytes})
+        return out
+
+    st.results = run_at({"slots": slots, "budget_bytes": budget_bytes}, None, None, None)
+    if sweep:
+        for budget, x, unit in _sweep_points(slots, budget_bytes, L, E, blob_bytes):
+            run_at(budget, st.sweep, x, unit)
+    for prof, name in zip(profiles, names):
+        if prof is not None:
+            st.coverage[name] = coverage_curve(ent, prof)
+    if kfold:
+        kp = [p for p in policies if p in PROFILE_POLICIES] or ["static"]
+        st.kfold = kfold_eval(merged, L, E, int(kfold), policies=kp, slots=slots, budget_bytes=budget_bytes,
+                              blob_bytes=blob_bytes, admission=admission, phase=phase, bandwidth=bw,
+                              policy_params=pp)
+    return st
+
+
+def study_steps(n_profiles: int, policies: Sequence[str], admission: str, sweep: bool) -> int:
+    """Number of simulate_policy runs a study makes (for a progress bar's total)."""
+    per = sum(n_profiles if p in PROFILE_POLICIES else 1 for p in policies)
+    if "belady" in policies and admission == "global" and any(p in PROFILE_POLICIES for p in policies):
+        per += n_profiles
+    return per * (1 + (len(SWEEP_FRACTIONS) + 1 if sweep else 0))
+
+
+@dataclass
+class StudyInputs:
+    """Files read for a study: traces (tables + names), profiles (+ names), blob sizes and geometry."""
+
+    tables: list[TraceTable]
+    trace_names: list[str]
+    profiles: list[Profile]
+    names: list[str]
+    blob_bytes: list[int] | None
+    n_layers: int | None
+    n_expert: int | None
+    blob_source: str | None
+
+
+def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | None = None,
+                model: str | None = None) -> StudyInputs:
+    """Read traces (any format :func:`stratatools.trace_formats.read_trace` knows), STRP profiles, and the
+    per-layer blob bytes from a native pack (``native_experts.txt``, formats.md 5) or a model's geometry.
+
+    Raises:
+        StrataError: no traces; both --pack and --model; every reader's errors; a pack/model whose expert
+        count differs from the profiles'.
+    """
+    from pathlib import Path
+
+    from ..profile import read_profile
+    from ..trace_formats import read_trace
+
+    if not traces:
+        raise StrataError("no traces given (pass --traces FILE, repeatable)")
+    if pack is not None and model is not None:
+        raise StrataError("give --pack or --model, not both")
+    blob = None
+    L = E = None
+    src = None
+    if pack is not None:
+        from ..pack import read_pack
+
+        pk = read_pack(pack)
+        blob = [int(r.blob_bytes) for r in pk.layers]
+        L, E, src = len(blob), int(pk.n_expert), f"pack {pack}"
+    elif model is not None:
+        from ..geometry import read_geometry
+        from ..gguf import open_model
+
+        with open_model(model) as m:
+            g = read_geometry(m)
+        missing = [i for i, le in enumerate(g.layers) if le is None or not le.complete]
+        if missing:
+            raise StrataError(f"{model}: layer {missing[0]} has no complete routed-expert tensors; "
+                              f"blob sizes need gate, up and down of every trunk layer")
+        blob = [int(le.blob_bytes) for le in g.layers]
+        L, E, src = g.n_trunk, g.n_expert, f"model {model}"
+    profs = [read_profile(p) for p in profiles]
+    for p, path in zip(profs, profiles):
+        if L is not None and (p.n_layers, p.n_expert) != (L, E):
+            raise StrataError(f"{path}: profile is for {p.n_layers} layers x {p.n_expert} experts but the "
+                              f"{src} has {L} x {E}; remap it or pass the matching pack/model", path)
+    tables = [read_trace(t, n_layers=L if L is not None else (profs[0].n_layers if profs else None),
+                         n_expert=E if E is not None else (profs[0].n_expert if profs else None)) for t in traces]
+    names = unique_names([Path(p).stem for p in profiles])
+    return StudyInputs(tables, [Path(t).name for t in traces], profs, names, blob, L, E, src)
