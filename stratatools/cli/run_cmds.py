@@ -1,9 +1,81 @@
-"""CLI commands: (to be filled by its issue)."""
+"""CLI command ``run``: run prompts through a packed qwen4exp model with the runtime (:mod:`runtime.run`).
+
+Parses options, calls :func:`runtime.run.run_prompts`, renders a rich table (or JSON with ``--json``).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+from rich.table import Table
+
+from . import common
+
+
+def run_cmd(
+    pack: Path = typer.Argument(..., help="Pack folder (native_experts.txt [+ experts.bin]) or a GGUF."),
+    prompts: Path = typer.Option(..., "--prompts", "-p", help="Prompts: text lines (\\n escapes) or JSON "
+                                 "({\"prompts\": [{\"text\"|\"token_ids\", \"prompt_id\"}]})."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="The pack's GGUF, when the pack does not name it."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="STRP profile that fills the expert tier."),
+    budget_gib: Optional[float] = typer.Option(None, "--budget-gib", min=0.0, help="Tier size in GiB."),
+    slots: Optional[int] = typer.Option(None, "--slots", min=0, help="Tier size in slots."),
+    policy: str = typer.Option("static", "--policy", help="Tier policy: static, adaptive, lru, lfu, lfru."),
+    admission: str = typer.Option("global", "--admission", help="Tier admission: global or per-layer."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n", min=0, help="Length cap per request."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace-out", "-t", help="Write the routing trace here."),
+    trace_format: Optional[str] = typer.Option(None, "--trace-format", help="strata-tagged (default), strata, "
+                                               "parquet or csv (default by extension)."),
+    selection: str = typer.Option("transformers", "--qsa", help="QSA token selection: transformers or llamacpp."),
+    output_gate: str = typer.Option("sigmoid", "--output-gate", help="GDN output gate: sigmoid (llama.cpp) or silu."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing trace file."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
+) -> None:
+    """Greedy-decode every prompt, write the routing trace, report h_expert and tokens/s."""
+    from runtime.run import read_prompts, run_prompts
+
+    n = len(read_prompts(prompts))
+    with common.progress_bar("run", n, bytes_=False) as bar:
+        res = run_prompts(pack, prompts, model=model, profile=profile, budget_gib=budget_gib, slots=slots,
+                          policy=policy, admission=admission, max_new_tokens=max_new_tokens, trace_out=trace_out,
+                          trace_format=trace_format, force=force, selection=selection, output_gate=output_gate,
+                          progress=lambda k: bar.update(advance=k))
+    if as_json:
+        common.emit_json(res.to_dict())
+        return
+    c = common.console
+    c.print(f"{res.pack or res.model}: experts from {res.expert_source}, QSA selection {res.selection}",
+            markup=False, soft_wrap=True)
+    t = Table(title="requests")
+    for col in ("request", "id", "prompt tokens", "new tokens", "stop", "text"):
+        t.add_column(col, justify="left" if col in ("id", "stop", "text") else "right")
+    for r in res.requests:
+        txt = (r.text or " ".join(map(str, r.new_ids)))
+        t.add_row(str(r.request), r.prompt_id, str(r.prompt_tokens), str(len(r.new_ids)), r.stop,
+                  repr(txt[:40]) if txt else "")
+    c.print(t)
+    c.print(f"prefill: {res.prompt_tokens} tokens, {res.prefill_tokens_per_s:.1f} tokens/s; decode: "
+            f"{res.new_tokens} new tokens, {res.tokens_per_s:.1f} tokens/s", markup=False)
+    if res.tier is not None:
+        tier = res.tier
+        c.print(f"tier: {tier['policy']}, {tier['resident']} experts resident"
+                + (f", {tier['slots']} slots" if tier["slots"] is not None else "")
+                + (f", budget {tier['budget_bytes']} bytes" if tier["budget_bytes"] is not None else ""), markup=False)
+        lt = Table(title="expert tier per layer (decode)")
+        for col in ("layer", "entries", "hits", "misses", "h_expert"):
+            lt.add_column(col, justify="right")
+        d = tier["decode"] if tier["decode"]["entries"] else tier["all"]
+        for il, (e, h) in enumerate(zip(d["layer_entries"], d["layer_hits"])):
+            lt.add_row(str(il), str(e), str(h), str(e - h), f"{h / e:.4f}" if e else "-")
+        c.print(lt)
+        c.print(f"h_expert (decode): {tier['decode']['h_expert']:.4f}; prefill: {tier['prefill']['h_expert']:.4f}; "
+                f"all: {tier['all']['h_expert']:.4f}", markup=False)
+    if res.trace_path:
+        c.print(f"trace: {res.trace_records} records ({res.trace_format}) -> {res.trace_path}", markup=False)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+    app.command("run")(run_cmd)
