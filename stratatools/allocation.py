@@ -36,6 +36,8 @@ ROLES = ("gate", "up", "down")
 # A Section 2 entry: blk.<L>.ffn_<role>_exps.weight[<I>]: <TYPE or nothing>
 _S2 = re.compile(r"[ \t]*blk\.(\d{1,6})\.ffn_(gate|up|down)_exps\.weight\[(\d{1,7})\][ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*")
 # A Section 1 entry: <tensor name>: <TYPE>  (names have no spaces, colons, brackets or '#')
+_S2_ALL = re.compile(r"^[ \t]*blk\.(\d{1,6})\.ffn_(gate|up|down)_exps\.weight\[(\d{1,7})\][ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*$",
+                     re.MULTILINE)
 _S1 = re.compile(r"[ \t]*([A-Za-z0-9_.\-]+)[ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*")
 _BLANK_OR_COMMENT = re.compile(r"[ \t\r]*(#.*)?")
 _HDR_KEPT = re.compile(r"(\d+)\s+of\s+(\d+)")
@@ -119,8 +121,9 @@ class Allocation:
         header_kept / header_original / header_layers: what the header says (``16 of 32 ... 8 layers``), or None.
         tensor_types: Section 1, tensor name -> upper-case type name.
         tensor_lines: Section 1, tensor name -> 1-based line number.
-        entry_text: every entry (both sections) in file order, normalised to ``name: TYPE`` (or ``name:``).
-        entry_group: per entry, -1 for Section 1, else the Section 2 layer. int32 [n_entries].
+        entry_group: per entry in file order, -1 for Section 1, else the Section 2 layer. int32 [n_entries].
+        entry_index: per entry in file order, its index in Section 1 (``tensor_types`` order) or in the
+            Section 2 arrays. int64 [n_entries].
         layer, role, orig, line: Section 2 entries in file order: layer, role (0 gate, 1 up, 2 down),
             original index, 1-based line number. int64 arrays [n_s2].
         type_code: Section 2, index into ``type_names``; 0 is ``""`` (pruned). int64 [n_s2].
@@ -139,8 +142,8 @@ class Allocation:
     header_layers: int | None = None
     tensor_types: dict[str, str] = field(default_factory=dict)
     tensor_lines: dict[str, int] = field(default_factory=dict)
-    entry_text: list[str] = field(default_factory=list)
     entry_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    entry_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     layer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     role: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     orig: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -171,7 +174,7 @@ class Allocation:
 
     @property
     def n_entries(self) -> int:
-        return len(self.entry_text)
+        return int(len(self.entry_group))
 
     @property
     def n_kept(self) -> list[int]:
@@ -233,6 +236,11 @@ def _decode(data: bytes, p: str) -> str:
 def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allocation:
     """Parse and validate the bytes of an ``rco-allocation.txt`` (formats.md section 6).
 
+    Fast path: every line holding ``_exps.weight[`` must be a Section 2 entry; those are extracted by one
+    multi-line regex scan (C speed) and their line numbers come from the line classification; the few other
+    lines (Section 1, comments) go through a per-line match. When the counts disagree, a per-line pass finds
+    the offending line for the message.
+
     Returns:
         an :class:`Allocation`; its Section 2 arrays are in file order.
 
@@ -245,23 +253,23 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
     p = os.fspath(path) if path is not None else "<allocation>"
     text = _decode(bytes(data), p)
     lines = text.split("\n")
-    s2_match = _S2.fullmatch
-    s1_match = _S1.fullmatch
-    blank_match = _BLANK_OR_COMMENT.fullmatch
-    s2: list[tuple[str, str, str, str]] = []
-    s2_line: list[int] = []
-    entry_text: list[str] = []
-    entry_group: list[int] = []
+    is_s2 = np.fromiter(("_exps.weight[" in ln for ln in lines), dtype=bool, count=len(lines))
+    s2 = _S2_ALL.findall(text)
+    s2_line = np.flatnonzero(is_s2) + 1
+    if len(s2) != len(s2_line):
+        # some line that looks like a per-expert entry is not one: find it
+        for i in s2_line.tolist():
+            if _S2.fullmatch(lines[i - 1]) is None:
+                _garbage(p, i, lines[i - 1])
+        raise StrataError(f"{p}: the per-expert entries could not be read consistently; check the line ends", p)
     header: list[str] = []
     tensor_types: dict[str, str] = {}
     tensor_lines: dict[str, int] = {}
-    for i, ln in enumerate(lines):
-        m = s2_match(ln)
-        if m is not None:
-            g = m.groups()
-            s2.append(g)
-            s2_line.append(i + 1)
-            continue
+    first_s2 = int(s2_line[0]) if len(s2_line) else len(lines) + 1
+    s1_match = _S1.fullmatch
+    blank_match = _BLANK_OR_COMMENT.fullmatch
+    for i in np.flatnonzero(~is_s2).tolist():
+        ln = lines[i]
         m = s1_match(ln)
         if m is not None:
             name, typ = m.groups()
@@ -271,21 +279,15 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
             if name in tensor_types:
                 raise StrataError(f"{p}: line {i + 1}: tensor {name} is listed twice (first at line "
                                   f"{tensor_lines[name]})", p)
-            typ = typ.upper()
-            tensor_types[name] = typ
+            tensor_types[name] = typ.upper()
             tensor_lines[name] = i + 1
-            entry_text.append(f"{name}: {typ}")
-            entry_group.append(-1)
             continue
         m = blank_match(ln)
         if m is not None:
-            if m.group(1) is not None and not entry_text and not s2:
+            if m.group(1) is not None and not tensor_types and i + 1 < first_s2:
                 header.append(m.group(1)[1:].strip())
             continue
-        shown = ln.strip()
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise StrataError(f"{p}: line {i + 1}: not an allocation entry: {shown!r} (expected '<tensor>: <TYPE>', "
-                          f"'blk.L.ffn_<gate|up|down>_exps.weight[I]: <TYPE or nothing>' or a '#' comment)", p)
+        _garbage(p, i + 1, ln)
     alloc = Allocation(path=p, header=header, tensor_types=tensor_types, tensor_lines=tensor_lines)
     for h in header:
         m = _HDR_KEPT.search(h)
@@ -294,46 +296,42 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
         m = _HDR_LAYERS.search(h)
         if m and alloc.header_layers is None:
             alloc.header_layers = int(m.group(1))
+    s1_lines = np.fromiter(tensor_lines.values(), dtype=np.int64, count=len(tensor_lines))
     if s2:
-        _build_section2(alloc, s2, s2_line, entry_text, entry_group, lines)
-    else:
-        alloc.entry_text = entry_text
-        alloc.entry_group = np.asarray(entry_group, dtype=np.int32)
+        _build_section2(alloc, s2, s2_line.astype(np.int64))
+    # every entry in file order: group (-1 Section 1, else the layer) and index into its section
+    all_lines = np.concatenate([s1_lines, alloc.line])
+    order = np.argsort(all_lines, kind="stable")
+    n1 = len(s1_lines)
+    alloc.entry_index = np.concatenate([np.arange(n1), np.arange(len(alloc.line))])[order]
+    alloc.entry_group = np.concatenate([np.full(n1, -1, np.int64), alloc.layer])[order].astype(np.int32)
     _check_types(alloc)
     return alloc
 
 
-def _build_section2(alloc: Allocation, s2: list, s2_line: list[int], entry_text: list[str],
-                    entry_group: list[int], lines: list[str]) -> None:
+def _garbage(p: str, line_no: int, ln: str) -> None:
+    shown = ln.strip()
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise StrataError(f"{p}: line {line_no}: not an allocation entry: {shown!r} (expected '<tensor>: <TYPE>', "
+                      f"'blk.L.ffn_<gate|up|down>_exps.weight[I]: <TYPE or nothing>' or a '#' comment)", p)
+
+
+def _build_section2(alloc: Allocation, s2: list, line: np.ndarray) -> None:
     p = alloc.path
+    n = len(s2)
     cols = list(zip(*s2))
     # digits only (the regex), bounded widths: int conversion cannot fail
-    layer = np.array(cols[0], dtype=np.int64) if len(cols[0]) else np.zeros(0, np.int64)
-    role_s = np.array(cols[1])
-    orig = np.array(cols[2], dtype=np.int64)
-    role = np.where(role_s == "gate", 0, np.where(role_s == "up", 1, 2)).astype(np.int64)
-    types_upper = np.char.upper(np.array(cols[3], dtype=str))
-    names, code = np.unique(types_upper, return_inverse=True)
-    names = names.tolist()
-    if names[0] != "":
-        names = [""] + names
-        code = code + 1
-    line = np.asarray(s2_line, dtype=np.int64)
+    layer = np.fromiter(map(int, cols[0]), dtype=np.int64, count=n)
+    orig = np.fromiter(map(int, cols[2]), dtype=np.int64, count=n)
+    role_of = {"gate": 0, "up": 1, "down": 2}
+    role = np.fromiter(map(role_of.__getitem__, cols[1]), dtype=np.int64, count=n)
+    type_ids: dict[str, int] = {"": 0}
+    raw_code: dict[str, int] = {}
+    for t in sorted(set(cols[3])):  # few distinct spellings; case-insensitive
+        raw_code[t] = type_ids.setdefault(t.upper(), len(type_ids))
+    code = np.fromiter(map(raw_code.__getitem__, cols[3]), dtype=np.int64, count=n)
     alloc.layer, alloc.role, alloc.orig, alloc.line = layer, role, orig, line
-    alloc.type_code, alloc.type_names = code.astype(np.int64), names
-
-    # the entry list in file order (Section 1 and Section 2 interleaved as in the file)
-    s2_text = [f"blk.{a}.ffn_{b}_exps.weight[{c}]: {d.upper()}".rstrip() for a, b, c, d in s2]
-    if entry_text:
-        s1_lines = np.fromiter(alloc.tensor_lines.values(), dtype=np.int64, count=len(alloc.tensor_lines))
-        all_lines = np.concatenate([s1_lines, line])
-        order = np.argsort(all_lines, kind="stable")
-        merged_text = entry_text + s2_text
-        alloc.entry_text = [merged_text[i] for i in order.tolist()]
-        alloc.entry_group = np.concatenate([np.asarray(entry_group, np.int32), layer.astype(np.int32)])[order]
-    else:
-        alloc.entry_text = s2_text
-        alloc.entry_group = layer.astype(np.int32)
+    alloc.type_code, alloc.type_names = code, list(type_ids)
 
     # layers 0..L-1, each present
     if layer.max() >= MAX_LAYERS:
@@ -586,6 +584,28 @@ def dense_changes(a: SurvivorMap, b: SurvivorMap) -> list[int]:
     return out
 
 
+def _changed_at_position(a: Allocation, b: Allocation) -> np.ndarray:
+    """bool [min(n_entries)]: entry i of ``a`` differs from entry i of ``b`` (name, index or type)."""
+    n = min(a.n_entries, b.n_entries)
+    ga, gb = a.entry_group[:n], b.entry_group[:n]
+    ia, ib = a.entry_index[:n], b.entry_index[:n]
+    s2a, s2b = ga >= 0, gb >= 0
+    changed = s2a != s2b
+    both2 = s2a & s2b
+    xa, xb = ia[both2], ib[both2]
+    # b's type codes in a's numbering (names a lacks get codes past a's)
+    names_a = {t: i for i, t in enumerate(a.type_names)}
+    remap = np.array([names_a.get(t, len(a.type_names) + j) for j, t in enumerate(b.type_names)], dtype=np.int64)
+    diff2 = ((a.layer[xa] != b.layer[xb]) | (a.role[xa] != b.role[xb]) | (a.orig[xa] != b.orig[xb]) |
+             (a.type_code[xa] != remap[b.type_code[xb]]))
+    changed[np.flatnonzero(both2)] = diff2
+    both1 = np.flatnonzero(~s2a & ~s2b)
+    if len(both1):
+        na, nb = list(a.tensor_types.items()), list(b.tensor_types.items())
+        changed[both1] = [na[i] != nb[j] for i, j in zip(ia[both1].tolist(), ib[both1].tolist())]
+    return changed
+
+
 def diff_allocations(a: Allocation, b: Allocation) -> AllocationDiff:
     """Compare two allocation files position by position and as survivor maps (formats.md section 6).
 
@@ -593,10 +613,8 @@ def diff_allocations(a: Allocation, b: Allocation) -> AllocationDiff:
         StrataError: either file lacks Section 2, or their layer counts differ.
     """
     ma, mb = a.survivor_map(), b.survivor_map()
-    n = min(a.n_entries, b.n_entries)
-    ta = np.array(a.entry_text[:n], dtype=object)
-    tb = np.array(b.entry_text[:n], dtype=object)
-    changed = ta != tb
+    changed = _changed_at_position(a, b)
+    n = len(changed)
     extra = abs(a.n_entries - b.n_entries)
     grp = a.entry_group[:n]
     per_layer = np.bincount(grp[changed & (grp >= 0)], minlength=a.n_layers)[:a.n_layers]
@@ -666,7 +684,8 @@ def export_allocation(alloc: Allocation, out: str | os.PathLike, fmt: str | None
             df.to_csv(fh, index=False, lineterminator="\n")
     elif fmt == "json":
         write_json_atomic(out, {"source": alloc.name, "sha256": alloc.sha256, "table": what,
-                                "columns": list(df.columns), "rows": df.to_dict(orient="records")})
+                                "columns": list(df.columns),
+                                "rows": [list(r) for r in df.itertuples(index=False, name=None)]})
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -680,6 +699,41 @@ def export_allocation(alloc: Allocation, out: str | os.PathLike, fmt: str | None
     return out
 
 
-__all__ = ["ROLES", "SurvivorMap", "Allocation", "parse_allocation", "read_allocation", "ModelCheck",
+def format_allocation(kept: list[np.ndarray] | list[list[int]], n_original: int, *,
+                      section1: dict[str, str] | None = None, expert_types: tuple[str, str, str] = ("Q2_0", "Q2_0", "Q2_0"),
+                      title: str = "RCO allocation map", pruned_colon: str = ": ", order: str = "ascending",
+                      seed: int = 0) -> str:
+    """Write an ``rco-allocation.txt`` in ISTA's layout (formats.md section 6): ``#`` header stating kept,
+    original and layer counts, Section 1 (``section1`` name -> type), Section 2 for every layer, role and
+    original index (kept lines carry the role's type from ``expert_types``; pruned lines end in ``pruned_colon``).
+
+    Args:
+        kept: per layer, the kept original indices.
+        order: ``ascending`` lists Section 2 by original index; ``shuffled`` permutes each (layer, role)
+            group (a file whose line order is not the index order) with ``seed``.
+    """
+    L = len(kept)
+    n_k = sorted({len(k) for k in kept})
+    kept_txt = str(n_k[0]) if len(n_k) == 1 else f"{n_k[0]}-{n_k[-1]}"
+    out = [f"# {title}", f"# Experts: {kept_txt} of {n_original} retained per layer, {L} layers",
+           "# Section 1: per-tensor types", ""]
+    for name, typ in (section1 or {}).items():
+        out.append(f"{name}: {typ}")
+    out += ["", "# Section 2: per-expert allocation (original expert index; empty type = pruned)", ""]
+    rng = np.random.default_rng(seed)
+    for layer, k in enumerate(kept):
+        mask = np.zeros(n_original, dtype=bool)
+        mask[np.asarray(k, dtype=np.int64)] = True
+        for r, role in enumerate(ROLES):
+            idx = np.arange(n_original)
+            if order == "shuffled":
+                idx = rng.permutation(n_original)
+            typ = expert_types[r]
+            pre = f"blk.{layer}.ffn_{role}_exps.weight["
+            out.extend(f"{pre}{i}]: {typ}" if mask[i] else f"{pre}{i}]{pruned_colon}" for i in idx.tolist())
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["format_allocation", "ROLES", "SurvivorMap", "Allocation", "parse_allocation", "read_allocation", "ModelCheck",
            "check_against_model", "AllocationDiff", "diff_allocations", "dense_changes", "export_frame",
            "export_allocation", "EXPORT_FORMATS"]
