@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import StrataError
 from .ggml_types import GGMLType
-from .gguf import Model, TensorInfo
+from .gguf import Model, TensorInfo, meta_int
 
 ROLES = ("gate", "up", "down")
 
@@ -172,22 +172,25 @@ def read_geometry(model: Model) -> Geometry:
     bc = model.key("block_count")
     if bc is None:
         raise StrataError(f"{model.path}: metadata {arch or '<arch>'}.block_count is missing; not a llama.cpp model file", model.path)
-    bc = int(bc)
-    nextn = int(model.key("nextn_predict_layers", 0) or 0)
+    bc = meta_int(bc, model.path, f"{arch}.block_count")
+    nextn = meta_int(model.key("nextn_predict_layers", 0) or 0, model.path, f"{arch}.nextn_predict_layers")
     if not 0 <= nextn < bc:
         raise StrataError(f"{model.path}: nextn_predict_layers {nextn} is out of range for block_count {bc}", model.path)
     n_trunk = bc - nextn
-    n_embd = int(model.key("embedding_length", 0) or 0)
+    n_embd = meta_int(model.key("embedding_length", 0) or 0, model.path, f"{arch}.embedding_length")
+    if bc > 100_000:
+        raise StrataError(f"{model.path}: metadata {arch}.block_count is {bc}; not a plausible layer count", model.path)
     if not any(router_name(i) in model.tensors for i in range(bc)):
         raise StrataError(f"{model.path}: not a MoE model: no ffn_gate_inp (router) tensor in any of its {bc} blocks", model.path)
     layers = [_layer_experts(model, i, n_embd, False) for i in range(n_trunk)]
     mtp = [le for le in (_layer_experts(model, i, n_embd, True) for i in range(n_trunk, bc)) if le is not None]
     fai = model.key("full_attention_interval")
     rec = model.key("attention.recurrent_layers")
-    if rec is not None:
+    if rec is not None and hasattr(rec, "__len__") and not isinstance(rec, str):
         full = [i for i in range(min(len(rec), n_trunk)) if not bool(rec[i])]
     elif fai:
-        full = [i for i in range(n_trunk) if i % int(fai) == int(fai) - 1]
+        fai = meta_int(fai, model.path, f"{arch}.full_attention_interval")
+        full = [i for i in range(n_trunk) if fai > 0 and i % fai == fai - 1]
     else:
         full = []
     used = model.key("expert_used_count")
@@ -201,5 +204,6 @@ def read_geometry(model: Model) -> Geometry:
         v = model.key(k)
         if v is not None:
             meta[k] = v.tolist() if hasattr(v, "tolist") else v
-    return Geometry(arch, bc, n_trunk, nextn, n_embd, int(used) if used is not None else None,
-                    int(ecount) if ecount is not None else None, layers, mtp, full, meta)
+    used = meta_int(used, model.path, f"{arch}.expert_used_count") if used is not None else None
+    ecount = meta_int(ecount, model.path, f"{arch}.expert_count") if ecount is not None else None
+    return Geometry(arch, bc, n_trunk, nextn, n_embd, used, ecount, layers, mtp, full, meta)

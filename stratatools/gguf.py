@@ -109,7 +109,9 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, what: str) -> Any:
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if depth > 8:
+            raise StrataError(f"{self.path}: byte {self.pos}: arrays nested more than 8 deep in {what}; not a valid GGUF", self.path)
         if vtype in _SCALAR:
             fmt, size = _SCALAR[vtype]
             return self.unpack(fmt, size, what)
@@ -133,7 +135,7 @@ class _Cursor:
             if etype == T_ARRAY:
                 if n > self.size:
                     raise StrataError(f"{self.path}: byte {self.pos}: nested array {what} too large", self.path)
-                return [self.value(T_ARRAY, what) for _ in range(n)]
+                return [self.value(T_ARRAY, what, depth + 1) for _ in range(n)]
             raise StrataError(f"{self.path}: byte {self.pos}: unknown array element type {etype} in {what}", self.path)
         raise StrataError(f"{self.path}: byte {self.pos}: unknown metadata value type {vtype} in {what}", self.path)
 
@@ -176,7 +178,11 @@ class GGUFFile:
                 raise StrataError(f"{self.path}: byte 0: not a GGUF file (magic {head!r}, expected b'GGUF')", self.path)
             raise StrataError(f"{self.path}: byte {self.size}: truncated GGUF header (file is {self.size} bytes)", self.path)
         self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self._parse()
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
 
     # -- parsing ---------------------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -215,7 +221,11 @@ class GGUFFile:
                     f"{self.path}: tensor {name}: unknown ggml type id {tid}; its block geometry is not known, "
                     f"so the file cannot be read", self.path) from None
             infos.append((name, t, ne, rel))
-        self.alignment = int(self.kv.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
+        align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+            raise StrataError(
+                f"{self.path}: metadata general.alignment is {align!r}; it must be a positive power of two", self.path)
+        self.alignment = int(align)
         pad = (-c.pos) % self.alignment
         self.data_start = c.pos + pad
         self.tensors: dict[str, TensorInfo] = {}
@@ -250,6 +260,13 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, {len(self.tensors)} tensors)"
+
+
+def meta_int(value: Any, path: str | os.PathLike, key: str) -> int:
+    """A metadata value that must be an integer scalar, as int. Raises StrataError naming file and key."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise StrataError(f"{path}: metadata {key} is {value!r}; expected an integer", path)
+    return int(value)
 
 
 def shard_siblings(path: Path) -> list[Path] | None:
@@ -362,7 +379,7 @@ def open_model(path: str | os.PathLike) -> Model:
     sibs = shard_siblings(path)
     if sibs is None:
         f = GGUFFile(path)
-        count = int(f.kv.get("split.count", 1) or 1)
+        count = meta_int(f.kv.get("split.count", 1), path, "split.count")
         if count > 1:
             raise StrataError(
                 f"{path}: split.count is {count} but the name is not <stem>-0000N-of-{count:05d}.gguf; "
@@ -373,7 +390,14 @@ def open_model(path: str | os.PathLike) -> Model:
     missing = [p.name for p in sibs if not p.exists()]
     if missing:
         raise StrataError(f"{path}: shard set is incomplete: missing {', '.join(missing)} (put every shard in {path.parent})", path)
-    files = [GGUFFile(p, shard=i) for i, p in enumerate(sibs)]
+    files = []
+    try:
+        for i, p in enumerate(sibs):
+            files.append(GGUFFile(p, shard=i))
+    except StrataError:
+        for f in files:
+            f.close()
+        raise
     count = len(sibs)
     seen: dict[int, str] = {}
     for i, f in enumerate(files):
@@ -383,7 +407,7 @@ def open_model(path: str | os.PathLike) -> Model:
             if count == 1:
                 continue
             raise StrataError(f"{f.path}: no split.no/split.count metadata; not a gguf-split shard", f.path)
-        no, cnt = int(no), int(cnt)
+        no, cnt = meta_int(no, f.path, "split.no"), meta_int(cnt, f.path, "split.count")
         if cnt != count:
             raise StrataError(f"{f.path}: split.count is {cnt} but the file name says {count} shards", f.path)
         if no in seen:
@@ -401,7 +425,9 @@ def open_model(path: str | os.PathLike) -> Model:
                     f"{f.path}: tensor {name} is also in {model.tensors[name].file_name}; duplicate shard content", f.path)
             model.tensors[name] = t
     expected = files[0].kv.get("split.tensors.count")
-    if expected is not None and int(expected) != len(model.tensors):
+    if expected is not None:
+        expected = meta_int(expected, files[0].path, "split.tensors.count")
+    if expected is not None and expected != len(model.tensors):
         raise StrataError(
             f"{files[0].path}: split.tensors.count is {int(expected)} but the {count} shards hold {len(model.tensors)} tensors",
             files[0].path)

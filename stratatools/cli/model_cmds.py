@@ -1,9 +1,195 @@
-"""CLI commands: (to be filled by its issue)."""
+"""CLI commands on models: ``inspect``, ``pack``, ``synth``. Each parses options, calls one library function and
+renders its result (rich tables, or JSON with ``--json``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+from rich.table import Table
+
+from ..errors import StrataError
+from ..modelinfo import InspectReport, inspect_model
+from ..pack import PackResult, pack_model
+from ..synth import ReleaseInfo, SynthConfig, config_with, estimate_bytes, synth_release
+from . import common
+
+
+def _gib(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+# ----------------------------------------------------------------------------------------- inspect
+def render_inspect(r: InspectReport) -> None:
+    c = common.console
+    t = Table(title=f"{Path(r.path).name}", show_header=False, title_justify="left")
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    t.add_row("name", r.name + ("  [synthetic]" if r.synthetic else ""))
+    t.add_row("architecture", r.architecture)
+    t.add_row("blocks", f"{r.block_count} ({r.n_trunk} trunk, {r.n_mtp} MTP)")
+    t.add_row("n_embd", str(r.n_embd))
+    t.add_row("experts used (k)", str(r.n_expert_used))
+    t.add_row("experts per layer (routers)", str(r.n_expert) if r.n_expert is not None else
+              "varies: " + " ".join(str(x.n_expert) for x in r.layers if not x.is_mtp))
+    t.add_row("expert_count (metadata)", str(r.expert_count_kv))
+    t.add_row("expert width / shared width", f"{r.n_ff} / {r.n_ff_shared}")
+    t.add_row("full-attention layers", " ".join(map(str, r.full_attention_layers)) or "-")
+    t.add_row("expert bytes (trunk)", f"{r.expert_bytes:,} ({_gib(r.expert_bytes)})")
+    t.add_row("tensors / file bytes", f"{r.n_tensors} / {r.total_bytes:,} ({_gib(r.total_bytes)})")
+    t.add_row("shards", "\n".join(f"{i + 1}: {s.name} ({_gib(s.size_bytes)}, {s.n_tensors} tensors)"
+                                  for i, s in enumerate(r.shards)))
+    t.add_row("native pack", "ok" if r.packable else "refused: " + "; ".join(r.problems))
+    c.print(t)
+    lt = Table(title="routed experts per layer", title_justify="left")
+    for col in ("layer", "E", "ff", "router", "gate", "up", "down", "blob bytes", "shards g/u/d"):
+        lt.add_column(col, justify="right" if col in ("layer", "E", "ff", "blob bytes") else "left")
+    for x in r.layers:
+        lt.add_row(f"{x.layer}{' (MTP)' if x.is_mtp else ''}", str(x.n_expert), str(x.n_ff), x.router_type,
+                   str(x.gate_type), str(x.up_type), str(x.down_type),
+                   f"{x.blob_bytes:,}" if x.blob_bytes is not None else "-",
+                   "/".join(str(s) if s else "-" for s in x.shards))
+    c.print(lt)
+
+
+def inspect_cmd(
+    model: Path = typer.Argument(..., help="GGUF file or any shard of a -0000N-of-0000M set."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Show a MoE GGUF's geometry: layers, trunk/MTP, experts per layer from the routers, types, blob bytes, shards."""
+    r = inspect_model(model)
+    if json_:
+        common.emit_json(r.to_dict())
+    else:
+        render_inspect(r)
+
+
+# -------------------------------------------------------------------------------------------- pack
+def render_pack(r: PackResult) -> None:
+    c = common.console
+    t = Table(title=f"native pack {r.packdir}", title_justify="left")
+    for col in ("layer", "gu", "down", "offset", "blob bytes", "gate_off", "up_off", "down_off", "shard"):
+        t.add_column(col, justify="left" if col in ("gu", "down", "shard") else "right")
+    from ..pack import _tname
+    for ln in r.layers:
+        t.add_row(str(ln.layer), _tname(ln.gu_type), _tname(ln.d_type), f"{ln.offset:,}", f"{ln.blob_bytes:,}",
+                  str(ln.gate_off), str(ln.up_off), str(ln.down_off), ln.shard_column() or "-")
+    c.print(t)
+    c.print(f"native_experts.txt v{r.version}: {r.n_layers} layers x {r.n_expert} experts, total {r.total_bytes:,} "
+            f"bytes ({_gib(r.total_bytes)}); experts.bin: {r.experts_bin}"
+            + (f", {_gib(r.bytes_copied)} in {r.seconds:.2f} s" if r.bytes_copied else ""))
+    for n in r.notes:
+        c.print(f"note: {n}")
+
+
+def pack_cmd(
+    model: Path = typer.Argument(..., help="GGUF file or any shard of a set."),
+    out: Path = typer.Option(..., "-o", "--out", help="Pack folder (native_experts.txt, experts.bin, sidecars)."),
+    experts_bin: bool = typer.Option(False, "--experts-bin", help="Also write experts.bin (reused when it matches)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing pack."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Write Strata's native pack (formats.md section 5) for a MoE GGUF."""
+    with common.progress_bar("packing experts", None) as bar:
+        def start(total: int) -> None:
+            if total:
+                bar.update(total=total)
+        r = pack_model(model, out, experts_bin=experts_bin, force=force,
+                       progress=lambda n: bar.update(advance=n), on_start=start)
+    if json_:
+        common.emit_json(r.to_dict())
+    else:
+        render_pack(r)
+
+
+# ------------------------------------------------------------------------------------------- synth
+def _parse_types(spec: str) -> dict[str, object]:
+    """``gu=Q8_0/Q4_0,down=Q2_0,dense=Q8_0,embd=BF16`` -> config fields (``/`` cycles over layers)."""
+    keys = {"gu": "gu_types", "down": "down_types", "dense": "dense_type", "embd": "embd_type"}
+    out: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "=" not in part:
+            raise StrataError(f"--types: '{part}' is not role=TYPE (roles: gu, down, dense, embd)")
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k not in keys or not v:
+            raise StrataError(f"--types: unknown role '{k}' (roles: gu, down, dense, embd)")
+        vals = tuple(x.strip().upper() for x in v.split("/") if x.strip())
+        out[keys[k]] = vals if k in ("gu", "down") else vals[0]
+    return out
+
+
+def render_synth(r: ReleaseInfo) -> None:
+    c = common.console
+    t = Table(title=f"synthetic release in {r.outdir}", title_justify="left")
+    t.add_column("model")
+    t.add_column("experts", justify="right")
+    t.add_column("files")
+    t.add_column("allocation")
+    cfg = r.config
+    t.add_row("canonical", str(cfg.n_expert), "\n".join(p.name for p in r.canonical_files), "-")
+    for name, rev in r.revisions.items():
+        t.add_row(name, str(cfg.keep), "\n".join(p.name for p in rev.files), rev.allocation.name)
+    c.print(t)
+    c.print(f"{cfg.n_layers} layers{' + MTP' if cfg.mtp else ''}, hidden {cfg.hidden}, k {cfg.k}, "
+            f"{_gib(r.bytes_written)} written in {r.seconds:.2f} s (canonical {r.write_mib_s:.0f} MiB/s); "
+            f"manifest {r.manifest.name}")
+
+
+def synth_cmd(
+    outdir: Path = typer.Argument(..., help="Folder for the release."),
+    experts: Optional[int] = typer.Option(None, "--experts", help="Experts per layer in the canonical model [32]."),
+    keep: Optional[int] = typer.Option(None, "--keep", help="Survivors per layer in the pruned revisions [16]."),
+    swap: Optional[int] = typer.Option(None, "--swap", help="revA survivors replaced in revB, per layer [4]."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Trunk layers [8]."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="n_embd [256]."),
+    expert_ff: Optional[int] = typer.Option(None, "--expert-ff", help="Expert width [64]."),
+    k: Optional[int] = typer.Option(None, "--k", help="Experts used per token [4]."),
+    types: Optional[str] = typer.Option(None, "--types",
+                                        help="role=TYPE list, e.g. gu=Q8_0/Q4_0,down=Q2_0,dense=Q8_0,embd=BF16 "
+                                             "('/' cycles over layers)."),
+    shards: Optional[int] = typer.Option(None, "--shards", help="Files per model (gguf-split layout) [1]."),
+    mtp: bool = typer.Option(False, "--mtp", help="Add an MTP block that keeps the canonical expert count."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed [0]."),
+    full_width: bool = typer.Option(False, "--full-width",
+                                    help="Real expert geometry (2560/640, 512 experts, k 10; Q2_0 + i-quants, random "
+                                         "valid blocks); multi-GB. Other options override it."),
+    no_revisions: bool = typer.Option(False, "--no-revisions", help="Only the canonical model."),
+    force: bool = typer.Option(False, "--force", help="Replace existing files."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Write a tiny synthetic qwen4exp release: canonical model, pruned revA/revB and their allocation maps."""
+    base = SynthConfig.full_width() if full_width else SynthConfig()
+    kw = dict(n_expert=experts, keep=keep, swap=swap, n_layers=layers, hidden=hidden, expert_ff=expert_ff, k=k,
+              shards=shards, seed=seed)
+    if mtp:
+        kw["mtp"] = True
+    if no_revisions:
+        kw["revisions"] = False
+    if types:
+        kw.update(_parse_types(types))  # type: ignore[arg-type]
+    cfg = config_with(base, **kw)
+    if keep is None and experts is not None and cfg.keep > cfg.n_expert:
+        cfg = config_with(cfg, keep=max(1, cfg.n_expert // 2))
+    if swap is None and cfg.revisions:
+        cfg = config_with(cfg, swap=min(cfg.swap, cfg.keep, cfg.n_expert - cfg.keep))
+    if k is None and cfg.k > cfg.keep:
+        cfg = config_with(cfg, k=cfg.keep)
+    total = estimate_bytes(cfg) * (3 if cfg.revisions else 1)
+    with common.progress_bar("writing synthetic release", total) as bar:
+        r = synth_release(outdir, cfg, force=force, progress=lambda n: bar.update(advance=n))
+    if json_:
+        common.emit_json(r.to_dict())
+    else:
+        render_synth(r)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+    app.command("inspect")(inspect_cmd)
+    app.command("pack")(pack_cmd)
+    app.command("synth")(synth_cmd)
