@@ -84,7 +84,7 @@ class Entries:
         """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
         tk = self.token[mask] if self.token is not None else self.rnd[mask]
         return Entries(self.layer[mask], self.expert[mask], self.rnd[mask], self.record[mask], self.request[mask],
-                       self.n_layers, self.n_expert, _count_tokens(tk), dict(self.skipped), tk)
+                       self.n_layers, self.n_expert, _count_tokens(tk), token=tk, skipped=dict(self.skipped))
 
 
 def _count_tokens(token: np.ndarray) -> int:
@@ -169,7 +169,7 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     _, token = np.unique(tok_key[keep], return_inverse=True)
     token = token.astype(np.int64)
     return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
-                   _count_tokens(token), skipped, token)
+                   _count_tokens(token), token=token, skipped=skipped)
 
 
 @dataclass
