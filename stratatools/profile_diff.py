@@ -79,7 +79,8 @@ class DiffResult:
         top_k: per layer, :class:`TopKLayer`.
         spearman: form 2: rank correlation over pairs both profiles rank.
         max_stale: the threshold.
-        built_for: form 1: what the profile's sidecar says (``old``, ``new``, ``other``, ``unknown``).
+        built_for: form 1: what the profile's sidecar (or the release registry) says: ``old``, ``new``,
+            ``other`` or ``unknown``; ``built_for_release`` names the release when known.
         notes: remarks for the reader.
     """
 
@@ -101,6 +102,7 @@ class DiffResult:
     groups_total: int | None = None
     spearman: float | None = None
     built_for: str = "unknown"
+    built_for_release: str | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -139,7 +141,7 @@ class DiffResult:
              "top_k_total": self.top_k_total,
              "top_k": [{"layer": t.layer, "k": t.k, "overlap": t.overlap, "fall_out": t.fall_out, "come_in": t.come_in}
                        for t in self.top_k],
-             "built_for": self.built_for, "inputs": self.inputs, "notes": self.notes}
+             "built_for": self.built_for, "built_for_release": self.built_for_release, "inputs": self.inputs, "notes": self.notes}
         if self.form == "allocations":
             d.update({"per_layer_lines_changed": {str(i): v for i, v in enumerate(self.per_layer_lines_changed or [])},
                       "allocation_lines_changed": self.allocation_lines_changed,
@@ -166,7 +168,8 @@ class DiffResult:
             if self.allocation_lines_changed is not None:
                 lines.append(f"- {self.allocation_lines_changed} of {self.allocation_entries} allocation entries changed "
                              f"at the same position, in {self.groups_changed} of {self.groups_total} groups.")
-            lines.append(f"- Built for (provenance sidecar or release registry): **{self.built_for}**.")
+            rel = f" ({self.built_for_release})" if self.built_for_release else ""
+            lines.append(f"- Built for (provenance sidecar or release registry): **{self.built_for}**{rel}.")
         else:
             lines.append(f"Profiles `{self.inputs.get('a', '')}` and `{self.inputs.get('b', '')}` "
                          f"({L} layers x {self.n_expert} experts).")
@@ -367,10 +370,9 @@ def diff_files(profile: str | os.PathLike, other: str | os.PathLike | None = Non
         pr = res.inputs["profile_release"]
         label = "old" if pr == res.inputs["old_release"] else "new" if pr == res.inputs["new_release"] else "other"
         rel = pr
-    res.built_for = label if rel is None else f"{label} ({rel})"
+    res.built_for, res.built_for_release = label, rel
     if label == "new":
         res.notes.append("the profile's provenance says it was built for the new allocation: nothing to remap")
-        res.built_for = label if rel is None else f"{label} ({rel})"
     elif label == "other":
         res.notes.append(f"the profile's provenance names another allocation ({rel}); the numbers assume it was "
                          f"built for {ao.name}")
