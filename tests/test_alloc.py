@@ -351,3 +351,12 @@ def test_mutated_allocations_never_crash(edits):
         sm = a.survivor_map()
         assert all((np.diff(k) > 0).all() for k in sm.kept)
         assert sum(sm.n_kept) == int(a.kept_mask.sum())
+
+
+def test_kit_verify_against_shard_set(kit):
+    """The full reference may be a gguf-split shard set (routers in any shard)."""
+    res = verify_survivors(kit / "pruned/coder-revB.gguf", full=kit / "gguf/split/model-Q2_0-split-00003-of-00004.gguf",
+                           alloc=kit / "pruned/coder-revB.rco-allocation.txt")
+    assert res.ok and res.compared and res.n_disagree == 0
+    with pytest.raises(StrataError, match="survivor map in original indices needs --full"):
+        verify_survivors(kit / "pruned/coder-revB.gguf", other=kit / "pruned/coder-revA.gguf").survivor_map()
