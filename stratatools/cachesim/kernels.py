@@ -447,3 +447,27 @@ def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
             res[l, e] = True
             loads[l] += 1
     return hits, loads
+
+
+@njit(cache=True, nogil=True)
+def belady_prepare(layer, expert, n_layers, n_expert, cap):
+    """Next use of every entry (index of the next entry with the same pair, or int64 max), Belady's start-up
+    fill (per layer the ``cap[l]`` experts used first) and each pair's first use; one backward and one forward
+    pass, equal to :func:`.tiers.next_uses` / :func:`.tiers.belady_start`."""
+    n = layer.shape[0]
+    never = np.iinfo(np.int64).max
+    last = np.full(n_layers * n_expert, never, dtype=np.int64)
+    nxt = np.empty(n, dtype=np.int64)
+    for i in range(n - 1, -1, -1):
+        key = layer[i] * n_expert + expert[i]
+        nxt[i] = last[key]
+        last[key] = i
+    res = np.zeros((n_layers, n_expert), dtype=np.bool_)
+    seen = np.zeros(n_layers, dtype=np.int64)
+    for i in range(n):
+        l = layer[i]
+        e = expert[i]
+        if last[l * n_expert + e] == i and seen[l] < cap[l]:
+            res[l, e] = True
+            seen[l] += 1
+    return nxt, res, last.reshape(n_layers, n_expert)

@@ -31,7 +31,7 @@ from ..profile import Profile
 from ..trace import PREFILL, TraceTable
 from . import kernels as K
 from .layout import _blob_arrays, per_layer_split, plan_tier
-from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, belady_start, make_tier, next_uses
+from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, make_tier
 
 
 @dataclass(frozen=True)
@@ -313,16 +313,10 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
         frac = float(p["privileged_frac"])
         if not 0.0 < frac <= 1.0 or int(p["decay_every"]) < 1:
             raise StrataError(f"lfru: privileged_frac {frac} must be in (0, 1] and decay_every >= 1")
-        pcap = np.ceil(cap * frac - 1e-12).astype(np.int64)
         pcap = np.array([int(np.ceil(int(c) * frac)) for c in cap], dtype=np.int64)
         hits, loads = K.lfru_kernel(lay, ex, ent.rnd, pcap, cap - pcap, E, float(p["decay"]), int(p["decay_every"]))
     else:  # belady
-        nxt = next_uses(lay, ex, E)
-        res = belady_start(lay, ex, L, E, cap)
-        cur = np.full((L, E), K_NEVER, dtype=np.int64)
-        key = lay * E + ex
-        u, first = np.unique(key, return_index=True)
-        cur.ravel()[u] = first
+        nxt, res, cur = K.belady_prepare(lay, ex, L, E, cap)
         info["fill_bytes"] = int((res.sum(1) * bb).sum())
         hits, loads = K.belady_kernel(lay, ex, nxt, res, cur, cap)
     return np.asarray(hits, dtype=bool), np.asarray(loads), info
