@@ -289,3 +289,23 @@ def test_bad_inputs_exit_2(kit, tmp_path, cli):
         code, out, err = cli(*args)
         assert code == 2, (args, err)
         assert needle in err and err.strip().count("\n") == 0, err
+
+
+def test_synthetic_release_runs(tmp_path, cli):
+    """The colleague's synthetic release (stratatools.synth) runs end to end, packed, with a tier."""
+    synth = pytest.importorskip("stratatools.synth")
+    from stratatools.pack import pack_model
+
+    rel = tmp_path / "rel"
+    synth.synth_release(rel)
+    pk = tmp_path / "pack"
+    pack_model(rel / "synth-revA.gguf", pk, experts_bin=True)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\\n    return x\n")
+    trace = tmp_path / "t.bin"
+    code, out, err = cli("run", pk, "--prompts", prompts, "-n", "3", "--slots", "16", "--policy", "adaptive",
+                         "--trace-out", trace, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["expert_source"] == "experts.bin" and res["new_tokens"] >= 1
+    assert trace.stat().st_size > 0 and res["tier"]["resident"] <= 16
