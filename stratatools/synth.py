@@ -185,9 +185,11 @@ class SynthConfig:
                    "shards", "vocab_size", "full_attention_interval"):
             if getattr(self, nm) < 1:
                 raise bad(f"--{nm.replace('_', '-')} must be at least 1")
-        if self.keep > self.n_expert:
+        if self.k > self.n_expert:
+            raise bad(f"--k {self.k} is more than --experts {self.n_expert}")
+        if self.revisions and self.keep > self.n_expert:
             raise bad(f"--keep {self.keep} is more than --experts {self.n_expert}")
-        if self.k > self.keep:
+        if self.revisions and self.k > self.keep:
             raise bad(f"--k {self.k} is more than the {self.keep} experts a pruned layer keeps")
         if self.revisions and not 0 <= self.swap <= min(self.keep, self.n_expert - self.keep):
             raise bad(f"--swap {self.swap} must be between 0 and min(keep, experts - keep)")

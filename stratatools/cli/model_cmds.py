@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import StrataError
@@ -30,7 +31,8 @@ def render_inspect(r: InspectReport) -> None:
     t = Table(title=f"{Path(r.path).name}", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
-    t.add_row("name", r.name + ("  [synthetic]" if r.synthetic else ""))
+    t.add_row("name", escape(r.name))
+    t.add_row("synthetic", "yes (stratatools.synthetic)" if r.synthetic else "no")
     t.add_row("architecture", r.architecture)
     t.add_row("blocks", f"{r.block_count} ({r.n_trunk} trunk, {r.n_mtp} MTP)")
     t.add_row("n_embd", str(r.n_embd))
@@ -173,12 +175,15 @@ def synth_cmd(
     if types:
         kw.update(_parse_types(types))  # type: ignore[arg-type]
     cfg = config_with(base, **kw)
-    if keep is None and experts is not None and cfg.keep > cfg.n_expert:
-        cfg = config_with(cfg, keep=max(1, cfg.n_expert // 2))
-    if swap is None and cfg.revisions:
-        cfg = config_with(cfg, swap=min(cfg.swap, cfg.keep, cfg.n_expert - cfg.keep))
-    if k is None and cfg.k > cfg.keep:
-        cfg = config_with(cfg, k=cfg.keep)
+    if cfg.revisions:  # defaults follow --experts / --keep when only those are given
+        if keep is None and cfg.keep > cfg.n_expert:
+            cfg = config_with(cfg, keep=max(1, cfg.n_expert // 2))
+        if swap is None:
+            cfg = config_with(cfg, swap=max(0, min(cfg.swap, cfg.keep, cfg.n_expert - cfg.keep)))
+        if k is None and cfg.k > cfg.keep:
+            cfg = config_with(cfg, k=cfg.keep)
+    elif k is None and cfg.k > cfg.n_expert:
+        cfg = config_with(cfg, k=cfg.n_expert)
     total = estimate_bytes(cfg) * (3 if cfg.revisions else 1)
     with common.progress_bar("writing synthetic release", total) as bar:
         r = synth_release(outdir, cfg, force=force, progress=lambda n: bar.update(advance=n))
