@@ -302,12 +302,14 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
         base_prof = read_profile(base, expect=(n_layers, n_expert))
         if mode == "no-base":
             warns.append(f"--base {base} is ignored in mode no-base")
+    prov_inputs = [provenance.describe_file(tp, weight=float(w[i]), role="trace") if Path(tp).is_file() else None
+                   for i, tp in enumerate(traces)]
     tables = []
     info = []
     for i, tp in enumerate(traces):
-        t = read_trace(tp, fmt, n_layers, n_expert)
+        t = read_trace(tp, fmt, n_layers, n_expert, sha256=False)  # hashed once, by the provenance record
         tables.append(t)
-        info.append({"path": str(tp), "format": t.meta.get("source_format"), "sha256": t.meta.get("source_sha256"),
+        info.append({"path": str(tp), "format": t.meta.get("source_format"), "sha256": prov_inputs[i]["sha256"],
                      "weight": float(w[i])})
         if progress is not None:
             progress(i + 1, len(traces))
@@ -329,7 +331,6 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
                      f"left out ({lays})")
     prof.write(output)
     psha = sha256_file(output)
-    prov_inputs = [provenance.describe_file(tp, weight=float(w[i]), role="trace") for i, tp in enumerate(traces)]
     if base is not None:
         prov_inputs.append(provenance.describe_file(base, role="base"))
     model = {"n_layers": n_layers, "n_expert": n_expert}

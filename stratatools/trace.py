@@ -76,14 +76,15 @@ class TraceTable:
         return cls(**cols, meta=dict(tables[0].meta))
 
 
-def read_trace(path, fmt: str | None = None, n_layers: int | None = None, n_expert: int | None = None) -> "TraceTable":
+def read_trace(path, fmt: str | None = None, n_layers: int | None = None, n_expert: int | None = None, *,
+               sha256: bool = True) -> "TraceTable":
     """Read a routing trace of any supported format (sniffed when ``fmt`` is None).
 
     See :func:`stratatools.trace_formats.read_trace` for the formats, arguments and errors.
     """
     from .trace_formats import read_trace as _read
 
-    return _read(path, fmt, n_layers, n_expert)
+    return _read(path, fmt, n_layers, n_expert, sha256=sha256)
 
 
 def write_trace(table: "TraceTable", path, fmt: str) -> None:

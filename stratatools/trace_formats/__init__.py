@@ -53,7 +53,7 @@ def sniff_format(path: str | os.PathLike) -> str:
 
 
 def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | None = None,
-               n_expert: int | None = None) -> TraceTable:
+               n_expert: int | None = None, *, sha256: bool = True) -> TraceTable:
     """Read any supported routing trace into a :class:`~stratatools.trace.TraceTable`.
 
     Args:
@@ -62,6 +62,8 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
         n_layers: trunk layers of the target model, when known: expert ids of layers below it are checked
             against ``n_expert``; layers at or above it (an MTP block) are kept and left for the caller.
         n_expert: experts per layer of the target model (dense indices for a pruned model).
+        sha256: record the file's sha256 in ``meta["source_sha256"]`` (False skips hashing the Strata binary,
+            for callers that hash it anyway; the text and Parquet readers always hash).
     Raises:
         StrataError: an unknown format name and every reader's bad-input cases (one line, byte offset or line).
     """
@@ -71,7 +73,7 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
         fmt = "strata"
     if fmt == "strata":
         from .strata import read_strata
-        return read_strata(path, n_layers, n_expert)
+        return read_strata(path, n_layers, n_expert, sha256=sha256)
     if fmt == "llama-csv":
         from .text import read_llama_csv
         return read_llama_csv(path, n_layers, n_expert)

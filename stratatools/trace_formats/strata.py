@@ -75,8 +75,10 @@ def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
 class _Reader:
     """One pass over a trace file in fixed chunks; route records go straight into preallocated columns."""
 
-    def __init__(self, path: Path, n_layers: int | None, n_expert: int | None, chunk_bytes: int):
+    def __init__(self, path: Path, n_layers: int | None, n_expert: int | None, chunk_bytes: int,
+                 sha256: bool = True):
         self.path = path
+        self.hash = sha256
         self.n_layers = n_layers
         self.n_expert = n_expert
         self.chunk = max(int(chunk_bytes) // 4 * 4, 64)
@@ -88,16 +90,16 @@ class _Reader:
         self.rec_k = np.empty(self.size // 16 + 1, np.int32)
         self.n_ent = 0
         self.n_rec = 0
-        self.events: list[tuple[int, int, np.ndarray, int]] = []  # (route records before it, tag, values, byte)
+        self.events: list[tuple[int, int, list, int]] = []  # (route records before it, tag, values, byte)
         self.n_records_total = 0
-        self.guess = 64
+        self.guess: dict[int, int] = {}  # look-ahead per k (tags of another k must not shrink the route runs')
         self.route_ks: set[int] = set()
         self.max_route_k = MAX_ROUTE_K if n_expert is None else min(MAX_ROUTE_K, int(n_expert))
 
     # -- scanning ---------------------------------------------------------------------------------------------
-    def run(self) -> str:
-        """Read the whole file; returns its sha256."""
-        h = hashlib.sha256()
+    def run(self) -> str | None:
+        """Read the whole file; returns its sha256 (None when hashing is off)."""
+        h = hashlib.sha256() if self.hash else None
         buf = np.empty(self.chunk, np.uint8)
         carry = 0
         base = 0
@@ -109,7 +111,8 @@ class _Reader:
                     got = fh.readinto(mv[carry + got_total:])
                     if not got:
                         break
-                    h.update(mv[carry + got_total:carry + got_total + got])
+                    if h is not None:
+                        h.update(mv[carry + got_total:carry + got_total + got])
                     got_total += got
                 avail = carry + got_total
                 eof = avail < len(buf)
@@ -133,7 +136,7 @@ class _Reader:
                     buf[:left] = buf[consumed:avail].copy()
                 base += consumed
                 carry = left
-        return h.hexdigest()
+        return h.hexdigest() if h is not None else None
 
     def _cut(self, tail: np.ndarray, off: int) -> None:
         n = len(tail)
@@ -165,6 +168,8 @@ class _Reader:
         constant k costs a few numpy calls per chunk; each run is then handled as one 2-D view.
         """
         o = 0
+        runs: list[tuple[int, int, int]] = []  # route runs (word offset, records, k), processed at the end
+        pending = 0  # route records in those runs (for the index of tags met meanwhile)
         while o + 2 <= W:
             layer0, k = int(a[o]), int(a[o + 1])
             self._check_k(layer0, k, base + 4 * o)
@@ -172,20 +177,59 @@ class _Reader:
             m_max = (W - o) // s
             if m_max == 0:
                 break
-            m = min(self.guess, m_max)
+            if layer0 < 0:  # a tag: handled alone, without numpy calls (windows put one after every few hundred)
+                vals = [k] if layer0 in (TAG_OWNED, TAG_BOOT) else a[o + 2:o + 2 + min(k, 8)].tolist()
+                self.events.append((self.n_rec + pending, layer0, vals, base + 4 * o))
+                self.n_records_total += 1
+                o += s
+                continue
+            g = self.guess.get(k, 64)
+            m = min(g, m_max)
             ks = a[o + 1:o + 1 + (m - 1) * s + 1:s]
             neq = np.flatnonzero(ks != k)
             if len(neq):
                 m = int(neq[0])
-                self.guess = max(64, 2 * m)
-            elif m == self.guess:
-                self.guess = min(self.guess * 4, 1 << 22)
-            self._run(a[o:o + m * s].reshape(m, s), k, base + 4 * o)
+                self.guess[k] = max(64, 2 * m)
+            elif m == g:
+                self.guess[k] = min(g * 4, 1 << 22)
+            runs.append((o, m, k))
+            pending += m - int(np.count_nonzero(a[o:o + m * s:s] < 0))
             o += m * s
+        self._flush(a, runs, base)
         return o
 
-    def _run(self, v: np.ndarray, k: int, off: int) -> None:
+    def _flush(self, a: np.ndarray, runs: list[tuple[int, int, int]], base: int) -> None:
+        """Handle a chunk's route runs in order; runs of one k separated only by tags (verify windows and
+        their commit tags) are gathered into one 2-D array so the per-call cost is paid once per chunk."""
+        if not runs:
+            return
+        k = runs[0][2]
+        if len(runs) > 1 and all(r[2] == k for r in runs):
+            s = 2 + 2 * k
+            starts = np.array([r[0] for r in runs], np.int64)
+            ms = np.array([r[1] for r in runs], np.int64)
+            first = np.repeat(starts - np.cumsum(np.r_[0, ms[:-1]]) * s, ms)  # per record: run start - index*s
+            rows = first + np.arange(int(ms.sum()), dtype=np.int64) * s        # word offset of every record
+            v = np.empty((len(rows), s), np.int32)
+            flat = v.reshape(-1)
+            pos = 0
+            for o, m, _ in runs:  # one memcpy per run
+                flat[pos:pos + m * s] = a[o:o + m * s]
+                pos += m * s
+            self._run(v, k, base, rows * 4 + base)
+            return
+        for o, m, k in runs:
+            s = 2 + 2 * k
+            self._run(a[o:o + m * s].reshape(m, s), k, base + 4 * o)
+
+    def _run(self, v: np.ndarray, k: int, off: int, offsets: np.ndarray | None = None) -> None:
+        """Route records (and same-k tags) ``v`` [m, 2+2k]; record i starts at byte ``offsets[i]`` when given,
+        else at ``off + 4*(2+2k)*i``."""
         m, s = v.shape
+
+        def at(i: int) -> int:  # byte offset of row i of v
+            return int(offsets[i]) if offsets is not None else off + 4 * s * i
+
         lay = v[:, 0]
         route = lay >= 0
         all_route = bool(route.all())
@@ -195,8 +239,8 @@ class _Reader:
             before = tag_rows - np.arange(len(tag_rows))
             for i, rb in zip(tag_rows.tolist(), before.tolist()):
                 t = int(lay[i])
-                vals = v[i, 2:2 + min(k, 8)].copy() if t not in (TAG_OWNED, TAG_BOOT) else np.array([k])
-                self.events.append((self.n_rec + rb, t, vals, off + 4 * s * i))
+                vals = v[i, 2:2 + min(k, 8)].tolist() if t not in (TAG_OWNED, TAG_BOOT) else [k]
+                self.events.append((self.n_rec + rb, t, vals, at(i)))
             if not route.any():
                 return
             rows = np.flatnonzero(route)
@@ -206,23 +250,30 @@ class _Reader:
             rv = v
         if k > self.max_route_k:  # the run's k was only checked against its first record's layer
             i = int(rows[0]) if rows is not None else 0
-            self._check_k(int(lay[i]), k, off + 4 * s * i)
+            self._check_k(int(lay[i]), k, at(i))
         nr = len(rv)
         rl = rv[:, 0]
 
         def rec_off(j: int) -> int:
-            return off + 4 * s * (int(rows[j]) if rows is not None else j)
+            return at(int(rows[j]) if rows is not None else j)
 
         if int(rl.max()) > MAX_LAYER:
             j = int(np.argmax(rl > MAX_LAYER))
             raise _err(self.path, rec_off(j), f"layer {int(rl[j])} is out of range (above {MAX_LAYER})",
                        "the file is corrupt or not a Strata routing trace")
         ids = rv[:, 2:2 + k]
-        if int(ids.min()) < 0:
+        w = rv[:, 2 + k:].view(np.float32)
+        e0 = self.n_ent
+        # copy first, then check the contiguous copies (one strided pass per column, SIMD reductions after)
+        out_e = self.expert[e0:e0 + nr * k]
+        out_e.reshape(nr, k)[...] = ids
+        out_w = self.weight[e0:e0 + nr * k]
+        out_w.reshape(nr, k)[...] = w
+        if int(out_e.min()) < 0:
             j, c = np.argwhere(ids < 0)[0]
             raise _err(self.path, rec_off(int(j)) + 8 + 4 * int(c), f"expert id {int(ids[j, c])} is negative "
                        f"(layer {int(rl[j])})", "the file is corrupt")
-        if self.n_expert is not None and int(ids.max()) >= self.n_expert:
+        if self.n_expert is not None and int(out_e.max()) >= self.n_expert:
             bad = ids >= self.n_expert
             if self.n_layers is not None:
                 bad &= (rl < self.n_layers)[:, None]
@@ -231,19 +282,16 @@ class _Reader:
                 raise _err(self.path, rec_off(int(j)) + 8 + 4 * int(c),
                            f"expert id {int(ids[j, c])} of layer {int(rl[j])} is out of range for {self.n_expert} "
                            f"experts", "the trace is for a model with more experts; check --n-expert / --model")
-        w = rv[:, 2 + k:].view(np.float32)
-        fin = np.isfinite(w)
-        if not fin.all():
+        if not np.isfinite(np.add.reduce(out_w, dtype=np.float64)):  # one pass; NaN/inf make the sum non-finite
+            fin = np.isfinite(w)
             j, c = np.argwhere(~fin)[0]
             raise _err(self.path, rec_off(int(j)) + 8 + 4 * k + 4 * int(c),
                        f"router weight {float(w[j, c])} is not finite (layer {int(rl[j])})", "the file is corrupt")
-        e0 = self.n_ent
-        self.expert[e0:e0 + nr * k].reshape(nr, k)[...] = ids
-        wd = self.weight[e0:e0 + nr * k].reshape(nr, k)
-        wd[...] = w
-        zero = ~(w != 0).any(axis=1)
-        if zero.any():
-            wd[zero] = 1.0
+        if np.count_nonzero(out_w) != len(out_w):
+            wd = out_w.reshape(nr, k)
+            zero = ~(wd != 0).any(axis=1)
+            if zero.any():
+                wd[zero] = 1.0
         self.n_ent += nr * k
         self.rec_layer[self.n_rec:self.n_rec + nr] = rl
         self.rec_k[self.n_rec:self.n_rec + nr] = k
@@ -261,7 +309,14 @@ def ordinal_positions(rec_request: np.ndarray, rec_layer: np.ndarray) -> np.ndar
     if n == 0:
         return np.zeros(0, np.int32)
     lay = np.asarray(rec_layer)
-    if bool((rec_request == rec_request[0]).all()):
+    one_request = bool((rec_request == rec_request[0]).all())
+    if one_request:
+        # token-major decode order (layers 0..L-1 repeating): the position is the record index // L
+        L = int(lay.max()) + 1
+        if n % L == 0 and int(lay.min()) == 0 and np.array_equal(lay.reshape(-1, L), np.broadcast_to(
+                np.arange(L, dtype=lay.dtype), (n // L, L))):
+            return (np.arange(n, dtype=np.int32) // np.int32(L)).astype(np.int32)
+    if one_request:
         key = lay.astype(np.int16)
     else:
         _, req_idx = np.unique(rec_request, return_inverse=True)
@@ -276,16 +331,49 @@ def ordinal_positions(rec_request: np.ndarray, rec_layer: np.ndarray) -> np.ndar
     return out
 
 
+def _window_phases(rec_layer: np.ndarray, bounds: list[int], info: list[tuple[int, int]]) -> np.ndarray:
+    """Phases of v2 route records: a commit's phase goes to the last ``n_positions x layers`` route records
+    before it (layers = the span of layers routed since the previous commit or request tag); records outside
+    every window (uncommitted, failed windows, the per-token loop) stay unknown. int8 [n]. Vectorised."""
+    n = len(rec_layer)
+    out = np.full(n, UNKNOWN, np.int8)
+    if not bounds or n == 0:
+        return out
+    end = np.asarray(bounds, np.int64)
+    start = np.r_[0, end[:-1]]
+    npos = np.array([i[0] for i in info], np.int64)
+    ph = np.array([i[1] for i in info], np.int64)
+    nonempty = end > start
+    if not ((npos > 0) & nonempty).any():
+        return out
+    s_, e_ = start[nonempty], end[nonempty]
+    # the non-empty segments are consecutive, so reduceat over their starts spans exactly [s_j, e_j)
+    lay = rec_layer[:int(e_[-1])].astype(np.int32)
+    hi = np.maximum.reduceat(lay, s_)
+    lo = np.minimum.reduceat(lay, s_)
+    npos_, ph_ = npos[nonempty], ph[nonempty]
+    c = npos_ > 0
+    cnt = np.minimum(e_ - s_, npos_ * (hi - lo + 1))[c]
+    e_, ph_ = e_[c], ph_[c]
+    d = np.zeros(n + 1, np.int64)
+    np.add.at(d, e_ - cnt, ph_ + 1)
+    np.add.at(d, e_, -(ph_ + 1))
+    v = np.cumsum(d[:n])
+    return np.where(v > 0, v - 1, UNKNOWN).astype(np.int8)
+
+
 def _fill_segments(n: int, changes: list[tuple[int, int]], initial: int, dtype) -> np.ndarray:
     """Values per record from (first record index, value) change points (in order)."""
-    out = np.full(n, initial, dtype=dtype)
-    for idx, val in changes:
-        out[idx:] = val
-    return out
+    if not changes:
+        return np.full(n, initial, dtype=dtype)
+    idx = np.array([c[0] for c in changes] + [n], np.int64)
+    vals = np.array([initial] + [c[1] for c in changes], dtype=np.int64)
+    lens = np.diff(np.r_[0, idx])
+    return np.repeat(vals, lens).astype(dtype)
 
 
 def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None,
-                chunk_bytes: int = CHUNK_BYTES) -> TraceTable:
+                chunk_bytes: int = CHUNK_BYTES, *, sha256: bool = True) -> TraceTable:
     """Read a Strata ``--dump-routing`` trace (plain or tagged v1/v2) into a :class:`TraceTable`.
 
     Args:
@@ -294,6 +382,8 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
         n_expert: experts per layer, when known (bounds k and expert ids).
         chunk_bytes: read size; memory is the output columns (16 bytes per entry, constant columns are
             broadcast views) plus one chunk.
+        sha256: hash the file while reading it (``meta["source_sha256"]``; costs about a third of the read
+            time); callers that hash the file anyway (provenance) pass False.
     Returns:
         the table; ``meta`` has source_format ("strata" or "strata-tagged"), source_sha256, version, records,
         tag counts, k (when constant).
@@ -309,7 +399,7 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
         raise StrataError(f"{path}: is a directory, expected a routing trace", path)
     if size == 0:
         raise _err(path, 0, "empty file: no routing records", "record a trace with --dump-routing first")
-    r = _Reader(path, n_layers, n_expert, chunk_bytes)
+    r = _Reader(path, n_layers, n_expert, chunk_bytes, sha256)
     sha = r.run()
     n, n_ent = r.n_rec, r.n_ent
     expert, weight = r.expert, r.weight
@@ -319,7 +409,7 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
     rec_k = r.rec_k[:n].copy()
     del r.rec_layer, r.rec_k
 
-    events = r.events
+    events = sorted(r.events, key=lambda e: e[3])  # tags inside gathered runs are appended late
     tagged = bool(events) and events[0][3] == 0 and events[0][1] == TAG_FORMAT
     meta: dict[str, Any] = {"source_format": "strata-tagged" if tagged else "strata", "source_path": str(path),
                             "source_sha256": sha, "source_bytes": size, "records": r.n_records_total,
@@ -351,7 +441,8 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
         rec_phase = np.full(n, UNKNOWN, np.int8)
         req_changes: list[tuple[int, int]] = []
         phase_changes: list[tuple[int, int]] = []
-        boundary = 0
+        bounds: list[int] = []        # route-record index of every commit and request tag (v2 window ends)
+        commit_info: list[tuple[int, int]] = []  # per bound: (n_positions, phase) for a commit, (-1, 0) else
         commits = accepted = 0
         for idx, t, vals, off in events[1:]:
             name = TAG_NAMES.get(t)
@@ -363,7 +454,8 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
                 if len(vals) < 1:
                     raise _err(path, off, "request tag (-3) carries no request id", "the file is corrupt")
                 req_changes.append((idx, int(vals[0])))
-                boundary = idx
+                bounds.append(idx)
+                commit_info.append((-1, 0))
             elif t == TAG_PHASE and version == 1:
                 if len(vals) < 1:
                     raise _err(path, off, "phase tag (-5) carries no phase", "the file is corrupt")
@@ -374,17 +466,13 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
                                "the file is corrupt")
                 commits += 1
                 accepted += max(int(vals[2]), 0)
-                if version >= 2:
-                    ph = _PHASE_OF_VALUE.get(int(vals[3]), UNKNOWN) if len(vals) >= 4 else UNKNOWN
-                    seg = rec_layer[boundary:idx]
-                    if len(seg):
-                        d = len(np.unique(seg))
-                        cnt = min(len(seg), max(int(vals[1]), 0) * d)
-                        if cnt:
-                            rec_phase[idx - cnt:idx] = ph
-                    boundary = idx
+                ph = _PHASE_OF_VALUE.get(int(vals[3]), UNKNOWN) if len(vals) >= 4 else UNKNOWN
+                bounds.append(idx)
+                commit_info.append((max(int(vals[1]), 0), ph))
         if version == 1:
             rec_phase = _fill_segments(n, phase_changes, UNKNOWN, np.int8)
+        else:
+            rec_phase = _window_phases(rec_layer, bounds, commit_info)
         rec_request = _fill_segments(n, req_changes, 0, np.int32)
         meta["commits"] = commits
         meta["accepted_drafts"] = accepted
@@ -404,7 +492,7 @@ def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k
     const_k = len(rec_k) and bool((rec_k == rec_k[0]).all())
     if const_k:
         k = int(rec_k[0])
-        layer = np.repeat(rec_layer.astype(np.int16), k)
+        layer = np.broadcast_to(rec_layer.astype(np.int16)[:, None], (len(rec_k), k)).reshape(-1)
         rank = np.tile(np.arange(k, dtype=np.int16), len(rec_k))
     else:
         layer = np.repeat(rec_layer.astype(np.int16), rec_k)
@@ -418,6 +506,8 @@ def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k
     def per_entry(a: np.ndarray, dtype) -> np.ndarray:
         if len(a) and (a == a[0]).all():
             return np.broadcast_to(np.asarray(a[0], dtype=dtype), (n_ent,))
+        if const_k:
+            return np.broadcast_to(a.astype(dtype, copy=False)[:, None], (len(a), reps)).reshape(-1)
         return np.repeat(a.astype(dtype, copy=False), reps)
 
     return TraceTable(request=per_entry(rec_request, np.int32), position=per_entry(rec_pos, np.int32),
