@@ -58,6 +58,8 @@ def test_host_decoders_match_cpu_random(host_lib, tname):
 @pytest.mark.kit
 @pytest.mark.parametrize("rel", KIT_FILES)
 def test_host_decoders_match_cpu_kit(host_lib, kit, rel):
+    if not (kit / rel).exists():
+        pytest.skip(f"{rel} is not in this copy of the kit")
     with open_model(kit / rel) as m:
         seen = {}
         for t in m.iter_tensors():

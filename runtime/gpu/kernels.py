@@ -108,15 +108,27 @@ __device__ __forceinline__ void k_scale_min(const u8* sc, int s, int* scale, int
 
 // Values 8g .. 8g+7 of the block (or pseudo-block) at b.
 template <int T> __device__ __forceinline__ void deq8(const u8* __restrict__ b, int g, float* o) {
-    if constexpr (T == 0) {  // F32
+    if constexpr (T == 0) {  // F32 (word loads when aligned, as GGUF data always is)
+        if ((reinterpret_cast<u64>(b) & 3) == 0) {
+            const float* f = reinterpret_cast<const float*>(b);
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) o[t] = f[t];
+        } else {
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) o[t] = __int_as_float((int)rd32(b + 4 * t));
+        }
+    } else if constexpr (T == 1 || T == 30) {  // F16, BF16
+        u16 h[8];
+        if ((reinterpret_cast<u64>(b) & 1) == 0) {
+            const u16* p = reinterpret_cast<const u16*>(b);
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) h[t] = p[t];
+        } else {
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) h[t] = rd16(b + 2 * t);
+        }
         #pragma unroll
-        for (int t = 0; t < 8; ++t) o[t] = __int_as_float((int)rd32(b + 4 * t));
-    } else if constexpr (T == 1) {  // F16
-        #pragma unroll
-        for (int t = 0; t < 8; ++t) o[t] = h2f(rd16(b + 2 * t));
-    } else if constexpr (T == 30) {  // BF16
-        #pragma unroll
-        for (int t = 0; t < 8; ++t) o[t] = __int_as_float((int)((u32)rd16(b + 2 * t) << 16));
+        for (int t = 0; t < 8; ++t) o[t] = (T == 1) ? h2f(h[t]) : __int_as_float((int)((u32)h[t] << 16));
     } else if constexpr (T == 2 || T == 20) {  // Q4_0, IQ4_NL: d, 16 bytes of nibbles (low nibbles = values 0..15)
         float d = h2f(rd16(b));
         const u8* qs = b + 2;
@@ -297,20 +309,66 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Dot product of one quantized row (ncols values) with x (in shared memory), partial per lane.
+// Dot product of one quantized row (ncols values) with x, partial per lane. U groups per lane are decoded
+// per iteration so that their loads are in flight together (batch-1 decode is latency-bound otherwise).
+#define ILP 4
 template <int T> __device__ __forceinline__ float row_dot_lane(const u8* __restrict__ row, const float* __restrict__ x, int ncols, int lane) {
     const int gpb = Unit<T>::bs / 8;
     const int ng = ncols / 8;
     float acc = 0.0f;
-    for (int gi = lane; gi < ng; gi += 32) {
-        int blk = gi / gpb, g = gi - blk * gpb;
-        float o[8];
-        deq8<T>(row + (long long)blk * Unit<T>::ts, g, o);
-        const float* xx = x + 8 * gi;
+    for (int g0 = lane; g0 < ng; g0 += 32 * ILP) {
+        float o[ILP][8];
         #pragma unroll
-        for (int t = 0; t < 8; ++t) acc += o[t] * xx[t];
+        for (int u = 0; u < ILP; ++u) {
+            int gi = g0 + 32 * u;
+            if (gi < ng) {
+                int blk = gi / gpb, g = gi - blk * gpb;
+                deq8<T>(row + (long long)blk * Unit<T>::ts, g, o[u]);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < ILP; ++u) {
+            int gi = g0 + 32 * u;
+            if (gi < ng) {
+                const float* xx = x + 8 * gi;
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) acc += o[u][t] * xx[t];
+            }
+        }
     }
     return acc;
+}
+
+// Two rows of the same type against the same x (gate and up), loads of both in flight together.
+template <int T> __device__ __forceinline__ void row_dot2_lane(const u8* __restrict__ ra, const u8* __restrict__ rb,
+                                                               const float* __restrict__ x, int ncols, int lane,
+                                                               float* acc_a, float* acc_b) {
+    const int gpb = Unit<T>::bs / 8;
+    const int ng = ncols / 8;
+    float a = 0.0f, b = 0.0f;
+    for (int g0 = lane; g0 < ng; g0 += 32 * (ILP / 2)) {
+        float oa[ILP / 2][8], ob[ILP / 2][8];
+        #pragma unroll
+        for (int u = 0; u < ILP / 2; ++u) {
+            int gi = g0 + 32 * u;
+            if (gi < ng) {
+                int blk = gi / gpb, g = gi - blk * gpb;
+                deq8<T>(ra + (long long)blk * Unit<T>::ts, g, oa[u]);
+                deq8<T>(rb + (long long)blk * Unit<T>::ts, g, ob[u]);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < ILP / 2; ++u) {
+            int gi = g0 + 32 * u;
+            if (gi < ng) {
+                const float* xx = x + 8 * gi;
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) { a += oa[u][t] * xx[t]; b += ob[u][t] * xx[t]; }
+            }
+        }
+    }
+    *acc_a = a;
+    *acc_b = b;
 }
 
 // y[r] = W[r, :] . x for a quantized matrix W of rows x cols (ggml row-major), one warp per row.
@@ -344,8 +402,10 @@ template <int TG> __global__ void moe_gate_up_kernel(const u64* __restrict__ gat
     long long rb = (long long)(H / Unit<TG>::bs) * Unit<TG>::ts;
     const u8* g = reinterpret_cast<const u8*>(gate_ptr[j]) + row * rb;
     const u8* u = reinterpret_cast<const u8*>(up_ptr[j]) + row * rb;
-    float ga = warp_sum(row_dot_lane<TG>(g, xs, H, lane));
-    float ua = warp_sum(row_dot_lane<TG>(u, xs, H, lane));
+    float ga, ua;
+    row_dot2_lane<TG>(g, u, xs, H, lane, &ga, &ua);
+    ga = warp_sum(ga);
+    ua = warp_sum(ua);
     if (lane == 0) {
         float silu = ga / (1.0f + expf(-ga));
         Hbuf[(long long)j * F + row] = silu * ua;
@@ -362,10 +422,36 @@ template <int TD> __global__ void moe_down_kernel(const u64* __restrict__ down_p
     int row = blockIdx.x * (blockDim.x >> 5) + warp;
     if (row >= H) return;
     long long rb = (long long)(F / Unit<TD>::bs) * Unit<TD>::ts;
+    // lanes walk the (job, group) pairs of all this token's experts, ILP groups in flight per lane
+    const int gpb = Unit<TD>::bs / 8;
+    const int ng = F / 8;
+    const int j0 = tstart[t];
+    const int total = (tstart[t + 1] - j0) * ng;
     float acc = 0.0f;
-    for (int j = tstart[t]; j < tstart[t + 1]; ++j) {
-        const u8* d = reinterpret_cast<const u8*>(down_ptr[j]) + row * rb;
-        acc += w[j] * row_dot_lane<TD>(d, Hbuf + (long long)j * F, F, lane);
+    for (int i0 = lane; i0 < total; i0 += 32 * ILP) {
+        float o[ILP][8];
+        #pragma unroll
+        for (int u = 0; u < ILP; ++u) {
+            int i = i0 + 32 * u;
+            if (i < total) {
+                int j = i / ng, gi = i - j * ng;
+                const u8* d = reinterpret_cast<const u8*>(down_ptr[j0 + j]) + row * rb;
+                int blk = gi / gpb, g = gi - blk * gpb;
+                deq8<TD>(d + (long long)blk * Unit<TD>::ts, g, o[u]);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < ILP; ++u) {
+            int i = i0 + 32 * u;
+            if (i < total) {
+                int j = i / ng, gi = i - j * ng;
+                const float* hh = Hbuf + (long long)(j0 + j) * F + 8 * gi;
+                float s = 0.0f;
+                #pragma unroll
+                for (int tt = 0; tt < 8; ++tt) s += o[u][tt] * hh[tt];
+                acc += w[j0 + j] * s;
+            }
+        }
     }
     acc = warp_sum(acc);
     if (lane == 0) {
