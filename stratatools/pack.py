@@ -454,11 +454,11 @@ class _Copier:
     def __init__(self) -> None:
         self.kernel = hasattr(os, "copy_file_range")
 
-    def copy(self, src_fd: int, src_off: int, n: int, dst_fd: int) -> None:
+    def copy(self, src_fd: int, src_off: int, n: int, dst_fd: int, dst_off: int) -> None:
         while n > 0:
             if self.kernel:
                 try:
-                    k = os.copy_file_range(src_fd, dst_fd, min(n, 1 << 30), src_off)
+                    k = os.copy_file_range(src_fd, dst_fd, min(n, 1 << 30), src_off, dst_off)
                 except OSError as e:
                     if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM,
                                    errno.EBADF):
@@ -469,13 +469,16 @@ class _Copier:
                 b = os.pread(src_fd, min(n, _COPY_CHUNK), src_off)
                 k = len(b)
                 mv = memoryview(b)
+                at = dst_off
                 while mv:
-                    w = os.write(dst_fd, mv)
+                    w = os.pwrite(dst_fd, mv, at)
                     mv = mv[w:]
+                    at += w
             if k <= 0:
                 raise StrataError(f"unexpected end of file at byte {src_off} while copying expert data; the model "
                                   f"file changed or is truncated")
             src_off += k
+            dst_off += k
             n -= k
 
 
@@ -599,7 +602,7 @@ def _guard_packdir(packdir: Path, model: Model, force: bool) -> None:
 
 def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, experts_bin: bool = False,
                force: bool = False, progress: Callable[[int], Any] | None = None,
-               on_start: Callable[[int], Any] | None = None) -> PackResult:
+               on_start: Callable[[int], Any] | None = None, hash_inputs: bool = True) -> PackResult:
     """Write the native pack of a model (formats.md section 5) into ``packdir``.
 
     Args:
@@ -609,6 +612,8 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
         force: replace an existing pack.
         progress: called with the bytes copied since the last call.
         on_start: called once with the bytes that will be copied (0 when none).
+        hash_inputs: record the sha256 of every shard in the provenance sidecar (a full read of the model, done
+            in a background thread while experts.bin is copied); off, the sidecar records ``"sha256": null``.
 
     Returns:
         a :class:`PackResult`.
@@ -637,7 +642,7 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
         if reuse:
             notes.append(f"{EXPERTS_BIN} matches this model ({EXPERTS_SRC}); not rewritten")
         packdir.mkdir(parents=True, exist_ok=True)
-        hasher = _Hasher([f.path for f in model.files])
+        hasher = _Hasher([f.path for f in model.files] if hash_inputs else [])
         hasher.start()
         bin_tmp = packdir / (EXPERTS_BIN + ".tmp")
         copied = 0
@@ -649,16 +654,31 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
                 fds = [os.open(f.path, os.O_RDONLY) for f in model.files]
                 dst = os.open(bin_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
+                    try:
+                        os.posix_fallocate(dst, 0, plan.total_bytes)
+                    except (OSError, AttributeError):
+                        os.ftruncate(dst, plan.total_bytes)
+                    for fd in fds:
+                        try:
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                        except (OSError, AttributeError):
+                            pass
+                    # role by role: each source tensor is read front to back (sequential reads, as cp does);
+                    # each expert's slice lands at its place in the [gate][up][down] blob of the arena
                     for lp in plan.layers:
-                        srcs = [(fds[t.shard], t.offset, s) for t, s in zip(lp.tensors, lp.slice_bytes)]
-                        for e in range(plan.n_expert):
-                            for fd, base, s in srcs:
-                                copier.copy(fd, base + e * s, s, dst)
-                            copied += lp.row.blob_bytes
+                        role_off = 0
+                        blob = lp.row.blob_bytes
+                        for t, s in zip(lp.tensors, lp.slice_bytes):
+                            fd = fds[t.shard]
+                            base = lp.row.offset + role_off
+                            for e in range(plan.n_expert):
+                                copier.copy(fd, t.offset + e * s, s, dst, base + e * blob)
+                            role_off += s
+                            copied += s * plan.n_expert
                             if progress is not None:
-                                progress(lp.row.blob_bytes)
-                    if os.fstat(dst).st_size != plan.total_bytes:
-                        raise StrataError(f"{bin_tmp}: wrote {os.fstat(dst).st_size} bytes, expected {plan.total_bytes}")
+                                progress(s * plan.n_expert)
+                    if copied != plan.total_bytes or os.fstat(dst).st_size != plan.total_bytes:
+                        raise StrataError(f"{bin_tmp}: wrote {copied} bytes, expected {plan.total_bytes}")
                     os.fsync(dst)
                 finally:
                     os.close(dst)
@@ -670,9 +690,10 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
             prov = build_provenance(
                 "pack",
                 inputs=[{"name": f.path.name, "path": str(f.path.resolve()), "size_bytes": f.size,
-                         "sha256": hasher.result[str(f.path)], "role": "shard"} for f in model.files],
-                options={"experts_bin": experts_bin},
-                model={"name": str(model.kv.get("general.name", "")), "sha256": hasher.result[str(model.files[0].path)],
+                         "sha256": hasher.result.get(str(f.path)), "role": "shard"} for f in model.files],
+                options={"experts_bin": experts_bin, "hash_inputs": hash_inputs},
+                model={"name": str(model.kv.get("general.name", "")),
+                       "sha256": hasher.result.get(str(model.files[0].path)),
                        "n_layers": len(plan.layers), "n_expert": plan.n_expert},
                 extra={"pack": {"version": plan.version, "n_expert": plan.n_expert, "total_bytes": plan.total_bytes,
                                 "native_experts_sha256": want["native_experts_sha256"],

@@ -331,3 +331,11 @@ def test_parser_never_crashes_on_random_text(text):
         parse_native_experts(text)
     except StrataError:
         pass
+
+
+def test_pread_fallback_gives_the_same_bytes(release, tmp_path, monkeypatch):
+    from stratatools import pack as P
+    pack_model(release.canonical, tmp_path / "k", experts_bin=True)
+    monkeypatch.setattr(P._Copier, "__init__", lambda self: setattr(self, "kernel", False))
+    pack_model(release.canonical, tmp_path / "f", experts_bin=True)
+    assert (tmp_path / "k" / EXPERTS_BIN).read_bytes() == (tmp_path / "f" / EXPERTS_BIN).read_bytes()

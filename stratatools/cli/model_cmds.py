@@ -94,6 +94,8 @@ def pack_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Pack folder (native_experts.txt, experts.bin, sidecars)."),
     experts_bin: bool = typer.Option(False, "--experts-bin", help="Also write experts.bin (reused when it matches)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing pack."),
+    no_hash: bool = typer.Option(False, "--no-hash",
+                                 help="Do not sha256 the model for the provenance sidecar (saves a full read)."),
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Write Strata's native pack (formats.md section 5) for a MoE GGUF."""
@@ -102,7 +104,7 @@ def pack_cmd(
             if total:
                 bar.update(total=total)
         r = pack_model(model, out, experts_bin=experts_bin, force=force,
-                       progress=lambda n: bar.update(advance=n), on_start=start)
+                       progress=lambda n: bar.update(advance=n), on_start=start, hash_inputs=not no_hash)
     if json_:
         common.emit_json(r.to_dict())
     else:
