@@ -429,18 +429,18 @@ def _check_types(alloc: Allocation) -> None:
         alloc.warnings.append(f"type names unknown to ggml: {', '.join(unknown[:5])}")
     if alloc.pruned:
         # one tensor has one type: the kept experts of a (layer, role) should agree with each other and with Section 1
-        tt = alloc.expert_types()
-        mixed = 0
+        nt = len(alloc.type_names)
+        kept = alloc.type_code > 0
+        combos = np.unique((alloc.layer[kept] * 3 + alloc.role[kept]) * nt + alloc.type_code[kept])
+        grp, code = combos // nt, combos % nt
+        ug, n_types = np.unique(grp, return_counts=True)
+        mixed = int((n_types > 1).sum())
         disagree: list[str] = []
-        for lyr in range(alloc.n_layers):
-            for r, role in enumerate(ROLES):
-                s = {t for t in tt[lyr, r].tolist() if t}
-                if len(s) > 1:
-                    mixed += 1
-                name = f"blk.{lyr}.ffn_{role}_exps.weight"
-                s1 = alloc.tensor_types.get(name)
-                if s1 is not None and s and s != {s1}:
-                    disagree.append(name)
+        for g, c in zip(grp.tolist(), code.tolist()):
+            name = f"blk.{g // 3}.ffn_{ROLES[g % 3]}_exps.weight"
+            s1 = alloc.tensor_types.get(name)
+            if s1 is not None and s1 != alloc.type_names[c] and (not disagree or disagree[-1] != name):
+                disagree.append(name)
         if mixed:
             alloc.warnings.append(f"{mixed} (layer, role) groups keep experts of mixed types")
         if disagree:

@@ -360,3 +360,13 @@ def test_kit_verify_against_shard_set(kit):
     assert res.ok and res.compared and res.n_disagree == 0
     with pytest.raises(StrataError, match="survivor map in original indices needs --full"):
         verify_survivors(kit / "pruned/coder-revB.gguf", other=kit / "pruned/coder-revA.gguf").survivor_map()
+
+
+def test_type_warnings():
+    t = format_allocation([[0, 1], [2, 3]], 4, section1={"blk.0.ffn_gate_exps.weight": "Q4_K"},
+                          expert_types=("Q2_0", "Q4_0", "Q2_0"))
+    a = parse_allocation(t.replace("blk.1.ffn_up_exps.weight[3]: Q4_0", "blk.1.ffn_up_exps.weight[3]: Q8_0").encode())
+    assert any("1 (layer, role) groups keep experts of mixed types" in w for w in a.warnings)
+    assert any("1 expert tensors have per-expert types that differ" in w and "blk.0.ffn_gate_exps.weight" in w
+               for w in a.warnings)
+    assert a.type_histogram() == {"Q2_0": 8, "Q4_0": 3, "Q8_0": 1}
