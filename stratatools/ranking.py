@@ -80,6 +80,14 @@ def count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, *, p
         for w in weights:
             if not np.isfinite(w) or w < 0:
                 raise StrataError(f"trace weight {w} must be a finite number >= 0")
+    from .trace_formats.strata import no_hugepages
+
+    with no_hugepages():
+        return _count_pairs(tables, n_layers, n_expert, phase, weighting, weights)
+
+
+def _count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, phase: str, weighting: str,
+                 weights: Sequence[float] | None) -> CountResult:
     size = n_layers * n_expert
     total = np.zeros(size, dtype=np.float64)
     res = CountResult(total)

@@ -16,7 +16,7 @@ PHASE_NAMES = {PREFILL: "prefill", DECODE: "decode", UNKNOWN: "unknown"}
 
 COLUMNS = {
     "request": np.int32,   # request / prompt id (0 when the source has none)
-    "position": np.int32,  # token position within the request (-1 when unknown)
+    "position": np.int32,  # token position within the request (Strata binary: ordinal within layer+request)
     "phase": np.int8,      # PREFILL, DECODE or UNKNOWN
     "layer": np.int16,     # trunk layer
     "rank": np.int16,      # rank within the record's top-k (0 = first listed)
@@ -28,6 +28,9 @@ COLUMNS = {
 @dataclass
 class TraceTable:
     """A routing trace as columns of equal length N.
+
+    Columns that are constant over the whole trace (e.g. ``request`` and ``phase`` of a plain Strata trace) may
+    be zero-memory read-only broadcast views (``np.broadcast_to``); copy a column before writing into it.
 
     Attributes:
         request, position, phase, layer, rank, expert, weight: numpy arrays [N] with the dtypes of COLUMNS.
@@ -176,12 +179,15 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
         n_expert = table.meta.get("n_expert")
     E = int(n_expert) if n_expert else (int(table.expert.max()) + 1 if n else 0)
     E = max(E, int(table.expert.max()) + 1 if n else 0)
-    lay = table.layer.astype(np.int64)
-    lmin = int(lay.min()) if n else None
-    lmax = int(lay.max()) if n else None
+    lmin = int(table.layer.min()) if n else None
+    lmax = int(table.layer.max()) if n else None
     nl = (lmax - lmin + 1) if n else 0
-    counts = np.bincount((lay - (lmin or 0)) * E + table.expert, minlength=nl * E).reshape(nl, E) if n else \
-        np.zeros((0, 0), np.int64)
+    counts = np.zeros(nl * E, np.int64)
+    for a in range(0, n, 1 << 23):  # chunked: int64 temporaries stay small for any trace length
+        b = min(n, a + (1 << 23))
+        flat = (table.layer[a:b].astype(np.int64) - lmin) * E + table.expert[a:b]
+        counts += np.bincount(flat, minlength=nl * E)
+    counts = counts.reshape(nl, E)
     per: list[LayerStats] = []
     for i in range(nl):
         c = counts[i]
