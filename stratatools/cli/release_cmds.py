@@ -1,9 +1,75 @@
-"""CLI commands: (to be filled by its issue)."""
+"""CLI: ``validate-release`` (every check on a release, for CI)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import List, Optional
+
 import typer
+from rich.table import Table
+
+from ..checks import FAIL, PASS
+from ..fsutil import write_text_atomic
+from .common import console, emit_json
+
+_STYLE = {PASS: "green", FAIL: "bold red", "skip": "yellow"}
+
+
+def validate_release_cmd(
+    release_dir: Optional[Path] = typer.Argument(None, help="Release folder: one model (file or shard set), "
+                                                           "optionally its allocation, profile and pack."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="The GGUF (any shard) instead of a folder."),
+    alloc: Optional[Path] = typer.Option(None, "--alloc", "-a", help="rco-allocation.txt of this release."),
+    profile: Optional[Path] = typer.Option(None, "--profile", "-p", help="STRP expert profile to validate."),
+    pack: Optional[Path] = typer.Option(None, "--pack", help="Native pack folder to round-trip."),
+    traces: List[Path] = typer.Option([], "--traces", "-t", help="Routing trace for the hit-rate gate (repeat)."),
+    full: Optional[Path] = typer.Option(None, "--full", help="The unpruned model: verify the survivor map."),
+    previous: Optional[Path] = typer.Option(None, "--previous", help="The previous revision: detect re-indexing."),
+    previous_alloc: Optional[Path] = typer.Option(None, "--previous-alloc", help="The previous revision's allocation."),
+    min_hit_rate: Optional[float] = typer.Option(None, "--min-hit-rate", help="Gate: profile h_expert on the traces (0..1)."),
+    slots: Optional[int] = typer.Option(None, "--slots", help="Slots for the gate (default: 39/256 of the experts per layer)."),
+    budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget for the gate instead of slots."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check)."),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON to FILE ('-' = stdout)."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary."),
+) -> None:
+    """Validate a release: shards, geometry, allocation, survivor map, profile (stale?), pack, hit-rate gate.
+
+    Exit 0 when every check passes (skips allowed), 1 when a check failed, 2 for unusable input.
+    """
+    from ..release import resolve_inputs, validate_release
+
+    inp = resolve_inputs(release_dir, model=model, alloc=alloc, profile=profile, pack=pack, traces=traces,
+                         full=full, previous=previous, previous_alloc=previous_alloc)
+    if min_hit_rate is not None and not 0.0 <= min_hit_rate <= 1.0:
+        from ..errors import StrataError
+
+        raise StrataError(f"--min-hit-rate {min_hit_rate}: give a fraction between 0 and 1")
+    suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib)
+    if junit is not None:
+        write_text_atomic(junit, suite.to_junit())
+    if markdown is not None:
+        write_text_atomic(markdown, suite.to_markdown())
+    if json_file is not None and str(json_file) == "-":
+        emit_json(suite.to_dict())
+    else:
+        if json_file is not None:
+            import json
+
+            write_text_atomic(json_file, json.dumps(suite.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        t = Table(title=f"validate-release: {inp.model.name}", show_lines=False)
+        t.add_column("check")
+        t.add_column("status")
+        t.add_column("reason", overflow="fold")
+        for c in suite.checks:
+            t.add_row(c.name, f"[{_STYLE[c.status]}]{c.status}[/]", c.reason)
+        console.print(t)
+        n = suite.counts
+        verdict = "[green]PASS[/]" if suite.ok else "[bold red]FAIL[/]"
+        console.print(f"{verdict}: {n[PASS]} passed, {n[FAIL]} failed, {n['skip']} skipped")
+    raise typer.Exit(suite.exit_code)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``validate-release`` to ``app``."""
+    app.command("validate-release")(validate_release_cmd)

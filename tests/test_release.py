@@ -1,0 +1,125 @@
+"""validate-release: the kit's stale-profile acceptance case, the fixed case, JUnit XML, exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import junitparser
+import pytest
+
+from stratatools.checks import FAIL, PASS, SKIP
+from stratatools.release import ReleaseInputs, discover, validate_release
+
+
+def _by_name(suite):
+    return {c.name: c for c in suite.checks}
+
+
+def test_stale_profile_on_revB_exits_1_and_names_the_check(kit, cli, tmp_path):
+    p = kit / "pruned"
+    junit = tmp_path / "r.xml"
+    code, out, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--alloc", p / "coder-revB.rco-allocation.txt",
+                         "--profile", p / "profile-revA.bin", "--junit", junit, "--json", tmp_path / "r.json")
+    assert code == 1, err
+    assert "profile-stale" in out and "kit-coder@revA" in out
+    xml = junitparser.JUnitXml.fromfile(str(junit))
+    cases = {c.name: c for s in xml for c in s}
+    assert set(cases) >= {"shards", "geometry", "allocation", "allocation-model", "profile-geometry", "profile-stale"}
+    stale = cases["profile-stale"]
+    assert not stale.is_passed and any(isinstance(r, junitparser.Failure) for r in stale.result)
+    assert cases["geometry"].is_passed
+    assert any(isinstance(r, junitparser.Skipped) for r in cases["pack"].result)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["ok"] is False and data["counts"]["fail"] == 1
+
+
+def test_reindexing_detected_without_provenance(kit, tmp_path):
+    """A profile the registry does not know: --previous shows the re-indexing and fails the check."""
+    p = kit / "pruned"
+    prof = tmp_path / "unknown.bin"
+    data = bytearray((p / "profile-revA.bin").read_bytes())
+    # same pairs, different trailer bytes -> a digest the registry does not know; trailer is warned about only
+    data[-1] ^= 0x01
+    prof.write_bytes(bytes(data))
+    s = validate_release(ReleaseInputs(model=p / "coder-revB.gguf", alloc=p / "coder-revB.rco-allocation.txt",
+                                       profile=prof, previous=p / "coder-revA.gguf",
+                                       previous_alloc=p / "coder-revA.rco-allocation.txt"))
+    c = _by_name(s)
+    assert c["survivor-map"].status == PASS
+    assert c["survivor-map"].details["dense_indices_reindexed"] == 86  # kit expected.json: 14+9+6+14+11+12+6+14
+    assert c["profile-stale"].status == FAIL
+    # 128 pairs, 42 still name the same original expert (expected.json) -> at most 86 can move; dense-index
+    # changes count pairs whose dense index now holds another expert
+    assert 0 < c["profile-stale"].details["pairs_reindexed"] <= 128
+    assert s.exit_code == 1
+
+
+def test_remapped_profile_passes_with_full_model(kit):
+    p = kit / "pruned"
+    s = validate_release(ReleaseInputs(model=p / "coder-revB.gguf", alloc=p / "coder-revB.rco-allocation.txt",
+                                       profile=p / "expected-profile-revA-remapped-to-revB.bin",
+                                       full=kit / "quant/model-ISTA-mix.gguf"))
+    c = _by_name(s)
+    assert c["survivor-map"].status == PASS and c["profile-stale"].status == PASS
+    assert s.exit_code == 0
+
+
+def test_wrong_allocation_fails(kit):
+    p = kit / "pruned"
+    s = validate_release(ReleaseInputs(model=p / "coder-revB.gguf", alloc=p / "coder-revA.rco-allocation.txt",
+                                       full=kit / "quant/model-ISTA-mix.gguf"))
+    c = _by_name(s)
+    assert c["survivor-map"].status == FAIL
+    assert s.exit_code == 1
+
+
+def test_pack_round_trip_and_hit_rate_gate(kit, tmp_path, cli):
+    p = kit / "pruned"
+    code, _, err = cli("pack", p / "coder-revB.gguf", "-o", tmp_path / "pack", "--experts-bin")
+    assert code == 0, err
+    base = dict(model=p / "coder-revB.gguf", pack=tmp_path / "pack",
+                profile=p / "expected-profile-revA-remapped-to-revB.bin", traces=[p / "coder-revB.routing.csv"])
+    ok = validate_release(ReleaseInputs(**base), min_hit_rate=0.05, slots=64)
+    c = _by_name(ok)
+    assert c["pack"].status == PASS and c["hit-rate"].status == PASS
+    h = c["hit-rate"].details["h_expert"]
+    assert 0.05 <= h <= 1.0
+    strict = validate_release(ReleaseInputs(**base), min_hit_rate=min(1.0, h + 0.01), slots=64)
+    assert _by_name(strict)["hit-rate"].status == FAIL
+    # corrupt one experts.bin byte: the round trip catches it
+    binp = tmp_path / "pack" / "experts.bin"
+    b = bytearray(binp.read_bytes())
+    b[0] ^= 0xFF
+    binp.write_bytes(bytes(b))
+    bad = validate_release(ReleaseInputs(**base))
+    assert _by_name(bad)["pack"].status == FAIL
+
+
+def test_release_folder_discovery_and_unusable_input(kit, tmp_path, cli):
+    rel = tmp_path / "rel"
+    rel.mkdir()
+    shutil.copy(kit / "pruned/coder-revA.gguf", rel)
+    shutil.copy(kit / "pruned/coder-revA.rco-allocation.txt", rel)
+    shutil.copy(kit / "pruned/profile-revA.bin", rel)
+    inp = discover(rel)
+    assert inp.model.name == "coder-revA.gguf" and inp.profile.name == "profile-revA.bin"
+    code, out, _ = cli("validate-release", rel)
+    assert code == 0, out
+    code, _, err = cli("validate-release", tmp_path / "nope")
+    assert code == 2 and "not a folder" in err and "Traceback" not in err
+    code, _, err = cli("validate-release", "--model", kit / "pruned/coder-revA.gguf", "--profile", tmp_path / "missing.bin")
+    assert code == 2 and "no such profile" in err
+
+
+def test_broken_shard_set_is_a_failed_check(kit, tmp_path):
+    d = tmp_path / "split"
+    d.mkdir()
+    for f in (kit / "gguf/split").glob("*.gguf"):
+        if "00003" not in f.name:
+            shutil.copy(f, d)
+    s = validate_release(ReleaseInputs(model=d / "model-Q2_0-split-00001-of-00004.gguf"))
+    c = _by_name(s)
+    assert c["shards"].status == FAIL and "missing" in c["shards"].reason
+    assert c["geometry"].status == SKIP
+    assert s.exit_code == 1
