@@ -419,7 +419,8 @@ def _tensor_list(cfg: SynthConfig, V: int) -> list[TSpec]:
             return
         if name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):
             t = embd if _fit(embd, ne[0]) else _dense_type(cfg, ne[0])
-            specs.append(TSpec(name, ne, t, random=cfg.random_dense and not can_quantize(t)))
+            specs.append(TSpec(name, ne, t, "embd" if name == "token_embd.weight" else "normal",
+                               random=cfg.random_dense and not can_quantize(t)))
             return
         if layer is not None and name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
             specs.append(TSpec(name, ne, cfg.gu_type(layer), random=cfg.random_experts or not can_quantize(cfg.gu_type(layer))))
@@ -498,11 +499,38 @@ def _tensor_list(cfg: SynthConfig, V: int) -> list[TSpec]:
     return specs
 
 
-def _values(rng: np.random.Generator, init: str, shape: tuple[int, ...]) -> np.ndarray:
+# Skewed routing: real routers have hot and cold experts, and a profile is only worth something when routing
+# is skewed. Every token embedding carries a shared unit direction c (times HOT_EMBD), and router row e of
+# layer l carries HOT_ROUTER * b_l[e] * c with b_l a per-layer random permutation of a decreasing ramp, so
+# each layer has its own hot experts whatever the prompt.
+HOT_EMBD = 0.3
+HOT_ROUTER = 0.45
+
+
+def hot_direction(seed: int, n: int) -> np.ndarray:
+    """The shared unit direction c [n] (float32) of a synthetic model (module comment above)."""
+    c = np.random.default_rng([seed, 0x486F74]).standard_normal(n)
+    return (c / np.linalg.norm(c)).astype(np.float32)
+
+
+def router_heat(seed: int, layer_key: str, n_expert: int) -> np.ndarray:
+    """Per-expert heat b [n_expert] in [0, 1] of one router: a random permutation of a squared ramp."""
+    ramp = np.linspace(1.0, 0.0, n_expert) ** 2
+    perm = np.random.default_rng([seed, zlib.crc32(layer_key.encode("utf-8")), 0x48]).permutation(n_expert)
+    return ramp[perm].astype(np.float32)
+
+
+def _values(rng: np.random.Generator, init: str, shape: tuple[int, ...], *, seed: int = 0, row0: int = 0,
+            key: str = "", n_rows: int = 0) -> np.ndarray:
     if init == "norm":
         return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
     if init == "router":
-        return 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        v = 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        heat = router_heat(seed, key, n_rows)[row0:row0 + shape[0]]
+        return v + HOT_ROUTER * heat[:, None] * hot_direction(seed, shape[1])[None, :]
+    if init == "embd":
+        v = 0.02 * rng.standard_normal(shape, dtype=np.float32)
+        return v + HOT_EMBD * hot_direction(seed, shape[1])[None, :]
     if init == "ssm_a":
         return -np.exp(rng.uniform(0.0, math.log(16.0), shape)).astype(np.float32)
     if init == "dt_bias":
@@ -525,7 +553,7 @@ def _producer(spec: TSpec, seed: int) -> Callable[[], Iterator[np.ndarray]]:
         rpc = max(1, _CHUNK_VALUES // ne0)
         for r0 in range(0, rows, rpc):
             n = min(rpc, rows - r0)
-            yield quantize(_values(rng, spec.init, (n, ne0)), t)
+            yield quantize(_values(rng, spec.init, (n, ne0), seed=seed, row0=r0, key=spec.name, n_rows=rows), t)
     return gen
 
 

@@ -1,9 +1,37 @@
-"""CLI commands: (to be filled by its issue)."""
+"""CLI: ``demo`` (the whole story on the embedded synthetic release)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from .common import STATE, console, err_console
+
+
+def demo_cmd(
+    out: Path = typer.Argument(Path("demo-out"), help="Output folder (index.md links everything)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing demo folder."),
+) -> None:
+    """Run the whole story on a synthetic release: pack, stale profile caught, remap, rebuild from runtime
+    traces, simulate stale vs remapped vs rebuilt, validate-release red then green."""
+    from ..demo import run_demo
+
+    def progress(st) -> None:
+        if STATE.quiet:
+            return
+        ok = st.code == st.expect
+        mark = "[green]ok[/]" if ok else "[bold red]UNEXPECTED[/]"
+        err_console.print(f"{mark} {st.title}  [dim](exit {st.code}, {st.seconds:.1f} s)[/]")
+
+    res = run_demo(out, force=force, progress=progress)
+    console.print(f"demo: {len(res.steps)} steps in {res.seconds:.1f} s -> {res.out / 'index.md'}")
+    if not res.ok:
+        bad = [s.title for s in res.steps if s.code != s.expect]
+        console.print(f"[bold red]unexpected exit codes in: {', '.join(bad)}[/] (see {res.out / 'logs'})")
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``demo`` to ``app``."""
+    app.command("demo")(demo_cmd)
