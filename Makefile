@@ -20,8 +20,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# Benchmarks print ratios against a baseline measured in the same run; the big ones generate GB-sized
+# inputs in a temp folder (see each script's --help). GPU benchmarks need CuPy and a GPU.
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/bench_alloc.py
+	$(BIN)/python bench/bench_cachesim.py
+	$(BIN)/python bench/bench_trace.py
+	$(BIN)/python bench/bench_pack.py
+	$(BIN)/python bench/bench_runtime.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
