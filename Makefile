@@ -9,7 +9,8 @@ DEMO_OUT ?= demo-out
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,oracle]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,oracle]' \
+	  || $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,oracle]'  # one retry: registries hiccup
 	touch $(STAMP)
 
 venv: $(STAMP)
