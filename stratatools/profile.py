@@ -21,6 +21,22 @@ from .fsutil import write_bytes_atomic
 MAGIC = b"STRP"
 VERSION = 1
 HEADER_BYTES = 24
+# Plausibility bounds of the reader and writer (ours, stricter than the engine): pairs are u16, so an expert
+# or layer index past 65535 cannot be named; the largest known model is 48 x 512 (formats.md 1). The bound on
+# L x E keeps the rank table of any accepted header at 64 MiB.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_PAIRS = 1 << 24
+
+
+def check_dims(n_layers: int, n_expert: int, path: str | os.PathLike | None = None) -> None:
+    """Raise StrataError (``byte 8``) unless 1 <= n_layers <= 4096, 1 <= n_expert <= 65536 and
+    n_layers x n_expert <= 2**24 (u16 pair fields, formats.md 2; bounds are ours)."""
+    if not (1 <= n_layers <= MAX_LAYERS and 1 <= n_expert <= MAX_EXPERTS and n_layers * n_expert <= MAX_PAIRS):
+        p = os.fspath(path) if path is not None else "<profile>"
+        raise StrataError(f"{p}: byte 8: {n_layers} layers x {n_expert} experts is implausible (a profile needs "
+                          f"1..{MAX_LAYERS} layers, 1..{MAX_EXPERTS} experts, at most {MAX_PAIRS} pairs); "
+                          f"the header is damaged or this is not a profile", p)
 
 
 class ProfileWarning(UserWarning):
@@ -80,6 +96,7 @@ class Profile:
         """Raise StrataError for out-of-range or duplicate pairs (our writers never emit either)."""
         p = path or "<profile>"
         L, E = self.n_layers, self.n_expert
+        check_dims(L, E, p)
         if len(self.pairs):
             bad = np.nonzero((self.pairs[:, 0] < 0) | (self.pairs[:, 0] >= L) | (self.pairs[:, 1] < 0) | (self.pairs[:, 1] >= E))[0]
             if len(bad):
@@ -114,20 +131,25 @@ class Profile:
 
 
 def parse_profile(data: bytes, path: str | os.PathLike | None = None,
-                  expect: tuple[int, int] | None = None) -> Profile:
+                  expect: tuple[int, int] | None = None, file_size: int | None = None) -> Profile:
     """Parse STRP bytes; stricter than the engine.
 
     Args:
         data: the file's bytes.
         path: for messages.
         expect: (n_layers, n_expert) of the target model; a mismatch is an error.
+        file_size: the file's length when ``data`` is only its first bytes (:func:`read_profile` reads the
+            header, the pairs and one table, never a whole multi-GB file given by mistake); the bytes past
+            ``data`` count as trailing bytes.
 
     Raises:
-        StrataError: bad magic, truncation, dims mismatch, n_ranked > slots, out-of-range or duplicate pairs.
+        StrataError: bad magic, implausible dims (:func:`check_dims`), truncation, dims mismatch,
+            n_ranked > slots, out-of-range or duplicate pairs.
     Warnings are collected in ``Profile.warnings`` (trailer inconsistencies, trailing bytes, version != 1).
     """
     p = os.fspath(path) if path is not None else "<profile>"
     data = bytes(data)
+    size = len(data) if file_size is None else max(int(file_size), len(data))
     if len(data) < 4 and MAGIC.startswith(data):
         raise StrataError(f"{p}: byte {len(data)}: truncated STRP header ({len(data)} of {HEADER_BYTES} bytes)", p)
     if len(data) < 4 or data[:4] != MAGIC:
@@ -138,6 +160,7 @@ def parse_profile(data: bytes, path: str | os.PathLike | None = None,
     warns: list[str] = []
     if version != VERSION:
         warns.append(f"version is {version}, expected 1 (the engine ignores it)")
+    check_dims(L, E, p)
     if expect is not None and (L, E) != tuple(expect):
         raise StrataError(
             f"{p}: byte 8: profile is for {L} layers x {E} experts but the model has {expect[0]} x {expect[1]}; "
@@ -150,7 +173,7 @@ def parse_profile(data: bytes, path: str | os.PathLike | None = None,
     pairs = np.frombuffer(data, dtype="<u2", count=2 * n, offset=HEADER_BYTES).astype(np.int64).reshape(n, 2)
     prof = Profile(L, E, pairs, slots=slots, version=version)
     prof.validate(p)
-    rest = len(data) - end_pairs
+    rest = size - end_pairs
     table = L * E * 4
     trailer = "none"
     freq = None
@@ -187,15 +210,25 @@ def parse_profile(data: bytes, path: str | os.PathLike | None = None,
 
 
 def read_profile(path: str | os.PathLike, expect: tuple[int, int] | None = None) -> Profile:
-    """Read a STRP v1 file; see :func:`parse_profile`. Raises StrataError for a missing file."""
+    """Read a STRP v1 file; see :func:`parse_profile`. Raises StrataError for a missing file.
+
+    Reads at most the header, the pair list and one L x E table (bounded by :func:`check_dims`), so a model
+    passed by mistake is refused from its first bytes.
+    """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            data = fh.read(HEADER_BYTES)
+            if len(data) == HEADER_BYTES and data[:4] == MAGIC:
+                _, L, E, _, n = struct.unpack_from("<5I", data, 4)
+                check_dims(L, E, path)
+                data += fh.read(max(0, min(4 * n + 4 * L * E, size - HEADER_BYTES)))
     except FileNotFoundError:
         raise StrataError(f"{path}: no such file", path) from None
     except IsADirectoryError:
         raise StrataError(f"{path}: is a directory, expected a STRP profile", path) from None
-    return parse_profile(data, path, expect)
+    return parse_profile(data, path, expect, file_size=size)
 
 
 def summarize(prof: Profile, top: int = 8) -> dict:
@@ -213,16 +246,19 @@ def summarize(prof: Profile, top: int = 8) -> dict:
     """
     L, E = prof.n_layers, prof.n_expert
     lay = prof.pairs[:, 0]
-    counts = np.bincount(lay, minlength=L) if L else np.zeros(0, np.int64)
-    head = lay[: L * top]
-    share = np.bincount(head, minlength=L) if L else np.zeros(0, np.int64)
+    counts = np.bincount(lay, minlength=L)
+    share = np.bincount(lay[: L * top], minlength=L)
+    # pairs grouped by layer, rank order kept inside each group (one stable sort, not a scan per layer)
+    order = np.argsort(lay, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    experts = prof.pairs[order, 1]
     layers = []
     for layer in range(L):
-        sel = np.nonzero(lay == layer)[0]
+        a, b = int(starts[layer]), int(starts[layer + 1])
         layers.append({"layer": layer, "ranked": int(counts[layer]),
-                       "first_rank": int(sel[0]) if len(sel) else None,
+                       "first_rank": int(order[a]) if b > a else None,
                        "share_top": int(share[layer]),
-                       "top": prof.pairs[sel[:top], 1].tolist()})
+                       "top": experts[a:min(b, a + top)].tolist()})
     return {"n_layers": L, "n_expert": E, "slots": int(prof.slots or 0), "n_ranked": prof.n_ranked,
             "complete": prof.complete, "trailer": prof.trailer, "version": prof.version,
             "warnings": list(prof.warnings), "top": top, "layers": layers,

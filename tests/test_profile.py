@@ -171,3 +171,83 @@ def test_mutated_profiles_never_crash(edits, cut):
         return
     assert (p.n_layers, p.n_expert) == (3, 5)
     assert len(np.unique(p.flat())) == p.n_ranked
+
+
+# -- review: implausible headers, bounded reads --------------------------------------------------------------
+
+@pytest.mark.parametrize("L,E,needle", [
+    (0xFFFFFFFF, 0xFFFFFFFF, "byte 8: 4294967295 layers x 4294967295 experts is implausible"),
+    (65535, 65535, "byte 8: 65535 layers x 65535 experts is implausible"),
+    (0, 16, "byte 8: 0 layers x 16 experts is implausible"),
+    (8, 0, "byte 8: 8 layers x 0 experts is implausible"),
+])
+def test_implausible_dims_are_errors(cli, tmp_path, L, E, needle):
+    """A header with absurd dims used to reach `profile show` (32 GiB allocation or an endless loop)."""
+    data = b"STRP" + struct.pack("<5I", 1, L, E, 0, 0)
+    with pytest.raises(StrataError, match=needle):
+        parse_profile(data, "x.bin")
+    p = tmp_path / "x.bin"
+    p.write_bytes(data)
+    code, out, err = cli("profile", "show", p)
+    assert code == 2 and err.count("\n") == 1 and "implausible" in err
+    with pytest.raises(StrataError, match="implausible"):
+        Profile(L, E, np.zeros((0, 2), np.int64)).to_bytes()
+
+
+def test_read_profile_reads_only_what_the_header_needs(tmp_path):
+    """A multi-GB file passed by mistake must not be read whole: only header, pairs and one table."""
+    import tracemalloc
+
+    data = strp(3, 5, [(0, 1), (2, 4)])
+    p = tmp_path / "big.bin"
+    extra = 256 << 20
+    with open(p, "wb") as fh:
+        fh.write(data)
+        fh.truncate(len(data) + extra)  # sparse: 256 MiB of trailing zeros
+    tracemalloc.start()
+    try:
+        prof = read_profile(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (16 << 20), f"read_profile allocated {peak} bytes for a {len(data)}-byte profile"
+    assert prof.trailer == "rank" and prof.pairs.tolist() == [[0, 1], [2, 4]]
+    assert any(f"{extra} trailing bytes" in w for w in prof.warnings)
+    # a GGUF (or anything else) passed as a profile: refused from its first bytes
+    g = tmp_path / "model.gguf"
+    with open(g, "wb") as fh:
+        fh.write(b"GGUF" + b"\x03\x00\x00\x00")
+        fh.truncate(extra)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StrataError, match="byte 0: not an expert profile"):
+            read_profile(g)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (16 << 20)
+    # a header claiming 2**32-1 ranked pairs in a small file: truncation, without allocating for the claim
+    h = tmp_path / "n.bin"
+    h.write_bytes(b"STRP" + struct.pack("<5I", 1, 8, 16, 0xFFFFFFFF, 0xFFFFFFFF) + b"\x00" * 40)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StrataError, match=r"byte 64: truncated pair list \(10 of 4294967295 pairs\)"):
+            read_profile(h)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (16 << 20)
+
+
+def test_summarize_many_layers_is_fast():
+    """summarize is linear in pairs + layers (it used to scan every pair once per layer)."""
+    import time
+    L, E = 4096, 1024  # 4M pairs: the per-layer scan took ~15 s here
+    flat = np.random.default_rng(2).permutation(L * E)
+    prof = Profile(L, E, np.stack([flat // E, flat % E], axis=1))
+    t = time.perf_counter()
+    s = summarize(prof, top=2)
+    assert time.perf_counter() - t < 3.0
+    assert sum(r["ranked"] for r in s["layers"]) == L * E
+    lay = prof.pairs[:, 0]
+    assert s["layers"][77]["top"] == prof.pairs[lay == 77, 1][:2].tolist()
