@@ -119,6 +119,7 @@ class Allocation:
         path: the file (for messages).
         header: the comment lines before the first entry, without ``#``.
         header_kept / header_original / header_layers: what the header says (``16 of 32 ... 8 layers``), or None.
+        header_count_line: the 1-based line of the header's ``K of N`` count, or None.
         tensor_types: Section 1, tensor name -> upper-case type name.
         tensor_lines: Section 1, tensor name -> 1-based line number.
         entry_group: per entry in file order, -1 for Section 1, else the Section 2 layer. int32 [n_entries].
@@ -156,6 +157,7 @@ class Allocation:
     out_of_order_layers: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     sha256: str | None = None
+    header_count_line: int | None = None
 
     # -- derived ---------------------------------------------------------------------------------------
     @property
@@ -245,10 +247,10 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
         an :class:`Allocation`; its Section 2 arrays are in file order.
 
     Raises:
-        StrataError, naming the line: not UTF-8; a line of neither shape (garbage); a Section 1 tensor
+        StrataError, naming the line: not UTF-8; no entries at all; a line of neither shape (garbage); a Section 1 tensor
         without a type or listed twice; an (layer, role, original index) listed twice; a layer or role
         missing an original index; gate, up and down keeping different sets; layers not numbered 0..L-1;
-        an index not below the header's original count.
+        a layer keeping no expert; an index not below the header's original count (or a header count above 65536).
     """
     p = os.fspath(path) if path is not None else "<allocation>"
     text = _decode(bytes(data), p)
@@ -263,6 +265,7 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
                 _garbage(p, i, lines[i - 1])
         raise StrataError(f"{p}: the per-expert entries could not be read consistently; check the line ends", p)
     header: list[str] = []
+    header_no: list[int] = []
     tensor_types: dict[str, str] = {}
     tensor_lines: dict[str, int] = {}
     first_s2 = int(s2_line[0]) if len(s2_line) else len(lines) + 1
@@ -286,13 +289,18 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
         if m is not None:
             if m.group(1) is not None and not tensor_types and i + 1 < first_s2:
                 header.append(m.group(1)[1:].strip())
+                header_no.append(i + 1)
             continue
         _garbage(p, i + 1, ln)
     alloc = Allocation(path=p, header=header, tensor_types=tensor_types, tensor_lines=tensor_lines)
-    for h in header:
+    if not tensor_types and not s2:
+        raise StrataError(f"{p}: no allocation entries (the file is empty or holds only comments); expected "
+                          f"'<tensor>: <TYPE>' and 'blk.L.ffn_<gate|up|down>_exps.weight[I]: <TYPE or nothing>' lines", p)
+    for h, h_no in zip(header, header_no):
         m = _HDR_KEPT.search(h)
         if m and alloc.header_kept is None and re.search(r"expert|retain|kept|keep", h, re.I):
             alloc.header_kept, alloc.header_original = int(m.group(1)), int(m.group(2))
+            alloc.header_count_line = h_no
         m = _HDR_LAYERS.search(h)
         if m and alloc.header_layers is None:
             alloc.header_layers = int(m.group(1))
@@ -345,8 +353,14 @@ def _build_section2(alloc: Allocation, s2: list, line: np.ndarray) -> None:
                           f"{len(present) - 1} do; every layer 0..{len(present) - 1} must be listed", p)
     n_layers = len(present)
     n_orig_seen = int(orig.max()) + 1
+    from_header = ""
     if alloc.header_original is not None and alloc.header_original >= 1:
         n_orig = alloc.header_original
+        if n_orig > MAX_EXPERTS:
+            raise StrataError(f"{p}: line {alloc.header_count_line}: the header states {n_orig} original experts per "
+                              f"layer, more than {MAX_EXPERTS}; fix the header's 'K of N' count", p)
+        if n_orig > n_orig_seen:
+            from_header = f"; the header states {n_orig} original experts per layer (line {alloc.header_count_line})"
         if n_orig_seen > n_orig:
             i = int(np.argmax(orig >= n_orig))
             raise StrataError(f"{p}: line {line[i]}: original index {orig[i]} is not below the header's "
@@ -380,7 +394,7 @@ def _build_section2(alloc: Allocation, s2: list, line: np.ndarray) -> None:
         last = int(line[grp].max()) if grp.any() else 0
         where = f"line {last}: " if last else ""
         raise StrataError(f"{p}: {where}layer {lyr} {ROLES[r]}: original index {o} is missing (each layer and "
-                          f"role lists every original index 0..{n_orig - 1}, kept or pruned)", p)
+                          f"role lists every original index 0..{n_orig - 1}, kept or pruned{from_header})", p)
     kept = np.zeros((n_layers, 3, n_orig), dtype=bool)
     kept[layer, role, orig] = code > 0
     # gate, up and down keep the same set
@@ -397,6 +411,12 @@ def _build_section2(alloc: Allocation, s2: list, line: np.ndarray) -> None:
                               f"({int(diff[lyr].sum())} such experts in this layer)", p)
     alloc.n_layers, alloc.n_original = n_layers, n_orig
     alloc.kept_mask = kept[:, 0, :].copy()
+    empty = np.flatnonzero(~alloc.kept_mask.any(axis=1))
+    if len(empty):
+        lyr = int(empty[0])
+        raise StrataError(f"{p}: line {int(line[layer == lyr].max())}: layer {lyr} keeps no expert (every entry of the "
+                          f"layer is pruned; {len(empty)} such layers); a pruned model keeps at least one expert per "
+                          f"layer (its router's ne1)", p)
 
     # listing order of the kept entries: ascending original index inside each (layer, role)?
     ko = np.nonzero(code > 0)[0]
@@ -451,6 +471,8 @@ def _check_types(alloc: Allocation) -> None:
 def read_allocation(path: str | os.PathLike) -> Allocation:
     """Read and validate an ``rco-allocation.txt``; see :func:`parse_allocation`. Records the file's sha256.
 
+    A binary file (a NUL byte in the first 64 KiB) is refused before the rest is read.
+
     Raises:
         StrataError: missing file, a directory, and every :func:`parse_allocation` error.
     """
@@ -458,7 +480,12 @@ def read_allocation(path: str | os.PathLike) -> Allocation:
 
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as fh:
+            data = fh.read(1 << 16)
+            if b"\x00" in data:
+                # a binary file (a GGUF or profile given by mistake): refuse it from its first bytes, unread
+                _decode(data[:data.index(b"\x00") + 1], os.fspath(path))
+            data += fh.read()
     except FileNotFoundError:
         raise StrataError(f"{path}: no such file", path) from None
     except IsADirectoryError:
@@ -508,7 +535,8 @@ def check_against_model(alloc: Allocation, model_path: str | os.PathLike) -> Mod
 
     Raises:
         StrataError: model errors (see :func:`stratatools.gguf.open_model`); kept counts that disagree with
-            the routers; Section 2 layers the model lacks.
+            the routers; Section 2 layers the model lacks; trunk layers with routers that Section 2 lacks (a
+            file cut at a layer boundary).
     """
     from .geometry import read_geometry
     from .gguf import open_model
@@ -525,6 +553,11 @@ def check_against_model(alloc: Allocation, model_path: str | os.PathLike) -> Mod
         if alloc.tensor_types:
             res.missing_in_allocation = [n for n in m.tensors if n not in alloc.tensor_types]
         if alloc.pruned:
+            need = max((i + 1 for i, le in enumerate(geo.layers) if le is not None), default=0)
+            if alloc.n_layers < need:
+                raise StrataError(f"{alloc.path}: line {int(alloc.line.max())}: Section 2 lists {alloc.n_layers} layers "
+                                  f"but {Path(model_path).name} has {need} trunk layers with routers; the file is "
+                                  f"truncated or is the map of another model", alloc.path)
             all_layers = geo.layers + list(geo.mtp_layers)
             for lyr, n in enumerate(alloc.n_kept):
                 le = all_layers[lyr] if lyr < len(all_layers) else None

@@ -370,3 +370,72 @@ def test_type_warnings():
     assert any("1 expert tensors have per-expert types that differ" in w and "blk.0.ffn_gate_exps.weight" in w
                for w in a.warnings)
     assert a.type_histogram() == {"Q2_0": 8, "Q4_0": 3, "Q8_0": 1}
+
+
+# -- review: empty files, empty layers, header counts, truncated layers, binary files ------------------------
+
+@pytest.mark.parametrize("data", [b"", b"\n\n", b"\xef\xbb\xbf# RCO allocation map\n# Experts: 16 of 32\n\n"])
+def test_no_entries_is_an_error(cli, tmp_path, data):
+    """An empty (or comment-only) file used to pass `alloc check`."""
+    with pytest.raises(StrataError, match=r"e.txt: no allocation entries"):
+        parse_allocation(data, "e.txt")
+    p = tmp_path / "e.txt"
+    p.write_bytes(data)
+    code, out, err = cli("alloc", "check", p)
+    assert code == 2 and err.count("\n") == 1 and "no allocation entries" in err
+
+
+def test_layer_keeping_no_expert_is_an_error(cli, kit, tmp_path):
+    """A layer with every expert pruned used to be accepted, and remap-profile wrote an L x 0 profile."""
+    text = format_allocation([[0, 2], []], 4)
+    last = max(i for i, l in enumerate(text.split("\n")) if l.startswith("blk.1.")) + 1
+    with pytest.raises(StrataError, match=rf"a.txt: line {last}: layer 1 keeps no expert"):
+        parse_allocation(text.encode(), "a.txt")
+    a = tmp_path / "a.txt"
+    a.write_text(text)
+    from stratatools.profile import Profile
+    Profile(2, 4, [(0, 1), (1, 2)]).write(tmp_path / "p.bin")
+    code, out, err = cli("remap-profile", tmp_path / "p.bin", "--alloc", a, "-o", tmp_path / "o.bin")
+    assert code == 2 and "keeps no expert" in err and not (tmp_path / "o.bin").exists()
+
+
+def test_header_counts_named_in_errors():
+    text, _ = small(L=2, E=8, keep=4)
+    big = text.replace("4 of 8", "4 of 99999999")
+    with pytest.raises(StrataError, match=r"line 2: the header states 99999999 original experts per layer"):
+        parse_allocation(big.encode(), "a.txt")
+    more = text.replace("4 of 8", "4 of 16")
+    with pytest.raises(StrataError, match=r"original index 8 is missing .*the header states 16 original experts"):
+        parse_allocation(more.encode(), "a.txt")
+
+
+def test_allocation_missing_layers_of_the_model(cli, kit, tmp_path):
+    """A file cut at a layer boundary (layers 4..7 gone) used to pass `alloc check --model`."""
+    lines = (kit / "pruned/coder-revA.rco-allocation.txt").read_text().split("\n")
+    last = max(i for i, l in enumerate(lines) if l.startswith("blk.3.ffn_down_exps"))
+    cut = tmp_path / "cut.txt"
+    cut.write_text("\n".join(lines[:last + 1]) + "\n")
+    a = read_allocation(cut)
+    assert a.n_layers == 4 and any("header says 8 layers" in w for w in a.warnings)
+    with pytest.raises(StrataError, match=rf"cut.txt: line {last + 1}: Section 2 lists 4 layers but coder-revA.gguf "
+                                          r"has 8 trunk layers with routers"):
+        check_against_model(a, kit / "pruned/coder-revA.gguf")
+    code, out, err = cli("alloc", "check", cut, "--model", kit / "pruned/coder-revA.gguf")
+    assert code == 2 and err.count("\n") == 1 and "Section 2 lists 4 layers" in err
+
+
+def test_binary_file_refused_without_reading_it_whole(tmp_path):
+    import tracemalloc
+
+    g = tmp_path / "model.gguf"
+    with open(g, "wb") as fh:
+        fh.write(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
+        fh.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StrataError, match=r"model.gguf: line 1: NUL byte"):
+            read_allocation(g)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (16 << 20)
