@@ -198,8 +198,8 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
     has a sidecar, its recorded allocation is compared with the one the remap assumes (a note when it differs).
 
     Raises:
-        StrataError: wrong option combination, output guards (exists without ``force``, would overwrite an
-            input), and every reader/remap error.
+        StrataError: wrong option combination, output guards for ``out`` and its ``<out>.json`` sidecar
+            (exists without ``force``, would overwrite an input), and every reader/remap error.
     """
     from . import provenance
     from .fsutil import guard_output
@@ -210,6 +210,7 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
         raise StrataError("--from-alloc and --to-alloc go together")
     inputs = [p for p in (profile, alloc, from_alloc, to_alloc, model) if p is not None]
     out = guard_output(out, inputs, force)
+    guard_output(provenance.sidecar_path(out), inputs, force)  # <out>.json is written too
     prof = read_profile(profile)
     src_prov = provenance.read_sidecar(profile)
     notes: list[str] = []

@@ -154,3 +154,25 @@ def test_revision_shape_errors():
         remap_full_to_pruned(Profile(2, 8, [(0, 0)]), nonuni)
     with pytest.raises(StrataError, match="must be 0 or more"):
         remap_full_to_pruned(Profile(2, 8, [(0, 0)]), a, slots=-1)
+
+
+def test_existing_sidecar_needs_force(kit, cli, tmp_path):
+    """remap-profile used to replace an existing <out>.json silently (make-profile refuses it)."""
+    ra, rb = kit / "pruned/coder-revA.rco-allocation.txt", kit / "pruned/coder-revB.rco-allocation.txt"
+    out = tmp_path / "o.bin"
+    side = tmp_path / "o.bin.json"
+    side.write_text('{"mine": 1}\n')
+    code, _, err = cli("remap-profile", kit / "pruned/profile-revA.bin", "-o", out, "--from-alloc", ra, "--to-alloc", rb)
+    assert code == 2 and "o.bin.json: already exists (pass --force" in err
+    assert side.read_text() == '{"mine": 1}\n' and not out.exists()
+    code, _, err = cli("remap-profile", kit / "pruned/profile-revA.bin", "-o", out, "--from-alloc", ra, "--to-alloc", rb,
+                       "--force")
+    assert code == 0 and json.loads(side.read_text())["allocation"]["name"] == "coder-revB.rco-allocation.txt"
+    # the sidecar path may not be an input either
+    prof = tmp_path / "q"
+    prof.write_bytes((kit / "pruned/profile-revA.bin").read_bytes())
+    alloc_named_like_sidecar = tmp_path / "r.json"
+    alloc_named_like_sidecar.write_bytes(ra.read_bytes())
+    code, _, err = cli("remap-profile", prof, "-o", tmp_path / "r", "--from-alloc", alloc_named_like_sidecar,
+                       "--to-alloc", rb, "--force")
+    assert code == 2 and "overwrite the input" in err and alloc_named_like_sidecar.read_bytes() == ra.read_bytes()
