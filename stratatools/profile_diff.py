@@ -347,6 +347,10 @@ def diff_files(profile: str | os.PathLike, other: str | os.PathLike | None = Non
         if old_alloc is not None or new_alloc is not None:
             raise StrataError("give either two profiles or one profile with --old-alloc and --new-alloc, not both")
         a, b = read_profile(profile), read_profile(other)
+        if (a.n_layers, a.n_expert) != (b.n_layers, b.n_expert):
+            raise StrataError(f"{other}: byte 8: {b.n_layers} layers x {b.n_expert} experts but {profile} is "
+                              f"{a.n_layers} x {a.n_expert}: not of one model; use --old-alloc/--new-alloc "
+                              f"to compare across revisions", other)
         res = profile_vs_profile(a, b, slots_per_layer=slots_per_layer, max_stale=max_stale)
         res.inputs = {"a": str(profile), "b": str(other)}
         ba, bb = built_for(provenance.read_sidecar(profile)), built_for(provenance.read_sidecar(other))
@@ -359,6 +363,12 @@ def diff_files(profile: str | os.PathLike, other: str | os.PathLike | None = Non
         raise StrataError("profile-diff PROFILE needs --old-alloc and --new-alloc (or a second profile)")
     ao, an = read_allocation(old_alloc), read_allocation(new_alloc)
     prof = read_profile(profile)
+    sm_old = ao.survivor_map()
+    e_old = sm_old.uniform_n_kept
+    if e_old is not None and (prof.n_layers, prof.n_expert) != (sm_old.n_layers, e_old):
+        raise StrataError(f"{profile}: byte 8: the profile is {prof.n_layers} layers x {prof.n_expert} experts but "
+                          f"{ao.name} keeps {sm_old.n_layers} x {e_old}; pass the allocation the profile was built "
+                          f"for as --old-alloc", profile)
     res = profile_vs_allocations(prof, ao.survivor_map(), an.survivor_map(), slots_per_layer=slots_per_layer,
                                  max_stale=max_stale, alloc_old=ao, alloc_new=an)
     res.inputs = {"profile": str(profile), "old_alloc": str(old_alloc), "new_alloc": str(new_alloc),
@@ -372,7 +382,9 @@ def diff_files(profile: str | os.PathLike, other: str | os.PathLike | None = Non
         rel = pr
     res.built_for, res.built_for_release = label, rel
     if label == "new":
-        res.notes.append("the profile's provenance says it was built for the new allocation: nothing to remap")
+        res.notes.append(f"the profile's provenance says it was built for the new allocation ({an.name}): it is fresh "
+                         f"there and nothing needs remapping; the counts above assume it was built for {ao.name} "
+                         f"(were --old-alloc and --new-alloc swapped?)")
     elif label == "other":
         res.notes.append(f"the profile's provenance names another allocation ({rel}); the numbers assume it was "
                          f"built for {ao.name}")

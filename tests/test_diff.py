@@ -121,3 +121,25 @@ def test_coder_scale_user_report_shape():
     assert r.top_k_total == 48 * 39 and r.verdict == "stale"
     with pytest.raises(StrataError, match="pass the allocation the profile was built for"):
         profile_vs_allocations(Profile(48, 512, [(0, 0)]), old, new)
+
+
+def test_dims_errors_name_the_files(kit, revs, cli):
+    """The dims errors of both forms used to name no file."""
+    prof, ra, rb = revs
+    canon = kit / "pruned/profile-canonical.bin"
+    code, out, err = cli("profile-diff", prof, canon)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{canon}: byte 8: 8 layers x 32 experts but {prof} is 8 x 16" in err
+    code, out, err = cli("profile-diff", canon, "--old-alloc", ra, "--new-alloc", rb)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{canon}: byte 8: the profile is 8 layers x 32 experts but {ra.name} keeps 8 x 16" in err
+
+
+def test_swapped_allocations_are_pointed_out(revs, cli):
+    """The registry knows profile-revA.bin is revA's: with revA given as --new-alloc the verdict is fresh, and the
+    note says the counts assume the other direction."""
+    prof, ra, rb = revs
+    code, out, err = cli("profile-diff", prof, "--old-alloc", rb, "--new-alloc", ra, "--json")
+    d = json.loads(out)
+    assert code == 0 and d["verdict"] == "fresh" and d["built_for"] == "new"
+    assert any("built for the new allocation" in n and "swapped" in n for n in d["notes"])
