@@ -28,7 +28,9 @@ def _pct(x: float | None) -> str:
     return f"{100 * x:.2f}%"
 
 
-def _bytes(n: float) -> str:
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
@@ -36,13 +38,24 @@ def _bytes(n: float) -> str:
 
 
 def result_rows(study) -> list[dict[str, Any]]:
-    """Main-budget table rows: label, policy, admission, slots, h_expert, h_layer, h_bytes, moved, ms/token."""
+    """Main-budget table rows: label, policy, admission, slots, h_expert, h_layer, h_bytes, moved_bytes, loads
+    (copies), ms_per_token. Byte figures are None when the study has no blob sizes (slot budget only)."""
     rows = []
     for r in study.results:
+        ms = None if r.time_per_token_s is None else 1e3 * r.time_per_token_s
         rows.append({"label": r.label, "policy": r.policy, "admission": r.admission, "slots": r.n_slots,
                      "h_expert": r.h_expert, "h_layer": r.h_layer, "h_bytes": r.h_bytes,
-                     "moved_bytes": r.moved_bytes, "ms_per_token": 1e3 * r.time_per_token_s})
+                     "moved_bytes": r.moved_bytes, "loads": r.loads, "ms_per_token": ms})
     return rows
+
+
+def moved_text(row: dict[str, Any]) -> str:
+    """The moved column: bytes when blob sizes are known, else the number of copies."""
+    return _bytes(row["moved_bytes"]) if row["moved_bytes"] is not None else f"{row['loads']} copies"
+
+
+def ms_text(row: dict[str, Any]) -> str:
+    return "n/a" if row["ms_per_token"] is None else f"{row['ms_per_token']:.3f}"
 
 
 def study_json(study) -> str:
@@ -69,14 +82,16 @@ def study_markdown(study) -> str:
            "`h_bytes` = hits weighted by blob bytes.",
            f"- Bandwidth model: misses read from host memory at {bw['host_gbps']} GB/s, hits from VRAM at "
            f"{bw['vram_gbps']} GB/s, copies over PCIe at {bw['pcie_gbps']} GB/s, no overlap; routed experts only. "
-           "It ranks traffic; it does not predict tokens/s.", "",
+           "It ranks traffic; it does not predict tokens/s." + (
+               "" if study.blob_bytes is not None else
+               " Blob sizes are unknown here (a slot budget without --pack/--model): h_bytes, bytes and ms/token "
+               "are n/a and `moved` counts host->VRAM copies."), "",
            "## At the budget", "",
            "| profile / split | policy | admission | slots | h_expert | h_layer | h_bytes | moved | ms/token |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in result_rows(study):
         out.append(f"| {r['label']} | {r['policy']} | {r['admission']} | {r['slots']} | {_pct(r['h_expert'])} | "
-                   f"{_pct(r['h_layer'])} | {_pct(r['h_bytes'])} | {_bytes(r['moved_bytes'])} | "
-                   f"{r['ms_per_token']:.3f} |")
+                   f"{_pct(r['h_layer'])} | {_pct(r['h_bytes'])} | {moved_text(r)} | {ms_text(r)} |")
     kf = study.kfold
     if kf is not None:
         out += ["", f"## Held-out ({kf.k}-fold by request, {kf.requests} requests; profiles by make-profile "
@@ -112,29 +127,73 @@ def _fig_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
+_POLICY_COLOURS = {"static": "tab:blue", "adaptive": "tab:orange", "lru": "tab:green", "lfu": "tab:red",
+                   "lfru": "tab:purple", "belady": "tab:brown"}
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def sweep_styles(keys) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(colour, line style, marker) per (label, policy) series: colour = policy, style and marker = profile
+    (a Belady run under ``<profile> split`` shares its profile's style), so no two series look alike."""
+    bases: list[str] = []
+    for label, _ in keys:
+        b = label[:-len(" split")] if label.endswith(" split") else label
+        if b not in bases:
+            bases.append(b)
+    out = {}
+    extra = sorted({p for _, p in keys} - set(_POLICY_COLOURS))
+    for label, pol in keys:
+        b = label[:-len(" split")] if label.endswith(" split") else label
+        i = bases.index(b)
+        colour = _POLICY_COLOURS.get(pol) or f"C{extra.index(pol) % 10}"
+        out[(label, pol)] = (colour, _LINESTYLES[i % len(_LINESTYLES)], _MARKERS[(i // len(_LINESTYLES)) % len(_MARKERS)])
+    return out
+
+
 def plot_sweep(study) -> bytes:
-    """PNG: h_expert against budget, one line per (profile/split, policy)."""
+    """PNG: h_expert against budget, one line per (profile/split, policy): colour = policy, line style and
+    marker = profile; the legend sits outside the axes; a dotted line marks the main budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     series: dict[tuple[str, str], list[tuple[float, float]]] = {}
     unit = "slots"
     for row in study.sweep:
-        series.setdefault((row["label"], row["policy"]), []).append((row["x"], row["h_expert"]))
+        if row["x"] is not None and row["x"] > 0:  # a zero budget has no place on a log axis
+            series.setdefault((row["label"], row["policy"]), []).append((row["x"], row["h_expert"]))
         unit = row["unit"]
-    for (label, pol), pts in sorted(series.items()):
+    scale = 1.0
+    if unit == "GiB" and series and max(x for pts in series.values() for x, _ in pts) < 1:
+        scale, unit = 1024.0, "MiB"
+    styles = sweep_styles(sorted(series))
+    xs: set[float] = set()
+    for key, pts in sorted(series.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         pts.sort()
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=f"{pol} ({label})")
+        colour, ls, mk = styles[key]
+        ax.plot([p[0] * scale for p in pts], [100 * p[1] for p in pts], color=colour, linestyle=ls, marker=mk,
+                markersize=5, label=f"{key[1]} ({key[0]})")
+        xs.update(p[0] * scale for p in pts)
+    b = study.budget
+    main = (b["budget_bytes"] / 2**30 * scale) if unit in ("GiB", "MiB") and b.get("budget_bytes") else b.get("slots")
+    if main:
+        ax.axvline(main, color="0.4", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"budget ({unit})")
+    if xs:
+        ticks = sorted(xs)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:.3g}" for t in ticks])
+        ax.minorticks_off()
+    ax.set_ylim(0, 100)
+    ax.set_xlabel(f"budget ({unit}; dotted line: the report's budget)")
     ax.set_ylabel("h_expert (%)")
     ax.set_title("Hit rate against budget")
     ax.grid(True, alpha=0.3)
     if series:
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return _fig_bytes(fig)
 
@@ -161,17 +220,26 @@ def plot_heatmap(study) -> bytes:
 
 
 def plot_coverage(study) -> bytes:
-    """PNG: claimed vs measured coverage of each profile's first n pairs."""
+    """PNG: measured coverage of each profile's first n pairs, against its claimed curve (the profile's own
+    frequency table) where it has one; the best ranking for these traces (oracle, the same for every profile)
+    is drawn once as the ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    oracle = None
     for name, c in sorted(study.coverage.items()):
         line, = ax.plot(c["n"], [100 * x for x in c["measured"]], label=f"{name} measured")
-        ax.plot(c["n"], [100 * x for x in c["claimed"]], linestyle="--", color=line.get_color(),
-                label=f"{name} claimed ({c['claimed_kind']})")
+        if c["claimed_kind"] == "oracle":
+            oracle = c
+        else:
+            ax.plot(c["n"], [100 * x for x in c["claimed"]], linestyle="--", color=line.get_color(),
+                    label=f"{name} claimed ({c['claimed_kind']})")
+    if oracle is not None:
+        ax.plot(oracle["n"], [100 * x for x in oracle["claimed"]], linestyle="--", color="black", linewidth=1,
+                label="best ranking for these traces (oracle)")
     ax.set_xlabel("first n ranked pairs (slots)")
     ax.set_ylabel("coverage of routed entries (%)")
     ax.set_title("Profile coverage: claimed vs measured")
@@ -206,4 +274,4 @@ def write_report(study, folder: str | os.PathLike, force: bool = False) -> list[
 
 
 __all__ = ["write_report", "study_markdown", "study_json", "result_rows", "plot_sweep", "plot_heatmap",
-           "plot_coverage", "FILES", "PLOTS", "write_text_atomic"]
+           "plot_coverage", "sweep_styles", "moved_text", "ms_text", "FILES", "PLOTS", "write_text_atomic"]

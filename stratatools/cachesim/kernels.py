@@ -21,9 +21,22 @@ from __future__ import annotations
 import numpy as np
 
 try:  # pragma: no cover - exercised by whichever branch the machine has
-    from numba import njit
+    from numba import njit as _numba_njit
 
     HAVE_NUMBA = True
+
+    def njit(**kwargs):
+        """numba's njit with an on-disk cache where one can be written. numba refuses ``cache=True`` at
+        decoration (RuntimeError "no locator available") when neither the package folder nor the user's cache
+        folder is writable (a read-only install, no writable home); then the kernel is compiled each run."""
+
+        def deco(f):
+            try:
+                return _numba_njit(**kwargs)(f)
+            except RuntimeError:
+                return _numba_njit(**{**kwargs, "cache": False})(f)
+
+        return deco
 except ImportError:  # pragma: no cover
     HAVE_NUMBA = False
 
@@ -282,7 +295,7 @@ def lfu_kernel(layer, expert, rnd, cap, n_expert, decay, decay_every):
     loads = np.zeros(L, dtype=np.int64)
     cnt = np.zeros((L, E), dtype=np.float64)
     res = np.zeros((L, E), dtype=np.bool_)
-    mc = max(1, cap.max()) if L > 0 else 1
+    mc = max(1, min(cap.max(), E)) if L > 0 else 1  # a layer never holds more than E experts
     mem = np.zeros((L, mc), dtype=np.int64)
     ms = np.zeros(L, dtype=np.int64)
     rounds = 0
@@ -328,7 +341,7 @@ def lfru_kernel(layer, expert, rnd, pcap, ucap, n_expert, decay, decay_every):
     head = np.full(L, -1, dtype=np.int64)
     tail = np.full(L, -1, dtype=np.int64)
     psize = np.zeros(L, dtype=np.int64)
-    mc = max(1, (ucap.max() + 1) if L > 0 else 1)
+    mc = max(1, min(ucap.max() + 1, E + 1) if L > 0 else 1)  # at most E experts (+1 before an eviction)
     mem = np.zeros((L, mc), dtype=np.int64)
     ms = np.zeros(L, dtype=np.int64)
     rounds = 0
@@ -409,7 +422,7 @@ def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
     L, E = res.shape
     hits = np.zeros(n, dtype=np.bool_)
     loads = np.zeros(L, dtype=np.int64)
-    mc = max(1, cap.max()) if L > 0 else 1
+    mc = max(1, min(cap.max(), E)) if L > 0 else 1  # a layer never holds more than E experts
     mem = np.zeros((L, mc), dtype=np.int64)
     ms = np.zeros(L, dtype=np.int64)
     for l in range(L):

@@ -180,10 +180,11 @@ class SimResult:
         policy, admission, label: what ran (``label`` names the profile for static/adaptive).
         n_slots: slots of the tier; cap: int [L] slots per layer at the end of the replay.
         entries, hits, records, all_hit_records, tokens, rounds: counts.
-        h_expert, h_layer, h_bytes: hit rates (fractions).
-        moved_bytes, loads, fill_bytes: host->VRAM traffic (bytes, copies, start-up bytes).
+        h_expert, h_layer, h_bytes: hit rates (fractions; h_bytes None when blob sizes are unknown).
+        moved_bytes, loads, fill_bytes: host->VRAM traffic (bytes, copies, start-up bytes; the byte counts are
+            None when blob sizes are unknown).
         layer_h_expert: float [L] per-layer h_expert (nan for a layer without entries).
-        time_per_token_s: estimate from ``bandwidth``.
+        time_per_token_s: estimate from ``bandwidth`` in seconds (None when blob sizes are unknown).
         params: policy parameters used.
     """
 
@@ -200,12 +201,12 @@ class SimResult:
     rounds: int
     h_expert: float
     h_layer: float
-    h_bytes: float
-    moved_bytes: int
+    h_bytes: float | None
+    moved_bytes: int | None
     loads: int
-    fill_bytes: int
+    fill_bytes: int | None
     layer_h_expert: list[float]
-    time_per_token_s: float
+    time_per_token_s: float | None
     bandwidth: dict[str, float]
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -249,7 +250,14 @@ def _check_params(policy: str, params: dict) -> dict:
     unknown = set(params) - set(defaults)
     if unknown:
         raise StrataError(f"unknown {policy} parameter(s): {', '.join(sorted(unknown))}")
-    return {**defaults, **params}
+    for k, v in params.items():
+        if not np.isfinite(float(v)):
+            raise StrataError(f"{policy} parameter {k} = {v} is not a finite number")
+    p = {**defaults, **params}
+    if policy == "adaptive" and (int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0
+                                 or int(p["max_moves"]) < 0):
+        raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+    return p
 
 
 def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slots: int | None = None,
@@ -293,8 +301,6 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
                 lay, ex, ent.rnd, res, capv, occ, plan.pool_slots, plan.pool_bytes, plan.slot_bytes, per_layer,
                 admit_on_miss, float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]),
                 int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]))
-            if int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0 or int(p["max_moves"]) < 0:
-                raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
             info.update({"adapt_steps": int(steps), "swaps": int(swaps)})
         info["cap"] = capv.tolist()
         info["params"] = p
@@ -357,15 +363,23 @@ def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission
 
 def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: BandwidthModel | None = None,
                     blob_bytes=None, **kw: Any) -> SimResult:
-    """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`."""
+    """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`.
+
+    Without ``blob_bytes`` (a slot budget and no pack/model) byte sizes are unknown: ``h_bytes``,
+    ``moved_bytes``, ``fill_bytes`` and ``time_per_token_s`` are None; ``loads`` still counts the copies.
+    """
     bw = bandwidth or BandwidthModel()
     hits, loads, info = run_policy(ent, policy, blob_bytes=blob_bytes, **kw)
     bb, _ = _blob_arrays(ent.n_layers, blob_bytes)
     m = metrics(ent, hits, loads, bb, bw)
+    fill = int(info["fill_bytes"])
+    if blob_bytes is None:  # sizes unknown: no byte-weighted rate, no bytes, no time (loads still count copies)
+        m.update(h_bytes=None, moved_bytes=None, time_per_token_s=None)
+        fill = None
     params = dict(info.get("params", {}))
     for k in ("adapt_steps", "swaps"):
         if k in info:
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
-                     cap=[int(c) for c in info["cap"]], fill_bytes=int(info["fill_bytes"]),
+                     cap=[int(c) for c in info["cap"]], fill_bytes=fill,
                      bandwidth=bw.to_dict(), params=params, **m)

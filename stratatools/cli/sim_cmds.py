@@ -25,7 +25,15 @@ def _split_list(values: list[str] | None) -> list[str]:
 
 
 def _parse_sets(sets: list[str] | None) -> dict[str, dict[str, Any]]:
-    """``--set adaptive.adapt_every=2`` -> {"adaptive": {"adapt_every": 2}} (ints, then floats)."""
+    """``--set adaptive.adapt_every=2`` -> {"adaptive": {"adapt_every": 2}} (ints, then floats).
+
+    Raises StrataError for a malformed item, a non-finite value, or a policy/parameter that does not exist
+    (the parameter tables of :mod:`stratatools.cachesim.tiers`).
+    """
+    from ..cachesim.tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES
+
+    params = {"adaptive": ADAPTIVE_DEFAULTS, "lfu": LFU_DEFAULTS, "lfru": LFRU_DEFAULTS}
+    known = {p: list(params.get(p, {})) for p in POLICIES}
     out: dict[str, dict[str, Any]] = {}
     for s in sets or []:
         if "=" not in s or "." not in s.split("=", 1)[0]:
@@ -39,6 +47,13 @@ def _parse_sets(sets: list[str] | None) -> dict[str, dict[str, Any]]:
                 val = float(v)
             except ValueError:
                 raise StrataError(f"--set {s!r}: value {v!r} is not a number") from None
+        if val != val or val in (float("inf"), float("-inf")):
+            raise StrataError(f"--set {s!r}: value {v!r} is not a finite number")
+        if pol not in known:
+            raise StrataError(f"--set {s!r}: unknown policy {pol!r} (use {', '.join(known)})")
+        if key not in known[pol]:
+            have = ", ".join(known[pol]) if known[pol] else "none"
+            raise StrataError(f"--set {s!r}: {pol} has no parameter {key!r} (its parameters: {have})")
         out.setdefault(pol, {})[key] = val
     return out
 
@@ -51,6 +66,26 @@ def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional
     if budget_gib is not None and budget_gib <= 0:
         raise StrataError(f"--budget-gib {budget_gib}: must be > 0")
     return slots, (None if budget_gib is None else int(budget_gib * 2**30))
+
+
+def _check_report(report: str, inputs: list[str], force: bool) -> None:
+    """Refuse, before any work, a report folder that is an input or whose report files are inputs (even with
+    --force), or that already holds a report (without --force)."""
+    from pathlib import Path
+
+    from ..report import FILES
+
+    d = Path(report)
+    ins = {Path(p).resolve(): p for p in inputs}
+    if d.resolve() in ins:
+        raise StrataError(f"{report}: the report folder would overwrite the input {ins[d.resolve()]}")
+    for f in FILES:
+        if (d / f).resolve() in ins:
+            raise StrataError(f"{d / f}: is an input; the report would overwrite it (choose another --report)")
+    if not force:
+        for f in FILES:
+            if (d / f).exists():
+                raise StrataError(f"{d / f}: already exists (pass --force to replace the report)")
 
 
 def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: Optional[str],
@@ -82,15 +117,30 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
 
 
 def _table(st) -> Table:
-    from ..report import _bytes, _pct, result_rows
+    from ..report import _pct, moved_text, ms_text, result_rows
 
     t = Table(title=f"{st.entries} entries, {st.tokens} tokens; admission {st.admission}")
     for c in ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token"):
-        t.add_column(c, justify="left" if c in ("profile / split", "policy") else "right")
+        t.add_column(c, justify="left" if c in ("profile / split", "policy") else "right", no_wrap=True)
     for r in result_rows(st):
         t.add_row(r["label"], r["policy"], str(r["slots"]), _pct(r["h_expert"]), _pct(r["h_layer"]),
-                  _pct(r["h_bytes"]), _bytes(r["moved_bytes"]), f"{r['ms_per_token']:.3f}")
+                  _pct(r["h_bytes"]), moved_text(r), ms_text(r))
     return t
+
+
+def _print_table(t: Table) -> None:
+    """Print a table whole. In a pipe or file rich assumes 80 columns and would cut profile names and numbers
+    ("profil…"); there the table gets its natural width instead. On a terminal rich fits the window."""
+    from rich.measure import Measurement
+
+    con = common.console
+    if con.is_terminal:
+        con.print(t)
+        return
+    from rich.console import Console
+
+    need = Measurement.get(con, con.options.update_width(10_000), t).maximum
+    Console(file=con.file, width=max(con.width, need), highlight=False, color_system=None).print(t)
 
 
 _TRACES = typer.Option(..., "--traces", "-t", help="Routing trace (any supported format); repeatable.")
@@ -122,16 +172,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
     ) -> None:
         """Replay traces through Strata's VRAM tier and baselines; write a report with plots."""
-        from ..report import FILES, study_json, write_report
-        from pathlib import Path
+        from ..report import study_json, write_report
 
-        if not force:
-            for f in FILES:
-                if (Path(report) / f).exists():
-                    raise StrataError(f"{Path(report) / f}: already exists (pass --force to replace the report)")
-        for p in list(traces) + list(profile or []):
-            if Path(report).resolve() == Path(p).resolve():
-                raise StrataError(f"{report}: the report folder would overwrite the input {p}")
+        _check_report(report, list(traces) + list(profile or []), force)
         st, _ = run(traces, profile or [], pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or [], admission=admission, kfold=kfold, phase=phase, host_gbps=host_gbps,
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep)
@@ -140,7 +183,7 @@ def register(app: typer.Typer) -> None:
             import sys
             sys.stdout.write(study_json(st))
             return
-        common.console.print(_table(st))
+        _print_table(_table(st))
         if st.kfold is not None:
             kf = st.kfold
             for p in kf.policies:
@@ -169,6 +212,8 @@ def register(app: typer.Typer) -> None:
 
         if not profile:
             raise StrataError("compare needs at least one --profile")
+        if report is not None:
+            _check_report(report, list(traces) + list(profile), force)
         st, _ = run(traces, profile, pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or ["static", "adaptive", "belady"], admission=admission, kfold=None,
                     phase=phase, host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0, sets=[],
@@ -179,4 +224,4 @@ def register(app: typer.Typer) -> None:
             common.emit_json({"entries": st.entries, "tokens": st.tokens, "budget": st.budget,
                               "admission": st.admission, "profiles": st.profiles, "rows": result_rows(st)})
             return
-        common.console.print(_table(st))
+        _print_table(_table(st))
