@@ -177,3 +177,16 @@ def test_json_output_is_strict_json(cli, files, tmp_path):
     json.loads(out, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     json.loads((tmp_path / "r" / "report.json").read_text(),
                parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+@pytest.mark.parametrize("args, msg", [(("--kfold", 0), "--kfold 0"),
+                                       (("--admission", "foo", "--policy", "lru"), "admission"),
+                                       (("--budget-gib", "nan"), "--budget-gib"),
+                                       (("--budget-gib", "inf"), "--budget-gib"),
+                                       (("--host-gbps", "nan"), "bandwidths")])
+def test_bad_options_are_one_line_errors(cli, files, tmp_path, args, msg):
+    t, tp, pp = files
+    code, out, err = cli("simulate", "-t", tp, "-p", pp, "--slots", 6, "--no-sweep", *args, "--report", tmp_path / "r")
+    assert code == 2, err
+    assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()

@@ -63,8 +63,8 @@ def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional
         raise StrataError("no budget: give --slots N or --budget-gib X")
     if slots is not None and slots < 0:
         raise StrataError(f"--slots {slots}: must be >= 0")
-    if budget_gib is not None and budget_gib <= 0:
-        raise StrataError(f"--budget-gib {budget_gib}: must be > 0")
+    if budget_gib is not None and not (0 < budget_gib < float("inf")):
+        raise StrataError(f"--budget-gib {budget_gib}: must be a finite number > 0")
     return slots, (None if budget_gib is None else int(budget_gib * 2**30))
 
 
@@ -101,8 +101,12 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
     for p in pols:
         if p not in DEFAULT_POLICIES:
             raise StrataError(f"--policy {p!r}: unknown (use {', '.join(DEFAULT_POLICIES)})")
-    if min(host_gbps, pcie_gbps, vram_gbps) <= 0:
-        raise StrataError("bandwidths (--host-gbps, --pcie-gbps, --vram-gbps) must be > 0")
+    if not all(0 < x < float("inf") for x in (host_gbps, pcie_gbps, vram_gbps)):
+        raise StrataError("bandwidths (--host-gbps, --pcie-gbps, --vram-gbps) must be finite numbers > 0")
+    if kfold is not None and kfold < 2:
+        raise StrataError(f"--kfold {kfold}: need at least 2 folds (or leave --kfold out)")
+    if admission not in ("global", "per-layer"):
+        raise StrataError(f"--admission {admission!r}: unknown (use global or per-layer)")
     inp = load_inputs(traces, profiles, pack=pack, model=model)
     profs = inp.profiles or [None]
     names = inp.names or ["no profile"]
