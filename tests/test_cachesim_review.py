@@ -190,3 +190,19 @@ def test_bad_options_are_one_line_errors(cli, files, tmp_path, args, msg):
     assert code == 2, err
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_byte_budget_beyond_the_model_gives_every_expert_a_slot_not_more():
+    """A byte budget larger than the whole model: the engine's auto slot count is capped at the profile length
+    (L x E), so the per-layer split is E per layer, not an invented slot count."""
+    from stratatools.cachesim import per_layer_split, plan_tier
+
+    blob = [300, 600, 900]
+    assert per_layer_split(L, budget_bytes=10**9, blob_bytes=blob, n_expert=E).tolist() == [E] * L
+    assert per_layer_split(L, budget_bytes=10**9, blob_bytes=blob).tolist()[0] > E  # geometry unknown: as before
+    assert per_layer_split(L, budget_bytes=2 * (512 + 768 + 1024), blob_bytes=blob, n_expert=E).tolist() == [2, 2, 2]
+    assert per_layer_split(L, slots=10**6, n_expert=E).tolist() == [10**6 // L] * (L - 1) + [10**6 // L + 1]
+    pl = plan_tier(L, E, None, budget_bytes=10**9, blob_bytes=blob, admission="per-layer")
+    assert pl.cap.tolist() == [E] * L and pl.n_slots == L * E
+    r = simulate_policy(_entries(synth()), "lru", budget_bytes=10**9, blob_bytes=blob)
+    assert r.n_slots == L * E

@@ -6,14 +6,15 @@ pairs in order and admits each, so slot i holds rank i; nothing is evicted at ad
 ``[l*q, (l+1)*q)`` with ``q = slots // n_layers`` and the last layer also takes the remainder. Native packs
 give each slot its own layer's blob size rounded up to 256 bytes and stop when the byte budget is spent.
 
-Decisions where the doc is silent (each is tested in tests/test_cachesim_layout.py):
+Decisions where the doc is silent (tested in tests/test_cachesim_tiers.py and tests/test_cachesim_review.py):
 
 * **Byte budget, global admission**: the fill walks the ranking and stops at the *first* pair whose
   rounded blob no longer fits (slot i holds rank i, so the resident set is always a prefix of the
   ranking; a later, smaller blob is not squeezed in). The same rule applies to arrival admission.
 * **Byte budget, per-layer admission**: the slot count N is the largest ``q*L + r`` (``r < L``, the
   remainder going to the last layer) whose layout fits: ``q = budget // sum(rounded blobs)``, then
-  ``r = min(L-1, leftover // rounded blob of the last layer)``. With ``slots`` also given, N is the smaller.
+  ``r = min(L-1, leftover // rounded blob of the last layer)``, at most ``L*E`` (the engine's ``auto`` count is
+  capped at the profile length). With ``slots`` also given, N is the smaller.
 * **Profile shorter than the slots**: in global mode the unused slots form a free pool; in per-layer mode
   a layer's unfilled slots stay free for that layer. Free slots are filled on a miss ("arrival-order
   admission", what the engine does without a profile) unless ``admit_on_miss=False``.
@@ -95,10 +96,12 @@ def _blob_arrays(n_layers: int, blob_bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def per_layer_split(n_layers: int, *, slots: int | None = None, budget_bytes: int | None = None,
-                    blob_bytes=None) -> np.ndarray:
+                    blob_bytes=None, n_expert: int | None = None) -> np.ndarray:
     """Slots per layer under per-layer admission: ``q = N // L`` each, the last layer + ``N % L``. int64 [L].
 
     N is ``slots``, or the largest layout that fits ``budget_bytes`` (module docstring), or the smaller of both.
+    A byte-budget N is capped at ``n_layers * n_expert`` when ``n_expert`` is given (the engine's ``auto`` slot
+    count is capped at the profile length, cache-policy.md "The tier"); an explicit ``slots`` is kept as given.
     Raises StrataError when neither limit is given or a byte budget comes without blob sizes.
     """
     L = n_layers
@@ -111,6 +114,8 @@ def per_layer_split(n_layers: int, *, slots: int | None = None, budget_bytes: in
         q = int(budget_bytes) // total
         r = min(L - 1, (int(budget_bytes) - q * total) // int(rb[-1]))
         nb = q * L + r
+        if n_expert is not None:
+            nb = min(nb, L * int(n_expert))
         n = nb if n is None else min(n, nb)
     if n is None:
         raise StrataError("no budget: give a slot count (--slots) or a byte budget (--budget-gib)")
@@ -148,7 +153,7 @@ def plan_tier(n_layers: int, n_expert: int, profile: Profile | None, *, slots: i
     resident = np.zeros((L, E), dtype=bool)
     pairs = profile.pairs if profile is not None else np.zeros((0, 2), dtype=np.int64)
     if admission == "per-layer":
-        cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+        cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, n_expert=E)
         if len(pairs):
             lay = pairs[:, 0]
             # k-th occurrence of each layer in rank order is admitted while k < cap[layer]

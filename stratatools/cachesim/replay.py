@@ -306,7 +306,7 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
         info["params"] = p
         return np.asarray(hits, dtype=bool), np.asarray(loads), info
     if cap is None:
-        cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+        cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, n_expert=E)
     cap = np.asarray(cap, dtype=np.int64)
     info = {"n_slots": int(cap.sum()), "fill_bytes": 0, "admission": "per-layer", "cap": cap.tolist(), "params": p}
     if policy == "lru":
@@ -336,7 +336,7 @@ def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission
     kw: dict[str, Any] = {}
     if policy == "belady":
         if cap is None:
-            cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+            cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, n_expert=E)
         kw["future"] = (ent.layer, ent.expert)
     tier = make_tier(policy, n_layers=L, n_expert=E, profile=profile, slots=slots, budget_bytes=budget_bytes,
                      blob_bytes=blob_bytes, admission=admission, cap=cap, admit_on_miss=admit_on_miss,

@@ -548,7 +548,8 @@ def make_tier(policy: str, *, n_layers: int | None = None, n_expert: int | None 
         return AdaptiveTier(plan, admit_on_miss, **params)
     bb, _ = _blob_arrays(n_layers, blob_bytes)
     if cap is None:
-        cap = per_layer_split(n_layers, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes)
+        cap = per_layer_split(n_layers, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,
+                              n_expert=n_expert)
     cap = np.asarray(cap, dtype=np.int64)
     if cap.shape != (n_layers,):
         raise StrataError(f"per-layer split has {cap.size} entries for {n_layers} layers")
