@@ -95,7 +95,12 @@ def _count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, pha
         w_in = 1.0 if weights is None else float(weights[i])
         c = np.zeros(size, dtype=np.int64 if weighting == "count" else np.float64)
         used = sk_l = sk_p = 0
-        for a in range(0, len(t), COUNT_CHUNK):
+        rec = t.records
+        if rec is not None and rec.constant_k:
+            used, sk_l, sk_p, sk_e = _count_records(rec, n_layers, n_expert, phase, weighting, c,
+                                                    res.skipped_layers)
+            res.skipped_expert += sk_e
+        for a in range(0, len(t) if rec is None or not rec.constant_k else 0, COUNT_CHUNK):
             b = min(len(t), a + COUNT_CHUNK)
             lay = t.layer[a:b].astype(np.int64)
             exp = t.expert[a:b].astype(np.int64)
@@ -133,6 +138,58 @@ def _count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, pha
                               "skipped_phase": sk_p})
     res.counts = total.reshape(n_layers, n_expert)
     return res
+
+
+def _count_records(rec, n_layers: int, n_expert: int, phase: str, weighting: str, c: np.ndarray,
+                   skipped_layers: dict) -> tuple[int, int, int, int]:
+    """count_pairs on the compact per-record form with a constant k (ids [R, k], possibly strided views into
+    the mapped file): layer and phase filters per record, one bincount of ``layer * E + id`` per chunk of
+    records. Adds into ``c`` and ``skipped_layers``; returns (used, skipped_layer, skipped_phase,
+    skipped_expert) in entries."""
+    k = int(rec.k)
+    R = len(rec)
+    used = sk_l = sk_p = sk_e = 0
+    step = max(1, COUNT_CHUNK // k)
+    for a in range(0, R, step):
+        b = min(R, a + step)
+        lay = rec.layer[a:b].astype(np.int64)
+        keep = None
+        if phase == "decode" and not (rec.phase.strides == (0,) and int(rec.phase[0]) != PREFILL):
+            pre = np.asarray(rec.phase[a:b]) == PREFILL
+            sk_p += int(pre.sum()) * k
+            keep = ~pre
+        lo, hi = int(lay.min()), int(lay.max())
+        if lo < 0 or hi >= n_layers:
+            bad = (lay < 0) | (lay >= n_layers)
+            if keep is not None:
+                bad &= keep
+            bl = lay[bad]
+            if len(bl):
+                sk_l += len(bl) * k
+                off = int(bl.min())
+                hist = np.bincount(bl - off)
+                for v in np.flatnonzero(hist):
+                    skipped_layers[int(v) + off] = skipped_layers.get(int(v) + off, 0) + int(hist[v]) * k
+            keep = ~bad if keep is None else keep & ~bad
+        ids = rec.expert[a:b]
+        w = rec.weight[a:b] if weighting == "weight" else None
+        if keep is not None:
+            lay, ids = lay[keep], ids[keep]
+            w = w[keep] if w is not None else None
+        flat = lay[:, None] * n_expert + ids
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n_expert):
+            ok = (ids >= 0) & (ids < n_expert)
+            sk_e += int((~ok).sum())
+            flat = flat[ok]
+            w = w[ok] if w is not None else None
+        flat = flat.reshape(-1)
+        if w is None:
+            c += np.bincount(flat, minlength=len(c))
+        else:
+            w = np.asarray(w, np.float64).reshape(-1)
+            c += np.bincount(flat, weights=np.where(w == 0, 1.0, w), minlength=len(c))
+        used += len(flat)
+    return used, sk_l, sk_p, sk_e
 
 
 def order_by_count(counts: np.ndarray) -> np.ndarray:

@@ -26,39 +26,183 @@ COLUMNS = {
 
 
 @dataclass
+class Records:
+    """A routing trace kept per record (one record = one token's top-k at one layer), as the Strata reader
+    produces it: per-entry columns are derived from it only when asked for (:class:`TraceTable`).
+
+    Attributes (R records, N entries):
+        layer: int16 [R]. request: int32 [R]; phase: int8 [R] (either may be a read-only broadcast view).
+        k: the entries per record: an int when constant, else int32 [R].
+        expert, weight: int32 / float32, [R, k] when k is constant (possibly read-only strided views into the
+            memory-mapped trace file), else [N] in record order.
+        unit_rows: int64 indices of records whose weights are all zero in the source (read as 1.0), or None.
+        position: int32 [R], or a callable returning it (computed on first use, then cached).
+    """
+
+    layer: np.ndarray
+    k: Any
+    request: np.ndarray
+    phase: np.ndarray
+    expert: np.ndarray
+    weight: np.ndarray
+    position: Any
+    unit_rows: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(len(self.layer))
+
+    @property
+    def constant_k(self) -> bool:
+        return isinstance(self.k, (int, np.integer))
+
+    @property
+    def n_entries(self) -> int:
+        return int(len(self.layer) * int(self.k)) if self.constant_k else int(len(self.expert))
+
+    def ks(self) -> np.ndarray:
+        """Entries per record, int64 [R]."""
+        if self.constant_k:
+            return np.full(len(self.layer), int(self.k), np.int64)
+        return np.asarray(self.k, np.int64)
+
+    def starts(self) -> np.ndarray:
+        """First entry row of every record, int64 [R]."""
+        if self.constant_k:
+            return np.arange(len(self.layer), dtype=np.int64) * int(self.k)
+        return np.r_[0, np.cumsum(np.asarray(self.k, np.int64))[:-1]].astype(np.int64) if len(self.layer) else \
+            np.zeros(0, np.int64)
+
+    def rec_position(self) -> np.ndarray:
+        if callable(self.position):
+            self.position = np.asarray(self.position(), np.int32)
+        return self.position
+
+    def per_entry(self, a: np.ndarray, dtype) -> np.ndarray:
+        """A per-record array [R] repeated k times per record -> [N] (a broadcast view when constant)."""
+        n = self.n_entries
+        if len(a) == 0 or (a.strides == (0,)) or bool((a == a[0]).all()):
+            return np.broadcast_to(np.asarray(a[0] if len(a) else 0, dtype=dtype), (n,))
+        if self.constant_k:
+            k = int(self.k)
+            return np.broadcast_to(a.astype(dtype, copy=False)[:, None], (len(a), k)).reshape(-1)
+        return np.repeat(a.astype(dtype, copy=False), self.k)
+
+    def column(self, name: str) -> np.ndarray:
+        """Materialise one per-entry column (a new array, or a broadcast view for constant columns)."""
+        R = len(self.layer)
+        if name == "layer":
+            return self.per_entry(self.layer, np.int16)
+        if name in ("request", "phase"):
+            return self.per_entry(getattr(self, name), COLUMNS[name])
+        if name == "position":
+            return self.per_entry(self.rec_position(), np.int32)
+        if name == "rank":
+            if self.constant_k:
+                return np.tile(np.arange(int(self.k), dtype=np.int16), R)
+            ks = np.asarray(self.k, np.int64)
+            n = self.n_entries
+            rank = np.ones(n, np.int16)
+            if n:
+                rank[0] = 0
+                rank[np.cumsum(ks)[:-1]] = (1 - ks[:-1]).astype(np.int16)
+                np.cumsum(rank, dtype=np.int16, out=rank)
+            return rank
+        if name == "expert":
+            return np.ascontiguousarray(self.expert, dtype=np.int32).reshape(-1)
+        if name == "weight":
+            w = np.ascontiguousarray(self.weight, dtype=np.float32)
+            if self.unit_rows is not None and len(self.unit_rows):
+                if np.may_share_memory(w, self.weight):
+                    w = w.copy()
+                w.reshape(R, -1)[self.unit_rows] = 1.0
+            return w.reshape(-1)
+        raise KeyError(name)
+
+
 class TraceTable:
     """A routing trace as columns of equal length N.
 
+    ``TraceTable(request, position, phase, layer, rank, expert, weight, meta)`` builds one from per-entry
+    columns. Readers may instead give the compact per-record form (``TraceTable.from_records``; the Strata
+    reader does): each column is then derived on first attribute access and cached, so every consumer sees the
+    same columns either way, while consumers that know the compact form (:func:`stratatools.ranking.count_pairs`,
+    :func:`trace_stats`, the Strata writer) use ``table.records`` directly without building the columns.
+
     Columns that are constant over the whole trace (e.g. ``request`` and ``phase`` of a plain Strata trace) may
-    be zero-memory read-only broadcast views (``np.broadcast_to``); copy a column before writing into it.
+    be zero-memory read-only broadcast views (``np.broadcast_to``), and the columns derived from the compact form
+    are read-only: copy a column before writing into it. A table read from a plain Strata trace maps the file
+    (read-only): replacing the file (rename) is safe, truncating it in place while the table is alive is not.
 
     Attributes:
         request, position, phase, layer, rank, expert, weight: numpy arrays [N] with the dtypes of COLUMNS.
+        records: the compact per-record form (:class:`Records`) when the reader gave one, else None.
         meta: source format (``source_format``), ``source_sha256``, ``n_layers``/``n_expert`` when known,
             counts of skipped records, anything a reader wants to keep.
     """
 
-    request: np.ndarray
-    position: np.ndarray
-    phase: np.ndarray
-    layer: np.ndarray
-    rank: np.ndarray
-    expert: np.ndarray
-    weight: np.ndarray
-    meta: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("_cols", "records", "meta", "_n")
 
-    def __post_init__(self) -> None:
-        n = len(self.expert)
-        for name, dt in COLUMNS.items():
-            a = np.asarray(getattr(self, name))
+    def __init__(self, request, position, phase, layer, rank, expert, weight, meta: dict[str, Any] | None = None):
+        n = len(expert)
+        cols = {}
+        for name, a in zip(COLUMNS, (request, position, phase, layer, rank, expert, weight)):
+            dt = COLUMNS[name]
+            a = np.asarray(a)
             if a.dtype != dt:
                 a = a.astype(dt)
             if a.shape != (n,):
                 raise ValueError(f"column {name} has shape {a.shape}, expected ({n},)")
-            setattr(self, name, a)
+            cols[name] = a
+        self._cols = cols
+        self.records = None
+        self._n = n
+        self.meta = dict(meta) if meta is not None else {}
+
+    @classmethod
+    def from_records(cls, records: Records, meta: dict[str, Any] | None = None) -> "TraceTable":
+        """A table over the compact per-record form; columns are derived lazily (see the class docstring)."""
+        t = cls.__new__(cls)
+        t._cols = {}
+        t.records = records
+        t._n = records.n_entries
+        t.meta = dict(meta) if meta is not None else {}
+        return t
+
+    def _get(self, name: str) -> np.ndarray:
+        a = self._cols.get(name)
+        if a is None:
+            a = self.records.column(name)
+            if a.flags.writeable:
+                a.flags.writeable = False
+            self._cols[name] = a
+        return a
+
+    def _set(self, name: str, value) -> None:
+        a = np.asarray(value)
+        if a.dtype != COLUMNS[name]:
+            a = a.astype(COLUMNS[name])
+        if a.shape != (self._n,):
+            raise ValueError(f"column {name} has shape {a.shape}, expected ({self._n},)")
+        if self.records is not None:  # the compact form no longer describes the table: keep columns only
+            for k in COLUMNS:
+                self._get(k)
+            self.records = None
+        self._cols[name] = a
+
+    request = property(lambda self: self._get("request"), lambda self, v: self._set("request", v))
+    position = property(lambda self: self._get("position"), lambda self, v: self._set("position", v))
+    phase = property(lambda self: self._get("phase"), lambda self, v: self._set("phase", v))
+    layer = property(lambda self: self._get("layer"), lambda self, v: self._set("layer", v))
+    rank = property(lambda self: self._get("rank"), lambda self, v: self._set("rank", v))
+    expert = property(lambda self: self._get("expert"), lambda self, v: self._set("expert", v))
+    weight = property(lambda self: self._get("weight"), lambda self, v: self._set("weight", v))
 
     def __len__(self) -> int:
-        return int(len(self.expert))
+        return int(self._n)
+
+    def __repr__(self) -> str:
+        form = "records" if self.records is not None else "columns"
+        return f"TraceTable({self._n} entries, {form}, source_format={self.meta.get('source_format')!r})"
 
     @classmethod
     def empty(cls, **meta: Any) -> "TraceTable":
@@ -177,16 +321,22 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
     n = len(table)
     if n_expert is None:
         n_expert = table.meta.get("n_expert")
-    E = int(n_expert) if n_expert else (int(table.expert.max()) + 1 if n else 0)
-    E = max(E, int(table.expert.max()) + 1 if n else 0)
-    lmin = int(table.layer.min()) if n else None
-    lmax = int(table.layer.max()) if n else None
+    rec = table.records if (table.records is not None and table.records.constant_k) else None
+    # compact form: layers per record, ids [R, k]; else the columns (both read in chunks of ~8M entries)
+    lay_src, ids_src = (rec.layer, rec.expert) if rec is not None else (table.layer, table.expert)
+    emax = int(ids_src.max()) if n else -1
+    E = int(n_expert) if n_expert else emax + 1
+    E = max(E, emax + 1)
+    lmin = int(lay_src.min()) if n else None
+    lmax = int(lay_src.max()) if n else None
     nl = (lmax - lmin + 1) if n else 0
     counts = np.zeros(nl * E, np.int64)
-    for a in range(0, n, 1 << 23):  # chunked: int64 temporaries stay small for any trace length
-        b = min(n, a + (1 << 23))
-        flat = (table.layer[a:b].astype(np.int64) - lmin) * E + table.expert[a:b]
-        counts += np.bincount(flat, minlength=nl * E)
+    step = (1 << 23) // (int(rec.k) if rec is not None else 1)
+    for a in range(0, len(lay_src) if n else 0, step):  # chunked: int64 temporaries stay small
+        b = min(len(lay_src), a + step)
+        lay = lay_src[a:b].astype(np.int64) - lmin
+        flat = lay[:, None] * E + ids_src[a:b] if rec is not None else lay * E + ids_src[a:b]
+        counts += np.bincount(flat.reshape(-1), minlength=nl * E)
     counts = counts.reshape(nl, E)
     per: list[LayerStats] = []
     for i in range(nl):
@@ -199,12 +349,20 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
                               concentration=_top_share(c, E), entropy_bits=float(-(p * np.log2(p)).sum())))
     from .trace_formats.strata import record_bounds
 
-    starts = record_bounds(table)
-    ks = np.diff(np.r_[starts, n])
-    req = np.asarray(table.request)[starts]
-    pos = np.asarray(table.position)[starts]
+    if table.records is not None:
+        r = table.records
+        starts = r.starts()
+        ks = r.ks()
+        req, pos, rph = np.asarray(r.request), r.rec_position(), np.asarray(r.phase)
+        ph = np.bincount(rph.astype(np.int64).clip(0, 2), weights=ks, minlength=3).astype(np.int64) if n \
+            else np.zeros(3, int)
+    else:
+        starts = record_bounds(table)
+        ks = np.diff(np.r_[starts, n])
+        req = np.asarray(table.request)[starts]
+        pos = np.asarray(table.position)[starts]
+        ph = np.bincount(np.asarray(table.phase).astype(np.int64).clip(0, 2), minlength=3) if n else np.zeros(3, int)
     tokens = len(np.unique(req.astype(np.int64) * (1 << 32) + (pos.astype(np.int64) & 0xFFFFFFFF))) if n else 0
-    ph = np.bincount(np.asarray(table.phase).astype(np.int64).clip(0, 2), minlength=3) if n else np.zeros(3, int)
     phases = {PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]}
     return TraceStats(entries=n, records=len(starts), tokens=tokens, requests=len(np.unique(req)) if n else 0,
                       layers=len(per), layer_min=lmin, layer_max=lmax, k_min=int(ks.min()) if n else 0,

@@ -44,6 +44,7 @@ positions of verify windows count too).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +54,7 @@ import numpy as np
 
 from ..errors import StrataError
 from ..fsutil import AtomicFile
-from ..trace import DECODE, PREFILL, UNKNOWN, TraceTable
+from ..trace import DECODE, PREFILL, UNKNOWN, Records, TraceTable
 
 MAX_ROUTE_K = 1024
 MAX_TAG_K = 1 << 20
@@ -196,7 +197,11 @@ class _Reader:
         pending = 0  # route records in those runs (for the index of tags met meanwhile)
         while o + 2 <= W:
             layer0, k = int(a[o]), int(a[o + 1])
-            self._check_k(layer0, k, base + 4 * o)
+            try:
+                self._check_k(layer0, k, base + 4 * o)
+            except StrataError:
+                self._flush(a, runs, base)  # an earlier record's error comes first
+                raise
             s = 2 + 2 * k
             m_max = (W - o) // s
             if m_max == 0:
@@ -281,10 +286,11 @@ class _Reader:
         def rec_off(j: int) -> int:
             return at(int(rows[j]) if rows is not None else j)
 
+        errs: list[tuple[int, StrataError]] = []  # every failed check; the first byte in the file is raised
         if int(rl.max()) > MAX_LAYER:
             j = int(np.argmax(rl > MAX_LAYER))
-            raise _err(self.path, rec_off(j), f"layer {int(rl[j])} is out of range (above {MAX_LAYER})",
-                       "the file is corrupt or not a Strata routing trace")
+            errs.append((rec_off(j), _err(self.path, rec_off(j), f"layer {int(rl[j])} is out of range (above "
+                                          f"{MAX_LAYER})", "the file is corrupt or not a Strata routing trace")))
         ids = rv[:, 2:2 + k]
         w = rv[:, 2 + k:].view(np.float32)
         e0 = self.n_ent
@@ -295,22 +301,30 @@ class _Reader:
         out_w.reshape(nr, k)[...] = w
         if int(out_e.min()) < 0:
             j, c = np.argwhere(ids < 0)[0]
-            raise _err(self.path, rec_off(int(j)) + 8 + 4 * int(c), f"expert id {int(ids[j, c])} is negative "
-                       f"(layer {int(rl[j])})", "the file is corrupt")
+            o = rec_off(int(j)) + 8 + 4 * int(c)
+            errs.append((o, _err(self.path, o, f"expert id {int(ids[j, c])} is negative (layer {int(rl[j])})",
+                                 "the file is corrupt")))
         if self.n_expert is not None and int(out_e.max()) >= self.n_expert:
             bad = ids >= self.n_expert
             if self.n_layers is not None:
                 bad &= (rl < self.n_layers)[:, None]
+            if int(out_e.min()) < 0:
+                bad &= ids >= 0
             if bad.any():
                 j, c = np.argwhere(bad)[0]
-                raise _err(self.path, rec_off(int(j)) + 8 + 4 * int(c),
-                           f"expert id {int(ids[j, c])} of layer {int(rl[j])} is out of range for {self.n_expert} "
-                           f"experts", "the trace is for a model with more experts; check --n-expert / --model")
+                o = rec_off(int(j)) + 8 + 4 * int(c)
+                errs.append((o, _err(self.path, o, f"expert id {int(ids[j, c])} of layer {int(rl[j])} is out of "
+                                     f"range for {self.n_expert} experts",
+                                     "the trace is for a model with more experts; check --n-expert / --model")))
         if not np.isfinite(np.add.reduce(out_w, dtype=np.float64)):  # one pass; NaN/inf make the sum non-finite
             fin = np.isfinite(w)
-            j, c = np.argwhere(~fin)[0]
-            raise _err(self.path, rec_off(int(j)) + 8 + 4 * k + 4 * int(c),
-                       f"router weight {float(w[j, c])} is not finite (layer {int(rl[j])})", "the file is corrupt")
+            if not fin.all():
+                j, c = np.argwhere(~fin)[0]
+                o = rec_off(int(j)) + 8 + 4 * k + 4 * int(c)
+                errs.append((o, _err(self.path, o, f"router weight {float(w[j, c])} is not finite (layer "
+                                     f"{int(rl[j])})", "the file is corrupt")))
+        if errs:
+            raise min(errs, key=lambda e: e[0])[1]
         if np.count_nonzero(out_w) != len(out_w):
             wd = out_w.reshape(nr, k)
             zero = ~(wd != 0).any(axis=1)
@@ -418,6 +432,10 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
     if size == 0:
         raise _err(path, 0, "empty file: no routing records", "record a trace with --dump-routing first")
     with no_hugepages():
+        if chunk_bytes == CHUNK_BYTES:  # (an explicit chunk size asks for the chunked reader, as tests do)
+            t = _read_plain_fast(path, size, n_layers, n_expert, sha256)
+            if t is not None:
+                return t
         return _read_strata(path, size, n_layers, n_expert, chunk_bytes, sha256)
 
 
@@ -520,42 +538,101 @@ def _token_major_layers(rec_layer: np.ndarray) -> int:
 
 
 def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k: np.ndarray | int,
-            rec_request: np.ndarray, rec_phase: np.ndarray, meta: dict) -> TraceTable:
-    """Per-record columns -> per-entry columns. Constant columns become zero-memory broadcast views; with a
-    constant k no per-entry temporaries are made (peak = the final columns)."""
-    n_ent = len(expert)
+            rec_request: np.ndarray, rec_phase: np.ndarray, meta: dict,
+            unit_rows: np.ndarray | None = None) -> TraceTable:
+    """Per-record arrays -> a lazily expanded :class:`TraceTable` (``TraceTable.from_records``). No per-entry
+    array is made here: with a constant k, ``expert``/``weight`` become [R, k] views; constant request/phase
+    become broadcast views; positions are computed on first use."""
     n_rec = len(rec_layer)
     one_request = bool((rec_request == rec_request[0]).all())
-    if isinstance(rec_k, int):
-        k = rec_k
-        layer = np.broadcast_to(rec_layer.astype(np.int16)[:, None], (n_rec, k)).reshape(-1)
-        rank = np.tile(np.arange(k, dtype=np.int16), n_rec)
+    if isinstance(rec_k, (int, np.integer)):
+        rec_k = int(rec_k)
+        expert = expert.reshape(n_rec, rec_k)
+        weight = weight.reshape(n_rec, rec_k)
+
+    def position() -> np.ndarray:
         L = _token_major_layers(rec_layer) if one_request else 0
-        if L:  # position = token index: each token is L consecutive records of k entries
-            position = np.broadcast_to(np.arange(n_rec // L, dtype=np.int32)[:, None], (n_rec // L, L * k)).reshape(-1)
-        else:
-            position = None
-    else:
-        layer = np.repeat(rec_layer.astype(np.int16), rec_k)
-        rank = np.ones(n_ent, np.int16)
-        rank[0] = 0
-        starts = np.cumsum(rec_k)[:-1]
-        rank[starts] = (1 - rec_k[:-1]).astype(np.int16)
-        np.cumsum(rank, dtype=np.int16, out=rank)
-        position = None
+        if L:  # each token is L consecutive records: the position is the token index
+            return (np.arange(n_rec, dtype=np.int64) // L).astype(np.int32)
+        return ordinal_positions(rec_request, rec_layer)
 
-    def per_entry(a: np.ndarray, dtype) -> np.ndarray:
+    def const(a: np.ndarray, dtype) -> np.ndarray:
         if len(a) and (a == a[0]).all():
-            return np.broadcast_to(np.asarray(a[0], dtype=dtype), (n_ent,))
-        if isinstance(rec_k, int):
-            return np.broadcast_to(a.astype(dtype, copy=False)[:, None], (len(a), rec_k)).reshape(-1)
-        return np.repeat(a.astype(dtype, copy=False), rec_k)
+            return np.broadcast_to(np.asarray(a[0], dtype=dtype), (len(a),))
+        return a.astype(dtype, copy=False)
 
-    if position is None:
-        position = per_entry(ordinal_positions(rec_request, rec_layer), np.int32)
-    return TraceTable(request=per_entry(rec_request, np.int32), position=position,
-                      phase=per_entry(rec_phase, np.int8), layer=layer, rank=rank, expert=expert, weight=weight,
-                      meta=meta)
+    rec = Records(layer=rec_layer.astype(np.int16, copy=False), k=rec_k, request=const(rec_request, np.int32),
+                  phase=const(rec_phase, np.int8), expert=expert, weight=weight, position=position,
+                  unit_rows=unit_rows)
+    return TraceTable.from_records(rec, meta)
+
+
+def _map_file(path: Path, size: int):
+    """The file mapped read-only (pre-faulted where the platform can), or None when mapping fails."""
+    try:
+        with open(path, "rb") as fh:
+            if hasattr(mmap, "MAP_SHARED"):
+                return mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 prot=mmap.PROT_READ)
+            return mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_plain_fast(path: Path, size: int, n_layers: int | None, n_expert: int | None,
+                     sha256: bool) -> TraceTable | None:
+    """The common case without copying: a plain trace of one constant k (no tags) is one [R, 2+2k] int32
+    array over the memory-mapped file; layers, k, ids and weights are checked with a few whole-array
+    reductions, and ids/weights stay strided views into the mapping. Returns None whenever the file is
+    anything else or any check fails: the chunked reader then reads it (and names the byte offset of the
+    first bad record)."""
+    if size % 4 or size < 16:
+        return None
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if len(head) < 8:
+        return None
+    layer0, k = (int(x) for x in np.frombuffer(head, "<i4"))
+    max_k = MAX_ROUTE_K if n_expert is None else min(MAX_ROUTE_K, int(n_expert))
+    if layer0 < 0 or not 1 <= k <= max_k:
+        return None
+    s = 2 + 2 * k
+    if size % (4 * s):
+        return None
+    mm = _map_file(path, size)
+    if mm is None:
+        return None
+    a = np.frombuffer(mm, dtype="<i4")
+    R = len(a) // s
+    v = a.reshape(R, s)
+    hdr = np.ascontiguousarray(v[:, :2]).view(np.int64).reshape(R)  # (layer, k) pairs, one strided pass
+    if not (hdr >> 32 == k).all():
+        return None
+    lay = hdr.view("<i4")[0::2]
+    if int(lay.min()) < 0 or int(lay.max()) > MAX_LAYER:
+        return None
+    ids = v[:, 2:2 + k]
+    bound = (1 << 31) if n_expert is None else int(n_expert)
+    if int(ids.view("<u4").max()) >= bound:  # negative ids are >= 2**31 as u32
+        return None
+    w = v[:, 2 + k:].view("<f4")
+    if not np.isfinite(np.add.reduce(w, axis=None, dtype=np.float32)):  # NaN/inf (or overflow): exact reader
+        return None
+    cand = np.flatnonzero(w[:, 0] == 0)  # a record of all-zero weights starts with a zero weight
+    unit_rows = cand[~(w[cand] != 0).any(axis=1)] if len(cand) else None
+    rec_layer = lay.astype(np.int16)
+    del hdr, lay
+    sha = hashlib.sha256(mm).hexdigest() if sha256 else None
+    meta: dict[str, Any] = {"source_format": "strata", "source_path": str(path), "source_sha256": sha,
+                            "source_bytes": size, "records": R, "route_records": R}
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    meta.update({"k": k, "tags": {}, "tags_skipped": {}})
+    zeros = np.broadcast_to(np.zeros(1, np.int32), (R,))
+    phase = np.broadcast_to(np.full(1, DECODE, np.int8), (R,))
+    return _expand(ids, w, rec_layer, k, zeros, phase, meta, unit_rows if unit_rows is not None and len(unit_rows) else None)
 
 
 # -- writers ------------------------------------------------------------------------------------------------------
@@ -565,6 +642,8 @@ def record_bounds(table: TraceTable) -> np.ndarray:
     n = len(table)
     if n == 0:
         return np.zeros(0, np.int64)
+    if table.records is not None:  # the reader's records, without building the columns
+        return table.records.starts()
     new = table.rank == 0
     new = np.array(new, dtype=bool, copy=True)
     new[0] = True
