@@ -1,0 +1,89 @@
+"""The static batch-1 decoder (runtime.gpu.decode): numpy steps equal the reference forward on the CPU; on a GPU
+its eager steps and its CUDA-graph replays equal GPURuntime.forward (logits and routed sets), the routing read
+back once per step feeds the tier counters. GPU tests skip without CuPy; all need the kit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime import gpu
+from stratatools.errors import StrataError
+
+
+def _prompt(kit, n):
+    line = (kit / "routing/tokens.tsv").read_text().splitlines()[0]
+    return [int(v) for v in line.split("\t")[1].split()][:n]
+
+
+def _compare(rt, dec, st, first, steps):
+    """Feed the same tokens to rt.forward (state st) and dec; return worst relative logit error and top-k agreement."""
+    worst, same, total = 0.0, 0, 0
+    tok = first
+    for _ in range(steps):
+        ref, rec = rt.forward([tok], st)
+        got = dec.step(tok)
+        ids, _ = dec.routing()
+        ref = np.asarray(ref.get() if hasattr(ref, "get") else ref, dtype=np.float64)
+        got = np.asarray(got.get() if hasattr(got, "get") else got, dtype=np.float64)
+        worst = max(worst, float(np.abs(ref - got).max() / np.abs(ref).max()))
+        for l in range(len(rec.ids)):
+            total += 1
+            same += set(rec.ids[l][0].tolist()) == set(ids[l].tolist())
+        assert dec.next_token() == int(np.argmax(ref)) or np.sort(ref)[-1] - np.sort(ref)[-2] < 1e-4
+        tok = int(np.argmax(ref))
+    return worst, same / total
+
+
+@pytest.mark.kit
+def test_static_decoder_numpy_matches_forward(kit):
+    from runtime.gpu.decode import StaticDecoder, max_full_context
+    from runtime.model import Qwen4ExpRuntime
+    from runtime.weights import load
+
+    w = load(kit / "gguf/model-bf16.gguf")
+    rt = Qwen4ExpRuntime(w)
+    n_ctx = max_full_context(w.cfg, "transformers")
+    assert n_ctx == (w.cfg.idx_budget // 4 + 1) * 4 - 1  # kit: budget 8, ratio 4 -> positions 0..10
+    st = rt.new_state()
+    lg, _ = rt.forward(_prompt(kit, 4), st)
+    dec = StaticDecoder(rt, max_ctx=n_ctx)
+    dec.load_state(st)
+    worst, agree = _compare(rt, dec, st, int(np.argmax(lg)), n_ctx - 4)
+    assert worst < 1e-5 and agree == 1.0
+    with pytest.raises(StrataError, match="past the static decoder"):
+        dec.step(1)
+    with pytest.raises(StrataError, match="longest context"):
+        StaticDecoder(rt, max_ctx=n_ctx + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-ISTA-mix.gguf"])
+def test_static_decoder_gpu_eager_and_graph(kit, model):
+    import cupy as cp
+
+    from runtime.gpu.decode import StaticDecoder, max_full_context
+    from runtime.gpu.runtime import GPURuntime
+    from runtime.weights import load
+
+    path = kit / model
+    if not path.exists():
+        pytest.skip(f"{model} not carried")
+    rt = GPURuntime(load(path, xp=cp))
+    n_ctx = max_full_context(rt.cfg, "transformers")
+    for use_graph in (False, True):
+        st = rt.new_state()
+        lg, _ = rt.forward(_prompt(kit, 4), st)
+        dec = StaticDecoder(rt, max_ctx=n_ctx)
+        dec.load_state(st)
+        if use_graph:
+            assert dec.capture()
+        hits0 = int(rt.tier.counters.hits.sum())
+        worst, agree = _compare(rt, dec, st, int(np.argmax(lg.get())), n_ctx - 4)
+        print(model, "graph" if use_graph else "eager", worst, agree)
+        assert worst < 1e-4 and agree >= 0.99
+        assert dec.stats["graph_steps"] == (n_ctx - 4 if use_graph else 0)
+        # eager forward and the decoder's batched bookkeeping both count k hits per layer per step
+        assert int(rt.tier.counters.hits.sum()) - hits0 == 2 * (n_ctx - 4) * rt.cfg.n_layer * rt.cfg.n_expert_used
