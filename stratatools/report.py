@@ -185,7 +185,7 @@ def plot_sweep(study) -> bytes:
     if xs:
         ticks = sorted(xs)
         ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{t:.3g}" for t in ticks])
+        ax.set_xticklabels([f"{int(t):,}" if unit == "slots" else f"{t:.3g}" for t in ticks])
         ax.minorticks_off()
     ax.set_ylim(0, 100)
     ax.set_xlabel(f"budget ({unit}; dotted line: the report's budget)")
