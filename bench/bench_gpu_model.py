@@ -67,7 +67,7 @@ def synth(workdir: Path, name: str, types: str, layers: int) -> dict:
     cmd = [sys.executable, "-c", code, "synth", str(out), "--full-width", "--no-revisions", "--layers", str(layers),
            "--types", types, "--force", "--json"]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))})
     sec = time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"synth failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -202,7 +202,6 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
         s = dec._stream
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         reps = 20
-        dec.pos = 0  # replays at position held on the device; only timing, state is scratch now
         e0.record(s)
         for _ in range(reps):
             dec.graph.launch(stream=s)

@@ -18,7 +18,8 @@ def _prompt(kit, n):
 
 def _compare(rt, dec, st, first, steps):
     """Feed the same tokens to rt.forward (state st) and dec; return worst relative logit error and top-k agreement."""
-    worst, same, total = 0.0, 0, 0
+    worst, same, total, tok_ok = 0.0, 0, 0, 0
+    errs = []
     tok = first
     for _ in range(steps):
         ref, rec = rt.forward([tok], st)
@@ -26,12 +27,15 @@ def _compare(rt, dec, st, first, steps):
         ids, _ = dec.routing()
         ref = np.asarray(ref.get() if hasattr(ref, "get") else ref, dtype=np.float64)
         got = np.asarray(got.get() if hasattr(got, "get") else got, dtype=np.float64)
-        worst = max(worst, float(np.abs(ref - got).max() / np.abs(ref).max()))
+        errs.append(float(np.abs(ref - got).max() / np.abs(ref).max()))
+        worst = max(worst, errs[-1])
         for l in range(len(rec.ids)):
             total += 1
             same += set(rec.ids[l][0].tolist()) == set(ids[l].tolist())
-        assert dec.next_token() == int(np.argmax(ref)) or np.sort(ref)[-1] - np.sort(ref)[-2] < 1e-4
+        tok_ok += dec.next_token() == int(np.argmax(ref)) or np.sort(ref)[-1] - np.sort(ref)[-2] < 1e-4
         tok = int(np.argmax(ref))
+    print("per-step relative logit errors:", errs)
+    assert tok_ok == steps
     return worst, same / total
 
 

@@ -28,7 +28,8 @@ With numpy (``xp=numpy``) the same code runs on the CPU (tests check it against 
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -248,6 +249,7 @@ class StaticDecoder:
 
         rt, cfg = self.rt, self.cfg
         self.cp = cp
+        self._stream = cp.cuda.Stream(non_blocking=True)
         self.mod = cp.RawModule(code=DECODE_SRC, options=("--std=c++17",))
         self.k_topk = self.mod.get_function("route_topk")
         self.k_put = self.mod.get_function("put_row")
@@ -297,6 +299,20 @@ class StaticDecoder:
             self._raw[name] = got
         return got
 
+    @contextlib.contextmanager
+    def _ordered(self) -> Iterator[None]:
+        """Run the enclosed device work on the decoder's stream, ordered after the caller's stream's earlier work
+        and before its later work (events, no host wait)."""
+        if not self.gpu:
+            yield
+            return
+        cur = self.cp.cuda.get_current_stream()
+        s = self._stream
+        s.wait_event(cur.record())
+        with s:
+            yield
+        cur.wait_event(s.record())
+
     # -- array helpers --------------------------------------------------------------------------------
     def mv(self, name: str, x: Any) -> Any:
         """``W x`` for the matrix ``name`` (numpy (out, in)) and a 1-D float32 ``x``."""
@@ -344,9 +360,13 @@ class StaticDecoder:
 
         Raises StrataError when the sequence is already longer than ``max_ctx``.
         """
-        xp = self.xp
         if state.pos > self.max_ctx:
             raise StrataError(f"the sequence holds {state.pos} positions; the static decoder was built for {self.max_ctx}")
+        with self._ordered():
+            self._load_state(state)
+
+    def _load_state(self, state: SequenceState) -> None:
+        xp = self.xp
         for il, ls in enumerate(state.layers):
             if self.cfg.recurrent[il]:
                 if ls.conv is not None:
@@ -586,15 +606,16 @@ class StaticDecoder:
 
         Raises StrataError for a token outside the vocabulary or a position past ``max_ctx``.
         """
-        self._stage(int(token))
-        if self.graph is not None:
-            self.graph.launch(stream=self._stream)
-            self.stats["graph_steps"] += 1
-        elif self.gpu and self._pool is not None:
-            with self.cp.cuda.using_allocator(self._pool.malloc):
+        with self._ordered():
+            self._stage(int(token))
+            if self.graph is not None:
+                self.graph.launch(stream=self._stream)
+                self.stats["graph_steps"] += 1
+            elif self.gpu and self._pool is not None:
+                with self.cp.cuda.using_allocator(self._pool.malloc):
+                    self._body()
+            else:
                 self._body()
-        else:
-            self._body()
         self.pos += 1
         self.stats["steps"] += 1
         return self.logits
@@ -630,10 +651,10 @@ class StaticDecoder:
         if not self.gpu:
             return False
         cp = self.cp
-        self._stream = self._stream or cp.cuda.Stream(non_blocking=True)
         self._pool = self._pool or cp.cuda.MemoryPool()
-        saved = [a.copy() for a in self._mutable()]
+        cp.cuda.Device().synchronize()  # earlier work of any stream (prefill, load_state) is done
         with cp.cuda.using_allocator(self._pool.malloc), self._stream:
+            saved = [a.copy() for a in self._mutable()]
             self._body()
             self._stream.synchronize()
             for a, s in zip(self._mutable(), saved):
@@ -648,6 +669,7 @@ class StaticDecoder:
                 self._body()
             finally:
                 graph = self._stream.end_capture()
+        cp.cuda.Device().synchronize()
         self.graph = graph
         del saved
         return True
@@ -657,4 +679,4 @@ class StaticDecoder:
 
     def synchronize(self) -> None:
         if self.gpu:
-            (self._stream or self.cp.cuda.get_current_stream()).synchronize()
+            self._stream.synchronize()
