@@ -96,6 +96,8 @@ def pack_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing pack."),
     no_hash: bool = typer.Option(False, "--no-hash",
                                  help="Do not sha256 the model for the provenance sidecar (saves a full read)."),
+    rehash: bool = typer.Option(False, "--rehash",
+                                help="Hash the model again even when the digest cache has its sha256."),
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Write Strata's native pack (formats.md section 5) for a MoE GGUF."""
@@ -104,7 +106,8 @@ def pack_cmd(
             if total:
                 bar.update(total=total)
         r = pack_model(model, out, experts_bin=experts_bin, force=force,
-                       progress=lambda n: bar.update(advance=n), on_start=start, hash_inputs=not no_hash)
+                       progress=lambda n: bar.update(advance=n), on_start=start, hash_inputs=not no_hash,
+                       rehash=rehash)
     if json_:
         common.emit_json(r.to_dict())
     else:
