@@ -1,7 +1,7 @@
 """Benchmark: reading Strata --dump-routing traces and make-profile end to end.
 
 Prints, for a generated trace of >= 50M routed entries (k = 10, 48 layers, 512 experts, skewed routing):
-  * our reader (stratatools.trace.read_trace) vs a per-record struct.unpack loop measured in the same run
+  * our reader (stratatools.trace.read_trace; alone, + all columns, + count_pairs) vs a per-record struct.unpack loop measured in the same run
     (the loop is timed on a prefix and extrapolated per entry; it only unpacks into Python lists, so the
     ratio is a lower bound of the real gap), entries/s, and peak RSS of a fresh reader process against the
     file size (absolute and above the process's pre-read baseline);
@@ -9,7 +9,11 @@ Prints, for a generated trace of >= 50M routed entries (k = 10, 48 layers, 512 e
   * make-profile end to end (CLI in a fresh process) on 1e8 entries.
 Files are generated in a temp dir (page cache warm: this measures parsing, not the disk) and deleted after.
 
-    .venv/bin/python bench/bench_trace.py [--entries 100000000] [--keep DIR]
+    .venv/bin/python bench/bench_trace.py [--entries 100000000] [--keep DIR [--reuse]]
+
+The reader returns the compact per-record table (plain traces: zero-copy views of the memory-mapped file); the
+``columns`` rows add materialising all seven per-entry columns (the like-for-like of the [table] loop), the
+``count`` rows add count_pairs (the like-for-like of the [strata] loop). Peak RSS counts the mapped file pages.
 """
 
 from __future__ import annotations
@@ -140,7 +144,7 @@ def struct_loops(path: str, max_records: int) -> dict[str, tuple[float, int]]:
 
 READER = r"""
 import json, sys, time
-from stratatools.trace import read_trace
+from stratatools.trace import COLUMNS, read_trace
 
 def hwm():  # peak RSS of this process (VmHWM; ru_maxrss would carry the parent's peak across exec)
     for line in open("/proc/self/status"):
@@ -150,14 +154,24 @@ def hwm():  # peak RSS of this process (VmHWM; ru_maxrss would carry the parent'
 base = hwm()
 t0, w0 = time.process_time(), time.perf_counter()
 t = read_trace(sys.argv[1], sha256=sys.argv[2] == "1")
+if sys.argv[3] == "columns":  # every per-entry column materialised (what the [table] loop builds)
+    for name in COLUMNS:
+        getattr(t, name)
+elif sys.argv[3] == "count":  # read + count (layer, expert) pairs (what the [strata] loop does)
+    from stratatools.ranking import count_pairs
+    c = count_pairs([t], 48, 512)
 dt, wall = time.process_time() - t0, time.perf_counter() - w0
 print(json.dumps({"s": dt, "wall": wall, "entries": len(t), "peak": hwm(), "base": base,
-                  "fmt": t.meta["source_format"]}))
+                  "fmt": t.meta["source_format"], "compact": t.records is not None}))
 """
 
+# what each reader mode is compared with: read = the table in its compact form (columns built on demand)
+MODES = {"read": "read_trace", "columns": "read_trace + all 7 columns materialised",
+         "count": "read_trace + count_pairs"}
 
-def run_reader(path: str, sha256: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", READER, path, "1" if sha256 else "0"], capture_output=True,
+
+def run_reader(path: str, sha256: bool, mode: str = "read") -> dict:
+    out = subprocess.run([sys.executable, "-c", READER, path, "1" if sha256 else "0", mode], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout)
 
@@ -173,14 +187,17 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=100_000_000)
     ap.add_argument("--loop-records", type=int, default=300_000)
     ap.add_argument("--keep", default=None)
+    ap.add_argument("--reuse", action="store_true", help="with --keep: reuse the files generated there before")
     a = ap.parse_args()
     d = a.keep or tempfile.mkdtemp(prefix="bench_trace_")
     try:
         plain = os.path.join(d, "plain.bin")
         tagged = os.path.join(d, "tagged.bin")
         t0 = time.perf_counter()
-        gen_plain(plain, a.entries)
-        gen_tagged(tagged, plain, a.entries)
+        if not (a.reuse and os.path.exists(plain) and os.path.getsize(plain) == a.entries // K * (8 + 8 * K)
+                and os.path.exists(tagged)):
+            gen_plain(plain, a.entries)
+            gen_tagged(tagged, plain, a.entries)
         print(f"generated {a.entries:,} entries: plain {os.path.getsize(plain) / 2**20:,.0f} MiB, tagged "
               f"{os.path.getsize(tagged) / 2**20:,.0f} MiB in {time.perf_counter() - t0:.1f} s")
         loops = struct_loops(plain, a.loop_records)
@@ -190,10 +207,11 @@ def main() -> None:
                   f"(first {a.loop_records:,} records; extrapolated per entry below)")
         for name, p in (("plain", plain), ("tagged v2", tagged)):
             size = os.path.getsize(p)
-            for sha in (False, True):
-                r = run_reader(p, sha)
+            for mode, sha in (("read", False), ("read", True), ("columns", False), ("count", False)):
+                r = run_reader(p, sha, mode)
                 ratios = ", ".join(f"{per_entry[k] * r['entries'] / r['s']:.0f}x vs [{k}]" for k in per_entry)
-                print(f"read_trace {name} ({r['fmt']}, sha256 {'on' if sha else 'off'}): {r['entries']:,} entries in "
+                print(f"{MODES[mode]} {name} ({r['fmt']}, sha256 {'on' if sha else 'off'}, "
+                      f"{'compact' if r['compact'] else 'columns'}): {r['entries']:,} entries in "
                       f"{r['s']:.2f} CPU s ({r['wall']:.2f} s wall) = {r['entries'] / r['s'] / 1e6:.1f} M entries/s; "
                       f"{ratios}; peak RSS "
                       f"{r['peak'] / 2**20:,.0f} MiB = {r['peak'] / size:.2f}x the {size / 2**20:,.0f} MiB file "
@@ -201,7 +219,7 @@ def main() -> None:
         prof = os.path.join(d, "p.bin")
         t0 = time.perf_counter()
         cmd = [sys.executable, "-c", "from stratatools.cli import main; main()", "--quiet", "make-profile", plain, "-o", prof,
-               "--n-layer", str(L), "--n-expert", str(E), "--mode", "no-base", "--json"]
+               "--n-layer", str(L), "--n-expert", str(E), "--mode", "no-base", "--json", "--force"]
         out = subprocess.run(cmd, capture_output=True, text=True)
         dt = time.perf_counter() - t0
         if out.returncode != 0:

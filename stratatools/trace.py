@@ -7,6 +7,7 @@ One row per routed entry: (request, position, phase, layer, rank, expert, weight
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import mmap
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ class Records:
         expert, weight: int32 / float32, [R, k] when k is constant (possibly read-only strided views into the
             memory-mapped trace file), else [N] in record order.
         unit_rows: int64 indices of records whose weights are all zero in the source (read as 1.0), or None.
+        mapped: expert/weight are views into a memory-mapped file; building the first per-entry column copies
+            them out first (:meth:`own`), so the mapping is released.
         position: int32 [R], or a callable returning it (computed on first use, then cached).
     """
 
@@ -47,6 +50,8 @@ class Records:
     weight: np.ndarray
     position: Any
     unit_rows: np.ndarray | None = None
+    mapped: bool = False  # expert/weight are views into a memory-mapped file
+    mapping: Any = None   # that mmap.mmap (for releasing copied pages early)
 
     def __len__(self) -> int:
         return int(len(self.layer))
@@ -87,8 +92,40 @@ class Records:
             return np.broadcast_to(a.astype(dtype, copy=False)[:, None], (len(a), k)).reshape(-1)
         return np.repeat(a.astype(dtype, copy=False), self.k)
 
+    def own(self) -> None:
+        """Copy ids and weights out of the mapped file (unit weights applied), so the mapping is released once
+        nothing else refers to it. Done before the first column is built: a consumer of per-entry columns
+        then holds the copies instead of copies plus the mapped pages (peak < 2x the file)."""
+        R = len(self.layer)
+        e = np.empty(self.expert.shape, np.int32)
+        w = np.empty(self.weight.shape, np.float32)
+        mm = self.mapping
+        row_bytes = self.expert.strides[0] if self.expert.ndim == 2 else 0
+        step = 1 << 20
+        for a in range(0, R, step):  # chunks, dropping the copied pages from this process as it goes
+            b = min(R, a + step)
+            e[a:b] = self.expert[a:b]
+            w[a:b] = self.weight[a:b]
+            if mm is not None and row_bytes and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                lo = a * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+                if b * row_bytes > lo:
+                    mm.madvise(mmap.MADV_DONTNEED, lo, b * row_bytes - lo)  # file pages stay in the page cache
+        self.expert = e
+        if self.unit_rows is not None and len(self.unit_rows):
+            w.reshape(R, -1)[self.unit_rows] = 1.0
+        self.weight, self.unit_rows, self.mapping = w, None, None
+
     def column(self, name: str) -> np.ndarray:
         """Materialise one per-entry column (a new array, or a broadcast view for constant columns)."""
+        from .trace_formats.strata import no_hugepages
+
+        with no_hugepages():
+            if self.mapped:
+                self.own()
+                self.mapped = False
+            return self._column(name)
+
+    def _column(self, name: str) -> np.ndarray:
         R = len(self.layer)
         if name == "layer":
             return self.per_entry(self.layer, np.int16)

@@ -52,9 +52,13 @@ def test_plain_trace_is_compact_and_maps_the_file(tmp_path):
     t = read_strata(p)
     assert t.records is not None and t.records.constant_k and t.records.k == 3
     assert t.records.expert.shape == (40, 3) and not t.records.expert.flags.owndata  # a view, not a copy
-    assert t.records.unit_rows.tolist() == [5, 17]
+    assert t.records.unit_rows.tolist() == [5, 17] and t.records.mapped
     ref = read_strata(p, chunk_bytes=4096)  # the chunked reader: owned copies
     same_table(t, ref)
+    # building a column copied ids and weights out of the mapping (unit weights applied): the file is released
+    assert not t.records.mapped and t.records.expert.flags.owndata and t.records.unit_rows is None
+    assert (t.records.weight[[5, 17]] == 1.0).all()
+    _counts_equal(t, 4, 16)
     assert t.meta == ref.meta
     w = t.weight.reshape(40, 3)
     assert (w[[5, 17]] == 1.0).all() and (w[4] != 1.0).all()

@@ -539,7 +539,7 @@ def _token_major_layers(rec_layer: np.ndarray) -> int:
 
 def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k: np.ndarray | int,
             rec_request: np.ndarray, rec_phase: np.ndarray, meta: dict,
-            unit_rows: np.ndarray | None = None) -> TraceTable:
+            unit_rows: np.ndarray | None = None, mapping: Any = None) -> TraceTable:
     """Per-record arrays -> a lazily expanded :class:`TraceTable` (``TraceTable.from_records``). No per-entry
     array is made here: with a constant k, ``expert``/``weight`` become [R, k] views; constant request/phase
     become broadcast views; positions are computed on first use."""
@@ -563,7 +563,7 @@ def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k
 
     rec = Records(layer=rec_layer.astype(np.int16, copy=False), k=rec_k, request=const(rec_request, np.int32),
                   phase=const(rec_phase, np.int8), expert=expert, weight=weight, position=position,
-                  unit_rows=unit_rows)
+                  unit_rows=unit_rows, mapped=mapping is not None, mapping=mapping)
     return TraceTable.from_records(rec, meta)
 
 
@@ -632,7 +632,8 @@ def _read_plain_fast(path: Path, size: int, n_layers: int | None, n_expert: int 
     meta.update({"k": k, "tags": {}, "tags_skipped": {}})
     zeros = np.broadcast_to(np.zeros(1, np.int32), (R,))
     phase = np.broadcast_to(np.full(1, DECODE, np.int8), (R,))
-    return _expand(ids, w, rec_layer, k, zeros, phase, meta, unit_rows if unit_rows is not None and len(unit_rows) else None)
+    return _expand(ids, w, rec_layer, k, zeros, phase, meta,
+                   unit_rows if unit_rows is not None and len(unit_rows) else None, mapping=mm)
 
 
 # -- writers ------------------------------------------------------------------------------------------------------
