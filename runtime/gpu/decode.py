@@ -171,12 +171,17 @@ class StaticDecoder:
     Args:
         rt: a :class:`runtime.gpu.runtime.GPURuntime` (CuPy) or :class:`runtime.model.Qwen4ExpRuntime` (numpy).
         max_ctx: positions the K/V caches hold (prompt + generated); at most :func:`max_full_context`.
+        dense: on CuPy, how dense matrices are multiplied: ``quant`` (the quantized matvec kernel on the GGUF
+            blocks in VRAM) or ``f32`` (cuBLAS on the runtime's float32 copies, :meth:`Weights.get`).
     Raises:
         StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a routed expert not resident in
             VRAM, or an expert width that is not whole blocks.
     """
 
-    def __init__(self, rt: Any, max_ctx: int = 512):
+    def __init__(self, rt: Any, max_ctx: int = 512, dense: str = "quant"):
+        if dense not in ("quant", "f32"):
+            raise StrataError(f"dense mode {dense!r} is not quant or f32")
+        self.dense = dense
         self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
         cfg = self.cfg
         self.gpu = getattr(self.xp, "__name__", "") == "cupy"
@@ -316,7 +321,7 @@ class StaticDecoder:
     # -- array helpers --------------------------------------------------------------------------------
     def mv(self, name: str, x: Any) -> Any:
         """``W x`` for the matrix ``name`` (numpy (out, in)) and a 1-D float32 ``x``."""
-        if self.gpu:
+        if self.gpu and self.dense == "quant":
             raw, t, rows, cols = self._dense_raw(name)
             if raw is not None:
                 from .experts import THREADS, WARPS_PER_BLOCK
@@ -675,7 +680,9 @@ class StaticDecoder:
         return True
 
     def _mutable(self) -> list:
-        return list(self.conv.values()) + list(self.ssm.values()) + list(self.ple_conv.values())
+        """Buffers the step changes (the warm-up run before a capture writes them; they are restored)."""
+        return (list(self.conv.values()) + list(self.ssm.values()) + list(self.ple_conv.values())
+                + list(self.kc.values()) + list(self.vc.values()))
 
     def synchronize(self) -> None:
         if self.gpu:
