@@ -148,8 +148,10 @@ def main() -> int:
                  "baseline pack, second run"}
         names = {k: v for k, v in names.items() if k in times}
         for k, name in names.items():
+            vs_sync = statistics.median(c / p for c, p in zip(times["cp_sync"], times[k]))
             print(f"{name:28s} {gbs(med[k]):.2f} GB/s  ratio to cp: median {statistics.median(ratios[k]):.2f}x "
-                  f"(per round {', '.join(f'{r:.2f}' for r in ratios[k])}); peak RSS {rss[k] / 1024:.0f} MB")
+                  f"(per round {', '.join(f'{r:.2f}' for r in ratios[k])}), to cp+sync {vs_sync:.2f}x; "
+                  f"peak RSS {rss[k] / 1024:.0f} MB")
         print("target: ratio >= 0.7, peak RSS < 300 MB (pack times include process start, planning, fsync)")
     finally:
         if a.keep:

@@ -43,8 +43,18 @@ of wall time and little CPU. No ordering of reads can make a first full sha256 c
   that uses the cache then costs a ``stat``. The sidecar bytes are the same either way;
   :attr:`PackResult.sha256_sources` and a note say which shards came from the cache; ``--rehash`` recomputes
   (and refreshes the entry), ``STRATATOOLS_DIGEST_CACHE=off`` disables the cache, ``--no-hash`` records null.
-* Not done: ``sync_file_range`` to start writeback during the copy (measured slower: the copy then waits on the
-  disk), and dropping the fsync before publishing (a crash could then leave a renamed but empty experts.bin).
+* Not done: ``sync_file_range`` or a background ``fdatasync`` to start writeback during the copy (both measured
+  slower: the copy then waits on the disk), and dropping the fsync before publishing (a crash could then leave a
+  published experts.bin of zeros that the engine would load).
+
+Measured (bench/bench_pack.py, 5 interleaved rounds, medians, busy 2-core VM; cp of 2.37 GB took 1.1-2.0 s):
+copy_file_range + fsync alone is at par with ``cp`` + ``sync`` (fsync ~0.8 s of it) and process start is ~0.5 s,
+so even ``--no-hash`` is ~0.5x of a plain ``cp`` that leaves its data dirty in the page cache (0.75x of
+``cp`` + ``sync``). A re-pack (digest cache) runs like ``--no-hash`` (0.49x cp, 0.75x cp+sync; before: 0.35x). A
+first pack, which must hash 2.6 GB, reached 0.34x cp / 0.50x cp+sync (before: 0.27x / 0.40x). When cp is
+disk-bound (another run, cp at 0.5 GB/s) the same first pack reached 0.68x and a re-pack 1.35x. Peak RSS 115 MB
+(70 MB without hashing). The 0.7x-of-cp target is therefore met only for re-packs and disk-bound copies; the
+first-pack gap is the sha256 itself, plus the fsync and interpreter start.
 
 Atomicity. Everything is produced under ``.tmp`` names first; only when experts.bin and all texts are complete
 is the old completion marker removed, the files renamed, and ``native_experts.txt`` renamed last. A run killed
