@@ -30,6 +30,7 @@ import numpy as np
 
 from stratatools.errors import StrataError
 from stratatools.fsutil import guard_output
+from stratatools.pack import EXPERTS_BIN, NATIVE_TXT
 from stratatools.profile import read_profile
 from stratatools.trace import DECODE, PREFILL, TraceTable, write_trace
 
@@ -81,6 +82,8 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     nul = data.find(b"\x00")
     if nul >= 0:
         raise StrataError(f"{p}: byte {nul}: NUL byte; the prompts file is not text (one prompt per line, or JSON)", p)
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not part of the first prompt
+        data = data[3:]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -256,36 +259,51 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
     """
     prompts = read_prompts(prompts_path)
     fmt = None
+    inputs: list[Any] = []
     if trace_out is not None:
         inputs = [pack, prompts_path] + ([profile] if profile else []) + ([model] if model else [])
         guard_output(trace_out, inputs, force)
         fmt = trace_format_for(trace_out, trace_format)
     if max_new_tokens < 0:
         raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
+    want_tier = profile is not None or budget_gib is not None or slots is not None
+    if not want_tier and (policy != "static" or admission != "global"):
+        raise StrataError(f"--policy {policy} / --admission {admission} configure the expert tier, and there is none: "
+                          f"pass --slots N, --budget-gib X or --profile P")
     w = load(pack, model, xp=xp, output_gate=output_gate)
     try:
+        if trace_out is not None:  # the files behind the pack folder and every shard are inputs too
+            files = [f.path for f in w.model.files]
+            if w.pack is not None:
+                files += [w.pack.path / n for n in (NATIVE_TXT, NATIVE_TXT + ".json", EXPERTS_BIN, EXPERTS_BIN + ".src.json")]
+            guard_output(trace_out, inputs + files, force)
         prof = None
         if profile is not None:
             prof = read_profile(profile)
         tier = None
-        if prof is not None or budget_gib is not None or slots is not None:
+        if want_tier:
             tier = ExpertTier(w, policy=policy, profile=prof, slots=slots, budget_gib=budget_gib,
                               admission=admission, profile_path=str(profile) if profile else None)
         rt = Qwen4ExpRuntime(w, selection=selection, expert_fn=tier.matrices if tier else None,
                              route_hook=tier.hook if tier else None)
         tok = None
         enc: list[list[int]] = []
+        if any(pr.token_ids is None for pr in prompts):
+            tok = BPETokenizer.from_gguf(w.model)
         for i, pr in enumerate(prompts):
             if pr.token_ids is not None:
                 ids = pr.token_ids
             else:
-                if tok is None:
-                    tok = BPETokenizer.from_gguf(w.model)
                 ids = tok.encode(pr.text or "")
             bad = [x for x in ids if not 0 <= x < w.cfg.n_vocab]
             if bad:
                 raise StrataError(f"{prompts_path}: prompt #{i}: token id {bad[0]} is outside the vocabulary [0, {w.cfg.n_vocab})", prompts_path)
             enc.append(list(ids))
+        if tok is None:  # token-id prompts: the output is still decoded when the model has a tokenizer
+            try:
+                tok = BPETokenizer.from_gguf(w.model)
+            except StrataError:
+                tok = None
         builder = _TraceBuilder()
         results: list[RequestResult] = []
         pre_s = dec_s = 0.0

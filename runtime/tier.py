@@ -14,6 +14,7 @@ expert becomes resident: start-up fill and the adaptive tier's copies), any othe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +46,10 @@ class TierCounts:
         return float(self.hits.sum()) / e if e else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
+        """Totals and per-layer lists; ``h_expert`` is None (JSON null, not NaN) when the phase had no entries."""
         e = self.entries
         return {"entries": int(e.sum()), "hits": int(self.hits.sum()), "misses": int((e - self.hits).sum()),
-                "h_expert": self.h_expert, "layer_entries": e.tolist(), "layer_hits": self.hits.tolist(),
+                "h_expert": self.h_expert if int(e.sum()) else None, "layer_entries": e.tolist(), "layer_hits": self.hits.tolist(),
                 "layer_misses": (e - self.hits).tolist()}
 
 
@@ -66,7 +68,7 @@ class ExpertTier:
 
     Raises:
         StrataError: a profile whose geometry differs from the model's, a pruned model with per-layer expert
-            counts, no budget, an unknown policy (from make_tier).
+            counts, no budget, a budget that is negative or not finite, an unknown policy (from make_tier).
     """
 
     def __init__(self, weights: Weights, policy: str = "static", profile: Profile | None = None,
@@ -87,6 +89,8 @@ class ExpertTier:
             if slots is None:
                 raise StrataError("the tier needs --slots N, --budget-gib X or a profile (whose slot count is used)")
         self.blob_bytes = np.array([weights.experts.blob_bytes(il) for il in range(self.n_layers)], dtype=np.int64)
+        if budget_gib is not None and not (math.isfinite(budget_gib * GIB) and budget_gib >= 0):
+            raise StrataError(f"--budget-gib {budget_gib} is not a finite size >= 0 (GiB)")
         budget = int(budget_gib * GIB) if budget_gib is not None else None
         self.tier = make_tier(policy, n_layers=self.n_layers, n_expert=self.n_expert, profile=profile, slots=slots,
                               budget_bytes=budget, blob_bytes=self.blob_bytes, admission=admission, **params)

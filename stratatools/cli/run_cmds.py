@@ -70,8 +70,11 @@ def run_cmd(
         for il, (e, h) in enumerate(zip(d["layer_entries"], d["layer_hits"])):
             lt.add_row(str(il), str(e), str(h), str(e - h), f"{h / e:.4f}" if e else "-")
         c.print(lt)
-        c.print(f"h_expert (decode): {tier['decode']['h_expert']:.4f}; prefill: {tier['prefill']['h_expert']:.4f}; "
-                f"all: {tier['all']['h_expert']:.4f}", markup=False)
+        def rate(x):
+            return "-" if x is None else f"{x:.4f}"
+
+        c.print(f"h_expert (decode): {rate(tier['decode']['h_expert'])}; prefill: {rate(tier['prefill']['h_expert'])}; "
+                f"all: {rate(tier['all']['h_expert'])}", markup=False)
     if res.trace_path:
         c.print(f"trace: {res.trace_records} records ({res.trace_format}) -> {res.trace_path}", markup=False)
 

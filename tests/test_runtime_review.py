@@ -1,0 +1,171 @@
+"""Review findings for the runtime and ``stratatools run``: each test is an input that broke it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.model import Qwen4ExpRuntime
+from runtime.weights import load
+
+pytestmark = pytest.mark.kit
+
+
+def _strict_json(text: str):
+    def bad(tok: str):
+        raise ValueError(f"non-standard JSON constant {tok}")
+
+    return json.loads(text, parse_constant=bad)
+
+
+def _kit_prompts(kit: Path) -> list[list[int]]:
+    return [[int(x) for x in ln.split("\t")[1].split()]
+            for ln in (kit / "routing" / "tokens.tsv").read_text().splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def ista_pack(kit, tmp_path_factory):
+    from stratatools.pack import pack_model
+
+    pk = tmp_path_factory.mktemp("rv") / "pack"
+    pack_model(kit / "quant" / "model-ISTA-mix.gguf", pk)
+    return pk
+
+
+def test_trace_out_never_replaces_a_pack_file_or_shard(kit, ista_pack, tmp_path, cli):
+    """--trace-out naming the pack's own table (or a shard of the model) is refused even with --force."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    table = ista_pack / "native_experts.txt"
+    before = table.read_bytes()
+    code, _, err = cli("run", ista_pack, "--prompts", prompts, "-n", "0", "--trace-out", table, "--force")
+    assert code == 2 and "input" in err and err.strip().count("\n") == 0, err
+    assert table.read_bytes() == before
+    # a GGUF shard set: shard 2 is an input too, although only shard 1 was named
+    shards = sorted((kit / "gguf" / "split").glob("*.gguf"))
+    link = tmp_path / "s"
+    link.mkdir()
+    for s in shards:
+        (link / s.name).symlink_to(s)
+    code, _, err = cli("run", link / shards[0].name, "--prompts", prompts, "-n", "0",
+                       "--trace-out", link / shards[1].name, "--force")
+    assert code == 2 and "input" in err, err
+
+
+def test_json_is_strict_when_no_decode_ran(ista_pack, tmp_path, cli):
+    """-n 1 (or 0) leaves the decode phase empty: its hit rate is null, not NaN (invalid JSON)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\n")
+    code, out, err = cli("run", ista_pack, "--prompts", prompts, "-n", "1", "--slots", "8", "--json")
+    assert code == 0, err
+    res = _strict_json(out)
+    assert res["tier"]["decode"]["entries"] == 0 and res["tier"]["decode"]["h_expert"] is None
+    assert res["tier"]["prefill"]["entries"] > 0
+    assert res["h_expert"] == pytest.approx(res["tier"]["prefill"]["hits"] / res["tier"]["prefill"]["entries"])
+    code, out, err = cli("run", ista_pack, "--prompts", prompts, "-n", "1", "--slots", "8")
+    assert code == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300"])
+def test_huge_budget_is_a_one_line_error_or_runs(ista_pack, tmp_path, cli, value):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, out, err = cli("run", ista_pack, "--prompts", prompts, "-n", "0", "--budget-gib", value)
+    assert "Traceback" not in err and code in (0, 2), err
+    if code == 2:
+        assert "--budget-gib" in err and err.strip().count("\n") == 0, err
+
+
+def test_policy_without_a_tier_is_refused(ista_pack, tmp_path, cli):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, _, err = cli("run", ista_pack, "--prompts", prompts, "-n", "0", "--policy", "adaptive")
+    assert code == 2 and "--slots" in err and err.strip().count("\n") == 0, err
+
+
+def test_token_id_prompts_report_decoded_text(kit, ista_pack, tmp_path, cli):
+    """The kit's prompts.json gives token ids; the generated text is still decoded (not shown as ids)."""
+    from runtime.tokenizer import BPETokenizer
+    from stratatools.gguf import open_model
+
+    code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "3", "--json")
+    assert code == 0, err
+    res = _strict_json(out)
+    with open_model(kit / "quant" / "model-ISTA-mix.gguf") as m:
+        tok = BPETokenizer.from_gguf(m)
+    for r in res["requests"]:
+        assert len(r["new_ids"]) == 3
+        assert r["text"] == tok.decode(r["new_ids"]) and r["text"] is not None
+    code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "3")
+    assert code == 0, err
+    first = res["requests"][0]
+    assert repr(first["text"][:40]) in out
+    assert " ".join(map(str, first["new_ids"])) not in out
+
+
+def test_utf8_bom_is_not_a_token(ista_pack, tmp_path, cli):
+    plain = tmp_path / "a.txt"
+    plain.write_bytes(b"hello world\r\nsecond line\r\n")
+    bom = tmp_path / "b.txt"
+    bom.write_bytes(b"\xef\xbb\xbfhello world\r\nsecond line\r\n")
+    bomj = tmp_path / "c.json"
+    bomj.write_bytes(b'\xef\xbb\xbf{"prompts": ["hello world", "second line"]}')
+    counts = []
+    for f in (plain, bom, bomj):
+        code, out, err = cli("run", ista_pack, "--prompts", f, "-n", "0", "--json")
+        assert code == 0, err
+        counts.append([r["prompt_tokens"] for r in _strict_json(out)["requests"]])
+    assert counts[0] == counts[1] == counts[2]
+
+
+@pytest.mark.parametrize("selection", ["transformers", "llamacpp"])
+def test_chunked_prefill_equals_one_prefill(kit, selection):
+    """Chunks that start inside a QSA block, cross block boundaries and follow the mid-prompt EOS (p2)."""
+    w = load(kit / "gguf" / "model-bf16.gguf")
+    try:
+        rt = Qwen4ExpRuntime(w, selection=selection)
+        ids = _kit_prompts(kit)[2]
+        full, frec = rt.forward(ids, rt.new_state(), logits="all")
+        st = rt.new_state()
+        outs, recs, p = [], [], 0
+        for c in (7, 13, 1, 1, 23):
+            lg, r = rt.forward(ids[p:p + c], st, logits="all")
+            outs.append(lg)
+            recs.append(r)
+            p += c
+        assert p == len(ids)
+        np.testing.assert_allclose(np.concatenate(outs), full, rtol=0, atol=5e-6)
+        for il in range(w.cfg.n_layer):
+            np.testing.assert_array_equal(np.concatenate([r.ids[il] for r in recs]), frec.ids[il])
+        assert np.concatenate([r.positions for r in recs]).tolist() == list(range(len(ids)))
+    finally:
+        w.close()
+
+
+def test_trace_positions_phases_and_requests(kit, ista_pack, tmp_path, cli):
+    """The tagged Strata trace read back: per request, prefill positions 0..P-1, then decode positions P.. in
+    order, every layer per position, ids equal to what the runtime routed."""
+    from stratatools.trace import DECODE, PREFILL, read_trace
+
+    trace = tmp_path / "t.bin"
+    code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "5",
+                         "--trace-out", trace, "--json")
+    assert code == 0, err
+    res = _strict_json(out)
+    t = read_trace(trace)
+    k = 4
+    for r in res["requests"]:
+        m = t.request == r["request"]
+        P = r["prompt_tokens"]
+        n_dec = len(r["new_ids"]) - 1  # the last new token (EOS or the cap) is never run
+        pre = m & (t.phase == PREFILL)
+        dec = m & (t.phase == DECODE)
+        assert np.unique(t.position[pre]).tolist() == list(range(P))
+        assert np.unique(t.position[dec]).tolist() == list(range(P, P + n_dec))
+        assert pre.sum() == P * 8 * k and dec.sum() == n_dec * 8 * k
+        assert np.all(np.diff(t.position[m]) >= 0)
+    assert math.isclose(float(t.weight[:k].sum()), 1.0, rel_tol=1e-5)
