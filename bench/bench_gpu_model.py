@@ -209,33 +209,6 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
         e1.synchronize()
         res["graph_replay_device_s"] = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps
         print(f"  static graph: {1 / res['static_graph_s']:.1f} tok/s (replay alone {1 / res['graph_replay_device_s']:.1f})", flush=True)
-        # dense matrices through cuBLAS on float32 copies instead of the quantized matvec
-        try:
-            d2 = StaticDecoder(rt, max_ctx=n_ctx, dense="f32")
-            st4 = rt.new_state()
-            lg, _ = rt.forward(prompt, st4)
-            d2.load_state(st4)
-            d2.capture()
-            tok = int(lg.argmax().get())
-            ref, _ = rt.forward([tok], st4)
-            got = d2.step(tok)
-            r64, g64 = ref.get().astype(np.float64), got.get().astype(np.float64)
-            res["check_graph_f32"] = float(np.abs(r64 - g64).max() / np.abs(r64).max())
-            tok = d2.next_token()
-
-            def step_f32():
-                nonlocal tok
-                d2.step(tok)
-                tok = d2.next_token()
-
-            for _ in range(5):
-                step_f32()
-            res["static_graph_f32dense_s"] = _sync_time(cp, step_f32, steps)
-            print(f"  static graph, f32 dense: {1 / res['static_graph_f32dense_s']:.1f} tok/s", flush=True)
-            del d2
-        except Exception as e:
-            res["graph_f32_error"] = repr(e)
-            print("  f32-dense graph failed:", repr(e), flush=True)
     except Exception as e:  # report and keep going
         res["graph_error"] = repr(e)
         res["graph_traceback"] = traceback.format_exc()[-3000:]
@@ -393,8 +366,7 @@ def main(argv=None):
         roof = tb / bw
         print(f"{name}: synth {v['synth']['bytes'] / 1e9:.2f} GB in {v['synth']['seconds']:.1f} s; "
               f"touched/token {tb / 1e6:.1f} MB (roofline {1 / roof:.0f} tok/s)")
-        for key in ("runtime_eager_s", "static_eager_s", "static_graph_s", "static_graph_rec_s", "graph_replay_device_s",
-                    "static_graph_f32dense_s"):
+        for key in ("runtime_eager_s", "static_eager_s", "static_graph_s", "static_graph_rec_s", "graph_replay_device_s"):
             if key in v:
                 line = f"   {key[:-2]:22s} {1 / v[key]:8.1f} tok/s  roofline fraction {roof / v[key]:.3f}"
                 if hf:

@@ -171,17 +171,12 @@ class StaticDecoder:
     Args:
         rt: a :class:`runtime.gpu.runtime.GPURuntime` (CuPy) or :class:`runtime.model.Qwen4ExpRuntime` (numpy).
         max_ctx: positions the K/V caches hold (prompt + generated); at most :func:`max_full_context`.
-        dense: on CuPy, how dense matrices are multiplied: ``quant`` (the quantized matvec kernel on the GGUF
-            blocks in VRAM) or ``f32`` (cuBLAS on the runtime's float32 copies, :meth:`Weights.get`).
     Raises:
         StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a routed expert not resident in
             VRAM, or an expert width that is not whole blocks.
     """
 
-    def __init__(self, rt: Any, max_ctx: int = 512, dense: str = "quant"):
-        if dense not in ("quant", "f32"):
-            raise StrataError(f"dense mode {dense!r} is not quant or f32")
-        self.dense = dense
+    def __init__(self, rt: Any, max_ctx: int = 512):
         self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
         cfg = self.cfg
         self.gpu = getattr(self.xp, "__name__", "") == "cupy"
@@ -321,7 +316,7 @@ class StaticDecoder:
     # -- array helpers --------------------------------------------------------------------------------
     def mv(self, name: str, x: Any) -> Any:
         """``W x`` for the matrix ``name`` (numpy (out, in)) and a 1-D float32 ``x``."""
-        if self.gpu and self.dense == "quant":
+        if self.gpu:  # cuBLAS cannot be captured by CuPy (seen on the H200), so every matrix goes through the kernel
             raw, t, rows, cols = self._dense_raw(name)
             if raw is not None:
                 from .experts import THREADS, WARPS_PER_BLOCK
