@@ -350,8 +350,11 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             h = tstats["decode"]["h_expert"] if tstats["decode"]["entries"] else tstats["all"]["h_expert"]
         n_records = builder.records
         if trace_out is not None:
+            names = [pr.prompt_id for pr in prompts]
+            extra = {"request_names": names} if len(set(names)) == len(names) else {}  # CSV prompt_id column
             table = builder.table(source_format="stratatools-runtime", n_layers=w.cfg.n_layer,
-                                  n_expert=max(w.cfg.n_expert), model=w.model.path.name, selection=selection)
+                                  n_expert=max(w.cfg.n_expert), model=w.model.path.name,
+                                  model_name=w.model.path.name, selection=selection, **extra)
             write_trace(table, trace_out, fmt)
         return RunResult(
             model=str(w.model.path), pack=str(w.pack.path) if w.pack is not None else None,

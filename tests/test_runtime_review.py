@@ -169,3 +169,23 @@ def test_trace_positions_phases_and_requests(kit, ista_pack, tmp_path, cli):
         assert pre.sum() == P * 8 * k and dec.sum() == n_dec * 8 * k
         assert np.all(np.diff(t.position[m]) >= 0)
     assert math.isclose(float(t.weight[:k].sum()), 1.0, rel_tol=1e-5)
+
+
+def test_csv_trace_names_model_and_prompts(kit, ista_pack, tmp_path, cli):
+    """The CSV trace uses the kit's columns with the GGUF's name and the prompts' ids (was model
+    'stratatools-runtime' and prompt ids 0, 1, 2), so it compares directly with the kit's routing CSVs."""
+    import csv
+
+    from stratatools.trace import read_trace
+
+    trace = tmp_path / "t.csv"
+    code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "2",
+                         "--trace-out", trace)
+    assert code == 0, err
+    rows = list(csv.DictReader(open(trace)))
+    assert {r["model"] for r in rows} == {"model-ISTA-mix.gguf"}
+    assert sorted({r["prompt_id"] for r in rows}) == ["p0", "p1", "p2"]
+    first = [r for r in rows if r["prompt_id"] == "p0" and r["token_pos"] == "0" and r["layer"] == "0"]
+    assert [r["rank"] for r in first] == ["0", "1", "2", "3"] and first[0]["phase"] == "prefill"
+    t = read_trace(trace)
+    assert len(t) == len(rows) and set(np.unique(t.request).tolist()) == {0, 1, 2}
