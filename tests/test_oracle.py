@@ -164,3 +164,43 @@ def test_torch_topk_tie_emulation():
         k = int(rng.integers(1, min(n, 8) + 1))
         v = np.where(rng.random(n) < 0.6, 0.0, rng.normal(size=n)).astype(np.float32)
         assert set(torch_topk_indices(v, k)) == set(torch.topk(torch.from_numpy(v), k).indices.tolist())
+
+
+# the expert-pruned revisions (16 of 32 experts per layer, dense ids) against llama.cpp's routing of those files
+# (kit README section 10); measured 1058 (revA) and 1050 (revB) of 1080
+PRUNED = [("revA", 1045), ("revB", 1040)]
+
+
+@pytest.mark.parametrize("rev,floor", PRUNED, ids=[x[0] for x in PRUNED])
+def test_llamacpp_selection_reproduces_pruned_routing(kit, rev, floor):
+    ref = _csv_routing(kit / "pruned" / f"coder-{rev}.routing.csv")
+    mine, _ = _runtime_routing(kit / "pruned" / f"coder-{rev}.gguf", _prompts(kit), "llamacpp")
+    assert max(max(v) for v in mine.values()) < 16
+    agree, total = _agreement(mine, ref)
+    print(f"\nllama.cpp coder-{rev}: {agree}/{total} = {agree / total:.4f}")
+    assert total == 1080 and agree >= floor
+
+
+def test_tokenizer_matches_hf_tokenizers(kit):
+    """The GGUF-metadata BPE gives the ids of the HF tokenizer.json (the ``tokenizers`` library) on random
+    slices of the kit's calibration text and on random strings with specials, CR/LF, combining marks, emoji."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import random
+
+    from runtime.tokenizer import BPETokenizer
+    from stratatools.gguf import open_model
+
+    hf = tokenizers.Tokenizer.from_file(str(kit / "hf" / "qwen4exp-tiny" / "tokenizer.json"))
+    with open_model(kit / "gguf" / "model-bf16.gguf") as m:
+        tok = BPETokenizer.from_gguf(m)
+    src = (kit / "quant" / "calib-pprint-12k.txt").read_text()
+    alph = list("abcXYZ019 _\t\n\r'\"()[]{}:;.,!?-+*/\\é漢😀\u0301\u00a0\u2028") + \
+        ["'s", "'LL", "  ", "\r\n", "<|endoftext|>", "<|im_start|>", "123456"]
+    rng = random.Random(20260101)
+    for i in range(600):
+        if i % 2:
+            s = "".join(rng.choice(alph) for _ in range(rng.randint(0, 30)))
+        else:
+            a = rng.randint(0, len(src) - 200)
+            s = src[a:a + rng.randint(0, 200)]
+        assert tok.encode(s) == hf.encode(s).ids, repr(s)
