@@ -263,6 +263,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
     if trace_out is not None:
         inputs = [pack, prompts_path] + ([profile] if profile else []) + ([model] if model else [])
         guard_output(trace_out, inputs, force)
+        if Path(trace_out).is_dir():
+            raise StrataError(f"{trace_out}: is a directory; --trace-out takes a file path", trace_out)
         fmt = trace_format_for(trace_out, trace_format)
     if max_new_tokens < 0:
         raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")

@@ -189,3 +189,13 @@ def test_csv_trace_names_model_and_prompts(kit, ista_pack, tmp_path, cli):
     assert [r["rank"] for r in first] == ["0", "1", "2", "3"] and first[0]["phase"] == "prefill"
     t = read_trace(trace)
     assert len(t) == len(rows) and set(np.unique(t.request).tolist()) == {0, 1, 2}
+
+
+def test_trace_out_directory_is_refused_before_running(ista_pack, tmp_path, cli):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    d = tmp_path / "out"
+    d.mkdir()
+    code, _, err = cli("run", ista_pack, "--prompts", prompts, "-n", "0", "--trace-out", d, "--force")
+    assert code == 2 and "directory" in err and err.strip().count("\n") == 0, err
+    assert d.is_dir() and not list(d.iterdir())
