@@ -15,7 +15,7 @@ from typing import Any
 
 from . import __version__
 from .errors import StrataError
-from .fsutil import sha256_file, write_json_atomic
+from .fsutil import sha256_file_cached, write_json_atomic
 
 SIDECAR_SUFFIX = ".json"
 FORMAT = "stratatools-provenance/1"
@@ -30,7 +30,7 @@ def sidecar_path(artifact: str | os.PathLike) -> Path:
 def describe_file(path: str | os.PathLike, weight: float | None = None, role: str | None = None) -> dict[str, Any]:
     """{path, name, size_bytes, sha256[, weight][, role]} of an input file."""
     p = Path(path)
-    d: dict[str, Any] = {"name": p.name, "path": str(p), "size_bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    d: dict[str, Any] = {"name": p.name, "path": str(p), "size_bytes": p.stat().st_size, "sha256": sha256_file_cached(p)[0]}
     if weight is not None:
         d["weight"] = float(weight)
     if role is not None:

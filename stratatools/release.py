@@ -239,7 +239,7 @@ def _check_profile_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 def _release_key_of(inp: ReleaseInputs, reg) -> str | None:
     """The registry key of the model under test, from its shard or allocation digests."""
-    from .fsutil import sha256_file
+    from .fsutil import sha256_file_cached
     from .gguf import shard_siblings
 
     cands = [inp.alloc] if inp.alloc is not None else []
@@ -247,7 +247,7 @@ def _release_key_of(inp: ReleaseInputs, reg) -> str | None:
     cands += sibs if sibs else [inp.model]
     for c in cands:
         try:
-            hit = reg.identify(sha256_file(c))
+            hit = reg.identify(sha256_file_cached(c)[0])
         except OSError:
             continue
         if hit:

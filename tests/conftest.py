@@ -10,6 +10,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Keep the digest cache ($XDG_CACHE_HOME/stratatools) of the test run out of the user's home."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 def kit_dir() -> Path | None:
     """The kit of real llama.cpp-made files, or None. STRATATOOLS_KIT overrides ../shared/kit."""
     env = os.environ.get("STRATATOOLS_KIT")
