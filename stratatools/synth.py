@@ -258,16 +258,10 @@ _PRETOK = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z_]+| ?[0-9]| ?[^\sA-Za-z0-
 
 
 def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level mapping: printable bytes map to themselves, the rest to code points from 256 up."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    """GPT-2's byte-level mapping (printable bytes map to themselves); the runtime tokenizer's table."""
+    from runtime.tokenizer import BYTE_ENC
+
+    return dict(BYTE_ENC)
 
 
 @dataclass(frozen=True)
