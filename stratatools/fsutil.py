@@ -32,10 +32,18 @@ class AtomicFile:
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self.fh is not None
         if exc_type is None:
-            self.fh.flush()
-            os.fsync(self.fh.fileno())
-            self.fh.close()
-            os.replace(self.tmp, self.path)
+            try:
+                self.fh.flush()
+                os.fsync(self.fh.fileno())
+                self.fh.close()
+                os.replace(self.tmp, self.path)
+            except OSError as e:
+                self.fh.close()
+                try:
+                    self.tmp.unlink()
+                except FileNotFoundError:
+                    pass
+                raise StrataError(f"{self.path}: cannot write: {e.strerror or e} (nothing was changed)", self.path) from None
         else:
             self.fh.close()
             try:

@@ -37,3 +37,4 @@ def test_bad_registry(tmp_path):
     p.write_text("not = [toml")
     with pytest.raises(StrataError, match="not valid TOML"):
         load_registry(p)
+
