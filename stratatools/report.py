@@ -49,6 +49,21 @@ def result_rows(study) -> list[dict[str, Any]]:
     return rows
 
 
+def rounds_text(study) -> str:
+    """What a replay round was (the unit of the adaptive tier's ``adapt_every`` and the LFU/LFRU decay), from the
+    study's results (one replay, so every result agrees); '' without results."""
+    if not study.results:
+        return ""
+    r = study.results[0]
+    by, n = getattr(r, "rounds_by", "positions"), r.rounds
+    if by == "windows":
+        return f"verify windows from the traces' commit records ({n} rounds)"
+    if by == "windows+positions":
+        return (f"verify windows from the traces' commit records, and one per decode position for records "
+                f"outside every window ({n} rounds)")
+    return f"decode positions ({n} rounds; the traces delimit no verify windows)"
+
+
 def moved_text(row: dict[str, Any]) -> str:
     """The moved column: bytes when blob sizes are known, else the number of copies."""
     return _bytes(row["moved_bytes"]) if row["moved_bytes"] is not None else f"{row['loads']} copies"
@@ -75,6 +90,7 @@ def study_markdown(study) -> str:
            f"- Traces: {', '.join(t['name'] for t in study.traces)}: {study.entries} routed entries, "
            f"{study.tokens} tokens, {study.requests} requests (skipped: {study.skipped})",
            f"- Budget: {budget}; admission of the static/adaptive tiers: {study.admission}",
+           f"- Rounds (the adaptive tier's `adapt_every`, the LFU/LFRU decay): {rounds_text(study)}",
            "- Baselines (lru, lfu, lfru, belady) use the per-layer split of the same budget; `belady` labelled "
            "`<profile> split` runs under that profile's per-layer split and bounds its static/adaptive tiers.",
            "- Hit rates: `h_expert` = hits / routed (token, layer, expert) entries, hit = resident at the time of "

@@ -40,6 +40,8 @@ class Records:
         mapped: expert/weight are views into a memory-mapped file; building the first per-entry column copies
             them out first (:meth:`own`), so the mapping is released.
         position: int32 [R], or a callable returning it (computed on first use, then cached).
+        window: int32 [R] verify-window id of every record (-1: outside every window), or None when the trace
+            delimits no windows (see :attr:`TraceTable.window`).
     """
 
     layer: np.ndarray
@@ -52,6 +54,7 @@ class Records:
     unit_rows: np.ndarray | None = None
     mapped: bool = False  # expert/weight are views into a memory-mapped file
     mapping: Any = None   # that mmap.mmap (for releasing copied pages early)
+    window: np.ndarray | None = None  # int32 [R] verify-window id per record, -1 outside; None: no windows
 
     def __len__(self) -> int:
         return int(len(self.layer))
@@ -133,6 +136,8 @@ class Records:
             return self.per_entry(getattr(self, name), COLUMNS[name])
         if name == "position":
             return self.per_entry(self.rec_position(), np.int32)
+        if name == "window":
+            return self.per_entry(np.asarray(self.window), np.int32)
         if name == "rank":
             if self.constant_k:
                 return np.tile(np.arange(int(self.k), dtype=np.int16), R)
@@ -170,16 +175,25 @@ class TraceTable:
     are read-only: copy a column before writing into it. A table read from a plain Strata trace maps the file
     (read-only): replacing the file (rename) is safe, truncating it in place while the table is alive is not.
 
+    Verify windows (not one of COLUMNS): ``window`` is an int32 [N] array giving every entry the verify window
+    it belongs to (ids are only compared for equality; -1 = outside every window), or None when the trace delimits
+    no windows (plain traces, CSV/Parquet without a window column, tagged traces without commit records). The
+    tagged Strata reader derives it from commit records (see :mod:`stratatools.trace_formats.strata`); the
+    replay makes one round per window where it is set (:func:`stratatools.cachesim.replay.prepare_entries`).
+    ``TraceTable(..., window=w)`` gives it to a column-built table; ``take``/``concat`` keep it.
+
     Attributes:
         request, position, phase, layer, rank, expert, weight: numpy arrays [N] with the dtypes of COLUMNS.
+        window: int32 [N] or None (above); ``has_windows`` tells without building it.
         records: the compact per-record form (:class:`Records`) when the reader gave one, else None.
         meta: source format (``source_format``), ``source_sha256``, ``n_layers``/``n_expert`` when known,
             counts of skipped records, anything a reader wants to keep.
     """
 
-    __slots__ = ("_cols", "records", "meta", "_n")
+    __slots__ = ("_cols", "records", "meta", "_n", "_window")
 
-    def __init__(self, request, position, phase, layer, rank, expert, weight, meta: dict[str, Any] | None = None):
+    def __init__(self, request, position, phase, layer, rank, expert, weight, meta: dict[str, Any] | None = None,
+                 window=None):
         n = len(expert)
         cols = {}
         for name, a in zip(COLUMNS, (request, position, phase, layer, rank, expert, weight)):
@@ -194,6 +208,8 @@ class TraceTable:
         self.records = None
         self._n = n
         self.meta = dict(meta) if meta is not None else {}
+        self._window = None
+        self.window = window
 
     @classmethod
     def from_records(cls, records: Records, meta: dict[str, Any] | None = None) -> "TraceTable":
@@ -203,6 +219,7 @@ class TraceTable:
         t.records = records
         t._n = records.n_entries
         t.meta = dict(meta) if meta is not None else {}
+        t._window = None
         return t
 
     def _get(self, name: str) -> np.ndarray:
@@ -223,8 +240,44 @@ class TraceTable:
         if self.records is not None:  # the compact form no longer describes the table: keep columns only
             for k in COLUMNS:
                 self._get(k)
+            self._window = self.window
             self.records = None
         self._cols[name] = a
+
+    @property
+    def has_windows(self) -> bool:
+        """True when the table carries verify windows (``window`` is not None); builds no column."""
+        if self._window is not None:
+            return True
+        return self.records is not None and self.records.window is not None
+
+    @property
+    def window(self) -> np.ndarray | None:
+        """Verify window of every entry, int32 [N] (-1 outside every window), or None (class docstring)."""
+        if self._window is None and self.records is not None and self.records.window is not None:
+            a = self.records.column("window")
+            if a.flags.writeable:
+                a.flags.writeable = False
+            self._window = a
+        return self._window
+
+    @window.setter
+    def window(self, value) -> None:
+        if value is None:
+            self._window = None
+            if self.records is not None:
+                self.records.window = None
+            return
+        a = np.asarray(value)
+        if a.dtype != np.int32:
+            a = a.astype(np.int32)
+        if a.shape != (self._n,):
+            raise ValueError(f"column window has shape {a.shape}, expected ({self._n},)")
+        if self.records is not None:  # per-entry windows need not follow records: keep columns only
+            for k in COLUMNS:
+                self._get(k)
+            self.records = None
+        self._window = a
 
     request = property(lambda self: self._get("request"), lambda self, v: self._set("request", v))
     position = property(lambda self: self._get("position"), lambda self, v: self._set("position", v))
@@ -249,15 +302,33 @@ class TraceTable:
         return {k: getattr(self, k) for k in COLUMNS}
 
     def take(self, mask_or_index: np.ndarray) -> "TraceTable":
-        """Rows selected by a boolean mask or an index array; meta is copied."""
-        return TraceTable(**{k: v[mask_or_index] for k, v in self.columns().items()}, meta=dict(self.meta))
+        """Rows selected by a boolean mask or an index array; meta and windows are kept."""
+        w = self.window
+        return TraceTable(**{k: v[mask_or_index] for k, v in self.columns().items()}, meta=dict(self.meta),
+                          window=None if w is None else w[mask_or_index])
 
     @classmethod
     def concat(cls, tables: list["TraceTable"]) -> "TraceTable":
+        """Tables one after another; meta of the first. Windows are kept when any table has them: each table's
+        window ids are shifted past the previous tables' so windows of different tables never merge, and a
+        table without windows gets -1 (rounds by position)."""
         if not tables:
             return cls.empty()
         cols = {k: np.concatenate([getattr(t, k) for t in tables]) for k in COLUMNS}
-        return cls(**cols, meta=dict(tables[0].meta))
+        window = None
+        if any(t.has_windows for t in tables):
+            parts, base = [], 0
+            for t in tables:
+                w = t.window
+                if w is None:
+                    parts.append(np.full(len(t), -1, np.int32))
+                    continue
+                w = w.astype(np.int64)
+                parts.append(np.where(w >= 0, w + base, -1))
+                if len(w):
+                    base += max(int(w.max()) + 1, 0)
+            window = np.concatenate(parts).astype(np.int32)
+        return cls(**cols, meta=dict(tables[0].meta), window=window)
 
 
 def read_trace(path, fmt: str | None = None, n_layers: int | None = None, n_expert: int | None = None, *,
@@ -310,6 +381,9 @@ class TraceStats:
         phases: entries per phase name. concentration: share of all entries taken by the top 10% of the
         (layer, expert) pairs. per_layer: :class:`LayerStats` per layer, ascending.
         meta: the trace's metadata (source format, sha256, ...).
+        windows: verify windows the trace delimits (0 when it carries none); outside_windows: records outside
+            every window in a trace that has windows. rounds: what a replay round is for this trace
+            (:func:`rounds_kind`): ``positions``, ``windows`` or ``windows+positions``.
     """
 
     entries: int
@@ -327,6 +401,9 @@ class TraceStats:
     mean_entropy_bits: float
     per_layer: list[LayerStats]
     meta: dict[str, Any]
+    windows: int = 0
+    outside_windows: int = 0
+    rounds: str = "positions"
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -334,6 +411,18 @@ class TraceStats:
         d = asdict(self)
         d["meta"] = {k: v for k, v in self.meta.items() if k != "request_names"}
         return d
+
+
+def rounds_kind(window_ids: np.ndarray | None) -> str:
+    """What one replay round is, given per-record (or per-entry) window ids (None: the trace has no windows):
+    ``positions`` (one decode position; no windows), ``windows`` (every record is in a verify window) or
+    ``windows+positions`` (windows, and one round per position for the records outside them)."""
+    if window_ids is None:
+        return "positions"
+    w = np.asarray(window_ids)
+    if len(w) == 0 or not (w >= 0).any():
+        return "positions"
+    return "windows" if bool((w >= 0).all()) else "windows+positions"
 
 
 def _top_share(counts: np.ndarray, n_slots: int) -> float:
@@ -401,9 +490,21 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
         ph = np.bincount(np.asarray(table.phase).astype(np.int64).clip(0, 2), minlength=3) if n else np.zeros(3, int)
     tokens = len(np.unique(req.astype(np.int64) * (1 << 32) + (pos.astype(np.int64) & 0xFFFFFFFF))) if n else 0
     phases = {PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]}
+    if table.records is not None:
+        rwin = None if table.records.window is None else np.asarray(table.records.window)
+    else:
+        rwin = None if table.window is None else np.asarray(table.window)[starts]
+    if rwin is not None and n:
+        inw = rwin >= 0
+        key = np.asarray(req, np.int64)[inw] * (1 << 32) + rwin[inw].astype(np.int64)  # (request, window)
+        n_windows = int(len(np.unique(key)))
+        outside = int((~inw).sum()) if n_windows else 0
+    else:
+        n_windows = outside = 0
     return TraceStats(entries=n, records=len(starts), tokens=tokens, requests=len(np.unique(req)) if n else 0,
                       layers=len(per), layer_min=lmin, layer_max=lmax, k_min=int(ks.min()) if n else 0,
                       k_max=int(ks.max()) if n else 0, n_expert=E, phases=phases,
                       concentration=_top_share(counts.ravel(), counts.size) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
-                      per_layer=per, meta=dict(table.meta))
+                      per_layer=per, meta=dict(table.meta), windows=n_windows, outside_windows=outside,
+                      rounds=rounds_kind(rwin if n else None))

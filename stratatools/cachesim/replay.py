@@ -13,8 +13,12 @@ Definitions (cache-policy.md "Hit-rate definitions"; every report names which on
   miss bytes / host GB/s + moved bytes / PCIe GB/s) / tokens, GB = 1e9 bytes. It ranks policies by traffic;
   it does not predict an engine's tokens/s.
 
-Rounds: one decode position (request, position); a trace whose table carries a ``window`` column (verify
-windows) makes one round per (request, window). Entries whose phase is known to be prefill are left out by
+Rounds (what the adaptive tier's ``adapt_every`` and the LFU/LFRU decay count): one decode position (request,
+position); a trace with verify windows (``TraceTable.window``, from the commit records of a tagged Strata trace,
+or a ``window`` column of our Parquet/CSV; else an ndarray ``meta["window"]`` [N]) makes one round per
+(request, window) for the entries inside a window, and one per position for those outside every window (-1).
+``Entries.rounds_by`` / ``SimResult.rounds_by`` say which applied (``positions``, ``windows`` or
+``windows+positions``). Entries whose phase is known to be prefill are left out by
 default (``phase="decode"``: Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark
 prompt processing with negative positions); ``phase="all"`` keeps them.
 """
@@ -28,7 +32,7 @@ import numpy as np
 
 from ..errors import StrataError
 from ..profile import Profile
-from ..trace import PREFILL, TraceTable
+from ..trace import PREFILL, TraceTable, rounds_kind
 from . import kernels as K
 from .layout import _blob_arrays, per_layer_split, plan_tier
 from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, make_tier
@@ -60,6 +64,7 @@ class Entries:
         n_layers, n_expert: the geometry entries were checked against.
         n_tokens: decode positions covered.
         skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
+        rounds_by: what a round is (module docstring): ``positions``, ``windows`` or ``windows+positions``.
     """
 
     layer: np.ndarray
@@ -72,6 +77,7 @@ class Entries:
     n_tokens: int
     token: np.ndarray | None = None
     skipped: dict[str, int] = field(default_factory=dict)
+    rounds_by: str = "positions"
 
     def __len__(self) -> int:
         return int(len(self.layer))
@@ -84,7 +90,8 @@ class Entries:
         """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
         tk = self.token[mask] if self.token is not None else self.rnd[mask]
         return Entries(self.layer[mask], self.expert[mask], self.rnd[mask], self.record[mask], self.request[mask],
-                       self.n_layers, self.n_expert, _count_tokens(tk), token=tk, skipped=dict(self.skipped))
+                       self.n_layers, self.n_expert, _count_tokens(tk), token=tk, skipped=dict(self.skipped),
+                       rounds_by=self.rounds_by)
 
 
 def _count_tokens(token: np.ndarray) -> int:
@@ -92,7 +99,8 @@ def _count_tokens(token: np.ndarray) -> int:
 
 
 def merge_traces(tables: Sequence[TraceTable]) -> TraceTable:
-    """One table from several traces with request ids made distinct per input (dense, in input order)."""
+    """One table from several traces with request ids made distinct per input (dense, in input order); verify
+    windows are kept (:meth:`TraceTable.concat`)."""
     if not tables:
         raise StrataError("no traces given (pass at least one --traces file)")
     parts = []
@@ -104,10 +112,20 @@ def merge_traces(tables: Sequence[TraceTable]) -> TraceTable:
         cols = t.columns()
         cols["request"] = (inv + base).astype(np.int32)
         base += len(u)
-        parts.append(TraceTable(**cols, meta=dict(t.meta)))
+        parts.append(TraceTable(**cols, meta=dict(t.meta), window=_table_window(t)))
     if not parts:
         raise StrataError("the traces hold no routed entries")
     return TraceTable.concat(parts)
+
+
+def _table_window(t: TraceTable) -> np.ndarray | None:
+    """Per-entry window ids of a table: ``t.window``, else an int ndarray [N] in ``meta["window"]``, else None."""
+    w = t.window
+    if w is None:
+        m = t.meta.get("window") if isinstance(t.meta, dict) else None
+        if isinstance(m, np.ndarray) and m.shape == (len(t),) and m.dtype.kind in "iu":
+            w = m
+    return w
 
 
 def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *,
@@ -132,19 +150,26 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     pos = t.position.astype(np.int64)
     lay = t.layer.astype(np.int64)
     rank = t.rank.astype(np.int64)
-    window = getattr(t, "window", None)
-    if window is None:
-        w = t.meta.get("window") if isinstance(t.meta, dict) else None
-        window = w if isinstance(w, np.ndarray) and w.shape == (n,) else None
+    window = _table_window(t)
     rec_start = np.ones(n, dtype=bool)
     rec_start[1:] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (rank[1:] <= rank[:-1])
+    if window is not None:  # a record never spans two windows
+        wv = np.asarray(window)
+        rec_start[1:] |= wv[1:] != wv[:-1]
     record = np.cumsum(rec_start) - 1
     rs = np.nonzero(rec_start)[0]
     r_req, r_pos, r_lay = req[rs], pos[rs], lay[rs]
-    r_key = np.asarray(window, dtype=np.int64)[rs] if window is not None else r_pos
+    if window is not None:
+        r_win = np.asarray(window, dtype=np.int64)[rs]
+        in_w = r_win >= 0
+        # windows: key = window id (>= 0); outside them: key = position, shifted below every window id
+        r_key = np.where(in_w, r_win, r_pos - (1 << 40))
+    else:
+        in_w = np.zeros(len(rs), dtype=bool)
+        r_key = r_pos
     new_round = np.ones(len(rs), dtype=bool)
     if len(rs) > 1:
-        unknown = r_pos[1:] < 0
+        unknown = (r_pos[1:] < 0) & ~in_w[1:]
         new_round[1:] = (r_req[1:] != r_req[:-1]) | (r_key[1:] != r_key[:-1]) | (unknown & (r_lay[1:] <= r_lay[:-1]))
     rec_round = np.cumsum(new_round) - 1
     rnd = rec_round[record]
@@ -168,8 +193,9 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     tok_key = np.where(pos >= 0, req * (1 << 32) + pos, -(rnd + 1))
     _, token = np.unique(tok_key[keep], return_inverse=True)
     token = token.astype(np.int64)
+    rounds_by = rounds_kind(None if window is None else np.asarray(window)[keep])
     return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
-                   _count_tokens(token), token=token, skipped=skipped)
+                   _count_tokens(token), token=token, skipped=skipped, rounds_by=rounds_by)
 
 
 @dataclass
@@ -186,6 +212,7 @@ class SimResult:
         layer_h_expert: float [L] per-layer h_expert (nan for a layer without entries).
         time_per_token_s: estimate from ``bandwidth`` in seconds (None when blob sizes are unknown).
         params: policy parameters used.
+        rounds_by: what a round was (``positions``, ``windows`` or ``windows+positions``; module docstring).
     """
 
     policy: str
@@ -209,6 +236,7 @@ class SimResult:
     time_per_token_s: float | None
     bandwidth: dict[str, float]
     params: dict[str, Any] = field(default_factory=dict)
+    rounds_by: str = "positions"
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -382,4 +410,4 @@ def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: Ba
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
                      cap=[int(c) for c in info["cap"]], fill_bytes=fill,
-                     bandwidth=bw.to_dict(), params=params, **m)
+                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, **m)

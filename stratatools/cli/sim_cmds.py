@@ -147,6 +147,21 @@ def _print_table(t: Table) -> None:
     Console(file=con.file, width=max(con.width, need), highlight=False, color_system=None).print(t)
 
 
+def _print_rounds(st) -> None:
+    """Say what a replay round was (verify windows when the traces carry commit records)."""
+    if not st.results:
+        return
+    r = st.results[0]
+    by = getattr(r, "rounds_by", "positions")
+    if by == "windows":
+        line = f"rounds: {r.rounds} verify windows (from the traces' commit records)"
+    elif by == "windows+positions":
+        line = f"rounds: {r.rounds} (verify windows, plus one per decode position outside every window)"
+    else:
+        line = f"rounds: {r.rounds} decode positions (the traces delimit no verify windows)"
+    common.console.print(line, markup=False, soft_wrap=True)
+
+
 _TRACES = typer.Option(..., "--traces", "-t", help="Routing trace (any supported format); repeatable.")
 _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
 
@@ -188,6 +203,8 @@ def register(app: typer.Typer) -> None:
             sys.stdout.write(study_json(st))
             return
         _print_table(_table(st))
+        _print_rounds(st)
+        _print_rounds(st)
         if st.kfold is not None:
             kf = st.kfold
             for p in kf.policies:

@@ -60,6 +60,7 @@ def _stats(
             f"{st.tokens:,} tokens, {st.requests} request(s), {st.layers} layers, k {k}, {st.n_expert} experts",
             markup=False, soft_wrap=True)
     c.print("phases: " + ", ".join(f"{p} {n:,}" for p, n in st.phases.items()), markup=False, soft_wrap=True)
+    c.print(rounds_line(st.rounds, st.windows, st.outside_windows), markup=False, soft_wrap=True)
     c.print(f"concentration (top 10% of pairs): {st.concentration:.1%}; mean entropy {st.mean_entropy_bits:.3f} "
             f"bits (uniform: {math.log2(st.n_expert) if st.n_expert else 0:.3f})", markup=False, soft_wrap=True)
     tbl = Table("layer", "entries", "distinct experts", "top-10% share", "entropy (bits)")
@@ -67,6 +68,16 @@ def _stats(
         tbl.add_row(str(ls.layer), f"{ls.entries:,}", str(ls.distinct_experts), f"{ls.concentration:.1%}",
                     f"{ls.entropy_bits:.3f}")
     c.print(tbl)
+
+
+def rounds_line(rounds: str, windows: int, outside: int) -> str:
+    """One line saying what a replay round is for a trace (``trace stats``; see trace.TraceStats)."""
+    if rounds == "positions":
+        return "rounds: decode positions (the trace delimits no verify windows)"
+    line = f"rounds: verify windows ({windows:,} windows, from the commit records"
+    if outside:
+        line += f"; {outside:,} records outside every window count one round per position"
+    return line + ")"
 
 
 # -- make-profile ---------------------------------------------------------------------------------------------------

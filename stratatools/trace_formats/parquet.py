@@ -3,7 +3,9 @@
 Columns and types are :data:`stratatools.trace.COLUMNS` (request int32, position int32, phase int8, layer int16,
 rank int16, expert int32, weight float32). The table's ``meta`` is stored as JSON under the schema metadata key
 ``stratatools.trace`` (with ``format: stratatools-trace/1``); the source format of the original trace is kept as
-``meta["source_format"]`` there and reappears as ``meta["converted_from"]`` on reading.
+``meta["source_format"]`` there and reappears as ``meta["converted_from"]`` on reading. A table with verify
+windows (``TraceTable.window``) gets one more column, ``window`` int32 (-1 outside every window), read back into
+``window``; files without it read as having no windows.
 Rows are written in row groups of 8M entries, zstd-compressed (constant columns cost almost nothing).
 """
 
@@ -38,10 +40,15 @@ def _jsonable(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _schema(meta: dict[str, Any]):
+WINDOW = "window"
+
+
+def _schema(meta: dict[str, Any], windows: bool = False):
     import pyarrow as pa
 
     fields = [pa.field(name, pa.from_numpy_dtype(np.dtype(dt)), nullable=False) for name, dt in COLUMNS.items()]
+    if windows:
+        fields.append(pa.field(WINDOW, pa.int32(), nullable=False))
     m = dict(_jsonable(meta))
     m["format"] = FORMAT
     return pa.schema(fields, metadata={META_KEY: json.dumps(m, sort_keys=True).encode()})
@@ -52,14 +59,16 @@ def write_parquet(table: TraceTable, path: str | os.PathLike) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = _schema(table.meta)
+    windows = table.has_windows
+    schema = _schema(table.meta, windows)
+    names = list(COLUMNS) + ([WINDOW] if windows else [])
     with AtomicFile(path, "wb") as fh:
         with pq.ParquetWriter(fh, schema, compression="zstd", write_statistics=True) as w:
             n = len(table)
             for a in range(0, max(n, 1), ROW_GROUP):
                 b = min(n, a + ROW_GROUP)
                 arrays = [pa.array(np.ascontiguousarray(getattr(table, name)[a:b]), type=schema.field(name).type)
-                          for name in COLUMNS]
+                          for name in names]
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
 
 
@@ -95,6 +104,16 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         except (pa.ArrowException, ValueError) as e:
             raise StrataError(f"{path}: column {name} does not fit {np.dtype(dt).name} "
                               f"({str(e).splitlines()[0][:120]})", path) from None
+    window = None
+    if WINDOW in t.column_names:
+        col = t.column(WINDOW)
+        if col.null_count:
+            raise StrataError(f"{path}: column {WINDOW} has {col.null_count} null values", path)
+        try:
+            window = col.cast(pa.int32(), safe=True).to_numpy()
+        except (pa.ArrowException, ValueError) as e:
+            raise StrataError(f"{path}: column {WINDOW} does not fit int32 ({str(e).splitlines()[0][:120]})",
+                              path) from None
     meta: dict[str, Any] = {}
     raw = (t.schema.metadata or {}).get(META_KEY)
     if raw:
@@ -127,4 +146,4 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         meta["n_layers"] = int(n_layers)
     if n_expert is not None:
         meta["n_expert"] = int(n_expert)
-    return TraceTable(**cols, meta=meta)
+    return TraceTable(**cols, meta=meta, window=window)

@@ -11,8 +11,8 @@ records have a negative layer and carry their values in the id slots (weights ar
 ====  ==========  ===========================================================================
  tag   name        payload / what the reader does with it
 ====  ==========  ===========================================================================
- -1    commit      ``[window, n_positions, n_accepted(, phase)]``; v2: the phase (0 prompt, 1 decode) of the
-                   window's records, which are the last ``n_positions x layers`` route records before it
+ -1    commit      ``[window, n_positions, n_accepted(, phase)]``: closes a verify window (below); v2: the phase
+                   (0 prompt, 1 decode) of the window's records
  -2    format      ``[version]``, first record; versions 1 and 2 are understood, others read as 2
  -3    request     ``[request_id]``: the route records that follow belong to this request
  -4    owned       flattened ``layer*E + expert`` ids: skipped (counted in meta)
@@ -20,6 +20,18 @@ records have a negative layer and carry their values in the id slots (weights ar
  -6    boot        flattened ids: skipped (counted in meta)
  other             skipped and counted in ``meta["tags_skipped"]``
 ====  ==========  ===========================================================================
+
+Verify windows (``TraceTable.window``; the replay makes one round per window). A commit closes the last
+``n_positions x layers`` route records before it, where layers is the span of layers routed since the previous
+commit or request tag, and never reaches past that tag. When a window's records follow the previous commit
+directly (the usual case) these are exactly the records since the previous commit; records before them in the
+same stretch are the per-token loop's or a failed/cancelled window's and belong to no window (window -1: the
+replay gives them one round per position). Source: the fork's ``routing_trace.hpp`` (a window is written
+layer-major, positions 0..n-1 of each layer, then its commit tag; "the per-token loop ... writes route records
+with NO commit tag after them, and a window that fails or is cancelled leaves its records uncommitted too: a
+reader must not fold such records into the next window"). Windows are numbered 0, 1, ... over the file in order
+(the commit's own window value is not kept; a commit that closes no record makes no window). Versions 1 and 2
+alike. A plain trace, or a tagged one without commits, has no windows (``window`` None: rounds are positions).
 
 Decisions on bad input (each raises :class:`StrataError` with the byte offset of the record; nothing is guessed):
 
@@ -363,21 +375,29 @@ def ordinal_positions(rec_request: np.ndarray, rec_layer: np.ndarray) -> np.ndar
     return out
 
 
-def _window_phases(rec_layer: np.ndarray, bounds: list[int], info: list[tuple[int, int]]) -> np.ndarray:
-    """Phases of v2 route records: a commit's phase goes to the last ``n_positions x layers`` route records
-    before it (layers = the span of layers routed since the previous commit or request tag); records outside
-    every window (uncommitted, failed windows, the per-token loop) stay unknown. int8 [n]. Vectorised."""
+def _window_spans(rec_layer: np.ndarray, bounds: list[int],
+                  info: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The route records each commit closes: ``(first, end, phase)``, int64 [W] each, one per commit that closes
+    at least one record, in file order; window j is route records ``[first[j], end[j])``.
+
+    A commit closes the last ``n_positions x layers`` route records before it (layers = the span of layers routed
+    since the previous commit or request tag), never reaching past that previous tag; records before them in the
+    segment (the per-token loop, failed or cancelled windows) belong to no window. Source: the tagged fork's
+    ``include/strata/core/routing_trace.hpp`` (a window is written layer-major, positions 0..n-1 per layer, then
+    one commit tag; the per-token loop and failed windows write route records with no commit after them, and "a
+    reader must not fold such records into the next window"). Vectorised.
+    """
     n = len(rec_layer)
-    out = np.full(n, UNKNOWN, np.int8)
+    none = np.zeros(0, np.int64)
     if not bounds or n == 0:
-        return out
+        return none, none, none
     end = np.asarray(bounds, np.int64)
     start = np.r_[0, end[:-1]]
     npos = np.array([i[0] for i in info], np.int64)
     ph = np.array([i[1] for i in info], np.int64)
     nonempty = end > start
     if not ((npos > 0) & nonempty).any():
-        return out
+        return none, none, none
     s_, e_ = start[nonempty], end[nonempty]
     # the non-empty segments are consecutive, so reduceat over their starts spans exactly [s_j, e_j)
     lay = rec_layer[:int(e_[-1])].astype(np.int32)
@@ -387,11 +407,33 @@ def _window_phases(rec_layer: np.ndarray, bounds: list[int], info: list[tuple[in
     c = npos_ > 0
     cnt = np.minimum(e_ - s_, npos_ * (hi - lo + 1))[c]
     e_, ph_ = e_[c], ph_[c]
+    return e_ - cnt, e_, ph_
+
+
+def _paint(n: int, first: np.ndarray, end: np.ndarray, value: np.ndarray, outside: int, dtype) -> np.ndarray:
+    """``out[first[j]:end[j]] = value[j]`` over disjoint spans, ``outside`` elsewhere (difference array)."""
     d = np.zeros(n + 1, np.int64)
-    np.add.at(d, e_ - cnt, ph_ + 1)
-    np.add.at(d, e_, -(ph_ + 1))
+    np.add.at(d, first, value + 1)
+    np.add.at(d, end, -(value + 1))
     v = np.cumsum(d[:n])
-    return np.where(v > 0, v - 1, UNKNOWN).astype(np.int8)
+    return np.where(v > 0, v - 1, outside).astype(dtype)
+
+
+def _window_phases(rec_layer: np.ndarray, bounds: list[int], info: list[tuple[int, int]]) -> np.ndarray:
+    """Phases of v2 route records: a commit's phase goes to the records it closes (:func:`_window_spans`);
+    records outside every window stay unknown. int8 [n]."""
+    first, end, ph = _window_spans(rec_layer, bounds, info)
+    return _paint(len(rec_layer), first, end, ph, UNKNOWN, np.int8)
+
+
+def _window_ids(rec_layer: np.ndarray, bounds: list[int], info: list[tuple[int, int]]) -> np.ndarray | None:
+    """Verify window of every route record: windows numbered 0, 1, ... in file order over the commits that close
+    at least one record (:func:`_window_spans`), -1 outside every window; None when no commit closes a record.
+    int32 [n]."""
+    first, end, _ = _window_spans(rec_layer, bounds, info)
+    if len(first) == 0:
+        return None
+    return _paint(len(rec_layer), first, end, np.arange(len(first), dtype=np.int64), -1, np.int32)
 
 
 def _fill_segments(n: int, changes: list[tuple[int, int]], initial: int, dtype) -> np.ndarray:
@@ -467,6 +509,7 @@ def _read_strata(path: Path, size: int, n_layers: int | None, n_expert: int | No
     skipped: dict[str, int] = {}
 
     rec_request = np.zeros(n, np.int32)
+    rec_window = None
     if not tagged:
         rec_phase = np.full(n, DECODE, np.int8)
         for _, t, _, _ in events:
@@ -517,14 +560,18 @@ def _read_strata(path: Path, size: int, n_layers: int | None, n_expert: int | No
         else:
             rec_phase = _window_phases(rec_layer, bounds, commit_info)
         rec_request = _fill_segments(n, req_changes, 0, np.int32)
+        rec_window = _window_ids(rec_layer, bounds, commit_info)
         meta["commits"] = commits
         meta["accepted_drafts"] = accepted
+        if rec_window is not None:
+            meta["windows"] = int(rec_window.max()) + 1
+            meta["window_records"] = int((rec_window >= 0).sum())
     meta["tags"] = tag_counts
     meta["tags_skipped"] = skipped
     if n_ent == 0:
         t = TraceTable.empty(**meta)
         return t
-    return _expand(expert, weight, rec_layer, rec_k, rec_request, rec_phase, meta)
+    return _expand(expert, weight, rec_layer, rec_k, rec_request, rec_phase, meta, window=rec_window)
 
 
 def _token_major_layers(rec_layer: np.ndarray) -> int:
@@ -539,7 +586,8 @@ def _token_major_layers(rec_layer: np.ndarray) -> int:
 
 def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k: np.ndarray | int,
             rec_request: np.ndarray, rec_phase: np.ndarray, meta: dict,
-            unit_rows: np.ndarray | None = None, mapping: Any = None) -> TraceTable:
+            unit_rows: np.ndarray | None = None, mapping: Any = None,
+            window: np.ndarray | None = None) -> TraceTable:
     """Per-record arrays -> a lazily expanded :class:`TraceTable` (``TraceTable.from_records``). No per-entry
     array is made here: with a constant k, ``expert``/``weight`` become [R, k] views; constant request/phase
     become broadcast views; positions are computed on first use."""
@@ -563,7 +611,7 @@ def _expand(expert: np.ndarray, weight: np.ndarray, rec_layer: np.ndarray, rec_k
 
     rec = Records(layer=rec_layer.astype(np.int16, copy=False), k=rec_k, request=const(rec_request, np.int32),
                   phase=const(rec_phase, np.int8), expert=expert, weight=weight, position=position,
-                  unit_rows=unit_rows, mapped=mapping is not None, mapping=mapping)
+                  unit_rows=unit_rows, mapped=mapping is not None, mapping=mapping, window=window)
     return TraceTable.from_records(rec, meta)
 
 
@@ -696,13 +744,19 @@ def _tag(t: int, vals: list[int]) -> bytes:
 def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = False) -> None:
     """Write a Strata ``--dump-routing`` file (atomically: ``<path>.tmp`` then rename).
 
-    Plain: route records only (request and phase are lost; positions are implied by order). Tagged: format tag
-    version 1, then a request tag (-3) at every change of request and a phase tag (-5: 0 prefill, 1 decode,
-    2 unknown) at every change of phase, so :func:`read_strata` gives back request and phase.
-    Rows of one record must be consecutive (as every reader makes them).
+    Plain: route records only (request, phase and verify windows are lost; positions are implied by order).
+    Tagged: format tag version 1, then a request tag (-3) at every change of request and a phase tag (-5: 0
+    prefill, 1 decode, 2 unknown) at every change of phase, so :func:`read_strata` gives back request and phase;
+    when the table has verify windows (``table.window``), a commit tag (-1) ``[window, n_positions, 0]`` after
+    the records of every window (a run of consecutive records of one request with one window id >= 0), with
+    ``n_positions`` chosen so the reader's rule (module docstring) closes exactly those records: the window
+    grouping round-trips (ids come back renumbered 0, 1, ... in order); the per-window count of accepted drafts
+    is not kept and is written as 0. Rows of one record must be consecutive (as every reader makes them).
 
     Raises:
-        StrataError: negative layers or ids, or k > 1024.
+        StrataError: negative layers or ids, or k > 1024; a window that follows records outside windows in the
+            same request without being a whole number of positions over their layers (no commit could close
+            exactly its records; write Parquet or CSV to keep such windows).
     """
     _check_writable(table, path)
     starts = record_bounds(table)
@@ -712,18 +766,46 @@ def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = Fals
             _write_records(fh, table, 0, len(starts), starts, ks, path)
             return
         fh.write(_tag(TAG_FORMAT, [1]))
-        if len(starts) == 0:
+        R = len(starts)
+        if R == 0:
             return
         req = np.asarray(table.request)[starts]
         ph = np.asarray(table.phase)[starts]
-        change = np.flatnonzero(np.r_[True, (req[1:] != req[:-1]) | (ph[1:] != ph[:-1])])
-        seg_ends = np.r_[change[1:], len(starts)]
+        change = np.r_[True, (req[1:] != req[:-1]) | (ph[1:] != ph[:-1])]
+        win = None
+        if table.has_windows:
+            rec = table.records
+            win = np.asarray(rec.window if rec is not None else np.asarray(table.window)[starts], np.int64)
+            rlay = np.asarray(rec.layer if rec is not None else np.asarray(table.layer)[starts], np.int64)
+            change[1:] |= win[1:] != win[:-1]
+        change = np.flatnonzero(change)
+        seg_ends = np.r_[change[1:], R]
         prev_req = prev_ph = None
+        bound = run_start = 0  # record index after the last request/commit tag; first record of the open window
         for a, b in zip(change.tolist(), seg_ends.tolist()):
             if req[a] != prev_req:
                 fh.write(_tag(TAG_REQUEST, [int(req[a])]))
                 prev_req = req[a]
+                bound = a
             if ph[a] != prev_ph:
                 fh.write(_tag(TAG_PHASE, [int(ph[a])]))
                 prev_ph = ph[a]
+            if win is not None and win[a] >= 0 and (a == 0 or win[a - 1] != win[a] or req[a - 1] != req[a]):
+                run_start = a
             _write_records(fh, table, a, b, starts, ks, path)
+            if win is None or win[a] < 0 or (b < R and win[b] == win[a] and req[b] == req[a]):
+                continue
+            c = b - run_start
+            lay = rlay[bound:b]
+            span = int(lay.max() - lay.min()) + 1
+            if run_start == bound:
+                npos = -(-c // span)
+            elif c % span == 0:
+                npos = c // span
+            else:
+                raise StrataError(f"{path}: window {int(win[a])} (request {int(req[a])}) has {c} records after "
+                                  f"records outside windows, not a whole number of positions over {span} layers; "
+                                  f"a commit tag cannot close exactly its records (write parquet or csv to keep "
+                                  f"the windows)", path)
+            fh.write(_tag(TAG_COMMIT, [int(win[a]), int(npos), 0]))
+            bound = b

@@ -7,7 +7,9 @@ a prompt-processing row follows a decode row. No weights (unit weight). Rows may
 ``csv`` (ours, and the kit's ``routing/*.routing.csv``): header ``model,prompt_id,token_pos,layer,rank,
 expert_id,weight`` and optionally a last ``phase`` column (prefill/decode/unknown) that our writer adds. One row
 per routed entry; prompt ids become request numbers in order of first appearance (names kept in
-``meta["request_names"]``). Without a phase column the phase is unknown.
+``meta["request_names"]``). Without a phase column the phase is unknown. A table with verify windows
+(``TraceTable.window``) is written with one more last column, ``window`` (integer, -1 outside every window), after
+``phase``; a file with it reads back into ``window``.
 
 Bad input (StrataError with the line number, 1-based, header included):
 a non-numeric or missing field; a negative layer or one above 4096; a negative expert id; an expert id >=
@@ -145,9 +147,9 @@ def read_llama_csv(path: str | os.PathLike, n_layers: int | None = None, n_exper
 
 # -- the kit's / our per-entry CSV ------------------------------------------------------------------------------------
 
-def _slow_kit_scan(path: Path, text: str, has_phase: bool) -> None:
+def _slow_kit_scan(path: Path, text: str, has_phase: bool, has_window: bool = False) -> None:
     """Find and raise the first bad line (the fast parser only says that one exists)."""
-    ncol = len(KIT_COLUMNS) + (1 if has_phase else 0)
+    ncol = len(KIT_COLUMNS) + (1 if has_phase else 0) + (1 if has_window else 0)
     rdr = csv.reader(io.StringIO(text))
     for ln, row in enumerate(rdr, 1):
         if ln == 1:
@@ -156,7 +158,7 @@ def _slow_kit_scan(path: Path, text: str, has_phase: bool) -> None:
             continue
         if len(row) != ncol:
             raise _line_err(path, ln, f"{len(row)} fields, expected {ncol} ({','.join(KIT_COLUMNS)}"
-                            f"{',phase' if has_phase else ''})")
+                            f"{',phase' if has_phase else ''}{',window' if has_window else ''})")
         for name, val in zip(KIT_COLUMNS[2:6], row[2:6]):
             _int_field(path, ln, name, val)
         try:
@@ -165,6 +167,8 @@ def _slow_kit_scan(path: Path, text: str, has_phase: bool) -> None:
             raise _line_err(path, ln, f"field weight is {row[6]!r}, expected a number") from None
         if has_phase and row[7].strip().lower() not in _PHASE_BY_NAME:
             raise _line_err(path, ln, f"field phase is {row[7]!r}, expected prefill, decode or unknown")
+        if has_window:
+            _int_field(path, ln, "window", row[8])
     raise StrataError(f"{path}: could not be parsed as a routing CSV", path)
 
 
@@ -180,20 +184,23 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     text = _read_text(path)
     first = text.split("\n", 1)[0].strip().lstrip("\ufeff")
     header = [h.strip() for h in first.split(",")]
-    has_phase = header == KIT_COLUMNS + ["phase"]
+    has_window = header == KIT_COLUMNS + ["phase", "window"]
+    has_phase = header == KIT_COLUMNS + ["phase"] or has_window
     if header != KIT_COLUMNS and not has_phase:
-        raise _line_err(path, 1, f"header is {first[:120]!r}, expected {','.join(KIT_COLUMNS)}[,phase]")
+        raise _line_err(path, 1, f"header is {first[:120]!r}, expected {','.join(KIT_COLUMNS)}[,phase[,window]]")
     dtypes = {"model": str, "prompt_id": str, "token_pos": "int64", "layer": "int64", "rank": "int64",
               "expert_id": "int64", "weight": "float64"}
     if has_phase:
         dtypes["phase"] = str
+    if has_window:
+        dtypes["window"] = "int64"
     try:
         df = pd.read_csv(io.StringIO(text), dtype=dtypes, engine="c", skip_blank_lines=True,
                          keep_default_na=False, na_filter=False)
         if df.shape[1] != len(header):
             raise ValueError("column count")
     except (ValueError, pd.errors.ParserError, OverflowError):
-        _slow_kit_scan(path, text, has_phase)
+        _slow_kit_scan(path, text, has_phase, has_window)
         raise  # unreachable: the slow scan always raises
     if len(df) == 0:
         raise StrataError(f"{path}: line 2: no routing rows after the header", path)
@@ -216,8 +223,12 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     rank = df["rank"].to_numpy()
     expert = df["expert_id"].to_numpy()
     weight = df["weight"].to_numpy()
-    for name, a, lo, hi in (("token_pos", pos, -(2 ** 31), 2 ** 31 - 1), ("rank", rank, 0, MAX_ROUTE_K - 1),
-                            ("expert_id", expert, -(2 ** 31), 2 ** 31 - 1)):
+    window = df["window"].to_numpy() if has_window else None
+    ranges = [("token_pos", pos, -(2 ** 31), 2 ** 31 - 1), ("rank", rank, 0, MAX_ROUTE_K - 1),
+              ("expert_id", expert, -(2 ** 31), 2 ** 31 - 1)]
+    if window is not None:
+        ranges.append(("window", window, -1, 2 ** 31 - 1))
+    for name, a, lo, hi in ranges:
         bad = np.flatnonzero((a < lo) | (a > hi))
         if len(bad):
             i = int(bad[0])
@@ -249,7 +260,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     if n_expert is not None:
         meta["n_expert"] = int(n_expert)
     return TraceTable(request=codes.astype(np.int32), position=pos, phase=phase, layer=layer, rank=rank,
-                      expert=expert, weight=weight.astype(np.float32), meta=meta)
+                      expert=expert, weight=weight.astype(np.float32), meta=meta, window=window)
 
 
 def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 << 20) -> None:
@@ -257,7 +268,7 @@ def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 <<
 
     ``model`` is ``meta["model_name"]`` (or the source format); ``prompt_id`` is the request's name from
     ``meta["request_names"]`` when present, else the request number. Weights are written with 9 significant
-    digits (float32 round-trips).
+    digits (float32 round-trips). A last ``window`` column is added when the table has verify windows.
     """
     import pandas as pd
 
@@ -265,7 +276,8 @@ def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 <<
     names = table.meta.get("request_names")
     phase_names = np.array([PHASE_NAMES[PREFILL], PHASE_NAMES[DECODE], PHASE_NAMES[UNKNOWN]], dtype=object)
     with AtomicFile(path, "wb") as fh:
-        fh.write((",".join(KIT_COLUMNS + ["phase"]) + "\n").encode())
+        windows = table.has_windows
+        fh.write((",".join(KIT_COLUMNS + ["phase"] + (["window"] if windows else [])) + "\n").encode())
         for a in range(0, len(table), batch_rows):
             b = min(len(table), a + batch_rows)
             req = np.asarray(table.request[a:b])
@@ -279,4 +291,6 @@ def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 <<
                                "layer": table.layer[a:b], "rank": table.rank[a:b], "expert_id": table.expert[a:b],
                                "weight": np.asarray(table.weight[a:b], dtype=np.float64),
                                "phase": phase_names[ph]})
+            if windows:
+                df["window"] = np.asarray(table.window[a:b], dtype=np.int64)
             fh.write(df.to_csv(index=False, header=False, float_format="%.9g", lineterminator="\n").encode())
