@@ -275,7 +275,9 @@ def test_cli_stats_and_simulate_say_rounds_are_windows(tmp_path, cli):
                          "adaptive", "--set", "adaptive.adapt_every=2", "--set", "adaptive.copy_delay_rounds=0",
                          "--no-sweep", "--report", str(rep))
     assert code == 0, err
-    assert "rounds: 3 verify windows" in out
+    assert out.count("rounds: 3 verify windows") == 1
+    code, out, err = cli("compare", "--traces", str(src), "--profile", str(prof), "--slots", "1")
+    assert code == 0 and out.count("rounds: 3 verify windows") == 1
     md = (rep / "report.md").read_text()
     assert "LFU/LFRU decay): verify windows from the traces' commit records (3 rounds)" in md
     js = json.loads((rep / "report.json").read_text())

@@ -204,7 +204,6 @@ def register(app: typer.Typer) -> None:
             return
         _print_table(_table(st))
         _print_rounds(st)
-        _print_rounds(st)
         if st.kfold is not None:
             kf = st.kfold
             for p in kf.policies:
@@ -246,3 +245,4 @@ def register(app: typer.Typer) -> None:
                               "admission": st.admission, "profiles": st.profiles, "rows": result_rows(st)})
             return
         _print_table(_table(st))
+        _print_rounds(st)
