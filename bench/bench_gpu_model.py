@@ -141,16 +141,38 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
         tok = int(lg.argmax().get())
     res["runtime_eager_s"] = (time.perf_counter() - t0) / eager_steps
     print(f"  runtime eager: {1 / res['runtime_eager_s']:.1f} tok/s", flush=True)
-    # 2. static decoder: correctness against the forward, eager timing, graph timing
+    # 2. static decoder, reference step (fast=False) then optimised step (fast=True): correctness against the
+    # forward, eager timing, graph timing
     n_ctx = min(max_full_context(cfg, rt.selection), prompt_len + 2 + eager_steps + n_check + 2 * steps + 64, 4096)
-    st2 = rt.new_state()
-    lg, _ = rt.forward(prompt, st2)
-    dec = StaticDecoder(rt, max_ctx=n_ctx)
-    dec.load_state(st2)
+    decs = {}
+    for mode, fast in (("ref", False), ("fast", True)):
+        r = res if fast else res.setdefault("ref", {})
+        dec = decs[mode] = StaticDecoder(rt, max_ctx=n_ctx, fast=fast)
+        _bench_decoder(cp, rt, dec, cfg, prompt, n_check, steps, r)
+        print(f"  [{mode}] static graph: {1 / r.get('static_graph_s', float('nan')):.1f} tok/s", flush=True)
+    try:
+        res["matvec_kernels"] = _time_matvecs(cp, decs["fast"])
+        mk = res["matvec_kernels"]
+        print(f"  dense matvecs per token: reference {mk['ref_s'] * 1e6:.0f} us, tiled {mk['tiled_s'] * 1e6:.0f} us "
+              f"({mk['bytes'] / 1e6:.0f} MB)", flush=True)
+    except Exception as e:
+        res["matvec_error"] = repr(e)
+    dec = decs["fast"]
+    res["decoder_pos"] = dec.pos
+    res["max_ctx"] = n_ctx
+    del dec, decs, rt, w
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def _check(cp, rt, dec, cfg, prompt, n_check):
+    st = rt.new_state()
+    lg, _ = rt.forward(prompt, st)
+    dec.load_state(st)
     tok = int(lg.argmax().get())
     worst, same, total = 0.0, 0, 0
     for _ in range(n_check):
-        ref, rec = rt.forward([tok], st2)
+        ref, rec = rt.forward([tok], st)
         got = dec.step(tok)
         ids, _ = dec.routing()
         r64, g64 = ref.get().astype(np.float64), got.get().astype(np.float64)
@@ -158,7 +180,12 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
         same += sum(set(rec.ids[l][0].tolist()) == set(ids[l].tolist()) for l in range(cfg.n_layer))
         total += cfg.n_layer
         tok = int(r64.argmax())
-    res["check_eager"] = {"max_rel_logits": worst, "topk_agree": same / total, "steps": n_check}
+    return {"max_rel_logits": worst, "topk_agree": same / total, "steps": n_check}, tok
+
+
+def _bench_decoder(cp, rt, dec, cfg, prompt, n_check, steps, res):
+    """Correctness (eager and graph) against rt.forward and timings of one StaticDecoder into res."""
+    res["check_eager"], tok = _check(cp, rt, dec, cfg, prompt, n_check)
 
     def step_eager():
         nonlocal tok
@@ -168,27 +195,11 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
     for _ in range(3):
         step_eager()
     res["static_eager_s"] = _sync_time(cp, step_eager, max(10, steps // 4))
-    print(f"  static eager: {1 / res['static_eager_s']:.1f} tok/s", flush=True)
     try:
         t0 = time.perf_counter()
         dec.capture()
         res["capture_s"] = time.perf_counter() - t0
-        # graph check: replay against the forward from the same point
-        st3 = rt.new_state()
-        lg, _ = rt.forward(prompt, st3)
-        dec.load_state(st3)
-        tok = int(lg.argmax().get())
-        worst, same, total = 0.0, 0, 0
-        for _ in range(n_check):
-            ref, rec = rt.forward([tok], st3)
-            got = dec.step(tok)
-            ids, _ = dec.routing()
-            r64, g64 = ref.get().astype(np.float64), got.get().astype(np.float64)
-            worst = max(worst, float(np.abs(r64 - g64).max() / np.abs(r64).max()))
-            same += sum(set(rec.ids[l][0].tolist()) == set(ids[l].tolist()) for l in range(cfg.n_layer))
-            total += cfg.n_layer
-            tok = int(r64.argmax())
-        res["check_graph"] = {"max_rel_logits": worst, "topk_agree": same / total, "steps": n_check}
+        res["check_graph"], tok = _check(cp, rt, dec, cfg, prompt, n_check)
         for _ in range(5):
             step_eager()
         res["static_graph_s"] = _sync_time(cp, step_eager, steps)
@@ -198,7 +209,6 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
             dec.routing()
 
         res["static_graph_rec_s"] = _sync_time(cp, step_rec, max(10, steps // 2))
-        # device time of one replay alone (events around launches, no host work between)
         s = dec._stream
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         reps = 20
@@ -208,16 +218,47 @@ def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eage
         e1.record(s)
         e1.synchronize()
         res["graph_replay_device_s"] = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps
-        print(f"  static graph: {1 / res['static_graph_s']:.1f} tok/s (replay alone {1 / res['graph_replay_device_s']:.1f})", flush=True)
     except Exception as e:  # report and keep going
         res["graph_error"] = repr(e)
         res["graph_traceback"] = traceback.format_exc()[-3000:]
         print("  graph failed:", repr(e), flush=True)
     res["decoder_pos"] = dec.pos
-    res["max_ctx"] = n_ctx
-    del dec, rt, w
-    cp.get_default_memory_pool().free_all_blocks()
-    return res
+
+
+def _time_matvecs(cp, dec, reps: int = 20) -> dict:
+    """Device time of every dense matrix's matvec the step ran (reference kernel vs tiled), events, median of reps."""
+    from runtime.gpu.experts import THREADS, WARPS_PER_BLOCK
+    from runtime.gpu.kernels import kernel, matvec_tiled_launch
+
+    per = []
+    tot_ref = tot_new = nbytes = 0.0
+    for name, (raw, t, rows, cols) in dec._raw.items():
+        if raw is None:
+            continue
+        x = cp.asarray(np.random.default_rng(1).normal(0, 1, cols).astype(np.float32))
+        y = cp.empty(rows, dtype=cp.float32)
+        grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+        fns = {"ref": lambda: kernel("matvec_kernel", t.id)(grid, (THREADS,), (raw, x, y, np.int32(rows), np.int32(cols)),
+                                                             shared_mem=cols * 4),
+               "tiled": lambda: matvec_tiled_launch(raw, x, y, t.id, rows, cols)}
+        row = {"name": name, "type": t.name, "rows": rows, "cols": cols, "bytes": int(raw.size)}
+        for k, fn in fns.items():
+            fn()
+            ts = []
+            for _ in range(reps):
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record()
+                fn()
+                e1.record()
+                e1.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+            row[k + "_s"] = float(np.median(ts))
+        per.append(row)
+        tot_ref += row["ref_s"]
+        tot_new += row["tiled_s"]
+        nbytes += row["bytes"]
+    per.sort(key=lambda r: -r["bytes"])
+    return {"ref_s": tot_ref, "tiled_s": tot_new, "bytes": nbytes, "largest": per[:12]}
 
 
 def hf_config(cfg):
@@ -372,7 +413,20 @@ def main(argv=None):
                 if hf:
                     line += f"  x{hf['seconds'] / v[key]:.2f} transformers eager"
                 print(line)
+        for key in ("static_eager_s", "static_graph_s", "graph_replay_device_s"):
+            if key in v.get("ref", {}):
+                line = f"   ref {key[:-2]:18s} {1 / v['ref'][key]:8.1f} tok/s  roofline fraction {roof / v['ref'][key]:.3f}"
+                if hf:
+                    line += f"  x{hf['seconds'] / v['ref'][key]:.2f} transformers eager"
+                print(line)
+        if "matvec_kernels" in v:
+            mk = v["matvec_kernels"]
+            print(f"   dense matvecs: reference {mk['ref_s'] * 1e6:.0f} us ({mk['bytes'] / mk['ref_s'] / 1e12:.2f} TB/s), "
+                  f"tiled {mk['tiled_s'] * 1e6:.0f} us ({mk['bytes'] / mk['tiled_s'] / 1e12:.2f} TB/s)")
         print("   check eager:", v.get("check_eager"), " graph:", v.get("check_graph"), v.get("graph_error", ""))
+        if "ref" in v:
+            print("   ref check eager:", v["ref"].get("check_eager"), " graph:", v["ref"].get("check_graph"),
+                  v["ref"].get("graph_error", ""))
 
 
 if __name__ == "__main__":

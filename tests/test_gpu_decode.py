@@ -91,3 +91,48 @@ def test_static_decoder_gpu_eager_and_graph(kit, model):
         assert dec.stats["graph_steps"] == (n_ctx - 4 if use_graph else 0)
         # eager forward and the decoder's batched bookkeeping both count k hits per layer per step
         assert int(rt.tier.counters.hits.sum()) - hits0 == 2 * (n_ctx - 4) * rt.cfg.n_layer * rt.cfg.n_expert_used
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-ISTA-mix.gguf"])
+def test_static_decoder_fast_matches_reference_step(kit, model):
+    """The fast step (tiled matvec, fused norms/hyper-connections/router) against the reference step, both replayed
+    from graphs on the same tokens: logits to float rounding, the same routed experts and weights."""
+    import cupy as cp
+
+    from runtime.gpu.decode import StaticDecoder, max_full_context
+    from runtime.gpu.runtime import GPURuntime
+    from runtime.weights import load
+
+    path = kit / model
+    if not path.exists():
+        pytest.skip(f"{model} not carried")
+    rt = GPURuntime(load(path, xp=cp))
+    n_ctx = max_full_context(rt.cfg, "transformers")
+    decs = []
+    for fast in (False, True):
+        st = rt.new_state()
+        lg, _ = rt.forward(_prompt(kit, 4), st)
+        d = StaticDecoder(rt, max_ctx=n_ctx, fast=fast)
+        assert d.fast == fast
+        d.load_state(st)
+        assert d.capture()
+        decs.append(d)
+    tok = int(np.argmax(lg.get()))
+    worst, same, total = 0.0, 0, 0
+    for _ in range(n_ctx - 4):
+        a = decs[0].step(tok).get().astype(np.float64)
+        b = decs[1].step(tok).get().astype(np.float64)
+        (ia, wa), (ib, wb) = decs[0].routing(), decs[1].routing()
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+        for l in range(ia.shape[0]):
+            total += 1
+            if set(ia[l].tolist()) == set(ib[l].tolist()):
+                same += 1
+                oa, ob = np.argsort(ia[l]), np.argsort(ib[l])
+                assert np.allclose(wa[l][oa], wb[l][ob], rtol=1e-5, atol=1e-7), l
+        tok = int(np.argmax(a))
+    print(model, "fast vs reference step:", worst, same / total)
+    assert worst < 1e-4 and same / total >= 0.99

@@ -100,6 +100,115 @@ extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, in
     }
 }
 
+// ---- fused element-wise kernels of the fast step (StaticDecoder(fast=True)); same formulas as runtime.model ----
+__device__ __forceinline__ float sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// Rows of `group` values: out = x * (1 / sqrt(mean(x*x) + eps)), times w[flat index % wlen] when w is given
+// (runtime.model._rmsnorm). One block per row.
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                        int group, int wlen, float eps) {
+    __shared__ float red[32];
+    long long base = (long long)blockIdx.x * group;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) { float v = x[base + i]; s += v * v; }
+    s = block_reduce(s, false, red);
+    float r = 1.0f / sqrtf(s / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = x[base + i] * r;
+        if (w) v = v * w[(base + i) % wlen];
+        out[base + i] = v;
+    }
+}
+
+// out[i] = silu(v[i] / div)
+extern "C" __global__ void silu_div(const float* __restrict__ v, float* __restrict__ out, int n, float div) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float a = v[i] / div; out[i] = a * sigm(a); }
+}
+
+// Hyper-connection mix: out[i] = (sum over h < hc of sigmoid(u[h*n+i]) * hn[h*n+i]) / hc.
+extern "C" __global__ void hc_mix(const float* __restrict__ u, const float* __restrict__ hn, float* __restrict__ out,
+                                  int hc, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float s = 0.0f;
+    for (int h = 0; h < hc; ++h) s += sigm(u[(long long)h * n + i]) * hn[(long long)h * n + i];
+    out[i] = s / (float)hc;
+}
+
+// Residual with the inject weights: H[h*n+i] += y[i] * (2 sigmoid(v[h] / hc)).
+extern "C" __global__ void hc_inject(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
+                                     int hc, int n) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= hc * n) return;
+    int h = idx / n, i = idx - h * n;
+    float iw = 2.0f * sigm(v[h] / (float)hc);
+    H[idx] = H[idx] + y[i] * iw;
+}
+
+// out[0] = sigmoid(sum_i x[i] * w[i]) (the shared expert's gate). One block.
+extern "C" __global__ void dot_sigmoid(const float* __restrict__ x, const float* __restrict__ w, int n, float* __restrict__ out) {
+    __shared__ float red[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * w[i];
+    s = block_reduce(s, false, red);
+    if (threadIdx.x == 0) out[0] = sigm(s);
+}
+
+// Router from logits: probabilities (sigmoid if gating else softmax), then route_topk's selection (k rounds of
+// arg-max, ties to the lower index), then the weights: probabilities of the chosen, divided by their sum when
+// norm, times scale. Writes ids[k], w[k] and the blob addresses. One block; shared: E floats.
+extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                       float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                       u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    __shared__ float red[32];
+    __shared__ float chosen[64];
+    int t = threadIdx.x, lane = t & 31, wid = t >> 5, nw = (blockDim.x + 31) >> 5;
+    if (sigmoid_gating) {
+        for (int i = t; i < E; i += blockDim.x) p[i] = sigm(logits[i]);
+    } else {
+        float m = NEG_INF;
+        for (int i = t; i < E; i += blockDim.x) m = fmaxf(m, logits[i]);
+        m = block_reduce(m, true, red);
+        float s = 0.0f;
+        for (int i = t; i < E; i += blockDim.x) { float e = expf(logits[i] - m); p[i] = e; s += e; }
+        s = block_reduce(s, false, red);
+        for (int i = t; i < E; i += blockDim.x) p[i] = p[i] / s;
+    }
+    __syncthreads();
+    for (int r = 0; r < k; ++r) {
+        float bv = NEG_INF; int bi = 0x7fffffff;
+        for (int i = t; i < E; i += blockDim.x) {
+            float v = p[i];
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        for (int o = 16; o; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { rv[wid] = bv; ri[wid] = bi; }
+        __syncthreads();
+        if (t == 0) {
+            float b = rv[0]; int ii = ri[0];
+            for (int q = 1; q < nw; ++q) if (rv[q] > b || (rv[q] == b && ri[q] < ii)) { b = rv[q]; ii = ri[q]; }
+            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
+            u64 ptr = slot[ii];
+            ids[r] = ii; chosen[r] = p[ii];
+            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
+            p[ii] = NEG_INF;
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        float s = 0.0f;
+        for (int r = 0; r < k; ++r) s += chosen[r];
+        for (int r = 0; r < k; ++r) w[r] = (norm ? chosen[r] / s : chosen[r]) * scale;
+    }
+}
+
 // dst[pos * n + i] = src[i] for the position held in *posp.
 extern "C" __global__ void put_row(const float* __restrict__ src, float* __restrict__ dst, const int* __restrict__ posp, int n) {
     long long base = (long long)posp[0] * n;
@@ -171,15 +280,21 @@ class StaticDecoder:
     Args:
         rt: a :class:`runtime.gpu.runtime.GPURuntime` (CuPy) or :class:`runtime.model.Qwen4ExpRuntime` (numpy).
         max_ctx: positions the K/V caches hold (prompt + generated); at most :func:`max_full_context`.
+        fast: on CuPy, the optimised step (default): dense matrices through ``matvec_tiled_kernel`` (16-byte staged
+            loads, grid-stride rows), RMS norms, hyper-connection mixing/inject and the router (probabilities, top-k,
+            weight normalisation) as fused kernels. ``fast=False`` keeps the reference step (one warp per row
+            byte-load matvec, CuPy element-wise ops); the two agree to float rounding (tests/test_gpu_decode.py).
+            Ignored on numpy.
     Raises:
         StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a routed expert not resident in
             VRAM, or an expert width that is not whole blocks.
     """
 
-    def __init__(self, rt: Any, max_ctx: int = 512):
+    def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True):
         self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
         cfg = self.cfg
         self.gpu = getattr(self.xp, "__name__", "") == "cupy"
+        self.fast = bool(fast) and self.gpu
         lim = max_full_context(cfg, rt.selection)
         if max_ctx > lim:
             raise StrataError(f"max_ctx {max_ctx} is over {lim}, the longest context in which QSA attends every "
@@ -254,6 +369,12 @@ class StaticDecoder:
         self.k_topk = self.mod.get_function("route_topk")
         self.k_put = self.mod.get_function("put_row")
         self.k_attn = self.mod.get_function("attn_decode")
+        self.k_rms = self.mod.get_function("rmsnorm_rows")
+        self.k_silu_div = self.mod.get_function("silu_div")
+        self.k_hc_mix = self.mod.get_function("hc_mix")
+        self.k_hc_inject = self.mod.get_function("hc_inject")
+        self.k_dot_sig = self.mod.get_function("dot_sigmoid")
+        self.k_route = self.mod.get_function("route_fused")
         tier = rt.tier
         L = cfg.n_layer
         Emax = max(ly.n_expert for ly in tier.arena.layers)
@@ -324,6 +445,11 @@ class StaticDecoder:
 
                 x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
                 y = self.cp.empty(rows, dtype=self.cp.float32)
+                if self.fast and int(raw.data.ptr) % 16 == 0:
+                    from .kernels import matvec_tiled_launch
+
+                    matvec_tiled_launch(raw, x, y, t.id, rows, cols)
+                    return y
                 grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
                 kernel("matvec_kernel", t.id)(grid, (THREADS,), (raw, x, y, np.int32(rows), np.int32(cols)),
                                               shared_mem=cols * 4)
@@ -339,6 +465,45 @@ class StaticDecoder:
                                                     self.pos_dev, np.int32(n)))
         else:
             buf[self.pos] = row.reshape(buf.shape[1:])
+
+    def _rms(self, x: Any, w: Any, group: int | None = None) -> Any:
+        """runtime.model._rmsnorm over the last axis (or groups of ``group`` values); fused kernel when fast."""
+        xp = self.xp
+        if self.fast:
+            cp = self.cp
+            g = int(group if group is not None else x.shape[-1])
+            wl = int(w.size) if w is not None else 1
+            if w is not None and x.size % g == 0 and ((w.dtype == cp.float32 and w.flags.c_contiguous and
+                                                  x.size % wl == 0 and (wl == x.size or wl == x.shape[-1]))):
+                xc = cp.ascontiguousarray(x, dtype=cp.float32)
+                out = cp.empty(x.shape, dtype=cp.float32)
+                self.k_rms((int(x.size) // g,), (256,), (xc, w, out, np.int32(g), np.int32(wl),
+                                                        np.float32(self.cfg.eps)))
+                return out
+        return _rmsnorm(xp, x, w, self.cfg.eps, group=group)
+
+    def _hc_fast(self, prefix: str, H: Any, inject: bool = True):
+        """:meth:`_hc` with fused kernels: returns (mixed, raw inject logits [hc] or None); see :meth:`_inject`."""
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        hn = self._rms(H, self.w.get(f"{prefix}_norm.weight"), group=n)
+        d = self.mv(f"{prefix}_down.weight", hn)
+        m = cp.empty_like(d)
+        nd = int(d.size)
+        self.k_silu_div(((nd + 255) // 256,), (256,), (d, m, np.int32(nd), np.float32(hc)))
+        u = self.mv(f"{prefix}_up.weight", m)
+        mixed = cp.empty(n, dtype=cp.float32)
+        self.k_hc_mix(((n + 255) // 256,), (256,), (u, hn, mixed, np.int32(hc), np.int32(n)))
+        if not inject:
+            return mixed, None
+        return mixed, self.mv(f"{prefix}_inject.weight", hn)
+
+    def _inject(self, H: Any, y: Any, v: Any) -> None:
+        """In place: H[h*n + i] += y[i] * 2 sigmoid(v[h] / hc) (the residual of :meth:`_body`)."""
+        hc, n = self.cfg.hc_count, self.cfg.n_embd
+        tot = hc * n
+        self.k_hc_inject(((tot + 255) // 256,), (256,), (H, self.cp.ascontiguousarray(y, dtype=self.cp.float32), v,
+                                                        np.int32(hc), np.int32(n)))
 
     # -- host side ------------------------------------------------------------------------------------
     def _host_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
@@ -438,13 +603,13 @@ class StaticDecoder:
         a, b = self._ple_sl[il]
         emb = self.inp[a:b]
         p = f"blk.{il}.ple_"
-        key = _rmsnorm(xp, self.mv(p + "key.weight", emb), self.w.get(p + "norm_key.weight"), cfg.eps, group=n)
+        key = self._rms(self.mv(p + "key.weight", emb), self.w.get(p + "norm_key.weight"), group=n)
         value = self.mv(p + "value.weight", emb)
-        q = _rmsnorm(xp, H, self.w.get(p + "norm_query.weight"), cfg.eps, group=n)
+        q = self._rms(H, self.w.get(p + "norm_query.weight"), group=n)
         gate = xp.sum(key.reshape(hc, n) * q.reshape(hc, n), axis=-1, keepdims=True) / xp.float32(np.sqrt(n))
         gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
         gv = (_sigmoid(xp, gate) * value[None, :]).reshape(hc * n)
-        gvn = _rmsnorm(xp, gv, self.w.get(p + "norm_conv.weight"), cfg.eps, group=n)
+        gvn = self._rms(gv, self.w.get(p + "norm_conv.weight"), group=n)
         K, d = cfg.ple_conv_kernel, cfg.ple_ngram
         span = (K - 1) * d
         buf = self.ple_conv[il]
@@ -494,7 +659,7 @@ class StaticDecoder:
         S = S + k_[:, :, None] * delta[:, None, :]
         out = xp.sum(q[:, :, None] * S, axis=1)
         self.ssm[il][...] = S
-        o = _rmsnorm(xp, out, self.w.get(p + "ssm_norm.weight"), cfg.eps)
+        o = self._rms(out, self.w.get(p + "ssm_norm.weight"))
         act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
         return self.mv(p + "ssm_out.weight", (o * act).reshape(nv * dv))
 
@@ -511,8 +676,8 @@ class StaticDecoder:
         qg = self.mv(p + "attn_q.weight", x).reshape(nh, 2 * hd)
         q = qg[:, :hd]
         gate = qg[:, hd:].reshape(nh * hd)
-        q = _rmsnorm(xp, q, self.w.get(p + "attn_q_norm.weight"), cfg.eps)
-        k = _rmsnorm(xp, self.mv(p + "attn_k.weight", x).reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"), cfg.eps)
+        q = self._rms(q, self.w.get(p + "attn_q_norm.weight"))
+        k = self._rms(self.mv(p + "attn_k.weight", x).reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"))
         v = self.mv(p + "attn_v.weight", x).reshape(nkv, hd)
         q = self._rope(q)
         k = self._rope(k)
@@ -541,6 +706,8 @@ class StaticDecoder:
         xp, cfg = self.xp, self.cfg
         p = f"blk.{il}."
         logits = self.mv(p + "ffn_gate_inp.weight", x)
+        if self.fast:
+            return self._moe_fast(il, x, logits)
         probs = _sigmoid(xp, logits) if cfg.gating == "sigmoid" else _softmax(xp, logits, axis=-1)
         probs = probs.astype(xp.float32, copy=False)
         k = self.k
@@ -582,21 +749,58 @@ class StaticDecoder:
         hs = _silu(np, self.mv(p + "ffn_gate_shexp.weight", x)) * self.mv(p + "ffn_up_shexp.weight", x)
         return y + sg * self.mv(p + "ffn_down_shexp.weight", hs)
 
+    def _moe_fast(self, il: int, x: Any, logits: Any) -> Any:
+        """:meth:`_moe` on the GPU with the router (probabilities, top-k, weights) and the shared gate fused."""
+        from .experts import ExpertJobs, expert_ffn
+
+        cp, cfg, k = self.cp, self.cfg, self.k
+        p = f"blk.{il}."
+        E = int(logits.size)
+        if k > 64:
+            raise StrataError(f"the fused router handles at most 64 experts per token, not {k}")
+        ly = self.rt.tier.arena.layers[il]
+        pt = self.ptrs[il]
+        w = self.weights[il]
+        self.k_route((1,), (min(1024, max(32, (E + 31) // 32 * 32)),),
+                     (cp.ascontiguousarray(logits), np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"),
+                      np.int32(bool(cfg.norm_topk)), np.float32(cfg.expert_weights_scale), self.slot[il],
+                      np.uint64(ly.gate_bytes), self.ids[il], w, pt[0], pt[1], pt[2]), shared_mem=E * 4)
+        X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
+        sgw = self.w.get(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+        sg = cp.empty(1, dtype=cp.float32)
+        self.k_dot_sig((1,), (256,), (X, cp.ascontiguousarray(sgw, dtype=cp.float32), np.int32(X.size), sg))
+        dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
+        y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
+        jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
+        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf)
+        sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg, self.shared_tstart)
+        expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf)
+        return y.reshape(-1)
+
     def _body(self) -> None:
         """Everything after the input upload: layers, output mixer, LM head, arg-max (no host reads)."""
         xp, cfg = self.xp, self.cfg
         a, b = self._x_sl
         H = xp.concatenate([self.inp[a:b]] * cfg.hc_count)
+        if self.fast:
+            H = self.cp.ascontiguousarray(H, dtype=self.cp.float32)
         for il in range(cfg.n_layer):
             if il in cfg.ple_layers:
                 H = H + self._ple(il, H)
+            if self.fast:
+                mixed, v = self._hc_fast(f"blk.{il}.hc_attn", H)
+                y = self._gdn(il, mixed) if cfg.recurrent[il] else self._attention(il, mixed)
+                self._inject(H, y, v)
+                mixed, v = self._hc_fast(f"blk.{il}.hc_ffn", H)
+                self._inject(H, self._moe(il, mixed), v)
+                continue
             mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
             y = self._gdn(il, mixed) if cfg.recurrent[il] else self._attention(il, mixed)
             H = H + (y[None, :] * inject[:, None]).reshape(-1)
             mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
             y = self._moe(il, mixed)
             H = H + (y[None, :] * inject[:, None]).reshape(-1)
-        out_in, _ = self._hc("output_hc", H, inject=False)
+        out_in, _ = (self._hc_fast if self.fast else self._hc)("output_hc", H, inject=False)
         self.logits = self.mv("output.weight", out_in)
         self.next_token_dev = xp.argmax(self.logits)
 

@@ -385,6 +385,94 @@ template <int T> __global__ void matvec_kernel(const u8* __restrict__ W, const f
     if (lane == 0) y[row] = acc;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Batch-1 matvec, staged ("tiled") variant. Each warp walks rows (grid stride, so x is staged into shared memory
+// once per block); a row is read in segments of at most SEG_BYTES: the warp copies the segment's bytes from global
+// memory into its own shared buffer with 16-byte loads (coalesced across the warp; the 16-byte-aligned span that
+// covers the segment), then decodes the groups from shared memory. W must be 16-byte aligned (the host checks).
+#define SEG_BYTES 3072
+#define SEG_BUF (SEG_BYTES + 32)
+
+// deq8 for a block in shared memory: Q8_0 reads its quants as 16-bit words (blocks of 34 bytes at even addresses);
+// the arithmetic is deq8<8>'s. Other types use deq8.
+template <int T> __device__ __forceinline__ void deq8s(const u8* b, int g, float* o) {
+    if constexpr (T == 8) {
+        const u16* p = reinterpret_cast<const u16*>(b);
+        float d = h2f(p[0]);
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            u16 v = p[1 + 4 * g + t];
+            o[2 * t] = (float)(i8)(v & 0xff) * d;
+            o[2 * t + 1] = (float)(i8)(v >> 8) * d;
+        }
+    } else {
+        deq8<T>(b, g, o);
+    }
+}
+
+template <int T> __global__ void __launch_bounds__(256) matvec_tiled_kernel(const u8* __restrict__ W, const float* __restrict__ x,
+                                                                           float* __restrict__ y, int rows, int cols) {
+    extern __shared__ __align__(16) u8 smem[];
+    float* xs = reinterpret_cast<float*>(smem);
+    if ((reinterpret_cast<u64>(x) & 15) == 0) {
+        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x)
+            reinterpret_cast<float4*>(xs)[i] = reinterpret_cast<const float4*>(x)[i];
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = x[i];
+    }
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u8* buf = smem + (long long)cols * 4 + warp * SEG_BUF;  // cols is a multiple of 8: 16-byte aligned
+    const int bs = Unit<T>::bs, ts = Unit<T>::ts, gpb = bs / 8;
+    const int nb = cols / bs;
+    const long long rb = (long long)nb * ts;
+    const int segb = SEG_BYTES / ts;
+    const u8* Wend = W + (long long)rows * rb;
+    for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
+        const u8* rp = W + (long long)row * rb;
+        float acc = 0.0f;
+        for (int b0 = 0; b0 < nb; b0 += segb) {
+            const int nbk = min(segb, nb - b0);
+            const u8* s = rp + (long long)b0 * ts;
+            const u8* e = s + (long long)nbk * ts;
+            const u8* a0 = reinterpret_cast<const u8*>(reinterpret_cast<u64>(s) & ~15ull);
+            const int n16 = (int)((e - a0 + 15) >> 4);
+            #pragma unroll 4
+            for (int c = lane; c < n16; c += 32) {
+                const u8* src = a0 + 16 * c;
+                uint4 v;
+                if (src + 16 <= Wend) {
+                    v = __ldg(reinterpret_cast<const uint4*>(src));
+                } else {  // the last chunk of the matrix: bytes past its end are not read
+                    u32 wv[4] = {0u, 0u, 0u, 0u};
+                    #pragma unroll
+                    for (int k = 0; k < 16; ++k)
+                        if (src + k < Wend) wv[k >> 2] |= (u32)src[k] << (8 * (k & 3));
+                    v = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+                }
+                reinterpret_cast<uint4*>(buf)[c] = v;
+            }
+            __syncwarp();
+            const u8* sp = buf + (s - a0);
+            const float* xb = xs + (long long)b0 * bs;
+            const int ng = nbk * gpb;
+            for (int gi = lane; gi < ng; gi += 32) {
+                int blk = gi / gpb, g = gi - blk * gpb;
+                float o[8];
+                deq8s<T>(sp + blk * ts, g, o);
+                const float4* x4 = reinterpret_cast<const float4*>(xb + 8 * gi);
+                float4 xa = x4[0], xc = x4[1];
+                acc += o[0] * xa.x; acc += o[1] * xa.y; acc += o[2] * xa.z; acc += o[3] * xa.w;
+                acc += o[4] * xc.x; acc += o[5] * xc.y; acc += o[6] * xc.z; acc += o[7] * xc.w;
+            }
+            __syncwarp();
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[row] = acc;
+    }
+}
+
 // Routed-expert FFN, first half. Job j (blockIdx.y) multiplies token tok[j]'s hidden vector X[tok[j], :H] by
 // the gate and up matrices at gate_ptr[j] / up_ptr[j] (F rows of H values each) and writes
 // Hbuf[j, r] = silu(gate_r . x) * (up_r . x). Pointers may be VRAM slots or mapped host memory.
@@ -490,6 +578,14 @@ def host_source() -> str:
 
 KERNEL_TEMPLATES = ("dequant_kernel", "matvec_kernel", "moe_gate_up_kernel", "moe_down_kernel")
 OPTIONS = ("--std=c++17", "--fmad=false")
+#: Kernels of the fast module (:func:`fast_module`): compiled with multiply-add fusion allowed (results differ
+#: from the reference kernels by float rounding only; the dequantizers' bit-exactness is the reference module's).
+FAST_TEMPLATES = ("matvec_tiled_kernel",)
+FAST_OPTIONS = ("--std=c++17",)
+#: Bytes of a row segment one warp stages in shared memory (the CUDA source's SEG_BYTES) and its buffer.
+SEG_BYTES = 3072
+SEG_BUF = SEG_BYTES + 32
+TILED_THREADS = 256
 
 
 @functools.lru_cache(maxsize=1)
@@ -503,4 +599,41 @@ def module() -> Any:
 
 def kernel(name: str, type_id: int) -> Any:
     """The compiled kernel ``name<type_id>`` (a ``cupy.RawKernel``)."""
+    if name in FAST_TEMPLATES:
+        return fast_module().get_function(f"{name}<{int(type_id)}>")
     return module().get_function(f"{name}<{int(type_id)}>")
+
+
+@functools.lru_cache(maxsize=1)
+def fast_module() -> Any:
+    """Compile (once) the :data:`FAST_TEMPLATES` kernels for every type (``cupy.RawModule``)."""
+    import cupy
+
+    names = [f"{k}<{tid}>" for k in FAST_TEMPLATES for tid in sorted(UNIT)]
+    return cupy.RawModule(code=source(), options=FAST_OPTIONS, name_expressions=names)
+
+
+def tiled_shared_bytes(cols: int) -> int:
+    """Dynamic shared memory of :func:`matvec_tiled` for rows of ``cols`` values (x + one segment buffer a warp)."""
+    return cols * 4 + (TILED_THREADS // 32) * SEG_BUF
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits() -> tuple[int, int]:
+    import cupy
+
+    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return int(dev["multiProcessorCount"]), int(dev.get("sharedMemPerMultiprocessor", 228 * 1024))
+
+
+def matvec_tiled_launch(W: Any, x: Any, y: Any, type_id: int, rows: int, cols: int) -> None:
+    """Launch ``matvec_tiled_kernel<type_id>``: ``y[r] = W[r, :] . x`` (CuPy arrays; W uint8, 16-byte aligned;
+    x, y float32 contiguous). Grid: at most the blocks that fit on the device at once (rows by grid stride)."""
+    n_sm, smem_sm = _device_limits()
+    shm = tiled_shared_bytes(cols)
+    per_sm = max(1, min(2048 // TILED_THREADS, smem_sm // (shm + 1024)))
+    blocks = max(1, min((rows + TILED_THREADS // 32 - 1) // (TILED_THREADS // 32), n_sm * per_sm))
+    k = kernel("matvec_tiled_kernel", type_id)
+    if shm > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < shm:
+        k.max_dynamic_shared_size_bytes = shm
+    k((blocks,), (TILED_THREADS,), (W, x, y, np.int32(rows), np.int32(cols)), shared_mem=shm)
