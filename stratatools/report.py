@@ -61,6 +61,9 @@ def rounds_text(study) -> str:
     if by == "windows+positions":
         return (f"verify windows from the traces' commit records, and one per decode position for records "
                 f"outside every window ({n} rounds)")
+    if by.endswith("batches"):
+        return (f"layer-major batches (one captured ubatch of a request is one round, as a verify window is; "
+                f"{n} rounds)")
     return f"decode positions ({n} rounds; the traces delimit no verify windows)"
 
 

@@ -17,8 +17,10 @@ Rounds (what the adaptive tier's ``adapt_every`` and the LFU/LFRU decay count): 
 position); a trace with verify windows (``TraceTable.window``, from the commit records of a tagged Strata trace,
 or a ``window`` column of our Parquet/CSV; else an ndarray ``meta["window"]`` [N]) makes one round per
 (request, window) for the entries inside a window, and one per position for those outside every window (-1).
-``Entries.rounds_by`` / ``SimResult.rounds_by`` say which applied (``positions``, ``windows`` or
-``windows+positions``). Entries whose phase is known to be prefill are left out by
+A request whose positions go back in file order is batched (layer-major: llama.cpp's ubatch capture, the kit's
+routing CSVs): each batch, up to where the layer goes back, is one round, as a verify window is.
+``Entries.rounds_by`` / ``SimResult.rounds_by`` say which applied (``positions``, ``windows``,
+``windows+positions``, ``batches`` or ``...+batches``). Entries whose phase is known to be prefill are left out by
 default (``phase="decode"``: Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark
 prompt processing with negative positions); ``phase="all"`` keeps them.
 """
@@ -64,7 +66,8 @@ class Entries:
         n_layers, n_expert: the geometry entries were checked against.
         n_tokens: decode positions covered.
         skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
-        rounds_by: what a round is (module docstring): ``positions``, ``windows`` or ``windows+positions``.
+        rounds_by: what a round is (module docstring): ``positions``, ``windows``, ``windows+positions``,
+            ``batches`` (layer-major batches) or ``windows+positions+batches``.
     """
 
     layer: np.ndarray
@@ -168,9 +171,21 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
         in_w = np.zeros(len(rs), dtype=bool)
         r_key = r_pos
     new_round = np.ones(len(rs), dtype=bool)
+    batched = np.zeros(len(rs), dtype=bool)
     if len(rs) > 1:
         unknown = (r_pos[1:] < 0) & ~in_w[1:]
         new_round[1:] = (r_req[1:] != r_req[:-1]) | (r_key[1:] != r_key[:-1]) | (unknown & (r_lay[1:] <= r_lay[:-1]))
+        # Batched (layer-major) records outside windows: a request whose positions go back in file order lists
+        # each batch layer by layer (llama.cpp's ubatch capture, the kit's routing CSVs, a plain trace of verify
+        # windows). Such a batch is one round, like a verify window; a new batch starts where the layer goes back.
+        same_req = r_req[1:] == r_req[:-1]
+        back = same_req & ~in_w[1:] & ~in_w[:-1] & (r_pos[1:] >= 0) & (r_pos[1:] < r_pos[:-1])
+        if back.any():
+            batched = np.zeros(len(rs), dtype=bool)
+            req_ids = np.unique(r_req[1:][back])
+            batched[np.isin(r_req, req_ids) & ~in_w] = True
+            b = batched[1:] & batched[:-1] & same_req
+            new_round[1:][b] = r_lay[1:][b] < r_lay[:-1][b]
     rec_round = np.cumsum(new_round) - 1
     rnd = rec_round[record]
     keep = np.ones(n, dtype=bool)
@@ -194,6 +209,8 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     _, token = np.unique(tok_key[keep], return_inverse=True)
     token = token.astype(np.int64)
     rounds_by = rounds_kind(None if window is None else np.asarray(window)[keep])
+    if len(rs) > 1 and batched[record[keep]].any():
+        rounds_by = "batches" if rounds_by == "positions" else rounds_by + "+batches"
     return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
                    _count_tokens(token), token=token, skipped=skipped, rounds_by=rounds_by)
 

@@ -157,6 +157,9 @@ def _print_rounds(st) -> None:
         line = f"rounds: {r.rounds} verify windows (from the traces' commit records)"
     elif by == "windows+positions":
         line = f"rounds: {r.rounds} (verify windows, plus one per decode position outside every window)"
+    elif by.endswith("batches"):
+        line = (f"rounds: {r.rounds} (each layer-major batch, e.g. one prompt's captured ubatch, is one round"
+                + (", as are verify windows)" if by.startswith("windows") else ")"))
     else:
         line = f"rounds: {r.rounds} decode positions (the traces delimit no verify windows)"
     common.console.print(line, markup=False, soft_wrap=True)

@@ -1,0 +1,42 @@
+"""Rounds of layer-major (batched) traces: one captured batch of a request is one round, as a verify window is."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stratatools.cachesim.replay import prepare_entries
+from stratatools.trace import UNKNOWN, TraceTable, read_trace
+
+
+def _table(order: str, n_pos: int = 3, n_layers: int = 2, requests: int = 1) -> TraceTable:
+    rows = []
+    for r in range(requests):
+        if order == "token-major":
+            cells = [(p, l) for p in range(n_pos) for l in range(n_layers)]
+        else:
+            cells = [(p, l) for l in range(n_layers) for p in range(n_pos)]
+        rows += [(r, p, l, 0, (p + l) % 4) for p, l in cells]
+    a = np.array(rows)
+    n = len(a)
+    return TraceTable(request=a[:, 0], position=a[:, 1], phase=np.full(n, UNKNOWN), layer=a[:, 2], rank=a[:, 3],
+                      expert=a[:, 4], weight=np.ones(n))
+
+
+def test_token_major_rounds_are_positions():
+    ent = prepare_entries(_table("token-major", n_pos=3), 2, 4, phase="all")
+    assert ent.n_rounds == 3 and ent.rounds_by == "positions"
+    assert ent.rnd.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_layer_major_batch_is_one_round_per_request():
+    ent = prepare_entries(_table("layer-major", n_pos=3, requests=2), 2, 4, phase="all")
+    assert ent.n_rounds == 2 and ent.rounds_by == "batches"
+    assert ent.rnd.tolist() == [0] * 6 + [1] * 6
+    assert ent.n_tokens == 6  # tokens still count (request, position) pairs
+
+
+def test_kit_csv_rounds(kit):
+    t = read_trace(kit / "pruned/coder-revB.routing.csv")
+    ent = prepare_entries(t, 8, 16, phase="all")
+    assert ent.n_rounds == 3  # three prompts, each captured as one layer-major ubatch
+    assert ent.n_tokens == 135
