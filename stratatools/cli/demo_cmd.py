@@ -17,8 +17,10 @@ def demo_cmd(
     traces, simulate stale vs remapped vs rebuilt, validate-release red then green."""
     from ..demo import run_demo
 
+    quiet = STATE.quiet  # each step runs the CLI in-process, which resets the global flags
+
     def progress(st) -> None:
-        if STATE.quiet:
+        if quiet:
             return
         ok = st.code == st.expect
         mark = "[green]ok[/]" if ok else "[bold red]UNEXPECTED[/]"
