@@ -83,17 +83,32 @@ class Registry:
         return None
 
 
+REGISTRY_ENV = "STRATATOOLS_REGISTRY"
+
+
 def load_registry(path: str | os.PathLike | None = None) -> Registry:
-    """Load the registry TOML (default: the repository's ``allocations/releases.toml``).
+    """Load the registry TOML: ``path``, else ``$STRATATOOLS_REGISTRY``, else the repository's
+    ``allocations/releases.toml``.
+
+    A stratatools installed without its repository (a wheel, ``pip install git+...``) has no
+    ``allocations/`` folder: then, with neither ``path`` nor the variable, the registry is empty
+    (``path`` None) and nothing is recognised by digest; provenance sidecars still work.
 
     Raises:
-        StrataError: the file is missing or is not valid TOML / lacks required fields (name, revision).
+        StrataError: a named file (``path`` or the variable) is missing, or a file is not valid TOML /
+            lacks required fields (name, revision).
     """
+    if path is None and os.environ.get(REGISTRY_ENV):
+        path = os.environ[REGISTRY_ENV]
+    if path is None and not DEFAULT_PATH.is_file():
+        return Registry(path=None)
     p = Path(path) if path is not None else DEFAULT_PATH
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise StrataError(f"{p}: release registry not found (pass --registry FILE)", p) from None
+        raise StrataError(f"{p}: release registry not found (check --registry / ${REGISTRY_ENV})", p) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise StrataError(f"{p}: cannot read the release registry ({e})", p) from None
     except tomllib.TOMLDecodeError as e:
         raise StrataError(f"{p}: not valid TOML: {e}", p) from None
     reg = Registry(path=p)

@@ -78,7 +78,7 @@ def discover(release_dir: str | os.PathLike) -> ReleaseInputs:
     allocs = sorted(d.glob("*.rco-allocation.txt"))
     if len(allocs) > 1:
         raise StrataError(f"{d}: holds {len(allocs)} allocation files; choose one with --alloc", d)
-    profiles = [p for p in sorted(d.glob("*.bin")) if p.stat().st_size >= 4 and p.read_bytes()[:4] == b"STRP"]
+    profiles = [p for p in sorted(d.glob("*.bin")) if _magic(p) == b"STRP"]
     if len(profiles) > 1:
         raise StrataError(f"{d}: holds {len(profiles)} STRP profiles; choose one with --profile", d)
     packs = sorted(p.parent for p in d.glob("*/native_experts.txt"))
@@ -86,6 +86,15 @@ def discover(release_dir: str | os.PathLike) -> ReleaseInputs:
         raise StrataError(f"{d}: holds {len(packs)} packs; choose one with --pack", d)
     return ReleaseInputs(model=model, alloc=allocs[0] if allocs else None,
                          profile=profiles[0] if profiles else None, pack=packs[0] if packs else None)
+
+
+def _magic(p: Path) -> bytes:
+    """The first 4 bytes of a file (b"" when unreadable): a release folder may hold a multi-GB experts.bin."""
+    try:
+        with open(p, "rb") as fh:
+            return fh.read(4)
+    except OSError:
+        return b""
 
 
 def _must_exist(p: Path | None, what: str) -> None:
@@ -178,6 +187,16 @@ def _check_alloc_model(inp: ReleaseInputs, ctx: dict[str, Any]):
     except StrataError as e:
         return FAIL, _err(e), {}
     if r.ok:
+        # same types and counts can still be another revision's map (a re-release that only re-indexes):
+        # when the registry knows both digests, they must name the same release
+        reg = ctx.get("registry")
+        if reg is not None:
+            a_hit = reg.identify(ctx["alloc"].sha256) if ctx["alloc"].sha256 else None
+            m_key = _model_release_key(inp, reg)
+            if a_hit and a_hit[0] == "allocation" and m_key and a_hit[1] != m_key:
+                return FAIL, (f"the release registry says {inp.alloc.name} belongs to {a_hit[1]} but the model is "
+                              f"{m_key} (types and kept counts agree; the expert numbering may not)"), \
+                    {**r.to_dict(), "allocation_release": a_hit[1], "model_release": m_key}
         return PASS, "Section 1 types equal the GGUF's; kept counts equal the routers' ne1", r.to_dict()
     parts = []
     if r.type_mismatches:
@@ -237,14 +256,17 @@ def _check_profile_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
     return PASS, reason, {"n_ranked": p.n_ranked, "trailer": p.trailer, "warnings": p.warnings}
 
 
-def _release_key_of(inp: ReleaseInputs, reg) -> str | None:
-    """The registry key of the model under test, from its shard or allocation digests."""
-    from .fsutil import sha256_file_cached
+def _model_release_key(inp: ReleaseInputs, reg) -> str | None:
+    """The registry key of the model under test from its shard digests alone (None when unknown)."""
     from .gguf import shard_siblings
 
-    cands = [inp.alloc] if inp.alloc is not None else []
     sibs = shard_siblings(inp.model)
-    cands += sibs if sibs else [inp.model]
+    return _first_known(sibs if sibs else [inp.model], reg)
+
+
+def _first_known(cands, reg) -> str | None:
+    from .fsutil import sha256_file_cached
+
     for c in cands:
         try:
             hit = reg.identify(sha256_file_cached(c)[0])
@@ -255,13 +277,24 @@ def _release_key_of(inp: ReleaseInputs, reg) -> str | None:
     return None
 
 
+def _release_key_of(inp: ReleaseInputs, reg) -> str | None:
+    """The registry key of the release under test, from its allocation or shard digests."""
+    if inp.alloc is not None:
+        k = _first_known([inp.alloc], reg)
+        if k:
+            return k
+    return _model_release_key(inp, reg)
+
+
 def _check_stale(inp: ReleaseInputs, ctx: dict[str, Any]):
     from .fsutil import sha256_file
     from .provenance import read_sidecar
-    from .registry import load_registry
 
-    reg = load_registry()
-    side = read_sidecar(inp.profile)
+    reg = ctx["registry"]
+    try:
+        side = read_sidecar(inp.profile)
+    except StrataError as e:
+        return FAIL, _err(e), {}
     here_alloc_sha = ctx["alloc"].sha256 if ctx.get("alloc") is not None else None
     here_key = _release_key_of(inp, reg)
     details: dict[str, Any] = {"release": here_key}
@@ -347,6 +380,8 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
         return FAIL, _err(e), {}
     kw: dict[str, Any] = {}
     if budget_gib is not None:
+        if not ctx.get("blob_bytes"):
+            return FAIL, "a byte budget needs the blob sizes of the native pack (see packable); gate with --slots", {}
         kw["budget_bytes"] = int(budget_gib * (1 << 30))
         kw["blob_bytes"] = ctx.get("blob_bytes")
     else:
@@ -361,14 +396,48 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
     return (PASS if r.h_expert >= min_hit_rate else FAIL), msg, d
 
 
-def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, slots: int | None = None,
-                     budget_gib: float | None = None) -> CheckSuite:
-    """Run every check that the given inputs allow; see the module docstring.
+ALL_CHECKS = (("shards", "shards complete and consistent"), ("geometry", "geometry from the routers"),
+              ("packable", "native pack derivable"), ("allocation", "allocation parses and validates"),
+              ("allocation-model", "allocation agrees with the GGUF"),
+              ("survivor-map", "survivor map verified from router weights"),
+              ("profile-geometry", "profile geometry and integrity"), ("profile-stale", "profile built for this release"),
+              ("pack", "pack round trip"), ("hit-rate", "hit-rate gate"))
+
+
+def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib: float | None) -> None:
+    """Refuse gate options that cannot mean anything (exit 2 before any check runs).
 
     Raises:
-        StrataError: a given path does not exist (unusable input, exit 2). Problems found inside the files
-            are failed checks, not errors.
+        StrataError: --min-hit-rate outside 0..1 or not finite, --slots < 1, --budget-gib not a finite
+            positive number, or both --slots and --budget-gib.
     """
+    import math
+
+    if min_hit_rate is not None and not 0.0 <= min_hit_rate <= 1.0:
+        raise StrataError(f"--min-hit-rate {min_hit_rate}: give a fraction between 0 and 1")
+    if slots is not None and budget_gib is not None:
+        raise StrataError("give --slots N or --budget-gib X for the hit-rate gate, not both")
+    if slots is not None and slots < 1:
+        raise StrataError(f"--slots {slots}: give a positive number of expert slots")
+    if budget_gib is not None and not (math.isfinite(budget_gib) and budget_gib > 0):
+        raise StrataError(f"--budget-gib {budget_gib}: give a finite positive number of GiB")
+
+
+def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, slots: int | None = None,
+                     budget_gib: float | None = None, registry: str | os.PathLike | None = None) -> CheckSuite:
+    """Run every check that the given inputs allow; see the module docstring.
+
+    Args:
+        registry: release registry TOML (default: :func:`stratatools.registry.load_registry`'s).
+
+    Raises:
+        StrataError: a given path does not exist, the registry does not load, or the gate options are
+            meaningless (:func:`check_gate_options`) (unusable input, exit 2). Problems found inside the
+            release's files are failed checks, not errors.
+    """
+    from .registry import load_registry
+
+    check_gate_options(min_hit_rate, slots, budget_gib)
     _must_exist(inp.model, "model")
     for p, what in ((inp.alloc, "allocation file"), (inp.profile, "profile"), (inp.pack, "pack folder"),
                     (inp.full, "full model"), (inp.previous, "previous revision"),
@@ -378,15 +447,16 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
         _must_exist(t, "trace")
     if inp.full is not None and inp.previous is not None:
         raise StrataError("give --full or --previous, not both")
+    reg = load_registry(registry)
     suite = CheckSuite(name=inp.model.name, subject={"model": str(inp.model)})
     for k in ("alloc", "profile", "pack", "full", "previous"):
         v = getattr(inp, k)
         if v is not None:
             suite.subject[k] = str(v)
-    ctx: dict[str, Any] = {}
+    ctx: dict[str, Any] = {"registry": reg}
     shards = suite.run("shards", "shards complete and consistent", _check_shards, inp)
     if shards.status == FAIL:
-        for n, t in (("geometry", "geometry"), ("packable", "native pack derivable")):
+        for n, t in ALL_CHECKS[1:]:  # every check stays listed (one JUnit testcase each)
             suite.skip(n, t, "the model does not open (see shards)")
         return suite
     suite.run("geometry", "geometry from the routers", _check_geometry, inp, ctx)

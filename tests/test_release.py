@@ -123,3 +123,98 @@ def test_broken_shard_set_is_a_failed_check(kit, tmp_path):
     assert c["shards"].status == FAIL and "missing" in c["shards"].reason
     assert c["geometry"].status == SKIP
     assert s.exit_code == 1
+
+
+# ---------------------------------------------------------------------------------------- review (issue 8)
+def test_broken_shard_set_still_lists_every_check(kit, tmp_path):
+    """One testcase per check in JUnit, whatever failed first: later checks are skipped, not dropped."""
+    d = tmp_path / "split"
+    d.mkdir()
+    for f in (kit / "gguf/split").glob("*.gguf"):
+        if not f.name.startswith("model-Q2_0-split-00004"):
+            shutil.copy(f, d)
+    s = validate_release(ReleaseInputs(model=d / "model-Q2_0-split-00001-of-00004.gguf",
+                                       profile=kit / "pruned/profile-revA.bin"))
+    names = [c.name for c in s.checks]
+    assert names == ["shards", "geometry", "packable", "allocation", "allocation-model", "survivor-map",
+                     "profile-geometry", "profile-stale", "pack", "hit-rate"]
+    assert [c.status for c in s.checks].count(SKIP) == 9
+
+
+def test_report_outputs_never_overwrite_inputs_and_need_force(kit, tmp_path, cli):
+    p = kit / "pruned"
+    alloc = tmp_path / "a.rco-allocation.txt"
+    shutil.copy(p / "coder-revB.rco-allocation.txt", alloc)
+    before = alloc.read_bytes()
+    base = ("validate-release", "--model", p / "coder-revB.gguf", "--alloc", alloc)
+    for opt in ("--json", "--junit", "--markdown"):
+        code, _, err = cli(*base, opt, alloc, "--force")
+        assert code == 2 and "overwrite the input" in err and "Traceback" not in err, (opt, err)
+        assert alloc.read_bytes() == before
+    out = tmp_path / "r.xml"
+    out.write_text("old")
+    code, _, err = cli(*base, "--junit", out)
+    assert code == 2 and "--force" in err and out.read_text() == "old"
+    code, _, err = cli(*base, "--junit", out, "--force")
+    assert code == 0 and out.read_text().startswith("<?xml")
+    code, _, err = cli(*base, "--junit", tmp_path / "same", "--markdown", tmp_path / "same")
+    assert code == 2 and "same file" in err
+
+
+@pytest.mark.parametrize("opts, words", [
+    (("--slots", "-3"), "--slots"), (("--slots", "0"), "--slots"), (("--budget-gib", "-1"), "--budget-gib"),
+    (("--budget-gib", "nan"), "--budget-gib"), (("--budget-gib", "inf"), "--budget-gib"),
+    (("--slots", "8", "--budget-gib", "1"), "not both"),
+])
+def test_gate_budget_options_are_checked(kit, cli, opts, words):
+    p = kit / "pruned"
+    code, _, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--profile", p / "profile-revA.bin",
+                       "-t", p / "coder-revB.routing.csv", "--min-hit-rate", "0.1", *opts)
+    assert code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_corrupt_sidecar_is_a_failed_check(kit, tmp_path):
+    prof = tmp_path / "p.bin"
+    shutil.copy(kit / "pruned/profile-revA.bin", prof)
+    (tmp_path / "p.bin.json").write_text("garbage")
+    s = validate_release(ReleaseInputs(model=kit / "pruned/coder-revB.gguf", profile=prof))
+    c = _by_name(s)["profile-stale"]
+    assert c.status == FAIL and "p.bin.json" in c.reason
+
+
+def test_allocation_of_another_release_fails_by_registry(kit):
+    """revB's GGUF with revA's allocation: types and kept counts agree (same pruning shape), but the
+    registry knows both digests belong to different revisions."""
+    p = kit / "pruned"
+    s = validate_release(ReleaseInputs(model=p / "coder-revB.gguf", alloc=p / "coder-revA.rco-allocation.txt"))
+    c = _by_name(s)["allocation-model"]
+    assert c.status == FAIL and "kit-coder@revA" in c.reason and "kit-coder@revB" in c.reason
+
+
+def test_discover_reads_only_the_magic_of_bin_files(tmp_path, kit, monkeypatch):
+    rel = tmp_path / "rel"
+    rel.mkdir()
+    shutil.copy(kit / "pruned/coder-revA.gguf", rel)
+    shutil.copy(kit / "pruned/profile-revA.bin", rel)
+    (rel / "experts.bin").write_bytes(b"\0" * 4096)
+    import pathlib
+
+    def boom(self):
+        raise AssertionError(f"read whole {self}")
+    monkeypatch.setattr(pathlib.Path, "read_bytes", boom)
+    assert discover(rel).profile.name == "profile-revA.bin"
+
+
+def test_missing_registry_is_an_empty_registry(kit, tmp_path, monkeypatch, cli):
+    """An installed (non-editable) stratatools has no allocations/ folder: the stale check still runs."""
+    from stratatools import registry
+
+    monkeypatch.setattr(registry, "DEFAULT_PATH", tmp_path / "nope.toml")
+    monkeypatch.delenv("STRATATOOLS_REGISTRY", raising=False)
+    assert registry.load_registry().releases == []
+    p = kit / "pruned"
+    code, out, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--profile", p / "profile-revA.bin",
+                         "--registry", registry.__file__.replace("stratatools/registry.py", "allocations/releases.toml"))
+    assert code == 1 and "kit-coder@revA" in out, err
+    code, _, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--registry", tmp_path / "none.toml")
+    assert code == 2 and "none.toml" in err

@@ -32,20 +32,21 @@ def validate_release_cmd(
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check)."),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON to FILE ('-' = stdout)."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary."),
+    registry: Optional[Path] = typer.Option(None, "--registry", help="Release registry TOML (default: "
+                                            "$STRATATOOLS_REGISTRY, else the repository's allocations/releases.toml)."),
+    force: bool = typer.Option(False, "--force", help="Replace existing --junit/--json/--markdown files."),
 ) -> None:
     """Validate a release: shards, geometry, allocation, survivor map, profile (stale?), pack, hit-rate gate.
 
     Exit 0 when every check passes (skips allowed), 1 when a check failed, 2 for unusable input.
     """
-    from ..release import resolve_inputs, validate_release
+    from ..release import check_gate_options, resolve_inputs, validate_release
 
     inp = resolve_inputs(release_dir, model=model, alloc=alloc, profile=profile, pack=pack, traces=traces,
                          full=full, previous=previous, previous_alloc=previous_alloc)
-    if min_hit_rate is not None and not 0.0 <= min_hit_rate <= 1.0:
-        from ..errors import StrataError
-
-        raise StrataError(f"--min-hit-rate {min_hit_rate}: give a fraction between 0 and 1")
-    suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib)
+    check_gate_options(min_hit_rate, slots, budget_gib)
+    _guard_reports(inp, registry, force, junit=junit, json=json_file, markdown=markdown)
+    suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib, registry=registry)
     if junit is not None:
         write_text_atomic(junit, suite.to_junit())
     if markdown is not None:
@@ -68,6 +69,32 @@ def validate_release_cmd(
         verdict = "[green]PASS[/]" if suite.ok else "[bold red]FAIL[/]"
         console.print(f"{verdict}: {n[PASS]} passed, {n[FAIL]} failed, {n['skip']} skipped")
     raise typer.Exit(suite.exit_code)
+
+
+def _guard_reports(inp, registry: Optional[Path], force: bool, **outs: Optional[Path]) -> None:
+    """Refuse report paths that are an input (any shard too), one another, or existing without --force;
+    all before any check runs, so a refused run writes nothing."""
+    from ..errors import StrataError
+    from ..fsutil import guard_output
+    from ..gguf import shard_siblings
+
+    inputs: list[Path] = [p for p in (inp.model, inp.alloc, inp.profile, inp.full, inp.previous,
+                                      inp.previous_alloc, registry) if p is not None] + list(inp.traces)
+    for m in (inp.model, inp.full, inp.previous):
+        if m is not None and m.exists():
+            inputs += shard_siblings(m) or []
+    if inp.profile is not None:
+        inputs.append(inp.profile.with_name(inp.profile.name + ".json"))
+    if inp.pack is not None and inp.pack.is_dir():
+        inputs += list(inp.pack.iterdir())
+    given = {k: v for k, v in outs.items() if v is not None and str(v) != "-"}
+    seen: dict[Path, str] = {}
+    for k, v in given.items():
+        r = v.resolve()
+        if r in seen:
+            raise StrataError(f"{v}: --{seen[r]} and --{k} name the same file; give each report its own path", v)
+        seen[r] = k
+        guard_output(v, inputs, force)
 
 
 def register(app: typer.Typer) -> None:
