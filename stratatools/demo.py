@@ -202,7 +202,8 @@ def _write_index(res: DemoResult) -> None:
                      f"[{st.log.name}](logs/{st.log.name}) |")
     lines += ["", "## The story", ""]
     for i, st in enumerate(res.steps, 1):
-        lines.append(f"{i}. **{st.title}.** {st.story}".rstrip())
+        stop = "" if st.title.endswith(("?", "!", ".")) else "."
+        lines.append(f"{i}. **{st.title}{stop}** {st.story}".rstrip())
     lines += ["", "## Outputs", ""]
     links = [
         ("release/", "the synthetic release: canonical, revA, revB GGUFs, allocation maps, release.json"),
