@@ -224,5 +224,12 @@ def _write_index(res: DemoResult) -> None:
         lines.append(f"- [{rel}]({rel}): {what}{mark}")
     sim = out / "reports" / "simulation" / "report.md"
     if sim.exists():
-        lines += ["", "## Simulation (from reports/simulation/report.md)", "", sim.read_text(encoding="utf-8")]
+        import re
+
+        body = [("#" + ln if ln.startswith("#") else ln) for ln in sim.read_text(encoding="utf-8").splitlines()]
+        # the report links its plots relative to its own folder
+        body = [re.sub(r"\]\((?!https?:|/)([^)]+)\)", r"](reports/simulation/\1)", ln) for ln in body]
+        if body and body[0].startswith("## "):
+            body = body[1:]  # the report's own title; this section has one
+        lines += ["", "## Simulation (from reports/simulation/report.md)", ""] + body
     (out / "index.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -67,6 +67,13 @@ def rounds_text(study) -> str:
     return f"decode positions ({n} rounds; the traces delimit no verify windows)"
 
 
+def _skipped_text(skipped: dict[str, int] | None) -> str:
+    """' (left out: 6,336 prefill, ...)' for the non-zero counts, '' when nothing was left out."""
+    parts = [f"{v:,} {k}" if k == "prefill" else f"{v:,} outside the model's {k}s"
+             for k, v in (skipped or {}).items() if v]
+    return f" (left out: {', '.join(parts)})" if parts else ""
+
+
 def moved_text(row: dict[str, Any]) -> str:
     """The moved column: bytes when blob sizes are known, else the number of copies."""
     return _bytes(row["moved_bytes"]) if row["moved_bytes"] is not None else f"{row['loads']} copies"
@@ -91,7 +98,7 @@ def study_markdown(study) -> str:
     out = ["# Cache simulation report", "",
            f"- Model geometry: {study.n_layers} layers x {study.n_expert} experts",
            f"- Traces: {', '.join(t['name'] for t in study.traces)}: {study.entries} routed entries, "
-           f"{study.tokens} tokens, {study.requests} requests (skipped: {study.skipped})",
+           f"{study.tokens} tokens, {study.requests} requests" + _skipped_text(study.skipped),
            f"- Budget: {budget}; admission of the static/adaptive tiers: {study.admission}",
            f"- Rounds (the adaptive tier's `adapt_every`, the LFU/LFRU decay): {rounds_text(study)}",
            "- Baselines (lru, lfu, lfru, belady) use the per-layer split of the same budget; `belady` labelled "

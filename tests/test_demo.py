@@ -62,3 +62,14 @@ def test_refuses_non_demo_folder(tmp_path):
     with pytest.raises(StrataError, match="not a demo folder"):
         run_demo(tmp_path, force=True)
     assert (tmp_path / "keep.txt").read_text() == "user data"
+
+
+def test_index_links_resolve(demo):
+    import re
+
+    index = (demo.out / "index.md").read_text()
+    assert index.count("\n# ") == 0  # one title; embedded report headings are demoted
+    links = re.findall(r"\]\(([^)]+)\)", index)
+    assert any(link.endswith(".png") for link in links)
+    for link in links:
+        assert (demo.out / link).exists(), link

@@ -218,3 +218,19 @@ def test_missing_registry_is_an_empty_registry(kit, tmp_path, monkeypatch, cli):
     assert code == 1 and "kit-coder@revA" in out, err
     code, _, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--registry", tmp_path / "none.toml")
     assert code == 2 and "none.toml" in err
+
+
+def test_reports_on_stdout_and_gate_hint(kit, cli, tmp_path):
+    p = kit / "pruned"
+    base = ("validate-release", "--model", p / "coder-revB.gguf", "--profile", p / "profile-revA.bin")
+    code, out, err = cli(*base, "--junit", "-")
+    assert code == 1
+    xml = junitparser.JUnitXml.fromstring(out)
+    assert {c.name for s in ([xml] if isinstance(xml, junitparser.TestSuite) else xml) for c in s} >= {"profile-stale"}
+    assert not (tmp_path / "-").exists()
+    code, out, err = cli(*base, "--markdown", "-")
+    assert code == 1 and out.startswith("# validate-release") and "`profile-stale` | **FAIL**" in out
+    code, _, err = cli(*base, "--junit", "-", "--json", "-")
+    assert code == 2 and "stdout" in err
+    code, _, err = cli(*base, "-t", p / "coder-revB.routing.csv")
+    assert code == 1 and "--min-hit-rate" in err

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..checks import FAIL, PASS
 from ..fsutil import write_text_atomic
-from .common import console, emit_json
+from .common import console, emit_json, warn
 
 _STYLE = {PASS: "green", FAIL: "bold red", "skip": "yellow"}
 
@@ -29,9 +29,9 @@ def validate_release_cmd(
     min_hit_rate: Optional[float] = typer.Option(None, "--min-hit-rate", help="Gate: profile h_expert on the traces (0..1)."),
     slots: Optional[int] = typer.Option(None, "--slots", help="Slots for the gate (default: 39/256 of the experts per layer)."),
     budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget for the gate instead of slots."),
-    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check)."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check; '-' = stdout)."),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON to FILE ('-' = stdout)."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary ('-' = stdout)."),
     registry: Optional[Path] = typer.Option(None, "--registry", help="Release registry TOML (default: "
                                             "$STRATATOOLS_REGISTRY, else the repository's allocations/releases.toml)."),
     force: bool = typer.Option(False, "--force", help="Replace existing --junit/--json/--markdown files."),
@@ -45,14 +45,32 @@ def validate_release_cmd(
     inp = resolve_inputs(release_dir, model=model, alloc=alloc, profile=profile, pack=pack, traces=traces,
                          full=full, previous=previous, previous_alloc=previous_alloc)
     check_gate_options(min_hit_rate, slots, budget_gib)
+    stdout_reports = [k for k, v in (("junit", junit), ("json", json_file), ("markdown", markdown))
+                      if v is not None and str(v) == "-"]
+    if len(stdout_reports) > 1:
+        from ..errors import StrataError
+
+        raise StrataError(f"--{' and --'.join(stdout_reports)} both name stdout ('-'); send at most one report there")
+    if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
+        warn("--traces, --slots and --budget-gib only serve the hit-rate gate; add --min-hit-rate X to run it")
     _guard_reports(inp, registry, force, junit=junit, json=json_file, markdown=markdown)
     suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib, registry=registry)
-    if junit is not None:
+    if junit is not None and str(junit) != "-":
         write_text_atomic(junit, suite.to_junit())
-    if markdown is not None:
+    if markdown is not None and str(markdown) != "-":
         write_text_atomic(markdown, suite.to_markdown())
-    if json_file is not None and str(json_file) == "-":
-        emit_json(suite.to_dict())
+    if stdout_reports:
+        import sys
+
+        if stdout_reports[0] == "json":
+            emit_json(suite.to_dict())
+        else:
+            sys.stdout.write(suite.to_junit() if stdout_reports[0] == "junit" else suite.to_markdown())
+            sys.stdout.flush()
+        if json_file is not None and str(json_file) != "-":
+            import json
+
+            write_text_atomic(json_file, json.dumps(suite.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
     else:
         if json_file is not None:
             import json
