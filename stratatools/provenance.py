@@ -62,8 +62,17 @@ def build(kind: str, inputs: list[dict[str, Any]], options: dict[str, Any] | Non
 
 
 def write_sidecar(artifact: str | os.PathLike, record: dict[str, Any]) -> Path:
-    """Write ``record`` atomically next to ``artifact``; returns the sidecar path. Deterministic bytes."""
+    """Write ``record`` atomically next to ``artifact``; returns the sidecar path. Deterministic bytes.
+
+    When the record has no ``output`` entry and the artifact exists, ``output`` = {name, sha256} of the
+    artifact is added, so a reader can tell a sidecar left behind by a replaced artifact.
+    """
     p = sidecar_path(artifact)
+    a = Path(artifact)
+    if "output" not in record and a.is_file():
+        from .fsutil import sha256_file
+
+        record = dict(record, output={"name": a.name, "sha256": sha256_file(a)})
     write_json_atomic(p, record)
     return p
 

@@ -298,7 +298,14 @@ def _check_stale(inp: ReleaseInputs, ctx: dict[str, Any]):
     here_alloc_sha = ctx["alloc"].sha256 if ctx.get("alloc") is not None else None
     here_key = _release_key_of(inp, reg)
     details: dict[str, Any] = {"release": here_key}
-    # 1. provenance sidecar
+    # 1. provenance sidecar (only when it describes this very file)
+    prof_sha = sha256_file(inp.profile)
+    out_rec = side.get("output") if side and isinstance(side.get("output"), dict) else None
+    if out_rec and out_rec.get("sha256") and out_rec["sha256"] != prof_sha:
+        details["sidecar_output_sha256"] = out_rec["sha256"]
+        return FAIL, (f"{inp.profile.name}.json describes another file (its output digest {str(out_rec['sha256'])[:12]}… "
+                      f"is not this profile's): the profile was replaced after the sidecar was written; rebuild "
+                      f"or remap it with stratatools, or delete the stale sidecar"), details
     if side:
         a = side.get("allocation") if isinstance(side.get("allocation"), dict) else None
         m = side.get("model") if isinstance(side.get("model"), dict) else None
@@ -314,7 +321,6 @@ def _check_stale(inp: ReleaseInputs, ctx: dict[str, Any]):
                 return PASS, f"provenance: built for {here_key}", details
             return FAIL, f"stale profile: built for {a['release']}, this release is {here_key}", details
     # 2. registry
-    prof_sha = sha256_file(inp.profile)
     hit = reg.identify(prof_sha)
     if hit and hit[0] == "profile":
         details["registry_profile"] = hit[1]

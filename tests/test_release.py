@@ -234,3 +234,21 @@ def test_reports_on_stdout_and_gate_hint(kit, cli, tmp_path):
     assert code == 2 and "stdout" in err
     code, _, err = cli(*base, "-t", p / "coder-revB.routing.csv")
     assert code == 1 and "--min-hit-rate" in err
+
+
+def test_sidecar_of_a_replaced_profile_is_not_trusted(kit, cli, tmp_path):
+    """remap-profile records the output digest; a profile swapped under its sidecar fails profile-stale."""
+    p = kit / "pruned"
+    out = tmp_path / "revB.bin"
+    code, _, err = cli("remap-profile", p / "profile-revA.bin", "--from-alloc", p / "coder-revA.rco-allocation.txt",
+                       "--to-alloc", p / "coder-revB.rco-allocation.txt", "-o", out)
+    assert code == 0, err
+    side = json.loads((tmp_path / "revB.bin.json").read_text())
+    from stratatools.fsutil import sha256_file
+
+    assert side["output"]["sha256"] == sha256_file(out)
+    base = dict(model=p / "coder-revB.gguf", alloc=p / "coder-revB.rco-allocation.txt", profile=out)
+    assert _by_name(validate_release(ReleaseInputs(**base)))["profile-stale"].status == PASS
+    shutil.copy(p / "profile-revA.bin", out)  # the stale profile under the fresh sidecar
+    c = _by_name(validate_release(ReleaseInputs(**base)))["profile-stale"]
+    assert c.status == FAIL and "describes another file" in c.reason
