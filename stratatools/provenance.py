@@ -38,6 +38,19 @@ def describe_file(path: str | os.PathLike, weight: float | None = None, role: st
     return d
 
 
+def describe_shards(paths: list[str | os.PathLike]) -> list[dict[str, Any]]:
+    """{name, size_bytes, sha256} of each model file, the digest taken from the digest cache only (a pack or a
+    validate-release run of the model fills it); ``sha256`` is None when it is not cached, so that describing
+    a multi-GB model never re-reads it."""
+    from .fsutil import cached_sha256
+
+    out = []
+    for f in paths:
+        fp = Path(f)
+        out.append({"name": fp.name, "size_bytes": fp.stat().st_size, "sha256": cached_sha256(fp)})
+    return out
+
+
 def build(kind: str, inputs: list[dict[str, Any]], options: dict[str, Any] | None = None,
           model: dict[str, Any] | None = None, allocation: dict[str, Any] | None = None,
           extra: dict[str, Any] | None = None) -> dict[str, Any]:

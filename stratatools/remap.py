@@ -242,7 +242,8 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
                 raise StrataError(f"{model}: the model has {g.n_trunk} layers x {g.uniform_n_expert} experts (routers) "
                                   f"but the remapped profile is {res.profile.n_layers} x {res.profile.n_expert}; "
                                   f"the allocation is not this model's", model)
-        model_info = {"name": Path(model).name, "n_layers": g.n_trunk, "n_expert": g.uniform_n_expert}
+        model_info = {"name": Path(model).name, "n_layers": g.n_trunk, "n_expert": g.uniform_n_expert,
+                      "shards": provenance.describe_shards([f.path for f in m.files])}
     res.profile.write(out)
     inputs_desc = [provenance.describe_file(profile, role="profile")] + alloc_inputs
     if model is not None:

@@ -204,8 +204,11 @@ def _make_profile(
         with open_model(model) as m:
             g = read_geometry(m)
             L, E = g.n_trunk, g.n_expert
+            from ..provenance import describe_shards
+
             model_info = {"name": model.name, "path": str(model), "size_bytes": m.total_bytes,
-                          "n_mtp": g.n_mtp, "expert_count_kv": g.expert_count_kv}
+                          "n_mtp": g.n_mtp, "expert_count_kv": g.expert_count_kv,
+                          "shards": describe_shards([f.path for f in m.files])}
             extra_inputs = [str(f.path) for f in m.files] if all(hasattr(f, "path") for f in m.files) else [str(model)]
     elif pack is not None:
         L, E = pack_geometry(pack)
