@@ -40,3 +40,22 @@ def test_kit_csv_rounds(kit):
     ent = prepare_entries(t, 8, 16, phase="all")
     assert ent.n_rounds == 3  # three prompts, each captured as one layer-major ubatch
     assert ent.n_tokens == 135
+
+
+def test_compare_takes_bandwidth_and_policy_options(kit, cli):
+    p = kit / "pruned"
+    args = ("compare", "-t", p / "coder-revB.routing.csv", "-p", p / "profile-revA.bin", "--model",
+            p / "coder-revB.gguf", "--slots", "48", "--policy", "static", "--json")
+    import json
+
+    code, out, err = cli(*args)
+    assert code == 0, err
+    fast = json.loads(out)["rows"][0]
+    code, out, err = cli(*args, "--host-gbps", "6", "--vram-gbps", "90")
+    assert code == 0, err
+    slow = json.loads(out)["rows"][0]
+    assert slow["h_expert"] == fast["h_expert"]
+    key = next(k for k in fast if "time_per_token" in k or k.startswith("ms"))
+    assert abs(slow[key] - 10 * fast[key]) <= 1e-9 * max(1.0, abs(slow[key]))  # every byte is 10x slower
+    code, _, err = cli(*args, "--host-gbps", "nan")
+    assert code == 2

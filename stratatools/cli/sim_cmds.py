@@ -226,6 +226,10 @@ def register(app: typer.Typer) -> None:
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP + " Default: static,adaptive,belady."),
         admission: str = typer.Option("global", "--admission", help="global or per-layer."),
         phase: str = typer.Option("decode", "--phase", help="decode or all."),
+        host_gbps: float = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s."),
+        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),
+        vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s."),
+        sets: Optional[list[str]] = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable."),
         report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder."),
         force: bool = typer.Option(False, "--force", help="Replace an existing report."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -239,7 +243,7 @@ def register(app: typer.Typer) -> None:
             _check_report(report, list(traces) + list(profile), force)
         st, _ = run(traces, profile, pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or ["static", "adaptive", "belady"], admission=admission, kfold=None,
-                    phase=phase, host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0, sets=[],
+                    phase=phase, host_gbps=host_gbps, pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [],
                     sweep=report is not None)
         if report is not None:
             write_report(st, report, force=force)
