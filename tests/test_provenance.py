@@ -7,7 +7,8 @@ import json
 from stratatools.fsutil import sha256_file
 
 
-def test_make_profile_sidecar_names_model_shards(kit, cli, tmp_path):
+def test_make_profile_sidecar_names_model_shards(kit, cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh-cache"))  # other tests may have hashed the model
     model = kit / "quant/model-ISTA-mix.gguf"
     trace = kit / "routing/llamacpp-ISTA-mix.routing.csv"
     code, _, err = cli("make-profile", trace, "--model", model, "-o", tmp_path / "a.bin")
