@@ -478,6 +478,11 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
             t = _read_plain_fast(path, size, n_layers, n_expert, sha256)
             if t is not None:
                 return t
+            from .strata_walk import HAVE_NUMBA, read_walk
+            if HAVE_NUMBA:  # tagged or mixed-k traces: the compiled walker (same results as the chunked reader)
+                t = read_walk(path, size, n_layers, n_expert, sha256)
+                if t is not None:
+                    return t
         return _read_strata(path, size, n_layers, n_expert, chunk_bytes, sha256)
 
 

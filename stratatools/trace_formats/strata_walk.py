@@ -1,0 +1,471 @@
+"""Compiled record walker for Strata ``--dump-routing`` traces (plain and tagged, formats.md section 3).
+
+One pass over the memory-mapped file as an int32 array finds record boundaries and tags, checks every record,
+copies route ids/weights into the output columns and fills the per-record compact-form arrays (layer, k,
+request, phase, verify window) with exactly the semantics of the chunked reader in :mod:`.strata` (its module
+docstring states them: tag numbers, windows closed by commit tags, unit weights, and every refused case with
+its byte offset). The chunked reader stays the reference: tests/test_trace_walk.py compares the two on random
+and mutated streams (tables, meta, windows, identical one-line errors).
+
+Why numba: record boundaries depend on every earlier record's ``k``, so finding them is a sequential scan; in
+numpy it takes a Python-level step per run of equal-k records, which for tagged traces (a commit tag after
+every verify window) means tens of thousands of steps. The walker is a plain loop compiled by numba (the same
+dependency and cache fallback as :mod:`stratatools.cachesim.kernels`). Without numba, :func:`read_walk` is not
+used (:data:`HAVE_NUMBA` is False) and :func:`stratatools.trace_formats.strata.read_strata` reads with the
+chunked reader, which gives the same results; ``walk.py_func`` (the same code run as Python) is what the tests
+use to check the uncompiled walker.
+
+Memory: the file is mapped without pre-faulting and walked in chunks; the mapped pages of each finished chunk
+are dropped from the process (``MADV_DONTNEED``; they stay in the page cache), so the peak is the output
+columns (8 bytes per entry, about the file size) plus one chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..cachesim.kernels import HAVE_NUMBA, njit
+from ..errors import StrataError
+from ..trace import DECODE, PREFILL, UNKNOWN, TraceTable
+
+__all__ = ["HAVE_NUMBA", "walk", "read_walk"]
+
+WALK_CHUNK_BYTES = 64 << 20
+
+# state slots shared between the walker and its driver (int64 array)
+S_O, S_NREC, S_NENT, S_NTOTAL, S_NTAGS = 0, 1, 2, 3, 4
+S_ERR, S_EOFF, S_EA, S_EB = 5, 6, 7, 8                  # first scan error: code, byte, two values
+S_DERR, S_DOFF, S_DA = 9, 10, 11                        # first tag-payload error (raised after the scan)
+S_K, S_KVAR = 12, 13                                    # first route k (0: none yet), another k seen
+S_SEG, S_LO, S_HI = 14, 15, 16                          # window segment: first record, layer span
+S_NWIN, S_REQ, S_PHASE, S_COMMITS, S_ACC, S_WREC = 17, 18, 19, 20, 21, 22
+N_STATE = 24
+
+# scan errors
+E_KNEG, E_KROUTE, E_KTAG, E_LAYER, E_IDNEG, E_IDBIG, E_WEIGHT = 1, 2, 3, 4, 5, 6, 7
+# tag-payload errors (deferred: the chunked reader raises them after scanning the whole file)
+D_FMT_EMPTY, D_FMT_VERSION, D_REQUEST, D_PHASE, D_COMMIT = 1, 2, 3, 4, 5
+
+MAX_ROUTE_K = 1024
+MAX_TAG_K = 1 << 20
+MAX_LAYER = 4096
+
+
+@njit(cache=True, nogil=True)
+def _phase_of(v):
+    if v == 0:
+        return 0  # PREFILL
+    if v == 1:
+        return 1  # DECODE
+    return 2      # UNKNOWN
+
+
+@njit(cache=True, nogil=True)
+def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, weight, rec_layer, rec_k,
+         rec_req, rec_phase, rec_win, tags):
+    """Walk the records of ``a`` (int32 [W], the whole file) starting at word ``st[S_O]``, as long as a record
+    starts before word ``end``. ``weight`` is the float32 output column viewed as int32 (bits are copied).
+    ``n_layers``/``n_expert`` are -1 when unknown. ``tagged``: the first record is a format tag; ``version1``:
+    its version is 1 (phase tags give phases) rather than 2+ (commit tags give them).
+
+    Returns 0 when it reached ``end``; 1 when the next record does not fit in the file (``st[S_O]`` is where
+    it starts; the driver reports the cut); 2 on a bad record (``st[S_ERR..S_EB]``). Tag-payload problems are
+    recorded in ``st[S_DERR..S_DA]`` (first one only) and the walk goes on, as the chunked reader checks them
+    after the scan.
+    """
+    W = a.shape[0]
+    o = st[S_O]
+    n = st[S_NREC]
+    ne = st[S_NENT]
+    ntot = st[S_NTOTAL]
+    nt = st[S_NTAGS]
+    seg = st[S_SEG]
+    lo = st[S_LO]
+    hi = st[S_HI]
+    nwin = st[S_NWIN]
+    req = st[S_REQ]
+    phase = st[S_PHASE]
+    status = 0
+    bound = np.uint32(0x80000000)
+    while o < end:
+        if o + 2 > W:
+            status = 1
+            break
+        layer = np.int64(a[o])
+        k = np.int64(a[o + 1])
+        off = 4 * o
+        if k < 0:
+            st[S_ERR] = E_KNEG
+            st[S_EOFF] = off + 4
+            st[S_EA] = layer
+            st[S_EB] = k
+            status = 2
+            break
+        if layer >= 0:
+            if k < 1 or k > max_route_k:
+                st[S_ERR] = E_KROUTE
+                st[S_EOFF] = off + 4
+                st[S_EA] = layer
+                st[S_EB] = k
+                status = 2
+                break
+        elif k > MAX_TAG_K:
+            st[S_ERR] = E_KTAG
+            st[S_EOFF] = off + 4
+            st[S_EA] = layer
+            st[S_EB] = k
+            status = 2
+            break
+        s = 2 + 2 * k
+        if o + s > W:
+            status = 1
+            break
+        ntot += 1
+        if layer < 0:
+            tags[nt] = layer
+            nt += 1
+            if tagged:
+                if o == 0:  # the format tag
+                    if k == 0:
+                        if st[S_DERR] == 0:
+                            st[S_DERR] = D_FMT_EMPTY
+                            st[S_DOFF] = 0
+                    elif a[2] < 1:
+                        if st[S_DERR] == 0:
+                            st[S_DERR] = D_FMT_VERSION
+                            st[S_DOFF] = 8
+                            st[S_DA] = a[2]
+                elif layer == -3:  # request
+                    if k < 1:
+                        if st[S_DERR] == 0:
+                            st[S_DERR] = D_REQUEST
+                            st[S_DOFF] = off
+                    else:
+                        req = a[o + 2]
+                        seg = n
+                        lo = 1 << 40
+                        hi = -1
+                elif layer == -5:  # phase (version 1 only)
+                    if version1:
+                        if k < 1:
+                            if st[S_DERR] == 0:
+                                st[S_DERR] = D_PHASE
+                                st[S_DOFF] = off
+                        else:
+                            phase = _phase_of(a[o + 2])
+                elif layer == -1:  # commit
+                    if k < 3:
+                        if st[S_DERR] == 0:
+                            st[S_DERR] = D_COMMIT
+                            st[S_DOFF] = off
+                            st[S_DA] = k
+                    else:
+                        st[S_COMMITS] += 1
+                        acc = np.int64(a[o + 4])
+                        if acc > 0:
+                            st[S_ACC] += acc
+                        npos = np.int64(a[o + 3])
+                        ph = 2
+                        if k >= 4:
+                            ph = _phase_of(a[o + 5])
+                        if npos > 0 and n > seg:
+                            cnt = npos * (hi - lo + 1)
+                            if cnt > n - seg:
+                                cnt = n - seg
+                            for r in range(n - cnt, n):
+                                rec_win[r] = nwin
+                            if not version1:
+                                for r in range(n - cnt, n):
+                                    rec_phase[r] = ph
+                            nwin += 1
+                            st[S_WREC] += cnt
+                        seg = n
+                        lo = 1 << 40
+                        hi = -1
+            o += s
+            continue
+        if layer > MAX_LAYER:
+            st[S_ERR] = E_LAYER
+            st[S_EOFF] = off
+            st[S_EA] = layer
+            status = 2
+            break
+        # ids: negative ids are >= 2**31 as uint32; the expert bound applies below n_layers (all layers if unknown)
+        lim = bound
+        if n_expert >= 0 and (n_layers < 0 or layer < n_layers):
+            lim = np.uint32(n_expert)
+        bad = -1
+        for c in range(k):
+            v = a[o + 2 + c]
+            if np.uint32(v) >= lim:
+                bad = c
+                break
+            expert[ne + c] = v
+        if bad >= 0:
+            v = np.int64(a[o + 2 + bad])
+            st[S_ERR] = E_IDNEG if v < 0 else E_IDBIG
+            st[S_EOFF] = off + 8 + 4 * bad
+            st[S_EA] = v
+            st[S_EB] = layer
+            status = 2
+            break
+        wo = o + 2 + k
+        nz = 0
+        for c in range(k):
+            b = a[wo + c]
+            if (b & 0x7F800000) == 0x7F800000:
+                bad = c
+                break
+            nz |= b & 0x7FFFFFFF
+            weight[ne + c] = b
+        if bad >= 0:
+            st[S_ERR] = E_WEIGHT
+            st[S_EOFF] = off + 8 + 4 * k + 4 * bad
+            st[S_EA] = a[wo + bad]
+            st[S_EB] = layer
+            status = 2
+            break
+        if nz == 0:  # all weights zero (verify windows): unit weights
+            for c in range(k):
+                weight[ne + c] = 0x3F800000
+        ne += k
+        rec_layer[n] = layer
+        rec_k[n] = k
+        rec_req[n] = req
+        rec_phase[n] = phase
+        rec_win[n] = -1
+        if layer < lo:
+            lo = layer
+        if layer > hi:
+            hi = layer
+        if st[S_K] == 0:
+            st[S_K] = k
+        elif st[S_K] != k:
+            st[S_KVAR] = 1
+        n += 1
+        o += s
+    st[S_O] = o
+    st[S_NREC] = n
+    st[S_NENT] = ne
+    st[S_NTOTAL] = ntot
+    st[S_NTAGS] = nt
+    st[S_SEG] = seg
+    st[S_LO] = lo
+    st[S_HI] = hi
+    st[S_NWIN] = nwin
+    st[S_REQ] = req
+    st[S_PHASE] = phase
+    return status
+
+
+def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
+    msg = f"{path}: byte {off}: {what}"
+    if fix:
+        msg += f" ({fix})"
+    return StrataError(msg, path)
+
+
+def _k_error(path: Any, code: int, off: int, layer: int, k: int, max_route_k: int) -> StrataError:
+    if code == E_KNEG:
+        return _err(path, off, f"k = {k} is negative (layer {layer}); not a Strata --dump-routing record",
+                    "is this a routing trace? pass --from to name its format")
+    if code == E_KROUTE:
+        return _err(path, off, f"k = {k} on a route record of layer {layer} is outside 1..{max_route_k}",
+                    "the file is corrupt or not a Strata routing trace")
+    return _err(path, off, f"k = {k} on a tag record ({layer}) exceeds {MAX_TAG_K}", "the file is corrupt")
+
+
+def _scan_error(path: Any, st: np.ndarray, n_expert: int | None, max_route_k: int) -> StrataError:
+    code, off, va, vb = (int(x) for x in st[[S_ERR, S_EOFF, S_EA, S_EB]])
+    if code in (E_KNEG, E_KROUTE, E_KTAG):
+        return _k_error(path, code, off, va, vb, max_route_k)
+    if code == E_LAYER:
+        return _err(path, off, f"layer {va} is out of range (above {MAX_LAYER})",
+                    "the file is corrupt or not a Strata routing trace")
+    if code == E_IDNEG:
+        return _err(path, off, f"expert id {va} is negative (layer {vb})", "the file is corrupt")
+    if code == E_IDBIG:
+        return _err(path, off, f"expert id {va} of layer {vb} is out of range for {n_expert} experts",
+                    "the trace is for a model with more experts; check --n-expert / --model")
+    w = float(np.array([va], np.int64).astype(np.int32).view(np.float32)[0])
+    return _err(path, off, f"router weight {w} is not finite (layer {vb})", "the file is corrupt")
+
+
+def _tag_error(path: Any, st: np.ndarray) -> StrataError:
+    code, off, va = (int(x) for x in st[[S_DERR, S_DOFF, S_DA]])
+    if code == D_FMT_EMPTY:
+        return _err(path, 0, "format tag (-2) carries no version", "the file is corrupt")
+    if code == D_FMT_VERSION:
+        return _err(path, 8, f"format version {va} is not a positive number", "the file is corrupt")
+    if code == D_REQUEST:
+        return _err(path, off, "request tag (-3) carries no request id", "the file is corrupt")
+    if code == D_PHASE:
+        return _err(path, off, "phase tag (-5) carries no phase", "the file is corrupt")
+    return _err(path, off, f"commit tag (-1) carries {va} values, expected 3 or 4", "the file is corrupt")
+
+
+def _cut_error(path: Any, a: np.ndarray, o: int, size: int, max_route_k: int) -> StrataError:
+    """The record at word ``o`` does not fit before the end of the file (chunked reader's ``_cut``)."""
+    off = 4 * o
+    n = size - off
+    fix = "the trace was truncated; drop the partial last record or re-record"
+    if n < 8:
+        return _err(path, off, f"record cut inside its header ({n} of 8 bytes before the end of the file)", fix)
+    layer, k = int(a[o]), int(a[o + 1])
+    need = 8 + 8 * k
+    part = "ids" if n < 8 + 4 * k else "weights"
+    return _err(path, off, f"record (layer {layer}, k {k}) cut inside its {part}: {n} of {need} bytes before the "
+                f"end of the file", fix)
+
+
+def _counts(values: np.ndarray) -> list[tuple[int, int]]:
+    """(value, count) of an int array in order of first occurrence."""
+    if len(values) == 0:
+        return []
+    u, first, cnt = np.unique(values, return_index=True, return_counts=True)
+    order = np.argsort(first, kind="stable")
+    return [(int(u[i]), int(cnt[i])) for i in order]
+
+
+def _map(path: Path, size: int):
+    try:
+        with open(path, "rb") as fh:
+            return mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+
+
+def read_walk(path: Path, size: int, n_layers: int | None, n_expert: int | None, sha256: bool,
+              chunk_bytes: int = WALK_CHUNK_BYTES, kernel: Any = None) -> TraceTable | None:
+    """Read a Strata trace (plain or tagged) with :func:`walk`; same table, meta and errors as the chunked
+    reader (:func:`stratatools.trace_formats.strata._read_strata`). Returns None when the file cannot be
+    mapped or is shorter than one record header (the chunked reader then reads it).
+
+    Args:
+        path, size: the trace file and its size in bytes (> 0).
+        n_layers, n_expert: as for :func:`stratatools.trace_formats.strata.read_strata`.
+        sha256: hash the file as it is walked (``meta["source_sha256"]``).
+        chunk_bytes: bytes walked between drops of the mapped pages (memory: output columns + one chunk).
+        kernel: the walker to run (tests pass ``walk.py_func``, the uncompiled code); default :func:`walk`.
+    Raises:
+        StrataError: every case the chunked reader refuses, with the same one-line message.
+    """
+    from .strata import TAG_BOOT, TAG_FORMAT, TAG_NAMES, TAG_OWNED, _expand  # noqa: F401
+
+    if size < 8:
+        return None
+    mm = _map(path, size)
+    if mm is None:
+        return None
+    W = size // 4
+    a = np.frombuffer(mm, dtype="<i4", count=W)
+    kern = walk if kernel is None else kernel
+    max_route_k = MAX_ROUTE_K if n_expert is None else min(MAX_ROUTE_K, int(n_expert))
+    layer0, k0 = int(a[0]), int(a[1])
+    tagged = layer0 == TAG_FORMAT and k0 >= 0
+    version = int(a[2]) if tagged and k0 >= 1 and W >= 3 else 0
+    version1 = version == 1
+    # upper bounds (every entry takes >= 8 bytes, every record >= 8); untouched pages cost no memory
+    cap_ent, cap_rec = size // 8 + 1, size // 16 + 1
+    expert = np.empty(cap_ent, np.int32)
+    weight = np.empty(cap_ent, np.float32)
+    rec_layer = np.empty(cap_rec, np.int16)
+    rec_k = np.empty(cap_rec, np.int32)
+    rec_req = np.empty(cap_rec, np.int32)
+    rec_phase = np.empty(cap_rec, np.int8)
+    rec_win = np.empty(cap_rec, np.int32)
+    tags = np.empty(W // 2 + 1, np.int32)
+    st = np.zeros(N_STATE, np.int64)
+    st[S_LO], st[S_HI] = 1 << 40, -1
+    st[S_REQ] = 0
+    st[S_PHASE] = (UNKNOWN if tagged else DECODE)
+    h = hashlib.sha256() if sha256 else None
+    mv = memoryview(mm)
+    chunk_w = max(int(chunk_bytes) // 4, 64)
+    can_drop = hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+    hashed = dropped = 0
+    status = 0
+    wv = weight.view(np.int32)
+    try:
+        while status == 0 and int(st[S_O]) < W:
+            end = min(int(st[S_O]) + chunk_w, W)
+            status = kern(a, end, st, max_route_k, -1 if n_layers is None else int(n_layers),
+                          -1 if n_expert is None else int(n_expert), tagged, version1, expert, wv, rec_layer,
+                          rec_k, rec_req, rec_phase, rec_win, tags)
+            done = 4 * int(st[S_O])
+            if h is not None and status == 0:
+                h.update(mv[hashed:done])
+                hashed = done
+            pg = done // mmap.PAGESIZE * mmap.PAGESIZE
+            if can_drop and pg > dropped and (h is None or hashed >= pg):
+                mm.madvise(mmap.MADV_DONTNEED, dropped, pg - dropped)  # pages stay in the page cache
+                dropped = pg
+        if status == 2:
+            raise _scan_error(path, st, n_expert, max_route_k)
+        o = int(st[S_O])
+        if status == 1 or 4 * o < size:
+            raise _cut_error(path, a, o, size, max_route_k)
+        if st[S_DERR]:
+            raise _tag_error(path, st)
+        if h is not None:
+            h.update(mv[hashed:size])
+        sha = h.hexdigest() if h is not None else None
+    finally:
+        del a, mv, wv
+        mm.close()
+
+    n, n_ent, nt = int(st[S_NREC]), int(st[S_NENT]), int(st[S_NTAGS])
+    expert.resize(n_ent, refcheck=False)
+    weight.resize(n_ent, refcheck=False)
+    for arr in (rec_layer, rec_req, rec_phase, rec_win):
+        arr.resize(n, refcheck=False)
+    const_k = n > 0 and not st[S_KVAR]
+    if const_k:
+        del rec_k
+        k_out: Any = int(st[S_K])
+    else:
+        rec_k.resize(n, refcheck=False)
+        k_out = rec_k
+    tags.resize(nt, refcheck=False)
+
+    meta: dict[str, Any] = {"source_format": "strata-tagged" if tagged else "strata", "source_path": str(path),
+                            "source_sha256": sha, "source_bytes": size, "records": int(st[S_NTOTAL]),
+                            "route_records": n}
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    if const_k:
+        meta["k"] = int(st[S_K])
+    tag_counts: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    rec_window = None
+    if not tagged:
+        for t, c in _counts(tags):
+            skipped[str(t)] = c
+    else:
+        meta["version"] = version
+        if version not in (1, 2):
+            meta["version_note"] = f"format version {version} is newer than 2; read with version 2 rules"
+        for t, c in _counts(tags[1:]):
+            name = TAG_NAMES.get(t)
+            if name is None or t == TAG_FORMAT:
+                skipped[str(t)] = c
+            else:
+                tag_counts[name] = c
+        meta["commits"] = int(st[S_COMMITS])
+        meta["accepted_drafts"] = int(st[S_ACC])
+        if st[S_NWIN]:
+            rec_window = rec_win
+            meta["windows"] = int(st[S_NWIN])
+            meta["window_records"] = int(st[S_WREC])
+    meta["tags"] = tag_counts
+    meta["tags_skipped"] = skipped
+    if n_ent == 0:
+        return TraceTable.empty(**meta)
+    return _expand(expert, weight, rec_layer, k_out, rec_req, rec_phase, meta, window=rec_window)
