@@ -57,15 +57,6 @@ MAX_LAYER = 4096
 
 
 @njit(cache=True, nogil=True)
-def _phase_of(v):
-    if v == 0:
-        return 0  # PREFILL
-    if v == 1:
-        return 1  # DECODE
-    return 2      # UNKNOWN
-
-
-@njit(cache=True, nogil=True)
 def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, weight, rec_layer, rec_k,
          rec_req, rec_phase, rec_win, tags):
     """Walk the records of ``a`` (int32 [W], the whole file) starting at word ``st[S_O]``, as long as a record
@@ -76,29 +67,38 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
     Returns 0 when it reached ``end``; 1 when the next record does not fit in the file (``st[S_O]`` is where
     it starts; the driver reports the cut); 2 on a bad record (``st[S_ERR..S_EB]``). Tag-payload problems are
     recorded in ``st[S_DERR..S_DA]`` (first one only) and the walk goes on, as the chunked reader checks them
-    after the scan.
+    after the scan. Word, entry and record indices are uint64 (no negative-index wraparound code in the loops;
+    every sum stays uint64, never mixed with signed values).
     """
-    W = a.shape[0]
-    o = st[S_O]
-    n = st[S_NREC]
-    ne = st[S_NENT]
+    U1 = np.uint64(1)
+    U2 = np.uint64(2)
+    U3 = np.uint64(3)
+    U4 = np.uint64(4)
+    U5 = np.uint64(5)
+    W = np.uint64(a.shape[0])
+    endu = np.uint64(end)
+    o = np.uint64(st[S_O])
+    n = np.uint64(st[S_NREC])
+    ne = np.uint64(st[S_NENT])
+    nt = np.uint64(st[S_NTAGS])
+    seg = np.uint64(st[S_SEG])
     ntot = st[S_NTOTAL]
-    nt = st[S_NTAGS]
-    seg = st[S_SEG]
     lo = st[S_LO]
     hi = st[S_HI]
     nwin = st[S_NWIN]
     req = st[S_REQ]
     phase = st[S_PHASE]
+    kfirst = st[S_K]
+    kvar = st[S_KVAR]
     status = 0
     bound = np.uint32(0x80000000)
-    while o < end:
-        if o + 2 > W:
+    while o < endu:
+        if o + U2 > W:
             status = 1
             break
         layer = np.int64(a[o])
-        k = np.int64(a[o + 1])
-        off = 4 * o
+        k = np.int64(a[o + U1])
+        off = np.int64(o) * 4
         if k < 0:
             st[S_ERR] = E_KNEG
             st[S_EOFF] = off + 4
@@ -121,34 +121,35 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
             st[S_EB] = k
             status = 2
             break
-        s = 2 + 2 * k
+        ku = np.uint64(k)
+        s = U2 + U2 * ku
         if o + s > W:
             status = 1
             break
         ntot += 1
         if layer < 0:
             tags[nt] = layer
-            nt += 1
+            nt += U1
             if tagged:
                 if o == 0:  # the format tag
                     if k == 0:
                         if st[S_DERR] == 0:
                             st[S_DERR] = D_FMT_EMPTY
                             st[S_DOFF] = 0
-                    elif a[2] < 1:
+                    elif a[U2] < 1:
                         if st[S_DERR] == 0:
                             st[S_DERR] = D_FMT_VERSION
                             st[S_DOFF] = 8
-                            st[S_DA] = a[2]
+                            st[S_DA] = a[U2]
                 elif layer == -3:  # request
                     if k < 1:
                         if st[S_DERR] == 0:
                             st[S_DERR] = D_REQUEST
                             st[S_DOFF] = off
                     else:
-                        req = a[o + 2]
+                        req = np.int64(a[o + U2])
                         seg = n
-                        lo = 1 << 40
+                        lo = np.int64(1) << 40
                         hi = -1
                 elif layer == -5:  # phase (version 1 only)
                     if version1:
@@ -157,7 +158,8 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
                                 st[S_DERR] = D_PHASE
                                 st[S_DOFF] = off
                         else:
-                            phase = _phase_of(a[o + 2])
+                            pv = a[o + U2]
+                            phase = 0 if pv == 0 else (1 if pv == 1 else 2)  # PREFILL, DECODE, UNKNOWN
                 elif layer == -1:  # commit
                     if k < 3:
                         if st[S_DERR] == 0:
@@ -166,26 +168,29 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
                             st[S_DA] = k
                     else:
                         st[S_COMMITS] += 1
-                        acc = np.int64(a[o + 4])
+                        acc = np.int64(a[o + U4])
                         if acc > 0:
                             st[S_ACC] += acc
-                        npos = np.int64(a[o + 3])
+                        npos = np.int64(a[o + U3])
                         ph = 2
                         if k >= 4:
-                            ph = _phase_of(a[o + 5])
+                            pv = a[o + U5]
+                            ph = 0 if pv == 0 else (1 if pv == 1 else 2)
                         if npos > 0 and n > seg:
                             cnt = npos * (hi - lo + 1)
-                            if cnt > n - seg:
-                                cnt = n - seg
-                            for r in range(n - cnt, n):
+                            avail = np.int64(n - seg)
+                            if cnt > avail:
+                                cnt = avail
+                            first = n - np.uint64(cnt)
+                            for r in range(first, n):
                                 rec_win[r] = nwin
                             if not version1:
-                                for r in range(n - cnt, n):
+                                for r in range(first, n):
                                     rec_phase[r] = ph
                             nwin += 1
                             st[S_WREC] += cnt
                         seg = n
-                        lo = 1 << 40
+                        lo = np.int64(1) << 40
                         hi = -1
             o += s
             continue
@@ -195,47 +200,56 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
             st[S_EA] = layer
             status = 2
             break
-        # ids: negative ids are >= 2**31 as uint32; the expert bound applies below n_layers (all layers if unknown)
+        # ids: negative ids are >= 2**31 as uint32; the expert bound applies below n_layers (all layers if unknown).
+        # Copy first, check after (branch-free loops): the largest id as uint32, the OR of the weights' magnitude
+        # bits (0: all zero), the smallest "exponent xor all-ones" (0: an inf/NaN).
         lim = bound
         if n_expert >= 0 and (n_layers < 0 or layer < n_layers):
             lim = np.uint32(n_expert)
-        bad = -1
-        for c in range(k):
-            v = a[o + 2 + c]
-            if np.uint32(v) >= lim:
-                bad = c
-                break
+        io = o + U2
+        mx = np.uint32(0)
+        for c in range(ku):
+            v = a[io + c]
             expert[ne + c] = v
-        if bad >= 0:
-            v = np.int64(a[o + 2 + bad])
+            mx = max(mx, np.uint32(v))
+        if mx >= lim:
+            bad = np.int64(0)
+            for c in range(k):
+                if np.uint32(a[io + np.uint64(c)]) >= lim:
+                    bad = c
+                    break
+            v = np.int64(a[io + np.uint64(bad)])
             st[S_ERR] = E_IDNEG if v < 0 else E_IDBIG
             st[S_EOFF] = off + 8 + 4 * bad
             st[S_EA] = v
             st[S_EB] = layer
             status = 2
             break
-        wo = o + 2 + k
-        nz = 0
-        for c in range(k):
+        wo = io + ku
+        nz = np.int32(0)
+        fin = np.int32(0x7F800000)
+        for c in range(ku):
             b = a[wo + c]
-            if (b & 0x7F800000) == 0x7F800000:
-                bad = c
-                break
-            nz |= b & 0x7FFFFFFF
             weight[ne + c] = b
-        if bad >= 0:
+            nz |= b & 0x7FFFFFFF
+            fin = min(fin, (b & 0x7F800000) ^ 0x7F800000)
+        if fin == 0:
+            bad = np.int64(0)
+            for c in range(k):
+                if (a[wo + np.uint64(c)] & 0x7F800000) == 0x7F800000:
+                    bad = c
+                    break
             st[S_ERR] = E_WEIGHT
             st[S_EOFF] = off + 8 + 4 * k + 4 * bad
-            st[S_EA] = a[wo + bad]
+            st[S_EA] = a[wo + np.uint64(bad)]
             st[S_EB] = layer
             status = 2
             break
         if nz == 0:  # all weights zero (verify windows): unit weights
-            for c in range(k):
+            for c in range(ku):
                 weight[ne + c] = 0x3F800000
-        ne += k
+        ne += ku
         rec_layer[n] = layer
-        rec_k[n] = k
         rec_req[n] = req
         rec_phase[n] = phase
         rec_win[n] = -1
@@ -243,23 +257,30 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
             lo = layer
         if layer > hi:
             hi = layer
-        if st[S_K] == 0:
-            st[S_K] = k
-        elif st[S_K] != k:
-            st[S_KVAR] = 1
-        n += 1
+        if kfirst != k:  # rec_k is written once k varies (earlier records all had kfirst)
+            if kfirst == 0:
+                kfirst = k
+            elif kvar == 0:
+                kvar = 1
+                for r in range(n):
+                    rec_k[r] = kfirst
+        if kvar:
+            rec_k[n] = k
+        n += U1
         o += s
-    st[S_O] = o
-    st[S_NREC] = n
-    st[S_NENT] = ne
+    st[S_O] = np.int64(o)
+    st[S_NREC] = np.int64(n)
+    st[S_NENT] = np.int64(ne)
     st[S_NTOTAL] = ntot
-    st[S_NTAGS] = nt
-    st[S_SEG] = seg
+    st[S_NTAGS] = np.int64(nt)
+    st[S_SEG] = np.int64(seg)
     st[S_LO] = lo
     st[S_HI] = hi
     st[S_NWIN] = nwin
     st[S_REQ] = req
     st[S_PHASE] = phase
+    st[S_K] = kfirst
+    st[S_KVAR] = kvar
     return status
 
 
