@@ -5,7 +5,10 @@ Prints, for a generated trace of >= 50M routed entries (k = 10, 48 layers, 512 e
     (the loop is timed on a prefix and extrapolated per entry; it only unpacks into Python lists, so the
     ratio is a lower bound of the real gap), entries/s, and peak RSS of a fresh reader process against the
     file size (absolute and above the process's pre-read baseline);
-  * the same for a tagged v2 trace (verify windows of 4 positions with commit tags, request tags: k varies);
+  * the same for a tagged v2 trace (verify windows of 4 positions with commit tags, request tags: k varies),
+    read by the compiled record walker (trace_formats/strata_walk.py); each kind is timed in a fresh process
+    (cold: the timed read includes importing numba and loading the walker's cached machine code, about 0.3 s
+    once per process) and in a warm process (a small trace of the same kind read first, untimed);
   * make-profile end to end (CLI in a fresh process) on 1e8 entries.
 Files are generated in a temp dir (page cache warm: this measures parsing, not the disk) and deleted after.
 
@@ -151,6 +154,11 @@ def hwm():  # peak RSS of this process (VmHWM; ru_maxrss would carry the parent'
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 
+setup = None
+if len(sys.argv) > 4:  # warm: read a small trace of the same kind first (imports, compiled walker loaded)
+    s0 = time.process_time()
+    read_trace(sys.argv[4], sha256=False)
+    setup = time.process_time() - s0
 base = hwm()
 t0, w0 = time.process_time(), time.perf_counter()
 t = read_trace(sys.argv[1], sha256=sys.argv[2] == "1")
@@ -162,7 +170,7 @@ elif sys.argv[3] == "count":  # read + count (layer, expert) pairs (what the [st
     c = count_pairs([t], 48, 512)
 dt, wall = time.process_time() - t0, time.perf_counter() - w0
 print(json.dumps({"s": dt, "wall": wall, "entries": len(t), "peak": hwm(), "base": base,
-                  "fmt": t.meta["source_format"], "compact": t.records is not None}))
+                  "fmt": t.meta["source_format"], "compact": t.records is not None, "setup": setup}))
 """
 
 # what each reader mode is compared with: read = the table in its compact form (columns built on demand)
@@ -170,9 +178,9 @@ MODES = {"read": "read_trace", "columns": "read_trace + all 7 columns materialis
          "count": "read_trace + count_pairs"}
 
 
-def run_reader(path: str, sha256: bool, mode: str = "read") -> dict:
-    out = subprocess.run([sys.executable, "-c", READER, path, "1" if sha256 else "0", mode], capture_output=True,
-                         text=True, check=True)
+def run_reader(path: str, sha256: bool, mode: str = "read", warm: str | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", READER, path, "1" if sha256 else "0", mode] + ([warm] if warm else []),
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -205,12 +213,27 @@ def main() -> None:
         for name, (sec, n) in loops.items():
             print(f"baseline struct loop [{name}]: {n:,} entries in {sec:.2f} CPU s = {n / sec / 1e6:.2f} M entries/s "
                   f"(first {a.loop_records:,} records; extrapolated per entry below)")
+        # small traces of both kinds: an untimed read first writes numba's cache of the tagged walker (a fresh
+        # checkout compiles it once), later they warm up the "warm" rows
+        small_plain, small_tagged = os.path.join(d, "small_plain.bin"), os.path.join(d, "small_tagged.bin")
+        gen_plain(small_plain, 20 * K * 4 * L)
+        gen_tagged(small_tagged, small_plain, 20 * K * 4 * L)
+        t0 = time.perf_counter()
+        run_reader(small_tagged, False)
+        print(f"untimed warm-up read of a small tagged trace (writes numba's cache on a first run): "
+              f"{time.perf_counter() - t0:.2f} s wall")
         for name, p in (("plain", plain), ("tagged v2", tagged)):
             size = os.path.getsize(p)
-            for mode, sha in (("read", False), ("read", True), ("columns", False), ("count", False)):
-                r = run_reader(p, sha, mode)
+            small = small_plain if p == plain else small_tagged
+            for mode, sha, warm in (("read", False, None), ("read", True, None), ("read", False, small),
+                                    ("read", True, small), ("columns", False, None), ("count", False, None)):
+                r = run_reader(p, sha, mode, warm)
+                if warm:
+                    print(f"  [warm: the process read a small {name} trace first, untimed: imports and the "
+                          f"compiled walker's set-up took {r['setup']:.2f} CPU s]")
                 ratios = ", ".join(f"{per_entry[k] * r['entries'] / r['s']:.0f}x vs [{k}]" for k in per_entry)
-                print(f"{MODES[mode]} {name} ({r['fmt']}, sha256 {'on' if sha else 'off'}, "
+                print(f"{MODES[mode]} {name} ({r['fmt']}, {'warm' if warm else 'fresh'} process, "
+                      f"sha256 {'on' if sha else 'off'}, "
                       f"{'compact' if r['compact'] else 'columns'}): {r['entries']:,} entries in "
                       f"{r['s']:.2f} CPU s ({r['wall']:.2f} s wall) = {r['entries'] / r['s'] / 1e6:.1f} M entries/s; "
                       f"{ratios}; peak RSS "

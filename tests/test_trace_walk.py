@@ -211,3 +211,19 @@ def test_walker_on_random_bytes(data):
         p = Path(d) / "t.bin"
         p.write_bytes(data)
         check_all_paths(p)
+
+
+def test_without_numba_read_strata_uses_the_chunked_reader(tmp_path, monkeypatch):
+    import stratatools.trace_formats.strata_walk as sw
+
+    p = tmp_path / "t.bin"
+    body = b"".join(rec(layer, [layer, p], [0.0, 0.0]) for layer in range(3) for p in range(2))
+    p.write_bytes(tag(-2, [2]) + tag(-3, [5]) + rec(1, [2, 3], [0.5, 0.5]) + body + tag(-1, [0, 2, 1, 1]))
+    fast = read_strata(p)
+    assert fast.records.window.tolist() == [-1] + [0] * 6
+    calls = []
+    monkeypatch.setattr(sw, "HAVE_NUMBA", False)
+    monkeypatch.setattr(sw, "read_walk", lambda *a, **k: calls.append(1))
+    slow = read_strata(p)
+    assert not calls
+    _same(fast, slow)

@@ -450,12 +450,19 @@ def read_strata(path: str | os.PathLike, n_layers: int | None = None, n_expert: 
                 chunk_bytes: int = CHUNK_BYTES, *, sha256: bool = True) -> TraceTable:
     """Read a Strata ``--dump-routing`` trace (plain or tagged v1/v2) into a :class:`TraceTable`.
 
+    Three paths with the same results (tables, meta, windows, one-line errors; tests/test_trace_compact.py and
+    tests/test_trace_walk.py compare them): a plain trace of constant k is a zero-copy view of the mapped file
+    (:func:`_read_plain_fast`); any other trace is walked by the compiled record walker
+    (:mod:`.strata_walk`, numba); an explicit ``chunk_bytes``, or no numba, uses the chunked reader
+    (:class:`_Reader`, the reference).
+
     Args:
         path: the trace file.
         n_layers: trunk layers of the model, when known (expert ids are range-checked below it).
         n_expert: experts per layer, when known (bounds k and expert ids).
-        chunk_bytes: read size; memory is the output columns (16 bytes per entry, constant columns are
-            broadcast views) plus one chunk.
+        chunk_bytes: read size of the chunked reader (given: that reader is used); memory is the output
+            columns (8 bytes per entry plus a few per record, constant columns are broadcast views) plus one
+            chunk.
         sha256: hash the file while reading it (``meta["source_sha256"]``; costs about a third of the read
             time); callers that hash the file anyway (provenance) pass False.
     Returns:

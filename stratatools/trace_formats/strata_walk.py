@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -409,7 +410,12 @@ def read_walk(path: Path, size: int, n_layers: int | None, n_expert: int | None,
     mv = memoryview(mm)
     chunk_w = max(int(chunk_bytes) // 4, 64)
     can_drop = hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-    hashed = dropped = 0
+    # the hash runs in a second thread, one chunk behind the walker (both release the GIL); a chunk's pages are
+    # dropped once both have passed them
+    pool = ThreadPoolExecutor(1) if h is not None else None
+    pending: list = []  # (future, end byte) of hash updates in flight, oldest first
+    hashed = dropped = 0  # bytes submitted to the hash; bytes whose pages are dropped
+    safe = 0              # bytes both walked and hashed
     status = 0
     wv = weight.view(np.int32)
     try:
@@ -419,13 +425,24 @@ def read_walk(path: Path, size: int, n_layers: int | None, n_expert: int | None,
                           -1 if n_expert is None else int(n_expert), tagged, version1, expert, wv, rec_layer,
                           rec_k, rec_req, rec_phase, rec_win, tags)
             done = 4 * int(st[S_O])
-            if h is not None and status == 0:
-                h.update(mv[hashed:done])
-                hashed = done
-            pg = done // mmap.PAGESIZE * mmap.PAGESIZE
-            if can_drop and pg > dropped and (h is None or hashed >= pg):
+            if pool is not None:
+                while pending and pending[0][0].done() or len(pending) > 1:  # at most one chunk behind
+                    fut, upto = pending.pop(0)
+                    fut.result()
+                    safe = upto
+                if status == 0 and done > hashed:
+                    pending.append((pool.submit(h.update, mv[hashed:done]), done))
+                    hashed = done
+            else:
+                safe = done
+            pg = safe // mmap.PAGESIZE * mmap.PAGESIZE
+            if can_drop and pg > dropped:
                 mm.madvise(mmap.MADV_DONTNEED, dropped, pg - dropped)  # pages stay in the page cache
                 dropped = pg
+        if pool is not None:
+            for fut, _ in pending:
+                fut.result()
+            pending = []
         if status == 2:
             raise _scan_error(path, st, n_expert, max_route_k)
         o = int(st[S_O])
@@ -437,8 +454,15 @@ def read_walk(path: Path, size: int, n_layers: int | None, n_expert: int | None,
             h.update(mv[hashed:size])
         sha = h.hexdigest() if h is not None else None
     finally:
+        if pool is not None:
+            for fut, _ in pending:  # never unmap under a running hash
+                fut.exception()
+            pool.shutdown(wait=True)
         del a, mv, wv
-        mm.close()
+        try:
+            mm.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes when it does
+            pass
 
     n, n_ent, nt = int(st[S_NREC]), int(st[S_NENT]), int(st[S_NTAGS])
     expert.resize(n_ent, refcheck=False)
