@@ -7,7 +7,7 @@ Prints, for a generated trace of >= 50M routed entries (k = 10, 48 layers, 512 e
     file size (absolute and above the process's pre-read baseline);
   * the same for a tagged v2 trace (verify windows of 4 positions with commit tags, request tags: k varies),
     read by the compiled record walker (trace_formats/strata_walk.py); each kind is timed in a fresh process
-    (cold: the timed read includes importing numba and loading the walker's cached machine code, about 0.3 s
+    (cold: the timed read includes importing numba and loading the walker's cached machine code, about 0.35 CPU s
     once per process) and in a warm process (a small trace of the same kind read first, untimed);
   * make-profile end to end (CLI in a fresh process) on 1e8 entries.
 Files are generated in a temp dir (page cache warm: this measures parsing, not the disk) and deleted after.
