@@ -174,9 +174,14 @@ def test_json_output_is_strict_json(cli, files, tmp_path):
     code, out, err = cli("simulate", "-t", tp, "-p", pp, "--slots", 6, "--no-sweep", "--report", tmp_path / "r",
                          "--json")
     assert code == 0, err
-    json.loads(out, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-    json.loads((tmp_path / "r" / "report.json").read_text(),
-               parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    d = json.loads(out, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    r = json.loads((tmp_path / "r" / "report.json").read_text(),
+                   parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    assert r == d  # the report file holds the same document as stdout
+    assert (d["n_layers"], d["n_expert"], d["entries"]) == (L, E, len(t.expert))
+    assert d["budget"]["slots"] == 6 and d["sweep"] in ([], None)
+    cov = d["coverage"]["p"]["measured"]
+    assert cov[0] == 0.0 and cov[-1] == 1.0 and cov == sorted(cov)
 
 
 @pytest.mark.parametrize("args, msg", [(("--kfold", 0), "--kfold 0"),

@@ -41,18 +41,38 @@ def seed_bytes() -> bytes:
     return _SEED[0]
 
 
+def _check_error(e: StrataError, p: Path) -> None:
+    msg = str(e)
+    assert "\n" not in msg, msg
+    assert str(p) in msg or p.name in msg, msg
+
+
 def _try(tmp_path, data: bytes) -> None:
+    """Open, read the geometry and plan a pack; any failure must be a one-line StrataError naming the file."""
     p = tmp_path / "f.gguf"
     p.write_bytes(data)
     try:
         with open_model(p) as m:
             try:
-                read_geometry(m)
-                plan_pack(m)
-            except StrataError:
-                pass
-    except StrataError:
-        pass
+                g = read_geometry(m)
+                plan = plan_pack(m)
+            except StrataError as e:
+                _check_error(e, p)
+                return
+            assert g.block_count >= 0 and plan.total_bytes >= 0
+    except StrataError as e:
+        _check_error(e, p)
+
+
+def test_seed_is_a_valid_model(tmp_path):
+    """The fuzz seed itself parses: 1 layer, 2 experts of 3456 blob bytes (so mutations start from a valid file)."""
+    p = tmp_path / "seed.gguf"
+    p.write_bytes(seed_bytes())
+    with open_model(p) as m:
+        g = read_geometry(m)
+        assert (g.block_count, g.n_embd, g.uniform_n_expert) == (1, 64, 2)
+        assert [ly.blob_bytes for ly in g.layers] == [3456]
+        assert plan_pack(m).n_expert == 2
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
