@@ -36,6 +36,7 @@ class Release:
 
     @property
     def key(self) -> str:
+        """``name@revision``, the registry key of this release."""
         return f"{self.name}@{self.revision}"
 
     def matches_revision(self, revision: str) -> bool:
@@ -46,6 +47,9 @@ class Release:
 
 @dataclass(frozen=True)
 class KnownProfile:
+    """A registered profile: its file ``name``, lowercase-insensitive ``sha256`` hex digest and the release key
+    (``name@revision``) it was ``built_for``."""
+
     name: str
     sha256: str
     built_for: str
@@ -61,9 +65,11 @@ class Registry:
     path: Path | None = None
 
     def find(self, name: str, revision: str | None = None) -> list[Release]:
+        """Releases named ``name`` whose revision matches ``revision`` as a prefix (all revisions when None)."""
         return [r for r in self.releases if r.name == name and (revision is None or r.matches_revision(revision))]
 
     def by_key(self, key: str) -> Release | None:
+        """The one release for ``name@revision`` (or ``name``), or None when none or several match."""
         name, _, rev = key.partition("@")
         hits = self.find(name, rev or None)
         return hits[0] if len(hits) == 1 else None
@@ -96,7 +102,8 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
 
     Raises:
         StrataError: a named file (``path`` or the variable) is missing, or a file is not valid TOML /
-            lacks required fields (name, revision).
+            lacks required fields (name, revision) / has ``release``, ``profile`` or ``shard`` entries that
+            are not arrays of tables.
     """
     if path is None and os.environ.get(REGISTRY_ENV):
         path = os.environ[REGISTRY_ENV]
@@ -112,14 +119,24 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
     except tomllib.TOMLDecodeError as e:
         raise StrataError(f"{p}: not valid TOML: {e}", p) from None
     reg = Registry(path=p)
+    for table in ("release", "profile"):
+        entries = data.get(table, [])
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise StrataError(f"{p}: '{table}' must be an array of tables; write each entry as a [[{table}]] "
+                              f"section", p)
     for i, r in enumerate(data.get("release", [])):
         if "name" not in r or "revision" not in r:
             raise StrataError(f"{p}: [[release]] #{i + 1} needs name and revision", p)
+        shards = r.get("shard", [])
+        if not isinstance(shards, list) or not all(isinstance(sh, dict) for sh in shards):
+            raise StrataError(f"{p}: [[release]] #{i + 1}: 'shard' must be an array of tables; write each shard "
+                              f"as a [[release.shard]] section", p)
         reg.releases.append(Release(
             name=str(r["name"]), revision=str(r["revision"]), model=str(r.get("model", "")),
             date=str(r["date"]) if "date" in r else None, n_layers=r.get("n_layers"), n_expert=r.get("n_expert"),
             n_expert_original=r.get("n_expert_original"), allocation=r.get("allocation"),
-            allocation_sha256=r.get("allocation_sha256"), shards=tuple(r.get("shard", [])),
+            allocation_sha256=str(r["allocation_sha256"]) if r.get("allocation_sha256") is not None else None,
+            shards=tuple(shards),
             notes=str(r.get("notes", ""))))
     for i, q in enumerate(data.get("profile", [])):
         if not {"name", "sha256", "built_for"} <= set(q):

@@ -277,7 +277,7 @@ def identify_release(sha256: str | None) -> str | None:
         from .registry import load_registry
 
         hit = load_registry().identify(sha256)
-    except Exception:  # the registry is optional here: a broken or absent one just means "unknown"
+    except StrataError:  # the registry is optional here: a broken or absent one just means "unknown"
         return None
     return hit[1] if hit else None
 

@@ -38,3 +38,40 @@ def test_bad_registry(tmp_path):
     with pytest.raises(StrataError, match="not valid TOML"):
         load_registry(p)
 
+
+
+@pytest.mark.parametrize("body, msg", [
+    ("release = 5\n", "'release' must be an array of tables"),
+    ("profile = [1]\n", "'profile' must be an array of tables"),
+    ("[[release]]\nname = 'a'\nrevision = 'r'\nshard = 5\n", "#1: 'shard' must be an array of tables"),
+    ("[[release]]\nname = 'a'\nrevision = 'r'\nshard = [1]\n", "#1: 'shard' must be an array of tables"),
+])
+def test_registry_of_the_wrong_shape_is_a_one_line_error(tmp_path, monkeypatch, body, msg):
+    """Arrays of the wrong kind were a TypeError/AttributeError traceback; now StrataError naming file and fix."""
+    from stratatools.remap import identify_release
+
+    p = tmp_path / "r.toml"
+    p.write_text(body)
+    with pytest.raises(StrataError) as ei:
+        load_registry(p)
+    assert msg in str(ei.value) and str(p) in str(ei.value) and "\n" not in str(ei.value)
+    monkeypatch.setenv("STRATATOOLS_REGISTRY", str(p))
+    assert identify_release("ab" * 32) is None  # provenance treats a broken registry as "unknown"
+
+
+def test_numeric_allocation_digest_is_compared_as_text(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text("[[release]]\nname = 'a'\nrevision = 'r1'\nallocation_sha256 = 12\n")
+    reg = load_registry(p)
+    assert reg.identify("12") == ("allocation", "a@r1") and reg.identify("13") is None
+
+
+def test_validate_release_with_a_malformed_registry_exits_2(cli, tmp_path):
+    reg = tmp_path / "r.toml"
+    reg.write_text("release = 5\n")
+    m = tmp_path / "m.gguf"
+    m.write_bytes(b"GGUF")
+    code, out, err = cli("validate-release", "--model", m, "--registry", reg)
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert "must be an array of tables" in err, err
