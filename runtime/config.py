@@ -95,6 +95,7 @@ class Qwen4ExpConfig:
 
     @property
     def ssm_head_v_dim(self) -> int:
+        """Value width of one linear-attention head: ssm_d_inner // ssm_dt_rank."""
         return self.ssm_d_inner // self.ssm_dt_rank
 
     def to_dict(self) -> dict[str, Any]:

@@ -105,6 +105,9 @@ class Rope:
         self.inv_freq = (np.float32(1.0) / (np.float32(theta) ** ar)).astype(np.float32)
 
     def cos_sin(self, pos: np.ndarray) -> tuple[Any, Any]:
+        """cos and sin tables for token positions ``pos`` [T]: two float32 arrays [T, n_rot] (each half repeated,
+        NEOX layout) on ``xp``.
+        """
         f = np.asarray(pos, dtype=np.float32)[:, None] * self.inv_freq[None, :]
         f = np.concatenate([f, f], axis=-1)
         return self.xp.asarray(np.cos(f)), self.xp.asarray(np.sin(f))

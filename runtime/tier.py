@@ -38,10 +38,12 @@ class TierCounts:
 
     @classmethod
     def zeros(cls, n_layers: int) -> "TierCounts":
+        """Counts of zero for ``n_layers`` layers."""
         return cls(np.zeros(n_layers, np.int64), np.zeros(n_layers, np.int64))
 
     @property
     def h_expert(self) -> float:
+        """hits / entries over all layers (cache-policy.md h_expert), NaN when there were no entries."""
         e = int(self.entries.sum())
         return float(self.hits.sum()) / e if e else float("nan")
 

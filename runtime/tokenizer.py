@@ -81,6 +81,10 @@ class BPETokenizer:
 
     @classmethod
     def from_gguf(cls, model: Model) -> "BPETokenizer":
+        """Build the tokenizer from a model's ``tokenizer.ggml.*`` metadata (gguf.md tokenizer keys). Raises
+        StrataError naming the model when the metadata is absent, not byte-level BPE (``gpt2``), or has an
+        unsupported pre-tokenizer.
+        """
         kv = model.kv
         kind = kv.get("tokenizer.ggml.model")
         if kind is None or "tokenizer.ggml.tokens" not in kv:

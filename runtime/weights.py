@@ -192,6 +192,7 @@ class Weights:
         return a
 
     def has(self, name: str) -> bool:
+        """True when the model has a tensor of that GGUF name."""
         return self.model.has(name)
 
     def rows(self, name: str, ids: Any) -> Any:
@@ -218,6 +219,7 @@ class Weights:
         return self.xp.asarray(out)
 
     def close(self) -> None:
+        """Release the model's memory maps."""
         self.model.close()
 
 

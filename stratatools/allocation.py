@@ -66,6 +66,7 @@ class SurvivorMap:
 
     @property
     def n_layers(self) -> int:
+        """Number of layers in the map."""
         return len(self.kept)
 
     @property
@@ -107,6 +108,7 @@ class SurvivorMap:
         return [(layer, i, int(o)) for layer, k in enumerate(self.kept) for i, o in enumerate(k.tolist())]
 
     def equals(self, other: "SurvivorMap") -> bool:
+        """True when both maps keep the same original indices, in the same order, in every layer."""
         return (self.n_layers == other.n_layers and
                 all(np.array_equal(a, b) for a, b in zip(self.kept, other.kept)))
 
@@ -162,6 +164,7 @@ class Allocation:
     # -- derived ---------------------------------------------------------------------------------------
     @property
     def name(self) -> str:
+        """File name of the allocation map (no folder)."""
         return Path(self.path).name
 
     @property
@@ -176,10 +179,12 @@ class Allocation:
 
     @property
     def n_entries(self) -> int:
+        """Number of Section 1 entries (rows of the map)."""
         return int(len(self.entry_group))
 
     @property
     def n_kept(self) -> list[int]:
+        """Surviving experts per layer (Section 2), or [] for an unpruned map."""
         return [int(x) for x in self.kept_mask.sum(axis=1)] if self.pruned else []
 
     def survivor_map(self) -> SurvivorMap:

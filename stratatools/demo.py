@@ -53,12 +53,14 @@ class Step:
 
 @dataclass
 class DemoResult:
+    """Outcome of a demo run: its output folder, the steps in order, and the wall time in seconds."""
     out: Path
     steps: list[Step] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
+        """True when every step exited with the code it expected."""
         return all(s.code == s.expect for s in self.steps)
 
 

@@ -19,10 +19,16 @@ ROLES = ("gate", "up", "down")
 
 
 def router_name(layer: int) -> str:
+    """llama.cpp name of layer ``layer``'s router tensor, F32/F16 ``[n_embd, E]`` (formats.md; llama.cpp
+    ``LLM_TENSOR_FFN_GATE_INP``).
+    """
     return f"blk.{layer}.ffn_gate_inp.weight"
 
 
 def exps_name(layer: int, role: str) -> str:
+    """llama.cpp name of the stacked expert tensor of ``role`` (gate/up/down), ``[n_embd, ff, E]`` (down: ``[ff,
+    n_embd, E]``).
+    """
     return f"blk.{layer}.ffn_{role}_exps.weight"
 
 
@@ -51,18 +57,22 @@ class LayerExperts:
     is_mtp: bool = False
 
     def role(self, role: str) -> TensorInfo | None:
+        """The gate, up or down tensor (None when absent). Raises KeyError for another role name."""
         return {"gate": self.gate, "up": self.up, "down": self.down}[role]
 
     @property
     def complete(self) -> bool:
+        """True when gate, up and down are all present."""
         return self.gate is not None and self.up is not None and self.down is not None
 
     @property
     def gu_type(self) -> GGMLType | None:
+        """GGML type of the gate (and, for a packable layer, up) matrices; None without a gate."""
         return self.gate.type if self.gate is not None else None
 
     @property
     def d_type(self) -> GGMLType | None:
+        """GGML type of the down matrices; None without a down tensor."""
         return self.down.type if self.down is not None else None
 
     def slice_bytes(self, role: str) -> int:

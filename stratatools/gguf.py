@@ -65,6 +65,7 @@ class TensorInfo:
 
     @property
     def n_dims(self) -> int:
+        """Number of dimensions (length of ``ne``, GGUF order: ne[0] is the contiguous one)."""
         return len(self.ne)
 
 
@@ -296,10 +297,12 @@ class Model:
 
     @property
     def kv(self) -> dict[str, Any]:
+        """Metadata key/values of the first shard (split GGUFs keep the model metadata there)."""
         return self.files[0].kv
 
     @property
     def arch(self) -> str:
+        """``general.architecture`` (e.g. ``qwen4exp``), or '' when absent."""
         return str(self.kv.get("general.architecture", ""))
 
     def key(self, name: str, default: Any = None) -> Any:
@@ -307,6 +310,7 @@ class Model:
         return self.kv.get(f"{self.arch}.{name}", default)
 
     def has(self, name: str) -> bool:
+        """True when a tensor of that name is in any shard."""
         return name in self.tensors
 
     def tensor(self, name: str) -> TensorInfo:
@@ -317,6 +321,7 @@ class Model:
             raise StrataError(f"{self.path}: tensor {name} is missing", self.path) from None
 
     def file_of(self, t: TensorInfo) -> GGUFFile:
+        """The shard file holding tensor ``t``."""
         return self.files[t.shard]
 
     def raw(self, name_or_info: str | TensorInfo, start: int = 0, length: int | None = None) -> np.ndarray:
@@ -345,10 +350,12 @@ class Model:
         raise StrataError(f"{self.path}: tensor {name} is {t.type.name}; expected F32, F16 or BF16")
 
     def iter_tensors(self) -> Iterator[TensorInfo]:
+        """All tensors of all shards, in file order."""
         return iter(self.tensors.values())
 
     @property
     def total_bytes(self) -> int:
+        """Sum of the shard file sizes, bytes."""
         return sum(f.size for f in self.files)
 
     def close(self) -> None:

@@ -73,6 +73,10 @@ class GGUFWriterStream:
         self.tensors: list[tuple[str, tuple[int, ...], GGMLType, Producer]] = []
 
     def add(self, key: str, value: Any, vtype: int | None = None, etype: int | None = None) -> None:
+        """Declare a metadata key. ``vtype``/``etype`` are GGUF v3 value type ids (ggml docs/gguf.md); when None
+        they are guessed: bool -> BOOL, int -> UINT32 (INT64 outside 0..2**32-1), float -> FLOAT32,
+        str -> STRING, list/array -> ARRAY of its first element's type. Raises TypeError for other values.
+        """
         if vtype is None:
             if isinstance(value, (list, tuple, np.ndarray)):
                 vtype = ARRAY
@@ -84,6 +88,9 @@ class GGUFWriterStream:
         self.kv.append((key, vtype, value, etype))
 
     def add_tensor(self, name: str, ne: tuple[int, ...] | list[int], gtype: GGMLType, producer: Producer) -> None:
+        """Declare a tensor of shape ``ne`` (GGUF order, ne[0] contiguous) and type ``gtype``; ``producer`` yields
+        its ``gtype.nbytes(ne)`` bytes in chunks when :meth:`write` runs.
+        """
         self.tensors.append((name, tuple(int(x) for x in ne), gtype, producer))
 
     def _header(self) -> tuple[bytes, list[int]]:

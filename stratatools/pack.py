@@ -186,6 +186,7 @@ class Pack:
 
     @property
     def n_layers(self) -> int:
+        """Number of packed layers (rows of native_experts.txt)."""
         return len(self.layers)
 
     @property
@@ -399,6 +400,7 @@ class PackPlan:
 
     @property
     def split_layers(self) -> list[int]:
+        """Layers whose gate/up/down live in different shards (a split pack row, native_experts v4)."""
         return [lp.row.layer for lp in self.layers if lp.row.split]
 
 

@@ -75,6 +75,7 @@ class Profile:
 
     @property
     def n_ranked(self) -> int:
+        """Number of ranked (layer, expert) pairs in the profile."""
         return int(len(self.pairs))
 
     @property

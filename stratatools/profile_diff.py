@@ -108,18 +108,22 @@ class DiffResult:
 
     @property
     def stale_fraction(self) -> float:
+        """Share of ranked (layer, expert) pairs that no longer name the same expert, 0..1 (0 with no pairs)."""
         return 0.0 if self.n_ranked == 0 else 1.0 - self.still_same / self.n_ranked
 
     @property
     def top_k_overlap(self) -> int:
+        """Pairs shared by the two top-k sets, summed over layers."""
         return sum(t.overlap for t in self.top_k)
 
     @property
     def top_k_total(self) -> int:
+        """Size of the top-k sets, summed over layers."""
         return sum(t.k for t in self.top_k)
 
     @property
     def verdict(self) -> str:
+        """``fresh`` (nothing moved), ``tolerable`` (stale_fraction <= max_stale) or ``stale``."""
         if self.form == "allocations" and self.built_for == "new":
             return "fresh"
         s = self.stale_fraction
@@ -129,6 +133,7 @@ class DiffResult:
 
     @property
     def exit_code(self) -> int:
+        """CLI exit code: 1 when the verdict is ``stale`` (a failed check), else 0."""
         return 1 if self.verdict == "stale" else 0
 
     def to_dict(self) -> dict[str, Any]:

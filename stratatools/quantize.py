@@ -114,6 +114,9 @@ def quantize(x: np.ndarray, gtype: GGMLType | str) -> np.ndarray:
 
 
 def can_quantize(gtype: GGMLType | str) -> bool:
+    """True when :func:`quantize` has a real quantizer for the type (F32, F16, BF16, Q8_0, Q4_0, Q2_0). Raises
+    StrataError for an unknown type name.
+    """
     t = type_by_name(gtype) if isinstance(gtype, str) else gtype
     return t.name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q2_0")
 

@@ -80,6 +80,7 @@ def moved_text(row: dict[str, Any]) -> str:
 
 
 def ms_text(row: dict[str, Any]) -> str:
+    """The modelled ms-per-token column of a result row (3 decimals), or ``n/a`` when it has no modelled time."""
     return "n/a" if row["ms_per_token"] is None else f"{row['ms_per_token']:.3f}"
 
 

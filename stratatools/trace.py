@@ -61,10 +61,12 @@ class Records:
 
     @property
     def constant_k(self) -> bool:
+        """True when every record has the same number of entries (``k`` is an int, not an int array [R])."""
         return isinstance(self.k, (int, np.integer))
 
     @property
     def n_entries(self) -> int:
+        """Number of (token, layer, rank) entries N: R*k, or the sum of the per-record k."""
         return int(len(self.layer) * int(self.k)) if self.constant_k else int(len(self.expert))
 
     def ks(self) -> np.ndarray:
@@ -81,6 +83,7 @@ class Records:
             np.zeros(0, np.int64)
 
     def rec_position(self) -> np.ndarray:
+        """Token position of every record, int32 [R] (computed on first use when it was given lazily)."""
         if callable(self.position):
             self.position = np.asarray(self.position(), np.int32)
         return self.position
@@ -296,9 +299,11 @@ class TraceTable:
 
     @classmethod
     def empty(cls, **meta: Any) -> "TraceTable":
+        """A table with no entries (every column length 0) and the given metadata."""
         return cls(**{k: np.zeros(0, dt) for k, dt in COLUMNS.items()}, meta=dict(meta))
 
     def columns(self) -> dict[str, np.ndarray]:
+        """The columns by name (trace.COLUMNS order), each [N]."""
         return {k: getattr(self, k) for k in COLUMNS}
 
     def take(self, mask_or_index: np.ndarray) -> "TraceTable":

@@ -884,5 +884,6 @@ class StaticDecoder:
                 + list(self.kc.values()) + list(self.vc.values()))
 
     def synchronize(self) -> None:
+        """Wait for the decoder's CUDA stream to finish (no-op on the CPU path)."""
         if self.gpu:
             self._stream.synchronize()

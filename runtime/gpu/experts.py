@@ -85,10 +85,12 @@ class ExpertJobs:
 
     @property
     def n_jobs(self) -> int:
+        """Number of (token, expert) jobs J."""
         return int(self.tok.size)
 
     @property
     def n_tokens(self) -> int:
+        """Number of tokens T."""
         return int(self.tstart.size) - 1
 
 

@@ -57,6 +57,7 @@ class LayerExperts:
 
     @property
     def down_bytes(self) -> int:
+        """Bytes of one expert's down matrix: hidden rows of ``row_bytes(d, ff)``."""
         return self.hidden * self.d_type.row_bytes(self.ff)
 
     @property
@@ -408,6 +409,7 @@ class GPUExpertTier:
         self._sync(np.asarray(self.policy.resident_mask(), dtype=bool))
 
     def resident_count(self) -> int:
+        """Experts now held in VRAM slots, all layers together."""
         return sum(len(d) for d in self.slot_of)
 
     def stats(self) -> dict:

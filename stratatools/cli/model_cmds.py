@@ -27,6 +27,7 @@ def _gib(n: int) -> str:
 
 # ----------------------------------------------------------------------------------------- inspect
 def render_inspect(r: InspectReport) -> None:
+    """Print an :class:`InspectReport` as rich tables on the shared console (the --json form is ``r.to_dict()``)."""
     c = common.console
     t = Table(title=f"{Path(r.path).name}", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
@@ -73,6 +74,7 @@ def inspect_cmd(
 
 # -------------------------------------------------------------------------------------------- pack
 def render_pack(r: PackResult) -> None:
+    """Print a :class:`PackResult`: one row per layer (types, offsets, blob bytes, shard) and the totals."""
     c = common.console
     t = Table(title=f"native pack {r.packdir}", title_justify="left")
     for col in ("layer", "gu", "down", "offset", "blob bytes", "gate_off", "up_off", "down_off", "shard"):
@@ -131,6 +133,7 @@ def _parse_types(spec: str) -> dict[str, object]:
 
 
 def render_synth(r: ReleaseInfo) -> None:
+    """Print a synthetic :class:`ReleaseInfo`: the files written per revision, sizes and write speed."""
     c = common.console
     t = Table(title=f"synthetic release in {r.outdir}", title_justify="left")
     t.add_column("model")
