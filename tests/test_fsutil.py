@@ -18,3 +18,18 @@ def test_atomic_write_failure_leaves_nothing(tmp_path):
         write_bytes_atomic(target, b"data")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
     assert (target / "keep").read_text() == "x"
+
+
+def test_cli_turns_os_errors_into_one_line(cli, monkeypatch, tmp_path):
+    """An OSError that escapes a command (disk full, permission denied) is one line and exit 2."""
+    import errno
+
+    import stratatools.release as release
+
+    def boom(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.json"))
+
+    monkeypatch.setattr(release, "resolve_inputs", boom)
+    code, out, err = cli("validate-release", "--model", tmp_path / "m.gguf")
+    assert code == 2
+    assert err.strip() == f"error: {tmp_path / 'x.json'}: No space left on device (check the path, free space and permissions)"

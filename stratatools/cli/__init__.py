@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> None:
             raise
         common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
+    except OSError as e:  # disk full, permission denied, ...: the system's word, one line, not a traceback
+        if debug or os.environ.get("STRATATOOLS_DEBUG"):
+            raise
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        common.err_console.print(f"error: {where}{e.strerror or e} (check the path, free space and permissions)",
+                                 markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         common.err_console.print("interrupted", markup=False)
         sys.exit(130)
