@@ -24,12 +24,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import StrataError
 from .ggml_types import TYPES_BY_NAME
+
+if TYPE_CHECKING:
+    from .gguf import Model
 
 ROLES = ("gate", "up", "down")
 
@@ -531,7 +534,7 @@ class ModelCheck:
                 "router_counts": self.router_counts}
 
 
-def check_against_model(alloc: Allocation, model_path: str | os.PathLike) -> ModelCheck:
+def check_against_model(alloc: Allocation, model_path: "str | os.PathLike | Model") -> ModelCheck:
     """Compare an allocation with the GGUF it describes (header and router shapes only; no weights are read).
 
     Section 1 types must equal the GGUF's tensor types (reported, a failed check); every Section 2 layer's
@@ -544,9 +547,10 @@ def check_against_model(alloc: Allocation, model_path: str | os.PathLike) -> Mod
             file cut at a layer boundary).
     """
     from .geometry import read_geometry
-    from .gguf import open_model
+    from .gguf import use_model
 
-    with open_model(model_path) as m:
+    with use_model(model_path) as m:
+        model_path = m.path
         geo = read_geometry(m)
         res = ModelCheck(str(model_path), router_counts=geo.expert_counts)
         for name, typ in alloc.tensor_types.items():

@@ -439,3 +439,12 @@ def open_model(path: str | os.PathLike) -> Model:
             f"{files[0].path}: split.tensors.count is {int(expected)} but the {count} shards hold {len(model.tensors)} tensors",
             files[0].path)
     return model
+
+
+def use_model(model: "Model | str | os.PathLike"):
+    """Context manager giving an open :class:`Model`: an open one passes through (and stays open), a path is
+    opened with :func:`open_model` and closed on exit. Lets callers that already hold the model avoid
+    parsing its headers again."""
+    import contextlib
+
+    return contextlib.nullcontext(model) if isinstance(model, Model) else open_model(model)

@@ -107,24 +107,23 @@ def _err(e: StrataError) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def _check_shards(inp: ReleaseInputs):
+def _check_shards(inp: ReleaseInputs, ctx: dict[str, Any]):
     from .gguf import open_model
 
     try:
-        with open_model(inp.model) as m:
-            files = [{"name": f.path.name, "size_bytes": f.size, "tensors": len(f.tensors)} for f in m.files]
-            return PASS, f"{len(files)} file(s), {len(m.tensors)} tensors", {"files": files}
+        m = open_model(inp.model)
     except StrataError as e:
         return FAIL, _err(e), {}
+    ctx["model"] = m  # opened once; every later check reads this one (validate_release closes it)
+    files = [{"name": f.path.name, "size_bytes": f.size, "tensors": len(f.tensors)} for f in m.files]
+    return PASS, f"{len(files)} file(s), {len(m.tensors)} tensors", {"files": files}
 
 
 def _check_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
     from .geometry import read_geometry
-    from .gguf import open_model
 
     try:
-        with open_model(inp.model) as m:
-            g = read_geometry(m)
+        g = read_geometry(ctx["model"])
     except StrataError as e:
         return FAIL, _err(e), {}
     ctx["geometry"] = g
@@ -146,15 +145,12 @@ def _check_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 
 def _check_packable(inp: ReleaseInputs, ctx: dict[str, Any]):
-    from .gguf import open_model
     from .pack import plan_pack
 
     try:
-        with open_model(inp.model) as m:
-            plan = plan_pack(m)
+        plan = plan_pack(ctx["model"])
     except StrataError as e:
         return FAIL, _err(e), {}
-    ctx["plan_text"] = plan.text
     ctx["blob_bytes"] = [lp.row.blob_bytes for lp in plan.layers]
     return PASS, f"native pack v{plan.version}, {plan.total_bytes} bytes of experts" + (
         f"; {'; '.join(plan.notes)}" if plan.notes else ""), {"version": plan.version, "total_bytes": plan.total_bytes}
@@ -183,7 +179,7 @@ def _check_alloc_model(inp: ReleaseInputs, ctx: dict[str, Any]):
     from .allocation import check_against_model
 
     try:
-        r = check_against_model(ctx["alloc"], inp.model)
+        r = check_against_model(ctx["alloc"], ctx["model"])
     except StrataError as e:
         return FAIL, _err(e), {}
     if r.ok:
@@ -214,14 +210,14 @@ def _check_survivors(inp: ReleaseInputs, ctx: dict[str, Any]):
 
     try:
         if inp.full is not None:
-            r = verify_survivors(inp.model, full=inp.full, alloc=ctx.get("alloc"))
+            r = verify_survivors(ctx["model"], full=inp.full, alloc=ctx.get("alloc"))
         else:
             other_alloc = None
             if inp.previous_alloc is not None:
                 from .allocation import read_allocation
 
                 other_alloc = read_allocation(inp.previous_alloc)
-            r = verify_survivors(inp.model, other=inp.previous,
+            r = verify_survivors(ctx["model"], other=inp.previous,
                                  alloc=ctx.get("alloc") if other_alloc is not None else None, other_alloc=other_alloc)
     except StrataError as e:
         return FAIL, _err(e), {}
@@ -354,13 +350,11 @@ def _check_stale(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 
 def _check_pack(inp: ReleaseInputs, ctx: dict[str, Any]):
-    from .gguf import open_model
     from .pack import read_pack, verify_pack
 
     try:
         pk = read_pack(inp.pack)
-        with open_model(inp.model) as m:
-            r = verify_pack(pk, m)
+        r = verify_pack(pk, ctx["model"])
     except StrataError as e:
         return FAIL, _err(e), {}
     if not r.ok:
@@ -460,11 +454,21 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
         if v is not None:
             suite.subject[k] = str(v)
     ctx: dict[str, Any] = {"registry": reg}
-    shards = suite.run("shards", "shards complete and consistent", _check_shards, inp)
+    shards = suite.run("shards", "shards complete and consistent", _check_shards, inp, ctx)
     if shards.status == FAIL:
         for n, t in ALL_CHECKS[1:]:  # every check stays listed (one JUnit testcase each)
             suite.skip(n, t, "the model does not open (see shards)")
         return suite
+    try:
+        _run_model_checks(suite, inp, ctx, min_hit_rate, slots, budget_gib)
+    finally:
+        ctx["model"].close()
+    return suite
+
+
+def _run_model_checks(suite: CheckSuite, inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float | None,
+                      slots: int | None, budget_gib: float | None) -> None:
+    """Every check after ``shards``, in order, on the model opened by it (``ctx["model"]``)."""
     suite.run("geometry", "geometry from the routers", _check_geometry, inp, ctx)
     suite.run("packable", "native pack derivable", _check_packable, inp, ctx)
     if inp.alloc is not None:
@@ -501,7 +505,6 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
             suite.run("hit-rate", "hit-rate gate", _check_hit_rate, inp, ctx, min_hit_rate, slots, budget_gib)
     else:
         suite.skip("hit-rate", "hit-rate gate", "no gate set (--min-hit-rate)")
-    return suite
 
 
 def resolve_inputs(release_dir: str | os.PathLike | None, *, model=None, alloc=None, profile=None, pack=None,

@@ -19,7 +19,7 @@ import numpy as np
 from .allocation import Allocation, SurvivorMap, read_allocation
 from .errors import StrataError
 from .geometry import read_geometry, router_name
-from .gguf import Model, open_model
+from .gguf import Model, use_model
 
 
 @dataclass
@@ -170,7 +170,7 @@ def match_rows(pruned: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, dict[in
     return match, cands, u[c > 1].tolist()
 
 
-def verify_survivors(pruned: str | os.PathLike, *, full: str | os.PathLike | None = None,
+def verify_survivors(pruned: str | os.PathLike | Model, *, full: str | os.PathLike | None = None,
                      other: str | os.PathLike | None = None, alloc: str | os.PathLike | Allocation | None = None,
                      other_alloc: str | os.PathLike | Allocation | None = None) -> VerifyResult:
     """Recover the survivor map of ``pruned`` from its routers and compare it with the allocation text.
@@ -194,7 +194,8 @@ def verify_survivors(pruned: str | os.PathLike, *, full: str | os.PathLike | Non
     kind = "full" if full is not None else "other"
     a = read_allocation(alloc) if isinstance(alloc, (str, os.PathLike)) else alloc
     b = read_allocation(other_alloc) if isinstance(other_alloc, (str, os.PathLike)) else other_alloc
-    with open_model(pruned) as mp, open_model(ref_path) as mr:
+    with use_model(pruned) as mp, use_model(ref_path) as mr:
+        pruned = mp.path
         gp, gr = read_geometry(mp), read_geometry(mr)
         if gp.n_trunk != gr.n_trunk:
             raise StrataError(f"{ref_path}: {gr.n_trunk} trunk layers but {pruned} has {gp.n_trunk}; not the same model", ref_path)
