@@ -68,3 +68,14 @@ def cli(tmp_path, monkeypatch):
         return code, out.getvalue(), err.getvalue()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def kit_prompts(kit) -> list[tuple[str, list[int]]]:
+    """The kit's prompts (routing/tokens.tsv) as (prompt id, token ids), in file order; skips without the kit."""
+    out = []
+    for line in (kit / "routing" / "tokens.tsv").read_text().splitlines():
+        if line.strip():
+            pid, ids = line.split("\t")
+            out.append((pid, [int(x) for x in ids.split()]))
+    return out

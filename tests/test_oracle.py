@@ -24,15 +24,6 @@ from runtime.weights import load
 pytestmark = [pytest.mark.kit, pytest.mark.oracle]
 
 
-def _prompts(kit: Path) -> list[tuple[str, list[int]]]:
-    out = []
-    for line in (kit / "routing" / "tokens.tsv").read_text().splitlines():
-        if line.strip():
-            pid, ids = line.split("\t")
-            out.append((pid, [int(x) for x in ids.split()]))
-    return out
-
-
 def _runtime_routing(path: Path, prompts, selection: str):
     w = load(path)
     try:
@@ -64,7 +55,7 @@ def _agreement(mine, ref) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(kit):
+def hf_reference(kit, kit_prompts):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen4ExpForCausalLM"):
@@ -81,7 +72,7 @@ def hf_reference(kit):
     hs = [layer.mlp.gate.register_forward_hook(hook_for(il)) for il, layer in enumerate(model.model.layers)]
     routing, logits = {}, {}
     try:
-        for pid, ids in _prompts(kit):
+        for pid, ids in kit_prompts:
             captured.clear()
             with torch.no_grad():
                 out = model(input_ids=torch.tensor([ids]), use_cache=False)
@@ -95,9 +86,9 @@ def hf_reference(kit):
     return routing, logits
 
 
-def test_logits_and_routing_match_transformers(kit, hf_reference, record_property):
+def test_logits_and_routing_match_transformers(kit, kit_prompts, hf_reference, record_property):
     hf_routing, hf_logits = hf_reference
-    mine, logits = _runtime_routing(kit / "gguf" / "model-bf16.gguf", _prompts(kit), "transformers")
+    mine, logits = _runtime_routing(kit / "gguf" / "model-bf16.gguf", kit_prompts, "transformers")
     max_abs = 0.0
     max_rel = 0.0
     for pid, ref in hf_logits.items():
@@ -114,9 +105,9 @@ def test_logits_and_routing_match_transformers(kit, hf_reference, record_propert
     assert total == 1080 and agree / total >= 0.999
 
 
-def test_routing_matches_kit_transformers_csv(kit):
+def test_routing_matches_kit_transformers_csv(kit, kit_prompts):
     """The same check against the routing CSV the kit captured with transformers (no torch needed)."""
-    mine, logits = _runtime_routing(kit / "gguf" / "model-bf16.gguf", _prompts(kit), "transformers")
+    mine, logits = _runtime_routing(kit / "gguf" / "model-bf16.gguf", kit_prompts, "transformers")
     agree, total = _agreement(mine, _csv_routing(kit / "routing" / "transformers-f32.routing.csv"))
     assert (agree, total) == (1080, 1080)
     ref = defaultdict(dict)
@@ -140,8 +131,8 @@ LLAMACPP = [
 
 
 @pytest.mark.parametrize("label,rel,floor", LLAMACPP, ids=[x[0] for x in LLAMACPP])
-def test_llamacpp_selection_reproduces_kit_routing(kit, label, rel, floor, record_property):
-    prompts = _prompts(kit)
+def test_llamacpp_selection_reproduces_kit_routing(kit, kit_prompts, label, rel, floor, record_property):
+    prompts = kit_prompts
     ref = _csv_routing(kit / "routing" / f"llamacpp-{label}.routing.csv")
     mine, _ = _runtime_routing(kit / rel, prompts, "llamacpp")
     agree, total = _agreement(mine, ref)
@@ -172,9 +163,9 @@ PRUNED = [("revA", 1045), ("revB", 1040)]
 
 
 @pytest.mark.parametrize("rev,floor", PRUNED, ids=[x[0] for x in PRUNED])
-def test_llamacpp_selection_reproduces_pruned_routing(kit, rev, floor):
+def test_llamacpp_selection_reproduces_pruned_routing(kit, kit_prompts, rev, floor):
     ref = _csv_routing(kit / "pruned" / f"coder-{rev}.routing.csv")
-    mine, _ = _runtime_routing(kit / "pruned" / f"coder-{rev}.gguf", _prompts(kit), "llamacpp")
+    mine, _ = _runtime_routing(kit / "pruned" / f"coder-{rev}.gguf", kit_prompts, "llamacpp")
     assert max(max(v) for v in mine.values()) < 16
     agree, total = _agreement(mine, ref)
     print(f"\nllama.cpp coder-{rev}: {agree}/{total} = {agree / total:.4f}")

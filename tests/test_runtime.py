@@ -6,7 +6,6 @@ import csv
 import json
 import shutil
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +18,6 @@ from runtime.topk import llamacpp_cells, partial_sort_topk
 from runtime.weights import load
 
 pytestmark = pytest.mark.kit
-
-
-def _prompts(kit: Path) -> list[tuple[str, list[int]]]:
-    out = []
-    for line in (kit / "routing" / "tokens.tsv").read_text().splitlines():
-        if line.strip():
-            pid, ids = line.split("\t")
-            out.append((pid, [int(x) for x in ids.split()]))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +40,9 @@ def test_config_reads_converter_conventions(bf16):
     assert c.eos_id == 1021 and c.output_gate == "sigmoid"
 
 
-def test_prefill_then_decode_equals_one_prefill(bf16, kit):
+def test_prefill_then_decode_equals_one_prefill(bf16, kit_prompts):
     rt = Qwen4ExpRuntime(bf16)
-    pid, ids = _prompts(kit)[2]  # p2: has the EOS in the middle (PLE reset), 45 tokens > QSA budget
+    pid, ids = kit_prompts[2]  # p2: has the EOS in the middle (PLE reset), 45 tokens > QSA budget
     st_full = rt.new_state()
     full_logits, full_rec = rt.forward(ids, st_full, logits="all")
     st = rt.new_state()
@@ -73,9 +63,9 @@ def test_prefill_then_decode_equals_one_prefill(bf16, kit):
     assert st.pos == st_full.pos == len(ids)
 
 
-def test_generate_stops_and_caps(bf16, kit):
+def test_generate_stops_and_caps(bf16, kit_prompts):
     rt = Qwen4ExpRuntime(bf16)
-    ids = _prompts(kit)[0][1]
+    ids = kit_prompts[0][1]
     g = generate(rt, ids, max_new_tokens=5)
     assert len(g.new_ids) == 5 and g.stop == "length"
     # the first new token is the argmax of the prompt's last logits (p0: 326, the kit's transformers argmax)
@@ -136,12 +126,12 @@ def test_llamacpp_selection_matches_kit_indexer_cells(kit):
     assert got == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 12]
 
 
-def test_pack_equals_gguf_and_mismatch_is_refused(kit, tmp_path, cli):
+def test_pack_equals_gguf_and_mismatch_is_refused(kit, kit_prompts, tmp_path, cli):
     from stratatools.pack import pack_model
 
     pk = tmp_path / "pack"
     pack_model(kit / "gguf" / "split" / "model-Q2_0-split-00001-of-00004.gguf", pk)
-    ids = _prompts(kit)[1][1][:12]
+    ids = kit_prompts[1][1][:12]
     wa = load(pk)
     wb = load(kit / "quant" / "model-Q2_0.gguf")
     try:
@@ -186,12 +176,12 @@ def test_pack_equals_gguf_and_mismatch_is_refused(kit, tmp_path, cli):
         assert {"offset": "off", "type": "gu_type", "size": "blob_bytes"}[what] in msg, msg
 
 
-def test_tokenizer_matches_kit_ids(kit, bf16):
+def test_tokenizer_matches_kit_ids(kit, kit_prompts, bf16):
     from runtime.tokenizer import BPETokenizer
 
     tok = BPETokenizer.from_gguf(bf16.model)
     pj = json.loads((kit / "routing" / "prompts.json").read_text())
-    tsv = dict(_prompts(kit))
+    tsv = dict(kit_prompts)
     for p in pj["prompts"]:
         ids = tok.encode(p["text"])
         assert ids == p["token_ids"] == tsv[p["prompt_id"]]

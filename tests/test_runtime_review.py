@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,11 +19,6 @@ def _strict_json(text: str):
         raise ValueError(f"non-standard JSON constant {tok}")
 
     return json.loads(text, parse_constant=bad)
-
-
-def _kit_prompts(kit: Path) -> list[list[int]]:
-    return [[int(x) for x in ln.split("\t")[1].split()]
-            for ln in (kit / "routing" / "tokens.tsv").read_text().splitlines() if ln.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +117,12 @@ def test_utf8_bom_is_not_a_token(ista_pack, tmp_path, cli):
 
 
 @pytest.mark.parametrize("selection", ["transformers", "llamacpp"])
-def test_chunked_prefill_equals_one_prefill(kit, selection):
+def test_chunked_prefill_equals_one_prefill(kit, kit_prompts, selection):
     """Chunks that start inside a QSA block, cross block boundaries and follow the mid-prompt EOS (p2)."""
     w = load(kit / "gguf" / "model-bf16.gguf")
     try:
         rt = Qwen4ExpRuntime(w, selection=selection)
-        ids = _kit_prompts(kit)[2]
+        ids = kit_prompts[2][1]
         full, frec = rt.forward(ids, rt.new_state(), logits="all")
         st = rt.new_state()
         outs, recs, p = [], [], 0
