@@ -109,6 +109,22 @@ def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
     return StrataError(msg, path)
 
 
+def _k_error(path: Any, layer: int, k: int, off: int, max_route_k: int) -> StrataError | None:
+    """The error for a record header (layer, k) at byte ``off`` whose k is refused, or None when k is valid:
+    negative, outside 1..max_route_k on a route record, above MAX_TAG_K on a tag record (the byte named is
+    k's, ``off + 4``). Shared by the chunked reader and the compiled walker (:mod:`.strata_walk`)."""
+    if k < 0:
+        return _err(path, off + 4, f"k = {k} is negative (layer {layer}); not a Strata --dump-routing "
+                    f"record", "is this a routing trace? pass --from to name its format")
+    if layer >= 0 and not 1 <= k <= max_route_k:
+        return _err(path, off + 4, f"k = {k} on a route record of layer {layer} is outside "
+                    f"1..{max_route_k}", "the file is corrupt or not a Strata routing trace")
+    if layer < 0 and k > MAX_TAG_K:
+        return _err(path, off + 4, f"k = {k} on a tag record ({layer}) exceeds {MAX_TAG_K}",
+                    "the file is corrupt")
+    return None
+
+
 class _Reader:
     """One pass over a trace file in fixed chunks; route records go straight into preallocated columns."""
 
@@ -188,15 +204,9 @@ class _Reader:
                    f"before the end of the file", "the trace was truncated; drop the partial last record or re-record")
 
     def _check_k(self, layer: int, k: int, off: int) -> None:
-        if k < 0:
-            raise _err(self.path, off + 4, f"k = {k} is negative (layer {layer}); not a Strata --dump-routing "
-                       f"record", "is this a routing trace? pass --from to name its format")
-        if layer >= 0 and not 1 <= k <= self.max_route_k:
-            raise _err(self.path, off + 4, f"k = {k} on a route record of layer {layer} is outside "
-                       f"1..{self.max_route_k}", "the file is corrupt or not a Strata routing trace")
-        if layer < 0 and k > MAX_TAG_K:
-            raise _err(self.path, off + 4, f"k = {k} on a tag record ({layer}) exceeds {MAX_TAG_K}",
-                       "the file is corrupt")
+        e = _k_error(self.path, layer, k, off, self.max_route_k)
+        if e is not None:
+            raise e
 
     def _scan(self, a: np.ndarray, W: int, base: int) -> int:
         """Process the complete records of ``a`` (W int32 words at file byte ``base``); returns words used.

@@ -33,6 +33,7 @@ import numpy as np
 from ..cachesim.kernels import HAVE_NUMBA, njit
 from ..errors import StrataError
 from ..trace import DECODE, PREFILL, UNKNOWN, TraceTable
+from .strata import MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_FORMAT, TAG_NAMES, _err, _expand, _k_error
 
 __all__ = ["HAVE_NUMBA", "walk", "read_walk"]
 
@@ -48,13 +49,9 @@ S_NWIN, S_REQ, S_PHASE, S_COMMITS, S_ACC, S_WREC = 17, 18, 19, 20, 21, 22
 N_STATE = 24
 
 # scan errors
-E_KNEG, E_KROUTE, E_KTAG, E_LAYER, E_IDNEG, E_IDBIG, E_WEIGHT = 1, 2, 3, 4, 5, 6, 7
+E_K, E_LAYER, E_IDNEG, E_IDBIG, E_WEIGHT = 1, 4, 5, 6, 7  # E_K: a refused k (byte: the record's start)
 # tag-payload errors (deferred: the chunked reader raises them after scanning the whole file)
 D_FMT_EMPTY, D_FMT_VERSION, D_REQUEST, D_PHASE, D_COMMIT = 1, 2, 3, 4, 5
-
-MAX_ROUTE_K = 1024
-MAX_TAG_K = 1 << 20
-MAX_LAYER = 4096
 
 
 @njit(cache=True, nogil=True)
@@ -100,24 +97,9 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
         layer = np.int64(a[o])
         k = np.int64(a[o + U1])
         off = np.int64(o) * 4
-        if k < 0:
-            st[S_ERR] = E_KNEG
-            st[S_EOFF] = off + 4
-            st[S_EA] = layer
-            st[S_EB] = k
-            status = 2
-            break
-        if layer >= 0:
-            if k < 1 or k > max_route_k:
-                st[S_ERR] = E_KROUTE
-                st[S_EOFF] = off + 4
-                st[S_EA] = layer
-                st[S_EB] = k
-                status = 2
-                break
-        elif k > MAX_TAG_K:
-            st[S_ERR] = E_KTAG
-            st[S_EOFF] = off + 4
+        if k < 0 or ((k < 1 or k > max_route_k) if layer >= 0 else k > MAX_TAG_K):  # as strata._k_error
+            st[S_ERR] = E_K
+            st[S_EOFF] = off
             st[S_EA] = layer
             st[S_EB] = k
             status = 2
@@ -285,27 +267,10 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
     return status
 
 
-def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
-    msg = f"{path}: byte {off}: {what}"
-    if fix:
-        msg += f" ({fix})"
-    return StrataError(msg, path)
-
-
-def _k_error(path: Any, code: int, off: int, layer: int, k: int, max_route_k: int) -> StrataError:
-    if code == E_KNEG:
-        return _err(path, off, f"k = {k} is negative (layer {layer}); not a Strata --dump-routing record",
-                    "is this a routing trace? pass --from to name its format")
-    if code == E_KROUTE:
-        return _err(path, off, f"k = {k} on a route record of layer {layer} is outside 1..{max_route_k}",
-                    "the file is corrupt or not a Strata routing trace")
-    return _err(path, off, f"k = {k} on a tag record ({layer}) exceeds {MAX_TAG_K}", "the file is corrupt")
-
-
 def _scan_error(path: Any, st: np.ndarray, n_expert: int | None, max_route_k: int) -> StrataError:
     code, off, va, vb = (int(x) for x in st[[S_ERR, S_EOFF, S_EA, S_EB]])
-    if code in (E_KNEG, E_KROUTE, E_KTAG):
-        return _k_error(path, code, off, va, vb, max_route_k)
+    if code == E_K:
+        return _k_error(path, va, vb, off, max_route_k)
     if code == E_LAYER:
         return _err(path, off, f"layer {va} is out of range (above {MAX_LAYER})",
                     "the file is corrupt or not a Strata routing trace")
@@ -377,8 +342,6 @@ def read_walk(path: Path, size: int, n_layers: int | None, n_expert: int | None,
     Raises:
         StrataError: every case the chunked reader refuses, with the same one-line message.
     """
-    from .strata import TAG_BOOT, TAG_FORMAT, TAG_NAMES, TAG_OWNED, _expand  # noqa: F401
-
     if size < 8:
         return None
     mm = _map(path, size)
