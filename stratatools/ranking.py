@@ -113,11 +113,7 @@ def _count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, pha
             nbl = int(bad_l.sum())
             if nbl:
                 sk_l += nbl
-                bl = lay[bad_l]
-                off = int(bl.min())
-                hist = np.bincount(bl - off)
-                for v in np.flatnonzero(hist):
-                    res.skipped_layers[int(v) + off] = res.skipped_layers.get(int(v) + off, 0) + int(hist[v])
+                _tally_layers(lay[bad_l], 1, res.skipped_layers)
                 keep &= ~bad_l
             bad_e = keep & ((exp < 0) | (exp >= n_expert))
             res.skipped_expert += int(bad_e.sum())
@@ -138,6 +134,14 @@ def _count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, pha
                               "skipped_phase": sk_p})
     res.counts = total.reshape(n_layers, n_expert)
     return res
+
+
+def _tally_layers(bad_layers: np.ndarray, per: int, skipped_layers: dict) -> None:
+    """Add ``per`` entries to ``skipped_layers[layer]`` for every element of ``bad_layers`` (int64, not empty)."""
+    off = int(bad_layers.min())
+    hist = np.bincount(bad_layers - off)
+    for v in np.flatnonzero(hist):
+        skipped_layers[int(v) + off] = skipped_layers.get(int(v) + off, 0) + int(hist[v]) * per
 
 
 def _count_records(rec, n_layers: int, n_expert: int, phase: str, weighting: str, c: np.ndarray,
@@ -166,10 +170,7 @@ def _count_records(rec, n_layers: int, n_expert: int, phase: str, weighting: str
             bl = lay[bad]
             if len(bl):
                 sk_l += len(bl) * k
-                off = int(bl.min())
-                hist = np.bincount(bl - off)
-                for v in np.flatnonzero(hist):
-                    skipped_layers[int(v) + off] = skipped_layers.get(int(v) + off, 0) + int(hist[v]) * k
+                _tally_layers(bl, k, skipped_layers)
             keep = ~bad if keep is None else keep & ~bad
         ids = rec.expert[a:b]
         w = rec.weight[a:b] if weighting == "weight" else None
