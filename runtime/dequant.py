@@ -4,8 +4,8 @@ One entry point for every ggml type that appears in the kit and in the ISTA-DASL
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, IQ2_XS,
 IQ2_S, IQ1_M and Q2_0 (plus any other type the ``gguf`` package can dequantize, on the CPU only).
 
-* numpy path: ``gguf.quants.dequantize`` (gguf 0.19.0) for every type it knows, and our own vectorised
-  decoder for Q2_0 (formats.md section 1), which that package does not know.
+* numpy path: ``gguf.quants.dequantize`` (gguf 0.19.0) for every type it knows, and the project's Q2_0
+  decoder (:func:`stratatools.quantize.dequantize_q2_0`, formats.md section 1), which that package does not know.
 * CuPy path (``xp=cupy``): the kernels of :mod:`runtime.gpu.dequant`, which give bit-identical float32
   results (same arithmetic order, no fused multiply-add). Imported only when asked for, so this module
   imports on machines without CuPy.
@@ -21,6 +21,7 @@ import numpy as np
 
 from stratatools.errors import StrataError
 from stratatools.ggml_types import GGMLType, type_by_id, type_by_name
+from stratatools.quantize import dequantize_q2_0
 
 #: Types every path (numpy and CuPy) must support; the GPU kernels cover exactly these.
 SUPPORTED_TYPES: tuple[str, ...] = (
@@ -57,7 +58,7 @@ def _check_size(n_bytes: int, t: GGMLType, n_values: int | None) -> int:
 
 
 def q2_0_dequantize(raw: np.ndarray) -> np.ndarray:
-    """Dequantize Q2_0 blocks (ggml type 42) with numpy.
+    """Dequantize Q2_0 blocks (ggml type 42) with numpy: :func:`stratatools.quantize.dequantize_q2_0` on flat bytes.
 
     Block (18 bytes, 64 values): fp16 scale ``d``, then 16 bytes of 2-bit codes; value j is
     ``(qs[j // 4] >> (2 * (j % 4))) & 3`` and dequantizes to ``(code - 1) * d`` (levels -d, 0, d, 2d).
@@ -67,13 +68,10 @@ def q2_0_dequantize(raw: np.ndarray) -> np.ndarray:
         raw: uint8 array whose size is a multiple of 18.
     Returns:
         float32 array of ``raw.size // 18 * 64`` values.
+    Raises:
+        StrataError: a size that is not whole 18-byte blocks.
     """
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 18)
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # (nb, 1)
-    qs = blocks[:, 2:]
-    codes = (qs[:, :, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & np.uint8(3)  # (nb, 16, 4): j = 4*byte + k
-    vals = codes.reshape(-1, 64).astype(np.float32) - np.float32(1)
-    return (vals * d).reshape(-1)
+    return dequantize_q2_0(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1))
 
 
 def _dequantize_numpy(raw: np.ndarray, t: GGMLType) -> np.ndarray:
