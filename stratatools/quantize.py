@@ -66,7 +66,7 @@ def quantize_q2_0(x: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, n // Q2_0_BLOCK * Q2_0_BYTES)
 
 
-def dequantize_q2_0(data: np.ndarray, n: int | None = None) -> np.ndarray:
+def dequantize_q2_0(data: np.ndarray) -> np.ndarray:
     """Q2_0 bytes (..., nb * 18) -> float32 (..., nb * 64). Raises StrataError on a length that is not whole blocks."""
     data = np.asarray(data, dtype=np.uint8)
     if data.shape[-1] % Q2_0_BYTES:
