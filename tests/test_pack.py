@@ -303,6 +303,16 @@ def test_parser_accepts_and_rejects():
     assert parse_native_experts(v4).layers[1].shards == ("a", "", "b")
 
 
+def _parses_or_fails_in_one_line(text: str) -> None:
+    """parse_native_experts either raises a one-line StrataError or gives a table whose total is its sum."""
+    try:
+        p = parse_native_experts(text)
+    except StrataError as e:
+        assert "\n" not in str(e), str(e)
+        return
+    assert p.total_bytes == sum(ln.blob_bytes for ln in p.layers) * p.n_expert
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_parser_never_crashes_on_mutations(data):
@@ -317,23 +327,13 @@ def test_parser_never_crashes_on_mutations(data):
             text = text[:i] + ch + text[i:]
         else:
             text = text[:i] + ch + text[i + 1:]
-    try:
-        p = parse_native_experts(text)
-    except StrataError as e:
-        assert "\n" not in str(e), str(e)
-        return
-    assert p.total_bytes == sum(ln.blob_bytes for ln in p.layers) * p.n_expert
+    _parses_or_fails_in_one_line(text)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=300))
 def test_parser_never_crashes_on_random_text(text):
-    try:
-        p = parse_native_experts(text)
-    except StrataError as e:
-        assert "\n" not in str(e), str(e)
-        return
-    assert p.total_bytes == sum(ln.blob_bytes for ln in p.layers) * p.n_expert
+    _parses_or_fails_in_one_line(text)
 
 
 def test_pread_fallback_gives_the_same_bytes(release, tmp_path, monkeypatch):
