@@ -65,16 +65,13 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
     return red[0];
 }
 
-// Top-k of probs[0..E): k rounds of arg-max, ties to the lower index. Writes ids[k], w[k] (the probabilities)
-// and the blob addresses slot[id] (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
-extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
-                                      u64 gate_bytes, int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
-    extern __shared__ float p[];
+// k rounds of block-wide arg-max over the probabilities p[E] in shared memory (ties to the lower index;
+// chosen entries are set to -inf): ids[r], their probabilities vals[r] and the blob addresses of the VRAM slots.
+__device__ void select_topk(float* p, int E, int k, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
+                            float* vals, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
     __shared__ float rv[32];
     __shared__ int ri[32];
     int t = threadIdx.x, lane = t & 31, wid = t >> 5, nw = (blockDim.x + 31) >> 5;
-    for (int i = t; i < E; i += blockDim.x) p[i] = probs[i];
-    __syncthreads();
     for (int r = 0; r < k; ++r) {
         float bv = NEG_INF; int bi = 0x7fffffff;
         for (int i = t; i < E; i += blockDim.x) {
@@ -92,12 +89,22 @@ extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, in
             for (int q = 1; q < nw; ++q) if (rv[q] > b || (rv[q] == b && ri[q] < ii)) { b = rv[q]; ii = ri[q]; }
             if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
             u64 ptr = slot[ii];
-            ids[r] = ii; w[r] = probs[ii];
+            ids[r] = ii; vals[r] = p[ii];
             gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
             p[ii] = NEG_INF;
         }
         __syncthreads();
     }
+}
+
+// Top-k of probs[0..E) (select_topk): ids[k], w[k] (the probabilities) and the blob addresses slot[id]
+// (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
+extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
+                                      u64 gate_bytes, int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] = probs[i];
+    __syncthreads();
+    select_topk(p, E, k, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
 }
 
 // ---- fused element-wise kernels of the fast step (StaticDecoder(fast=True)); same formulas as runtime.model ----
@@ -162,11 +169,9 @@ extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, 
                                        float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
                                        u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
     extern __shared__ float p[];
-    __shared__ float rv[32];
-    __shared__ int ri[32];
     __shared__ float red[32];
     __shared__ float chosen[64];
-    int t = threadIdx.x, lane = t & 31, wid = t >> 5, nw = (blockDim.x + 31) >> 5;
+    int t = threadIdx.x;
     if (sigmoid_gating) {
         for (int i = t; i < E; i += blockDim.x) p[i] = sigm(logits[i]);
     } else {
@@ -179,29 +184,7 @@ extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, 
         for (int i = t; i < E; i += blockDim.x) p[i] = p[i] / s;
     }
     __syncthreads();
-    for (int r = 0; r < k; ++r) {
-        float bv = NEG_INF; int bi = 0x7fffffff;
-        for (int i = t; i < E; i += blockDim.x) {
-            float v = p[i];
-            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
-        }
-        for (int o = 16; o; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) { rv[wid] = bv; ri[wid] = bi; }
-        __syncthreads();
-        if (t == 0) {
-            float b = rv[0]; int ii = ri[0];
-            for (int q = 1; q < nw; ++q) if (rv[q] > b || (rv[q] == b && ri[q] < ii)) { b = rv[q]; ii = ri[q]; }
-            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
-            u64 ptr = slot[ii];
-            ids[r] = ii; chosen[r] = p[ii];
-            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
-            p[ii] = NEG_INF;
-        }
-        __syncthreads();
-    }
+    select_topk(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
     if (t == 0) {
         float s = 0.0f;
         for (int r = 0; r < k; ++r) s += chosen[r];
