@@ -135,12 +135,7 @@ def inspect_model(path: str | os.PathLike) -> InspectReport:
         infos: list[LayerInfo] = []
         for le in [x for x in geo.layers if x is not None] + list(geo.mtp_layers):
             ts = [le.role(r) for r in ROLES]
-            blob = None
-            if le.complete:
-                try:
-                    blob = le.blob_bytes
-                except StrataError:
-                    blob = None
+            blob = le.blob_bytes if le.complete else None  # a complete layer has every role
             infos.append(LayerInfo(le.layer, le.is_mtp, le.n_expert, le.n_ff, le.router.type.name,
                                    *(t.type.name if t else None for t in ts),  # type: ignore[arg-type]
                                    blob, tuple(t.shard + 1 if t else None for t in ts)))  # type: ignore[arg-type]
