@@ -460,7 +460,7 @@ def plan_pack(model: Model) -> PackPlan:
     for le in geo.layers:
         assert le is not None
         g, u, d = _check_layer(model, le, n_expert)
-        per = (g.nbytes // n_expert, u.nbytes // n_expert, d.nbytes // n_expert)
+        per = tuple(le.slice_bytes(r) for r in ROLES)  # le.n_expert == n_expert (routers agree)
         blob = sum(per)
         names = tuple("" if t.shard == 0 else t.file_name for t in (g, u, d))
         shards = None if names == ("", "", "") else names
