@@ -47,6 +47,14 @@ except ImportError:  # pragma: no cover
 
 
 @njit(cache=True, nogil=True)
+def _scale_all(a, f):
+    """``a *= f`` over a 2-D array, in place (the decay of the adaptive tier's usage and the LFU/LFRU counts)."""
+    for x in range(a.shape[0]):
+        for y in range(a.shape[1]):
+            a[x, y] *= f
+
+
+@njit(cache=True, nogil=True)
 def static_kernel(layer, expert, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit):
     """Static tier with arrival admission into free slots. ``res``/``cap``/``occupied`` are modified."""
     n = layer.shape[0]
@@ -175,9 +183,7 @@ def adaptive_kernel(layer, expert, rnd, res, cap, occupied, pool_slots, pool_byt
                 nin, sw = _adapt_step(res, usage, cap, occupied, per_layer, floor, margin, max_moves,
                                       infl_l, infl_e, loads)
                 swaps += sw
-                for l in range(L):
-                    for e in range(E):
-                        usage[l, e] *= decay
+                _scale_all(usage, decay)
                 steps += 1
                 land_at = rounds + copy_delay
             if nin > 0 and rounds >= land_at:
@@ -303,9 +309,7 @@ def lfu_kernel(layer, expert, rnd, cap, n_expert, decay, decay_every):
         if i > 0 and rnd[i] != rnd[i - 1]:
             rounds += 1
             if rounds % decay_every == 0:
-                for a in range(L):
-                    for b in range(E):
-                        cnt[a, b] *= decay
+                _scale_all(cnt, decay)
         l = layer[i]
         e = expert[i]
         cnt[l, e] += 1.0
@@ -349,9 +353,7 @@ def lfru_kernel(layer, expert, rnd, pcap, ucap, n_expert, decay, decay_every):
         if i > 0 and rnd[i] != rnd[i - 1]:
             rounds += 1
             if rounds % decay_every == 0:
-                for a in range(L):
-                    for b in range(E):
-                        cnt[a, b] *= decay
+                _scale_all(cnt, decay)
         l = layer[i]
         e = expert[i]
         cnt[l, e] += 1.0
