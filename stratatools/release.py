@@ -102,9 +102,6 @@ def _must_exist(p: Path | None, what: str) -> None:
         raise StrataError(f"{p}: no such {what}", p)
 
 
-def _err(e: StrataError) -> str:
-    return str(e)
-
 
 # ------------------------------------------------------------------------------------------------ checks
 def _check_shards(inp: ReleaseInputs, ctx: dict[str, Any]):
@@ -113,7 +110,7 @@ def _check_shards(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         m = open_model(inp.model)
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     ctx["model"] = m  # opened once; every later check reads this one (validate_release closes it)
     files = [{"name": f.path.name, "size_bytes": f.size, "tensors": len(f.tensors)} for f in m.files]
     return PASS, f"{len(files)} file(s), {len(m.tensors)} tensors", {"files": files}
@@ -125,7 +122,7 @@ def _check_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         g = read_geometry(ctx["model"])
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     ctx["geometry"] = g
     missing = [i for i, le in enumerate(g.layers) if le is None or not le.complete]
     if missing:
@@ -150,7 +147,7 @@ def _check_packable(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         plan = plan_pack(ctx["model"])
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     ctx["blob_bytes"] = [lp.row.blob_bytes for lp in plan.layers]
     return PASS, f"native pack v{plan.version}, {plan.total_bytes} bytes of experts" + (
         f"; {'; '.join(plan.notes)}" if plan.notes else ""), {"version": plan.version, "total_bytes": plan.total_bytes}
@@ -162,7 +159,7 @@ def _check_allocation(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         a = read_allocation(inp.alloc)
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     ctx["alloc"] = a
     warn = list(getattr(a, "warnings", []) or [])
     kept = getattr(a, "n_kept", None)
@@ -181,7 +178,7 @@ def _check_alloc_model(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         r = check_against_model(ctx["alloc"], ctx["model"])
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     if r.ok:
         # same types and counts can still be another revision's map (a re-release that only re-indexes):
         # when the registry knows both digests, they must name the same release
@@ -220,7 +217,7 @@ def _check_survivors(inp: ReleaseInputs, ctx: dict[str, Any]):
             r = verify_survivors(ctx["model"], other=inp.previous,
                                  alloc=ctx.get("alloc") if other_alloc is not None else None, other_alloc=other_alloc)
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     ctx["verify"] = r
     d = {"unmatched": r.n_unmatched, "ambiguous": r.n_ambiguous, "disagreements": r.n_disagree,
          "compared_with_allocation": r.compared, "reference": r.reference, "kind": r.kind}
@@ -244,7 +241,7 @@ def _check_profile_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         p = read_profile(inp.profile, expect=(g.n_trunk, g.uniform_n_expert))
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     ctx["profile"] = p
     reason = f"STRP v{p.version}, {p.n_layers} x {p.n_expert}, {p.n_ranked} ranked pairs, trailer {p.trailer}"
     if p.warnings:
@@ -290,7 +287,7 @@ def _check_stale(inp: ReleaseInputs, ctx: dict[str, Any]):
     try:
         side = read_sidecar(inp.profile)
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     here_alloc_sha = ctx["alloc"].sha256 if ctx.get("alloc") is not None else None
     here_key = _release_key_of(inp, reg)
     details: dict[str, Any] = {"release": here_key}
@@ -356,7 +353,7 @@ def _check_pack(inp: ReleaseInputs, ctx: dict[str, Any]):
         pk = read_pack(inp.pack)
         r = verify_pack(pk, ctx["model"])
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     if not r.ok:
         return FAIL, f"{len(r.problems)} mismatch(es), first: {r.problems[0]}", r.to_dict()
     return PASS, (f"native_experts.txt equals the re-derived table ({r.checked_lines} layers); "
@@ -365,7 +362,6 @@ def _check_pack(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float, slots: int | None,
                     budget_gib: float | None):
-    from .cachesim import rounded_blob_bytes  # noqa: F401  (import check: simulator present)
     from .cachesim.replay import prepare_entries, simulate_policy
     from .profile_diff import default_slots_per_layer
     from .trace import read_trace
@@ -377,7 +373,7 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
         tables = [read_trace(t, n_layers=L, n_expert=E) for t in inp.traces]
         ent = prepare_entries(tables, L, E)
     except StrataError as e:
-        return FAIL, _err(e), {}
+        return FAIL, str(e), {}
     kw: dict[str, Any] = {}
     if budget_gib is not None:
         if not ctx.get("blob_bytes"):
