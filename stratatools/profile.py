@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import struct
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
