@@ -37,7 +37,7 @@ from ..profile import Profile
 from ..trace import PREFILL, TraceTable, rounds_kind
 from . import kernels as K
 from .layout import _blob_arrays, per_layer_split, plan_tier
-from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, make_tier
+from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults, make_tier
 
 
 @dataclass(frozen=True)
@@ -292,13 +292,10 @@ def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.nd
 
 def _check_params(policy: str, params: dict) -> dict:
     defaults = {"adaptive": ADAPTIVE_DEFAULTS, "lfu": LFU_DEFAULTS, "lfru": LFRU_DEFAULTS}.get(policy, {})
-    unknown = set(params) - set(defaults)
-    if unknown:
-        raise StrataError(f"unknown {policy} parameter(s): {', '.join(sorted(unknown))}")
+    p = _with_defaults(policy, params, defaults)
     for k, v in params.items():
         if not np.isfinite(float(v)):
             raise StrataError(f"{policy} parameter {k} = {v} is not a finite number")
-    p = {**defaults, **params}
     if policy == "adaptive" and (int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0
                                  or int(p["max_moves"]) < 0):
         raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")

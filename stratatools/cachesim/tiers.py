@@ -55,6 +55,14 @@ LFRU_DEFAULTS = {"decay": 0.7, "decay_every": 4, "privileged_frac": 0.5}
 NEVER = np.iinfo(np.int64).max
 
 
+def _with_defaults(name: str, params: dict, defaults: dict) -> dict:
+    """``defaults`` updated by ``params``; StrataError "unknown <name> parameter(s): ..." for keys not in it."""
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise StrataError(f"unknown {name} parameter(s): {', '.join(sorted(unknown))}")
+    return {**defaults, **params}
+
+
 class Tier:
     """Base class: hit accounting shared by every policy.
 
@@ -185,10 +193,7 @@ class AdaptiveTier(StaticTier):
 
     def __init__(self, plan: TierPlan, admit_on_miss: bool = True, **params: Any):
         super().__init__(plan, admit_on_miss)
-        unknown = set(params) - set(ADAPTIVE_DEFAULTS)
-        if unknown:
-            raise StrataError(f"unknown adaptive-tier parameter(s): {', '.join(sorted(unknown))}")
-        p = {**ADAPTIVE_DEFAULTS, **params}
+        p = _with_defaults("adaptive-tier", params, ADAPTIVE_DEFAULTS)
         self.usage_floor = float(p["usage_floor"])
         self.margin = float(p["margin"])
         self.adapt_every = int(p["adapt_every"])
@@ -301,10 +306,7 @@ class LRUTier(Tier):
 
 class _DecayCounts:
     def _init_counts(self, params: dict, defaults: dict) -> dict:
-        unknown = set(params) - set(defaults)
-        if unknown:
-            raise StrataError(f"unknown {self.policy} parameter(s): {', '.join(sorted(unknown))}")
-        p = {**defaults, **params}
+        p = _with_defaults(self.policy, params, defaults)
         self.decay = float(p["decay"])
         self.decay_every = int(p["decay_every"])
         if self.decay_every < 1:
@@ -542,8 +544,7 @@ def make_tier(policy: str, *, n_layers: int | None = None, n_expert: int | None 
         plan = plan_tier(n_layers, n_expert, profile, slots=slots, budget_bytes=budget_bytes,
                          blob_bytes=blob_bytes, admission=admission)
         if policy == "static":
-            if params:
-                raise StrataError(f"unknown static-tier parameter(s): {', '.join(sorted(params))}")
+            _with_defaults("static-tier", params, {})
             return StaticTier(plan, admit_on_miss)
         return AdaptiveTier(plan, admit_on_miss, **params)
     bb, _ = _blob_arrays(n_layers, blob_bytes)
@@ -554,8 +555,7 @@ def make_tier(policy: str, *, n_layers: int | None = None, n_expert: int | None 
     if cap.shape != (n_layers,):
         raise StrataError(f"per-layer split has {cap.size} entries for {n_layers} layers")
     if policy == "lru":
-        if params:
-            raise StrataError(f"unknown lru parameter(s): {', '.join(sorted(params))}")
+        _with_defaults("lru", params, {})
         return LRUTier(n_layers, n_expert, cap, bb)
     if policy == "lfu":
         return LFUTier(n_layers, n_expert, cap, bb, **params)
