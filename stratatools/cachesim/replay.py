@@ -370,9 +370,6 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
     return np.asarray(hits, dtype=bool), np.asarray(loads), info
 
 
-K_NEVER = np.iinfo(np.int64).max
-
-
 def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p):
     L, E = ent.n_layers, ent.n_expert
     kw: dict[str, Any] = {}
