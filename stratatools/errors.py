@@ -15,7 +15,7 @@ class StrataError(Exception):
     """A problem with the user's input, told in one line.
 
     The message names the file, the place in it (line number, byte offset, tensor name) and, where there is
-    one, the fix. Build messages with :func:`where` so that they read alike everywhere.
+    one, the fix. Messages read ``<file>: <place>: <what> (<fix>)``.
 
     Attributes:
         path: the file concerned, or None.
@@ -28,16 +28,3 @@ class StrataError(Exception):
         self.path = os.fspath(path) if path is not None else None
         super().__init__(message)
 
-
-def where(path: str | os.PathLike | None, place: str | None = None) -> str:
-    """Return the ``file[:place]`` prefix used in error messages, e.g. ``model.gguf: byte 24``."""
-    p = os.fspath(path) if path is not None else "<input>"
-    return f"{p}: {place}" if place else p
-
-
-def fail(path: str | os.PathLike | None, place: str | None, what: str, fix: str | None = None) -> StrataError:
-    """Build a :class:`StrataError` ``"<path>: <place>: <what> (<fix>)"``; the caller raises it."""
-    msg = f"{where(path, place)}: {what}"
-    if fix:
-        msg += f" ({fix})"
-    return StrataError(msg, path)

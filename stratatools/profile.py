@@ -38,9 +38,6 @@ def check_dims(n_layers: int, n_expert: int, path: str | os.PathLike | None = No
                           f"the header is damaged or this is not a profile", p)
 
 
-class ProfileWarning(UserWarning):
-    """A profile oddity the engine tolerates (trailer inconsistencies, trailing bytes, a version other than 1)."""
-
 
 @dataclass
 class Profile:

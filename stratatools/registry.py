@@ -68,12 +68,6 @@ class Registry:
         """Releases named ``name`` whose revision matches ``revision`` as a prefix (all revisions when None)."""
         return [r for r in self.releases if r.name == name and (revision is None or r.matches_revision(revision))]
 
-    def by_key(self, key: str) -> Release | None:
-        """The one release for ``name@revision`` (or ``name``), or None when none or several match."""
-        name, _, rev = key.partition("@")
-        hits = self.find(name, rev or None)
-        return hits[0] if len(hits) == 1 else None
-
     def identify(self, sha256: str) -> tuple[str, str] | None:
         """(kind, key) for a known digest: kind is shard, allocation or profile; key is name@revision."""
         s = sha256.lower()
