@@ -167,6 +167,14 @@ def _print_rounds(st) -> None:
 
 _TRACES = typer.Option(..., "--traces", "-t", help="Routing trace (any supported format); repeatable.")
 _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
+_PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
+_MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")
+_SLOTS = typer.Option(None, "--slots", help="Slot count budget.")
+_HOST_GBPS = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s.")
+_PCIE_GBPS = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s.")
+_VRAM_GBPS = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s.")
+_SETS = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable.")
+_FORCE = typer.Option(False, "--force", help="Replace an existing report.")
 
 
 def register(app: typer.Typer) -> None:
@@ -176,21 +184,21 @@ def register(app: typer.Typer) -> None:
     def simulate_cmd(
         traces: list[str] = _TRACES,
         profile: Optional[list[str]] = _PROFILE,
-        pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
-        slots: Optional[int] = typer.Option(None, "--slots", help="Slot count budget."),
+        pack: Optional[str] = _PACK,
+        model: Optional[str] = _MODEL,
+        slots: Optional[int] = _SLOTS,
         budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB (needs --pack/--model)."),
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP),
         admission: str = typer.Option("global", "--admission", help="global (engine default) or per-layer."),
         kfold: Optional[int] = typer.Option(None, "--kfold", help="Held-out k-fold by request."),
         phase: str = typer.Option("decode", "--phase", help="decode (drop prefill entries) or all."),
-        host_gbps: float = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s."),
-        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),
-        vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s."),
-        sets: Optional[list[str]] = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable."),
+        host_gbps: float = _HOST_GBPS,
+        pcie_gbps: float = _PCIE_GBPS,
+        vram_gbps: float = _VRAM_GBPS,
+        sets: Optional[list[str]] = _SETS,
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the budget sweep (faster)."),
         report: str = typer.Option(..., "--report", help="Folder for report.md, report.json and PNG plots."),
-        force: bool = typer.Option(False, "--force", help="Replace an existing report."),
+        force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
     ) -> None:
         """Replay traces through Strata's VRAM tier and baselines; write a report with plots."""
@@ -219,19 +227,19 @@ def register(app: typer.Typer) -> None:
     def compare_cmd(
         traces: list[str] = _TRACES,
         profile: Optional[list[str]] = _PROFILE,
-        pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
-        slots: Optional[int] = typer.Option(None, "--slots", help="Slot count budget."),
+        pack: Optional[str] = _PACK,
+        model: Optional[str] = _MODEL,
+        slots: Optional[int] = _SLOTS,
         budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB."),
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP + " Default: static,adaptive,belady."),
         admission: str = typer.Option("global", "--admission", help="global or per-layer."),
         phase: str = typer.Option("decode", "--phase", help="decode or all."),
-        host_gbps: float = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s."),
-        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),
-        vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s."),
-        sets: Optional[list[str]] = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable."),
+        host_gbps: float = _HOST_GBPS,
+        pcie_gbps: float = _PCIE_GBPS,
+        vram_gbps: float = _VRAM_GBPS,
+        sets: Optional[list[str]] = _SETS,
         report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder."),
-        force: bool = typer.Option(False, "--force", help="Replace an existing report."),
+        force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Put several profiles side by side on the same traces and budget."""
