@@ -15,7 +15,7 @@ expert becomes resident: start-up fill and the adaptive tier's copies), any othe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -32,7 +32,7 @@ import numpy as np
 
 from stratatools.errors import StrataError
 from stratatools.ggml_types import GGMLType, type_by_id
-from stratatools.gguf import Model, TensorInfo, open_model
+from stratatools.gguf import Model, open_model
 
 from stratatools.pack import EXPERTS_BIN, NATIVE_TXT, Pack, read_pack
 
