@@ -502,7 +502,6 @@ class Qwen4ExpRuntime:
         ids, w = self.route(il, x)
         for hook in self.route_hooks:
             hook(il, pos, ids, w)
-        T = x.shape[0]
         y = xp.zeros_like(x)
         for e in np.unique(ids).tolist():
             rows, ranks = np.nonzero(ids == e)
@@ -534,11 +533,13 @@ class Generation:
 
 
 def generate(rt: Qwen4ExpRuntime, prompt_ids: list[int], max_new_tokens: int = 16,
-             stop_id: int | None = None, state: SequenceState | None = None) -> Generation:
+             stop_id: int | None = None, state: SequenceState | None = None,
+             on_forward: "Callable[[str], None] | None" = None) -> Generation:
     """Greedy generation: prefill ``prompt_ids`` in one call, then decode one token per call.
 
     Stops at ``stop_id`` (default: the model's EOS; the stop token is kept in ``new_ids``) or after
-    ``max_new_tokens`` new tokens (0: prefill only).
+    ``max_new_tokens`` new tokens (0: prefill only). ``on_forward(phase)`` is called after every forward
+    call, ``"prefill"`` once then ``"decode"`` per step (the runtime's tier ends its rounds there).
 
     Raises:
         StrataError: an empty prompt, a negative length cap, token ids outside the vocabulary.
@@ -550,6 +551,8 @@ def generate(rt: Qwen4ExpRuntime, prompt_ids: list[int], max_new_tokens: int = 1
     stop = rt.cfg.eos_id if stop_id is None else stop_id
     st = state or rt.new_state()
     lg, pre = rt.forward(prompt_ids, st, logits="last")
+    if on_forward is not None:
+        on_forward("prefill")
     first_logits = lg
     new: list[int] = []
     dec: list[RoutingRecord] = []
@@ -563,5 +566,7 @@ def generate(rt: Qwen4ExpRuntime, prompt_ids: list[int], max_new_tokens: int = 1
         if len(new) >= max_new_tokens:
             break
         lg, r = rt.forward([nxt], st, logits="last")
+        if on_forward is not None:
+            on_forward("decode")
         dec.append(r)
     return Generation(list(map(int, prompt_ids)), new, reason if max_new_tokens else "prefill", pre, dec, first_logits)

@@ -311,33 +311,26 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         pre_s = dec_s = 0.0
         n_new_decoded = 0
         for ri, (pr, ids) in enumerate(zip(prompts, enc)):
-            st = rt.new_state()
             if tier is not None:
                 tier.phase = "prefill"
-            t0 = time.perf_counter()
-            lg, pre_rec = rt.forward(ids, st, logits="last")
-            if tier is not None:
-                tier.end_round()
-            t1 = time.perf_counter()
-            builder.add(ri, PREFILL, pre_rec)
-            new: list[int] = []
-            stop = "length" if max_new_tokens else "prefill"
-            if tier is not None:
-                tier.phase = "decode"
-            while len(new) < max_new_tokens:
-                nxt = int(np.asarray(lg).argmax()) if xp is np else int(xp.argmax(lg).get())
-                new.append(nxt)
-                if nxt == w.cfg.eos_id:
-                    stop = "stop"
-                    break
-                if len(new) >= max_new_tokens:
-                    break
-                lg, rec = rt.forward([nxt], st, logits="last")
-                if tier is not None:
+            marks: dict[str, float] = {}
+
+            def on_forward(phase: str) -> None:
+                if tier is not None:  # the prefill is one round, each decode step one round
                     tier.end_round()
-                builder.add(ri, DECODE, rec)
-                n_new_decoded += 1
+                    tier.phase = "decode"
+                if phase == "prefill":
+                    marks["prefill_end"] = time.perf_counter()
+
+            t0 = time.perf_counter()
+            g = generate(rt, ids, max_new_tokens, stop_id=w.cfg.eos_id, state=rt.new_state(), on_forward=on_forward)
             t2 = time.perf_counter()
+            t1 = marks["prefill_end"]
+            builder.add(ri, PREFILL, g.prefill)
+            for rec in g.decode:
+                builder.add(ri, DECODE, rec)
+            n_new_decoded += len(g.decode)
+            new, stop = g.new_ids, g.stop
             pre_s += t1 - t0
             dec_s += t2 - t1
             text = tok.decode(new) if tok is not None else None
