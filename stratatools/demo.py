@@ -66,27 +66,10 @@ class DemoResult:
 
 def _run_cli(argv: list[str], width: int = 120) -> tuple[int, str]:
     """Run ``stratatools argv`` in-process; return (exit code, combined stdout+stderr text)."""
-    import contextlib
-    import sys
-
-    from .cli import common, main
+    from .cli import run_captured
 
     buf = io.StringIO()
-    old = (common.console.file, common.err_console.file, common.console.width, common.err_console.width)
-    code = 0
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        common.console.file = buf
-        common.err_console.file = buf
-        common.console.width = width
-        common.err_console.width = width
-        try:
-            main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        finally:
-            common.console.file, common.err_console.file = old[0], old[1]
-            common.console.width, common.err_console.width = old[2], old[3]
-    del sys
+    code = run_captured(argv, buf, width=width)
     return code, buf.getvalue()
 
 

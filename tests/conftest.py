@@ -46,25 +46,12 @@ def kit() -> Path:
 def cli(tmp_path, monkeypatch):
     """Run the stratatools CLI in-process: cli(*args) -> (exit_code, stdout, stderr)."""
     import io
-    import sys
-    import contextlib
 
-    from stratatools.cli import main
+    from stratatools.cli import run_captured
 
     def run(*args: str):
         out, err = io.StringIO(), io.StringIO()
-        code = 0
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            from stratatools.cli import common
-            common.console.file = out
-            common.err_console.file = err
-            try:
-                main([str(a) for a in args])
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            finally:
-                common.console.file = sys.stdout
-                common.err_console.file = sys.stderr
+        code = run_captured(list(args), out, err)
         return code, out.getvalue(), err.getvalue()
 
     return run

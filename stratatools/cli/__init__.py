@@ -43,6 +43,29 @@ def _register_all() -> None:
 _register_all()
 
 
+def run_captured(argv: list[str], out, err=None, width: int | None = None) -> int:
+    """Run ``stratatools argv`` in-process with stdout, stderr and both rich consoles writing to the text
+    streams ``out`` and ``err`` (``err`` defaults to ``out``); ``width`` fixes the consoles' width. Returns the
+    exit code. Used by the demo and the tests."""
+    import contextlib
+
+    err = out if err is None else err
+    saved = (common.console.file, common.err_console.file, common.console.width, common.err_console.width)
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        common.console.file, common.err_console.file = out, err
+        if width is not None:
+            common.console.width = common.err_console.width = width
+        try:
+            main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            common.console.file, common.err_console.file = saved[0], saved[1]
+            common.console.width, common.err_console.width = saved[2], saved[3]
+    return code
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning project errors into one line and exit code 2."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
