@@ -52,7 +52,6 @@ def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4000
     ent = make_entries(tokens)
     small = ent.take(ent.rnd < max(20, tokens // 40))
-    counts = np.bincount(ent.layer * E + ent.expert, minlength=L * E).reshape(L, E).astype(float)
     counts_half = np.bincount(small.layer * E + small.expert, minlength=L * E).reshape(L, E).astype(float)
     prof = build_profile(counts_half, mode="no-base")  # ranked on the start only: adaptive has work to do
     cap = np.full(L, SLOTS // L)

@@ -6,7 +6,7 @@ One row per routed entry: (request, position, phase, layer, rank, expert, weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import mmap
 from typing import Any
 

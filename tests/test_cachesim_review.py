@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from stratatools.cachesim.replay import Entries, run_policy, simulate_policy
+from stratatools.cachesim.replay import run_policy, simulate_policy
 from stratatools.profile import Profile
 from stratatools.ranking import make_profile
 from stratatools.trace import DECODE, TraceTable

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from stratatools.allocation import SurvivorMap, read_allocation
+from stratatools.allocation import SurvivorMap
 from stratatools.errors import StrataError
 from stratatools.profile import Profile, read_profile
 from stratatools.profile_diff import (default_slots_per_layer, diff_files, profile_vs_allocations, profile_vs_profile,

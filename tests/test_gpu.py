@@ -171,7 +171,6 @@ def _tiny_arena(cp, L=3, E=16, hidden=256, ff=64):
 
     layers = [LayerExperts(E, type_by_name("Q2_0"), type_by_name("IQ4_NL"), hidden, ff) for _ in range(L)]
     arena = HostArena(layers)
-    rng = np.random.default_rng(1)
     for l, ly in enumerate(layers):
         for e in range(E):
             gb = ly.gate_bytes

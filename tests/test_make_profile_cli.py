@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import struct
 
-import numpy as np
-import pytest
-
 from stratatools.profile import read_profile
 
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.profile import Profile, read_profile
+from stratatools.profile import read_profile
 from stratatools.ranking import build_profile, count_pairs, make_profile, make_profile_files
 from stratatools.trace import read_trace
 

@@ -260,7 +260,7 @@ def test_bad_csv_window(tmp_path):
 # -- CLIs ------------------------------------------------------------------------------------------------------------
 
 def test_cli_stats_and_simulate_say_rounds_are_windows(tmp_path, cli):
-    t = three_windows(tmp_path)
+    three_windows(tmp_path)
     src = tmp_path / "w.bin"
     code, out, err = cli("trace", "stats", str(src), "--json")
     assert code == 0, err

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..cachesim.kernels import HAVE_NUMBA, njit
 from ..errors import StrataError
-from ..trace import DECODE, PREFILL, UNKNOWN, TraceTable
+from ..trace import DECODE, UNKNOWN, TraceTable
 from .strata import MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_FORMAT, TAG_NAMES, _err, _expand, _k_error
 
 __all__ = ["HAVE_NUMBA", "walk", "read_walk"]

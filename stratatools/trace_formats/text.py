@@ -20,7 +20,6 @@ non-finite weight; an empty file or a header without rows; rows of one llama-csv
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import os
 import re
@@ -32,7 +31,7 @@ import numpy as np
 from ..errors import StrataError
 from ..fsutil import AtomicFile, sha256_file
 from ..trace import DECODE, PHASE_NAMES, PREFILL, UNKNOWN, TraceTable
-from .strata import MAX_LAYER, MAX_ROUTE_K, ordinal_positions
+from .strata import MAX_LAYER, MAX_ROUTE_K
 
 KIT_COLUMNS = ["model", "prompt_id", "token_pos", "layer", "rank", "expert_id", "weight"]
 _PHASE_BY_NAME = {"prefill": PREFILL, "decode": DECODE, "unknown": UNKNOWN, "0": PREFILL, "1": DECODE, "2": UNKNOWN}
