@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from stratatools.allocation import diff_allocations, format_allocation, read_allocation
-from stratatools.profile import Profile
-from stratatools.profile_diff import profile_vs_allocations
-from stratatools.remap import remap_pruned_to_pruned
+from stratatools.alloc.allocation import diff_allocations, format_allocation, read_allocation
+from stratatools.profiles.strp import Profile
+from stratatools.profiles.diff import profile_vs_allocations
+from stratatools.profiles.remap import remap_pruned_to_pruned
 
 L, E_FULL, E_KEPT = 48, 512, 256
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from stratatools.cachesim import kernels
 from stratatools.cachesim.replay import Entries, run_policy
-from stratatools.ranking import build_profile
+from stratatools.profiles.ranking import build_profile
 
 L, E, K = 48, 256, 10
 SLOTS = 1872

@@ -114,7 +114,7 @@ def timed(cp, fn, reps=20, warm=3):
 
 def rand_blocks_dev(cp, tname, n_values, seed):
     """Random bytes of whole blocks on the device with finite fp16 scales at the type's scale offset."""
-    from stratatools.ggml_types import type_by_name
+    from stratatools.model.ggml_types import type_by_name
 
     t = type_by_name(tname)
     nb = n_values // t.block_size
@@ -136,8 +136,8 @@ def bench_copy(cp, nbytes=4 << 30):
 
 
 def bench_dequant(cp, copy_bw, types, n_values=1 << 28):
-    from runtime.dequant import dequantize
-    from stratatools.ggml_types import type_by_name
+    from stratatools.runtime.dequant import dequantize
+    from stratatools.model.ggml_types import type_by_name
 
     rows = []
     for tname in types:
@@ -156,9 +156,9 @@ class MoEStack:
     """L layers of full-width MoE weights on the device plus a capturable decode step."""
 
     def __init__(self, cp, gu, dt, L, seed=0, shared_type="Q8_0"):
-        from runtime.gpu import kernels as Kmod
-        from runtime.gpu.tier import LayerExperts
-        from stratatools.ggml_types import type_by_name
+        from stratatools.runtime.gpu import kernels as Kmod
+        from stratatools.runtime.gpu.tier import LayerExperts
+        from stratatools.model.ggml_types import type_by_name
 
         self.cp, self.L = cp, L
         self.gu, self.dt, self.st = type_by_name(gu), type_by_name(dt), type_by_name(shared_type)
@@ -222,7 +222,7 @@ class MoEStack:
 
     def check_one_layer(self):
         """The fused step's layer-0 output against the float64 numpy reference (relative error)."""
-        from runtime.gpu.experts import expert_ffn_reference
+        from stratatools.runtime.gpu.experts import expert_ffn_reference
 
         cp = self.cp
         x0 = self.x.copy()
@@ -346,10 +346,10 @@ def bench_hf_moe(L, steps, dtype_name="bfloat16", impl="eager"):
 
 def bench_tier(cp, stack, miss_mode, steps, frac=0.5):
     """Decode through the GPU tier: routing on the device, ids to the host, tier fetch, fused FFN."""
-    from runtime.gpu.experts import ExpertJobs, expert_ffn
-    from runtime.gpu.tier import GPUExpertTier, HostArena
+    from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
+    from stratatools.runtime.gpu.tier import GPUExpertTier, HostArena
     from stratatools.cachesim import make_tier
-    from stratatools.profile import Profile
+    from stratatools.profiles.strp import Profile
 
     L = stack.L
     t0 = time.perf_counter()
@@ -396,12 +396,12 @@ def main(argv=None):
 
     res = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "layers": a.layers}
     t = time.perf_counter()
-    from runtime.gpu import kernels as Kmod
+    from stratatools.runtime.gpu import kernels as Kmod
     Kmod.module()
     res["compile_s"] = time.perf_counter() - t
     res["copy_bw"] = bench_copy(cp)
     print(f"D2D copy: {res['copy_bw'] / 1e12:.2f} TB/s", flush=True)
-    from runtime.dequant import SUPPORTED_TYPES
+    from stratatools.runtime.dequant import SUPPORTED_TYPES
     res["dequant"] = bench_dequant(cp, res["copy_bw"], SUPPORTED_TYPES)
     res["moe"] = []
     res["tier"] = []

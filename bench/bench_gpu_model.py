@@ -3,10 +3,10 @@
 1. Ceiling: device-to-device copy bandwidth (bytes read + written per second).
 2. For each expert type mix, ``stratatools synth --full-width --no-revisions`` writes the full-width synthetic model
    (hidden 2560, expert width 640, 512 experts, k 10, 8 layers) on this machine (time, size), the runtime loads it
-   with CuPy (:class:`runtime.gpu.runtime.GPURuntime`, every expert in VRAM), prefills a prompt, then decodes at
+   with CuPy (:class:`stratatools.runtime.gpu.runtime.GPURuntime`, every expert in VRAM), prefills a prompt, then decodes at
    batch 1, greedy, after warm-up:
    * ``runtime_eager``: ``GPURuntime.forward`` one token at a time (the generic numpy/CuPy forward);
-   * ``static_eager``: :class:`runtime.gpu.decode.StaticDecoder` without a graph;
+   * ``static_eager``: :class:`stratatools.runtime.gpu.decode.StaticDecoder` without a graph;
    * ``static_graph``: the same step replayed from one CUDA graph (upload of the token's inputs, graph, arg-max
      read back: one host synchronisation per token); ``static_graph_rec`` also reads the routing back per token
      and does the tier bookkeeping.
@@ -109,9 +109,9 @@ def _sync_time(cp, fn, n):
 
 
 def bench_variant(cp, gguf: str, steps: int, prompt_len: int, n_check: int, eager_steps: int) -> dict:
-    from runtime.gpu.decode import StaticDecoder, max_full_context
-    from runtime.gpu.runtime import GPURuntime
-    from runtime.weights import load
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
 
     res: dict = {}
     t0 = time.perf_counter()
@@ -229,8 +229,8 @@ def _time_matvecs(cp, dec, reps: int = 10) -> dict:
     """Device time of all the dense matvecs of one step (every matrix the step ran, once each, 570+ MB: not
     L2-resident), reference kernel vs tiled kernel: each set captured into one CUDA graph (no launch gaps from
     Python), replays timed with events, median of ``reps``."""
-    from runtime.gpu.experts import THREADS, WARPS_PER_BLOCK
-    from runtime.gpu.kernels import kernel, matvec_tiled_launch
+    from stratatools.runtime.gpu.experts import THREADS, WARPS_PER_BLOCK
+    from stratatools.runtime.gpu.kernels import kernel, matvec_tiled_launch
 
     jobs = []
     nbytes = 0
@@ -388,7 +388,7 @@ def main(argv=None):
             print(f"{name}: synth {syn['bytes'] / 1e9:.2f} GB in {syn['seconds']:.1f} s", flush=True)
             v.update(bench_variant(cp, syn["gguf"], a.steps, a.prompt, a.check, a.eager_steps))
             if cfg is None:
-                from runtime.weights import load
+                from stratatools.runtime.weights import load
                 cfg = load(syn["gguf"]).cfg
             for f in Path(syn["dir"]).glob("*.gguf"):
                 f.unlink()  # disk: one model at a time

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stratatools.synth import SynthConfig, estimate_bytes, synth_release  # noqa: E402
+from stratatools.synth.model import SynthConfig, estimate_bytes, synth_release  # noqa: E402
 
 
 def run_child(args: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
@@ -86,8 +86,8 @@ def main() -> int:
         where = subprocess.run([sys.executable, "-c", "import stratatools; print(stratatools.__file__)"], env=env, cwd=tmp,
                                check=True, capture_output=True, text=True).stdout.strip()
         print(f"packing with {where}")
-        from stratatools.gguf import open_model
-        from stratatools.pack import plan_pack
+        from stratatools.model.gguf import open_model
+        from stratatools.pack.native import plan_pack
         with open_model(model) as m:
             total = plan_pack(m).total_bytes
         # the cp baseline copies the same number of bytes: the model cut to the experts.bin size

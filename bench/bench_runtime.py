@@ -18,8 +18,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.model import Qwen4ExpRuntime  # noqa: E402
-from runtime.weights import load  # noqa: E402
+from stratatools.runtime.model import Qwen4ExpRuntime  # noqa: E402
+from stratatools.runtime.weights import load  # noqa: E402
 
 KIT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT.parent / "shared" / "kit"
 N_NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 32

@@ -1,7 +1,7 @@
 """Benchmark: reading Strata --dump-routing traces and make-profile end to end.
 
 Prints, for a generated trace of >= 50M routed entries (k = 10, 48 layers, 512 experts, skewed routing):
-  * our reader (stratatools.trace.read_trace; alone, + all columns, + count_pairs) vs a per-record struct.unpack loop measured in the same run
+  * our reader (stratatools.traces.table.read_trace; alone, + all columns, + count_pairs) vs a per-record struct.unpack loop measured in the same run
     (the loop is timed on a prefix and extrapolated per entry; it only unpacks into Python lists, so the
     ratio is a lower bound of the real gap), entries/s, and peak RSS of a fresh reader process against the
     file size (absolute and above the process's pre-read baseline);
@@ -147,7 +147,8 @@ def struct_loops(path: str, max_records: int) -> dict[str, tuple[float, int]]:
 
 READER = r"""
 import json, sys, time
-from stratatools.trace import COLUMNS, read_trace
+from stratatools.traces.table import COLUMNS
+from stratatools.traces.formats import read_trace
 
 def hwm():  # peak RSS of this process (VmHWM; ru_maxrss would carry the parent's peak across exec)
     for line in open("/proc/self/status"):
@@ -166,7 +167,7 @@ if sys.argv[3] == "columns":  # every per-entry column materialised (what the [t
     for name in COLUMNS:
         getattr(t, name)
 elif sys.argv[3] == "count":  # read + count (layer, expert) pairs (what the [strata] loop does)
-    from stratatools.ranking import count_pairs
+    from stratatools.profiles.ranking import count_pairs
     c = count_pairs([t], 48, 512)
 dt, wall = time.process_time() - t0, time.perf_counter() - w0
 print(json.dumps({"s": dt, "wall": wall, "entries": len(t), "peak": hwm(), "base": base,

@@ -1,7 +1,9 @@
-"""stratatools: pack, profile, remap, trace, simulate and validate expert-offloaded MoE releases for Strata."""
+"""stratatools: pack, profile, remap, trace, simulate and validate expert-offloaded MoE releases for Strata.
 
-__version__ = "0.1.0"
+The package map, the direction data flows in and where to add things are in docs/architecture.md.
+"""
 
-from .errors import StrataError  # noqa: E402
+from stratatools.core.version import __version__
+from stratatools.core.errors import StrataError
 
 __all__ = ["StrataError", "__version__"]

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.allocation import (check_against_model, diff_allocations, export_allocation, format_allocation,
+from stratatools.alloc.allocation import (check_against_model, diff_allocations, export_allocation, format_allocation,
                                     parse_allocation, read_allocation)
-from stratatools.errors import StrataError
-from stratatools.survivors import match_rows, verify_survivors
+from stratatools.core.errors import StrataError
+from stratatools.alloc.survivors import match_rows, verify_survivors
 
 RNG = np.random.default_rng(11)
 
@@ -393,7 +393,7 @@ def test_layer_keeping_no_expert_is_an_error(cli, kit, tmp_path):
         parse_allocation(text.encode(), "a.txt")
     a = tmp_path / "a.txt"
     a.write_text(text)
-    from stratatools.profile import Profile
+    from stratatools.profiles.strp import Profile
     Profile(2, 4, [(0, 1), (1, 2)]).write(tmp_path / "p.bin")
     code, out, err = cli("remap-profile", tmp_path / "p.bin", "--alloc", a, "-o", tmp_path / "o.bin")
     assert code == 2 and "keeps no expert" in err and not (tmp_path / "o.bin").exists()

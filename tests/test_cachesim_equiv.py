@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from stratatools.cachesim.replay import Entries, run_policy
-from stratatools.profile import Profile
+from stratatools.profiles.strp import Profile
 
 
 @st.composite

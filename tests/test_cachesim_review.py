@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from stratatools.cachesim.replay import run_policy, simulate_policy
-from stratatools.profile import Profile
-from stratatools.ranking import make_profile
-from stratatools.trace import DECODE, TraceTable
-from stratatools.trace_formats import write_trace
+from stratatools.profiles.strp import Profile
+from stratatools.profiles.ranking import make_profile
+from stratatools.traces.table import DECODE, TraceTable
+from stratatools.traces.formats import write_trace
 
 L, E, K = 3, 8, 2
 
@@ -158,7 +158,7 @@ def test_table_labels_are_not_cut_in_a_pipe(cli, files, tmp_path):
 def test_sweep_plot_series_distinguishable(files):
     """Every (policy, profile) series of the sweep plot gets its own (colour, line style, marker)."""
     from stratatools.cachesim.study import run_study
-    from stratatools.report import sweep_styles
+    from stratatools.cachesim.report import sweep_styles
 
     t, tp, pp = files
     profs = [Profile(L, E, np.stack([np.arange(L * E) // E, np.arange(L * E) % E], 1)) for _ in range(3)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from stratatools.cachesim.replay import prepare_entries
-from stratatools.trace import UNKNOWN, TraceTable, read_trace
+from stratatools.traces.table import UNKNOWN, TraceTable
+from stratatools.traces.formats import read_trace
 
 
 def _table(order: str, n_pos: int = 3, n_layers: int = 2, requests: int = 1) -> TraceTable:

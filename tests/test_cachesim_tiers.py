@@ -7,8 +7,8 @@ import pytest
 
 from stratatools.cachesim import make_tier, per_layer_split, plan_tier
 from stratatools.cachesim.replay import Entries, run_policy
-from stratatools.errors import StrataError
-from stratatools.profile import Profile
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
 
 
 def prof(L, E, pairs=None):

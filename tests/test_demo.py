@@ -7,14 +7,15 @@ import json
 import junitparser
 import pytest
 
-from stratatools.demo import run_demo
-from stratatools.errors import StrataError
+from stratatools.cli import run_text
+from stratatools.demo.walkthrough import run_demo
+from stratatools.core.errors import StrataError
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
-    return run_demo(out)
+    return run_demo(out, run_text)
 
 
 def test_every_step_as_expected(demo):
@@ -58,9 +59,9 @@ def test_validate_release_red_then_green(demo):
 def test_refuses_non_demo_folder(tmp_path):
     (tmp_path / "keep.txt").write_text("user data")
     with pytest.raises(StrataError, match="already exists"):
-        run_demo(tmp_path)
+        run_demo(tmp_path, run_text)
     with pytest.raises(StrataError, match="not a demo folder"):
-        run_demo(tmp_path, force=True)
+        run_demo(tmp_path, run_text, force=True)
     assert (tmp_path / "keep.txt").read_text() == "user data"
 
 

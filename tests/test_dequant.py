@@ -1,4 +1,4 @@
-"""runtime.dequant: element-for-element against gguf.quants on real kit tensors and random blocks; Q2_0
+"""stratatools.runtime.dequant: element-for-element against gguf.quants on real kit tensors and random blocks; Q2_0
 against a slow literal reference; bad sizes give StrataError."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from gguf import quants
 from hypothesis import given, settings, strategies as st
 
-from runtime.dequant import SUPPORTED_TYPES, dequantize, dequantize_rows, q2_0_dequantize
-from stratatools.errors import StrataError
-from stratatools.ggml_types import type_by_name
-from stratatools.gguf import open_model
+from stratatools.runtime.dequant import SUPPORTED_TYPES, dequantize, dequantize_rows, q2_0_dequantize
+from stratatools.core.errors import StrataError
+from stratatools.model.ggml_types import type_by_name
+from stratatools.model.gguf import open_model
 
 KIT_FILES = ["gguf/model-bf16.gguf", "quant/model-Q2_0.gguf", "quant/model-Q4_K_M.gguf",
              "quant/model-IQ4_NL.gguf", "quant/model-ISTA-mix.gguf"]

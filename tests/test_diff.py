@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from stratatools.allocation import SurvivorMap
-from stratatools.errors import StrataError
-from stratatools.profile import Profile, read_profile
-from stratatools.profile_diff import (default_slots_per_layer, diff_files, profile_vs_allocations, profile_vs_profile,
+from stratatools.alloc.allocation import SurvivorMap
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile, read_profile
+from stratatools.profiles.diff import (default_slots_per_layer, diff_files, profile_vs_allocations, profile_vs_profile,
                                       stale_check_and_fix)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from stratatools.errors import StrataError
+from stratatools.core.errors import StrataError
 
 
 def test_atomic_write_failure_leaves_nothing(tmp_path):
     """A rename that fails (target is a non-empty folder) is a one-line error and leaves no .tmp behind."""
-    from stratatools.fsutil import write_bytes_atomic
+    from stratatools.core.fsutil import write_bytes_atomic
 
     target = tmp_path / "out.bin"
     target.mkdir()
@@ -24,7 +24,7 @@ def test_cli_turns_os_errors_into_one_line(cli, monkeypatch, tmp_path):
     """An OSError that escapes a command (disk full, permission denied) is one line and exit 2."""
     import errno
 
-    import stratatools.release as release
+    import stratatools.release.validate as release
 
     def boom(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.json"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stratatools.errors import StrataError
-from stratatools.geometry import read_geometry
-from stratatools.gguf import open_model
+from stratatools.core.errors import StrataError
+from stratatools.model.geometry import read_geometry
+from stratatools.model.gguf import open_model
 
 
 def test_open_all_kit_models(kit):

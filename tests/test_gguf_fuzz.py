@@ -8,12 +8,12 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from stratatools.errors import StrataError
-from stratatools.geometry import read_geometry
-from stratatools.gguf import open_model
-from stratatools.gguf_write import U32, GGUFWriterStream
-from stratatools.ggml_types import type_by_name
-from stratatools.pack import plan_pack
+from stratatools.core.errors import StrataError
+from stratatools.model.geometry import read_geometry
+from stratatools.model.gguf import open_model
+from stratatools.model.gguf_write import U32, GGUFWriterStream
+from stratatools.model.ggml_types import type_by_name
+from stratatools.pack.native import plan_pack
 
 
 _SEED: list[bytes] = []

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import gpu
-from runtime.dequant import SUPPORTED_TYPES, dequantize
-from stratatools.ggml_types import type_by_name
-from stratatools.gguf import open_model
+from stratatools.runtime import gpu
+from stratatools.runtime.dequant import SUPPORTED_TYPES, dequantize
+from stratatools.model.ggml_types import type_by_name
+from stratatools.model.gguf import open_model
 
 from test_dequant import KIT_FILES, random_blocks, same_bits
 
@@ -62,7 +62,7 @@ def _rand_x(n, seed):
 
 @pytest.mark.parametrize("tname", SUPPORTED_TYPES)
 def test_gpu_matvec(cp, tname):
-    from runtime.gpu.experts import matvec
+    from stratatools.runtime.gpu.experts import matvec
 
     t = type_by_name(tname)
     rows, cols = 96, 1024
@@ -93,8 +93,8 @@ def test_gpu_matvec_tiled_matches_reference_kernel(cp, tname):
     shapes with one segment, several segments (10240 columns), rows whose bytes are not whole 16-byte chunks
     (320 Q8_0 columns: 340 bytes), a row count that is not a multiple of the block's warps, and more rows than
     the grid (grid stride). Every output element is written (NaN poison)."""
-    from runtime.gpu.experts import matvec
-    from runtime.gpu.kernels import matvec_tiled_launch
+    from stratatools.runtime.gpu.experts import matvec
+    from stratatools.runtime.gpu.kernels import matvec_tiled_launch
 
     t = type_by_name(tname)
     shapes = [(96, 1024), (37, 10240), (3001, 256)]
@@ -144,7 +144,7 @@ def _blob_set(gu, d, hidden, ff, E, seed):
 
 @pytest.mark.parametrize("gu,d,ff", CASES)
 def test_gpu_expert_ffn(cp, gu, d, ff):
-    from runtime.gpu.experts import expert_ffn, expert_ffn_reference, make_jobs
+    from stratatools.runtime.gpu.experts import expert_ffn, expert_ffn_reference, make_jobs
 
     hidden, E, k, T = 512, 6, 3, 4
     tg, td, blobs = _blob_set(gu, d, hidden, ff, E, seed=len(gu) + ff)
@@ -167,7 +167,7 @@ def test_gpu_expert_ffn(cp, gu, d, ff):
 
 
 def _tiny_arena(cp, L=3, E=16, hidden=256, ff=64):
-    from runtime.gpu.tier import HostArena, LayerExperts
+    from stratatools.runtime.gpu.tier import HostArena, LayerExperts
 
     layers = [LayerExperts(E, type_by_name("Q2_0"), type_by_name("IQ4_NL"), hidden, ff) for _ in range(L)]
     arena = HostArena(layers)
@@ -184,8 +184,8 @@ def _tiny_arena(cp, L=3, E=16, hidden=256, ff=64):
 @pytest.mark.parametrize("policy,mode", [("static", "copy"), ("static", "host"), ("lru", "copy"), ("adaptive", "copy")])
 def test_gpu_tier_matches_all_resident(cp, policy, mode):
     from stratatools.cachesim import make_tier
-    from stratatools.profile import Profile
-    from runtime.gpu.tier import AllResident, GPUExpertTier
+    from stratatools.profiles.strp import Profile
+    from stratatools.runtime.gpu.tier import AllResident, GPUExpertTier
 
     L, E, k, hidden = 3, 16, 4, 256
     arena = _tiny_arena(cp, L, E, hidden)
@@ -228,7 +228,7 @@ def test_gpu_tier_matches_all_resident(cp, policy, mode):
 
 
 def test_gpu_arena_from_gguf_matches_slices(cp, kit):
-    from runtime.gpu.tier import HostArena
+    from stratatools.runtime.gpu.tier import HostArena
 
     path = kit / "quant/model-ISTA-mix.gguf"
     if not path.exists():

@@ -1,4 +1,4 @@
-"""The static batch-1 decoder (runtime.gpu.decode): numpy steps equal the reference forward on the CPU; on a GPU
+"""The static batch-1 decoder (stratatools.runtime.gpu.decode): numpy steps equal the reference forward on the CPU; on a GPU
 its eager steps and its CUDA-graph replays equal GPURuntime.forward (logits and routed sets), the routing read
 back once per step feeds the tier counters. GPU tests skip without CuPy; all need the kit."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import gpu
-from stratatools.errors import StrataError
+from stratatools.runtime import gpu
+from stratatools.core.errors import StrataError
 
 
 def _prompt(kit, n):
@@ -41,9 +41,9 @@ def _compare(rt, dec, st, first, steps):
 
 @pytest.mark.kit
 def test_static_decoder_numpy_matches_forward(kit):
-    from runtime.gpu.decode import StaticDecoder, max_full_context
-    from runtime.model import Qwen4ExpRuntime
-    from runtime.weights import load
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
 
     w = load(kit / "gguf/model-bf16.gguf")
     rt = Qwen4ExpRuntime(w)
@@ -68,9 +68,9 @@ def test_static_decoder_numpy_matches_forward(kit):
 def test_static_decoder_gpu_eager_and_graph(kit, model):
     import cupy as cp
 
-    from runtime.gpu.decode import StaticDecoder, max_full_context
-    from runtime.gpu.runtime import GPURuntime
-    from runtime.weights import load
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
 
     path = kit / model
     if not path.exists():
@@ -102,9 +102,9 @@ def test_static_decoder_fast_matches_reference_step(kit, model):
     from graphs on the same tokens: logits to float rounding, the same routed experts and weights."""
     import cupy as cp
 
-    from runtime.gpu.decode import StaticDecoder, max_full_context
-    from runtime.gpu.runtime import GPURuntime
-    from runtime.weights import load
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
 
     path = kit / model
     if not path.exists():

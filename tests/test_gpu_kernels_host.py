@@ -1,5 +1,5 @@
-"""The GPU decoders' index arithmetic, checked on the CPU: the CUDA decoders of runtime.gpu.kernels compiled
-as host C++ (g++, no fused multiply-add) must give exactly runtime.dequant's values, on random blocks of every
+"""The GPU decoders' index arithmetic, checked on the CPU: the CUDA decoders of stratatools.runtime.gpu.kernels compiled
+as host C++ (g++, no fused multiply-add) must give exactly stratatools.runtime.dequant's values, on random blocks of every
 type and on the kit's real tensors. Skips where no C++ compiler is installed."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from runtime.dequant import SUPPORTED_TYPES, dequantize
-from runtime.gpu import kernels as K
-from stratatools.ggml_types import type_by_name
-from stratatools.gguf import open_model
+from stratatools.runtime.dequant import SUPPORTED_TYPES, dequantize
+from stratatools.runtime.gpu import kernels as K
+from stratatools.model.ggml_types import type_by_name
+from stratatools.model.gguf import open_model
 
 from test_dequant import KIT_FILES, random_blocks, same_bits
 

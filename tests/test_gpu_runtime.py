@@ -1,4 +1,4 @@
-"""The runtime's oracle checks with CuPy (issue 7.3): the kit's BF16 GGUF run by runtime.gpu.GPURuntime
+"""The runtime's oracle checks with CuPy (issue 7.3): the kit's BF16 GGUF run by stratatools.runtime.gpu.GPURuntime
 against transformers' reference outputs shipped in the kit (routing/transformers-f32.*) and against the numpy
 runtime; the ISTA-mix GGUF (i-quants, Q2_0) against the numpy runtime. Skips without a GPU or the kit."""
 
@@ -12,7 +12,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from runtime import gpu
+from stratatools.runtime import gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kit,
               pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")]
@@ -57,7 +57,7 @@ def _hf_logits(kit):
 
 
 def _load(path, xp):
-    from runtime.weights import load
+    from stratatools.runtime.weights import load
 
     return load(path, xp=xp)
 
@@ -76,8 +76,8 @@ def _run(rt, ids):
 
 
 def test_gpu_runtime_bf16_oracle(cp, kit):
-    from runtime.gpu.runtime import GPURuntime
-    from runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.model import Qwen4ExpRuntime
 
     path = kit / "gguf/model-bf16.gguf"
     prompts, hf_sets, hf_lg = _prompts(kit), _hf_routing(kit), _hf_logits(kit)
@@ -107,7 +107,7 @@ def test_gpu_runtime_bf16_oracle(cp, kit):
 
 
 def test_gpu_runtime_prefill_then_decode(cp, kit):
-    from runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
 
     rt = GPURuntime(_load(kit / "gguf/model-bf16.gguf", cp))
     ids = _prompts(kit)["p1"][:20]
@@ -124,8 +124,8 @@ def test_gpu_runtime_prefill_then_decode(cp, kit):
 
 
 def test_gpu_runtime_ista_mix_matches_cpu(cp, kit):
-    from runtime.gpu.runtime import GPURuntime
-    from runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.model import Qwen4ExpRuntime
 
     path = kit / "quant/model-ISTA-mix.gguf"
     if not path.exists():
@@ -143,9 +143,9 @@ def test_gpu_runtime_ista_mix_matches_cpu(cp, kit):
 
 def test_gpu_runtime_with_tier(cp, kit):
     """The kit model through the tier under a static profile: same logits as all-resident, hits counted."""
-    from runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
     from stratatools.cachesim import make_tier
-    from stratatools.profile import read_profile
+    from stratatools.profiles.strp import read_profile
 
     path = kit / "gguf/model-bf16.gguf"
     prof_path = kit / "pruned/profile-canonical.bin"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from stratatools.modelinfo import inspect_model
-from stratatools.synth import SynthConfig, synth_release
+from stratatools.pack.inspect import inspect_model
+from stratatools.synth.model import SynthConfig, synth_release
 
 
 def test_inspect_every_kit_gguf(kit, cli):

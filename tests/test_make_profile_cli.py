@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
-from stratatools.profile import read_profile
+from stratatools.profiles.strp import read_profile
 
 
 def rec(layer, ids):

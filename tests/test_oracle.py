@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.model import Qwen4ExpRuntime
-from runtime.weights import load
+from stratatools.runtime.model import Qwen4ExpRuntime
+from stratatools.runtime.weights import load
 
 pytestmark = [pytest.mark.kit, pytest.mark.oracle]
 
@@ -147,7 +147,7 @@ def test_llamacpp_selection_reproduces_kit_routing(kit, kit_prompts, label, rel,
 
 def test_torch_topk_tie_emulation():
     torch = pytest.importorskip("torch")
-    from runtime.topk import torch_topk_indices
+    from stratatools.runtime.topk import torch_topk_indices
 
     rng = np.random.default_rng(7)
     for _ in range(500):
@@ -178,8 +178,8 @@ def test_tokenizer_matches_hf_tokenizers(kit):
     tokenizers = pytest.importorskip("tokenizers")
     import random
 
-    from runtime.tokenizer import BPETokenizer
-    from stratatools.gguf import open_model
+    from stratatools.runtime.tokenizer import BPETokenizer
+    from stratatools.model.gguf import open_model
 
     hf = tokenizers.Tokenizer.from_file(str(kit / "hf" / "qwen4exp-tiny" / "tokenizer.json"))
     with open_model(kit / "gguf" / "model-bf16.gguf") as m:

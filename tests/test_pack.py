@@ -14,11 +14,11 @@ import gguf
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from stratatools.errors import StrataError
-from stratatools.gguf import open_model
-from stratatools.pack import (EXPERTS_BIN, EXPERTS_SRC, NATIVE_TXT, pack_model, parse_native_experts, read_pack,
+from stratatools.core.errors import StrataError
+from stratatools.model.gguf import open_model
+from stratatools.pack.native import (EXPERTS_BIN, EXPERTS_SRC, NATIVE_TXT, pack_model, parse_native_experts, read_pack,
                               verify_pack)
-from stratatools.synth import SynthConfig, synth_release
+from stratatools.synth.model import SynthConfig, synth_release
 
 
 # ---------------------------------------------------------------- an independent GGUF header walker (test-only)
@@ -337,7 +337,7 @@ def test_parser_never_crashes_on_random_text(text):
 
 
 def test_pread_fallback_gives_the_same_bytes(release, tmp_path, monkeypatch):
-    from stratatools import pack as P
+    from stratatools.pack import native as P
     pack_model(release.canonical, tmp_path / "k", experts_bin=True)
     monkeypatch.setattr(P._Copier, "__init__", lambda self: setattr(self, "kernel", False))
     pack_model(release.canonical, tmp_path / "f", experts_bin=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratatools.ggml_types import type_by_name
-from stratatools.gguf_write import U32, GGUFWriterStream
-from stratatools.synth import SynthConfig, synth_release
+from stratatools.model.ggml_types import type_by_name
+from stratatools.model.gguf_write import U32, GGUFWriterStream
+from stratatools.synth.model import SynthConfig, synth_release
 
 SMALL = SynthConfig(n_layers=2, hidden=64, n_expert=8, keep=4, swap=1, k=2, expert_ff=64, shared_ff=64,
                     n_head=2, n_head_kv=1, head_dim=32, linear_k_heads=1, linear_v_heads=2, linear_k_dim=32,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from stratatools import fsutil
-from stratatools.fsutil import cached_sha256, digest_cache_dir, sha256_fd, sha256_file_cached, store_sha256
-from stratatools.pack import NATIVE_TXT, pack_model
-from stratatools.synth import SynthConfig, synth_release
+from stratatools.core import fsutil
+from stratatools.core.fsutil import cached_sha256, digest_cache_dir, sha256_fd, sha256_file_cached, store_sha256
+from stratatools.pack.native import NATIVE_TXT, pack_model
+from stratatools.synth.model import SynthConfig, synth_release
 
 
 @pytest.fixture()

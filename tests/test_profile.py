@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.errors import StrataError
-from stratatools.profile import Profile, parse_profile, read_profile, summarize
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile, parse_profile, read_profile, summarize
 
 
 def strp(L, E, pairs, slots=None, trailer="rank", version=1, extra=b""):

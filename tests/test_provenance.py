@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from stratatools.fsutil import sha256_file
+from stratatools.core.fsutil import sha256_file
 
 
 def test_make_profile_sidecar_names_model_shards(kit, cli, tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """make-profile ranking against an independent, literal reference of formats.md section 4.
 
 The reference below follows the section's five steps as a slow loop over records (dicts, sets and struct), the
-way the text reads; it shares no code with stratatools.ranking. Traces go through real files (Strata binary
+way the text reads; it shares no code with stratatools.profiles.ranking. Traces go through real files (Strata binary
 written here with struct) and the real reader.
 """
 
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.profile import read_profile
-from stratatools.ranking import build_profile, count_pairs, make_profile, make_profile_files
-from stratatools.trace import read_trace
+from stratatools.profiles.strp import read_profile
+from stratatools.profiles.ranking import build_profile, count_pairs, make_profile, make_profile_files
+from stratatools.traces.formats import read_trace
 
 
 # -- the literal reference ---------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_weighting_by_router_weight_and_zero_weights(tmp_path):
 
 
 def test_phase_decode_drops_prefill_only():
-    from stratatools.trace import DECODE, PREFILL, UNKNOWN, TraceTable
+    from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, TraceTable
 
     t = TraceTable(request=np.zeros(3), position=np.arange(3), phase=np.array([PREFILL, DECODE, UNKNOWN]),
                    layer=np.zeros(3), rank=np.zeros(3), expert=np.array([1, 2, 3]), weight=np.ones(3))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stratatools.errors import StrataError
-from stratatools.fsutil import sha256_file
-from stratatools.registry import load_registry
+from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import sha256_file
+from stratatools.alloc.registry import load_registry
 
 
 def test_coder_revisions_present():
@@ -48,7 +48,7 @@ def test_bad_registry(tmp_path):
 ])
 def test_registry_of_the_wrong_shape_is_a_one_line_error(tmp_path, monkeypatch, body, msg):
     """Arrays of the wrong kind were a TypeError/AttributeError traceback; now StrataError naming file and fix."""
-    from stratatools.remap import identify_release
+    from stratatools.profiles.remap import identify_release
 
     p = tmp_path / "r.toml"
     p.write_text(body)

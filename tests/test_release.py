@@ -8,8 +8,8 @@ import shutil
 import junitparser
 import pytest
 
-from stratatools.checks import FAIL, PASS, SKIP
-from stratatools.release import ReleaseInputs, discover, validate_release
+from stratatools.release.checks import FAIL, PASS, SKIP
+from stratatools.release.validate import ReleaseInputs, discover, validate_release
 
 
 def _by_name(suite):
@@ -206,15 +206,16 @@ def test_discover_reads_only_the_magic_of_bin_files(tmp_path, kit, monkeypatch):
 
 
 def test_missing_registry_is_an_empty_registry(kit, tmp_path, monkeypatch, cli):
-    """An installed (non-editable) stratatools has no allocations/ folder: the stale check still runs."""
-    from stratatools import registry
+    """A broken install whose packaged registry is missing: the stale check still runs with --registry."""
+    from stratatools.alloc import registry
 
+    packaged = registry.DEFAULT_PATH
     monkeypatch.setattr(registry, "DEFAULT_PATH", tmp_path / "nope.toml")
     monkeypatch.delenv("STRATATOOLS_REGISTRY", raising=False)
     assert registry.load_registry().releases == []
     p = kit / "pruned"
     code, out, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--profile", p / "profile-revA.bin",
-                         "--registry", registry.__file__.replace("stratatools/registry.py", "allocations/releases.toml"))
+                         "--registry", packaged)
     assert code == 1 and "kit-coder@revA" in out, err
     code, _, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--registry", tmp_path / "none.toml")
     assert code == 2 and "none.toml" in err
@@ -244,7 +245,7 @@ def test_sidecar_of_a_replaced_profile_is_not_trusted(kit, cli, tmp_path):
                        "--to-alloc", p / "coder-revB.rco-allocation.txt", "-o", out)
     assert code == 0, err
     side = json.loads((tmp_path / "revB.bin.json").read_text())
-    from stratatools.fsutil import sha256_file
+    from stratatools.core.fsutil import sha256_file
 
     assert side["output"]["sha256"] == sha256_file(out)
     base = dict(model=p / "coder-revB.gguf", alloc=p / "coder-revB.rco-allocation.txt", profile=out)

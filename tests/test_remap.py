@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stratatools.allocation import SurvivorMap, read_allocation
-from stratatools.errors import StrataError
-from stratatools.profile import Profile, read_profile
-from stratatools.remap import remap_full_to_pruned, remap_pruned_to_pruned
+from stratatools.alloc.allocation import SurvivorMap, read_allocation
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile, read_profile
+from stratatools.profiles.remap import remap_full_to_pruned, remap_pruned_to_pruned
 
 
 def reference_remap(pairs, to_new, n_layers, n_out, fill, slots=None):

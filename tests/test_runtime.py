@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stratatools.errors import StrataError
-from runtime.model import Qwen4ExpRuntime, generate
-from runtime.topk import llamacpp_cells, partial_sort_topk
-from runtime.weights import load
+from stratatools.core.errors import StrataError
+from stratatools.runtime.model import Qwen4ExpRuntime, generate
+from stratatools.runtime.topk import llamacpp_cells, partial_sort_topk
+from stratatools.runtime.weights import load
 
 pytestmark = pytest.mark.kit
 
@@ -127,7 +127,7 @@ def test_llamacpp_selection_matches_kit_indexer_cells(kit):
 
 
 def test_pack_equals_gguf_and_mismatch_is_refused(kit, kit_prompts, tmp_path, cli):
-    from stratatools.pack import pack_model
+    from stratatools.pack.native import pack_model
 
     pk = tmp_path / "pack"
     pack_model(kit / "gguf" / "split" / "model-Q2_0-split-00001-of-00004.gguf", pk)
@@ -177,7 +177,7 @@ def test_pack_equals_gguf_and_mismatch_is_refused(kit, kit_prompts, tmp_path, cl
 
 
 def test_tokenizer_matches_kit_ids(kit, kit_prompts, bf16):
-    from runtime.tokenizer import BPETokenizer
+    from stratatools.runtime.tokenizer import BPETokenizer
 
     tok = BPETokenizer.from_gguf(bf16.model)
     pj = json.loads((kit / "routing" / "prompts.json").read_text())
@@ -193,8 +193,8 @@ def test_tokenizer_matches_kit_ids(kit, kit_prompts, bf16):
 def test_tokenizer_roundtrip_property(text):
     import unicodedata
 
-    from runtime.tokenizer import BPETokenizer
-    from stratatools.gguf import open_model
+    from stratatools.runtime.tokenizer import BPETokenizer
+    from stratatools.model.gguf import open_model
     from conftest import kit_dir
 
     k = kit_dir()
@@ -212,7 +212,7 @@ def test_tokenizer_roundtrip_property(text):
 
 
 def test_run_cli_with_tier_and_trace(kit, tmp_path, cli):
-    from stratatools.trace import read_trace
+    from stratatools.traces.formats import read_trace
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\\n    return a + b\\n\n\nThe quick brown fox\n")
@@ -222,8 +222,8 @@ def test_run_cli_with_tier_and_trace(kit, tmp_path, cli):
                          "-n", "6", "--trace-out", trace, "--json")
     assert code == 0, err
     res = json.loads(out)
-    from runtime.tokenizer import BPETokenizer
-    from stratatools.gguf import open_model
+    from stratatools.runtime.tokenizer import BPETokenizer
+    from stratatools.model.gguf import open_model
 
     with open_model(kit / "quant" / "model-ISTA-mix.gguf") as m:
         tok = BPETokenizer.from_gguf(m)
@@ -244,7 +244,7 @@ def test_run_cli_with_tier_and_trace(kit, tmp_path, cli):
     assert set(np.unique(t.phase).tolist()) == {0, 1}
     # hits recomputed from the trace with the profile's first 64 pairs (static tier, no admission on misses
     # because the tier is full from the start)
-    from stratatools.profile import read_profile
+    from stratatools.profiles.strp import read_profile
 
     prof = read_profile(kit / "pruned" / "profile-canonical.bin")
     res_set = {(int(l), int(e)) for l, e in prof.pairs[:64]} if hasattr(prof, "pairs") else None
@@ -282,9 +282,9 @@ def test_bad_inputs_exit_2(kit, tmp_path, cli):
 
 
 def test_synthetic_release_runs(tmp_path, cli):
-    """The colleague's synthetic release (stratatools.synth) runs end to end, packed, with a tier."""
-    synth = pytest.importorskip("stratatools.synth")
-    from stratatools.pack import pack_model
+    """The colleague's synthetic release (stratatools.synth.model) runs end to end, packed, with a tier."""
+    synth = pytest.importorskip("stratatools.synth.model")
+    from stratatools.pack.native import pack_model
 
     rel = tmp_path / "rel"
     synth.synth_release(rel)

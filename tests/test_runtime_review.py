@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from runtime.model import Qwen4ExpRuntime
-from runtime.weights import load
+from stratatools.runtime.model import Qwen4ExpRuntime
+from stratatools.runtime.weights import load
 
 pytestmark = pytest.mark.kit
 
@@ -23,7 +23,7 @@ def _strict_json(text: str):
 
 @pytest.fixture(scope="module")
 def ista_pack(kit, tmp_path_factory):
-    from stratatools.pack import pack_model
+    from stratatools.pack.native import pack_model
 
     pk = tmp_path_factory.mktemp("rv") / "pack"
     pack_model(kit / "quant" / "model-ISTA-mix.gguf", pk)
@@ -83,8 +83,8 @@ def test_policy_without_a_tier_is_refused(ista_pack, tmp_path, cli):
 
 def test_token_id_prompts_report_decoded_text(kit, ista_pack, tmp_path, cli):
     """The kit's prompts.json gives token ids; the generated text is still decoded (not shown as ids)."""
-    from runtime.tokenizer import BPETokenizer
-    from stratatools.gguf import open_model
+    from stratatools.runtime.tokenizer import BPETokenizer
+    from stratatools.model.gguf import open_model
 
     code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "3", "--json")
     assert code == 0, err
@@ -143,7 +143,8 @@ def test_chunked_prefill_equals_one_prefill(kit, kit_prompts, selection):
 def test_trace_positions_phases_and_requests(kit, ista_pack, tmp_path, cli):
     """The tagged Strata trace read back: per request, prefill positions 0..P-1, then decode positions P.. in
     order, every layer per position, ids equal to what the runtime routed."""
-    from stratatools.trace import DECODE, PREFILL, read_trace
+    from stratatools.traces.table import DECODE, PREFILL
+    from stratatools.traces.formats import read_trace
 
     trace = tmp_path / "t.bin"
     code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "5",
@@ -170,7 +171,7 @@ def test_csv_trace_names_model_and_prompts(kit, ista_pack, tmp_path, cli):
     'stratatools-runtime' and prompt ids 0, 1, 2), so it compares directly with the kit's routing CSVs."""
     import csv
 
-    from stratatools.trace import read_trace
+    from stratatools.traces.formats import read_trace
 
     trace = tmp_path / "t.csv"
     code, out, err = cli("run", ista_pack, "--prompts", kit / "routing" / "prompts.json", "-n", "2",

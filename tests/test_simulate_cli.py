@@ -10,11 +10,11 @@ import pytest
 from stratatools.cachesim.kfold import fold_of_requests, t975, t_interval
 from stratatools.cachesim.replay import prepare_entries, simulate_policy
 from stratatools.cachesim.study import coverage_curve, run_study
-from stratatools.errors import StrataError
-from stratatools.profile import Profile
-from stratatools.ranking import make_profile
-from stratatools.trace import DECODE, PREFILL, TraceTable
-from stratatools.trace_formats import write_trace
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
+from stratatools.profiles.ranking import make_profile
+from stratatools.traces.table import DECODE, PREFILL, TraceTable
+from stratatools.traces.formats import write_trace
 
 L, E, K = 4, 16, 3
 
@@ -110,7 +110,7 @@ def test_simulate_cli_report(cli, files, tmp_path):
     stale = rows[("stale", "static")]["h_expert"]
     assert good > stale  # the profile built on these traces beats a random ranking in-sample
     ent = prepare_entries(t, L, E)
-    from stratatools.profile import read_profile
+    from stratatools.profiles.strp import read_profile
     ref = simulate_policy(ent, "static", profile=read_profile(gp), slots=16)
     assert good == pytest.approx(ref.h_expert)
     assert js["kfold"]["k"] == 3 and "good" in (rep / "report.md").read_text()

@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from stratatools.gguf import open_model
-from stratatools.quantize import dequantize_q2_0, quantize, quantize_q2_0, random_blocks
-from stratatools.synth import (SynthConfig, build_tokenizer, kept_sets, ple_head_vocab_sizes, ple_layer_multipliers,
+from stratatools.model.gguf import open_model
+from stratatools.model.quantize import dequantize_q2_0, quantize, quantize_q2_0, random_blocks
+from stratatools.synth.model import (SynthConfig, build_tokenizer, kept_sets, ple_head_vocab_sizes, ple_layer_multipliers,
                                synth_release)
 
 
@@ -30,7 +30,7 @@ def test_mirrors_converter_layout(kit, tmp_path):
             b = s.tensors[n]
             want = (a.ne[0], V) if n in ("token_embd.weight", "output.weight") else a.ne
             assert (b.ne, b.type.name) == (want, a.type.name), n
-        assert set(k.kv) == set(s.kv) - {"stratatools.synthetic", "stratatools.synth.variant", "stratatools.synth.seed"}
+        assert set(k.kv) == set(s.kv) - {"stratatools.synthetic", "stratatools.synth.model.variant", "stratatools.synth.model.seed"}
         for key in k.kv:
             assert k.files[0].kv_types[key] == s.files[0].kv_types[key], key
         same = [key for key in k.kv if key.startswith("qwen4exp.") and key not in (

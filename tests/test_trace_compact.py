@@ -15,10 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.errors import StrataError
-from stratatools.ranking import count_pairs
-from stratatools.trace import COLUMNS, PREFILL, TraceTable, read_trace, trace_stats, write_trace
-from stratatools.trace_formats.strata import read_strata, record_bounds
+from stratatools.core.errors import StrataError
+from stratatools.profiles.ranking import count_pairs
+from stratatools.traces.table import COLUMNS, PREFILL, TraceTable, trace_stats
+from stratatools.traces.formats import read_trace, write_trace
+from stratatools.traces.formats.strata import read_strata, record_bounds
 
 
 def rec(layer, ids, w):

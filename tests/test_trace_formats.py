@@ -11,10 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.errors import StrataError
-from stratatools.trace import DECODE, PREFILL, UNKNOWN, TraceTable, read_trace, trace_stats, write_trace
-from stratatools.trace_formats import sniff_format
-from stratatools.trace_formats.strata import read_strata
+from stratatools.core.errors import StrataError
+from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, TraceTable, trace_stats
+from stratatools.traces.formats import read_trace, write_trace
+from stratatools.traces.formats import sniff_format
+from stratatools.traces.formats.strata import read_strata
 
 
 def rec(layer, ids, w=None):
@@ -346,7 +347,7 @@ def test_mutated_csv(muts, cut):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 255)), min_size=1, max_size=4))
 def test_mutated_parquet(muts):
-    from stratatools.trace_formats.parquet import write_parquet
+    from stratatools.traces.formats.parquet import write_parquet
 
     n = 64
     t = TraceTable(request=np.zeros(n), position=np.arange(n), phase=np.ones(n), layer=np.arange(n) % 4,

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stratatools.errors import StrataError
-from stratatools.trace import COLUMNS, DECODE, PREFILL, UNKNOWN
-from stratatools.trace_formats.strata import read_strata, record_bounds
-from stratatools.trace_formats.strata_walk import HAVE_NUMBA, read_walk, walk
+from stratatools.core.errors import StrataError
+from stratatools.traces.table import COLUMNS, DECODE, PREFILL, UNKNOWN
+from stratatools.traces.formats.strata import read_strata, record_bounds
+from stratatools.traces.formats.strata_walk import HAVE_NUMBA, read_walk, walk
 
 PY_WALK = getattr(walk, "py_func", walk)
 
@@ -214,7 +214,7 @@ def test_walker_on_random_bytes(data):
 
 
 def test_without_numba_read_strata_uses_the_chunked_reader(tmp_path, monkeypatch):
-    import stratatools.trace_formats.strata_walk as sw
+    import stratatools.traces.formats.strata_walk as sw
 
     p = tmp_path / "t.bin"
     body = b"".join(rec(layer, [layer, p], [0.0, 0.0]) for layer in range(3) for p in range(2))

@@ -10,10 +10,11 @@ import pytest
 
 from stratatools.cachesim import make_tier
 from stratatools.cachesim.replay import prepare_entries, simulate_policy
-from stratatools.errors import StrataError
-from stratatools.profile import Profile
-from stratatools.trace import DECODE, PREFILL, UNKNOWN, TraceTable, read_trace, trace_stats, write_trace
-from stratatools.trace_formats.strata import read_strata
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
+from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, TraceTable, trace_stats
+from stratatools.traces.formats import read_trace, write_trace
+from stratatools.traces.formats.strata import read_strata
 
 
 def rec(layer, ids, w=None):

@@ -29,8 +29,8 @@ Higher level: :func:`stratatools.cachesim.replay.simulate` (profiles x policies 
 
 from __future__ import annotations
 
-from .layout import TierPlan, per_layer_split, plan_tier, rounded_blob_bytes
-from .tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, AdaptiveTier, BeladyTier,
+from stratatools.cachesim.layout import TierPlan, per_layer_split, plan_tier, rounded_blob_bytes
+from stratatools.cachesim.tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, AdaptiveTier, BeladyTier,
                     LFRUTier, LFUTier, LRUTier, StaticTier, Tier, make_tier, next_uses)
 
 __all__ = ["TierPlan", "per_layer_split", "plan_tier", "rounded_blob_bytes", "ADAPTIVE_DEFAULTS",

@@ -2,7 +2,7 @@
 
 Folds: the distinct request ids (made distinct per input trace by :func:`.replay.merge_traces`) in ascending
 order, request i going to fold ``i % k``. For each fold, a profile is built with
-:func:`stratatools.ranking.make_profile` on the other k-1 folds and scored on the held-out fold; the
+:func:`stratatools.profiles.ranking.make_profile` on the other k-1 folds and scored on the held-out fold; the
 in-sample number builds and scores on everything. Interval: mean +- t(0.975, k-1) * sd / sqrt(k), the
 two-sided 95% Student-t interval over the k fold scores (sd with k-1 degrees of freedom).
 """
@@ -15,11 +15,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import StrataError
-from ..profile import Profile
-from ..ranking import make_profile
-from ..trace import TraceTable
-from .replay import BandwidthModel, merge_traces, prepare_entries, simulate_policy
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
+from stratatools.profiles.ranking import make_profile
+from stratatools.traces.table import TraceTable
+from stratatools.cachesim.replay import BandwidthModel, merge_traces, prepare_entries, simulate_policy
 
 # two-sided 95% Student-t quantiles t(0.975, df), df 1..30, then 40, 60, 120 and the normal limit
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,

@@ -31,8 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import StrataError
-from ..profile import Profile
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
 
 ALIGN = 256
 ADMISSIONS = ("global", "per-layer")

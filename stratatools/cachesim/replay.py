@@ -32,12 +32,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import StrataError
-from ..profile import Profile
-from ..trace import PREFILL, TraceTable, rounds_kind
-from . import kernels as K
-from .layout import _blob_arrays, per_layer_split, plan_tier
-from .tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults, make_tier
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
+from stratatools.traces.table import PREFILL, TraceTable, rounds_kind
+from stratatools.cachesim import kernels as K
+from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier
+from stratatools.cachesim.tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults, make_tier
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What ``stratatools simulate`` / ``compare`` compute: profiles x policies at one budget, a budget sweep, the
-coverage curves and the optional k-fold, as one :class:`Study` (rendered by :mod:`stratatools.report`).
+coverage curves and the optional k-fold, as one :class:`Study` (rendered by :mod:`stratatools.cachesim.report`).
 
 Same budget (see :mod:`.layout`): the static and adaptive tiers get the slot count / byte budget and the
 admission mode; per-layer baselines (lru, lfu, lfru, belady) get the per-layer admission split of the same
@@ -20,12 +20,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import StrataError
-from ..profile import Profile
-from ..trace import TraceTable
-from .kfold import KFoldResult, kfold_eval
-from .layout import rounded_blob_bytes
-from .replay import BandwidthModel, Entries, SimResult, merge_traces, prepare_entries, simulate_policy
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
+from stratatools.traces.table import TraceTable
+from stratatools.cachesim.kfold import KFoldResult, kfold_eval
+from stratatools.cachesim.layout import rounded_blob_bytes
+from stratatools.cachesim.replay import BandwidthModel, Entries, SimResult, merge_traces, prepare_entries, simulate_policy
 
 DEFAULT_POLICIES = ("static", "adaptive", "lru", "lfu", "lfru", "belady")
 PROFILE_POLICIES = ("static", "adaptive")
@@ -241,7 +241,7 @@ class StudyInputs:
 
 def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | None = None,
                 model: str | None = None) -> StudyInputs:
-    """Read traces (any format :func:`stratatools.trace_formats.read_trace` knows), STRP profiles, and the
+    """Read traces (any format :func:`stratatools.traces.formats.read_trace` knows), STRP profiles, and the
     per-layer blob bytes from a native pack (``native_experts.txt``, formats.md 5) or a model's geometry.
 
     Raises:
@@ -250,8 +250,8 @@ def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | N
     """
     from pathlib import Path
 
-    from ..profile import read_profile
-    from ..trace_formats import read_trace
+    from stratatools.profiles.strp import read_profile
+    from stratatools.traces.formats import read_trace
 
     if not traces:
         raise StrataError("no traces given (pass --traces FILE, repeatable)")
@@ -261,14 +261,14 @@ def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | N
     L = E = None
     src = None
     if pack is not None:
-        from ..pack import read_pack
+        from stratatools.pack.native import read_pack
 
         pk = read_pack(pack)
         blob = [int(r.blob_bytes) for r in pk.layers]
         L, E, src = len(blob), int(pk.n_expert), f"pack {pack}"
     elif model is not None:
-        from ..geometry import read_geometry
-        from ..gguf import open_model
+        from stratatools.model.geometry import read_geometry
+        from stratatools.model.gguf import open_model
 
         with open_model(model) as m:
             g = read_geometry(m)

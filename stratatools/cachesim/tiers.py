@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StrataError
-from ..profile import Profile
-from .layout import TierPlan, per_layer_split, plan_tier, _blob_arrays
+from stratatools.core.errors import StrataError
+from stratatools.profiles.strp import Profile
+from stratatools.cachesim.layout import TierPlan, per_layer_split, plan_tier, _blob_arrays
 
 POLICIES = ("static", "adaptive", "lru", "lfu", "lfru", "belady")
 ADAPTIVE_DEFAULTS = {"usage_floor": 2.0, "margin": 1.5, "adapt_every": 4, "max_moves": 96, "decay": 0.7,

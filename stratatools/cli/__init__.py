@@ -11,8 +11,8 @@ import sys
 
 import typer
 
-from ..errors import StrataError
-from . import common
+from stratatools.core.errors import StrataError
+from stratatools.cli import common
 
 app = typer.Typer(
     name="stratatools",
@@ -34,7 +34,7 @@ def _root(
 
 
 def _register_all() -> None:
-    from . import model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd
+    from stratatools.cli import model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd
 
     for mod in (model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd):
         mod.register(app)
@@ -64,6 +64,16 @@ def run_captured(argv: list[str], out, err=None, width: int | None = None) -> in
             common.console.file, common.err_console.file = saved[0], saved[1]
             common.console.width, common.err_console.width = saved[2], saved[3]
     return code
+
+
+def run_text(argv: list[str], width: int = 120) -> tuple[int, str]:
+    """Run ``stratatools argv`` in-process; return (exit code, combined stdout+stderr text). The demo's
+    step runner (:func:`stratatools.demo.walkthrough.run_demo` takes it as ``runner``)."""
+    import io
+
+    buf = io.StringIO()
+    code = run_captured(argv, buf, width=width)
+    return code, buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """CLI commands for ISTA ``rco-allocation.txt`` maps: ``alloc show|check|export|verify``.
 
-Each command calls one library function (stratatools.allocation, .survivors) and renders the result.
+Each command calls one library function (stratatools.alloc.allocation, .survivors) and renders the result.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from . import common
+from stratatools.cli import common
 
 alloc_app = typer.Typer(help="Read, check, export and verify rco-allocation.txt maps.", no_args_is_help=True)
 
@@ -30,7 +30,7 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout (includes the survivor map)."),
 ) -> None:
     """Summary of an allocation map: sections, layers, kept counts, types, survivor order."""
-    from ..allocation import read_allocation
+    from stratatools.alloc.allocation import read_allocation
 
     a = read_allocation(alloc)
     s = a.summary()
@@ -77,7 +77,7 @@ def check_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
     """Validate an allocation (structure always; against a GGUF with --model). Exit 1 when a check fails."""
-    from ..allocation import check_against_model, read_allocation
+    from stratatools.alloc.allocation import check_against_model, read_allocation
 
     a = read_allocation(alloc)
     s = a.summary()
@@ -120,8 +120,8 @@ def export_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
 ) -> None:
     """Export the survivor map or the per-expert entries to CSV, Parquet or JSON."""
-    from ..allocation import export_allocation, read_allocation
-    from ..fsutil import guard_output
+    from stratatools.alloc.allocation import export_allocation, read_allocation
+    from stratatools.core.fsutil import guard_output
 
     guard_output(out, [alloc], force)
     a = read_allocation(alloc)
@@ -142,7 +142,7 @@ def verify_cmd(
 
     Reads only the router tensors. Exit 1 when rows are unmatched/ambiguous or the map disagrees.
     """
-    from ..survivors import verify_survivors
+    from stratatools.alloc.survivors import verify_survivors
 
     res = verify_survivors(pruned, full=full, other=other, alloc=alloc, other_alloc=other_alloc)
     if as_json:

@@ -26,7 +26,7 @@ STATE = _State()
 
 def emit_json(obj: Any) -> None:
     """Print ``obj`` as JSON on stdout (no rich markup)."""
-    from ..fsutil import _json_default
+    from stratatools.core.fsutil import _json_default
 
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
     sys.stdout.flush()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import STATE, console, err_console
+from stratatools.cli.common import STATE, console, err_console
 
 
 def demo_cmd(
@@ -15,7 +15,7 @@ def demo_cmd(
 ) -> None:
     """Run the whole story on a synthetic release: pack, stale profile caught, remap, rebuild from runtime
     traces, simulate stale vs remapped vs rebuilt, validate-release red then green."""
-    from ..demo import run_demo
+    from stratatools.demo.walkthrough import run_demo
 
     quiet = STATE.quiet  # each step runs the CLI in-process, which resets the global flags
 
@@ -26,7 +26,9 @@ def demo_cmd(
         mark = "[green]ok[/]" if ok else "[bold red]UNEXPECTED[/]"
         err_console.print(f"{mark} {st.title}  [dim](exit {st.code}, {st.seconds:.1f} s)[/]")
 
-    res = run_demo(out, force=force, progress=progress)
+    from stratatools.cli import run_text
+
+    res = run_demo(out, run_text, force=force, progress=progress)
     console.print(f"demo: {len(res.steps)} steps in {res.seconds:.1f} s -> {res.out / 'index.md'}")
     if not res.ok:
         bad = [s.title for s in res.steps if s.code != s.expect]

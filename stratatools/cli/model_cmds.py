@@ -10,11 +10,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import StrataError
-from ..modelinfo import InspectReport, inspect_model
-from ..pack import PackResult, pack_model
-from ..synth import ReleaseInfo, SynthConfig, config_with, estimate_bytes, synth_release
-from . import common
+from stratatools.core.errors import StrataError
+from stratatools.pack.inspect import InspectReport, inspect_model
+from stratatools.pack.native import PackResult, pack_model
+from stratatools.synth.model import ReleaseInfo, SynthConfig, config_with, estimate_bytes, synth_release
+from stratatools.cli import common
 
 
 def _gib(n: int) -> str:
@@ -79,7 +79,7 @@ def render_pack(r: PackResult) -> None:
     t = Table(title=f"native pack {r.packdir}", title_justify="left")
     for col in ("layer", "gu", "down", "offset", "blob bytes", "gate_off", "up_off", "down_off", "shard"):
         t.add_column(col, justify="left" if col in ("gu", "down", "shard") else "right")
-    from ..pack import _tname
+    from stratatools.pack.native import _tname
     for ln in r.layers:
         t.add_row(str(ln.layer), _tname(ln.gu_type), _tname(ln.d_type), f"{ln.offset:,}", f"{ln.blob_bytes:,}",
                   str(ln.gate_off), str(ln.up_off), str(ln.down_off), ln.shard_column() or "-")

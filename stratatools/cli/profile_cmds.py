@@ -1,6 +1,6 @@
 """CLI commands for expert profiles: ``profile show``, ``remap-profile``, ``profile-diff``.
 
-Each command parses options, calls one library function (stratatools.profile, .remap, .profile_diff) and
+Each command parses options, calls one library function (stratatools.profiles.strp, .remap, .profile_diff) and
 renders its result as a rich table, markdown, or JSON with ``--json``.
 """
 
@@ -12,17 +12,17 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from . import common
+from stratatools.cli import common
 
 profile_app = typer.Typer(help="Inspect STRP expert profiles.", no_args_is_help=True)
 
 
 def _expect_from(model: Optional[Path], n_layer: Optional[int], n_expert: Optional[int]) -> tuple[int, int] | None:
-    from ..errors import StrataError
+    from stratatools.core.errors import StrataError
 
     if model is not None:
-        from ..geometry import read_geometry
-        from ..gguf import open_model
+        from stratatools.model.geometry import read_geometry
+        from stratatools.model.gguf import open_model
 
         with open_model(model) as m:
             g = read_geometry(m)
@@ -42,8 +42,8 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
     """Summary, per-layer counts and top-K per layer of a profile; stricter than the engine's reader."""
-    from .. import provenance
-    from ..profile import read_profile, summarize
+    from stratatools.core import provenance
+    from stratatools.profiles.strp import read_profile, summarize
 
     prof = read_profile(profile, expect=_expect_from(model, n_layer, n_expert))
     info = summarize(prof, top=top)
@@ -88,7 +88,7 @@ def remap_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON report on stdout."),
 ) -> None:
     """Map a profile through original expert indices onto a pruned model or another pruned revision."""
-    from ..remap import remap_profile_files
+    from stratatools.profiles.remap import remap_profile_files
 
     res = remap_profile_files(profile, out, alloc=alloc, from_alloc=from_alloc, to_alloc=to_alloc, fill=fill,
                               slots=slots, model=model, force=force)
@@ -132,8 +132,8 @@ def diff_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing --report file."),
 ) -> None:
     """Is a profile stale? Against a re-release (--old-alloc/--new-alloc) or against another profile."""
-    from ..fsutil import guard_output, write_text_atomic
-    from ..profile_diff import diff_files
+    from stratatools.core.fsutil import guard_output, write_text_atomic
+    from stratatools.profiles.diff import diff_files
 
     inputs = [p for p in (profile, other, old_alloc, new_alloc) if p is not None]
     if report is not None:

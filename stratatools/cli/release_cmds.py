@@ -8,9 +8,9 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from ..checks import FAIL, PASS
-from ..fsutil import write_text_atomic
-from .common import console, emit_json, warn
+from stratatools.release.checks import FAIL, PASS
+from stratatools.core.fsutil import write_text_atomic
+from stratatools.cli.common import console, emit_json, warn
 
 _STYLE = {PASS: "green", FAIL: "bold red", "skip": "yellow"}
 
@@ -40,7 +40,7 @@ def validate_release_cmd(
 
     Exit 0 when every check passes (skips allowed), 1 when a check failed, 2 for unusable input.
     """
-    from ..release import check_gate_options, resolve_inputs, validate_release
+    from stratatools.release.validate import check_gate_options, resolve_inputs, validate_release
 
     inp = resolve_inputs(release_dir, model=model, alloc=alloc, profile=profile, pack=pack, traces=traces,
                          full=full, previous=previous, previous_alloc=previous_alloc)
@@ -48,7 +48,7 @@ def validate_release_cmd(
     stdout_reports = [k for k, v in (("junit", junit), ("json", json_file), ("markdown", markdown))
                       if v is not None and str(v) == "-"]
     if len(stdout_reports) > 1:
-        from ..errors import StrataError
+        from stratatools.core.errors import StrataError
 
         raise StrataError(f"--{' and --'.join(stdout_reports)} both name stdout ('-'); send at most one report there")
     if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
@@ -92,9 +92,9 @@ def validate_release_cmd(
 def _guard_reports(inp, registry: Optional[Path], force: bool, **outs: Optional[Path]) -> None:
     """Refuse report paths that are an input (any shard too), one another, or existing without --force;
     all before any check runs, so a refused run writes nothing."""
-    from ..errors import StrataError
-    from ..fsutil import guard_output
-    from ..gguf import shard_siblings
+    from stratatools.core.errors import StrataError
+    from stratatools.core.fsutil import guard_output
+    from stratatools.model.gguf import shard_siblings
 
     inputs: list[Path] = [p for p in (inp.model, inp.alloc, inp.profile, inp.full, inp.previous,
                                       inp.previous_alloc, registry) if p is not None] + list(inp.traces)

@@ -1,6 +1,6 @@
-"""CLI command ``run``: run prompts through a packed qwen4exp model with the runtime (:mod:`runtime.run`).
+"""CLI command ``run``: run prompts through a packed qwen4exp model with the runtime (:mod:`stratatools.runtime.run`).
 
-Parses options, calls :func:`runtime.run.run_prompts`, renders a rich table (or JSON with ``--json``).
+Parses options, calls :func:`stratatools.runtime.run.run_prompts`, renders a rich table (or JSON with ``--json``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from . import common
+from stratatools.cli import common
 
 
 def run_cmd(
@@ -34,7 +34,7 @@ def run_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
     """Greedy-decode every prompt, write the routing trace, report h_expert and tokens/s."""
-    from runtime.run import read_prompts, run_prompts
+    from stratatools.runtime.run import read_prompts, run_prompts
 
     n = len(read_prompts(prompts))
     with common.progress_bar("run", n, bytes_=False) as bar:

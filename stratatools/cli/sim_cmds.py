@@ -1,7 +1,7 @@
 """CLI commands: ``simulate`` (report folder with markdown, JSON, plots) and ``compare`` (profiles side by side).
 
 Both parse options, call :func:`stratatools.cachesim.study.run_study`, and render. See
-:mod:`stratatools.cachesim` for the model and :mod:`stratatools.report` for the outputs.
+:mod:`stratatools.cachesim` for the model and :mod:`stratatools.cachesim.report` for the outputs.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from ..errors import StrataError
-from . import common
+from stratatools.core.errors import StrataError
+from stratatools.cli import common
 
 POLICY_HELP = "Policy, repeatable or comma-separated: static, adaptive, lru, lfu, lfru, belady."
 
@@ -30,7 +30,7 @@ def _parse_sets(sets: list[str] | None) -> dict[str, dict[str, Any]]:
     Raises StrataError for a malformed item, a non-finite value, or a policy/parameter that does not exist
     (the parameter tables of :mod:`stratatools.cachesim.tiers`).
     """
-    from ..cachesim.tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES
+    from stratatools.cachesim.tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES
 
     params = {"adaptive": ADAPTIVE_DEFAULTS, "lfu": LFU_DEFAULTS, "lfru": LFRU_DEFAULTS}
     known = {p: list(params.get(p, {})) for p in POLICIES}
@@ -73,7 +73,7 @@ def _check_report(report: str, inputs: list[str], force: bool) -> None:
     --force), or that already holds a report (without --force)."""
     from pathlib import Path
 
-    from ..report import FILES
+    from stratatools.cachesim.report import FILES
 
     d = Path(report)
     ins = {Path(p).resolve(): p for p in inputs}
@@ -93,8 +93,8 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
         sets: list[str], sweep: bool):
     """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs)."""
-    from ..cachesim.replay import BandwidthModel
-    from ..cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
+    from stratatools.cachesim.replay import BandwidthModel
+    from stratatools.cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
 
     s, b = _budget(slots, budget_gib)
     pols = _split_list(policies) or list(DEFAULT_POLICIES)
@@ -121,7 +121,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
 
 
 def _table(st) -> Table:
-    from ..report import _pct, moved_text, ms_text, result_rows
+    from stratatools.cachesim.report import _pct, moved_text, ms_text, result_rows
 
     t = Table(title=f"{st.entries} entries, {st.tokens} tokens; admission {st.admission}")
     for c in ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token"):
@@ -202,7 +202,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
     ) -> None:
         """Replay traces through Strata's VRAM tier and baselines; write a report with plots."""
-        from ..report import study_json, write_report
+        from stratatools.cachesim.report import study_json, write_report
 
         _check_report(report, list(traces) + list(profile or []), force)
         st, _ = run(traces, profile or [], pack=pack, model=model, slots=slots, budget_gib=budget_gib,
@@ -243,7 +243,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Put several profiles side by side on the same traces and budget."""
-        from ..report import result_rows, write_report
+        from stratatools.cachesim.report import result_rows, write_report
 
         if not profile:
             raise StrataError("compare needs at least one --profile")

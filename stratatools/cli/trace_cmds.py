@@ -10,8 +10,8 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from ..errors import StrataError
-from . import common
+from stratatools.core.errors import StrataError
+from stratatools.cli import common
 
 trace_app = typer.Typer(help="Routing traces: convert between formats, summarise.", no_args_is_help=True)
 
@@ -29,7 +29,7 @@ def _convert(
     json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Convert a routing trace to another format (written to OUT.tmp, then renamed)."""
-    from ..trace_formats import convert_trace
+    from stratatools.traces.formats import convert_trace
 
     res = convert_trace(src, out, to, from_, force, n_layer, n_expert)
     if json_:
@@ -48,7 +48,8 @@ def _stats(
     json_: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ) -> None:
     """Tokens, layers, k, distinct experts, concentration (top-10% share) and entropy per layer."""
-    from ..trace import read_trace, trace_stats
+    from stratatools.traces.table import trace_stats
+    from stratatools.traces.formats import read_trace
 
     st = trace_stats(read_trace(trace, from_, None, None), n_expert)
     if json_:
@@ -121,7 +122,7 @@ def parse_trace_args(args: List[str], weights: Optional[List[float]]) -> tuple[l
 def pack_geometry(pack_dir: Path) -> tuple[int, int]:
     """(trunk layers, n_expert) of a native pack directory.
 
-    Uses ``stratatools.pack.read_pack`` when that module exists; otherwise parses ``native_experts.txt``
+    Uses ``stratatools.pack.native.read_pack`` when that module exists; otherwise parses ``native_experts.txt``
     minimally: E from ``(n_expert <E>`` in a comment line (as Strata's ``expert_layout_load``), layers = the
     number of table lines (formats.md section 5).
 
@@ -129,7 +130,7 @@ def pack_geometry(pack_dir: Path) -> tuple[int, int]:
         StrataError: no table, no ``n_expert``, no layer lines.
     """
     try:  # the pack module is a colleague's; use it when present
-        from ..pack import read_pack  # type: ignore[attr-defined]
+        from stratatools.pack.native import read_pack  # type: ignore[attr-defined]
 
         pk = read_pack(pack_dir)
         e = getattr(pk, "n_expert", None)
@@ -190,7 +191,7 @@ def _make_profile(
     json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Build a STRP expert profile from routing traces, ranked exactly as Strata's make_profile (defaults)."""
-    from ..ranking import make_profile_files
+    from stratatools.profiles.ranking import make_profile_files
 
     given = [x is not None for x in (model, pack)] + [n_layer is not None or n_expert is not None]
     if sum(given) != 1:
@@ -198,13 +199,13 @@ def _make_profile(
     model_info = None
     extra_inputs: list[str] = []
     if model is not None:
-        from ..geometry import read_geometry
-        from ..gguf import open_model
+        from stratatools.model.geometry import read_geometry
+        from stratatools.model.gguf import open_model
 
         with open_model(model) as m:
             g = read_geometry(m)
             L, E = g.n_trunk, g.n_expert
-            from ..provenance import describe_shards
+            from stratatools.core.provenance import describe_shards
 
             model_info = {"name": model.name, "path": str(model), "size_bytes": m.total_bytes,
                           "n_mtp": g.n_mtp, "expert_count_kv": g.expert_count_kv,

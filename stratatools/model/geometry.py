@@ -1,0 +1,219 @@
+"""Model geometry of a qwen4exp (or any llama.cpp MoE) GGUF: layers, trunk vs MTP, experts per layer.
+
+The expert count of a layer is the router's ``ne1`` (``blk.L.ffn_gate_inp.weight`` is [n_embd, E]); it is
+never taken from a constant or from ``expert_count`` alone (formats.md sections 1 and 5: old packers that
+assumed 512 halved every blob of the 256-expert Coder). Trunk layers are ``block_count -
+nextn_predict_layers``; an MTP block is the extra ``blk.<n_trunk>`` and may keep a different expert count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from stratatools.core.errors import StrataError
+from stratatools.model.ggml_types import GGMLType
+from stratatools.model.gguf import Model, TensorInfo, meta_int
+
+ROLES = ("gate", "up", "down")
+
+
+def router_name(layer: int) -> str:
+    """llama.cpp name of layer ``layer``'s router tensor, F32/F16 ``[n_embd, E]`` (formats.md; llama.cpp
+    ``LLM_TENSOR_FFN_GATE_INP``).
+    """
+    return f"blk.{layer}.ffn_gate_inp.weight"
+
+
+def exps_name(layer: int, role: str) -> str:
+    """llama.cpp name of the stacked expert tensor of ``role`` (gate/up/down), ``[n_embd, ff, E]`` (down: ``[ff,
+    n_embd, E]``).
+    """
+    return f"blk.{layer}.ffn_{role}_exps.weight"
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """The routed experts of one layer.
+
+    Attributes:
+        layer: block index.
+        n_expert: E, from the router's ne1.
+        n_embd: model width (router ne0).
+        n_ff: expert FFN width (gate ne1).
+        router: the router tensor.
+        gate, up, down: the ``*_exps`` tensors (None when missing).
+        is_mtp: True for an MTP (draft) block.
+    """
+
+    layer: int
+    n_expert: int
+    n_embd: int
+    n_ff: int | None
+    router: TensorInfo
+    gate: TensorInfo | None
+    up: TensorInfo | None
+    down: TensorInfo | None
+    is_mtp: bool = False
+
+    def role(self, role: str) -> TensorInfo | None:
+        """The gate, up or down tensor (None when absent). Raises KeyError for another role name."""
+        return {"gate": self.gate, "up": self.up, "down": self.down}[role]
+
+    @property
+    def complete(self) -> bool:
+        """True when gate, up and down are all present."""
+        return self.gate is not None and self.up is not None and self.down is not None
+
+    @property
+    def gu_type(self) -> GGMLType | None:
+        """GGML type of the gate (and, for a packable layer, up) matrices; None without a gate."""
+        return self.gate.type if self.gate is not None else None
+
+    @property
+    def d_type(self) -> GGMLType | None:
+        """GGML type of the down matrices; None without a down tensor."""
+        return self.down.type if self.down is not None else None
+
+    def slice_bytes(self, role: str) -> int:
+        """Bytes of one expert's slice of ``role`` (tensor bytes / E). Raises StrataError when missing."""
+        t = self.role(role)
+        if t is None:
+            raise StrataError(f"layer {self.layer}: tensor {exps_name(self.layer, role)} is missing")
+        return t.nbytes // self.n_expert
+
+    @property
+    def blob_bytes(self) -> int:
+        """One expert's ``[gate][up][down]`` bytes: 2*ff*row(gu, n_embd) + n_embd*row(d, ff) (formats.md 5)."""
+        return self.slice_bytes("gate") + self.slice_bytes("up") + self.slice_bytes("down")
+
+
+@dataclass
+class Geometry:
+    """What a model is, as far as the expert tooling cares.
+
+    Attributes:
+        arch: ``general.architecture``.
+        block_count: all blocks, MTP included.
+        n_trunk: trunk layers (block_count - nextn_predict_layers).
+        n_mtp: MTP blocks.
+        n_embd: ``embedding_length``.
+        n_expert_used: ``expert_used_count`` (k).
+        expert_count_kv: ``expert_count`` as stored (the canonical count; may differ from the routers).
+        layers: per trunk layer, its :class:`LayerExperts` (None for a layer without a router).
+        mtp_layers: the MTP blocks' experts, when present.
+        full_attention_layers: trunk layers with full (QSA) attention.
+        metadata: selected other keys for display.
+    """
+
+    arch: str
+    block_count: int
+    n_trunk: int
+    n_mtp: int
+    n_embd: int
+    n_expert_used: int | None
+    expert_count_kv: int | None
+    layers: list[LayerExperts | None]
+    mtp_layers: list[LayerExperts] = field(default_factory=list)
+    full_attention_layers: list[int] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def expert_counts(self) -> list[int | None]:
+        """E per trunk layer (from the routers)."""
+        return [le.n_expert if le else None for le in self.layers]
+
+    @property
+    def uniform_n_expert(self) -> int | None:
+        """E when every trunk layer agrees, else None."""
+        counts = {c for c in self.expert_counts}
+        return counts.pop() if len(counts) == 1 and None not in counts else None
+
+    @property
+    def n_expert(self) -> int:
+        """The single trunk expert count. Raises StrataError when trunk layers disagree."""
+        e = self.uniform_n_expert
+        if e is None:
+            raise StrataError(f"routers disagree on the expert count: {self.expert_counts}")
+        return e
+
+    def to_dict(self) -> dict[str, Any]:
+        def le_dict(le: LayerExperts | None) -> dict[str, Any] | None:
+            if le is None:
+                return None
+            d = {"layer": le.layer, "n_expert": le.n_expert, "n_ff": le.n_ff, "router_type": le.router.type.name,
+                 "is_mtp": le.is_mtp}
+            for r in ROLES:
+                t = le.role(r)
+                d[f"{r}_type"] = t.type.name if t else None
+            d["blob_bytes"] = le.blob_bytes if le.complete else None
+            return d
+
+        return {
+            "arch": self.arch, "block_count": self.block_count, "n_trunk": self.n_trunk, "n_mtp": self.n_mtp,
+            "n_embd": self.n_embd, "n_expert_used": self.n_expert_used, "expert_count_kv": self.expert_count_kv,
+            "uniform_n_expert": self.uniform_n_expert, "full_attention_layers": self.full_attention_layers,
+            "layers": [le_dict(le) for le in self.layers], "mtp_layers": [le_dict(le) for le in self.mtp_layers],
+            "metadata": self.metadata,
+        }
+
+
+def _layer_experts(model: Model, layer: int, n_embd: int, is_mtp: bool) -> LayerExperts | None:
+    rname = router_name(layer)
+    if rname not in model.tensors:
+        return None
+    router = model.tensors[rname]
+    if len(router.ne) != 2:
+        raise StrataError(f"{model.path}: tensor {rname} has shape {list(router.ne)}; a router is 2-D [n_embd, E]", model.path)
+    e = int(router.ne[1])
+    roles = {r: model.tensors.get(exps_name(layer, r)) for r in ROLES}
+    gate = roles["gate"]
+    n_ff = int(gate.ne[1]) if gate is not None and len(gate.ne) >= 2 else None
+    return LayerExperts(layer, e, int(router.ne[0]), n_ff, router, roles["gate"], roles["up"], roles["down"], is_mtp)
+
+
+def read_geometry(model: Model) -> Geometry:
+    """Derive the :class:`Geometry` of an open model.
+
+    Raises:
+        StrataError: ``not a MoE model: no ffn_gate_inp`` when no layer has a router; no ``block_count``.
+    """
+    arch = model.arch
+    bc = model.key("block_count")
+    if bc is None:
+        raise StrataError(f"{model.path}: metadata {arch or '<arch>'}.block_count is missing; not a llama.cpp model file", model.path)
+    bc = meta_int(bc, model.path, f"{arch}.block_count")
+    nextn = meta_int(model.key("nextn_predict_layers", 0) or 0, model.path, f"{arch}.nextn_predict_layers")
+    if not 0 <= nextn < bc:
+        raise StrataError(f"{model.path}: nextn_predict_layers {nextn} is out of range for block_count {bc}", model.path)
+    n_trunk = bc - nextn
+    n_embd = meta_int(model.key("embedding_length", 0) or 0, model.path, f"{arch}.embedding_length")
+    if bc > 100_000:
+        raise StrataError(f"{model.path}: metadata {arch}.block_count is {bc}; not a plausible layer count", model.path)
+    if not any(router_name(i) in model.tensors for i in range(bc)):
+        raise StrataError(f"{model.path}: not a MoE model: no ffn_gate_inp (router) tensor in any of its {bc} blocks", model.path)
+    layers = [_layer_experts(model, i, n_embd, False) for i in range(n_trunk)]
+    mtp = [le for le in (_layer_experts(model, i, n_embd, True) for i in range(n_trunk, bc)) if le is not None]
+    fai = model.key("full_attention_interval")
+    rec = model.key("attention.recurrent_layers")
+    if rec is not None and hasattr(rec, "__len__") and not isinstance(rec, str):
+        full = [i for i in range(min(len(rec), n_trunk)) if not bool(rec[i])]
+    elif fai:
+        fai = meta_int(fai, model.path, f"{arch}.full_attention_interval")
+        full = [i for i in range(n_trunk) if fai > 0 and i % fai == fai - 1]
+    else:
+        full = []
+    used = model.key("expert_used_count")
+    ecount = model.key("expert_count")
+    meta = {}
+    for k in ("general.name", "general.file_type", "general.size_label", "stratatools.synthetic"):
+        if k in model.kv:
+            meta[k] = model.kv[k]
+    for k in ("expert_feed_forward_length", "expert_shared_feed_forward_length", "attention.head_count",
+              "attention.head_count_kv", "hyper_connection.count"):
+        v = model.key(k)
+        if v is not None:
+            meta[k] = v.tolist() if hasattr(v, "tolist") else v
+    used = meta_int(used, model.path, f"{arch}.expert_used_count") if used is not None else None
+    ecount = meta_int(ecount, model.path, f"{arch}.expert_count") if ecount is not None else None
+    return Geometry(arch, bc, n_trunk, nextn, n_embd, used, ecount, layers, mtp, full, meta)

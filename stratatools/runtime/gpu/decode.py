@@ -1,0 +1,872 @@
+"""Batch-1 decode with static buffers and no host synchronisation inside the step, capturable as one CUDA graph.
+
+:class:`StaticDecoder` runs one decode position of a loaded qwen4exp model (the same numerics as
+:meth:`stratatools.runtime.model.Qwen4ExpRuntime.forward` with one token) over buffers allocated once:
+
+* the per-step inputs (token embedding row, PLE table rows, RoPE cos/sin, position) are computed on the host
+  from the token id and uploaded in one copy; everything after that stays on the device;
+* GDN conv/recurrent states, PLE conv states and attention K/V caches (``max_ctx`` positions) are updated
+  in place; the position is read on the device, so the same launch sequence serves every position;
+* router top-k runs on the device (:data:`DECODE_SRC` ``route_topk``: softmax/sigmoid probabilities from the
+  same array code as the CPU path, then k rounds of arg-max with ties to the lower expert index, which is
+  what the CPU path's stable descending sort selects); blob addresses come from a device table of the
+  tier's VRAM slots, so routing never leaves the device;
+* dense matrices are multiplied straight from their GGUF blocks in VRAM (:func:`stratatools.runtime.gpu.experts.matvec`'s
+  kernel), experts through :func:`stratatools.runtime.gpu.experts.expert_ffn`, attention through ``attn_decode``.
+
+On CuPy the step is captured once into a CUDA graph (:meth:`StaticDecoder.capture`) and replayed per token:
+batch-1 decode is otherwise bound by kernel-launch overhead. The routing of each step stays in device buffers
+(``ids`` [L, k], ``weights`` [L, k]); :meth:`StaticDecoder.routing` copies it back once per step when route
+hooks or tier counters need it (the tier's bookkeeping is batched there).
+
+Scope (raises :class:`StrataError` outside it): one sequence; every routed expert resident in VRAM (the tier
+built with every expert, e.g. ``AllResident``); contexts where QSA selects every visible cell, i.e. position
+``p`` with ``(p+1)//ratio <= budget//ratio`` (``transformers`` rule) or ``p+1 <= budget+ratio-1``
+(``llamacpp`` rule) in every attention layer - then the indexer does not change the output and is skipped.
+With numpy (``xp=numpy``) the same code runs on the CPU (tests check it against the reference forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+
+from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
+
+DECODE_SRC = r"""
+typedef unsigned long long u64;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_add(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// Block-wide reduction (max if is_max else sum); every thread gets the result. red: 32 floats of shared memory.
+__device__ float block_reduce(float v, bool is_max, float* red) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = is_max ? warp_max(v) : warp_add(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float r = lane < nw ? red[lane] : (is_max ? NEG_INF : 0.0f);
+        r = is_max ? warp_max(r) : warp_add(r);
+        if (lane == 0) red[0] = r;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// k rounds of block-wide arg-max over the probabilities p[E] in shared memory (ties to the lower index;
+// chosen entries are set to -inf): ids[r], their probabilities vals[r] and the blob addresses of the VRAM slots.
+__device__ void select_topk(float* p, int E, int k, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
+                            float* vals, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    int t = threadIdx.x, lane = t & 31, wid = t >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int r = 0; r < k; ++r) {
+        float bv = NEG_INF; int bi = 0x7fffffff;
+        for (int i = t; i < E; i += blockDim.x) {
+            float v = p[i];
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        for (int o = 16; o; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { rv[wid] = bv; ri[wid] = bi; }
+        __syncthreads();
+        if (t == 0) {
+            float b = rv[0]; int ii = ri[0];
+            for (int q = 1; q < nw; ++q) if (rv[q] > b || (rv[q] == b && ri[q] < ii)) { b = rv[q]; ii = ri[q]; }
+            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
+            u64 ptr = slot[ii];
+            ids[r] = ii; vals[r] = p[ii];
+            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
+            p[ii] = NEG_INF;
+        }
+        __syncthreads();
+    }
+}
+
+// Top-k of probs[0..E) (select_topk): ids[k], w[k] (the probabilities) and the blob addresses slot[id]
+// (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
+extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
+                                      u64 gate_bytes, int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] = probs[i];
+    __syncthreads();
+    select_topk(p, E, k, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
+}
+
+// ---- fused element-wise kernels of the fast step (StaticDecoder(fast=True)); same formulas as stratatools.runtime.model ----
+__device__ __forceinline__ float sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// Rows of `group` values: out = x * (1 / sqrt(mean(x*x) + eps)), times w[flat index % wlen] when w is given
+// (stratatools.runtime.model._rmsnorm). One block per row.
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                        int group, int wlen, float eps) {
+    __shared__ float red[32];
+    long long base = (long long)blockIdx.x * group;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) { float v = x[base + i]; s += v * v; }
+    s = block_reduce(s, false, red);
+    float r = 1.0f / sqrtf(s / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = x[base + i] * r;
+        if (w) v = v * w[(base + i) % wlen];
+        out[base + i] = v;
+    }
+}
+
+// out[i] = silu(v[i] / div)
+extern "C" __global__ void silu_div(const float* __restrict__ v, float* __restrict__ out, int n, float div) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float a = v[i] / div; out[i] = a * sigm(a); }
+}
+
+// Hyper-connection mix: out[i] = (sum over h < hc of sigmoid(u[h*n+i]) * hn[h*n+i]) / hc.
+extern "C" __global__ void hc_mix(const float* __restrict__ u, const float* __restrict__ hn, float* __restrict__ out,
+                                  int hc, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float s = 0.0f;
+    for (int h = 0; h < hc; ++h) s += sigm(u[(long long)h * n + i]) * hn[(long long)h * n + i];
+    out[i] = s / (float)hc;
+}
+
+// Residual with the inject weights: H[h*n+i] += y[i] * (2 sigmoid(v[h] / hc)).
+extern "C" __global__ void hc_inject(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
+                                     int hc, int n) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= hc * n) return;
+    int h = idx / n, i = idx - h * n;
+    float iw = 2.0f * sigm(v[h] / (float)hc);
+    H[idx] = H[idx] + y[i] * iw;
+}
+
+// out[0] = sigmoid(sum_i x[i] * w[i]) (the shared expert's gate). One block.
+extern "C" __global__ void dot_sigmoid(const float* __restrict__ x, const float* __restrict__ w, int n, float* __restrict__ out) {
+    __shared__ float red[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * w[i];
+    s = block_reduce(s, false, red);
+    if (threadIdx.x == 0) out[0] = sigm(s);
+}
+
+// Router from logits: probabilities (sigmoid if gating else softmax), then route_topk's selection (k rounds of
+// arg-max, ties to the lower index), then the weights: probabilities of the chosen, divided by their sum when
+// norm, times scale. Writes ids[k], w[k] and the blob addresses. One block; shared: E floats.
+extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                       float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                       u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    __shared__ float red[32];
+    __shared__ float chosen[64];
+    int t = threadIdx.x;
+    if (sigmoid_gating) {
+        for (int i = t; i < E; i += blockDim.x) p[i] = sigm(logits[i]);
+    } else {
+        float m = NEG_INF;
+        for (int i = t; i < E; i += blockDim.x) m = fmaxf(m, logits[i]);
+        m = block_reduce(m, true, red);
+        float s = 0.0f;
+        for (int i = t; i < E; i += blockDim.x) { float e = expf(logits[i] - m); p[i] = e; s += e; }
+        s = block_reduce(s, false, red);
+        for (int i = t; i < E; i += blockDim.x) p[i] = p[i] / s;
+    }
+    __syncthreads();
+    select_topk(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
+    if (t == 0) {
+        float s = 0.0f;
+        for (int r = 0; r < k; ++r) s += chosen[r];
+        for (int r = 0; r < k; ++r) w[r] = (norm ? chosen[r] / s : chosen[r]) * scale;
+    }
+}
+
+// dst[pos * n + i] = src[i] for the position held in *posp.
+extern "C" __global__ void put_row(const float* __restrict__ src, float* __restrict__ dst, const int* __restrict__ posp, int n) {
+    long long base = (long long)posp[0] * n;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[base + i] = src[i];
+}
+
+// One decode query per head over cached positions 0..*posp: out[h] = softmax(q_h . K[p, kv(h)] * scale) V.
+// K, V: [max_ctx, nkv, hd]; head h reads kv head h / (nh / nkv). One block per head; shared: max_ctx floats.
+extern "C" __global__ void attn_decode(const float* __restrict__ q, const float* __restrict__ K,
+                                       const float* __restrict__ V, const int* __restrict__ posp,
+                                       float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    extern __shared__ float sc[];
+    __shared__ float red[32];
+    int h = blockIdx.x, kvh = h / (nh / nkv);
+    int P = posp[0] + 1;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* qh = q + (long long)h * hd;
+    for (int p = wid; p < P; p += nw) {
+        const float* kp = K + ((long long)p * nkv + kvh) * hd;
+        float s = 0.0f;
+        for (int d = lane; d < hd; d += 32) s += qh[d] * kp[d];
+        s = warp_add(s);
+        if (lane == 0) sc[p] = s * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) m = fmaxf(m, sc[p]);
+    m = block_reduce(m, true, red);
+    float s = 0.0f;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) { float e = expf(sc[p] - m); sc[p] = e; s += e; }
+    s = block_reduce(s, false, red);
+    float inv = 1.0f / s;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        const float* vp = V + (long long)kvh * hd + d;
+        for (int p = 0; p < P; ++p) acc += sc[p] * vp[(long long)p * nkv * hd];
+        out[(long long)h * hd + d] = acc * inv;
+    }
+}
+"""
+
+
+def _selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
+    """True when QSA attends every visible cell at position p (see module docstring)."""
+    if ratio <= 0:
+        return True
+    if selection == "transformers":
+        return (p + 1) // ratio <= budget // ratio
+    return p + 1 <= budget + ratio - 1
+
+
+def max_full_context(cfg: Any, selection: str) -> int:
+    """The longest context (positions 0..n-1) for which every attention layer selects every cell."""
+    best = 1 << 30
+    for il in range(cfg.n_layer):
+        if cfg.recurrent[il] or cfg.compress_ratios[il] <= 0:
+            continue
+        r, b = cfg.compress_ratios[il], cfg.idx_budget
+        n = 1
+        while _selects_all(selection, r, b, n):  # small loop: budget is a few thousand at most
+            n += 1
+        best = min(best, n)
+    return best
+
+
+class StaticDecoder:
+    """One-token decode steps over static buffers; on CuPy optionally replayed from a CUDA graph.
+
+    Args:
+        rt: a :class:`stratatools.runtime.gpu.runtime.GPURuntime` (CuPy) or :class:`stratatools.runtime.model.Qwen4ExpRuntime` (numpy).
+        max_ctx: positions the K/V caches hold (prompt + generated); at most :func:`max_full_context`.
+        fast: on CuPy, the optimised step (default): dense matrices through ``matvec_tiled_kernel`` (16-byte staged
+            loads, grid-stride rows), RMS norms, hyper-connection mixing/inject and the router (probabilities, top-k,
+            weight normalisation) as fused kernels. ``fast=False`` keeps the reference step (one warp per row
+            byte-load matvec, CuPy element-wise ops); the two agree to float rounding (tests/test_gpu_decode.py).
+            Ignored on numpy.
+    Raises:
+        StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a routed expert not resident in
+            VRAM, or an expert width that is not whole blocks.
+    """
+
+    def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True):
+        self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
+        cfg = self.cfg
+        self.gpu = getattr(self.xp, "__name__", "") == "cupy"
+        self.fast = bool(fast) and self.gpu
+        lim = max_full_context(cfg, rt.selection)
+        if max_ctx > lim:
+            raise StrataError(f"max_ctx {max_ctx} is over {lim}, the longest context in which QSA attends every "
+                              f"cell; the static decoder covers only that range (use Qwen4ExpRuntime.forward)")
+        if self.gpu and max_ctx * 4 > 48 * 1024:
+            raise StrataError(f"max_ctx {max_ctx} is over 12288, the scores one attention block holds in shared memory")
+        self.max_ctx = int(max_ctx)
+        xp = self.xp
+        n, hc = cfg.n_embd, cfg.hc_count
+        self.k = cfg.n_expert_used
+        L = cfg.n_layer
+        # per-step host inputs: [pos (int32 bits) | x0 (n) | PLE rows per PLE layer | cos | sin]
+        self._ple_w = {}
+        off = 1
+        self._x_sl = (off, off + n)
+        off += n
+        self._ple_sl = {}
+        for il in cfg.ple_layers:
+            t = self.w.model.tensor("per_layer_token_embd.weight")
+            width = int(t.ne[0]) * cfg.ple_heads_per_ngram * (cfg.ple_ngram - 1)
+            self._ple_sl[il] = (off, off + width)
+            off += width
+        self._cos_sl = (off, off + cfg.n_rot)
+        off += cfg.n_rot
+        self._sin_sl = (off, off + cfg.n_rot)
+        off += cfg.n_rot
+        self.n_in = off
+        if self.gpu:
+            import cupyx
+
+            self.stage = cupyx.empty_pinned(self.n_in, dtype=np.float32)
+        else:
+            self.stage = np.zeros(self.n_in, dtype=np.float32)
+        self.inp = xp.zeros(self.n_in, dtype=xp.float32)
+        self.pos_dev = self.inp[:1].view(xp.int32)
+        # state
+        self.conv, self.ssm, self.kc, self.vc, self.ple_conv = {}, {}, {}, {}, {}
+        for il in range(L):
+            if cfg.recurrent[il]:
+                C, K = self.w.get(f"blk.{il}.ssm_conv1d.weight").shape
+                self.conv[il] = xp.zeros((K - 1, C), dtype=xp.float32)
+                self.ssm[il] = xp.zeros((cfg.ssm_dt_rank, cfg.ssm_d_state, cfg.ssm_head_v_dim), dtype=xp.float32)
+            else:
+                self.kc[il] = xp.zeros((self.max_ctx, cfg.n_head_kv, cfg.head_dim), dtype=xp.float32)
+                self.vc[il] = xp.zeros((self.max_ctx, cfg.n_head_kv, cfg.head_dim), dtype=xp.float32)
+        for il in cfg.ple_layers:
+            span = (cfg.ple_conv_kernel - 1) * cfg.ple_ngram
+            self.ple_conv[il] = xp.zeros((span, hc * n), dtype=xp.float32)
+        self.ids = xp.zeros((L, self.k), dtype=xp.int32)
+        self.weights = xp.zeros((L, self.k), dtype=xp.float32)
+        self.logits = None
+        self.next_token_dev = None
+        self.pos = 0
+        self.ple_ctx = np.full(max(cfg.ple_ngram - 1, 0), cfg.eos_id, dtype=np.int64)
+        self.graph = None
+        self._pool = None
+        self._stream = None
+        self.stats = {"steps": 0, "graph_steps": 0}
+        if self.gpu:
+            self._init_gpu()
+
+    # -- GPU resources ------------------------------------------------------------------------------
+    def _init_gpu(self) -> None:
+        import cupy as cp
+
+        from stratatools.runtime.gpu.experts import ExpertJobs, _check_type
+
+        rt, cfg = self.rt, self.cfg
+        self.cp = cp
+        self._stream = cp.cuda.Stream(non_blocking=True)
+        self.mod = cp.RawModule(code=DECODE_SRC, options=("--std=c++17",))
+        self.k_topk = self.mod.get_function("route_topk")
+        self.k_put = self.mod.get_function("put_row")
+        self.k_attn = self.mod.get_function("attn_decode")
+        self.k_rms = self.mod.get_function("rmsnorm_rows")
+        self.k_silu_div = self.mod.get_function("silu_div")
+        self.k_hc_mix = self.mod.get_function("hc_mix")
+        self.k_hc_inject = self.mod.get_function("hc_inject")
+        self.k_dot_sig = self.mod.get_function("dot_sigmoid")
+        self.k_route = self.mod.get_function("route_fused")
+        tier = rt.tier
+        L = cfg.n_layer
+        Emax = max(ly.n_expert for ly in tier.arena.layers)
+        slot = np.zeros((L, Emax), dtype=np.uint64)
+        for l in range(L):
+            ne = tier.arena.layers[l].n_expert
+            for e in range(ne):
+                off = tier.slot_of[l].get(e)
+                if off is None:
+                    raise StrataError(f"layer {l}: expert {e} is not in VRAM; the static decoder needs every routed "
+                                      f"expert resident (build the GPURuntime without a partial policy)")
+                slot[l, e] = tier.vram_ptr + off
+        self.slot = cp.asarray(slot)
+        self.ptrs = cp.zeros((L, 3, self.k), dtype=cp.uint64)
+        self.tok0 = cp.zeros(self.k, dtype=cp.int32)
+        self.tstart = cp.asarray(np.array([0, self.k], dtype=np.int32))
+        ly0 = tier.arena.layers[0]
+        self.hbuf = cp.empty(self.k * max(ly.ff for ly in tier.arena.layers), dtype=cp.float32)
+        self.shared_tok = cp.zeros(1, dtype=cp.int32)
+        self.shared_tstart = cp.asarray(np.array([0, 1], dtype=np.int32))
+        for ly in tier.arena.layers:
+            _check_type(ly.gu_type, ly.hidden, "expert gate/up")
+            _check_type(ly.d_type, ly.ff, "expert down")
+        del ly0, ExpertJobs
+        self._raw: dict[str, tuple[Any, Any, int, int]] = {}
+
+    def _dense_raw(self, name: str):
+        """(device bytes, type, rows, cols) of a matrix for the quantized matvec, or None when it cannot run."""
+        got = self._raw.get(name)
+        if got is None:
+            from stratatools.runtime.gpu.experts import MAX_SHARED_FLOATS
+            from stratatools.runtime.gpu.kernels import UNIT
+
+            t = self.w.model.tensor(name)
+            cols = int(t.ne[0])
+            rows = 1
+            for d in t.ne[1:]:
+                rows *= int(d)
+            if t.type.id in UNIT and cols % UNIT[t.type.id][0] == 0 and cols <= MAX_SHARED_FLOATS:
+                got = (self.cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(t)))).reshape(-1), t.type, rows, cols)
+            else:
+                got = (None, t.type, rows, cols)
+            self._raw[name] = got
+        return got
+
+    @contextlib.contextmanager
+    def _ordered(self) -> Iterator[None]:
+        """Run the enclosed device work on the decoder's stream, ordered after the caller's stream's earlier work
+        and before its later work (events, no host wait)."""
+        if not self.gpu:
+            yield
+            return
+        cur = self.cp.cuda.get_current_stream()
+        s = self._stream
+        s.wait_event(cur.record())
+        with s:
+            yield
+        cur.wait_event(s.record())
+
+    # -- array helpers --------------------------------------------------------------------------------
+    def mv(self, name: str, x: Any) -> Any:
+        """``W x`` for the matrix ``name`` (numpy (out, in)) and a 1-D float32 ``x``."""
+        if self.gpu:  # cuBLAS cannot be captured by CuPy (seen on the H200), so every matrix goes through the kernel
+            raw, t, rows, cols = self._dense_raw(name)
+            if raw is not None:
+                from stratatools.runtime.gpu.experts import THREADS, WARPS_PER_BLOCK
+                from stratatools.runtime.gpu.kernels import kernel
+
+                x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
+                y = self.cp.empty(rows, dtype=self.cp.float32)
+                if self.fast and int(raw.data.ptr) % 16 == 0:
+                    from stratatools.runtime.gpu.kernels import matvec_tiled_launch
+
+                    matvec_tiled_launch(raw, x, y, t.id, rows, cols)
+                    return y
+                grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+                kernel("matvec_kernel", t.id)(grid, (THREADS,), (raw, x, y, np.int32(rows), np.int32(cols)),
+                                              shared_mem=cols * 4)
+                return y
+        W = self.w.get(name)
+        return (W.reshape(W.shape[0], -1) @ x.reshape(-1)).astype(self.xp.float32, copy=False)
+
+    def _put(self, buf: Any, row: Any) -> None:
+        """buf[pos] = row at the device-held position."""
+        if self.gpu:
+            n = int(row.size)
+            self.k_put(((n + 255) // 256,), (256,), (self.cp.ascontiguousarray(row, dtype=self.cp.float32), buf,
+                                                    self.pos_dev, np.int32(n)))
+        else:
+            buf[self.pos] = row.reshape(buf.shape[1:])
+
+    def _rms(self, x: Any, w: Any, group: int | None = None) -> Any:
+        """stratatools.runtime.model._rmsnorm over the last axis (or groups of ``group`` values); fused kernel when fast."""
+        xp = self.xp
+        if self.fast:
+            cp = self.cp
+            g = int(group if group is not None else x.shape[-1])
+            wl = int(w.size) if w is not None else 1
+            if w is not None and x.size % g == 0 and ((w.dtype == cp.float32 and w.flags.c_contiguous and
+                                                  x.size % wl == 0 and (wl == x.size or wl == x.shape[-1]))):
+                xc = cp.ascontiguousarray(x, dtype=cp.float32)
+                out = cp.empty(x.shape, dtype=cp.float32)
+                self.k_rms((int(x.size) // g,), (256,), (xc, w, out, np.int32(g), np.int32(wl),
+                                                        np.float32(self.cfg.eps)))
+                return out
+        return _rmsnorm(xp, x, w, self.cfg.eps, group=group)
+
+    def _hc_fast(self, prefix: str, H: Any, inject: bool = True):
+        """:meth:`_hc` with fused kernels: returns (mixed, raw inject logits [hc] or None); see :meth:`_inject`."""
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        hn = self._rms(H, self.w.get(f"{prefix}_norm.weight"), group=n)
+        d = self.mv(f"{prefix}_down.weight", hn)
+        m = cp.empty_like(d)
+        nd = int(d.size)
+        self.k_silu_div(((nd + 255) // 256,), (256,), (d, m, np.int32(nd), np.float32(hc)))
+        u = self.mv(f"{prefix}_up.weight", m)
+        mixed = cp.empty(n, dtype=cp.float32)
+        self.k_hc_mix(((n + 255) // 256,), (256,), (u, hn, mixed, np.int32(hc), np.int32(n)))
+        if not inject:
+            return mixed, None
+        return mixed, self.mv(f"{prefix}_inject.weight", hn)
+
+    def _inject(self, H: Any, y: Any, v: Any) -> None:
+        """In place: H[h*n + i] += y[i] * 2 sigmoid(v[h] / hc) (the residual of :meth:`_body`)."""
+        hc, n = self.cfg.hc_count, self.cfg.n_embd
+        tot = hc * n
+        self.k_hc_inject(((tot + 255) // 256,), (256,), (H, self.cp.ascontiguousarray(y, dtype=self.cp.float32), v,
+                                                        np.int32(hc), np.int32(n)))
+
+    # -- host side ------------------------------------------------------------------------------------
+    def _host_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        from stratatools.runtime.weights import dequantize
+
+        t = self.w.model.tensor(name)
+        ne0 = int(t.ne[0])
+        rb = t.type.row_bytes(ne0)
+        raw = self.w.model.raw(t)
+        out = np.empty((ids.size, ne0), dtype=np.float32)
+        for i, u in enumerate(ids.tolist()):
+            if not 0 <= u < int(t.ne[1]):
+                raise StrataError(f"{self.w.model.path}: tensor {name}: row id {u} out of range [0, {int(t.ne[1])})")
+            out[i] = _to_host(dequantize(raw[u * rb:(u + 1) * rb], t.type, ne0, xp=np))
+        return out
+
+    def load_state(self, state: SequenceState) -> None:
+        """Copy a sequence's caches (after a prefill with ``rt.forward``) into the static buffers.
+
+        Raises StrataError when the sequence is already longer than ``max_ctx``.
+        """
+        if state.pos > self.max_ctx:
+            raise StrataError(f"the sequence holds {state.pos} positions; the static decoder was built for {self.max_ctx}")
+        with self._ordered():
+            self._load_state(state)
+
+    def _load_state(self, state: SequenceState) -> None:
+        xp = self.xp
+        for il, ls in enumerate(state.layers):
+            if self.cfg.recurrent[il]:
+                if ls.conv is not None:
+                    self.conv[il][...] = ls.conv
+                    self.ssm[il][...] = ls.ssm
+                else:
+                    self.conv[il][...] = 0
+                    self.ssm[il][...] = 0
+            else:
+                self.kc[il][...] = 0
+                self.vc[il][...] = 0
+                if ls.k is not None:
+                    P = int(ls.k.shape[0])
+                    self.kc[il][:P] = ls.k
+                    self.vc[il][:P] = ls.v
+        for il in self.cfg.ple_layers:
+            prev = state.ple_conv.get(il)
+            self.ple_conv[il][...] = 0 if prev is None else xp.asarray(prev)
+        self.ple_ctx = np.array(state.ple_ctx, dtype=np.int64, copy=True)
+        self.pos = int(state.pos)
+
+    def _stage(self, token: int) -> None:
+        cfg = self.cfg
+        if not 0 <= token < cfg.n_vocab:
+            raise StrataError(f"token id {token} is outside the vocabulary [0, {cfg.n_vocab})")
+        if self.pos >= self.max_ctx:
+            raise StrataError(f"position {self.pos} is past the static decoder's {self.max_ctx} positions")
+        s = self.stage
+        s[:1].view(np.int32)[0] = self.pos
+        ids = np.array([token], dtype=np.int64)
+        a, b = self._x_sl
+        s[a:b] = self._host_rows("token_embd.weight", ids)[0]
+        ctx = self.ple_ctx
+        keep = cfg.ple_ngram - 1
+        for il in cfg.ple_layers:  # same context handling as Qwen4ExpRuntime._ple, layer by layer
+            rows = self.rt.ple_ngram_ids(ids, ctx)
+            if keep > 0:
+                ctx = np.concatenate([ctx, ids])[-keep:]
+            a, b = self._ple_sl[il]
+            s[a:b] = self._host_rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(-1)
+        self.ple_ctx = ctx
+        f = np.float32(self.pos) * self.rt.rope.inv_freq
+        f = np.concatenate([f, f])
+        a, b = self._cos_sl
+        s[a:b] = np.cos(f)
+        a, b = self._sin_sl
+        s[a:b] = np.sin(f)
+        if self.gpu:
+            self.inp.set(s, stream=self._stream)
+        else:
+            self.inp[...] = s
+
+    # -- the step -------------------------------------------------------------------------------------
+    def _hc(self, prefix: str, H: Any, inject: bool = True):
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        hn = _rmsnorm(xp, H, self.w.get(f"{prefix}_norm.weight"), cfg.eps, group=n)
+        m = _silu(xp, self.mv(f"{prefix}_down.weight", hn) / xp.float32(hc))
+        m = _sigmoid(xp, self.mv(f"{prefix}_up.weight", m))
+        mixed = xp.mean(m.reshape(hc, n) * hn.reshape(hc, n), axis=0)
+        if not inject:
+            return mixed, None
+        iw = 2.0 * _sigmoid(xp, self.mv(f"{prefix}_inject.weight", hn) / xp.float32(hc))
+        return mixed, iw.astype(xp.float32)
+
+    def _ple(self, il: int, H: Any) -> Any:
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        a, b = self._ple_sl[il]
+        emb = self.inp[a:b]
+        p = f"blk.{il}.ple_"
+        key = self._rms(self.mv(p + "key.weight", emb), self.w.get(p + "norm_key.weight"), group=n)
+        value = self.mv(p + "value.weight", emb)
+        q = self._rms(H, self.w.get(p + "norm_query.weight"), group=n)
+        gate = xp.sum(key.reshape(hc, n) * q.reshape(hc, n), axis=-1, keepdims=True) / xp.float32(np.sqrt(n))
+        gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
+        gv = (_sigmoid(xp, gate) * value[None, :]).reshape(hc * n)
+        gvn = self._rms(gv, self.w.get(p + "norm_conv.weight"), group=n)
+        K, d = cfg.ple_conv_kernel, cfg.ple_ngram
+        span = (K - 1) * d
+        buf = self.ple_conv[il]
+        xin = xp.concatenate([buf, gvn[None, :]], axis=0)  # [span + 1, C]
+        if span:
+            buf[...] = xin[1:]
+        wc = self.w.get(p + "conv1d.weight")
+        out = xp.zeros(hc * n, dtype=xp.float32)
+        for k in range(K):
+            out = out + xin[k * d] * wc[:, k]
+        return gv + _silu(xp, out)
+
+    def _gdn(self, il: int, x: Any) -> Any:
+        xp, cfg = self.xp, self.cfg
+        nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
+        dv = cfg.ssm_head_v_dim
+        p = f"blk.{il}."
+        qkv = self.mv(p + "attn_qkv.weight", x)
+        z = self.mv(p + "attn_gate.weight", x).reshape(nv, dv)
+        b = self.mv(p + "ssm_beta.weight", x)
+        a = self.mv(p + "ssm_alpha.weight", x)
+        wc = self.w.get(p + "ssm_conv1d.weight")
+        C, K = wc.shape
+        cbuf = self.conv[il]
+        xin = xp.concatenate([cbuf, qkv[None, :]], axis=0)  # [K, C]
+        if K > 1:
+            cbuf[...] = xin[1:]
+        conv = xp.zeros(C, dtype=xp.float32)
+        for k in range(K):
+            conv = conv + xin[k] * wc[:, k]
+        conv = _silu(xp, conv)
+        q = conv[:nk * dk].reshape(nk, dk)
+        k_ = conv[nk * dk:2 * nk * dk].reshape(nk, dk)
+        v = conv[2 * nk * dk:].reshape(nv, dv)
+        q = _l2norm(xp, q) * xp.float32(dk ** -0.5)
+        k_ = _l2norm(xp, k_)
+        rep = nv // nk
+        if rep > 1:
+            q = xp.tile(q, (rep, 1))
+            k_ = xp.tile(k_, (rep, 1))
+        beta = _sigmoid(xp, b)
+        g = self.w.get(p + "ssm_a") * _softplus(xp, a + self.w.get(p + "ssm_dt.bias"))
+        decay = xp.exp(g).astype(xp.float32)
+        S = self.ssm[il] * decay[:, None, None]
+        kv = xp.sum(k_[:, :, None] * S, axis=1)  # [nv, dv]
+        delta = (v - kv) * beta[:, None]
+        S = S + k_[:, :, None] * delta[:, None, :]
+        out = xp.sum(q[:, :, None] * S, axis=1)
+        self.ssm[il][...] = S
+        o = self._rms(out, self.w.get(p + "ssm_norm.weight"))
+        act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
+        return self.mv(p + "ssm_out.weight", (o * act).reshape(nv * dv))
+
+    def _rope(self, x: Any) -> Any:
+        """x [heads, d]: the runtime's Rope.apply at this step's position (cos/sin from the inputs)."""
+        a, b = self._cos_sl
+        c, s = self._sin_sl
+        return self.rt.rope.apply(x[None], self.inp[a:b][None], self.inp[c:s][None])[0]
+
+    def _attention(self, il: int, x: Any) -> Any:
+        xp, cfg = self.xp, self.cfg
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        qg = self.mv(p + "attn_q.weight", x).reshape(nh, 2 * hd)
+        q = qg[:, :hd]
+        gate = qg[:, hd:].reshape(nh * hd)
+        q = self._rms(q, self.w.get(p + "attn_q_norm.weight"))
+        k = self._rms(self.mv(p + "attn_k.weight", x).reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"))
+        v = self.mv(p + "attn_v.weight", x).reshape(nkv, hd)
+        q = self._rope(q)
+        k = self._rope(k)
+        self._put(self.kc[il], k)
+        self._put(self.vc[il], v)
+        scale = np.float32(hd ** -0.5)
+        if self.gpu:
+            cp = self.cp
+            o = cp.empty((nh, hd), dtype=cp.float32)
+            self.k_attn((nh,), (256,), (cp.ascontiguousarray(q), self.kc[il], self.vc[il], self.pos_dev, o,
+                                        np.int32(nh), np.int32(nkv), np.int32(hd), scale),
+                        shared_mem=self.max_ctx * 4)
+            o = o.reshape(nh * hd)
+        else:
+            P = self.pos + 1
+            grp = nh // nkv
+            kk = np.repeat(self.kc[il][:P], grp, axis=1)
+            vv = np.repeat(self.vc[il][:P], grp, axis=1)
+            att = np.einsum("hd,phd->hp", q, kk) * scale
+            att = _softmax(np, att, axis=-1)
+            o = np.einsum("hp,phd->hd", att, vv).reshape(nh * hd).astype(np.float32)
+        o = o * _sigmoid(xp, gate)
+        return self.mv(p + "attn_output.weight", o)
+
+    def _moe(self, il: int, x: Any) -> Any:
+        xp, cfg = self.xp, self.cfg
+        p = f"blk.{il}."
+        logits = self.mv(p + "ffn_gate_inp.weight", x)
+        if self.fast:
+            return self._moe_fast(il, x, logits)
+        probs = _sigmoid(xp, logits) if cfg.gating == "sigmoid" else _softmax(xp, logits, axis=-1)
+        probs = probs.astype(xp.float32, copy=False)
+        k = self.k
+        if self.gpu:
+            from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
+
+            cp = self.cp
+            E = int(probs.size)
+            ly = self.rt.tier.arena.layers[il]
+            w = cp.empty(k, dtype=cp.float32)
+            pt = self.ptrs[il]
+            self.k_topk((1,), (min(1024, max(32, (E + 31) // 32 * 32)),),
+                        (cp.ascontiguousarray(probs), np.int32(E), np.int32(k), self.slot[il], np.uint64(ly.gate_bytes),
+                         self.ids[il], w, pt[0], pt[1], pt[2]), shared_mem=E * 4)
+        else:
+            ids = np.argsort(-probs, kind="stable")[:k]
+            self.ids[il] = ids
+            w = probs[ids]
+        if cfg.norm_topk:
+            w = w / w.sum()
+        w = (w * xp.float32(cfg.expert_weights_scale)).astype(xp.float32)
+        self.weights[il] = w
+        sgw = self.w.get(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+        sg = _sigmoid(xp, xp.sum(x * sgw, keepdims=True))  # [1]
+        if self.gpu:
+            dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
+            y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
+            X = cp.ascontiguousarray(x.reshape(1, -1))
+            jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
+            expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf)
+            sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg.astype(cp.float32), self.shared_tstart)
+            expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf)
+            return y.reshape(-1)
+        y = np.zeros(cfg.n_embd, dtype=np.float32)
+        for r, e in enumerate(self.ids[il].tolist()):
+            g, u, d = self.rt.expert_fn(il, int(e))
+            h = _silu(np, g @ x) * (u @ x)
+            y += (d @ h) * w[r]
+        hs = _silu(np, self.mv(p + "ffn_gate_shexp.weight", x)) * self.mv(p + "ffn_up_shexp.weight", x)
+        return y + sg * self.mv(p + "ffn_down_shexp.weight", hs)
+
+    def _moe_fast(self, il: int, x: Any, logits: Any) -> Any:
+        """:meth:`_moe` on the GPU with the router (probabilities, top-k, weights) and the shared gate fused."""
+        from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
+
+        cp, cfg, k = self.cp, self.cfg, self.k
+        p = f"blk.{il}."
+        E = int(logits.size)
+        if k > 64:
+            raise StrataError(f"the fused router handles at most 64 experts per token, not {k}")
+        ly = self.rt.tier.arena.layers[il]
+        pt = self.ptrs[il]
+        w = self.weights[il]
+        self.k_route((1,), (min(1024, max(32, (E + 31) // 32 * 32)),),
+                     (cp.ascontiguousarray(logits), np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"),
+                      np.int32(bool(cfg.norm_topk)), np.float32(cfg.expert_weights_scale), self.slot[il],
+                      np.uint64(ly.gate_bytes), self.ids[il], w, pt[0], pt[1], pt[2]), shared_mem=E * 4)
+        X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
+        sgw = self.w.get(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+        sg = cp.empty(1, dtype=cp.float32)
+        self.k_dot_sig((1,), (256,), (X, cp.ascontiguousarray(sgw, dtype=cp.float32), np.int32(X.size), sg))
+        dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
+        y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
+        jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
+        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf)
+        sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg, self.shared_tstart)
+        expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf)
+        return y.reshape(-1)
+
+    def _body(self) -> None:
+        """Everything after the input upload: layers, output mixer, LM head, arg-max (no host reads)."""
+        xp, cfg = self.xp, self.cfg
+        a, b = self._x_sl
+        H = xp.concatenate([self.inp[a:b]] * cfg.hc_count)
+        if self.fast:
+            H = self.cp.ascontiguousarray(H, dtype=self.cp.float32)
+        for il in range(cfg.n_layer):
+            if il in cfg.ple_layers:
+                H = H + self._ple(il, H)
+            if self.fast:
+                mixed, v = self._hc_fast(f"blk.{il}.hc_attn", H)
+                y = self._gdn(il, mixed) if cfg.recurrent[il] else self._attention(il, mixed)
+                self._inject(H, y, v)
+                mixed, v = self._hc_fast(f"blk.{il}.hc_ffn", H)
+                self._inject(H, self._moe(il, mixed), v)
+                continue
+            mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
+            y = self._gdn(il, mixed) if cfg.recurrent[il] else self._attention(il, mixed)
+            H = H + (y[None, :] * inject[:, None]).reshape(-1)
+            mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
+            y = self._moe(il, mixed)
+            H = H + (y[None, :] * inject[:, None]).reshape(-1)
+        out_in, _ = (self._hc_fast if self.fast else self._hc)("output_hc", H, inject=False)
+        self.logits = self.mv("output.weight", out_in)
+        self.next_token_dev = xp.argmax(self.logits)
+
+    # -- public ---------------------------------------------------------------------------------------
+    def step(self, token: int) -> Any:
+        """Run one token at the current position; returns the logits [vocab] (device array on CuPy).
+
+        Raises StrataError for a token outside the vocabulary or a position past ``max_ctx``.
+        """
+        with self._ordered():
+            self._stage(int(token))
+            if self.graph is not None:
+                self.graph.launch(stream=self._stream)
+                self.stats["graph_steps"] += 1
+            elif self.gpu and self._pool is not None:
+                with self.cp.cuda.using_allocator(self._pool.malloc):
+                    self._body()
+            else:
+                self._body()
+        self.pos += 1
+        self.stats["steps"] += 1
+        return self.logits
+
+    def next_token(self) -> int:
+        """Arg-max of the last step's logits (one device-to-host copy)."""
+        if self.gpu:
+            return int(self.next_token_dev.get(stream=self._stream))
+        return int(self.next_token_dev)
+
+    def routing(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last step's routing, host arrays ids [L, k] int32 and weights [L, k]; also does the batched
+        bookkeeping: route hooks and the tier's policy/counters (one access per layer, as the eager path)."""
+        ids, w = _to_host(self.ids).copy(), _to_host(self.weights).copy()
+        pos = np.array([self.pos - 1], dtype=np.int64)
+        tier = getattr(self.rt, "tier", None)
+        for il in range(self.cfg.n_layer):
+            if tier is not None:
+                hit = np.asarray(tier.policy.access(il, ids[il].astype(np.int64)), dtype=bool)
+                tier.counters.hits[il] += int(hit.sum())
+                tier.counters.misses[il] += int((~hit).sum())
+            for hook in self.rt.route_hooks:
+                hook(il, pos, ids[il][None], w[il][None])
+        return ids, w
+
+    def capture(self) -> bool:
+        """Capture the step body into a CUDA graph (CuPy only); later :meth:`step` calls replay it.
+
+        The body is run once eagerly first (compiles kernels, fills a private memory pool), with the mutable
+        state saved and restored around it, then captured with every allocation served from that pool.
+        Returns False on numpy.
+        """
+        if not self.gpu:
+            return False
+        cp = self.cp
+        self._pool = self._pool or cp.cuda.MemoryPool()
+        cp.cuda.Device().synchronize()  # earlier work of any stream (prefill, load_state) is done
+        with cp.cuda.using_allocator(self._pool.malloc), self._stream:
+            saved = [a.copy() for a in self._mutable()]
+            self._body()
+            self._stream.synchronize()
+            for a, s in zip(self._mutable(), saved):
+                a[...] = s
+            self._stream.synchronize()
+            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+            try:
+                self._stream.begin_capture(mode=mode) if mode is not None else self._stream.begin_capture()
+            except TypeError:  # an older CuPy without the mode argument
+                self._stream.begin_capture()
+            try:
+                self._body()
+            finally:
+                graph = self._stream.end_capture()
+        cp.cuda.Device().synchronize()
+        self.graph = graph
+        del saved
+        return True
+
+    def _mutable(self) -> list:
+        """Buffers the step changes (the warm-up run before a capture writes them; they are restored)."""
+        return (list(self.conv.values()) + list(self.ssm.values()) + list(self.ple_conv.values())
+                + list(self.kc.values()) + list(self.vc.values()))
+
+    def synchronize(self) -> None:
+        """Wait for the decoder's CUDA stream to finish (no-op on the CPU path)."""
+        if self.gpu:
+            self._stream.synchronize()

@@ -1,0 +1,444 @@
+"""The GPU expert tier: routed-expert blobs in VRAM slots, every blob in a pinned host arena for misses.
+
+What lives where (cache-policy.md "The tier"; formats.md section 5):
+
+* :class:`HostArena`: every routed expert of every layer in one pinned (page-locked) host buffer, laid out
+  exactly like ``experts.bin``: per layer in order, E blobs back to back, each ``[gate][up][down]``. Filled
+  from a GGUF (each expert's slice of ``blk.L.ffn_{gate,up,down}_exps.weight``) or from an ``experts.bin``.
+* :class:`GPUExpertTier`: VRAM slots holding blobs, one slot per resident (layer, expert), each slot its
+  layer's blob bytes rounded up to 256. *Which* experts are resident is decided by a policy object from
+  :func:`stratatools.cachesim.make_tier` (the simulator's code: static fill from a STRP profile, where slot i
+  holds rank i; the adaptive tier; LRU, ...). After every access and every round the tier mirrors the
+  policy's ``resident_mask()``: newly resident experts are copied host -> VRAM, evicted ones free their slot.
+* A hit is computed from its VRAM slot. A miss is served from host memory, either **copied** to a staging
+  buffer first (``miss_mode="copy"``) or read by the kernels **directly** over the bus from the mapped
+  pinned arena (``miss_mode="host"``, zero-copy).
+
+Counters: hits and misses per layer (the policy's own, identical to the simulator's), bytes copied host ->
+VRAM for misses and for admissions, bytes read zero-copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.model.ggml_types import GGMLType
+
+from stratatools.runtime.gpu import require_cupy
+
+ALIGN = 256  # slot bytes are rounded up to this (cache-policy.md, native packs)
+MISS_MODES = ("copy", "host")
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """Geometry of one layer's routed experts.
+
+    Attributes:
+        n_expert: experts in the layer (the router's ne1).
+        gu_type, d_type: ggml types of gate/up and of down.
+        hidden, ff: model width (n_embd) and expert width.
+    """
+
+    n_expert: int
+    gu_type: GGMLType
+    d_type: GGMLType
+    hidden: int
+    ff: int
+
+    @property
+    def gate_bytes(self) -> int:
+        """Bytes of one expert's gate matrix (= its up matrix): ff rows of ``row_bytes(gu, hidden)``."""
+        return self.ff * self.gu_type.row_bytes(self.hidden)
+
+    @property
+    def down_bytes(self) -> int:
+        """Bytes of one expert's down matrix: hidden rows of ``row_bytes(d, ff)``."""
+        return self.hidden * self.d_type.row_bytes(self.ff)
+
+    @property
+    def blob_bytes(self) -> int:
+        """``2*ff*row(gu, hidden) + hidden*row(d, ff)`` (formats.md section 5)."""
+        return 2 * self.gate_bytes + self.down_bytes
+
+
+def layers_from_model(model: Any, n_layers: int | None = None) -> list[LayerExperts]:
+    """Per-layer expert geometry from a GGUF :class:`stratatools.model.gguf.Model` (trunk layers 0..n_layers-1).
+
+    Raises StrataError when a role tensor is missing, gate and up differ in type, or shapes disagree.
+    """
+    out = []
+    l = 0
+    while model.has(f"blk.{l}.ffn_gate_exps.weight") and (n_layers is None or l < n_layers):
+        g = model.tensor(f"blk.{l}.ffn_gate_exps.weight")
+        u = model.tensor(f"blk.{l}.ffn_up_exps.weight")
+        d = model.tensor(f"blk.{l}.ffn_down_exps.weight")
+        if g.type.id != u.type.id:
+            raise StrataError(f"{model.path}: tensor {u.name}: gate and up experts of layer {l} differ in type "
+                              f"({g.type.name} vs {u.type.name})")
+        hidden, ff, E = g.ne
+        if tuple(u.ne) != (hidden, ff, E) or tuple(d.ne) != (ff, hidden, E):
+            raise StrataError(f"{model.path}: layer {l}: expert tensors have shapes {g.ne}, {u.ne}, {d.ne}; "
+                              f"expected [n_embd, ff, E] twice and [ff, n_embd, E]")
+        out.append(LayerExperts(int(E), g.type, d.type, int(hidden), int(ff)))
+        l += 1
+    if not out:
+        raise StrataError(f"{model.path}: no blk.0.ffn_gate_exps.weight: not a MoE model with routed experts")
+    return out
+
+
+class HostArena:
+    """Every routed expert blob in one pinned host buffer, ``experts.bin`` layout.
+
+    Attributes:
+        layers: per-layer geometry.
+        layer_offset: int64 [L] byte offset of each layer in the arena.
+        nbytes: total bytes.
+        host: numpy uint8 view of the pinned buffer.
+        device_ptr: device address of the same memory (mapped pinned memory, unified addressing), or None
+            when the platform cannot map it (then ``miss_mode="host"`` is unavailable).
+    """
+
+    def __init__(self, layers: Sequence[LayerExperts]):
+        cp = require_cupy()
+        self.layers = list(layers)
+        sizes = np.array([ly.blob_bytes * ly.n_expert for ly in self.layers], dtype=np.int64)
+        self.layer_offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.nbytes = int(sizes.sum())
+        self._mem = _alloc_mapped_pinned(cp, max(self.nbytes, 1))
+        self.host = np.frombuffer(self._mem, dtype=np.uint8, count=self.nbytes)
+        self.device_ptr = _device_pointer(cp, self._mem)
+
+    def offset(self, layer: int, expert: int) -> int:
+        """Byte offset of (layer, expert)'s blob in the arena."""
+        return int(self.layer_offset[layer]) + int(expert) * self.layers[layer].blob_bytes
+
+    def blob(self, layer: int, expert: int) -> np.ndarray:
+        """uint8 view of one blob in the arena."""
+        o = self.offset(layer, expert)
+        return self.host[o:o + self.layers[layer].blob_bytes]
+
+    @classmethod
+    def from_gguf(cls, model: Any, n_layers: int | None = None) -> "HostArena":
+        """Fill from a GGUF model: blob (l, e) = e-th slices of ``blk.l.ffn_{gate,up,down}_exps.weight``
+        (expert axis outermost, formats.md section 1). Streams one tensor at a time from the memory map."""
+        layers = layers_from_model(model, n_layers)
+        arena = cls(layers)
+        for l, ly in enumerate(layers):
+            base = int(arena.layer_offset[l])
+            view = arena.host[base:base + ly.blob_bytes * ly.n_expert].reshape(ly.n_expert, ly.blob_bytes)
+            gb = ly.gate_bytes
+            for role, lo, n in (("gate", 0, gb), ("up", gb, gb), ("down", 2 * gb, ly.down_bytes)):
+                src = model.raw(f"blk.{l}.ffn_{role}_exps.weight").reshape(ly.n_expert, n)
+                view[:, lo:lo + n] = src
+        return arena
+
+    @classmethod
+    def from_expert_source(cls, source: Any) -> "HostArena":
+        """Fill from the runtime's :class:`stratatools.runtime.weights.ExpertSource` (GGUF offsets or experts.bin)."""
+        layers = []
+        for l, sl in enumerate(source.layers):
+            g, d = sl["gate"], sl["down"]
+            ff, hidden = g.shape
+            layers.append(LayerExperts(int(source.n_expert[l]), g.type, d.type, int(hidden), int(ff)))
+        arena = cls(layers)
+        for l, ly in enumerate(layers):
+            gb = ly.gate_bytes
+            for e in range(ly.n_expert):
+                g, u, d = source.raw(l, e)
+                b = arena.blob(l, e)
+                b[:gb] = g
+                b[gb:2 * gb] = u
+                b[2 * gb:] = d
+        return arena
+
+    @classmethod
+    def from_experts_bin(cls, path: str, layers: Sequence[LayerExperts], layer_offsets: Sequence[int] | None = None) -> "HostArena":
+        """Fill from a pack's ``experts.bin`` (formats.md section 5: per layer, E blobs back to back).
+
+        Raises StrataError when the file is shorter than the table says.
+        """
+        import os
+
+        arena = cls(layers)
+        offs = arena.layer_offset if layer_offsets is None else np.asarray(layer_offsets, dtype=np.int64)
+        size = os.path.getsize(path)
+        need = int(offs[-1]) + layers[-1].blob_bytes * layers[-1].n_expert
+        if size < need:
+            raise StrataError(f"{path}: experts.bin is {size} bytes but the pack table needs {need}; "
+                              f"re-run stratatools pack --experts-bin", path)
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        for l, ly in enumerate(layers):
+            n = ly.blob_bytes * ly.n_expert
+            dst = int(arena.layer_offset[l])
+            src = int(offs[l])
+            step = 64 << 20
+            for i in range(0, n, step):
+                j = min(n, i + step)
+                arena.host[dst + i:dst + j] = mm[src + i:src + j]
+        del mm
+        return arena
+
+
+def _alloc_mapped_pinned(cp: Any, nbytes: int) -> Any:
+    """Pinned host memory, mapped into the device address space when the platform allows."""
+    try:  # cudaHostAllocPortable | cudaHostAllocMapped
+        return cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(nbytes, 1 | 2), 0)
+    except Exception:
+        return cp.cuda.alloc_pinned_memory(nbytes)
+
+
+def _device_pointer(cp: Any, mem: Any) -> int | None:
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(mem.ptr)
+        dp = int(attrs.devicePointer)
+        return dp or None
+    except Exception:
+        return None
+
+
+class AllResident:
+    """A trivial residency rule for when every expert fits in VRAM: every access hits. Not a cache policy
+    (those live in :mod:`stratatools.cachesim`); it only lets :class:`GPUExpertTier` hold the whole model."""
+
+    policy = "all-resident"
+
+    def __init__(self, n_layers: int, n_expert: int):
+        self.n_layers, self.n_expert = int(n_layers), int(n_expert)
+        self.entries = 0
+
+    def access(self, layer: int, experts: Any) -> np.ndarray:
+        n = int(np.asarray(experts).size)
+        self.entries += n
+        return np.ones(n, dtype=bool)
+
+    def end_round(self) -> None:
+        pass
+
+    def resident_mask(self) -> np.ndarray:
+        return np.ones((self.n_layers, self.n_expert), dtype=bool)
+
+    def stats(self) -> dict:
+        return {"policy": self.policy, "entries": self.entries, "hits": self.entries, "h_expert": 1.0}
+
+
+@dataclass
+class TierCounters:
+    """What the GPU tier did. Bytes are blob bytes (not rounded slot bytes)."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    miss_copy_bytes: int = 0
+    miss_host_read_bytes: int = 0
+    admit_copies: int = 0
+    admit_bytes: int = 0
+    evictions: int = 0
+    fill_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        h, m = int(self.hits.sum()), int(self.misses.sum())
+        return {"hits": h, "misses": m, "h_expert": h / (h + m) if h + m else float("nan"),
+                "layer_hits": self.hits.tolist(), "layer_misses": self.misses.tolist(),
+                "miss_copy_bytes": self.miss_copy_bytes, "miss_host_read_bytes": self.miss_host_read_bytes,
+                "admit_copies": self.admit_copies, "admit_bytes": self.admit_bytes, "evictions": self.evictions,
+                "fill_bytes": self.fill_bytes,
+                "bytes_moved": self.miss_copy_bytes + self.miss_host_read_bytes + self.admit_bytes}
+
+
+class GPUExpertTier:
+    """VRAM slots for routed experts, driven by a cachesim policy object, misses served from a host arena.
+
+    Args:
+        arena: the pinned host arena holding every blob.
+        policy: an online tier from :func:`stratatools.cachesim.make_tier` (same code as the simulator);
+            its ``access``/``end_round``/``resident_mask`` decide residency and count hits.
+        miss_mode: ``"copy"`` (stage each missed blob in VRAM, then compute) or ``"host"`` (kernels read the
+            mapped pinned memory directly).
+        stream: CuPy stream for the copies (default: the current stream).
+
+    Raises:
+        StrataError: geometry of policy and arena differ; unknown miss mode; ``host`` mode without mapped memory.
+    """
+
+    def __init__(self, arena: HostArena, policy: Any, miss_mode: str = "copy", stream: Any = None):
+        cp = require_cupy()
+        self.cp = cp
+        if miss_mode not in MISS_MODES:
+            raise StrataError(f"unknown miss mode {miss_mode!r} (use {' or '.join(MISS_MODES)})")
+        if miss_mode == "host" and arena.device_ptr is None:
+            raise StrataError("miss mode 'host' needs pinned memory mapped into the device; use 'copy'")
+        L = len(arena.layers)
+        if (policy.n_layers, policy.n_expert) != (L, max(ly.n_expert for ly in arena.layers)):
+            raise StrataError(f"the tier policy is for {policy.n_layers} layers x {policy.n_expert} experts but the "
+                              f"model has {L} x {max(ly.n_expert for ly in arena.layers)}")
+        self.arena, self.policy, self.miss_mode = arena, policy, miss_mode
+        self.stream = stream
+        self.slot_bytes = np.array([(ly.blob_bytes + ALIGN - 1) // ALIGN * ALIGN for ly in arena.layers], dtype=np.int64)
+        self.slot_of: list[dict[int, int]] = [dict() for _ in range(L)]  # expert -> slot byte offset
+        self.free: list[list[int]] = [[] for _ in range(L)]
+        self.counters = TierCounters(np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64))
+        mask = np.asarray(policy.resident_mask(), dtype=bool)
+        cap_bytes = self._capacity_bytes(mask)
+        self.vram = cp.empty(max(cap_bytes, ALIGN), dtype=cp.uint8)
+        self.vram_ptr = int(self.vram.data.ptr)
+        self._bump = 0
+        self._staging = None
+        self._stage_layer, self._stage_next = -1, 0
+        self._sync(mask, initial=True)
+
+    # -- layout -------------------------------------------------------------------------------------
+    def _capacity_bytes(self, mask: np.ndarray) -> int:
+        """VRAM to reserve: the policy's budget (cap per layer and free pool) in slot bytes."""
+        pol = self.policy
+        cap = np.asarray(getattr(pol, "cap", mask.sum(1)), dtype=np.int64)
+        total = int((np.maximum(cap, mask.sum(1)) * self.slot_bytes).sum())
+        plan = getattr(pol, "plan", None)
+        if plan is not None:
+            if getattr(plan, "pool_bytes", -1) > 0:
+                total += int(plan.pool_bytes)
+            if getattr(plan, "pool_slots", -1) > 0:
+                total += int(plan.pool_slots) * int(self.slot_bytes.max())
+        return total
+
+    def _take_slot(self, layer: int) -> int:
+        if self.free[layer]:
+            return self.free[layer].pop()
+        sb = int(self.slot_bytes[layer])
+        if self._bump + sb > self.vram.size:  # the policy went over its own budget: grow (rare, counted)
+            self._grow(self._bump + sb)
+        off = self._bump
+        self._bump += sb
+        return off
+
+    def _grow(self, need: int) -> None:
+        cp = self.cp
+        new = cp.empty(max(need, int(self.vram.size) * 5 // 4), dtype=cp.uint8)
+        new[:self._bump] = self.vram[:self._bump]
+        self.vram, self.vram_ptr = new, int(new.data.ptr)
+        self.counters.extra["vram_grown"] = self.counters.extra.get("vram_grown", 0) + 1
+
+    def _copy_in(self, dst_ptr: int, layer: int, expert: int) -> int:
+        n = self.arena.layers[layer].blob_bytes
+        src = self.arena.host.ctypes.data + self.arena.offset(layer, expert)
+        s = self.stream if self.stream is not None else self.cp.cuda.get_current_stream()
+        self.cp.cuda.runtime.memcpyAsync(dst_ptr, src, n, 1, s.ptr)  # 1 = cudaMemcpyHostToDevice
+        return n
+
+    def _sync(self, mask: np.ndarray, initial: bool = False, layers: Sequence[int] | None = None) -> None:
+        """Make VRAM hold exactly the policy's resident set (for ``layers``, default all)."""
+        for l in (range(len(self.slot_of)) if layers is None else layers):
+            want = np.flatnonzero(mask[l])
+            have = self.slot_of[l]
+            want_set = set(int(e) for e in want)
+            for e in [e for e in have if e not in want_set]:
+                self.free[l].append(have.pop(e))
+                self.counters.evictions += 1
+            for e in want:
+                e = int(e)
+                if e in have:
+                    continue
+                off = self._take_slot(l)
+                have[e] = off
+                n = self._copy_in(self.vram_ptr + off, l, e)
+                if initial:
+                    self.counters.fill_bytes += n
+                else:
+                    self.counters.admit_copies += 1
+                    self.counters.admit_bytes += n
+
+    # -- use ----------------------------------------------------------------------------------------
+    def fetch(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Route one token's experts of ``layer``: returns (blob device addresses uint64 [k], hit bool [k]).
+
+        Hits point into VRAM slots; misses into the staging buffer (copy mode, valid until the next fetch
+        that uses the same staging index) or into the mapped host arena (host mode).
+        """
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
+        if layer != self._stage_layer:  # staging is reused per layer call (kernels run in stream order)
+            self._stage_layer, self._stage_next = layer, 0
+        hit = np.asarray(self.policy.access(layer, experts), dtype=bool)
+        ptrs = np.zeros(experts.size, dtype=np.uint64)
+        ly = self.arena.layers[layer]
+        n_miss = 0
+        for i, e in enumerate(experts):
+            e = int(e)
+            off = self.slot_of[layer].get(e)
+            if hit[i] and off is not None:
+                ptrs[i] = self.vram_ptr + off
+                continue
+            if hit[i]:  # resident per the policy but not yet copied (admitted since the last sync)
+                off = self._take_slot(layer)
+                self.slot_of[layer][e] = off
+                self.counters.admit_copies += 1
+                self.counters.admit_bytes += self._copy_in(self.vram_ptr + off, layer, e)
+                ptrs[i] = self.vram_ptr + off
+                continue
+            if self.miss_mode == "host":
+                ptrs[i] = self.arena.device_ptr + self.arena.offset(layer, e)
+                self.counters.miss_host_read_bytes += ly.blob_bytes
+            else:
+                st = self._staging_slot(self._stage_next)
+                self._stage_next += 1
+                self.counters.miss_copy_bytes += self._copy_in(st, layer, e)
+                ptrs[i] = st
+            n_miss += 1
+        self.counters.hits[layer] += int(hit.sum())
+        self.counters.misses[layer] += int((~hit).sum())
+        self._sync(np.asarray(self.policy.resident_mask(), dtype=bool), layers=[layer])
+        return ptrs, hit
+
+    def _staging_slot(self, i: int) -> int:
+        cp = self.cp
+        sb = int(self.slot_bytes.max())
+        if self._staging is None or self._staging.size < (i + 1) * sb:
+            new = cp.empty(max(16, 2 * (i + 1)) * sb, dtype=cp.uint8)
+            if self._staging is not None:  # keep what this layer call already staged
+                new[:self._staging.size] = self._staging
+            self._staging = new
+        return int(self._staging.data.ptr) + i * sb
+
+    def end_round(self) -> None:
+        """Close a round (decode position): the policy may swap experts; VRAM follows."""
+        self.policy.end_round()
+        self._stage_layer = -1
+        self._sync(np.asarray(self.policy.resident_mask(), dtype=bool))
+
+    def resident_count(self) -> int:
+        """Experts now held in VRAM slots, all layers together."""
+        return sum(len(d) for d in self.slot_of)
+
+    def stats(self) -> dict:
+        """Counters of this tier plus the policy's own ``stats()``."""
+        d = self.counters.to_dict()
+        d["miss_mode"] = self.miss_mode
+        d["resident"] = self.resident_count()
+        d["vram_bytes"] = int(self.vram.size)
+        d["policy"] = self.policy.stats() if hasattr(self.policy, "stats") else {}
+        return d
+
+    def ffn(self, layer: int, X: Any, expert_ids: np.ndarray, weights: np.ndarray, out: Any = None,
+            accumulate: bool = False) -> Any:
+        """Routed-expert FFN of ``layer`` for T tokens through the tier.
+
+        Args:
+            X: CuPy float32 ``[T, hidden]``.
+            expert_ids: int ``[T, k]`` (host) routed experts per token; each token is one access (record).
+            weights: float32 ``[T, k]`` router weights.
+            out / accumulate: as :func:`stratatools.runtime.gpu.experts.expert_ffn`.
+        Returns:
+            CuPy float32 ``[T, hidden]``.
+        """
+        from stratatools.runtime.gpu.experts import expert_ffn, make_jobs
+
+        ids = np.asarray(expert_ids, dtype=np.int64)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        ptrs = np.stack([self.fetch(layer, ids[t])[0] for t in range(ids.shape[0])])
+        ly = self.arena.layers[layer]
+        jobs = make_jobs(ptrs, np.asarray(weights, dtype=np.float32).reshape(ids.shape), ly.gate_bytes)
+        return expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=out, accumulate=accumulate)

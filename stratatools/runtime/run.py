@@ -1,0 +1,366 @@
+"""``stratatools run``: run prompts through a packed model, record the routing, count the expert tier.
+
+Prompts file (decision):
+
+* ``*.json``: ``{"prompts": [...]}`` or a bare list; each item is a string (the text) or an object with
+  ``text`` and/or ``token_ids`` (ids win when both are given: the kit's ``routing/prompts.json`` runs as is)
+  and an optional ``prompt_id``;
+* anything else: UTF-8 text, one prompt per non-empty line; the escapes ``\\n``, ``\\t`` and ``\\\\`` inside
+  a line become newline, tab and backslash (so code prompts fit on one line).
+
+A file with NUL bytes or invalid UTF-8 is not text and is refused. Requests are numbered 0.. in file order;
+those numbers are the trace's request ids.
+
+The routing trace has one record per (request, position, layer): prefill positions with phase ``prefill``,
+generated positions with phase ``decode`` (format by extension: ``.parquet``, ``.csv``, otherwise Strata's
+tagged ``--dump-routing`` layout, which keeps request ids and phases; ``--trace-format strata`` writes the
+plain engine layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import guard_output
+from stratatools.pack.native import EXPERTS_BIN, NATIVE_TXT
+from stratatools.profiles.strp import read_profile
+from stratatools.traces.table import DECODE, PREFILL, TraceTable
+from stratatools.traces.formats import write_trace
+
+from stratatools.runtime.model import Qwen4ExpRuntime, RoutingRecord, generate
+from stratatools.runtime.tier import ExpertTier
+from stratatools.runtime.tokenizer import BPETokenizer
+from stratatools.runtime.weights import load
+
+TRACE_FORMATS = ("strata-tagged", "strata", "parquet", "csv")
+
+
+@dataclass
+class Prompt:
+    """One request: its id label, text (may be None when only ids were given) and token ids (None: tokenize)."""
+
+    prompt_id: str
+    text: str | None
+    token_ids: list[int] | None
+
+
+def _unescape(line: str) -> str:
+    out = []
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if c == "\\" and i + 1 < len(line) and line[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[line[i + 1]])
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def read_prompts(path: str | os.PathLike) -> list[Prompt]:
+    """Parse a prompts file (see the module docstring).
+
+    Raises:
+        StrataError: missing file, binary/non-UTF-8 content (byte offset named), malformed JSON or items, no
+            prompt at all.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise StrataError(f"{p}: no such file", p) from None
+    except IsADirectoryError:
+        raise StrataError(f"{p}: is a directory, expected a prompts file (text lines or JSON)", p) from None
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise StrataError(f"{p}: byte {nul}: NUL byte; the prompts file is not text (one prompt per line, or JSON)", p)
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not part of the first prompt
+        data = data[3:]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StrataError(f"{p}: byte {e.start}: not UTF-8 text; the prompts file must be text lines or JSON", p) from None
+    prompts: list[Prompt] = []
+    if p.suffix.lower() == ".json":
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise StrataError(f"{p}: line {getattr(e, 'lineno', '?')}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})", p) from None
+        items = obj.get("prompts") if isinstance(obj, dict) else obj
+        if not isinstance(items, list):
+            raise StrataError(f"{p}: JSON must be a list of prompts or {{\"prompts\": [...]}}", p)
+        for i, it in enumerate(items):
+            if isinstance(it, str):
+                prompts.append(Prompt(f"p{i}", it, None))
+                continue
+            if not isinstance(it, dict):
+                raise StrataError(f"{p}: prompt #{i} is {type(it).__name__}; expected a string or an object with text/token_ids", p)
+            ids = it.get("token_ids")
+            txt = it.get("text")
+            if ids is not None:
+                if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                    raise StrataError(f"{p}: prompt #{i}: token_ids must be a list of integers", p)
+            if txt is not None and not isinstance(txt, str):
+                raise StrataError(f"{p}: prompt #{i}: text must be a string", p)
+            if ids is None and txt is None:
+                raise StrataError(f"{p}: prompt #{i} has neither text nor token_ids", p)
+            prompts.append(Prompt(str(it.get("prompt_id", f"p{i}")), txt, list(ids) if ids is not None else None))
+    else:
+        n = 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            prompts.append(Prompt(f"p{n}", _unescape(line), None))
+            n += 1
+    if not prompts:
+        raise StrataError(f"{p}: no prompts in the file", p)
+    for i, pr in enumerate(prompts):
+        if pr.token_ids is not None and not pr.token_ids:
+            raise StrataError(f"{p}: prompt #{i} has no tokens", p)
+        if pr.token_ids is None and not pr.text:
+            raise StrataError(f"{p}: prompt #{i} is empty", p)
+    return prompts
+
+
+def trace_format_for(path: str | os.PathLike, fmt: str | None) -> str:
+    """The trace format: ``fmt`` when given, else by extension (.parquet, .csv, otherwise strata-tagged)."""
+    if fmt:
+        if fmt not in TRACE_FORMATS:
+            raise StrataError(f"trace format {fmt!r} is not one of {', '.join(TRACE_FORMATS)}")
+        return fmt
+    s = Path(path).suffix.lower()
+    return {".parquet": "parquet", ".csv": "csv"}.get(s, "strata-tagged")
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome."""
+
+    request: int
+    prompt_id: str
+    prompt_tokens: int
+    new_ids: list[int]
+    text: str | None
+    stop: str
+    prefill_s: float
+    decode_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request": self.request, "prompt_id": self.prompt_id, "prompt_tokens": self.prompt_tokens,
+                "new_tokens": len(self.new_ids), "new_ids": self.new_ids, "text": self.text, "stop": self.stop,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+
+@dataclass
+class RunResult:
+    """What ``stratatools run`` reports.
+
+    Attributes:
+        model: the GGUF run; pack: the pack folder (None: straight from a GGUF); expert_source:
+            ``experts.bin`` or ``gguf``.
+        selection: QSA selection rule.
+        requests: per request :class:`RequestResult`.
+        prompt_tokens, new_tokens: totals.
+        prefill_s, decode_s: wall time of the prefills and of the decode steps (seconds).
+        tokens_per_s: generated tokens per decode second (decode throughput; the first new token comes from
+            the prefill, so it is counted in ``prefill_tokens_per_s`` instead).
+        prefill_tokens_per_s: prompt tokens per prefill second.
+        tier: the tier's stats (None without a tier); h_expert: the tier's decode-phase hit rate
+            (cache-policy.md ``h_expert``; prefill and all-phase rates are in ``tier``).
+        trace_path, trace_format, trace_records: the written trace.
+    """
+
+    model: str
+    pack: str | None
+    expert_source: str
+    selection: str
+    requests: list[RequestResult]
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    prefill_tokens_per_s: float
+    tier: dict[str, Any] | None
+    h_expert: float | None
+    trace_path: str | None
+    trace_format: str | None
+    trace_records: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "pack": self.pack, "expert_source": self.expert_source,
+                "selection": self.selection, "requests": [r.to_dict() for r in self.requests],
+                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "prefill_s": self.prefill_s,
+                "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "h_expert": self.h_expert, "tier": self.tier,
+                "trace_path": self.trace_path, "trace_format": self.trace_format, "trace_records": self.trace_records,
+                "options": self.options}
+
+
+class _TraceBuilder:
+    def __init__(self) -> None:
+        self.cols: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "position", "phase", "layer", "rank", "expert", "weight")}
+        self.records = 0
+
+    def add(self, request: int, phase: int, rec: RoutingRecord) -> None:
+        T = rec.positions.size
+        L = len(rec.ids)
+        if T == 0 or L == 0:
+            return
+        k = rec.ids[0].shape[1]
+        # record order: position-major, then layer, then rank (one record per (position, layer))
+        ids = np.stack(rec.ids, axis=1)  # [T, L, k]
+        w = np.stack(rec.weights, axis=1)
+        n = T * L * k
+        self.cols["request"].append(np.full(n, request, np.int32))
+        self.cols["position"].append(np.repeat(rec.positions.astype(np.int32), L * k))
+        self.cols["phase"].append(np.full(n, phase, np.int8))
+        self.cols["layer"].append(np.tile(np.repeat(np.arange(L, dtype=np.int16), k), T))
+        self.cols["rank"].append(np.tile(np.arange(k, dtype=np.int16), T * L))
+        self.cols["expert"].append(ids.reshape(-1).astype(np.int32))
+        self.cols["weight"].append(w.reshape(-1).astype(np.float32))
+        self.records += T * L
+
+    def table(self, **meta: Any) -> TraceTable:
+        if not self.cols["expert"]:
+            return TraceTable.empty(**meta)
+        return TraceTable(**{k: np.concatenate(v) for k, v in self.cols.items()}, meta=dict(meta))
+
+
+def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, model: str | os.PathLike | None = None,
+                profile: str | os.PathLike | None = None, budget_gib: float | None = None, slots: int | None = None,
+                policy: str = "static", admission: str = "global", max_new_tokens: int = 16,
+                trace_out: str | os.PathLike | None = None, trace_format: str | None = None, force: bool = False,
+                selection: str = "transformers", output_gate: str = "sigmoid", xp: Any = np,
+                progress: Callable[[int], None] | None = None) -> RunResult:
+    """Run every prompt of ``prompts_path`` through a pack (or GGUF) with greedy decoding.
+
+    Args:
+        pack: pack folder or GGUF. model: the pack's GGUF when the pack does not name it.
+        profile: STRP profile filling the tier; budget_gib / slots: the tier's size (a tier is built when any
+            of profile, budget_gib, slots is given). policy / admission: tier policy (the simulator's).
+        max_new_tokens: length cap per request (stop token: the model's EOS).
+        trace_out / trace_format: where and how to write the routing trace. force: replace an existing trace.
+        selection: QSA selection (``transformers`` or ``llamacpp``). output_gate: GDN output gate.
+        progress: called with 1 after each request.
+
+    Raises:
+        StrataError: every load/parse error (pack vs GGUF mismatch, bad prompts, profile of another geometry),
+            an existing trace without ``force``, an output that is an input.
+    """
+    prompts = read_prompts(prompts_path)
+    fmt = None
+    inputs: list[Any] = []
+    if trace_out is not None:
+        inputs = [pack, prompts_path] + ([profile] if profile else []) + ([model] if model else [])
+        guard_output(trace_out, inputs, force)
+        if Path(trace_out).is_dir():
+            raise StrataError(f"{trace_out}: is a directory; --trace-out takes a file path", trace_out)
+        fmt = trace_format_for(trace_out, trace_format)
+    if max_new_tokens < 0:
+        raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
+    want_tier = profile is not None or budget_gib is not None or slots is not None
+    if not want_tier and (policy != "static" or admission != "global"):
+        raise StrataError(f"--policy {policy} / --admission {admission} configure the expert tier, and there is none: "
+                          f"pass --slots N, --budget-gib X or --profile P")
+    w = load(pack, model, xp=xp, output_gate=output_gate)
+    try:
+        if trace_out is not None:  # the files behind the pack folder and every shard are inputs too
+            files = [f.path for f in w.model.files]
+            if w.pack is not None:
+                files += [w.pack.path / n for n in (NATIVE_TXT, NATIVE_TXT + ".json", EXPERTS_BIN, EXPERTS_BIN + ".src.json")]
+            guard_output(trace_out, inputs + files, force)
+        prof = None
+        if profile is not None:
+            prof = read_profile(profile)
+        tier = None
+        if want_tier:
+            tier = ExpertTier(w, policy=policy, profile=prof, slots=slots, budget_gib=budget_gib,
+                              admission=admission, profile_path=str(profile) if profile else None)
+        rt = Qwen4ExpRuntime(w, selection=selection, expert_fn=tier.matrices if tier else None,
+                             route_hook=tier.hook if tier else None)
+        tok = None
+        enc: list[list[int]] = []
+        if any(pr.token_ids is None for pr in prompts):
+            tok = BPETokenizer.from_gguf(w.model)
+        for i, pr in enumerate(prompts):
+            if pr.token_ids is not None:
+                ids = pr.token_ids
+            else:
+                ids = tok.encode(pr.text or "")
+            bad = [x for x in ids if not 0 <= x < w.cfg.n_vocab]
+            if bad:
+                raise StrataError(f"{prompts_path}: prompt #{i}: token id {bad[0]} is outside the vocabulary [0, {w.cfg.n_vocab})", prompts_path)
+            enc.append(list(ids))
+        if tok is None:  # token-id prompts: the output is still decoded when the model has a tokenizer
+            try:
+                tok = BPETokenizer.from_gguf(w.model)
+            except StrataError:
+                tok = None
+        builder = _TraceBuilder()
+        results: list[RequestResult] = []
+        pre_s = dec_s = 0.0
+        n_new_decoded = 0
+        for ri, (pr, ids) in enumerate(zip(prompts, enc)):
+            if tier is not None:
+                tier.phase = "prefill"
+            marks: dict[str, float] = {}
+
+            def on_forward(phase: str) -> None:
+                if tier is not None:  # the prefill is one round, each decode step one round
+                    tier.end_round()
+                    tier.phase = "decode"
+                if phase == "prefill":
+                    marks["prefill_end"] = time.perf_counter()
+
+            t0 = time.perf_counter()
+            g = generate(rt, ids, max_new_tokens, stop_id=w.cfg.eos_id, state=rt.new_state(), on_forward=on_forward)
+            t2 = time.perf_counter()
+            t1 = marks["prefill_end"]
+            builder.add(ri, PREFILL, g.prefill)
+            for rec in g.decode:
+                builder.add(ri, DECODE, rec)
+            n_new_decoded += len(g.decode)
+            new, stop = g.new_ids, g.stop
+            pre_s += t1 - t0
+            dec_s += t2 - t1
+            text = tok.decode(new) if tok is not None else None
+            results.append(RequestResult(ri, pr.prompt_id, len(ids), new, text, stop, t1 - t0, t2 - t1))
+            if progress:
+                progress(1)
+        n_prompt = sum(len(x) for x in enc)
+        n_new = sum(len(r.new_ids) for r in results)
+        tstats = tier.stats() if tier is not None else None
+        h = None
+        if tstats is not None:
+            h = tstats["decode"]["h_expert"] if tstats["decode"]["entries"] else tstats["all"]["h_expert"]
+        n_records = builder.records
+        if trace_out is not None:
+            names = [pr.prompt_id for pr in prompts]
+            extra = {"request_names": names} if len(set(names)) == len(names) else {}  # CSV prompt_id column
+            table = builder.table(source_format="stratatools-runtime", n_layers=w.cfg.n_layer,
+                                  n_expert=max(w.cfg.n_expert), model=w.model.path.name,
+                                  model_name=w.model.path.name, selection=selection, **extra)
+            write_trace(table, trace_out, fmt)
+        return RunResult(
+            model=str(w.model.path), pack=str(w.pack.path) if w.pack is not None else None,
+            expert_source=w.experts.source, selection=selection, requests=results, prompt_tokens=n_prompt,
+            new_tokens=n_new, prefill_s=pre_s, decode_s=dec_s,
+            tokens_per_s=(n_new_decoded / dec_s) if dec_s > 0 and n_new_decoded else 0.0,
+            prefill_tokens_per_s=(n_prompt / pre_s) if pre_s > 0 else 0.0, tier=tstats, h_expert=h,
+            trace_path=str(trace_out) if trace_out is not None else None, trace_format=fmt, trace_records=n_records,
+            options={"policy": policy if tier else None, "admission": admission if tier else None, "slots": slots,
+                     "budget_gib": budget_gib, "profile": str(profile) if profile else None,
+                     "max_new_tokens": max_new_tokens, "output_gate": output_gate})
+    finally:
+        w.close()

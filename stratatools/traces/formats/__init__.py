@@ -1,0 +1,159 @@
+"""Readers and writers of every routing-trace format, behind :func:`read_trace` / :func:`write_trace`.
+
+Formats (names used by ``--from`` / ``--to``):
+
+* ``strata``: Strata ``--dump-routing`` binary; reading also accepts the tagged variant (v1/v2) and tells them
+  apart by the first record (``strata.py``);
+* ``strata-tagged``: writing only: the tagged variant, version 1, with request and phase tags;
+* ``llama-csv``: ``llama-moe-trace`` rows ``pos,layer,id0..`` (``text.py``);
+* ``csv``: per-entry CSV with the kit's columns (``model,prompt_id,token_pos,layer,rank,expert_id,weight``),
+  plus ``phase`` when we write it (``text.py``);
+* ``parquet``: our canonical table (``parquet.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from stratatools.core.errors import StrataError
+from stratatools.traces.table import TraceTable
+
+READ_FORMATS = ("strata", "llama-csv", "csv", "parquet")
+WRITE_FORMATS = ("strata", "strata-tagged", "parquet", "csv")
+_LLAMA_ROW = re.compile(rb"^\s*-?\d+\s*,\s*\d+\s*(,\s*-?\d+\s*)+$")
+
+
+def sniff_format(path: str | os.PathLike) -> str:
+    """Tell a trace's format from its first bytes: ``PAR1`` -> parquet; a kit header -> csv; a numeric
+    ``pos,layer,ids`` first line -> llama-csv; anything else -> strata (binary).
+
+    Raises:
+        StrataError: missing file, directory, empty file.
+    """
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(4096)
+    except FileNotFoundError:
+        raise StrataError(f"{p}: no such file", p) from None
+    except IsADirectoryError:
+        raise StrataError(f"{p}: is a directory, expected a routing trace", p) from None
+    if not head:
+        raise StrataError(f"{p}: byte 0: empty file: no routing records", p)
+    if head[:4] == b"PAR1":
+        return "parquet"
+    first = head.split(b"\n", 1)[0].rstrip(b"\r").lstrip(b"\xef\xbb\xbf")
+    if first.replace(b" ", b"").startswith(b"model,prompt_id,"):
+        return "csv"
+    if _LLAMA_ROW.match(first) and b"\x00" not in head:
+        return "llama-csv"
+    return "strata"
+
+
+def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | None = None,
+               n_expert: int | None = None, *, sha256: bool = True) -> TraceTable:
+    """Read any supported routing trace into a :class:`~stratatools.traces.table.TraceTable`.
+
+    Args:
+        path: the trace file.
+        fmt: one of :data:`READ_FORMATS` (``strata-tagged`` is accepted as ``strata``); None sniffs it.
+        n_layers: trunk layers of the target model, when known: expert ids of layers below it are checked
+            against ``n_expert``; layers at or above it (an MTP block) are kept and left for the caller.
+        n_expert: experts per layer of the target model (dense indices for a pruned model).
+        sha256: record the file's sha256 in ``meta["source_sha256"]`` (False skips hashing the Strata binary,
+            for callers that hash it anyway; the text and Parquet readers always hash).
+    Raises:
+        StrataError: an unknown format name and every reader's bad-input cases (one line, byte offset or line).
+    """
+    if fmt is None:
+        fmt = sniff_format(path)
+    if fmt == "strata-tagged":
+        fmt = "strata"
+    if fmt == "strata":
+        from stratatools.traces.formats.strata import read_strata
+        return read_strata(path, n_layers, n_expert, sha256=sha256)
+    if fmt == "llama-csv":
+        from stratatools.traces.formats.text import read_llama_csv
+        return read_llama_csv(path, n_layers, n_expert)
+    if fmt == "csv":
+        from stratatools.traces.formats.text import read_kit_csv
+        return read_kit_csv(path, n_layers, n_expert)
+    if fmt == "parquet":
+        from stratatools.traces.formats.parquet import read_parquet
+        return read_parquet(path, n_layers, n_expert)
+    raise StrataError(f"unknown trace format {fmt!r} (use {', '.join(READ_FORMATS)})")
+
+
+def write_trace(table: TraceTable, path: str | os.PathLike, fmt: str) -> None:
+    """Write ``table`` as ``fmt`` (one of :data:`WRITE_FORMATS`) atomically. Overwrites ``path``: callers
+    guard it (:func:`stratatools.core.fsutil.guard_output`). Raises StrataError for an unknown format or a table the
+    format cannot hold."""
+    if fmt == "strata":
+        from stratatools.traces.formats.strata import write_strata
+        return write_strata(table, path, tagged=False)
+    if fmt == "strata-tagged":
+        from stratatools.traces.formats.strata import write_strata
+        return write_strata(table, path, tagged=True)
+    if fmt == "parquet":
+        from stratatools.traces.formats.parquet import write_parquet
+        return write_parquet(table, path)
+    if fmt == "csv":
+        from stratatools.traces.formats.text import write_csv
+        return write_csv(table, path)
+    raise StrataError(f"unknown output format {fmt!r} (use {', '.join(WRITE_FORMATS)})")
+
+
+__all__ = ["read_trace", "write_trace", "sniff_format", "READ_FORMATS", "WRITE_FORMATS"]
+
+
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+@dataclass
+class ConvertResult:
+    """What ``trace convert`` did.
+
+    Attributes:
+        input, output: paths. from_format, to_format: format names. entries: routed entries written.
+        records: (token, layer) records. output_bytes: size of the written file. meta: the input's metadata.
+    """
+
+    input: str
+    output: str
+    from_format: str
+    to_format: str
+    entries: int
+    records: int
+    output_bytes: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["meta"] = {k: v for k, v in self.meta.items() if k != "request_names"}
+        return d
+
+
+def convert_trace(src: str | os.PathLike, out: str | os.PathLike, to: str, fmt: str | None = None,
+                  force: bool = False, n_layers: int | None = None, n_expert: int | None = None) -> ConvertResult:
+    """Read ``src`` (any format, sniffed unless ``fmt``) and write it to ``out`` as ``to``.
+
+    Raises:
+        StrataError: an unknown output format; ``out`` is the input or exists without ``force``; every reader
+            error. The output is written through ``<out>.tmp`` and renamed.
+    """
+    from stratatools.core.fsutil import guard_output
+    from stratatools.traces.formats.strata import record_bounds
+
+    if to not in WRITE_FORMATS:
+        raise StrataError(f"unknown output format {to!r} (use {', '.join(WRITE_FORMATS)})")
+    guard_output(out, [src], force)
+    table = read_trace(src, fmt, n_layers, n_expert)
+    write_trace(table, out, to)
+    return ConvertResult(str(src), str(out), str(table.meta.get("source_format")), to, len(table),
+                         int(len(record_bounds(table))), Path(out).stat().st_size, dict(table.meta))
+
+
+__all__ += ["convert_trace", "ConvertResult"]

@@ -1,0 +1,149 @@
+"""Our canonical trace file: Parquet (pyarrow), one row per routed entry.
+
+Columns and types are :data:`stratatools.traces.table.COLUMNS` (request int32, position int32, phase int8, layer int16,
+rank int16, expert int32, weight float32). The table's ``meta`` is stored as JSON under the schema metadata key
+``stratatools.traces.table`` (with ``format: stratatools-trace/1``); the source format of the original trace is kept as
+``meta["source_format"]`` there and reappears as ``meta["converted_from"]`` on reading. A table with verify
+windows (``TraceTable.window``) gets one more column, ``window`` int32 (-1 outside every window), read back into
+``window``; files without it read as having no windows.
+Rows are written in row groups of 8M entries, zstd-compressed (constant columns cost almost nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import AtomicFile, sha256_file
+from stratatools.traces.table import COLUMNS, TraceTable
+
+META_KEY = b"stratatools.traces.table"
+FORMAT = "stratatools-trace/1"
+ROW_GROUP = 1 << 23
+
+
+def _jsonable(meta: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in meta.items():
+        if hasattr(v, "tolist"):
+            v = v.tolist()
+        try:
+            json.dumps(v)
+        except TypeError:
+            continue
+        out[k] = v
+    return out
+
+
+WINDOW = "window"
+
+
+def _schema(meta: dict[str, Any], windows: bool = False):
+    import pyarrow as pa
+
+    fields = [pa.field(name, pa.from_numpy_dtype(np.dtype(dt)), nullable=False) for name, dt in COLUMNS.items()]
+    if windows:
+        fields.append(pa.field(WINDOW, pa.int32(), nullable=False))
+    m = dict(_jsonable(meta))
+    m["format"] = FORMAT
+    return pa.schema(fields, metadata={META_KEY: json.dumps(m, sort_keys=True).encode()})
+
+
+def write_parquet(table: TraceTable, path: str | os.PathLike) -> None:
+    """Write ``table`` as Parquet atomically (``<path>.tmp`` then rename); deterministic bytes for one input."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    windows = table.has_windows
+    schema = _schema(table.meta, windows)
+    names = list(COLUMNS) + ([WINDOW] if windows else [])
+    with AtomicFile(path, "wb") as fh:
+        with pq.ParquetWriter(fh, schema, compression="zstd", write_statistics=True) as w:
+            n = len(table)
+            for a in range(0, max(n, 1), ROW_GROUP):
+                b = min(n, a + ROW_GROUP)
+                arrays = [pa.array(np.ascontiguousarray(getattr(table, name)[a:b]), type=schema.field(name).type)
+                          for name in names]
+                w.write_table(pa.Table.from_arrays(arrays, schema=schema))
+
+
+def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
+    """Read our Parquet trace. Expert ids are range-checked like the other readers (below ``n_layers``).
+
+    Raises:
+        StrataError: not a Parquet file, a missing column, values that do not fit the column types, negative
+            layers or expert ids, an expert id >= n_expert below layer n_layers.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        raise StrataError(f"{path}: no such file", path)
+    try:
+        pf = pq.ParquetFile(path)
+        t = pf.read()
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({str(e).splitlines()[0][:160]})", path) from None
+    missing = [c for c in COLUMNS if c not in t.column_names]
+    if missing:
+        raise StrataError(f"{path}: Parquet schema lacks column(s) {', '.join(missing)}; expected "
+                          f"{', '.join(COLUMNS)} (write it with `stratatools trace convert --to parquet`)", path)
+    cols = {}
+    for name, dt in COLUMNS.items():
+        col = t.column(name)
+        if col.null_count:
+            raise StrataError(f"{path}: column {name} has {col.null_count} null values", path)
+        try:
+            cols[name] = col.cast(pa.from_numpy_dtype(np.dtype(dt)), safe=True).to_numpy()
+        except (pa.ArrowException, ValueError) as e:
+            raise StrataError(f"{path}: column {name} does not fit {np.dtype(dt).name} "
+                              f"({str(e).splitlines()[0][:120]})", path) from None
+    window = None
+    if WINDOW in t.column_names:
+        col = t.column(WINDOW)
+        if col.null_count:
+            raise StrataError(f"{path}: column {WINDOW} has {col.null_count} null values", path)
+        try:
+            window = col.cast(pa.int32(), safe=True).to_numpy()
+        except (pa.ArrowException, ValueError) as e:
+            raise StrataError(f"{path}: column {WINDOW} does not fit int32 ({str(e).splitlines()[0][:120]})",
+                              path) from None
+    meta: dict[str, Any] = {}
+    raw = (t.schema.metadata or {}).get(META_KEY)
+    if raw:
+        try:
+            stored = json.loads(raw)
+            if isinstance(stored, dict):
+                meta.update(stored)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    if "source_format" in meta:
+        meta["converted_from"] = meta.pop("source_format")
+    for k in ("source_path", "source_sha256", "source_bytes", "format"):
+        meta.pop(k, None)
+    meta.update({"source_format": "parquet", "source_path": str(path), "source_sha256": sha256_file(path),
+                 "source_bytes": path.stat().st_size})
+    lay, exp = cols["layer"], cols["expert"]
+    for name, a in (("layer", lay), ("expert", exp)):
+        if len(a) and int(a.min()) < 0:
+            i = int(np.argmax(a < 0))
+            raise StrataError(f"{path}: row {i}: {name} {int(a[i])} is negative", path)
+    if n_expert is not None and len(exp):
+        bad = exp >= n_expert
+        if n_layers is not None:
+            bad &= lay < n_layers
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise StrataError(f"{path}: row {i}: expert id {int(exp[i])} of layer {int(lay[i])} is out of range "
+                              f"for {n_expert} experts (the trace is for a model with more experts)", path)
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    return TraceTable(**cols, meta=meta, window=window)

@@ -1,0 +1,295 @@
+"""CSV routing traces: llama.cpp's ``llama-moe-trace`` rows and the kit's per-entry CSV (formats.md section 3).
+
+``llama-csv``: no header, one row per (position, layer): ``pos,layer,id0,...,id{k-1}``; a negative position is
+prompt processing (phase prefill), others decode. Traces are merged with ``cat``, so a new request starts where
+a prompt-processing row follows a decode row. No weights (unit weight). Rows may differ in k.
+
+``csv`` (ours, and the kit's ``routing/*.routing.csv``): header ``model,prompt_id,token_pos,layer,rank,
+expert_id,weight`` and optionally a last ``phase`` column (prefill/decode/unknown) that our writer adds. One row
+per routed entry; prompt ids become request numbers in order of first appearance (names kept in
+``meta["request_names"]``). Without a phase column the phase is unknown. A table with verify windows
+(``TraceTable.window``) is written with one more last column, ``window`` (integer, -1 outside every window), after
+``phase``; a file with it reads back into ``window``.
+
+Bad input (StrataError with the line number, 1-based, header included):
+a non-numeric or missing field; a negative layer or one above 4096; a negative expert id; an expert id >=
+``n_expert`` on a layer below ``n_layers`` (same rule as the Strata reader); a rank outside 0..1023; a
+non-finite weight; an empty file or a header without rows; rows of one llama-csv line beyond 1024 ids.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import AtomicFile, sha256_file
+from stratatools.traces.table import DECODE, PHASE_NAMES, PREFILL, UNKNOWN, TraceTable
+from stratatools.traces.formats.strata import MAX_LAYER, MAX_ROUTE_K
+
+KIT_COLUMNS = ["model", "prompt_id", "token_pos", "layer", "rank", "expert_id", "weight"]
+_PHASE_BY_NAME = {"prefill": PREFILL, "decode": DECODE, "unknown": UNKNOWN, "0": PREFILL, "1": DECODE, "2": UNKNOWN}
+_INT_RE = re.compile(r"^\s*[+-]?\d+\s*$")
+
+
+def _line_err(path: Any, line: int, what: str, fix: str | None = None) -> StrataError:
+    msg = f"{path}: line {line}: {what}"
+    if fix:
+        msg += f" ({fix})"
+    return StrataError(msg, path)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StrataError(f"{path}: no such file", path) from None
+    except IsADirectoryError:
+        raise StrataError(f"{path}: is a directory, expected a routing trace", path) from None
+    if not data.strip():
+        raise StrataError(f"{path}: line 1: empty file: no routing rows", path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise _line_err(path, line, f"not UTF-8 text (byte {e.start})", "is this a binary trace? pass --from") from None
+
+
+def _check_ranges(path: Any, line_of: np.ndarray, layer: np.ndarray, expert: np.ndarray,
+                  n_layers: int | None, n_expert: int | None) -> None:
+    """Shared layer/expert checks; ``line_of[i]`` is the text line of entry i."""
+    bad = np.flatnonzero((layer < 0) | (layer > MAX_LAYER))
+    if len(bad):
+        i = int(bad[0])
+        raise _line_err(path, int(line_of[i]), f"layer {int(layer[i])} is out of range 0..{MAX_LAYER}")
+    bad = np.flatnonzero(expert < 0)
+    if len(bad):
+        i = int(bad[0])
+        raise _line_err(path, int(line_of[i]), f"expert id {int(expert[i])} is negative")
+    if n_expert is not None:
+        m = expert >= n_expert
+        if n_layers is not None:
+            m &= layer < n_layers
+        bad = np.flatnonzero(m)
+        if len(bad):
+            i = int(bad[0])
+            raise _line_err(path, int(line_of[i]), f"expert id {int(expert[i])} of layer {int(layer[i])} is out "
+                            f"of range for {n_expert} experts", "the trace is for a model with more experts")
+
+
+def _int_field(path: Any, line: int, name: str, s: str) -> int:
+    if not _INT_RE.match(s):
+        raise _line_err(path, line, f"field {name} is {s!r}, expected an integer")
+    v = int(s)
+    if not -(2 ** 31) <= v < 2 ** 31:
+        raise _line_err(path, line, f"field {name} = {v} does not fit in 32 bits")
+    return v
+
+
+# -- llama-moe-trace ------------------------------------------------------------------------------------------------
+
+def read_llama_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
+    """Read a ``llama-moe-trace`` CSV (``pos,layer,id0..``); see the module docstring. Raises StrataError."""
+    path = Path(path)
+    text = _read_text(path)
+    pos_l: list[int] = []
+    layer_l: list[int] = []
+    ks: list[int] = []
+    ids: list[int] = []
+    lines: list[int] = []
+    for ln, raw in enumerate(text.splitlines(), 1):
+        s = raw.strip()
+        if not s:
+            continue
+        parts = s.split(",")
+        if len(parts) < 3:
+            raise _line_err(path, ln, f"{len(parts)} fields, expected pos,layer,id0[,id1...]")
+        if len(parts) - 2 > MAX_ROUTE_K:
+            raise _line_err(path, ln, f"{len(parts) - 2} expert ids in one row (more than {MAX_ROUTE_K})")
+        pos_l.append(_int_field(path, ln, "pos", parts[0]))
+        layer_l.append(_int_field(path, ln, "layer", parts[1]))
+        for j, p in enumerate(parts[2:]):
+            ids.append(_int_field(path, ln, f"id{j}", p))
+        ks.append(len(parts) - 2)
+        lines.append(ln)
+    if not ks:
+        raise StrataError(f"{path}: line 1: empty file: no routing rows", path)
+    rec_k = np.array(ks, np.int64)
+    rec_pos = np.array(pos_l, np.int64)
+    rec_layer = np.array(layer_l, np.int64)
+    expert = np.array(ids, np.int64)
+    line_of = np.repeat(np.array(lines), rec_k)
+    _check_ranges(path, line_of, np.repeat(rec_layer, rec_k), expert, n_layers, n_expert)
+    rec_phase = np.where(rec_pos < 0, PREFILL, DECODE).astype(np.int8)
+    new_req = np.r_[False, (rec_phase[1:] == PREFILL) & (rec_phase[:-1] == DECODE)]
+    rec_req = np.cumsum(new_req).astype(np.int32)
+    starts = np.cumsum(rec_k) - rec_k
+    rank = np.arange(len(expert)) - np.repeat(starts, rec_k)
+    meta = {"source_format": "llama-csv", "source_path": str(path), "source_sha256": sha256_file(path),
+            "source_bytes": path.stat().st_size, "records": len(rec_k), "route_records": len(rec_k)}
+    if len(set(ks)) == 1:
+        meta["k"] = ks[0]
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    return TraceTable(request=np.repeat(rec_req, rec_k), position=np.repeat(rec_pos, rec_k),
+                      phase=np.repeat(rec_phase, rec_k), layer=np.repeat(rec_layer, rec_k), rank=rank,
+                      expert=expert, weight=np.ones(len(expert), np.float32), meta=meta)
+
+
+# -- the kit's / our per-entry CSV ------------------------------------------------------------------------------------
+
+def _slow_kit_scan(path: Path, text: str, has_phase: bool, has_window: bool = False) -> None:
+    """Find and raise the first bad line (the fast parser only says that one exists)."""
+    ncol = len(KIT_COLUMNS) + (1 if has_phase else 0) + (1 if has_window else 0)
+    rdr = csv.reader(io.StringIO(text))
+    for ln, row in enumerate(rdr, 1):
+        if ln == 1:
+            continue
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != ncol:
+            raise _line_err(path, ln, f"{len(row)} fields, expected {ncol} ({','.join(KIT_COLUMNS)}"
+                            f"{',phase' if has_phase else ''}{',window' if has_window else ''})")
+        for name, val in zip(KIT_COLUMNS[2:6], row[2:6]):
+            _int_field(path, ln, name, val)
+        try:
+            float(row[6])
+        except ValueError:
+            raise _line_err(path, ln, f"field weight is {row[6]!r}, expected a number") from None
+        if has_phase and row[7].strip().lower() not in _PHASE_BY_NAME:
+            raise _line_err(path, ln, f"field phase is {row[7]!r}, expected prefill, decode or unknown")
+        if has_window:
+            _int_field(path, ln, "window", row[8])
+    raise StrataError(f"{path}: could not be parsed as a routing CSV", path)
+
+
+def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
+    """Read a per-entry routing CSV (kit columns, optional ``phase``); see the module docstring.
+
+    Raises:
+        StrataError: a wrong header, a bad field (line number), out-of-range values, an empty file.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    text = _read_text(path)
+    first = text.split("\n", 1)[0].strip().lstrip("\ufeff")
+    header = [h.strip() for h in first.split(",")]
+    has_window = header == KIT_COLUMNS + ["phase", "window"]
+    has_phase = header == KIT_COLUMNS + ["phase"] or has_window
+    if header != KIT_COLUMNS and not has_phase:
+        raise _line_err(path, 1, f"header is {first[:120]!r}, expected {','.join(KIT_COLUMNS)}[,phase[,window]]")
+    dtypes = {"model": str, "prompt_id": str, "token_pos": "int64", "layer": "int64", "rank": "int64",
+              "expert_id": "int64", "weight": "float64"}
+    if has_phase:
+        dtypes["phase"] = str
+    if has_window:
+        dtypes["window"] = "int64"
+    try:
+        df = pd.read_csv(io.StringIO(text), dtype=dtypes, engine="c", skip_blank_lines=True,
+                         keep_default_na=False, na_filter=False)
+        if df.shape[1] != len(header):
+            raise ValueError("column count")
+    except (ValueError, pd.errors.ParserError, OverflowError):
+        _slow_kit_scan(path, text, has_phase, has_window)
+        raise  # unreachable: the slow scan always raises
+    if len(df) == 0:
+        raise StrataError(f"{path}: line 2: no routing rows after the header", path)
+    # line numbers: blank lines are skipped by the parser, so count them back only when an error needs one
+    nonblank = None
+
+    def line_of_rows() -> np.ndarray:
+        nonlocal nonblank
+        if nonblank is None:
+            ls = text.splitlines()
+            nonblank = np.array([i + 1 for i, l in enumerate(ls) if l.strip()][1:], dtype=np.int64)
+        return nonblank
+
+    class _Lines:
+        def __getitem__(self, i):
+            return line_of_rows()[i]
+
+    pos = df["token_pos"].to_numpy()
+    layer = df["layer"].to_numpy()
+    rank = df["rank"].to_numpy()
+    expert = df["expert_id"].to_numpy()
+    weight = df["weight"].to_numpy()
+    window = df["window"].to_numpy() if has_window else None
+    ranges = [("token_pos", pos, -(2 ** 31), 2 ** 31 - 1), ("rank", rank, 0, MAX_ROUTE_K - 1),
+              ("expert_id", expert, -(2 ** 31), 2 ** 31 - 1)]
+    if window is not None:
+        ranges.append(("window", window, -1, 2 ** 31 - 1))
+    for name, a, lo, hi in ranges:
+        bad = np.flatnonzero((a < lo) | (a > hi))
+        if len(bad):
+            i = int(bad[0])
+            raise _line_err(path, int(line_of_rows()[i]), f"{name} {int(a[i])} is out of range {lo}..{hi}")
+    _check_ranges(path, _Lines(), layer, expert, n_layers, n_expert)
+    bad = np.flatnonzero(~np.isfinite(weight))
+    if len(bad):
+        i = int(bad[0])
+        raise _line_err(path, int(line_of_rows()[i]), f"weight {weight[i]} is not finite")
+    codes, names = pd.factorize(df["prompt_id"], sort=False)
+    if has_phase:
+        ph_raw = df["phase"].str.strip().str.lower()
+        ph = ph_raw.map(_PHASE_BY_NAME)
+        if ph.isna().any():
+            i = int(np.flatnonzero(ph.isna().to_numpy())[0])
+            raise _line_err(path, int(line_of_rows()[i]), f"field phase is {df['phase'].iloc[i]!r}, expected "
+                            f"prefill, decode or unknown")
+        phase = ph.to_numpy().astype(np.int8)
+    else:
+        phase = np.broadcast_to(np.int8(UNKNOWN), (len(df),))
+    models = list(pd.unique(df["model"]))
+    meta: dict[str, Any] = {"source_format": "csv", "source_path": str(path), "source_sha256": sha256_file(path),
+                            "source_bytes": path.stat().st_size, "request_names": [str(x) for x in names],
+                            "records": int((rank == 0).sum()), "route_records": int((rank == 0).sum())}
+    if len(models) == 1:
+        meta["model_name"] = str(models[0])
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    return TraceTable(request=codes.astype(np.int32), position=pos, phase=phase, layer=layer, rank=rank,
+                      expert=expert, weight=weight.astype(np.float32), meta=meta, window=window)
+
+
+def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 << 20) -> None:
+    """Write our per-entry CSV: the kit's columns plus ``phase``; deterministic bytes, atomic.
+
+    ``model`` is ``meta["model_name"]`` (or the source format); ``prompt_id`` is the request's name from
+    ``meta["request_names"]`` when present, else the request number. Weights are written with 9 significant
+    digits (float32 round-trips). A last ``window`` column is added when the table has verify windows.
+    """
+    import pandas as pd
+
+    model = str(table.meta.get("model_name") or table.meta.get("source_format") or "trace")
+    names = table.meta.get("request_names")
+    phase_names = np.array([PHASE_NAMES[PREFILL], PHASE_NAMES[DECODE], PHASE_NAMES[UNKNOWN]], dtype=object)
+    with AtomicFile(path, "wb") as fh:
+        windows = table.has_windows
+        fh.write((",".join(KIT_COLUMNS + ["phase"] + (["window"] if windows else [])) + "\n").encode())
+        for a in range(0, len(table), batch_rows):
+            b = min(len(table), a + batch_rows)
+            req = np.asarray(table.request[a:b])
+            if names and len(req) and 0 <= int(req.min()) and int(req.max()) < len(names):
+                pid = np.asarray(names, dtype=object)[req]
+            else:
+                pid = req
+            ph = np.asarray(table.phase[a:b]).astype(np.int64)
+            ph = np.where((ph >= 0) & (ph <= 2), ph, UNKNOWN)
+            df = pd.DataFrame({"model": model, "prompt_id": pid, "token_pos": np.asarray(table.position[a:b]),
+                               "layer": table.layer[a:b], "rank": table.rank[a:b], "expert_id": table.expert[a:b],
+                               "weight": np.asarray(table.weight[a:b], dtype=np.float64),
+                               "phase": phase_names[ph]})
+            if windows:
+                df["window"] = np.asarray(table.window[a:b], dtype=np.int64)
+            fh.write(df.to_csv(index=False, header=False, float_format="%.9g", lineterminator="\n").encode())

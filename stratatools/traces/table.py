@@ -1,0 +1,534 @@
+"""Routing traces: one columnar table for every trace format (formats.md section 3).
+
+One row per routed entry: (request, position, phase, layer, rank, expert, weight). Rows of one
+(request, position, layer) record are consecutive, in rank order; records are in the order the source gave.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+import mmap
+from typing import Any
+
+import numpy as np
+
+PREFILL, DECODE, UNKNOWN = 0, 1, 2
+PHASE_NAMES = {PREFILL: "prefill", DECODE: "decode", UNKNOWN: "unknown"}
+
+COLUMNS = {
+    "request": np.int32,   # request / prompt id (0 when the source has none)
+    "position": np.int32,  # token position within the request (Strata binary: ordinal within layer+request)
+    "phase": np.int8,      # PREFILL, DECODE or UNKNOWN
+    "layer": np.int16,     # trunk layer
+    "rank": np.int16,      # rank within the record's top-k (0 = first listed)
+    "expert": np.int32,    # expert id as the engine saw it (dense index for a pruned model)
+    "weight": np.float32,  # router weight (1.0 when the source has none or writes zeros)
+}
+
+
+@dataclass
+class Records:
+    """A routing trace kept per record (one record = one token's top-k at one layer), as the Strata reader
+    produces it: per-entry columns are derived from it only when asked for (:class:`TraceTable`).
+
+    Attributes (R records, N entries):
+        layer: int16 [R]. request: int32 [R]; phase: int8 [R] (either may be a read-only broadcast view).
+        k: the entries per record: an int when constant, else int32 [R].
+        expert, weight: int32 / float32, [R, k] when k is constant (possibly read-only strided views into the
+            memory-mapped trace file), else [N] in record order.
+        unit_rows: int64 indices of records whose weights are all zero in the source (read as 1.0), or None.
+        mapped: expert/weight are views into a memory-mapped file; building the first per-entry column copies
+            them out first (:meth:`own`), so the mapping is released.
+        position: int32 [R], or a callable returning it (computed on first use, then cached).
+        window: int32 [R] verify-window id of every record (-1: outside every window), or None when the trace
+            delimits no windows (see :attr:`TraceTable.window`).
+    """
+
+    layer: np.ndarray
+    k: Any
+    request: np.ndarray
+    phase: np.ndarray
+    expert: np.ndarray
+    weight: np.ndarray
+    position: Any
+    unit_rows: np.ndarray | None = None
+    mapped: bool = False  # expert/weight are views into a memory-mapped file
+    mapping: Any = None   # that mmap.mmap (for releasing copied pages early)
+    window: np.ndarray | None = None  # int32 [R] verify-window id per record, -1 outside; None: no windows
+
+    def __len__(self) -> int:
+        return int(len(self.layer))
+
+    @property
+    def constant_k(self) -> bool:
+        """True when every record has the same number of entries (``k`` is an int, not an int array [R])."""
+        return isinstance(self.k, (int, np.integer))
+
+    @property
+    def n_entries(self) -> int:
+        """Number of (token, layer, rank) entries N: R*k, or the sum of the per-record k."""
+        return int(len(self.layer) * int(self.k)) if self.constant_k else int(len(self.expert))
+
+    def ks(self) -> np.ndarray:
+        """Entries per record, int64 [R]."""
+        if self.constant_k:
+            return np.full(len(self.layer), int(self.k), np.int64)
+        return np.asarray(self.k, np.int64)
+
+    def starts(self) -> np.ndarray:
+        """First entry row of every record, int64 [R]."""
+        if self.constant_k:
+            return np.arange(len(self.layer), dtype=np.int64) * int(self.k)
+        return np.r_[0, np.cumsum(np.asarray(self.k, np.int64))[:-1]].astype(np.int64) if len(self.layer) else \
+            np.zeros(0, np.int64)
+
+    def rec_position(self) -> np.ndarray:
+        """Token position of every record, int32 [R] (computed on first use when it was given lazily)."""
+        if callable(self.position):
+            self.position = np.asarray(self.position(), np.int32)
+        return self.position
+
+    def per_entry(self, a: np.ndarray, dtype) -> np.ndarray:
+        """A per-record array [R] repeated k times per record -> [N] (a broadcast view when constant)."""
+        n = self.n_entries
+        if len(a) == 0 or (a.strides == (0,)) or bool((a == a[0]).all()):
+            return np.broadcast_to(np.asarray(a[0] if len(a) else 0, dtype=dtype), (n,))
+        if self.constant_k:
+            k = int(self.k)
+            return np.broadcast_to(a.astype(dtype, copy=False)[:, None], (len(a), k)).reshape(-1)
+        return np.repeat(a.astype(dtype, copy=False), self.k)
+
+    def own(self) -> None:
+        """Copy ids and weights out of the mapped file (unit weights applied), so the mapping is released once
+        nothing else refers to it. Done before the first column is built: a consumer of per-entry columns
+        then holds the copies instead of copies plus the mapped pages (peak < 2x the file)."""
+        R = len(self.layer)
+        e = np.empty(self.expert.shape, np.int32)
+        w = np.empty(self.weight.shape, np.float32)
+        mm = self.mapping
+        row_bytes = self.expert.strides[0] if self.expert.ndim == 2 else 0
+        step = 1 << 20
+        for a in range(0, R, step):  # chunks, dropping the copied pages from this process as it goes
+            b = min(R, a + step)
+            e[a:b] = self.expert[a:b]
+            w[a:b] = self.weight[a:b]
+            if mm is not None and row_bytes and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                lo = a * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+                if b * row_bytes > lo:
+                    mm.madvise(mmap.MADV_DONTNEED, lo, b * row_bytes - lo)  # file pages stay in the page cache
+        self.expert = e
+        if self.unit_rows is not None and len(self.unit_rows):
+            w.reshape(R, -1)[self.unit_rows] = 1.0
+        self.weight, self.unit_rows, self.mapping = w, None, None
+
+    def column(self, name: str) -> np.ndarray:
+        """Materialise one per-entry column (a new array, or a broadcast view for constant columns)."""
+        with no_hugepages():
+            if self.mapped:
+                self.own()
+                self.mapped = False
+            return self._column(name)
+
+    def _column(self, name: str) -> np.ndarray:
+        R = len(self.layer)
+        if name == "layer":
+            return self.per_entry(self.layer, np.int16)
+        if name in ("request", "phase"):
+            return self.per_entry(getattr(self, name), COLUMNS[name])
+        if name == "position":
+            return self.per_entry(self.rec_position(), np.int32)
+        if name == "window":
+            return self.per_entry(np.asarray(self.window), np.int32)
+        if name == "rank":
+            if self.constant_k:
+                return np.tile(np.arange(int(self.k), dtype=np.int16), R)
+            ks = np.asarray(self.k, np.int64)
+            n = self.n_entries
+            rank = np.ones(n, np.int16)
+            if n:
+                rank[0] = 0
+                rank[np.cumsum(ks)[:-1]] = (1 - ks[:-1]).astype(np.int16)
+                np.cumsum(rank, dtype=np.int16, out=rank)
+            return rank
+        if name == "expert":
+            return np.ascontiguousarray(self.expert, dtype=np.int32).reshape(-1)
+        if name == "weight":
+            w = np.ascontiguousarray(self.weight, dtype=np.float32)
+            if self.unit_rows is not None and len(self.unit_rows):
+                if np.may_share_memory(w, self.weight):
+                    w = w.copy()
+                w.reshape(R, -1)[self.unit_rows] = 1.0
+            return w.reshape(-1)
+        raise KeyError(name)
+
+
+class TraceTable:
+    """A routing trace as columns of equal length N.
+
+    ``TraceTable(request, position, phase, layer, rank, expert, weight, meta)`` builds one from per-entry
+    columns. Readers may instead give the compact per-record form (``TraceTable.from_records``; the Strata
+    reader does): each column is then derived on first attribute access and cached, so every consumer sees the
+    same columns either way, while consumers that know the compact form (:func:`stratatools.profiles.ranking.count_pairs`,
+    :func:`trace_stats`, the Strata writer) use ``table.records`` directly without building the columns.
+
+    Columns that are constant over the whole trace (e.g. ``request`` and ``phase`` of a plain Strata trace) may
+    be zero-memory read-only broadcast views (``np.broadcast_to``), and the columns derived from the compact form
+    are read-only: copy a column before writing into it. A table read from a plain Strata trace maps the file
+    (read-only): replacing the file (rename) is safe, truncating it in place while the table is alive is not.
+
+    Verify windows (not one of COLUMNS): ``window`` is an int32 [N] array giving every entry the verify window
+    it belongs to (ids are only compared for equality; -1 = outside every window), or None when the trace delimits
+    no windows (plain traces, CSV/Parquet without a window column, tagged traces without commit records). The
+    tagged Strata reader derives it from commit records (see :mod:`stratatools.traces.formats.strata`); the
+    replay makes one round per window where it is set (:func:`stratatools.cachesim.replay.prepare_entries`).
+    ``TraceTable(..., window=w)`` gives it to a column-built table; ``take``/``concat`` keep it.
+
+    Attributes:
+        request, position, phase, layer, rank, expert, weight: numpy arrays [N] with the dtypes of COLUMNS.
+        window: int32 [N] or None (above); ``has_windows`` tells without building it.
+        records: the compact per-record form (:class:`Records`) when the reader gave one, else None.
+        meta: source format (``source_format``), ``source_sha256``, ``n_layers``/``n_expert`` when known,
+            counts of skipped records, anything a reader wants to keep.
+    """
+
+    __slots__ = ("_cols", "records", "meta", "_n", "_window")
+
+    def __init__(self, request, position, phase, layer, rank, expert, weight, meta: dict[str, Any] | None = None,
+                 window=None):
+        n = len(expert)
+        cols = {}
+        for name, a in zip(COLUMNS, (request, position, phase, layer, rank, expert, weight)):
+            dt = COLUMNS[name]
+            a = np.asarray(a)
+            if a.dtype != dt:
+                a = a.astype(dt)
+            if a.shape != (n,):
+                raise ValueError(f"column {name} has shape {a.shape}, expected ({n},)")
+            cols[name] = a
+        self._cols = cols
+        self.records = None
+        self._n = n
+        self.meta = dict(meta) if meta is not None else {}
+        self._window = None
+        self.window = window
+
+    @classmethod
+    def from_records(cls, records: Records, meta: dict[str, Any] | None = None) -> "TraceTable":
+        """A table over the compact per-record form; columns are derived lazily (see the class docstring)."""
+        t = cls.__new__(cls)
+        t._cols = {}
+        t.records = records
+        t._n = records.n_entries
+        t.meta = dict(meta) if meta is not None else {}
+        t._window = None
+        return t
+
+    def _get(self, name: str) -> np.ndarray:
+        a = self._cols.get(name)
+        if a is None:
+            a = self.records.column(name)
+            if a.flags.writeable:
+                a.flags.writeable = False
+            self._cols[name] = a
+        return a
+
+    def _set(self, name: str, value) -> None:
+        a = np.asarray(value)
+        if a.dtype != COLUMNS[name]:
+            a = a.astype(COLUMNS[name])
+        if a.shape != (self._n,):
+            raise ValueError(f"column {name} has shape {a.shape}, expected ({self._n},)")
+        if self.records is not None:  # the compact form no longer describes the table: keep columns only
+            for k in COLUMNS:
+                self._get(k)
+            self._window = self.window
+            self.records = None
+        self._cols[name] = a
+
+    @property
+    def has_windows(self) -> bool:
+        """True when the table carries verify windows (``window`` is not None); builds no column."""
+        if self._window is not None:
+            return True
+        return self.records is not None and self.records.window is not None
+
+    @property
+    def window(self) -> np.ndarray | None:
+        """Verify window of every entry, int32 [N] (-1 outside every window), or None (class docstring)."""
+        if self._window is None and self.records is not None and self.records.window is not None:
+            a = self.records.column("window")
+            if a.flags.writeable:
+                a.flags.writeable = False
+            self._window = a
+        return self._window
+
+    @window.setter
+    def window(self, value) -> None:
+        if value is None:
+            self._window = None
+            if self.records is not None:
+                self.records.window = None
+            return
+        a = np.asarray(value)
+        if a.dtype != np.int32:
+            a = a.astype(np.int32)
+        if a.shape != (self._n,):
+            raise ValueError(f"column window has shape {a.shape}, expected ({self._n},)")
+        if self.records is not None:  # per-entry windows need not follow records: keep columns only
+            for k in COLUMNS:
+                self._get(k)
+            self.records = None
+        self._window = a
+
+    request = property(lambda self: self._get("request"), lambda self, v: self._set("request", v))
+    position = property(lambda self: self._get("position"), lambda self, v: self._set("position", v))
+    phase = property(lambda self: self._get("phase"), lambda self, v: self._set("phase", v))
+    layer = property(lambda self: self._get("layer"), lambda self, v: self._set("layer", v))
+    rank = property(lambda self: self._get("rank"), lambda self, v: self._set("rank", v))
+    expert = property(lambda self: self._get("expert"), lambda self, v: self._set("expert", v))
+    weight = property(lambda self: self._get("weight"), lambda self, v: self._set("weight", v))
+
+    def __len__(self) -> int:
+        return int(self._n)
+
+    def __repr__(self) -> str:
+        form = "records" if self.records is not None else "columns"
+        return f"TraceTable({self._n} entries, {form}, source_format={self.meta.get('source_format')!r})"
+
+    @classmethod
+    def empty(cls, **meta: Any) -> "TraceTable":
+        """A table with no entries (every column length 0) and the given metadata."""
+        return cls(**{k: np.zeros(0, dt) for k, dt in COLUMNS.items()}, meta=dict(meta))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The columns by name (trace.COLUMNS order), each [N]."""
+        return {k: getattr(self, k) for k in COLUMNS}
+
+    def take(self, mask_or_index: np.ndarray) -> "TraceTable":
+        """Rows selected by a boolean mask or an index array; meta and windows are kept."""
+        w = self.window
+        return TraceTable(**{k: v[mask_or_index] for k, v in self.columns().items()}, meta=dict(self.meta),
+                          window=None if w is None else w[mask_or_index])
+
+    @classmethod
+    def concat(cls, tables: list["TraceTable"]) -> "TraceTable":
+        """Tables one after another; meta of the first. Windows are kept when any table has them: each table's
+        window ids are shifted past the previous tables' so windows of different tables never merge, and a
+        table without windows gets -1 (rounds by position)."""
+        if not tables:
+            return cls.empty()
+        cols = {k: np.concatenate([getattr(t, k) for t in tables]) for k in COLUMNS}
+        window = None
+        if any(t.has_windows for t in tables):
+            parts, base = [], 0
+            for t in tables:
+                w = t.window
+                if w is None:
+                    parts.append(np.full(len(t), -1, np.int32))
+                    continue
+                w = w.astype(np.int64)
+                parts.append(np.where(w >= 0, w + base, -1))
+                if len(w):
+                    base += max(int(w.max()) + 1, 0)
+            window = np.concatenate(parts).astype(np.int32)
+        return cls(**cols, meta=dict(tables[0].meta), window=window)
+
+
+@contextmanager
+def no_hugepages():
+    """Turn off numpy's transparent-huge-page advice for arrays allocated inside the block, then restore it.
+
+    numpy madvises every large array for huge pages; first-touching gigabytes of them on a busy machine costs
+    far more kernel time in page compaction than the parsing itself (1e8 entries: 3.9 s vs 1.2 s system time
+    measured here), so the trace reader and counter allocate without it.
+    """
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:  # numpy < 2
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage  # type: ignore[no-redef]
+        except ImportError:
+            yield
+            return
+    prev = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(prev)
+
+
+def record_bounds(table: TraceTable) -> np.ndarray:
+    """Start row of every record (rank 0, or a change of request/position/layer/phase). int64 [n_records]."""
+    n = len(table)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    if table.records is not None:  # the reader's records, without building the columns
+        return table.records.starts()
+    new = table.rank == 0
+    new = np.array(new, dtype=bool, copy=True)
+    new[0] = True
+    for col in ("request", "position", "layer", "phase"):
+        a = getattr(table, col)
+        if a.strides == (0,):
+            continue
+        new[1:] |= a[1:] != a[:-1]
+    return np.flatnonzero(new)
+
+
+@dataclass
+class LayerStats:
+    """Routing statistics of one layer.
+
+    Attributes:
+        layer: layer index.
+        entries: routed entries of the layer.
+        distinct_experts: experts routed at least once.
+        concentration: share of the layer's entries taken by its top 10% experts (ceil(0.1 * E) experts, E the
+            model's expert count when known, else the largest id + 1).
+        entropy_bits: Shannon entropy of the layer's expert distribution, bits (log2 E for uniform routing).
+    """
+
+    layer: int
+    entries: int
+    distinct_experts: int
+    concentration: float
+    entropy_bits: float
+
+
+@dataclass
+class TraceStats:
+    """What ``stratatools trace stats`` reports.
+
+    Attributes:
+        entries: routed entries; records: (token, layer) records; tokens: distinct (request, position) pairs.
+        requests: distinct request ids. layers: distinct layers (count); layer_min/layer_max.
+        k_min/k_max: entries per record (k). n_expert: the expert count used for concentration.
+        phases: entries per phase name. concentration: share of all entries taken by the top 10% of the
+        (layer, expert) pairs. per_layer: :class:`LayerStats` per layer, ascending.
+        meta: the trace's metadata (source format, sha256, ...).
+        windows: verify windows the trace delimits (0 when it carries none); outside_windows: records outside
+            every window in a trace that has windows. rounds: what a replay round is for this trace
+            (:func:`rounds_kind`): ``positions``, ``windows`` or ``windows+positions``.
+    """
+
+    entries: int
+    records: int
+    tokens: int
+    requests: int
+    layers: int
+    layer_min: int | None
+    layer_max: int | None
+    k_min: int
+    k_max: int
+    n_expert: int
+    phases: dict[str, int]
+    concentration: float
+    mean_entropy_bits: float
+    per_layer: list[LayerStats]
+    meta: dict[str, Any]
+    windows: int = 0
+    outside_windows: int = 0
+    rounds: str = "positions"
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["meta"] = {k: v for k, v in self.meta.items() if k != "request_names"}
+        return d
+
+
+def rounds_kind(window_ids: np.ndarray | None) -> str:
+    """What one replay round is, given per-record (or per-entry) window ids (None: the trace has no windows):
+    ``positions`` (one decode position; no windows), ``windows`` (every record is in a verify window) or
+    ``windows+positions`` (windows, and one round per position for the records outside them)."""
+    if window_ids is None:
+        return "positions"
+    w = np.asarray(window_ids)
+    if len(w) == 0 or not (w >= 0).any():
+        return "positions"
+    return "windows" if bool((w >= 0).all()) else "windows+positions"
+
+
+def _top_share(counts: np.ndarray, n_slots: int) -> float:
+    tot = counts.sum()
+    if tot <= 0:
+        return 0.0
+    top = max(1, int(np.ceil(0.1 * n_slots)))
+    part = np.sort(counts)[::-1][:top]
+    return float(part.sum() / tot)
+
+
+def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
+    """Summarise a trace: tokens, layers, k, distinct experts, concentration (top 10%) and entropy per layer.
+
+    Args:
+        table: the trace.
+        n_expert: experts per layer for the concentration denominator; default ``meta["n_expert"]`` or the
+            largest expert id + 1.
+    Returns:
+        a :class:`TraceStats`. Memory: a few int64 temporaries of the table's length.
+    """
+    n = len(table)
+    if n_expert is None:
+        n_expert = table.meta.get("n_expert")
+    rec = table.records if (table.records is not None and table.records.constant_k) else None
+    # compact form: layers per record, ids [R, k]; else the columns (both read in chunks of ~8M entries)
+    lay_src, ids_src = (rec.layer, rec.expert) if rec is not None else (table.layer, table.expert)
+    emax = int(ids_src.max()) if n else -1
+    E = int(n_expert) if n_expert else emax + 1
+    E = max(E, emax + 1)
+    lmin = int(lay_src.min()) if n else None
+    lmax = int(lay_src.max()) if n else None
+    nl = (lmax - lmin + 1) if n else 0
+    counts = np.zeros(nl * E, np.int64)
+    step = (1 << 23) // (int(rec.k) if rec is not None else 1)
+    for a in range(0, len(lay_src) if n else 0, step):  # chunked: int64 temporaries stay small
+        b = min(len(lay_src), a + step)
+        lay = lay_src[a:b].astype(np.int64) - lmin
+        flat = lay[:, None] * E + ids_src[a:b] if rec is not None else lay * E + ids_src[a:b]
+        counts += np.bincount(flat.reshape(-1), minlength=nl * E)
+    counts = counts.reshape(nl, E)
+    per: list[LayerStats] = []
+    for i in range(nl):
+        c = counts[i]
+        tot = int(c.sum())
+        if tot == 0:
+            continue
+        p = c[c > 0] / tot
+        per.append(LayerStats(layer=i + (lmin or 0), entries=tot, distinct_experts=int((c > 0).sum()),
+                              concentration=_top_share(c, E), entropy_bits=float(-(p * np.log2(p)).sum())))
+    if table.records is not None:
+        r = table.records
+        starts = r.starts()
+        ks = r.ks()
+        req, pos, rph = np.asarray(r.request), r.rec_position(), np.asarray(r.phase)
+        ph = np.bincount(rph.astype(np.int64).clip(0, 2), weights=ks, minlength=3).astype(np.int64) if n \
+            else np.zeros(3, int)
+    else:
+        starts = record_bounds(table)
+        ks = np.diff(np.r_[starts, n])
+        req = np.asarray(table.request)[starts]
+        pos = np.asarray(table.position)[starts]
+        ph = np.bincount(np.asarray(table.phase).astype(np.int64).clip(0, 2), minlength=3) if n else np.zeros(3, int)
+    tokens = len(np.unique(req.astype(np.int64) * (1 << 32) + (pos.astype(np.int64) & 0xFFFFFFFF))) if n else 0
+    phases = {PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]}
+    if table.records is not None:
+        rwin = None if table.records.window is None else np.asarray(table.records.window)
+    else:
+        rwin = None if table.window is None else np.asarray(table.window)[starts]
+    if rwin is not None and n:
+        inw = rwin >= 0
+        key = np.asarray(req, np.int64)[inw] * (1 << 32) + rwin[inw].astype(np.int64)  # (request, window)
+        n_windows = int(len(np.unique(key)))
+        outside = int((~inw).sum()) if n_windows else 0
+    else:
+        n_windows = outside = 0
+    return TraceStats(entries=n, records=len(starts), tokens=tokens, requests=len(np.unique(req)) if n else 0,
+                      layers=len(per), layer_min=lmin, layer_max=lmax, k_min=int(ks.min()) if n else 0,
+                      k_max=int(ks.max()) if n else 0, n_expert=E, phases=phases,
+                      concentration=_top_share(counts.ravel(), counts.size) if n else 0.0,
+                      mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
+                      per_layer=per, meta=dict(table.meta), windows=n_windows, outside_windows=outside,
+                      rounds=rounds_kind(rwin if n else None))
