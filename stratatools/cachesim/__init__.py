@@ -25,6 +25,8 @@ Batch API (the simulator; compiled kernels, tested equal to the online objects):
 
 Higher level: :func:`stratatools.cachesim.replay.simulate` (profiles x policies x budgets),
 :func:`stratatools.cachesim.kfold.kfold_eval` (held-out by request).
+
+May import: :mod:`stratatools.core`, :mod:`stratatools.model`, :mod:`stratatools.pack`, :mod:`stratatools.profiles`, :mod:`stratatools.traces`.
 """
 
 from __future__ import annotations

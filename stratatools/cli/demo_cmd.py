@@ -8,6 +8,8 @@ import typer
 
 from stratatools.cli.common import STATE, console, err_console
 
+_APP: typer.Typer | None = None  # the app ``register`` added the command to
+
 
 def demo_cmd(
     out: Path = typer.Argument(Path("demo-out"), help="Output folder (index.md links everything)."),
@@ -26,9 +28,9 @@ def demo_cmd(
         mark = "[green]ok[/]" if ok else "[bold red]UNEXPECTED[/]"
         err_console.print(f"{mark} {st.title}  [dim](exit {st.code}, {st.seconds:.1f} s)[/]")
 
-    from stratatools.cli import run_text
+    from stratatools.cli.entry import run_text
 
-    res = run_demo(out, run_text, force=force, progress=progress)
+    res = run_demo(out, lambda argv: run_text(_APP, argv), force=force, progress=progress)
     console.print(f"demo: {len(res.steps)} steps in {res.seconds:.1f} s -> {res.out / 'index.md'}")
     if not res.ok:
         bad = [s.title for s in res.steps if s.code != s.expect]
@@ -37,5 +39,7 @@ def demo_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``demo`` to ``app``."""
+    """Add ``demo`` to ``app``; the demo's steps run through that same app, in-process."""
+    global _APP
+    _APP = app
     app.command("demo")(demo_cmd)

@@ -1,5 +1,6 @@
 """Release checks: the named checks of ``validate-release``, their runner and its console/JSON/JUnit/markdown
 outputs.
 
-May import: every library package (core, model, pack, alloc, profiles, traces, cachesim); not cli, demo, runtime.
+May import: :mod:`stratatools.core`, :mod:`stratatools.model`, :mod:`stratatools.pack`, :mod:`stratatools.alloc`, :mod:`stratatools.profiles`, :mod:`stratatools.traces`,
+:mod:`stratatools.cachesim`.
 """

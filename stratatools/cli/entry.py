@@ -1,0 +1,70 @@
+"""Running a typer app as the ``stratatools`` command: error handling (one line, exit 2) and the in-process
+runner used by the demo and the tests. Takes the app as an argument, so the command modules (``demo``
+runs the CLI step by step) need not import :mod:`stratatools.cli` itself (no import circle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+import typer
+
+from stratatools.core.errors import StrataError
+from stratatools.cli import common
+
+
+def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
+    """Run ``app`` on ``argv`` (default: ``sys.argv[1:]``), turning a :class:`StrataError` into one line on
+    stderr and its exit code (2), an OSError into one line and exit 2, Ctrl-C into exit 130. ``--debug`` or
+    ``$STRATATOOLS_DEBUG`` re-raises instead (tracebacks). Exits through :class:`SystemExit`."""
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        app(args=argv, prog_name="stratatools", standalone_mode=True)
+    except StrataError as e:
+        if debug or os.environ.get("STRATATOOLS_DEBUG"):
+            raise
+        common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except OSError as e:  # disk full, permission denied, ...: the system's word, one line, not a traceback
+        if debug or os.environ.get("STRATATOOLS_DEBUG"):
+            raise
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        common.err_console.print(f"error: {where}{e.strerror or e} (check the path, free space and permissions)",
+                                 markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        common.err_console.print("interrupted", markup=False)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+
+
+def run_captured(app: typer.Typer, argv: list[str], out, err=None, width: int | None = None) -> int:
+    """Run ``stratatools argv`` (the commands of ``app``) in-process with stdout, stderr and both rich
+    consoles writing to the text streams ``out`` and ``err`` (``err`` defaults to ``out``); ``width`` fixes
+    the consoles' width. Returns the exit code."""
+    err = out if err is None else err
+    saved = (common.console.file, common.err_console.file, common.console.width, common.err_console.width)
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        common.console.file, common.err_console.file = out, err
+        if width is not None:
+            common.console.width = common.err_console.width = width
+        try:
+            invoke(app, [str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            common.console.file, common.err_console.file = saved[0], saved[1]
+            common.console.width, common.err_console.width = saved[2], saved[3]
+    return code
+
+
+def run_text(app: typer.Typer, argv: list[str], width: int = 120) -> tuple[int, str]:
+    """Run ``stratatools argv`` in-process; return (exit code, combined stdout+stderr text)."""
+    buf = io.StringIO()
+    code = run_captured(app, argv, buf, width=width)
+    return code, buf.getvalue()
