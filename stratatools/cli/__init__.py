@@ -23,8 +23,18 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from stratatools.core.version import __version__
+
+        common.console.print(f"stratatools {__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print 'stratatools X.Y.Z' and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or notes on stderr."),
 ) -> None:
