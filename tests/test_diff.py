@@ -60,7 +60,7 @@ def test_cli_markdown_json_and_exit_codes(cli, revs, tmp_path):
     assert d["verdict"] == "tolerable" and d["still_same"] == 42 and abs(d["stale_fraction"] - 86 / 128) < 1e-6
     assert d["per_layer_changed"]["0"] == 14 and d["slots_per_layer"] == default_slots_per_layer(16) == 2
     rep = tmp_path / "r.md"
-    code, out, _ = cli("profile-diff", prof, "--old-alloc", ra, "--new-alloc", rb, "--report", rep, "-k", "3")
+    code, out, _ = cli("profile-diff", prof, "--old-alloc", ra, "--new-alloc", rb, "--markdown", rep, "-k", "3")
     assert code == 1 and rep.read_text() == out and "Top-3 per layer" in out
     code, _, err = cli("profile-diff", prof, "--old-alloc", ra)
     assert code == 2 and "--new-alloc" in err

@@ -20,7 +20,7 @@ def test_stale_profile_on_revB_exits_1_and_names_the_check(kit, cli, tmp_path):
     p = kit / "pruned"
     junit = tmp_path / "r.xml"
     code, out, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--alloc", p / "coder-revB.rco-allocation.txt",
-                         "--profile", p / "profile-revA.bin", "--junit", junit, "--json", tmp_path / "r.json")
+                         "--profile", p / "profile-revA.bin", "--junit", junit, "--json-out", tmp_path / "r.json")
     assert code == 1, err
     assert "profile-stale" in out and "kit-coder@revA" in out
     xml = junitparser.JUnitXml.fromfile(str(junit))
@@ -147,7 +147,7 @@ def test_report_outputs_never_overwrite_inputs_and_need_force(kit, tmp_path, cli
     shutil.copy(p / "coder-revB.rco-allocation.txt", alloc)
     before = alloc.read_bytes()
     base = ("validate-release", "--model", p / "coder-revB.gguf", "--alloc", alloc)
-    for opt in ("--json", "--junit", "--markdown"):
+    for opt in ("--json-out", "--junit", "--markdown"):
         code, _, err = cli(*base, opt, alloc, "--force")
         assert code == 2 and "overwrite the input" in err and "Traceback" not in err, (opt, err)
         assert alloc.read_bytes() == before
@@ -231,7 +231,7 @@ def test_reports_on_stdout_and_gate_hint(kit, cli, tmp_path):
     assert not (tmp_path / "-").exists()
     code, out, err = cli(*base, "--markdown", "-")
     assert code == 1 and out.startswith("# validate-release") and "`profile-stale` | **FAIL**" in out
-    code, _, err = cli(*base, "--junit", "-", "--json", "-")
+    code, _, err = cli(*base, "--junit", "-", "--json")
     assert code == 2 and "stdout" in err
     code, _, err = cli(*base, "-t", p / "coder-revB.routing.csv")
     assert code == 1 and "--min-hit-rate" in err

@@ -121,7 +121,7 @@ class VerifyResult:
                               f"ambiguous; the routers do not determine the map")
         if not all(x.ascending for x in self.layers):
             raise StrataError(f"{self.pruned}: survivors are not stored in ascending original index; a survivor map "
-                              f"(formats.md section 6) cannot describe this model")
+                              f"(docs/formats.md, 'ISTA-DASLab *.rco-allocation.txt') cannot describe this model")
         return SurvivorMap(self.n_reference, [x.match.copy() for x in self.layers], source=f"routers of {self.pruned}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -118,15 +118,21 @@ def export_cmd(
     what: str = typer.Option("map", "--table", help="map (layer, new_index, original_index, types) or entries "
                                                     "(every Section 2 line)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on stdout (what was written)."),
 ) -> None:
     """Export the survivor map or the per-expert entries to CSV, Parquet or JSON."""
-    from stratatools.alloc.allocation import export_allocation, read_allocation
+    from stratatools.alloc.allocation import export_allocation, export_frame, read_allocation
     from stratatools.core.fsutil import guard_output
 
     guard_output(out, [alloc], force)
     a = read_allocation(alloc)
-    export_allocation(a, out, fmt, what)
-    common.note(f"wrote {out}")
+    written = export_allocation(a, out, fmt, what)
+    if as_json:
+        common.emit_json({"source": str(alloc), "out": str(written), "table": what,
+                          "format": (fmt or written.suffix.lstrip(".")).lower(), "rows": len(export_frame(a, what)),
+                          "bytes": written.stat().st_size})
+    else:
+        common.note(f"wrote {out}")
 
 
 @alloc_app.command("verify")

@@ -14,6 +14,7 @@ _APP: typer.Typer | None = None  # the app ``register`` added the command to
 def demo_cmd(
     out: Path = typer.Argument(Path("demo-out"), help="Output folder (index.md links everything)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing demo folder."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on stdout: the steps, their exit codes and times."),
 ) -> None:
     """Run the whole story on a synthetic release: pack, stale profile caught, remap, rebuild from runtime
     traces, simulate stale vs remapped vs rebuilt, validate-release red then green."""
@@ -31,6 +32,16 @@ def demo_cmd(
     from stratatools.cli.entry import run_text
 
     res = run_demo(out, lambda argv: run_text(_APP, argv), force=force, progress=progress)
+    if as_json:
+        from stratatools.cli.common import emit_json
+
+        emit_json({"ok": res.ok, "out": str(res.out), "index": str(res.out / "index.md"),
+                   "seconds": round(res.seconds, 3),
+                   "steps": [{"title": st.title, "exit_code": st.code, "expected": st.expect,
+                              "seconds": round(st.seconds, 3)} for st in res.steps]})
+        if not res.ok:
+            raise typer.Exit(1)
+        return
     console.print(f"demo: {len(res.steps)} steps in {res.seconds:.1f} s -> {res.out / 'index.md'}")
     if not res.ok:
         bad = [s.title for s in res.steps if s.code != s.expect]

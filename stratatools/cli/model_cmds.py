@@ -102,7 +102,7 @@ def pack_cmd(
                                 help="Hash the model again even when the digest cache has its sha256."),
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
-    """Write Strata's native pack (formats.md section 5) for a MoE GGUF."""
+    """Write Strata's native pack for a MoE GGUF (docs/formats.md, 'The native pack')."""
     with common.progress_bar("packing experts", None) as bar:
         def start(total: int) -> None:
             if total:

@@ -128,21 +128,21 @@ def diff_cmd(
     max_stale: float = typer.Option(0.0, "--max-stale", min=0.0, max=1.0,
                                     help="Largest stale fraction that still passes (exit 1 beyond it)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout instead of markdown."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Also write the markdown report to this file."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --report file."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the markdown report to FILE."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --markdown file."),
 ) -> None:
     """Is a profile stale? Against a re-release (--old-alloc/--new-alloc) or against another profile."""
     from stratatools.core.fsutil import guard_output, write_text_atomic
     from stratatools.profiles.diff import diff_files
 
     inputs = [p for p in (profile, other, old_alloc, new_alloc) if p is not None]
-    if report is not None:
-        guard_output(report, inputs, force)
+    if markdown is not None:
+        guard_output(markdown, inputs, force)
     res = diff_files(profile, other, old_alloc=old_alloc, new_alloc=new_alloc, slots_per_layer=slots_per_layer,
                      max_stale=max_stale)
     md = res.to_markdown()
-    if report is not None:
-        write_text_atomic(report, md)
+    if markdown is not None:
+        write_text_atomic(markdown, md)
     if as_json:
         common.emit_json(res.to_dict())
     else:

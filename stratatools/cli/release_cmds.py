@@ -29,12 +29,13 @@ def validate_release_cmd(
     min_hit_rate: Optional[float] = typer.Option(None, "--min-hit-rate", help="Gate: profile h_expert on the traces (0..1)."),
     slots: Optional[int] = typer.Option(None, "--slots", help="Slots for the gate (default: 39/256 of the experts per layer)."),
     budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget for the gate instead of slots."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of the table."),
+    json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE."),
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check; '-' = stdout)."),
-    json_file: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON to FILE ('-' = stdout)."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary ('-' = stdout)."),
     registry: Optional[Path] = typer.Option(None, "--registry", help="Release registry TOML (default: "
-                                            "$STRATATOOLS_REGISTRY, else the repository's allocations/releases.toml)."),
-    force: bool = typer.Option(False, "--force", help="Replace existing --junit/--json/--markdown files."),
+                                            "$STRATATOOLS_REGISTRY, else the packaged allocations/releases.toml)."),
+    force: bool = typer.Option(False, "--force", help="Replace existing --json-out/--junit/--markdown files."),
 ) -> None:
     """Validate a release: shards, geometry, allocation, survivor map, profile (stale?), pack, hit-rate gate.
 
@@ -45,37 +46,37 @@ def validate_release_cmd(
     inp = resolve_inputs(release_dir, model=model, alloc=alloc, profile=profile, pack=pack, traces=traces,
                          full=full, previous=previous, previous_alloc=previous_alloc)
     check_gate_options(min_hit_rate, slots, budget_gib)
-    stdout_reports = [k for k, v in (("junit", junit), ("json", json_file), ("markdown", markdown))
-                      if v is not None and str(v) == "-"]
+    if json_out is not None and str(json_out) == "-":
+        from stratatools.core.errors import StrataError
+
+        raise StrataError("--json-out -: to print JSON on stdout use --json; --json-out takes a file path")
+    stdout_reports = (["json"] if as_json else []) + [k for k, v in (("junit", junit), ("markdown", markdown))
+                                                      if v is not None and str(v) == "-"]
     if len(stdout_reports) > 1:
         from stratatools.core.errors import StrataError
 
-        raise StrataError(f"--{' and --'.join(stdout_reports)} both name stdout ('-'); send at most one report there")
+        named = [("--json" if k == "json" else f"--{k} -") for k in stdout_reports]
+        raise StrataError(f"{' and '.join(named)} all print on stdout; send at most one report there")
     if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
         warn("--traces, --slots and --budget-gib only serve the hit-rate gate; add --min-hit-rate X to run it")
-    _guard_reports(inp, registry, force, junit=junit, json=json_file, markdown=markdown)
+    _guard_reports(inp, registry, force, junit=junit, json_out=json_out, markdown=markdown)
     suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib, registry=registry)
     if junit is not None and str(junit) != "-":
         write_text_atomic(junit, suite.to_junit())
     if markdown is not None and str(markdown) != "-":
         write_text_atomic(markdown, suite.to_markdown())
-    if stdout_reports:
+    if json_out is not None:
+        import json
+
+        write_text_atomic(json_out, json.dumps(suite.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+    if stdout_reports == ["json"]:
+        emit_json(suite.to_dict())
+    elif stdout_reports:
         import sys
 
-        if stdout_reports[0] == "json":
-            emit_json(suite.to_dict())
-        else:
-            sys.stdout.write(suite.to_junit() if stdout_reports[0] == "junit" else suite.to_markdown())
-            sys.stdout.flush()
-        if json_file is not None and str(json_file) != "-":
-            import json
-
-            write_text_atomic(json_file, json.dumps(suite.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        sys.stdout.write(suite.to_junit() if stdout_reports[0] == "junit" else suite.to_markdown())
+        sys.stdout.flush()
     else:
-        if json_file is not None:
-            import json
-
-            write_text_atomic(json_file, json.dumps(suite.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
         t = Table(title=f"validate-release: {inp.model.name}", show_lines=False)
         t.add_column("check")
         t.add_column("status")
@@ -110,7 +111,8 @@ def _guard_reports(inp, registry: Optional[Path], force: bool, **outs: Optional[
     for k, v in given.items():
         r = v.resolve()
         if r in seen:
-            raise StrataError(f"{v}: --{seen[r]} and --{k} name the same file; give each report its own path", v)
+            raise StrataError(f"{v}: --{seen[r].replace('_', '-')} and --{k.replace('_', '-')} name the same file; "
+                              "give each report its own path", v)
         seen[r] = k
         guard_output(v, inputs, force)
 

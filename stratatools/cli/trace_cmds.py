@@ -124,7 +124,7 @@ def pack_geometry(pack_dir: Path) -> tuple[int, int]:
 
     Uses ``stratatools.pack.native.read_pack`` when that module exists; otherwise parses ``native_experts.txt``
     minimally: E from ``(n_expert <E>`` in a comment line (as Strata's ``expert_layout_load``), layers = the
-    number of table lines (formats.md section 5).
+    number of table lines (docs/formats.md, 'The native pack').
 
     Raises:
         StrataError: no table, no ``n_expert``, no layer lines.

@@ -129,7 +129,7 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
       story="As Strata's shipped Coder profile was built: the full ranking mapped onto the survivors, "
             "unranked survivors appended layer-major.")
     s("Revision B ships: is the profile stale?", ["profile-diff", P / "shipped-revA.bin", "--old-alloc", allocA,
-      "--new-alloc", allocB, "--report", REP / "profile-diff.md"], expect=1,
+      "--new-alloc", allocB, "--markdown", REP / "profile-diff.md"], expect=1,
       story="The engine would load this profile without a word (same shape). stratatools says it is stale "
             "and exits 1.")
     s("Fix it: remap through original indices", ["remap-profile", P / "shipped-revA.bin", "--from-alloc", allocA,

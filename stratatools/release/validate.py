@@ -516,6 +516,11 @@ def resolve_inputs(release_dir: str | os.PathLike | None, *, model=None, alloc=N
     if release_dir is not None and model is None:
         inp = discover(release_dir)
     else:
+        if release_dir is not None and not Path(release_dir).is_dir():
+            # e.g. the old ``--json FILE`` form, whose FILE now lands here: never ignore a stray argument
+            raise StrataError(f"{release_dir}: not a release folder (with --model the only argument is the release "
+                              f"folder; reports go to --json-out/--junit/--markdown FILE, --json prints JSON)",
+                              release_dir)
         inp = ReleaseInputs(model=Path(model))
     if model is not None:
         inp.model = Path(model)
