@@ -74,3 +74,19 @@ def test_index_links_resolve(demo):
     assert any(link.endswith(".png") for link in links)
     for link in links:
         assert (demo.out / link).exists(), link
+
+
+def test_demo_prompts_are_the_packaged_files(demo):
+    from stratatools.core.errors import StrataError
+    from stratatools.core.resources import packaged
+    from stratatools.demo.walkthrough import demo_prompts
+
+    train, ev = demo_prompts("train").splitlines(), demo_prompts("eval").splitlines()
+    assert (len(train), len(ev)) == (6, 4)
+    assert train[0].startswith(r"def fibonacci(n):\n    if n < 2:")  # \n escapes stay escapes (run --prompts text)
+    assert not set(train) & set(ev)  # held-out prompts are not training prompts
+    assert packaged("data", "demo", "eval.txt").read_text(encoding="utf-8") == demo_prompts("eval")
+    for name in ("train", "eval"):  # what the demo ran on is the packaged text
+        assert (demo.out / "prompts" / f"{name}.txt").read_text(encoding="utf-8") == demo_prompts(name)
+    with pytest.raises(StrataError, match="unknown demo prompt set"):
+        demo_prompts("test")

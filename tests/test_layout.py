@@ -215,3 +215,19 @@ def test_pyproject_lists_every_package():
     # leave its modules out of the wheel).
     code_dirs = {p.parent for p in PKG.rglob("*.py")}
     assert all((d / "__init__.py").exists() for d in code_dirs)
+
+
+def test_package_data_ships_every_data_file():
+    """Every file under data/ and allocations/ matches a package-data pattern (the wheel test checks the
+    built wheel; this catches a forgotten pattern without building one)."""
+    import glob
+
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    pkg_data = conf["tool"]["setuptools"]["package-data"]
+    for pkg, folder in (("stratatools.data", "data"), ("stratatools.allocations", "allocations")):
+        root = ROOT / folder
+        shipped = {m for pat in pkg_data[pkg] for m in glob.glob(pat, root_dir=root, recursive=True)}
+        files = {str(p.relative_to(root)) for p in root.rglob("*")
+                 if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc" and p.name != "__init__.py"}
+        assert files <= shipped, (folder, sorted(files - shipped))
+    assert {"demo/train.txt", "demo/eval.txt"} <= {str(p.relative_to(ROOT / "data")) for p in (ROOT / "data").rglob("*.txt")}

@@ -19,22 +19,31 @@ from pathlib import Path
 from typing import Callable
 
 from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import write_text_atomic
+from stratatools.core.resources import packaged
 
-# Two prompt sets: the workload the profiles are built from, and held-out prompts they are judged on.
-TRAIN_PROMPTS = [
-    r"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
-    r"class ExpertCache:\n    def __init__(self, slots):\n        self.slots = slots\n        self.resident = {}",
-    r"The quick brown fox jumps over the lazy dog, and the dog does not mind at all.",
-    r"import os\nfor name in sorted(os.listdir('.')):\n    print(name, os.path.getsize(name))",
-    r"def lookup(self, layer, expert):\n    key = (layer, expert)\n    return key in self.resident",
-    r"Experts that are routed often should stay resident in fast memory; the rest live on the host.",
-]
-EVAL_PROMPTS = [
-    r"def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] else b.pop(0))",
-    r"A profile ranks every expert of every layer, hottest first, and the cache fills its slots in that order.",
-    r"with open('routing.bin', 'rb') as fh:\n    data = fh.read()\nprint(len(data))",
-    r"for layer in range(8):\n    for expert in range(16):\n        counts[layer][expert] = 0",
-]
+DEMO_PROMPT_SETS = ("train", "eval")
+"""The demo's two prompt sets, packaged as ``data/demo/<name>.txt``: the workload the profiles are built from
+and the held-out prompts they are judged on."""
+
+
+def demo_prompts(name: str) -> str:
+    """Text of the packaged prompt set ``name`` (``"train"`` or ``"eval"``): one prompt per line, ``\\n``
+    escapes inside a prompt (the ``stratatools run --prompts`` text format).
+
+    Raises:
+        StrataError: unknown set, or the packaged file is missing (a broken install).
+    """
+    if name not in DEMO_PROMPT_SETS:
+        raise StrataError(f"unknown demo prompt set {name!r} (one of {', '.join(DEMO_PROMPT_SETS)})")
+    path = packaged("data", "demo", f"{name}.txt")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StrataError(f"{path}: the packaged demo prompts are missing; reinstall stratatools", path) from None
+    if not text.strip():
+        raise StrataError(f"{path}: the packaged demo prompts are empty; reinstall stratatools", path)
+    return text
 
 
 @dataclass
@@ -89,8 +98,8 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("logs", "prompts", "traces", "profiles", "reports"):
         (out / sub).mkdir()
-    (out / "prompts" / "train.txt").write_text("\n".join(TRAIN_PROMPTS) + "\n", encoding="utf-8")
-    (out / "prompts" / "eval.txt").write_text("\n".join(EVAL_PROMPTS) + "\n", encoding="utf-8")
+    for name in DEMO_PROMPT_SETS:
+        write_text_atomic(out / "prompts" / f"{name}.txt", demo_prompts(name))
 
     R = out / "release"
     canon, revA, revB = R / "synth-canonical.gguf", R / "synth-revA.gguf", R / "synth-revB.gguf"
@@ -106,7 +115,7 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
         st.code, text = runner(st.argv)
         st.seconds = time.perf_counter() - t0
         st.log = out / "logs" / f"{len(res.steps) + 1:02d}-{st.argv[0]}.txt"
-        st.log.write_text(f"$ stratatools {shlex.join(st.argv)}\n{text}\n[exit {st.code}]\n", encoding="utf-8")
+        write_text_atomic(st.log, f"$ stratatools {shlex.join(st.argv)}\n{text}\n[exit {st.code}]\n")
         res.steps.append(st)
         if progress:
             progress(st)
@@ -215,4 +224,4 @@ def _write_index(res: DemoResult) -> None:
         if body and body[0].startswith("## "):
             body = body[1:]  # the report's own title; this section has one
         lines += ["", "## Simulation (from reports/simulation/report.md)", ""] + body
-    (out / "index.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(out / "index.md", "\n".join(lines) + "\n")
