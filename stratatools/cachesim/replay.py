@@ -36,8 +36,9 @@ from stratatools.core.errors import StrataError
 from stratatools.profiles.strp import Profile
 from stratatools.traces.table import PREFILL, TraceTable, rounds_kind
 from stratatools.cachesim import kernels as K
-from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier
-from stratatools.cachesim.tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults, make_tier
+from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier, plan_upper
+from stratatools.cachesim.tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults,
+                                        check_adaptive_params, make_tier)
 
 
 @dataclass(frozen=True)
@@ -296,9 +297,8 @@ def _check_params(policy: str, params: dict) -> dict:
     for k, v in params.items():
         if not np.isfinite(float(v)):
             raise StrataError(f"{policy} parameter {k} = {v} is not a finite number")
-    if policy == "adaptive" and (int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0
-                                 or int(p["max_moves"]) < 0):
-        raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+    if policy == "adaptive":
+        check_adaptive_params(p)
     return p
 
 
@@ -338,6 +338,9 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
             else:
                 hits, loads = K.static_kernel(lay, ex, res, capv, occ, plan.pool_slots, plan.pool_bytes,
                                               plan.slot_bytes, per_layer, admit_on_miss)
+        elif int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0 or int(p["upper_slots"]) > 0:
+            hits, loads, extra = _run_adaptive_v2(ent, plan, profile, res, capv, occ, admit_on_miss, p)
+            info.update(extra)
         else:
             hits, loads, steps, swaps = K.adaptive_kernel(
                 lay, ex, ent.rnd, res, capv, occ, plan.pool_slots, plan.pool_bytes, plan.slot_bytes, per_layer,
@@ -370,6 +373,29 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
     return np.asarray(hits, dtype=bool), np.asarray(loads), info
 
 
+def _run_adaptive_v2(ent: Entries, plan, profile, res, capv, occ, admit_on_miss: bool, p: dict):
+    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier); ``capv`` is updated in place."""
+    T = 2 if int(p["upper_slots"]) > 0 else 1
+    L, E = ent.n_layers, ent.n_expert
+    R = np.zeros((T, L, E), dtype=bool)
+    C = np.zeros((T, L), dtype=np.int64)
+    R[0], C[0] = res, capv
+    if T == 2:
+        R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
+    O = R.sum(2).astype(np.int64)
+    ridx = np.zeros(len(ent), dtype=np.int64)
+    if len(ent) > 1:
+        ridx[1:] = np.cumsum(ent.rnd[1:] != ent.rnd[:-1])
+    hits, loads, steps, swaps, dropped, uh = K.adaptive_v2_kernel(
+        ent.layer, ent.expert, ridx, R, C, O, plan.pool_slots, plan.pool_bytes, plan.slot_bytes,
+        plan.admission == "per-layer", admit_on_miss, float(p["usage_floor"]), float(p["margin"]),
+        int(p["adapt_every"]), int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]), int(p["lag"]),
+        int(p["pace_bytes"]), bool(int(p["disjoint"])))
+    capv[:] = C[0]
+    return hits, loads, {"adapt_steps": int(steps), "swaps": int(swaps), "dropped_moves": int(dropped),
+                         "upper_hits": int(uh)}
+
+
 def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p):
     L, E = ent.n_layers, ent.n_expert
     kw: dict[str, Any] = {}
@@ -397,6 +423,8 @@ def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission
         info.update({"n_slots": int(tier.cap.sum()), "fill_bytes": 0, "admission": "per-layer"})
     if policy == "adaptive":
         info.update({"adapt_steps": tier.steps, "swaps": tier.swaps})
+        if int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0 or int(p["upper_slots"]) > 0:
+            info.update({"dropped_moves": tier.dropped, "upper_hits": tier.upper_hits})
     return hits, tier.layer_loads.copy(), info
 
 
@@ -416,7 +444,7 @@ def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: Ba
         m.update(h_bytes=None, moved_bytes=None, time_per_token_s=None)
         fill = None
     params = dict(info.get("params", {}))
-    for k in ("adapt_steps", "swaps"):
+    for k in ("adapt_steps", "swaps", "dropped_moves", "upper_hits"):
         if k in info:
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),

@@ -110,6 +110,9 @@ class ExpertTier:
     def _sync(self) -> None:
         """Make the store hold exactly the resident experts (new ones copied in, evicted ones dropped)."""
         mask = self.tier.resident_mask()
+        upper = getattr(self.tier, "upper_mask", lambda: None)()
+        if upper is not None:  # an upper tier (a second GPU, Strata 0.2.x) serves its experts from VRAM too
+            mask = mask | upper
         want = set(zip(*[a.tolist() for a in np.nonzero(mask)]))
         for key in list(self.store):
             if key not in want:
