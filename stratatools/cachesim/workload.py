@@ -30,23 +30,26 @@ from stratatools.traces.table import DECODE, PREFILL, TraceTable
 
 @dataclass(frozen=True)
 class Workload:
-    """Generator parameters (module docstring); every field has a small, test-sized default."""
+    """Generator parameters (module docstring). The defaults make a small (about 0.45 M entries), decode-heavy,
+    bursty trace: 20 requests of 100-200 decode tokens after an 8-token prefill, 24 layers x 64 experts, top-6,
+    topics drifting every 32 tokens (kept with probability 0.3), each topic concentrating 95% of a layer's routing
+    on its own 10 experts."""
 
-    n_layers: int = 8
+    n_layers: int = 24
     n_expert: int = 64
-    top_k: int = 4
-    requests: int = 40
-    topics: int = 12
+    top_k: int = 6
+    requests: int = 20
+    topics: int = 30
     burst: int = 4
     prefill: int = 8
-    decode_min: int = 60
-    decode_max: int = 160
-    segment: int = 24
-    stay: float = 0.7
-    zipf_s: float = 1.1
-    topic_zipf_s: float = 1.4
-    topic_size: int = 12
-    topic_mix: float = 0.85
+    decode_min: int = 100
+    decode_max: int = 200
+    segment: int = 32
+    stay: float = 0.3
+    zipf_s: float = 1.0
+    topic_zipf_s: float = 0.5
+    topic_size: int = 10
+    topic_mix: float = 0.95
     seed: int = 0
 
     def to_dict(self) -> dict:
