@@ -145,3 +145,37 @@ def test_prepare_entries_of_the_workload_drops_prefill(bursty):
     w = Workload(seed=3)
     ent = prepare_entries(bursty, w.n_layers, w.n_expert)
     assert ent.skipped["prefill"] == int((bursty.phase == PREFILL).sum()) and ent.rounds_by == "positions"
+
+
+def test_simulate_engine_named_adaptive_options(cli, tmp_path):
+    from stratatools.traces.formats import write_trace
+
+    w = Workload(seed=3, requests=6, n_layers=6, decode_min=40, decode_max=60)
+    tp = tmp_path / "w.parquet"
+    write_trace(generate(w), tp, "parquet")
+    pp = tmp_path / "w.strp"
+    code, _, err = cli("make-profile", str(tp), "-o", str(pp), "--n-layer", "6", "--n-expert", "64")
+    assert code == 0, err
+
+    def h(*extra):
+        code, out, err = cli("simulate", "-t", str(tp), "-p", str(pp), "--slots", "72", "--policy", "adaptive",
+                             "--no-sweep", "--report", str(tmp_path / "r"), "--force", "--json", *extra)
+        assert code == 0, err
+        return json.loads(out)["results"][0]
+
+    base = h()
+    lag = h("--adapt-every", "1", "--adapt-swaps", "160", "--adapt-decay", "0.97", "--adapt-lag", "2")
+    same = h("--set", "adaptive.adapt_every=1", "--set", "adaptive.max_moves=160", "--set", "adaptive.decay=0.97",
+             "--set", "adaptive.lag=2")
+    assert lag["h_expert"] == same["h_expert"] and lag["h_expert"] != base["h_expert"]
+    assert lag["params"]["lag"] == 2 and lag["params"]["max_moves"] == 160
+    up = h("--upper-slots", "12", "--disjoint-adapt")
+    assert up["params"]["upper_slots"] == 12 and up["params"]["disjoint"] == 1 and up["h_expert"] > base["h_expert"]
+    assert h("--strata-version", "0.1")["h_expert"] == base["h_expert"]
+    for extra, msg in ((["--strata-version", "0.1", "--adapt-lag", "2"], "Strata 0.2.x behaviour"),
+                       (["--adapt-lag", "2", "--set", "adaptive.lag=2"], "both given"),
+                       (["--strata-version", "0.3"], "--strata-version"),
+                       (["--adapt-lag", "0"], "lag 0 must be >= 1")):
+        code, _, err = cli("simulate", "-t", str(tp), "-p", str(pp), "--slots", "72", "--policy", "adaptive",
+                           "--no-sweep", "--report", str(tmp_path / "r"), "--force", *extra)
+        assert code == 2 and msg in err, (extra, err)

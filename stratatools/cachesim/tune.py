@@ -168,17 +168,20 @@ def score_one(fd: FoldData, settings: dict[str, Any], *, slots: int | None, budg
 
 
 def engine_flags(settings: dict[str, Any], *, n_slots: int, profile_names: dict[str, str], pace_unit: int,
-                 traces_hint: str = "TRACES") -> list[str]:
+                 traces_hint: str = "TRACES", geometry: tuple[int, int] | None = None,
+                 phase: str = "decode") -> list[str]:
     """The engine command-line flags (and environment) for ``settings``; lines starting ``#`` are notes for
     settings whose engine option name the public sources read did not confirm."""
     p = settings["profile"]
     lines = []
+    geo = f" --n-layer {geometry[0]} --n-expert {geometry[1]}" if geometry else ""
+    mk = f"# profile: stratatools make-profile {traces_hint} -o workload.strp{geo} --phase {phase}"
     if p == "traces":
-        lines.append(f"# profile: stratatools make-profile -t {traces_hint} --mode no-base -o workload.strp")
+        lines.append(f"{mk} --mode no-base")
         prof_arg = "workload.strp"
     elif p.startswith("traces+"):
         base = profile_names.get(p[len("traces+"):], p[len("traces+"):])
-        lines.append(f"# profile: stratatools make-profile -t {traces_hint} --mode reorder --base {base} -o workload.strp")
+        lines.append(f"{mk} --mode reorder --base {base}")
         prof_arg = "workload.strp"
     else:
         prof_arg = profile_names.get(p[len("file:"):], p[len("file:"):])
@@ -197,7 +200,8 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
          budget_bytes: int | None = None, blob_bytes=None, profiles: dict[str, Profile] | None = None,
          k: int = 5, candidates: int = 81, eta: int = 3, objective: str = "hit", cost: ThreeTierModel | None = None,
          seed: int = 0, phase: str = "decode", mapper: Callable | None = None,
-         progress: Any = None, version: str = "0.2") -> TuneResult:
+         progress: Any = None, version: str = "0.2", trace_paths: Sequence[str] | None = None,
+         profile_paths: dict[str, str] | None = None) -> TuneResult:
     """Search tier settings by successive halving over k folds by request (module docstring).
 
     Args:
@@ -209,6 +213,7 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
         mapper: ``map``-like callable used for the (settings, fold) scores (the scaling seam).
         progress: object with ``update(advance=n)`` (:func:`stratatools.cli.common.progress_bar`), or None.
         version: ``0.2`` (default) or ``0.1``: Strata 0.1.4x has no lag or paced mode, so those stay off.
+        trace_paths, profile_paths: file names for the printed engine command lines (profile name -> path).
     Raises:
         StrataError: bad k/eta/candidates/objective, too few requests, no budget, tok/s without blob sizes.
     """
@@ -311,7 +316,9 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
     plan = plan_tier(n_layers, n_expert, cache[0].profiles[best.settings["profile"]], slots=slots,
                      budget_bytes=budget_bytes, blob_bytes=blob_bytes, admission=best.settings["admission"])
     n_slots = int(slots) if slots is not None else int(plan.n_slots)
-    flags = engine_flags(best.settings, n_slots=n_slots, profile_names={n: n for n in profiles}, pace_unit=pace_unit)
+    flags = engine_flags(best.settings, n_slots=n_slots, profile_names=dict(profile_paths or {n: n for n in profiles}),
+                         pace_unit=pace_unit, traces_hint=" ".join(trace_paths or ["TRACES"]),
+                         geometry=(n_layers, n_expert), phase=count_phase)
     return TuneResult(objective, k, int(len(np.unique(table.request))), best, defaults, community, finalists,
                       evaluated, len(arms), rungs,
                       {"slots": slots, "budget_bytes": budget_bytes, "eta": eta, "seed": seed, "phase": phase,

@@ -143,7 +143,8 @@ def register(app: typer.Typer) -> None:
             res = tune(inp.tables, L, E, slots=s, budget_bytes=b, blob_bytes=inp.blob_bytes,
                        profiles=dict(zip(inp.names, inp.profiles)), k=kfold, candidates=candidates, eta=eta,
                        objective=objective, cost=cost if inp.blob_bytes is not None else None, seed=seed,
-                       phase=phase, progress=bar, version=strata_version)
+                       phase=phase, progress=bar, version=strata_version, trace_paths=list(traces),
+                       profile_paths=dict(zip(inp.names, profile or [])))
         d = res.to_dict()
         d["budget"] = budget_text
         if plot is not None:
