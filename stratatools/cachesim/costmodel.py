@@ -35,7 +35,7 @@ from stratatools.profiles.strp import Profile
 
 ASSUMPTIONS = (
     "decode is memory-bound at batch 1: a token costs the time to read the bytes it touches (compute, attention "
-    "and KV traffic left out; dense weights only when --dense-gib is given)",
+    "and KV traffic left out; the dense weights too, unless given: tune --dense-gib)",
     "each routed entry reads its expert's blob once: VRAM on a hit, host RAM when the expert is in the RAM "
     "tier, else SSD",
     "the RAM tier is static: the profile's ranked prefix that fits --ram-experts-gb (rounded blobs, stop at the "

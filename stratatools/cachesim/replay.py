@@ -231,6 +231,8 @@ class SimResult:
         time_per_token_s: estimate from ``bandwidth`` in seconds (None when blob sizes are unknown).
         params: policy parameters used.
         rounds_by: what a round was (``positions``, ``windows`` or ``windows+positions``; module docstring).
+        tiers: the three-tier cost model's figures (:func:`.costmodel.tier_costs`: h_vram, h_ram, h_ssd, bytes
+            per token, tok_s) when a :class:`.costmodel.ThreeTierModel` was given and blob sizes are known.
     """
 
     policy: str
@@ -255,6 +257,7 @@ class SimResult:
     bandwidth: dict[str, float]
     params: dict[str, Any] = field(default_factory=dict)
     rounds_by: str = "positions"
+    tiers: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -429,8 +432,11 @@ def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission
 
 
 def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: BandwidthModel | None = None,
-                    blob_bytes=None, **kw: Any) -> SimResult:
+                    blob_bytes=None, cost=None, **kw: Any) -> SimResult:
     """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`.
+
+    ``cost``: a :class:`.costmodel.ThreeTierModel`; with blob sizes, ``tiers`` holds its per-tier hit rates and
+    predicted tok/s (the RAM tier ranked by ``kw["profile"]``, flat order without one).
 
     Without ``blob_bytes`` (a slot budget and no pack/model) byte sizes are unknown: ``h_bytes``,
     ``moved_bytes``, ``fill_bytes`` and ``time_per_token_s`` are None; ``loads`` still counts the copies.
@@ -443,10 +449,17 @@ def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: Ba
     if blob_bytes is None:  # sizes unknown: no byte-weighted rate, no bytes, no time (loads still count copies)
         m.update(h_bytes=None, moved_bytes=None, time_per_token_s=None)
         fill = None
+    tiers = None
+    if cost is not None and blob_bytes is not None and len(ent):
+        from stratatools.cachesim.costmodel import ram_set, tier_costs
+
+        _, rb = _blob_arrays(ent.n_layers, blob_bytes)
+        in_ram = ram_set(kw.get("profile"), ent.n_layers, ent.n_expert, rb, cost.ram_bytes)
+        tiers = tier_costs(ent.layer, ent.expert, hits, loads, ent.n_tokens, bb, in_ram, cost)
     params = dict(info.get("params", {}))
     for k in ("adapt_steps", "swaps", "dropped_moves", "upper_hits"):
         if k in info:
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
                      cap=[int(c) for c in info["cap"]], fill_bytes=fill,
-                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, **m)
+                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, tiers=tiers, **m)

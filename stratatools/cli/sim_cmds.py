@@ -126,10 +126,13 @@ def _check_report(report: str, inputs: list[str], force: bool) -> None:
 def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: Optional[str],
         slots: Optional[int], budget_gib: Optional[float], policies: list[str], admission: str,
         kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
-        sets: list[str], sweep: bool, adaptive: dict[str, Any] | None = None):
+        sets: list[str], sweep: bool, adaptive: dict[str, Any] | None = None, ssd_gbps: float = 6.0,
+        ram_experts_gb: float | None = None):
     """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs).
 
-    ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments)."""
+    ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments); ``ssd_gbps`` and
+    ``ram_experts_gb`` complete the three-tier cost model (:mod:`stratatools.cachesim.costmodel`), applied when
+    blob sizes are known (--pack/--model)."""
     from stratatools.cachesim.replay import BandwidthModel
     from stratatools.cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
 
@@ -148,6 +151,12 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
     ad = adaptive_params(sets=pp.get("adaptive"), **(adaptive or {}))
     if ad:
         pp["adaptive"] = ad
+    from stratatools.cachesim.costmodel import ThreeTierModel
+
+    if ram_experts_gb is not None and not (0 <= ram_experts_gb < float("inf")):
+        raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
+    cost = ThreeTierModel(vram_gbps, pcie_gbps, host_gbps, ssd_gbps,
+                          None if ram_experts_gb is None else int(ram_experts_gb * 2**30))
     inp = load_inputs(traces, profiles, pack=pack, model=model)
     profs = inp.profiles or [None]
     names = inp.names or ["no profile"]
@@ -157,7 +166,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
                        trace_names=inp.trace_names, policies=pols, slots=s, budget_bytes=b,
                        blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
                        bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
-                       policy_params=pp, progress=bar)
+                       policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None)
     return st, inp
 
 
@@ -165,11 +174,17 @@ def _table(st) -> Table:
     from stratatools.cachesim.report import _pct, moved_text, ms_text, result_rows
 
     t = Table(title=f"{st.entries} entries, {st.tokens} tokens; admission {st.admission}")
-    for c in ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token"):
+    tiers = getattr(st, "cost_model", None) is not None
+    cols = ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token")
+    for c in cols + (("RAM / SSD", "tok/s (model)") if tiers else ()):
         t.add_column(c, justify="left" if c in ("profile / split", "policy") else "right", no_wrap=True)
-    for r in result_rows(st):
-        t.add_row(r["label"], r["policy"], str(r["slots"]), _pct(r["h_expert"]), _pct(r["h_layer"]),
-                  _pct(r["h_bytes"]), moved_text(r), ms_text(r))
+    for r, res in zip(result_rows(st), st.results):
+        row = [r["label"], r["policy"], str(r["slots"]), _pct(r["h_expert"]), _pct(r["h_layer"]),
+               _pct(r["h_bytes"]), moved_text(r), ms_text(r)]
+        if tiers:
+            tc = res.tiers
+            row += ([f"{_pct(tc['h_ram'])} / {_pct(tc['h_ssd'])}", f"{tc['tok_s']:.1f}"] if tc else ["-", "-"])
+        t.add_row(*row)
     return t
 
 
@@ -211,7 +226,9 @@ _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.
 _PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
 _MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")
 _SLOTS = typer.Option(None, "--slots", help="Slot count budget.")
-_HOST_GBPS = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s.")
+_HOST_GBPS = typer.Option(60.0, "--host-gbps", "--ram-gbps", help="Host-memory (RAM) bandwidth, GB/s.")
+_SSD_GBPS = typer.Option(6.0, "--ssd-gbps", help="SSD read bandwidth, GB/s (three-tier cost model).")
+_RAM_EXPERTS = typer.Option(None, "--ram-experts-gb", help="RAM tier size in GiB, the rest on SSD (three-tier cost model; default: all in RAM).")
 _PCIE_GBPS = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s.")
 _VRAM_GBPS = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s.")
 _SETS = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable.")
@@ -249,6 +266,8 @@ def register(app: typer.Typer) -> None:
         host_gbps: float = _HOST_GBPS,
         pcie_gbps: float = _PCIE_GBPS,
         vram_gbps: float = _VRAM_GBPS,
+        ssd_gbps: float = _SSD_GBPS,
+        ram_experts_gb: Optional[float] = _RAM_EXPERTS,
         sets: Optional[list[str]] = _SETS,
         adapt_every: Optional[int] = _ADAPT_EVERY,
         adapt_swaps: Optional[int] = _ADAPT_SWAPS,
@@ -271,7 +290,8 @@ def register(app: typer.Typer) -> None:
                     policies=policy or [], admission=admission, kfold=kfold, phase=phase, host_gbps=host_gbps,
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
-                                       upper_slots, disjoint_adapt, strata_version))
+                                       upper_slots, disjoint_adapt, strata_version),
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb)
         paths = write_report(st, report, force=force)
         if as_json:
             import sys
@@ -301,6 +321,8 @@ def register(app: typer.Typer) -> None:
         host_gbps: float = _HOST_GBPS,
         pcie_gbps: float = _PCIE_GBPS,
         vram_gbps: float = _VRAM_GBPS,
+        ssd_gbps: float = _SSD_GBPS,
+        ram_experts_gb: Optional[float] = _RAM_EXPERTS,
         sets: Optional[list[str]] = _SETS,
         adapt_every: Optional[int] = _ADAPT_EVERY,
         adapt_swaps: Optional[int] = _ADAPT_SWAPS,
@@ -326,7 +348,8 @@ def register(app: typer.Typer) -> None:
                     phase=phase, host_gbps=host_gbps, pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [],
                     sweep=report is not None,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
-                                       upper_slots, disjoint_adapt, strata_version))
+                                       upper_slots, disjoint_adapt, strata_version),
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb)
         if report is not None:
             write_report(st, report, force=force)
         if as_json:
