@@ -179,3 +179,32 @@ def test_simulate_engine_named_adaptive_options(cli, tmp_path):
         code, _, err = cli("simulate", "-t", str(tp), "-p", str(pp), "--slots", "72", "--policy", "adaptive",
                            "--no-sweep", "--report", str(tmp_path / "r"), "--force", *extra)
         assert code == 2 and msg in err, (extra, err)
+
+
+def test_simulate_study_three_tier_costs():
+    from stratatools.cachesim.report import study_markdown
+    from stratatools.cachesim.study import run_study
+    from stratatools.profiles.ranking import make_profile
+
+    w = Workload(seed=3, requests=4, n_layers=4, decode_min=30, decode_max=40)
+    tb = generate(w)
+    prof, _ = make_profile([tb], 4, 64, mode="no-base")
+    blob = [1_000_000] * 4
+    cost = ThreeTierModel(ram_bytes=128 * 1_000_192)
+    st = run_study([tb], [prof], ["p"], policies=["static", "lru"], budget_bytes=48 * 1_000_192, blob_bytes=blob,
+                   sweep=False, cost=cost)
+    s = st.results[0]
+    t = s.tiers
+    assert t["h_vram"] == pytest.approx(s.h_expert)
+    assert t["h_vram"] + t["h_ram"] + t["h_ssd"] == pytest.approx(1.0) and t["h_ssd"] > 0
+    assert t["moved_bytes_per_token"] == 0  # a full profile leaves no free slot: the static tier copies nothing
+    per_tok = (t["vram_bytes_per_token"] / 900e9 + t["ram_bytes_per_token"] / 60e9
+               + t["ssd_bytes_per_token"] / 6e9)
+    assert t["tok_s"] == pytest.approx(1 / per_tok)
+    md = study_markdown(st)
+    assert "## Three-tier cost model" in md and "| static | p |" in md
+    assert st.to_dict()["cost_model"]["ssd_gbps"] == 6.0
+    # without a cost model nothing changes
+    st0 = run_study([tb], [prof], ["p"], policies=["static"], budget_bytes=48 * 1_000_192, blob_bytes=blob,
+                    sweep=False)
+    assert st0.results[0].tiers is None and st0.cost_model is None and "Three-tier" not in study_markdown(st0)
