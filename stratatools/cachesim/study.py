@@ -198,7 +198,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
                     caps[r0.label] = np.maximum(caps[r0.label], c) if r0.label in caps else c
             for name, c in caps.items():
                 out.append(simulate_policy(ent, "belady", label=f"{name} split", cap=c, blob_bytes=blob_bytes,
-                                           bandwidth=bw))
+                                           bandwidth=bw, cost=common.get("cost")))
                 tick()
         if collect is not None:
             for r in out:
