@@ -152,3 +152,14 @@ def test_v02_parameters_checked(bad):
         make_tier("adaptive", profile=prof(1, 4), slots=1, **bad)
     with pytest.raises(StrataError):
         run_policy(entries([[(0, [1])]], 1, 4), "adaptive", profile=prof(1, 4), slots=1, **bad)
+
+
+def test_upper_tier_free_slots_are_filled_first_under_global_admission():
+    # first tier {0} (a one-pair profile, 1 slot); upper tier of 2 slots with nothing to fill it at start-up.
+    # End of round 2 (usage 1:2, 2:2): the first tier swaps 1 in for 0; the upper tier (disjoint: 1 is loading in
+    # the first) takes 2 into a free slot of its pool, evicting nothing. Round 3: 1 and 2 hit, 3 misses.
+    seq = [[(0, [1, 2])], [(0, [1, 2])], [(0, [1, 2, 3])]]
+    h, loads, info = both(seq, 1, 4, "adaptive", profile=prof(1, 4, [(0, 0)]), slots=1, upper_slots=2, disjoint=1,
+                          adapt_every=2, copy_delay_rounds=0, decay=1.0)
+    assert h == [False, False, False, False, True, True, False]
+    assert loads == [2] and info["swaps"] == 1 and info["upper_hits"] == 1

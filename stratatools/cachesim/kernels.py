@@ -468,7 +468,7 @@ def belady_prepare(layer, expert, n_layers, n_expert, cap):
 # -- Strata 0.2.x adaptive tier: lag, paced copies, an upper tier (rules in tiers.AdaptiveTier) -------------------
 
 @njit(cache=True, nogil=True)
-def _moves_v2(t, R, C, O, loading, usage, per_layer, floor, margin, max_moves, excl, prefer, use_prefer,
+def _moves_v2(t, R, C, O, upool, usage, per_layer, floor, margin, max_moves, excl, prefer, use_prefer,
               ql, qc, qv):
     """Moves of tier ``t`` into the queue arrays ``ql/qc/qv[t]``, best first, at most ``max_moves``; returns
     their count. Same rules and tie-breaks as ``AdaptiveTier._moves``."""
@@ -510,7 +510,7 @@ def _moves_v2(t, R, C, O, loading, usage, per_layer, floor, margin, max_moves, e
             key[j] = ue[vict[j]]
         ov = np.argsort(key[:nv], kind="mergesort")
         vs = vict[:nv][ov]
-        free = C[t, l] - O[t, l] if per_layer else 0
+        free = C[t, l] - O[t, l] if per_layer else upool[t]
         if free < 0:
             free = 0
         nf = min(free, nc)
@@ -543,11 +543,12 @@ def _moves_v2(t, R, C, O, loading, usage, per_layer, floor, margin, max_moves, e
 
 
 @njit(cache=True, nogil=True)
-def adaptive_v2_kernel(layer, expert, ridx, R, C, O, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
+def adaptive_v2_kernel(layer, expert, ridx, R, C, O, upool, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
                        floor, margin, adapt_every, max_moves, decay, copy_delay, lag, pace, disjoint):
     """Adaptive tier with Strata 0.2.x knobs (``tiers.AdaptiveTier`` rules): ``ridx`` int64 [N] dense round index
     of each entry; ``R`` bool [T, L, E], ``C``/``O`` int64 [T, L] (tier 0, then the upper tier when T = 2) are
-    modified. ``pace`` <= 0 = unpaced. Returns hits, loads, steps, swaps, dropped moves, upper-tier hits."""
+    modified; ``upool`` int64 [T]: free slots of a global-admission tier its moves may take (0 for tier 0).
+    ``pace`` <= 0 = unpaced. Returns hits, loads, steps, swaps, dropped moves, upper-tier hits."""
     n = layer.shape[0]
     T, L, E = R.shape
     hits = np.zeros(n, dtype=np.bool_)
@@ -599,7 +600,7 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, pool_slots, pool_bytes, slo
                     if t == 1 and disjoint:
                         for q in range(qp[0], qn[0]):
                             excl[ql[0, q], qc[0, q]] = True
-                    qn[t] = _moves_v2(t, R, C, O, loading, usage, per_layer, floor, margin, max_moves, excl,
+                    qn[t] = _moves_v2(t, R, C, O, upool, usage, per_layer, floor, margin, max_moves, excl,
                                       R[1] if T > 1 else R[0], T > 1 and t == 0, ql, qc, qv)
                     qp[t] = 0
                     if pace <= 0:
@@ -612,7 +613,12 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, pool_slots, pool_bytes, slo
                             if ok and T > 1 and (t == 0 or disjoint):
                                 ok = not (R[1 - t, l, c] or loading[1 - t, l, c])
                             if ok:
-                                ok = R[t, l, v] if v >= 0 else O[t, l] < C[t, l]
+                                if v >= 0:
+                                    ok = R[t, l, v]
+                                elif per_layer:
+                                    ok = O[t, l] < C[t, l]
+                                else:
+                                    ok = upool[t] > 0
                             if not ok:
                                 dropped += 1
                                 continue
@@ -621,6 +627,9 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, pool_slots, pool_bytes, slo
                                 swaps += 1
                             else:
                                 O[t, l] += 1
+                                if not per_layer:
+                                    upool[t] -= 1
+                                    C[t, l] += 1
                             loading[t, l, c] = True
                             ft[nfl] = t
                             fl[nfl] = l
@@ -648,7 +657,12 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, pool_slots, pool_bytes, slo
                         if ok and T > 1 and (t == 0 or disjoint):
                             ok = not (R[1 - t, l, c] or loading[1 - t, l, c])
                         if ok:
-                            ok = R[t, l, v] if v >= 0 else O[t, l] < C[t, l]
+                            if v >= 0:
+                                ok = R[t, l, v]
+                            elif per_layer:
+                                ok = O[t, l] < C[t, l]
+                            else:
+                                ok = upool[t] > 0
                         if not ok:
                             dropped += 1
                             continue
@@ -658,6 +672,9 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, pool_slots, pool_bytes, slo
                             swaps += 1
                         else:
                             O[t, l] += 1
+                            if not per_layer:
+                                upool[t] -= 1
+                                C[t, l] += 1
                         loading[t, l, c] = True
                         ft[nfl] = t
                         fl[nfl] = l

@@ -190,7 +190,8 @@ def plan_upper(plan: TierPlan, profile: Profile | None, upper_slots: int) -> tup
 
     Decision (the doc is silent on the upper tier's fill): the upper tier takes the ranked pairs the first tier
     did not take, in rank order. With global admission it holds the next ``upper_slots`` of them (slot count
-    only; unfilled upper slots of a profile shorter than both tiers stay empty); with per-layer admission its
+    only; slots a short profile leaves unfilled form the upper tier's free pool, which its adaptive moves take
+    first); with per-layer admission its
     slots are split like the first tier's (:func:`per_layer_split` of ``upper_slots``) and each layer takes its
     own next ranked pairs, its unfilled slots staying free for that layer (taken by adaptive moves first).
 

@@ -386,11 +386,14 @@ def _run_adaptive_v2(ent: Entries, plan, profile, res, capv, occ, admit_on_miss:
     if T == 2:
         R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
     O = R.sum(2).astype(np.int64)
+    upool = np.zeros(T, dtype=np.int64)
+    if T == 2 and plan.admission != "per-layer":
+        upool[1] = max(0, int(p["upper_slots"]) - int(R[1].sum()))
     ridx = np.zeros(len(ent), dtype=np.int64)
     if len(ent) > 1:
         ridx[1:] = np.cumsum(ent.rnd[1:] != ent.rnd[:-1])
     hits, loads, steps, swaps, dropped, uh = K.adaptive_v2_kernel(
-        ent.layer, ent.expert, ridx, R, C, O, plan.pool_slots, plan.pool_bytes, plan.slot_bytes,
+        ent.layer, ent.expert, ridx, R, C, O, upool, plan.pool_slots, plan.pool_bytes, plan.slot_bytes,
         plan.admission == "per-layer", admit_on_miss, float(p["usage_floor"]), float(p["margin"]),
         int(p["adapt_every"]), int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]), int(p["lag"]),
         int(p["pace_bytes"]), bool(int(p["disjoint"])))

@@ -30,7 +30,8 @@ Policies (``make_tier(policy, ...)``):
   the first tier, and the first tier's copies of experts it holds count as usage 0 as victims (evicted first);
   each tier has its own ``max_moves`` and pace budget, the first tier's moves are made first; ``disjoint``
   (STRATA_DISJOINT_ADAPT=1) also keeps the first tier's experts (held, loading or queued) out of the upper
-  tier's candidates. Arrival admission fills the first tier only.
+  tier's candidates. Arrival admission fills the first tier only; the upper tier's free slots (per-layer: a
+  layer's own; global admission: the pool a short profile left) are offered to its top candidates first.
 * ``lru``: per-layer least-recently-used at entry granularity; starts empty; a miss always loads.
 * ``lfu``: per-layer least-frequently-used; counts of every access decay by ``decay`` (0.7) every
   ``decay_every`` (4) rounds; a miss loads and evicts the resident with the smallest count (ties: the
@@ -256,6 +257,9 @@ class AdaptiveTier(StaticTier):
             self.C.append(np.asarray(ucap, dtype=np.int64).copy())
             self.O.append(self.R[1].sum(1).astype(np.int64))
         self.T = len(self.R)
+        # global admission: the upper tier's unfilled slots form a pool its moves take first (the first tier's
+        # pool is taken by arrival admission); per-layer admission: each layer's own free slots
+        self.upool = [0] + ([max(0, self.upper_slots - int(self.R[1].sum()))] if self.T > 1 else [])
         self.loading = [np.zeros((L, E), dtype=bool) for _ in range(self.T)]
         self.queue: list[list[tuple[int, int, int]]] = [[] for _ in range(self.T)]
         self.usage = np.zeros((L, E), dtype=np.float64)
@@ -308,7 +312,7 @@ class AdaptiveTier(StaticTier):
             pv = prefer[l] if prefer is not None else np.zeros(self.n_expert, dtype=bool)
             ue = np.where(pv, 0.0, u)
             vict = sorted((e for e in range(self.n_expert) if row[e]), key=lambda e: (ue[e], not pv[e], e))
-            free = int(cap[l] - occ[l]) if self.per_layer else 0
+            free = int(cap[l] - occ[l]) if self.per_layer else self.upool[t]
             order = 0
             nf = min(max(free, 0), len(cand))
             for i in range(nf):
@@ -334,7 +338,7 @@ class AdaptiveTier(StaticTier):
                 return False
         if v >= 0:
             return bool(self.R[t][l, v])
-        return bool(self.O[t][l] < self.C[t][l])
+        return bool(self.O[t][l] < self.C[t][l]) if self.per_layer else self.upool[t] > 0
 
     def _dispatch(self, t: int, l: int, c: int, v: int, land: int) -> None:
         if v >= 0:
@@ -342,6 +346,9 @@ class AdaptiveTier(StaticTier):
             self.swaps += 1
         else:
             self.O[t][l] += 1
+            if not self.per_layer:
+                self.upool[t] -= 1
+                self.C[t][l] += 1
         self.loading[t][l, c] = True
         self.inflight.append((t, l, c, land))
         self.layer_loads[l] += 1

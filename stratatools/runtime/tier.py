@@ -146,8 +146,10 @@ class ExpertTier:
         total = TierCounts(self.counts["prefill"].entries + self.counts["decode"].entries,
                            self.counts["prefill"].hits + self.counts["decode"].hits)
         st = self.tier.stats()
+        upper = getattr(self.tier, "upper_mask", lambda: None)()
         return {"policy": self.policy, "slots": self.slots, "budget_bytes": self.budget_bytes,
                 "resident": int(self.tier.resident_mask().sum()), "copies_during_run": self.copies,
+                "upper_resident": None if upper is None else int(upper.sum()), "swaps": st.get("swaps"),
                 "blob_bytes": self.blob_bytes.tolist(), "prefill": self.counts["prefill"].to_dict(),
                 "decode": self.counts["decode"].to_dict(), "all": total.to_dict(),
                 "h_layer": st.get("h_layer"), "moved_bytes": st.get("moved_bytes")}
