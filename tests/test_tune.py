@@ -208,3 +208,20 @@ def test_simulate_study_three_tier_costs():
     st0 = run_study([tb], [prof], ["p"], policies=["static"], budget_bytes=48 * 1_000_192, blob_bytes=blob,
                     sweep=False)
     assert st0.results[0].tiers is None and st0.cost_model is None and "Three-tier" not in study_markdown(st0)
+
+
+def test_tune_mapper_seam_gets_picklable_tasks(bursty):
+    import pickle
+
+    w = Workload(seed=3)
+    calls = []
+
+    def mapper(f, tasks):
+        tasks = list(tasks)
+        calls.append(len(tasks))
+        return [f(*pickle.loads(pickle.dumps((t,)))) for t in tasks]
+
+    a = tune([bursty], w.n_layers, w.n_expert, slots=288, k=3, candidates=6, mapper=mapper)
+    b = tune([bursty], w.n_layers, w.n_expert, slots=288, k=3, candidates=6)
+    assert len(calls) >= 2 and sum(calls) == a.evaluated
+    assert a.best.settings == b.best.settings and a.best.mean("h_expert") == b.best.mean("h_expert")

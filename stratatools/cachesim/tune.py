@@ -21,9 +21,10 @@ Selection bias, stated: the best is chosen on the same held-out folds it is repo
 slightly optimistic; the reference rows are not selected and are unbiased. The objective is ``hit``
 (``h_expert``, VRAM hits per routed entry, first and upper tier together) or ``tok/s`` (:mod:`.costmodel`).
 
-Scaling seam: every (settings, fold) score is computed by :func:`score_one` from picklable inputs, through the
-``mapper`` argument (default: the builtin ``map``); a Dask client's ``map``/``gather`` can be passed in by the
-CLI once the traces' Dask path exists (``--cluster`` is not on main yet).
+Scaling seam: every (settings, fold) score is one module-level, picklable task (:func:`score_task` on a
+(:class:`FoldData`, settings, keywords) tuple), mapped through the ``mapper`` argument (default: the builtin
+``map``, in order); a cluster's ``map`` (e.g. ``lambda f, xs: client.gather(client.map(f, xs))`` with Dask) can be
+passed in once the traces' Dask path exists (``--cluster`` is not on main yet). Each rung is one ``mapper`` call.
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ def score_one(fd: FoldData, settings: dict[str, Any], *, slots: int | None, budg
     return out
 
 
+def score_task(task: tuple[FoldData, dict[str, Any], dict[str, Any]]) -> dict[str, float]:
+    """``score_one(*task[:2], **task[2])``: one picklable task (fold data, settings, budget/cost keywords)."""
+    fd, settings, kw = task
+    return score_one(fd, settings, **kw)
+
+
 def engine_flags(settings: dict[str, Any], *, n_slots: int, profile_names: dict[str, str], pace_unit: int,
                  traces_hint: str = "TRACES", geometry: tuple[int, int] | None = None,
                  phase: str = "decode") -> list[str]:
@@ -286,7 +293,7 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
         todo = [(a, f) for a, f in batch if f not in a.folds]
         for f in sorted({f for _, f in todo}):
             fold_data(f)
-        outs = mapper(lambda af: score_one(cache[af[1]], af[0].settings, **common), todo)
+        outs = mapper(score_task, [(cache[f], dict(a.settings), common) for a, f in todo])
         for (a, f), o in zip(todo, outs):
             a.folds[f] = o
             evaluated += 1

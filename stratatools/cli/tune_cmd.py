@@ -138,6 +138,8 @@ def register(app: typer.Typer) -> None:
                 t0 = inp.tables[0]
                 L = int(t0.meta.get("n_layers") or int(t0.layer.max()) + 1)
                 E = int(t0.meta.get("n_expert") or int(t0.expert.max()) + 1)
+                common.note(f"geometry from the traces: {L} layers x {E} experts (pass --model/--pack or a "
+                            f"--profile to set it)")
         total = None
         with common.progress_bar("tuning", total, bytes_=False) as bar:
             res = tune(inp.tables, L, E, slots=s, budget_bytes=b, blob_bytes=inp.blob_bytes,
