@@ -225,3 +225,11 @@ def test_tune_mapper_seam_gets_picklable_tasks(bursty):
     b = tune([bursty], w.n_layers, w.n_expert, slots=288, k=3, candidates=6)
     assert len(calls) >= 2 and sum(calls) == a.evaluated
     assert a.best.settings == b.best.settings and a.best.mean("h_expert") == b.best.mean("h_expert")
+
+
+def test_tune_tie_goes_to_the_engine_defaults(bursty):
+    # every pair fits: every setting hits on every entry after the fill, so nothing beats the defaults
+    w = Workload(seed=3)
+    res = tune([bursty], w.n_layers, w.n_expert, slots=w.n_layers * w.n_expert, k=3, candidates=6)
+    assert res.best is res.defaults and not res.significant
+    assert res.diff_default == (0.0, 0.0, 0.0)

@@ -313,7 +313,9 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
     run([(a, f) for a in (defaults, community) for f in range(k)])
     defaults.rung = community.rung = len(folds_at) - 1
     finalists = [a for a in arms + [defaults, community] if len(a.folds) == k]
-    finalists.sort(key=lambda a: (-a.mean(key), a.name))
+    # ties go to the engine's defaults, then the community settings: a tie is no reason to change a flag
+    rank = {id(defaults): 0, id(community): 1}
+    finalists.sort(key=lambda a: (-a.mean(key), rank.get(id(a), 2), a.name))
     best = finalists[0]
 
     def paired(a: Arm, b: Arm) -> tuple[float, float, float]:
