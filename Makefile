@@ -26,6 +26,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_alloc.py
 	$(BIN)/python bench/bench_cachesim.py
+	$(BIN)/python bench/bench_tune.py
 	$(BIN)/python bench/bench_trace.py
 	$(BIN)/python bench/bench_pack.py
 	$(BIN)/python bench/bench_runtime.py

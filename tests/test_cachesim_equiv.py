@@ -35,19 +35,25 @@ def cases(draw):
     params = {"adapt_every": draw(st.integers(1, 4)), "margin": draw(st.sampled_from([0.0, 0.5, 1.5])),
               "usage_floor": draw(st.sampled_from([0.0, 1.0, 2.0])), "copy_delay_rounds": draw(st.integers(0, 2)),
               "decay": draw(st.sampled_from([0.5, 0.7, 1.0])), "max_moves": draw(st.integers(0, 4))}
+    v02 = {"lag": draw(st.integers(1, 3)), "pace_bytes": draw(st.sampled_from([0, 0, 1, 2, 3])),
+           "upper_slots": draw(st.integers(0, L * E)), "disjoint": draw(st.integers(0, 1))}
     cap = rng.integers(0, E + 1, size=L)
     blob = rng.integers(100, 2000, size=L)
-    return ent, prof, slots, adm, params, cap, blob
+    return ent, prof, slots, adm, params, cap, blob, v02
 
 
 @settings(max_examples=120, deadline=None)
 @given(cases())
 def test_compiled_equals_online(case):
-    ent, prof, slots, adm, params, cap, blob = case
+    ent, prof, slots, adm, params, cap, blob, v02 = case
     runs = [("static", dict(profile=prof, slots=slots, admission=adm)),
             ("static", dict(profile=prof, budget_bytes=int(blob.sum()) * 2, blob_bytes=blob, admission=adm)),
             ("adaptive", dict(profile=prof, slots=slots, admission=adm, **params)),
             ("adaptive", dict(profile=None, slots=slots, admission=adm, **params)),
+            ("adaptive", dict(profile=prof, slots=slots, admission=adm, **params, **v02)),
+            ("adaptive", dict(profile=None, slots=slots, admission=adm, **params, **v02)),
+            ("adaptive", dict(profile=prof, budget_bytes=int(blob.sum()) * 2, blob_bytes=blob, admission=adm,
+                              **params, **{**v02, "pace_bytes": 1500 * v02["pace_bytes"]})),
             ("lru", dict(cap=cap)), ("lfu", dict(cap=cap, decay=params["decay"])),
             ("lfru", dict(cap=cap, decay=params["decay"])), ("belady", dict(cap=cap))]
     for pol, kw in runs:
@@ -56,13 +62,15 @@ def test_compiled_equals_online(case):
         assert np.array_equal(h1, h2), pol
         assert np.array_equal(l1, l2), pol
         assert i1["cap"] == i2["cap"], pol
+        keys = ("adapt_steps", "swaps", "dropped_moves", "upper_hits")
+        assert {k: i1.get(k) for k in keys} == {k: i2.get(k) for k in keys}, (pol, kw)
 
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
 def test_belady_never_beaten(case):
-    ent, prof, slots, adm, params, cap, blob = case
-    for pol, kw in [("static", {}), ("adaptive", params)]:
+    ent, prof, slots, adm, params, cap, blob, v02 = case
+    for pol, kw in [("static", {}), ("adaptive", params), ("adaptive", {**params, **v02, "upper_slots": 0})]:
         h, _, info = run_policy(ent, pol, profile=prof, slots=slots, admission=adm, **kw)
         hb, _, _ = run_policy(ent, "belady", cap=np.array(info["cap"]))
         assert hb.sum() >= h.sum(), pol

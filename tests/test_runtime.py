@@ -299,3 +299,28 @@ def test_synthetic_release_runs(tmp_path, cli):
     res = json.loads(out)
     assert res["expert_source"] == "experts.bin" and res["new_tokens"] >= 1
     assert trace.stat().st_size > 0 and res["tier"]["resident"] <= 16
+
+
+def test_run_adaptive_tier_with_engine_knobs_and_an_upper_tier(tmp_path, cli):
+    """The runtime's tier takes the 0.2.x knobs by the engine's option names; the upper tier's experts are served
+    from the tier's store too (the same online objects as the simulator)."""
+    synth = pytest.importorskip("stratatools.synth.model")
+    from stratatools.pack.native import pack_model
+
+    rel = tmp_path / "rel"
+    synth.synth_release(rel)
+    pk = tmp_path / "pack"
+    pack_model(rel / "synth-revA.gguf", pk, experts_bin=True)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\\n    return x\n")
+    base = ["run", pk, "--prompts", prompts, "-n", "3", "--slots", "8", "--json"]
+    code, out, err = cli(*base, "--policy", "adaptive", "--adapt-every", "1", "--adapt-swaps", "4",
+                         "--adapt-lag", "2", "--upper-slots", "8", "--disjoint-adapt")
+    assert code == 0, err
+    tier = json.loads(out)["tier"]
+    # no profile: both tiers start empty; the upper tier's free slots are taken by its own moves (global pool)
+    assert tier["resident"] <= 8 and 0 < tier["upper_resident"] <= 8
+    code, _, err = cli(*base, "--adapt-every", "1")
+    assert code == 2 and "add --policy adaptive" in err
+    code, _, err = cli(*base, "--policy", "adaptive", "--strata-version", "0.1", "--upper-slots", "8")
+    assert code == 2 and "0.2.x" in err

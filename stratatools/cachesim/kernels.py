@@ -463,3 +463,269 @@ def belady_prepare(layer, expert, n_layers, n_expert, cap):
             res[l, e] = True
             seen[l] += 1
     return nxt, res, last.reshape(n_layers, n_expert)
+
+
+# -- Strata 0.2.x adaptive tier: lag, paced copies, an upper tier (rules in tiers.AdaptiveTier) -------------------
+
+@njit(cache=True, nogil=True)
+def _moves_v2(t, R, C, O, upool, usage, per_layer, floor, margin, max_moves, excl, prefer, use_prefer,
+              ql, qc, qv):
+    """Moves of tier ``t`` into the queue arrays ``ql/qc/qv[t]``, best first, at most ``max_moves``; returns
+    their count. Same rules and tie-breaks as ``AdaptiveTier._moves``."""
+    L, E = usage.shape
+    mg = np.zeros(L * E, dtype=np.float64)
+    ml = np.zeros(L * E, dtype=np.int64)
+    mc = np.zeros(L * E, dtype=np.int64)
+    mv = np.zeros(L * E, dtype=np.int64)
+    nm = 0
+    cand = np.empty(E, dtype=np.int64)
+    vict = np.empty(E, dtype=np.int64)
+    key = np.empty(E, dtype=np.float64)
+    ue = np.empty(E, dtype=np.float64)
+    for l in range(L):
+        nc = 0
+        for e in range(E):
+            if (not R[t, l, e]) and (not excl[l, e]) and usage[l, e] >= floor:
+                cand[nc] = e
+                nc += 1
+        if nc == 0:
+            continue
+        nv = 0
+        for e in range(E):  # victims listed preferred first, then by expert (the stable sort keeps that order)
+            ue[e] = usage[l, e]
+            if use_prefer and prefer[l, e]:
+                ue[e] = 0.0
+                if R[t, l, e]:
+                    vict[nv] = e
+                    nv += 1
+        for e in range(E):
+            if R[t, l, e] and not (use_prefer and prefer[l, e]):
+                vict[nv] = e
+                nv += 1
+        for j in range(nc):
+            key[j] = -usage[l, cand[j]]
+        oc = np.argsort(key[:nc], kind="mergesort")
+        cs = cand[:nc][oc]
+        for j in range(nv):
+            key[j] = ue[vict[j]]
+        ov = np.argsort(key[:nv], kind="mergesort")
+        vs = vict[:nv][ov]
+        free = C[t, l] - O[t, l] if per_layer else upool[t]
+        if free < 0:
+            free = 0
+        nf = min(free, nc)
+        for j in range(nf):
+            mg[nm] = usage[l, cs[j]]
+            ml[nm] = l
+            mc[nm] = cs[j]
+            mv[nm] = -1
+            nm += 1
+        for j in range(nc - nf):
+            if j >= nv:
+                break
+            c = cs[nf + j]
+            v = vs[j]
+            if not (usage[l, c] > ue[v] + margin):
+                break
+            mg[nm] = usage[l, c] - ue[v]
+            ml[nm] = l
+            mc[nm] = c
+            mv[nm] = v
+            nm += 1
+    order = np.argsort(-mg[:nm], kind="mergesort")
+    n = min(nm, max_moves)
+    for t2 in range(n):
+        m = order[t2]
+        ql[t, t2] = ml[m]
+        qc[t, t2] = mc[m]
+        qv[t, t2] = mv[m]
+    return n
+
+
+@njit(cache=True, nogil=True)
+def adaptive_v2_kernel(layer, expert, ridx, R, C, O, upool, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
+                       floor, margin, adapt_every, max_moves, decay, copy_delay, lag, pace, disjoint):
+    """Adaptive tier with Strata 0.2.x knobs (``tiers.AdaptiveTier`` rules): ``ridx`` int64 [N] dense round index
+    of each entry; ``R`` bool [T, L, E], ``C``/``O`` int64 [T, L] (tier 0, then the upper tier when T = 2) are
+    modified; ``upool`` int64 [T]: free slots of a global-admission tier its moves may take (0 for tier 0).
+    ``pace`` <= 0 = unpaced. Returns hits, loads, steps, swaps, dropped moves, upper-tier hits."""
+    n = layer.shape[0]
+    T, L, E = R.shape
+    hits = np.zeros(n, dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    usage = np.zeros((L, E), dtype=np.float64)
+    loading = np.zeros((T, L, E), dtype=np.bool_)
+    M = max(max_moves, 1)
+    ql = np.zeros((T, M), dtype=np.int64)
+    qc = np.zeros((T, M), dtype=np.int64)
+    qv = np.zeros((T, M), dtype=np.int64)
+    qn = np.zeros(T, dtype=np.int64)
+    qp = np.zeros(T, dtype=np.int64)
+    cap_f = T * M * (copy_delay + 2) + 1
+    ft = np.zeros(cap_f, dtype=np.int64)
+    fl = np.zeros(cap_f, dtype=np.int64)
+    fe = np.zeros(cap_f, dtype=np.int64)
+    fland = np.zeros(cap_f, dtype=np.int64)
+    nfl = 0
+    excl = np.zeros((L, E), dtype=np.bool_)
+    land_at = -1
+    rounds = 0
+    steps = 0
+    swaps = 0
+    dropped = 0
+    upper_hits = 0
+    j = 0  # lag > 1: next entry whose count is not yet visible
+    for i in range(n + 1):
+        if i == n or (i > 0 and ridx[i] != ridx[i - 1]):
+            rounds += 1
+            r = rounds
+            if lag > 1:
+                while j < i and ridx[j] + lag <= r:
+                    usage[layer[j], expert[j]] += 1.0
+                    j += 1
+            do_adapt = (r % adapt_every == 0) and (pace > 0 or nfl == 0)
+            if do_adapt:
+                for t in range(T):
+                    dropped += qn[t] - qp[t]
+                    qn[t] = 0
+                    qp[t] = 0
+                for t in range(T):
+                    for l in range(L):
+                        for e in range(E):
+                            excl[l, e] = loading[t, l, e]
+                            if T > 1 and t == 0:
+                                excl[l, e] = excl[l, e] or R[1, l, e] or loading[1, l, e]
+                            elif t == 1 and disjoint:
+                                excl[l, e] = excl[l, e] or R[0, l, e] or loading[0, l, e]
+                    if t == 1 and disjoint:
+                        for q in range(qp[0], qn[0]):
+                            excl[ql[0, q], qc[0, q]] = True
+                    qn[t] = _moves_v2(t, R, C, O, upool, usage, per_layer, floor, margin, max_moves, excl,
+                                      R[1] if T > 1 else R[0], T > 1 and t == 0, ql, qc, qv)
+                    qp[t] = 0
+                    if pace <= 0:
+                        # unpaced: submit every move now (pump without a budget)
+                        for q in range(qn[t]):
+                            l = ql[t, q]
+                            c = qc[t, q]
+                            v = qv[t, q]
+                            ok = not (R[t, l, c] or loading[t, l, c])
+                            if ok and T > 1 and (t == 0 or disjoint):
+                                ok = not (R[1 - t, l, c] or loading[1 - t, l, c])
+                            if ok:
+                                if v >= 0:
+                                    ok = R[t, l, v]
+                                elif per_layer:
+                                    ok = O[t, l] < C[t, l]
+                                else:
+                                    ok = upool[t] > 0
+                            if not ok:
+                                dropped += 1
+                                continue
+                            if v >= 0:
+                                R[t, l, v] = False
+                                swaps += 1
+                            else:
+                                O[t, l] += 1
+                                if not per_layer:
+                                    upool[t] -= 1
+                                    C[t, l] += 1
+                            loading[t, l, c] = True
+                            ft[nfl] = t
+                            fl[nfl] = l
+                            fe[nfl] = c
+                            fland[nfl] = r + copy_delay
+                            nfl += 1
+                            loads[l] += 1
+                        qp[t] = qn[t]
+                _scale_all(usage, decay)
+                steps += 1
+                land_at = r + copy_delay
+            if pace > 0:
+                for t in range(T):
+                    sent = 0
+                    while qp[t] < qn[t]:
+                        q = qp[t]
+                        l = ql[t, q]
+                        c = qc[t, q]
+                        v = qv[t, q]
+                        sb = slot_bytes[l]
+                        if sent + sb > pace:
+                            break
+                        qp[t] += 1
+                        ok = not (R[t, l, c] or loading[t, l, c])
+                        if ok and T > 1 and (t == 0 or disjoint):
+                            ok = not (R[1 - t, l, c] or loading[1 - t, l, c])
+                        if ok:
+                            if v >= 0:
+                                ok = R[t, l, v]
+                            elif per_layer:
+                                ok = O[t, l] < C[t, l]
+                            else:
+                                ok = upool[t] > 0
+                        if not ok:
+                            dropped += 1
+                            continue
+                        sent += sb
+                        if v >= 0:
+                            R[t, l, v] = False
+                            swaps += 1
+                        else:
+                            O[t, l] += 1
+                            if not per_layer:
+                                upool[t] -= 1
+                                C[t, l] += 1
+                        loading[t, l, c] = True
+                        ft[nfl] = t
+                        fl[nfl] = l
+                        fe[nfl] = c
+                        fland[nfl] = r + copy_delay
+                        nfl += 1
+                        loads[l] += 1
+            if nfl > 0 and (pace > 0 or r >= land_at):
+                k = 0
+                for q in range(nfl):
+                    if fland[q] <= r:
+                        R[ft[q], fl[q], fe[q]] = True
+                        loading[ft[q], fl[q], fe[q]] = False
+                    else:
+                        ft[k] = ft[q]
+                        fl[k] = fl[q]
+                        fe[k] = fe[q]
+                        fland[k] = fland[q]
+                        k += 1
+                nfl = k
+            if i == n:
+                break
+        l = layer[i]
+        e = expert[i]
+        if R[0, l, e]:
+            hits[i] = True
+        elif T > 1 and R[1, l, e]:
+            hits[i] = True
+            upper_hits += 1
+        elif admit:
+            ok = True
+            if per_layer:
+                if O[0, l] >= C[0, l]:
+                    ok = False
+            else:
+                if pool_slots == 0:
+                    ok = False
+                elif pool_bytes >= 0:
+                    if pool_bytes < slot_bytes[l]:
+                        pool_slots = 0
+                        ok = False
+                    else:
+                        pool_bytes -= slot_bytes[l]
+                if ok:
+                    if pool_slots > 0:
+                        pool_slots -= 1
+                    C[0, l] += 1
+            if ok:
+                R[0, l, e] = True
+                O[0, l] += 1
+                loads[l] += 1
+        if lag <= 1:
+            usage[l, e] += 1.0
+    return hits, loads, steps, swaps, dropped, upper_hits

@@ -183,3 +183,39 @@ def plan_tier(n_layers: int, n_expert: int, profile: Profile | None, *, slots: i
         n_slots = n if slots is None else int(slots)
     fill = int((resident.sum(1) * bb).sum())
     return TierPlan(L, E, admission, resident, cap, pool_slots, pool_bytes, n_slots, rb, bb, fill)
+
+
+def plan_upper(plan: TierPlan, profile: Profile | None, upper_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Start-up fill of the upper tier (Strata 0.2.x: a second GPU's tier above the first; cache-policy.md).
+
+    Decision (the doc is silent on the upper tier's fill): the upper tier takes the ranked pairs the first tier
+    did not take, in rank order. With global admission it holds the next ``upper_slots`` of them (slot count
+    only; slots a short profile leaves unfilled form the upper tier's free pool, which its adaptive moves take
+    first); with per-layer admission its
+    slots are split like the first tier's (:func:`per_layer_split` of ``upper_slots``) and each layer takes its
+    own next ranked pairs, its unfilled slots staying free for that layer (taken by adaptive moves first).
+
+    Returns (resident bool [L, E], cap int64 [L]). Raises StrataError for a negative slot count.
+    """
+    L, E = plan.n_layers, plan.n_expert
+    u = int(upper_slots)
+    if u < 0:
+        raise StrataError(f"upper tier slot count {u} is negative")
+    res = np.zeros((L, E), dtype=bool)
+    pairs = profile.pairs if profile is not None else np.zeros((0, 2), dtype=np.int64)
+    if len(pairs):
+        pairs = pairs[~plan.resident[pairs[:, 0], pairs[:, 1]]]
+    if plan.admission == "per-layer":
+        cap = per_layer_split(L, slots=u)
+        if len(pairs):
+            lay = pairs[:, 0]
+            order = np.argsort(lay, kind="stable")
+            first = np.searchsorted(lay[order], np.arange(L))
+            occ = np.empty(len(lay), dtype=np.int64)
+            occ[order] = np.arange(len(lay)) - first[lay[order]]
+            keep = occ < cap[lay]
+            res[pairs[keep, 0], pairs[keep, 1]] = True
+        return res, cap
+    take = pairs[:u]
+    res[take[:, 0], take[:, 1]] = True
+    return res, res.sum(1).astype(np.int64)

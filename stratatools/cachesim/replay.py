@@ -36,8 +36,9 @@ from stratatools.core.errors import StrataError
 from stratatools.profiles.strp import Profile
 from stratatools.traces.table import PREFILL, TraceTable, rounds_kind
 from stratatools.cachesim import kernels as K
-from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier
-from stratatools.cachesim.tiers import ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults, make_tier
+from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier, plan_upper
+from stratatools.cachesim.tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults,
+                                        check_adaptive_params, make_tier)
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,8 @@ class SimResult:
         time_per_token_s: estimate from ``bandwidth`` in seconds (None when blob sizes are unknown).
         params: policy parameters used.
         rounds_by: what a round was (``positions``, ``windows`` or ``windows+positions``; module docstring).
+        tiers: the three-tier cost model's figures (:func:`.costmodel.tier_costs`: h_vram, h_ram, h_ssd, bytes
+            per token, tok_s) when a :class:`.costmodel.ThreeTierModel` was given and blob sizes are known.
     """
 
     policy: str
@@ -254,6 +257,7 @@ class SimResult:
     bandwidth: dict[str, float]
     params: dict[str, Any] = field(default_factory=dict)
     rounds_by: str = "positions"
+    tiers: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -296,9 +300,8 @@ def _check_params(policy: str, params: dict) -> dict:
     for k, v in params.items():
         if not np.isfinite(float(v)):
             raise StrataError(f"{policy} parameter {k} = {v} is not a finite number")
-    if policy == "adaptive" and (int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0
-                                 or int(p["max_moves"]) < 0):
-        raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+    if policy == "adaptive":
+        check_adaptive_params(p)
     return p
 
 
@@ -338,6 +341,9 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
             else:
                 hits, loads = K.static_kernel(lay, ex, res, capv, occ, plan.pool_slots, plan.pool_bytes,
                                               plan.slot_bytes, per_layer, admit_on_miss)
+        elif int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0 or int(p["upper_slots"]) > 0:
+            hits, loads, extra = _run_adaptive_v2(ent, plan, profile, res, capv, occ, admit_on_miss, p)
+            info.update(extra)
         else:
             hits, loads, steps, swaps = K.adaptive_kernel(
                 lay, ex, ent.rnd, res, capv, occ, plan.pool_slots, plan.pool_bytes, plan.slot_bytes, per_layer,
@@ -370,6 +376,32 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
     return np.asarray(hits, dtype=bool), np.asarray(loads), info
 
 
+def _run_adaptive_v2(ent: Entries, plan, profile, res, capv, occ, admit_on_miss: bool, p: dict):
+    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier); ``capv`` is updated in place."""
+    T = 2 if int(p["upper_slots"]) > 0 else 1
+    L, E = ent.n_layers, ent.n_expert
+    R = np.zeros((T, L, E), dtype=bool)
+    C = np.zeros((T, L), dtype=np.int64)
+    R[0], C[0] = res, capv
+    if T == 2:
+        R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
+    O = R.sum(2).astype(np.int64)
+    upool = np.zeros(T, dtype=np.int64)
+    if T == 2 and plan.admission != "per-layer":
+        upool[1] = max(0, int(p["upper_slots"]) - int(R[1].sum()))
+    ridx = np.zeros(len(ent), dtype=np.int64)
+    if len(ent) > 1:
+        ridx[1:] = np.cumsum(ent.rnd[1:] != ent.rnd[:-1])
+    hits, loads, steps, swaps, dropped, uh = K.adaptive_v2_kernel(
+        ent.layer, ent.expert, ridx, R, C, O, upool, plan.pool_slots, plan.pool_bytes, plan.slot_bytes,
+        plan.admission == "per-layer", admit_on_miss, float(p["usage_floor"]), float(p["margin"]),
+        int(p["adapt_every"]), int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]), int(p["lag"]),
+        int(p["pace_bytes"]), bool(int(p["disjoint"])))
+    capv[:] = C[0]
+    return hits, loads, {"adapt_steps": int(steps), "swaps": int(swaps), "dropped_moves": int(dropped),
+                         "upper_hits": int(uh)}
+
+
 def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p):
     L, E = ent.n_layers, ent.n_expert
     kw: dict[str, Any] = {}
@@ -397,12 +429,17 @@ def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission
         info.update({"n_slots": int(tier.cap.sum()), "fill_bytes": 0, "admission": "per-layer"})
     if policy == "adaptive":
         info.update({"adapt_steps": tier.steps, "swaps": tier.swaps})
+        if int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0 or int(p["upper_slots"]) > 0:
+            info.update({"dropped_moves": tier.dropped, "upper_hits": tier.upper_hits})
     return hits, tier.layer_loads.copy(), info
 
 
 def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: BandwidthModel | None = None,
-                    blob_bytes=None, **kw: Any) -> SimResult:
+                    blob_bytes=None, cost=None, **kw: Any) -> SimResult:
     """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`.
+
+    ``cost``: a :class:`.costmodel.ThreeTierModel`; with blob sizes, ``tiers`` holds its per-tier hit rates and
+    predicted tok/s (the RAM tier ranked by ``kw["profile"]``, flat order without one).
 
     Without ``blob_bytes`` (a slot budget and no pack/model) byte sizes are unknown: ``h_bytes``,
     ``moved_bytes``, ``fill_bytes`` and ``time_per_token_s`` are None; ``loads`` still counts the copies.
@@ -415,10 +452,17 @@ def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: Ba
     if blob_bytes is None:  # sizes unknown: no byte-weighted rate, no bytes, no time (loads still count copies)
         m.update(h_bytes=None, moved_bytes=None, time_per_token_s=None)
         fill = None
+    tiers = None
+    if cost is not None and blob_bytes is not None and len(ent):
+        from stratatools.cachesim.costmodel import ram_set, tier_costs
+
+        _, rb = _blob_arrays(ent.n_layers, blob_bytes)
+        in_ram = ram_set(kw.get("profile"), ent.n_layers, ent.n_expert, rb, cost.ram_bytes)
+        tiers = tier_costs(ent.layer, ent.expert, hits, loads, ent.n_tokens, bb, in_ram, cost)
     params = dict(info.get("params", {}))
-    for k in ("adapt_steps", "swaps"):
+    for k in ("adapt_steps", "swaps", "dropped_moves", "upper_hits"):
         if k in info:
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
                      cap=[int(c) for c in info["cap"]], fill_bytes=fill,
-                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, **m)
+                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, tiers=tiers, **m)

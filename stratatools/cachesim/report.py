@@ -119,6 +119,20 @@ def study_markdown(study) -> str:
     for r in result_rows(study):
         out.append(f"| {r['label']} | {r['policy']} | {r['admission']} | {r['slots']} | {_pct(r['h_expert'])} | "
                    f"{_pct(r['h_layer'])} | {_pct(r['h_bytes'])} | {moved_text(r)} | {ms_text(r)} |")
+    cm = getattr(study, "cost_model", None)
+    if cm is not None:
+        ram = "all experts" if cm["ram_bytes"] is None else _bytes(cm["ram_bytes"])
+        out += ["", "## Three-tier cost model (a model, not a measurement)", "",
+                f"VRAM {cm['vram_gbps']} GB/s, PCIe {cm['pcie_gbps']} GB/s, host RAM {cm['ram_gbps']} GB/s "
+                f"(RAM tier: {ram}), SSD {cm['ssd_gbps']} GB/s. Assumptions: " + "; ".join(cm["assumptions"]) + ".",
+                "", "| policy | profile / split | VRAM | RAM | SSD | moved / token | predicted tok/s |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+        for r in study.results:
+            t = r.tiers
+            if t is None:
+                continue
+            out.append(f"| {r.policy} | {r.label} | {_pct(t['h_vram'])} | {_pct(t['h_ram'])} | {_pct(t['h_ssd'])} | "
+                       f"{_bytes(t['moved_bytes_per_token'])} | {t['tok_s']:.1f} |")
     kf = study.kfold
     if kf is not None:
         out += ["", f"## Held-out ({kf.k}-fold by request, {kf.requests} requests; profiles by make-profile "

@@ -64,6 +64,7 @@ class Study:
     coverage: dict[str, dict[str, Any]] = field(default_factory=dict)
     kfold: KFoldResult | None = None
     blob_bytes: list[int] | None = None
+    cost_model: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("results", "kfold")}
@@ -128,7 +129,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
               policies: Sequence[str] = DEFAULT_POLICIES, slots: int | None = None, budget_bytes: int | None = None,
               blob_bytes=None, admission: str = "global", phase: str = "decode", kfold: int | None = None,
               bandwidth: BandwidthModel | None = None, sweep: bool = True,
-              policy_params: dict[str, dict] | None = None, progress=None) -> Study:
+              policy_params: dict[str, dict] | None = None, progress=None, cost=None) -> Study:
     """Simulate profiles and policies on traces (module docstring).
 
     Args:
@@ -138,6 +139,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         slots / budget_bytes: the budget; blob_bytes: per-layer blob bytes (pack or model).
         kfold: k for the held-out evaluation (profile-driven policies), None to skip.
         progress: object with ``update(advance=n)`` (a progress bar), optional.
+        cost: a :class:`.costmodel.ThreeTierModel` for the main-budget results (needs blob sizes), optional.
     Raises:
         StrataError: profiles of different geometries, no geometry, bad budget, unknown policies.
     """
@@ -174,6 +176,8 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
     def run_at(budget: dict, collect: list | None, x: float | None, unit: str | None) -> list[SimResult]:
         out = []
         common = dict(blob_bytes=blob_bytes, bandwidth=bw, **budget)
+        if collect is None and cost is not None:
+            common["cost"] = cost
         for pol in policies:
             if pol in PROFILE_POLICIES:
                 for prof, name in zip(profiles, names):
@@ -194,7 +198,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
                     caps[r0.label] = np.maximum(caps[r0.label], c) if r0.label in caps else c
             for name, c in caps.items():
                 out.append(simulate_policy(ent, "belady", label=f"{name} split", cap=c, blob_bytes=blob_bytes,
-                                           bandwidth=bw))
+                                           bandwidth=bw, cost=common.get("cost")))
                 tick()
         if collect is not None:
             for r in out:
@@ -202,6 +206,8 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
                                 "h_expert": r.h_expert, "h_bytes": r.h_bytes})
         return out
 
+    if cost is not None and blob_bytes is not None:
+        st.cost_model = cost.to_dict()
     st.results = run_at({"slots": slots, "budget_bytes": budget_bytes}, None, None, None)
     if sweep:
         for budget, x, unit in _sweep_points(slots, budget_bytes, L, E, blob_bytes):

@@ -18,6 +18,20 @@ Policies (``make_tier(policy, ...)``):
   the layer's unfilled slots) are offered before swaps; a copy issued at the end of round r lands at the
   end of round ``r + copy_delay_rounds`` (default 1: not resident during the next round, resident from
   the one after; 0 = at once). An evicted expert is non-resident at once.
+  Strata 0.2.x knobs (off by default, so the 0.1.4x results are unchanged; cache-policy.md "Strata 0.2.x"):
+  ``lag`` (STRATA_ADAPT_LAG): a round's routing is added to the usage ``lag - 1`` rounds late (not decayed
+  meanwhile), so a move is decided from windows at least ``lag`` old. ``pace_bytes`` (paced mode): the step runs
+  every ``adapt_every`` rounds whatever is in flight, and queues its moves (best first); at the end of every round
+  the queue is pumped while the copies' rounded bytes fit the budget (the first that does not fit stops the round;
+  a move no longer valid, e.g. its candidate admitted on a miss meanwhile, is dropped); the next step drops what
+  is still queued. A victim leaves when its copy is submitted; a copy lands ``copy_delay_rounds`` after its
+  submission; experts in flight are neither candidates nor victims. ``upper_slots``: a second GPU's tier (fill
+  :func:`.layout.plan_upper`); a hit in either tier is a hit; experts it holds or loads are not candidates for
+  the first tier, and the first tier's copies of experts it holds count as usage 0 as victims (evicted first);
+  each tier has its own ``max_moves`` and pace budget, the first tier's moves are made first; ``disjoint``
+  (STRATA_DISJOINT_ADAPT=1) also keeps the first tier's experts (held, loading or queued) out of the upper
+  tier's candidates. Arrival admission fills the first tier only; the upper tier's free slots (per-layer: a
+  layer's own; global admission: the pool a short profile left) are offered to its top candidates first.
 * ``lru``: per-layer least-recently-used at entry granularity; starts empty; a miss always loads.
 * ``lfu``: per-layer least-frequently-used; counts of every access decay by ``decay`` (0.7) every
   ``decay_every`` (4) rounds; a miss loads and evicts the resident with the smallest count (ties: the
@@ -38,21 +52,38 @@ Per-layer baselines (lru, lfu, lfru, belady) take ``cap`` (slots per layer) from
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.profiles.strp import Profile
-from stratatools.cachesim.layout import TierPlan, per_layer_split, plan_tier, _blob_arrays
+from stratatools.cachesim.layout import TierPlan, per_layer_split, plan_tier, plan_upper, _blob_arrays
 
 POLICIES = ("static", "adaptive", "lru", "lfu", "lfru", "belady")
 ADAPTIVE_DEFAULTS = {"usage_floor": 2.0, "margin": 1.5, "adapt_every": 4, "max_moves": 96, "decay": 0.7,
-                     "copy_delay_rounds": 1}
+                     "copy_delay_rounds": 1, "lag": 1, "pace_bytes": 0, "upper_slots": 0, "disjoint": 0}
+# Strata 0.2.x knobs (cache-policy.md "Strata 0.2.x"); their defaults leave the 0.1.4x behaviour unchanged
+V02_PARAMS = ("lag", "pace_bytes", "upper_slots", "disjoint")
+STRATA_VERSIONS = ("0.1", "0.2")
 LFU_DEFAULTS = {"decay": 0.7, "decay_every": 4}
 LFRU_DEFAULTS = {"decay": 0.7, "decay_every": 4, "privileged_frac": 0.5}
 NEVER = np.iinfo(np.int64).max
+
+
+def check_adaptive_params(p: dict) -> None:
+    """Range checks of a full adaptive parameter dict; StrataError naming the parameter and the fix."""
+    if int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0 or int(p["max_moves"]) < 0:
+        raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+    if int(p["lag"]) < 1:
+        raise StrataError(f"adaptive tier: lag {p['lag']} must be >= 1 (STRATA_ADAPT_LAG: 1 = the engine default)")
+    if int(p["pace_bytes"]) < 0 or int(p["upper_slots"]) < 0:
+        raise StrataError("adaptive tier: pace_bytes and upper_slots must be >= 0 (0 = off)")
+    if int(p["disjoint"]) not in (0, 1):
+        raise StrataError(f"adaptive tier: disjoint {p['disjoint']} must be 0 or 1 (STRATA_DISJOINT_ADAPT)")
+    if not 0.0 <= float(p["decay"]) <= 1.0:
+        raise StrataError(f"adaptive tier: decay {p['decay']} must be in [0, 1] (--adapt-decay)")
 
 
 def _with_defaults(name: str, params: dict, defaults: dict) -> dict:
@@ -185,13 +216,21 @@ class StaticTier(Tier):
 class AdaptiveTier(StaticTier):
     """Strata's static tier plus its adaptive swaps (cache-policy.md; decisions in the module docstring).
 
-    Params: usage_floor 2.0, margin 1.5, adapt_every 4 (rounds), max_moves 96, decay 0.7,
-    copy_delay_rounds 1.
+    Params (engine option in brackets; defaults as in the engine):
+        usage_floor 2.0, margin 1.5, copy_delay_rounds 1;
+        adapt_every 4 [``--adapt-every``], max_moves 96 [``--adapt-swaps``], decay 0.7 [``--adapt-decay``];
+        lag 1 [``STRATA_ADAPT_LAG``, 0.2.x]: the routing of a round is counted ``lag - 1`` rounds late, so a swap
+            is decided only from windows at least ``lag`` old;
+        pace_bytes 0 [paced mode, 0.2.x; 0 = off]: per-round byte budget of submitted copies (rounded blob
+            bytes; slots when blob sizes are unknown); moves not submitted by the next adapt are dropped;
+        upper_slots 0 [upper tier, 0.2.x]: slots of a second GPU's tier (fill: :func:`.layout.plan_upper`);
+        disjoint 0 [``STRATA_DISJOINT_ADAPT``, 0.2.x]: 1 keeps the two tiers' sets disjoint.
+    ``upper``: (resident bool [L, E], cap int [L]) of the upper tier (default: empty, when ``upper_slots`` > 0).
     """
 
     policy = "adaptive"
 
-    def __init__(self, plan: TierPlan, admit_on_miss: bool = True, **params: Any):
+    def __init__(self, plan: TierPlan, admit_on_miss: bool = True, upper: tuple | None = None, **params: Any):
         super().__init__(plan, admit_on_miss)
         p = _with_defaults("adaptive-tier", params, ADAPTIVE_DEFAULTS)
         self.usage_floor = float(p["usage_floor"])
@@ -200,36 +239,80 @@ class AdaptiveTier(StaticTier):
         self.max_moves = int(p["max_moves"])
         self.decay = float(p["decay"])
         self.copy_delay = int(p["copy_delay_rounds"])
-        if self.adapt_every < 1 or self.copy_delay < 0 or self.max_moves < 0:
-            raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
-        self.usage = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
-        self.inflight: list[tuple[int, int]] = []
+        self.lag = int(p["lag"])
+        self.pace = int(p["pace_bytes"])
+        self.upper_slots = int(p["upper_slots"])
+        self.disjoint = bool(int(p["disjoint"]))
+        check_adaptive_params(p)
+        L, E = self.n_layers, self.n_expert
+        self.R = [self.res]
+        self.C = [self.cap]
+        self.O = [self.occupied]
+        if self.upper_slots > 0:
+            if upper is None:
+                upper = (np.zeros((L, E), dtype=bool), per_layer_split(L, slots=self.upper_slots)
+                         if self.per_layer else np.zeros(L, dtype=np.int64))
+            ures, ucap = upper
+            self.R.append(np.asarray(ures, dtype=bool).copy())
+            self.C.append(np.asarray(ucap, dtype=np.int64).copy())
+            self.O.append(self.R[1].sum(1).astype(np.int64))
+        self.T = len(self.R)
+        # global admission: the upper tier's unfilled slots form a pool its moves take first (the first tier's
+        # pool is taken by arrival admission); per-layer admission: each layer's own free slots
+        self.upool = [0] + ([max(0, self.upper_slots - int(self.R[1].sum()))] if self.T > 1 else [])
+        self.loading = [np.zeros((L, E), dtype=bool) for _ in range(self.T)]
+        self.queue: list[list[tuple[int, int, int]]] = [[] for _ in range(self.T)]
+        self.usage = np.zeros((L, E), dtype=np.float64)
+        self.inflight: list[tuple[int, int, int, int]] = []  # (tier, layer, expert, round it lands)
+        self.pending: deque[list[tuple[int, int]]] = deque()
+        self.cur: list[tuple[int, int]] = []
         self.land_at = -1
         self.steps = 0
         self.swaps = 0
+        self.dropped = 0
+        self.upper_hits = 0
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
-        out = super()._access(layer, experts)
+        r0 = self.res[layer]
+        r1 = self.R[1][layer] if self.T > 1 else None
+        out = []
         for e in experts:
-            self.usage[layer, e] += 1.0
+            if r0[e]:
+                out.append(True)
+            elif r1 is not None and r1[e]:
+                out.append(True)
+                self.upper_hits += 1
+            else:
+                out.append(False)
+        if self.admit_on_miss:
+            for e, h in zip(experts, out):
+                if not h:
+                    self._admit(layer, e)
+        if self.lag > 1:
+            self.cur.extend((layer, e) for e in experts)
+        else:
+            for e in experts:
+                self.usage[layer, e] += 1.0
         return out
 
-    def _land(self) -> None:
-        for (l, e) in self.inflight:
-            self.res[l, e] = True
-        self.inflight = []
+    def _moves(self, t: int, excl: np.ndarray, prefer: np.ndarray | None) -> list[tuple[int, int, int]]:
+        """Moves of tier ``t``, best first, at most ``max_moves``: (layer, new expert, victim or -1 = free slot).
 
-    def _adapt(self) -> None:
-        moves: list[tuple[float, int, int, int, int]] = []  # (gain, layer, order, new expert, victim or -1)
+        ``excl`` [L, E]: experts that are not candidates; ``prefer`` [L, E] or None: victims worth nothing here
+        (held by the upper tier: evicted first, their usage counted as 0)."""
+        moves: list[tuple[float, int, int, int, int]] = []
+        res, cap, occ = self.R[t], self.C[t], self.O[t]
         for l in range(self.n_layers):
             u = self.usage[l]
-            row = self.res[l]
-            cand = [e for e in range(self.n_expert) if not row[e] and u[e] >= self.usage_floor]
+            row = res[l]
+            cand = [e for e in range(self.n_expert) if not row[e] and not excl[l, e] and u[e] >= self.usage_floor]
             if not cand:
                 continue
             cand.sort(key=lambda e: (-u[e], e))
-            vict = sorted((e for e in range(self.n_expert) if row[e]), key=lambda e: (u[e], e))
-            free = int(self.cap[l] - self.occupied[l]) if self.per_layer else 0
+            pv = prefer[l] if prefer is not None else np.zeros(self.n_expert, dtype=bool)
+            ue = np.where(pv, 0.0, u)
+            vict = sorted((e for e in range(self.n_expert) if row[e]), key=lambda e: (ue[e], not pv[e], e))
+            free = int(cap[l] - occ[l]) if self.per_layer else self.upool[t]
             order = 0
             nf = min(max(free, 0), len(cand))
             for i in range(nf):
@@ -239,34 +322,118 @@ class AdaptiveTier(StaticTier):
                 if j >= len(vict):
                     break
                 v = vict[j]
-                if not (u[c] > u[v] + self.margin):
+                if not (u[c] > ue[v] + self.margin):
                     break
-                moves.append((float(u[c] - u[v]), l, order, c, v))
+                moves.append((float(u[c] - ue[v]), l, order, c, v))
                 order += 1
         moves.sort(key=lambda m: (-m[0], m[1], m[2]))
-        for gain, l, _, c, v in moves[: self.max_moves]:
-            if v >= 0:
-                self.res[l, v] = False
-                self.swaps += 1
+        return [(l, c, v) for _, l, _, c, v in moves[: self.max_moves]]
+
+    def _valid(self, t: int, l: int, c: int, v: int) -> bool:
+        if self.R[t][l, c] or self.loading[t][l, c]:
+            return False
+        if self.T > 1 and (t == 0 or self.disjoint):
+            o = 1 - t
+            if self.R[o][l, c] or self.loading[o][l, c]:
+                return False
+        if v >= 0:
+            return bool(self.R[t][l, v])
+        return bool(self.O[t][l] < self.C[t][l]) if self.per_layer else self.upool[t] > 0
+
+    def _dispatch(self, t: int, l: int, c: int, v: int, land: int) -> None:
+        if v >= 0:
+            self.R[t][l, v] = False
+            self.swaps += 1
+        else:
+            self.O[t][l] += 1
+            if not self.per_layer:
+                self.upool[t] -= 1
+                self.C[t][l] += 1
+        self.loading[t][l, c] = True
+        self.inflight.append((t, l, c, land))
+        self.layer_loads[l] += 1
+
+    def _land(self, r: int) -> None:
+        keep = []
+        for (t, l, e, land) in self.inflight:
+            if land <= r:
+                self.R[t][l, e] = True
+                self.loading[t][l, e] = False
             else:
-                self.occupied[l] += 1
-            self.inflight.append((l, c))
-            self.layer_loads[l] += 1
+                keep.append((t, l, e, land))
+        self.inflight = keep
+
+    def _pump(self, r: int, budget: int) -> None:
+        """Submit queued copies, best first, while their rounded bytes fit ``budget`` (< 0: no limit); a move
+        that is no longer valid is dropped without using the budget; the first that does not fit stops."""
+        for t in range(self.T):
+            q = self.queue[t]
+            sent = 0
+            while q:
+                l, c, v = q[0]
+                sb = int(self.slot_bytes[l])
+                if budget >= 0 and sent + sb > budget:
+                    break
+                q.pop(0)
+                if not self._valid(t, l, c, v):
+                    self.dropped += 1
+                    continue
+                sent += sb
+                self._dispatch(t, l, c, v, r + self.copy_delay)
+
+    def _adapt(self, r: int, budget: int) -> None:
+        for t in range(self.T):
+            self.dropped += len(self.queue[t])
+            self.queue[t] = []
+        for t in range(self.T):
+            excl = self.loading[t].copy()
+            prefer = None
+            if self.T > 1 and t == 0:
+                excl |= self.R[1] | self.loading[1]
+                prefer = self.R[1]
+            elif t == 1 and self.disjoint:
+                excl |= self.R[0] | self.loading[0]
+                for (l, c, _) in self.queue[0]:
+                    excl[l, c] = True
+            self.queue[t] = self._moves(t, excl, prefer)
+            if budget < 0:  # unpaced: every move is submitted at once
+                self._pump(r, -1)
         self.usage *= self.decay
         self.steps += 1
 
     def end_round(self) -> None:
-        super().end_round()
+        Tier.end_round(self)
         r = self.rounds
-        if r % self.adapt_every == 0 and not self.inflight:
-            self._adapt()
-            self.land_at = r + self.copy_delay
-        if self.inflight and r >= self.land_at:
-            self._land()
+        if self.lag > 1:
+            self.pending.append(self.cur)
+            self.cur = []
+            while len(self.pending) > self.lag - 1:
+                for (l, e) in self.pending.popleft():
+                    self.usage[l, e] += 1.0
+        if self.pace <= 0:
+            if r % self.adapt_every == 0 and not self.inflight:
+                self._adapt(r, -1)
+                self.land_at = r + self.copy_delay
+            if self.inflight and r >= self.land_at:
+                self._land(r)
+            return
+        if r % self.adapt_every == 0:
+            self._adapt(r, self.pace)
+        self._pump(r, self.pace)
+        self._land(r)
+
+    def resident_mask(self) -> np.ndarray:
+        """bool [L, E]: resident in the first tier (the upper tier's set: :meth:`upper_mask`)."""
+        return self.res.copy()
+
+    def upper_mask(self) -> np.ndarray | None:
+        """bool [L, E]: resident in the upper tier, or None without one."""
+        return self.R[1].copy() if self.T > 1 else None
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
-        s.update({"adapt_steps": self.steps, "swaps": self.swaps})
+        s.update({"adapt_steps": self.steps, "swaps": self.swaps, "dropped_moves": self.dropped,
+                  "upper_hits": self.upper_hits})
         return s
 
 
@@ -546,7 +713,9 @@ def make_tier(policy: str, *, n_layers: int | None = None, n_expert: int | None 
         if policy == "static":
             _with_defaults("static-tier", params, {})
             return StaticTier(plan, admit_on_miss)
-        return AdaptiveTier(plan, admit_on_miss, **params)
+        up = int(params.get("upper_slots", 0))
+        upper = plan_upper(plan, profile, up) if up > 0 else None
+        return AdaptiveTier(plan, admit_on_miss, upper=upper, **params)
     bb, _ = _blob_arrays(n_layers, blob_bytes)
     if cap is None:
         cap = per_layer_split(n_layers, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,

@@ -43,9 +43,10 @@ def _root(
 
 
 def _register_all() -> None:
-    from stratatools.cli import model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd
+    from stratatools.cli import (model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, tune_cmd, run_cmds,
+                                 release_cmds, demo_cmd)
 
-    for mod in (model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, run_cmds, release_cmds, demo_cmd):
+    for mod in (model_cmds, profile_cmds, alloc_cmds, trace_cmds, sim_cmds, tune_cmd, run_cmds, release_cmds, demo_cmd):
         mod.register(app)
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from stratatools.cli import common
+from stratatools.cli import common, sim_cmds
 
 
 def run_cmd(
@@ -30,18 +30,28 @@ def run_cmd(
                                                "parquet or csv (default by extension)."),
     selection: str = typer.Option("transformers", "--qsa", help="QSA token selection: transformers or llamacpp."),
     output_gate: str = typer.Option("sigmoid", "--output-gate", help="GDN output gate: sigmoid (llama.cpp) or silu."),
+    adapt_every: Optional[int] = sim_cmds._ADAPT_EVERY,
+    adapt_swaps: Optional[int] = sim_cmds._ADAPT_SWAPS,
+    adapt_decay: Optional[float] = sim_cmds._ADAPT_DECAY,
+    adapt_lag: Optional[int] = sim_cmds._ADAPT_LAG,
+    adapt_pace_bytes: Optional[int] = sim_cmds._ADAPT_PACE,
+    upper_slots: Optional[int] = sim_cmds._UPPER_SLOTS,
+    disjoint_adapt: bool = sim_cmds._DISJOINT,
+    strata_version: str = sim_cmds._VERSION,
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
     """Greedy-decode every prompt, write the routing trace, report h_expert and tokens/s."""
     from stratatools.runtime.run import read_prompts, run_prompts
 
+    tier_params = sim_cmds.adaptive_params(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
+                                           upper_slots, disjoint_adapt, strata_version)
     n = len(read_prompts(prompts))
     with common.progress_bar("run", n, bytes_=False) as bar:
         res = run_prompts(pack, prompts, model=model, profile=profile, budget_gib=budget_gib, slots=slots,
                           policy=policy, admission=admission, max_new_tokens=max_new_tokens, trace_out=trace_out,
                           trace_format=trace_format, force=force, selection=selection, output_gate=output_gate,
-                          progress=lambda k: bar.update(advance=k))
+                          progress=lambda k: bar.update(advance=k), tier_params=tier_params)
     if as_json:
         common.emit_json(res.to_dict())
         return

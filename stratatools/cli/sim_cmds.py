@@ -58,6 +58,41 @@ def _parse_sets(sets: list[str] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def adaptive_params(every: Optional[int] = None, swaps: Optional[int] = None, decay: Optional[float] = None,
+                    lag: Optional[int] = None, pace_bytes: Optional[int] = None, upper_slots: Optional[int] = None,
+                    disjoint: bool = False, version: str = "0.2", sets: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The adaptive tier's parameters from the engine's own option names (``--adapt-every``, ``--adapt-swaps``,
+    ``--adapt-decay``, ``STRATA_ADAPT_LAG`` as ``--adapt-lag``, the paced budget, the upper tier,
+    ``STRATA_DISJOINT_ADAPT`` as ``--disjoint-adapt``), merged with ``--set adaptive.KEY=V`` items (``sets``).
+
+    ``version`` ``0.1`` refuses the 0.2.x knobs (lag, paced mode, upper tier, disjoint): Strata 0.1.4x has none of
+    them; the defaults of the knobs both versions share are the same (4, 96, 0.7). Raises StrataError for an
+    unknown version, a knob given twice, or a 0.2 knob under 0.1.
+    """
+    from stratatools.cachesim.tiers import ADAPTIVE_DEFAULTS, STRATA_VERSIONS, V02_PARAMS
+
+    if version not in STRATA_VERSIONS:
+        raise StrataError(f"--strata-version {version!r}: use {' or '.join(STRATA_VERSIONS)}")
+    given = {"adapt_every": every, "max_moves": swaps, "decay": decay, "lag": lag, "pace_bytes": pace_bytes,
+             "upper_slots": upper_slots, "disjoint": 1 if disjoint else None}
+    names = {"adapt_every": "--adapt-every", "max_moves": "--adapt-swaps", "decay": "--adapt-decay",
+             "lag": "--adapt-lag", "pace_bytes": "--adapt-pace-bytes", "upper_slots": "--upper-slots",
+             "disjoint": "--disjoint-adapt"}
+    out = dict(sets or {})
+    for k, v in given.items():
+        if v is None:
+            continue
+        if k in out:
+            raise StrataError(f"{names[k]} and --set adaptive.{k} both given; keep one")
+        out[k] = v
+    if version == "0.1":
+        for k in V02_PARAMS:
+            if k in out and out[k] != ADAPTIVE_DEFAULTS[k]:
+                raise StrataError(f"{names[k]} (adaptive.{k}) is a Strata 0.2.x behaviour; drop it or use "
+                                  f"--strata-version 0.2")
+    return out
+
+
 def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional[int], Optional[int]]:
     if slots is None and budget_gib is None:
         raise StrataError("no budget: give --slots N or --budget-gib X")
@@ -91,8 +126,13 @@ def _check_report(report: str, inputs: list[str], force: bool) -> None:
 def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: Optional[str],
         slots: Optional[int], budget_gib: Optional[float], policies: list[str], admission: str,
         kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
-        sets: list[str], sweep: bool):
-    """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs)."""
+        sets: list[str], sweep: bool, adaptive: dict[str, Any] | None = None, ssd_gbps: float = 6.0,
+        ram_experts_gb: float | None = None):
+    """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs).
+
+    ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments); ``ssd_gbps`` and
+    ``ram_experts_gb`` complete the three-tier cost model (:mod:`stratatools.cachesim.costmodel`), applied when
+    blob sizes are known (--pack/--model)."""
     from stratatools.cachesim.replay import BandwidthModel
     from stratatools.cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
 
@@ -107,6 +147,16 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         raise StrataError(f"--kfold {kfold}: need at least 2 folds (or leave --kfold out)")
     if admission not in ("global", "per-layer"):
         raise StrataError(f"--admission {admission!r}: unknown (use global or per-layer)")
+    pp = _parse_sets(sets)
+    ad = adaptive_params(sets=pp.get("adaptive"), **(adaptive or {}))
+    if ad:
+        pp["adaptive"] = ad
+    from stratatools.cachesim.costmodel import ThreeTierModel
+
+    if ram_experts_gb is not None and not (0 <= ram_experts_gb < float("inf")):
+        raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
+    cost = ThreeTierModel(vram_gbps, pcie_gbps, host_gbps, ssd_gbps,
+                          None if ram_experts_gb is None else int(ram_experts_gb * 2**30))
     inp = load_inputs(traces, profiles, pack=pack, model=model)
     profs = inp.profiles or [None]
     names = inp.names or ["no profile"]
@@ -116,7 +166,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
                        trace_names=inp.trace_names, policies=pols, slots=s, budget_bytes=b,
                        blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
                        bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
-                       policy_params=_parse_sets(sets), progress=bar)
+                       policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None)
     return st, inp
 
 
@@ -124,11 +174,17 @@ def _table(st) -> Table:
     from stratatools.cachesim.report import _pct, moved_text, ms_text, result_rows
 
     t = Table(title=f"{st.entries} entries, {st.tokens} tokens; admission {st.admission}")
-    for c in ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token"):
+    tiers = getattr(st, "cost_model", None) is not None
+    cols = ("profile / split", "policy", "slots", "h_expert", "h_layer", "h_bytes", "moved", "ms/token")
+    for c in cols + (("RAM / SSD", "tok/s (model)") if tiers else ()):
         t.add_column(c, justify="left" if c in ("profile / split", "policy") else "right", no_wrap=True)
-    for r in result_rows(st):
-        t.add_row(r["label"], r["policy"], str(r["slots"]), _pct(r["h_expert"]), _pct(r["h_layer"]),
-                  _pct(r["h_bytes"]), moved_text(r), ms_text(r))
+    for r, res in zip(result_rows(st), st.results):
+        row = [r["label"], r["policy"], str(r["slots"]), _pct(r["h_expert"]), _pct(r["h_layer"]),
+               _pct(r["h_bytes"]), moved_text(r), ms_text(r)]
+        if tiers:
+            tc = res.tiers
+            row += ([f"{_pct(tc['h_ram'])} / {_pct(tc['h_ssd'])}", f"{tc['tok_s']:.1f}"] if tc else ["-", "-"])
+        t.add_row(*row)
     return t
 
 
@@ -170,11 +226,26 @@ _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.
 _PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
 _MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")
 _SLOTS = typer.Option(None, "--slots", help="Slot count budget.")
-_HOST_GBPS = typer.Option(60.0, "--host-gbps", help="Host-memory bandwidth, GB/s.")
+_HOST_GBPS = typer.Option(60.0, "--host-gbps", "--ram-gbps", help="Host-memory (RAM) bandwidth, GB/s.")
+_SSD_GBPS = typer.Option(6.0, "--ssd-gbps", help="SSD read bandwidth, GB/s (three-tier cost model).")
+_RAM_EXPERTS = typer.Option(None, "--ram-experts-gb", help="RAM tier size in GiB, the rest on SSD (three-tier cost model; default: all in RAM).")
 _PCIE_GBPS = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s.")
 _VRAM_GBPS = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s.")
 _SETS = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable.")
 _FORCE = typer.Option(False, "--force", help="Replace an existing report.")
+_ADAPT_EVERY = typer.Option(None, "--adapt-every", help="Adaptive tier: adapt every N rounds (engine default 4).")
+_ADAPT_SWAPS = typer.Option(None, "--adapt-swaps", help="Adaptive tier: at most N moves per step (engine default 96).")
+_ADAPT_DECAY = typer.Option(None, "--adapt-decay", help="Adaptive tier: usage decay per step (engine default 0.7).")
+_ADAPT_LAG = typer.Option(None, "--adapt-lag", help="STRATA_ADAPT_LAG (0.2.x): 1 (default); 2 = swaps from windows >= 2 old.")
+_ADAPT_PACE = typer.Option(None, "--adapt-pace-bytes", help="Paced mode (0.2.x): copy bytes per round; 0 = off.")
+_UPPER_SLOTS = typer.Option(None, "--upper-slots", help="Upper tier (0.2.x): slots on a second GPU; 0 = none.")
+_DISJOINT = typer.Option(False, "--disjoint-adapt", help="STRATA_DISJOINT_ADAPT=1 (0.2.x): the two tiers hold disjoint sets.")
+_VERSION = typer.Option("0.2", "--strata-version", help="Engine version modelled: 0.2 (default) or 0.1 (refuses 0.2.x knobs).")
+
+
+def _adaptive(every, swaps, decay, lag, pace, upper, disjoint, version) -> dict[str, Any]:
+    return {"every": every, "swaps": swaps, "decay": decay, "lag": lag, "pace_bytes": pace, "upper_slots": upper,
+            "disjoint": disjoint, "version": version}
 
 
 def register(app: typer.Typer) -> None:
@@ -195,7 +266,17 @@ def register(app: typer.Typer) -> None:
         host_gbps: float = _HOST_GBPS,
         pcie_gbps: float = _PCIE_GBPS,
         vram_gbps: float = _VRAM_GBPS,
+        ssd_gbps: float = _SSD_GBPS,
+        ram_experts_gb: Optional[float] = _RAM_EXPERTS,
         sets: Optional[list[str]] = _SETS,
+        adapt_every: Optional[int] = _ADAPT_EVERY,
+        adapt_swaps: Optional[int] = _ADAPT_SWAPS,
+        adapt_decay: Optional[float] = _ADAPT_DECAY,
+        adapt_lag: Optional[int] = _ADAPT_LAG,
+        adapt_pace_bytes: Optional[int] = _ADAPT_PACE,
+        upper_slots: Optional[int] = _UPPER_SLOTS,
+        disjoint_adapt: bool = _DISJOINT,
+        strata_version: str = _VERSION,
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the budget sweep (faster)."),
         report: str = typer.Option(..., "--report", help="Folder for report.md, report.json and PNG plots."),
         force: bool = _FORCE,
@@ -207,7 +288,10 @@ def register(app: typer.Typer) -> None:
         _check_report(report, list(traces) + list(profile or []), force)
         st, _ = run(traces, profile or [], pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or [], admission=admission, kfold=kfold, phase=phase, host_gbps=host_gbps,
-                    pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep)
+                    pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
+                    adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
+                                       upper_slots, disjoint_adapt, strata_version),
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb)
         paths = write_report(st, report, force=force)
         if as_json:
             import sys
@@ -237,7 +321,17 @@ def register(app: typer.Typer) -> None:
         host_gbps: float = _HOST_GBPS,
         pcie_gbps: float = _PCIE_GBPS,
         vram_gbps: float = _VRAM_GBPS,
+        ssd_gbps: float = _SSD_GBPS,
+        ram_experts_gb: Optional[float] = _RAM_EXPERTS,
         sets: Optional[list[str]] = _SETS,
+        adapt_every: Optional[int] = _ADAPT_EVERY,
+        adapt_swaps: Optional[int] = _ADAPT_SWAPS,
+        adapt_decay: Optional[float] = _ADAPT_DECAY,
+        adapt_lag: Optional[int] = _ADAPT_LAG,
+        adapt_pace_bytes: Optional[int] = _ADAPT_PACE,
+        upper_slots: Optional[int] = _UPPER_SLOTS,
+        disjoint_adapt: bool = _DISJOINT,
+        strata_version: str = _VERSION,
         report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder."),
         force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -252,7 +346,10 @@ def register(app: typer.Typer) -> None:
         st, _ = run(traces, profile, pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or ["static", "adaptive", "belady"], admission=admission, kfold=None,
                     phase=phase, host_gbps=host_gbps, pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [],
-                    sweep=report is not None)
+                    sweep=report is not None,
+                    adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
+                                       upper_slots, disjoint_adapt, strata_version),
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb)
         if report is not None:
             write_report(st, report, force=force)
         if as_json:

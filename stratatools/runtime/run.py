@@ -242,13 +242,15 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
                 policy: str = "static", admission: str = "global", max_new_tokens: int = 16,
                 trace_out: str | os.PathLike | None = None, trace_format: str | None = None, force: bool = False,
                 selection: str = "transformers", output_gate: str = "sigmoid", xp: Any = np,
-                progress: Callable[[int], None] | None = None) -> RunResult:
+                progress: Callable[[int], None] | None = None, tier_params: dict[str, Any] | None = None) -> RunResult:
     """Run every prompt of ``prompts_path`` through a pack (or GGUF) with greedy decoding.
 
     Args:
         pack: pack folder or GGUF. model: the pack's GGUF when the pack does not name it.
         profile: STRP profile filling the tier; budget_gib / slots: the tier's size (a tier is built when any
             of profile, budget_gib, slots is given). policy / admission: tier policy (the simulator's).
+        tier_params: the adaptive tier's parameters (``adapt_every``, ``max_moves``, ``decay``, ``lag``,
+            ``pace_bytes``, ``upper_slots``, ``disjoint``; :class:`stratatools.cachesim.tiers.AdaptiveTier`).
         max_new_tokens: length cap per request (stop token: the model's EOS).
         trace_out / trace_format: where and how to write the routing trace. force: replace an existing trace.
         selection: QSA selection (``transformers`` or ``llamacpp``). output_gate: GDN output gate.
@@ -270,6 +272,9 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
     if max_new_tokens < 0:
         raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
     want_tier = profile is not None or budget_gib is not None or slots is not None
+    if tier_params and policy != "adaptive":
+        raise StrataError(f"the --adapt-*/--upper-slots options configure the adaptive tier, not --policy {policy}: "
+                          f"add --policy adaptive")
     if not want_tier and (policy != "static" or admission != "global"):
         raise StrataError(f"--policy {policy} / --admission {admission} configure the expert tier, and there is none: "
                           f"pass --slots N, --budget-gib X or --profile P")
@@ -286,7 +291,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         tier = None
         if want_tier:
             tier = ExpertTier(w, policy=policy, profile=prof, slots=slots, budget_gib=budget_gib,
-                              admission=admission, profile_path=str(profile) if profile else None)
+                              admission=admission, profile_path=str(profile) if profile else None,
+                              **(tier_params or {}))
         rt = Qwen4ExpRuntime(w, selection=selection, expert_fn=tier.matrices if tier else None,
                              route_hook=tier.hook if tier else None)
         tok = None

@@ -110,6 +110,9 @@ class ExpertTier:
     def _sync(self) -> None:
         """Make the store hold exactly the resident experts (new ones copied in, evicted ones dropped)."""
         mask = self.tier.resident_mask()
+        upper = getattr(self.tier, "upper_mask", lambda: None)()
+        if upper is not None:  # an upper tier (a second GPU, Strata 0.2.x) serves its experts from VRAM too
+            mask = mask | upper
         want = set(zip(*[a.tolist() for a in np.nonzero(mask)]))
         for key in list(self.store):
             if key not in want:
@@ -143,8 +146,10 @@ class ExpertTier:
         total = TierCounts(self.counts["prefill"].entries + self.counts["decode"].entries,
                            self.counts["prefill"].hits + self.counts["decode"].hits)
         st = self.tier.stats()
+        upper = getattr(self.tier, "upper_mask", lambda: None)()
         return {"policy": self.policy, "slots": self.slots, "budget_bytes": self.budget_bytes,
                 "resident": int(self.tier.resident_mask().sum()), "copies_during_run": self.copies,
+                "upper_resident": None if upper is None else int(upper.sum()), "swaps": st.get("swaps"),
                 "blob_bytes": self.blob_bytes.tolist(), "prefill": self.counts["prefill"].to_dict(),
                 "decode": self.counts["decode"].to_dict(), "all": total.to_dict(),
                 "h_layer": st.get("h_layer"), "moved_bytes": st.get("moved_bytes")}

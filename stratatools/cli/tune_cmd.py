@@ -1,0 +1,179 @@
+"""CLI command ``tune``: search the tier settings for a workload, held out by request (:mod:`stratatools.cachesim.tune`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from stratatools.core.errors import StrataError
+from stratatools.cli import common
+
+GIB = 1 << 30
+
+
+def parse_card(text: str) -> float:
+    """``12GB``, ``16G``, ``24 GiB`` or ``12`` -> GiB as a float (a card's "GB" is its GiB of memory).
+
+    Raises StrataError for anything else."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(g|gb|gib)?\s*", text, flags=re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise StrataError(f"--card {text!r}: expected a memory size such as 12GB, 16G or 24GiB")
+    return float(m.group(1))
+
+
+def _budget(slots: Optional[int], budget_gib: Optional[float], card: Optional[str],
+            reserve_gib: float) -> tuple[Optional[int], Optional[int], str]:
+    given = [x is not None for x in (slots, budget_gib, card)]
+    if sum(given) != 1:
+        raise StrataError("give exactly one budget: --slots N, --budget-gib X or --card SIZE (e.g. --card 12GB)")
+    if slots is not None:
+        if slots < 0:
+            raise StrataError(f"--slots {slots}: must be >= 0")
+        return slots, None, f"{slots} slots"
+    if card is not None:
+        size = parse_card(card)
+        if not (0 <= reserve_gib < float("inf")):
+            raise StrataError(f"--reserve-gib {reserve_gib}: must be a finite number >= 0")
+        budget_gib = size - reserve_gib
+        if budget_gib <= 0:
+            raise StrataError(f"--card {card}: {size:g} GiB minus the --reserve-gib {reserve_gib:g} leaves no room for experts")
+        return None, int(budget_gib * GIB), f"card {size:g} GiB - reserve {reserve_gib:g} GiB = {budget_gib:g} GiB"
+    assert budget_gib is not None
+    if not (0 < budget_gib < float("inf")):
+        raise StrataError(f"--budget-gib {budget_gib}: must be a finite number > 0")
+    return None, int(budget_gib * GIB), f"{budget_gib:g} GiB"
+
+
+def _fmt(d: dict, key: str) -> str:
+    if key == "h_expert":
+        return f"{100 * d['mean']:.2f}% [{100 * d['low']:.2f}, {100 * d['high']:.2f}]"
+    return f"{d['mean']:.1f} [{d['low']:.1f}, {d['high']:.1f}]"
+
+
+def _settings_text(s: dict) -> str:
+    return (f"{s['profile']}, {s['admission']}, every {s['adapt_every']}, swaps {s['max_moves']}, "
+            f"decay {s['decay']}, lag {s['lag']}, pace {s['pace_slots']}")
+
+
+def _table(res, budget_text: str) -> Table:
+    d = res.to_dict()
+    key = res.key
+    t = Table(title=f"tune: {res.k}-fold held-out by request ({res.requests} requests), {budget_text}, "
+                    f"objective {res.objective}")
+    for c in ("setting", "profile, admission, every, swaps, decay, lag, pace", "held-out [95%]", "vs defaults",
+              "h_layer", "tok/s (model)"):
+        t.add_column(c, justify="left" if c.startswith(("setting", "profile")) else "right")
+    rows = [("best", d["best"])]
+    for name, row in (("engine defaults", d["engine_defaults"]), ("community", d["community"])):
+        rows.append((name, row))
+    base = d["engine_defaults"]["mean"]
+    for name, row in rows:
+        delta = row["mean"] - base
+        dtxt = f"{100 * delta:+.2f} pt" if key == "h_expert" else f"{delta:+.1f}"
+        t.add_row(name, _settings_text(row["settings"]), _fmt(row, key), dtxt,
+                  f"{100 * row['h_layer']:.2f}%" if row.get("h_layer") is not None else "-",
+                  f"{row['tok_s']:.1f}" if row.get("tok_s") is not None else "-")
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``tune`` to ``app``."""
+
+    @app.command("tune")
+    def tune_cmd(
+        traces: list[str] = typer.Option(..., "--traces", "-t", help="Routing trace of the workload; repeatable."),
+        profile: Optional[list[str]] = typer.Option(None, "--profile", "-p", help="STRP profile to consider; repeatable."),
+        pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
+        slots: Optional[int] = typer.Option(None, "--slots", help="Slot count budget."),
+        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB (needs --pack/--model)."),
+        card: Optional[str] = typer.Option(None, "--card", help="Card memory, e.g. 12GB: budget = card - --reserve-gib."),
+        reserve_gib: float = typer.Option(1.5, "--reserve-gib", help="With --card: GiB kept for dense weights, KV cache, context."),
+        objective: str = typer.Option("hit", "--objective", help="hit (held-out h_expert) or tok/s (cost model)."),
+        kfold: int = typer.Option(5, "--kfold", "-k", help="Folds by request."),
+        candidates: int = typer.Option(81, "--candidates", help="Settings drawn from the grid (besides the references)."),
+        eta: int = typer.Option(3, "--eta", help="Successive halving: keep 1/eta per rung."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the draw."),
+        phase: str = typer.Option("decode", "--phase", help="decode (drop prefill entries) or all."),
+        strata_version: str = typer.Option("0.2", "--strata-version", help="0.2 (lag, paced mode) or 0.1."),
+        vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s (cost model)."),
+        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),
+        ram_gbps: float = typer.Option(60.0, "--ram-gbps", help="Host RAM bandwidth, GB/s."),
+        ssd_gbps: float = typer.Option(6.0, "--ssd-gbps", help="SSD read bandwidth, GB/s."),
+        ram_experts_gb: Optional[float] = typer.Option(None, "--ram-experts-gb", help="RAM tier size in GiB (the rest on SSD); default: all in RAM."),
+        dense_gib: float = typer.Option(0.0, "--dense-gib", help="Non-expert weights read per token, GiB (cost model)."),
+        plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the held-out scores."),
+        json_out: Optional[str] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE."),
+        force: bool = typer.Option(False, "--force", help="Replace existing output files."),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ) -> None:
+        """Search profile, admission and the adaptive knobs for a workload (k-fold by request, successive halving)."""
+        from stratatools.cachesim.costmodel import ThreeTierModel
+        from stratatools.cachesim.study import load_inputs
+        from stratatools.cachesim.tune import plot_tune, tune
+        from stratatools.core.fsutil import guard_output, write_bytes_atomic, write_json_atomic
+
+        s, b, budget_text = _budget(slots, budget_gib, card, reserve_gib)
+        if phase not in ("decode", "all"):
+            raise StrataError(f"--phase {phase!r}: use decode or all")
+        inputs = list(traces) + list(profile or [])
+        for out in (plot, json_out):
+            if out is not None:
+                guard_output(out, inputs, force)
+        if ram_experts_gb is not None and not (0 <= ram_experts_gb < float("inf")):
+            raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
+        if not (0 <= dense_gib < float("inf")):
+            raise StrataError(f"--dense-gib {dense_gib}: must be a finite number >= 0")
+        cost = ThreeTierModel(vram_gbps, pcie_gbps, ram_gbps, ssd_gbps,
+                              None if ram_experts_gb is None else int(ram_experts_gb * GIB), int(dense_gib * GIB))
+        inp = load_inputs(traces, profile or [], pack=pack, model=model)
+        L, E = inp.n_layers, inp.n_expert
+        if L is None:
+            if inp.profiles:
+                L, E = inp.profiles[0].n_layers, inp.profiles[0].n_expert
+            else:
+                t0 = inp.tables[0]
+                L = int(t0.meta.get("n_layers") or int(t0.layer.max()) + 1)
+                E = int(t0.meta.get("n_expert") or int(t0.expert.max()) + 1)
+                common.note(f"geometry from the traces: {L} layers x {E} experts (pass --model/--pack or a "
+                            f"--profile to set it)")
+        total = None
+        with common.progress_bar("tuning", total, bytes_=False) as bar:
+            res = tune(inp.tables, L, E, slots=s, budget_bytes=b, blob_bytes=inp.blob_bytes,
+                       profiles=dict(zip(inp.names, inp.profiles)), k=kfold, candidates=candidates, eta=eta,
+                       objective=objective, cost=cost if inp.blob_bytes is not None else None, seed=seed,
+                       phase=phase, progress=bar, version=strata_version, trace_paths=list(traces),
+                       profile_paths=dict(zip(inp.names, profile or [])))
+        d = res.to_dict()
+        d["budget"] = budget_text
+        if plot is not None:
+            write_bytes_atomic(plot, plot_tune(res))
+        if json_out is not None:
+            write_json_atomic(json_out, d)
+        if as_json:
+            common.emit_json(d)
+            return
+        from stratatools.cli.sim_cmds import _print_table
+
+        _print_table(_table(res, budget_text))
+        dd = d["diff_vs_defaults"]
+        unit, f = ("pt", 100.0) if res.key == "h_expert" else ("tok/s", 1.0)
+        verdict = "significant" if res.significant else "not significant"
+        common.console.print(f"best vs engine defaults: {f * dd['mean']:+.2f} {unit} [{f * dd['low']:+.2f}, "
+                             f"{f * dd['high']:+.2f}] paired over folds ({verdict}); {res.evaluated} replays, "
+                             f"{res.candidates} settings drawn, rungs "
+                             + ", ".join(f"{r['settings']}x{r['folds']}" for r in res.rungs),
+                             markup=False, soft_wrap=True)
+        common.console.print("engine flags:", markup=False)
+        for line in res.engine_flags:
+            common.console.print("  " + line, markup=False, soft_wrap=True)
+        if res.cost_model is not None:
+            common.note("tok/s is a model: " + "; ".join(res.cost_model["assumptions"]))
+        common.note("the best is chosen on the folds it is scored on (its interval is slightly optimistic); "
+                    "the reference rows are not selected")
+        for p in (plot, json_out):
+            if p is not None:
+                common.note(f"wrote {p}")
