@@ -195,6 +195,10 @@ class SynthConfig:
             raise bad(f"--swap {self.swap} must be between 0 and min(keep, experts - keep)")
         if self.n_expert > 65535:
             raise bad("at most 65535 experts")
+        for nm in ("seed", "ple_seed"):  # stored as a GGUF int64 and fed to numpy's seed sequence (non-negative)
+            v = getattr(self, nm)
+            if not isinstance(v, int) or not 0 <= v < 1 << 63:
+                raise bad(f"--{nm.replace('_', '-')} {v} must be an integer from 0 to 2^63-1")
         if self.vocab_size < 260:
             raise bad("--vocab-size must be at least 260 (256 bytes + specials)")
         if self.head_dim % 16:
