@@ -486,7 +486,9 @@ def read_allocation(path: str | os.PathLike) -> Allocation:
     """
     import hashlib
 
-    path = Path(path)
+    from stratatools.core.fsutil import check_input
+
+    path = check_input(path, "allocation")
     try:
         with open(path, "rb") as fh:
             data = fh.read(1 << 16)

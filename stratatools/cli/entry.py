@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import StrataError, one_line
 from stratatools.cli import common
 
 
@@ -40,7 +40,8 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         if debug or os.environ.get("STRATATOOLS_DEBUG"):
             raise
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        common.err_console.print(f"error: {where}{e.strerror or e} (check the path, free space and permissions)",
+        common.err_console.print(one_line(f"error: {where}{e.strerror or e} (check the path, free space and "
+                                          f"permissions)"),
                                  markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

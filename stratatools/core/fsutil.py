@@ -294,6 +294,26 @@ def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], fo
     return out
 
 
+# ----------------------------------------------------------------------------------------------- inputs
+def check_input(path: str | os.PathLike, what: str = "input") -> Path:
+    """Refuse, without opening it, an input that would hang or mislead a reader: a FIFO, socket or device (an
+    ``open`` of a FIFO blocks until a writer comes), or a symlink loop. A missing file or a folder is left to
+    the caller's own message. Returns the path. Raises StrataError (one line, with the fix)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StrataError(f"{p}: symlink loop (the link points back at itself); point it at the real {what}",
+                              p) from None
+        return p
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return p
+    kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+    raise StrataError(f"{p}: is {kind}, not a regular file; give the {what} as a file (save the stream to a file "
+                      f"first)", p)
+
+
 # ------------------------------------------------------------------------------- whole-folder outputs
 class _Lock:
     def __init__(self, target: Path, fd: int, path: Path):

@@ -97,6 +97,9 @@ def read_sidecar(artifact: str | os.PathLike) -> dict[str, Any] | None:
         return None
     try:
         rec = json.loads(p.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise StrataError(f"{p}: not a valid provenance sidecar (nested too deeply); delete it or regenerate the "
+                          f"artefact", p) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StrataError(f"{p}: not a valid provenance sidecar ({e}); delete it or regenerate the artefact", p) from None
     if not isinstance(rec, dict):

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import check_input
 from stratatools.model.ggml_types import GGMLType, type_by_id
 
 GGUF_MAGIC = b"GGUF"
@@ -159,7 +160,7 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | os.PathLike, shard: int = 0):
-        self.path = Path(path)
+        self.path = check_input(path, "model")
         self.shard = shard
         try:
             self.size = self.path.stat().st_size

@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import (cached_sha256, publish_dir, sha256_fd, store_sha256, write_json_atomic,
+from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, sha256_fd, store_sha256, write_json_atomic,
                                      write_text_atomic)
 from stratatools.model.geometry import ROLES, Geometry, LayerExperts, exps_name, read_geometry, router_name
 from stratatools.model.ggml_types import type_by_id
@@ -93,6 +93,7 @@ EXPERTS_SRC = "experts.bin.src.json"
 MAX_VERSION = 4  # Strata kExpertLayoutVersion (expert_layout.hpp)
 HEADER_TAG = "# strata native experts v"
 _COPY_CHUNK = 8 << 20
+_MAX_TABLE_BYTES = 64 << 20  # a table line is < 200 bytes; 4096 layers take < 1 MiB
 
 
 # --------------------------------------------------------------------------------------------- the table
@@ -354,7 +355,11 @@ def read_pack(packdir: str | os.PathLike) -> Pack:
     p = packdir / NATIVE_TXT if packdir.is_dir() or not packdir.exists() else packdir
     if p.name != NATIVE_TXT and p.is_file():
         packdir = p.parent
+    check_input(p, "pack table")
     try:
+        if p.stat().st_size > _MAX_TABLE_BYTES:
+            raise StrataError(f"{p}: {p.stat().st_size} bytes is not a native_experts.txt (a table of at most "
+                              f"{_MAX_TABLE_BYTES >> 20} MiB); give the pack folder", p)
         raw = p.read_bytes()
     except FileNotFoundError:
         raise StrataError(f"{p}: no such file; {packdir} is not a finished pack (run stratatools pack)", p) from None
@@ -531,7 +536,7 @@ def _experts_src(model: Model, text: str, total: int) -> dict[str, Any]:
 def _read_json(p: Path) -> Any:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

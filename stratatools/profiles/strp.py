@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import write_bytes_atomic
+from stratatools.core.fsutil import check_input, write_bytes_atomic
 
 MAGIC = b"STRP"
 VERSION = 1
@@ -212,7 +212,7 @@ def read_profile(path: str | os.PathLike, expect: tuple[int, int] | None = None)
     Reads at most the header, the pair list and one L x E table (bounded by :func:`check_dims`), so a model
     passed by mistake is refused from its first bytes.
     """
-    path = Path(path)
+    path = check_input(path, "profile")
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size

@@ -32,7 +32,9 @@ def sniff_format(path: str | os.PathLike) -> str:
     Raises:
         StrataError: missing file, directory, empty file.
     """
-    p = Path(path)
+    from stratatools.core.fsutil import check_input
+
+    p = check_input(path, "routing trace")
     try:
         with open(p, "rb") as fh:
             head = fh.read(4096)
@@ -67,6 +69,9 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
     Raises:
         StrataError: an unknown format name and every reader's bad-input cases (one line, byte offset or line).
     """
+    from stratatools.core.fsutil import check_input
+
+    check_input(path, "routing trace")
     if fmt is None:
         fmt = sniff_format(path)
     if fmt == "strata-tagged":
