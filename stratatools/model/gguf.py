@@ -239,11 +239,20 @@ class GGUFFile:
             except StrataError as e:
                 raise StrataError(f"{self.path}: tensor {name}: {e}", self.path) from None
             start = self.data_start + rel
+            if rel % self.alignment:
+                raise StrataError(
+                    f"{self.path}: tensor {name}: data offset {rel} is not a multiple of the alignment "
+                    f"{self.alignment} (llama.cpp refuses such a file); the file is corrupt", self.path)
             if start + nbytes > self.size:
                 raise StrataError(
                     f"{self.path}: tensor {name}: data [{start}, {start + nbytes}) runs past the end of the file "
                     f"({self.size} bytes); the file is truncated, download it again", self.path)
             self.tensors[name] = TensorInfo(name, t, tuple(int(x) for x in ne), rel, start, nbytes, self.shard, self.path.name)
+        spans = sorted((ti.offset, ti.offset + ti.nbytes, ti.name) for ti in self.tensors.values() if ti.nbytes)
+        for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise StrataError(f"{self.path}: tensors {an} [{a0}, {a1}) and {bn} (from byte {b0}) overlap "
+                                  f"(llama.cpp refuses such a file); the file is corrupt", self.path)
 
     # -- access ----------------------------------------------------------------------------------------
     def buffer(self) -> mmap.mmap:

@@ -808,6 +808,11 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
         plan = plan_pack(model)
         _guard_packdir(packdir, model, force)
         text = plan.text
+        try:  # never publish a table the engine's reader (and ours) would refuse
+            parse_native_experts(text, packdir / NATIVE_TXT)
+        except StrataError as e:
+            raise StrataError(f"{model_path}: this model cannot be packed: the table would be refused on reading "
+                              f"({e}); nothing was written", model_path) from None
         want = _experts_src(model, text, plan.total_bytes)
         bin_path, src_path, txt_path = packdir / EXPERTS_BIN, packdir / EXPERTS_SRC, packdir / NATIVE_TXT
         notes = list(plan.notes)

@@ -198,8 +198,8 @@ def parse_profile(data: bytes, path: str | os.PathLike | None = None,
         if rest > table:
             warns.append(f"{rest - table} trailing bytes after the trailer")
     else:
-        trailer = "unknown"
-        warns.append(f"trailer is {rest} bytes, expected {table} (an n_layers x n_expert table)")
+        raise StrataError(f"{p}: byte {size}: the file ends inside its trailer ({rest} of {table} bytes of the "
+                          f"n_layers x n_expert table): it is cut; get or write the whole profile again", p)
     prof.trailer = trailer
     prof.freq = freq
     prof.warnings = warns

@@ -76,18 +76,28 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
         fmt = sniff_format(path)
     if fmt == "strata-tagged":
         fmt = "strata"
+    from stratatools.traces.semantics import check_semantics
+
     if fmt == "strata":
         from stratatools.traces.formats.strata import read_strata
-        return read_strata(path, n_layers, n_expert, sha256=sha256)
+        t = read_strata(path, n_layers, n_expert, sha256=sha256)
+        check_semantics(t, path)
+        return t
     if fmt == "llama-csv":
         from stratatools.traces.formats.text import read_llama_csv
-        return read_llama_csv(path, n_layers, n_expert)
+        t = read_llama_csv(path, n_layers, n_expert)
+        check_semantics(t, path)
+        return t
     if fmt == "csv":
         from stratatools.traces.formats.text import read_kit_csv
-        return read_kit_csv(path, n_layers, n_expert)
+        t = read_kit_csv(path, n_layers, n_expert)
+        check_semantics(t, path)
+        return t
     if fmt == "parquet":
         from stratatools.traces.formats.parquet import read_parquet
-        return read_parquet(path, n_layers, n_expert)
+        t = read_parquet(path, n_layers, n_expert)
+        check_semantics(t, path)
+        return t
     raise StrataError(f"unknown trace format {fmt!r} (use {', '.join(READ_FORMATS)})")
 
 
