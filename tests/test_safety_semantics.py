@@ -113,3 +113,16 @@ def test_trace_semantics(tmp_path, col, row, value, msg):
     pq.write_table(t.replace_schema_metadata(t.schema.metadata), tmp_path / "bad.parquet")
     with pytest.raises(StrataError, match=msg):
         read_trace(tmp_path / "bad.parquet")
+
+
+@pytest.mark.parametrize("etype,count,msg", [(8, 1 << 20, "string array"), (9, 1 << 20, "nested array"),
+                                             (6, 1 << 40, "exceeds the file size")])
+def test_gguf_array_counts_are_checked_against_the_file(tmp_path, etype, count, msg):
+    """A header-claimed element count larger than the rest of the file is refused before anything is built."""
+    from stratatools.model.gguf import open_model
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _s(b"tokenizer.ggml.tokens")
+    head += struct.pack("<IIQ", 9, etype, count) + b"\0" * 64
+    (tmp_path / "a.gguf").write_bytes(head)
+    with pytest.raises(StrataError, match=msg):
+        open_model(tmp_path / "a.gguf")

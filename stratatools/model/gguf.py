@@ -131,11 +131,11 @@ class _Cursor:
                 self.pos += n * size
                 return arr.astype(bool) if etype == 7 else arr
             if etype == T_STRING:
-                if n > self.size:
+                if n * 8 > self.size - self.pos:  # every string takes at least its 8-byte length
                     raise StrataError(f"{self.path}: byte {self.pos}: string array {what} of {n} elements exceeds the file size", self.path)
                 return [self.string(what) for _ in range(n)]
             if etype == T_ARRAY:
-                if n > self.size:
+                if n * 12 > self.size - self.pos:  # every inner array takes at least its type and count
                     raise StrataError(f"{self.path}: byte {self.pos}: nested array {what} too large", self.path)
                 return [self.value(T_ARRAY, what, depth + 1) for _ in range(n)]
             raise StrataError(f"{self.path}: byte {self.pos}: unknown array element type {etype} in {what}", self.path)
