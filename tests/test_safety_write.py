@@ -451,3 +451,23 @@ def test_synth_release_is_published_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(sm, "write_text_atomic", real)
     assert {p.name: p.read_bytes() for p in rel.iterdir()} == before
     assert _leftovers(tmp_path) == []
+
+
+def test_temp_left_by_a_killed_writer_is_cleaned_and_others_are_not(tmp_path):
+    """A temp file of a dead process is removed by the next write of the same output; a live process's temp,
+    another output's temp and look-alike names are left."""
+    import subprocess
+    import sys as _sys
+
+    dead = subprocess.run([_sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / f".out.bin.{dead}-0123abcd.stratatools-tmp"
+    stale.write_bytes(b"half")
+    live = tmp_path / f".out.bin.{os.getppid()}-0123abcd.stratatools-tmp"
+    live.write_bytes(b"busy")
+    other = tmp_path / f".other.bin.{dead}-0123abcd.stratatools-tmp"
+    other.write_bytes(b"x")
+    odd = tmp_path / f".out.bin.{dead}-zz.stratatools-tmp"
+    odd.write_bytes(b"y")
+    write_bytes_atomic(tmp_path / "out.bin", b"data")
+    assert not stale.exists() and live.exists() and other.exists() and odd.exists()

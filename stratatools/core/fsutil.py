@@ -113,6 +113,7 @@ def create_temp(target: str | os.PathLike, mode: int = 0o666) -> tuple[int, Path
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _fail(t, e, "cannot create its folder") from None
+    _clean_stale_temps(folder, t.name)
     for _ in range(16):
         tmp = _unique(folder, t.name)
         try:
@@ -122,6 +123,40 @@ def create_temp(target: str | os.PathLike, mode: int = 0o666) -> tuple[int, Path
         except OSError as e:
             raise _fail(t, e) from None
     raise StrataError(f"{t}: cannot create a unique temp file beside it; nothing was changed", t)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _clean_stale_temps(folder: Path, name: str) -> None:
+    """Remove temp files a killed writer of ``name`` left in ``folder``: only regular files (or symlinks, which
+    are removed themselves, never followed) named ``.<name>.<pid>-<hex>.stratatools-tmp`` whose process is gone.
+    Best effort."""
+    pre = f".{name}."
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for e in entries:
+        n = e.name
+        if not (n.startswith(pre) and n.endswith(_TMP_TAG)):
+            continue
+        mid = n[len(pre):-len(_TMP_TAG)]
+        pid_s, _, tag = mid.partition("-")
+        if not (pid_s.isdigit() and len(tag) == 8) or int(pid_s) == os.getpid() or _pid_alive(int(pid_s)):
+            continue
+        try:
+            if e.is_symlink() or e.is_file(follow_symlinks=False):
+                os.unlink(e.path)
+        except OSError:
+            pass
 
 
 def commit_temp(fd: int, tmp: Path, target: str | os.PathLike) -> None:
