@@ -471,3 +471,35 @@ def test_temp_left_by_a_killed_writer_is_cleaned_and_others_are_not(tmp_path):
     odd.write_bytes(b"y")
     write_bytes_atomic(tmp_path / "out.bin", b"data")
     assert not stale.exists() and live.exists() and other.exists() and odd.exists()
+
+
+def test_profile_and_sidecar_are_one_set_on_a_full_disk(tmp_path, monkeypatch, tiny):
+    """D7: make-profile on a full disk leaves neither the profile nor its sidecar (both temps are written first)."""
+    import numpy as np
+
+    from stratatools.profiles.ranking import make_profile_files as make_profile
+    from stratatools.traces.formats import write_trace
+    from stratatools.traces.table import TraceTable
+
+    n = 8
+    tt = TraceTable(np.zeros(n), np.arange(n) // 2, np.ones(n), np.zeros(n), np.tile([0, 1], 4), np.arange(n) % 4,
+                    np.full(n, 0.5))
+    write_trace(tt, tmp_path / "t.bin", "strata")
+    calls = [0]
+    real = os.fsync
+
+    def fsync(fd):
+        calls[0] += 1
+        if calls[0] == 2:  # the profile's temp, after the sidecar's
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StrataError, match="No space left"):
+        make_profile([str(tmp_path / "t.bin")], str(tmp_path / "p.bin"), 1, 4)
+    monkeypatch.setattr(os, "fsync", real)
+    assert sorted(os.listdir(tmp_path)) == ["t.bin"]
+    make_profile([str(tmp_path / "t.bin")], str(tmp_path / "p.bin"), 1, 4)
+    side = json.loads((tmp_path / "p.bin.json").read_text())
+    import hashlib
+    assert side["output"]["sha256"] == hashlib.sha256((tmp_path / "p.bin").read_bytes()).hexdigest()

@@ -301,6 +301,49 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, inputs: Iterable[str | 
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n", inputs)
 
 
+def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
+                       inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Write several files as one output set: every temp file is written and fsync'ed first (a full disk or any
+    error then removes them all and changes nothing), then they are renamed in the order given (put the file
+    whose presence marks completion last: an artefact after its sidecar). Raises StrataError (one line)."""
+    staged: list[tuple[int, Path, Path]] = []
+    try:
+        for path, data in items:
+            t = check_target(path, inputs)
+            fd, tmp = create_temp(t)
+            staged.append((fd, tmp, t))
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            except OSError as e:
+                raise _fail(t, e) from None
+    except BaseException:
+        for fd, tmp, _t in staged:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            _unlink_quiet(tmp)
+        raise
+    for fd, _tmp, _t in staged:
+        os.close(fd)
+    for i, (_fd, tmp, t) in enumerate(staged):
+        try:
+            check_target(t)
+            os.rename(tmp, t)
+        except BaseException as e:
+            for _f, rest, _r in staged[i:]:
+                _unlink_quiet(rest)
+            if isinstance(e, OSError):
+                raise _fail(t, e) from None
+            raise
+    for d in {t.parent for _f, _tmp, t in staged}:
+        fsync_dir(d)
+
+
 def _json_default(o: Any) -> Any:
     if hasattr(o, "tolist"):
         return o.tolist()
