@@ -503,3 +503,20 @@ def test_profile_and_sidecar_are_one_set_on_a_full_disk(tmp_path, monkeypatch, t
     side = json.loads((tmp_path / "p.bin.json").read_text())
     import hashlib
     assert side["output"]["sha256"] == hashlib.sha256((tmp_path / "p.bin").read_bytes()).hexdigest()
+
+
+def test_pack_into_the_models_own_folder_keeps_the_model(tmp_path, tiny):
+    """A pack folder that also holds the model: the model is carried over (hard link), never lost."""
+    import shutil
+
+    d = tmp_path / "rel"
+    d.mkdir()
+    m = d / "m.gguf"
+    shutil.copyfile(tiny.revA.path, m)
+    before = m.read_bytes()
+    pack_model(m, d, experts_bin=True)
+    pack_model(m, d, experts_bin=True, force=True)
+    assert m.read_bytes() == before and (d / NATIVE_TXT).is_file() and (d / EXPERTS_BIN).is_file()
+    with pytest.raises(StrataError, match="would replace the input"):
+        with publish_dir(d, inputs=[m]) as st:  # a folder output that would not carry the model over
+            del st

@@ -527,7 +527,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     t = Path(target)
     for i in list(inputs) + registry_input():
         ip = Path(i)
-        if _same(t, ip) or _inside(ip, t):
+        if _same(t, ip) or (_inside(ip, t) and not _kept(ip, t, keep)):
             raise StrataError(f"{t}: output folder would replace the input {i}; choose another output folder", t)
     if t.name in ("", ".", "..") or t.resolve() == Path.cwd().resolve():
         raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
@@ -597,6 +597,15 @@ def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -
         else:
             raise StrataError(f"{t}: holds {e.name!r}, which is not a regular file; the output folder is replaced "
                               f"as a whole: move it away or choose another output folder", t)
+
+
+def _kept(p: Path, folder: Path, keep: Callable[[str], bool] | None) -> bool:
+    """True when ``p`` (inside ``folder``) is a top-level file that the new folder carries over (``keep``)."""
+    try:
+        rel = p.resolve().relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return keep is not None and len(rel.parts) == 1 and keep(rel.parts[0])
 
 
 def _inside(p: Path, folder: Path) -> bool:
