@@ -545,6 +545,7 @@ def _expert_blob_from_model(model: Model, lp: LayerPlan, e: int) -> bytes:
 
 
 _PACK_FILES = (NATIVE_TXT, NATIVE_TXT + ".json", EXPERTS_BIN, EXPERTS_SRC)
+_SRC_DIGESTS = ("ranges_sha256", "shards_sha256")
 
 
 def _ranges_digest(model: Model, plan: PackPlan, stop: Callable[[], bool] | None = None) -> str | None:
@@ -601,18 +602,24 @@ def _bin_matches(model: Model, plan: PackPlan, bin_path: Path, src_path: Path, w
     """True only when an existing experts.bin was cut from exactly these source bytes: its size is the table's,
     its ``experts.bin.src.json`` matches (shards, table hash, bytes) and records a ``ranges_sha256`` equal to the
     digest of every source byte range now (:func:`_ranges_digest`; a changed model of the same name and size is
-    caught, whatever byte changed)."""
+    caught, whatever byte changed). Shortcut without reading: when the record also holds every shard's whole-file
+    sha256 and the digest cache has the same digest for each shard as it is now (device, inode, size, mtime and
+    ctime unchanged since hashing, :func:`stratatools.core.fsutil.cached_sha256`), the ranges are unchanged too."""
     try:
         if not bin_path.is_file() or bin_path.stat().st_size != plan.total_bytes:
             return False
     except OSError:
         return False
     rec = _read_json(src_path)
-    if not isinstance(rec, dict) or {k: v for k, v in rec.items() if k != "ranges_sha256"} != want:
+    if not isinstance(rec, dict) or {k: v for k, v in rec.items() if k not in _SRC_DIGESTS} != want:
         return False
     recorded = rec.get("ranges_sha256")
     if not isinstance(recorded, str):
         return False
+    shas = rec.get("shards_sha256")
+    if isinstance(shas, list) and len(shas) == len(model.files) and \
+            all(cached_sha256(f.path) == h for f, h in zip(model.files, shas)):
+        return True  # every whole shard provably unchanged since it was hashed (digest cache): so are the ranges
     return _ranges_digest(model, plan) == recorded
 
 
@@ -846,14 +853,19 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
                     ranges.join()
                     if ranges.error is not None:
                         raise ranges.error
-                    want = dict(want, ranges_sha256=ranges.digest)
-                    write_json_atomic(stage / EXPERTS_SRC, want)
                 elif reuse:
                     _link_or_copy(bin_path, stage / EXPERTS_BIN)
                     _link_or_copy(src_path, stage / EXPERTS_SRC)
                 hasher.join()
                 if hasher.error is not None:
                     raise StrataError(f"cannot read the model to hash it: {hasher.error}")
+                if write_bin:
+                    assert ranges is not None
+                    src = dict(want, ranges_sha256=ranges.digest)
+                    shas = [hasher.result.get(str(f.path)) for f in model.files]
+                    if all(isinstance(h, str) for h in shas):
+                        src["shards_sha256"] = shas
+                    write_json_atomic(stage / EXPERTS_SRC, src)
                 from_cache = [Path(k).name for k, v in hasher.sources.items() if v == "cache"]
                 if from_cache:
                     notes.append(f"sha256 of {', '.join(from_cache)} from the digest cache (file unchanged since it "
