@@ -65,7 +65,7 @@ def test_allocation_cut_after_section_1(cli, tmp_path):
     cut.write_text(text[:text.index("# Section 2")])
     code, out, err = cli("alloc", "check", cut, "--model", rel.revA.path)
     assert code == 2 and "the file is cut after Section 1" in err
-    code, out, err = cli("validate-release", "--model", rel.revA.path, "--alloc", cut, "--json", "-")
+    code, out, err = cli("validate-release", "--model", rel.revA.path, "--alloc", cut, "--json")
     assert code == 1
 
 
@@ -83,7 +83,7 @@ def test_profile_cut_in_trailer_and_empty_profile(cli, tmp_path):
     rel = synth_release(tmp_path / "r", TINY)
     Profile(2, 4, np.zeros((0, 2), np.int64)).write(tmp_path / "empty.bin")
     code, out, err = cli("validate-release", "--model", rel.revA.path, "--profile", tmp_path / "empty.bin",
-                         "--json", "-")
+                         "--json")
     import json
 
     checks = {c["name"]: c for c in json.loads(out)["checks"]}

@@ -102,11 +102,11 @@ def test_refuses_inputs_and_the_registry(tmp_path, monkeypatch):
 
 
 def test_cli_json_report_onto_the_registry_is_refused(cli, tmp_path, monkeypatch, tiny):
-    """D6 through the CLI: validate-release --json $STRATATOOLS_REGISTRY --force exits 2 and leaves it."""
+    """D6 through the CLI: validate-release --json-out $STRATATOOLS_REGISTRY --force exits 2 and leaves it."""
     reg = tmp_path / "releases.toml"
     reg.write_text("# registry\n")
     monkeypatch.setenv("STRATATOOLS_REGISTRY", str(reg))
-    code, out, err = cli("validate-release", "--model", tiny.revA.path, "--json", reg, "--force")
+    code, out, err = cli("validate-release", "--model", tiny.revA.path, "--json-out", reg, "--force")
     assert code == 2 and "would overwrite the input" in err and len(err.strip().splitlines()) == 1
     assert reg.read_text() == "# registry\n"
 

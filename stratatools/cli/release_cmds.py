@@ -58,7 +58,7 @@ def validate_release_cmd(
     if len(stdout_reports) > 1:
         from stratatools.core.errors import StrataError
 
-        named = [("--json" if k == "json" else f"--{k} -") for k in stdout_reports]
+        named = [(f"--{k}" if k in ("json", "github") else f"--{k} -") for k in stdout_reports]
         raise StrataError(f"{' and '.join(named)} all print on stdout; send at most one report there")
     if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
         warn("--traces, --slots and --budget-gib only serve the hit-rate gate; add --min-hit-rate X to run it")
