@@ -226,7 +226,7 @@ def test_reports_on_stdout_and_gate_hint(kit, cli, tmp_path):
     base = ("validate-release", "--model", p / "coder-revB.gguf", "--profile", p / "profile-revA.bin")
     code, out, err = cli(*base, "--junit", "-")
     assert code == 1
-    xml = junitparser.JUnitXml.fromstring(out)
+    xml = junitparser.JUnitXml.fromstring(out.encode("utf-8"))  # bytes: lxml refuses str with a declaration
     assert {c.name for s in ([xml] if isinstance(xml, junitparser.TestSuite) else xml) for c in s} >= {"profile-stale"}
     assert not (tmp_path / "-").exists()
     code, out, err = cli(*base, "--markdown", "-")

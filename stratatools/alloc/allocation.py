@@ -313,6 +313,11 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
         if m and alloc.header_layers is None:
             alloc.header_layers = int(m.group(1))
     s1_lines = np.fromiter(tensor_lines.values(), dtype=np.int64, count=len(tensor_lines))
+    if not s2 and alloc.header_kept is not None and alloc.header_original is not None \
+            and alloc.header_kept < alloc.header_original:
+        raise StrataError(f"{p}: line {alloc.header_count_line}: the header says {alloc.header_kept} of "
+                          f"{alloc.header_original} experts are retained, but there is no Section 2 (per-expert) "
+                          f"entry: the file is cut after Section 1; get the whole allocation again", p)
     if s2:
         _build_section2(alloc, s2, s2_line.astype(np.int64))
     # every entry in file order: group (-1 Section 1, else the layer) and index into its section
@@ -486,7 +491,9 @@ def read_allocation(path: str | os.PathLike) -> Allocation:
     """
     import hashlib
 
-    path = Path(path)
+    from stratatools.core.fsutil import check_input
+
+    path = check_input(path, "allocation")
     try:
         with open(path, "rb") as fh:
             data = fh.read(1 << 16)

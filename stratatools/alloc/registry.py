@@ -85,6 +85,7 @@ class Registry:
 
 
 REGISTRY_ENV = "STRATATOOLS_REGISTRY"
+_MAX_REGISTRY_BYTES = 64 << 20
 
 
 def load_registry(path: str | os.PathLike | None = None) -> Registry:
@@ -103,8 +104,13 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
         path = os.environ[REGISTRY_ENV]
     if path is None and not DEFAULT_PATH.is_file():
         return Registry(path=None)
-    p = Path(path) if path is not None else DEFAULT_PATH
+    from stratatools.core.fsutil import check_input
+
+    p = check_input(path, "registry") if path is not None else DEFAULT_PATH
     try:
+        if p.is_file() and p.stat().st_size > _MAX_REGISTRY_BYTES:
+            raise StrataError(f"{p}: {p.stat().st_size} bytes is not a release registry (at most "
+                              f"{_MAX_REGISTRY_BYTES >> 20} MiB); check --registry / ${REGISTRY_ENV}", p)
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise StrataError(f"{p}: release registry not found (check --registry / ${REGISTRY_ENV})", p) from None
@@ -112,6 +118,8 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
         raise StrataError(f"{p}: cannot read the release registry ({e})", p) from None
     except tomllib.TOMLDecodeError as e:
         raise StrataError(f"{p}: not valid TOML: {e}", p) from None
+    except RecursionError:
+        raise StrataError(f"{p}: not a release registry: arrays or tables nested too deeply", p) from None
     reg = Registry(path=p)
     for table in ("release", "profile"):
         entries = data.get(table, [])

@@ -291,11 +291,17 @@ def plot_coverage(study) -> bytes:
     return _fig_bytes(fig)
 
 
-def write_report(study, folder: str | os.PathLike, force: bool = False) -> list[Path]:
-    """Write report.md, report.json and the PNG plots into ``folder`` (created), each atomically.
+def write_report(study, folder: str | os.PathLike, force: bool = False,
+                 inputs: "list[str | os.PathLike] | tuple" = ()) -> list[Path]:
+    """Write report.md, report.json and the PNG plots into ``folder``, published whole: built in a temp folder
+    beside it and swapped in (:func:`stratatools.core.fsutil.publish_dir`), other files already in the folder are
+    carried over, a previous report survives any failure.
 
-    Raises StrataError when a report file exists there and ``force`` is False. Returns the paths written.
+    Raises StrataError when a report file exists there and ``force`` is False, when the folder is an input or not
+    a folder. Returns the paths written.
     """
+    from stratatools.core.fsutil import publish_dir
+
     d = Path(folder)
     if d.exists() and not d.is_dir():
         raise StrataError(f"{d}: exists and is not a folder; choose another --report folder", d)
@@ -303,15 +309,13 @@ def write_report(study, folder: str | os.PathLike, force: bool = False) -> list[
         for f in FILES:
             if (d / f).exists():
                 raise StrataError(f"{d / f}: already exists (pass --force to replace the report)", d / f)
-    d.mkdir(parents=True, exist_ok=True)
     blobs = {"report.json": study_json(study).encode(), "report.md": study_markdown(study).encode(),
              "hit_rate_vs_budget.png": plot_sweep(study), "layer_heatmap.png": plot_heatmap(study),
              "coverage.png": plot_coverage(study)}
-    paths = []
-    for name in FILES:
-        write_bytes_atomic(d / name, blobs[name])
-        paths.append(d / name)
-    return paths
+    with publish_dir(d, inputs=inputs, keep=lambda n: n not in FILES) as stage:
+        for name in FILES:
+            write_bytes_atomic(stage / name, blobs[name])
+    return [d / name for name in FILES]
 
 
 __all__ = ["write_report", "study_markdown", "study_json", "result_rows", "plot_sweep", "plot_heatmap",

@@ -11,8 +11,24 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# No markup, emoji or highlighting is ever read from text: file names, tensor names, reasons and messages come from
+# user input ("[/]" would raise MarkupError, "[shard]" would vanish, ":-1:" would become an emoji). Styled words are
+# built explicitly with rich.text.Text (see styled()).
+console = Console(highlight=False, markup=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+
+
+def styled(*parts: "str | tuple[str, str]") -> Any:
+    """A rich Text from plain strings (shown as they are) and (text, style) pairs: the one way to colour output."""
+    from rich.text import Text
+
+    t = Text()
+    for p in parts:
+        if isinstance(p, tuple):
+            t.append(p[0], style=p[1])
+        else:
+            t.append(p)
+    return t
 
 
 @dataclass
@@ -57,8 +73,9 @@ def progress_bar(description: str, total: int | None, bytes_: bool = True) -> It
     if STATE.quiet or not err_console.is_terminal:
         yield _NullBar()
         return
-    cols = [TextColumn("{task.description}"), BarColumn()]
-    cols += [DownloadColumn(), TransferSpeedColumn()] if bytes_ else [TextColumn("{task.completed}/{task.total}")]
+    cols = [TextColumn("{task.description}", markup=False), BarColumn()]
+    cols += [DownloadColumn(), TransferSpeedColumn()] if bytes_ else [TextColumn("{task.completed}/{task.total}",
+                                                                                  markup=False)]
     cols.append(TimeRemainingColumn())
     with Progress(*cols, console=err_console, transient=True) as p:
         task = p.add_task(description, total=total)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from stratatools.cli.common import STATE, console, err_console
+from stratatools.cli.common import STATE, console, err_console, styled
 
 _APP: typer.Typer | None = None  # the app ``register`` added the command to
 
@@ -26,8 +26,8 @@ def demo_cmd(
         if quiet:
             return
         ok = st.code == st.expect
-        mark = "[green]ok[/]" if ok else "[bold red]UNEXPECTED[/]"
-        err_console.print(f"{mark} {st.title}  [dim](exit {st.code}, {st.seconds:.1f} s)[/]")
+        mark = ("ok", "green") if ok else ("UNEXPECTED", "bold red")
+        err_console.print(styled(mark, f" {st.title}  ", (f"(exit {st.code}, {st.seconds:.1f} s)", "dim")))
 
     from stratatools.cli.entry import run_text
 
@@ -45,7 +45,7 @@ def demo_cmd(
     console.print(f"demo: {len(res.steps)} steps in {res.seconds:.1f} s -> {res.out / 'index.md'}")
     if not res.ok:
         bad = [s.title for s in res.steps if s.code != s.expect]
-        console.print(f"[bold red]unexpected exit codes in: {', '.join(bad)}[/] (see {res.out / 'logs'})")
+        console.print(styled((f"unexpected exit codes in: {', '.join(bad)}", "bold red"), f" (see {res.out / 'logs'})"))
         raise typer.Exit(1)
 
 

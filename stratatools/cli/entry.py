@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import sys
 
 import typer
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import StrataError, one_line
 from stratatools.cli import common
 
 
@@ -21,6 +22,10 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     stderr and its exit code (2), an OSError into one line and exit 2, Ctrl-C into exit 130. ``--debug`` or
     ``$STRATATOOLS_DEBUG`` re-raises instead (tracebacks). Exits through :class:`SystemExit`."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    if argv is None and hasattr(signal, "SIGPIPE"):
+        # as the program itself: a reader that goes away (| head) ends us the way it ends cat or grep, quietly,
+        # exit status 141 (128 + SIGPIPE); every output file is published whole or not at all, so this is safe
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         app(args=argv, prog_name="stratatools", standalone_mode=True)
     except StrataError as e:
@@ -28,18 +33,29 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
             raise
         common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
+    except BrokenPipeError:  # in-process: quiet, with the status a shell reports for SIGPIPE
+        _silence_stdout()
+        sys.exit(141)
     except OSError as e:  # disk full, permission denied, ...: the system's word, one line, not a traceback
         if debug or os.environ.get("STRATATOOLS_DEBUG"):
             raise
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        common.err_console.print(f"error: {where}{e.strerror or e} (check the path, free space and permissions)",
+        common.err_console.print(one_line(f"error: {where}{e.strerror or e} (check the path, free space and "
+                                          f"permissions)"),
                                  markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         common.err_console.print("interrupted", markup=False)
         sys.exit(130)
-    except BrokenPipeError:
-        sys.exit(0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not report the broken pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def run_captured(app: typer.Typer, argv: list[str], out, err=None, width: int | None = None) -> int:

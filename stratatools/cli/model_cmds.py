@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from stratatools.core.errors import StrataError
@@ -32,7 +31,7 @@ def render_inspect(r: InspectReport) -> None:
     t = Table(title=f"{Path(r.path).name}", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
     t.add_column("value")
-    t.add_row("name", escape(r.name))
+    t.add_row("name", r.name)
     t.add_row("synthetic", "yes (stratatools.synthetic)" if r.synthetic else "no")
     t.add_row("architecture", r.architecture)
     t.add_row("blocks", f"{r.block_count} ({r.n_trunk} trunk, {r.n_mtp} MTP)")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from stratatools.release.checks import FAIL, PASS
 from stratatools.core.fsutil import write_text_atomic
-from stratatools.cli.common import console, emit_json, warn
+from stratatools.cli.common import console, emit_json, styled, warn
 
 _STYLE = {PASS: "green", FAIL: "bold red", "skip": "yellow"}
 
@@ -36,6 +36,8 @@ def validate_release_cmd(
     registry: Optional[Path] = typer.Option(None, "--registry", help="Release registry TOML (default: "
                                             "$STRATATOOLS_REGISTRY, else the packaged allocations/releases.toml)."),
     force: bool = typer.Option(False, "--force", help="Replace existing --json-out/--junit/--markdown files."),
+    github: bool = typer.Option(False, "--github", help="Print GitHub Actions annotations on stdout "
+                                "(::error file=...::reason per failed check, ::notice per skipped one)."),
 ) -> None:
     """Validate a release: shards, geometry, allocation, survivor map, profile (stale?), pack, hit-rate gate.
 
@@ -51,11 +53,12 @@ def validate_release_cmd(
 
         raise StrataError("--json-out -: to print JSON on stdout use --json; --json-out takes a file path")
     stdout_reports = (["json"] if as_json else []) + [k for k, v in (("junit", junit), ("markdown", markdown))
-                                                      if v is not None and str(v) == "-"]
+                                                      if v is not None and str(v) == "-"] \
+        + (["github"] if github else [])
     if len(stdout_reports) > 1:
         from stratatools.core.errors import StrataError
 
-        named = [("--json" if k == "json" else f"--{k} -") for k in stdout_reports]
+        named = [(f"--{k}" if k in ("json", "github") else f"--{k} -") for k in stdout_reports]
         raise StrataError(f"{' and '.join(named)} all print on stdout; send at most one report there")
     if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
         warn("--traces, --slots and --budget-gib only serve the hit-rate gate; add --min-hit-rate X to run it")
@@ -74,7 +77,10 @@ def validate_release_cmd(
     elif stdout_reports:
         import sys
 
-        sys.stdout.write(suite.to_junit() if stdout_reports[0] == "junit" else suite.to_markdown())
+        if stdout_reports[0] == "github":
+            sys.stdout.write(suite.to_github())
+        else:
+            sys.stdout.write(suite.to_junit() if stdout_reports[0] == "junit" else suite.to_markdown())
         sys.stdout.flush()
     else:
         t = Table(title=f"validate-release: {inp.model.name}", show_lines=False)
@@ -82,11 +88,11 @@ def validate_release_cmd(
         t.add_column("status")
         t.add_column("reason", overflow="fold")
         for c in suite.checks:
-            t.add_row(c.name, f"[{_STYLE[c.status]}]{c.status}[/]", c.reason)
+            t.add_row(c.name, styled((c.status, _STYLE[c.status])), c.reason)
         console.print(t)
         n = suite.counts
-        verdict = "[green]PASS[/]" if suite.ok else "[bold red]FAIL[/]"
-        console.print(f"{verdict}: {n[PASS]} passed, {n[FAIL]} failed, {n['skip']} skipped")
+        verdict = ("PASS", "green") if suite.ok else ("FAIL", "bold red")
+        console.print(styled(verdict, f": {n[PASS]} passed, {n[FAIL]} failed, {n['skip']} skipped"))
     raise typer.Exit(suite.exit_code)
 
 

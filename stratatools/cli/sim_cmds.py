@@ -200,7 +200,8 @@ def _print_table(t: Table) -> None:
     from rich.console import Console
 
     need = Measurement.get(con, con.options.update_width(10_000), t).maximum
-    Console(file=con.file, width=max(con.width, need), highlight=False, color_system=None).print(t)
+    Console(file=con.file, width=max(con.width, need), highlight=False, markup=False, emoji=False,
+            color_system=None).print(t)
 
 
 def _print_rounds(st) -> None:

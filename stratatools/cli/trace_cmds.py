@@ -141,7 +141,9 @@ def pack_geometry(pack_dir: Path) -> tuple[int, int]:
             return int(nl), int(e)
     except ImportError:
         pass
-    table = pack_dir / "native_experts.txt" if pack_dir.is_dir() else pack_dir
+    from stratatools.core.fsutil import check_input
+
+    table = check_input(pack_dir / "native_experts.txt" if pack_dir.is_dir() else pack_dir, "pack table")
     try:
         text = table.read_text(encoding="utf-8")
     except FileNotFoundError:

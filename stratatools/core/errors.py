@@ -26,5 +26,19 @@ class StrataError(Exception):
 
     def __init__(self, message: str, path: str | os.PathLike | None = None):
         self.path = os.fspath(path) if path is not None else None
-        super().__init__(message)
+        super().__init__(one_line(message))
+
+
+_MAX_MESSAGE = 2000
+
+
+def one_line(message: str) -> str:
+    """``message`` as one printable line: control characters (a newline, NUL, ESC from a file's bytes quoted in
+    the message) are written as escapes, and an overlong message is cut (with ``...``)."""
+    message = str(message)
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in message):
+        message = "".join(c if not (ord(c) < 32 or 127 <= ord(c) < 160) else repr(c)[1:-1] for c in message)
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE - 3] + "..."
+    return message
 

@@ -2,70 +2,346 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
+import secrets
+import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from stratatools.core.errors import StrataError
 
 
-class AtomicFile:
-    """Context manager writing ``<path>.tmp`` and renaming it over ``path`` on success.
+# ------------------------------------------------------------------------------------- the write path
+# Every output of the project is written here (decision, issue 14):
+# * a file goes to a unique temp name in the target's own folder, created with O_CREAT|O_EXCL|O_NOFOLLOW (a planted
+#   symlink or file at that name is never followed or truncated), is written, fsync'ed, renamed over the target,
+#   and the folder is fsync'ed (the rename survives a crash);
+# * the target must be a regular file or absent (never a device, FIFO, socket or folder: a rename would replace the
+#   node) and must not be an input of the command, nor the registry named by $STRATATOOLS_REGISTRY;
+# * any OSError (ENOSPC, EACCES, EIO...) removes the temp and becomes a one-line StrataError naming the target;
+# * a multi-file output (a pack, a synth release, a report or demo folder) is built in a unique sibling temp folder
+#   and swapped in whole (:func:`publish_dir`), under an advisory lock beside it (:func:`output_lock`).
+REGISTRY_ENV = "STRATATOOLS_REGISTRY"
+_TMP_TAG = ".stratatools-tmp"       # in every temp file/folder name we create (recognised on clean-up)
+_ASIDE_TAG = ".stratatools-old"     # a previous output folder moved aside during a swap
+_LOCK_SUFFIX = ".stratatools-lock"  # the advisory lock (and swap journal) beside an output
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
-    On an exception the temp file is removed and an existing ``path`` stays untouched (the engine's own
-    writers do the same: Strata expert_cache.cpp, STRP save).
+
+def _fail(path: str | os.PathLike, e: BaseException, what: str = "cannot write") -> StrataError:
+    """A one-line StrataError for an OSError ``e`` met while writing ``path``."""
+    msg = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    hint = " (free some space)" if getattr(e, "errno", None) == errno.ENOSPC else ""
+    return StrataError(f"{path}: {what}: {msg}{hint}; nothing was changed", path)
+
+
+def registry_input() -> list[Path]:
+    """The registry named by ``$STRATATOOLS_REGISTRY`` (an input of every command that reads it), or []."""
+    v = os.environ.get(REGISTRY_ENV)
+    return [Path(v)] if v else []
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def check_target(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """Refuse an output path that exists and is not a regular file (a folder, device, FIFO, socket; a symlink is
+    judged by what it points to and replaced itself, never its target), or that is one of ``inputs`` or the
+    ``$STRATATOOLS_REGISTRY`` file. Returns the path. Raises StrataError (one line, with the fix)."""
+    p = Path(path)
+    for i in list(inputs) + registry_input():
+        if _same(p, Path(i)):
+            raise StrataError(f"{p}: output would overwrite the input {i}; choose another output path", p)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return p
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StrataError(f"{p}: symlink loop; remove it or choose another output path", p) from None
+        if e.errno == errno.ENOTDIR:
+            raise StrataError(f"{p}: a parent of this path is not a folder; choose another output path", p) from None
+        raise _fail(p, e) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, FIFO or socket)"
+        raise StrataError(f"{p}: exists and is {kind}; outputs are written only to regular files: choose another "
+                          f"output path", p)
+    return p
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """fsync a folder so renames in it survive a crash (best effort where the file system refuses)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
+    return folder / f".{name}.{os.getpid()}-{secrets.token_hex(4)}{tag}"
+
+
+def create_temp(target: str | os.PathLike, mode: int = 0o666) -> tuple[int, Path]:
+    """Create a fresh temp file beside ``target`` (``O_CREAT|O_EXCL|O_NOFOLLOW``, unique name); returns (fd, path).
+
+    Raises StrataError naming the target when the folder cannot be created or written."""
+    t = Path(target)
+    folder = t.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _fail(t, e, "cannot create its folder") from None
+    _clean_stale_temps(folder, t.name)
+    for _ in range(16):
+        tmp = _unique(folder, t.name)
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode), tmp
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise _fail(t, e) from None
+    raise StrataError(f"{t}: cannot create a unique temp file beside it; nothing was changed", t)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _clean_stale_temps(folder: Path, name: str) -> None:
+    """Remove temp files a killed writer of ``name`` left in ``folder``: only regular files (or symlinks, which
+    are removed themselves, never followed) named ``.<name>.<pid>-<hex>.stratatools-tmp`` whose process is gone.
+    Best effort."""
+    pre = f".{name}."
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for e in entries:
+        n = e.name
+        if not (n.startswith(pre) and n.endswith(_TMP_TAG)):
+            continue
+        mid = n[len(pre):-len(_TMP_TAG)]
+        pid_s, _, tag = mid.partition("-")
+        if not (pid_s.isdigit() and len(tag) == 8) or int(pid_s) == os.getpid() or _pid_alive(int(pid_s)):
+            continue
+        try:
+            if e.is_symlink() or e.is_file(follow_symlinks=False):
+                os.unlink(e.path)
+        except OSError:
+            pass
+
+
+def commit_temp(fd: int, tmp: Path, target: str | os.PathLike) -> None:
+    """fsync and close ``fd``, rename ``tmp`` over ``target`` (checked again: a regular file or absent), fsync the
+    folder. On any error the temp is removed and a one-line StrataError naming the target is raised."""
+    t = Path(target)
+    try:
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        check_target(t)
+        os.rename(tmp, t)
+    except BaseException as e:
+        _unlink_quiet(tmp)
+        if isinstance(e, OSError):
+            raise _fail(t, e) from None
+        raise
+    try:
+        fsync_dir(t.parent)
+    except OSError as e:
+        raise _fail(t, e, "written, but the folder could not be synced") from None
+
+
+def _unlink_quiet(p: Path) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
+class _FdRaw(io.RawIOBase):
+    """An unbuffered writable file over a descriptor; every write goes through ``os.write`` (the one place a
+    test injects ENOSPC)."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, b) -> int:  # type: ignore[override]
+        return os.write(self._fd, b)
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        return os.lseek(self._fd, off, whence)
+
+    def tell(self) -> int:
+        return os.lseek(self._fd, 0, os.SEEK_CUR)
+
+    def close(self) -> None:  # the fd is closed by AtomicFile
+        super().close()
+
+
+class AtomicFile:
+    """Context manager yielding a file object for ``path``; on success the data is fsync'ed and renamed over
+    ``path`` (see the write-path notes above), on an exception the temp is removed and ``path`` stays untouched.
+
+    Args:
+        path: the output.
+        mode: ``"wb"`` (binary) or ``"w"`` (UTF-8 text, LF line ends).
+        inputs: paths the output must not be (the command's inputs); the registry is always added.
+
+    Raises:
+        StrataError: the target is not a regular file or is an input; any OSError while writing (one line,
+            naming ``path``).
     """
 
-    def __init__(self, path: str | os.PathLike, mode: str = "wb"):
+    def __init__(self, path: str | os.PathLike, mode: str = "wb", inputs: Iterable[str | os.PathLike] = ()):
+        if mode not in ("w", "wb"):
+            raise ValueError(f"AtomicFile mode {mode!r}: only 'w' and 'wb'")
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.mode = mode
-        self.fh = None
+        self.inputs = list(inputs)
+        self.fh: Any = None
+        self.tmp: Path | None = None
+        self._fd = -1
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(self.tmp, self.mode)
+        check_target(self.path, self.inputs)
+        self._fd, self.tmp = create_temp(self.path)
+        buf = io.BufferedWriter(_FdRaw(self._fd), 1 << 20)
+        self.fh = buf if self.mode == "wb" else io.TextIOWrapper(buf, encoding="utf-8", newline="\n")
         return self.fh
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        assert self.fh is not None
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        assert self.tmp is not None
         if exc_type is None:
             try:
                 self.fh.flush()
-                os.fsync(self.fh.fileno())
-                self.fh.close()
-                os.replace(self.tmp, self.path)
             except OSError as e:
-                self.fh.close()
-                try:
-                    self.tmp.unlink()
-                except FileNotFoundError:
-                    pass
-                raise StrataError(f"{self.path}: cannot write: {e.strerror or e} (nothing was changed)", self.path) from None
-        else:
-            self.fh.close()
-            try:
-                self.tmp.unlink()
-            except FileNotFoundError:
-                pass
+                self._abort()
+                raise _fail(self.path, e) from None
+            self._detach()
+            commit_temp(self._fd, self.tmp, self.path)
+            return False
+        self._abort()
+        if isinstance(exc, OSError):
+            raise _fail(self.path, exc) from None
+        return False
+
+    def _detach(self) -> None:
+        try:
+            raw = self.fh.detach() if self.mode == "wb" else self.fh.detach().detach()
+            raw.close()
+        except (OSError, ValueError):
+            pass
+
+    def _abort(self) -> None:
+        try:
+            self.fh.close()  # may try to flush the rest and fail again
+        except (OSError, ValueError):
+            pass
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        assert self.tmp is not None
+        _unlink_quiet(self.tmp)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file and rename."""
-    with AtomicFile(path) as fh:
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Write ``data`` to ``path`` through :class:`AtomicFile`. Raises StrataError (one line) on any failure."""
+    with AtomicFile(path, inputs=inputs) as fh:
         fh.write(data)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write UTF-8 ``text`` (LF line ends) to ``path`` through a temp file and rename."""
-    write_bytes_atomic(path, text.encode("utf-8"))
+def write_text_atomic(path: str | os.PathLike, text: str, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Write UTF-8 ``text`` (LF line ends) to ``path`` through :class:`AtomicFile`."""
+    write_bytes_atomic(path, text.encode("utf-8"), inputs)
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented, key-sorted JSON (deterministic bytes) through a temp file and rename."""
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+def write_json_atomic(path: str | os.PathLike, obj: Any, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Write ``obj`` as indented, key-sorted JSON (deterministic bytes) through :class:`AtomicFile`."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n", inputs)
+
+
+def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
+                       inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Write several files as one output set: every temp file is written and fsync'ed first (a full disk or any
+    error then removes them all and changes nothing), then they are renamed in the order given (put the file
+    whose presence marks completion last: an artefact after its sidecar). Raises StrataError (one line)."""
+    staged: list[tuple[int, Path, Path]] = []
+    try:
+        for path, data in items:
+            t = check_target(path, inputs)
+            fd, tmp = create_temp(t)
+            staged.append((fd, tmp, t))
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            except OSError as e:
+                raise _fail(t, e) from None
+    except BaseException:
+        for fd, tmp, _t in staged:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            _unlink_quiet(tmp)
+        raise
+    for fd, _tmp, _t in staged:
+        os.close(fd)
+    for i, (_fd, tmp, t) in enumerate(staged):
+        try:
+            check_target(t)
+            os.rename(tmp, t)
+        except BaseException as e:
+            for _f, rest, _r in staged[i:]:
+                _unlink_quiet(rest)
+            if isinstance(e, OSError):
+                raise _fail(t, e) from None
+            raise
+    for d in {t.parent for _f, _tmp, t in staged}:
+        fsync_dir(d)
 
 
 def _json_default(o: Any) -> Any:
@@ -85,22 +361,275 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], force: bool) -> Path:
-    """Refuse an output that is one of the inputs, or that exists without ``force``.
+    """Refuse an output that is one of the inputs (or the registry), that exists and is not a regular file, or
+    that exists without ``force``.
 
     Returns the output as a Path. Raises StrataError with the fix.
     """
-    out = Path(out)
-    for i in inputs:
-        ip = Path(i)
-        try:
-            same = out.exists() and ip.exists() and os.path.samefile(out, ip)
-        except OSError:
-            same = False
-        if same or out.resolve() == ip.resolve():
-            raise StrataError(f"{out}: output would overwrite the input {i}; choose another output path", out)
+    out = check_target(out, inputs)
     if out.exists() and not force:
         raise StrataError(f"{out}: already exists (pass --force to replace it)", out)
     return out
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def check_input(path: str | os.PathLike, what: str = "input") -> Path:
+    """Refuse, without opening it, an input that would hang or mislead a reader: a FIFO, socket or device (an
+    ``open`` of a FIFO blocks until a writer comes), or a symlink loop. A missing file or a folder is left to
+    the caller's own message. Returns the path. Raises StrataError (one line, with the fix)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StrataError(f"{p}: symlink loop (the link points back at itself); point it at the real {what}",
+                              p) from None
+        return p
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return p
+    kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+    raise StrataError(f"{p}: is {kind}, not a regular file; give the {what} as a file (save the stream to a file "
+                      f"first)", p)
+
+
+# ------------------------------------------------------------------------------- whole-folder outputs
+class _Lock:
+    def __init__(self, target: Path, fd: int, path: Path):
+        self.target, self.fd, self.path = target, fd, path
+
+    def journal(self) -> dict[str, Any]:
+        try:
+            os.lseek(self.fd, 0, os.SEEK_SET)
+            raw = os.read(self.fd, 1 << 16)
+            rec = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+            return rec if isinstance(rec, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def set_journal(self, rec: dict[str, Any]) -> None:
+        data = json.dumps(rec, sort_keys=True).encode("utf-8")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        os.fsync(self.fd)
+
+
+def lock_path(target: str | os.PathLike) -> Path:
+    """The advisory lock file of an output: ``.<name>.stratatools-lock`` beside it."""
+    t = Path(target)
+    return t.parent / f".{t.name}{_LOCK_SUFFIX}"
+
+
+@contextmanager
+def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
+    """Hold an exclusive advisory lock (``fcntl.flock``) on ``.<name>.stratatools-lock`` beside ``target`` for the
+    duration of a write. A second writer of the same output does not wait: it raises StrataError at once (one
+    line: another run is writing it). The lock file stays (removing a lock file races with its next user); it
+    also carries the swap journal of :func:`publish_dir`."""
+    import fcntl
+
+    t = Path(target)
+    lp = lock_path(t)
+    try:
+        lp.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StrataError(f"{lp}: lock file is not a regular file; remove it", lp)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StrataError(f"{t}: another stratatools run is writing this output now ({lp.name} is locked); "
+                              f"wait for it to finish or choose another output path", t) from None
+        yield _Lock(t, fd, lp)
+    finally:
+        os.close(fd)
+
+
+def _ours(p: Path, target: Path) -> bool:
+    """True for a temp or aside folder this module made for ``target`` (name pattern), never anything else."""
+    n = p.name
+    return p.parent == target.parent and n.startswith(f".{target.name}.") and (
+        n.endswith(_TMP_TAG) or n.endswith(_ASIDE_TAG))
+
+
+def recover(lock: _Lock) -> list[str]:
+    """Finish or undo a swap that a killed run left half done (under ``lock``): when the output is missing and the
+    journal names an aside folder, the aside is renamed back; leftover temp/aside folders named in the journal are
+    then removed (only those, and only when their names are ours). Returns notes of what was done."""
+    t = lock.target
+    j = lock.journal()
+    notes: list[str] = []
+    names = [Path(x) for x in j.get("paths", []) if isinstance(x, str)]
+    names = [p for p in names if _ours(p, t)]
+    aside = [p for p in names if p.name.endswith(_ASIDE_TAG) and p.exists()]
+    if not os.path.lexists(t) and aside:
+        os.rename(aside[0], t)
+        notes.append(f"{t}: restored the previous output left aside by an interrupted run")
+    for p in names:
+        if os.path.lexists(p):
+            _remove_tree(p)
+            notes.append(f"{p}: removed a leftover of an interrupted run")
+    if j:
+        lock.set_journal({})
+        fsync_dir(t.parent)
+    return notes
+
+
+def _remove_tree(p: Path) -> None:
+    import shutil
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        _unlink_quiet(p)
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    r = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), 2)
+    if r == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@contextmanager
+def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (),
+                keep: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    """Build a folder output in a unique sibling temp folder and swap it in whole on success.
+
+    Yields the (empty) temp folder to write into. On success the temp folder replaces ``target`` in one step
+    (``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it, else: old folder renamed aside,
+    new one renamed in, old one removed; each step recorded first in the lock file's journal so a run killed
+    in between is finished or undone by the next writer, :func:`recover`). On any exception, kill, or full disk
+    the previous ``target`` is untouched and the temp folder is removed (or, after a kill, by the next run).
+    Holds :func:`output_lock` throughout (a concurrent writer is refused).
+
+    ``keep(name)``: entries of an existing ``target`` that the new output carries over (hard links, no copy);
+    other entries of the old folder go with it.
+
+    Raises:
+        StrataError: the target is an input, a non-folder, a locked output; any OSError (one line).
+    """
+    t = Path(target)
+    for i in list(inputs) + registry_input():
+        ip = Path(i)
+        if _same(t, ip) or (_inside(ip, t) and not _kept(ip, t, keep)):
+            raise StrataError(f"{t}: output folder would replace the input {i}; choose another output folder", t)
+    if t.name in ("", ".", "..") or t.resolve() == Path.cwd().resolve():
+        raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
+    if os.path.lexists(t) and (t.is_symlink() or not t.is_dir()):
+        raise StrataError(f"{t}: exists and is not a folder; choose another output folder", t)
+    with output_lock(t) as lock:
+        try:
+            recover(lock)
+            tmp = _unique(t.parent, t.name)
+            lock.set_journal({"paths": [str(tmp)]})
+            os.mkdir(tmp)
+        except OSError as e:
+            raise _fail(t, e, "cannot create its temp folder") from None
+        try:
+            _carry_over(t, None, keep)  # refuse early, before the (possibly long) build
+            yield tmp
+            _carry_over(t, tmp, keep)
+            _fsync_tree(tmp)
+            if os.path.lexists(t):
+                if not _renameat2_exchange(tmp, t):
+                    aside = _unique(t.parent, t.name, _ASIDE_TAG)
+                    lock.set_journal({"paths": [str(tmp), str(aside)]})
+                    os.rename(t, aside)
+                    os.rename(tmp, t)
+                    tmp = aside
+                # tmp now holds the previous output
+            else:
+                os.rename(tmp, t)
+            fsync_dir(t.parent)
+        except BaseException as e:
+            recover_exc = e
+            try:
+                if not os.path.lexists(t):
+                    recover(lock)  # puts an aside folder back
+                if os.path.lexists(tmp):
+                    _remove_tree(tmp)
+                lock.set_journal({})
+            except OSError:
+                pass
+            if isinstance(recover_exc, OSError):
+                raise _fail(t, recover_exc) from None
+            raise
+        _remove_tree(tmp)
+        lock.set_journal({})
+
+
+def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -> None:
+    """Link the entries of the old folder ``t`` that ``keep`` accepts into ``tmp`` (regular files: hard links,
+    else copies; symlinks: recreated). With ``tmp`` None only check: a kept entry that is a folder or special
+    file cannot be carried over, so the swap (which removes the old folder) is refused instead."""
+    import shutil
+
+    if not t.is_dir() or t.is_symlink():
+        return
+    for e in os.scandir(t):
+        if keep is None or not keep(e.name) or _LOCK_SUFFIX in e.name:
+            continue
+        if e.is_symlink():
+            if tmp is not None and not os.path.lexists(tmp / e.name):
+                os.symlink(os.readlink(e.path), tmp / e.name)
+        elif e.is_file(follow_symlinks=False):
+            if tmp is not None and not os.path.lexists(tmp / e.name):
+                try:
+                    os.link(e.path, tmp / e.name)
+                except OSError:
+                    shutil.copy2(e.path, tmp / e.name)
+        else:
+            raise StrataError(f"{t}: holds {e.name!r}, which is not a regular file; the output folder is replaced "
+                              f"as a whole: move it away or choose another output folder", t)
+
+
+def _kept(p: Path, folder: Path, keep: Callable[[str], bool] | None) -> bool:
+    """True when ``p`` (inside ``folder``) is a top-level file that the new folder carries over (``keep``)."""
+    try:
+        rel = p.resolve().relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return keep is not None and len(rel.parts) == 1 and keep(rel.parts[0])
+
+
+def _inside(p: Path, folder: Path) -> bool:
+    try:
+        return p.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):
+        return False
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every regular file under ``folder`` and the folders themselves (writers through AtomicFile have
+    synced their files already; this covers hard links and copies)."""
+    for root, _dirs, files in os.walk(folder):
+        for f in files:
+            fp = os.path.join(root, f)
+            try:
+                fd = os.open(fp, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
 
 
 # ------------------------------------------------------------------------------------- digest cache
@@ -166,13 +695,11 @@ def store_sha256(path: str | os.PathLike, digest: str, st_before: os.stat_result
         if e is None:
             return False
         e.parent.mkdir(parents=True, exist_ok=True)
-        tmp = e.with_name(f"{e.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": _digest_key(st), "sha256": digest, "path": str(Path(path).resolve())},
-                                  sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, e)
+        write_text_atomic(e, json.dumps({"key": _digest_key(st), "sha256": digest,
+                                         "path": str(Path(path).resolve())}, sort_keys=True) + "\n")
         _prune_digests(e.parent)
         return True
-    except OSError:
+    except (OSError, StrataError):
         return False
 
 

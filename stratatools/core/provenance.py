@@ -90,6 +90,24 @@ def write_sidecar(artifact: str | os.PathLike, record: dict[str, Any]) -> Path:
     return p
 
 
+def write_with_sidecar(artifact: str | os.PathLike, data: bytes, record: dict[str, Any],
+                       inputs: "list[str | os.PathLike] | tuple" = ()) -> Path:
+    """Write ``data`` to ``artifact`` and ``record`` to its sidecar as one set (both temps written first, so a
+    full disk leaves neither; the sidecar is renamed first, the artefact last). ``output`` = {name, sha256} of
+    ``data`` is added to the record when absent. Returns the sidecar path. Raises StrataError (one line)."""
+    import hashlib
+
+    from stratatools.core.fsutil import _json_default, write_files_atomic
+
+    a = Path(artifact)
+    if "output" not in record:
+        record = dict(record, output={"name": a.name, "sha256": hashlib.sha256(data).hexdigest()})
+    p = sidecar_path(a)
+    text = json.dumps(record, indent=2, sort_keys=True, default=_json_default) + "\n"
+    write_files_atomic([(p, text.encode("utf-8")), (a, data)], inputs)
+    return p
+
+
 def read_sidecar(artifact: str | os.PathLike) -> dict[str, Any] | None:
     """The sidecar of ``artifact`` or None when there is none. Raises StrataError when it is not valid JSON."""
     p = sidecar_path(artifact)
@@ -97,6 +115,9 @@ def read_sidecar(artifact: str | os.PathLike) -> dict[str, Any] | None:
         return None
     try:
         rec = json.loads(p.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise StrataError(f"{p}: not a valid provenance sidecar (nested too deeply); delete it or regenerate the "
+                          f"artefact", p) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StrataError(f"{p}: not a valid provenance sidecar ({e}); delete it or regenerate the artefact", p) from None
     if not isinstance(rec, dict):

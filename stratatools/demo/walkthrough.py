@@ -12,15 +12,16 @@ and output land in the output folder, with an ``index.md`` that links everything
 from __future__ import annotations
 
 import shlex
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import write_text_atomic
+from stratatools.core.fsutil import publish_dir, write_text_atomic
 from stratatools.core.resources import packaged
+
+MARKER = ".stratatools-demo"  # a folder carrying this file is a demo output (demo --force may replace it)
 
 DEMO_PROMPT_SETS = ("train", "eval")
 """The demo's two prompt sets, packaged as ``data/demo/<name>.txt``: the workload the profiles are built from
@@ -88,14 +89,34 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
     Raises:
         StrataError: ``out`` exists and is not empty, without ``force``.
     """
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    final = Path(out)
+    if final.exists() and final.is_dir() and any(final.iterdir()):
         if not force:
-            raise StrataError(f"{out}: already exists and is not empty (pass --force to replace it)", out)
-        if not (out / "index.md").exists() and not (out / "release").exists():
-            raise StrataError(f"{out}: is not a demo folder; refusing to delete it (choose an empty folder)", out)
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+            raise StrataError(f"{final}: already exists and is not empty (pass --force to replace it)", final)
+        if not (final / MARKER).is_file() or (final / MARKER).is_symlink():
+            raise StrataError(f"{final}: is not a demo folder (it has no {MARKER} file); refusing to replace it "
+                              f"(choose an empty or new folder)", final)
+    # built in a temp folder beside the output and swapped in whole: the previous demo survives any failure
+    with publish_dir(final) as out:
+        res = _run_steps(out, final, runner, progress)
+    return _rebased(res, out, final)
+
+
+def _rebased(res: DemoResult, stage: Path, final: Path) -> DemoResult:
+    """``res`` with the temp folder's paths (argv, logs) replaced by the published folder's."""
+    def mv(a: str) -> str:
+        return a.replace(str(stage), str(final))
+
+    for st in res.steps:
+        st.argv = [mv(a) for a in st.argv]
+        if st.log is not None:
+            st.log = Path(mv(str(st.log)))
+    res.out = final
+    return res
+
+
+def _run_steps(out: Path, final: Path, runner: Runner, progress: Callable[[Step], None] | None) -> DemoResult:
+    write_text_atomic(out / MARKER, "stratatools demo output folder: `stratatools demo --force` may replace it\n")
     for sub in ("logs", "prompts", "traces", "profiles", "reports"):
         (out / sub).mkdir()
     for name in DEMO_PROMPT_SETS:
@@ -108,6 +129,7 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
     pack = out / "pack-revB"
     n_new = "12"
     res = DemoResult(out)
+    final_name = str(final)
 
     def s(title: str, argv: list, expect: int = 0, story: str = "") -> None:
         st = Step(title, [str(a) for a in argv], expect, story=story)
@@ -115,7 +137,8 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
         st.code, text = runner(st.argv)
         st.seconds = time.perf_counter() - t0
         st.log = out / "logs" / f"{len(res.steps) + 1:02d}-{st.argv[0]}.txt"
-        write_text_atomic(st.log, f"$ stratatools {shlex.join(st.argv)}\n{text}\n[exit {st.code}]\n")
+        write_text_atomic(st.log, f"$ stratatools {shlex.join(st.argv)}\n{text}\n[exit {st.code}]\n"
+                          .replace(str(out), final_name))
         res.steps.append(st)
         if progress:
             progress(st)

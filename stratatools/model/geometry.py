@@ -166,6 +166,9 @@ def _layer_experts(model: Model, layer: int, n_embd: int, is_mtp: bool) -> Layer
     if len(router.ne) != 2:
         raise StrataError(f"{model.path}: tensor {rname} has shape {list(router.ne)}; a router is 2-D [n_embd, E]", model.path)
     e = int(router.ne[1])
+    if e < 1 or int(router.ne[0]) < 1:
+        raise StrataError(f"{model.path}: tensor {rname} has shape {list(router.ne)}: a router with no experts (or no "
+                          f"inputs); a MoE layer needs ne1 >= 1 experts", model.path)
     roles = {r: model.tensors.get(exps_name(layer, r)) for r in ROLES}
     gate = roles["gate"]
     n_ff = int(gate.ne[1]) if gate is not None and len(gate.ne) >= 2 else None

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import check_input
 from stratatools.model.ggml_types import GGMLType, type_by_id
 
 GGUF_MAGIC = b"GGUF"
@@ -130,11 +131,11 @@ class _Cursor:
                 self.pos += n * size
                 return arr.astype(bool) if etype == 7 else arr
             if etype == T_STRING:
-                if n > self.size:
+                if n * 8 > self.size - self.pos:  # every string takes at least its 8-byte length
                     raise StrataError(f"{self.path}: byte {self.pos}: string array {what} of {n} elements exceeds the file size", self.path)
                 return [self.string(what) for _ in range(n)]
             if etype == T_ARRAY:
-                if n > self.size:
+                if n * 12 > self.size - self.pos:  # every inner array takes at least its type and count
                     raise StrataError(f"{self.path}: byte {self.pos}: nested array {what} too large", self.path)
                 return [self.value(T_ARRAY, what, depth + 1) for _ in range(n)]
             raise StrataError(f"{self.path}: byte {self.pos}: unknown array element type {etype} in {what}", self.path)
@@ -159,7 +160,7 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | os.PathLike, shard: int = 0):
-        self.path = Path(path)
+        self.path = check_input(path, "model")
         self.shard = shard
         try:
             self.size = self.path.stat().st_size
@@ -238,11 +239,20 @@ class GGUFFile:
             except StrataError as e:
                 raise StrataError(f"{self.path}: tensor {name}: {e}", self.path) from None
             start = self.data_start + rel
+            if rel % self.alignment:
+                raise StrataError(
+                    f"{self.path}: tensor {name}: data offset {rel} is not a multiple of the alignment "
+                    f"{self.alignment} (llama.cpp refuses such a file); the file is corrupt", self.path)
             if start + nbytes > self.size:
                 raise StrataError(
                     f"{self.path}: tensor {name}: data [{start}, {start + nbytes}) runs past the end of the file "
                     f"({self.size} bytes); the file is truncated, download it again", self.path)
             self.tensors[name] = TensorInfo(name, t, tuple(int(x) for x in ne), rel, start, nbytes, self.shard, self.path.name)
+        spans = sorted((ti.offset, ti.offset + ti.nbytes, ti.name) for ti in self.tensors.values() if ti.nbytes)
+        for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise StrataError(f"{self.path}: tensors {an} [{a0}, {a1}) and {bn} (from byte {b0}) overlap "
+                                  f"(llama.cpp refuses such a file); the file is corrupt", self.path)
 
     # -- access ----------------------------------------------------------------------------------------
     def buffer(self) -> mmap.mmap:

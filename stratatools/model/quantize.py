@@ -122,13 +122,18 @@ def can_quantize(gtype: GGMLType | str) -> bool:
 
 
 # Nominal fp16 super-scale per type so that random codes dequantize to roughly N(0, 0.02)-sized values
-# (rms of the code levels from ggml-common.h tables, rounded).
+# (rms of the code levels from ggml-common.h tables, rounded; for the types with sub-block scales, the rms
+# measured over random blocks).
 _D_FOR_RMS_002 = {
     "Q2_0": 0.02 / 1.22, "Q4_0": 0.02 / 4.6, "Q4_1": 0.02 / 4.6, "Q5_0": 0.02 / 9.2, "Q5_1": 0.02 / 9.2,
-    "Q8_0": 0.02 / 73.9, "IQ4_NL": 0.02 / 65.0, "IQ4_XS": 0.02 / 65.0 / 8, "IQ2_XXS": 0.02 / 28.0,
-    "IQ2_XS": 0.02 / 14.0, "IQ2_S": 0.02 / 14.0, "IQ3_XXS": 0.02 / 30.0, "IQ3_S": 0.02 / 30.0,
-    "Q4_K": 0.02 / 150.0, "Q5_K": 0.02 / 300.0,
-}
+    "Q8_0": 0.02 / 73.9, "IQ4_NL": 0.02 / 65.0, "IQ4_XS": 0.02 / 1290.0, "IQ2_XXS": 0.02 / 56.0,
+    "IQ2_XS": 0.02 / 58.5, "IQ2_S": 0.02 / 59.0, "IQ3_XXS": 0.02 / 148.0, "IQ3_S": 0.02 / 146.0,
+    "Q4_K": 0.02 / 268.0, "Q5_K": 0.02 / 548.0,
+}  # the IQ and K factors measured: rms of 4000 random blocks dequantized (tests/test_safety_readers.py checks)
+
+
+# Factor of the second fp16 of a block relative to ``d`` (types whose block is ``d, m|dmin, ...``).
+_SECOND_SCALE = {"Q4_1": -7.5, "Q5_1": -15.5, "Q4_K": 7.5, "Q5_K": 15.5}
 
 
 def random_block_types() -> list[str]:
@@ -152,6 +157,13 @@ def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator
     out = raw.view(np.uint8)[:nbytes].reshape(n_blocks, t.type_size)
     # the scale is picked from 256 values in [0.5, 1.5) x base by the block's own first random byte (a table
     # lookup is several times faster than drawing and converting one float per block)
-    table = (base * (0.5 + (np.arange(256, dtype=np.float32) + 0.5) / 256)).astype("<f2").view(np.uint8).reshape(256, 2)
-    out[:, :2] = table[out[:, 0]]
+    steps = base * (0.5 + (np.arange(256, dtype=np.float32) + 0.5) / 256)
+    idx = out[:, 0].copy()
+    out[:, :2] = steps.astype("<f2").view(np.uint8).reshape(256, 2)[idx]
+    second = _SECOND_SCALE.get(t.name)
+    if second is not None:
+        # the block's second fp16 (Q4_1/Q5_1 ``m``, Q4_K/Q5_K ``dmin``, ggml-common.h) is set too, never left as
+        # random bits (which are NaN/Inf for 1 in 32 values): m = -d x half the code range centres the codes,
+        # dmin = d x the same factor centres the K types' 6-bit sub-block mins against their scales
+        out[:, 2:4] = (steps * second).astype("<f2").view(np.uint8).reshape(256, 2)[idx]
     return out

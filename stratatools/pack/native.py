@@ -56,10 +56,13 @@ disk-bound (another run, cp at 0.5 GB/s) the same first pack reached 0.68x and a
 (70 MB without hashing). The 0.7x-of-cp target is therefore met only for re-packs and disk-bound copies; the
 first-pack gap is the sha256 itself, plus the fsync and interpreter start.
 
-Atomicity. Everything is produced under ``.tmp`` names first; only when experts.bin and all texts are complete
-is the old completion marker removed, the files renamed, and ``native_experts.txt`` renamed last. A run killed
-while copying leaves a previous pack untouched; one killed during the final renames leaves a pack without
-``native_experts.txt``, which the engine and :func:`read_pack` treat as unfinished, never a wrong finished pack.
+Atomicity (issue 14). The whole pack (table, sidecars, experts.bin) is built in a unique temp folder beside the
+pack folder and swapped in whole (:func:`stratatools.core.fsutil.publish_dir`, under an advisory lock beside it: a
+second concurrent pack of the same folder is refused). A run killed, out of space or failing at any point leaves the
+previous pack exactly as it was; the next run recognises and removes its leftovers. Files in the pack folder that
+are not pack outputs are carried over (hard links). An existing experts.bin is reused only when
+``experts.bin.src.json`` records the sha256 of every source byte range it was cut from and that digest is
+recomputed equal now (no sampling).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import cached_sha256, sha256_fd, store_sha256, write_json_atomic, write_text_atomic
+from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, sha256_fd, store_sha256, write_json_atomic,
+                                     write_text_atomic)
 from stratatools.model.geometry import ROLES, Geometry, LayerExperts, exps_name, read_geometry, router_name
 from stratatools.model.ggml_types import type_by_id
 from stratatools.model.gguf import Model, TensorInfo, open_model
@@ -89,6 +93,7 @@ EXPERTS_SRC = "experts.bin.src.json"
 MAX_VERSION = 4  # Strata kExpertLayoutVersion (expert_layout.hpp)
 HEADER_TAG = "# strata native experts v"
 _COPY_CHUNK = 8 << 20
+_MAX_TABLE_BYTES = 64 << 20  # a table line is < 200 bytes; 4096 layers take < 1 MiB
 
 
 # --------------------------------------------------------------------------------------------- the table
@@ -350,7 +355,11 @@ def read_pack(packdir: str | os.PathLike) -> Pack:
     p = packdir / NATIVE_TXT if packdir.is_dir() or not packdir.exists() else packdir
     if p.name != NATIVE_TXT and p.is_file():
         packdir = p.parent
+    check_input(p, "pack table")
     try:
+        if p.stat().st_size > _MAX_TABLE_BYTES:
+            raise StrataError(f"{p}: {p.stat().st_size} bytes is not a native_experts.txt (a table of at most "
+                              f"{_MAX_TABLE_BYTES >> 20} MiB); give the pack folder", p)
         raw = p.read_bytes()
     except FileNotFoundError:
         raise StrataError(f"{p}: no such file; {packdir} is not a finished pack (run stratatools pack)", p) from None
@@ -527,7 +536,7 @@ def _experts_src(model: Model, text: str, total: int) -> dict[str, Any]:
 def _read_json(p: Path) -> Any:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -535,17 +544,140 @@ def _expert_blob_from_model(model: Model, lp: LayerPlan, e: int) -> bytes:
     return b"".join(bytes(model.raw(t, e * s, s)) for t, s in zip(lp.tensors, lp.slice_bytes))
 
 
-def _sample_matches(model: Model, plan: PackPlan, path: Path) -> bool:
-    """Compare the first and last blob of the first, middle and last layer of ``path`` with the GGUF."""
-    picks = {0, len(plan.layers) // 2, len(plan.layers) - 1}
-    with open(path, "rb") as fh:
-        for li in sorted(picks):
-            lp = plan.layers[li]
-            for e in sorted({0, plan.n_expert - 1}):
-                fh.seek(lp.row.offset + e * lp.row.blob_bytes)
-                if fh.read(lp.row.blob_bytes) != _expert_blob_from_model(model, lp, e):
-                    return False
-    return True
+_PACK_FILES = (NATIVE_TXT, NATIVE_TXT + ".json", EXPERTS_BIN, EXPERTS_SRC)
+_SRC_DIGESTS = ("ranges_sha256", "shards_sha256")
+
+
+def _ranges_digest(model: Model, plan: PackPlan, stop: Callable[[], bool] | None = None) -> str | None:
+    """sha256 over every source byte range experts.bin is cut from, in table order (layer, then gate, up, down:
+    each role's whole ``n_expert x slice`` range), read through 64 MiB memory-mapped windows (bounded RSS).
+    None when ``stop()`` turned true. Raises OSError when a shard cannot be read."""
+    import mmap
+
+    h = hashlib.sha256()
+    fds: dict[int, int] = {}
+    gran = mmap.ALLOCATIONGRANULARITY
+    try:
+        for lp in plan.layers:
+            for t, s in zip(lp.tensors, lp.slice_bytes):
+                if t.shard not in fds:
+                    fds[t.shard] = os.open(model.files[t.shard].path, os.O_RDONLY)
+                fd = fds[t.shard]
+                off, end = t.offset, t.offset + s * plan.n_expert
+                while off < end:
+                    if stop is not None and stop():
+                        return None
+                    base = off - off % gran
+                    n = min(64 << 20, end - base)
+                    mm = mmap.mmap(fd, n, access=mmap.ACCESS_READ, offset=base)
+                    try:
+                        h.update(memoryview(mm)[off - base:n])
+                    finally:
+                        mm.close()
+                    off = base + n
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return h.hexdigest()
+
+
+class _RangesDigest(threading.Thread):
+    """:func:`_ranges_digest` in a background thread (while experts.bin is copied from the same pages)."""
+
+    def __init__(self, model: Model, plan: PackPlan):
+        super().__init__(daemon=True)
+        self.model, self.plan = model, plan
+        self.digest: str | None = None
+        self.error: BaseException | None = None
+        self.stop = False
+
+    def run(self) -> None:
+        try:
+            self.digest = _ranges_digest(self.model, self.plan, stop=lambda: self.stop)
+        except BaseException as e:  # reported by the caller
+            self.error = e
+
+
+def _bin_matches(model: Model, plan: PackPlan, bin_path: Path, src_path: Path, want: dict[str, Any]) -> bool:
+    """True only when an existing experts.bin was cut from exactly these source bytes: its size is the table's,
+    its ``experts.bin.src.json`` matches (shards, table hash, bytes) and records a ``ranges_sha256`` equal to the
+    digest of every source byte range now (:func:`_ranges_digest`; a changed model of the same name and size is
+    caught, whatever byte changed). Shortcut without reading: when the record also holds every shard's whole-file
+    sha256 and the digest cache has the same digest for each shard as it is now (device, inode, size, mtime and
+    ctime unchanged since hashing, :func:`stratatools.core.fsutil.cached_sha256`), the ranges are unchanged too."""
+    try:
+        if not bin_path.is_file() or bin_path.stat().st_size != plan.total_bytes:
+            return False
+    except OSError:
+        return False
+    rec = _read_json(src_path)
+    if not isinstance(rec, dict) or {k: v for k, v in rec.items() if k not in _SRC_DIGESTS} != want:
+        return False
+    recorded = rec.get("ranges_sha256")
+    if not isinstance(recorded, str):
+        return False
+    shas = rec.get("shards_sha256")
+    if isinstance(shas, list) and len(shas) == len(model.files) and \
+            all(cached_sha256(f.path) == h for f, h in zip(model.files, shas)):
+        return True  # every whole shard provably unchanged since it was hashed (digest cache): so are the ranges
+    return _ranges_digest(model, plan) == recorded
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` at ``dst`` (no data copied); a copy where the file system has no hard links."""
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _write_experts_bin(model: Model, plan: PackPlan, path: Path, progress: Callable[[int], Any] | None) -> int:
+    """Copy every expert slice into a new ``path`` (created exclusively, never through a symlink) at its place in
+    the arena, fsync it; returns the bytes copied. Raises OSError / StrataError."""
+    copier = _Copier()
+    copied = 0
+    fds = [os.open(f.path, os.O_RDONLY) for f in model.files]
+    try:
+        dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            try:
+                os.posix_fallocate(dst, 0, plan.total_bytes)
+            except AttributeError:
+                os.ftruncate(dst, plan.total_bytes)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise
+                os.ftruncate(dst, plan.total_bytes)
+            for fd in fds:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except (OSError, AttributeError):
+                    pass
+            # role by role: each source tensor is read front to back (sequential reads, as cp does);
+            # each expert's slice lands at its place in the [gate][up][down] blob of the arena
+            for lp in plan.layers:
+                role_off = 0
+                blob = lp.row.blob_bytes
+                for t, s in zip(lp.tensors, lp.slice_bytes):
+                    fd = fds[t.shard]
+                    base = lp.row.offset + role_off
+                    for e in range(plan.n_expert):
+                        copier.copy(fd, t.offset + e * s, s, dst, base + e * blob)
+                    role_off += s
+                    copied += s * plan.n_expert
+                    if progress is not None:
+                        progress(s * plan.n_expert)
+            if copied != plan.total_bytes or os.fstat(dst).st_size != plan.total_bytes:
+                raise StrataError(f"{path}: wrote {copied} bytes, expected {plan.total_bytes}")
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return copied
 
 
 class _Hasher(threading.Thread):
@@ -683,98 +815,85 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
         plan = plan_pack(model)
         _guard_packdir(packdir, model, force)
         text = plan.text
+        try:  # never publish a table the engine's reader (and ours) would refuse
+            parse_native_experts(text, packdir / NATIVE_TXT)
+        except StrataError as e:
+            raise StrataError(f"{model_path}: this model cannot be packed: the table would be refused on reading "
+                              f"({e}); nothing was written", model_path) from None
         want = _experts_src(model, text, plan.total_bytes)
         bin_path, src_path, txt_path = packdir / EXPERTS_BIN, packdir / EXPERTS_SRC, packdir / NATIVE_TXT
         notes = list(plan.notes)
-        reuse = (bin_path.exists() and bin_path.stat().st_size == plan.total_bytes
-                 and _read_json(src_path) == want and _sample_matches(model, plan, bin_path))
+        reuse = _bin_matches(model, plan, bin_path, src_path, want)
         if bin_path.exists() and not reuse and not experts_bin:
-            raise StrataError(f"{bin_path}: exists but was not cut from this model ({EXPERTS_SRC} does not match); the "
-                              f"engine would read it instead of the GGUF: pass --experts-bin to rewrite it, or delete "
-                              f"it", bin_path)
+            raise StrataError(f"{bin_path}: exists but was not cut from this model ({EXPERTS_SRC} or the digest of its "
+                              f"source byte ranges does not match); the engine would read it instead of the GGUF: "
+                              f"pass --experts-bin to rewrite it, or delete it", bin_path)
         write_bin = experts_bin and not reuse
         state = "written" if write_bin else ("reused" if reuse and experts_bin else ("kept" if reuse else "none"))
         if reuse:
-            notes.append(f"{EXPERTS_BIN} matches this model ({EXPERTS_SRC}); not rewritten")
-        packdir.mkdir(parents=True, exist_ok=True)
+            notes.append(f"{EXPERTS_BIN} matches this model (every source byte range has the digest recorded in "
+                         f"{EXPERTS_SRC}); not rewritten")
         hasher = _Hasher([f.path for f in model.files] if hash_inputs else [], refresh=rehash)
-        hasher.start()
-        bin_tmp = packdir / (EXPERTS_BIN + ".tmp")
+        ranges = _RangesDigest(model, plan) if write_bin else None
         copied = 0
+        started = False
         try:
-            if on_start is not None:
-                on_start(plan.total_bytes if write_bin else 0)
-            if write_bin:
-                copier = _Copier()
-                fds = [os.open(f.path, os.O_RDONLY) for f in model.files]
-                dst = os.open(bin_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    try:
-                        os.posix_fallocate(dst, 0, plan.total_bytes)
-                    except (OSError, AttributeError):
-                        os.ftruncate(dst, plan.total_bytes)
-                    for fd in fds:
-                        try:
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                        except (OSError, AttributeError):
-                            pass
-                    # role by role: each source tensor is read front to back (sequential reads, as cp does);
-                    # each expert's slice lands at its place in the [gate][up][down] blob of the arena
-                    for lp in plan.layers:
-                        role_off = 0
-                        blob = lp.row.blob_bytes
-                        for t, s in zip(lp.tensors, lp.slice_bytes):
-                            fd = fds[t.shard]
-                            base = lp.row.offset + role_off
-                            for e in range(plan.n_expert):
-                                copier.copy(fd, t.offset + e * s, s, dst, base + e * blob)
-                            role_off += s
-                            copied += s * plan.n_expert
-                            if progress is not None:
-                                progress(s * plan.n_expert)
-                    if copied != plan.total_bytes or os.fstat(dst).st_size != plan.total_bytes:
-                        raise StrataError(f"{bin_tmp}: wrote {copied} bytes, expected {plan.total_bytes}")
-                    os.fsync(dst)
-                finally:
-                    os.close(dst)
-                    for fd in fds:
-                        os.close(fd)
-            hasher.join()
-            if hasher.error is not None:
-                raise StrataError(f"cannot read the model to hash it: {hasher.error}")
-            from_cache = [Path(k).name for k, v in hasher.sources.items() if v == "cache"]
-            if from_cache:
-                notes.append(f"sha256 of {', '.join(from_cache)} from the digest cache (file unchanged since it was "
-                             f"hashed: same device, inode, size, mtime and ctime); --rehash recomputes it")
-            prov = build_provenance(
-                "pack",
-                inputs=[{"name": f.path.name, "path": str(f.path.resolve()), "size_bytes": f.size,
-                         "sha256": hasher.result.get(str(f.path)), "role": "shard"} for f in model.files],
-                options={"experts_bin": experts_bin, "hash_inputs": hash_inputs},
-                model={"name": str(model.kv.get("general.name", "")),
-                       "sha256": hasher.result.get(str(model.files[0].path)),
-                       "n_layers": len(plan.layers), "n_expert": plan.n_expert},
-                extra={"pack": {"version": plan.version, "n_expert": plan.n_expert, "total_bytes": plan.total_bytes,
-                                "native_experts_sha256": want["native_experts_sha256"],
-                                "experts_bin": state in ("written", "reused", "kept")}})
-            # publish: the old completion marker goes first, native_experts.txt comes last
-            if write_bin:
-                txt_path.unlink(missing_ok=True)
-                src_path.unlink(missing_ok=True)
-                os.replace(bin_tmp, bin_path)
-                write_json_atomic(src_path, want)
-            write_json_atomic(sidecar_path(txt_path), prov)
-            write_text_atomic(txt_path, text)
+            # the whole pack is built in a temp folder beside packdir and swapped in at the end (publish_dir): a
+            # kill, full disk or error at any point leaves the previous pack as it was
+            with publish_dir(packdir, inputs=[f.path for f in model.files],
+                             keep=lambda n: n not in _PACK_FILES) as stage:
+                hasher.start()
+                started = True
+                if on_start is not None:
+                    on_start(plan.total_bytes if write_bin else 0)
+                if write_bin:
+                    assert ranges is not None
+                    ranges.start()
+                    copied = _write_experts_bin(model, plan, stage / EXPERTS_BIN, progress)
+                    ranges.join()
+                    if ranges.error is not None:
+                        raise ranges.error
+                elif reuse:
+                    _link_or_copy(bin_path, stage / EXPERTS_BIN)
+                    _link_or_copy(src_path, stage / EXPERTS_SRC)
+                hasher.join()
+                if hasher.error is not None:
+                    raise StrataError(f"cannot read the model to hash it: {hasher.error}")
+                if write_bin:
+                    assert ranges is not None
+                    src = dict(want, ranges_sha256=ranges.digest)
+                    shas = [hasher.result.get(str(f.path)) for f in model.files]
+                    if all(isinstance(h, str) for h in shas):
+                        src["shards_sha256"] = shas
+                    write_json_atomic(stage / EXPERTS_SRC, src)
+                from_cache = [Path(k).name for k, v in hasher.sources.items() if v == "cache"]
+                if from_cache:
+                    notes.append(f"sha256 of {', '.join(from_cache)} from the digest cache (file unchanged since it "
+                                 f"was hashed: same device, inode, size, mtime and ctime); --rehash recomputes it")
+                prov = build_provenance(
+                    "pack",
+                    inputs=[{"name": f.path.name, "path": str(f.path.resolve()), "size_bytes": f.size,
+                             "sha256": hasher.result.get(str(f.path)), "role": "shard"} for f in model.files],
+                    options={"experts_bin": experts_bin, "hash_inputs": hash_inputs},
+                    model={"name": str(model.kv.get("general.name", "")),
+                           "sha256": hasher.result.get(str(model.files[0].path)),
+                           "n_layers": len(plan.layers), "n_expert": plan.n_expert},
+                    extra={"pack": {"version": plan.version, "n_expert": plan.n_expert,
+                                    "total_bytes": plan.total_bytes,
+                                    "native_experts_sha256": want["native_experts_sha256"],
+                                    "experts_bin": state in ("written", "reused", "kept")}})
+                write_json_atomic(sidecar_path(stage / NATIVE_TXT), prov)
+                write_text_atomic(stage / NATIVE_TXT, text)
         except BaseException as e:
             hasher.stop = True
-            try:
-                bin_tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            if ranges is not None:
+                ranges.stop = True
+            if started:
+                hasher.join()
             if isinstance(e, OSError) and not isinstance(e, StrataError):
                 where = e.filename if e.filename is not None else packdir
-                raise StrataError(f"{where}: cannot write the pack: {e.strerror or e}; nothing was published "
-                                  f"(check the -o folder and free space)", packdir) from None
+                raise StrataError(f"{where}: cannot write the pack: {e.strerror or e}; nothing was published, the "
+                                  f"previous pack is unchanged (check the -o folder and free space)", packdir) from None
             raise
         return PackResult(packdir, Path(model_path), [f.path.name for f in model.files], plan.version,
                           plan.n_expert, len(plan.layers), plan.total_bytes, [lp.row for lp in plan.layers], state,

@@ -340,10 +340,11 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
         StrataError: bad options, an output that is an input or exists without ``force``, a base of another
             geometry, and every trace reader error.
     """
+    import hashlib
     from pathlib import Path
 
     from stratatools.core import provenance
-    from stratatools.core.fsutil import guard_output, sha256_file
+    from stratatools.core.fsutil import guard_output
     from stratatools.profiles.strp import read_profile
     from stratatools.traces.formats import read_trace
 
@@ -395,8 +396,8 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
         lays = ", ".join(f"{k}: {v}" for k, v in sorted(res.skipped_layers.items())[:8])
         warns.append(f"{res.skipped_layer} entries of layers >= {n_layers} (an MTP block or another model) were "
                      f"left out ({lays})")
-    prof.write(output)
-    psha = sha256_file(output)
+    data = prof.to_bytes()  # written with its sidecar at the end, as one set
+    psha = hashlib.sha256(data).hexdigest()
     if base is not None:
         prov_inputs.append(provenance.describe_file(base, role="base"))
     model = {"n_layers": n_layers, "n_expert": n_expert}
@@ -410,7 +411,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
                "counts": {"used_entries": res.used_entries, "skipped_layer": res.skipped_layer,
                           "skipped_layers": {str(k): v for k, v in sorted(res.skipped_layers.items())},
                           "skipped_phase": res.skipped_phase, "from_base": nb, "from_traces": nt, "from_fill": nf}})
-    sc = provenance.write_sidecar(output, rec)
+    sc = provenance.write_with_sidecar(output, data, rec)
     return MakeProfileResult(str(output), str(sc), n_layers, n_expert, mode, fill, phase, weighting, info,
                              res.used_entries, res.skipped_layer, dict(res.skipped_layers), res.skipped_phase,
                              int((res.counts > 0).sum()), nb, nt, nf, psha, warns)

@@ -244,7 +244,7 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
                                   f"the allocation is not this model's", model)
         model_info = {"name": Path(model).name, "n_layers": g.n_trunk, "n_expert": g.uniform_n_expert,
                       "shards": provenance.describe_shards([f.path for f in m.files])}
-    res.profile.write(out)
+    data = res.profile.to_bytes()  # written with its sidecar below, as one set
     inputs_desc = [provenance.describe_file(profile, role="profile")] + alloc_inputs
     if model is not None:
         inputs_desc.append({"name": Path(model).name, "path": str(model), "role": "model"})
@@ -254,7 +254,7 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
         model=model_info or {"n_layers": res.profile.n_layers, "n_expert": res.profile.n_expert},
         allocation=allocation_record(target),
         extra={"remap": res.totals(), "source_profile_built_for": built_for(src_prov)})
-    provenance.write_sidecar(out, rec)
+    provenance.write_with_sidecar(out, data, rec)
     res.notes.extend(notes)
     return res
 

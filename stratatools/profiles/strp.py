@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import write_bytes_atomic
+from stratatools.core.fsutil import check_input, write_bytes_atomic
 
 MAGIC = b"STRP"
 VERSION = 1
@@ -198,8 +198,8 @@ def parse_profile(data: bytes, path: str | os.PathLike | None = None,
         if rest > table:
             warns.append(f"{rest - table} trailing bytes after the trailer")
     else:
-        trailer = "unknown"
-        warns.append(f"trailer is {rest} bytes, expected {table} (an n_layers x n_expert table)")
+        raise StrataError(f"{p}: byte {size}: the file ends inside its trailer ({rest} of {table} bytes of the "
+                          f"n_layers x n_expert table): it is cut; get or write the whole profile again", p)
     prof.trailer = trailer
     prof.freq = freq
     prof.warnings = warns
@@ -212,7 +212,7 @@ def read_profile(path: str | os.PathLike, expect: tuple[int, int] | None = None)
     Reads at most the header, the pair list and one L x E table (bounded by :func:`check_dims`), so a model
     passed by mistake is refused from its first bytes.
     """
-    path = Path(path)
+    path = check_input(path, "profile")
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size

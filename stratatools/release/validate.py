@@ -243,6 +243,9 @@ def _check_profile_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
     except StrataError as e:
         return FAIL, str(e), {}
     ctx["profile"] = p
+    if p.n_ranked == 0:  # the engine would cache nothing from it: a profile of no pairs is no profile
+        return FAIL, f"{inp.profile}: the profile ranks no (layer, expert) pair; rebuild it from traces", \
+            {"n_ranked": 0, "trailer": p.trailer, "warnings": p.warnings}
     reason = f"STRP v{p.version}, {p.n_layers} x {p.n_expert}, {p.n_ranked} ranked pairs, trailer {p.trailer}"
     if p.warnings:
         reason += f"; warning: {p.warnings[0]}"

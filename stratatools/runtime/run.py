@@ -73,7 +73,9 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
         StrataError: missing file, binary/non-UTF-8 content (byte offset named), malformed JSON or items, no
             prompt at all.
     """
-    p = Path(path)
+    from stratatools.core.fsutil import check_input
+
+    p = check_input(path, "prompts file")
     try:
         data = p.read_bytes()
     except FileNotFoundError:

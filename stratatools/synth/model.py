@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import write_text_atomic
+from stratatools.core.fsutil import publish_dir, write_text_atomic
 from stratatools.model.ggml_types import GGMLType, type_by_name
 from stratatools.model.gguf import Model, TensorInfo, open_model
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
@@ -195,6 +195,10 @@ class SynthConfig:
             raise bad(f"--swap {self.swap} must be between 0 and min(keep, experts - keep)")
         if self.n_expert > 65535:
             raise bad("at most 65535 experts")
+        for nm in ("seed", "ple_seed"):  # stored as a GGUF int64 and fed to numpy's seed sequence (non-negative)
+            v = getattr(self, nm)
+            if not isinstance(v, int) or not 0 <= v < 1 << 63:
+                raise bad(f"--{nm.replace('_', '-')} {v} must be an integer from 0 to 2^63-1")
         if self.vocab_size < 260:
             raise bad("--vocab-size must be at least 260 (256 bytes + specials)")
         if self.head_dim % 16:
@@ -834,8 +838,26 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
     existing = [p for p in planned if p.exists()]
     if existing and not force:
         raise StrataError(f"{existing[0]}: already exists (pass --force to replace the release)", existing[0])
-    outdir.mkdir(parents=True, exist_ok=True)
+    planned_names = {p.name for p in planned}
+    # the release is built in a temp folder beside outdir and swapped in whole (other files there are carried over)
+    with publish_dir(outdir, keep=lambda n: n not in planned_names) as stage:
+        info = _write_release(stage, cfg, progress, t0)
+    return _rebased(info, stage, outdir)
 
+
+def _rebased(info: ReleaseInfo, stage: Path, outdir: Path) -> ReleaseInfo:
+    """``info`` with every path under ``stage`` moved to ``outdir`` (after the swap)."""
+    def mv(p: Path) -> Path:
+        return outdir / p.relative_to(stage)
+
+    revs = {k: replace(v, files=[mv(p) for p in v.files], allocation=mv(v.allocation))
+            for k, v in info.revisions.items()}
+    return replace(info, outdir=outdir, canonical_files=[mv(p) for p in info.canonical_files], revisions=revs,
+                   manifest=mv(info.manifest))
+
+
+def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any] | None,
+                   t0: float) -> ReleaseInfo:
     tok = build_tokenizer(cfg.vocab_size)
     specs = _tensor_list(cfg, len(tok.tokens))
     tensors = []

@@ -460,6 +460,9 @@ def _top_share(counts: np.ndarray, n_slots: int) -> float:
     return float(part.sum() / tot)
 
 
+_DENSE_CELLS = 1 << 22  # trace_stats counts on a dense (layer, expert) grid up to this size (or 8 x the entries)
+
+
 def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
     """Summarise a trace: tokens, layers, k, distinct experts, concentration (top 10%) and entropy per layer.
 
@@ -468,7 +471,9 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
         n_expert: experts per layer for the concentration denominator; default ``meta["n_expert"]`` or the
             largest expert id + 1.
     Returns:
-        a :class:`TraceStats`. Memory: a few int64 temporaries of the table's length.
+        a :class:`TraceStats`. Memory: a few int64 temporaries of the table's length, plus the (layer, expert)
+        count grid only when it is small (else the distinct pairs are counted sparsely: ids and layers come
+        from the file and are not trusted to size an allocation).
     """
     n = len(table)
     if n_expert is None:
@@ -482,23 +487,41 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
     lmin = int(lay_src.min()) if n else None
     lmax = int(lay_src.max()) if n else None
     nl = (lmax - lmin + 1) if n else 0
-    counts = np.zeros(nl * E, np.int64)
+    # dense counts when the (layer, expert) grid is small next to the trace; else only the pairs that occur
+    # (an id of 2^31-1 in a 16-byte file must not allocate a 16 GiB grid: ids and layers come from the file)
+    dense = nl * E <= max(_DENSE_CELLS, 8 * n)
+    counts = np.zeros(nl * E if dense else 0, np.int64)
+    keys: list[np.ndarray] = []
     step = (1 << 23) // (int(rec.k) if rec is not None else 1)
     for a in range(0, len(lay_src) if n else 0, step):  # chunked: int64 temporaries stay small
         b = min(len(lay_src), a + step)
         lay = lay_src[a:b].astype(np.int64) - lmin
         flat = lay[:, None] * E + ids_src[a:b] if rec is not None else lay * E + ids_src[a:b]
-        counts += np.bincount(flat.reshape(-1), minlength=nl * E)
-    counts = counts.reshape(nl, E)
+        if dense:
+            counts += np.bincount(flat.reshape(-1), minlength=nl * E)
+        else:
+            u, c = np.unique(flat.reshape(-1), return_counts=True)
+            keys.append(np.stack([u, c]))
+    if dense:
+        counts = counts.reshape(nl, E)
+        layer_counts = [counts[i] for i in range(nl)]
+        all_counts = counts.ravel()
+    else:
+        u = np.concatenate([k[0] for k in keys]) if keys else np.zeros(0, np.int64)
+        w = np.concatenate([k[1] for k in keys]) if keys else np.zeros(0, np.int64)
+        uk, inv = np.unique(u, return_inverse=True)
+        all_counts = np.bincount(inv, weights=w).astype(np.int64) if len(uk) else np.zeros(0, np.int64)
+        lay_of = uk // E
+        layer_counts = [all_counts[lay_of == i] for i in range(nl)]
     per: list[LayerStats] = []
     for i in range(nl):
-        c = counts[i]
+        c = layer_counts[i]
         tot = int(c.sum())
         if tot == 0:
             continue
         p = c[c > 0] / tot
         per.append(LayerStats(layer=i + (lmin or 0), entries=tot, distinct_experts=int((c > 0).sum()),
-                              concentration=_top_share(c, E), entropy_bits=float(-(p * np.log2(p)).sum())))
+                              concentration=_top_share(c, E), entropy_bits=float(-(p * np.log2(p)).sum()) + 0.0))
     if table.records is not None:
         r = table.records
         starts = r.starts()
@@ -528,7 +551,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
     return TraceStats(entries=n, records=len(starts), tokens=tokens, requests=len(np.unique(req)) if n else 0,
                       layers=len(per), layer_min=lmin, layer_max=lmax, k_min=int(ks.min()) if n else 0,
                       k_max=int(ks.max()) if n else 0, n_expert=E, phases=phases,
-                      concentration=_top_share(counts.ravel(), counts.size) if n else 0.0,
+                      concentration=_top_share(all_counts, nl * E) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
                       per_layer=per, meta=dict(table.meta), windows=n_windows, outside_windows=outside,
                       rounds=rounds_kind(rwin if n else None))

@@ -32,7 +32,9 @@ def sniff_format(path: str | os.PathLike) -> str:
     Raises:
         StrataError: missing file, directory, empty file.
     """
-    p = Path(path)
+    from stratatools.core.fsutil import check_input
+
+    p = check_input(path, "routing trace")
     try:
         with open(p, "rb") as fh:
             head = fh.read(4096)
@@ -67,22 +69,35 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
     Raises:
         StrataError: an unknown format name and every reader's bad-input cases (one line, byte offset or line).
     """
+    from stratatools.core.fsutil import check_input
+
+    check_input(path, "routing trace")
     if fmt is None:
         fmt = sniff_format(path)
     if fmt == "strata-tagged":
         fmt = "strata"
+    from stratatools.traces.semantics import check_semantics
+
     if fmt == "strata":
         from stratatools.traces.formats.strata import read_strata
-        return read_strata(path, n_layers, n_expert, sha256=sha256)
+        t = read_strata(path, n_layers, n_expert, sha256=sha256)
+        check_semantics(t, path)
+        return t
     if fmt == "llama-csv":
         from stratatools.traces.formats.text import read_llama_csv
-        return read_llama_csv(path, n_layers, n_expert)
+        t = read_llama_csv(path, n_layers, n_expert)
+        check_semantics(t, path)
+        return t
     if fmt == "csv":
         from stratatools.traces.formats.text import read_kit_csv
-        return read_kit_csv(path, n_layers, n_expert)
+        t = read_kit_csv(path, n_layers, n_expert)
+        check_semantics(t, path)
+        return t
     if fmt == "parquet":
         from stratatools.traces.formats.parquet import read_parquet
-        return read_parquet(path, n_layers, n_expert)
+        t = read_parquet(path, n_layers, n_expert)
+        check_semantics(t, path)
+        return t
     raise StrataError(f"unknown trace format {fmt!r} (use {', '.join(READ_FORMATS)})")
 
 

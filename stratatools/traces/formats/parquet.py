@@ -72,6 +72,23 @@ def write_parquet(table: TraceTable, path: str | os.PathLike) -> None:
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
 
 
+def _plausible_meta(stored: dict) -> dict[str, Any]:
+    """The stored metadata entries kept on reading: scalars and lists of scalars; ``n_layers``/``n_expert`` only
+    as integers in 1..2^31-1 (the file is not trusted to size anything or to break a later ``int()``)."""
+    out: dict[str, Any] = {}
+    for k, v in stored.items():
+        if k in ("n_layers", "n_expert"):
+            if isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 1 << 31:
+                out[k] = v
+        elif isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, list) and all(isinstance(x, (str, int, float, bool)) for x in v):
+            out[k] = v
+        elif isinstance(v, dict) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v.values()):
+            out[k] = v
+    return out
+
+
 def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
     """Read our Parquet trace. Expert ids are range-checked like the other readers (below ``n_layers``).
 
@@ -120,8 +137,8 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         try:
             stored = json.loads(raw)
             if isinstance(stored, dict):
-                meta.update(stored)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+                meta.update(_plausible_meta(stored))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             pass
     if "source_format" in meta:
         meta["converted_from"] = meta.pop("source_format")

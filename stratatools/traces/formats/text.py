@@ -195,7 +195,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         dtypes["window"] = "int64"
     try:
         df = pd.read_csv(io.StringIO(text), dtype=dtypes, engine="c", skip_blank_lines=True,
-                         keep_default_na=False, na_filter=False)
+                         keep_default_na=False, na_filter=False, header=0, names=header, skipinitialspace=True)
         if df.shape[1] != len(header):
             raise ValueError("column count")
     except (ValueError, pd.errors.ParserError, OverflowError):

@@ -1,0 +1,56 @@
+"""synth: random blocks of every type are finite and at the intended RMS (issue 14); seeds out of range are
+one-line errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from stratatools.core.errors import StrataError
+from stratatools.model.ggml_types import type_by_name
+from stratatools.model.quantize import random_block_types, random_blocks
+from stratatools.runtime.dequant import dequantize
+
+TARGET_RMS = 0.02  # the nominal scale random_blocks aims at (quantize._D_FOR_RMS_002)
+
+
+@pytest.mark.parametrize("name", random_block_types())
+def test_random_blocks_are_finite_at_the_target_rms(name):
+    """Every fp16 scale of every block is set (Q4_1/Q5_1 m, Q4_K/Q5_K dmin were random bits: ~3 % NaN/Inf)."""
+    t = type_by_name(name)
+    for seed in (0, 1, 2):
+        v = np.asarray(dequantize(random_blocks(t, 2000, np.random.default_rng(seed)).reshape(-1), t))
+        assert v.size == 2000 * t.block_size
+        assert np.isfinite(v).all(), f"{name}: {int((~np.isfinite(v)).sum())} non-finite weights"
+        rms = float(np.sqrt(np.mean(v.astype(np.float64) ** 2)))
+        assert TARGET_RMS / 2 <= rms <= TARGET_RMS * 2, (name, rms)
+
+
+def test_synth_model_with_two_scale_types_is_finite(tmp_path):
+    """A synthetic model whose experts are Q4_1, Q5_1, Q4_K and Q5_K: every expert weight is finite."""
+    from stratatools.model.gguf import open_model
+    from stratatools.synth.model import synth_release
+    from tests.test_safety_write import TINY
+
+    cfg = replace(TINY, n_layers=4, hidden=256, expert_ff=256, gu_types=("Q4_1", "Q4_K"), down_types=("Q5_1", "Q5_K"),
+                  revisions=False)
+    rel = synth_release(tmp_path / "r", cfg)
+    seen = set()
+    with open_model(rel.canonical) as m:
+        for t in m.iter_tensors():
+            if "_exps" not in t.name:
+                continue
+            gt = t.type
+            v = np.asarray(dequantize(np.asarray(m.raw(t, 0, t.nbytes)).view(np.uint8), gt))
+            assert np.isfinite(v).all(), t.name
+            seen.add(gt.name)
+    assert seen == {"Q4_1", "Q4_K", "Q5_1", "Q5_K"}
+
+
+@pytest.mark.parametrize("seed", [-1, 1 << 63, 10 ** 30])
+def test_out_of_range_seed_is_one_line(cli, tmp_path, seed):
+    code, out, err = cli("synth", tmp_path / "r", "--seed", str(seed))
+    assert code == 2 and err.strip() == f"error: synth: --seed {seed} must be an integer from 0 to 2^63-1"
+    assert not (tmp_path / "r").exists()
