@@ -227,6 +227,12 @@ def _gpu_runtime(w: Any, tier: ExpertTier | None, selection: str, max_ctx: int, 
     if tier is not None:
         tier.attach_device(grt.tier)
     info["miss_mode"] = "host (zero-copy reads of pinned memory)" if mode == "host" else "copy"
+    from stratatools.runtime.gpu.decode import max_full_context
+
+    lim = max_full_context(w.cfg, selection)
+    if max_ctx > lim:  # QSA selects a subset past lim: the generic forward (float32 dense copies) runs it
+        info["engine"] = f"generic CuPy forward (context {max_ctx} is over the static decoder's {lim})"
+        return grt
     info["engine"] = "static decoder + CUDA graph"
     return DecoderRuntime(grt, max_ctx=max_ctx)
 
@@ -237,13 +243,16 @@ def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
     import cupy as cp
 
     pool = cp.get_default_memory_pool()
-    dec = rt.dec
-    info["pool_bytes"] = int(pool.total_bytes()) + (int(dec._pool.total_bytes()) if dec._pool is not None else 0)
+    dec = getattr(rt, "dec", None)
+    grt = rt.rt if dec is not None else rt
+    info["pool_bytes"] = int(pool.total_bytes()) + (int(dec._pool.total_bytes()) if dec is not None and dec._pool is not None else 0)
     free1, _ = cp.cuda.runtime.memGetInfo()
     info["device_used_bytes"] = int(info.get("device_free_at_start", free1)) - int(free1)
-    info["tier_vram_bytes"] = int(rt.rt.tier.vram.size)
+    info["tier_vram_bytes"] = int(grt.tier.vram.size)
+    info["tier"] = grt.tier.counters.to_dict()
     info["plan"] = plan.to_dict() if plan is not None else None
-    info["decoder"] = dict(dec.stats)
+    if dec is not None:
+        info["decoder"] = dict(dec.stats)
 
 
 class _TraceBuilder:
@@ -376,10 +385,11 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             from stratatools.runtime.gpu.decode import max_full_context
 
             lim = max_full_context(w.cfg, selection)
-            if need_ctx > lim:
-                raise StrataError(f"{prompts_path}: {need_ctx} positions (longest prompt + --max-new-tokens); the GPU path "
-                                  f"covers {lim} at this model's QSA budget (device-side block selection is not built "
-                                  f"yet): use --device cpu or shorter prompts", prompts_path)
+            if need_ctx > lim and vram_gib is not None:
+                raise StrataError(f"{prompts_path}: {need_ctx} positions (longest prompt + --max-new-tokens); --vram-gib "
+                                  f"covers the static decoder, which runs up to {lim} positions at this model's QSA "
+                                  f"budget: drop --vram-gib (the generic GPU forward runs) or shorten the prompts",
+                                  prompts_path)
             blob = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
             vram_plan = plan_vram(w.model, w.cfg, blob, need_ctx, vram_gib, slots, int(sum(w.cfg.n_expert)))
             if vram_gib is not None:
