@@ -36,7 +36,7 @@ def copy_rates(cp, nbytes=2 << 30):
     a.fill(1)
     s = cp.cuda.get_current_stream()
 
-    def timed(dst, src, kind, n):
+    def timed(dst, src, n, kind):
         cp.cuda.runtime.memcpyAsync(dst, src, n, kind, s.ptr)
         ts = []
         for _ in range(5):

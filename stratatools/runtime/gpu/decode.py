@@ -629,18 +629,26 @@ class StaticDecoder:
             return int(self.next_token_dev.get(stream=self._stream))
         return int(self.next_token_dev)
 
-    def routing(self) -> tuple[np.ndarray, np.ndarray]:
-        """The last step's routing, host arrays ids [L, k] int32 and weights [L, k]; also does the batched
-        bookkeeping: route hooks and the tier's policy/counters (one access per layer, as the eager path)."""
+    def routing(self, account: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The last step's routing, host arrays ids [L, k] int32 and weights [L, k]; with ``account`` also the
+        bookkeeping (:meth:`account`) for this one position."""
         ids, w = _to_host(self.ids).copy(), _to_host(self.weights).copy()
-        pos = np.array([self.pos - 1], dtype=np.int64)
+        if account:
+            self.account(ids[None], w[None], np.array([self.pos - 1], dtype=np.int64))
+        return ids, w
+
+    def account(self, ids: np.ndarray, w: np.ndarray, positions: np.ndarray) -> None:
+        """Feed T positions' routing (ids, weights [T, L, k]) to the tier's policy and the route hooks, layer-major
+        (layer 0's records of every position, then layer 1's ...), the order in which the batched forward of
+        :class:`stratatools.runtime.model.Qwen4ExpRuntime` meets them: a prompt fed token by token then counts
+        the same hits as the CPU path's one batched prefill."""
         tier = getattr(self.rt, "tier", None)
         for il in range(self.cfg.n_layer):
             if tier is not None:
-                tier.access(il, ids[il].astype(np.int64))
+                for t in range(ids.shape[0]):
+                    tier.access(il, ids[t, il].astype(np.int64))
             for hook in self.rt.route_hooks:
-                hook(il, pos, ids[il][None], w[il][None])
-        return ids, w
+                hook(il, positions, ids[:, il], w[:, il])
 
     def capture(self) -> bool:
         """Capture the step body into a CUDA graph (CuPy only); later :meth:`step` calls replay it.

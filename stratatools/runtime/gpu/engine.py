@@ -4,8 +4,9 @@ of :class:`stratatools.runtime.model.Qwen4ExpRuntime`, so that :func:`stratatool
 the run loop drive it unchanged.
 
 A prompt is fed token by token through the same graph (no float32 copy of any dense matrix is made); each
-token's routing is read back after its step and fed to the tier (:meth:`StaticDecoder.routing`), so the tier
-sees the records in the order they were computed, one access per (token, layer), as on the CPU path.
+token's routing is read back after its step, and the call's records are fed to the tier layer-major at its end
+(:meth:`StaticDecoder.account`), the order of the CPU path's batched prefill, so both count the same hits. During
+the prompt the tier's residency does not change (every expert is read from its slot or from host memory).
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ class DecoderRuntime:
         lg = None
         for t in ids:
             lg = dec.step(t)
-            i, w = dec.routing()
+            i, w = dec.routing(account=False)
             for il in range(L):
                 rid[il].append(i[il])
                 rw[il].append(w[il])
         state.pos = dec.pos
         rec = RoutingRecord(np.arange(pos0, dec.pos, dtype=np.int64), [np.stack(a) for a in rid],
                             [np.stack(a) for a in rw])
+        # the tier and the hooks see the call's records layer-major, as in the batched CPU forward; the slot table
+        # follows before the next step
+        dec.account(np.stack(rec.ids, axis=1), np.stack(rec.weights, axis=1), rec.positions)
         return lg, rec
