@@ -67,6 +67,65 @@ def touched_bytes(path: str, k: int) -> int:
         return dense_device_bytes(m, cfg) + ex
 
 
+def free_device(cp) -> None:
+    """Return every cached block of CuPy's pools (between configurations, so each measures its own footprint)."""
+    import gc
+
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str) -> list:
+    """Per-kernel device time of ``steps`` graph-replayed decode steps (CUPTI through torch.profiler, which
+    records every CUDA kernel of the process, CuPy's included). Returns rows (kernel, total ms, calls, share),
+    sorted by time; [] when torch's profiler is not there."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:  # noqa: BLE001
+        return []
+    from stratatools.cachesim import make_tier
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    w = load(gguf, xp=cp)
+    pol = None
+    if slots is not None:
+        bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
+        pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
+    grt = GPURuntime(w, policy=pol, miss_mode="host")
+    rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8)
+    st = rt.new_state()
+    lg, _ = rt.forward(prompt_ids, st)
+    tok = int(lg.argmax().get())
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            lg, _ = rt.forward([tok], st)
+            tok = int(lg.argmax().get())
+            grt.tier.end_round()
+        cp.cuda.Device().synchronize()
+    agg: dict = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) is None or "CUDA" not in str(ev.device_type):
+            continue
+        name = ev.name
+        for pre in ("void ", "_Z"):
+            name = name[len(pre):] if name.startswith(pre) else name
+        name = name.split("(")[0][:60]
+        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        a = agg.setdefault(name, [0.0, 0])
+        a[0] += t / 1e3
+        a[1] += 1
+    total = sum(v[0] for v in agg.values()) or 1.0
+    rows = sorted(([k, v[0] / steps, v[1] // steps, v[0] / total] for k, v in agg.items()), key=lambda r: -r[1])
+    del rt, grt, w
+    free_device(cp)
+    return rows
+
+
 def parse_llama(md: str) -> dict:
     out = {}
     for line in md.splitlines():
@@ -85,6 +144,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--anchor", default=None)
+    ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     wd = Path(a.workdir)
@@ -122,9 +182,11 @@ def main() -> None:
     prompts.write_text(json.dumps([{"token_ids": rng.integers(0, vocab, a.prompt).tolist()}]))
     configs = [("all resident", {}), (f"{a.slots} slots static", {"slots": a.slots, "policy": "static"}),
                (f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
-               (f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"})]
+               (f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
+               ("--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
     rows = []
     for name, kw in configs:
+        free_device(cp)
         t0 = time.perf_counter()
         try:
             r = run_prompts(gguf, prompts, max_new_tokens=a.new, device="gpu", **kw).to_dict()
@@ -138,12 +200,21 @@ def main() -> None:
         row = {"name": name, "decode": r["tokens_per_s"], "prefill": r["prefill_tokens_per_s"],
                "h_decode": r["h_expert"], "moved_per_token": tc["bytes_moved"] / (a.prompt + steps),
                "device_used": d["device_used_bytes"], "pool": d["pool_bytes"], "wall_s": time.perf_counter() - t0,
-               "engine": d["engine"], "tier": tc}
+               "engine": d["engine"], "tier": tc, "plan": d.get("plan")}
         rows.append(row)
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
               f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB",
               flush=True)
     res["rows"] = rows
+    prof_rows = {}
+    if a.profile_steps > 0:
+        ids = json.loads(prompts.read_text())[0]["token_ids"][:32]
+        for name, sl, pol in (("all resident", None, "static"), (f"{a.slots} slots LRU", a.slots, "lru")):
+            try:
+                prof_rows[name] = kernel_profile(cp, gguf, ids, a.profile_steps, sl, pol)
+            except Exception as e:  # noqa: BLE001
+                print(f"profile {name}: failed: {e}", flush=True)
+        res["kernel_profile"] = prof_rows
     llama = {}
     if anchor is not None:
         out, _ = anchor.communicate(timeout=900)
@@ -166,6 +237,17 @@ def main() -> None:
               f"{r['decode'] / roof:.3f} | {r['prefill']:.1f} | {r['prefill'] / pp if pp else float('nan'):.4f} | "
               f"{r['h_decode'] if r['h_decode'] is None else round(r['h_decode'], 4)} | {r['moved_per_token'] / 1e6:.1f} | "
               f"{r['device_used'] / 2**30:.2f} |")
+    for name, pr in prof_rows.items():
+        tot = sum(r[1] for r in pr)
+        print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in "
+              f"{sum(r[2] for r in pr)} kernels")
+        print("| kernel | ms/step | launches/step | share |")
+        print("|---|---:|---:|---:|")
+        for r in pr[:14]:
+            print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |")
+    for r in rows:
+        if "plan" in r and r["plan"]:
+            print(f"{r['name']}: plan {json.dumps(r['plan'])}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1, default=str))
 
