@@ -101,3 +101,29 @@ def test_resolve_device():
     assert resolve_device("auto") == ("gpu" if gpu.available() else "cpu")
     with pytest.raises(StrataError, match="not one of"):
         resolve_device("cuda")
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive", "lru", "lfu", "lfru"])
+def test_resident_row_is_the_masks_row(policy):
+    """Tier.resident_row (what the GPU tier reads after each access) equals resident_mask()'s row, always."""
+    import numpy as np
+
+    from stratatools.cachesim import make_tier
+    from stratatools.profiles.strp import Profile
+
+    L, E = 3, 12
+    rng = np.random.default_rng(5)
+    if policy in ("static", "adaptive"):
+        pairs = np.array([(l, e) for e in range(E) for l in range(L)], dtype=np.uint16)
+        t = make_tier(policy, profile=Profile(n_layers=L, n_expert=E, pairs=pairs[rng.permutation(len(pairs))]),
+                      slots=8, blob_bytes=[100] * L)
+    else:
+        t = make_tier(policy, n_layers=L, n_expert=E, slots=9, blob_bytes=[100] * L)
+    for r in range(30):
+        for l in range(L):
+            t.access(l, rng.choice(E, 3, replace=False))
+            m = t.resident_mask()
+            for ll in range(L):
+                assert np.array_equal(t.resident_row(ll), m[ll]), (policy, r, ll)
+        t.end_round()
+    assert t.resident_mask().any()

@@ -188,6 +188,7 @@ class StaticDecoder:
             _check_type(ly.d_type, ly.ff, "expert down")
         del ly0, ExpertJobs
         self._raw: dict[str, tuple[Any, Any, int, int]] = {}
+        self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
 
     def _dense_raw(self, name: str):
         """(device bytes, type, rows, cols) of a matrix for the quantized matvec, or None when it cannot run."""
@@ -245,6 +246,52 @@ class StaticDecoder:
         W = self.w.get(name)
         return (W.reshape(W.shape[0], -1) @ x.reshape(-1)).astype(self.xp.float32, copy=False)
 
+    def mv_many(self, names: list[str], x: Any) -> list[Any]:
+        """``[W x for W in names]`` for matrices that share the input ``x``. On the fast path, matrices of one
+        type and width are multiplied in one launch: their rows are stacked at load time into one device buffer
+        (row-major blocks, so stacking is concatenation; no copy kept per matrix) and the results are views of
+        one output. Each row is computed exactly as :meth:`mv` computes it."""
+        if not self.fast:
+            return [self.mv(n, x) for n in names]
+        from stratatools.runtime.gpu.experts import MAX_SHARED_FLOATS
+        from stratatools.runtime.gpu.kernels import UNIT, matvec_tiled_launch
+
+        cp = self.cp
+        m = self.w.model
+        groups: dict[tuple[int, int], list[int]] = {}
+        metas = []
+        for i, n in enumerate(names):
+            t = m.tensor(n)
+            cols = int(t.ne[0])
+            rows = 1
+            for d in t.ne[1:]:
+                rows *= int(d)
+            metas.append((t, rows, cols))
+            if t.type.id in UNIT and cols % UNIT[t.type.id][0] == 0 and cols <= MAX_SHARED_FLOATS and n not in self._raw:
+                groups.setdefault((t.type.id, cols), []).append(i)
+        out: list[Any] = [None] * len(names)
+        for (tid, cols), idx in groups.items():
+            if len(idx) < 2:
+                continue
+            key = tuple(names[i] for i in idx)
+            got = self._raw_groups.get(key)
+            if got is None:
+                host = np.concatenate([np.asarray(m.raw(metas[i][0])).reshape(-1) for i in idx])
+                got = (cp.asarray(host), [metas[i][1] for i in idx])
+                self._raw_groups[key] = got
+            raw, rows = got
+            xx = cp.ascontiguousarray(x, dtype=cp.float32)
+            y = cp.empty(sum(rows), dtype=cp.float32)
+            matvec_tiled_launch(raw, xx, y, tid, sum(rows), cols)
+            o = 0
+            for i, r in zip(idx, rows):
+                out[i] = y[o:o + r]
+                o += r
+        for i, n in enumerate(names):
+            if out[i] is None:
+                out[i] = self.mv(n, x)
+        return out
+
     def _put(self, buf: Any, row: Any) -> None:
         """buf[pos] = row at the device-held position."""
         if self.gpu:
@@ -275,7 +322,10 @@ class StaticDecoder:
         cp, cfg = self.cp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
         hn = self._rms(H, self.w.get(f"{prefix}_norm.weight"), group=n)
-        d = self.mv(f"{prefix}_down.weight", hn)
+        if inject:
+            d, v = self.mv_many([f"{prefix}_down.weight", f"{prefix}_inject.weight"], hn)
+        else:
+            d, v = self.mv(f"{prefix}_down.weight", hn), None
         m = cp.empty_like(d)
         nd = int(d.size)
         self.k_silu_div(((nd + 255) // 256,), (256,), (d, m, np.int32(nd), np.float32(hc)))
@@ -284,7 +334,7 @@ class StaticDecoder:
         self.k_hc_mix(((n + 255) // 256,), (256,), (u, hn, mixed, np.int32(hc), np.int32(n)))
         if not inject:
             return mixed, None
-        return mixed, self.mv(f"{prefix}_inject.weight", hn)
+        return mixed, v
 
     def _inject(self, H: Any, y: Any, v: Any) -> None:
         """In place: H[h*n + i] += y[i] * 2 sigmoid(v[h] / hc) (the residual of :meth:`_body`)."""
@@ -391,8 +441,8 @@ class StaticDecoder:
         a, b = self._ple_sl[il]
         emb = self.inp[a:b]
         p = f"blk.{il}.ple_"
-        key = self._rms(self.mv(p + "key.weight", emb), self.w.get(p + "norm_key.weight"), group=n)
-        value = self.mv(p + "value.weight", emb)
+        kraw, value = self.mv_many([p + "key.weight", p + "value.weight"], emb)
+        key = self._rms(kraw, self.w.get(p + "norm_key.weight"), group=n)
         q = self._rms(H, self.w.get(p + "norm_query.weight"), group=n)
         gate = xp.sum(key.reshape(hc, n) * q.reshape(hc, n), axis=-1, keepdims=True) / xp.float32(np.sqrt(n))
         gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
@@ -415,10 +465,9 @@ class StaticDecoder:
         nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
         dv = cfg.ssm_head_v_dim
         p = f"blk.{il}."
-        qkv = self.mv(p + "attn_qkv.weight", x)
-        z = self.mv(p + "attn_gate.weight", x).reshape(nv, dv)
-        b = self.mv(p + "ssm_beta.weight", x)
-        a = self.mv(p + "ssm_alpha.weight", x)
+        qkv, z, b, a = self.mv_many([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                                     p + "ssm_alpha.weight"], x)
+        z = z.reshape(nv, dv)
         wc = self.w.get(p + "ssm_conv1d.weight")
         C, K = wc.shape
         cbuf = self.conv[il]
@@ -461,12 +510,13 @@ class StaticDecoder:
         xp, cfg = self.xp, self.cfg
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         p = f"blk.{il}."
-        qg = self.mv(p + "attn_q.weight", x).reshape(nh, 2 * hd)
+        qraw, kraw, vraw = self.mv_many([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], x)
+        qg = qraw.reshape(nh, 2 * hd)
         q = qg[:, :hd]
         gate = qg[:, hd:].reshape(nh * hd)
         q = self._rms(q, self.w.get(p + "attn_q_norm.weight"))
-        k = self._rms(self.mv(p + "attn_k.weight", x).reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"))
-        v = self.mv(p + "attn_v.weight", x).reshape(nkv, hd)
+        k = self._rms(kraw.reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"))
+        v = vraw.reshape(nkv, hd)
         q = self._rope(q)
         k = self._rope(k)
         self._put(self.kc[il], k)

@@ -222,6 +222,9 @@ class AllResident:
     def resident_mask(self) -> np.ndarray:
         return np.ones((self.n_layers, self.n_expert), dtype=bool)
 
+    def resident_row(self, layer: int) -> np.ndarray:
+        return np.ones(self.n_expert, dtype=bool)
+
     def stats(self) -> dict:
         return {"policy": self.policy, "entries": self.entries, "hits": self.entries, "h_expert": 1.0}
 
@@ -298,6 +301,14 @@ class GPUExpertTier:
         self.on_access: Any = None
         #: bumped whenever an expert moves in or out of a slot (the static decoder re-uploads its slot table)
         self.version = 0
+        Emax = max(ly.n_expert for ly in arena.layers)
+        self._in_vram = np.zeros((L, Emax), dtype=bool)
+        #: every expert's blob address (VRAM slot, else mapped host arena, else 0), kept up to date
+        self._table = np.zeros((L, Emax), dtype=np.uint64)
+        if arena.device_ptr is not None:
+            for l, ly in enumerate(arena.layers):
+                self._table[l, :ly.n_expert] = np.uint64(arena.device_ptr + int(arena.layer_offset[l])) + \
+                    np.arange(ly.n_expert, dtype=np.uint64) * np.uint64(ly.blob_bytes)
         self._sync(mask, initial=True)
 
     # -- layout -------------------------------------------------------------------------------------
@@ -330,6 +341,10 @@ class GPUExpertTier:
         new = cp.empty(max(need, int(self.vram.size) * 5 // 4), dtype=cp.uint8)
         new[:self._bump] = self.vram[:self._bump]
         self.vram, self.vram_ptr = new, int(new.data.ptr)
+        for l, slots in enumerate(self.slot_of):
+            for e, off in slots.items():
+                self._table[l, e] = np.uint64(self.vram_ptr + off)
+        self.version += 1
         self.counters.extra["vram_grown"] = self.counters.extra.get("vram_grown", 0) + 1
 
     def _before_write(self, dst_ptr: int | None) -> None:
@@ -346,29 +361,44 @@ class GPUExpertTier:
         self.cp.cuda.runtime.memcpyAsync(dst_ptr, src, n, 1, s.ptr)  # 1 = cudaMemcpyHostToDevice
         return n
 
-    def _sync(self, mask: np.ndarray, initial: bool = False, layers: Sequence[int] | None = None) -> None:
-        """Make VRAM hold exactly the policy's resident set (for ``layers``, default all)."""
+    def _host_addr(self, layer: int, expert: int) -> int:
+        dp = self.arena.device_ptr
+        return 0 if dp is None else dp + self.arena.offset(layer, expert)
+
+    def _place(self, layer: int, expert: int, off: int | None) -> None:
+        """Record that (layer, expert) now sits at slot ``off`` (None: evicted) in the address table."""
+        self._in_vram[layer, expert] = off is not None
+        self._table[layer, expert] = np.uint64(self.vram_ptr + off if off is not None else self._host_addr(layer, expert))
+        self.version += 1
+
+    def _row(self, layer: int) -> np.ndarray:
+        f = getattr(self.policy, "resident_row", None)
+        return np.asarray(f(layer) if f is not None else self.policy.resident_mask()[layer], dtype=bool)
+
+    def _sync(self, mask: np.ndarray | None = None, initial: bool = False, layers: Sequence[int] | None = None) -> None:
+        """Make VRAM hold exactly the policy's resident set (for ``layers``, default all; ``mask``: the policy's
+        ``resident_mask()`` when the caller has it)."""
         for l in (range(len(self.slot_of)) if layers is None else layers):
-            want = np.flatnonzero(mask[l])
-            have = self.slot_of[l]
-            want_set = set(int(e) for e in want)
-            for e in [e for e in have if e not in want_set]:
-                self.free[l].append(have.pop(e))
+            n = self.arena.layers[l].n_expert
+            row = np.asarray(mask[l] if mask is not None else self._row(l), dtype=bool)[:n]
+            have = self._in_vram[l, :n]
+            if np.array_equal(row, have):
+                continue
+            slots = self.slot_of[l]
+            for e in np.flatnonzero(have & ~row).tolist():
+                self.free[l].append(slots.pop(e))
+                self._place(l, e, None)
                 self.counters.evictions += 1
-                self.version += 1
-            for e in want:
-                e = int(e)
-                if e in have:
-                    continue
+            for e in np.flatnonzero(row & ~have).tolist():
                 off = self._take_slot(l)
-                have[e] = off
-                self.version += 1
-                n = self._copy_in(self.vram_ptr + off, l, e)
+                slots[e] = off
+                self._place(l, e, off)
+                n_b = self._copy_in(self.vram_ptr + off, l, e)
                 if initial:
-                    self.counters.fill_bytes += n
+                    self.counters.fill_bytes += n_b
                 else:
                     self.counters.admit_copies += 1
-                    self.counters.admit_bytes += n
+                    self.counters.admit_bytes += n_b
 
     # -- use ----------------------------------------------------------------------------------------
     def fetch(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -380,7 +410,7 @@ class GPUExpertTier:
         another expert into a slot); :meth:`ffn` handles that for many tokens.
         """
         ptrs, hit = self._fetch_nosync(layer, experts)
-        self._sync(np.asarray(self.policy.resident_mask(), dtype=bool), layers=[layer])
+        self._sync(layers=[layer])
         return ptrs, hit
 
     def _fetch_nosync(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -405,7 +435,7 @@ class GPUExpertTier:
             if hit[i]:  # resident per the policy but not yet copied (admitted since the last sync)
                 off = self._take_slot(layer)
                 self.slot_of[layer][e] = off
-                self.version += 1
+                self._place(layer, e, off)
                 self.counters.admit_copies += 1
                 self.counters.admit_bytes += self._copy_in(self.vram_ptr + off, layer, e)
                 ptrs[i] = self.vram_ptr + off
@@ -436,29 +466,20 @@ class GPUExpertTier:
         self.counters.misses[layer] += int(hit.size - nh)
         self.counters.miss_host_read_bytes += int(hit.size - nh) * self.arena.layers[layer].blob_bytes
         if not isinstance(self.policy, AllResident):
-            self._sync(np.asarray(self.policy.resident_mask(), dtype=bool), layers=[layer])
+            self._sync(layers=[layer])
         return hit
 
     def slot_table(self) -> np.ndarray:
         """uint64 [L, Emax]: device address of every expert's blob: its VRAM slot when resident, else its place
         in the mapped host arena (zero-copy). Raises StrataError when an expert is not resident and the arena
         is not mapped into the device."""
-        L = len(self.arena.layers)
-        Emax = max(ly.n_expert for ly in self.arena.layers)
-        out = np.zeros((L, Emax), dtype=np.uint64)
-        dp = self.arena.device_ptr
-        for l, ly in enumerate(self.arena.layers):
-            have = self.slot_of[l]
-            if dp is not None:
-                out[l, :ly.n_expert] = np.uint64(dp + int(self.arena.layer_offset[l])) + \
-                    np.arange(ly.n_expert, dtype=np.uint64) * np.uint64(ly.blob_bytes)
-            elif len(have) < ly.n_expert:
-                raise StrataError(f"layer {l}: {ly.n_expert - len(have)} routed experts are not in VRAM and pinned host "
-                                  f"memory is not mapped into the device on this platform; the static decoder needs "
-                                  f"every expert resident here (give more slots or --vram-gib)")
-            for e, off in have.items():
-                out[l, e] = self.vram_ptr + off
-        return out
+        if self.arena.device_ptr is None:
+            for l, ly in enumerate(self.arena.layers):
+                if len(self.slot_of[l]) < ly.n_expert:
+                    raise StrataError(f"layer {l}: {ly.n_expert - len(self.slot_of[l])} routed experts are not in VRAM and "
+                                      f"pinned host memory is not mapped into the device on this platform; the static "
+                                      f"decoder needs every expert resident here (give more slots or --vram-gib)")
+        return self._table.copy()
 
     def _staging_slot(self, i: int) -> int:
         """Device address of staging ring entry ``i`` (the ring is allocated once, at the first miss)."""
@@ -537,7 +558,7 @@ class GPUExpertTier:
                 p, _ = self._fetch_nosync(layer, ids[t])
                 seg.append(p)
                 self._pending.update(int(v) for v in p)
-                self._sync(np.asarray(self.policy.resident_mask(), dtype=bool), layers=[layer])
+                self._sync(layers=[layer])
             flush()
         finally:
             self._flush = None
