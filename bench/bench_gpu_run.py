@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--anchor", default=None)
     ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--long", type=int, default=0, help="also run all-resident with a prompt of this many tokens")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     wd = Path(a.workdir)
@@ -184,12 +185,19 @@ def main() -> None:
                (f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
                (f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
                ("--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
+    long_prompts = wd / "prompt_long.json"
+    if a.long:
+        long_prompts.write_text(json.dumps([{"token_ids": rng.integers(0, vocab, a.long).tolist()}]))
+        configs.append((f"all resident, {a.long + a.new}-token context", {"_prompts": long_prompts}))
     rows = []
     for name, kw in configs:
         free_device(cp)
         t0 = time.perf_counter()
+        kw = dict(kw)
+        pp = kw.pop("_prompts", prompts)
+        plen = a.long if pp is long_prompts else a.prompt
         try:
-            r = run_prompts(gguf, prompts, max_new_tokens=a.new, device="gpu", **kw).to_dict()
+            r = run_prompts(gguf, pp, max_new_tokens=a.new, device="gpu", **kw).to_dict()
         except Exception as e:  # noqa: BLE001 - the table shows the failure
             print(f"{name}: failed: {e}", flush=True)
             rows.append({"name": name, "error": str(e)})
@@ -198,7 +206,7 @@ def main() -> None:
         tc = d["tier"]
         steps = max(r["new_tokens"] - 1, 1)
         row = {"name": name, "decode": r["tokens_per_s"], "prefill": r["prefill_tokens_per_s"],
-               "h_decode": r["h_expert"], "moved_per_token": tc["bytes_moved"] / (a.prompt + steps),
+               "h_decode": r["h_expert"], "moved_per_token": tc["bytes_moved"] / (plen + steps),
                "device_used": d["device_used_bytes"], "pool": d["pool_bytes"], "wall_s": time.perf_counter() - t0,
                "engine": d["engine"], "tier": tc, "plan": d.get("plan")}
         rows.append(row)
