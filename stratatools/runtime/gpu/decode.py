@@ -81,8 +81,8 @@ class StaticDecoder:
             byte-load matvec, CuPy element-wise ops); the two agree to float rounding (tests/test_gpu_decode.py).
             Ignored on numpy.
     Raises:
-        StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a routed expert not resident in
-            VRAM, or an expert width that is not whole blocks.
+        StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a partial tier whose host arena is
+            not mapped into the device, or an expert width that is not whole blocks.
     """
 
     def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True):
