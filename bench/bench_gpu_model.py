@@ -18,6 +18,8 @@
    same GPU, ``attn_implementation="eager"``, experts implementation ``eager``, decode with its cache.
 
 Usage: python bench/bench_gpu_model.py --workdir /tmp/fw [--layers 8] [--steps 100] [--out res.json]
+       python bench/bench_gpu_model.py --run-table [bench_gpu_run.py options]   (``stratatools run --device gpu``
+       on the 48x256 model, all resident vs offloaded, with llama-bench in the same run)
 Prints a table last; writes JSON with every number.
 """
 
@@ -355,6 +357,14 @@ def bench_hf(cfg, steps: int, prompt_len: int, impl: str = "eager") -> dict:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--run-table" in argv:  # issue 17/12's table: stratatools run --device gpu against llama.cpp
+        import runpy
+
+        argv.remove("--run-table")
+        sys.argv = [str(Path(__file__).with_name("bench_gpu_run.py"))] + argv
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default="/tmp/fw")
     ap.add_argument("--layers", type=int, default=8)

@@ -97,3 +97,28 @@ def test_every_supported_type_has_a_kernel_unit():
             assert (bs, ts) == (t.block_size, t.type_size)
         else:
             assert bs == 8 and ts == 8 * t.type_size
+
+
+def test_cuda_sources_are_package_files():
+    """The CUDA code is read from the package's .cu/.cuh files (no source text left in the Python modules), and
+    every kernel the launchers ask for is defined in what they compile."""
+    from pathlib import Path
+
+    import stratatools.runtime.gpu as g
+    from stratatools.core.errors import StrataError
+
+    here = Path(g.__file__).parent
+    for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu"):
+        assert (here / name).is_file(), name
+        assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
+    src = K.source()
+    for k in K.KERNEL_TEMPLATES + K.FAST_TEMPLATES:
+        assert re.search(rf"__global__ void (__launch_bounds__\(\d+\) )?{k}\(", src), k
+    dec = K.cuda_source("decode_step.cu")
+    for k in ("route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused",
+              "put_row", "attn_decode"):
+        assert f'extern "C" __global__ void {k}(' in dec, k
+    for py in ("kernels.py", "decode.py"):
+        assert "__global__" not in (here / py).read_text(encoding="utf-8"), py
+    with pytest.raises(StrataError, match="missing from the installation"):
+        K.cuda_source("no-such-file.cu")

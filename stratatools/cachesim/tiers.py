@@ -146,6 +146,14 @@ class Tier:
         """bool [L, E]: experts resident now (copies in flight excluded)."""
         raise NotImplementedError
 
+    def resident_row(self, layer: int) -> np.ndarray:
+        """bool [E]: ``resident_mask()[layer]`` without building the other layers' rows (the runtime's tier
+        asks after every access)."""
+        res = getattr(self, "res", None)
+        if res is not None:
+            return res[layer].copy()
+        return self.resident_mask()[layer]
+
     def stats(self) -> dict[str, Any]:
         """Counters so far: entries, hits, h_expert, records, h_layer, hit/entry bytes, loads, moved_bytes,
         per-layer entries/hits/loads (lists of L ints)."""
@@ -470,6 +478,11 @@ class LRUTier(Tier):
             m[l, list(od)] = True
         return m
 
+    def resident_row(self, layer: int) -> np.ndarray:
+        m = np.zeros(self.n_expert, dtype=bool)
+        m[list(self.od[layer])] = True
+        return m
+
 
 class _DecayCounts:
     def _init_counts(self, params: dict, defaults: dict) -> dict:
@@ -585,6 +598,11 @@ class LFRUTier(_DecayCounts, Tier):
         m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
         for l in range(self.n_layers):
             m[l, list(self.priv[l]) + self.unpriv[l]] = True
+        return m
+
+    def resident_row(self, layer: int) -> np.ndarray:
+        m = np.zeros(self.n_expert, dtype=bool)
+        m[list(self.priv[layer]) + self.unpriv[layer]] = True
         return m
 
 

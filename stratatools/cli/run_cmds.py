@@ -38,6 +38,9 @@ def run_cmd(
     upper_slots: Optional[int] = sim_cmds._UPPER_SLOTS,
     disjoint_adapt: bool = sim_cmds._DISJOINT,
     strata_version: str = sim_cmds._VERSION,
+    device: str = typer.Option("auto", "--device", help="auto (the GPU when CuPy sees one), cpu or gpu."),
+    vram_gib: Optional[float] = typer.Option(None, "--vram-gib", help="GPU: the whole device footprint in GiB; "
+                                             "the expert slots follow from what is left."),
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
@@ -51,13 +54,18 @@ def run_cmd(
         res = run_prompts(pack, prompts, model=model, profile=profile, budget_gib=budget_gib, slots=slots,
                           policy=policy, admission=admission, max_new_tokens=max_new_tokens, trace_out=trace_out,
                           trace_format=trace_format, force=force, selection=selection, output_gate=output_gate,
-                          progress=lambda k: bar.update(advance=k), tier_params=tier_params)
+                          progress=lambda k: bar.update(advance=k), tier_params=tier_params,
+                          device=device, vram_gib=vram_gib)
     if as_json:
         common.emit_json(res.to_dict())
         return
     c = common.console
     c.print(f"{res.pack or res.model}: experts from {res.expert_source}, QSA selection {res.selection}",
             markup=False, soft_wrap=True)
+    d = res.device
+    c.print(f"device: {d['device']}" + (f" ({d.get('gpu_name')}, {d.get('engine')}, misses: {d.get('miss_mode')}; "
+                                       f"device memory used {d.get('device_used_bytes', 0) / 2**30:.2f} GiB)"
+                                       if d["device"] == "gpu" else ""), markup=False, soft_wrap=True)
     t = Table(title="requests")
     for col in ("request", "id", "prompt tokens", "new tokens", "stop", "text"):
         t.add_column(col, justify="left" if col in ("id", "stop", "text") else "right")

@@ -198,6 +198,7 @@ class RunResult:
     trace_format: str | None
     trace_records: int
     options: dict[str, Any] = field(default_factory=dict)
+    device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu"})
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "pack": self.pack, "expert_source": self.expert_source,
@@ -206,7 +207,54 @@ class RunResult:
                 "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "h_expert": self.h_expert, "tier": self.tier,
                 "trace_path": self.trace_path, "trace_format": self.trace_format, "trace_records": self.trace_records,
-                "options": self.options}
+                "options": self.options, "device": self.device}
+
+
+def _gpu_runtime(w: Any, tier: ExpertTier | None, selection: str, max_ctx: int, info: dict[str, Any]) -> Any:
+    """The GPU decode path: a :class:`stratatools.runtime.gpu.runtime.GPURuntime` whose device tier runs the
+    tier's policy object (every expert resident without a tier), behind :class:`DecoderRuntime`."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.tier import HostArena
+
+    free0, total = cp.cuda.runtime.memGetInfo()
+    info["gpu_name"] = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(errors="replace")
+    info["device_free_at_start"] = int(free0)
+    arena = HostArena.from_expert_source(w.experts)
+    mode = "host" if arena.device_ptr is not None else "copy"
+    grt = GPURuntime(w, policy=tier.tier if tier is not None else None, miss_mode=mode, arena=arena,
+                     selection=selection, route_hook=tier.hook if tier is not None else None)
+    if tier is not None:
+        tier.attach_device(grt.tier)
+    info["miss_mode"] = "host (zero-copy reads of pinned memory)" if mode == "host" else "copy"
+    from stratatools.runtime.gpu.decode import max_full_context
+
+    lim = max_full_context(w.cfg, selection)
+    if max_ctx > lim:  # QSA selects a subset past lim: the generic forward (float32 dense copies) runs it
+        info["engine"] = f"generic CuPy forward (context {max_ctx} is over the static decoder's {lim})"
+        return grt
+    info["engine"] = "static decoder + CUDA graph"
+    return DecoderRuntime(grt, max_ctx=max_ctx)
+
+
+def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
+    """Device-memory figures of a finished GPU run into ``info`` (bytes): the plan, CuPy's pools, and what
+    the device lost since the start (includes the CUDA context's own allocations)."""
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    dec = getattr(rt, "dec", None)
+    grt = rt.rt if dec is not None else rt
+    info["pool_bytes"] = int(pool.total_bytes()) + (int(dec._pool.total_bytes()) if dec is not None and dec._pool is not None else 0)
+    free1, _ = cp.cuda.runtime.memGetInfo()
+    info["device_used_bytes"] = int(info.get("device_free_at_start", free1)) - int(free1)
+    info["tier_vram_bytes"] = int(grt.tier.vram.size)
+    info["tier"] = grt.tier.counters.to_dict()
+    info["plan"] = plan.to_dict() if plan is not None else None
+    if dec is not None:
+        info["decoder"] = dict(dec.stats)
 
 
 class _TraceBuilder:
@@ -244,7 +292,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
                 policy: str = "static", admission: str = "global", max_new_tokens: int = 16,
                 trace_out: str | os.PathLike | None = None, trace_format: str | None = None, force: bool = False,
                 selection: str = "transformers", output_gate: str = "sigmoid", xp: Any = np,
-                progress: Callable[[int], None] | None = None, tier_params: dict[str, Any] | None = None) -> RunResult:
+                progress: Callable[[int], None] | None = None, tier_params: dict[str, Any] | None = None,
+                device: str = "cpu", vram_gib: float | None = None) -> RunResult:
     """Run every prompt of ``prompts_path`` through a pack (or GGUF) with greedy decoding.
 
     Args:
@@ -257,6 +306,11 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         trace_out / trace_format: where and how to write the routing trace. force: replace an existing trace.
         selection: QSA selection (``transformers`` or ``llamacpp``). output_gate: GDN output gate.
         progress: called with 1 after each request.
+        device: ``cpu``, ``gpu`` or ``auto`` (:func:`stratatools.runtime.device.resolve_device`); on the GPU the
+            static decoder runs every token (:mod:`stratatools.runtime.gpu.engine`) with the expert tier in VRAM
+            slots and misses read from pinned host memory.
+        vram_gib: the GPU path's device-memory budget: the expert slots follow from what the dense weights and
+            caches leave (:func:`stratatools.runtime.device.plan_vram`).
 
     Raises:
         StrataError: every load/parse error (pack vs GGUF mismatch, bad prompts, profile of another geometry),
@@ -273,7 +327,19 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         fmt = trace_format_for(trace_out, trace_format)
     if max_new_tokens < 0:
         raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
-    want_tier = profile is not None or budget_gib is not None or slots is not None
+    from stratatools.runtime.device import resolve_device
+
+    dev = resolve_device(device)
+    if vram_gib is not None and dev != "gpu":
+        raise StrataError("--vram-gib sizes the GPU path; it needs --device gpu (or auto with a GPU)")
+    if vram_gib is not None and budget_gib is not None:
+        raise StrataError("--vram-gib and --budget-gib both size the tier; give one (--vram-gib: the whole device "
+                          "footprint, --budget-gib: the expert slots alone)")
+    if dev == "gpu":
+        from stratatools.runtime.gpu import require_cupy
+
+        xp = require_cupy()
+    want_tier = profile is not None or budget_gib is not None or slots is not None or vram_gib is not None
     if tier_params and policy != "adaptive":
         raise StrataError(f"the --adapt-*/--upper-slots options configure the adaptive tier, not --policy {policy}: "
                           f"add --policy adaptive")
@@ -290,13 +356,6 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         prof = None
         if profile is not None:
             prof = read_profile(profile)
-        tier = None
-        if want_tier:
-            tier = ExpertTier(w, policy=policy, profile=prof, slots=slots, budget_gib=budget_gib,
-                              admission=admission, profile_path=str(profile) if profile else None,
-                              **(tier_params or {}))
-        rt = Qwen4ExpRuntime(w, selection=selection, expert_fn=tier.matrices if tier else None,
-                             route_hook=tier.hook if tier else None)
         tok = None
         enc: list[list[int]] = []
         if any(pr.token_ids is None for pr in prompts):
@@ -315,6 +374,39 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
                 tok = BPETokenizer.from_gguf(w.model)
             except StrataError:
                 tok = None
+        need_ctx = max(len(ids) for ids in enc) + max_new_tokens
+        n_ctx_model = w.model.kv.get(f"{w.model.arch}.context_length")
+        if n_ctx_model is not None and need_ctx > int(n_ctx_model):
+            i = max(range(len(enc)), key=lambda j: len(enc[j]))
+            raise StrataError(f"{prompts_path}: prompt #{i}: {len(enc[i])} tokens + --max-new-tokens {max_new_tokens} = "
+                              f"{need_ctx} positions, over the model's context length {int(n_ctx_model)}; shorten the "
+                              f"prompt or lower --max-new-tokens", prompts_path)
+        vram_plan = None
+        if dev == "gpu":
+            from stratatools.runtime.device import plan_vram
+            from stratatools.runtime.gpu.decode import max_full_context
+
+            lim = max_full_context(w.cfg, selection)
+            if need_ctx > lim and vram_gib is not None:
+                raise StrataError(f"{prompts_path}: {need_ctx} positions (longest prompt + --max-new-tokens); --vram-gib "
+                                  f"covers the static decoder, which runs up to {lim} positions at this model's QSA "
+                                  f"budget: drop --vram-gib (the generic GPU forward runs) or shorten the prompts",
+                                  prompts_path)
+            blob = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
+            vram_plan = plan_vram(w.model, w.cfg, blob, need_ctx, vram_gib, slots, int(sum(w.cfg.n_expert)))
+            if vram_gib is not None:
+                slots = vram_plan.slots
+        tier = None
+        if want_tier:
+            tier = ExpertTier(w, policy=policy, profile=prof, slots=slots, budget_gib=budget_gib,
+                              admission=admission, profile_path=str(profile) if profile else None,
+                              store=dev != "gpu", **(tier_params or {}))
+        dev_info: dict[str, Any] = {"device": dev, "device_requested": device}
+        if dev == "gpu":
+            rt = _gpu_runtime(w, tier, selection, need_ctx, dev_info)
+        else:
+            rt = Qwen4ExpRuntime(w, selection=selection, expert_fn=tier.matrices if tier else None,
+                                 route_hook=tier.hook if tier else None)
         builder = _TraceBuilder()
         results: list[RequestResult] = []
         pre_s = dec_s = 0.0
@@ -346,6 +438,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             results.append(RequestResult(ri, pr.prompt_id, len(ids), new, text, stop, t1 - t0, t2 - t1))
             if progress:
                 progress(1)
+        if dev == "gpu":
+            _device_memory(rt, dev_info, vram_plan)
         n_prompt = sum(len(x) for x in enc)
         n_new = sum(len(r.new_ids) for r in results)
         tstats = tier.stats() if tier is not None else None
@@ -369,6 +463,7 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             trace_path=str(trace_out) if trace_out is not None else None, trace_format=fmt, trace_records=n_records,
             options={"policy": policy if tier else None, "admission": admission if tier else None, "slots": slots,
                      "budget_gib": budget_gib, "profile": str(profile) if profile else None,
-                     "max_new_tokens": max_new_tokens, "output_gate": output_gate})
+                     "max_new_tokens": max_new_tokens, "output_gate": output_gate, "vram_gib": vram_gib},
+            device=dev_info)
     finally:
         w.close()

@@ -66,6 +66,8 @@ class ExpertTier:
         slots / budget_gib: the tier's size in slots or bytes (byte budget: Strata's per-slot blob rounded
             up to 256 bytes, see :mod:`stratatools.cachesim.layout`).
         admission: ``global`` or ``per-layer``.
+        store: keep float32 matrices of the resident experts (the numpy/CuPy forward's data path); False when
+            a device tier serves the data (:meth:`attach_device`).
         params: policy parameters (adaptive: ``adapt_every``, ``max_moves`` ...).
 
     Raises:
@@ -75,7 +77,7 @@ class ExpertTier:
 
     def __init__(self, weights: Weights, policy: str = "static", profile: Profile | None = None,
                  slots: int | None = None, budget_gib: float | None = None, admission: str = "global",
-                 profile_path: str | None = None, **params: Any):
+                 profile_path: str | None = None, store: bool = True, **params: Any):
         cfg = weights.cfg
         n_e = set(cfg.n_expert)
         if len(n_e) != 1:
@@ -104,11 +106,28 @@ class ExpertTier:
         self.phase = "prefill"
         self.store: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
         self.copies = 0
+        self.keep_store = bool(store)
+        self.device: Any = None
         self._sync()
         self.copies = 0  # the start-up fill is not counted as copies during the run
 
+    def attach_device(self, device_tier: Any) -> None:
+        """Let a :class:`stratatools.runtime.gpu.tier.GPUExpertTier` built on this tier's policy (``self.tier``)
+        serve the data: it makes the policy accesses (reported back here for the per-phase counts) and ends the
+        rounds; :meth:`hook` then only counts nothing twice."""
+        self.device = device_tier
+        self.store.clear()
+        device_tier.on_access = self._count
+
+    def _count(self, layer: int, hit: np.ndarray) -> None:
+        c = self.counts[self.phase]
+        c.entries[layer] += hit.size
+        c.hits[layer] += int(hit.sum())
+
     def _sync(self) -> None:
         """Make the store hold exactly the resident experts (new ones copied in, evicted ones dropped)."""
+        if not self.keep_store or self.device is not None:
+            return
         mask = self.tier.resident_mask()
         upper = getattr(self.tier, "upper_mask", lambda: None)()
         if upper is not None:  # an upper tier (a second GPU, Strata 0.2.x) serves its experts from VRAM too
@@ -123,6 +142,8 @@ class ExpertTier:
 
     def hook(self, layer: int, positions: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """Route hook: account one layer's records of a forward call (one record per token)."""
+        if self.device is not None:  # the device tier accesses the policy itself (counted through _count)
+            return
         c = self.counts[self.phase]
         for t in range(ids.shape[0]):
             hit = self.tier.access(layer, ids[t])
@@ -131,6 +152,9 @@ class ExpertTier:
 
     def end_round(self) -> None:
         """Close a round (the prefill batch, or one decode position) and apply the tier's moves."""
+        if self.device is not None:
+            self.device.end_round()  # the policy's end_round, then VRAM follows
+            return
         self.tier.end_round()
         self._sync()
 
@@ -147,6 +171,8 @@ class ExpertTier:
                            self.counts["prefill"].hits + self.counts["decode"].hits)
         st = self.tier.stats()
         upper = getattr(self.tier, "upper_mask", lambda: None)()
+        if self.device is not None:
+            self.copies = int(self.device.counters.admit_copies)
         return {"policy": self.policy, "slots": self.slots, "budget_bytes": self.budget_bytes,
                 "resident": int(self.tier.resident_mask().sum()), "copies_during_run": self.copies,
                 "upper_resident": None if upper is None else int(upper.sum()), "swaps": st.get("swaps"),

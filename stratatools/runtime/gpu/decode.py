@@ -7,7 +7,7 @@
   from the token id and uploaded in one copy; everything after that stays on the device;
 * GDN conv/recurrent states, PLE conv states and attention K/V caches (``max_ctx`` positions) are updated
   in place; the position is read on the device, so the same launch sequence serves every position;
-* router top-k runs on the device (:data:`DECODE_SRC` ``route_topk``: softmax/sigmoid probabilities from the
+* router top-k runs on the device (``decode_step.cu`` ``route_topk``: softmax/sigmoid probabilities from the
   same array code as the CPU path, then k rounds of arg-max with ties to the lower expert index, which is
   what the CPU path's stable descending sort selects); blob addresses come from a device table of the
   tier's VRAM slots, so routing never leaves the device;
@@ -19,8 +19,14 @@ batch-1 decode is otherwise bound by kernel-launch overhead. The routing of each
 (``ids`` [L, k], ``weights`` [L, k]); :meth:`StaticDecoder.routing` copies it back once per step when route
 hooks or tier counters need it (the tier's bookkeeping is batched there).
 
-Scope (raises :class:`StrataError` outside it): one sequence; every routed expert resident in VRAM (the tier
-built with every expert, e.g. ``AllResident``); contexts where QSA selects every visible cell, i.e. position
+Partial tiers: the router reads each expert's blob address from a device table (:meth:`GPUExpertTier.slot_table`):
+a VRAM slot for a resident expert, the mapped pinned host arena for any other (a zero-copy read over the bus).
+:meth:`StaticDecoder.routing` feeds the step's records to the tier's policy (static, adaptive, LRU, LFU, LFRU:
+the simulator's code), VRAM follows the policy's resident set, and the table is re-uploaded before the next
+step (between graph replays) when experts moved.
+
+Scope (raises :class:`StrataError` outside it): one sequence; a partial tier needs pinned host memory mapped into
+the device; contexts where QSA selects every visible cell, i.e. position
 ``p`` with ``(p+1)//ratio <= budget//ratio`` (``transformers`` rule) or ``p+1 <= budget+ratio-1``
 (``llamacpp`` rule) in every attention layer - then the indexer does not change the output and is skipped.
 With numpy (``xp=numpy``) the same code runs on the CPU (tests check it against the reference forward).
@@ -35,203 +41,9 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 
+from stratatools.runtime.gpu.kernels import cuda_source
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 
-DECODE_SRC = r"""
-typedef unsigned long long u64;
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_add(float v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-// Block-wide reduction (max if is_max else sum); every thread gets the result. red: 32 floats of shared memory.
-__device__ float block_reduce(float v, bool is_max, float* red) {
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = is_max ? warp_max(v) : warp_add(v);
-    __syncthreads();
-    if (lane == 0) red[wid] = v;
-    __syncthreads();
-    if (wid == 0) {
-        float r = lane < nw ? red[lane] : (is_max ? NEG_INF : 0.0f);
-        r = is_max ? warp_max(r) : warp_add(r);
-        if (lane == 0) red[0] = r;
-    }
-    __syncthreads();
-    return red[0];
-}
-
-// k rounds of block-wide arg-max over the probabilities p[E] in shared memory (ties to the lower index;
-// chosen entries are set to -inf): ids[r], their probabilities vals[r] and the blob addresses of the VRAM slots.
-__device__ void select_topk(float* p, int E, int k, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
-                            float* vals, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
-    __shared__ float rv[32];
-    __shared__ int ri[32];
-    int t = threadIdx.x, lane = t & 31, wid = t >> 5, nw = (blockDim.x + 31) >> 5;
-    for (int r = 0; r < k; ++r) {
-        float bv = NEG_INF; int bi = 0x7fffffff;
-        for (int i = t; i < E; i += blockDim.x) {
-            float v = p[i];
-            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
-        }
-        for (int o = 16; o; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) { rv[wid] = bv; ri[wid] = bi; }
-        __syncthreads();
-        if (t == 0) {
-            float b = rv[0]; int ii = ri[0];
-            for (int q = 1; q < nw; ++q) if (rv[q] > b || (rv[q] == b && ri[q] < ii)) { b = rv[q]; ii = ri[q]; }
-            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
-            u64 ptr = slot[ii];
-            ids[r] = ii; vals[r] = p[ii];
-            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
-            p[ii] = NEG_INF;
-        }
-        __syncthreads();
-    }
-}
-
-// Top-k of probs[0..E) (select_topk): ids[k], w[k] (the probabilities) and the blob addresses slot[id]
-// (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
-extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
-                                      u64 gate_bytes, int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
-    extern __shared__ float p[];
-    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] = probs[i];
-    __syncthreads();
-    select_topk(p, E, k, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
-}
-
-// ---- fused element-wise kernels of the fast step (StaticDecoder(fast=True)); same formulas as stratatools.runtime.model ----
-__device__ __forceinline__ float sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
-
-// Rows of `group` values: out = x * (1 / sqrt(mean(x*x) + eps)), times w[flat index % wlen] when w is given
-// (stratatools.runtime.model._rmsnorm). One block per row.
-extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
-                                        int group, int wlen, float eps) {
-    __shared__ float red[32];
-    long long base = (long long)blockIdx.x * group;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) { float v = x[base + i]; s += v * v; }
-    s = block_reduce(s, false, red);
-    float r = 1.0f / sqrtf(s / (float)group + eps);
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float v = x[base + i] * r;
-        if (w) v = v * w[(base + i) % wlen];
-        out[base + i] = v;
-    }
-}
-
-// out[i] = silu(v[i] / div)
-extern "C" __global__ void silu_div(const float* __restrict__ v, float* __restrict__ out, int n, float div) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { float a = v[i] / div; out[i] = a * sigm(a); }
-}
-
-// Hyper-connection mix: out[i] = (sum over h < hc of sigmoid(u[h*n+i]) * hn[h*n+i]) / hc.
-extern "C" __global__ void hc_mix(const float* __restrict__ u, const float* __restrict__ hn, float* __restrict__ out,
-                                  int hc, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float s = 0.0f;
-    for (int h = 0; h < hc; ++h) s += sigm(u[(long long)h * n + i]) * hn[(long long)h * n + i];
-    out[i] = s / (float)hc;
-}
-
-// Residual with the inject weights: H[h*n+i] += y[i] * (2 sigmoid(v[h] / hc)).
-extern "C" __global__ void hc_inject(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
-                                     int hc, int n) {
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= hc * n) return;
-    int h = idx / n, i = idx - h * n;
-    float iw = 2.0f * sigm(v[h] / (float)hc);
-    H[idx] = H[idx] + y[i] * iw;
-}
-
-// out[0] = sigmoid(sum_i x[i] * w[i]) (the shared expert's gate). One block.
-extern "C" __global__ void dot_sigmoid(const float* __restrict__ x, const float* __restrict__ w, int n, float* __restrict__ out) {
-    __shared__ float red[32];
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * w[i];
-    s = block_reduce(s, false, red);
-    if (threadIdx.x == 0) out[0] = sigm(s);
-}
-
-// Router from logits: probabilities (sigmoid if gating else softmax), then route_topk's selection (k rounds of
-// arg-max, ties to the lower index), then the weights: probabilities of the chosen, divided by their sum when
-// norm, times scale. Writes ids[k], w[k] and the blob addresses. One block; shared: E floats.
-extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
-                                       float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
-                                       u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
-    extern __shared__ float p[];
-    __shared__ float red[32];
-    __shared__ float chosen[64];
-    int t = threadIdx.x;
-    if (sigmoid_gating) {
-        for (int i = t; i < E; i += blockDim.x) p[i] = sigm(logits[i]);
-    } else {
-        float m = NEG_INF;
-        for (int i = t; i < E; i += blockDim.x) m = fmaxf(m, logits[i]);
-        m = block_reduce(m, true, red);
-        float s = 0.0f;
-        for (int i = t; i < E; i += blockDim.x) { float e = expf(logits[i] - m); p[i] = e; s += e; }
-        s = block_reduce(s, false, red);
-        for (int i = t; i < E; i += blockDim.x) p[i] = p[i] / s;
-    }
-    __syncthreads();
-    select_topk(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
-    if (t == 0) {
-        float s = 0.0f;
-        for (int r = 0; r < k; ++r) s += chosen[r];
-        for (int r = 0; r < k; ++r) w[r] = (norm ? chosen[r] / s : chosen[r]) * scale;
-    }
-}
-
-// dst[pos * n + i] = src[i] for the position held in *posp.
-extern "C" __global__ void put_row(const float* __restrict__ src, float* __restrict__ dst, const int* __restrict__ posp, int n) {
-    long long base = (long long)posp[0] * n;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[base + i] = src[i];
-}
-
-// One decode query per head over cached positions 0..*posp: out[h] = softmax(q_h . K[p, kv(h)] * scale) V.
-// K, V: [max_ctx, nkv, hd]; head h reads kv head h / (nh / nkv). One block per head; shared: max_ctx floats.
-extern "C" __global__ void attn_decode(const float* __restrict__ q, const float* __restrict__ K,
-                                       const float* __restrict__ V, const int* __restrict__ posp,
-                                       float* __restrict__ out, int nh, int nkv, int hd, float scale) {
-    extern __shared__ float sc[];
-    __shared__ float red[32];
-    int h = blockIdx.x, kvh = h / (nh / nkv);
-    int P = posp[0] + 1;
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float* qh = q + (long long)h * hd;
-    for (int p = wid; p < P; p += nw) {
-        const float* kp = K + ((long long)p * nkv + kvh) * hd;
-        float s = 0.0f;
-        for (int d = lane; d < hd; d += 32) s += qh[d] * kp[d];
-        s = warp_add(s);
-        if (lane == 0) sc[p] = s * scale;
-    }
-    __syncthreads();
-    float m = NEG_INF;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) m = fmaxf(m, sc[p]);
-    m = block_reduce(m, true, red);
-    float s = 0.0f;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) { float e = expf(sc[p] - m); sc[p] = e; s += e; }
-    s = block_reduce(s, false, red);
-    float inv = 1.0f / s;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        const float* vp = V + (long long)kvh * hd + d;
-        for (int p = 0; p < P; ++p) acc += sc[p] * vp[(long long)p * nkv * hd];
-        out[(long long)h * hd + d] = acc * inv;
-    }
-}
-"""
 
 
 def _selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
@@ -269,8 +81,8 @@ class StaticDecoder:
             byte-load matvec, CuPy element-wise ops); the two agree to float rounding (tests/test_gpu_decode.py).
             Ignored on numpy.
     Raises:
-        StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a routed expert not resident in
-            VRAM, or an expert width that is not whole blocks.
+        StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a partial tier whose host arena is
+            not mapped into the device, or an expert width that is not whole blocks.
     """
 
     def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True):
@@ -348,7 +160,7 @@ class StaticDecoder:
         rt, cfg = self.rt, self.cfg
         self.cp = cp
         self._stream = cp.cuda.Stream(non_blocking=True)
-        self.mod = cp.RawModule(code=DECODE_SRC, options=("--std=c++17",))
+        self.mod = cp.RawModule(code=cuda_source("decode_step.cu"), options=("--std=c++17",))
         self.k_topk = self.mod.get_function("route_topk")
         self.k_put = self.mod.get_function("put_row")
         self.k_attn = self.mod.get_function("attn_decode")
@@ -360,17 +172,10 @@ class StaticDecoder:
         self.k_route = self.mod.get_function("route_fused")
         tier = rt.tier
         L = cfg.n_layer
-        Emax = max(ly.n_expert for ly in tier.arena.layers)
-        slot = np.zeros((L, Emax), dtype=np.uint64)
-        for l in range(L):
-            ne = tier.arena.layers[l].n_expert
-            for e in range(ne):
-                off = tier.slot_of[l].get(e)
-                if off is None:
-                    raise StrataError(f"layer {l}: expert {e} is not in VRAM; the static decoder needs every routed "
-                                      f"expert resident (build the GPURuntime without a partial policy)")
-                slot[l, e] = tier.vram_ptr + off
-        self.slot = cp.asarray(slot)
+        # every expert's blob address: its VRAM slot, or (a miss) its place in the mapped pinned host arena; the
+        # router kernels read it from this device table, re-uploaded between steps when the tier moved experts
+        self.slot = cp.asarray(tier.slot_table())
+        self._slot_version = tier.version
         self.ptrs = cp.zeros((L, 3, self.k), dtype=cp.uint64)
         self.tok0 = cp.zeros(self.k, dtype=cp.int32)
         self.tstart = cp.asarray(np.array([0, self.k], dtype=np.int32))
@@ -383,6 +188,7 @@ class StaticDecoder:
             _check_type(ly.d_type, ly.ff, "expert down")
         del ly0, ExpertJobs
         self._raw: dict[str, tuple[Any, Any, int, int]] = {}
+        self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
 
     def _dense_raw(self, name: str):
         """(device bytes, type, rows, cols) of a matrix for the quantized matvec, or None when it cannot run."""
@@ -440,6 +246,52 @@ class StaticDecoder:
         W = self.w.get(name)
         return (W.reshape(W.shape[0], -1) @ x.reshape(-1)).astype(self.xp.float32, copy=False)
 
+    def mv_many(self, names: list[str], x: Any) -> list[Any]:
+        """``[W x for W in names]`` for matrices that share the input ``x``. On the fast path, matrices of one
+        type and width are multiplied in one launch: their rows are stacked at load time into one device buffer
+        (row-major blocks, so stacking is concatenation; no copy kept per matrix) and the results are views of
+        one output. Each row is computed exactly as :meth:`mv` computes it."""
+        if not self.fast:
+            return [self.mv(n, x) for n in names]
+        from stratatools.runtime.gpu.experts import MAX_SHARED_FLOATS
+        from stratatools.runtime.gpu.kernels import UNIT, matvec_tiled_launch
+
+        cp = self.cp
+        m = self.w.model
+        groups: dict[tuple[int, int], list[int]] = {}
+        metas = []
+        for i, n in enumerate(names):
+            t = m.tensor(n)
+            cols = int(t.ne[0])
+            rows = 1
+            for d in t.ne[1:]:
+                rows *= int(d)
+            metas.append((t, rows, cols))
+            if t.type.id in UNIT and cols % UNIT[t.type.id][0] == 0 and cols <= MAX_SHARED_FLOATS and n not in self._raw:
+                groups.setdefault((t.type.id, cols), []).append(i)
+        out: list[Any] = [None] * len(names)
+        for (tid, cols), idx in groups.items():
+            if len(idx) < 2:
+                continue
+            key = tuple(names[i] for i in idx)
+            got = self._raw_groups.get(key)
+            if got is None:
+                host = np.concatenate([np.asarray(m.raw(metas[i][0])).reshape(-1) for i in idx])
+                got = (cp.asarray(host), [metas[i][1] for i in idx])
+                self._raw_groups[key] = got
+            raw, rows = got
+            xx = cp.ascontiguousarray(x, dtype=cp.float32)
+            y = cp.empty(sum(rows), dtype=cp.float32)
+            matvec_tiled_launch(raw, xx, y, tid, sum(rows), cols)
+            o = 0
+            for i, r in zip(idx, rows):
+                out[i] = y[o:o + r]
+                o += r
+        for i, n in enumerate(names):
+            if out[i] is None:
+                out[i] = self.mv(n, x)
+        return out
+
     def _put(self, buf: Any, row: Any) -> None:
         """buf[pos] = row at the device-held position."""
         if self.gpu:
@@ -470,7 +322,10 @@ class StaticDecoder:
         cp, cfg = self.cp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
         hn = self._rms(H, self.w.get(f"{prefix}_norm.weight"), group=n)
-        d = self.mv(f"{prefix}_down.weight", hn)
+        if inject:
+            d, v = self.mv_many([f"{prefix}_down.weight", f"{prefix}_inject.weight"], hn)
+        else:
+            d, v = self.mv(f"{prefix}_down.weight", hn), None
         m = cp.empty_like(d)
         nd = int(d.size)
         self.k_silu_div(((nd + 255) // 256,), (256,), (d, m, np.int32(nd), np.float32(hc)))
@@ -479,7 +334,7 @@ class StaticDecoder:
         self.k_hc_mix(((n + 255) // 256,), (256,), (u, hn, mixed, np.int32(hc), np.int32(n)))
         if not inject:
             return mixed, None
-        return mixed, self.mv(f"{prefix}_inject.weight", hn)
+        return mixed, v
 
     def _inject(self, H: Any, y: Any, v: Any) -> None:
         """In place: H[h*n + i] += y[i] * 2 sigmoid(v[h] / hc) (the residual of :meth:`_body`)."""
@@ -586,8 +441,8 @@ class StaticDecoder:
         a, b = self._ple_sl[il]
         emb = self.inp[a:b]
         p = f"blk.{il}.ple_"
-        key = self._rms(self.mv(p + "key.weight", emb), self.w.get(p + "norm_key.weight"), group=n)
-        value = self.mv(p + "value.weight", emb)
+        kraw, value = self.mv_many([p + "key.weight", p + "value.weight"], emb)
+        key = self._rms(kraw, self.w.get(p + "norm_key.weight"), group=n)
         q = self._rms(H, self.w.get(p + "norm_query.weight"), group=n)
         gate = xp.sum(key.reshape(hc, n) * q.reshape(hc, n), axis=-1, keepdims=True) / xp.float32(np.sqrt(n))
         gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
@@ -610,10 +465,9 @@ class StaticDecoder:
         nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
         dv = cfg.ssm_head_v_dim
         p = f"blk.{il}."
-        qkv = self.mv(p + "attn_qkv.weight", x)
-        z = self.mv(p + "attn_gate.weight", x).reshape(nv, dv)
-        b = self.mv(p + "ssm_beta.weight", x)
-        a = self.mv(p + "ssm_alpha.weight", x)
+        qkv, z, b, a = self.mv_many([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                                     p + "ssm_alpha.weight"], x)
+        z = z.reshape(nv, dv)
         wc = self.w.get(p + "ssm_conv1d.weight")
         C, K = wc.shape
         cbuf = self.conv[il]
@@ -656,12 +510,13 @@ class StaticDecoder:
         xp, cfg = self.xp, self.cfg
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         p = f"blk.{il}."
-        qg = self.mv(p + "attn_q.weight", x).reshape(nh, 2 * hd)
+        qraw, kraw, vraw = self.mv_many([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], x)
+        qg = qraw.reshape(nh, 2 * hd)
         q = qg[:, :hd]
         gate = qg[:, hd:].reshape(nh * hd)
         q = self._rms(q, self.w.get(p + "attn_q_norm.weight"))
-        k = self._rms(self.mv(p + "attn_k.weight", x).reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"))
-        v = self.mv(p + "attn_v.weight", x).reshape(nkv, hd)
+        k = self._rms(kraw.reshape(nkv, hd), self.w.get(p + "attn_k_norm.weight"))
+        v = vraw.reshape(nkv, hd)
         q = self._rope(q)
         k = self._rope(k)
         self._put(self.kc[il], k)
@@ -794,6 +649,7 @@ class StaticDecoder:
         Raises StrataError for a token outside the vocabulary or a position past ``max_ctx``.
         """
         with self._ordered():
+            self._refresh_slots()
             self._stage(int(token))
             if self.graph is not None:
                 self.graph.launch(stream=self._stream)
@@ -807,26 +663,42 @@ class StaticDecoder:
         self.stats["steps"] += 1
         return self.logits
 
+    def _refresh_slots(self) -> None:
+        """Upload the tier's slot table when experts moved since the last upload (same device buffer: the
+        captured graph reads it at replay)."""
+        tier = getattr(self.rt, "tier", None)
+        if not self.gpu or tier is None or tier.version == self._slot_version:
+            return
+        self.slot.set(tier.slot_table(), stream=self._stream)
+        self._slot_version = tier.version
+        self.stats["slot_uploads"] = self.stats.get("slot_uploads", 0) + 1
+
     def next_token(self) -> int:
         """Arg-max of the last step's logits (one device-to-host copy)."""
         if self.gpu:
             return int(self.next_token_dev.get(stream=self._stream))
         return int(self.next_token_dev)
 
-    def routing(self) -> tuple[np.ndarray, np.ndarray]:
-        """The last step's routing, host arrays ids [L, k] int32 and weights [L, k]; also does the batched
-        bookkeeping: route hooks and the tier's policy/counters (one access per layer, as the eager path)."""
+    def routing(self, account: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The last step's routing, host arrays ids [L, k] int32 and weights [L, k]; with ``account`` also the
+        bookkeeping (:meth:`account`) for this one position."""
         ids, w = _to_host(self.ids).copy(), _to_host(self.weights).copy()
-        pos = np.array([self.pos - 1], dtype=np.int64)
+        if account:
+            self.account(ids[None], w[None], np.array([self.pos - 1], dtype=np.int64))
+        return ids, w
+
+    def account(self, ids: np.ndarray, w: np.ndarray, positions: np.ndarray) -> None:
+        """Feed T positions' routing (ids, weights [T, L, k]) to the tier's policy and the route hooks, layer-major
+        (layer 0's records of every position, then layer 1's ...), the order in which the batched forward of
+        :class:`stratatools.runtime.model.Qwen4ExpRuntime` meets them: a prompt fed token by token then counts
+        the same hits as the CPU path's one batched prefill."""
         tier = getattr(self.rt, "tier", None)
         for il in range(self.cfg.n_layer):
             if tier is not None:
-                hit = np.asarray(tier.policy.access(il, ids[il].astype(np.int64)), dtype=bool)
-                tier.counters.hits[il] += int(hit.sum())
-                tier.counters.misses[il] += int((~hit).sum())
+                for t in range(ids.shape[0]):
+                    tier.access(il, ids[t, il].astype(np.int64))
             for hook in self.rt.route_hooks:
-                hook(il, pos, ids[il][None], w[il][None])
-        return ids, w
+                hook(il, positions, ids[:, il], w[:, il])
 
     def capture(self) -> bool:
         """Capture the step body into a CUDA graph (CuPy only); later :meth:`step` calls replay it.

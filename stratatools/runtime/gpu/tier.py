@@ -222,6 +222,9 @@ class AllResident:
     def resident_mask(self) -> np.ndarray:
         return np.ones((self.n_layers, self.n_expert), dtype=bool)
 
+    def resident_row(self, layer: int) -> np.ndarray:
+        return np.ones(self.n_expert, dtype=bool)
+
     def stats(self) -> dict:
         return {"policy": self.policy, "entries": self.entries, "hits": self.entries, "h_expert": 1.0}
 
@@ -288,7 +291,24 @@ class GPUExpertTier:
         self.vram_ptr = int(self.vram.data.ptr)
         self._bump = 0
         self._staging = None
-        self._stage_layer, self._stage_next = -1, 0
+        self._stage_next = 0
+        #: staging ring for copy-mode misses: this many slots of the largest blob (grows to twice a token's k)
+        self.staging_slots = 16
+        #: device addresses read by expert jobs not launched yet (see :meth:`ffn`), and what launches them
+        self._pending: set[int] = set()
+        self._flush: Any = None
+        #: called as on_access(layer, hit bool [k]) after every policy access (per-phase counting by the caller)
+        self.on_access: Any = None
+        #: bumped whenever an expert moves in or out of a slot (the static decoder re-uploads its slot table)
+        self.version = 0
+        Emax = max(ly.n_expert for ly in arena.layers)
+        self._in_vram = np.zeros((L, Emax), dtype=bool)
+        #: every expert's blob address (VRAM slot, else mapped host arena, else 0), kept up to date
+        self._table = np.zeros((L, Emax), dtype=np.uint64)
+        if arena.device_ptr is not None:
+            for l, ly in enumerate(arena.layers):
+                self._table[l, :ly.n_expert] = np.uint64(arena.device_ptr + int(arena.layer_offset[l])) + \
+                    np.arange(ly.n_expert, dtype=np.uint64) * np.uint64(ly.blob_bytes)
         self._sync(mask, initial=True)
 
     # -- layout -------------------------------------------------------------------------------------
@@ -317,51 +337,92 @@ class GPUExpertTier:
 
     def _grow(self, need: int) -> None:
         cp = self.cp
+        self._before_write(None)  # pending jobs point into the old buffer: launch them first
         new = cp.empty(max(need, int(self.vram.size) * 5 // 4), dtype=cp.uint8)
         new[:self._bump] = self.vram[:self._bump]
         self.vram, self.vram_ptr = new, int(new.data.ptr)
+        for l, slots in enumerate(self.slot_of):
+            for e, off in slots.items():
+                self._table[l, e] = np.uint64(self.vram_ptr + off)
+        self.version += 1
         self.counters.extra["vram_grown"] = self.counters.extra.get("vram_grown", 0) + 1
 
+    def _before_write(self, dst_ptr: int | None) -> None:
+        """Launch the pending expert jobs (:meth:`ffn`) before ``dst_ptr`` (None: any address) is overwritten:
+        a copy into a slot or staging entry is ordered on the stream before jobs launched after it."""
+        if self._pending and self._flush is not None and (dst_ptr is None or dst_ptr in self._pending):
+            self._flush()
+
     def _copy_in(self, dst_ptr: int, layer: int, expert: int) -> int:
+        self._before_write(dst_ptr)
         n = self.arena.layers[layer].blob_bytes
         src = self.arena.host.ctypes.data + self.arena.offset(layer, expert)
         s = self.stream if self.stream is not None else self.cp.cuda.get_current_stream()
         self.cp.cuda.runtime.memcpyAsync(dst_ptr, src, n, 1, s.ptr)  # 1 = cudaMemcpyHostToDevice
         return n
 
-    def _sync(self, mask: np.ndarray, initial: bool = False, layers: Sequence[int] | None = None) -> None:
-        """Make VRAM hold exactly the policy's resident set (for ``layers``, default all)."""
+    def _host_addr(self, layer: int, expert: int) -> int:
+        dp = self.arena.device_ptr
+        return 0 if dp is None else dp + self.arena.offset(layer, expert)
+
+    def _place(self, layer: int, expert: int, off: int | None) -> None:
+        """Record that (layer, expert) now sits at slot ``off`` (None: evicted) in the address table."""
+        self._in_vram[layer, expert] = off is not None
+        self._table[layer, expert] = np.uint64(self.vram_ptr + off if off is not None else self._host_addr(layer, expert))
+        self.version += 1
+
+    def _row(self, layer: int) -> np.ndarray:
+        f = getattr(self.policy, "resident_row", None)
+        return np.asarray(f(layer) if f is not None else self.policy.resident_mask()[layer], dtype=bool)
+
+    def _sync(self, mask: np.ndarray | None = None, initial: bool = False, layers: Sequence[int] | None = None) -> None:
+        """Make VRAM hold exactly the policy's resident set (for ``layers``, default all; ``mask``: the policy's
+        ``resident_mask()`` when the caller has it)."""
         for l in (range(len(self.slot_of)) if layers is None else layers):
-            want = np.flatnonzero(mask[l])
-            have = self.slot_of[l]
-            want_set = set(int(e) for e in want)
-            for e in [e for e in have if e not in want_set]:
-                self.free[l].append(have.pop(e))
+            n = self.arena.layers[l].n_expert
+            row = np.asarray(mask[l] if mask is not None else self._row(l), dtype=bool)[:n]
+            have = self._in_vram[l, :n]
+            if np.array_equal(row, have):
+                continue
+            slots = self.slot_of[l]
+            for e in np.flatnonzero(have & ~row).tolist():
+                self.free[l].append(slots.pop(e))
+                self._place(l, e, None)
                 self.counters.evictions += 1
-            for e in want:
-                e = int(e)
-                if e in have:
-                    continue
+            for e in np.flatnonzero(row & ~have).tolist():
                 off = self._take_slot(l)
-                have[e] = off
-                n = self._copy_in(self.vram_ptr + off, l, e)
+                slots[e] = off
+                self._place(l, e, off)
+                n_b = self._copy_in(self.vram_ptr + off, l, e)
                 if initial:
-                    self.counters.fill_bytes += n
+                    self.counters.fill_bytes += n_b
                 else:
                     self.counters.admit_copies += 1
-                    self.counters.admit_bytes += n
+                    self.counters.admit_bytes += n_b
 
     # -- use ----------------------------------------------------------------------------------------
     def fetch(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Route one token's experts of ``layer``: returns (blob device addresses uint64 [k], hit bool [k]).
 
-        Hits point into VRAM slots; misses into the staging buffer (copy mode, valid until the next fetch
-        that uses the same staging index) or into the mapped host arena (host mode).
+        Hits point into VRAM slots; misses into the staging ring (copy mode, :attr:`staging_slots` entries,
+        valid until the ring comes round again) or into the mapped host arena (host mode). The addresses are
+        valid for work enqueued on the stream before the next fetch or :meth:`end_round` (which may copy
+        another expert into a slot); :meth:`ffn` handles that for many tokens.
         """
+        ptrs, hit = self._fetch_nosync(layer, experts)
+        self._sync(layers=[layer])
+        return ptrs, hit
+
+    def _fetch_nosync(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`fetch` without the trailing residency sync (the policy's evictions and admissions)."""
         experts = np.asarray(experts, dtype=np.int64).reshape(-1)
-        if layer != self._stage_layer:  # staging is reused per layer call (kernels run in stream order)
-            self._stage_layer, self._stage_next = layer, 0
+        if 2 * experts.size > self.staging_slots:  # a token's misses must fit the ring twice over
+            self._before_write(None)
+            self._staging, self._stage_next = None, 0
+            self.staging_slots = 2 * int(experts.size)
         hit = np.asarray(self.policy.access(layer, experts), dtype=bool)
+        if self.on_access is not None:
+            self.on_access(layer, hit)
         ptrs = np.zeros(experts.size, dtype=np.uint64)
         ly = self.arena.layers[layer]
         n_miss = 0
@@ -374,6 +435,7 @@ class GPUExpertTier:
             if hit[i]:  # resident per the policy but not yet copied (admitted since the last sync)
                 off = self._take_slot(layer)
                 self.slot_of[layer][e] = off
+                self._place(layer, e, off)
                 self.counters.admit_copies += 1
                 self.counters.admit_bytes += self._copy_in(self.vram_ptr + off, layer, e)
                 ptrs[i] = self.vram_ptr + off
@@ -383,29 +445,53 @@ class GPUExpertTier:
                 self.counters.miss_host_read_bytes += ly.blob_bytes
             else:
                 st = self._staging_slot(self._stage_next)
-                self._stage_next += 1
+                self._stage_next = (self._stage_next + 1) % self.staging_slots
                 self.counters.miss_copy_bytes += self._copy_in(st, layer, e)
                 ptrs[i] = st
             n_miss += 1
         self.counters.hits[layer] += int(hit.sum())
         self.counters.misses[layer] += int((~hit).sum())
-        self._sync(np.asarray(self.policy.resident_mask(), dtype=bool), layers=[layer])
         return ptrs, hit
 
+    def access(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """One record computed elsewhere (the static decoder, which read each expert through :meth:`slot_table`):
+        the policy's access, the counters (a miss counts as a zero-copy read of its blob), then VRAM follows the
+        policy's resident set. Returns hit bool [k]."""
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
+        hit = np.asarray(self.policy.access(layer, experts), dtype=bool)
+        if self.on_access is not None:
+            self.on_access(layer, hit)
+        nh = int(hit.sum())
+        self.counters.hits[layer] += nh
+        self.counters.misses[layer] += int(hit.size - nh)
+        self.counters.miss_host_read_bytes += int(hit.size - nh) * self.arena.layers[layer].blob_bytes
+        if not isinstance(self.policy, AllResident):
+            self._sync(layers=[layer])
+        return hit
+
+    def slot_table(self) -> np.ndarray:
+        """uint64 [L, Emax]: device address of every expert's blob: its VRAM slot when resident, else its place
+        in the mapped host arena (zero-copy). Raises StrataError when an expert is not resident and the arena
+        is not mapped into the device."""
+        if self.arena.device_ptr is None:
+            for l, ly in enumerate(self.arena.layers):
+                if len(self.slot_of[l]) < ly.n_expert:
+                    raise StrataError(f"layer {l}: {ly.n_expert - len(self.slot_of[l])} routed experts are not in VRAM and "
+                                      f"pinned host memory is not mapped into the device on this platform; the static "
+                                      f"decoder needs every expert resident here (give more slots or --vram-gib)")
+        return self._table.copy()
+
     def _staging_slot(self, i: int) -> int:
+        """Device address of staging ring entry ``i`` (the ring is allocated once, at the first miss)."""
         cp = self.cp
         sb = int(self.slot_bytes.max())
-        if self._staging is None or self._staging.size < (i + 1) * sb:
-            new = cp.empty(max(16, 2 * (i + 1)) * sb, dtype=cp.uint8)
-            if self._staging is not None:  # keep what this layer call already staged
-                new[:self._staging.size] = self._staging
-            self._staging = new
+        if self._staging is None:
+            self._staging = cp.empty(self.staging_slots * sb, dtype=cp.uint8)
         return int(self._staging.data.ptr) + i * sb
 
     def end_round(self) -> None:
         """Close a round (decode position): the policy may swap experts; VRAM follows."""
         self.policy.end_round()
-        self._stage_layer = -1
         self._sync(np.asarray(self.policy.resident_mask(), dtype=bool))
 
     def resident_count(self) -> int:
@@ -418,6 +504,7 @@ class GPUExpertTier:
         d["miss_mode"] = self.miss_mode
         d["resident"] = self.resident_count()
         d["vram_bytes"] = int(self.vram.size)
+        d["staging_bytes"] = int(self._staging.size) if self._staging is not None else 0
         d["policy"] = self.policy.stats() if hasattr(self.policy, "stats") else {}
         return d
 
@@ -432,13 +519,48 @@ class GPUExpertTier:
             out / accumulate: as :func:`stratatools.runtime.gpu.experts.expert_ffn`.
         Returns:
             CuPy float32 ``[T, hidden]``.
+
+        Tokens are fetched in order (one policy access each) and their jobs launched in segments: a segment is
+        launched as soon as a later fetch is about to copy another expert into a slot (or staging entry) one of
+        its jobs reads, so every token computes with the experts it was routed to, whatever the policy evicts
+        (results equal the all-resident tier's bit for bit).
         """
         from stratatools.runtime.gpu.experts import expert_ffn, make_jobs
 
+        cp = self.cp
         ids = np.asarray(expert_ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None, :]
-        ptrs = np.stack([self.fetch(layer, ids[t])[0] for t in range(ids.shape[0])])
+        T = ids.shape[0]
+        w_all = np.asarray(weights, dtype=np.float32).reshape(ids.shape)
         ly = self.arena.layers[layer]
-        jobs = make_jobs(ptrs, np.asarray(weights, dtype=np.float32).reshape(ids.shape), ly.gate_bytes)
-        return expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=out, accumulate=accumulate)
+        X = cp.ascontiguousarray(X, dtype=cp.float32)
+        if out is None:
+            out = cp.empty((T, ly.hidden), dtype=cp.float32)
+            accumulate = False
+        seg: list[np.ndarray] = []  # pointers of tokens start .. start+len(seg)-1, not launched yet
+        start = [0]
+
+        def flush() -> None:
+            a, b = start[0], start[0] + len(seg)
+            if b > a:
+                jobs = make_jobs(np.stack(seg), w_all[a:b], ly.gate_bytes)
+                expert_ffn(X[a:b], jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=out[a:b],
+                           accumulate=accumulate)
+                self.counters.extra["ffn_launches"] = self.counters.extra.get("ffn_launches", 0) + 1
+            start[0] = b
+            seg.clear()
+            self._pending.clear()
+
+        self._flush = flush
+        try:
+            for t in range(T):
+                p, _ = self._fetch_nosync(layer, ids[t])
+                seg.append(p)
+                self._pending.update(int(v) for v in p)
+                self._sync(layers=[layer])
+            flush()
+        finally:
+            self._flush = None
+            self._pending.clear()
+        return out

@@ -1,0 +1,157 @@
+"""Where ``stratatools run`` computes (``--device auto|cpu|gpu``) and how much device memory it may use
+(``--vram-gib``).
+
+:func:`resolve_device`: ``auto`` picks the GPU when CuPy imports and sees a CUDA device, else the CPU; ``gpu``
+without them is a one-line error. :func:`plan_vram`: the device footprint of the GPU decode path (the quantized
+dense weights as stored in the GGUF, small float32 vectors, K/V and recurrent caches, a fixed reserve for the
+CUDA context, graph and memory pool) and, from what is left of ``--vram-gib``, the number of expert slots; or the
+memory a requested ``--slots N`` needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from stratatools.core.errors import StrataError
+
+DEVICES = ("auto", "cpu", "gpu")
+GIB = 1 << 30
+#: Bytes set aside for what the plan does not itemise: CuPy's pool rounding, the graph's private pool, router
+#: and FFN scratch, the CUDA context's own allocations. Measured peaks are reported next to the plan.
+RESERVE_BYTES = 768 << 20
+ALIGN = 256
+
+
+def resolve_device(device: str) -> str:
+    """``cpu`` or ``gpu`` for a ``--device`` value.
+
+    Raises:
+        StrataError: an unknown value; ``gpu`` when CuPy is missing or sees no CUDA GPU.
+    """
+    if device not in DEVICES:
+        raise StrataError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return "cpu"
+    from stratatools.runtime import gpu
+
+    ok = gpu.available()
+    if device == "gpu" and not ok:
+        raise StrataError("--device gpu: CuPy with a CUDA GPU is not available (pip install cupy-cuda12x or "
+                          "cupy-cuda13x, check nvidia-smi), or use --device cpu")
+    return "gpu" if ok else "cpu"
+
+
+@dataclass
+class VramPlan:
+    """The GPU path's device memory, in bytes.
+
+    Attributes:
+        dense: quantized dense matrices (GGUF bytes, uploaded as stored) and float32 small tensors.
+        caches: K/V caches of the attention layers for ``max_ctx`` positions, GDN and PLE states.
+        reserve: :data:`RESERVE_BYTES`.
+        slot_bytes: bytes of one expert slot (largest layer's blob rounded up to 256).
+        slots: expert slots that fit (or were asked for).
+        budget: ``--vram-gib`` in bytes (None: no budget).
+    """
+
+    dense: int
+    caches: int
+    reserve: int
+    slot_bytes: int
+    slots: int
+    budget: int | None
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the expert slots."""
+        return self.dense + self.caches + self.reserve
+
+    @property
+    def total(self) -> int:
+        """The planned footprint: fixed + slots."""
+        return self.fixed + self.slots * self.slot_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dense_bytes": self.dense, "cache_bytes": self.caches, "reserve_bytes": self.reserve,
+                "slot_bytes": self.slot_bytes, "slots": self.slots, "planned_bytes": self.total,
+                "budget_bytes": self.budget}
+
+
+def dense_device_bytes(model: Any, cfg: Any) -> int:
+    """Bytes the GPU decode path keeps on the device for everything but routed experts: every trunk tensor as
+    stored (quantized matrices are multiplied from their blocks), except the routed experts, the token and PLE
+    embedding tables (rows are read on the host) and the QSA indexer (skipped at full selection); float32 for
+    the rest is small (norms, biases, convolutions) and counted at 4 bytes a value."""
+    total = 0
+    for t in model.iter_tensors():
+        name = t.name
+        if "_exps." in name or name in ("token_embd.weight", "per_layer_token_embd.weight") or ".indexer." in name:
+            continue
+        if name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layer:
+            continue  # next-token-prediction block: not run
+        n = 1
+        for d in t.ne:
+            n *= int(d)
+        dims = sum(1 for d in t.ne if int(d) > 1)
+        total += int(t.nbytes) if dims >= 2 else 4 * n
+    return total
+
+
+def cache_bytes(cfg: Any, max_ctx: int) -> int:
+    """K/V caches (float32, ``max_ctx`` positions) of the attention layers, GDN conv/recurrent states, PLE conv
+    states of the static decoder."""
+    n = 0
+    for il in range(cfg.n_layer):
+        if cfg.recurrent[il]:
+            n += 4 * cfg.ssm_dt_rank * cfg.ssm_d_state * cfg.ssm_head_v_dim
+            n += 4 * 8 * (2 * cfg.ssm_n_group * cfg.ssm_d_state + cfg.ssm_dt_rank * cfg.ssm_head_v_dim)
+        else:
+            n += 2 * 4 * max_ctx * cfg.n_head_kv * cfg.head_dim
+    span = max(cfg.ple_conv_kernel - 1, 0) * cfg.ple_ngram
+    n += 4 * span * cfg.hc_count * cfg.n_embd * len(cfg.ple_layers)
+    return n
+
+
+def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
+              slots: int | None, n_expert_total: int) -> VramPlan:
+    """Plan the GPU path's device memory.
+
+    Args:
+        model: the GGUF (:class:`stratatools.model.gguf.Model`); cfg: its runtime config.
+        blob_bytes: routed-expert blob bytes per layer.
+        max_ctx: positions the caches hold.
+        vram_gib: the budget (None: none; then ``slots`` or every expert).
+        slots: requested slot count (None: as many as fit, at most every expert).
+        n_expert_total: routed experts of all layers together.
+    Returns:
+        the :class:`VramPlan`.
+    Raises:
+        StrataError: a budget that is not a finite size > 0; a budget below the dense weights and caches; a
+            ``slots`` request that does not fit (the message says how much memory it needs).
+    """
+    sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
+    plan = VramPlan(dense_device_bytes(model, cfg), cache_bytes(cfg, max_ctx), RESERVE_BYTES, sb, 0, None)
+    if vram_gib is None:
+        plan.slots = n_expert_total if slots is None else int(slots)
+        return plan
+    if not (math.isfinite(vram_gib) and vram_gib > 0):
+        raise StrataError(f"--vram-gib {vram_gib} is not a finite size > 0 (GiB)")
+    budget = int(vram_gib * GIB)
+    plan.budget = budget
+    if plan.fixed > budget:
+        raise StrataError(f"--vram-gib {vram_gib:g}: the dense weights ({plan.dense / GIB:.2f} GiB), caches for "
+                          f"{max_ctx} positions ({plan.caches / GIB:.2f} GiB) and reserve ({plan.reserve / GIB:.2f} GiB) "
+                          f"need {plan.fixed / GIB:.2f} GiB before any expert slot; give at least that")
+    fit = (budget - plan.fixed) // sb
+    if slots is not None:
+        if slots > fit:
+            need = plan.fixed + int(slots) * sb
+            raise StrataError(f"--slots {slots} does not fit in --vram-gib {vram_gib:g}: it needs {need / GIB:.2f} GiB "
+                              f"({plan.fixed / GIB:.2f} GiB dense weights, caches and reserve + {slots} x {sb} bytes); "
+                              f"at most {fit} slots fit")
+        plan.slots = int(slots)
+    else:
+        plan.slots = int(min(fit, n_expert_total))
+    return plan

@@ -1,0 +1,197 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by kernels.py / decode.py and compiled with
+// NVRTC (cupy.RawModule); tests/test_gpu_kernels_host.py compiles the decoders as host C++.
+// Kernels of the batch-1 decode step (decode.py StaticDecoder): router top-k, fused norms, hyper-connection
+// mixing, attention over the K/V cache.
+typedef unsigned long long u64;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_add(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// Block-wide reduction (max if is_max else sum); every thread gets the result. red: 32 floats of shared memory.
+__device__ float block_reduce(float v, bool is_max, float* red) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = is_max ? warp_max(v) : warp_add(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float r = lane < nw ? red[lane] : (is_max ? NEG_INF : 0.0f);
+        r = is_max ? warp_max(r) : warp_add(r);
+        if (lane == 0) red[0] = r;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// k rounds of block-wide arg-max over the probabilities p[E] in shared memory (ties to the lower index;
+// chosen entries are set to -inf): ids[r], their probabilities vals[r] and the blob addresses of the VRAM slots.
+__device__ void select_topk(float* p, int E, int k, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
+                            float* vals, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    int t = threadIdx.x, lane = t & 31, wid = t >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int r = 0; r < k; ++r) {
+        float bv = NEG_INF; int bi = 0x7fffffff;
+        for (int i = t; i < E; i += blockDim.x) {
+            float v = p[i];
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        for (int o = 16; o; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { rv[wid] = bv; ri[wid] = bi; }
+        __syncthreads();
+        if (t == 0) {
+            float b = rv[0]; int ii = ri[0];
+            for (int q = 1; q < nw; ++q) if (rv[q] > b || (rv[q] == b && ri[q] < ii)) { b = rv[q]; ii = ri[q]; }
+            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
+            u64 ptr = slot[ii];
+            ids[r] = ii; vals[r] = p[ii];
+            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
+            p[ii] = NEG_INF;
+        }
+        __syncthreads();
+    }
+}
+
+// Top-k of probs[0..E) (select_topk): ids[k], w[k] (the probabilities) and the blob addresses slot[id]
+// (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
+extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
+                                      u64 gate_bytes, int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] = probs[i];
+    __syncthreads();
+    select_topk(p, E, k, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
+}
+
+// ---- fused element-wise kernels of the fast step (StaticDecoder(fast=True)); same formulas as stratatools.runtime.model ----
+__device__ __forceinline__ float sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// Rows of `group` values: out = x * (1 / sqrt(mean(x*x) + eps)), times w[flat index % wlen] when w is given
+// (stratatools.runtime.model._rmsnorm). One block per row.
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+                                        int group, int wlen, float eps) {
+    __shared__ float red[32];
+    long long base = (long long)blockIdx.x * group;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) { float v = x[base + i]; s += v * v; }
+    s = block_reduce(s, false, red);
+    float r = 1.0f / sqrtf(s / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = x[base + i] * r;
+        if (w) v = v * w[(base + i) % wlen];
+        out[base + i] = v;
+    }
+}
+
+// out[i] = silu(v[i] / div)
+extern "C" __global__ void silu_div(const float* __restrict__ v, float* __restrict__ out, int n, float div) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float a = v[i] / div; out[i] = a * sigm(a); }
+}
+
+// Hyper-connection mix: out[i] = (sum over h < hc of sigmoid(u[h*n+i]) * hn[h*n+i]) / hc.
+extern "C" __global__ void hc_mix(const float* __restrict__ u, const float* __restrict__ hn, float* __restrict__ out,
+                                  int hc, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float s = 0.0f;
+    for (int h = 0; h < hc; ++h) s += sigm(u[(long long)h * n + i]) * hn[(long long)h * n + i];
+    out[i] = s / (float)hc;
+}
+
+// Residual with the inject weights: H[h*n+i] += y[i] * (2 sigmoid(v[h] / hc)).
+extern "C" __global__ void hc_inject(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
+                                     int hc, int n) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= hc * n) return;
+    int h = idx / n, i = idx - h * n;
+    float iw = 2.0f * sigm(v[h] / (float)hc);
+    H[idx] = H[idx] + y[i] * iw;
+}
+
+// out[0] = sigmoid(sum_i x[i] * w[i]) (the shared expert's gate). One block.
+extern "C" __global__ void dot_sigmoid(const float* __restrict__ x, const float* __restrict__ w, int n, float* __restrict__ out) {
+    __shared__ float red[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * w[i];
+    s = block_reduce(s, false, red);
+    if (threadIdx.x == 0) out[0] = sigm(s);
+}
+
+// Router from logits: probabilities (sigmoid if gating else softmax), then route_topk's selection (k rounds of
+// arg-max, ties to the lower index), then the weights: probabilities of the chosen, divided by their sum when
+// norm, times scale. Writes ids[k], w[k] and the blob addresses. One block; shared: E floats.
+extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                       float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                       u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    __shared__ float red[32];
+    __shared__ float chosen[64];
+    int t = threadIdx.x;
+    if (sigmoid_gating) {
+        for (int i = t; i < E; i += blockDim.x) p[i] = sigm(logits[i]);
+    } else {
+        float m = NEG_INF;
+        for (int i = t; i < E; i += blockDim.x) m = fmaxf(m, logits[i]);
+        m = block_reduce(m, true, red);
+        float s = 0.0f;
+        for (int i = t; i < E; i += blockDim.x) { float e = expf(logits[i] - m); p[i] = e; s += e; }
+        s = block_reduce(s, false, red);
+        for (int i = t; i < E; i += blockDim.x) p[i] = p[i] / s;
+    }
+    __syncthreads();
+    select_topk(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
+    if (t == 0) {
+        float s = 0.0f;
+        for (int r = 0; r < k; ++r) s += chosen[r];
+        for (int r = 0; r < k; ++r) w[r] = (norm ? chosen[r] / s : chosen[r]) * scale;
+    }
+}
+
+// dst[pos * n + i] = src[i] for the position held in *posp.
+extern "C" __global__ void put_row(const float* __restrict__ src, float* __restrict__ dst, const int* __restrict__ posp, int n) {
+    long long base = (long long)posp[0] * n;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[base + i] = src[i];
+}
+
+// One decode query per head over cached positions 0..*posp: out[h] = softmax(q_h . K[p, kv(h)] * scale) V.
+// K, V: [max_ctx, nkv, hd]; head h reads kv head h / (nh / nkv). One block per head; shared: max_ctx floats.
+extern "C" __global__ void attn_decode(const float* __restrict__ q, const float* __restrict__ K,
+                                       const float* __restrict__ V, const int* __restrict__ posp,
+                                       float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    extern __shared__ float sc[];
+    __shared__ float red[32];
+    int h = blockIdx.x, kvh = h / (nh / nkv);
+    int P = posp[0] + 1;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* qh = q + (long long)h * hd;
+    for (int p = wid; p < P; p += nw) {
+        const float* kp = K + ((long long)p * nkv + kvh) * hd;
+        float s = 0.0f;
+        for (int d = lane; d < hd; d += 32) s += qh[d] * kp[d];
+        s = warp_add(s);
+        if (lane == 0) sc[p] = s * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) m = fmaxf(m, sc[p]);
+    m = block_reduce(m, true, red);
+    float s = 0.0f;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) { float e = expf(sc[p] - m); sc[p] = e; s += e; }
+    s = block_reduce(s, false, red);
+    float inv = 1.0f / s;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        const float* vp = V + (long long)kvh * hd + d;
+        for (int p = 0; p < P; ++p) acc += sc[p] * vp[(long long)p * nkv * hd];
+        out[(long long)h * hd + d] = acc * inv;
+    }
+}

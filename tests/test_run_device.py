@@ -1,0 +1,129 @@
+"""``stratatools run --device`` / ``--vram-gib`` and the context-length check: bad input is a one-line error with
+exit code 2 (CPU side, runs in CI), and the device-memory plan's arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stratatools.core.errors import StrataError
+from stratatools.runtime import gpu
+
+pytestmark = pytest.mark.kit
+
+BF16 = "gguf/model-bf16.gguf"
+
+
+def _one_line_error(code, err):
+    assert code == 2, err
+    assert err.strip() and err.strip().count("\n") == 0, err
+
+
+def test_device_gpu_without_cupy_is_refused(kit, tmp_path, cli):
+    if gpu.available():
+        pytest.skip("a GPU is visible here: --device gpu is valid")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, _, err = cli("run", kit / BF16, "--prompts", prompts, "-n", "1", "--device", "gpu")
+    _one_line_error(code, err)
+    assert "--device gpu" in err and "--device cpu" in err
+
+
+def test_device_auto_and_cpu_report_the_choice(kit, tmp_path, cli):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, out, err = cli("run", kit / BF16, "--prompts", prompts, "-n", "2", "--device", "cpu", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["device"]["device"] == "cpu" and res["device"]["device_requested"] == "cpu"
+    code, out, err = cli("run", kit / BF16, "--prompts", prompts, "-n", "0", "--device", "auto", "--json")
+    assert code == 0, err
+    assert json.loads(out)["device"]["device"] == ("gpu" if gpu.available() else "cpu")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--device", "tpu"), "--device 'tpu'"),
+    (("--device", "cpu", "--vram-gib", "4"), "--vram-gib"),
+])
+def test_bad_device_options(kit, tmp_path, cli, args, needle):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, _, err = cli("run", kit / BF16, "--prompts", prompts, "-n", "1", *args)
+    _one_line_error(code, err)
+    assert needle in err
+
+
+def test_context_longer_than_the_model_is_refused(kit, tmp_path, cli):
+    """The kit model's context length is 4,096: a 4,000-token prompt with 200 new tokens does not fit."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"token_ids": [5] * 4000}]))
+    code, _, err = cli("run", kit / BF16, "--prompts", prompts, "-n", "200", "--device", "cpu")
+    _one_line_error(code, err)
+    assert "4200 positions" in err and "context length 4096" in err and "prompt #0" in err
+
+
+def test_vram_plan_fits_refuses_and_says_what_it_needs(kit):
+    from stratatools.model.gguf import open_model
+    from stratatools.runtime.config import read_config
+    from stratatools.runtime.device import GIB, RESERVE_BYTES, cache_bytes, dense_device_bytes, plan_vram
+
+    with open_model(kit / BF16) as m:
+        cfg = read_config(m)
+        blob = [1000] * cfg.n_layer
+        total_e = cfg.n_layer * max(cfg.n_expert)
+        dense = dense_device_bytes(m, cfg)
+        assert 0 < dense < m.path.stat().st_size
+        caches = cache_bytes(cfg, 64)
+        assert caches > cache_bytes(cfg, 32) > 0
+        fixed = dense + caches + RESERVE_BYTES
+        # a budget with room for 100 slots of 1,024 bytes (blob 1,000 rounded up to 256)
+        plan = plan_vram(m, cfg, blob, 64, (fixed + 100 * 1024 + 10) / GIB, None, total_e)
+        assert plan.slot_bytes == 1024 and plan.slots == min(100, total_e)
+        assert plan.total <= plan.budget
+        # no budget: every expert
+        assert plan_vram(m, cfg, blob, 64, None, None, total_e).slots == total_e
+        # too small for the dense part
+        with pytest.raises(StrataError, match="before any expert slot"):
+            plan_vram(m, cfg, blob, 64, (fixed - 1) / GIB, None, total_e)
+        # --slots over the budget: the message names the memory it needs
+        with pytest.raises(StrataError, match=r"--slots 200 does not fit .* needs .* GiB.* at most 100 slots fit"):
+            plan_vram(m, cfg, blob, 64, (fixed + 100 * 1024 + 10) / GIB, 200, total_e)
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(StrataError, match="not a finite size"):
+                plan_vram(m, cfg, blob, 64, bad, None, total_e)
+
+
+def test_resolve_device():
+    from stratatools.runtime.device import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("gpu" if gpu.available() else "cpu")
+    with pytest.raises(StrataError, match="not one of"):
+        resolve_device("cuda")
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive", "lru", "lfu", "lfru"])
+def test_resident_row_is_the_masks_row(policy):
+    """Tier.resident_row (what the GPU tier reads after each access) equals resident_mask()'s row, always."""
+    import numpy as np
+
+    from stratatools.cachesim import make_tier
+    from stratatools.profiles.strp import Profile
+
+    L, E = 3, 12
+    rng = np.random.default_rng(5)
+    if policy in ("static", "adaptive"):
+        pairs = np.array([(l, e) for e in range(E) for l in range(L)], dtype=np.uint16)
+        t = make_tier(policy, profile=Profile(n_layers=L, n_expert=E, pairs=pairs[rng.permutation(len(pairs))]),
+                      slots=8, blob_bytes=[100] * L)
+    else:
+        t = make_tier(policy, n_layers=L, n_expert=E, slots=9, blob_bytes=[100] * L)
+    for r in range(30):
+        for l in range(L):
+            t.access(l, rng.choice(E, 3, replace=False))
+            m = t.resident_mask()
+            for ll in range(L):
+                assert np.array_equal(t.resident_row(ll), m[ll]), (policy, r, ll)
+        t.end_round()
+    assert t.resident_mask().any()
