@@ -71,8 +71,8 @@ def _stats(
         q = st.reuse_quantiles
         c.print(f"reuse distance ({st.locality_phase} steps since the request last routed the expert at that layer): "
                 f"p50 {q['p50']:g}, p90 {q['p90']:g}, p99 {q['p99']:g}", markup=False, soft_wrap=True)
-    tbl = Table("layer", "entries", "distinct experts", "top-10% share", "entropy (bits)",
-                f"min distinct /{st.window}", f"mean distinct /{st.window}", "reuse p50/p90", "cold")
+    tbl = Table("layer", "entries", "distinct", "top-10%", "entropy", f"min/{st.window}", f"mean/{st.window}",
+                "reuse p50/p90", "cold")
 
     def _f(x, fmt):
         return "-" if x is None else format(x, fmt)
