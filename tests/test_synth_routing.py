@@ -48,3 +48,32 @@ def test_full_width_honours_keep_and_swap(cli, tmp_path):
         with open_model(out / f"synth-{rev}.gguf") as m:
             assert m.tensors["blk.0.ffn_gate_inp.weight"].ne == (256, 8)
         assert (out / f"synth-{rev}.rco-allocation.txt").exists()
+
+
+def test_prefetched_producer_keeps_order_errors_and_stops():
+    from stratatools.synth.model import _prefetched
+
+    assert list(_prefetched(lambda: iter(range(50)))()) == list(range(50))
+
+    def bad():
+        yield b"ok"
+        raise StrataError("boom")
+
+    with pytest.raises(StrataError, match="boom"):
+        list(_prefetched(bad)())
+    made = []
+
+    def endless():
+        i = 0
+        while True:
+            made.append(i)
+            yield i
+            i += 1
+
+    g = _prefetched(endless, depth=2)()
+    assert next(g) == 0
+    g.close()  # the helper thread stops instead of running on
+    n = len(made)
+    import time
+    time.sleep(0.05)
+    assert len(made) == n <= 5

@@ -907,6 +907,8 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
     tensors = []
     for sp in specs:
         prod = _producer(sp, cfg.seed, cfg)
+        if sp.gtype.nbytes(sp.ne) >= _PREFETCH_MIN:
+            prod = _prefetched(prod)
         if progress is not None:
             prod = _counting(prod, progress)
         tensors.append((sp.name, sp.ne, sp.gtype, prod))
@@ -938,6 +940,50 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
                          for k, v in revisions.items()}}
     write_text_atomic(manifest, json.dumps(rec, indent=2, sort_keys=True) + "\n")
     return ReleaseInfo(outdir, cfg, canon, revisions, manifest, written, time.perf_counter() - t0, canon_bytes, canon_s)
+
+
+_END = object()
+_PREFETCH_MIN = 4 << 20  # tensors at least this large are produced in a helper thread
+
+
+def _prefetched(prod: Callable[[], Iterable[Any]], depth: int = 2) -> Callable[[], Iterator[Any]]:
+    """Run ``prod`` in a helper thread, at most ``depth`` chunks ahead, so making the next chunk (numpy, which
+    releases the GIL) overlaps writing this one. Errors of the producer are raised in the caller."""
+    import queue
+    import threading
+
+    def gen() -> Iterator[Any]:
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for c in prod():
+                    if stop.is_set():
+                        return
+                    q.put(c)
+                q.put(_END)
+            except BaseException as e:  # handed to the consumer
+                q.put(e)
+
+        t = threading.Thread(target=work, name="synth-producer", daemon=True)
+        t.start()
+        try:
+            while True:
+                c = q.get()
+                if c is _END:
+                    break
+                if isinstance(c, BaseException):
+                    raise c
+                yield c
+        finally:
+            stop.set()
+            while t.is_alive():  # let a blocked put finish
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    t.join(0.01)
+    return gen
 
 
 def _counting(prod: Callable[[], Iterable[Any]], progress: Callable[[int], Any]) -> Callable[[], Iterator[Any]]:
