@@ -46,6 +46,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -257,13 +258,19 @@ def output_values(cfg: Any, n_vocab: int, seed: int) -> np.ndarray:
 
 
 def value_basis(cfg: Any, layer: int, seed: int) -> np.ndarray:
-    """The unit vectors [vh*vd/2, hidden] (orthogonal to c) one DeltaNet layer averages the residual along."""
-    n = cfg.hidden
-    P = cfg.linear_v_heads * cfg.linear_v_dim // 2
+    """The unit vectors [vh*vd/2, hidden] (orthogonal to c) one DeltaNet layer averages the residual along
+    (read-only; cached for the layer's two tensors)."""
+    return _value_basis(cfg.hidden, cfg.linear_v_heads * cfg.linear_v_dim // 2, layer, seed)
+
+
+@lru_cache(maxsize=2)
+def _value_basis(n: int, P: int, layer: int, seed: int) -> np.ndarray:
     c = hot_direction(seed, n)
     b = _rng(seed, f"blk.{layer}.value_basis", 6).standard_normal((P, n), dtype=np.float32)
     b = _perp(b, c, 1)
-    return (b / np.linalg.norm(b, axis=1, keepdims=True)).astype(np.float32)
+    b /= np.linalg.norm(b, axis=1, keepdims=True)
+    b.flags.writeable = False
+    return b
 
 
 def popularity_rank(seed: int, key: str, n_expert: int) -> np.ndarray:
