@@ -77,3 +77,15 @@ def test_prefetched_producer_keeps_order_errors_and_stops():
     import time
     time.sleep(0.05)
     assert len(made) == n <= 5
+
+
+def test_repeated_rows_are_written_like_quantized_rows():
+    from stratatools.model.quantize import quantize
+    from stratatools.synth.model import _producer, _tensor_list
+
+    cfg = SynthConfig(n_layers=4)
+    for name in ("blk.0.attn_gate.weight", "blk.0.ssm_alpha.weight", "blk.0.attn_qkv.weight"):
+        sp = next(s for s in _tensor_list(cfg, 300) if s.name == name)
+        got = b"".join(bytes(c) for c in _producer(sp, 0, cfg)())
+        want = bytes(quantize(np.ascontiguousarray(full_values(cfg, name, sp.ne, 0)), sp.gtype))
+        assert got == want and len(got) == sp.gtype.nbytes(sp.ne)

@@ -581,8 +581,13 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
         t = spec.gtype
         full = None if (cfg is None or spec.random) else full_values(cfg, spec.name, spec.ne, seed)
         if full is not None:  # the routing model's values (stratatools.synth.routing)
-            full = full.reshape(rows, ne0)
             rpc = max(1, _CHUNK_VALUES // ne0)
+            if full.ndim == 2 and full.shape[0] == rows and full.strides[0] == 0:  # one row repeated
+                one = quantize(np.ascontiguousarray(full[:1]), t)
+                for r0 in range(0, rows, rpc):
+                    yield np.repeat(one, min(rpc, rows - r0), axis=0)
+                return
+            full = full.reshape(rows, ne0)
             for r0 in range(0, rows, rpc):
                 yield quantize(np.ascontiguousarray(full[r0:r0 + rpc]), t)
             return

@@ -200,14 +200,14 @@ def full_values(cfg: Any, name: str, ne: tuple[int, ...], seed: int) -> np.ndarr
     if rest == "ssm_dt.bias":
         return np.zeros((1, vh), np.float32)
     if rest == "ssm_alpha.weight":
-        return np.zeros((vh, n), np.float32)
+        return np.broadcast_to(np.zeros(n, np.float32), (vh, n))
     if rest == "ssm_conv1d.weight":
         K = ne[0]
         w = np.zeros((ne[1], K), np.float32)
         w[:, K - 1] = 1.0
         return w
-    if rest == "attn_gate.weight":
-        return np.outer(np.full(vh * vd, GATE_PRE / xc, np.float32), c).astype(np.float32)
+    if rest == "attn_gate.weight":  # every row the same: a broadcast view (the writer quantizes one row)
+        return np.broadcast_to((np.float32(GATE_PRE / xc) * c).astype(np.float32), (vh * vd, n))
     if rest == "ssm_beta.weight":
         hl = np.exp(_rng(seed, f"blk.{layer}.halflife", 3).uniform(math.log(HALF_LIFE[0]), math.log(HALF_LIFE[1]), vh))
         beta = 1.0 - 2.0 ** (-1.0 / hl)
