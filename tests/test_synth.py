@@ -21,7 +21,8 @@ def rel(tmp_path_factory):
 
 
 def test_mirrors_converter_layout(kit, tmp_path):
-    cfg = SynthConfig(gu_types=("BF16",), down_types=("BF16",), dense_type="BF16", embd_type="BF16", revisions=False)
+    cfg = SynthConfig(gu_types=("BF16",), down_types=("BF16",), dense_type="BF16", embd_type="BF16", revisions=False,
+                    routing="legacy")  # legacy: the converter model's value scales (kit README section 2)
     r = synth_release(tmp_path / "bf16", cfg)
     with open_model(kit / "gguf/model-bf16.gguf") as k, open_model(r.canonical) as s:
         assert list(k.tensors) == list(s.tensors)  # names and file order

@@ -13,6 +13,7 @@ from stratatools.core.errors import StrataError
 from stratatools.pack.inspect import InspectReport, inspect_model
 from stratatools.pack.native import PackResult, pack_model
 from stratatools.synth.model import ReleaseInfo, SynthConfig, config_with, estimate_bytes, synth_release
+from stratatools.synth.routing import DEFAULT_LOCALITY, DEFAULT_SKEW
 from stratatools.cli import common
 
 
@@ -144,6 +145,8 @@ def render_synth(r: ReleaseInfo) -> None:
     for name, rev in r.revisions.items():
         t.add_row(name, str(cfg.keep), "\n".join(p.name for p in rev.files), rev.allocation.name)
     c.print(t)
+    rt = cfg.routing if cfg.routing == "legacy" else f"{cfg.routing} (skew {cfg.skew:g}, locality {cfg.locality:g})"
+    c.print(f"routing: {rt}", markup=False)
     c.print(f"{cfg.n_layers} layers{' + MTP' if cfg.mtp else ''}, hidden {cfg.hidden}, k {cfg.k}, "
             f"{_gib(r.bytes_written)} written in {r.seconds:.2f} s (canonical {r.write_mib_s:.0f} MiB/s); "
             f"manifest {r.manifest.name}")
@@ -168,13 +171,23 @@ def synth_cmd(
                                     help="Real expert geometry (2560/640, 512 experts, k 10; Q2_0 + i-quants, random "
                                          "valid blocks); multi-GB. Other options override it."),
     no_revisions: bool = typer.Option(False, "--no-revisions", help="Only the canonical model."),
+    routing: str = typer.Option("realistic", "--routing",
+                                help="Routing model: realistic (per-layer Zipf popularity, topic locality, no "
+                                     "collapse at depth), uniform (no skew, no locality) or legacy (old weights)."),
+    skew: Optional[float] = typer.Option(None, "--skew", help=f"Zipf exponent of each layer's expert popularity "
+                                                             f"[{DEFAULT_SKEW}]; 0 = none."),
+    locality: Optional[float] = typer.Option(None, "--locality",
+                                             help=f"Share of the router input taken by the per-request topic "
+                                                  f"context at depth, 0..<1 [{DEFAULT_LOCALITY}]; 0 = none."),
     force: bool = typer.Option(False, "--force", help="Replace existing files."),
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Write a tiny synthetic qwen4exp release: canonical model, pruned revA/revB and their allocation maps."""
     base = SynthConfig.full_width() if full_width else SynthConfig()
     kw = dict(n_expert=experts, keep=keep, swap=swap, n_layers=layers, hidden=hidden, expert_ff=expert_ff, k=k,
-              shards=shards, seed=seed)
+              shards=shards, seed=seed, routing=routing, skew=skew, locality=locality)
+    if full_width and (keep is not None or swap is not None):
+        kw["revisions"] = True  # pruned revisions at full width when asked for
     if mtp:
         kw["mtp"] = True
     if no_revisions:

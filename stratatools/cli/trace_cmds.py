@@ -45,13 +45,16 @@ def _stats(
     from_: Optional[str] = typer.Option(None, "--from", help="Input format; default: sniffed."),
     n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer (concentration "
                                                                     "denominator); default: largest id + 1."),
+    window: int = typer.Option(64, "--window", min=1, help="Steps per locality window (distinct experts per "
+                                                           "window; the collapse verdict)."),
     json_: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ) -> None:
-    """Tokens, layers, k, distinct experts, concentration (top-10% share) and entropy per layer."""
+    """Tokens, layers, k; per layer: distinct experts, concentration (top-10% share), entropy, distinct experts per
+    window of decode steps, reuse distances; and a one-line verdict when routing has collapsed."""
     from stratatools.traces.table import trace_stats
     from stratatools.traces.formats import read_trace
 
-    st = trace_stats(read_trace(trace, from_, None, None), n_expert)
+    st = trace_stats(read_trace(trace, from_, None, None), n_expert, window=window)
     if json_:
         common.emit_json(st.to_dict())
         return
@@ -64,11 +67,22 @@ def _stats(
     c.print(rounds_line(st.rounds, st.windows, st.outside_windows), markup=False, soft_wrap=True)
     c.print(f"concentration (top 10% of pairs): {st.concentration:.1%}; mean entropy {st.mean_entropy_bits:.3f} "
             f"bits (uniform: {math.log2(st.n_expert) if st.n_expert else 0:.3f})", markup=False, soft_wrap=True)
-    tbl = Table("layer", "entries", "distinct experts", "top-10% share", "entropy (bits)")
+    if st.reuse_quantiles:
+        q = st.reuse_quantiles
+        c.print(f"reuse distance ({st.locality_phase} steps since the request last routed the expert at that layer): "
+                f"p50 {q['p50']:g}, p90 {q['p90']:g}, p99 {q['p99']:g}", markup=False, soft_wrap=True)
+    tbl = Table("layer", "entries", "distinct", "top-10%", "entropy", f"min/{st.window}", f"mean/{st.window}",
+                "reuse p50/p90", "cold")
+
+    def _f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
     for ls in st.per_layer:
         tbl.add_row(str(ls.layer), f"{ls.entries:,}", str(ls.distinct_experts), f"{ls.concentration:.1%}",
-                    f"{ls.entropy_bits:.3f}")
+                    f"{ls.entropy_bits:.3f}", _f(ls.window_distinct_min, 'd'), _f(ls.window_distinct_mean, '.1f'),
+                    f"{_f(ls.reuse_p50, 'g')} / {_f(ls.reuse_p90, 'g')}", _f(ls.cold_share, '.1%'))
     c.print(tbl)
+    c.print(f"verdict: {st.verdict}", markup=False, soft_wrap=True)
 
 
 def rounds_line(rounds: str, windows: int, outside: int) -> str:

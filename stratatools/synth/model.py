@@ -39,6 +39,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -50,6 +51,7 @@ from stratatools.model.ggml_types import GGMLType, type_by_name
 from stratatools.model.gguf import Model, TensorInfo, open_model
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
 from stratatools.model.quantize import can_quantize, quantize, random_blocks
+from stratatools.synth.routing import DEFAULT_LOCALITY, DEFAULT_SKEW, ROUTINGS, full_values, structured_names
 
 ARCH = "qwen4exp"
 _CHUNK_VALUES = 1 << 20     # floats generated per chunk when quantizing
@@ -75,7 +77,11 @@ class SynthConfig:
         gu_types / down_types: expert types, cycled over layers. dense_type: other matrices (falls back to
         Q8_0, then F16, where the row width does not fit). embd_type: token_embd/output/per_layer_token_embd.
         random_experts / random_dense: write random valid blocks instead of quantized normals (fast, any
-        d-first type). revisions: also write revA/revB. name: ``general.name`` stem.
+        d-first type); None (default) means random blocks wherever the type has them, except under the legacy
+        routing (which reproduces the old bytes) and for the tensors the routing model sets. revisions: also write revA/revB. name: ``general.name`` stem.
+        routing, skew, locality: the routing model (:mod:`stratatools.synth.routing`): ``realistic`` (default),
+        ``uniform`` or ``legacy``; the Zipf exponent of per-layer popularity; the share of the router input
+        taken by the per-request context (topic) at depth.
     """
 
     n_layers: int = 8
@@ -121,10 +127,13 @@ class SynthConfig:
     down_types: tuple[str, ...] = ("Q2_0",)
     dense_type: str = "Q8_0"
     embd_type: str = "BF16"
-    random_experts: bool = False
-    random_dense: bool = False
+    random_experts: bool | None = None
+    random_dense: bool | None = None
     revisions: bool = True
     name: str = "Qwen4Exp Synth"
+    routing: str = "realistic"
+    skew: float = DEFAULT_SKEW
+    locality: float = DEFAULT_LOCALITY
 
     @classmethod
     def full_width(cls, n_layers: int = 8, seed: int = 0, **kw: Any) -> "SynthConfig":
@@ -171,6 +180,20 @@ class SynthConfig:
             return True
         return layer % self.full_attention_interval == self.full_attention_interval - 1
 
+    def experts_random(self, t: GGMLType) -> bool:
+        """Are routed experts of type ``t`` written as random valid blocks (see ``random_experts``)?"""
+        if self.random_experts is None:
+            return self.routing != "legacy" and t.name in _random_ok()
+        return bool(self.random_experts)
+
+    def dense_random(self, t: GGMLType) -> bool:
+        """Are dense (non-expert) matrices of type ``t`` written as random valid blocks (see ``random_dense``)?"""
+        if t.block_size <= 1:
+            return False
+        if self.random_dense is None:
+            return self.routing != "legacy" and t.name in _random_ok()
+        return bool(self.random_dense)
+
     def gu_type(self, layer: int) -> GGMLType:
         return type_by_name(self.gu_types[layer % len(self.gu_types)])
 
@@ -213,11 +236,19 @@ class SynthConfig:
                 if width % t.block_size:
                     raise bad(f"{role} type {t.name} needs rows of a multiple of {t.block_size}, the row is {width} "
                               f"wide (choose another --types entry)")
-                if not (self.random_experts or can_quantize(t)):
+                if not (self.experts_random(t) or can_quantize(t)):
                     if t.name not in _random_ok():
                         raise bad(f"{role} type {t.name} cannot be written")
         for nm in ("dense_type", "embd_type"):
             type_by_name(getattr(self, nm))
+        if self.routing not in ROUTINGS:
+            raise bad(f"--routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        if not (math.isfinite(self.skew) and 0.0 <= self.skew <= 8.0):
+            raise bad(f"--skew {self.skew} must be between 0 and 8")
+        if not (math.isfinite(self.locality) and 0.0 <= self.locality < 1.0):
+            raise bad(f"--locality {self.locality} must be at least 0 and below 1")
+        if self.routing != "legacy" and self.linear_v_dim % 2:
+            raise bad(f"--routing {self.routing} needs an even linear value head width (it is {self.linear_v_dim})")
 
 
 def _random_ok() -> set[str]:
@@ -278,6 +309,7 @@ class Tokenizer:
     eos_id: int
 
 
+@lru_cache(maxsize=8)
 def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
     """Train a deterministic byte-level BPE on the built-in text up to ``vocab_size`` tokens (fewer when the text
     runs out of pairs that occur twice)."""
@@ -418,16 +450,16 @@ def _tensor_list(cfg: SynthConfig, V: int) -> list[TSpec]:
         if name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):
             t = embd if _fit(embd, ne[0]) else _dense_type(cfg, ne[0])
             specs.append(TSpec(name, ne, t, "embd" if name == "token_embd.weight" else "normal",
-                               random=cfg.random_dense and not can_quantize(t)))
+                               random=bool(cfg.random_dense) and not can_quantize(t)))
             return
         if layer is not None and name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-            specs.append(TSpec(name, ne, cfg.gu_type(layer), random=cfg.random_experts or not can_quantize(cfg.gu_type(layer))))
+            specs.append(TSpec(name, ne, cfg.gu_type(layer), random=cfg.experts_random(cfg.gu_type(layer)) or not can_quantize(cfg.gu_type(layer))))
             return
         if layer is not None and name.endswith("ffn_down_exps.weight"):
-            specs.append(TSpec(name, ne, cfg.down_type(layer), random=cfg.random_experts or not can_quantize(cfg.down_type(layer))))
+            specs.append(TSpec(name, ne, cfg.down_type(layer), random=cfg.experts_random(cfg.down_type(layer)) or not can_quantize(cfg.down_type(layer))))
             return
         t = _dense_type(cfg, ne[0])
-        specs.append(TSpec(name, ne, t, random=cfg.random_dense and t.block_size > 1))
+        specs.append(TSpec(name, ne, t, random=cfg.dense_random(t)))
 
     add("output.weight", (H, V))
     add("token_embd.weight", (H, V))
@@ -494,6 +526,11 @@ def _tensor_list(cfg: SynthConfig, V: int) -> list[TSpec]:
             add(b + "nextn.enorm.weight", (H,), i)
             add(b + "nextn.hnorm.weight", (H,), i)
             add(b + "nextn.shared_head_norm.weight", (H,), i)
+    if cfg.routing != "legacy":  # the tensors that decide routing are written from values at any width
+        pat = structured_names(cfg)
+        for sp in specs:
+            if sp.random and pat.match(sp.name) and can_quantize(sp.gtype):
+                sp.random = False
     return specs
 
 
@@ -536,12 +573,24 @@ def _values(rng: np.random.Generator, init: str, shape: tuple[int, ...], *, seed
     return 0.02 * rng.standard_normal(shape, dtype=np.float32)
 
 
-def _producer(spec: TSpec, seed: int) -> Callable[[], Iterator[np.ndarray]]:
+def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callable[[], Iterator[np.ndarray]]:
     def gen() -> Iterator[np.ndarray]:
         rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode("utf-8"))])
         ne0 = spec.ne[0]
         rows = int(np.prod(spec.ne[1:], dtype=np.int64)) if len(spec.ne) > 1 else 1
         t = spec.gtype
+        full = None if (cfg is None or spec.random) else full_values(cfg, spec.name, spec.ne, seed)
+        if full is not None:  # the routing model's values (stratatools.synth.routing)
+            rpc = max(1, _CHUNK_VALUES // ne0)
+            if full.ndim == 2 and full.shape[0] == rows and full.strides[0] == 0:  # one row repeated
+                one = quantize(np.ascontiguousarray(full[:1]), t)
+                for r0 in range(0, rows, rpc):
+                    yield np.repeat(one, min(rpc, rows - r0), axis=0)
+                return
+            full = full.reshape(rows, ne0)
+            for r0 in range(0, rows, rpc):
+                yield quantize(np.ascontiguousarray(full[r0:r0 + rpc]), t)
+            return
         if spec.random:
             total = t.nbytes(spec.ne) // t.type_size
             per = max(1, _CHUNK_BYTES // t.type_size)
@@ -862,7 +911,9 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
     specs = _tensor_list(cfg, len(tok.tokens))
     tensors = []
     for sp in specs:
-        prod = _producer(sp, cfg.seed)
+        prod = _producer(sp, cfg.seed, cfg)
+        if sp.gtype.nbytes(sp.ne) >= _PREFETCH_MIN:
+            prod = _prefetched(prod)
         if progress is not None:
             prod = _counting(prod, progress)
         tensors.append((sp.name, sp.ne, sp.gtype, prod))
@@ -894,6 +945,50 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
                          for k, v in revisions.items()}}
     write_text_atomic(manifest, json.dumps(rec, indent=2, sort_keys=True) + "\n")
     return ReleaseInfo(outdir, cfg, canon, revisions, manifest, written, time.perf_counter() - t0, canon_bytes, canon_s)
+
+
+_END = object()
+_PREFETCH_MIN = 4 << 20  # tensors at least this large are produced in a helper thread
+
+
+def _prefetched(prod: Callable[[], Iterable[Any]], depth: int = 2) -> Callable[[], Iterator[Any]]:
+    """Run ``prod`` in a helper thread, at most ``depth`` chunks ahead, so making the next chunk (numpy, which
+    releases the GIL) overlaps writing this one. Errors of the producer are raised in the caller."""
+    import queue
+    import threading
+
+    def gen() -> Iterator[Any]:
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for c in prod():
+                    if stop.is_set():
+                        return
+                    q.put(c)
+                q.put(_END)
+            except BaseException as e:  # handed to the consumer
+                q.put(e)
+
+        t = threading.Thread(target=work, name="synth-producer", daemon=True)
+        t.start()
+        try:
+            while True:
+                c = q.get()
+                if c is _END:
+                    break
+                if isinstance(c, BaseException):
+                    raise c
+                yield c
+        finally:
+            stop.set()
+            while t.is_alive():  # let a blocked put finish
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    t.join(0.01)
+    return gen
 
 
 def _counting(prod: Callable[[], Iterable[Any]], progress: Callable[[int], Any]) -> Callable[[], Iterator[Any]]:

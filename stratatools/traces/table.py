@@ -7,7 +7,7 @@ One row per routed entry: (request, position, phase, layer, rank, expert, weight
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import mmap
 from typing import Any
 
@@ -387,6 +387,12 @@ class LayerStats:
         concentration: share of the layer's entries taken by its top 10% experts (ceil(0.1 * E) experts, E the
             model's expert count when known, else the largest id + 1).
         entropy_bits: Shannon entropy of the layer's expert distribution, bits (log2 E for uniform routing).
+        window_distinct_min / window_distinct_mean: distinct experts the layer used per window of
+            :attr:`TraceStats.window` consecutive steps of one request (see :func:`locality_stats`); None when
+            the trace has no such window.
+        reuse_p50 / reuse_p90: quantiles of the reuse distance (steps since the same request last routed the
+            same expert at this layer; first uses left out); None when no expert was reused.
+        cold_share: share of the layer's entries that are a request's first use of that expert.
     """
 
     layer: int
@@ -394,6 +400,11 @@ class LayerStats:
     distinct_experts: int
     concentration: float
     entropy_bits: float
+    window_distinct_min: int | None = None
+    window_distinct_mean: float | None = None
+    reuse_p50: float | None = None
+    reuse_p90: float | None = None
+    cold_share: float | None = None
 
 
 @dataclass
@@ -410,6 +421,11 @@ class TraceStats:
         windows: verify windows the trace delimits (0 when it carries none); outside_windows: records outside
             every window in a trace that has windows. rounds: what a replay round is for this trace
             (:func:`rounds_kind`): ``positions``, ``windows`` or ``windows+positions``.
+        window: steps per locality window (distinct experts per window, collapse verdict); locality_phase: the
+            entries those statistics use (``decode`` when the trace has decode entries, else ``all``).
+        reuse_quantiles: reuse distance p50/p90/p99 over all layers (steps); collapsed_layers: layers that used
+            at most k distinct experts in some full window (every step picked the same experts); verdict: one
+            line saying whether routing has collapsed.
     """
 
     entries: int
@@ -430,6 +446,11 @@ class TraceStats:
     windows: int = 0
     outside_windows: int = 0
     rounds: str = "positions"
+    window: int = 64
+    locality_phase: str = "decode"
+    reuse_quantiles: dict[str, float] = field(default_factory=dict)
+    collapsed_layers: list[int] = field(default_factory=list)
+    verdict: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -463,13 +484,14 @@ def _top_share(counts: np.ndarray, n_slots: int) -> float:
 _DENSE_CELLS = 1 << 22  # trace_stats counts on a dense (layer, expert) grid up to this size (or 8 x the entries)
 
 
-def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
+def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64) -> TraceStats:
     """Summarise a trace: tokens, layers, k, distinct experts, concentration (top 10%) and entropy per layer.
 
     Args:
         table: the trace.
         n_expert: experts per layer for the concentration denominator; default ``meta["n_expert"]`` or the
             largest expert id + 1.
+        window: steps per locality window (:func:`locality_stats`; the collapse verdict).
     Returns:
         a :class:`TraceStats`. Memory: a few int64 temporaries of the table's length, plus the (layer, expert)
         count grid only when it is small (else the distinct pairs are counted sparsely: ids and layers come
@@ -548,10 +570,126 @@ def trace_stats(table: TraceTable, n_expert: int | None = None) -> TraceStats:
         outside = int((~inw).sum()) if n_windows else 0
     else:
         n_windows = outside = 0
+    kmax = int(ks.max()) if n else 0
+    loc = locality_stats(table, window) if n else None
+    collapsed: list[int] = []
+    rq: dict[str, float] = {}
+    lphase = "decode"
+    if loc is not None:
+        lphase = loc["phase"]
+        rq = loc["reuse_quantiles"]
+        for ls in per:
+            d = loc["layers"].get(ls.layer)
+            if d is None:
+                continue
+            ls.window_distinct_min, ls.window_distinct_mean = d["window_min"], d["window_mean"]
+            ls.reuse_p50, ls.reuse_p90, ls.cold_share = d["reuse_p50"], d["reuse_p90"], d["cold_share"]
+            if d["window_min"] is not None and d["window_min"] <= kmax and loc["window_steps"] >= 2:
+                collapsed.append(ls.layer)
+    verdict = _verdict(collapsed, per, window, kmax, loc)
     return TraceStats(entries=n, records=len(starts), tokens=tokens, requests=len(np.unique(req)) if n else 0,
                       layers=len(per), layer_min=lmin, layer_max=lmax, k_min=int(ks.min()) if n else 0,
                       k_max=int(ks.max()) if n else 0, n_expert=E, phases=phases,
                       concentration=_top_share(all_counts, nl * E) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
                       per_layer=per, meta=dict(table.meta), windows=n_windows, outside_windows=outside,
-                      rounds=rounds_kind(rwin if n else None))
+                      rounds=rounds_kind(rwin if n else None), window=window, locality_phase=lphase,
+                      reuse_quantiles=rq, collapsed_layers=collapsed, verdict=verdict)
+
+
+def _verdict(collapsed: list[int], per: list[LayerStats], window: int, k: int, loc: dict | None) -> str:
+    if loc is None or not per:
+        return "no routing to judge"
+    w = loc["window_steps"]
+    span = f"{w} {loc['phase']} steps" + ("" if w == window else f" (no request has {window})")
+    if w < 2:
+        return f"not judged: no request has 2 {loc['phase']} steps"
+    if collapsed:
+        first = collapsed[0]
+        return (f"COLLAPSED: {len(collapsed)} of {len(per)} layers (first: layer {first}) used at most k={k} distinct "
+                f"experts over {span}: every step routes the same experts")
+    worst = min((ls for ls in per if ls.window_distinct_min is not None), key=lambda x: x.window_distinct_min)
+    return (f"not collapsed: every layer used more than k={k} distinct experts per {span} "
+            f"(fewest: {worst.window_distinct_min} at layer {worst.layer})")
+
+
+def locality_stats(table: TraceTable, window: int = 64) -> dict[str, Any] | None:
+    """Temporal locality of a trace, per layer: distinct experts per window of ``window`` steps and reuse distances.
+
+    A step is one position of one request (decode entries only when the trace has any, else every entry); steps
+    are numbered 0.. per request in position order, window w holds steps [w*window, (w+1)*window). Only full
+    windows count, unless no request has one (then each request's steps form one partial window and
+    ``full_windows`` is 0). The reuse distance of an entry is its step minus the step at which the same request
+    last routed the same expert at the same layer (first uses are counted as cold, not as distances).
+
+    Returns:
+        ``{"phase", "window_steps", "layers": {layer: {"window_min", "window_mean", "full_windows", "reuse_p50", "reuse_p90",
+        "cold_share"}}, "reuse_quantiles": {"p50", "p90", "p99"}}``, or None for an empty trace.
+        Memory: several int64 arrays of the trace's length (the columns are built).
+    Raises:
+        ValueError: ``window`` < 1.
+    """
+    if window < 1:
+        raise ValueError("window must be at least 1")
+    if len(table) == 0:
+        return None
+    ph = np.asarray(table.phase)
+    sel = ph == DECODE
+    phase = "decode"
+    if not sel.any():
+        sel = np.ones(len(table), bool)
+        phase = "all"
+    req = np.asarray(table.request)[sel].astype(np.int64)
+    pos = np.asarray(table.position)[sel].astype(np.int64)
+    lay = np.asarray(table.layer)[sel].astype(np.int64)
+    ex = np.asarray(table.expert)[sel].astype(np.int64)
+    tok_key = req * (1 << 32) + (pos & 0xFFFFFFFF)
+    utok, tok = np.unique(tok_key, return_inverse=True)  # ascending: grouped by request, positions in order
+    ureq = utok >> 32
+    first = np.r_[0, np.flatnonzero(np.diff(ureq)) + 1]
+    start_of = np.repeat(first, np.diff(np.r_[first, len(utok)]))
+    step_tok = np.arange(len(utok)) - start_of
+    steps_per_req = np.diff(np.r_[first, len(utok)])
+    full = bool((steps_per_req >= window).any())
+    step = step_tok[tok]
+    ntok_req = steps_per_req[np.searchsorted(first, np.arange(len(utok)), side="right") - 1][tok]
+    win = step // window if full else np.zeros_like(step)
+    if full:
+        keep = (win + 1) * window <= ntok_req
+    else:
+        keep = np.ones(len(step), bool)
+    # ids come from the file: re-index them densely instead of trusting their range (no packed keys that could
+    # overflow, no allocation sized by an id)
+    ulay, lay_i = np.unique(lay, return_inverse=True)
+    _, ex_i = np.unique(ex, return_inverse=True)
+    _, req_i = np.unique(req, return_inverse=True)
+    layers: dict[int, dict[str, Any]] = {}
+    # distinct experts per (request, window, layer): unique (group, expert) rows, then rows per group
+    tw = np.unique(np.stack([req_i[keep], win[keep]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    grp_rows = np.unique(np.stack([tw, lay_i[keep], ex_i[keep]], axis=1), axis=0)
+    grp, cnt = np.unique(grp_rows[:, :2], axis=0, return_counts=True)
+    glay = ulay[grp[:, 1]] if len(grp) else np.zeros(0, np.int64)
+    # reuse distances: sort by (request, layer, expert, step)
+    order = np.lexsort((step, ex_i, lay_i, req_i))
+    same = np.zeros(len(order), bool)
+    if len(order) > 1:
+        same[1:] = ((req_i[order][1:] == req_i[order][:-1]) & (lay_i[order][1:] == lay_i[order][:-1])
+                    & (ex_i[order][1:] == ex_i[order][:-1]))
+    dist = np.diff(step[order], prepend=0)
+    lay_o = lay[order]
+    all_d = dist[same]
+    for layer in ulay.tolist():
+        c = cnt[glay == layer]
+        m = lay_o == layer
+        d = dist[m & same]
+        layers[int(layer)] = {
+            "window_min": int(c.min()) if len(c) else None,
+            "window_mean": float(c.mean()) if len(c) else None,
+            "full_windows": int(len(c)) if full else 0,
+            "reuse_p50": float(np.percentile(d, 50)) if len(d) else None,
+            "reuse_p90": float(np.percentile(d, 90)) if len(d) else None,
+            "cold_share": float(1.0 - len(d) / max(1, int(m.sum()))),
+        }
+    rq = {f"p{q}": float(np.percentile(all_d, q)) for q in (50, 90, 99)} if len(all_d) else {}
+    return {"phase": phase, "layers": layers, "reuse_quantiles": rq,
+            "window_steps": window if full else int(steps_per_req.max())}
