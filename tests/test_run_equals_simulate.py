@@ -131,3 +131,21 @@ def test_cold_drops_the_prefill(release, tmp_path):
     code, _, err = _cli("simulate", "-t", trace, "--model", gguf, "--slots", "20", "--cold", "--phase", "all",
                         "--no-sweep", "--report", tmp_path / "rep2")
     assert code == 2 and "--cold" in err and err.strip().count("\n") == 0
+
+
+def test_plain_trace_replays_the_runs_rounds(release, tmp_path):
+    """The plain Strata layout loses requests, phases and windows, yet its layer-major prefill batches come back
+    as rounds: --phase all (every entry reads as decode) equals the run's totals."""
+    d, gguf = release
+    trace = tmp_path / "plain.bin"
+    code, out, err = _cli("run", gguf, "--prompts", d / "p.txt", "--policy", "adaptive", "--slots", "24", "-n", "7",
+                          "--trace-out", trace, "--trace-format", "strata", "--json")
+    assert code == 0, err
+    tier = json.loads(out)["tier"]
+    st, _ = run([str(trace)], [], pack=None, model=str(gguf), slots=24, budget_gib=None, policies=["adaptive"],
+                admission="global", kfold=None, phase="all", host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0,
+                sets=[], sweep=False)
+    r = st.results[0]
+    assert (r.hits, r.entries, r.rounds, r.rounds_by) == (tier["all"]["hits"], tier["all"]["entries"],
+                                                          tier["rounds"], "batches")
+    assert r.layer_hits == tier["all"]["layer_hits"]
