@@ -316,26 +316,25 @@ def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.nd
     ``layer_hits``: int [L] counts behind ``layer_h_expert``."""
     L = ent.n_layers
     hits = np.asarray(hits, dtype=bool)
-    rounds = ent.n_rounds
-    if ent.count is not None:
-        hits = hits[ent.count]
-        ent = ent.counted()
+    layer, record = ent.layer, ent.record
+    if ent.count is not None:  # only the columns the counts need (no full copy of the entries)
+        hits, layer, record = hits[ent.count], layer[ent.count], record[ent.count]
     n = len(hits)
-    le = np.bincount(ent.layer, minlength=L)
-    lh = np.bincount(ent.layer, weights=hits, minlength=L)
+    le = np.bincount(layer, minlength=L)
+    lh = np.bincount(layer, weights=hits, minlength=L)
     bb = np.asarray(blob_bytes, dtype=np.float64)
     entry_bytes = float((le * bb).sum())
     hit_bytes = float((lh * bb).sum())
     miss_bytes = entry_bytes - hit_bytes
     # records whose every entry hit: min over the record's entries
-    rec_u, rec_inv = np.unique(ent.record, return_inverse=True)
+    rec_u, rec_inv = np.unique(record, return_inverse=True)
     rec_miss = np.bincount(rec_inv, weights=~hits, minlength=len(rec_u))
     moved = int((np.asarray(loads, dtype=np.int64) * np.asarray(blob_bytes, dtype=np.int64)).sum())
     t = (hit_bytes / (bw.vram_gbps * 1e9) + miss_bytes / (bw.host_gbps * 1e9) + moved / (bw.pcie_gbps * 1e9))
     with np.errstate(invalid="ignore", divide="ignore"):
         layer_h = np.where(le > 0, lh / np.maximum(le, 1), np.nan)
     return {"entries": n, "hits": int(hits.sum()), "records": int(len(rec_u)),
-            "all_hit_records": int((rec_miss == 0).sum()), "tokens": ent.n_tokens, "rounds": rounds,
+            "all_hit_records": int((rec_miss == 0).sum()), "tokens": ent.n_tokens, "rounds": ent.n_rounds,
             "layer_entries": [int(x) for x in le], "layer_hits": [int(x) for x in lh],
             "h_expert": float(hits.mean()) if n else float("nan"),
             "h_layer": float((rec_miss == 0).mean()) if len(rec_u) else float("nan"),
