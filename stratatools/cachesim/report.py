@@ -64,7 +64,7 @@ def rounds_text(study) -> str:
     if by.endswith("batches"):
         return (f"layer-major batches (one captured ubatch of a request is one round, as a verify window is; "
                 f"{n} rounds)")
-    return f"positions ({n} rounds; the traces delimit no windows)"
+    return f"positions ({n} rounds; no windows among the replayed entries)"
 
 
 def _skipped_text(skipped: dict[str, int] | None) -> str:

@@ -224,7 +224,7 @@ def _print_rounds(st) -> None:
         line = (f"rounds: {r.rounds} (each layer-major batch, e.g. one prompt's captured ubatch, is one round"
                 + (", as are verify windows)" if by.startswith("windows") else ")"))
     else:
-        line = f"rounds: {r.rounds} positions (the traces delimit no windows)"
+        line = f"rounds: {r.rounds} positions (no windows among the replayed entries)"
     if getattr(r, "warmup", 0):
         line += f"; {r.warmup} prefill entries replayed to warm the cache, not counted (--cold drops them)"
     common.console.print(line, markup=False, soft_wrap=True)
