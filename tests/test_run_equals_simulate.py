@@ -52,6 +52,8 @@ CASES = [
     ("static", ["--slots", "40", "--profile", "prof.bin", "--admission", "per-layer"], "parquet"),
     ("adaptive", ["--slots", "24", "--profile", "prof.bin"], "csv"),
     ("adaptive", ["--slots", "32", "--profile", "prof.bin", "--admission", "per-layer"], "bin"),
+    ("adaptive", ["--slots", "24", "--profile", "prof.bin", "--adapt-every", "1", "--adapt-lag", "2",
+                  "--upper-slots", "8"], "parquet"),
     ("lru", ["--slots", "20"], "bin"),
     ("lfu", ["--slots", "20"], "csv"),
     ("lfru", ["--budget-gib", "0.0005"], "parquet"),
@@ -78,7 +80,9 @@ def test_run_and_simulate_count_the_same_hits(release, tmp_path):
         st, _ = run([str(trace)], [opts[j + 1] for j, o in enumerate(opts) if o == "--profile"], pack=None,
                     model=str(gguf), slots=_opt(opts, "--slots", int), budget_gib=_opt(opts, "--budget-gib", float),
                     policies=[policy], admission=_opt(opts, "--admission", str) or "global", kfold=None,
-                    phase="all", host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0, sets=[], sweep=False)
+                    phase="all", host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0, sets=[], sweep=False,
+                    adaptive={"every": _opt(opts, "--adapt-every", int), "lag": _opt(opts, "--adapt-lag", int),
+                              "upper_slots": _opt(opts, "--upper-slots", int)})
         got["all"] = st.results[0].to_dict()
         for phase, r in got.items():
             want = tier[phase]
