@@ -92,13 +92,14 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
                policies: Sequence[str] = ("static",), slots: int | None = None, budget_bytes: int | None = None,
                blob_bytes=None, admission: str = "global", phase: str = "decode", mode: str = "no-base",
                fill: str = "expert-major", base: Profile | None = None, bandwidth: BandwidthModel | None = None,
-               policy_params: dict[str, dict] | None = None) -> KFoldResult:
+               policy_params: dict[str, dict] | None = None, cold: bool = False) -> KFoldResult:
     """k-fold held-out evaluation of profiles built by make-profile (module docstring).
 
     Args:
         policies: tiers that use the profile (``static``, ``adaptive``).
         mode, fill, base: make-profile options (formats.md 4; ``no-base`` by default: traces then fill).
         phase: replay phase filter, also used for counting (``decode`` counts decode entries only).
+        cold: drop the prefill from the replay instead of replaying it uncounted (:func:`.replay.prepare_entries`).
     Raises:
         StrataError: fewer requests than folds, k < 2, budget or policy problems.
     """
@@ -110,7 +111,7 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
     fold = fold_of_requests(table.request.astype(np.int64), k)
     count_phase = "decode" if phase == "decode" else "all"
     res = KFoldResult(k=k, requests=int(len(np.unique(table.request))), policies=list(policies),
-                      options={"mode": mode, "fill": fill, "phase": phase, "admission": admission,
+                      options={"mode": mode, "fill": fill, "phase": phase, "cold": cold, "admission": admission,
                                "slots": slots, "budget_bytes": budget_bytes})
     common = dict(slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, admission=admission,
                   bandwidth=bandwidth)
@@ -119,10 +120,10 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
         test = table.take(fold == f)
         prof, _ = make_profile([train], n_layers, n_expert, base=base, mode=mode, fill=fill, phase=count_phase)
         try:
-            ent = prepare_entries(test, n_layers, n_expert, phase=phase)
+            ent = prepare_entries(test, n_layers, n_expert, phase=phase, cold=cold)
         except StrataError:
             raise StrataError(f"fold {f}: the held-out requests hold no usable entries; use fewer folds") from None
-        row: dict[str, Any] = {"fold": f, "requests": int(len(np.unique(test.request))), "entries": len(ent),
+        row: dict[str, Any] = {"fold": f, "requests": int(len(np.unique(test.request))), "entries": ent.n_counted,
                                "h_expert": {}, "h_layer": {}}
         for p in policies:
             r = simulate_policy(ent, p, profile=prof, **common, **pp.get(p, {}))
@@ -130,7 +131,7 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
             row["h_layer"][p] = r.h_layer
         res.folds.append(row)
     prof_all, _ = make_profile([table], n_layers, n_expert, base=base, mode=mode, fill=fill, phase=count_phase)
-    ent_all = prepare_entries(table, n_layers, n_expert, phase=phase)
+    ent_all = prepare_entries(table, n_layers, n_expert, phase=phase, cold=cold)
     for p in policies:
         m, lo, hi = t_interval([row["h_expert"][p] for row in res.folds])
         res.mean[p], res.low[p], res.high[p] = m, lo, hi

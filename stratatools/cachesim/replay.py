@@ -20,9 +20,15 @@ or a ``window`` column of our Parquet/CSV; else an ndarray ``meta["window"]`` [N
 A request whose positions go back in file order is batched (layer-major: llama.cpp's ubatch capture, the kit's
 routing CSVs): each batch, up to where the layer goes back, is one round, as a verify window is.
 ``Entries.rounds_by`` / ``SimResult.rounds_by`` say which applied (``positions``, ``windows``,
-``windows+positions``, ``batches`` or ``...+batches``). Entries whose phase is known to be prefill are left out by
-default (``phase="decode"``: Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark
-prompt processing with negative positions); ``phase="all"`` keeps them.
+``windows+positions``, ``batches`` or ``...+batches``). The runtime (``stratatools run``) writes each prefill batch
+as a window, so its rounds come back exactly: one per forward batch (:data:`stratatools.traces.table.ROUNDS`).
+
+Phases: ``phase="decode"`` (the default) replays every entry and counts the decode ones: the prefill warms the
+cache as it did in the engine, and its entries are in :attr:`Entries.count` as False (``warmup`` in reports);
+``cold=True`` drops the known prefill entries instead, so the decode starts on the cache as the fill left it
+(Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark prompt processing with negative
+positions). ``phase="all"`` replays and counts everything. Metrics count the counted entries only; copies
+(``loads``, ``moved_bytes``) are those of the whole replay, warm-up included.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class Entries:
         skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
         rounds_by: what a round is (module docstring): ``positions``, ``windows``, ``windows+positions``,
             ``batches`` (layer-major batches) or ``windows+positions+batches``.
+        count: bool [N], the entries the metrics count (False: replayed to warm the cache, not counted: the
+            prefill under ``phase="decode"``), or None when every entry counts.
     """
 
     layer: np.ndarray
@@ -82,9 +90,24 @@ class Entries:
     token: np.ndarray | None = None
     skipped: dict[str, int] = field(default_factory=dict)
     rounds_by: str = "positions"
+    count: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(len(self.layer))
+
+    @property
+    def n_counted(self) -> int:
+        """Entries the metrics count (all of them unless some only warm the cache)."""
+        return int(len(self.layer)) if self.count is None else int(self.count.sum())
+
+    @property
+    def n_warmup(self) -> int:
+        """Entries replayed but not counted (the prefill under ``phase="decode"``)."""
+        return int(len(self.layer)) - self.n_counted
+
+    def counted(self) -> "Entries":
+        """The counted entries alone (self when every entry counts)."""
+        return self if self.count is None else self.take(self.count)
 
     @property
     def n_rounds(self) -> int:
@@ -93,9 +116,12 @@ class Entries:
     def take(self, mask: np.ndarray) -> "Entries":
         """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
         tk = self.token[mask] if self.token is not None else self.rnd[mask]
+        cnt = None if self.count is None else self.count[mask]
+        if cnt is not None and cnt.all():
+            cnt = None
         return Entries(self.layer[mask], self.expert[mask], self.rnd[mask], self.record[mask], self.request[mask],
-                       self.n_layers, self.n_expert, _count_tokens(tk), token=tk, skipped=dict(self.skipped),
-                       rounds_by=self.rounds_by)
+                       self.n_layers, self.n_expert, _count_tokens(tk if cnt is None else tk[cnt]), token=tk,
+                       skipped=dict(self.skipped), rounds_by=self.rounds_by, count=cnt)
 
 
 def _count_tokens(token: np.ndarray) -> int:
@@ -133,19 +159,23 @@ def _table_window(t: TraceTable) -> np.ndarray | None:
 
 
 def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *,
-                    phase: str = "decode") -> Entries:
-    """Flatten traces for replay (rounds and records as in the module docstring).
+                    phase: str = "decode", cold: bool = False) -> Entries:
+    """Flatten traces for replay (rounds, records and phases as in the module docstring).
 
     Args:
         table: one trace table, or several (merged with :func:`merge_traces`).
         n_layers, n_expert: the tier's geometry; entries outside it (an MTP block, another model) are skipped
             and counted.
-        phase: ``decode`` (drop known prefill entries) or ``all``.
+        phase: ``decode`` (count decode entries; known prefill entries are replayed uncounted, or dropped with
+            ``cold``) or ``all`` (count everything).
+        cold: with ``phase="decode"``, drop the known prefill entries (the decode starts on the fill alone).
     Raises:
-        StrataError: unknown phase; no entries left.
+        StrataError: unknown phase; ``cold`` with ``phase="all"``; no entries left (or none counted).
     """
     if phase not in ("decode", "all"):
         raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
+    if cold and phase != "decode":
+        raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
     t = merge_traces(list(table)) if not isinstance(table, TraceTable) else table
     n = len(t)
     if n == 0:
@@ -191,10 +221,15 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     rnd = rec_round[record]
     keep = np.ones(n, dtype=bool)
     skipped = {"prefill": 0, "layer": 0, "expert": 0}
+    pf = None
     if phase == "decode":
-        pf = t.phase == PREFILL
-        skipped["prefill"] = int(pf.sum())
-        keep &= ~pf
+        pf = np.asarray(t.phase) == PREFILL
+        if cold:
+            skipped["prefill"] = int(pf.sum())
+            keep &= ~pf
+            pf = None
+        elif not pf.any():
+            pf = None
     ex = t.expert.astype(np.int64)
     bad_l = keep & ((lay < 0) | (lay >= n_layers))
     skipped["layer"] = int(bad_l.sum())
@@ -205,6 +240,9 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     if not keep.any():
         raise StrataError(f"no routed entry of the traces fits {n_layers} layers x {n_expert} experts "
                           f"(skipped: {skipped}); check the traces belong to this model")
+    count = None if pf is None else ~pf[keep]
+    if count is not None and not count.any():
+        raise StrataError("the traces hold prefill entries only, nothing of the decode to count; use --phase all")
     # token id: (request, position) when the position is known, else the round
     tok_key = np.where(pos >= 0, req * (1 << 32) + pos, -(rnd + 1))
     _, token = np.unique(tok_key[keep], return_inverse=True)
@@ -213,7 +251,8 @@ def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_e
     if len(rs) > 1 and batched[record[keep]].any():
         rounds_by = "batches" if rounds_by == "positions" else rounds_by + "+batches"
     return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
-                   _count_tokens(token), token=token, skipped=skipped, rounds_by=rounds_by)
+                   _count_tokens(token if count is None else token[count]), token=token, skipped=skipped,
+                   rounds_by=rounds_by, count=count)
 
 
 @dataclass
@@ -233,6 +272,8 @@ class SimResult:
         rounds_by: what a round was (``positions``, ``windows`` or ``windows+positions``; module docstring).
         tiers: the three-tier cost model's figures (:func:`.costmodel.tier_costs`: h_vram, h_ram, h_ssd, bytes
             per token, tok_s) when a :class:`.costmodel.ThreeTierModel` was given and blob sizes are known.
+        layer_entries, layer_hits: int [L] counted entries and hits per layer.
+        warmup: entries replayed but not counted (the prefill under ``phase="decode"``; module docstring).
     """
 
     policy: str
@@ -258,6 +299,9 @@ class SimResult:
     params: dict[str, Any] = field(default_factory=dict)
     rounds_by: str = "positions"
     tiers: dict[str, float] | None = None
+    layer_entries: list[int] = field(default_factory=list)
+    layer_hits: list[int] = field(default_factory=list)
+    warmup: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -267,18 +311,23 @@ class SimResult:
 
 def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.ndarray,
             bw: BandwidthModel) -> dict[str, Any]:
-    """Hit rates and traffic from a hit vector [N] and per-layer loads [L]."""
+    """Hit rates and traffic from a hit vector [N] and per-layer loads [L]: over the counted entries
+    (:attr:`Entries.count`); ``rounds`` and the loads are those of the whole replay. ``layer_entries`` /
+    ``layer_hits``: int [L] counts behind ``layer_h_expert``."""
     L = ent.n_layers
     hits = np.asarray(hits, dtype=bool)
+    layer, record = ent.layer, ent.record
+    if ent.count is not None:  # only the columns the counts need (no full copy of the entries)
+        hits, layer, record = hits[ent.count], layer[ent.count], record[ent.count]
     n = len(hits)
-    le = np.bincount(ent.layer, minlength=L)
-    lh = np.bincount(ent.layer, weights=hits, minlength=L)
+    le = np.bincount(layer, minlength=L)
+    lh = np.bincount(layer, weights=hits, minlength=L)
     bb = np.asarray(blob_bytes, dtype=np.float64)
     entry_bytes = float((le * bb).sum())
     hit_bytes = float((lh * bb).sum())
     miss_bytes = entry_bytes - hit_bytes
     # records whose every entry hit: min over the record's entries
-    rec_u, rec_inv = np.unique(ent.record, return_inverse=True)
+    rec_u, rec_inv = np.unique(record, return_inverse=True)
     rec_miss = np.bincount(rec_inv, weights=~hits, minlength=len(rec_u))
     moved = int((np.asarray(loads, dtype=np.int64) * np.asarray(blob_bytes, dtype=np.int64)).sum())
     t = (hit_bytes / (bw.vram_gbps * 1e9) + miss_bytes / (bw.host_gbps * 1e9) + moved / (bw.pcie_gbps * 1e9))
@@ -286,6 +335,7 @@ def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.nd
         layer_h = np.where(le > 0, lh / np.maximum(le, 1), np.nan)
     return {"entries": n, "hits": int(hits.sum()), "records": int(len(rec_u)),
             "all_hit_records": int((rec_miss == 0).sum()), "tokens": ent.n_tokens, "rounds": ent.n_rounds,
+            "layer_entries": [int(x) for x in le], "layer_hits": [int(x) for x in lh],
             "h_expert": float(hits.mean()) if n else float("nan"),
             "h_layer": float((rec_miss == 0).mean()) if len(rec_u) else float("nan"),
             "h_bytes": hit_bytes / entry_bytes if entry_bytes else float("nan"),
@@ -458,11 +508,14 @@ def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: Ba
 
         _, rb = _blob_arrays(ent.n_layers, blob_bytes)
         in_ram = ram_set(kw.get("profile"), ent.n_layers, ent.n_expert, rb, cost.ram_bytes)
-        tiers = tier_costs(ent.layer, ent.expert, hits, loads, ent.n_tokens, bb, in_ram, cost)
+        c = ent.count  # the counted entries (the warm-up's copies are in loads, as in moved_bytes)
+        lay, ex, h = (ent.layer, ent.expert, hits) if c is None else (ent.layer[c], ent.expert[c], hits[c])
+        tiers = tier_costs(lay, ex, h, loads, ent.n_tokens, bb, in_ram, cost)
     params = dict(info.get("params", {}))
     for k in ("adapt_steps", "swaps", "dropped_moves", "upper_hits"):
         if k in info:
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
                      cap=[int(c) for c in info["cap"]], fill_bytes=fill,
-                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, tiers=tiers, **m)
+                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, tiers=tiers,
+                     warmup=ent.n_warmup, **m)

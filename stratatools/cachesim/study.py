@@ -38,7 +38,9 @@ class Study:
 
     Attributes:
         n_layers, n_expert: geometry.
-        traces: per input ``{"name", "entries"}``; entries/tokens/requests/skipped: of the replay.
+        traces: per input ``{"name", "entries"}``; entries/tokens/requests/skipped: of the replay (entries and
+            tokens: those counted); warmup: entries replayed but not counted (the prefill under --phase decode).
+        phase, cold: the phase counted and whether the prefill was dropped (``--cold``).
         budget: ``{"slots", "budget_bytes"}`` as given; admission; bandwidth; policies; profiles (names).
         results: :class:`SimResult` at the main budget (static/adaptive per profile, baselines once, Belady
             per profile split under global admission).
@@ -65,6 +67,9 @@ class Study:
     kfold: KFoldResult | None = None
     blob_bytes: list[int] | None = None
     cost_model: dict[str, Any] | None = None
+    warmup: int = 0
+    phase: str = "decode"
+    cold: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("results", "kfold")}
@@ -129,7 +134,8 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
               policies: Sequence[str] = DEFAULT_POLICIES, slots: int | None = None, budget_bytes: int | None = None,
               blob_bytes=None, admission: str = "global", phase: str = "decode", kfold: int | None = None,
               bandwidth: BandwidthModel | None = None, sweep: bool = True,
-              policy_params: dict[str, dict] | None = None, progress=None, cost=None) -> Study:
+              policy_params: dict[str, dict] | None = None, progress=None, cost=None,
+              cold: bool = False) -> Study:
     """Simulate profiles and policies on traces (module docstring).
 
     Args:
@@ -138,6 +144,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         policies: any of static, adaptive, lru, lfu, lfru, belady.
         slots / budget_bytes: the budget; blob_bytes: per-layer blob bytes (pack or model).
         kfold: k for the held-out evaluation (profile-driven policies), None to skip.
+        phase / cold: what is counted and whether the prefill is dropped (:func:`.replay.prepare_entries`).
         progress: object with ``update(advance=n)`` (a progress bar), optional.
         cost: a :class:`.costmodel.ThreeTierModel` for the main-budget results (needs blob sizes), optional.
     Raises:
@@ -162,12 +169,13 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
     if slots is None and budget_bytes is None:
         raise StrataError("no budget: give --slots N or --budget-gib X")
     merged = merge_traces(list(tables))
-    ent = prepare_entries(merged, L, E, phase=phase)
+    ent = prepare_entries(merged, L, E, phase=phase, cold=cold)
     tn = list(trace_names) if trace_names else [f"trace{i}" for i in range(len(tables))]
-    st = Study(L, E, [{"name": n, "entries": len(t)} for n, t in zip(tn, tables)], len(ent), ent.n_tokens,
+    st = Study(L, E, [{"name": n, "entries": len(t)} for n, t in zip(tn, tables)], ent.n_counted, ent.n_tokens,
                int(len(np.unique(ent.request))), ent.skipped, {"slots": slots, "budget_bytes": budget_bytes},
                admission, bw.to_dict(), list(policies), list(names),
-               blob_bytes=None if blob_bytes is None else [int(b) for b in blob_bytes])
+               blob_bytes=None if blob_bytes is None else [int(b) for b in blob_bytes], warmup=ent.n_warmup,
+               phase=phase, cold=cold)
 
     def tick():
         if progress is not None:
@@ -214,11 +222,11 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
             run_at(budget, st.sweep, x, unit)
     for prof, name in zip(profiles, names):
         if prof is not None:
-            st.coverage[name] = coverage_curve(ent, prof)
+            st.coverage[name] = coverage_curve(ent.counted(), prof)
     if kfold:
         kp = [p for p in policies if p in PROFILE_POLICIES] or ["static"]
         st.kfold = kfold_eval(merged, L, E, int(kfold), policies=kp, slots=slots, budget_bytes=budget_bytes,
-                              blob_bytes=blob_bytes, admission=admission, phase=phase, bandwidth=bw,
+                              blob_bytes=blob_bytes, admission=admission, phase=phase, cold=cold, bandwidth=bw,
                               policy_params=pp)
     return st
 
