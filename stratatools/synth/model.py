@@ -51,7 +51,7 @@ from stratatools.model.ggml_types import GGMLType, type_by_name
 from stratatools.model.gguf import Model, TensorInfo, open_model
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
 from stratatools.model.quantize import can_quantize, quantize, random_blocks
-from stratatools.synth.routing import DEFAULT_LOCALITY, DEFAULT_SKEW, ROUTINGS, full_values, structured_names
+from stratatools.synth.routing import ROUTINGS, full_values, preset, structured_names
 
 ARCH = "qwen4exp"
 _CHUNK_VALUES = 1 << 20     # floats generated per chunk when quantizing
@@ -80,8 +80,9 @@ class SynthConfig:
         d-first type); None (default) means random blocks wherever the type has them, except under the legacy
         routing (which reproduces the old bytes) and for the tensors the routing model sets. revisions: also write revA/revB. name: ``general.name`` stem.
         routing, skew, locality: the routing model (:mod:`stratatools.synth.routing`): ``realistic`` (default),
-        ``uniform`` or ``legacy``; the Zipf exponent of per-layer popularity; the share of the router input
-        taken by the per-request context (topic) at depth.
+        ``bursty``, ``uniform`` or ``legacy``; the Zipf exponent of per-layer popularity; the share of the router
+        input taken by the per-request context (topic) at depth. skew / locality None (default): the routing's
+        own values (realistic 2.1 / 0.3, bursty 1.0 / 0.6; ``routing.PRESETS``).
     """
 
     n_layers: int = 8
@@ -132,8 +133,16 @@ class SynthConfig:
     revisions: bool = True
     name: str = "Qwen4Exp Synth"
     routing: str = "realistic"
-    skew: float = DEFAULT_SKEW
-    locality: float = DEFAULT_LOCALITY
+    skew: float | None = None
+    locality: float | None = None
+
+    def __post_init__(self) -> None:
+        # skew / locality left out (None): the routing's own defaults (routing.PRESETS)
+        sk, lo = preset(self.routing)
+        if self.skew is None:
+            object.__setattr__(self, "skew", sk)
+        if self.locality is None:
+            object.__setattr__(self, "locality", lo)
 
     @classmethod
     def full_width(cls, n_layers: int = 8, seed: int = 0, **kw: Any) -> "SynthConfig":
@@ -1007,4 +1016,8 @@ def estimate_bytes(cfg: SynthConfig) -> int:
 
 def config_with(cfg: SynthConfig, **kw: Any) -> SynthConfig:
     """``cfg`` with some fields replaced (a frozen dataclass helper)."""
-    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if "routing" in kw and kw["routing"] != cfg.routing:  # a new routing brings its own skew / locality defaults
+        kw.setdefault("skew", None)
+        kw.setdefault("locality", None)
+    return replace(cfg, **kw)
