@@ -919,10 +919,7 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
     tok = build_tokenizer(cfg.vocab_size)
     specs = _tensor_list(cfg, len(tok.tokens))
     tensors = []
-    for sp in specs:
-        prod = _producer(sp, cfg.seed, cfg)
-        if sp.gtype.nbytes(sp.ne) >= _PREFETCH_MIN:
-            prod = _prefetched(prod)
+    for sp, prod in zip(specs, _pipelined([_producer(sp, cfg.seed, cfg) for sp in specs])):
         if progress is not None:
             prod = _counting(prod, progress)
         tensors.append((sp.name, sp.ne, sp.gtype, prod))
@@ -998,6 +995,63 @@ def _prefetched(prod: Callable[[], Iterable[Any]], depth: int = 2) -> Callable[[
                 except queue.Empty:
                     t.join(0.01)
     return gen
+
+
+def _pipelined(prods: list[Callable[[], Iterable[Any]]], depth: int = 3) -> list[Callable[[], Iterator[Any]]]:
+    """Producers for tensors that are consumed in list order (one model file, or shards in order): one helper
+    thread makes the chunks of every tensor in turn, at most ``depth`` chunks (16 MiB each at most) ahead of the
+    writer, across tensor boundaries, so the writer never waits for a tensor's first chunk and no thread is
+    started per tensor. Errors of a producer are raised in the caller; a consumer that stops early (an error while
+    writing) stops the helper."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    state: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            for i, prod in enumerate(prods):
+                for c in prod():
+                    if stop.is_set():
+                        return
+                    q.put((i, c))
+                q.put((i, _END))
+        except BaseException as e:  # handed to the consumer
+            q.put((-1, e))
+
+    def halt() -> None:
+        stop.set()
+        t = state.get("thread")
+        while t is not None and t.is_alive():  # let a blocked put finish
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                t.join(0.01)
+
+    def make(i: int) -> Callable[[], Iterator[Any]]:
+        def gen() -> Iterator[Any]:
+            if "thread" not in state:
+                state["thread"] = threading.Thread(target=work, name="synth-producer", daemon=True)
+                state["thread"].start()
+            done = False
+            try:
+                while True:
+                    j, c = q.get()
+                    if isinstance(c, BaseException):
+                        raise c
+                    if j != i:
+                        raise RuntimeError(f"synth: tensor {j} produced while tensor {i} was written (out of order)")
+                    if c is _END:
+                        done = True
+                        return
+                    yield c
+            finally:
+                if not done:
+                    halt()
+        return gen
+    return [make(i) for i in range(len(prods))]
 
 
 def _counting(prod: Callable[[], Iterable[Any]], progress: Callable[[int], Any]) -> Callable[[], Iterator[Any]]:
