@@ -392,7 +392,9 @@ def test_two_concurrent_packs_never_mix(tmp_path, tiny):
         assert src == json.loads(((a if got == bins[0] else b) / EXPERTS_SRC).read_text())
         assert (out / NATIVE_TXT).read_bytes() == ((a if got == bins[0] else b) / NATIVE_TXT).read_bytes()
         first = 1 if got == bins[0] else 0
-    assert any(3 in c for c in codes)  # the lock really refused a concurrent writer
+    # Whether the second run was refused depends on whether it reached the lock while the first held it (the
+    # lock covers publishing, not the copy): both outcomes are allowed, a mix never is. The refusal itself is
+    # tested deterministically in test_second_writer_is_refused_with_one_line.
 
 
 def test_second_writer_is_refused_with_one_line(tmp_path):
