@@ -127,8 +127,11 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         slots: Optional[int], budget_gib: Optional[float], policies: list[str], admission: str,
         kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
         sets: list[str], sweep: bool, adaptive: dict[str, Any] | None = None, ssd_gbps: float = 6.0,
-        ram_experts_gb: float | None = None):
+        ram_experts_gb: float | None = None, where: list[str] | None = None, cluster: str | None = None):
     """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs).
+
+    ``where``: partition / column filters of the traces (``--where``); ``cluster``: a Dask cluster spec
+    (:mod:`stratatools.core.cluster`), None for the in-process path.
 
     ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments); ``ssd_gbps`` and
     ``ram_experts_gb`` complete the three-tier cost model (:mod:`stratatools.cachesim.costmodel`), applied when
@@ -157,16 +160,19 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
     cost = ThreeTierModel(vram_gbps, pcie_gbps, host_gbps, ssd_gbps,
                           None if ram_experts_gb is None else int(ram_experts_gb * 2**30))
-    inp = load_inputs(traces, profiles, pack=pack, model=model)
+    inp = load_inputs(traces, profiles, pack=pack, model=model, where=where)
     profs = inp.profiles or [None]
     names = inp.names or ["no profile"]
-    total = study_steps(len(profs), pols, admission, sweep)
-    with common.progress_bar("simulating", total, bytes_=False) as bar:
+    total = study_steps(len(profs), pols, admission, sweep) + (2 if kfold else 0)
+    from stratatools.core.cluster import open_cluster
+
+    with open_cluster(cluster) as client, common.progress_bar("simulating", total, bytes_=False) as bar:
         st = run_study(inp.tables, profs, names, n_layers=inp.n_layers, n_expert=inp.n_expert,
                        trace_names=inp.trace_names, policies=pols, slots=s, budget_bytes=b,
                        blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
                        bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
-                       policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None)
+                       policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None,
+                       client=client)
     return st, inp
 
 
@@ -222,7 +228,12 @@ def _print_rounds(st) -> None:
     common.console.print(line, markup=False, soft_wrap=True)
 
 
-_TRACES = typer.Option(..., "--traces", "-t", help="Routing trace (any supported format); repeatable.")
+_TRACES = typer.Option(..., "--traces", "-t", help="Routing trace: a file (any supported format), a folder, a glob "
+                                                    "or a Parquet dataset; repeatable.")
+_WHERE = typer.Option(None, "--where", help="KEY=VALUE: keep partitions (key=value folders) or Parquet rows with "
+                                            "this value; repeatable.")
+_CLUSTER = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster of N workers, "
+                                                "tcp://HOST:PORT uses a running scheduler; default: in-process.")
 _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
 _PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
 _MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")
@@ -279,6 +290,8 @@ def register(app: typer.Typer) -> None:
         disjoint_adapt: bool = _DISJOINT,
         strata_version: str = _VERSION,
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the budget sweep (faster)."),
+        where: Optional[list[str]] = _WHERE,
+        cluster: Optional[str] = _CLUSTER,
         report: str = typer.Option(..., "--report", help="Folder for report.md, report.json and PNG plots."),
         force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
@@ -292,7 +305,7 @@ def register(app: typer.Typer) -> None:
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                        upper_slots, disjoint_adapt, strata_version),
-                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb)
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster)
         paths = write_report(st, report, force=force)
         if as_json:
             import sys
@@ -333,6 +346,8 @@ def register(app: typer.Typer) -> None:
         upper_slots: Optional[int] = _UPPER_SLOTS,
         disjoint_adapt: bool = _DISJOINT,
         strata_version: str = _VERSION,
+        where: Optional[list[str]] = _WHERE,
+        cluster: Optional[str] = _CLUSTER,
         report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder."),
         force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -350,7 +365,7 @@ def register(app: typer.Typer) -> None:
                     sweep=report is not None,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                        upper_slots, disjoint_adapt, strata_version),
-                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb)
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster)
         if report is not None:
             write_report(st, report, force=force)
         if as_json:
