@@ -31,6 +31,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import check_input
 from stratatools.traces.table import COLUMNS, TraceStats, TraceTable, _stats_combine, stats_partial, table_chunks
 
 GLOB_CHARS = set("*?[")
@@ -92,7 +93,7 @@ def expand_traces(args: Sequence[str], where: Sequence[str] | None = None) -> li
         s = str(a)
         if any(c in s for c in GLOB_CHARS) and not Path(s).exists():
             hits = sorted(Path(h) for h in _glob.glob(s, recursive=True))
-            hits = [h for h in hits if h.is_file()]
+            hits = [check_input(h, "trace") for h in hits if h.is_file()]
             if not hits:
                 raise StrataError(f"{s}: the glob matches no file (check the pattern and quote it so the shell "
                                   f"does not expand it)")
@@ -100,7 +101,7 @@ def expand_traces(args: Sequence[str], where: Sequence[str] | None = None) -> li
             root = root if root.is_dir() else root.parent
             files += [(h, root) for h in hits]
             continue
-        p = Path(s)
+        p = check_input(Path(s), "trace")  # a FIFO, socket, device or symlink loop: one line, never opened
         if not p.exists():
             raise StrataError(f"{p}: no such file or folder", p)
         if p.is_dir():
@@ -154,7 +155,7 @@ class ParquetSource:
         import pyarrow as pa
         import pyarrow.dataset as pads
 
-        from stratatools.traces.formats.parquet import META_KEY, WINDOW
+        from stratatools.traces.formats.parquet import META_KEY, WINDOW, _plausible_meta
 
         self.path, self.name = Path(path), str(path)
         self.n_layers, self.n_expert = n_layers, n_expert
@@ -177,8 +178,8 @@ class ParquetSource:
         if raw:
             try:
                 stored = json.loads(raw)
-                meta.update(stored if isinstance(stored, dict) else {})
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                meta.update(_plausible_meta(stored) if isinstance(stored, dict) else {})
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 pass
         if "source_format" in meta:
             meta["converted_from"] = meta.pop("source_format")
