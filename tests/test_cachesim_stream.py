@@ -17,12 +17,19 @@ from stratatools.profiles.strp import Profile
 from stratatools.traces.table import PREFILL, TraceTable, rounds_kind, table_chunks
 
 
-def reference_prepare(table, n_layers, n_expert, phase="decode"):
-    """The whole-array preparation the streaming one replaced (kept verbatim as the oracle)."""
+def reference_prepare(table, n_layers, n_expert, phase="decode", cold=False):
+    """The whole-array preparation the streaming one replaced, with the phases of the warm replay (the count mask,
+    ``cold``): kept verbatim as the oracle."""
     from stratatools.cachesim.replay import _table_window
 
+    if phase not in ("decode", "all"):
+        raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
+    if cold and phase != "decode":
+        raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
     t = merge_traces(list(table)) if not isinstance(table, TraceTable) else table
     n = len(t)
+    if n == 0:
+        raise StrataError("the traces hold no routed entries")
     req = t.request.astype(np.int64)
     pos = t.position.astype(np.int64)
     lay = t.layer.astype(np.int64)
@@ -49,9 +56,6 @@ def reference_prepare(table, n_layers, n_expert, phase="decode"):
     if len(rs) > 1:
         unknown = (r_pos[1:] < 0) & ~in_w[1:]
         new_round[1:] = (r_req[1:] != r_req[:-1]) | (r_key[1:] != r_key[:-1]) | (unknown & (r_lay[1:] <= r_lay[:-1]))
-        # Batched (layer-major) records outside windows: a request whose positions go back in file order lists
-        # each batch layer by layer (llama.cpp's ubatch capture, the kit's routing CSVs, a plain trace of verify
-        # windows). Such a batch is one round, like a verify window; a new batch starts where the layer goes back.
         same_req = r_req[1:] == r_req[:-1]
         back = same_req & ~in_w[1:] & ~in_w[:-1] & (r_pos[1:] >= 0) & (r_pos[1:] < r_pos[:-1])
         if back.any():
@@ -64,10 +68,15 @@ def reference_prepare(table, n_layers, n_expert, phase="decode"):
     rnd = rec_round[record]
     keep = np.ones(n, dtype=bool)
     skipped = {"prefill": 0, "layer": 0, "expert": 0}
+    pf = None
     if phase == "decode":
-        pf = t.phase == PREFILL
-        skipped["prefill"] = int(pf.sum())
-        keep &= ~pf
+        pf = np.asarray(t.phase) == PREFILL
+        if cold:
+            skipped["prefill"] = int(pf.sum())
+            keep &= ~pf
+            pf = None
+        elif not pf.any():
+            pf = None
     ex = t.expert.astype(np.int64)
     bad_l = keep & ((lay < 0) | (lay >= n_layers))
     skipped["layer"] = int(bad_l.sum())
@@ -78,6 +87,9 @@ def reference_prepare(table, n_layers, n_expert, phase="decode"):
     if not keep.any():
         raise StrataError(f"no routed entry of the traces fits {n_layers} layers x {n_expert} experts "
                           f"(skipped: {skipped}); check the traces belong to this model")
+    count = None if pf is None else ~pf[keep]
+    if count is not None and not count.any():
+        raise StrataError("the traces hold prefill entries only, nothing of the decode to count; use --phase all")
     # token id: (request, position) when the position is known, else the round
     tok_key = np.where(pos >= 0, req * (1 << 32) + pos, -(rnd + 1))
     _, token = np.unique(tok_key[keep], return_inverse=True)
@@ -85,8 +97,9 @@ def reference_prepare(table, n_layers, n_expert, phase="decode"):
     rounds_by = rounds_kind(None if window is None else np.asarray(window)[keep])
     if len(rs) > 1 and batched[record[keep]].any():
         rounds_by = "batches" if rounds_by == "positions" else rounds_by + "+batches"
+    cnt = np.ones(int(keep.sum()), bool) if count is None else count
     return dict(layer=lay[keep], expert=ex[keep], rnd=rnd[keep], record=record[keep], request=req[keep],
-                n_tokens=int(len(np.unique(token))), skipped=skipped, rounds_by=rounds_by)
+                n_tokens=int(len(np.unique(token[cnt]))), skipped=skipped, rounds_by=rounds_by, count=cnt)
 
 
 def random_table(rng, L, E, *, windows: bool, n_req: int, n_rec: int) -> TraceTable:
@@ -131,8 +144,8 @@ def traces(draw):
     tabs = [random_table(rng, L, E, windows=draw(st.booleans()), n_req=draw(st.integers(1, 6)),
                          n_rec=draw(st.integers(1, 40))) for _ in range(n_tab)]
     chunk = draw(st.integers(1, 9))
-    phase = draw(st.sampled_from(["decode", "all"]))
-    return tabs, L, E, chunk, phase
+    phase, cold = draw(st.sampled_from([("decode", False), ("decode", True), ("all", False)]))
+    return tabs, L, E, chunk, phase, cold
 
 
 def _same_entries(ent, ref):
@@ -142,37 +155,45 @@ def _same_entries(ent, ref):
     assert ent.skipped == ref["skipped"]
     assert ent.rounds_by == ref["rounds_by"]
     assert ent.n_rounds == len(np.unique(ref["rnd"]))
+    cnt = np.ones(len(ent), bool) if ent.count is None else ent.count
+    assert np.array_equal(cnt, ref["count"])
+    assert (ent.n_counted, ent.n_warmup) == (int(ref["count"].sum()), int((~ref["count"]).sum()))
 
 
 @settings(max_examples=150, deadline=None)
 @given(traces())
 def test_chunked_preparation_equals_whole(case):
-    tabs, L, E, chunk, phase = case
+    tabs, L, E, chunk, phase, cold = case
     for arg in (tabs, tabs[0]):
         try:
-            ref = reference_prepare(arg, L, E, phase=phase)
-        except StrataError:
-            with pytest.raises(StrataError):
-                prepare_entries(arg, L, E, phase=phase, chunk=chunk)
+            ref = reference_prepare(arg, L, E, phase=phase, cold=cold)
+        except StrataError as e:
+            with pytest.raises(StrataError) as got:
+                prepare_entries(arg, L, E, phase=phase, cold=cold, chunk=chunk)
+            assert str(got.value) == str(e)
             continue
-        _same_entries(prepare_entries(arg, L, E, phase=phase), ref)
-        _same_entries(prepare_entries(arg, L, E, phase=phase, chunk=chunk), ref)
+        _same_entries(prepare_entries(arg, L, E, phase=phase, cold=cold), ref)
+        _same_entries(prepare_entries(arg, L, E, phase=phase, cold=cold, chunk=chunk), ref)
     try:
-        ref = reference_prepare(tabs, L, E, phase=phase)
+        ref = reference_prepare(tabs, L, E, phase=phase, cold=cold)
     except StrataError:
         return
-    s = prepare_stream(tabs, L, E, phase=phase, chunk=chunk)
+    s = prepare_stream(tabs, L, E, phase=phase, cold=cold, chunk=chunk)
     s.use_cache = True
     parts = list(s.chunks())
     cat = {k: np.concatenate([getattr(p, k) for p in parts]) for k in ("layer", "expert", "rnd", "record", "request")}
+    cat["count"] = np.concatenate([np.ones(len(p), bool) if p.count is None else p.count for p in parts])
     for k in cat:
         assert np.array_equal(cat[k], ref[k]), k
-    assert (len(s), s.n_tokens, s.skipped, s.rounds_by, s.n_rounds) == (
-        len(ref["layer"]), ref["n_tokens"], ref["skipped"], ref["rounds_by"], len(np.unique(ref["rnd"])))
+    assert (len(s), s.n_counted, s.n_tokens, s.skipped, s.rounds_by, s.n_rounds) == (
+        len(ref["layer"]), int(ref["count"].sum()), ref["n_tokens"], ref["skipped"], ref["rounds_by"],
+        len(np.unique(ref["rnd"])))
     # a second pass (from the stream's entry cache) gives the same entries and the same round and record changes
     again = list(s.chunks())
     for k in ("layer", "expert"):
         assert np.array_equal(np.concatenate([p_.__dict__[k] for p_ in again]), ref[k]), k
+    assert np.array_equal(np.concatenate([np.ones(len(p_), bool) if p_.count is None else p_.count for p_ in again]),
+                          ref["count"])
     for k in ("rnd", "record"):
         a = np.concatenate([p_.__dict__[k] for p_ in again])
         assert np.array_equal(np.diff(a) != 0, np.diff(ref[k]) != 0), k
@@ -203,9 +224,9 @@ def _runs(L, E, rng):
 @settings(max_examples=60, deadline=None)
 @given(traces())
 def test_every_policy_chunked_equals_whole(case):
-    tabs, L, E, chunk, phase = case
+    tabs, L, E, chunk, phase, cold = case
     try:
-        ent = prepare_entries(tabs, L, E, phase=phase)
+        ent = prepare_entries(tabs, L, E, phase=phase, cold=cold)
     except StrataError:
         return
     rng = np.random.default_rng(len(ent))
@@ -217,15 +238,19 @@ def test_every_policy_chunked_equals_whole(case):
         h1, l1, i1 = run_policy(ent, r["policy"], **{k: v for k, v in kw.items()})
         h2, l2, i2 = run_policy(ent, r["policy"], chunk=chunk, **kw)
         assert np.array_equal(h1, h2) and np.array_equal(l1, l2) and i1 == i2, r["policy"]
-        assert w["hits"] == int(h1.sum())
+        c = np.ones(len(ent), bool) if ent.count is None else ent.count  # metrics count the counted entries only
+        assert w["hits"] == int(h1[c].sum()) and w["entries"] == int(c.sum()) and w["warmup"] == int((~c).sum())
+        assert w["layer_entries"] == np.bincount(ent.layer[c], minlength=L).tolist()
+        assert w["layer_hits"] == np.bincount(ent.layer[c][h1[c]], minlength=L).tolist()
+        assert w["loads"] == int(l1.sum()) and w["rounds"] == len(np.unique(ent.rnd))
     assert [x.to_dict() for x in simulate_many(ent, runs, chunk=chunk)] == whole
     for cache in (False, True):  # with the entry cache the Belady runs read the second and third passes from it
-        stream = prepare_stream(tabs, L, E, phase=phase, chunk=chunk)
+        stream = prepare_stream(tabs, L, E, phase=phase, cold=cold, chunk=chunk)
         stream.use_cache = cache
         assert [x.to_dict() for x in simulate_many(stream, runs)] == whole
 
 
-def reference_kfold(tables, L, E, k, policies, phase, **common):
+def reference_kfold(tables, L, E, k, policies, phase, cold, **common):
     """The k-fold as it was: materialise every fold, make-profile on the others, replay the fold."""
     table = merge_traces(list(tables))
     u, inv = np.unique(table.request, return_inverse=True)
@@ -234,11 +259,11 @@ def reference_kfold(tables, L, E, k, policies, phase, **common):
     out = {"h": [], "entries": [], "in": {}}
     for f in range(k):
         prof, _ = make_profile([table.take(fold != f)], L, E, mode="no-base", fill="expert-major", phase=count_phase)
-        ent = prepare_entries(table.take(fold == f), L, E, phase=phase)
-        out["entries"].append(len(ent))
+        ent = prepare_entries(table.take(fold == f), L, E, phase=phase, cold=cold)
+        out["entries"].append(ent.n_counted)
         out["h"].append({p: simulate_policy(ent, p, profile=prof, **common).h_expert for p in policies})
     prof_all, _ = make_profile([table], L, E, mode="no-base", fill="expert-major", phase=count_phase)
-    ent_all = prepare_entries(table, L, E, phase=phase)
+    ent_all = prepare_entries(table, L, E, phase=phase, cold=cold)
     out["in"] = {p: simulate_policy(ent_all, p, profile=prof_all, **common).h_expert for p in policies}
     return out
 
@@ -246,22 +271,22 @@ def reference_kfold(tables, L, E, k, policies, phase, **common):
 @settings(max_examples=40, deadline=None)
 @given(traces(), st.integers(2, 3))
 def test_kfold_streamed_equals_materialised(case, k):
-    tabs, L, E, chunk, phase = case
+    tabs, L, E, chunk, phase, cold = case
     common = dict(slots=max(1, L * E // 2), admission="global")
     pols = ["static", "adaptive"]
     try:
-        ref = reference_kfold(tabs, L, E, k, pols, phase, **common)
+        ref = reference_kfold(tabs, L, E, k, pols, phase, cold, **common)
     except StrataError:
         with pytest.raises(StrataError):
-            kfold_eval(tabs, L, E, k, policies=pols, phase=phase, chunk=chunk, **common)
+            kfold_eval(tabs, L, E, k, policies=pols, phase=phase, cold=cold, chunk=chunk, **common)
         return
-    r = kfold_eval(tabs, L, E, k, policies=pols, phase=phase, chunk=chunk, **common)
+    r = kfold_eval(tabs, L, E, k, policies=pols, phase=phase, cold=cold, chunk=chunk, **common)
     assert [row["entries"] for row in r.folds] == ref["entries"]
     assert [row["h_expert"] for row in r.folds] == ref["h"]
     assert r.in_sample == ref["in"]
     for p in pols:
         assert r.mean[p] == t_interval([h[p] for h in ref["h"]])[0]
-    assert r.to_dict() == kfold_eval(tabs, L, E, k, policies=pols, phase=phase, **common).to_dict()
+    assert r.to_dict() == kfold_eval(tabs, L, E, k, policies=pols, phase=phase, cold=cold, **common).to_dict()
 
 
 def test_table_chunks_of_a_strata_trace_equal_its_columns(tmp_path):

@@ -141,8 +141,9 @@ def test_chunked_prefill_equals_one_prefill(kit, kit_prompts, selection):
 
 
 def test_trace_positions_phases_and_requests(kit, ista_pack, tmp_path, cli):
-    """The tagged Strata trace read back: per request, prefill positions 0..P-1, then decode positions P.. in
-    order, every layer per position, ids equal to what the runtime routed."""
+    """The tagged Strata trace read back: per request, prefill positions 0..P-1 written layer-major as one window
+    (the order the batched prefill routes them: one round), then decode positions P.. in order, every layer per
+    position, outside every window."""
     from stratatools.traces.table import DECODE, PREFILL
     from stratatools.traces.formats import read_trace
 
@@ -162,7 +163,12 @@ def test_trace_positions_phases_and_requests(kit, ista_pack, tmp_path, cli):
         assert np.unique(t.position[pre]).tolist() == list(range(P))
         assert np.unique(t.position[dec]).tolist() == list(range(P, P + n_dec))
         assert pre.sum() == P * 8 * k and dec.sum() == n_dec * 8 * k
-        assert np.all(np.diff(t.position[m]) >= 0)
+        assert np.all(np.diff(t.layer[pre]) >= 0)  # layer-major prefill
+        assert t.position[pre].tolist() == np.tile(np.repeat(np.arange(P), k), 8).tolist()
+        assert np.all(np.diff(t.position[dec]) >= 0)
+        win = np.asarray(t.window)
+        assert len(np.unique(win[pre])) == 1 and (win[dec] == -1).all()
+        assert (win[pre] >= 0).all() == (P > 1)  # a one-token prompt is a position, a round either way
     assert math.isclose(float(t.weight[:k].sum()), 1.0, rel_tol=1e-5)
 
 

@@ -51,15 +51,25 @@ def files(tmp_path):
 
 def test_prepare_entries_rounds_tokens_phase():
     t = synth(n_req=2, n_tok=5, prefill=3)
-    ent = prepare_entries(t, L, E)
-    assert len(ent) == 2 * 5 * L * K and ent.skipped["prefill"] == 2 * 3 * L * K
-    assert ent.n_tokens == 10 and ent.n_rounds == 10 and len(np.unique(ent.record)) == 2 * 5 * L
+    cold = prepare_entries(t, L, E, cold=True)
+    assert len(cold) == cold.n_counted == 2 * 5 * L * K and cold.skipped["prefill"] == 2 * 3 * L * K
+    assert cold.n_tokens == 10 and cold.n_rounds == 10 and len(np.unique(cold.record)) == 2 * 5 * L
+    assert cold.count is None and cold.n_warmup == 0
+    # default: the prefill is replayed (it warms the cache) but only the decode is counted
+    warm = prepare_entries(t, L, E)
+    assert len(warm) == 2 * 8 * L * K and warm.n_counted == 2 * 5 * L * K and warm.n_warmup == 2 * 3 * L * K
+    assert warm.skipped["prefill"] == 0 and warm.n_tokens == 10 and warm.n_rounds == 16
+    assert warm.count.tolist() == (np.asarray(t.phase) != PREFILL).tolist()
+    with pytest.raises(StrataError, match="--phase decode"):
+        prepare_entries(t, L, E, phase="all", cold=True)
     ent_all = prepare_entries(t, L, E, phase="all")
     assert ent_all.n_tokens == 16
-    small = prepare_entries(t, 2, E)
-    assert small.skipped["layer"] == 2 * 5 * 2 * K
+    assert prepare_entries(t, 2, E, cold=True).skipped["layer"] == 2 * 5 * 2 * K
+    assert prepare_entries(t, 2, E).skipped["layer"] == 2 * 8 * 2 * K  # the warm-up's entries are checked too
     with pytest.raises(StrataError, match="no routed entry"):
-        prepare_entries(t, L, E).__class__ and prepare_entries(t.take(t.phase == PREFILL), L, E)
+        prepare_entries(t.take(t.phase == PREFILL), L, E, cold=True)
+    with pytest.raises(StrataError, match="prefill entries only"):
+        prepare_entries(t.take(t.phase == PREFILL), L, E)
 
 
 def test_coverage_measured_equals_static_global():

@@ -142,9 +142,14 @@ def test_tune_cli_errors(cli, tmp_path, bursty, args, msg):
 
 
 def test_prepare_entries_of_the_workload_drops_prefill(bursty):
+    """--cold drops the workload's prefill; the default replays it uncounted (it only warms the cache)."""
     w = Workload(seed=3)
-    ent = prepare_entries(bursty, w.n_layers, w.n_expert)
-    assert ent.skipped["prefill"] == int((bursty.phase == PREFILL).sum()) and ent.rounds_by == "positions"
+    n_pf = int((bursty.phase == PREFILL).sum())
+    ent = prepare_entries(bursty, w.n_layers, w.n_expert, cold=True)
+    assert ent.skipped["prefill"] == n_pf and ent.rounds_by == "positions"
+    warm = prepare_entries(bursty, w.n_layers, w.n_expert)
+    assert warm.skipped["prefill"] == 0 and warm.n_warmup == n_pf and warm.n_counted == len(ent)
+    assert warm.n_tokens == ent.n_tokens and warm.n_rounds == ent.n_rounds + w.requests * w.prefill
 
 
 def test_simulate_engine_named_adaptive_options(cli, tmp_path):

@@ -602,13 +602,15 @@ PREP_ST = 16
 
 
 @njit(cache=True, nogil=True)
-def prepare_chunk(req, pos, lay, rank, win, phase, expert, windows, back, drop_prefill, n_layers, n_expert, st,
-                  o_lay, o_ex, o_rnd, o_rec, o_req, o_tok, counts):
+def prepare_chunk(req, pos, lay, rank, win, phase, expert, windows, back, drop_prefill, mark_prefill, n_layers,
+                  n_expert, st, o_lay, o_ex, o_rnd, o_rec, o_req, o_tok, o_cnt, counts):
     """Records, rounds and the kept entries of one chunk, the rules of :func:`.replay.prepare_entries` (module
     docstring there) with the previous chunk's last entry and record carried in ``st``. ``win`` is ignored
     unless ``windows``; ``back`` is the sorted request ids with layer-major batches. Writes the kept entries to
-    the ``o_*`` arrays and returns how many; ``counts`` int64 [6]: skipped prefill, layer, expert; kept entries
-    in a window, outside windows, in a batched record (added)."""
+    the ``o_*`` arrays and returns how many; ``o_cnt`` (bool) says whether a kept entry is counted (False: a
+    prefill entry replayed to warm the cache, with ``mark_prefill``); ``counts`` int64 [7]: skipped prefill,
+    layer, expert; kept entries in a window, outside windows, in a batched record; kept but not counted
+    (added)."""
     n = req.shape[0]
     nb = back.shape[0]
     k = 0
@@ -678,6 +680,11 @@ def prepare_chunk(req, pos, lay, rank, win, phase, expert, windows, back, drop_p
         o_rec[k] = st[13]
         o_req[k] = r
         o_tok[k] = r * 4294967296 + p if p >= 0 else -(st[14] + 1)
+        if mark_prefill and phase[i] == 0:
+            o_cnt[k] = False
+            counts[6] += 1
+        else:
+            o_cnt[k] = True
         if windows:
             if w >= 0:
                 counts[3] += 1

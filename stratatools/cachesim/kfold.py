@@ -92,7 +92,8 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
                blob_bytes=None, admission: str = "global", phase: str = "decode", mode: str = "no-base",
                fill: str = "expert-major", base: Profile | None = None, bandwidth: BandwidthModel | None = None,
                policy_params: dict[str, dict] | None = None, chunk: int | None = None,
-               progress=None, stream=None, client=None) -> KFoldResult:
+               progress=None, stream=None, client=None,
+               cold: bool = False) -> KFoldResult:
     """k-fold held-out evaluation of profiles built by make-profile (module docstring), streamed.
 
     Two passes over the traces, in memory independent of their length: the first assigns every request to its
@@ -106,6 +107,7 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
         policies: tiers that use the profile (``static``, ``adaptive``).
         mode, fill, base: make-profile options (formats.md 4; ``no-base`` by default: traces then fill).
         phase: replay phase filter, also used for counting (``decode`` counts decode entries only).
+        cold: drop the prefill from the replay instead of replaying it uncounted (:func:`.replay.prepare_entries`).
         chunk: entries per chunk (results do not depend on it); progress: ``update(advance=x)``, advanced by
             1 per pass (2 in all), or by 2 / (k + 1) per Dask task.
         stream: the :class:`.replay.EntryStream` of ``tables`` when the caller has one (its scan is reused).
@@ -116,7 +118,7 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
     """
     kw = dict(policies=list(policies), slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,
               admission=admission, phase=phase, mode=mode, fill=fill, base=base, bandwidth=bandwidth,
-              policy_params=policy_params, chunk=chunk)
+              policy_params=policy_params, chunk=chunk, cold=cold)
     for p in policies:
         if p not in ("static", "adaptive"):
             raise StrataError(f"k-fold scores profile-driven tiers (static, adaptive), not {p!r}")
@@ -152,7 +154,7 @@ def _kfold_task(specs, n_layers, n_expert, k, f, kw) -> KFoldResult:
 
 def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, budget_bytes, blob_bytes, admission,
            phase, mode, fill, base, bandwidth, policy_params, chunk, only=None, progress=None,
-           stream=None) -> KFoldResult:
+           stream=None, cold=False) -> KFoldResult:
     """The k-fold's two passes; ``only``: None (every fold and the in-sample run), a fold index (that fold
     alone: ``folds`` holds its row) or -1 (the in-sample run alone)."""
     from stratatools.cachesim.replay import EntryStream, RunGroup
@@ -160,7 +162,8 @@ def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, bud
 
     pp = policy_params or {}
     srcs = [tables] if isinstance(tables, TraceTable) else list(tables)
-    main = stream if stream is not None else EntryStream(srcs, n_layers, n_expert, phase=phase, chunk=chunk)
+    main = stream if stream is not None else EntryStream(srcs, n_layers, n_expert, phase=phase, chunk=chunk,
+                                                                  cold=cold)
     n_req = int(main._req_base[-1] + len(main._req_ids[-1]))
     if k < 2:
         raise StrataError(f"--kfold {k}: need at least 2 folds")
@@ -170,7 +173,7 @@ def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, bud
     L, E = int(n_layers), int(n_expert)
     todo = list(range(k)) if only is None else ([] if only == -1 else [only])
     in_sample = only is None or only == -1
-    folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main) for f in todo}
+    folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main, cold=cold) for f in todo}
     raw = max(main.raw_entries, 1)
     # pass 1: per-fold counts (make-profile's filter: phase, layer and expert range) and batched requests
     counts = np.zeros(k * L * E, dtype=np.int64)
@@ -190,7 +193,7 @@ def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, bud
     counts = counts.reshape(k, L, E)
     total = counts.sum(0)
     res = KFoldResult(k=k, requests=n_req, policies=list(policies),
-                      options={"mode": mode, "fill": fill, "phase": phase, "admission": admission,
+                      options={"mode": mode, "fill": fill, "phase": phase, "cold": cold, "admission": admission,
                                "slots": slots, "budget_bytes": budget_bytes})
     common = dict(slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, admission=admission)
     for f in range(k):
@@ -225,7 +228,7 @@ def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, bud
         main.end()
     for f, fs in folds.items():
         fs.end()
-        row: dict[str, Any] = {"fold": f, "requests": len(range(f, n_req, k)), "entries": len(fs),
+        row: dict[str, Any] = {"fold": f, "requests": len(range(f, n_req, k)), "entries": fs.n_counted,
                                "h_expert": {}, "h_layer": {}}
         for p, r in zip(policies, groups[f].results()):
             row["h_expert"][p] = r.h_expert

@@ -20,9 +20,15 @@ or a ``window`` column of our Parquet/CSV; else an ndarray ``meta["window"]`` [N
 A request whose positions go back in file order is batched (layer-major: llama.cpp's ubatch capture, the kit's
 routing CSVs): each batch, up to where the layer goes back, is one round, as a verify window is.
 ``Entries.rounds_by`` / ``SimResult.rounds_by`` say which applied (``positions``, ``windows``,
-``windows+positions``, ``batches`` or ``...+batches``). Entries whose phase is known to be prefill are left out by
-default (``phase="decode"``: Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark
-prompt processing with negative positions); ``phase="all"`` keeps them.
+``windows+positions``, ``batches`` or ``...+batches``). The runtime (``stratatools run``) writes each prefill batch
+as a window, so its rounds come back exactly: one per forward batch (:data:`stratatools.traces.table.ROUNDS`).
+
+Phases: ``phase="decode"`` (the default) replays every entry and counts the decode ones: the prefill warms the
+cache as it did in the engine, and its entries are in :attr:`Entries.count` as False (``warmup`` in reports);
+``cold=True`` drops the known prefill entries instead, so the decode starts on the cache as the fill left it
+(Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark prompt processing with negative
+positions). ``phase="all"`` replays and counts everything. Metrics count the counted entries only; copies
+(``loads``, ``moved_bytes``) are those of the whole replay, warm-up included.
 
 Streaming (traces of any size): :class:`EntryStream` prepares the same entries chunk by chunk from chunk sources
 (:mod:`stratatools.traces.sources`) with what one chunk needs of the previous one carried over (compiled:
@@ -83,6 +89,8 @@ class Entries:
         skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
         rounds_by: what a round is (module docstring): ``positions``, ``windows``, ``windows+positions``,
             ``batches`` (layer-major batches) or ``windows+positions+batches``.
+        count: bool [N], the entries the metrics count (False: replayed to warm the cache, not counted: the
+            prefill under ``phase="decode"``), or None when every entry counts.
     """
 
     layer: np.ndarray
@@ -97,9 +105,24 @@ class Entries:
     skipped: dict[str, int] = field(default_factory=dict)
     rounds_by: str = "positions"
     rounds: int | None = None  # distinct rounds when known (else counted from ``rnd``)
+    count: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(len(self.layer))
+
+    @property
+    def n_counted(self) -> int:
+        """Entries the metrics count (all of them unless some only warm the cache)."""
+        return int(len(self.layer)) if self.count is None else int(self.count.sum())
+
+    @property
+    def n_warmup(self) -> int:
+        """Entries replayed but not counted (the prefill under ``phase="decode"``)."""
+        return int(len(self.layer)) - self.n_counted
+
+    def counted(self) -> "Entries":
+        """The counted entries alone (self when every entry counts)."""
+        return self if self.count is None else self.take(self.count)
 
     @property
     def n_rounds(self) -> int:
@@ -113,9 +136,10 @@ class Entries:
         return int(len(np.unique(self.request)))
 
     def pair_counts(self) -> np.ndarray:
-        """Entries per (layer, expert), int64 [L, E]."""
+        """Counted entries per (layer, expert), int64 [L, E]."""
         L, E = self.n_layers, self.n_expert
-        return np.bincount(self.layer * E + self.expert, minlength=L * E).reshape(L, E)
+        lay, ex = (self.layer, self.expert) if self.count is None else (self.layer[self.count], self.expert[self.count])
+        return np.bincount(lay * E + ex, minlength=L * E).reshape(L, E)
 
     def chunks(self, size: int | None = None):
         """The entries in slices (views) of ``size`` (default :data:`CHUNK_ENTRIES`) entries."""
@@ -125,14 +149,23 @@ class Entries:
             b = min(n, a + size)
             yield Entries(self.layer[a:b], self.expert[a:b], self.rnd[a:b], self.record[a:b], self.request[a:b],
                           self.n_layers, self.n_expert, self.n_tokens,
-                          token=None if self.token is None else self.token[a:b], rounds_by=self.rounds_by)
+                          token=None if self.token is None else self.token[a:b], rounds_by=self.rounds_by,
+                          count=_all_none(None if self.count is None else self.count[a:b]))
 
     def take(self, mask: np.ndarray) -> "Entries":
         """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
         tk = self.token[mask] if self.token is not None else self.rnd[mask]
+        cnt = None if self.count is None else self.count[mask]
+        if cnt is not None and cnt.all():
+            cnt = None
         return Entries(self.layer[mask], self.expert[mask], self.rnd[mask], self.record[mask], self.request[mask],
-                       self.n_layers, self.n_expert, _count_tokens(tk), token=tk, skipped=dict(self.skipped),
-                       rounds_by=self.rounds_by)
+                       self.n_layers, self.n_expert, _count_tokens(tk if cnt is None else tk[cnt]), token=tk,
+                       skipped=dict(self.skipped), rounds_by=self.rounds_by, count=cnt)
+
+
+def _all_none(count: np.ndarray | None) -> np.ndarray | None:
+    """A count mask, or None when it counts every entry."""
+    return None if count is None or count.all() else count
 
 
 def _count_tokens(token: np.ndarray) -> int:
@@ -178,8 +211,9 @@ class _Prep:
     whole request), :meth:`feed` then yields each chunk's kept entries with global round and record ids.
     """
 
-    def __init__(self, n_layers: int, n_expert: int, phase: str, windows: bool):
+    def __init__(self, n_layers: int, n_expert: int, phase: str, windows: bool, cold: bool = False):
         self.L, self.E, self.phase, self.windows = int(n_layers), int(n_expert), phase, windows
+        self.cold = bool(cold)
         self.back = _Distinct()
         self.reset()
 
@@ -247,18 +281,21 @@ class _Prep:
         if win is None:
             win = np.full(n, -1, np.int64) if self.windows else np.zeros(1, np.int64)
         out = [np.empty(n, np.int64) for _ in range(6)]
-        counts = np.zeros(6, np.int64)
+        cnt = np.empty(n, np.bool_)
+        counts = np.zeros(7, np.int64)
+        decode = self.phase == "decode"
         k = K.prepare_chunk(_i64(c["request"]), _i64(c["position"]), _i64(c["layer"]), _i64(c["rank"]), _i64(win),
                             np.asarray(c["phase"], np.int8), _i64(c["expert"]), self.windows,
-                            np.asarray(self.back_ids, np.int64), self.phase == "decode", self.L, self.E, self.st,
-                            *out, counts)
+                            np.asarray(self.back_ids, np.int64), decode and self.cold, decode and not self.cold,
+                            self.L, self.E, self.st, *out, cnt, counts)
         lay, ex, rnd, rec, req, tok = (a[:k] for a in out)
+        cnt = _all_none(cnt[:k]) if counts[6] else None
         facts = {"skipped": {"prefill": int(counts[0]), "layer": int(counts[1]), "expert": int(counts[2])},
                  "batched": bool(counts[5])}
         if self.windows:
             facts["in_w"] = bool(counts[3])
             facts["out_w"] = bool(counts[4])
-        return Entries(lay, ex, rnd, rec, req, self.L, self.E, 0, token=tok), facts
+        return Entries(lay, ex, rnd, rec, req, self.L, self.E, 0, token=tok, count=cnt), facts
 
 
 def _i64(a: np.ndarray) -> np.ndarray:
@@ -278,6 +315,7 @@ class _Summary:
     def __init__(self, L: int, E: int) -> None:
         self.L, self.E = L, E
         self.entries = 0
+        self.counted = 0  # kept entries the metrics count (the rest warm the cache: prefill under phase decode)
         self.skipped = {"prefill": 0, "layer": 0, "expert": 0}
         self.pos_tokens = _Distinct()
         self.neg_rounds = 0
@@ -300,8 +338,11 @@ class _Summary:
         if not n:
             return
         self.entries += n
+        cnt = ent.count
+        self.counted += n if cnt is None else int(np.count_nonzero(cnt))
         if not self.light:
-            self.counts += np.bincount(ent.layer * self.E + ent.expert, minlength=self.L * self.E)
+            lay, ex = (ent.layer, ent.expert) if cnt is None else (ent.layer[cnt], ent.expert[cnt])
+            self.counts += np.bincount(lay * self.E + ex, minlength=self.L * self.E)
         r = ent.rnd
         ch = int(np.count_nonzero(r[1:] != r[:-1])) + 1
         if self._last_rnd is not None and r[0] == self._last_rnd:
@@ -310,7 +351,7 @@ class _Summary:
         self._last_rnd = r[-1]
         if self.light:
             return
-        tk = ent.token
+        tk = ent.token if cnt is None else ent.token[cnt]  # tokens: those of the counted entries
         neg = tk < 0
         self.pos_tokens.add(_runs(tk[~neg]))
         if neg.any():
@@ -380,7 +421,9 @@ class EntryStream:
     Args:
         tables: TraceTables or chunk sources (:func:`as_source`).
         n_layers, n_expert: the tier's geometry (entries outside it are skipped and counted).
-        phase: ``decode`` or ``all``.
+        phase: ``decode`` (count the decode; known prefill entries are replayed uncounted, or dropped with
+            ``cold``) or ``all`` (:func:`prepare_entries`).
+        cold: with ``phase="decode"``, drop the known prefill entries.
         merge: make request ids dense per input (False: keep them; only for one input, as
             ``prepare_entries(table)`` does).
         fold: ``(k, f)``: only the requests of fold f of k (merged request id % k == f; see
@@ -388,15 +431,18 @@ class EntryStream:
         parent: a stream whose merged chunks this one reads (for folds; no own scan of the sources).
         progress: ``update(advance=x)``, advanced by 1 over the scan and by 1 over building Belady's next uses.
     Raises:
-        StrataError: unknown phase, no traces, no entries.
+        StrataError: unknown phase, ``cold`` with ``phase="all"``, no traces, no entries (or none counted).
     """
 
     def __init__(self, tables, n_layers: int, n_expert: int, *, phase: str = "decode", chunk: int | None = None,
                  merge: bool = True, fold: tuple[int, int] | None = None, parent: "EntryStream | None" = None,
-                 progress=None):
+                 progress=None, cold: bool = False):
         if phase not in ("decode", "all"):
             raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
+        if cold and phase != "decode":
+            raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
         self.n_layers, self.n_expert, self.phase = int(n_layers), int(n_expert), phase
+        self.cold = bool(cold)
         self.chunk = max(int(chunk or CHUNK_ENTRIES), 1)
         self.fold = fold
         self.parent = parent
@@ -409,7 +455,7 @@ class EntryStream:
             self.merge = True
             self.windows = parent.windows
             self._req_base, self._req_ids, self._win_base = parent._req_base, parent._req_ids, parent._win_base
-            self.prep = _Prep(n_layers, n_expert, phase, self.windows)
+            self.prep = _Prep(n_layers, n_expert, phase, self.windows, cold)
             self.summary = _Summary(self.n_layers, self.n_expert)
             self.summary.windows = self.windows
             self.summary.light = True
@@ -424,7 +470,7 @@ class EntryStream:
             raise StrataError("merge=False needs exactly one trace")
         self.merge = merge
         self.windows = any(s.has_windows for s in self.sources)
-        self.prep = _Prep(n_layers, n_expert, phase, self.windows)
+        self.prep = _Prep(n_layers, n_expert, phase, self.windows, cold)
         self.summary = _Summary(self.n_layers, self.n_expert)
         self.summary.windows = self.windows
         self.complete = False
@@ -527,6 +573,9 @@ class EntryStream:
                 sk = self.summary.skipped
                 raise StrataError(f"no routed entry of the traces fits {self.n_layers} layers x {self.n_expert} "
                                   f"experts (skipped: {sk}); check the traces belong to this model")
+            if self.summary.counted == 0:
+                raise StrataError("the traces hold prefill entries only, nothing of the decode to count; use "
+                                  "--phase all")
 
     def chunks(self, size: int | None = None):
         """One pass: the kept entries, chunk by chunk (``size`` is ignored: the stream's ``chunk`` applies).
@@ -569,6 +618,17 @@ class EntryStream:
         return self.summarize().summary.entries
 
     @property
+    def n_counted(self) -> int:
+        """Kept entries the metrics count (:attr:`Entries.n_counted`)."""
+        return self.summarize().summary.counted
+
+    @property
+    def n_warmup(self) -> int:
+        """Kept entries replayed but not counted (the prefill under ``phase="decode"``)."""
+        s = self.summarize().summary
+        return s.entries - s.counted
+
+    @property
     def raw_entries(self) -> int:
         """Entries of the inputs before any filter (for progress)."""
         src = self.parent if self.parent is not None else self
@@ -595,7 +655,7 @@ class EntryStream:
         return self.summarize().summary.rounds_by
 
     def pair_counts(self) -> np.ndarray:
-        """Kept entries per (layer, expert), int64 [L, E]."""
+        """Counted entries per (layer, expert), int64 [L, E]."""
         return self.summarize().summary.counts.reshape(self.n_layers, self.n_expert).copy()
 
     def next_uses(self) -> "_NextUses":
@@ -640,6 +700,8 @@ class _EntryCache:
         dc[0] = e.record[0] != prev_c
         dc[1:] = e.record[1:] != e.record[:-1]
         np.add(dr.view(np.uint8), dc.view(np.uint8) << 1, out=fl)
+        if e.count is not None:  # bit 2: replayed, not counted
+            fl |= (~e.count).view(np.uint8) << 2
         self._fh[0].write(e.layer.astype(np.uint16).tobytes())
         self._fh[1].write(e.expert.astype(np.uint16).tobytes())
         self._fh[2].write(fl.tobytes())
@@ -666,10 +728,11 @@ class _EntryCache:
                 b = min(self.n, a + size)
                 f = _pread(fds[2], np.uint8, a, b)
                 rnd = r0 + np.cumsum(f & 1, dtype=np.int64)
-                rec = c0 + np.cumsum(f >> 1, dtype=np.int64)
+                rec = c0 + np.cumsum((f >> 1) & 1, dtype=np.int64)
+                cnt = _all_none((f & 4) == 0)
                 r0, c0 = int(rnd[-1]), int(rec[-1])
                 yield Entries(_pread(fds[0], np.uint16, a, b).astype(np.int64),
-                              _pread(fds[1], np.uint16, a, b).astype(np.int64), rnd, rec, None, L, E, 0)
+                              _pread(fds[1], np.uint16, a, b).astype(np.int64), rnd, rec, None, L, E, 0, count=cnt)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -759,38 +822,44 @@ class _NextUses:
 
 
 def prepare_stream(tables, n_layers: int, n_expert: int, *, phase: str = "decode",
-                   chunk: int | None = None) -> EntryStream:
+                   chunk: int | None = None, cold: bool = False) -> EntryStream:
     """Traces (TraceTables or chunk sources) as an :class:`EntryStream`: the streaming form of
     ``prepare_entries(tables, ...)`` for :func:`simulate_policy` / :func:`simulate_many`."""
-    return EntryStream(tables, n_layers, n_expert, phase=phase, chunk=chunk)
+    return EntryStream(tables, n_layers, n_expert, phase=phase, chunk=chunk, cold=cold)
 
 
 def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *,
-                    phase: str = "decode", chunk: int | None = None) -> Entries:
+                    phase: str = "decode", cold: bool = False, chunk: int | None = None) -> Entries:
     """Flatten traces for replay (rounds and records as in the module docstring), all in memory.
 
     Args:
         table: one trace table (request ids kept), or several (merged as :func:`merge_traces` does).
         n_layers, n_expert: the tier's geometry; entries outside it (an MTP block, another model) are skipped
             and counted.
-        phase: ``decode`` (drop known prefill entries) or ``all``.
+        phase: ``decode`` (count decode entries; known prefill entries are replayed uncounted, in
+            :attr:`Entries.count` as False, or dropped with ``cold``) or ``all`` (count everything).
+        cold: with ``phase="decode"``, drop the known prefill entries (the decode starts on the fill alone).
         chunk: entries prepared at a time (the result does not depend on it).
     Raises:
-        StrataError: unknown phase; no entries left.
+        StrataError: unknown phase; ``cold`` with ``phase="all"``; no entries left (or none counted).
 
     Memory: ~ 48 bytes per kept entry; :class:`EntryStream` (:func:`prepare_stream`) gives the same entries
     chunk by chunk instead.
     """
     single = isinstance(table, TraceTable)
     st = EntryStream(table if single else list(table), n_layers, n_expert, phase=phase,
-                     chunk=chunk or max(len(table) if single else sum(len(t) for t in table), 1), merge=not single)
+                     chunk=chunk or max(len(table) if single else sum(len(t) for t in table), 1), merge=not single,
+                     cold=cold)
     parts = list(st.chunks())
     cat = (lambda name: np.concatenate([getattr(p, name) for p in parts])) if parts else \
         (lambda name: np.zeros(0, np.int64))
     sm = st.summary
+    count = None
+    if sm.counted != sm.entries:
+        count = np.concatenate([np.ones(len(p), bool) if p.count is None else p.count for p in parts])
     return Entries(cat("layer"), cat("expert"), cat("rnd"), cat("record"), cat("request"), st.n_layers,
                    st.n_expert, sm.tokens, token=cat("token"), skipped=dict(sm.skipped), rounds_by=sm.rounds_by,
-                   rounds=sm.rounds)
+                   rounds=sm.rounds, count=count)
 
 
 @dataclass
@@ -810,6 +879,8 @@ class SimResult:
         rounds_by: what a round was (``positions``, ``windows`` or ``windows+positions``; module docstring).
         tiers: the three-tier cost model's figures (:func:`.costmodel.tier_costs`: h_vram, h_ram, h_ssd, bytes
             per token, tok_s) when a :class:`.costmodel.ThreeTierModel` was given and blob sizes are known.
+        layer_entries, layer_hits: int [L] counted entries and hits per layer.
+        warmup: entries replayed but not counted (the prefill under ``phase="decode"``; module docstring).
     """
 
     policy: str
@@ -835,6 +906,9 @@ class SimResult:
     params: dict[str, Any] = field(default_factory=dict)
     rounds_by: str = "positions"
     tiers: dict[str, float] | None = None
+    layer_entries: list[int] = field(default_factory=list)
+    layer_hits: list[int] = field(default_factory=list)
+    warmup: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -902,6 +976,7 @@ class MetricAcc:
             layer_h = np.where(le > 0, lh / np.maximum(le, 1), np.nan)
         return {"entries": n, "hits": int(self.hits), "records": int(records), "all_hit_records": int(all_hit),
                 "tokens": tokens, "rounds": rounds,
+                "layer_entries": [int(x) for x in le], "layer_hits": [int(x) for x in self._lh],
                 "h_expert": float(self.hits) / n if n else float("nan"),
                 "h_layer": float(all_hit) / records if records else float("nan"),
                 "h_bytes": hit_bytes / entry_bytes if entry_bytes else float("nan"),
@@ -912,10 +987,21 @@ class MetricAcc:
 
 def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.ndarray,
             bw: BandwidthModel) -> dict[str, Any]:
-    """Hit rates and traffic from a hit vector [N] and per-layer loads [L] (record ids non-decreasing)."""
+    """Hit rates and traffic from a hit vector [N] and per-layer loads [L] (record ids non-decreasing): over the
+    counted entries (:attr:`Entries.count`); ``rounds`` and the loads are those of the whole replay.
+    ``layer_entries`` / ``layer_hits``: int [L] counts behind ``layer_h_expert``."""
     acc = MetricAcc(ent.n_layers)
-    acc.add(ent.layer, ent.record, np.asarray(hits, dtype=bool))
+    _acc_add(acc, None, ent.layer, ent.expert, ent.record, np.asarray(hits, dtype=bool), ent.count)
     return acc.result(loads, blob_bytes, bw, ent.n_tokens, ent.n_rounds)
+
+
+def _acc_add(acc: MetricAcc, ta, layer, expert, record, hits, count) -> None:
+    """Add the counted entries (``count`` bool mask, None: all) to a :class:`MetricAcc` and a ``_TierAcc``."""
+    if count is not None:  # only the columns the counts need
+        layer, expert, record, hits = layer[count], expert[count], record[count], hits[count]
+    acc.add(layer, record, hits)
+    if ta is not None:
+        ta.add(layer, expert, hits)
 
 
 def _check_params(policy: str, params: dict) -> dict:
@@ -1009,7 +1095,8 @@ class Replay:
         n = len(lay)
         pol, p = self.policy, self.p
         if self.v2:
-            self.buf.append((np.array(lay), np.array(ex), np.array(ent.rnd), np.array(ent.record)))
+            self.buf.append((np.array(lay), np.array(ex), np.array(ent.rnd), np.array(ent.record),
+                             np.ones(n, bool) if ent.count is None else np.array(ent.count)))
             self.offset += n
             return None
         if pol == "static" and self.no_free:
@@ -1040,14 +1127,14 @@ class Replay:
         """End the replay: (loads int64 [L], info with n_slots, cap, fill_bytes, admission, params)."""
         info = dict(self.info)
         if self.v2:
-            cat = [np.concatenate([b[i] for b in self.buf]) if self.buf else np.zeros(0, np.int64) for i in range(4)]
+            cat = [np.concatenate([b[i] for b in self.buf]) if self.buf else np.zeros(0, np.int64) for i in range(5)]
             self.buf = []
             ent = Entries(cat[0], cat[1], cat[2], cat[3], cat[3], self.L, self.E, 0)
             hits, loads, extra = _run_adaptive_v2(ent, self.plan, self.profile, self.res, self.cap, self.occ,
                                                   self.admit, self.p)
             self.loads[:] = loads
             info.update(extra)
-            self.deferred = (cat[0], cat[1], cat[3], np.asarray(hits, dtype=bool))
+            self.deferred = (cat[0], cat[1], cat[3], np.asarray(hits, dtype=bool), _all_none(cat[4].astype(bool)))
         elif self.policy == "adaptive":
             K.adaptive_end(self.res, self.cap, self.occ, self.per_layer, *self.ad, *self.state, self.loads)
             st = self.state[3]
@@ -1160,7 +1247,7 @@ def _sim_result(acc: MetricAcc, loads, info, src, policy: str, label: str, bw: B
             params[k] = info[k]
     return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
                      cap=[int(c) for c in info["cap"]], fill_bytes=fill,
-                     bandwidth=bw.to_dict(), params=params, rounds_by=src.rounds_by, **m)
+                     bandwidth=bw.to_dict(), params=params, rounds_by=src.rounds_by, warmup=src.n_warmup, **m)
 
 
 def check_runs(n_layers: int, n_expert: int, runs: Sequence[dict[str, Any]]) -> None:
@@ -1199,19 +1286,15 @@ class RunGroup:
         for rp, acc, ta in zip(self.reps, self.accs, self.tier):
             h = rp.feed(c)
             if h is not None:
-                acc.add(c.layer, c.record, h)
-                if ta is not None:
-                    ta.add(c.layer, c.expert, h)
+                _acc_add(acc, ta, c.layer, c.expert, c.record, h, c.count)
 
     def results(self) -> list[SimResult]:
         out = []
         for r, rp, acc, ta in zip(self.runs, self.reps, self.accs, self.tier):
             loads, info = rp.finish()
             if rp.deferred is not None:
-                lay, ex, rec, h = rp.deferred
-                acc.add(lay, rec, h)
-                if ta is not None:
-                    ta.add(lay, ex, h)
+                lay, ex, rec, h, cnt = rp.deferred
+                _acc_add(acc, ta, lay, ex, rec, h, cnt)
             res = _sim_result(acc, loads, info, self.src, r["policy"], r.get("label", ""), self.bw,
                               r.get("blob_bytes"))
             if ta is not None and acc.n:
@@ -1289,11 +1372,12 @@ def simulate_policy(ent: Entries | EntryStream, policy: str, *, label: str = "",
         bw = bandwidth or BandwidthModel()
         hits, loads, info = run_policy(ent, policy, blob_bytes=blob_bytes, engine="python", **kw)
         acc = MetricAcc(ent.n_layers)
-        acc.add(ent.layer, ent.record, hits)
-        res = _sim_result(acc, loads, info, ent, policy, label, bw, blob_bytes)
+        ta = None
         if cost is not None and blob_bytes is not None and len(ent):
             ta = _TierAcc(ent.n_layers, ent.n_expert, dict(blob_bytes=blob_bytes, cost=cost, **kw))
-            ta.add(ent.layer, ent.expert, hits)
+        _acc_add(acc, ta, ent.layer, ent.expert, ent.record, np.asarray(hits, dtype=bool), ent.count)
+        res = _sim_result(acc, loads, info, ent, policy, label, bw, blob_bytes)
+        if ta is not None:  # the counted entries (the warm-up's copies are in loads, as in moved_bytes)
             res.tiers = ta.result(loads, ent.n_tokens, cost)
         return res
     kw.pop("engine", None)

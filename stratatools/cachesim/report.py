@@ -57,14 +57,14 @@ def rounds_text(study) -> str:
     r = study.results[0]
     by, n = getattr(r, "rounds_by", "positions"), r.rounds
     if by == "windows":
-        return f"verify windows from the traces' commit records ({n} rounds)"
+        return f"verify windows from the traces' commit records ({n} rounds); a prefill batch is a window too"
     if by == "windows+positions":
-        return (f"verify windows from the traces' commit records, and one per decode position for records "
-                f"outside every window ({n} rounds)")
+        return (f"verify windows from the traces' commit records (a prefill batch is a window too), and one per "
+                f"position for records outside every window ({n} rounds)")
     if by.endswith("batches"):
         return (f"layer-major batches (one captured ubatch of a request is one round, as a verify window is; "
                 f"{n} rounds)")
-    return f"decode positions ({n} rounds; the traces delimit no verify windows)"
+    return f"positions ({n} rounds; no windows among the replayed entries)"
 
 
 def _skipped_text(skipped: dict[str, int] | None) -> str:
@@ -72,6 +72,19 @@ def _skipped_text(skipped: dict[str, int] | None) -> str:
     parts = [f"{v:,} {k}" if k == "prefill" else f"{v:,} outside the model's {k}s"
              for k, v in (skipped or {}).items() if v]
     return f" (left out: {', '.join(parts)})" if parts else ""
+
+
+def _phase_text(study) -> str:
+    """'; counted: decode (... prefill entries replayed first to warm the cache)' and the like."""
+    phase, cold, warm = getattr(study, "phase", "decode"), getattr(study, "cold", False), getattr(study, "warmup", 0)
+    if phase == "all":
+        return "; counted: every phase"
+    if cold:
+        return "; counted: decode, the prefill dropped (`--cold`: the decode starts on the start-up fill)"
+    if warm:
+        return (f"; counted: decode ({warm:,} prefill entries replayed first, uncounted: they warm the cache as "
+                f"in the engine; copies include theirs)")
+    return "; counted: decode"
 
 
 def moved_text(row: dict[str, Any]) -> str:
@@ -99,7 +112,7 @@ def study_markdown(study) -> str:
     out = ["# Cache simulation report", "",
            f"- Model geometry: {study.n_layers} layers x {study.n_expert} experts",
            f"- Traces: {', '.join(t['name'] for t in study.traces)}: {study.entries} routed entries, "
-           f"{study.tokens} tokens, {study.requests} requests" + _skipped_text(study.skipped),
+           f"{study.tokens} tokens, {study.requests} requests" + _skipped_text(study.skipped) + _phase_text(study),
            f"- Budget: {budget}; admission of the static/adaptive tiers: {study.admission}",
            f"- Rounds (the adaptive tier's `adapt_every`, the LFU/LFRU decay): {rounds_text(study)}",
            "- Baselines (lru, lfu, lfru, belady) use the per-layer split of the same budget; `belady` labelled "

@@ -38,7 +38,9 @@ class Study:
 
     Attributes:
         n_layers, n_expert: geometry.
-        traces: per input ``{"name", "entries"}``; entries/tokens/requests/skipped: of the replay.
+        traces: per input ``{"name", "entries"}``; entries/tokens/requests/skipped: of the replay (entries and
+            tokens: those counted); warmup: entries replayed but not counted (the prefill under --phase decode).
+        phase, cold: the phase counted and whether the prefill was dropped (``--cold``).
         budget: ``{"slots", "budget_bytes"}`` as given; admission; bandwidth; policies; profiles (names).
         results: :class:`SimResult` at the main budget (static/adaptive per profile, baselines once, Belady
             per profile split under global admission).
@@ -65,6 +67,9 @@ class Study:
     kfold: KFoldResult | None = None
     blob_bytes: list[int] | None = None
     cost_model: dict[str, Any] | None = None
+    warmup: int = 0
+    phase: str = "decode"
+    cold: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("results", "kfold")}
@@ -94,11 +99,12 @@ def coverage_curve(ent: Entries | EntryStream, profile: Profile, points: int = 6
     N = profile.n_ranked
     grid = np.unique(np.linspace(0, N, points + 1).round().astype(np.int64))
     pc = ent.pair_counts().ravel()
+    n_cov = int(pc.sum())  # the counted entries (the prefill under --phase decode only warms the cache)
     rank = profile.rank_table().astype(np.int64).ravel()
     ok = rank >= 0
     hist = np.bincount(rank[ok], weights=pc[ok], minlength=N).astype(np.int64)
     cum = np.concatenate([[0], np.cumsum(hist)])
-    measured = cum[grid] / max(len(ent), 1)
+    measured = cum[grid] / max(n_cov, 1)
     if profile.trailer == "freq" and profile.freq is not None:
         f = profile.freq.ravel()[profile.flat()].astype(np.float64)
         tot = float(profile.freq.sum())
@@ -106,7 +112,7 @@ def coverage_curve(ent: Entries | EntryStream, profile: Profile, points: int = 6
         claimed, kind = cf[grid], "frequency table"
     else:
         counts = pc.astype(np.float64)
-        cs = np.concatenate([[0.0], np.cumsum(np.sort(counts)[::-1])]) / max(len(ent), 1)
+        cs = np.concatenate([[0.0], np.cumsum(np.sort(counts)[::-1])]) / max(n_cov, 1)
         claimed, kind = cs[np.minimum(grid, L * E)], "oracle"
     return {"n": grid.tolist(), "measured": [float(x) for x in measured], "claimed": [float(x) for x in claimed],
             "claimed_kind": kind}
@@ -132,7 +138,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
               blob_bytes=None, admission: str = "global", phase: str = "decode", kfold: int | None = None,
               bandwidth: BandwidthModel | None = None, sweep: bool = True,
               policy_params: dict[str, dict] | None = None, progress=None, chunk: int | None = None,
-              client=None, cost=None) -> Study:
+              client=None, cost=None, cold: bool = False) -> Study:
     """Simulate profiles and policies on traces (module docstring).
 
     Args:
@@ -144,6 +150,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         progress: object with ``update(advance=n)`` (a progress bar), optional; advanced by the number of
             policy runs (:func:`study_steps`) over the passes, plus 2 for the k-fold's two passes.
         chunk: entries per replay chunk (default :data:`.replay.CHUNK_ENTRIES`; results do not depend on it).
+        phase / cold: what is counted and whether the prefill is dropped (:func:`.replay.prepare_entries`).
         cost: a :class:`.costmodel.ThreeTierModel` for the main-budget results (needs blob sizes), optional.
         client: a ``distributed.Client`` (:mod:`stratatools.core.cluster`): the summary, every replay
             (budgets x policies x profiles, then the Belady runs) and every k-fold fold run as Dask tasks, each
@@ -177,9 +184,9 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         from stratatools.core.cluster import run_tasks
 
         specs = [t.spec for t in tables]
-        stream = _RemoteStream(*run_tasks(client, _summary_task, [(specs, L, E, phase, chunk)], name="summary")[0])
+        stream = _RemoteStream(*run_tasks(client, _summary_task, [(specs, L, E, phase, chunk, cold)], name="summary")[0])
     else:
-        stream = EntryStream(list(tables), L, E, phase=phase, chunk=chunk, progress=progress)
+        stream = EntryStream(list(tables), L, E, phase=phase, chunk=chunk, progress=progress, cold=cold)
         stream.use_cache = True  # one pass reads and prepares the traces; the later ones read 5 bytes per entry
 
     def replay(runs: list[dict], weight: float) -> list[SimResult]:
@@ -187,7 +194,8 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
             return simulate_many(stream, runs, bandwidth=bw, progress=progress, weight=weight)
         from stratatools.core.cluster import run_tasks
 
-        return [r[0] for r in run_tasks(client, _replay_task, [(specs, L, E, phase, chunk, [r], bw) for r in runs],
+        return [r[0] for r in run_tasks(client, _replay_task, [(specs, L, E, phase, chunk, cold, [r], bw)
+                                                                    for r in runs],
                                         name="replay", progress=progress)]
     tn = list(trace_names) if trace_names else [f"trace{i}" for i in range(len(tables))]
 
@@ -239,11 +247,12 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
                 results[bi].append(r)
             else:
                 results[bi][ri] = r
-    st = Study(L, E, [{"name": n, "entries": int(c)} for n, c in zip(tn, stream.source_entries)], len(stream),
-               stream.n_tokens,
+    st = Study(L, E, [{"name": n, "entries": int(c)} for n, c in zip(tn, stream.source_entries)],
+               stream.n_counted, stream.n_tokens,
                stream.n_requests, stream.skipped, {"slots": slots, "budget_bytes": budget_bytes},
                admission, bw.to_dict(), list(policies), list(names),
-               blob_bytes=None if blob_bytes is None else [int(b) for b in blob_bytes])
+               blob_bytes=None if blob_bytes is None else [int(b) for b in blob_bytes], warmup=stream.n_warmup,
+               phase=phase, cold=cold)
     if cost is not None and blob_bytes is not None:
         st.cost_model = cost.to_dict()
     st.results = results[0]
@@ -257,7 +266,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
     if kfold:
         kp = [p for p in policies if p in PROFILE_POLICIES] or ["static"]
         st.kfold = kfold_eval(list(tables), L, E, int(kfold), policies=kp, slots=slots, budget_bytes=budget_bytes,
-                              blob_bytes=blob_bytes, admission=admission, phase=phase, bandwidth=bw,
+                              blob_bytes=blob_bytes, admission=admission, phase=phase, cold=cold, bandwidth=bw,
                               policy_params=pp, chunk=chunk, progress=progress,
                               stream=stream if client is None else None, client=client)
     return st
@@ -266,9 +275,10 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
 class _RemoteStream:
     """What a study needs of an :class:`EntryStream` replayed on a cluster (its summary, made by a task)."""
 
-    def __init__(self, source_entries, n_layers, n_expert, entries, tokens, requests, skipped, counts):
+    def __init__(self, source_entries, n_layers, n_expert, entries, tokens, requests, skipped, counts, warmup=0):
         self.source_entries, self.n_layers, self.n_expert = source_entries, n_layers, n_expert
         self._n, self.n_tokens, self.n_requests, self.skipped, self._counts = entries, tokens, requests, skipped, counts
+        self.n_counted, self.n_warmup = entries, warmup
 
     def __len__(self) -> int:
         return self._n
@@ -283,14 +293,15 @@ def _open_specs(specs):
     return [open_source(*s[:4], where=s[4], partition=s[5]) for s in specs]
 
 
-def _summary_task(specs, L, E, phase, chunk):
-    st = EntryStream(_open_specs(specs), L, E, phase=phase, chunk=chunk)
+def _summary_task(specs, L, E, phase, chunk, cold=False):
+    st = EntryStream(_open_specs(specs), L, E, phase=phase, chunk=chunk, cold=cold)
     st.summarize()
-    return (st.source_entries, L, E, len(st), st.n_tokens, st.n_requests, st.skipped, st.pair_counts())
+    return (st.source_entries, L, E, st.n_counted, st.n_tokens, st.n_requests, st.skipped, st.pair_counts(),
+            st.n_warmup)
 
 
-def _replay_task(specs, L, E, phase, chunk, runs, bw):
-    st = EntryStream(_open_specs(specs), L, E, phase=phase, chunk=chunk)
+def _replay_task(specs, L, E, phase, chunk, cold, runs, bw):
+    st = EntryStream(_open_specs(specs), L, E, phase=phase, chunk=chunk, cold=cold)
     return simulate_many(st, runs, bandwidth=bw)
 
 

@@ -158,13 +158,16 @@ def score_one(fd: FoldData, settings: dict[str, Any], *, slots: int | None, budg
     ent = fd.ent
     hits, loads, _ = run_policy(ent, "adaptive", profile=prof, slots=slots, budget_bytes=budget_bytes,
                                 blob_bytes=blob_bytes, admission=settings["admission"], **params)
-    rec_u, rec_inv = np.unique(ent.record, return_inverse=True)
+    lay, ex, rec = ent.layer, ent.expert, ent.record
+    if ent.count is not None:  # the prefill warmed the cache; only the decode is scored (replay.prepare_entries)
+        hits, lay, ex, rec = hits[ent.count], lay[ent.count], ex[ent.count], rec[ent.count]
+    rec_u, rec_inv = np.unique(rec, return_inverse=True)
     all_hit = np.bincount(rec_inv, weights=~hits, minlength=len(rec_u)) == 0
     out = {"h_expert": float(hits.mean()), "h_layer": float(all_hit.mean())}
     if cost is not None and blob_bytes is not None:
         bb, rb = _blob_arrays(ent.n_layers, blob_bytes)
         in_ram = ram_set(prof, ent.n_layers, ent.n_expert, rb, cost.ram_bytes)
-        out.update(tier_costs(ent.layer, ent.expert, hits, loads, ent.n_tokens, bb, in_ram, cost))
+        out.update(tier_costs(lay, ex, hits, loads, ent.n_tokens, bb, in_ram, cost))
     return out
 
 

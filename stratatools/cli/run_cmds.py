@@ -88,11 +88,12 @@ def run_cmd(
         for il, (e, h) in enumerate(zip(d["layer_entries"], d["layer_hits"])):
             lt.add_row(str(il), str(e), str(h), str(e - h), f"{h / e:.4f}" if e else "-")
         c.print(lt)
-        def rate(x):
-            return "-" if x is None else f"{x:.4f}"
+        def rate(ph: str) -> str:
+            d = tier[ph]
+            return "-" if d["h_expert"] is None else f"{d['h_expert']:.4f} ({d['hits']}/{d['entries']})"
 
-        c.print(f"h_expert (decode): {rate(tier['decode']['h_expert'])}; prefill: {rate(tier['prefill']['h_expert'])}; "
-                f"all: {rate(tier['all']['h_expert'])}", markup=False)
+        c.print(f"h_expert (decode): {rate('decode')}; prefill: {rate('prefill')}; all: {rate('all')}; "
+                f"{tier['rounds']} rounds", markup=False, soft_wrap=True)
     if res.trace_path:
         c.print(f"trace: {res.trace_records} records ({res.trace_format}) -> {res.trace_path}", markup=False)
 

@@ -127,7 +127,8 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         slots: Optional[int], budget_gib: Optional[float], policies: list[str], admission: str,
         kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
         sets: list[str], sweep: bool, adaptive: dict[str, Any] | None = None, ssd_gbps: float = 6.0,
-        ram_experts_gb: float | None = None, where: list[str] | None = None, cluster: str | None = None):
+        ram_experts_gb: float | None = None, where: list[str] | None = None, cluster: str | None = None,
+        cold: bool = False):
     """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs).
 
     ``where``: partition / column filters of the traces (``--where``); ``cluster``: a Dask cluster spec
@@ -135,7 +136,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
 
     ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments); ``ssd_gbps`` and
     ``ram_experts_gb`` complete the three-tier cost model (:mod:`stratatools.cachesim.costmodel`), applied when
-    blob sizes are known (--pack/--model)."""
+    blob sizes are known (--pack/--model). ``cold``: drop the prefill (``--cold``, with ``phase`` decode)."""
     from stratatools.cachesim.replay import BandwidthModel
     from stratatools.cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
 
@@ -160,6 +161,10 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
     cost = ThreeTierModel(vram_gbps, pcie_gbps, host_gbps, ssd_gbps,
                           None if ram_experts_gb is None else int(ram_experts_gb * 2**30))
+    if phase not in ("decode", "all"):
+        raise StrataError(f"--phase {phase!r}: unknown (use decode or all)")
+    if cold and phase != "decode":
+        raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
     inp = load_inputs(traces, profiles, pack=pack, model=model, where=where)
     profs = inp.profiles or [None]
     names = inp.names or ["no profile"]
@@ -172,7 +177,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
                        blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
                        bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
                        policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None,
-                       client=client)
+                       client=client, cold=cold)
     return st, inp
 
 
@@ -217,14 +222,17 @@ def _print_rounds(st) -> None:
     r = st.results[0]
     by = getattr(r, "rounds_by", "positions")
     if by == "windows":
-        line = f"rounds: {r.rounds} verify windows (from the traces' commit records)"
+        line = f"rounds: {r.rounds} verify windows or prefill batches (from the traces' commit records)"
     elif by == "windows+positions":
-        line = f"rounds: {r.rounds} (verify windows, plus one per decode position outside every window)"
+        line = (f"rounds: {r.rounds} (verify windows or prefill batches, plus one per position outside every "
+                f"window)")
     elif by.endswith("batches"):
         line = (f"rounds: {r.rounds} (each layer-major batch, e.g. one prompt's captured ubatch, is one round"
                 + (", as are verify windows)" if by.startswith("windows") else ")"))
     else:
-        line = f"rounds: {r.rounds} decode positions (the traces delimit no verify windows)"
+        line = f"rounds: {r.rounds} positions (no windows among the replayed entries)"
+    if getattr(r, "warmup", 0):
+        line += f"; {r.warmup} prefill entries replayed to warm the cache, not counted (--cold drops them)"
     common.console.print(line, markup=False, soft_wrap=True)
 
 
@@ -274,7 +282,10 @@ def register(app: typer.Typer) -> None:
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP),
         admission: str = typer.Option("global", "--admission", help="global (engine default) or per-layer."),
         kfold: Optional[int] = typer.Option(None, "--kfold", help="Held-out k-fold by request."),
-        phase: str = typer.Option("decode", "--phase", help="decode (drop prefill entries) or all."),
+        phase: str = typer.Option("decode", "--phase", help="decode (replay everything, count the decode) or "
+                                  "all (count everything)."),
+        cold: bool = typer.Option(False, "--cold", help="With --phase decode: drop the prefill, so the decode "
+                                  "starts on the start-up fill alone."),
         host_gbps: float = _HOST_GBPS,
         pcie_gbps: float = _PCIE_GBPS,
         vram_gbps: float = _VRAM_GBPS,
@@ -305,7 +316,8 @@ def register(app: typer.Typer) -> None:
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                        upper_slots, disjoint_adapt, strata_version),
-                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster)
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
+                    cold=cold)
         paths = write_report(st, report, force=force)
         if as_json:
             import sys
@@ -331,7 +343,8 @@ def register(app: typer.Typer) -> None:
         budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB."),
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP + " Default: static,adaptive,belady."),
         admission: str = typer.Option("global", "--admission", help="global or per-layer."),
-        phase: str = typer.Option("decode", "--phase", help="decode or all."),
+        phase: str = typer.Option("decode", "--phase", help="decode (replay everything, count the decode) or all."),
+        cold: bool = typer.Option(False, "--cold", help="With --phase decode: drop the prefill from the replay."),
         host_gbps: float = _HOST_GBPS,
         pcie_gbps: float = _PCIE_GBPS,
         vram_gbps: float = _VRAM_GBPS,
@@ -365,7 +378,8 @@ def register(app: typer.Typer) -> None:
                     sweep=report is not None,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                        upper_slots, disjoint_adapt, strata_version),
-                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster)
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
+                    cold=cold)
         if report is not None:
             write_report(st, report, force=force)
         if as_json:

@@ -97,7 +97,7 @@ def register(app: typer.Typer) -> None:
         candidates: int = typer.Option(81, "--candidates", help="Settings drawn from the grid (besides the references)."),
         eta: int = typer.Option(3, "--eta", help="Successive halving: keep 1/eta per rung."),
         seed: int = typer.Option(0, "--seed", help="Seed of the draw."),
-        phase: str = typer.Option("decode", "--phase", help="decode (drop prefill entries) or all."),
+        phase: str = typer.Option("decode", "--phase", help="decode (replay the prefill too, score the decode) or all."),
         strata_version: str = typer.Option("0.2", "--strata-version", help="0.2 (lag, paced mode) or 0.1."),
         vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s (cost model)."),
         pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),

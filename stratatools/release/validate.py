@@ -393,7 +393,7 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
         return FAIL, str(e), {}
     budget = f"{budget_gib} GiB" if budget_gib is not None else f"{kw['slots']} slots"
     d = {"h_expert": r.h_expert, "h_layer": r.h_layer, "budget": budget, "min_hit_rate": min_hit_rate,
-         "entries": int(len(ent))}
+         "entries": ent.n_counted, "warmup": ent.n_warmup}
     msg = f"h_expert {r.h_expert:.4f} at {budget} on {len(inp.traces)} trace(s) (gate {min_hit_rate:.4f})"
     return (PASS if r.h_expert >= min_hit_rate else FAIL), msg, d
 

@@ -13,8 +13,10 @@ those numbers are the trace's request ids.
 
 The routing trace has one record per (request, position, layer): prefill positions with phase ``prefill``,
 generated positions with phase ``decode`` (format by extension: ``.parquet``, ``.csv``, otherwise Strata's
-tagged ``--dump-routing`` layout, which keeps request ids and phases; ``--trace-format strata`` writes the
-plain engine layout).
+tagged ``--dump-routing`` layout, which keeps request ids, phases and windows; ``--trace-format strata`` writes
+the plain engine layout, which keeps none of them). Records are in the order the tier saw them, and every forward
+batch of more than one position (the prefill) is a window, written layer-major: a replay of the trace makes the
+same rounds as the run's tier (:data:`stratatools.traces.table.ROUNDS`) and feeds the entries in the same order.
 """
 
 from __future__ import annotations
@@ -258,33 +260,44 @@ def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
 
 
 class _TraceBuilder:
+    """The run's routing as a trace, one forward batch at a time, in the order the tier saw the records."""
+
     def __init__(self) -> None:
-        self.cols: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "position", "phase", "layer", "rank", "expert", "weight")}
+        self.cols: dict[str, list[np.ndarray]] = {k: [] for k in ("request", "position", "phase", "layer", "rank", "expert", "weight", "window")}
         self.records = 0
+        self.windows = 0
 
     def add(self, request: int, phase: int, rec: RoutingRecord) -> None:
+        """Append one forward batch: layer-major (every position of layer 0, then layer 1, ...: the order the
+        batched forward routes and the tier counts), one record per (position, layer), ranks in order; a batch
+        of more than one position is a window (one round, :data:`stratatools.traces.table.ROUNDS`)."""
         T = rec.positions.size
         L = len(rec.ids)
         if T == 0 or L == 0:
             return
         k = rec.ids[0].shape[1]
-        # record order: position-major, then layer, then rank (one record per (position, layer))
-        ids = np.stack(rec.ids, axis=1)  # [T, L, k]
-        w = np.stack(rec.weights, axis=1)
+        ids = np.stack(rec.ids, axis=0)  # [L, T, k]
+        w = np.stack(rec.weights, axis=0)
         n = T * L * k
+        win = -1
+        if T > 1:
+            win, self.windows = self.windows, self.windows + 1
         self.cols["request"].append(np.full(n, request, np.int32))
-        self.cols["position"].append(np.repeat(rec.positions.astype(np.int32), L * k))
+        self.cols["position"].append(np.tile(np.repeat(rec.positions.astype(np.int32), k), L))
         self.cols["phase"].append(np.full(n, phase, np.int8))
-        self.cols["layer"].append(np.tile(np.repeat(np.arange(L, dtype=np.int16), k), T))
+        self.cols["layer"].append(np.repeat(np.arange(L, dtype=np.int16), T * k))
         self.cols["rank"].append(np.tile(np.arange(k, dtype=np.int16), T * L))
         self.cols["expert"].append(ids.reshape(-1).astype(np.int32))
         self.cols["weight"].append(w.reshape(-1).astype(np.float32))
+        self.cols["window"].append(np.full(n, win, np.int32))
         self.records += T * L
 
     def table(self, **meta: Any) -> TraceTable:
         if not self.cols["expert"]:
             return TraceTable.empty(**meta)
-        return TraceTable(**{k: np.concatenate(v) for k, v in self.cols.items()}, meta=dict(meta))
+        cols = {k: np.concatenate(v) for k, v in self.cols.items()}
+        window = cols.pop("window")
+        return TraceTable(**cols, meta=dict(meta), window=window if self.windows else None)
 
 
 def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, model: str | os.PathLike | None = None,

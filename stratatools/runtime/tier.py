@@ -4,8 +4,10 @@ Residency is decided by the simulator's own online tier objects (:func:`stratato
 ``static`` = Strata's start-up fill from a STRP profile with global or per-layer admission, ``adaptive`` =
 Strata's adaptive swaps, or a baseline such as ``lru``), so the runtime and the simulator apply the same
 policy code. The runtime feeds the tier every routed record it really computes, in the order it computes
-them: a prefill is one batched round (layer-major, as a batched engine runs it), each decode position one
-round (``end_round`` after it, where the adaptive tier makes its moves).
+them: every forward batch is one round (:data:`stratatools.traces.table.ROUNDS`): a prefill is one batched
+round (layer-major, as a batched engine runs it), each decode position one round (``end_round`` after it, where
+the adaptive tier makes its moves). The run's trace carries the same rounds (the prefill as a window), so
+``simulate`` on it gives the same hits per phase and layer.
 
 Data path: an expert resident in the tier is served from the tier's store (``xp`` arrays, filled when the
 expert becomes resident: start-up fill and the adaptive tier's copies), any other expert from host memory
@@ -108,6 +110,7 @@ class ExpertTier:
         self.copies = 0
         self.keep_store = bool(store)
         self.device: Any = None
+        self.rounds = 0
         self._sync()
         self.copies = 0  # the start-up fill is not counted as copies during the run
 
@@ -152,6 +155,7 @@ class ExpertTier:
 
     def end_round(self) -> None:
         """Close a round (the prefill batch, or one decode position) and apply the tier's moves."""
+        self.rounds += 1
         if self.device is not None:
             self.device.end_round()  # the policy's end_round, then VRAM follows
             return
@@ -166,7 +170,8 @@ class ExpertTier:
         return self.weights.experts.matrices(layer, expert)
 
     def stats(self) -> dict[str, Any]:
-        """Per-phase hit counts, the simulator tier's own stats, slots, budget and copies made during the run."""
+        """Per-phase hit counts, the simulator tier's own stats, slots, budget, rounds and copies made during the
+        run (``moved_bytes``: the simulator tier's host->tier bytes over the whole run, warm-up included)."""
         total = TierCounts(self.counts["prefill"].entries + self.counts["decode"].entries,
                            self.counts["prefill"].hits + self.counts["decode"].hits)
         st = self.tier.stats()
@@ -176,6 +181,7 @@ class ExpertTier:
         return {"policy": self.policy, "slots": self.slots, "budget_bytes": self.budget_bytes,
                 "resident": int(self.tier.resident_mask().sum()), "copies_during_run": self.copies,
                 "upper_resident": None if upper is None else int(upper.sum()), "swaps": st.get("swaps"),
+                "rounds": self.rounds,
                 "blob_bytes": self.blob_bytes.tolist(), "prefill": self.counts["prefill"].to_dict(),
                 "decode": self.counts["decode"].to_dict(), "all": total.to_dict(),
                 "h_layer": st.get("h_layer"), "moved_bytes": st.get("moved_bytes")}

@@ -460,10 +460,21 @@ class TraceStats:
         return d
 
 
+ROUNDS = """\
+A round is one forward batch of one request: a decode step (one position), a verify window (the positions
+verified together) or a prefill batch (the prompt's positions run together; one round per chunk when the
+prefill is chunked). Its routed entries reach the tier in the order the batch computes them (layer-major: every
+position of layer 0, then of layer 1, ...), and the tier's end-of-round work (the adaptive tier's moves every
+adapt_every rounds, the LFU/LFRU decay clock) runs after it. In a trace a batch of more than one position is a
+window (TraceTable.window; a tagged Strata trace closes it with a commit tag, as the engine does for its verify
+and prompt windows), written layer-major; a position outside every window is a round of its own."""
+
+
 def rounds_kind(window_ids: np.ndarray | None) -> str:
     """What one replay round is, given per-record (or per-entry) window ids (None: the trace has no windows):
-    ``positions`` (one decode position; no windows), ``windows`` (every record is in a verify window) or
-    ``windows+positions`` (windows, and one round per position for the records outside them)."""
+    ``positions`` (one position; no windows), ``windows`` (every record is in a window: a verify window or a
+    prefill batch) or ``windows+positions`` (windows, and one round per position for the records outside them).
+    The definition both the runtime's tier and the replay follow is :data:`ROUNDS`."""
     if window_ids is None:
         return "positions"
     w = np.asarray(window_ids)
