@@ -250,6 +250,18 @@ def _fork_pack(model: Path, out: Path, hook=None) -> int:
     return pid
 
 
+def _wait_for(marker: Path, pid: int, timeout: float = 60.0) -> None:
+    """Wait until the forked pack ``pid`` has started copying (its slowed copy creates ``marker``) or has
+    ended without copying (an experts.bin kept as it was), so that what the test does next lands inside the
+    build however loaded the machine is. The child is not reaped."""
+    t_end = time.monotonic() + timeout
+    while not marker.exists():
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
+        assert time.monotonic() < t_end, f"the forked pack never started copying ({marker})"
+        time.sleep(0.001)
+
+
 def test_sigkill_at_random_points_keeps_a_whole_pack(tmp_path, tiny):
     """D5: 20 SIGKILLs at random moments of a pack (the copy slowed so they land all over it) plus one at
     every rename of the swap: the folder always holds the previous pack or the new one, whole; the next run
@@ -263,11 +275,13 @@ def test_sigkill_at_random_points_keeps_a_whole_pack(tmp_path, tiny):
     pack_model(tiny.revB.path, ref, experts_bin=True, hash_inputs=False)
     new = _pack_state(ref)
     rng = random.Random(14)
+    started = tmp_path / "started"
 
     def slow_copy():
         real = native._Copier.copy
 
         def copy(self, *a):
+            started.touch()
             time.sleep(0.0005)
             return real(self, *a)
         native._Copier.copy = copy
@@ -275,8 +289,10 @@ def test_sigkill_at_random_points_keeps_a_whole_pack(tmp_path, tiny):
     outcomes = {"old": 0, "new": 0}
     mid_build = 0
     for i in range(20):
+        started.unlink(missing_ok=True)
         pid = _fork_pack(tiny.revB.path if i % 2 == 0 else tiny.revA.path, out, slow_copy)
-        time.sleep(rng.uniform(0.0, 0.12))
+        _wait_for(started, pid)
+        time.sleep(rng.uniform(0.0, 0.03))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         st = _pack_state(out)
@@ -346,19 +362,25 @@ def test_two_concurrent_packs_never_mix(tmp_path, tiny):
     bins = [(a / EXPERTS_BIN).read_bytes(), (b / EXPERTS_BIN).read_bytes()]
     assert bins[0] != bins[1]
     out = tmp_path / "p"
+    started = tmp_path / "started"
 
     def slow():
         real = native._Copier.copy
 
         def copy(self, *x):
+            started.touch()
             time.sleep(0.0003)
             return real(self, *x)
         native._Copier.copy = copy
 
     codes = []
+    models = [tiny.revA.path, tiny.revB.path]
+    first = 0
     for _ in range(3):
-        p1 = _fork_pack(tiny.revA.path, out, slow)
-        p2 = _fork_pack(tiny.revB.path, out, slow)
+        started.unlink(missing_ok=True)
+        p1 = _fork_pack(models[first], out, slow)  # the model the folder does not hold: it must copy
+        _wait_for(started, p1)  # the first writer holds the lock and is copying: the second must not mix in
+        p2 = _fork_pack(models[1 - first], out, slow)
         c1 = os.waitpid(p1, 0)[1] >> 8
         c2 = os.waitpid(p2, 0)[1] >> 8
         codes.append((c1, c2))
@@ -369,6 +391,7 @@ def test_two_concurrent_packs_never_mix(tmp_path, tiny):
         src = json.loads((out / EXPERTS_SRC).read_text())
         assert src == json.loads(((a if got == bins[0] else b) / EXPERTS_SRC).read_text())
         assert (out / NATIVE_TXT).read_bytes() == ((a if got == bins[0] else b) / NATIVE_TXT).read_bytes()
+        first = 1 if got == bins[0] else 0
     assert any(3 in c for c in codes)  # the lock really refused a concurrent writer
 
 

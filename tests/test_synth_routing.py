@@ -89,3 +89,38 @@ def test_repeated_rows_are_written_like_quantized_rows():
         got = b"".join(bytes(c) for c in _producer(sp, 0, cfg)())
         want = bytes(quantize(np.ascontiguousarray(full_values(cfg, name, sp.ne, 0)), sp.gtype))
         assert got == want and len(got) == sp.gtype.nbytes(sp.ne)
+
+
+def test_pipelined_producers_keep_order_errors_and_stop():
+    import threading
+    import time
+
+    from stratatools.synth.model import _pipelined
+
+    gens = _pipelined([lambda: iter([1, 2]), lambda: iter([]), lambda: iter(range(3, 40))], depth=2)
+    assert [list(g()) for g in gens] == [[1, 2], [], list(range(3, 40))]
+
+    def bad():
+        yield b"ok"
+        raise StrataError("boom")
+
+    gens = _pipelined([lambda: iter([b"a"]), bad])
+    assert list(gens[0]()) == [b"a"]
+    with pytest.raises(StrataError, match="boom"):
+        list(gens[1]())
+    made = []
+
+    def endless():
+        i = 0
+        while True:
+            made.append(i)
+            yield i
+            i += 1
+
+    before = threading.active_count()
+    g = _pipelined([endless, endless], depth=2)[0]()
+    assert next(g) == 0
+    g.close()  # the writer stopped (an error while writing): the helper thread stops instead of running on
+    n = len(made)
+    time.sleep(0.05)
+    assert len(made) == n <= 5 and threading.active_count() == before

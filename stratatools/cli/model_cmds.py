@@ -13,7 +13,7 @@ from stratatools.core.errors import StrataError
 from stratatools.pack.inspect import InspectReport, inspect_model
 from stratatools.pack.native import PackResult, pack_model
 from stratatools.synth.model import ReleaseInfo, SynthConfig, config_with, estimate_bytes, synth_release
-from stratatools.synth.routing import DEFAULT_LOCALITY, DEFAULT_SKEW
+from stratatools.synth.routing import BURSTY_LOCALITY, BURSTY_SKEW, DEFAULT_LOCALITY, DEFAULT_SKEW
 from stratatools.cli import common
 
 
@@ -173,12 +173,15 @@ def synth_cmd(
     no_revisions: bool = typer.Option(False, "--no-revisions", help="Only the canonical model."),
     routing: str = typer.Option("realistic", "--routing",
                                 help="Routing model: realistic (per-layer Zipf popularity, topic locality, no "
-                                     "collapse at depth), uniform (no skew, no locality) or legacy (old weights)."),
+                                     "collapse at depth; calibrated to real routing), bursty (realistic with mild "
+                                     "popularity and strong locality: LRU beats a static profile), uniform (no "
+                                     "skew, no locality) or legacy (old weights)."),
     skew: Optional[float] = typer.Option(None, "--skew", help=f"Zipf exponent of each layer's expert popularity "
-                                                             f"[{DEFAULT_SKEW}]; 0 = none."),
+                                                             f"[{DEFAULT_SKEW}; bursty {BURSTY_SKEW}]; 0 = none."),
     locality: Optional[float] = typer.Option(None, "--locality",
                                              help=f"Share of the router input taken by the per-request topic "
-                                                  f"context at depth, 0..<1 [{DEFAULT_LOCALITY}]; 0 = none."),
+                                                  f"context at depth, 0..<1 [{DEFAULT_LOCALITY}; bursty "
+                                                  f"{BURSTY_LOCALITY}]; 0 = none."),
     force: bool = typer.Option(False, "--force", help="Replace existing files."),
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:

@@ -51,7 +51,7 @@ from stratatools.model.ggml_types import GGMLType, type_by_name
 from stratatools.model.gguf import Model, TensorInfo, open_model
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
 from stratatools.model.quantize import can_quantize, quantize, random_blocks
-from stratatools.synth.routing import DEFAULT_LOCALITY, DEFAULT_SKEW, ROUTINGS, full_values, structured_names
+from stratatools.synth.routing import ROUTINGS, full_values, preset, structured_names
 
 ARCH = "qwen4exp"
 _CHUNK_VALUES = 1 << 20     # floats generated per chunk when quantizing
@@ -80,8 +80,9 @@ class SynthConfig:
         d-first type); None (default) means random blocks wherever the type has them, except under the legacy
         routing (which reproduces the old bytes) and for the tensors the routing model sets. revisions: also write revA/revB. name: ``general.name`` stem.
         routing, skew, locality: the routing model (:mod:`stratatools.synth.routing`): ``realistic`` (default),
-        ``uniform`` or ``legacy``; the Zipf exponent of per-layer popularity; the share of the router input
-        taken by the per-request context (topic) at depth.
+        ``bursty``, ``uniform`` or ``legacy``; the Zipf exponent of per-layer popularity; the share of the router
+        input taken by the per-request context (topic) at depth. skew / locality None (default): the routing's
+        own values (realistic 2.1 / 0.3, bursty 1.0 / 0.6; ``routing.PRESETS``).
     """
 
     n_layers: int = 8
@@ -132,8 +133,16 @@ class SynthConfig:
     revisions: bool = True
     name: str = "Qwen4Exp Synth"
     routing: str = "realistic"
-    skew: float = DEFAULT_SKEW
-    locality: float = DEFAULT_LOCALITY
+    skew: float | None = None
+    locality: float | None = None
+
+    def __post_init__(self) -> None:
+        # skew / locality left out (None): the routing's own defaults (routing.PRESETS)
+        sk, lo = preset(self.routing)
+        if self.skew is None:
+            object.__setattr__(self, "skew", sk)
+        if self.locality is None:
+            object.__setattr__(self, "locality", lo)
 
     @classmethod
     def full_width(cls, n_layers: int = 8, seed: int = 0, **kw: Any) -> "SynthConfig":
@@ -910,10 +919,7 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
     tok = build_tokenizer(cfg.vocab_size)
     specs = _tensor_list(cfg, len(tok.tokens))
     tensors = []
-    for sp in specs:
-        prod = _producer(sp, cfg.seed, cfg)
-        if sp.gtype.nbytes(sp.ne) >= _PREFETCH_MIN:
-            prod = _prefetched(prod)
+    for sp, prod in zip(specs, _pipelined([_producer(sp, cfg.seed, cfg) for sp in specs])):
         if progress is not None:
             prod = _counting(prod, progress)
         tensors.append((sp.name, sp.ne, sp.gtype, prod))
@@ -991,6 +997,63 @@ def _prefetched(prod: Callable[[], Iterable[Any]], depth: int = 2) -> Callable[[
     return gen
 
 
+def _pipelined(prods: list[Callable[[], Iterable[Any]]], depth: int = 3) -> list[Callable[[], Iterator[Any]]]:
+    """Producers for tensors that are consumed in list order (one model file, or shards in order): one helper
+    thread makes the chunks of every tensor in turn, at most ``depth`` chunks (16 MiB each at most) ahead of the
+    writer, across tensor boundaries, so the writer never waits for a tensor's first chunk and no thread is
+    started per tensor. Errors of a producer are raised in the caller; a consumer that stops early (an error while
+    writing) stops the helper."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    state: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            for i, prod in enumerate(prods):
+                for c in prod():
+                    if stop.is_set():
+                        return
+                    q.put((i, c))
+                q.put((i, _END))
+        except BaseException as e:  # handed to the consumer
+            q.put((-1, e))
+
+    def halt() -> None:
+        stop.set()
+        t = state.get("thread")
+        while t is not None and t.is_alive():  # let a blocked put finish
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                t.join(0.01)
+
+    def make(i: int) -> Callable[[], Iterator[Any]]:
+        def gen() -> Iterator[Any]:
+            if "thread" not in state:
+                state["thread"] = threading.Thread(target=work, name="synth-producer", daemon=True)
+                state["thread"].start()
+            done = False
+            try:
+                while True:
+                    j, c = q.get()
+                    if isinstance(c, BaseException):
+                        raise c
+                    if j != i:
+                        raise RuntimeError(f"synth: tensor {j} produced while tensor {i} was written (out of order)")
+                    if c is _END:
+                        done = True
+                        return
+                    yield c
+            finally:
+                if not done:
+                    halt()
+        return gen
+    return [make(i) for i in range(len(prods))]
+
+
 def _counting(prod: Callable[[], Iterable[Any]], progress: Callable[[int], Any]) -> Callable[[], Iterator[Any]]:
     def gen():
         for c in prod():
@@ -1007,4 +1070,8 @@ def estimate_bytes(cfg: SynthConfig) -> int:
 
 def config_with(cfg: SynthConfig, **kw: Any) -> SynthConfig:
     """``cfg`` with some fields replaced (a frozen dataclass helper)."""
-    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if "routing" in kw and kw["routing"] != cfg.routing:  # a new routing brings its own skew / locality defaults
+        kw.setdefault("skew", None)
+        kw.setdefault("locality", None)
+    return replace(cfg, **kw)
