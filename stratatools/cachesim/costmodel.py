@@ -105,20 +105,31 @@ def tier_costs(layer: np.ndarray, expert: np.ndarray, hits: np.ndarray, loads: n
         ``tok_s``.
     """
     hits = np.asarray(hits, dtype=bool)
+    L = len(np.asarray(blob_bytes))
+    layer = np.asarray(layer, dtype=np.int64)
+    ram = ~hits & in_ram[layer, np.asarray(expert, dtype=np.int64)]
+    ssd = ~hits & ~ram
+    counts = np.stack([np.bincount(layer[m], minlength=L) for m in (hits, ram, ssd)])
+    return tier_costs_from_counts(counts, len(hits), loads, n_tokens, blob_bytes, model)
+
+
+def tier_costs_from_counts(counts: np.ndarray, n: int, loads: np.ndarray, n_tokens: int, blob_bytes: np.ndarray,
+                           model: ThreeTierModel) -> dict[str, float]:
+    """:func:`tier_costs` from per-layer entry counts: ``counts`` int [3, L] (VRAM hits, RAM hits, SSD reads)
+    over ``n`` entries; what a streaming replay accumulates chunk by chunk (the same figures: the byte sums
+    are integers, exact in float64 below 2**53)."""
     bb = np.asarray(blob_bytes, dtype=np.float64)
-    n = len(hits)
     if n == 0 or n_tokens <= 0:
         raise StrataError("the cost model needs decode entries (the traces hold none)")
-    eb = bb[layer]
-    ram = ~hits & in_ram[layer, expert]
-    ssd = ~hits & ~ram
+    c = np.asarray(counts, dtype=np.float64)
     tok = float(n_tokens)
-    vb = float(eb[hits].sum()) / tok
-    rb = float(eb[ram].sum()) / tok
-    sb = float(eb[ssd].sum()) / tok
+    vb = float((c[0] * bb).sum()) / tok
+    rb = float((c[1] * bb).sum()) / tok
+    sb = float((c[2] * bb).sum()) / tok
     mb = float((np.asarray(loads, dtype=np.float64) * bb).sum()) / tok
     t = (model.dense_bytes + vb) / (model.vram_gbps * 1e9) + rb / (model.ram_gbps * 1e9) + \
         sb / (model.ssd_gbps * 1e9) + mb / (model.pcie_gbps * 1e9)
-    return {"h_vram": float(hits.mean()), "h_ram": float(ram.mean()), "h_ssd": float(ssd.mean()),
+    return {"h_vram": float(counts[0].sum()) / n, "h_ram": float(counts[1].sum()) / n,
+            "h_ssd": float(counts[2].sum()) / n,
             "vram_bytes_per_token": vb, "ram_bytes_per_token": rb, "ssd_bytes_per_token": sb,
             "moved_bytes_per_token": mb, "time_per_token_s": t, "tok_s": 1.0 / t if t > 0 else float("inf")}

@@ -12,7 +12,14 @@ When numba cannot be imported the same functions run as ordinary Python (slow, s
 
 Every kernel walks entries in trace order; ``rnd[i]`` is entry i's round number, and a change of round
 between two entries means ``end_round()`` (the rounds a tier counts are the rounds that carry entries).
-Each returns ``hits`` (bool [N]) and ``loads`` (int64 [L], host->VRAM copies during the replay).
+
+Streaming: each policy has a ``*_chunk`` kernel that replays one chunk of entries into a caller-owned hits
+array [n] and adds its copies to a caller-owned ``loads`` int64 [L]; everything the policy carries from one
+entry to the next (residency, recency lists, counts, pool budget, round counters in a small int64 ``st``
+array) lives in arrays the caller passes again with the next chunk, so a trace is replayed in chunks of any
+size with results equal to one call over the whole stream (tests/test_cachesim_stream.py). The adaptive tier
+ends its last round with :func:`adaptive_end`. The ``*_kernel`` functions are the whole-stream wrappers
+(one chunk), each returning ``hits`` (bool [N]) and ``loads`` (int64 [L], host->VRAM copies).
 Equality with the online objects is tested in tests/test_cachesim_equiv.py.
 """
 
@@ -31,19 +38,21 @@ def _scale_all(a, f):
             a[x, y] *= f
 
 
+
 @njit(cache=True, nogil=True)
-def static_kernel(layer, expert, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit):
-    """Static tier with arrival admission into free slots. ``res``/``cap``/``occupied`` are modified."""
+def static_chunk(layer, expert, res, cap, occupied, pool, slot_bytes, per_layer, admit, hits, loads):
+    """Static tier with arrival admission into free slots, over one chunk. ``res``/``cap``/``occupied`` and
+    ``pool`` (int64 [2]: pool slots, pool bytes; -1 bytes = no byte budget) carry between chunks."""
     n = layer.shape[0]
-    L = cap.shape[0]
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
+    pool_slots = pool[0]
+    pool_bytes = pool[1]
     for i in range(n):
         l = layer[i]
         e = expert[i]
         if res[l, e]:
             hits[i] = True
             continue
+        hits[i] = False
         if not admit:
             continue
         if per_layer:
@@ -63,6 +72,16 @@ def static_kernel(layer, expert, res, cap, occupied, pool_slots, pool_bytes, slo
         res[l, e] = True
         occupied[l] += 1
         loads[l] += 1
+    pool[0] = pool_slots
+    pool[1] = pool_bytes
+
+
+def static_kernel(layer, expert, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit):
+    """Static tier over a whole stream (:func:`static_chunk`). ``res``/``cap``/``occupied`` are modified."""
+    hits = np.zeros(len(layer), dtype=np.bool_)
+    loads = np.zeros(len(cap), dtype=np.int64)
+    pool = np.array([pool_slots, pool_bytes], dtype=np.int64)
+    static_chunk(layer, expert, res, cap, occupied, pool, slot_bytes, per_layer, admit, hits, loads)
     return hits, loads
 
 
@@ -137,82 +156,117 @@ def _adapt_step(res, usage, cap, occupied, per_layer, floor, margin, max_moves, 
     return nin, swaps
 
 
+
+# adaptive state ``st`` (int64 [8]): in-flight copies, landing round, rounds, steps, swaps, has_prev, prev_rnd,
+# pool slots; plus pool bytes in ``pool`` and the usage / in-flight arrays.
+ADAPTIVE_ST = 7
+
+
 @njit(cache=True, nogil=True)
-def adaptive_kernel(layer, expert, rnd, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
-                    floor, margin, adapt_every, max_moves, decay, copy_delay):
-    """Static tier + Strata's adaptive swaps (rules in :mod:`.tiers`). Returns hits, loads, steps, swaps."""
+def _adaptive_end_round(res, cap, occupied, per_layer, floor, margin, adapt_every, max_moves, decay, copy_delay,
+                        usage, infl_l, infl_e, st, loads):
+    st[2] += 1  # rounds
+    if st[2] % adapt_every == 0 and st[0] == 0:
+        nin, sw = _adapt_step(res, usage, cap, occupied, per_layer, floor, margin, max_moves, infl_l, infl_e,
+                              loads)
+        st[0] = nin
+        st[4] += sw
+        _scale_all(usage, decay)
+        st[3] += 1
+        st[1] = st[2] + copy_delay
+    if st[0] > 0 and st[2] >= st[1]:
+        for t in range(st[0]):
+            res[infl_l[t], infl_e[t]] = True
+        st[0] = 0
+
+
+@njit(cache=True, nogil=True)
+def adaptive_chunk(layer, expert, rnd, res, cap, occupied, pool, slot_bytes, per_layer, admit, floor, margin,
+                   adapt_every, max_moves, decay, copy_delay, usage, infl_l, infl_e, st, hits, loads):
+    """Static tier + Strata's adaptive swaps (rules in :mod:`.tiers`) over one chunk; state carried in
+    ``res``/``cap``/``occupied``/``pool``/``usage``/``infl_*``/``st`` (see :func:`adaptive_state`)."""
     n = layer.shape[0]
-    L, E = res.shape
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
-    usage = np.zeros((L, E), dtype=np.float64)
-    infl_l = np.empty(max(max_moves, 1), dtype=np.int64)
-    infl_e = np.empty(max(max_moves, 1), dtype=np.int64)
-    nin = 0
-    land_at = -1
-    rounds = 0
-    steps = 0
-    swaps = 0
-    for i in range(n + 1):
-        if i == n or (i > 0 and rnd[i] != rnd[i - 1]):
-            rounds += 1
-            if rounds % adapt_every == 0 and nin == 0:
-                nin, sw = _adapt_step(res, usage, cap, occupied, per_layer, floor, margin, max_moves,
-                                      infl_l, infl_e, loads)
-                swaps += sw
-                _scale_all(usage, decay)
-                steps += 1
-                land_at = rounds + copy_delay
-            if nin > 0 and rounds >= land_at:
-                for t in range(nin):
-                    res[infl_l[t], infl_e[t]] = True
-                nin = 0
-            if i == n:
-                break
+    pool_slots = pool[0]
+    pool_bytes = pool[1]
+    for i in range(n):
+        if st[5] != 0 and rnd[i] != st[6]:
+            _adaptive_end_round(res, cap, occupied, per_layer, floor, margin, adapt_every, max_moves, decay,
+                                copy_delay, usage, infl_l, infl_e, st, loads)
+        st[5] = 1
+        st[6] = rnd[i]
         l = layer[i]
         e = expert[i]
         if res[l, e]:
             hits[i] = True
-        elif admit:
-            ok = True
-            if per_layer:
-                if occupied[l] >= cap[l]:
-                    ok = False
-            else:
-                if pool_slots == 0:
-                    ok = False
-                elif pool_bytes >= 0:
-                    if pool_bytes < slot_bytes[l]:
-                        pool_slots = 0
+        else:
+            hits[i] = False
+            if admit:
+                ok = True
+                if per_layer:
+                    if occupied[l] >= cap[l]:
                         ok = False
-                    else:
-                        pool_bytes -= slot_bytes[l]
+                else:
+                    if pool_slots == 0:
+                        ok = False
+                    elif pool_bytes >= 0:
+                        if pool_bytes < slot_bytes[l]:
+                            pool_slots = 0
+                            ok = False
+                        else:
+                            pool_bytes -= slot_bytes[l]
+                    if ok:
+                        if pool_slots > 0:
+                            pool_slots -= 1
+                        cap[l] += 1
                 if ok:
-                    if pool_slots > 0:
-                        pool_slots -= 1
-                    cap[l] += 1
-            if ok:
-                res[l, e] = True
-                occupied[l] += 1
-                loads[l] += 1
+                    res[l, e] = True
+                    occupied[l] += 1
+                    loads[l] += 1
         usage[l, e] += 1.0
-    return hits, loads, steps, swaps
+    pool[0] = pool_slots
+    pool[1] = pool_bytes
+
+
+def adaptive_state(n_layers, n_expert, max_moves):
+    """Fresh adaptive carry: (usage float64 [L, E], in-flight layer/expert int64 [max(max_moves, 1)], st)."""
+    m = max(int(max_moves), 1)
+    return (np.zeros((n_layers, n_expert), dtype=np.float64), np.empty(m, dtype=np.int64),
+            np.empty(m, dtype=np.int64), np.zeros(ADAPTIVE_ST, dtype=np.int64))
+
+
+def adaptive_end(res, cap, occupied, per_layer, floor, margin, adapt_every, max_moves, decay, copy_delay, usage,
+                 infl_l, infl_e, st, loads):
+    """End the stream's last round (the adaptive tier's final ``end_round``)."""
+    _adaptive_end_round(res, cap, occupied, per_layer, floor, margin, adapt_every, max_moves, decay, copy_delay,
+                        usage, infl_l, infl_e, st, loads)
+
+
+def adaptive_kernel(layer, expert, rnd, res, cap, occupied, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
+                    floor, margin, adapt_every, max_moves, decay, copy_delay):
+    """Adaptive tier over a whole stream (:func:`adaptive_chunk` + :func:`adaptive_end`). Returns hits, loads,
+    steps, swaps."""
+    L, E = res.shape
+    hits = np.zeros(len(layer), dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    pool = np.array([pool_slots, pool_bytes], dtype=np.int64)
+    usage, il, ie, st = adaptive_state(L, E, max_moves)
+    args = (floor, margin, adapt_every, max_moves, decay, copy_delay, usage, il, ie, st)
+    adaptive_chunk(layer, expert, rnd, res, cap, occupied, pool, slot_bytes, per_layer, admit, *args, hits, loads)
+    adaptive_end(res, cap, occupied, per_layer, *args, loads)
+    return hits, loads, int(st[3]), int(st[4])
+
+
+def lru_state(n_layers, n_expert):
+    """Fresh LRU carry: prv, nxt (int64 [L, E]), inl (bool [L, E]), head, tail, size (int64 [L])."""
+    L, E = n_layers, n_expert
+    return (np.full((L, E), -1, dtype=np.int64), np.full((L, E), -1, dtype=np.int64), np.zeros((L, E), np.bool_),
+            np.full(L, -1, dtype=np.int64), np.full(L, -1, dtype=np.int64), np.zeros(L, dtype=np.int64))
 
 
 @njit(cache=True, nogil=True)
-def lru_kernel(layer, expert, cap, n_expert):
-    """Per-layer LRU (doubly linked list per layer, O(1) per entry)."""
+def lru_chunk(layer, expert, cap, prv, nxt, inl, head, tail, size, hits, loads):
+    """Per-layer LRU (doubly linked list per layer, O(1) per entry) over one chunk (state: :func:`lru_state`)."""
     n = layer.shape[0]
-    L = cap.shape[0]
-    E = n_expert
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
-    prv = np.full((L, E), -1, dtype=np.int64)
-    nxt = np.full((L, E), -1, dtype=np.int64)
-    inl = np.zeros((L, E), dtype=np.bool_)
-    head = np.full(L, -1, dtype=np.int64)  # least recent
-    tail = np.full(L, -1, dtype=np.int64)  # most recent
-    size = np.zeros(L, dtype=np.int64)
     for i in range(n):
         l = layer[i]
         e = expert[i]
@@ -232,6 +286,7 @@ def lru_kernel(layer, expert, cap, n_expert):
             nxt[l, tail[l]] = e
             tail[l] = e
             continue
+        hits[i] = False
         if cap[l] <= 0:
             continue
         if size[l] >= cap[l]:
@@ -254,6 +309,15 @@ def lru_kernel(layer, expert, cap, n_expert):
         tail[l] = e
         size[l] += 1
         loads[l] += 1
+
+
+def lru_kernel(layer, expert, cap, n_expert):
+    """Per-layer LRU over a whole stream (:func:`lru_chunk`). Returns hits, loads."""
+    L = len(cap)
+    hits = np.zeros(len(layer), dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    lru_chunk(np.asarray(layer, np.int64), np.asarray(expert, np.int64), np.asarray(cap, np.int64),
+              *lru_state(L, n_expert), hits, loads)
     return hits, loads
 
 
@@ -268,31 +332,34 @@ def _argmin_count(members, ms, cnt):
     return best
 
 
+
+def lfu_state(n_layers, n_expert, cap):
+    """Fresh LFU carry: cnt float64 [L, E], res bool [L, E], mem int64 [L, mc], ms int64 [L], st int64 [3]
+    (rounds, has_prev, prev_rnd)."""
+    L, E = n_layers, n_expert
+    mc = max(1, min(int(np.max(cap)), E)) if L > 0 else 1  # a layer never holds more than E experts
+    return (np.zeros((L, E), np.float64), np.zeros((L, E), np.bool_), np.zeros((L, mc), np.int64),
+            np.zeros(L, np.int64), np.zeros(3, np.int64))
+
+
 @njit(cache=True, nogil=True)
-def lfu_kernel(layer, expert, rnd, cap, n_expert, decay, decay_every):
-    """Per-layer LFU with decayed counts (rules in :mod:`.tiers`)."""
+def lfu_chunk(layer, expert, rnd, cap, decay, decay_every, cnt, res, mem, ms, st, hits, loads):
+    """Per-layer LFU with decayed counts (rules in :mod:`.tiers`) over one chunk (state: :func:`lfu_state`)."""
     n = layer.shape[0]
-    L = cap.shape[0]
-    E = n_expert
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
-    cnt = np.zeros((L, E), dtype=np.float64)
-    res = np.zeros((L, E), dtype=np.bool_)
-    mc = max(1, min(cap.max(), E)) if L > 0 else 1  # a layer never holds more than E experts
-    mem = np.zeros((L, mc), dtype=np.int64)
-    ms = np.zeros(L, dtype=np.int64)
-    rounds = 0
     for i in range(n):
-        if i > 0 and rnd[i] != rnd[i - 1]:
-            rounds += 1
-            if rounds % decay_every == 0:
+        if st[1] != 0 and rnd[i] != st[2]:
+            st[0] += 1
+            if st[0] % decay_every == 0:
                 _scale_all(cnt, decay)
+        st[1] = 1
+        st[2] = rnd[i]
         l = layer[i]
         e = expert[i]
         cnt[l, e] += 1.0
         if res[l, e]:
             hits[i] = True
             continue
+        hits[i] = False
         if cap[l] <= 0:
             continue
         if ms[l] >= cap[l]:
@@ -304,37 +371,44 @@ def lfu_kernel(layer, expert, rnd, cap, n_expert, decay, decay_every):
         ms[l] += 1
         res[l, e] = True
         loads[l] += 1
+
+
+def lfu_kernel(layer, expert, rnd, cap, n_expert, decay, decay_every):
+    """Per-layer LFU over a whole stream (:func:`lfu_chunk`). Returns hits, loads."""
+    L = len(cap)
+    hits = np.zeros(len(layer), dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    lfu_chunk(layer, expert, rnd, cap, decay, decay_every, *lfu_state(L, n_expert, cap), hits, loads)
     return hits, loads
 
 
+def lfru_state(n_layers, n_expert, ucap):
+    """Fresh LFRU carry: cnt, where, prv, nxt [L, E], head, tail, psize [L], mem [L, mc], ms [L], st [3]."""
+    L, E = n_layers, n_expert
+    mc = max(1, min(int(np.max(ucap)) + 1, E + 1) if L > 0 else 1)  # at most E experts (+1 before an eviction)
+    return (np.zeros((L, E), np.float64), np.zeros((L, E), np.int8), np.full((L, E), -1, np.int64),
+            np.full((L, E), -1, np.int64), np.full(L, -1, np.int64), np.full(L, -1, np.int64),
+            np.zeros(L, np.int64), np.zeros((L, mc), np.int64), np.zeros(L, np.int64), np.zeros(3, np.int64))
+
+
 @njit(cache=True, nogil=True)
-def lfru_kernel(layer, expert, rnd, pcap, ucap, n_expert, decay, decay_every):
-    """Per-layer LFRU (privileged LRU + unprivileged decayed LFU; rules in :mod:`.tiers`)."""
+def lfru_chunk(layer, expert, rnd, pcap, ucap, decay, decay_every, cnt, where, prv, nxt, head, tail, psize, mem, ms,
+               st, hits, loads):
+    """Per-layer LFRU (privileged LRU + unprivileged decayed LFU; rules in :mod:`.tiers`) over one chunk
+    (state: :func:`lfru_state`; ``where`` 0 absent, 1 privileged, 2 unprivileged)."""
     n = layer.shape[0]
-    L = pcap.shape[0]
-    E = n_expert
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
-    cnt = np.zeros((L, E), dtype=np.float64)
-    where = np.zeros((L, E), dtype=np.int8)  # 0 absent, 1 privileged, 2 unprivileged
-    prv = np.full((L, E), -1, dtype=np.int64)
-    nxt = np.full((L, E), -1, dtype=np.int64)
-    head = np.full(L, -1, dtype=np.int64)
-    tail = np.full(L, -1, dtype=np.int64)
-    psize = np.zeros(L, dtype=np.int64)
-    mc = max(1, min(ucap.max() + 1, E + 1) if L > 0 else 1)  # at most E experts (+1 before an eviction)
-    mem = np.zeros((L, mc), dtype=np.int64)
-    ms = np.zeros(L, dtype=np.int64)
-    rounds = 0
     for i in range(n):
-        if i > 0 and rnd[i] != rnd[i - 1]:
-            rounds += 1
-            if rounds % decay_every == 0:
+        if st[1] != 0 and rnd[i] != st[2]:
+            st[0] += 1
+            if st[0] % decay_every == 0:
                 _scale_all(cnt, decay)
+        st[1] = 1
+        st[2] = rnd[i]
         l = layer[i]
         e = expert[i]
         cnt[l, e] += 1.0
         w = where[l, e]
+        hits[i] = False
         if w == 1:
             hits[i] = True
             if tail[l] != e:
@@ -390,25 +464,36 @@ def lfru_kernel(layer, expert, rnd, pcap, ucap, n_expert, decay, decay_every):
                 for t in range(j, ms[l] - 1):
                     mem[l, t] = mem[l, t + 1]
                 ms[l] -= 1
+
+
+def lfru_kernel(layer, expert, rnd, pcap, ucap, n_expert, decay, decay_every):
+    """Per-layer LFRU over a whole stream (:func:`lfru_chunk`). Returns hits, loads."""
+    L = len(pcap)
+    hits = np.zeros(len(layer), dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    lfru_chunk(layer, expert, rnd, pcap, ucap, decay, decay_every, *lfru_state(L, n_expert, ucap), hits, loads)
     return hits, loads
 
 
-@njit(cache=True, nogil=True)
-def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
-    """Per-layer Belady with bypass from a given start-up fill (rules in :mod:`.tiers`). ``res``/``cur_next``
-    are modified."""
-    n = layer.shape[0]
+def belady_state(res, cap):
+    """Belady's carry from a start-up fill ``res`` bool [L, E]: (mem int64 [L, mc], ms int64 [L]), the
+    residents of every layer in expert order."""
     L, E = res.shape
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
-    mc = max(1, min(cap.max(), E)) if L > 0 else 1  # a layer never holds more than E experts
+    mc = max(1, min(int(np.max(cap)), E)) if L > 0 else 1  # a layer never holds more than E experts
     mem = np.zeros((L, mc), dtype=np.int64)
     ms = np.zeros(L, dtype=np.int64)
     for l in range(L):
-        for e in range(E):
-            if res[l, e]:
-                mem[l, ms[l]] = e
-                ms[l] += 1
+        es = np.flatnonzero(res[l])
+        mem[l, :len(es)] = es
+        ms[l] = len(es)
+    return mem, ms
+
+
+@njit(cache=True, nogil=True)
+def belady_chunk(layer, expert, nxt_use, res, cur_next, cap, mem, ms, hits, loads):
+    """Per-layer Belady with bypass (rules in :mod:`.tiers`) over one chunk; ``nxt_use`` [n] is every entry's
+    next use (global entry index, int64 max = never); ``res``/``cur_next``/``mem``/``ms`` carry."""
+    n = layer.shape[0]
     for i in range(n):
         l = layer[i]
         e = expert[i]
@@ -417,6 +502,7 @@ def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
             hits[i] = True
             cur_next[l, e] = nu
             continue
+        hits[i] = False
         cur_next[l, e] = nu
         if cap[l] <= 0:
             continue
@@ -438,34 +524,177 @@ def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
             mem[l, best] = e
             res[l, e] = True
             loads[l] += 1
+
+
+def belady_kernel(layer, expert, nxt_use, res, cur_next, cap):
+    """Per-layer Belady over a whole stream (:func:`belady_chunk`); ``res``/``cur_next`` are modified."""
+    L, E = res.shape
+    hits = np.zeros(len(layer), dtype=np.bool_)
+    loads = np.zeros(L, dtype=np.int64)
+    belady_chunk(layer, expert, nxt_use, res, cur_next, cap, *belady_state(res, cap), hits, loads)
     return hits, loads
 
 
 @njit(cache=True, nogil=True)
+def next_use_chunk(key, base, last, nxt):
+    """Backward pass over one chunk of pair keys (``layer * E + expert``), the chunks taken last to first:
+    ``nxt[i]`` = global index of the next entry with the same key (from ``last``, int64 [L*E], int64 max =
+    never), then ``last[key[i]] = base + i``."""
+    for i in range(key.shape[0] - 1, -1, -1):
+        k = key[i]
+        nxt[i] = last[k]
+        last[k] = base + i
+
+
+def belady_start(first_use, cap):
+    """Belady's start-up fill from every pair's first use (int64 [L, E], int64 max = never): per layer the
+    ``cap[l]`` experts used first. Returns bool [L, E]."""
+    L, E = first_use.shape
+    never = np.iinfo(np.int64).max
+    res = np.zeros((L, E), dtype=np.bool_)
+    for l in range(L):
+        used = np.flatnonzero(first_use[l] != never)
+        order = used[np.argsort(first_use[l, used], kind="stable")][: max(int(cap[l]), 0)]
+        res[l, order] = True
+    return res
+
+
 def belady_prepare(layer, expert, n_layers, n_expert, cap):
     """Next use of every entry (index of the next entry with the same pair, or int64 max), Belady's start-up
-    fill (per layer the ``cap[l]`` experts used first) and each pair's first use; one backward and one forward
-    pass, equal to :func:`.tiers.next_uses` / :func:`.tiers.belady_start`."""
-    n = layer.shape[0]
+    fill (per layer the ``cap[l]`` experts used first) and each pair's first use; one backward pass, equal to
+    :func:`.tiers.next_uses` / :func:`.tiers.belady_start`."""
     never = np.iinfo(np.int64).max
     last = np.full(n_layers * n_expert, never, dtype=np.int64)
-    nxt = np.empty(n, dtype=np.int64)
-    for i in range(n - 1, -1, -1):
-        key = layer[i] * n_expert + expert[i]
-        nxt[i] = last[key]
-        last[key] = i
-    res = np.zeros((n_layers, n_expert), dtype=np.bool_)
-    seen = np.zeros(n_layers, dtype=np.int64)
-    for i in range(n):
+    nxt = np.empty(len(layer), dtype=np.int64)
+    key = np.asarray(layer, np.int64) * n_expert + np.asarray(expert, np.int64)
+    next_use_chunk(key, 0, last, nxt)
+    first = last.reshape(n_layers, n_expert)
+    return nxt, belady_start(first, cap), first
+
+
+@njit(cache=True, nogil=True)
+def metrics_chunk(layer, record, hits, le, lh, st):
+    """Hit metrics of one chunk, accumulated: entries ``le`` and hits ``lh`` per layer (int64 [L]); ``st`` int64
+    [5]: records closed, records closed with every entry a hit, has-open-record, open record id, open record's
+    misses. Record ids are non-decreasing, so a record is one run (possibly continued in the next chunk)."""
+    for i in range(layer.shape[0]):
         l = layer[i]
+        le[l] += 1
+        h = hits[i]
+        if h:
+            lh[l] += 1
+        r = record[i]
+        if st[2] == 0 or r != st[3]:
+            if st[2] != 0:
+                st[0] += 1
+                if st[4] == 0:
+                    st[1] += 1
+            st[2] = 1
+            st[3] = r
+            st[4] = 0
+        if not h:
+            st[4] += 1
+
+
+# prepare state ``st`` (int64 [16]): has_pe, pe_req, pe_pos, pe_lay, pe_rank, pe_win, has_pr, pr_req, pr_pos,
+# pr_lay, pr_inw, pr_key, pr_bat, last_record, cur_round, cur_bat
+PREP_ST = 16
+
+
+@njit(cache=True, nogil=True)
+def prepare_chunk(req, pos, lay, rank, win, phase, expert, windows, back, drop_prefill, mark_prefill, n_layers,
+                  n_expert, st, o_lay, o_ex, o_rnd, o_rec, o_req, o_tok, o_cnt, counts):
+    """Records, rounds and the kept entries of one chunk, the rules of :func:`.replay.prepare_entries` (module
+    docstring there) with the previous chunk's last entry and record carried in ``st``. ``win`` is ignored
+    unless ``windows``; ``back`` is the sorted request ids with layer-major batches. Writes the kept entries to
+    the ``o_*`` arrays and returns how many; ``o_cnt`` (bool) says whether a kept entry is counted (False: a
+    prefill entry replayed to warm the cache, with ``mark_prefill``); ``counts`` int64 [7]: skipped prefill,
+    layer, expert; kept entries in a window, outside windows, in a batched record; kept but not counted
+    (added)."""
+    n = req.shape[0]
+    nb = back.shape[0]
+    k = 0
+    for i in range(n):
+        r = req[i]
+        p = pos[i]
+        la = lay[i]
+        rk = rank[i]
+        w = win[i] if windows else -1
+        rs = st[0] == 0 or r != st[1] or p != st[2] or la != st[3] or rk <= st[4] or (windows and w != st[5])
+        st[0] = 1
+        st[1] = r
+        st[2] = p
+        st[3] = la
+        st[4] = rk
+        st[5] = w
+        if rs:
+            in_w = windows and w >= 0
+            if in_w:
+                key = w
+            elif windows:
+                key = p - (1 << 40)
+            else:
+                key = p
+            bat = False
+            if nb > 0 and not in_w:
+                lo = 0
+                hi = nb
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if back[mid] < r:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                bat = lo < nb and back[lo] == r
+            if st[6] == 0:
+                nr = True
+            else:
+                unknown = p < 0 and not in_w
+                nr = r != st[7] or key != st[11] or (unknown and la <= st[9])
+                if nb > 0 and bat and st[12] != 0 and r == st[7]:
+                    nr = la < st[9]
+            if nr:
+                st[14] += 1
+            st[13] += 1
+            st[15] = 1 if bat else 0
+            st[6] = 1
+            st[7] = r
+            st[8] = p
+            st[9] = la
+            st[10] = 1 if in_w else 0
+            st[11] = key
+            st[12] = 1 if bat else 0
+        if drop_prefill and phase[i] == 0:
+            counts[0] += 1
+            continue
+        if la < 0 or la >= n_layers:
+            counts[1] += 1
+            continue
         e = expert[i]
-        if last[l * n_expert + e] == i and seen[l] < cap[l]:
-            res[l, e] = True
-            seen[l] += 1
-    return nxt, res, last.reshape(n_layers, n_expert)
+        if e < 0 or e >= n_expert:
+            counts[2] += 1
+            continue
+        o_lay[k] = la
+        o_ex[k] = e
+        o_rnd[k] = st[14]
+        o_rec[k] = st[13]
+        o_req[k] = r
+        o_tok[k] = r * 4294967296 + p if p >= 0 else -(st[14] + 1)
+        if mark_prefill and phase[i] == 0:
+            o_cnt[k] = False
+            counts[6] += 1
+        else:
+            o_cnt[k] = True
+        if windows:
+            if w >= 0:
+                counts[3] += 1
+            else:
+                counts[4] += 1
+        if st[15] != 0:
+            counts[5] += 1
+        k += 1
+    return k
 
-
-# -- Strata 0.2.x adaptive tier: lag, paced copies, an upper tier (rules in tiers.AdaptiveTier) -------------------
 
 @njit(cache=True, nogil=True)
 def _moves_v2(t, R, C, O, upool, usage, per_layer, floor, margin, max_moves, excl, prefer, use_prefer,

@@ -1,8 +1,8 @@
 """Held-out evaluation: k-fold by request (a fold never splits a request or a prompt).
 
 Folds: the distinct request ids (made distinct per input trace by :func:`.replay.merge_traces`) in ascending
-order, request i going to fold ``i % k``. For each fold, a profile is built with
-:func:`stratatools.profiles.ranking.make_profile` on the other k-1 folds and scored on the held-out fold; the
+order, request i going to fold ``i % k``. For each fold, a profile is built as
+:func:`stratatools.profiles.ranking.make_profile` would on the other k-1 folds and scored on the held-out fold; the
 in-sample number builds and scores on everything. Interval: mean +- t(0.975, k-1) * sd / sqrt(k), the
 two-sided 95% Student-t interval over the k fold scores (sd with k-1 degrees of freedom).
 """
@@ -17,9 +17,8 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.profiles.strp import Profile
-from stratatools.profiles.ranking import make_profile
-from stratatools.traces.table import TraceTable
-from stratatools.cachesim.replay import BandwidthModel, merge_traces, prepare_entries, simulate_policy
+from stratatools.traces.table import PREFILL, TraceTable
+from stratatools.cachesim.replay import BandwidthModel
 
 # two-sided 95% Student-t quantiles t(0.975, df), df 1..30, then 40, 60, 120 and the normal limit
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
@@ -92,48 +91,153 @@ def kfold_eval(tables: Sequence[TraceTable] | TraceTable, n_layers: int, n_exper
                policies: Sequence[str] = ("static",), slots: int | None = None, budget_bytes: int | None = None,
                blob_bytes=None, admission: str = "global", phase: str = "decode", mode: str = "no-base",
                fill: str = "expert-major", base: Profile | None = None, bandwidth: BandwidthModel | None = None,
-               policy_params: dict[str, dict] | None = None, cold: bool = False) -> KFoldResult:
-    """k-fold held-out evaluation of profiles built by make-profile (module docstring).
+               policy_params: dict[str, dict] | None = None, chunk: int | None = None,
+               progress=None, stream=None, client=None,
+               cold: bool = False) -> KFoldResult:
+    """k-fold held-out evaluation of profiles built by make-profile (module docstring), streamed.
+
+    Two passes over the traces, in memory independent of their length: the first assigns every request to its
+    fold (merged request id % k), counts (layer, expert) per fold and notes each fold's layer-major batches;
+    the profiles are built from the counts (fold f's: every count but fold f's, as make-profile would count
+    the other folds' traces); the second pass replays every fold's held-out entries (prepared as a trace of
+    those requests alone would be) and the in-sample run, chunk by chunk, without materialising any fold.
 
     Args:
+        tables: traces (TraceTables or chunk sources, :func:`.replay.as_source`).
         policies: tiers that use the profile (``static``, ``adaptive``).
         mode, fill, base: make-profile options (formats.md 4; ``no-base`` by default: traces then fill).
         phase: replay phase filter, also used for counting (``decode`` counts decode entries only).
         cold: drop the prefill from the replay instead of replaying it uncounted (:func:`.replay.prepare_entries`).
+        chunk: entries per chunk (results do not depend on it); progress: ``update(advance=x)``, advanced by
+            1 per pass (2 in all), or by 2 / (k + 1) per Dask task.
+        stream: the :class:`.replay.EntryStream` of ``tables`` when the caller has one (its scan is reused).
+        client: a ``distributed.Client``: every fold and the in-sample run are Dask tasks (each reopens the
+            sources from their ``spec`` and makes both passes for its part); the same result.
     Raises:
         StrataError: fewer requests than folds, k < 2, budget or policy problems.
     """
-    table = tables if isinstance(tables, TraceTable) else merge_traces(list(tables))
-    pp = policy_params or {}
+    kw = dict(policies=list(policies), slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,
+              admission=admission, phase=phase, mode=mode, fill=fill, base=base, bandwidth=bandwidth,
+              policy_params=policy_params, chunk=chunk, cold=cold)
     for p in policies:
         if p not in ("static", "adaptive"):
             raise StrataError(f"k-fold scores profile-driven tiers (static, adaptive), not {p!r}")
-    fold = fold_of_requests(table.request.astype(np.int64), k)
-    count_phase = "decode" if phase == "decode" else "all"
-    res = KFoldResult(k=k, requests=int(len(np.unique(table.request))), policies=list(policies),
-                      options={"mode": mode, "fill": fill, "phase": phase, "cold": cold, "admission": admission,
-                               "slots": slots, "budget_bytes": budget_bytes})
-    common = dict(slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, admission=admission,
-                  bandwidth=bandwidth)
-    for f in range(k):
-        train = table.take(fold != f)
-        test = table.take(fold == f)
-        prof, _ = make_profile([train], n_layers, n_expert, base=base, mode=mode, fill=fill, phase=count_phase)
-        try:
-            ent = prepare_entries(test, n_layers, n_expert, phase=phase, cold=cold)
-        except StrataError:
-            raise StrataError(f"fold {f}: the held-out requests hold no usable entries; use fewer folds") from None
-        row: dict[str, Any] = {"fold": f, "requests": int(len(np.unique(test.request))), "entries": ent.n_counted,
-                               "h_expert": {}, "h_layer": {}}
-        for p in policies:
-            r = simulate_policy(ent, p, profile=prof, **common, **pp.get(p, {}))
-            row["h_expert"][p] = r.h_expert
-            row["h_layer"][p] = r.h_layer
-        res.folds.append(row)
-    prof_all, _ = make_profile([table], n_layers, n_expert, base=base, mode=mode, fill=fill, phase=count_phase)
-    ent_all = prepare_entries(table, n_layers, n_expert, phase=phase, cold=cold)
+    if client is None:
+        return _kfold(tables, n_layers, n_expert, k, only=None, progress=progress, stream=stream, **kw)
+    from stratatools.core.cluster import run_tasks
+
+    specs = [s.spec for s in (tables if isinstance(tables, (list, tuple)) else [tables])]
+    if k < 2:
+        raise StrataError(f"--kfold {k}: need at least 2 folds")
+
+    class _P:
+        def update(self, advance: int = 0, **_):
+            if progress is not None:
+                progress.update(advance=2 * advance / (k + 1))
+
+    parts = run_tasks(client, _kfold_task, [(specs, n_layers, n_expert, k, f, kw) for f in list(range(k)) + [-1]],
+                      name="kfold", progress=_P())
+    res = parts[-1]
+    res.folds = [p.folds[0] for p in parts[:-1]]
     for p in policies:
         m, lo, hi = t_interval([row["h_expert"][p] for row in res.folds])
         res.mean[p], res.low[p], res.high[p] = m, lo, hi
-        res.in_sample[p] = simulate_policy(ent_all, p, profile=prof_all, **common, **pp.get(p, {})).h_expert
+    return res
+
+
+def _kfold_task(specs, n_layers, n_expert, k, f, kw) -> KFoldResult:
+    from stratatools.traces.sources import open_source
+
+    srcs = [open_source(*s[:4], where=s[4], partition=s[5]) for s in specs]
+    return _kfold(srcs, n_layers, n_expert, k, only=f, **kw)
+
+
+def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, budget_bytes, blob_bytes, admission,
+           phase, mode, fill, base, bandwidth, policy_params, chunk, only=None, progress=None,
+           stream=None, cold=False) -> KFoldResult:
+    """The k-fold's two passes; ``only``: None (every fold and the in-sample run), a fold index (that fold
+    alone: ``folds`` holds its row) or -1 (the in-sample run alone)."""
+    from stratatools.cachesim.replay import EntryStream, RunGroup
+    from stratatools.profiles.ranking import build_profile
+
+    pp = policy_params or {}
+    srcs = [tables] if isinstance(tables, TraceTable) else list(tables)
+    main = stream if stream is not None else EntryStream(srcs, n_layers, n_expert, phase=phase, chunk=chunk,
+                                                                  cold=cold)
+    n_req = int(main._req_base[-1] + len(main._req_ids[-1]))
+    if k < 2:
+        raise StrataError(f"--kfold {k}: need at least 2 folds")
+    if n_req < k:
+        raise StrataError(f"--kfold {k}: the traces hold only {n_req} request(s); a fold never splits a request, "
+                          f"so use at most {n_req} folds (or traces with more requests)")
+    L, E = int(n_layers), int(n_expert)
+    todo = list(range(k)) if only is None else ([] if only == -1 else [only])
+    in_sample = only is None or only == -1
+    folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main, cold=cold) for f in todo}
+    raw = max(main.raw_entries, 1)
+    # pass 1: per-fold counts (make-profile's filter: phase, layer and expert range) and batched requests
+    counts = np.zeros(k * L * E, dtype=np.int64)
+    for c in main.raw_chunks():
+        for fs in folds.values():
+            fs.scan_fold(c)
+        lay, ex = c["layer"], c["expert"]
+        keep = (lay >= 0) & (lay < L) & (ex >= 0) & (ex < E)
+        if phase == "decode":
+            keep &= c["phase"] != PREFILL
+        fk = (c["request"] % k)[keep]
+        counts += np.bincount(fk * (L * E) + lay[keep] * E + ex[keep], minlength=k * L * E)
+        if progress is not None:
+            progress.update(advance=len(lay) / raw)
+    for fs in folds.values():
+        fs.end_scan()
+    counts = counts.reshape(k, L, E)
+    total = counts.sum(0)
+    res = KFoldResult(k=k, requests=n_req, policies=list(policies),
+                      options={"mode": mode, "fill": fill, "phase": phase, "cold": cold, "admission": admission,
+                               "slots": slots, "budget_bytes": budget_bytes})
+    common = dict(slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, admission=admission)
+    for f in range(k):
+        if counts[f].sum() == 0:
+            raise StrataError(f"fold {f}: the held-out requests hold no usable entries; use fewer folds")
+    groups = {}
+    for f in todo:
+        prof = build_profile((total - counts[f]).astype(np.float64), base=base, mode=mode, fill=fill)
+        groups[f] = RunGroup(folds[f], [dict(policy=p, profile=prof, **common, **pp.get(p, {}))
+                                        for p in policies], bandwidth)
+    g_all = None
+    if in_sample:
+        prof_all = build_profile(total.astype(np.float64), base=base, mode=mode, fill=fill)
+        g_all = RunGroup(main, [dict(policy=p, profile=prof_all, **common, **pp.get(p, {})) for p in policies],
+                         bandwidth)
+    # pass 2: every fold's held-out replay and the in-sample replay, one chunk at a time
+    main.begin()
+    for fs in folds.values():
+        fs.begin()
+    for c in main.raw_chunks():
+        if g_all is not None:
+            e = main.prepare(c)
+            if e is not None:
+                g_all.feed(e)
+        for f, fs in folds.items():
+            ef = fs.prepare(c)
+            if ef is not None:
+                groups[f].feed(ef)
+        if progress is not None:
+            progress.update(advance=len(c["layer"]) / raw)
+    if g_all is not None:
+        main.end()
+    for f, fs in folds.items():
+        fs.end()
+        row: dict[str, Any] = {"fold": f, "requests": len(range(f, n_req, k)), "entries": fs.n_counted,
+                               "h_expert": {}, "h_layer": {}}
+        for p, r in zip(policies, groups[f].results()):
+            row["h_expert"][p] = r.h_expert
+            row["h_layer"][p] = r.h_layer
+        res.folds.append(row)
+    if g_all is not None:
+        for p, r in zip(policies, g_all.results()):
+            res.in_sample[p] = r.h_expert
+            if only is None:
+                m, lo, hi = t_interval([row["h_expert"][p] for row in res.folds])
+                res.mean[p], res.low[p], res.high[p] = m, lo, hi
     return res

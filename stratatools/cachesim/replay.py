@@ -29,10 +29,19 @@ cache as it did in the engine, and its entries are in :attr:`Entries.count` as F
 (Strata's ``--dump-routing`` writes decode positions only; llama.cpp traces mark prompt processing with negative
 positions). ``phase="all"`` replays and counts everything. Metrics count the counted entries only; copies
 (``loads``, ``moved_bytes``) are those of the whole replay, warm-up included.
+
+Streaming (traces of any size): :class:`EntryStream` prepares the same entries chunk by chunk from chunk sources
+(:mod:`stratatools.traces.sources`) with what one chunk needs of the previous one carried over (compiled:
+:func:`.kernels.prepare_chunk`); :class:`Replay` runs one policy over chunks keeping only its state
+(:mod:`.kernels` ``*_chunk``); :class:`MetricAcc` accumulates the metrics per chunk (no sort); :class:`RunGroup`
+feeds one pass to many runs (:func:`simulate_many`). Belady's next uses come from a backward pass into a
+temporary file. :func:`prepare_entries`, :func:`run_policy`, :func:`simulate_policy` and :func:`metrics` keep
+their whole-array signatures (``simulate_policy`` also takes a stream) and give the same results.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -40,7 +49,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.profiles.strp import Profile
-from stratatools.traces.table import PREFILL, TraceTable, rounds_kind
+from stratatools.traces.table import PREFILL, Distinct as _Distinct, TraceTable
 from stratatools.cachesim import kernels as K
 from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier, plan_upper
 from stratatools.cachesim.tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults,
@@ -60,6 +69,10 @@ class BandwidthModel:
         return {"host_gbps": self.host_gbps, "pcie_gbps": self.pcie_gbps, "vram_gbps": self.vram_gbps}
 
 
+CHUNK_ENTRIES = 1 << 20
+"""Entries per replay chunk (the streaming replay's unit; memory ~ 100 bytes x this, whatever the trace length)."""
+
+
 @dataclass
 class Entries:
     """A trace flattened for replay: routed entries in order, with round and record ids.
@@ -67,9 +80,10 @@ class Entries:
     Attributes:
         layer, expert: int64 [N].
         rnd: int64 [N] round id (non-decreasing; a change means a new round).
-        record: int64 [N] record id (one token's routing of one layer).
+        record: int64 [N] record id (non-decreasing; one token's routing of one layer).
         request: int64 [N] request id (dense over all input traces; folds never split one).
-        token: int64 [N] token id: one per (request, position), or per round where positions are unknown.
+        token: int64 [N] token key: one per (request, position), or per round where positions are unknown
+            (only compared for equality).
         n_layers, n_expert: the geometry entries were checked against.
         n_tokens: decode positions covered.
         skipped: entries left out (``prefill``, ``layer`` out of range, ``expert`` out of range).
@@ -90,6 +104,7 @@ class Entries:
     token: np.ndarray | None = None
     skipped: dict[str, int] = field(default_factory=dict)
     rounds_by: str = "positions"
+    rounds: int | None = None  # distinct rounds when known (else counted from ``rnd``)
     count: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -111,7 +126,31 @@ class Entries:
 
     @property
     def n_rounds(self) -> int:
-        return int(len(np.unique(self.rnd)))
+        if self.rounds is None:
+            self.rounds = int(len(np.unique(self.rnd)))
+        return self.rounds
+
+    @property
+    def n_requests(self) -> int:
+        """Distinct request ids."""
+        return int(len(np.unique(self.request)))
+
+    def pair_counts(self) -> np.ndarray:
+        """Counted entries per (layer, expert), int64 [L, E]."""
+        L, E = self.n_layers, self.n_expert
+        lay, ex = (self.layer, self.expert) if self.count is None else (self.layer[self.count], self.expert[self.count])
+        return np.bincount(lay * E + ex, minlength=L * E).reshape(L, E)
+
+    def chunks(self, size: int | None = None):
+        """The entries in slices (views) of ``size`` (default :data:`CHUNK_ENTRIES`) entries."""
+        size = max(int(size or CHUNK_ENTRIES), 1)
+        n = len(self)
+        for a in range(0, n, size):
+            b = min(n, a + size)
+            yield Entries(self.layer[a:b], self.expert[a:b], self.rnd[a:b], self.record[a:b], self.request[a:b],
+                          self.n_layers, self.n_expert, self.n_tokens,
+                          token=None if self.token is None else self.token[a:b], rounds_by=self.rounds_by,
+                          count=_all_none(None if self.count is None else self.count[a:b]))
 
     def take(self, mask: np.ndarray) -> "Entries":
         """Entries selected by a boolean mask (whole requests, for folds); tokens recounted."""
@@ -124,13 +163,19 @@ class Entries:
                        skipped=dict(self.skipped), rounds_by=self.rounds_by, count=cnt)
 
 
+def _all_none(count: np.ndarray | None) -> np.ndarray | None:
+    """A count mask, or None when it counts every entry."""
+    return None if count is None or count.all() else count
+
+
 def _count_tokens(token: np.ndarray) -> int:
     return int(len(np.unique(token))) if len(token) else 0
 
 
 def merge_traces(tables: Sequence[TraceTable]) -> TraceTable:
     """One table from several traces with request ids made distinct per input (dense, in input order); verify
-    windows are kept (:meth:`TraceTable.concat`)."""
+    windows are kept (:meth:`TraceTable.concat`). Builds every column: the streaming path
+    (:class:`EntryStream`) merges chunk by chunk instead."""
     if not tables:
         raise StrataError("no traces given (pass at least one --traces file)")
     parts = []
@@ -158,101 +203,663 @@ def _table_window(t: TraceTable) -> np.ndarray | None:
     return w
 
 
-def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *,
-                    phase: str = "decode", cold: bool = False) -> Entries:
-    """Flatten traces for replay (rounds, records and phases as in the module docstring).
+class _Prep:
+    """The rounds and records of :func:`prepare_entries`, computed chunk by chunk with what one chunk needs of
+    the previous one carried over (last entry, last record, record and round counters).
+
+    Two passes: :meth:`scan` finds the requests whose positions go back (layer-major batches; a property of the
+    whole request), :meth:`feed` then yields each chunk's kept entries with global round and record ids.
+    """
+
+    def __init__(self, n_layers: int, n_expert: int, phase: str, windows: bool, cold: bool = False):
+        self.L, self.E, self.phase, self.windows = int(n_layers), int(n_expert), phase, windows
+        self.cold = bool(cold)
+        self.back = _Distinct()
+        self.reset()
+
+    def reset(self) -> None:
+        self.pe = None   # last entry: (req, pos, lay, rank, win)  (scan)
+        self.pr = None   # last record: (req, pos, lay, in_w, key, batched)  (scan)
+        self.st = np.zeros(K.PREP_ST, np.int64)  # the same for feed (kernels.prepare_chunk)
+        self.st[13] = self.st[14] = -1  # last record, current round
+
+    def _records(self, c: dict):
+        req, pos, lay, rank = c["request"], c["position"], c["layer"], c["rank"]
+        win = c.get("window") if self.windows else None
+        if self.windows and win is None:
+            win = np.full(len(req), -1, np.int64)
+        n = len(req)
+        rs = np.ones(n, dtype=bool)
+        rs[1:] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (rank[1:] <= rank[:-1])
+        if win is not None:
+            rs[1:] |= win[1:] != win[:-1]
+        if self.pe is not None:
+            p = self.pe
+            rs[0] = bool(req[0] != p[0] or pos[0] != p[1] or lay[0] != p[2] or rank[0] <= p[3]
+                         or (win is not None and win[0] != p[4]))
+        self.pe = (req[-1], pos[-1], lay[-1], rank[-1], win[-1] if win is not None else 0)
+        idx = np.flatnonzero(rs)
+        r_req, r_pos, r_lay = req[idx], pos[idx], lay[idx]
+        if win is not None:
+            r_win = win[idx]
+            in_w = r_win >= 0
+            # windows: key = window id (>= 0); outside them: key = position, shifted below every window id
+            r_key = np.where(in_w, r_win, r_pos - (1 << 40))
+        else:
+            in_w = np.zeros(len(idx), dtype=bool)
+            r_key = r_pos
+        return rs, win, r_req, r_pos, r_lay, in_w, r_key
+
+    def scan(self, c: dict) -> None:
+        """First pass over a chunk: note the requests with batched (going-back) positions."""
+        if not len(c["request"]):
+            return
+        _, _, r_req, r_pos, r_lay, in_w, r_key = self._records(c)
+        if not len(r_req):
+            return
+        if self.pr is not None:
+            p = self.pr
+            r_req, r_pos, in_w = np.r_[p[0], r_req], np.r_[p[1], r_pos], np.r_[p[3], in_w]
+        if len(r_req) > 1:
+            same_req = r_req[1:] == r_req[:-1]
+            back = same_req & ~in_w[1:] & ~in_w[:-1] & (r_pos[1:] >= 0) & (r_pos[1:] < r_pos[:-1])
+            if back.any():
+                self.back.add(r_req[1:][back])
+        self.pr = (r_req[-1], r_pos[-1], r_lay[-1], in_w[-1], r_key[-1], False)
+
+    def end_scan(self) -> None:
+        self.back_ids = self.back.values()
+        self.reset()
+
+    def feed(self, c: dict):
+        """Second pass over a chunk: (kept entries as :class:`Entries` or None, per-chunk facts dict); compiled
+        (:func:`.kernels.prepare_chunk`), the state of the last entry and record carried in ``self.st``."""
+        n = len(c["request"])
+        if not n:
+            return None, None
+        win = c.get("window") if self.windows else None
+        if win is None:
+            win = np.full(n, -1, np.int64) if self.windows else np.zeros(1, np.int64)
+        out = [np.empty(n, np.int64) for _ in range(6)]
+        cnt = np.empty(n, np.bool_)
+        counts = np.zeros(7, np.int64)
+        decode = self.phase == "decode"
+        k = K.prepare_chunk(_i64(c["request"]), _i64(c["position"]), _i64(c["layer"]), _i64(c["rank"]), _i64(win),
+                            np.asarray(c["phase"], np.int8), _i64(c["expert"]), self.windows,
+                            np.asarray(self.back_ids, np.int64), decode and self.cold, decode and not self.cold,
+                            self.L, self.E, self.st, *out, cnt, counts)
+        lay, ex, rnd, rec, req, tok = (a[:k] for a in out)
+        cnt = _all_none(cnt[:k]) if counts[6] else None
+        facts = {"skipped": {"prefill": int(counts[0]), "layer": int(counts[1]), "expert": int(counts[2])},
+                 "batched": bool(counts[5])}
+        if self.windows:
+            facts["in_w"] = bool(counts[3])
+            facts["out_w"] = bool(counts[4])
+        return Entries(lay, ex, rnd, rec, req, self.L, self.E, 0, token=tok, count=cnt), facts
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _runs(a: np.ndarray) -> np.ndarray:
+    """The first value of every run of equal values (a cheap first step before np.unique)."""
+    if len(a) < 2:
+        return a
+    return a[np.r_[True, a[1:] != a[:-1]]]
+
+
+class _Summary:
+    """Counts over a whole stream, accumulated chunk by chunk (what :class:`Entries` knows up front)."""
+
+    def __init__(self, L: int, E: int) -> None:
+        self.L, self.E = L, E
+        self.entries = 0
+        self.counted = 0  # kept entries the metrics count (the rest warm the cache: prefill under phase decode)
+        self.skipped = {"prefill": 0, "layer": 0, "expert": 0}
+        self.pos_tokens = _Distinct()
+        self.neg_rounds = 0
+        self.rounds = 0
+        self._last_rnd = None
+        self._last_neg = None
+        self.requests = _Distinct()
+        self.batched = self.in_w = self.out_w = False
+        self.windows = False
+        self.counts = np.zeros(L * E, np.int64)
+        self.light = False  # True: no tokens, requests or pair counts (k-fold folds report none of them)
+
+    def add(self, ent: Entries, facts: dict) -> None:
+        for k, v in facts["skipped"].items():
+            self.skipped[k] += v
+        self.batched |= facts["batched"]
+        self.in_w |= facts.get("in_w", False)
+        self.out_w |= facts.get("out_w", False)
+        n = len(ent)
+        if not n:
+            return
+        self.entries += n
+        cnt = ent.count
+        self.counted += n if cnt is None else int(np.count_nonzero(cnt))
+        if not self.light:
+            lay, ex = (ent.layer, ent.expert) if cnt is None else (ent.layer[cnt], ent.expert[cnt])
+            self.counts += np.bincount(lay * self.E + ex, minlength=self.L * self.E)
+        r = ent.rnd
+        ch = int(np.count_nonzero(r[1:] != r[:-1])) + 1
+        if self._last_rnd is not None and r[0] == self._last_rnd:
+            ch -= 1
+        self.rounds += ch
+        self._last_rnd = r[-1]
+        if self.light:
+            return
+        tk = ent.token if cnt is None else ent.token[cnt]  # tokens: those of the counted entries
+        neg = tk < 0
+        self.pos_tokens.add(_runs(tk[~neg]))
+        if neg.any():
+            t = tk[neg]
+            ch = int(np.count_nonzero(t[1:] != t[:-1])) + 1
+            if self._last_neg is not None and t[0] == self._last_neg:
+                ch -= 1
+            self.neg_rounds += ch
+            self._last_neg = t[-1]
+        self.requests.add(_runs(ent.request))
+
+    @property
+    def tokens(self) -> int:
+        return len(self.pos_tokens) + self.neg_rounds
+
+    @property
+    def rounds_by(self) -> str:
+        if not self.windows or not self.in_w:
+            kind = "positions"
+        else:
+            kind = "windows+positions" if self.out_w else "windows"
+        if self.batched:
+            kind = "batches" if kind == "positions" else kind + "+batches"
+        return kind
+
+
+class _TableSource:
+    """A trace table as a chunk source (:func:`stratatools.traces.table.table_chunks`)."""
+
+    def __init__(self, table: TraceTable):
+        self.table = table
+        w = _table_window(table)
+        self.window = w if (w is not None and table.window is None) else None  # a meta["window"] array
+        self.has_windows = w is not None
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def chunks(self, rows: int):
+        from stratatools.traces.table import table_chunks
+
+        n = 0
+        for c in table_chunks(self.table, rows):
+            m = len(c["request"])
+            if self.window is not None:
+                c["window"] = np.asarray(self.window[n:n + m], np.int64)
+            n += m
+            yield c
+
+
+def as_source(t):
+    """A chunk source (``len``, ``has_windows``, ``chunks(rows)`` -> dicts of int64 columns) from a
+    :class:`TraceTable` or anything already shaped like one."""
+    return _TableSource(t) if isinstance(t, TraceTable) else t
+
+
+class EntryStream:
+    """Traces prepared for replay chunk by chunk, in memory independent of their length.
+
+    The same entries, rounds and records as :func:`prepare_entries` over :func:`merge_traces` of the inputs
+    (request ids made dense per input, windows kept apart per input), produced in chunks of about ``chunk``
+    entries (default :data:`CHUNK_ENTRIES`). Construction makes one scan pass (distinct requests, window ids,
+    requests with layer-major batches); every :meth:`chunks` iteration is one more pass over the sources.
+    The summary (:attr:`n_tokens`, :attr:`n_rounds`, :attr:`skipped`, :attr:`rounds_by`, ``len``) is
+    accumulated by the first full pass (:meth:`summarize` makes one when none ran yet).
 
     Args:
-        table: one trace table, or several (merged with :func:`merge_traces`).
+        tables: TraceTables or chunk sources (:func:`as_source`).
+        n_layers, n_expert: the tier's geometry (entries outside it are skipped and counted).
+        phase: ``decode`` (count the decode; known prefill entries are replayed uncounted, or dropped with
+            ``cold``) or ``all`` (:func:`prepare_entries`).
+        cold: with ``phase="decode"``, drop the known prefill entries.
+        merge: make request ids dense per input (False: keep them; only for one input, as
+            ``prepare_entries(table)`` does).
+        fold: ``(k, f)``: only the requests of fold f of k (merged request id % k == f; see
+            :mod:`.kfold`), prepared as a table of those requests alone would be.
+        parent: a stream whose merged chunks this one reads (for folds; no own scan of the sources).
+        progress: ``update(advance=x)``, advanced by 1 over the scan and by 1 over building Belady's next uses.
+    Raises:
+        StrataError: unknown phase, ``cold`` with ``phase="all"``, no traces, no entries (or none counted).
+    """
+
+    def __init__(self, tables, n_layers: int, n_expert: int, *, phase: str = "decode", chunk: int | None = None,
+                 merge: bool = True, fold: tuple[int, int] | None = None, parent: "EntryStream | None" = None,
+                 progress=None, cold: bool = False):
+        if phase not in ("decode", "all"):
+            raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
+        if cold and phase != "decode":
+            raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
+        self.n_layers, self.n_expert, self.phase = int(n_layers), int(n_expert), phase
+        self.cold = bool(cold)
+        self.chunk = max(int(chunk or CHUNK_ENTRIES), 1)
+        self.fold = fold
+        self.parent = parent
+        self._belady = None
+        self._cache = None
+        self.use_cache = False  # keep the prepared entries on disk for later passes (a study makes several)
+        self.progress = progress
+        if parent is not None:
+            self.sources = parent.sources
+            self.merge = True
+            self.windows = parent.windows
+            self._req_base, self._req_ids, self._win_base = parent._req_base, parent._req_ids, parent._win_base
+            self.prep = _Prep(n_layers, n_expert, phase, self.windows, cold)
+            self.summary = _Summary(self.n_layers, self.n_expert)
+            self.summary.windows = self.windows
+            self.summary.light = True
+            self.complete = False
+            return
+        if isinstance(tables, TraceTable):
+            tables = [tables]
+        self.sources = [as_source(t) for t in tables]
+        if not self.sources:
+            raise StrataError("no traces given (pass at least one --traces file)")
+        if not merge and len(self.sources) != 1:
+            raise StrataError("merge=False needs exactly one trace")
+        self.merge = merge
+        self.windows = any(s.has_windows for s in self.sources)
+        self.prep = _Prep(n_layers, n_expert, phase, self.windows, cold)
+        self.summary = _Summary(self.n_layers, self.n_expert)
+        self.summary.windows = self.windows
+        self.complete = False
+        # scan: per input its entries, distinct requests, window ids and batched requests (in its own ids);
+        # inputs without entries are dropped, as merge_traces does
+        self._req_ids, self._req_base, self._win_base = [], [], []
+        self.source_entries = []
+        kept = []
+        rb = wb = 0
+        backs = []
+        for s in self.sources:
+            reqs = _Distinct()
+            wmax = -1
+            n_s = 0
+            pp = _Prep(n_layers, n_expert, phase, self.windows)
+            for c in s.chunks(self.chunk):
+                n_s += len(c["request"])
+                reqs.add(c["request"])
+                if "window" in c and len(c["window"]):
+                    wmax = max(wmax, int(c["window"].max()))
+                pp.scan(c)
+            self.source_entries.append(n_s)
+            if progress is not None:
+                progress.update(advance=1 / len(self.sources))
+            if n_s == 0:
+                continue
+            kept.append(s)
+            u = reqs.values()
+            self._req_ids.append(u)
+            self._req_base.append(rb)
+            self._win_base.append(wb)
+            b = pp.back.values()
+            backs.append(np.searchsorted(u, b) + rb if merge else b)
+            rb += len(u)
+            wb += max(wmax + 1, 0)
+        self.sources = kept
+        if not kept:
+            raise StrataError("the traces hold no routed entries")
+        self.prep.back.add(np.concatenate(backs) if backs else np.zeros(0, np.int64))
+        self.prep.end_scan()
+
+    def raw_chunks(self):
+        """Merged raw chunks (dicts of int64 columns, request ids dense per input and windows shifted per input
+        when merging), one pass over the sources."""
+        for i, s in enumerate(self.sources):
+            for c in s.chunks(self.chunk):
+                if self.merge:
+                    c = dict(c)
+                    r = c["request"]
+                    if len(r):
+                        st = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+                        m = np.searchsorted(self._req_ids[i], r[st]) + self._req_base[i]
+                        c["request"] = np.repeat(m, np.diff(np.r_[st, len(r)]))
+                    if self.windows:
+                        w = c.get("window")
+                        c["window"] = (np.full(len(c["request"]), -1, np.int64) if w is None
+                                       else np.where(w >= 0, w + self._win_base[i], -1))
+                yield c
+
+    def _select(self, c: dict) -> dict:
+        if self.fold is None:
+            return c
+        k, f = self.fold
+        fid = c.get("_fold")
+        if fid is None or c.get("_k") != k:
+            fid = c["_fold"] = c["request"] % k
+            c["_k"] = k
+        m = fid == f
+        if m.all():
+            return {n: v for n, v in c.items() if not n.startswith("_")}
+        idx = np.flatnonzero(m)
+        return {name: v[idx] for name, v in c.items() if not name.startswith("_")}
+
+    def scan_fold(self, c: dict) -> None:
+        """First pass of a fold stream over one merged chunk (see ``parent``)."""
+        self.prep.scan(self._select(c))
+
+    def end_scan(self) -> None:
+        self.prep.end_scan()
+
+    def begin(self) -> None:
+        """Start a pass (the carried state of the previous one is dropped)."""
+        self.prep.reset()
+
+    def prepare(self, c: dict) -> Entries | None:
+        """One merged raw chunk -> its kept entries (None when it keeps none)."""
+        c = self._select(c)
+        ent, facts = self.prep.feed(c)
+        if ent is None:
+            return None
+        if not self.complete:
+            self.summary.add(ent, facts)
+        return ent if len(ent) else None
+
+    def end(self) -> None:
+        """End a full pass: the summary is complete; raises StrataError when no entry was kept."""
+        if not self.complete:
+            self.complete = True
+            if self.summary.entries == 0:
+                sk = self.summary.skipped
+                raise StrataError(f"no routed entry of the traces fits {self.n_layers} layers x {self.n_expert} "
+                                  f"experts (skipped: {sk}); check the traces belong to this model")
+            if self.summary.counted == 0:
+                raise StrataError("the traces hold prefill entries only, nothing of the decode to count; use "
+                                  "--phase all")
+
+    def chunks(self, size: int | None = None):
+        """One pass: the kept entries, chunk by chunk (``size`` is ignored: the stream's ``chunk`` applies).
+
+        With ``use_cache`` (a study sets it), the first full pass of a stream that is not a fold also writes the
+        kept entries compactly to a temporary file (layer and expert as uint16, round and record changes as one flag byte: 5 bytes per
+        entry); later passes read them back from there instead of reading and preparing the traces again."""
+        if self._cache is not None and self._cache.done:
+            yield from self._cache.chunks(self.chunk, self.n_layers, self.n_expert)
+            return
+        src = self.parent.raw_chunks() if self.parent is not None else self.raw_chunks()
+        self.begin()
+        cache = None
+        if self.parent is None and not self.complete and self.use_cache and self.n_expert < 65536 \
+                and self.n_layers < 65536:
+            cache = self._cache = _EntryCache()
+        try:
+            for c in src:
+                e = self.prepare(c)
+                if e is not None:
+                    if cache is not None:
+                        cache.write(e)
+                    yield e
+            self.end()
+            if cache is not None:
+                cache.close()
+        finally:
+            if cache is not None and not cache.done:
+                cache.drop()
+                self._cache = None
+
+    def summarize(self) -> "EntryStream":
+        """Make a pass when no full pass ran yet (the summary needs one)."""
+        if not self.complete:
+            for _ in self.chunks():
+                pass
+        return self
+
+    def __len__(self) -> int:
+        return self.summarize().summary.entries
+
+    @property
+    def n_counted(self) -> int:
+        """Kept entries the metrics count (:attr:`Entries.n_counted`)."""
+        return self.summarize().summary.counted
+
+    @property
+    def n_warmup(self) -> int:
+        """Kept entries replayed but not counted (the prefill under ``phase="decode"``)."""
+        s = self.summarize().summary
+        return s.entries - s.counted
+
+    @property
+    def raw_entries(self) -> int:
+        """Entries of the inputs before any filter (for progress)."""
+        src = self.parent if self.parent is not None else self
+        return int(sum(src.source_entries))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.summarize().summary.tokens
+
+    @property
+    def n_rounds(self) -> int:
+        return self.summarize().summary.rounds
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.summarize().summary.requests)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return dict(self.summarize().summary.skipped)
+
+    @property
+    def rounds_by(self) -> str:
+        return self.summarize().summary.rounds_by
+
+    def pair_counts(self) -> np.ndarray:
+        """Counted entries per (layer, expert), int64 [L, E]."""
+        return self.summarize().summary.counts.reshape(self.n_layers, self.n_expert).copy()
+
+    def next_uses(self) -> "_NextUses":
+        """Belady's next-use times (built once per stream: a pass writing pair keys to a temporary file, then a
+        backward pass into a memory-mapped int64 file; disk 12 bytes per entry, memory ~ one chunk)."""
+        if self._belady is None:
+            self._belady = _NextUses.build(self)
+        return self._belady
+
+
+class _EntryCache:
+    """Prepared entries kept on disk between passes (see :meth:`EntryStream.chunks`)."""
+
+    def __init__(self) -> None:
+        import tempfile
+        import weakref
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="stratatools-entries-")
+        weakref.finalize(self, self._tmp.cleanup)
+        d = self._tmp.name
+        self.paths = [os.path.join(d, n) for n in ("layer.u16", "expert.u16", "flags.u8")]
+        self._fh = [open(p, "wb") for p in self.paths]  # scratch, not an output: deleted with the directory
+        self.n = 0
+        self.first_rnd = self.first_rec = None
+        self._last = None  # (rnd, record) of the last entry written
+        self.done = False
+
+    def write(self, e: Entries) -> None:
+        n = len(e)
+        if not n:
+            return
+        if self._last is None:
+            self.first_rnd, self.first_rec = int(e.rnd[0]), int(e.record[0])
+            prev_r, prev_c = e.rnd[0], e.record[0]
+        else:
+            prev_r, prev_c = self._last
+        fl = np.empty(n, np.uint8)
+        dr = np.empty(n, bool)
+        dr[0] = e.rnd[0] != prev_r
+        dr[1:] = e.rnd[1:] != e.rnd[:-1]
+        dc = np.empty(n, bool)
+        dc[0] = e.record[0] != prev_c
+        dc[1:] = e.record[1:] != e.record[:-1]
+        np.add(dr.view(np.uint8), dc.view(np.uint8) << 1, out=fl)
+        if e.count is not None:  # bit 2: replayed, not counted
+            fl |= (~e.count).view(np.uint8) << 2
+        self._fh[0].write(e.layer.astype(np.uint16).tobytes())
+        self._fh[1].write(e.expert.astype(np.uint16).tobytes())
+        self._fh[2].write(fl.tobytes())
+        self._last = (e.rnd[-1], e.record[-1])
+        self.n += n
+
+    def close(self) -> None:
+        for fh in self._fh:
+            fh.close()
+        self.done = True
+
+    def drop(self) -> None:
+        for fh in self._fh:
+            fh.close()
+        self._tmp.cleanup()
+
+    def chunks(self, size: int, L: int, E: int):
+        if self.n == 0:
+            return
+        fds = [os.open(p, os.O_RDONLY) for p in self.paths]  # read, not mapped (see _NextUses.build)
+        try:
+            r0, c0 = self.first_rnd, self.first_rec
+            for a in range(0, self.n, size):
+                b = min(self.n, a + size)
+                f = _pread(fds[2], np.uint8, a, b)
+                rnd = r0 + np.cumsum(f & 1, dtype=np.int64)
+                rec = c0 + np.cumsum((f >> 1) & 1, dtype=np.int64)
+                cnt = _all_none((f & 4) == 0)
+                r0, c0 = int(rnd[-1]), int(rec[-1])
+                yield Entries(_pread(fds[0], np.uint16, a, b).astype(np.int64),
+                              _pread(fds[1], np.uint16, a, b).astype(np.int64), rnd, rec, None, L, E, 0, count=cnt)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _pread(fd: int, dtype, a: int, b: int) -> np.ndarray:
+    """Elements a..b-1 of a file of ``dtype`` values (read, not mapped)."""
+    it = np.dtype(dtype).itemsize
+    data = os.pread(fd, (b - a) * it, a * it)
+    return np.frombuffer(data, dtype=dtype)
+
+
+def _close_and_clean(fd: int, tmp) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    tmp.cleanup()
+
+
+class _NextUses:
+    """Next use of every kept entry of a stream, memory-mapped from a temporary file, plus every pair's first use."""
+
+    def __init__(self, nxt, first, tmp):
+        self.nxt, self.first, self._tmp = nxt, first, tmp
+
+    @classmethod
+    def build(cls, stream) -> "_NextUses":
+        import tempfile
+        import weakref
+
+        L, E = stream.n_layers, stream.n_expert
+        tmp = tempfile.TemporaryDirectory(prefix="stratatools-belady-")
+        kpath = os.path.join(tmp.name, "keys.i32")
+        n = 0
+        pg = getattr(stream, "progress", None)
+        total = max(stream.summary.entries if stream.complete else stream.raw_entries, 1)
+        with open(kpath, "wb") as fh:  # scratch, not an output: deleted with the directory
+            for e in stream.chunks():
+                fh.write((e.layer * E + e.expert).astype(np.int32).tobytes())
+                n += len(e)
+                if pg is not None:
+                    pg.update(advance=0.5 * len(e) / total)
+        never = np.iinfo(np.int64).max
+        last = np.full(L * E, never, dtype=np.int64)
+        if n == 0:
+            return cls(np.zeros(0, np.int64), last.reshape(L, E), tmp)
+        # files are read and written with pread/pwrite, not mapped: mapped pages would count in the process's
+        # resident memory until the kernel evicts them
+        npath = os.path.join(tmp.name, "next.i64")
+        step = stream.chunk
+        kfd = os.open(kpath, os.O_RDONLY)
+        nfd = os.open(npath, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(nfd, 8 * n)
+            buf = np.empty(step, np.int64)
+            for b in range(n, 0, -step):
+                a = max(0, b - step)
+                keys = _pread(kfd, np.int32, a, b).astype(np.int64)
+                out = buf[:b - a]
+                K.next_use_chunk(keys, a, last, out)
+                os.pwrite(nfd, out.tobytes(), 8 * a)
+                if pg is not None:
+                    pg.update(advance=0.5 * (b - a) / n)
+        finally:
+            os.close(kfd)
+        os.remove(kpath)
+        self = cls(None, last.reshape(L, E), tmp)
+        self._fd = nfd
+        weakref.finalize(self, _close_and_clean, nfd, tmp)
+        return self
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Next uses of kept entries a..b-1, int64 [b - a]."""
+        if self.nxt is not None:
+            return self.nxt[a:b]
+        return _pread(self._fd, np.int64, a, b)
+
+    @classmethod
+    def of_entries(cls, ent: Entries) -> "_NextUses":
+        L, E = ent.n_layers, ent.n_expert
+        never = np.iinfo(np.int64).max
+        last = np.full(L * E, never, dtype=np.int64)
+        nxt = np.empty(len(ent), dtype=np.int64)
+        K.next_use_chunk(ent.layer * E + ent.expert, 0, last, nxt)
+        return cls(nxt, last.reshape(L, E), None)
+
+
+def prepare_stream(tables, n_layers: int, n_expert: int, *, phase: str = "decode",
+                   chunk: int | None = None, cold: bool = False) -> EntryStream:
+    """Traces (TraceTables or chunk sources) as an :class:`EntryStream`: the streaming form of
+    ``prepare_entries(tables, ...)`` for :func:`simulate_policy` / :func:`simulate_many`."""
+    return EntryStream(tables, n_layers, n_expert, phase=phase, chunk=chunk, cold=cold)
+
+
+def prepare_entries(table: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *,
+                    phase: str = "decode", cold: bool = False, chunk: int | None = None) -> Entries:
+    """Flatten traces for replay (rounds and records as in the module docstring), all in memory.
+
+    Args:
+        table: one trace table (request ids kept), or several (merged as :func:`merge_traces` does).
         n_layers, n_expert: the tier's geometry; entries outside it (an MTP block, another model) are skipped
             and counted.
-        phase: ``decode`` (count decode entries; known prefill entries are replayed uncounted, or dropped with
-            ``cold``) or ``all`` (count everything).
+        phase: ``decode`` (count decode entries; known prefill entries are replayed uncounted, in
+            :attr:`Entries.count` as False, or dropped with ``cold``) or ``all`` (count everything).
         cold: with ``phase="decode"``, drop the known prefill entries (the decode starts on the fill alone).
+        chunk: entries prepared at a time (the result does not depend on it).
     Raises:
         StrataError: unknown phase; ``cold`` with ``phase="all"``; no entries left (or none counted).
+
+    Memory: ~ 48 bytes per kept entry; :class:`EntryStream` (:func:`prepare_stream`) gives the same entries
+    chunk by chunk instead.
     """
-    if phase not in ("decode", "all"):
-        raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
-    if cold and phase != "decode":
-        raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
-    t = merge_traces(list(table)) if not isinstance(table, TraceTable) else table
-    n = len(t)
-    if n == 0:
-        raise StrataError("the traces hold no routed entries")
-    req = t.request.astype(np.int64)
-    pos = t.position.astype(np.int64)
-    lay = t.layer.astype(np.int64)
-    rank = t.rank.astype(np.int64)
-    window = _table_window(t)
-    rec_start = np.ones(n, dtype=bool)
-    rec_start[1:] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (rank[1:] <= rank[:-1])
-    if window is not None:  # a record never spans two windows
-        wv = np.asarray(window)
-        rec_start[1:] |= wv[1:] != wv[:-1]
-    record = np.cumsum(rec_start) - 1
-    rs = np.nonzero(rec_start)[0]
-    r_req, r_pos, r_lay = req[rs], pos[rs], lay[rs]
-    if window is not None:
-        r_win = np.asarray(window, dtype=np.int64)[rs]
-        in_w = r_win >= 0
-        # windows: key = window id (>= 0); outside them: key = position, shifted below every window id
-        r_key = np.where(in_w, r_win, r_pos - (1 << 40))
-    else:
-        in_w = np.zeros(len(rs), dtype=bool)
-        r_key = r_pos
-    new_round = np.ones(len(rs), dtype=bool)
-    batched = np.zeros(len(rs), dtype=bool)
-    if len(rs) > 1:
-        unknown = (r_pos[1:] < 0) & ~in_w[1:]
-        new_round[1:] = (r_req[1:] != r_req[:-1]) | (r_key[1:] != r_key[:-1]) | (unknown & (r_lay[1:] <= r_lay[:-1]))
-        # Batched (layer-major) records outside windows: a request whose positions go back in file order lists
-        # each batch layer by layer (llama.cpp's ubatch capture, the kit's routing CSVs, a plain trace of verify
-        # windows). Such a batch is one round, like a verify window; a new batch starts where the layer goes back.
-        same_req = r_req[1:] == r_req[:-1]
-        back = same_req & ~in_w[1:] & ~in_w[:-1] & (r_pos[1:] >= 0) & (r_pos[1:] < r_pos[:-1])
-        if back.any():
-            batched = np.zeros(len(rs), dtype=bool)
-            req_ids = np.unique(r_req[1:][back])
-            batched[np.isin(r_req, req_ids) & ~in_w] = True
-            b = batched[1:] & batched[:-1] & same_req
-            new_round[1:][b] = r_lay[1:][b] < r_lay[:-1][b]
-    rec_round = np.cumsum(new_round) - 1
-    rnd = rec_round[record]
-    keep = np.ones(n, dtype=bool)
-    skipped = {"prefill": 0, "layer": 0, "expert": 0}
-    pf = None
-    if phase == "decode":
-        pf = np.asarray(t.phase) == PREFILL
-        if cold:
-            skipped["prefill"] = int(pf.sum())
-            keep &= ~pf
-            pf = None
-        elif not pf.any():
-            pf = None
-    ex = t.expert.astype(np.int64)
-    bad_l = keep & ((lay < 0) | (lay >= n_layers))
-    skipped["layer"] = int(bad_l.sum())
-    keep &= ~bad_l
-    bad_e = keep & ((ex < 0) | (ex >= n_expert))
-    skipped["expert"] = int(bad_e.sum())
-    keep &= ~bad_e
-    if not keep.any():
-        raise StrataError(f"no routed entry of the traces fits {n_layers} layers x {n_expert} experts "
-                          f"(skipped: {skipped}); check the traces belong to this model")
-    count = None if pf is None else ~pf[keep]
-    if count is not None and not count.any():
-        raise StrataError("the traces hold prefill entries only, nothing of the decode to count; use --phase all")
-    # token id: (request, position) when the position is known, else the round
-    tok_key = np.where(pos >= 0, req * (1 << 32) + pos, -(rnd + 1))
-    _, token = np.unique(tok_key[keep], return_inverse=True)
-    token = token.astype(np.int64)
-    rounds_by = rounds_kind(None if window is None else np.asarray(window)[keep])
-    if len(rs) > 1 and batched[record[keep]].any():
-        rounds_by = "batches" if rounds_by == "positions" else rounds_by + "+batches"
-    return Entries(lay[keep], ex[keep], rnd[keep], record[keep], req[keep], int(n_layers), int(n_expert),
-                   _count_tokens(token if count is None else token[count]), token=token, skipped=skipped,
-                   rounds_by=rounds_by, count=count)
+    single = isinstance(table, TraceTable)
+    st = EntryStream(table if single else list(table), n_layers, n_expert, phase=phase,
+                     chunk=chunk or max(len(table) if single else sum(len(t) for t in table), 1), merge=not single,
+                     cold=cold)
+    parts = list(st.chunks())
+    cat = (lambda name: np.concatenate([getattr(p, name) for p in parts])) if parts else \
+        (lambda name: np.zeros(0, np.int64))
+    sm = st.summary
+    count = None
+    if sm.counted != sm.entries:
+        count = np.concatenate([np.ones(len(p), bool) if p.count is None else p.count for p in parts])
+    return Entries(cat("layer"), cat("expert"), cat("rnd"), cat("record"), cat("request"), st.n_layers,
+                   st.n_expert, sm.tokens, token=cat("token"), skipped=dict(sm.skipped), rounds_by=sm.rounds_by,
+                   rounds=sm.rounds, count=count)
 
 
 @dataclass
@@ -309,39 +916,92 @@ class SimResult:
         return d
 
 
+class MetricAcc:
+    """Hit counts accumulated chunk by chunk (no sort: record ids are non-decreasing, so a record's entries are
+    one run, possibly continued in the next chunk; :func:`.kernels.metrics_chunk`)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.le = np.zeros(n_layers, dtype=np.int64)
+        self._lh = np.zeros(n_layers, dtype=np.int64)
+        self._st = np.zeros(5, dtype=np.int64)
+
+    def add(self, layer: np.ndarray, record: np.ndarray, hits: np.ndarray) -> None:
+        if len(hits):
+            K.metrics_chunk(np.asarray(layer, np.int64), np.asarray(record, np.int64), np.asarray(hits, np.bool_),
+                            self.le, self._lh, self._st)
+
+    @property
+    def n(self) -> int:
+        return int(self.le.sum())
+
+    @property
+    def hits(self) -> int:
+        return int(self._lh.sum())
+
+    @property
+    def lh(self) -> np.ndarray:
+        return self._lh.astype(np.float64)
+
+    @property
+    def records(self) -> int:
+        return int(self._st[0])
+
+    @property
+    def all_hit(self) -> int:
+        return int(self._st[1])
+
+    @property
+    def _rec(self):
+        return int(self._st[3]) if self._st[2] else None
+
+    @property
+    def _miss(self) -> int:
+        return int(self._st[4])
+
+    def result(self, loads: np.ndarray, blob_bytes: np.ndarray, bw: BandwidthModel, tokens: int,
+               rounds: int) -> dict[str, Any]:
+        """The metrics dict of :func:`metrics`."""
+        records, all_hit = self.records, self.all_hit
+        if self._rec is not None:
+            records += 1
+            all_hit += self._miss == 0
+        n, le, lh = self.n, self.le, self.lh
+        bb = np.asarray(blob_bytes, dtype=np.float64)
+        entry_bytes = float((le * bb).sum())
+        hit_bytes = float((lh * bb).sum())
+        miss_bytes = entry_bytes - hit_bytes
+        moved = int((np.asarray(loads, dtype=np.int64) * np.asarray(blob_bytes, dtype=np.int64)).sum())
+        t = (hit_bytes / (bw.vram_gbps * 1e9) + miss_bytes / (bw.host_gbps * 1e9) + moved / (bw.pcie_gbps * 1e9))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            layer_h = np.where(le > 0, lh / np.maximum(le, 1), np.nan)
+        return {"entries": n, "hits": int(self.hits), "records": int(records), "all_hit_records": int(all_hit),
+                "tokens": tokens, "rounds": rounds,
+                "layer_entries": [int(x) for x in le], "layer_hits": [int(x) for x in self._lh],
+                "h_expert": float(self.hits) / n if n else float("nan"),
+                "h_layer": float(all_hit) / records if records else float("nan"),
+                "h_bytes": hit_bytes / entry_bytes if entry_bytes else float("nan"),
+                "moved_bytes": moved, "loads": int(np.asarray(loads).sum()),
+                "layer_h_expert": [float(x) for x in layer_h],
+                "time_per_token_s": t / tokens if tokens else float("nan")}
+
+
 def metrics(ent: Entries, hits: np.ndarray, loads: np.ndarray, blob_bytes: np.ndarray,
             bw: BandwidthModel) -> dict[str, Any]:
-    """Hit rates and traffic from a hit vector [N] and per-layer loads [L]: over the counted entries
-    (:attr:`Entries.count`); ``rounds`` and the loads are those of the whole replay. ``layer_entries`` /
-    ``layer_hits``: int [L] counts behind ``layer_h_expert``."""
-    L = ent.n_layers
-    hits = np.asarray(hits, dtype=bool)
-    layer, record = ent.layer, ent.record
-    if ent.count is not None:  # only the columns the counts need (no full copy of the entries)
-        hits, layer, record = hits[ent.count], layer[ent.count], record[ent.count]
-    n = len(hits)
-    le = np.bincount(layer, minlength=L)
-    lh = np.bincount(layer, weights=hits, minlength=L)
-    bb = np.asarray(blob_bytes, dtype=np.float64)
-    entry_bytes = float((le * bb).sum())
-    hit_bytes = float((lh * bb).sum())
-    miss_bytes = entry_bytes - hit_bytes
-    # records whose every entry hit: min over the record's entries
-    rec_u, rec_inv = np.unique(record, return_inverse=True)
-    rec_miss = np.bincount(rec_inv, weights=~hits, minlength=len(rec_u))
-    moved = int((np.asarray(loads, dtype=np.int64) * np.asarray(blob_bytes, dtype=np.int64)).sum())
-    t = (hit_bytes / (bw.vram_gbps * 1e9) + miss_bytes / (bw.host_gbps * 1e9) + moved / (bw.pcie_gbps * 1e9))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        layer_h = np.where(le > 0, lh / np.maximum(le, 1), np.nan)
-    return {"entries": n, "hits": int(hits.sum()), "records": int(len(rec_u)),
-            "all_hit_records": int((rec_miss == 0).sum()), "tokens": ent.n_tokens, "rounds": ent.n_rounds,
-            "layer_entries": [int(x) for x in le], "layer_hits": [int(x) for x in lh],
-            "h_expert": float(hits.mean()) if n else float("nan"),
-            "h_layer": float((rec_miss == 0).mean()) if len(rec_u) else float("nan"),
-            "h_bytes": hit_bytes / entry_bytes if entry_bytes else float("nan"),
-            "moved_bytes": moved, "loads": int(np.asarray(loads).sum()),
-            "layer_h_expert": [float(x) for x in layer_h],
-            "time_per_token_s": t / ent.n_tokens if ent.n_tokens else float("nan")}
+    """Hit rates and traffic from a hit vector [N] and per-layer loads [L] (record ids non-decreasing): over the
+    counted entries (:attr:`Entries.count`); ``rounds`` and the loads are those of the whole replay.
+    ``layer_entries`` / ``layer_hits``: int [L] counts behind ``layer_h_expert``."""
+    acc = MetricAcc(ent.n_layers)
+    _acc_add(acc, None, ent.layer, ent.expert, ent.record, np.asarray(hits, dtype=bool), ent.count)
+    return acc.result(loads, blob_bytes, bw, ent.n_tokens, ent.n_rounds)
+
+
+def _acc_add(acc: MetricAcc, ta, layer, expert, record, hits, count) -> None:
+    """Add the counted entries (``count`` bool mask, None: all) to a :class:`MetricAcc` and a ``_TierAcc``."""
+    if count is not None:  # only the columns the counts need
+        layer, expert, record, hits = layer[count], expert[count], record[count], hits[count]
+    acc.add(layer, record, hits)
+    if ta is not None:
+        ta.add(layer, expert, hits)
 
 
 def _check_params(policy: str, params: dict) -> dict:
@@ -355,75 +1015,164 @@ def _check_params(policy: str, params: dict) -> dict:
     return p
 
 
+class Replay:
+    """One policy replayed chunk by chunk: :meth:`feed` each chunk of :class:`Entries` in order (its hits come
+    back), then :meth:`finish`. Only the policy's state (a few [L, E] arrays) is kept between chunks.
+
+    Arguments as :func:`run_policy`; Belady takes ``next_uses`` (the stream's :class:`_NextUses`).
+    Raises StrataError for unknown policies, parameters or budgets.
+    """
+
+    def __init__(self, n_layers: int, n_expert: int, policy: str, *, profile: Profile | None = None,
+                 slots: int | None = None, budget_bytes: int | None = None, blob_bytes=None,
+                 admission: str = "global", cap=None, admit_on_miss: bool = True, next_uses=None, **params: Any):
+        if policy not in POLICIES:
+            raise StrataError(f"unknown policy {policy!r} (use {', '.join(POLICIES)})")
+        L, E = self.L, self.E = int(n_layers), int(n_expert)
+        self.policy = policy
+        p = self.p = _check_params(policy, params)
+        bb, _ = _blob_arrays(L, blob_bytes)
+        self.loads = np.zeros(L, dtype=np.int64)
+        self.offset = 0
+        if policy in ("static", "adaptive"):
+            plan = plan_tier(L, E, profile, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,
+                             admission=admission)
+            self.res = plan.resident.copy()
+            self.cap = plan.cap.copy()
+            self.occ = self.res.sum(1).astype(np.int64)
+            self.per_layer = plan.admission == "per-layer"
+            self.pool = np.array([plan.pool_slots, plan.pool_bytes], dtype=np.int64)
+            self.slot_bytes = plan.slot_bytes
+            self.admit = bool(admit_on_miss)
+            self.info = {"n_slots": plan.n_slots, "fill_bytes": plan.fill_bytes, "admission": plan.admission}
+            self.no_free = (not admit_on_miss) or (self.per_layer and (self.occ >= self.cap).all()) or \
+                (not self.per_layer and plan.pool_slots == 0)
+            self.plan, self.profile = plan, profile
+            # Strata 0.2.x knobs (lag, paced copies, upper tier): the whole-stream kernel, run at finish() on the
+            # chunks kept until then (memory ~ the trace; the other policies stream)
+            self.v2 = policy == "adaptive" and (int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0
+                                                or int(p["upper_slots"]) > 0)
+            self.buf: list = []
+            if policy == "adaptive":
+                self.ad = (float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]), int(p["max_moves"]),
+                           float(p["decay"]), int(p["copy_delay_rounds"]))
+                self.state = K.adaptive_state(L, E, self.ad[3])
+            return
+        if cap is None:
+            cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, n_expert=E)
+        self.cap = np.asarray(cap, dtype=np.int64)
+        self.info = {"n_slots": int(self.cap.sum()), "fill_bytes": 0, "admission": "per-layer",
+                     "cap": self.cap.tolist(), "params": p}
+        if policy == "lru":
+            self.state = K.lru_state(L, E)
+        elif policy == "lfu":
+            if int(p["decay_every"]) < 1:
+                raise StrataError("lfu: decay_every must be >= 1")
+            self.state = K.lfu_state(L, E, self.cap)
+        elif policy == "lfru":
+            frac = float(p["privileged_frac"])
+            if not 0.0 < frac <= 1.0 or int(p["decay_every"]) < 1:
+                raise StrataError(f"lfru: privileged_frac {frac} must be in (0, 1] and decay_every >= 1")
+            self.pcap = np.array([int(np.ceil(int(c) * frac)) for c in self.cap], dtype=np.int64)
+            self.ucap = self.cap - self.pcap
+            self.state = K.lfru_state(L, E, self.ucap)
+        else:  # belady
+            if next_uses is None:
+                raise StrataError("belady needs the stream's next-use times")
+            self.nu = next_uses
+            self.res = K.belady_start(next_uses.first, self.cap)
+            self.cur_next = next_uses.first.copy()
+            self.state = K.belady_state(self.res, self.cap)
+            self.info["fill_bytes"] = int((self.res.sum(1) * bb).sum())
+
+    v2 = False
+    deferred = None
+
+    def feed(self, ent: Entries) -> np.ndarray | None:
+        """Replay one chunk (entries in stream order); returns its hits, bool [n] (None for the 0.2.x adaptive
+        knobs: their hits come with :attr:`deferred` after :meth:`finish`)."""
+        lay, ex = ent.layer, ent.expert
+        n = len(lay)
+        pol, p = self.policy, self.p
+        if self.v2:
+            self.buf.append((np.array(lay), np.array(ex), np.array(ent.rnd), np.array(ent.record),
+                             np.ones(n, bool) if ent.count is None else np.array(ent.count)))
+            self.offset += n
+            return None
+        if pol == "static" and self.no_free:
+            hits = self.res[lay, ex]
+        else:
+            hits = np.zeros(n, dtype=np.bool_)
+            if pol == "static":
+                K.static_chunk(lay, ex, self.res, self.cap, self.occ, self.pool, self.slot_bytes, self.per_layer,
+                               self.admit, hits, self.loads)
+            elif pol == "adaptive":
+                K.adaptive_chunk(lay, ex, ent.rnd, self.res, self.cap, self.occ, self.pool, self.slot_bytes,
+                                 self.per_layer, self.admit, *self.ad, *self.state, hits, self.loads)
+            elif pol == "lru":
+                K.lru_chunk(lay, ex, self.cap, *self.state, hits, self.loads)
+            elif pol == "lfu":
+                K.lfu_chunk(lay, ex, ent.rnd, self.cap, float(p["decay"]), int(p["decay_every"]), *self.state, hits,
+                            self.loads)
+            elif pol == "lfru":
+                K.lfru_chunk(lay, ex, ent.rnd, self.pcap, self.ucap, float(p["decay"]), int(p["decay_every"]),
+                             *self.state, hits, self.loads)
+            else:
+                nxt = np.asarray(self.nu.read(self.offset, self.offset + n))
+                K.belady_chunk(lay, ex, nxt, self.res, self.cur_next, self.cap, *self.state, hits, self.loads)
+        self.offset += n
+        return hits
+
+    def finish(self) -> tuple[np.ndarray, dict[str, Any]]:
+        """End the replay: (loads int64 [L], info with n_slots, cap, fill_bytes, admission, params)."""
+        info = dict(self.info)
+        if self.v2:
+            cat = [np.concatenate([b[i] for b in self.buf]) if self.buf else np.zeros(0, np.int64) for i in range(5)]
+            self.buf = []
+            ent = Entries(cat[0], cat[1], cat[2], cat[3], cat[3], self.L, self.E, 0)
+            hits, loads, extra = _run_adaptive_v2(ent, self.plan, self.profile, self.res, self.cap, self.occ,
+                                                  self.admit, self.p)
+            self.loads[:] = loads
+            info.update(extra)
+            self.deferred = (cat[0], cat[1], cat[3], np.asarray(hits, dtype=bool), _all_none(cat[4].astype(bool)))
+        elif self.policy == "adaptive":
+            K.adaptive_end(self.res, self.cap, self.occ, self.per_layer, *self.ad, *self.state, self.loads)
+            st = self.state[3]
+            info.update({"adapt_steps": int(st[3]), "swaps": int(st[4])})
+        if self.policy in ("static", "adaptive"):
+            info["cap"] = self.cap.tolist()
+            info["params"] = self.p
+        return self.loads, info
+
+
 def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slots: int | None = None,
                budget_bytes: int | None = None, blob_bytes=None, admission: str = "global", cap=None,
-               admit_on_miss: bool = True, engine: str = "compiled",
+               admit_on_miss: bool = True, engine: str = "compiled", chunk: int | None = None,
                **params: Any) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Replay ``ent`` through one policy. Returns (hits bool [N], loads int64 [L], info).
 
-    ``engine="compiled"`` runs :mod:`.kernels`; ``engine="python"`` feeds the online tier objects record by
-    record (the reference the compiled path is tested against). ``info`` holds n_slots, cap, fill_bytes,
+    ``engine="compiled"`` runs :mod:`.kernels` (through :class:`Replay`, ``chunk`` entries at a time: the
+    result does not depend on it; default one chunk); ``engine="python"`` feeds the online tier objects record
+    by record (the reference the compiled path is tested against). ``info`` holds n_slots, cap, fill_bytes,
     admission and the parameters used. Raises StrataError for unknown policies, parameters or budgets.
     """
     if policy not in POLICIES:
         raise StrataError(f"unknown policy {policy!r} (use {', '.join(POLICIES)})")
     if engine not in ("compiled", "python"):
         raise StrataError(f"unknown engine {engine!r}")
-    L, E = ent.n_layers, ent.n_expert
-    p = _check_params(policy, params)
-    bb, _ = _blob_arrays(L, blob_bytes)
     if engine == "python":
+        p = _check_params(policy, params)
         return _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p)
-    lay, ex = ent.layer, ent.expert
-    if policy in ("static", "adaptive"):
-        plan = plan_tier(L, E, profile, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes,
-                         admission=admission)
-        res = plan.resident.copy()
-        capv = plan.cap.copy()
-        occ = res.sum(1).astype(np.int64)
-        per_layer = plan.admission == "per-layer"
-        info = {"n_slots": plan.n_slots, "fill_bytes": plan.fill_bytes, "admission": plan.admission}
-        no_free = (not admit_on_miss) or (per_layer and (occ >= capv).all()) or (not per_layer and plan.pool_slots == 0)
-        if policy == "static":
-            if no_free:
-                hits = res[lay, ex]
-                loads = np.zeros(L, dtype=np.int64)
-            else:
-                hits, loads = K.static_kernel(lay, ex, res, capv, occ, plan.pool_slots, plan.pool_bytes,
-                                              plan.slot_bytes, per_layer, admit_on_miss)
-        elif int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0 or int(p["upper_slots"]) > 0:
-            hits, loads, extra = _run_adaptive_v2(ent, plan, profile, res, capv, occ, admit_on_miss, p)
-            info.update(extra)
-        else:
-            hits, loads, steps, swaps = K.adaptive_kernel(
-                lay, ex, ent.rnd, res, capv, occ, plan.pool_slots, plan.pool_bytes, plan.slot_bytes, per_layer,
-                admit_on_miss, float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]),
-                int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]))
-            info.update({"adapt_steps": int(steps), "swaps": int(swaps)})
-        info["cap"] = capv.tolist()
-        info["params"] = p
-        return np.asarray(hits, dtype=bool), np.asarray(loads), info
-    if cap is None:
-        cap = per_layer_split(L, slots=slots, budget_bytes=budget_bytes, blob_bytes=blob_bytes, n_expert=E)
-    cap = np.asarray(cap, dtype=np.int64)
-    info = {"n_slots": int(cap.sum()), "fill_bytes": 0, "admission": "per-layer", "cap": cap.tolist(), "params": p}
-    if policy == "lru":
-        hits, loads = K.lru_kernel(lay, ex, cap, E)
-    elif policy == "lfu":
-        if int(p["decay_every"]) < 1:
-            raise StrataError("lfu: decay_every must be >= 1")
-        hits, loads = K.lfu_kernel(lay, ex, ent.rnd, cap, E, float(p["decay"]), int(p["decay_every"]))
-    elif policy == "lfru":
-        frac = float(p["privileged_frac"])
-        if not 0.0 < frac <= 1.0 or int(p["decay_every"]) < 1:
-            raise StrataError(f"lfru: privileged_frac {frac} must be in (0, 1] and decay_every >= 1")
-        pcap = np.array([int(np.ceil(int(c) * frac)) for c in cap], dtype=np.int64)
-        hits, loads = K.lfru_kernel(lay, ex, ent.rnd, pcap, cap - pcap, E, float(p["decay"]), int(p["decay_every"]))
-    else:  # belady
-        nxt, res, cur = K.belady_prepare(lay, ex, L, E, cap)
-        info["fill_bytes"] = int((res.sum(1) * bb).sum())
-        hits, loads = K.belady_kernel(lay, ex, nxt, res, cur, cap)
-    return np.asarray(hits, dtype=bool), np.asarray(loads), info
+    nu = _NextUses.of_entries(ent) if policy == "belady" else None
+    rp = Replay(ent.n_layers, ent.n_expert, policy, profile=profile, slots=slots, budget_bytes=budget_bytes,
+                blob_bytes=blob_bytes, admission=admission, cap=cap, admit_on_miss=admit_on_miss, next_uses=nu,
+                **params)
+    parts = [rp.feed(c) for c in ent.chunks(chunk or max(len(ent), 1))]
+    loads, info = rp.finish()
+    if rp.deferred is not None:
+        return rp.deferred[3], loads, info
+    hits = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+    return hits, loads, info
 
 
 def _run_adaptive_v2(ent: Entries, plan, profile, res, capv, occ, admit_on_miss: bool, p: dict):
@@ -484,9 +1233,133 @@ def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission
     return hits, tier.layer_loads.copy(), info
 
 
-def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: BandwidthModel | None = None,
-                    blob_bytes=None, cost=None, **kw: Any) -> SimResult:
-    """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`.
+def _sim_result(acc: MetricAcc, loads, info, src, policy: str, label: str, bw: BandwidthModel,
+                blob_bytes) -> SimResult:
+    bb, _ = _blob_arrays(src.n_layers, blob_bytes)
+    m = acc.result(loads, bb, bw, src.n_tokens, src.n_rounds)
+    fill = int(info["fill_bytes"])
+    if blob_bytes is None:  # sizes unknown: no byte-weighted rate, no bytes, no time (loads still count copies)
+        m.update(h_bytes=None, moved_bytes=None, time_per_token_s=None)
+        fill = None
+    params = dict(info.get("params", {}))
+    for k in ("adapt_steps", "swaps", "dropped_moves", "upper_hits"):
+        if k in info:
+            params[k] = info[k]
+    return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
+                     cap=[int(c) for c in info["cap"]], fill_bytes=fill,
+                     bandwidth=bw.to_dict(), params=params, rounds_by=src.rounds_by, warmup=src.n_warmup, **m)
+
+
+def check_runs(n_layers: int, n_expert: int, runs: Sequence[dict[str, Any]]) -> None:
+    """Raise the StrataError a run would raise (unknown policy, bad parameters or budget) before any pass."""
+    never = np.full((int(n_layers), int(n_expert)), np.iinfo(np.int64).max, dtype=np.int64)
+    dummy = _NextUses(np.zeros(0, np.int64), never, None)
+    for r in runs:
+        Replay(n_layers, n_expert, r["policy"], next_uses=dummy,
+               **{k: v for k, v in r.items() if k not in ("policy", "label", "cost")})
+
+
+class RunGroup:
+    """Policy runs fed the same chunks (one pass of a stream serves them all); metrics accumulate per chunk.
+
+    ``runs``: dicts with ``policy``, optional ``label``, optional ``cost`` (a :class:`.costmodel.ThreeTierModel`:
+    the result's ``tiers``, with blob sizes) and :func:`run_policy`'s keyword arguments. ``src``: the
+    :class:`Entries` or :class:`EntryStream` the chunks come from (geometry, tokens and rounds for the metrics;
+    Belady runs take its next-use times)."""
+
+    def __init__(self, src, runs: Sequence[dict[str, Any]], bandwidth: BandwidthModel | None = None):
+        self.src, self.runs = src, list(runs)
+        self.bw = bandwidth or BandwidthModel()
+        nu = None
+        if any(r["policy"] == "belady" for r in self.runs):
+            nu = src.next_uses() if isinstance(src, EntryStream) else _NextUses.of_entries(src)
+        L, E = src.n_layers, src.n_expert
+        self.reps, self.accs, self.tier = [], [], []
+        for r in self.runs:
+            kw = {k: v for k, v in r.items() if k not in ("policy", "label", "cost")}
+            self.reps.append(Replay(L, E, r["policy"], next_uses=nu, **kw))
+            self.accs.append(MetricAcc(L))
+            self.tier.append(_TierAcc(L, E, r) if r.get("cost") is not None and r.get("blob_bytes") is not None
+                             else None)
+
+    def feed(self, c: Entries) -> None:
+        for rp, acc, ta in zip(self.reps, self.accs, self.tier):
+            h = rp.feed(c)
+            if h is not None:
+                _acc_add(acc, ta, c.layer, c.expert, c.record, h, c.count)
+
+    def results(self) -> list[SimResult]:
+        out = []
+        for r, rp, acc, ta in zip(self.runs, self.reps, self.accs, self.tier):
+            loads, info = rp.finish()
+            if rp.deferred is not None:
+                lay, ex, rec, h, cnt = rp.deferred
+                _acc_add(acc, ta, lay, ex, rec, h, cnt)
+            res = _sim_result(acc, loads, info, self.src, r["policy"], r.get("label", ""), self.bw,
+                              r.get("blob_bytes"))
+            if ta is not None and acc.n:
+                res.tiers = ta.result(loads, self.src.n_tokens, r["cost"])
+            out.append(res)
+        return out
+
+
+class _TierAcc:
+    """Per-layer counts of VRAM hits, RAM hits and SSD reads, for :func:`.costmodel.tier_costs_from_counts`."""
+
+    def __init__(self, L: int, E: int, run: dict):
+        from stratatools.cachesim.costmodel import ram_set
+
+        self.bb, rb = _blob_arrays(L, run["blob_bytes"])
+        self.in_ram = ram_set(run.get("profile"), L, E, rb, run["cost"].ram_bytes)
+        self.counts = np.zeros((3, L), np.int64)
+        self.n = 0
+
+    def add(self, layer: np.ndarray, expert: np.ndarray, hits: np.ndarray) -> None:
+        L = self.counts.shape[1]
+        hits = np.asarray(hits, dtype=bool)
+        ram = ~hits & self.in_ram[layer, expert]
+        ssd = ~hits & ~ram
+        for i, m in enumerate((hits, ram, ssd)):
+            self.counts[i] += np.bincount(layer[m], minlength=L)
+        self.n += len(hits)
+
+    def result(self, loads, n_tokens: int, cost) -> dict[str, float]:
+        from stratatools.cachesim.costmodel import tier_costs_from_counts
+
+        return tier_costs_from_counts(self.counts, self.n, loads, n_tokens, self.bb, cost)
+
+
+def simulate_many(src: Entries | EntryStream, runs: Sequence[dict[str, Any]], *,
+                  bandwidth: BandwidthModel | None = None, chunk: int | None = None, progress=None,
+                  weight: float = 1.0) -> list[SimResult]:
+    """Several policy runs over one pass of ``src`` (each chunk is fed to every run), metrics per chunk.
+
+    Args:
+        src: :class:`Entries` (sliced into ``chunk`` entries, default :data:`CHUNK_ENTRIES`) or an
+            :class:`EntryStream` (its own chunks; Belady runs first build its next-use file).
+        runs: dicts with ``policy``, optional ``label`` and :func:`run_policy`'s keyword arguments
+            (``blob_bytes``, ``profile``, ``slots``, ``cap``, policy parameters, ...).
+        progress: object with ``update(advance=x)``; advanced by ``weight`` x (share of the pass done).
+    Returns:
+        one :class:`SimResult` per run, in order. Raises StrataError as :func:`run_policy`.
+    """
+    if not runs:
+        return []
+    g = RunGroup(src, runs, bandwidth)
+    stream = isinstance(src, EntryStream)
+    total = (src.summary.entries if src.complete else src.raw_entries) if stream else len(src)
+    for c in (src.chunks() if stream else src.chunks(chunk)):
+        g.feed(c)
+        if progress is not None and total:
+            progress.update(advance=weight * len(c) / total)
+    return g.results()
+
+
+def simulate_policy(ent: Entries | EntryStream, policy: str, *, label: str = "",
+                    bandwidth: BandwidthModel | None = None, blob_bytes=None, cost=None, chunk: int | None = None,
+                    **kw: Any) -> SimResult:
+    """:func:`run_policy` plus :func:`metrics`, as a :class:`SimResult`, replayed chunk by chunk
+    (:func:`simulate_many` with one run; ``ent`` may be an :class:`EntryStream`).
 
     ``cost``: a :class:`.costmodel.ThreeTierModel`; with blob sizes, ``tiers`` holds its per-tier hit rates and
     predicted tok/s (the RAM tier ranked by ``kw["profile"]``, flat order without one).
@@ -494,28 +1367,19 @@ def simulate_policy(ent: Entries, policy: str, *, label: str = "", bandwidth: Ba
     Without ``blob_bytes`` (a slot budget and no pack/model) byte sizes are unknown: ``h_bytes``,
     ``moved_bytes``, ``fill_bytes`` and ``time_per_token_s`` are None; ``loads`` still counts the copies.
     """
-    bw = bandwidth or BandwidthModel()
-    hits, loads, info = run_policy(ent, policy, blob_bytes=blob_bytes, **kw)
-    bb, _ = _blob_arrays(ent.n_layers, blob_bytes)
-    m = metrics(ent, hits, loads, bb, bw)
-    fill = int(info["fill_bytes"])
-    if blob_bytes is None:  # sizes unknown: no byte-weighted rate, no bytes, no time (loads still count copies)
-        m.update(h_bytes=None, moved_bytes=None, time_per_token_s=None)
-        fill = None
-    tiers = None
-    if cost is not None and blob_bytes is not None and len(ent):
-        from stratatools.cachesim.costmodel import ram_set, tier_costs
-
-        _, rb = _blob_arrays(ent.n_layers, blob_bytes)
-        in_ram = ram_set(kw.get("profile"), ent.n_layers, ent.n_expert, rb, cost.ram_bytes)
-        c = ent.count  # the counted entries (the warm-up's copies are in loads, as in moved_bytes)
-        lay, ex, h = (ent.layer, ent.expert, hits) if c is None else (ent.layer[c], ent.expert[c], hits[c])
-        tiers = tier_costs(lay, ex, h, loads, ent.n_tokens, bb, in_ram, cost)
-    params = dict(info.get("params", {}))
-    for k in ("adapt_steps", "swaps", "dropped_moves", "upper_hits"):
-        if k in info:
-            params[k] = info[k]
-    return SimResult(policy=policy, admission=info["admission"], label=label, n_slots=int(info["n_slots"]),
-                     cap=[int(c) for c in info["cap"]], fill_bytes=fill,
-                     bandwidth=bw.to_dict(), params=params, rounds_by=ent.rounds_by, tiers=tiers,
-                     warmup=ent.n_warmup, **m)
+    if kw.get("engine", "compiled") == "python":
+        kw.pop("engine")
+        bw = bandwidth or BandwidthModel()
+        hits, loads, info = run_policy(ent, policy, blob_bytes=blob_bytes, engine="python", **kw)
+        acc = MetricAcc(ent.n_layers)
+        ta = None
+        if cost is not None and blob_bytes is not None and len(ent):
+            ta = _TierAcc(ent.n_layers, ent.n_expert, dict(blob_bytes=blob_bytes, cost=cost, **kw))
+        _acc_add(acc, ta, ent.layer, ent.expert, ent.record, np.asarray(hits, dtype=bool), ent.count)
+        res = _sim_result(acc, loads, info, ent, policy, label, bw, blob_bytes)
+        if ta is not None:  # the counted entries (the warm-up's copies are in loads, as in moved_bytes)
+            res.tiers = ta.result(loads, ent.n_tokens, cost)
+        return res
+    kw.pop("engine", None)
+    return simulate_many(ent, [dict(policy=policy, label=label, blob_bytes=blob_bytes, cost=cost, **kw)],
+                         bandwidth=bandwidth, chunk=chunk)[0]

@@ -74,8 +74,10 @@ def progress_bar(description: str, total: int | None, bytes_: bool = True) -> It
         yield _NullBar()
         return
     cols = [TextColumn("{task.description}", markup=False), BarColumn()]
-    cols += [DownloadColumn(), TransferSpeedColumn()] if bytes_ else [TextColumn("{task.completed}/{task.total}",
-                                                                                  markup=False)]
+    if bytes_:
+        cols += [DownloadColumn(), TransferSpeedColumn()]
+    else:
+        cols.append(TextColumn("{task.completed:,.0f}" + ("" if total is None else "/{task.total:,.0f}"), markup=False))
     cols.append(TimeRemainingColumn())
     with Progress(*cols, console=err_console, transient=True) as p:
         task = p.add_task(description, total=total)

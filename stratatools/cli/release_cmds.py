@@ -22,7 +22,7 @@ def validate_release_cmd(
     alloc: Optional[Path] = typer.Option(None, "--alloc", "-a", help="rco-allocation.txt of this release."),
     profile: Optional[Path] = typer.Option(None, "--profile", "-p", help="STRP expert profile to validate."),
     pack: Optional[Path] = typer.Option(None, "--pack", help="Native pack folder to round-trip."),
-    traces: List[Path] = typer.Option([], "--traces", "-t", help="Routing trace for the hit-rate gate (repeat)."),
+    traces: List[Path] = typer.Option([], "--traces", "-t", help="Routing trace for the hit-rate gate: a file, folder, glob or Parquet dataset (repeat)."),
     full: Optional[Path] = typer.Option(None, "--full", help="The unpruned model: verify the survivor map."),
     previous: Optional[Path] = typer.Option(None, "--previous", help="The previous revision: detect re-indexing."),
     previous_alloc: Optional[Path] = typer.Option(None, "--previous-alloc", help="The previous revision's allocation."),

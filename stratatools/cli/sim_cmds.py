@@ -127,8 +127,12 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         slots: Optional[int], budget_gib: Optional[float], policies: list[str], admission: str,
         kfold: Optional[int], phase: str, host_gbps: float, pcie_gbps: float, vram_gbps: float,
         sets: list[str], sweep: bool, adaptive: dict[str, Any] | None = None, ssd_gbps: float = 6.0,
-        ram_experts_gb: float | None = None, cold: bool = False):
+        ram_experts_gb: float | None = None, where: list[str] | None = None, cluster: str | None = None,
+        cold: bool = False):
     """Library entry of both commands: read inputs, run the study. Returns (Study, StudyInputs).
+
+    ``where``: partition / column filters of the traces (``--where``); ``cluster``: a Dask cluster spec
+    (:mod:`stratatools.core.cluster`), None for the in-process path.
 
     ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments); ``ssd_gbps`` and
     ``ram_experts_gb`` complete the three-tier cost model (:mod:`stratatools.cachesim.costmodel`), applied when
@@ -161,17 +165,19 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
         raise StrataError(f"--phase {phase!r}: unknown (use decode or all)")
     if cold and phase != "decode":
         raise StrataError("--cold drops the prefill before the decode is counted; it needs --phase decode")
-    inp = load_inputs(traces, profiles, pack=pack, model=model)
+    inp = load_inputs(traces, profiles, pack=pack, model=model, where=where)
     profs = inp.profiles or [None]
     names = inp.names or ["no profile"]
-    total = study_steps(len(profs), pols, admission, sweep)
-    with common.progress_bar("simulating", total, bytes_=False) as bar:
+    total = study_steps(len(profs), pols, admission, sweep) + (2 if kfold else 0)
+    from stratatools.core.cluster import open_cluster
+
+    with open_cluster(cluster) as client, common.progress_bar("simulating", total, bytes_=False) as bar:
         st = run_study(inp.tables, profs, names, n_layers=inp.n_layers, n_expert=inp.n_expert,
                        trace_names=inp.trace_names, policies=pols, slots=s, budget_bytes=b,
                        blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
                        bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
                        policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None,
-                       cold=cold)
+                       client=client, cold=cold)
     return st, inp
 
 
@@ -230,7 +236,12 @@ def _print_rounds(st) -> None:
     common.console.print(line, markup=False, soft_wrap=True)
 
 
-_TRACES = typer.Option(..., "--traces", "-t", help="Routing trace (any supported format); repeatable.")
+_TRACES = typer.Option(..., "--traces", "-t", help="Routing trace: a file (any supported format), a folder, a glob "
+                                                    "or a Parquet dataset; repeatable.")
+_WHERE = typer.Option(None, "--where", help="KEY=VALUE: keep partitions (key=value folders) or Parquet rows with "
+                                            "this value; repeatable.")
+_CLUSTER = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster of N workers, "
+                                                "tcp://HOST:PORT uses a running scheduler; default: in-process.")
 _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
 _PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
 _MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")
@@ -290,6 +301,8 @@ def register(app: typer.Typer) -> None:
         disjoint_adapt: bool = _DISJOINT,
         strata_version: str = _VERSION,
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the budget sweep (faster)."),
+        where: Optional[list[str]] = _WHERE,
+        cluster: Optional[str] = _CLUSTER,
         report: str = typer.Option(..., "--report", help="Folder for report.md, report.json and PNG plots."),
         force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
@@ -303,7 +316,8 @@ def register(app: typer.Typer) -> None:
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                        upper_slots, disjoint_adapt, strata_version),
-                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, cold=cold)
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
+                    cold=cold)
         paths = write_report(st, report, force=force)
         if as_json:
             import sys
@@ -345,6 +359,8 @@ def register(app: typer.Typer) -> None:
         upper_slots: Optional[int] = _UPPER_SLOTS,
         disjoint_adapt: bool = _DISJOINT,
         strata_version: str = _VERSION,
+        where: Optional[list[str]] = _WHERE,
+        cluster: Optional[str] = _CLUSTER,
         report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder."),
         force: bool = _FORCE,
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -362,7 +378,8 @@ def register(app: typer.Typer) -> None:
                     sweep=report is not None,
                     adaptive=_adaptive(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                        upper_slots, disjoint_adapt, strata_version),
-                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, cold=cold)
+                    ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
+                    cold=cold)
         if report is not None:
             write_report(st, report, force=force)
         if as_json:

@@ -14,24 +14,51 @@ from stratatools.core.errors import StrataError
 from stratatools.cli import common
 
 trace_app = typer.Typer(help="Routing traces: convert between formats, summarise.", no_args_is_help=True)
+_WHERE = typer.Option(None, "--where", help="KEY=VALUE: keep partitions (key=value folders) or Parquet rows "
+                                            "with this value; repeatable.")
+_CLUSTER = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster of N workers, "
+                                                "tcp://HOST:PORT uses a running scheduler; default: in-process.")
 
 
 def _convert(
-    src: Path = typer.Argument(..., help="Input trace (Strata --dump-routing plain/tagged, llama-moe-trace CSV, "
-                                         "kit CSV or Parquet; the format is sniffed)."),
+    src: str = typer.Argument(..., help="Input trace (Strata --dump-routing plain/tagged, llama-moe-trace CSV, "
+                                        "kit CSV or Parquet; the format is sniffed); with --dataset also a folder, "
+                                        "a glob or a Parquet dataset."),
     out: Path = typer.Option(..., "-o", "--output", help="Output file."),
     to: str = typer.Option(..., "--to", help="Output format: strata, strata-tagged, parquet or csv."),
     from_: Optional[str] = typer.Option(None, "--from", help="Input format (strata, llama-csv, csv, parquet); "
                                                              "default: sniffed."),
     n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Trunk layers, to range-check expert ids."),
     n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer, to range-check ids."),
+    dataset: bool = typer.Option(False, "--dataset", help="--to parquet: write OUT as a (hive-partitioned) "
+                                                          "dataset folder, read and written chunk by chunk."),
+    partition: Optional[List[str]] = typer.Option(None, "--partition", help="With --dataset: KEY=VALUE folder "
+                                                  "level, repeatable in order (e.g. server=a, date=2026-12-01)."),
+    where: Optional[List[str]] = _WHERE,
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Convert a routing trace to another format (written to OUT.tmp, then renamed)."""
+    """Convert a routing trace to another format (written to OUT.tmp, then renamed); ``--to parquet --dataset``
+    writes a partitioned Parquet dataset in bounded memory."""
     from stratatools.traces.formats import convert_trace
 
-    res = convert_trace(src, out, to, from_, force, n_layer, n_expert)
+    if dataset or partition or where:
+        if to != "parquet" or not dataset:
+            raise StrataError("--partition and --where need --to parquet --dataset (a dataset folder)")
+        from stratatools.traces.formats.parquet import write_parquet_dataset
+        from stratatools.traces.sources import open_traces, parse_where
+
+        part = {k: v[-1] for k, v in parse_where(partition).items()}
+        srcs = open_traces([src], from_, n_layer, n_expert, where)
+        with common.progress_bar("writing dataset", None, bytes_=False) as bar:
+            d = write_parquet_dataset(srcs, out, part, force=force, progress=lambda m: bar.update(advance=m))
+        if json_:
+            common.emit_json(d)
+            return
+        common.console.print(f"{src} -> {d['output']}: {d['entries']:,} routed entries in {d['records']:,} records, "
+                             f"{len(d['files'])} file(s), {d['bytes']:,} bytes", markup=False, soft_wrap=True)
+        return
+    res = convert_trace(Path(src), out, to, from_, force, n_layer, n_expert)
     if json_:
         common.emit_json(res.to_dict())
         return
@@ -40,21 +67,50 @@ def _convert(
                          markup=False, soft_wrap=True)
 
 
+LOCALITY_MAX_ENTRIES = 1 << 24  # trace stats reads a single trace up to this size whole (locality statistics)
+
+
 def _stats(
-    trace: Path = typer.Argument(..., help="Trace file (any supported format)."),
+    traces: List[str] = typer.Argument(..., help="Trace files, folders, globs or Parquet datasets (any supported "
+                                                 "format); several are one fleet."),
     from_: Optional[str] = typer.Option(None, "--from", help="Input format; default: sniffed."),
     n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer (concentration "
                                                                     "denominator); default: largest id + 1."),
     window: int = typer.Option(64, "--window", min=1, help="Steps per locality window (distinct experts per "
                                                            "window; the collapse verdict)."),
+    where: Optional[List[str]] = _WHERE,
+    cluster: Optional[str] = _CLUSTER,
     json_: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ) -> None:
     """Tokens, layers, k; per layer: distinct experts, concentration (top-10% share), entropy, distinct experts per
-    window of decode steps, reuse distances; and a one-line verdict when routing has collapsed."""
-    from stratatools.traces.table import trace_stats
-    from stratatools.traces.formats import read_trace
+    window of decode steps, reuse distances; and a one-line verdict when routing has collapsed.
 
-    st = trace_stats(read_trace(trace, from_, None, None), n_expert, window=window)
+    Several files, folders, datasets, traces above LOCALITY_MAX_ENTRIES entries and --cluster are read chunk by
+    chunk (memory independent of their length) and get the counts without the locality columns and verdict."""
+    from stratatools.core.cluster import open_cluster
+    from stratatools.traces.sources import open_traces, trace_stats_sources
+    from stratatools.traces.table import trace_stats
+
+    srcs = open_traces(traces, from_, None, None, where)
+    st = None
+    if len(srcs) == 1 and cluster is None and not where:
+        s0 = srcs[0]
+        n0 = len(s0) if hasattr(s0, "__len__") else int(s0.meta.get("source_bytes", 0)) // 8  # entries (bound)
+        if n0 <= LOCALITY_MAX_ENTRIES:
+            from stratatools.traces.formats import read_trace
+
+            st = trace_stats(read_trace(s0.spec[0], from_, None, None), n_expert, window=window)
+    if st is None:
+        with open_cluster(cluster) as client:
+            unit = "files" if client is not None else "entries"
+            with common.progress_bar(f"counting ({unit})", len(srcs) if client is not None else None,
+                                     bytes_=False) as bar:
+                st = trace_stats_sources(srcs, n_expert, progress=lambda m: bar.update(advance=m), client=client)
+        st.window = window
+        st.verdict = (f"locality not computed (read chunk by chunk: several files, a dataset, --where, --cluster or "
+                      f"more than {LOCALITY_MAX_ENTRIES:,} entries); run trace stats on one smaller trace file for "
+                      f"the collapse verdict")
+    trace = traces[0] if len(srcs) == 1 and len(traces) == 1 else f"{len(srcs)} trace file(s)"
     if json_:
         common.emit_json(st.to_dict())
         return
@@ -187,7 +243,8 @@ def pack_geometry(pack_dir: Path) -> tuple[int, int]:
 
 
 def _make_profile(
-    traces: List[str] = typer.Argument(..., help="Trace files, each optionally TRACE:WEIGHT."),
+    traces: List[str] = typer.Argument(..., help="Trace files, folders, globs or Parquet datasets, each optionally "
+                                                 "TRACE:WEIGHT (the weight applies to every file it names)."),
     out: Path = typer.Option(..., "-o", "--output", help="Output STRP profile (a .json provenance sidecar is "
                                                           "written beside it)."),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF model (any shard): geometry from its routers."),
@@ -203,6 +260,8 @@ def _make_profile(
     weight: Optional[List[float]] = typer.Option(None, "--weight", help="Per-trace weight, once per trace in "
                                                                         "order (or use TRACE:W)."),
     from_: Optional[str] = typer.Option(None, "--from", help="Trace format; default: sniffed per file."),
+    where: Optional[List[str]] = _WHERE,
+    cluster: Optional[str] = _CLUSTER,
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -236,11 +295,14 @@ def _make_profile(
             raise StrataError("--n-layer and --n-expert go together")
         L, E = n_layer, n_expert
     paths, ws = parse_trace_args(traces, weight)
-    with common.progress_bar("reading traces", len(paths), bytes_=False) as bar:
+    from stratatools.core.cluster import open_cluster
+
+    with open_cluster(cluster) as client, common.progress_bar("counting traces", None, bytes_=False) as bar:
         res = make_profile_files(paths, str(out), L, E, weights=ws, base=str(base) if base else None, mode=mode,
                                  fill=fill, phase=phase, weighting=weighting, fmt=from_, force=force,
                                  model_info=model_info, extra_inputs=extra_inputs,
-                                 progress=lambda i, n: bar.update(advance=1))
+                                 progress=lambda i, n: bar.update(completed=i, total=n), where=where,
+                                 client=client)
     for w in res.warnings:
         common.warn(w)
     if json_:

@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
             raise StrataError(f"--dense-gib {dense_gib}: must be a finite number >= 0")
         cost = ThreeTierModel(vram_gbps, pcie_gbps, ram_gbps, ssd_gbps,
                               None if ram_experts_gb is None else int(ram_experts_gb * GIB), int(dense_gib * GIB))
-        inp = load_inputs(traces, profile or [], pack=pack, model=model)
+        inp = load_inputs(traces, profile or [], pack=pack, model=model, whole=True)
         L, E = inp.n_layers, inp.n_expert
         if L is None:
             if inp.profiles:

@@ -49,15 +49,18 @@ class CountResult:
 
 
 COUNT_CHUNK = 1 << 23
+SOURCE_CHUNK = 1 << 20  # entries per chunk read from a chunk source (int64 columns: ~60 MB)
 
 
 def count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, *, phase: str = "all",
-                weighting: str = "count", weights: Sequence[float] | None = None) -> CountResult:
+                weighting: str = "count", weights: Sequence[float] | None = None, progress=None,
+                client=None) -> CountResult:
     """Count routed (layer, expert) entries over traces (formats.md section 4, step 1).
 
     Args:
-        tables: traces; each may carry its own weight in ``weights`` (default 1.0; a trace's counts are
-            multiplied by it before merging).
+        tables: traces (TraceTables, or chunk sources of :mod:`stratatools.traces.sources`, read chunk by
+            chunk); each may carry its own weight in ``weights`` (default 1.0; a trace's counts are multiplied by
+            it before merging).
         n_layers, n_expert: L and E of the model; entries of layers outside [0, L) are left out and counted
             (``skipped_layer``), as are expert ids outside [0, E).
         phase: ``"all"`` (every entry, as Strata's make_profile) or ``"decode"`` (drops entries whose phase is
@@ -69,6 +72,9 @@ def count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, *, p
         at a few hundred MB for any trace length.
     Raises:
         StrataError: unknown phase/weighting, weights of the wrong length, a negative or non-finite weight.
+        progress: optional callable(n_done, n_total) after each trace.
+        client: a ``distributed.Client`` (:mod:`stratatools.core.cluster`): each trace (a chunk source with a
+            ``spec``) is counted by a task and the counts combined in input order (the same result).
     """
     if phase not in ("all", "decode"):
         raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
@@ -83,55 +89,102 @@ def count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, *, p
     from stratatools.traces.formats.strata import no_hugepages
 
     with no_hugepages():
-        return _count_pairs(tables, n_layers, n_expert, phase, weighting, weights)
+        return _count_pairs(tables, n_layers, n_expert, phase, weighting, weights, progress, client)
+
+
+def _count_one(t, n_layers: int, n_expert: int, phase: str, weighting: str) -> dict:
+    """Counts of one trace (a TraceTable or a chunk source) for :func:`count_pairs`."""
+    size = n_layers * n_expert
+    skl: dict = {}
+    c = np.zeros(size, dtype=np.int64 if weighting == "count" else np.float64)
+    used = sk_l = sk_p = sk_e = 0
+    rec = t.records if isinstance(t, TraceTable) else None
+    if rec is not None and rec.constant_k:
+        used, sk_l, sk_p, sk_e = _count_records(rec, n_layers, n_expert, phase, weighting, c, skl)
+    if isinstance(t, TraceTable):
+        n_t = len(t)
+        chunks = ({"layer": t.layer[a:a + COUNT_CHUNK], "expert": t.expert[a:a + COUNT_CHUNK],
+                   "phase": t.phase[a:a + COUNT_CHUNK] if phase == "decode" else None,
+                   "weight": t.weight[a:a + COUNT_CHUNK] if weighting == "weight" else None}
+                  for a in range(0, n_t if rec is None or not rec.constant_k else 0, COUNT_CHUNK))
+    else:  # a chunk source (stratatools.traces.sources): read chunk by chunk, whatever its length
+        n_t = 0
+        chunks = t.chunks(SOURCE_CHUNK)
+    for ch in chunks:
+        lay = np.asarray(ch["layer"]).astype(np.int64)
+        exp = np.asarray(ch["expert"]).astype(np.int64)
+        if not isinstance(t, TraceTable):
+            n_t += len(lay)
+        keep = np.ones(len(lay), dtype=bool)
+        if phase == "decode":
+            pre = np.asarray(ch["phase"]) == PREFILL
+            sk_p += int(pre.sum())
+            keep &= ~pre
+        bad_l = keep & ((lay < 0) | (lay >= n_layers))
+        nbl = int(bad_l.sum())
+        if nbl:
+            sk_l += nbl
+            _tally_layers(lay[bad_l], 1, skl)
+            keep &= ~bad_l
+        bad_e = keep & ((exp < 0) | (exp >= n_expert))
+        sk_e += int(bad_e.sum())
+        keep &= ~bad_e
+        flat = lay[keep] * n_expert + exp[keep]
+        if weighting == "count":
+            c += np.bincount(flat, minlength=size)
+        else:
+            wt = ch.get("weight")
+            wt = np.ones(len(lay), np.float32) if wt is None else wt
+            w = np.asarray(wt)[keep].astype(np.float64)
+            w = np.where(w == 0, 1.0, w)
+            c += np.bincount(flat, weights=w, minlength=size)
+        used += int(keep.sum())
+    return {"c": c, "used": used, "sk_l": sk_l, "sk_p": sk_p, "sk_e": sk_e, "skl": skl, "n": n_t}
+
+
+def _count_task(spec, n_layers, n_expert, phase, weighting):
+    from stratatools.traces.sources import open_source
+
+    return _count_one(open_source(*spec[:4], where=spec[4], partition=spec[5]), n_layers, n_expert, phase,
+                      weighting)
 
 
 def _count_pairs(tables: Sequence[TraceTable], n_layers: int, n_expert: int, phase: str, weighting: str,
-                 weights: Sequence[float] | None) -> CountResult:
+                 weights: Sequence[float] | None, progress=None, client=None) -> CountResult:
     size = n_layers * n_expert
     total = np.zeros(size, dtype=np.float64)
     res = CountResult(total)
+    if client is not None:
+        from stratatools.core.cluster import run_tasks
+
+        class _P:
+            def __init__(self):
+                self.i = 0
+
+            def update(self, advance: int = 0, **_):
+                self.i += advance
+                if progress is not None:
+                    progress(self.i, len(tables))
+
+        parts = run_tasks(client, _count_task, [(t.spec, n_layers, n_expert, phase, weighting) for t in tables],
+                          name="count", progress=_P())
+    else:
+        parts = None
     for i, t in enumerate(tables):
         w_in = 1.0 if weights is None else float(weights[i])
-        c = np.zeros(size, dtype=np.int64 if weighting == "count" else np.float64)
-        used = sk_l = sk_p = 0
-        rec = t.records
-        if rec is not None and rec.constant_k:
-            used, sk_l, sk_p, sk_e = _count_records(rec, n_layers, n_expert, phase, weighting, c,
-                                                    res.skipped_layers)
-            res.skipped_expert += sk_e
-        for a in range(0, len(t) if rec is None or not rec.constant_k else 0, COUNT_CHUNK):
-            b = min(len(t), a + COUNT_CHUNK)
-            lay = t.layer[a:b].astype(np.int64)
-            exp = t.expert[a:b].astype(np.int64)
-            keep = np.ones(b - a, dtype=bool)
-            if phase == "decode":
-                pre = np.asarray(t.phase[a:b]) == PREFILL
-                sk_p += int(pre.sum())
-                keep &= ~pre
-            bad_l = keep & ((lay < 0) | (lay >= n_layers))
-            nbl = int(bad_l.sum())
-            if nbl:
-                sk_l += nbl
-                _tally_layers(lay[bad_l], 1, res.skipped_layers)
-                keep &= ~bad_l
-            bad_e = keep & ((exp < 0) | (exp >= n_expert))
-            res.skipped_expert += int(bad_e.sum())
-            keep &= ~bad_e
-            flat = lay[keep] * n_expert + exp[keep]
-            if weighting == "count":
-                c += np.bincount(flat, minlength=size)
-            else:
-                w = np.asarray(t.weight[a:b])[keep].astype(np.float64)
-                w = np.where(w == 0, 1.0, w)
-                c += np.bincount(flat, weights=w, minlength=size)
-            used += int(keep.sum())
+        r = parts[i] if parts is not None else _count_one(t, n_layers, n_expert, phase, weighting)
+        c, used, sk_l, sk_p, n_t = r["c"], r["used"], r["sk_l"], r["sk_p"], r["n"]
+        res.skipped_expert += r["sk_e"]
+        for k, v in r["skl"].items():
+            res.skipped_layers[k] = res.skipped_layers.get(k, 0) + v
         total += w_in * c
         res.used_entries += used
         res.skipped_layer += sk_l
         res.skipped_phase += sk_p
-        res.per_input.append({"entries": int(len(t)), "used": used, "weight": w_in, "skipped_layer": sk_l,
+        res.per_input.append({"entries": int(n_t), "used": used, "weight": w_in, "skipped_layer": sk_l,
                               "skipped_phase": sk_p})
+        if progress is not None:
+            progress(i + 1, len(tables))
     res.counts = total.reshape(n_layers, n_expert)
     return res
 
@@ -320,7 +373,8 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
                        weights: Sequence[float] | None = None, base: str | None = None, mode: str = "default",
                        fill: str = "expert-major", phase: str = "all", weighting: str = "count",
                        fmt: str | None = None, force: bool = False, model_info: dict | None = None,
-                       extra_inputs: Sequence[str] = (), progress=None) -> MakeProfileResult:
+                       extra_inputs: Sequence[str] = (), progress=None,
+                       where: Sequence[str] | None = None, client=None) -> MakeProfileResult:
     """Read traces, count, rank and write a STRP profile plus its provenance sidecar.
 
     With the defaults (mode ``default``, fill ``expert-major``, phase ``all``, weighting ``count``) the bytes
@@ -328,14 +382,17 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     that an expert id >= ``n_expert`` below layer ``n_layers`` is refused here (Strata drops it silently).
 
     Args:
-        traces: trace paths (any format; sniffed unless ``fmt``).
+        traces: trace files, folders, globs or Parquet datasets (any format; sniffed unless ``fmt``;
+            :func:`stratatools.traces.sources.expand_traces`); each file is read chunk by chunk.
         output: profile path (``<output>.json`` gets the sidecar).
         n_layers, n_expert: model geometry (trunk layers; experts per layer, dense for a pruned model).
         weights: per-trace weights (default 1.0 each).
         base: a STRP profile to merge (modes ``default``/``reorder``); ignored with ``no-base`` (warned).
         model_info: {name, path, ...} of the model the geometry came from, for the sidecar.
         extra_inputs: other files the output must not overwrite (the model, the pack table).
-        progress: optional callable(n_done, n_total) after each trace.
+        progress: optional callable(n_done, n_total) after each trace file is counted.
+        where: ``KEY=VALUE`` filters on partition keys / Parquet columns (``--where``).
+        client: a ``distributed.Client``: every trace file is counted by a Dask task (same bytes out).
     Raises:
         StrataError: bad options, an output that is an input or exists without ``force``, a base of another
             geometry, and every trace reader error.
@@ -346,7 +403,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     from stratatools.core import provenance
     from stratatools.core.fsutil import guard_output
     from stratatools.profiles.strp import read_profile
-    from stratatools.traces.formats import read_trace
+    from stratatools.traces.sources import expand_traces, open_source, parse_where
 
     if mode not in MODES:
         raise StrataError(f"unknown mode {mode!r} (use {', '.join(MODES)})")
@@ -357,9 +414,19 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
                           f"STRP stores u16 pairs)")
     if not traces:
         raise StrataError("no traces given (pass one or more trace files)")
-    w = list(weights) if weights is not None else [1.0] * len(traces)
+    w_arg = list(weights) if weights is not None else [1.0] * len(traces)
+    if len(w_arg) != len(traces):
+        raise StrataError(f"{len(w_arg)} trace weights for {len(traces)} traces")
+    # every argument may be a file, a folder, a glob or a Parquet dataset: one input per file it names
+    files: list[tuple[Path, dict]] = []
+    w: list[float] = []
+    for tp, wt in zip(traces, w_arg):
+        got = expand_traces([tp], where)
+        files += got
+        w += [float(wt)] * len(got)
+    paths = [str(f) for f, _ in files]
     sidecar = provenance.sidecar_path(output)
-    inputs_guard = list(traces) + ([base] if base else []) + list(extra_inputs)
+    inputs_guard = paths + ([base] if base else []) + list(extra_inputs)
     guard_output(output, inputs_guard, force)
     if sidecar.exists() and not force:
         raise StrataError(f"{sidecar}: already exists (pass --force to replace it)", sidecar)
@@ -369,18 +436,17 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
         base_prof = read_profile(base, expect=(n_layers, n_expert))
         if mode == "no-base":
             warns.append(f"--base {base} is ignored in mode no-base")
-    prov_inputs = [provenance.describe_file(tp, weight=float(w[i]), role="trace") if Path(tp).is_file() else None
-                   for i, tp in enumerate(traces)]
+    prov_inputs = [provenance.describe_file(tp, weight=float(w[i]), role="trace") for i, tp in enumerate(paths)]
+    wh = parse_where(where)
     tables = []
     info = []
-    for i, tp in enumerate(traces):
-        t = read_trace(tp, fmt, n_layers, n_expert, sha256=False)  # hashed once, by the provenance record
+    for i, (tp, part) in enumerate(files):
+        t = open_source(tp, fmt, n_layers, n_expert, where=wh, partition=part)  # read chunk by chunk when counted
         tables.append(t)
         info.append({"path": str(tp), "format": t.meta.get("source_format"), "sha256": prov_inputs[i]["sha256"],
                      "weight": float(w[i])})
-        if progress is not None:
-            progress(i + 1, len(traces))
-    res = count_pairs(tables, n_layers, n_expert, phase=phase, weighting=weighting, weights=w)
+    res = count_pairs(tables, n_layers, n_expert, phase=phase, weighting=weighting, weights=w,
+                      progress=progress, client=client)
     del tables
     for d, pi in zip(info, res.per_input):
         d.update({k: pi[k] for k in ("entries", "used", "skipped_layer", "skipped_phase")})

@@ -365,16 +365,16 @@ def _check_pack(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float, slots: int | None,
                     budget_gib: float | None):
-    from stratatools.cachesim.replay import prepare_entries, simulate_policy
+    from stratatools.cachesim.replay import prepare_stream, simulate_policy
     from stratatools.profiles.diff import default_slots_per_layer
-    from stratatools.traces.formats import read_trace
+    from stratatools.traces.sources import open_traces
 
     g = ctx["geometry"]
     p = ctx["profile"]
     L, E = g.n_trunk, g.uniform_n_expert
     try:
-        tables = [read_trace(t, n_layers=L, n_expert=E) for t in inp.traces]
-        ent = prepare_entries(tables, L, E)
+        tables = open_traces([str(t) for t in inp.traces], None, L, E)  # files, folders, globs or datasets, read chunk by chunk
+        ent = prepare_stream(tables, L, E)  # replayed chunk by chunk: memory independent of trace length
     except StrataError as e:
         return FAIL, str(e), {}
     kw: dict[str, Any] = {}
@@ -387,7 +387,10 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
         kw["slots"] = slots if slots is not None else L * default_slots_per_layer(E)
         if ctx.get("blob_bytes"):
             kw["blob_bytes"] = ctx["blob_bytes"]
-    r = simulate_policy(ent, "static", profile=p, **kw)
+    try:
+        r = simulate_policy(ent, "static", profile=p, **kw)
+    except StrataError as e:
+        return FAIL, str(e), {}
     budget = f"{budget_gib} GiB" if budget_gib is not None else f"{kw['slots']} slots"
     d = {"h_expert": r.h_expert, "h_layer": r.h_layer, "budget": budget, "min_hit_rate": min_hit_rate,
          "entries": ent.n_counted, "warmup": ent.n_warmup}
@@ -442,8 +445,10 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
                     (inp.full, "full model"), (inp.previous, "previous revision"),
                     (inp.previous_alloc, "previous allocation")):
         _must_exist(p, what)
-    for t in inp.traces:
-        _must_exist(t, "trace")
+    if inp.traces:
+        from stratatools.traces.sources import expand_traces
+
+        expand_traces([str(t) for t in inp.traces])  # files, folders, globs, datasets: each must name a trace
     if inp.full is not None and inp.previous is not None:
         raise StrataError("give --full or --previous, not both")
     reg = load_registry(registry)

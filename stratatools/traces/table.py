@@ -704,3 +704,244 @@ def locality_stats(table: TraceTable, window: int = 64) -> dict[str, Any] | None
     rq = {f"p{q}": float(np.percentile(all_d, q)) for q in (50, 90, 99)} if len(all_d) else {}
     return {"phase": phase, "layers": layers, "reuse_quantiles": rq,
             "window_steps": window if full else int(steps_per_req.max())}
+
+
+CHUNK_COLUMNS = ("request", "position", "phase", "layer", "rank", "expert")
+
+
+def table_chunks(table: TraceTable, rows: int, columns=CHUNK_COLUMNS):
+    """Walk a table in chunks of about ``rows`` entries, without building its full per-entry columns.
+
+    Yields dicts ``{column: array [n]}`` for ``columns`` (names of COLUMNS, and ``window`` when the table has
+    verify windows), int64 except ``phase`` (int8) and ``weight`` (float32). A table in the compact per-record
+    form (:class:`Records`) is cut at record boundaries and only the chunk's entries are expanded (the trace file
+    stays mapped, memory ~ ``rows``); a column-built table is cut every ``rows`` entries (records may span two
+    chunks; consumers carry state across). Concatenating the chunks gives the table's columns.
+    """
+    rows = max(int(rows), 1)
+    n = len(table)
+    want = list(columns) + (["window"] if table.has_windows and "window" not in columns else [])
+    rec = table.records
+    if rec is None:
+        cols = {c: (table.window if c == "window" else getattr(table, c)) for c in want}
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            yield {c: _chunk_dtype(c, v[a:b]) for c, v in cols.items()}
+        return
+    R = len(rec)
+    if R == 0:
+        return
+    starts = rec.starts()
+    ks = rec.ks() if not rec.constant_k else None
+    kc = int(rec.k) if rec.constant_k else 0
+    pos_all = rec.rec_position() if "position" in want else None
+    ra = 0
+    while ra < R:
+        rb = int(np.searchsorted(starts, starts[ra] + rows, side="left"))
+        rb = min(max(rb, ra + 1), R)
+        kk = np.full(rb - ra, kc, np.int64) if rec.constant_k else ks[ra:rb]
+        ea = int(starts[ra])
+        eb = int(starts[rb]) if rb < R else rec.n_entries
+        out = {}
+        for c in want:
+            if c in ("layer", "request", "phase", "position", "window"):
+                src = {"layer": rec.layer, "request": rec.request, "phase": rec.phase, "position": pos_all,
+                       "window": rec.window}[c]
+                out[c] = _chunk_dtype(c, np.repeat(np.asarray(src[ra:rb]), kk))
+            elif c == "rank":
+                if rec.constant_k:
+                    out[c] = np.tile(np.arange(kc, dtype=np.int64), rb - ra)
+                else:
+                    rank = np.ones(eb - ea, np.int64)
+                    if eb > ea:
+                        rank[0] = 0
+                        rank[np.cumsum(kk)[:-1]] = 1 - kk[:-1]
+                        np.cumsum(rank, out=rank)
+                    out[c] = rank
+            elif c in ("expert", "weight"):
+                src = rec.expert if c == "expert" else rec.weight
+                a = np.asarray(src[ra:rb]).reshape(-1) if rec.constant_k else np.asarray(src[ea:eb])
+                if c == "weight" and rec.unit_rows is not None and len(rec.unit_rows):
+                    a = a.astype(np.float32).reshape(rb - ra, -1) if rec.constant_k else a.astype(np.float32)
+                    u = rec.unit_rows[(rec.unit_rows >= ra) & (rec.unit_rows < rb)] - ra
+                    if rec.constant_k:
+                        a[u] = 1.0
+                        a = a.reshape(-1)
+                    else:
+                        for r in u.tolist():
+                            s0 = int(starts[ra + r]) - ea
+                            a[s0:s0 + int(kk[r])] = 1.0
+                out[c] = _chunk_dtype(c, a)
+        yield out
+        ra = rb
+
+
+def _chunk_dtype(name: str, a: np.ndarray) -> np.ndarray:
+    if name == "phase":
+        return np.asarray(a, np.int8)
+    if name == "weight":
+        return np.asarray(a, np.float32)
+    return np.asarray(a, np.int64)
+
+
+
+class Distinct:
+    """Distinct int64 values seen so far (sorted runs compacted as they grow; memory ~ distinct values)."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+        self.base = 0
+
+    def add(self, v: np.ndarray) -> None:
+        if len(v):
+            u = np.unique(v)
+            self.parts.append(u)
+            self.size += len(u)
+            if self.size > 2 * self.base + (1 << 20):
+                self._compact()
+
+    def _compact(self) -> None:
+        u = np.unique(np.concatenate(self.parts)) if self.parts else np.zeros(0, np.int64)
+        self.parts = [u]
+        self.size = self.base = len(u)
+
+    def values(self) -> np.ndarray:
+        self._compact()
+        return self.parts[0]
+
+    def __len__(self) -> int:
+        return int(len(self.values()))
+
+
+def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
+    """Counts of one source for :func:`trace_stats_sources` (mergeable: sums, minima, maxima, a pair table)."""
+    C = np.zeros((0, 0), np.int64)
+    lo = None
+    n = records = 0
+    kmin, kmax = None, None
+    ph = np.zeros(3, np.int64)
+    any_in = any_out = False
+    tok, reqs, wins = Distinct(), Distinct(), Distinct()
+    prev = None   # last entry (req, pos, lay, phase)
+    run = 0       # entries of the open record
+    out_src = 0
+    for c in src.chunks(rows):
+        m = len(c["layer"])
+        if not m:
+            continue
+        lay, ex = c["layer"], c["expert"]
+        req, pos, rank, phs = c["request"], c["position"], c["rank"], np.asarray(c["phase"], np.int64)
+        n += m
+        # pair counts in a growing [layer - lo, expert] table
+        l0, l1, e1 = int(lay.min()), int(lay.max()), int(ex.max())
+        nlo = l0 if lo is None else min(lo, l0)
+        nhi = max(l1, (lo + C.shape[0] - 1) if lo is not None else l1)
+        ne = max(e1 + 1, C.shape[1])
+        if lo is None or nlo != lo or nhi - nlo + 1 != C.shape[0] or ne != C.shape[1]:
+            G = np.zeros((nhi - nlo + 1, ne), np.int64)
+            if lo is not None:
+                G[lo - nlo:lo - nlo + C.shape[0], :C.shape[1]] = C
+            C, lo = G, nlo
+        C += np.bincount((lay - lo) * C.shape[1] + ex, minlength=C.size).reshape(C.shape)
+        ph += np.bincount(phs.clip(0, 2), minlength=3)
+        new = rank == 0
+        new[1:] |= (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (phs[1:] != phs[:-1])
+        if prev is None:
+            new[0] = True
+        else:
+            new[0] |= bool(req[0] != prev[0] or pos[0] != prev[1] or lay[0] != prev[2] or phs[0] != prev[3])
+        prev = (req[-1], pos[-1], lay[-1], phs[-1])
+        st = np.flatnonzero(new)
+        lens = np.diff(np.r_[st, m])
+        if len(st):
+            if st[0] > 0:
+                run += int(st[0])
+            if run:  # the record carried from the previous chunk is complete
+                kmin = run if kmin is None else min(kmin, run)
+                kmax = run if kmax is None else max(kmax, run)
+            full = lens[:-1]
+            if len(full):
+                kmin = int(full.min()) if kmin is None else min(kmin, int(full.min()))
+                kmax = int(full.max()) if kmax is None else max(kmax, int(full.max()))
+            run = int(lens[-1])
+        else:
+            run += m
+        records += len(st)
+        rq, rp = req[st], pos[st]
+        key = rq * (1 << 32) + (rp & 0xFFFFFFFF)
+        tok.add(key[np.r_[True, key[1:] != key[:-1]]] if len(key) > 1 else key)
+        reqs.add(rq[np.r_[True, rq[1:] != rq[:-1]]] if len(rq) > 1 else rq)
+        w = c.get("window")
+        if w is not None:
+            rw = w[st]
+            inw = rw >= 0
+            any_in |= bool(inw.any())
+            any_out |= bool((~inw).any())
+            wins.add(rq[inw] * (1 << 32) + rw[inw])
+            out_src += int((~inw).sum())
+        if progress is not None:
+            progress(m)
+    if run:
+        kmin = run if kmin is None else min(kmin, run)
+        kmax = run if kmax is None else max(kmax, run)
+    nw = len(wins)
+    return {"C": C, "lo": lo, "n": n, "records": records, "kmin": kmin, "kmax": kmax, "ph": ph,
+            "tokens": len(tok), "requests": len(reqs), "windows": nw, "outside": out_src if nw else 0,
+            "any_in": any_in, "any_out": any_out}
+
+
+def _stats_combine(parts: list[dict], meta: dict, n_expert: int | None) -> TraceStats:
+    C = np.zeros((0, 0), np.int64)
+    lo = None
+    for p in parts:
+        if p["lo"] is None:
+            continue
+        P, plo = p["C"], p["lo"]
+        if lo is None:
+            C, lo = P.copy(), plo
+            continue
+        nlo, nhi = min(lo, plo), max(lo + C.shape[0], plo + P.shape[0]) - 1
+        ne = max(C.shape[1], P.shape[1])
+        G = np.zeros((nhi - nlo + 1, ne), np.int64)
+        G[lo - nlo:lo - nlo + C.shape[0], :C.shape[1]] += C
+        G[plo - nlo:plo - nlo + P.shape[0], :P.shape[1]] += P
+        C, lo = G, nlo
+    n = sum(p["n"] for p in parts)
+    ks = [p["kmin"] for p in parts if p["kmin"] is not None]
+    kmin = min(ks) if ks else 0
+    kmax = max([p["kmax"] for p in parts if p["kmax"] is not None] or [0])
+    ph = sum((p["ph"] for p in parts), np.zeros(3, np.int64))
+    any_in = any(p["any_in"] for p in parts)
+    any_out = any(p["any_out"] for p in parts)
+    emax = C.shape[1] - 1 if n else -1
+    E = int(n_expert) if n_expert else emax + 1
+    E = max(E, emax + 1)
+    if n:
+        lmin, lmax = lo, lo + C.shape[0] - 1
+        counts = np.zeros((C.shape[0], E), np.int64)
+        counts[:, :C.shape[1]] = C
+    else:
+        lmin = lmax = None
+        counts = np.zeros((0, E), np.int64)
+    per: list[LayerStats] = []
+    for i in range(counts.shape[0]):
+        cc = counts[i]
+        tot = int(cc.sum())
+        if tot == 0:
+            continue
+        p = cc[cc > 0] / tot
+        per.append(LayerStats(layer=i + (lmin or 0), entries=tot, distinct_experts=int((cc > 0).sum()),
+                              concentration=_top_share(cc, E), entropy_bits=float(-(p * np.log2(p)).sum())))
+    phases = {PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]}
+    rounds = "positions" if not any_in else ("windows+positions" if any_out else "windows")
+    records = sum(p["records"] for p in parts)
+    tokens = sum(p["tokens"] for p in parts)
+    requests = sum(p["requests"] for p in parts)
+    n_windows = sum(p["windows"] for p in parts)
+    outside = sum(p["outside"] for p in parts)
+    return TraceStats(entries=n, records=records, tokens=tokens, requests=requests, layers=len(per),
+                      layer_min=lmin, layer_max=lmax, k_min=int(kmin or 0), k_max=int(kmax or 0), n_expert=E,
+                      phases=phases, concentration=_top_share(counts.ravel(), counts.size) if n else 0.0,
+                      mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
+                      per_layer=per, meta=meta, windows=n_windows, outside_windows=outside, rounds=rounds)

@@ -164,3 +164,75 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     if n_expert is not None:
         meta["n_expert"] = int(n_expert)
     return TraceTable(**cols, meta=meta, window=window)
+
+
+def write_parquet_dataset(sources, out_dir: str | os.PathLike, partition: dict[str, str] | None = None, *,
+                          force: bool = False, rows: int = 1 << 20, progress=None) -> dict[str, Any]:
+    """Write chunk sources (:mod:`stratatools.traces.sources`) as a hive-partitioned Parquet dataset, in memory
+    bounded by one chunk of ``rows`` entries whatever the traces' length.
+
+    Layout: ``OUT/KEY=VALUE/.../part-NNNNN.parquet`` (the ``partition`` keys in order; none: the files go in OUT),
+    one part file per input file (a trace's requests never span two files, so reading the dataset back gives the
+    inputs' replay), each written in row groups of ``rows`` entries, zstd, with our schema (:func:`_schema`).
+    The partition folder is written as a hidden temporary folder beside it and renamed into place, so a reader
+    never sees half a partition; with ``force`` an existing partition folder is replaced.
+
+    Returns {"output", "files", "entries", "records", "bytes"}. Raises StrataError: an existing partition without
+    ``force``, a partition key or value that is not a plain name, and every reader error of the sources.
+    """
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    leaf = out
+    for k, v in (partition or {}).items():
+        for x in (k, v):
+            if not x or "/" in x or "=" in x or x.startswith("."):
+                raise StrataError(f"--partition {k}={v}: keys and values must be plain names (no '/', '=' or "
+                                  f"leading '.')")
+        leaf = leaf / f"{k}={v}"
+    if leaf.exists() and any(leaf.iterdir()) and not force:
+        raise StrataError(f"{leaf}: the partition already holds files (pass --force to replace it)", leaf)
+    tmp = leaf.parent / f".{leaf.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    entries = records = 0
+    files = []
+    try:
+        for i, src in enumerate(sources):
+            windows = bool(getattr(src, "has_windows", False))
+            meta = dict(getattr(src, "meta", {}))
+            schema = _schema(meta, windows)
+            names = list(COLUMNS) + ([WINDOW] if windows else [])
+            name = f"part-{i:05d}.parquet"
+            with AtomicFile(tmp / name, "wb") as fh:
+                with pq.ParquetWriter(fh, schema, compression="zstd", write_statistics=True) as w:
+                    for c in src.chunks(rows):
+                        n = len(c["layer"])
+                        if not n:
+                            continue
+                        if "weight" not in c:
+                            c["weight"] = np.ones(n, np.float32)
+                        if windows and "window" not in c:
+                            c["window"] = np.full(n, -1, np.int32)
+                        arrays = [pa.array(np.ascontiguousarray(c[k]).astype(
+                            np.dtype(COLUMNS.get(k, np.int32))), type=schema.field(k).type) for k in names]
+                        w.write_table(pa.Table.from_arrays(arrays, schema=schema))
+                        entries += n
+                        records += int((np.asarray(c["rank"]) == 0).sum())
+                        if progress is not None:
+                            progress(n)
+            files.append(str(leaf / name))
+        old = None
+        if leaf.exists():
+            old = leaf.parent / f".{leaf.name}.old-{os.getpid()}"
+            os.replace(leaf, old)
+        os.replace(tmp, leaf)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(Path(f).stat().st_size for f in files)
+    return {"output": str(leaf), "files": files, "entries": entries, "records": records, "bytes": size}

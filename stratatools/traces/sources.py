@@ -1,0 +1,507 @@
+"""Traces of any size as chunk sources: files, directories, globs and hive-partitioned Parquet datasets.
+
+A *chunk source* is what the streaming consumers (:class:`stratatools.cachesim.replay.EntryStream`,
+:func:`stratatools.profiles.ranking.count_pairs`, :func:`trace_stats_sources`) read:
+an object with ``name``, ``meta``, ``has_windows`` and ``chunks(rows)``, which yields dicts of per-entry int64
+columns (``request, position, phase (int8), layer, rank, expert``, plus ``weight`` float32 and ``window`` when
+present) in trace order, about ``rows`` entries at a time. Memory is one chunk, whatever the trace length:
+
+* Parquet files are read in record batches (``pyarrow.dataset``), with ``--where`` filters pushed down;
+* tagged Strata traces are walked in chunks by the compiled walker (:mod:`.formats.strata_walk`); records are
+  handed on as soon as no later commit can still put them into a verify window (memory: one chunk plus the
+  records since the last commit or request tag);
+* plain Strata traces are mapped (:func:`.formats.strata.read_strata`) and cut at record boundaries;
+* CSV traces (small by nature) are read whole.
+
+Arguments (:func:`expand_traces`): a file; a directory (every Parquet file under it, a hive-partitioned dataset
+``key=value/.../part-*.parquet``, else every file directly in it); a glob (``traces/*.bin``, ``**`` recurses).
+Each file is one input (request ids are made distinct per file when traces are merged). ``--where KEY=VALUE``
+(repeatable; several values of one key are alternatives) keeps the files whose partition ``KEY`` (a
+``KEY=VALUE`` folder of its path) is VALUE, and for a data column of a Parquet file the rows whose value is
+VALUE.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import check_input
+from stratatools.traces.table import COLUMNS, TraceStats, TraceTable, _stats_combine, stats_partial, table_chunks
+
+GLOB_CHARS = set("*?[")
+
+
+def parse_where(items: Sequence[str] | None) -> dict[str, list[str]]:
+    """``["server=a", "date=2026-12-01", "server=b"]`` -> ``{"server": ["a", "b"], "date": [...]}``.
+
+    Raises StrataError for an item without ``=`` or with an empty key."""
+    out: dict[str, list[str]] = {}
+    for it in items or []:
+        if "=" not in it or not it.split("=", 1)[0].strip():
+            raise StrataError(f"--where {it!r}: expected COLUMN=VALUE, e.g. server=a")
+        k, v = it.split("=", 1)
+        out.setdefault(k.strip(), []).append(v)
+    return out
+
+
+def _partition_keys(path: Path, root: Path | None) -> dict[str, str]:
+    """``key=value`` folders of ``path`` (below ``root`` when given)."""
+    parts = path.parent.parts
+    if root is not None:
+        try:
+            parts = path.parent.relative_to(root).parts
+        except ValueError:
+            pass
+    out = {}
+    for p in parts:
+        if "=" in p:
+            k, v = p.split("=", 1)
+            out[k] = v
+    return out
+
+
+def _is_parquet(p: Path) -> bool:
+    if p.suffix == ".parquet":
+        return True
+    try:
+        with open(p, "rb") as fh:
+            return fh.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
+def expand_traces(args: Sequence[str], where: Sequence[str] | None = None) -> list[tuple[Path, dict[str, str]]]:
+    """Trace arguments -> the files they name, each with its partition keys, in a stable order (arguments in
+    order; inside a directory or glob, sorted paths).
+
+    Raises:
+        StrataError: no argument; a missing path; a glob that matches nothing; a directory without traces;
+            a ``--where`` key that is neither a partition key of any file nor a Parquet column; every file
+            filtered out.
+    """
+    if not args:
+        raise StrataError("no traces given (pass one or more trace files, folders or globs)")
+    wh = parse_where(where)
+    files: list[tuple[Path, Path | None]] = []
+    for a in args:
+        s = str(a)
+        if any(c in s for c in GLOB_CHARS) and not Path(s).exists():
+            hits = sorted(Path(h) for h in _glob.glob(s, recursive=True))
+            hits = [check_input(h, "trace") for h in hits if h.is_file()]
+            if not hits:
+                raise StrataError(f"{s}: the glob matches no file (check the pattern and quote it so the shell "
+                                  f"does not expand it)")
+            root = Path(s.split("*")[0].split("?")[0].split("[")[0])
+            root = root if root.is_dir() else root.parent
+            files += [(h, root) for h in hits]
+            continue
+        p = check_input(Path(s), "trace")  # a FIFO, socket, device or symlink loop: one line, never opened
+        if not p.exists():
+            raise StrataError(f"{p}: no such file or folder", p)
+        if p.is_dir():
+            pq = sorted(x for x in p.rglob("*") if x.is_file() and x.suffix == ".parquet")
+            if not pq:
+                pq = sorted(x for x in p.iterdir() if x.is_file() and not x.name.startswith("."))
+            if not pq:
+                raise StrataError(f"{p}: the folder holds no trace files", p)
+            files += [(x, p) for x in pq]
+        else:
+            files.append((p, None))
+    out = [(f, _partition_keys(f, root)) for f, root in files]
+    if wh:
+        known = set().union(*(set(k) for _, k in out)) if out else set()
+        data_cols = set(COLUMNS) | {"window"}
+        for key in wh:
+            if key not in known and key not in data_cols:
+                have = ", ".join(sorted(known)) or "none"
+                raise StrataError(f"--where {key}=...: no partition key or column {key!r} (partition keys: {have}; "
+                                  f"columns: {', '.join(COLUMNS)}, window)")
+        out = [(f, k) for f, k in out if all(key not in k or k[key] in vals
+                                                  for key, vals in wh.items() if key in known)]
+        if not out:
+            raise StrataError("--where " + " ".join(f"{k}={'|'.join(v)}" for k, v in wh.items())
+                              + ": no trace file is left (check the values against the folder names)")
+    return out
+
+
+class TableSource:
+    """A trace read whole (CSV, small traces), walked by :func:`stratatools.traces.table.table_chunks`."""
+
+    def __init__(self, table: TraceTable, name: str = ""):
+        self.table, self.name = table, name
+        self.meta = dict(table.meta)
+        self.has_windows = table.has_windows
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def chunks(self, rows: int) -> Iterator[dict]:
+        return table_chunks(self.table, rows, columns=("request", "position", "phase", "layer", "rank", "expert",
+                                                       "weight"))
+
+
+class ParquetSource:
+    """One Parquet trace file: schema, metadata and row counts through ``pyarrow.dataset`` (``--where`` filters
+    as its expressions), rows in record batches of its row groups (``pyarrow.parquet``), filtered per batch."""
+
+    def __init__(self, path: Path, n_layers: int | None = None, n_expert: int | None = None,
+                 where: dict[str, list[str]] | None = None, partition: dict[str, str] | None = None):
+        import pyarrow as pa
+        import pyarrow.dataset as pads
+
+        from stratatools.traces.formats.parquet import META_KEY, WINDOW, _plausible_meta
+
+        self.path, self.name = Path(path), str(path)
+        self.n_layers, self.n_expert = n_layers, n_expert
+        try:
+            self.ds = pads.dataset(str(path), format="parquet")
+            schema = self.ds.schema
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({str(e).splitlines()[0][:160]})",
+                              path) from None
+        self.schema = schema
+        missing = [c for c in COLUMNS if c not in schema.names]
+        if missing:
+            raise StrataError(f"{path}: Parquet schema lacks column(s) {', '.join(missing)}; expected "
+                              f"{', '.join(COLUMNS)} (write it with `stratatools trace convert --to parquet`)", path)
+        self.has_windows = WINDOW in schema.names
+        import json
+
+        meta: dict[str, Any] = {}
+        raw = (schema.metadata or {}).get(META_KEY)
+        if raw:
+            try:
+                stored = json.loads(raw)
+                meta.update(_plausible_meta(stored) if isinstance(stored, dict) else {})
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                pass
+        if "source_format" in meta:
+            meta["converted_from"] = meta.pop("source_format")
+        for k in ("source_path", "source_sha256", "source_bytes", "format"):
+            meta.pop(k, None)
+        meta.update({"source_format": "parquet", "source_path": str(path), "source_bytes": self.path.stat().st_size})
+        if partition:
+            meta["partition"] = dict(partition)
+        self.meta = meta
+        expr = None
+        self.filter_cols: dict[str, list] = {}
+        for key, vals in (where or {}).items():
+            if key not in schema.names:
+                continue
+            f = schema.field(key)
+            try:
+                vs = [int(v) if pa.types.is_integer(f.type) else v for v in vals]
+            except ValueError:
+                raise StrataError(f"--where {key}={vals[0]}: column {key} holds integers") from None
+            e = pads.field(key).isin(vs)
+            expr = e if expr is None else expr & e
+            self.filter_cols[key] = vs
+        self.filter = expr
+
+    def __len__(self) -> int:
+        return int(self.ds.count_rows(filter=self.filter))
+
+    def signature(self) -> tuple:
+        """Column names and types (for checking that the files of a dataset agree)."""
+        return tuple((f.name, str(f.type)) for f in self.schema if f.name in COLUMNS or f.name == "window")
+
+    def chunks(self, rows: int) -> Iterator[dict]:
+        import pyarrow as pa
+
+        cols = list(COLUMNS) + (["window"] if self.has_windows else [])
+        row = 0
+        # pyarrow.parquet's row-group reader, not the dataset scanner: the scanner's read-ahead and row-group
+        # caching took 721 MB on a 1e8-entry dataset where iter_batches takes 326 MB (measured here)
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(self.path)
+        for b in pf.iter_batches(batch_size=max(int(rows), 1), columns=cols + [k for k in self.filter_cols
+                                                                                if k not in cols],
+                                 use_threads=False):
+            if self.filter_cols:
+                keep = None
+                for k, vs in self.filter_cols.items():
+                    m = pc.is_in(b.column(k), value_set=pa.array(vs, type=b.schema.field(k).type))
+                    keep = m if keep is None else pc.and_(keep, m)
+                b = b.filter(keep)
+            out = {}
+            for name in cols:
+                c = b.column(name)
+                if c.null_count:
+                    raise StrataError(f"{self.path}: column {name} has {c.null_count} null values", self.path)
+                try:
+                    a = c.to_numpy(zero_copy_only=False)
+                except (pa.ArrowException, ValueError) as e:
+                    raise StrataError(f"{self.path}: column {name}: {str(e).splitlines()[0][:120]}",
+                                      self.path) from None
+                out[name] = np.asarray(a, np.int8 if name == "phase" else np.float32 if name == "weight"
+                                       else np.int64)
+            lay, exp = out["layer"], out["expert"]
+            for name, a in (("layer", lay), ("expert", exp)):
+                if len(a) and int(a.min()) < 0:
+                    i = int(np.argmax(a < 0))
+                    raise StrataError(f"{self.path}: row {row + i}: {name} {int(a[i])} is negative", self.path)
+            if self.n_expert is not None and len(exp):
+                bad = exp >= self.n_expert
+                if self.n_layers is not None:
+                    bad &= lay < self.n_layers
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    raise StrataError(f"{self.path}: row {row + i}: expert id {int(exp[i])} of layer {int(lay[i])} "
+                                      f"is out of range for {self.n_expert} experts (the trace is for a model with "
+                                      f"more experts)", self.path)
+            row += len(lay)
+            yield out
+
+
+class StrataTaggedSource:
+    """A tagged Strata trace walked in chunks (module docstring); the same entries, positions, phases and
+    windows as :func:`stratatools.traces.formats.strata.read_strata`, without holding the trace."""
+
+    has_windows = True  # window -1 everywhere when the trace has no commits (replay and stats alike)
+
+    def __init__(self, path: Path, n_layers: int | None = None, n_expert: int | None = None,
+                 chunk_bytes: int | None = None):
+        self.path, self.name = Path(path), str(path)
+        self.n_layers, self.n_expert = n_layers, n_expert
+        self.chunk_bytes = chunk_bytes
+        self.meta = {"source_format": "strata-tagged", "source_path": str(path),
+                     "source_bytes": self.path.stat().st_size}
+
+    def chunks(self, rows: int) -> Iterator[dict]:
+        from stratatools.traces.formats import strata_walk as SW
+
+        return _walk_chunks(self.path, self.n_layers, self.n_expert, int(rows), SW, self.chunk_bytes)
+
+
+def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int | None) -> Iterator[dict]:
+    import mmap
+
+    from stratatools.traces.formats.strata_spec import MAX_ROUTE_K, TAG_FORMAT
+    from stratatools.traces.table import DECODE, UNKNOWN
+
+    size = path.stat().st_size
+    mm = SW._map(path, size)
+    if mm is None:
+        raise StrataError(f"{path}: cannot be mapped", path)
+    W = size // 4
+    a = np.frombuffer(mm, dtype="<i4", count=W)
+    max_route_k = MAX_ROUTE_K if n_expert is None else min(MAX_ROUTE_K, int(n_expert))
+    tagged = W >= 2 and int(a[0]) == TAG_FORMAT and int(a[1]) >= 0
+    version = int(a[2]) if tagged and int(a[1]) >= 1 and W >= 3 else 0
+    chunk_w = max(int(chunk_bytes) // 4 if chunk_bytes else 2 * max(rows, 1), 64)
+    st = np.zeros(SW.N_STATE, np.int64)
+    st[SW.S_LO], st[SW.S_HI] = 1 << 40, -1
+    st[SW.S_PHASE] = UNKNOWN if tagged else DECODE
+    cap_e = chunk_w // 2 + MAX_ROUTE_K + 2
+    cap_r = chunk_w // 4 + 4
+    bufs = {"expert": np.empty(cap_e, np.int32), "weight": np.empty(cap_e, np.float32)}
+    recs = {"layer": np.empty(cap_r, np.int16), "k": np.empty(cap_r, np.int32), "req": np.empty(cap_r, np.int32),
+            "phase": np.empty(cap_r, np.int8), "win": np.empty(cap_r, np.int32)}
+    tags = np.empty(chunk_w // 2 + 4, np.int32)
+    ordinal: dict[int, int] = {}
+    status = 0
+    dropped = 0
+    can_drop = hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+
+    def emit(e: int) -> dict:
+        n_rec = int(st[SW.S_NREC])
+        kvar = bool(st[SW.S_KVAR])
+        ks = recs["k"][:e].astype(np.int64) if kvar else np.full(e, int(st[SW.S_K]), np.int64)
+        ne = int(ks.sum())
+        lay = recs["layer"][:e].astype(np.int64)
+        req = recs["req"][:e].astype(np.int64)
+        # ordinal among earlier records of the same (request, layer), carried across chunks
+        key = req * 8192 + lay
+        u, inv = np.unique(key, return_inverse=True)
+        base = np.array([ordinal.get(int(x), 0) for x in u], np.int64)
+        order = np.argsort(inv, kind="stable")
+        si = inv[order]
+        starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
+        lens = np.diff(np.r_[starts, e])
+        within = np.arange(e, dtype=np.int64) - np.repeat(starts, lens)
+        pos = np.empty(e, np.int64)
+        pos[order] = within + base[si]
+        cnt = np.bincount(inv, minlength=len(u))
+        for x, b0, c in zip(u.tolist(), base.tolist(), cnt.tolist()):
+            ordinal[x] = b0 + c
+        if kvar:
+            rank = np.ones(ne, np.int64)
+            if ne:
+                rank[0] = 0
+                rank[np.cumsum(ks)[:-1]] = 1 - ks[:-1]
+                np.cumsum(rank, out=rank)
+            rep = lambda x: np.repeat(x, ks)  # noqa: E731
+        else:
+            kc = int(st[SW.S_K])
+            rank = np.tile(np.arange(kc, dtype=np.int64), e)
+            rep = lambda x: np.repeat(x, kc)  # noqa: E731
+        out = {"request": rep(req), "position": rep(pos), "phase": rep(recs["phase"][:e]).astype(np.int8),
+               "layer": rep(lay), "rank": rank, "expert": bufs["expert"][:ne].astype(np.int64),
+               "weight": bufs["weight"][:ne].copy(), "window": rep(recs["win"][:e].astype(np.int64))}
+        # keep the records not handed on at the front
+        rest_e = int(st[SW.S_NENT]) - ne
+        for b in bufs.values():
+            b[:rest_e] = b[ne:ne + rest_e]
+        for r in recs.values():
+            r[:n_rec - e] = r[e:n_rec]
+        st[SW.S_NREC] = n_rec - e
+        st[SW.S_NENT] = rest_e
+        st[SW.S_SEG] = max(int(st[SW.S_SEG]) - e, 0)
+        return out
+
+    try:
+        while status == 0 and int(st[SW.S_O]) < W:
+            end = min(int(st[SW.S_O]) + chunk_w, W)
+            need_e = int(st[SW.S_NENT]) + (end - int(st[SW.S_O])) // 2 + MAX_ROUTE_K + 2
+            need_r = int(st[SW.S_NREC]) + (end - int(st[SW.S_O])) // 4 + 4
+            if need_e > len(bufs["expert"]):  # a long stretch without commit or request tags
+                used = int(st[SW.S_NENT])
+                for k in bufs:
+                    g = np.empty(need_e * 2, bufs[k].dtype)
+                    g[:used] = bufs[k][:used]
+                    bufs[k] = g
+            if need_r > len(recs["layer"]):
+                used = int(st[SW.S_NREC])
+                for k in recs:
+                    g = np.empty(need_r * 2, recs[k].dtype)
+                    g[:used] = recs[k][:used]
+                    recs[k] = g
+            st[SW.S_NTAGS] = 0
+            status = SW.walk(a, end, st, max_route_k, -1 if n_layers is None else int(n_layers),
+                             -1 if n_expert is None else int(n_expert), tagged, version == 1, bufs["expert"],
+                             bufs["weight"].view(np.int32), recs["layer"], recs["k"], recs["req"], recs["phase"],
+                             recs["win"], tags)
+            if status != 0:
+                break
+            done = 4 * int(st[SW.S_O]) // mmap.PAGESIZE * mmap.PAGESIZE
+            if can_drop and done > dropped:
+                mm.madvise(mmap.MADV_DONTNEED, dropped, done - dropped)
+                dropped = done
+            e = int(st[SW.S_SEG]) if tagged else int(st[SW.S_NREC])
+            if e > 0:
+                yield emit(e)
+        if status == 2:
+            raise SW._scan_error(path, st, n_expert, max_route_k)
+        o = int(st[SW.S_O])
+        if status == 1 or 4 * o < size:
+            raise SW._cut_error(path, a, o, size, max_route_k)
+        if st[SW.S_DERR]:
+            raise SW._tag_error(path, st)
+        if int(st[SW.S_NREC]):
+            yield emit(int(st[SW.S_NREC]))
+    finally:
+        del a
+        try:
+            mm.close()
+        except BufferError:
+            pass
+
+
+def open_source(path: str | os.PathLike, fmt: str | None = None, n_layers: int | None = None,
+                n_expert: int | None = None, *, where: dict[str, list[str]] | None = None,
+                partition: dict[str, str] | None = None):
+    """One trace file as a chunk source (module docstring): Parquet in batches, tagged Strata walked in chunks,
+    plain Strata mapped, CSV read whole. The source's ``spec`` reopens it elsewhere (a Dask worker):
+    ``open_source(*spec[:4], where=spec[4], partition=spec[5])``. Raises every reader's StrataError (the file,
+    the byte or row, the fix)."""
+    s = _open_source(path, fmt, n_layers, n_expert, where, partition)
+    s.spec = (str(path), fmt, n_layers, n_expert, where, partition)
+    return s
+
+
+def _open_source(path, fmt, n_layers, n_expert, where, partition):
+    from stratatools.traces.formats import read_trace, sniff_format
+
+    p = Path(path)
+    f = fmt or sniff_format(p)
+    if f == "parquet":
+        return ParquetSource(p, n_layers, n_expert, where, partition)
+    if f in ("strata", "strata-tagged"):
+        with open(p, "rb") as fh:
+            head = np.frombuffer(fh.read(8).ljust(8, b"\0"), "<i4")
+        from stratatools.traces.formats.strata_spec import TAG_FORMAT
+        from stratatools.traces.formats.strata_walk import HAVE_NUMBA
+
+        if int(head[0]) == TAG_FORMAT and int(head[1]) >= 0 and HAVE_NUMBA and p.stat().st_size >= 8:
+            return StrataTaggedSource(p, n_layers, n_expert)
+    if where and any(k not in (partition or {}) for k in where):
+        raise StrataError(f"{p}: --where on a data column needs Parquet traces (this one is {f})", p)
+    return TableSource(read_trace(p, f, n_layers, n_expert, sha256=False), str(p))
+
+
+def open_traces(args: Sequence[str], fmt: str | None = None, n_layers: int | None = None,
+                n_expert: int | None = None, where: Sequence[str] | None = None) -> list:
+    """Every file the arguments name (:func:`expand_traces`) as a chunk source (:func:`open_source`).
+
+    Raises:
+        StrataError: everything :func:`expand_traces` and the readers refuse, and Parquet files of one dataset
+            whose columns or stored geometry (``n_layers``/``n_expert`` in their metadata) disagree.
+    """
+    wh = parse_where(where)
+    out = []
+    first_pq = None
+    for path, part in expand_traces(args, where):
+        s = open_source(path, fmt, n_layers, n_expert, where=wh, partition=part)
+        if isinstance(s, ParquetSource):
+            if first_pq is None:
+                first_pq = s
+            else:
+                if s.signature() != first_pq.signature():
+                    a, b = dict(first_pq.signature()), dict(s.signature())
+                    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                    raise StrataError(f"{path}: its schema differs from {first_pq.path} in column(s) "
+                                      f"{', '.join(diff)}; the files of one dataset must share one schema", path)
+                for g in ("n_layers", "n_expert"):
+                    if g in s.meta and g in first_pq.meta and s.meta[g] != first_pq.meta[g]:
+                        raise StrataError(f"{path}: written for {g} {s.meta[g]} but {first_pq.path} for "
+                                          f"{first_pq.meta[g]}; traces of one dataset must come from one model", path)
+        out.append(s)
+    return out
+
+
+def trace_stats_sources(sources, n_expert: int | None = None, progress=None, rows: int = 1 << 20,
+                        client=None) -> TraceStats:
+    """:func:`trace_stats` over chunk sources (:mod:`stratatools.traces.sources`), read chunk by chunk: memory
+    is one chunk plus the distinct tokens and requests, whatever the traces' length. Several sources are one
+    fleet (requests, tokens and windows are distinct per source); ``meta`` is the first source's, with
+    ``inputs`` (the number of sources) when there are several. Equal to ``trace_stats(table)`` for one trace.
+
+    ``progress``: optional callable(entries) after each chunk (in-process) or (1) per file (Dask).
+    ``client``: a ``distributed.Client`` (:mod:`stratatools.core.cluster`): every source is counted by a task
+    (reopened from its ``spec`` on the worker) and the partial counts combined in order: the same result.
+    """
+    sources = list(sources)
+    meta = dict(sources[0].meta) if sources else {}
+    if len(sources) > 1:
+        meta["inputs"] = len(sources)
+    if n_expert is None:
+        n_expert = meta.get("n_expert")
+    if client is not None:
+        from stratatools.core.cluster import run_tasks
+
+        class _P:
+            def update(self, advance: int = 0, **_):
+                if progress is not None:
+                    progress(advance)
+
+        parts = run_tasks(client, _stats_task, [(s.spec, rows) for s in sources], name="trace-stats",
+                          progress=_P())
+    else:
+        parts = [stats_partial(s, rows, progress) for s in sources]
+    return _stats_combine(parts, meta, n_expert)
+
+
+def _stats_task(spec, rows):
+    return stats_partial(open_source(*spec[:4], where=spec[4], partition=spec[5]), rows)
+
+
+__all__ = ["trace_stats_sources", "expand_traces", "parse_where", "open_source", "open_traces", "ParquetSource",
+           "StrataTaggedSource", "TableSource"]
