@@ -131,6 +131,7 @@ def test_tune_cli(cli, tmp_path, bursty):
     (["--card", "12GB"], "blob sizes"),
     (["--slots", "8", "--objective", "speed"], "--objective"),
     (["--slots", "8", "-k", "1"], "at least 2 folds"),
+    (["--slots", "8", "--seed", "-1"], "--seed -1"),
 ])
 def test_tune_cli_errors(cli, tmp_path, bursty, args, msg):
     from stratatools.traces.formats import write_trace

@@ -119,6 +119,8 @@ def register(app: typer.Typer) -> None:
         s, b, budget_text = _budget(slots, budget_gib, card, reserve_gib)
         if phase not in ("decode", "all"):
             raise StrataError(f"--phase {phase!r}: use decode or all")
+        if seed < 0:
+            raise StrataError(f"--seed {seed}: must be an integer >= 0")
         inputs = list(traces) + list(profile or [])
         for out in (plot, json_out):
             if out is not None:
