@@ -249,3 +249,11 @@ def test_tune_geometry_from_a_trace_with_a_huge_expert_id_is_refused(cli, tmp_pa
     code, _, err = cli("tune", "-t", str(tp), "--slots", "8", "-k", "2")
     assert code == 2 and "Traceback" not in err
     assert "x.csv" in err and "100000000 experts" in err and "--model" in err
+
+
+def test_kfold_on_a_single_request_asks_for_more_requests_not_one_fold():
+    from stratatools.cachesim.kfold import fold_of_requests
+
+    with pytest.raises(StrataError) as e:
+        fold_of_requests(np.zeros(5, np.int64), 2)
+    assert "at least 2 requests" in str(e.value) and "at most 1 folds" not in str(e.value)
