@@ -54,3 +54,13 @@ def test_out_of_range_seed_is_one_line(cli, tmp_path, seed):
     code, out, err = cli("synth", tmp_path / "r", "--seed", str(seed))
     assert code == 2 and err.strip() == f"error: synth: --seed {seed} must be an integer from 0 to 2^63-1"
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(n_layers=100000), "--layers 100000"),
+                                     (dict(n_expert=1 << 20, keep=4), "experts")])
+def test_implausible_depth_or_width_is_refused_before_writing(kw, msg):
+    # --layers 100000 on a tiny model used to run for minutes writing a temp folder nothing could read
+    from stratatools.synth.model import SynthConfig
+
+    with pytest.raises(StrataError, match=msg):
+        SynthConfig(**kw).validate()
