@@ -64,3 +64,23 @@ def test_implausible_depth_or_width_is_refused_before_writing(kw, msg):
 
     with pytest.raises(StrataError, match=msg):
         SynthConfig(**kw).validate()
+
+
+def test_sigterm_mid_synth_leaves_no_temp_folder(tmp_path):
+    # a timeout or CI cancel sends SIGTERM: the run must unwind, not leave its temp folder beside the output
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "rel"
+    p = subprocess.Popen([sys.executable, "-m", "stratatools", "synth", str(out), "--layers", "200",
+                          "--experts", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not any(x.name.endswith("stratatools-tmp") for x in tmp_path.iterdir()):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    assert sorted(x.name for x in tmp_path.iterdir() if "stratatools-tmp" in x.name) == []
+    assert not out.exists()
