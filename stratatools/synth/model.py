@@ -217,7 +217,7 @@ class SynthConfig:
                    "shards", "vocab_size", "full_attention_interval"):
             if getattr(self, nm) < 1:
                 raise bad(f"--{nm.replace('_', '-')} must be at least 1")
-        from stratatools.profiles.strp import MAX_EXPERTS, MAX_LAYERS
+        MAX_LAYERS, MAX_EXPERTS = 4096, 1 << 16  # the bounds of stratatools.profiles.strp.check_dims
         if self.n_layers > MAX_LAYERS or self.n_expert > MAX_EXPERTS:
             raise bad(f"--layers {self.n_layers} x --experts {self.n_expert}: at most {MAX_LAYERS} layers and "
                       f"{MAX_EXPERTS} experts (what a profile can address)")
