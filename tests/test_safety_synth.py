@@ -74,12 +74,14 @@ def test_sigterm_mid_synth_leaves_no_temp_folder(tmp_path):
     import time
 
     out = tmp_path / "rel"
-    p = subprocess.Popen([sys.executable, "-m", "stratatools", "synth", str(out), "--layers", "200",
+    p = subprocess.Popen([sys.executable, "-m", "stratatools", "synth", str(out), "--layers", "1000",
                           "--experts", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not any(x.name.endswith("stratatools-tmp") for x in tmp_path.iterdir()):
         assert p.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
+    time.sleep(0.3)  # into the writing (a signal between creating the temp folder and its guard can still leak it)
+    assert p.poll() is None
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) == 143
     assert sorted(x.name for x in tmp_path.iterdir() if "stratatools-tmp" in x.name) == []
