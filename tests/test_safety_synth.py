@@ -54,3 +54,35 @@ def test_out_of_range_seed_is_one_line(cli, tmp_path, seed):
     code, out, err = cli("synth", tmp_path / "r", "--seed", str(seed))
     assert code == 2 and err.strip() == f"error: synth: --seed {seed} must be an integer from 0 to 2^63-1"
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(n_layers=100000), "--layers 100000"),
+                                     (dict(n_expert=1 << 20, keep=4), "experts")])
+def test_implausible_depth_or_width_is_refused_before_writing(kw, msg):
+    # --layers 100000 on a tiny model used to run for minutes writing a temp folder nothing could read
+    from stratatools.synth.model import SynthConfig
+
+    with pytest.raises(StrataError, match=msg):
+        SynthConfig(**kw).validate()
+
+
+def test_sigterm_mid_synth_leaves_no_temp_folder(tmp_path):
+    # a timeout or CI cancel sends SIGTERM: the run must unwind, not leave its temp folder beside the output
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "rel"
+    p = subprocess.Popen([sys.executable, "-m", "stratatools", "synth", str(out), "--layers", "1000",
+                          "--experts", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not any(x.name.endswith("stratatools-tmp") for x in tmp_path.iterdir()):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the writing (a signal between creating the temp folder and its guard can still leak it)
+    assert p.poll() is None
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    assert sorted(x.name for x in tmp_path.iterdir() if "stratatools-tmp" in x.name) == []
+    assert not out.exists()

@@ -124,3 +124,12 @@ def test_pipelined_producers_keep_order_errors_and_stop():
     n = len(made)
     time.sleep(0.05)
     assert len(made) == n <= 5 and threading.active_count() == before
+
+
+@pytest.mark.parametrize("routing, opt", [("uniform", "--skew"), ("legacy", "--locality")])
+def test_skew_or_locality_with_a_routing_that_ignores_them_is_refused(cli, tmp_path, routing, opt):
+    out = tmp_path / "rel"
+    code, _, err = cli("synth", str(out), "--layers", "2", "--experts", "8", "--routing", routing, opt, "0.5")
+    assert code == 2 and "Traceback" not in err
+    assert f"{opt} 0.5" in err and routing in err and "realistic" in err
+    assert not out.exists()

@@ -131,6 +131,7 @@ def test_tune_cli(cli, tmp_path, bursty):
     (["--card", "12GB"], "blob sizes"),
     (["--slots", "8", "--objective", "speed"], "--objective"),
     (["--slots", "8", "-k", "1"], "at least 2 folds"),
+    (["--slots", "8", "--seed", "-1"], "--seed -1"),
 ])
 def test_tune_cli_errors(cli, tmp_path, bursty, args, msg):
     from stratatools.traces.formats import write_trace
@@ -238,3 +239,21 @@ def test_tune_tie_goes_to_the_engine_defaults(bursty):
     res = tune([bursty], w.n_layers, w.n_expert, slots=w.n_layers * w.n_expert, k=3, candidates=6)
     assert res.best is res.defaults and not res.significant
     assert res.diff_default == (0.0, 0.0, 0.0)
+
+
+def test_tune_geometry_from_a_trace_with_a_huge_expert_id_is_refused(cli, tmp_path):
+    # two rows, one naming expert 99,999,999: the inferred geometry must not allocate per expert
+    tp = tmp_path / "x.csv"
+    tp.write_text("model,prompt_id,token_pos,layer,rank,expert_id,weight\n"
+                  "m,p0,0,0,0,99999999,0.5\nm,p1,0,0,0,3,0.5\n")
+    code, _, err = cli("tune", "-t", str(tp), "--slots", "8", "-k", "2")
+    assert code == 2 and "Traceback" not in err
+    assert "x.csv" in err and "100000000 experts" in err and "--model" in err
+
+
+def test_kfold_on_a_single_request_asks_for_more_requests_not_one_fold():
+    from stratatools.cachesim.kfold import fold_of_requests
+
+    with pytest.raises(StrataError) as e:
+        fold_of_requests(np.zeros(5, np.int64), 2)
+    assert "at least 2 requests" in str(e.value) and "at most 1 folds" not in str(e.value)

@@ -81,6 +81,9 @@ def fold_of_requests(request: np.ndarray, k: int) -> np.ndarray:
     u, inv = np.unique(request, return_inverse=True)
     if k < 2:
         raise StrataError(f"--kfold {k}: need at least 2 folds")
+    if len(u) < 2:
+        raise StrataError(f"--kfold {k}: the traces hold only {len(u)} request; held-out evaluation needs traces "
+                          f"of at least 2 requests (a fold never splits a request)")
     if len(u) < k:
         raise StrataError(f"--kfold {k}: the traces hold only {len(u)} request(s); a fold never splits a request, "
                           f"so use at most {len(u)} folds (or traces with more requests)")

@@ -26,6 +26,9 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         # as the program itself: a reader that goes away (| head) ends us the way it ends cat or grep, quietly,
         # exit status 141 (128 + SIGPIPE); every output file is published whole or not at all, so this is safe
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if argv is None and hasattr(signal, "SIGTERM"):
+        # kill / timeout / a CI cancel: unwind like Ctrl-C, so temp files and half-built folders are removed
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         app(args=argv, prog_name="stratatools", standalone_mode=True)
     except StrataError as e:
@@ -47,6 +50,11 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         common.err_console.print("interrupted", markup=False)
         sys.exit(130)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM handler: raise SystemExit(143) (128 + SIGTERM) so every ``finally`` cleans up on the way out."""
+    raise SystemExit(128 + signum)
 
 
 def _silence_stdout() -> None:

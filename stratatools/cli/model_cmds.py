@@ -186,6 +186,11 @@ def synth_cmd(
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Write a tiny synthetic qwen4exp release: canonical model, pruned revA/revB and their allocation maps."""
+    if routing != "realistic":
+        for name, val in (("--skew", skew), ("--locality", locality)):
+            if val is not None:
+                raise StrataError(f"synth: {name} {val:g} has no effect with --routing {routing} (only "
+                                  f"--routing realistic uses it); drop {name} or use --routing realistic")
     base = SynthConfig.full_width() if full_width else SynthConfig()
     kw = dict(n_expert=experts, keep=keep, swap=swap, n_layers=layers, hidden=hidden, expert_ff=expert_ff, k=k,
               shards=shards, seed=seed, routing=routing, skew=skew, locality=locality)

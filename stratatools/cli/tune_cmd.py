@@ -119,6 +119,8 @@ def register(app: typer.Typer) -> None:
         s, b, budget_text = _budget(slots, budget_gib, card, reserve_gib)
         if phase not in ("decode", "all"):
             raise StrataError(f"--phase {phase!r}: use decode or all")
+        if seed < 0:
+            raise StrataError(f"--seed {seed}: must be an integer >= 0")
         inputs = list(traces) + list(profile or [])
         for out in (plot, json_out):
             if out is not None:
@@ -138,6 +140,11 @@ def register(app: typer.Typer) -> None:
                 t0 = inp.tables[0]
                 L = int(t0.meta.get("n_layers") or int(t0.layer.max()) + 1)
                 E = int(t0.meta.get("n_expert") or int(t0.expert.max()) + 1)
+                from stratatools.profiles.strp import MAX_EXPERTS, MAX_LAYERS, MAX_PAIRS
+                if not (L <= MAX_LAYERS and E <= MAX_EXPERTS and L * E <= MAX_PAIRS):
+                    raise StrataError(f"{traces[0]}: the trace names {L} layers x {E} experts, implausible "
+                                      f"(at most {MAX_LAYERS} layers, {MAX_EXPERTS} experts); pass --model/--pack "
+                                      f"or a --profile for the geometry", traces[0])
                 common.note(f"geometry from the traces: {L} layers x {E} experts (pass --model/--pack or a "
                             f"--profile to set it)")
         total = None

@@ -217,6 +217,10 @@ class SynthConfig:
                    "shards", "vocab_size", "full_attention_interval"):
             if getattr(self, nm) < 1:
                 raise bad(f"--{nm.replace('_', '-')} must be at least 1")
+        MAX_LAYERS, MAX_EXPERTS = 4096, 1 << 16  # the bounds of stratatools.profiles.strp.check_dims
+        if self.n_layers > MAX_LAYERS or self.n_expert > MAX_EXPERTS:
+            raise bad(f"--layers {self.n_layers} x --experts {self.n_expert}: at most {MAX_LAYERS} layers and "
+                      f"{MAX_EXPERTS} experts (what a profile can address)")
         if self.k > self.n_expert:
             raise bad(f"--k {self.k} is more than --experts {self.n_expert}")
         if self.revisions and self.keep > self.n_expert:
