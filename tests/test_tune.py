@@ -123,6 +123,26 @@ def test_tune_cli(cli, tmp_path, bursty):
     assert code == 2 and "already exists" in err
 
 
+def test_tune_on_a_dask_cluster_equals_in_process(cli, tmp_path, bursty):
+    """--cluster: the (settings, fold) scores run as Dask tasks (2 thread workers); the result is the in-process
+    one, value for value."""
+    pytest.importorskip("distributed")
+    from stratatools.traces.formats import write_trace
+
+    tp = tmp_path / "w.parquet"
+    write_trace(bursty, tp, "parquet")
+    args = ("tune", "-t", str(tp), "--slots", "288", "-k", "3", "--candidates", "6", "--json")
+    code, out, err = cli(*args)
+    assert code == 0, err
+    code, out_c, err = cli(*args, "--cluster", "local-threads:2")
+    assert code == 0, err
+    a, b = json.loads(out), json.loads(out_c)
+    a.pop("seconds", None), b.pop("seconds", None)
+    assert a == b and a["best"]["mean"] > 0 and a["evaluations"] > 0
+    code, _, err = cli(*args, "--cluster", "bogus")
+    assert code == 2 and "--cluster bogus" in err
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--slots", "8", "--card", "12GB"], "exactly one budget"),
     ([], "exactly one budget"),

@@ -23,8 +23,8 @@ slightly optimistic; the reference rows are not selected and are unbiased. The o
 
 Scaling seam: every (settings, fold) score is one module-level, picklable task (:func:`score_task` on a
 (:class:`FoldData`, settings, keywords) tuple), mapped through the ``mapper`` argument (default: the builtin
-``map``, in order); a cluster's ``map`` (e.g. ``lambda f, xs: client.gather(client.map(f, xs))`` with Dask) can be
-passed in once the traces' Dask path exists (``--cluster`` is not on main yet). Each rung is one ``mapper`` call.
+``map``, in order); ``tune --cluster`` passes one that runs them as Dask tasks
+(:func:`stratatools.core.cluster.run_tasks`). Each rung is one ``mapper`` call.
 """
 
 from __future__ import annotations

@@ -109,6 +109,9 @@ def register(app: typer.Typer) -> None:
         json_out: Optional[str] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE."),
         force: bool = typer.Option(False, "--force", help="Replace existing output files."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        cluster: Optional[str] = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster "
+                                              "of N workers, tcp://HOST:PORT uses a running scheduler; each "
+                                              "(settings, fold) score is a task. Default: in this process."),
     ) -> None:
         """Search profile, admission and the adaptive knobs for a workload (k-fold by request, successive halving)."""
         from stratatools.cachesim.costmodel import ThreeTierModel
@@ -148,12 +151,17 @@ def register(app: typer.Typer) -> None:
                 common.note(f"geometry from the traces: {L} layers x {E} experts (pass --model/--pack or a "
                             f"--profile to set it)")
         total = None
-        with common.progress_bar("tuning", total, bytes_=False) as bar:
+        from stratatools.core.cluster import open_cluster, run_tasks
+
+        with open_cluster(cluster) as client, common.progress_bar("tuning", total, bytes_=False) as bar:
+            # each rung's (settings, fold) scores as Dask tasks; tune() passes one argument per task
+            mapper = None if client is None else \
+                (lambda fn, items: run_tasks(client, fn, [(it,) for it in items], name="tune-score"))
             res = tune(inp.tables, L, E, slots=s, budget_bytes=b, blob_bytes=inp.blob_bytes,
                        profiles=dict(zip(inp.names, inp.profiles)), k=kfold, candidates=candidates, eta=eta,
                        objective=objective, cost=cost if inp.blob_bytes is not None else None, seed=seed,
                        phase=phase, progress=bar, version=strata_version, trace_paths=list(traces),
-                       profile_paths=dict(zip(inp.names, profile or [])))
+                       profile_paths=dict(zip(inp.names, profile or [])), mapper=mapper)
         d = res.to_dict()
         d["budget"] = budget_text
         if plot is not None:
