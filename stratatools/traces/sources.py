@@ -26,7 +26,7 @@ from __future__ import annotations
 import glob as _glob
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -155,7 +155,7 @@ class ParquetSource:
         import pyarrow as pa
         import pyarrow.dataset as pads
 
-        from stratatools.traces.formats.parquet import META_KEY, WINDOW, _plausible_meta
+        from stratatools.traces.formats.parquet import WINDOW, stored_meta
 
         self.path, self.name = Path(path), str(path)
         self.n_layers, self.n_expert = n_layers, n_expert
@@ -171,20 +171,7 @@ class ParquetSource:
             raise StrataError(f"{path}: Parquet schema lacks column(s) {', '.join(missing)}; expected "
                               f"{', '.join(COLUMNS)} (write it with `stratatools trace convert --to parquet`)", path)
         self.has_windows = WINDOW in schema.names
-        import json
-
-        meta: dict[str, Any] = {}
-        raw = (schema.metadata or {}).get(META_KEY)
-        if raw:
-            try:
-                stored = json.loads(raw)
-                meta.update(_plausible_meta(stored) if isinstance(stored, dict) else {})
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                pass
-        if "source_format" in meta:
-            meta["converted_from"] = meta.pop("source_format")
-        for k in ("source_path", "source_sha256", "source_bytes", "format"):
-            meta.pop(k, None)
+        meta = stored_meta(schema)
         meta.update({"source_format": "parquet", "source_path": str(path), "source_bytes": self.path.stat().st_size})
         if partition:
             meta["partition"] = dict(partition)

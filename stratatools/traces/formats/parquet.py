@@ -72,6 +72,26 @@ def write_parquet(table: TraceTable, path: str | os.PathLike) -> None:
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
 
 
+def stored_meta(schema) -> dict[str, Any]:
+    """The trace metadata stored in a Parquet schema under :data:`META_KEY`, made plausible, with the stored
+    ``source_format`` kept as ``converted_from`` and the source keys dropped (the reader sets its own). An
+    unreadable value gives ``{}``."""
+    meta: dict[str, Any] = {}
+    raw = (schema.metadata or {}).get(META_KEY)
+    if raw:
+        try:
+            stored = json.loads(raw)
+            if isinstance(stored, dict):
+                meta.update(_plausible_meta(stored))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            pass
+    if "source_format" in meta:
+        meta["converted_from"] = meta.pop("source_format")
+    for k in ("source_path", "source_sha256", "source_bytes", "format"):
+        meta.pop(k, None)
+    return meta
+
+
 def _plausible_meta(stored: dict) -> dict[str, Any]:
     """The stored metadata entries kept on reading: scalars and lists of scalars; ``n_layers``/``n_expert`` only
     as integers in 1..2^31-1 (the file is not trusted to size anything or to break a later ``int()``)."""
@@ -131,19 +151,7 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         except (pa.ArrowException, ValueError) as e:
             raise StrataError(f"{path}: column {WINDOW} does not fit int32 ({str(e).splitlines()[0][:120]})",
                               path) from None
-    meta: dict[str, Any] = {}
-    raw = (t.schema.metadata or {}).get(META_KEY)
-    if raw:
-        try:
-            stored = json.loads(raw)
-            if isinstance(stored, dict):
-                meta.update(_plausible_meta(stored))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            pass
-    if "source_format" in meta:
-        meta["converted_from"] = meta.pop("source_format")
-    for k in ("source_path", "source_sha256", "source_bytes", "format"):
-        meta.pop(k, None)
+    meta = stored_meta(t.schema)
     meta.update({"source_format": "parquet", "source_path": str(path), "source_sha256": sha256_file(path),
                  "source_bytes": path.stat().st_size})
     lay, exp = cols["layer"], cols["expert"]
