@@ -10,7 +10,7 @@ ratio to llama.cpp, decode roofline fraction (bytes the step touches per token /
 bytes moved per token, device memory used.
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
-       [--anchor ../shared/anchors] [--out res.json]
+       [--long 2048,8192] [--anchor ../shared/anchors] [--out res.json]
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--anchor", default=None)
     ap.add_argument("--profile-steps", type=int, default=16)
-    ap.add_argument("--long", type=int, default=0, help="also run all-resident with a prompt of this many tokens")
+    ap.add_argument("--long", default="", help="comma-separated context lengths (e.g. 2048,8192): for each, rows "
+                    "all resident and --vram-gib 12 LRU with a prompt of that many tokens minus --new (the static "
+                    "decoder selects QSA cells on the device past the full-selection range)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     wd = Path(a.workdir)
@@ -185,17 +187,20 @@ def main() -> None:
                (f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
                (f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
                ("--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
-    long_prompts = wd / "prompt_long.json"
-    if a.long:
-        long_prompts.write_text(json.dumps([{"token_ids": rng.integers(0, vocab, a.long).tolist()}]))
-        configs.append((f"all resident, {a.long + a.new}-token context", {"_prompts": long_prompts}))
+    plens = {str(prompts): a.prompt}
+    for ctx in [int(x) for x in str(a.long).split(",") if x.strip()]:
+        lp = wd / f"prompt_long_{ctx}.json"
+        plens[str(lp)] = ctx - a.new
+        lp.write_text(json.dumps([{"token_ids": rng.integers(0, vocab, ctx - a.new).tolist()}]))
+        configs.append((f"all resident, {ctx}-token context", {"_prompts": lp}))
+        configs.append((f"--vram-gib 12, LRU, {ctx}-token context", {"_prompts": lp, "vram_gib": 12.0, "policy": "lru"}))
     rows = []
     for name, kw in configs:
         free_device(cp)
         t0 = time.perf_counter()
         kw = dict(kw)
         pp = kw.pop("_prompts", prompts)
-        plen = a.long if pp is long_prompts else a.prompt
+        plen = plens[str(pp)]
         try:
             r = run_prompts(gguf, pp, max_new_tokens=a.new, device="gpu", **kw).to_dict()
         except Exception as e:  # noqa: BLE001 - the table shows the failure

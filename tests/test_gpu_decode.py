@@ -57,8 +57,9 @@ def test_static_decoder_numpy_matches_forward(kit):
     assert worst < 1e-5 and agree == 1.0
     with pytest.raises(StrataError, match="past the static decoder"):
         dec.step(1)
-    with pytest.raises(StrataError, match="longest context"):
-        StaticDecoder(rt, max_ctx=n_ctx + 1)
+    assert not dec.long and StaticDecoder(rt, max_ctx=n_ctx + 1).long  # past it: selection inside the step
+    with pytest.raises(StrataError, match="over the model's context length 4096"):
+        StaticDecoder(rt, max_ctx=4097)
 
 
 @pytest.mark.gpu
@@ -136,3 +137,33 @@ def test_static_decoder_fast_matches_reference_step(kit, model):
         tok = int(np.argmax(a))
     print(model, "fast vs reference step:", worst, same / total)
     assert worst < 1e-4 and same / total >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("selection", ["transformers", "llamacpp"])
+def test_static_decoder_gpu_long_context(kit, selection):
+    """Past the full-selection context (kit: 11 positions) the step pools block keys, scores and selects cells on
+    the device (qsa_step.cu) and attends them with the split attention: eager and graph replays against
+    GPURuntime.forward for 80 positions."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    rt = GPURuntime(load(kit / "gguf/model-bf16.gguf", xp=cp), selection=selection)
+    lim = max_full_context(rt.cfg, selection)
+    n_ctx = 84
+    for use_graph in (False, True):
+        st = rt.new_state()
+        lg, _ = rt.forward(_prompt(kit, 4), st)
+        dec = StaticDecoder(rt, max_ctx=n_ctx)
+        assert dec.long and n_ctx > 7 * lim
+        dec.load_state(st)
+        if use_graph:
+            assert dec.capture()
+        worst, agree = _compare(rt, dec, st, int(np.argmax(lg.get())), n_ctx - 4)
+        print(selection, "graph" if use_graph else "eager", worst, agree)
+        assert worst < 1e-4 and agree >= 0.99

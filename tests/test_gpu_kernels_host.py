@@ -108,7 +108,8 @@ def test_cuda_sources_are_package_files():
     from stratatools.core.errors import StrataError
 
     here = Path(g.__file__).parent
-    for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu"):
+    for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu", "qsa_step.cu",
+                 "qsa_host_shim.cuh"):
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()
@@ -118,6 +119,9 @@ def test_cuda_sources_are_package_files():
     for k in ("route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused",
               "put_row", "attn_decode"):
         assert f'extern "C" __global__ void {k}(' in dec, k
+    qsa = K.cuda_source("qsa_step.cu")
+    for k in ("qsa_pool", "qsa_scores", "qsa_select", "attn_sel_partial", "attn_sel_combine"):
+        assert f'extern "C" __global__ void {k}(' in qsa, k
     for py in ("kernels.py", "decode.py"):
         assert "__global__" not in (here / py).read_text(encoding="utf-8"), py
     with pytest.raises(StrataError, match="missing from the installation"):

@@ -67,15 +67,20 @@ def test_vram_plan_fits_refuses_and_says_what_it_needs(kit):
     from stratatools.model.gguf import open_model
     from stratatools.runtime.config import read_config
     from stratatools.runtime.device import GIB, RESERVE_BYTES, cache_bytes, dense_device_bytes, plan_vram
+    from stratatools.runtime.gpu.decode import qsa_cache_bytes
 
     with open_model(kit / BF16) as m:
         cfg = read_config(m)
         blob = [1000] * cfg.n_layer
         total_e = cfg.n_layer * max(cfg.n_expert)
-        dense = dense_device_bytes(m, cfg)
-        assert 0 < dense < m.path.stat().st_size
+        dense = dense_device_bytes(m, cfg, indexer=True)  # 64 positions: past the kit's full selection (11)
+        assert 0 < dense_device_bytes(m, cfg) < dense < m.path.stat().st_size
         caches = cache_bytes(cfg, 64)
-        assert caches > cache_bytes(cfg, 32) > 0
+        assert caches > cache_bytes(cfg, 32) > cache_bytes(cfg, 11) > 0
+        # past 11 positions the QSA caches and scratch are planned too
+        kv_pos = sum(8 * cfg.n_head_kv * cfg.head_dim for il in range(cfg.n_layer) if not cfg.recurrent[il])
+        assert cache_bytes(cfg, 64) - cache_bytes(cfg, 11) == 53 * kv_pos + qsa_cache_bytes(cfg, 64)
+        assert qsa_cache_bytes(cfg, 64) > 64 * 4 * cfg.idx_head_dim
         fixed = dense + caches + RESERVE_BYTES
         # a budget with room for 100 slots of 1,024 bytes (blob 1,000 rounded up to 256)
         plan = plan_vram(m, cfg, blob, 64, (fixed + 100 * 1024 + 10) / GIB, None, total_e)

@@ -153,6 +153,7 @@ def test_full_width_config_geometry():
     cfg = SynthConfig.full_width()
     cfg.validate()
     assert (cfg.hidden, cfg.expert_ff, cfg.n_expert, cfg.k, cfg.n_layers) == (2560, 640, 512, 10, 8)
+    assert cfg.context_length == 131072 and cfg.indexer_top_k == 2048  # 8k+ contexts fit, past full selection
     assert {cfg.gu_type(i).name for i in range(8)} == {"Q2_0", "IQ2_XS"}
     assert {cfg.down_type(i).name for i in range(8)} == {"Q2_0", "IQ4_NL"}
 

@@ -49,7 +49,8 @@ class VramPlan:
 
     Attributes:
         dense: quantized dense matrices (GGUF bytes, uploaded as stored) and float32 small tensors.
-        caches: K/V caches of the attention layers for ``max_ctx`` positions, GDN and PLE states.
+        caches: K/V caches of the attention layers for ``max_ctx`` positions, GDN and PLE states, and for long
+            contexts the QSA indexer caches (raw keys, block keys) and selection/attention scratch.
         reserve: :data:`RESERVE_BYTES`.
         slot_bytes: bytes of one expert slot (largest layer's blob rounded up to 256).
         slots: expert slots that fit (or were asked for).
@@ -79,15 +80,18 @@ class VramPlan:
                 "budget_bytes": self.budget}
 
 
-def dense_device_bytes(model: Any, cfg: Any) -> int:
+def dense_device_bytes(model: Any, cfg: Any, indexer: bool = False) -> int:
     """Bytes the GPU decode path keeps on the device for everything but routed experts: every trunk tensor as
     stored (quantized matrices are multiplied from their blocks), except the routed experts, the token and PLE
-    embedding tables (rows are read on the host) and the QSA indexer (skipped at full selection); float32 for
-    the rest is small (norms, biases, convolutions) and counted at 4 bytes a value."""
+    embedding tables (rows are read on the host) and, unless ``indexer`` (contexts past the full-selection range,
+    where the step runs QSA's indexer), the indexer's tensors; float32 for the rest is small (norms, biases,
+    convolutions) and counted at 4 bytes a value."""
     total = 0
     for t in model.iter_tensors():
         name = t.name
-        if "_exps." in name or name in ("token_embd.weight", "per_layer_token_embd.weight") or ".indexer." in name:
+        if "_exps." in name or name in ("token_embd.weight", "per_layer_token_embd.weight"):
+            continue
+        if ".indexer." in name and not indexer:
             continue
         if name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layer:
             continue  # next-token-prediction block: not run
@@ -99,9 +103,19 @@ def dense_device_bytes(model: Any, cfg: Any) -> int:
     return total
 
 
-def cache_bytes(cfg: Any, max_ctx: int) -> int:
+def long_context(cfg: Any, max_ctx: int, selection: str = "transformers") -> bool:
+    """Whether the static decoder runs QSA's indexer and selection for ``max_ctx`` positions (past the range in
+    which every cell is attended, or past ``attn_decode``'s shared-memory range): see
+    :class:`stratatools.runtime.gpu.decode.StaticDecoder`."""
+    from stratatools.runtime.gpu.decode import ATTN_SHARED_CTX, max_full_context
+
+    return max_ctx > max_full_context(cfg, selection) or max_ctx > ATTN_SHARED_CTX
+
+
+def cache_bytes(cfg: Any, max_ctx: int, selection: str = "transformers") -> int:
     """K/V caches (float32, ``max_ctx`` positions) of the attention layers, GDN conv/recurrent states, PLE conv
-    states of the static decoder."""
+    states of the static decoder; for long contexts (:func:`long_context`) also the QSA indexer caches and the
+    selection and attention scratch (:func:`stratatools.runtime.gpu.decode.qsa_cache_bytes`)."""
     n = 0
     for il in range(cfg.n_layer):
         if cfg.recurrent[il]:
@@ -111,11 +125,15 @@ def cache_bytes(cfg: Any, max_ctx: int) -> int:
             n += 2 * 4 * max_ctx * cfg.n_head_kv * cfg.head_dim
     span = max(cfg.ple_conv_kernel - 1, 0) * cfg.ple_ngram
     n += 4 * span * cfg.hc_count * cfg.n_embd * len(cfg.ple_layers)
+    if long_context(cfg, max_ctx, selection):
+        from stratatools.runtime.gpu.decode import qsa_cache_bytes
+
+        n += qsa_cache_bytes(cfg, max_ctx)
     return n
 
 
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
-              slots: int | None, n_expert_total: int) -> VramPlan:
+              slots: int | None, n_expert_total: int, selection: str = "transformers") -> VramPlan:
     """Plan the GPU path's device memory.
 
     Args:
@@ -125,6 +143,7 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
         vram_gib: the budget (None: none; then ``slots`` or every expert).
         slots: requested slot count (None: as many as fit, at most every expert).
         n_expert_total: routed experts of all layers together.
+        selection: the QSA selection rule (decides where the full-selection range ends).
     Returns:
         the :class:`VramPlan`.
     Raises:
@@ -132,7 +151,9 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
             ``slots`` request that does not fit (the message says how much memory it needs).
     """
     sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
-    plan = VramPlan(dense_device_bytes(model, cfg), cache_bytes(cfg, max_ctx), RESERVE_BYTES, sb, 0, None)
+    long = long_context(cfg, max_ctx, selection)
+    plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), cache_bytes(cfg, max_ctx, selection), RESERVE_BYTES,
+                    sb, 0, None)
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)
         return plan

@@ -231,14 +231,9 @@ def _gpu_runtime(w: Any, tier: ExpertTier | None, selection: str, max_ctx: int, 
     if tier is not None:
         tier.attach_device(grt.tier)
     info["miss_mode"] = "host (zero-copy reads of pinned memory)" if mode == "host" else "copy"
-    from stratatools.runtime.gpu.decode import max_full_context
-
-    lim = max_full_context(w.cfg, selection)
-    if max_ctx > lim:  # QSA selects a subset past lim: the generic forward (float32 dense copies) runs it
-        info["engine"] = f"generic CuPy forward (context {max_ctx} is over the static decoder's {lim})"
-        return grt
-    info["engine"] = "static decoder + CUDA graph"
-    return DecoderRuntime(grt, max_ctx=max_ctx)
+    rt = DecoderRuntime(grt, max_ctx=max_ctx)
+    info["engine"] = "static decoder + CUDA graph" + (" (QSA selection on the device)" if rt.dec.long else "")
+    return rt
 
 
 def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
@@ -397,16 +392,10 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         vram_plan = None
         if dev == "gpu":
             from stratatools.runtime.device import plan_vram
-            from stratatools.runtime.gpu.decode import max_full_context
 
-            lim = max_full_context(w.cfg, selection)
-            if need_ctx > lim and vram_gib is not None:
-                raise StrataError(f"{prompts_path}: {need_ctx} positions (longest prompt + --max-new-tokens); --vram-gib "
-                                  f"covers the static decoder, which runs up to {lim} positions at this model's QSA "
-                                  f"budget: drop --vram-gib (the generic GPU forward runs) or shorten the prompts",
-                                  prompts_path)
             blob = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
-            vram_plan = plan_vram(w.model, w.cfg, blob, need_ctx, vram_gib, slots, int(sum(w.cfg.n_expert)))
+            vram_plan = plan_vram(w.model, w.cfg, blob, need_ctx, vram_gib, slots, int(sum(w.cfg.n_expert)),
+                                  selection=selection)
             if vram_gib is not None:
                 slots = vram_plan.slots
         tier = None

@@ -148,13 +148,14 @@ class SynthConfig:
     def full_width(cls, n_layers: int = 8, seed: int = 0, **kw: Any) -> "SynthConfig":
         """The real release's expert geometry for GPU benchmarks (formats.md section 1): hidden 2560, expert width
         640, 512 experts, k 10, 24/2 heads of 256; gate/up alternate Q2_0 and IQ2_XS, down Q2_0 and IQ4_NL; random
-        valid blocks; no pruned revisions unless asked."""
+        valid blocks; no pruned revisions unless asked; context length 131,072 positions, so that the long-context
+        benchmarks (8k and more, issue 17) run within the model's own limit."""
         base = dict(n_layers=n_layers, hidden=2560, n_expert=512, keep=256, swap=64, k=10, expert_ff=640,
                     shared_ff=640, n_head=24, n_head_kv=2, head_dim=256, linear_k_heads=16, linear_v_heads=32,
                     linear_k_dim=128, linear_v_dim=128, hc_lowrank=320, indexer_heads=8, indexer_kv_heads=1,
                     indexer_dim=128, indexer_top_k=2048, gu_types=("Q2_0", "IQ2_XS"), down_types=("Q2_0", "IQ4_NL"),
                     dense_type="Q8_0", embd_type="BF16", random_experts=True, random_dense=True, revisions=False,
-                    seed=seed, name="Qwen4Exp Synth full-width")
+                    context_length=131072, seed=seed, name="Qwen4Exp Synth full-width")
         base.update(kw)
         return cls(**base)  # type: ignore[arg-type]
 

@@ -25,10 +25,21 @@ a VRAM slot for a resident expert, the mapped pinned host arena for any other (a
 the simulator's code), VRAM follows the policy's resident set, and the table is re-uploaded before the next
 step (between graph replays) when experts moved.
 
+QSA token selection: while QSA attends every visible cell (position ``p`` with ``(p+1)//ratio <= budget//ratio``,
+``transformers`` rule, or ``p+1 <= budget+ratio-1``, ``llamacpp`` rule, in every attention layer:
+:func:`max_full_context`) the indexer does not change the output and is skipped. A decoder built for a longer
+context (``max_ctx`` up to the model's context length) runs the indexer inside the step (:meth:`StaticDecoder._qsa`,
+kernels in ``qsa_step.cu``): the indexer query (projection, q_norm, RoPE); the raw indexer key into a static
+cache [max_ctx, idx_dim]; when ``pos+1`` completes a block, its pooled key (mean of the block's raw keys, k_norm,
+RoPE at the block start) into a static block-key cache; block scores ``sum_heads relu(q.k)/sqrt(d)``; the
+selected cells, exactly as :meth:`stratatools.runtime.model.Qwen4ExpRuntime._select` picks them (a radix select
+finds the threshold; when the tied scores at the threshold are not all taken, one thread replays the CPU's
+``torch.topk`` / ``std::partial_sort`` on (score, index) pairs, :mod:`stratatools.runtime.topk`); then attention
+over the cell list, split over blocks with an online-softmax merge (any length). Every kernel reads the position
+on the device, so the launch sequence is the same for every position and the step stays one CUDA graph.
+
 Scope (raises :class:`StrataError` outside it): one sequence; a partial tier needs pinned host memory mapped into
-the device; contexts where QSA selects every visible cell, i.e. position
-``p`` with ``(p+1)//ratio <= budget//ratio`` (``transformers`` rule) or ``p+1 <= budget+ratio-1``
-(``llamacpp`` rule) in every attention layer - then the indexer does not change the output and is skipped.
+the device; ``max_ctx`` at most the model's ``context_length``; one indexer key head.
 With numpy (``xp=numpy``) the same code runs on the CPU (tests check it against the reference forward).
 """
 
@@ -43,6 +54,7 @@ from stratatools.core.errors import StrataError
 
 from stratatools.runtime.gpu.kernels import cuda_source
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
+from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
 
 
 
@@ -69,20 +81,51 @@ def max_full_context(cfg: Any, selection: str) -> int:
     return best
 
 
+#: Contexts up to this many positions use ``attn_decode`` (its scores live in 48 KiB of shared memory); longer ones
+#: the split attention of ``qsa_step.cu``.
+ATTN_SHARED_CTX = 12 * 1024
+#: Parts one head's attention over the selected cells is split into (``attn_sel_partial``'s grid y).
+ATTN_SPLITS = 16
+#: The widest indexer head the device pooling kernel holds (``qsa_pool``'s shared buffer).
+QSA_MAX_DIM = 512
+
+
+def model_context_length(model: Any) -> int | None:
+    """The GGUF's ``{arch}.context_length`` (positions), or None when the file does not say."""
+    v = model.kv.get(f"{model.arch}.context_length")
+    return None if v is None else int(v)
+
+
+def qsa_cache_bytes(cfg: Any, max_ctx: int) -> int:
+    """Device bytes of the QSA path for ``max_ctx`` positions (float32): per QSA layer the raw indexer keys and the
+    pooled block keys; once, the selection scratch (block scores, flags, tie-replay pairs, cell list) and the
+    attention scratch (scores [heads, max_ctx], split partials)."""
+    n = 0
+    for il in range(cfg.n_layer):
+        r = cfg.compress_ratios[il]
+        if not cfg.recurrent[il] and r > 0:
+            n += 4 * cfg.idx_head_dim * (max_ctx + max_ctx // r + 1)
+    n += 4 * 5 * (max_ctx + 1) + 4 * cfg.n_head * max_ctx + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
+    return n
+
+
 class StaticDecoder:
     """One-token decode steps over static buffers; on CuPy optionally replayed from a CUDA graph.
 
     Args:
         rt: a :class:`stratatools.runtime.gpu.runtime.GPURuntime` (CuPy) or :class:`stratatools.runtime.model.Qwen4ExpRuntime` (numpy).
-        max_ctx: positions the K/V caches hold (prompt + generated); at most :func:`max_full_context`.
+        max_ctx: positions the K/V caches hold (prompt + generated), at most the model's context length; past
+            :func:`max_full_context` (or past :data:`ATTN_SHARED_CTX` on CuPy) the step runs QSA's indexer and
+            selection (``self.long``).
         fast: on CuPy, the optimised step (default): dense matrices through ``matvec_tiled_kernel`` (16-byte staged
             loads, grid-stride rows), RMS norms, hyper-connection mixing/inject and the router (probabilities, top-k,
             weight normalisation) as fused kernels. ``fast=False`` keeps the reference step (one warp per row
             byte-load matvec, CuPy element-wise ops); the two agree to float rounding (tests/test_gpu_decode.py).
             Ignored on numpy.
     Raises:
-        StrataError: ``max_ctx`` beyond the full-selection context; on CuPy, a partial tier whose host arena is
-            not mapped into the device, or an expert width that is not whole blocks.
+        StrataError: ``max_ctx`` beyond the model's context length; an indexer with more than one key head or
+            wider than :data:`QSA_MAX_DIM` (long contexts); on CuPy, a partial tier whose host arena is not mapped
+            into the device, or an expert width that is not whole blocks.
     """
 
     def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True):
@@ -90,13 +133,13 @@ class StaticDecoder:
         cfg = self.cfg
         self.gpu = getattr(self.xp, "__name__", "") == "cupy"
         self.fast = bool(fast) and self.gpu
-        lim = max_full_context(cfg, rt.selection)
-        if max_ctx > lim:
-            raise StrataError(f"max_ctx {max_ctx} is over {lim}, the longest context in which QSA attends every "
-                              f"cell; the static decoder covers only that range (use Qwen4ExpRuntime.forward)")
-        if self.gpu and max_ctx * 4 > 48 * 1024:
-            raise StrataError(f"max_ctx {max_ctx} is over 12288, the scores one attention block holds in shared memory")
+        n_ctx_model = model_context_length(rt.w.model)
+        if n_ctx_model is not None and max_ctx > n_ctx_model:
+            raise StrataError(f"max_ctx {max_ctx} is over the model's context length {n_ctx_model}")
         self.max_ctx = int(max_ctx)
+        # past the full-selection range (or past what attn_decode holds in shared memory) the step runs the
+        # indexer and attends the selected cells (_qsa); below it, QSA attends every cell and the indexer is skipped
+        self.long = max_ctx > max_full_context(cfg, rt.selection) or (self.gpu and max_ctx > ATTN_SHARED_CTX)
         xp = self.xp
         n, hc = cfg.n_embd, cfg.hc_count
         self.k = cfg.n_expert_used
@@ -116,6 +159,12 @@ class StaticDecoder:
         off += cfg.n_rot
         self._sin_sl = (off, off + cfg.n_rot)
         off += cfg.n_rot
+        # long contexts: per QSA compress ratio r, cos | sin at the start of the block that pos+1 completes
+        self._bcs_sl: dict[int, tuple[int, int]] = {}
+        if self.long:
+            for r in sorted({cfg.compress_ratios[il] for il in range(L) if self._qsa_layer(il)}):
+                self._bcs_sl[r] = (off, off + 2 * cfg.n_rot)
+                off += 2 * cfg.n_rot
         self.n_in = off
         if self.gpu:
             import cupyx
@@ -138,6 +187,20 @@ class StaticDecoder:
         for il in cfg.ple_layers:
             span = (cfg.ple_conv_kernel - 1) * cfg.ple_ngram
             self.ple_conv[il] = xp.zeros((span, hc * n), dtype=xp.float32)
+        # QSA indexer caches (long contexts): raw keys [max_ctx, idx_dim], pooled block keys [max_ctx // ratio, idx_dim]
+        self.ik, self.bk = {}, {}
+        if self.long:
+            dih = cfg.idx_head_dim
+            if not 0 < dih <= QSA_MAX_DIM:
+                raise StrataError(f"indexer key length {dih} is outside 1..{QSA_MAX_DIM}, what the device indexer handles")
+            for il in range(L):
+                if self._qsa_layer(il):
+                    kw = self.w.model.tensor(f"blk.{il}.indexer.k_proj.weight")
+                    if int(kw.ne[1]) != dih:
+                        raise StrataError(f"layer {il}: the indexer has {int(kw.ne[1]) // dih} key heads; the runtime "
+                                          f"supports one")
+                    self.ik[il] = xp.zeros((self.max_ctx, dih), dtype=xp.float32)
+                    self.bk[il] = xp.zeros((self.max_ctx // cfg.compress_ratios[il] + 1, dih), dtype=xp.float32)
         self.ids = xp.zeros((L, self.k), dtype=xp.int32)
         self.weights = xp.zeros((L, self.k), dtype=xp.float32)
         self.logits = None
@@ -189,6 +252,26 @@ class StaticDecoder:
         del ly0, ExpertJobs
         self._raw: dict[str, tuple[Any, Any, int, int]] = {}
         self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
+        if self.long:
+            self._init_qsa()
+
+    def _init_qsa(self) -> None:
+        """Kernels and scratch of the device QSA path (qsa_step.cu), shared by the attention layers (they run one
+        after another on the decoder's stream)."""
+        cp, cfg, mc = self.cp, self.cfg, self.max_ctx
+        self.qmod = cp.RawModule(code=cuda_source("qsa_step.cu"), options=("--std=c++17",))
+        self.k_qsa_pool = self.qmod.get_function("qsa_pool")
+        self.k_qsa_scores = self.qmod.get_function("qsa_scores")
+        self.k_qsa_select = self.qmod.get_function("qsa_select")
+        self.k_attn_part = self.qmod.get_function("attn_sel_partial")
+        self.k_attn_comb = self.qmod.get_function("attn_sel_combine")
+        self.q_scores = cp.zeros(mc + 1, dtype=cp.float32)
+        self.q_flags = cp.zeros(mc + 1, dtype=cp.int32)
+        self.q_pairs = cp.zeros(2 * (mc + 1), dtype=cp.int32)  # (value, index) pairs of the tie replay
+        self.q_cells = cp.zeros(mc + 1, dtype=cp.int32)
+        self.q_ncell = cp.zeros(1, dtype=cp.int32)
+        self.att_sc = cp.zeros(cfg.n_head * mc, dtype=cp.float32)
+        self.att_part = cp.zeros(cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2), dtype=cp.float32)
 
     def _dense_raw(self, name: str):
         """(device bytes, type, rows, cols) of a matrix for the quantized matvec, or None when it cannot run."""
@@ -385,6 +468,13 @@ class StaticDecoder:
                     P = int(ls.k.shape[0])
                     self.kc[il][:P] = ls.k
                     self.vc[il][:P] = ls.v
+                if il in self.ik:
+                    self.ik[il][...] = 0
+                    self.bk[il][...] = 0
+                    if ls.ik is not None:
+                        self.ik[il][:int(ls.ik.shape[0])] = ls.ik
+                    if ls.bk is not None:
+                        self.bk[il][:int(ls.bk.shape[0])] = ls.bk
         for il in self.cfg.ple_layers:
             prev = state.ple_conv.get(il)
             self.ple_conv[il][...] = 0 if prev is None else xp.asarray(prev)
@@ -417,6 +507,11 @@ class StaticDecoder:
         s[a:b] = np.cos(f)
         a, b = self._sin_sl
         s[a:b] = np.sin(f)
+        for r, (a, b) in self._bcs_sl.items():  # used by qsa_pool only when pos+1 completes a block
+            f = np.float32(max((self.pos + 1) // r - 1, 0) * r) * self.rt.rope.inv_freq
+            f = np.concatenate([f, f])
+            s[a:a + cfg.n_rot] = np.cos(f)
+            s[a + cfg.n_rot:b] = np.sin(f)
         if self.gpu:
             self.inp.set(s, stream=self._stream)
         else:
@@ -506,11 +601,67 @@ class StaticDecoder:
         c, s = self._sin_sl
         return self.rt.rope.apply(x[None], self.inp[a:b][None], self.inp[c:s][None])[0]
 
+    def _qsa_layer(self, il: int) -> bool:
+        """An attention layer with QSA block selection (compress ratio > 0)."""
+        return not self.cfg.recurrent[il] and self.cfg.compress_ratios[il] > 0
+
+    def _qsa(self, il: int, qraw: Any, kraw: Any) -> Any:
+        """The indexer of one attention layer at this step's position: caches the raw key, pools a completed block,
+        scores the complete blocks and selects the attended cells (Qwen4ExpRuntime._select for one query). Returns
+        a boolean mask [pos+1] on numpy; on CuPy the cells are left in ``q_cells[:q_ncell]``."""
+        xp, cfg = self.xp, self.cfg
+        r, dih, budget = cfg.compress_ratios[il], cfg.idx_head_dim, cfg.idx_budget
+        p = f"blk.{il}.indexer."
+        qi = self._rope(self._rms(qraw.reshape(-1, dih), self.w.get(p + "q_norm.weight")))
+        self._put(self.ik[il], kraw)
+        sq = np.float32(np.sqrt(dih))
+        if self.gpu:
+            cp = self.cp
+            a, _ = self._bcs_sl[r]
+            n_rot = cfg.n_rot
+            self.k_qsa_pool((1,), (128,), (self.ik[il], self.bk[il], self.w.get(p + "k_norm.weight"),
+                                           self.inp[a:a + n_rot], self.inp[a + n_rot:a + 2 * n_rot], self.pos_dev,
+                                           np.int32(r), np.int32(dih), np.int32(n_rot), np.float32(cfg.eps)))
+            nbmax = self.max_ctx // r + 1
+            self.k_qsa_scores((max(1, min(1024, (nbmax + 3) // 4)),), (128,),
+                              (cp.ascontiguousarray(qi), self.bk[il], self.pos_dev, self.q_scores, np.int32(r),
+                               np.int32(qi.shape[0]), np.int32(dih), sq))
+            self.k_qsa_select((1,), (1024,), (self.q_scores, self.pos_dev, np.int32(r), np.int32(budget),
+                                              np.int32(self.rt.selection != "transformers"), self.q_flags, self.q_pairs,
+                                              self.q_cells, self.q_ncell))
+            return None
+        pos = self.pos
+        P = pos + 1
+        if P % r == 0:  # the block pos completes: same arithmetic as Qwen4ExpRuntime._select
+            b = P // r - 1
+            raw = self.ik[il][b * r:P].reshape(1, r, dih)
+            pooled = _rmsnorm(np, np.mean(raw, axis=1), self.w.get(p + "k_norm.weight"), cfg.eps)
+            bc, bs = self.rt.rope.cos_sin(np.array([b * r], dtype=np.int64))
+            self.bk[il][b] = self.rt.rope.apply(pooled[:, None, :], bc, bs)[0, 0]
+        nb = P // r
+        mask = np.zeros(P, dtype=bool)
+        if nb > 0:
+            sc = np.einsum("thd,bd->tbh", qi[None], self.bk[il][:nb])
+            scores = (np.sum(np.maximum(sc, 0), axis=-1) / sq)[0]
+        else:
+            scores = np.zeros(0, dtype=np.float32)
+        if self.rt.selection == "transformers":
+            for blk in torch_topk_indices(scores, min(budget // r, nb)):
+                mask[blk * r:(blk + 1) * r] = True
+            mask[nb * r:P] = True
+        else:
+            mask[llamacpp_cells(scores, r, pos, budget + r - 1, P)] = True
+        return mask
+
     def _attention(self, il: int, x: Any) -> Any:
         xp, cfg = self.xp, self.cfg
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         p = f"blk.{il}."
-        qraw, kraw, vraw = self.mv_many([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], x)
+        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        sel = self.long and self._qsa_layer(il)
+        if sel:
+            names += [p + "indexer.q_proj.weight", p + "indexer.k_proj.weight"]
+        qraw, kraw, vraw, *idx = self.mv_many(names, x)
         qg = qraw.reshape(nh, 2 * hd)
         q = qg[:, :hd]
         gate = qg[:, hd:].reshape(nh * hd)
@@ -521,8 +672,18 @@ class StaticDecoder:
         k = self._rope(k)
         self._put(self.kc[il], k)
         self._put(self.vc[il], v)
+        mask = self._qsa(il, idx[0], idx[1]) if sel else None
         scale = np.float32(hd ** -0.5)
-        if self.gpu:
+        if self.gpu and self.long:
+            cp = self.cp
+            o = cp.empty((nh, hd), dtype=cp.float32)
+            self.k_attn_part((nh, ATTN_SPLITS), (128,), (cp.ascontiguousarray(q), self.kc[il], self.vc[il],
+                                                         self.q_cells, self.q_ncell, np.int32(sel), self.pos_dev,
+                                                         self.att_sc, self.att_part, np.int32(nh), np.int32(nkv),
+                                                         np.int32(hd), scale, np.int32(self.max_ctx)))
+            self.k_attn_comb((nh,), (min(hd, 1024),), (self.att_part, o, np.int32(ATTN_SPLITS), np.int32(hd)))
+            o = o.reshape(nh * hd)
+        elif self.gpu:
             cp = self.cp
             o = cp.empty((nh, hd), dtype=cp.float32)
             self.k_attn((nh,), (256,), (cp.ascontiguousarray(q), self.kc[il], self.vc[il], self.pos_dev, o,
@@ -535,6 +696,8 @@ class StaticDecoder:
             kk = np.repeat(self.kc[il][:P], grp, axis=1)
             vv = np.repeat(self.vc[il][:P], grp, axis=1)
             att = np.einsum("hd,phd->hp", q, kk) * scale
+            if mask is not None:
+                att = np.where(mask[None, :], att, np.float32(-np.inf))
             att = _softmax(np, att, axis=-1)
             o = np.einsum("hp,phd->hd", att, vv).reshape(nh * hd).astype(np.float32)
         o = o * _sigmoid(xp, gate)
@@ -736,7 +899,7 @@ class StaticDecoder:
     def _mutable(self) -> list:
         """Buffers the step changes (the warm-up run before a capture writes them; they are restored)."""
         return (list(self.conv.values()) + list(self.ssm.values()) + list(self.ple_conv.values())
-                + list(self.kc.values()) + list(self.vc.values()))
+                + list(self.kc.values()) + list(self.vc.values()) + list(self.ik.values()) + list(self.bk.values()))
 
     def synchronize(self) -> None:
         """Wait for the decoder's CUDA stream to finish (no-op on the CPU path)."""

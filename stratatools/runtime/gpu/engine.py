@@ -27,10 +27,11 @@ class DecoderRuntime:
 
     Args:
         rt: the GPU runtime (weights on CuPy, its :class:`GPUExpertTier`).
-        max_ctx: positions per sequence (prompt + new tokens); see :func:`stratatools.runtime.gpu.decode.max_full_context`.
+        max_ctx: positions per sequence (prompt + new tokens), up to the model's context length (QSA selection runs
+            on the device past :func:`stratatools.runtime.gpu.decode.max_full_context`).
         graph: replay the step from a CUDA graph (default) or launch it eagerly.
     Raises:
-        StrataError: from :class:`StaticDecoder` (context over the full-selection range, unsupported types).
+        StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types).
     """
 
     def __init__(self, rt: Any, max_ctx: int, graph: bool = True):
