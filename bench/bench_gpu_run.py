@@ -9,13 +9,27 @@ llama-bench tg128/pp512 on the same GGUF. Prints one row per configuration: deco
 ratio to llama.cpp, decode roofline fraction (bytes the step touches per token / copy rate), decode hit rate,
 bytes moved per token, device memory used.
 
+Prompts: the shipped prompt suite (``data/prompts/suite.json`` via :func:`stratatools.core.resources.packaged`),
+its texts joined in file order and tokenized with the model's own tokenizer, cut to ``--prompt`` (and ``--long``)
+tokens, so that the synthetic model routes as it does on real text.
+
+Decoder comparison (``--compare-steps N``, all resident, one loaded model): the reference step, the earlier fast
+step (``fused=False``) and the fused step (:class:`stratatools.runtime.gpu.decode.StaticDecoder`), each replayed
+from its graph on the same tokens (prompt, then the reference's greedy tokens): logits relative error and router
+top-k agreement of both fast steps against the reference (issue 12 item 4: <= 1e-3, >= 99.5%), and each one's
+decode-loop time per step (graph replay + copy-back of next token and routing; the engine's bookkeeping left out).
+``--configs`` picks the ``run --device gpu`` rows (``resident``, ``unfused``: all resident on the earlier fast step,
+the baseline measured in the same run; ``static``, ``adaptive``, ``lru``, ``vram12``, ``long``).
+
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
-       [--long 2048,8192] [--anchor ../shared/anchors] [--out res.json]
+       [--long 2048,8192] [--anchor ../shared/anchors] [--configs resident,unfused,lru] [--compare-steps 32]
+       [--out res.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -76,7 +90,8 @@ def free_device(cp) -> None:
     cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str) -> list:
+def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str,
+                   fused: bool = True) -> list:
     """Per-kernel device time of ``steps`` graph-replayed decode steps (CUPTI through torch.profiler, which
     records every CUDA kernel of the process, CuPy's included). Returns rows (kernel, total ms, calls, share),
     sorted by time; [] when torch's profiler is not there."""
@@ -96,7 +111,7 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
         pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
     grt = GPURuntime(w, policy=pol, miss_mode="host")
-    rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8)
+    rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8, fused=fused)
     st = rt.new_state()
     lg, _ = rt.forward(prompt_ids, st)
     tok = int(lg.argmax().get())
@@ -126,6 +141,88 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
     return rows
 
 
+def suite_prompt_ids(gguf: str, n: int) -> list[int]:
+    """``n`` token ids of the packaged prompt suite's texts (file order, joined by blank lines, repeated when
+    short), tokenized with the model's tokenizer."""
+    from stratatools.core.resources import packaged
+    from stratatools.model.gguf import open_model
+    from stratatools.runtime.tokenizer import BPETokenizer
+
+    suite = json.loads(packaged("data", "prompts", "suite.json").read_text(encoding="utf-8"))["prompts"]
+    with open_model(gguf) as m:
+        tok = BPETokenizer.from_gguf(m)
+        ids: list[int] = []
+        for i in range(100000):
+            ids += tok.encode(suite[i % len(suite)]["text"] + "\n\n")
+            if len(ids) >= n:
+                break
+    return ids[:n]
+
+
+def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
+    """Reference, unfused-fast and fused steps of :class:`StaticDecoder` on one loaded model, all resident, graphs
+    replayed on the same tokens (see the module docstring). Returns tolerance figures and ms per step."""
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    w = load(gguf, xp=cp)
+    grt = GPURuntime(w, policy=None, miss_mode="host")
+    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False), "fused": dict(fast=True, fused=True)}
+    decs = {}
+    for name, kw in kinds.items():
+        d = StaticDecoder(grt, max_ctx=len(prompt_ids) + 2 * steps + 2, **kw)
+        d.load_state(grt.new_state())
+        d.capture()
+        decs[name] = d
+    out: dict = {"steps": steps, "prompt": len(prompt_ids)}
+    for t in prompt_ids:
+        for d in decs.values():
+            d.step(t)
+    for d in decs.values():
+        d.synchronize()
+    err = {k: [] for k in ("unfused", "fused")}
+    agree = {k: [0, 0] for k in ("unfused", "fused")}
+    tok = decs["reference"].next_token()
+    toks = []
+    for _ in range(steps):
+        toks.append(tok)
+        ref = decs["reference"].step(tok).get().astype(np.float64)
+        ir, _ = decs["reference"].routing(account=False)
+        for k in ("unfused", "fused"):
+            got = decs[k].step(tok).get().astype(np.float64)
+            ig, _ = decs[k].routing(account=False)
+            err[k].append(float(np.abs(got - ref).max() / np.abs(ref).max()))
+            for l in range(ir.shape[0]):
+                agree[k][1] += ir.shape[1]
+                agree[k][0] += len(set(ir[l].tolist()) & set(ig[l].tolist()))
+        tok = int(np.argmax(ref))
+    for k in ("unfused", "fused"):
+        out[k] = {"logits_rel_err_max": max(err[k]), "logits_rel_err_median": float(np.median(err[k])),
+                  "topk_agreement": agree[k][0] / agree[k][1]}
+    # decode-loop time per step: replay + the copy-back of next token and routing, on the same token sequence
+    for name, d in decs.items():
+        d.synchronize()
+        t0 = time.perf_counter()
+        for t in toks:
+            d.step(t)
+            d.routing(account=False)
+        out.setdefault(name, {})["ms_per_step"] = (time.perf_counter() - t0) / len(toks) * 1e3
+    del decs, grt, w
+    free_device(cp)
+    return out
+
+
+def print_profile(name: str, pr: list, top: int = 16) -> None:
+    """Markdown table of :func:`kernel_profile`'s rows (the ``top`` longest kernels)."""
+    tot = sum(r[1] for r in pr)
+    print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in {sum(r[2] for r in pr)} kernels")
+    print("| kernel | ms/step | launches/step | share |")
+    print("|---|---:|---:|---:|")
+    for r in pr[:top]:
+        print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |", flush=True)
+
+
 def parse_llama(md: str) -> dict:
     out = {}
     for line in md.splitlines():
@@ -149,16 +246,31 @@ def main() -> None:
                     "all resident and --vram-gib 12 LRU with a prompt of that many tokens minus --new (the static "
                     "decoder selects QSA cells on the device past the full-selection range)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default="resident,unfused,static,adaptive,lru,vram12,long",
+                    help="comma list of rows: resident, unfused, static, adaptive, lru, vram12, long")
+    ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
+    ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
+    ap.add_argument("--profile-lru", action="store_true", help="also profile the LRU configuration's step")
+    ap.add_argument("--expert-kernels", choices=("staged", "warp"), default="staged",
+                    help="fast step's routed-expert kernels: staged rows (moe_staged.cu) or the FMA build of the "
+                         "warp-per-row kernels (for comparison)")
     a = ap.parse_args()
+    if a.expert_kernels == "warp":
+        import stratatools.runtime.gpu.experts as experts_mod
+
+        experts_mod.MOE_ROW_MAX = 0  # no row fits: expert_ffn(fast=True) takes the warp-per-row kernels
+    res_expert_kernels = a.expert_kernels
+    want = set(a.configs.split(","))
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    res: dict = {"args": vars(a)}
+    res: dict = {"args": vars(a), "expert_kernels": res_expert_kernels}
     mdir = wd / "model"
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
-                    "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0", "--force",
-                    "--json"], check=True, capture_output=True, env=env)
+    if not (a.reuse and list(mdir.glob("*.gguf"))):
+        subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
+                        "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
+                        "--force", "--json"], check=True, capture_output=True, env=env)
     gguf = str(sorted(mdir.glob("*.gguf"))[0])
     res["synth_s"] = time.perf_counter() - t0
     print(f"synth {res['synth_s']:.0f} s: {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB)", flush=True)
@@ -176,37 +288,60 @@ def main() -> None:
     from stratatools.model.gguf import open_model
 
     with open_model(gguf) as m:
-        vocab = int(m.tensor("token_embd.weight").ne[1])
         k = int(m.kv.get(f"{m.arch}.expert_used_count"))
     touched = touched_bytes(gguf, k)
     res["touched_bytes_per_token"] = touched
-    rng = np.random.default_rng(0)
+    long_ctx = [int(x) for x in str(a.long).split(",") if x.strip()]
+    suite_ids = suite_prompt_ids(gguf, max([a.prompt] + [c - a.new for c in long_ctx]))
     prompts = wd / "prompt.json"
-    prompts.write_text(json.dumps([{"token_ids": rng.integers(0, vocab, a.prompt).tolist()}]))
-    configs = [("all resident", {}), (f"{a.slots} slots static", {"slots": a.slots, "policy": "static"}),
-               (f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
-               (f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
-               ("--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
+    prompts.write_text(json.dumps([{"prompt_id": "suite", "token_ids": suite_ids[:a.prompt]}]))
+    res["prompt_source"] = "data/prompts/suite.json (model tokenizer)"
+    cmp_res = None
+    if a.compare_steps > 0:
+        try:
+            cmp_res = decode_compare(cp, gguf, suite_ids[:a.prompt], a.compare_steps)
+            res["decode_compare"] = cmp_res
+            print(f"decoder comparison: {json.dumps(cmp_res)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported, the rows still run
+            import traceback
+
+            traceback.print_exc()
+            print(f"decoder comparison failed: {e}", flush=True)
+    configs = [("resident", "all resident", {}), ("unfused", "all resident, unfused step (before)", {"_fused": False}),
+               ("static", f"{a.slots} slots static", {"slots": a.slots, "policy": "static"}),
+               ("adaptive", f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
+               ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
+               ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
     plens = {str(prompts): a.prompt}
-    for ctx in [int(x) for x in str(a.long).split(",") if x.strip()]:
+    for ctx in long_ctx:
         lp = wd / f"prompt_long_{ctx}.json"
         plens[str(lp)] = ctx - a.new
-        lp.write_text(json.dumps([{"token_ids": rng.integers(0, vocab, ctx - a.new).tolist()}]))
-        configs.append((f"all resident, {ctx}-token context", {"_prompts": lp}))
-        configs.append((f"--vram-gib 12, LRU, {ctx}-token context", {"_prompts": lp, "vram_gib": 12.0, "policy": "lru"}))
+        lp.write_text(json.dumps([{"prompt_id": f"suite-{ctx}", "token_ids": suite_ids[:ctx - a.new]}]))
+        configs.append(("long", f"all resident, {ctx}-token context", {"_prompts": lp}))
+        configs.append(("long", f"--vram-gib 12, LRU, {ctx}-token context",
+                        {"_prompts": lp, "vram_gib": 12.0, "policy": "lru"}))
+    configs = [(name, kw) for key, name, kw in configs if key in want]
     rows = []
+    import stratatools.runtime.gpu.engine as engine_mod
+
     for name, kw in configs:
         free_device(cp)
         t0 = time.perf_counter()
         kw = dict(kw)
         pp = kw.pop("_prompts", prompts)
+        fused = kw.pop("_fused", True)
         plen = plens[str(pp)]
+        orig = engine_mod.DecoderRuntime
+        if not fused:
+            engine_mod.DecoderRuntime = functools.partial(orig, fused=False)
         try:
             r = run_prompts(gguf, pp, max_new_tokens=a.new, device="gpu", **kw).to_dict()
         except Exception as e:  # noqa: BLE001 - the table shows the failure
             print(f"{name}: failed: {e}", flush=True)
             rows.append({"name": name, "error": str(e)})
             continue
+        finally:
+            engine_mod.DecoderRuntime = orig
         d = r["device"]
         tc = d["tier"]
         steps = max(r["new_tokens"] - 1, 1)
@@ -221,10 +356,14 @@ def main() -> None:
     res["rows"] = rows
     prof_rows = {}
     if a.profile_steps > 0:
-        ids = json.loads(prompts.read_text())[0]["token_ids"][:32]
-        for name, sl, pol in (("all resident", None, "static"), (f"{a.slots} slots LRU", a.slots, "lru")):
+        ids = suite_ids[:32]
+        profs = [("all resident (fused)", None, "static", True), ("all resident (unfused, before)", None, "static", False)]
+        if a.profile_lru:
+            profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True))
+        for name, sl, pol, fu in profs:
             try:
-                prof_rows[name] = kernel_profile(cp, gguf, ids, a.profile_steps, sl, pol)
+                prof_rows[name] = kernel_profile(cp, gguf, ids, a.profile_steps, sl, pol, fused=fu)
+                print_profile(name, prof_rows[name])
             except Exception as e:  # noqa: BLE001
                 print(f"profile {name}: failed: {e}", flush=True)
         res["kernel_profile"] = prof_rows
@@ -251,13 +390,16 @@ def main() -> None:
               f"{r['h_decode'] if r['h_decode'] is None else round(r['h_decode'], 4)} | {r['moved_per_token'] / 1e6:.1f} | "
               f"{r['device_used'] / 2**30:.2f} |")
     for name, pr in prof_rows.items():
-        tot = sum(r[1] for r in pr)
-        print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in "
-              f"{sum(r[2] for r in pr)} kernels")
-        print("| kernel | ms/step | launches/step | share |")
+        print_profile(name, pr)
+    if cmp_res:
+        print("\n| decode step | ms/step (replay + copy-back) | logits rel. error max (median) | router top-k agreement |")
         print("|---|---:|---:|---:|")
-        for r in pr[:14]:
-            print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |")
+        for k in ("reference", "unfused", "fused"):
+            c = cmp_res.get(k, {})
+            e = (f"{c['logits_rel_err_max']:.2e} ({c['logits_rel_err_median']:.2e})" if "logits_rel_err_max" in c
+                 else "-")
+            ag = f"{c['topk_agreement']:.4f}" if "topk_agreement" in c else "-"
+            print(f"| {k} | {c.get('ms_per_step', float('nan')):.2f} | {e} | {ag} |")
     for r in rows:
         if "plan" in r and r["plan"]:
             print(f"{r['name']}: plan {json.dumps(r['plan'])}")

@@ -142,8 +142,10 @@ def _blob_set(gu, d, hidden, ff, E, seed):
     return tg, td, blobs
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
 @pytest.mark.parametrize("gu,d,ff", CASES)
-def test_gpu_expert_ffn(cp, gu, d, ff):
+def test_gpu_expert_ffn(cp, gu, d, ff, fast):
+    """expert_ffn against the float64 reference; ``fast``: the staged-row kernels of the FMA build."""
     from stratatools.runtime.gpu.experts import expert_ffn, expert_ffn_reference, make_jobs
 
     hidden, E, k, T = 512, 6, 3, 4
@@ -155,14 +157,14 @@ def test_gpu_expert_ffn(cp, gu, d, ff):
     X = rng.normal(0, 1, (T, hidden)).astype(np.float32)
     ptrs = np.array([[dev[e].data.ptr for e in row] for row in ids], dtype=np.uint64)
     jobs = make_jobs(ptrs, w, ff * tg.row_bytes(hidden))
-    Y = cp.asnumpy(expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff))
+    Y = cp.asnumpy(expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff, fast=fast))
     for t in range(T):
         ref = expert_ffn_reference(X[t], [blobs[e] for e in ids[t]], w[t], tg, td, hidden, ff)
         assert np.isfinite(ref).all(), (gu, d, t, "the seeded fixture must give a finite reference")
         err = np.abs(Y[t] - ref).max() / (np.abs(ref).max() + 1e-30)
         assert err < 1e-4, (gu, d, t, err)
     # accumulate adds onto an existing output
-    Y2 = expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff, out=cp.asarray(Y), accumulate=True)
+    Y2 = expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff, out=cp.asarray(Y), accumulate=True, fast=fast)
     assert np.allclose(cp.asnumpy(Y2), 2 * Y, rtol=1e-6, atol=1e-6)
 
 

@@ -109,7 +109,7 @@ def test_cuda_sources_are_package_files():
 
     here = Path(g.__file__).parent
     for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu", "qsa_step.cu",
-                 "qsa_host_shim.cuh"):
+                 "qsa_host_shim.cuh", "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh"):
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()
@@ -117,7 +117,7 @@ def test_cuda_sources_are_package_files():
         assert re.search(rf"__global__ void (__launch_bounds__\(\d+\) )?{k}\(", src), k
     dec = K.cuda_source("decode_step.cu")
     for k in ("route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused",
-              "put_row", "attn_decode"):
+              "route_fused_sg", "put_row", "attn_decode"):
         assert f'extern "C" __global__ void {k}(' in dec, k
     qsa = K.cuda_source("qsa_step.cu")
     for k in ("qsa_pool", "qsa_scores", "qsa_select", "attn_sel_partial", "attn_sel_combine"):

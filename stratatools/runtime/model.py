@@ -558,7 +558,7 @@ def generate(rt: Qwen4ExpRuntime, prompt_ids: list[int], max_new_tokens: int = 1
     dec: list[RoutingRecord] = []
     reason = "length"
     while len(new) < max_new_tokens:
-        nxt = int(_to_host(rt.xp.argmax(lg)))
+        nxt = int(rt.argmax(lg)) if hasattr(rt, "argmax") else int(_to_host(rt.xp.argmax(lg)))
         new.append(nxt)
         if nxt == stop:
             reason = "stop"

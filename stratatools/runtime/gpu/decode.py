@@ -16,8 +16,9 @@
 
 On CuPy the step is captured once into a CUDA graph (:meth:`StaticDecoder.capture`) and replayed per token:
 batch-1 decode is otherwise bound by kernel-launch overhead. The routing of each step stays in device buffers
-(``ids`` [L, k], ``weights`` [L, k]); :meth:`StaticDecoder.routing` copies it back once per step when route
-hooks or tier counters need it (the tier's bookkeeping is batched there).
+(``ids`` [L, k], ``weights`` [L, k]) that share one buffer with the arg-max token; after each step one asynchronous
+copy brings that buffer into pinned host memory, and :meth:`StaticDecoder.routing` / :meth:`StaticDecoder.next_token`
+wait for it (no other transfer or host synchronisation per step; the tier's bookkeeping is batched there).
 
 Partial tiers: the router reads each expert's blob address from a device table (:meth:`GPUExpertTier.slot_table`):
 a VRAM slot for a resident expert, the mapped pinned host arena for any other (a zero-copy read over the bus).
@@ -122,17 +123,27 @@ class StaticDecoder:
             weight normalisation) as fused kernels. ``fast=False`` keeps the reference step (one warp per row
             byte-load matvec, CuPy element-wise ops); the two agree to float rounding (tests/test_gpu_decode.py).
             Ignored on numpy.
+        fused: with ``fast``, the per-layer chains as single kernels of ``fused_step.cu`` (compiled with multiply-add
+            fusion): the gated-DeltaNet step (``gdn_conv``: conv + SiLU + state shift + beta/decay; ``gdn_recur``:
+            L2 norms, delta-rule update, output read, gated RMS norm, each head's columns over several blocks), the
+            PLE block, the hyper-connection inject fused with the next RMS norm, SiLU of the mix applied while the
+            up-projection stages its input, the router with the shared expert's gate (its row stacked under the
+            router's; f32 matvec one block per row; top-k by one warp), experts through the staged-row kernels
+            (``moe_staged.cu``, :func:`stratatools.runtime.gpu.experts.expert_ffn` ``fast``). Agrees with the
+            reference step by tolerance (tests/test_gpu_decode.py; bench/bench_gpu_run.py on the full-width model).
+            ``fused=False`` keeps the earlier fast step (for comparisons).
     Raises:
         StrataError: ``max_ctx`` beyond the model's context length; an indexer with more than one key head or
             wider than :data:`QSA_MAX_DIM` (long contexts); on CuPy, a partial tier whose host arena is not mapped
             into the device, or an expert width that is not whole blocks.
     """
 
-    def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True):
+    def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True, fused: bool = True):
         self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
         cfg = self.cfg
         self.gpu = getattr(self.xp, "__name__", "") == "cupy"
         self.fast = bool(fast) and self.gpu
+        self.fused = bool(fused) and self.fast
         n_ctx_model = model_context_length(rt.w.model)
         if n_ctx_model is not None and max_ctx > n_ctx_model:
             raise StrataError(f"max_ctx {max_ctx} is over the model's context length {n_ctx_model}")
@@ -201,8 +212,21 @@ class StaticDecoder:
                                           f"supports one")
                     self.ik[il] = xp.zeros((self.max_ctx, dih), dtype=xp.float32)
                     self.bk[il] = xp.zeros((self.max_ctx // cfg.compress_ratios[il] + 1, dih), dtype=xp.float32)
-        self.ids = xp.zeros((L, self.k), dtype=xp.int32)
-        self.weights = xp.zeros((L, self.k), dtype=xp.float32)
+        if self.gpu:
+            # the step's outputs the host reads (next token int64, ids [L, k] int32, weights [L, k] float32) live in
+            # one device buffer, copied back with one asynchronous copy per step into pinned memory
+            import cupyx
+
+            nb = 8 + 8 * L * self.k
+            self._out = xp.zeros(nb, dtype=xp.uint8)
+            self._tok_dev = self._out[:8].view(xp.int64)
+            self.ids = self._out[8:8 + 4 * L * self.k].view(xp.int32).reshape(L, self.k)
+            self.weights = self._out[8 + 4 * L * self.k:].view(xp.float32).reshape(L, self.k)
+            self._out_host = cupyx.empty_pinned(nb, dtype=np.uint8)
+            self._out_event = None
+        else:
+            self.ids = xp.zeros((L, self.k), dtype=xp.int32)
+            self.weights = xp.zeros((L, self.k), dtype=xp.float32)
         self.logits = None
         self.next_token_dev = None
         self.pos = 0
@@ -233,6 +257,15 @@ class StaticDecoder:
         self.k_hc_inject = self.mod.get_function("hc_inject")
         self.k_dot_sig = self.mod.get_function("dot_sigmoid")
         self.k_route = self.mod.get_function("route_fused")
+        self.k_route_sg = self.mod.get_function("route_fused_sg")
+        if self.fused:
+            self.fmod = cp.RawModule(code=cuda_source("fused_step.cu"), options=("--std=c++17",))
+            self.k_gdn_conv = self.fmod.get_function("gdn_conv")
+            self.k_gdn_recur = self.fmod.get_function("gdn_recur")
+            self.k_ple = self.fmod.get_function("ple_fused")
+            self.k_inject_rms = self.fmod.get_function("hc_inject_rms")
+            self.k_mv_f32 = self.fmod.get_function("matvec_f32_rows")
+        self._gdn_counter = None
         tier = rt.tier
         L = cfg.n_layer
         # every expert's blob address: its VRAM slot, or (a miss) its place in the mapped pinned host arena; the
@@ -318,9 +351,7 @@ class StaticDecoder:
                 x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
                 y = self.cp.empty(rows, dtype=self.cp.float32)
                 if self.fast and int(raw.data.ptr) % 16 == 0:
-                    from stratatools.runtime.gpu.kernels import matvec_tiled_launch
-
-                    matvec_tiled_launch(raw, x, y, t.id, rows, cols)
+                    self._launch_mv(raw, x, y, t.id, rows, cols)
                     return y
                 grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
                 kernel("matvec_kernel", t.id)(grid, (THREADS,), (raw, x, y, np.int32(rows), np.int32(cols)),
@@ -337,7 +368,7 @@ class StaticDecoder:
         if not self.fast:
             return [self.mv(n, x) for n in names]
         from stratatools.runtime.gpu.experts import MAX_SHARED_FLOATS
-        from stratatools.runtime.gpu.kernels import UNIT, matvec_tiled_launch
+        from stratatools.runtime.gpu.kernels import UNIT
 
         cp = self.cp
         m = self.w.model
@@ -365,7 +396,7 @@ class StaticDecoder:
             raw, rows = got
             xx = cp.ascontiguousarray(x, dtype=cp.float32)
             y = cp.empty(sum(rows), dtype=cp.float32)
-            matvec_tiled_launch(raw, xx, y, tid, sum(rows), cols)
+            self._launch_mv(raw, xx, y, tid, sum(rows), cols)
             o = 0
             for i, r in zip(idx, rows):
                 out[i] = y[o:o + r]
@@ -374,6 +405,16 @@ class StaticDecoder:
             if out[i] is None:
                 out[i] = self.mv(n, x)
         return out
+
+    def _launch_mv(self, raw: Any, x: Any, y: Any, type_id: int, rows: int, cols: int) -> None:
+        """``y = W x`` on the fast path: float32 matrices (the router) through the fused step's ``matvec_f32_rows``
+        (one block per row, float4 loads) when fused, everything else through ``matvec_tiled_kernel``."""
+        if self.fused and type_id == 0:
+            self.k_mv_f32((min(rows, 4096),), (256,), (raw, x, y, np.int32(rows), np.int32(cols)))
+            return
+        from stratatools.runtime.gpu.kernels import matvec_tiled_launch
+
+        matvec_tiled_launch(raw, x, y, type_id, rows, cols)
 
     def _put(self, buf: Any, row: Any) -> None:
         """buf[pos] = row at the device-held position."""
@@ -425,6 +466,169 @@ class StaticDecoder:
         tot = hc * n
         self.k_hc_inject(((tot + 255) // 256,), (256,), (H, self.cp.ascontiguousarray(y, dtype=self.cp.float32), v,
                                                         np.int32(hc), np.int32(n)))
+
+    # -- the fused step (fused_step.cu) ---------------------------------------------------------------
+    def _f32(self, name: str) -> Any:
+        """A small dense tensor as a contiguous float32 device array (norm weights, conv kernels, gates)."""
+        return self.cp.ascontiguousarray(self.w.get(name), dtype=self.cp.float32)
+
+    def _norm_inject(self, H: Any, prefix: str, y: Any = None, v: Any = None) -> Any:
+        """One launch: (with y) the residual H_h += y * 2 sigmoid(v[h] / hc) in place, then the RMS norm of each
+        stream of H with ``{prefix}_norm.weight``; returns the normed copy [hc * n]."""
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        w = self._f32(f"{prefix}_norm.weight")
+        hn = cp.empty(hc * n, dtype=cp.float32)
+        yy = cp.ascontiguousarray(y, dtype=cp.float32) if y is not None else None
+        null = np.uint64(0)
+        self.k_inject_rms((hc,), (1024,), (H, null if yy is None else yy, null if v is None else v, np.int32(hc),
+                                           np.int32(n), w, np.int32(w.size), np.float32(cfg.eps), hn))
+        return hn
+
+    def _hc_from_hn(self, prefix: str, hn: Any, inject: bool = True):
+        """:meth:`_hc_fast` after the norm: (mixed [n], raw inject logits [hc] or None)."""
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        if inject:
+            d, v = self.mv_many([f"{prefix}_down.weight", f"{prefix}_inject.weight"], hn)
+        else:
+            d, v = self.mv(f"{prefix}_down.weight", hn), None
+        raw, t, rows, cols = self._dense_raw(f"{prefix}_up.weight")
+        d = cp.ascontiguousarray(d, dtype=cp.float32)
+        if raw is not None and t.id != 0 and int(raw.data.ptr) % 16 == 0:  # silu(d / hc) applied while staging d
+            from stratatools.runtime.gpu.kernels import matvec_tiled_launch
+
+            u = cp.empty(rows, dtype=cp.float32)
+            matvec_tiled_launch(raw, d, u, t.id, rows, cols, silu_div=float(hc))
+        else:
+            m = cp.empty_like(d)
+            nd = int(d.size)
+            self.k_silu_div(((nd + 255) // 256,), (256,), (d, m, np.int32(nd), np.float32(hc)))
+            u = self.mv(f"{prefix}_up.weight", m)
+        mixed = cp.empty(n, dtype=cp.float32)
+        self.k_hc_mix(((n + 255) // 256,), (256,), (u, hn, mixed, np.int32(hc), np.int32(n)))
+        return mixed, v
+
+    def _ple_fused(self, il: int, H: Any) -> None:
+        """:meth:`_ple` added to H in place: the two stacked projections, then one ``ple_fused`` launch."""
+        cfg = self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        a, b = self._ple_sl[il]
+        p = f"blk.{il}.ple_"
+        kraw, value = self.mv_many([p + "key.weight", p + "value.weight"], self.inp[a:b])
+        cp = self.cp
+        kraw = cp.ascontiguousarray(kraw, dtype=cp.float32)
+        value = cp.ascontiguousarray(value, dtype=cp.float32)
+        if int(kraw.size) != hc * n or int(value.size) != n:
+            raise StrataError(f"layer {il}: PLE projections of {kraw.size} and {value.size} values; the fused step "
+                              f"expects {hc * n} and {n}")
+        wk, wq, wcn = self._f32(p + "norm_key.weight"), self._f32(p + "norm_query.weight"), self._f32(p + "norm_conv.weight")
+        wc = self._f32(p + "conv1d.weight")
+        self.k_ple((hc,), (1024,), (H, kraw, value, wk, np.int32(wk.size), wq, np.int32(wq.size), wcn,
+                                    np.int32(wcn.size), self.ple_conv[il], wc, np.int32(cfg.ple_conv_kernel),
+                                    np.int32(cfg.ple_ngram), np.int32(n), np.int32(hc), np.float32(cfg.eps)))
+
+    def _gdn_fused(self, il: int, x: Any) -> Any:
+        """:meth:`_gdn` in four launches: the stacked input projections, ``gdn_conv``, ``gdn_recur``, ``ssm_out``."""
+        cp, cfg = self.cp, self.cfg
+        nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
+        dv = cfg.ssm_head_v_dim
+        p = f"blk.{il}."
+        qkv, z, b, a = self.mv_many([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                                     p + "ssm_alpha.weight"], x)
+        wc = self._f32(p + "ssm_conv1d.weight")
+        C, K = wc.shape
+        conv = cp.empty(C, dtype=cp.float32)
+        beta = cp.empty(nv, dtype=cp.float32)
+        decay = cp.empty(nv, dtype=cp.float32)
+        self.k_gdn_conv(((C + 255) // 256,), (256,), (cp.ascontiguousarray(qkv), self.conv[il], wc, np.int32(C),
+                                                      np.int32(K), cp.ascontiguousarray(b), cp.ascontiguousarray(a),
+                                                      self._f32(p + "ssm_a"), self._f32(p + "ssm_dt.bias"),
+                                                      np.int32(nv), conv, beta, decay))
+        # columns of a head split over ncb blocks (about one block per SM in all), 256 threads each
+        ncb = max(1, min(dv, 128 // max(nv, 1)))
+        cw = -(-dv // ncb)
+        threads = 256
+        rs = max(1, threads // cw)
+        nw = self._f32(p + "ssm_norm.weight")
+        o = cp.empty(nv * dv, dtype=cp.float32)
+        obuf = cp.empty(nv * dv, dtype=cp.float32)
+        sspart = cp.empty(nv * ncb, dtype=cp.float32)
+        if self._gdn_counter is None or self._gdn_counter.size < nv:
+            self._gdn_counter = cp.zeros(nv, dtype=cp.int32)  # every head's last block resets its count
+        shm = (2 * dk + (rs + 1) * cw) * 4
+        if shm > 48 * 1024:
+            raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the fused step's shared memory")
+        self.k_gdn_recur((nv, ncb), (threads,), (conv, beta, decay, self.ssm[il], cp.ascontiguousarray(z), nw,
+                                                 np.int32(nw.size), np.int32(nk), np.int32(dk), np.int32(dv),
+                                                 np.float32(cfg.eps), np.int32(cfg.output_gate == "sigmoid"), obuf,
+                                                 sspart, self._gdn_counter, o),
+                         shared_mem=shm)
+        return self.mv(p + "ssm_out.weight", o)
+
+    def _moe_fused(self, il: int, x: Any) -> Any:
+        """:meth:`_moe_fast` with the shared gate's row stacked under the router's (one matvec, one routing
+        launch that also writes the shared gate) and the FMA build of the expert kernels."""
+        from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
+
+        cp, cfg, k = self.cp, self.cfg, self.k
+        p = f"blk.{il}."
+        logits, sgl = self.mv_many([p + "ffn_gate_inp.weight", p + "ffn_gate_inp_shexp.weight"], x)
+        E = int(logits.size)
+        if k > 64:
+            raise StrataError(f"the fused router handles at most 64 experts per token, not {k}")
+        ly = self.rt.tier.arena.layers[il]
+        pt = self.ptrs[il]
+        w = self.weights[il]
+        sg = cp.empty(1, dtype=cp.float32)
+        X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
+        block = (min(1024, max(32, (E + 31) // 32 * 32)),)
+        route = (np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
+                 np.float32(cfg.expert_weights_scale), self.slot[il], np.uint64(ly.gate_bytes), self.ids[il], w,
+                 pt[0], pt[1], pt[2])
+        if int(sgl.size) == 1 and int(sgl.data.ptr) == int(logits.data.ptr) + 4 * E:  # stacked: logits[E] is the gate
+            self.k_route_sg((1,), block, (logits,) + route + (sg,), shared_mem=E * 4)
+        else:
+            self.k_route((1,), block, (cp.ascontiguousarray(logits),) + route, shared_mem=E * 4)
+            sgw = self._f32(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+            self.k_dot_sig((1,), (256,), (X, sgw, np.int32(X.size), sg))
+        dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
+        y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
+        jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
+        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True)
+        sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg, self.shared_tstart)
+        expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True)
+        return y.reshape(-1)
+
+    def _body_fused(self) -> None:
+        """:meth:`_body` on the fused kernels: every residual update carries the next RMS norm."""
+        cp, cfg = self.cp, self.cfg
+        a, b = self._x_sl
+        H = cp.ascontiguousarray(cp.concatenate([self.inp[a:b]] * cfg.hc_count), dtype=cp.float32)
+        hn = None
+        L = cfg.n_layer
+        for il in range(L):
+            if il in cfg.ple_layers:
+                self._ple_fused(il, H)
+                hn = None
+            if hn is None:
+                hn = self._norm_inject(H, f"blk.{il}.hc_attn")
+            mixed, v = self._hc_from_hn(f"blk.{il}.hc_attn", hn)
+            y = self._gdn_fused(il, mixed) if cfg.recurrent[il] else self._attention(il, mixed)
+            hn = self._norm_inject(H, f"blk.{il}.hc_ffn", y, v)
+            mixed, v = self._hc_from_hn(f"blk.{il}.hc_ffn", hn)
+            y = self._moe_fused(il, mixed)
+            if il + 1 < L and (il + 1) in cfg.ple_layers:
+                self._norm_inject(H, f"blk.{il + 1}.hc_attn", y, v)  # the PLE block changes H before the next norm
+                hn = None
+            else:
+                hn = self._norm_inject(H, f"blk.{il + 1}.hc_attn" if il + 1 < L else "output_hc", y, v)
+        if hn is None:
+            hn = self._norm_inject(H, "output_hc")
+        out_in, _ = self._hc_from_hn("output_hc", hn, inject=False)
+        self.logits = self.mv("output.weight", out_in)
+        self._tok_dev[...] = cp.argmax(self.logits)
+        self.next_token_dev = self._tok_dev[0]
 
     # -- host side ------------------------------------------------------------------------------------
     def _host_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
@@ -780,6 +984,9 @@ class StaticDecoder:
 
     def _body(self) -> None:
         """Everything after the input upload: layers, output mixer, LM head, arg-max (no host reads)."""
+        if self.fused:
+            self._body_fused()
+            return
         xp, cfg = self.xp, self.cfg
         a, b = self._x_sl
         H = xp.concatenate([self.inp[a:b]] * cfg.hc_count)
@@ -803,7 +1010,11 @@ class StaticDecoder:
             H = H + (y[None, :] * inject[:, None]).reshape(-1)
         out_in, _ = (self._hc_fast if self.fast else self._hc)("output_hc", H, inject=False)
         self.logits = self.mv("output.weight", out_in)
-        self.next_token_dev = xp.argmax(self.logits)
+        if self.gpu:
+            self._tok_dev[...] = xp.argmax(self.logits)
+            self.next_token_dev = self._tok_dev[0]
+        else:
+            self.next_token_dev = xp.argmax(self.logits)
 
     # -- public ---------------------------------------------------------------------------------------
     def step(self, token: int) -> Any:
@@ -822,6 +1033,11 @@ class StaticDecoder:
                     self._body()
             else:
                 self._body()
+            if self.gpu:  # one copy of the step's host-read outputs; read by next_token() / routing()
+                n = int(self._out.nbytes)
+                self.cp.cuda.runtime.memcpyAsync(self._out_host.ctypes.data, self._out.data.ptr, n,
+                                                 self.cp.cuda.runtime.memcpyDeviceToHost, self._stream.ptr)
+                self._out_event = self._stream.record()
         self.pos += 1
         self.stats["steps"] += 1
         return self.logits
@@ -837,15 +1053,27 @@ class StaticDecoder:
         self.stats["slot_uploads"] = self.stats.get("slot_uploads", 0) + 1
 
     def next_token(self) -> int:
-        """Arg-max of the last step's logits (one device-to-host copy)."""
+        """Arg-max of the last step's logits (on CuPy: waits for the step's copy-back, no further transfer)."""
         if self.gpu:
-            return int(self.next_token_dev.get(stream=self._stream))
+            self._wait_out()
+            return int(self._out_host[:8].view(np.int64)[0])
         return int(self.next_token_dev)
+
+    def _wait_out(self) -> None:
+        if self._out_event is None:
+            raise StrataError("no decode step has run yet")
+        self._out_event.synchronize()
 
     def routing(self, account: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """The last step's routing, host arrays ids [L, k] int32 and weights [L, k]; with ``account`` also the
         bookkeeping (:meth:`account`) for this one position."""
-        ids, w = _to_host(self.ids).copy(), _to_host(self.weights).copy()
+        if self.gpu:
+            self._wait_out()
+            L, k = self.cfg.n_layer, self.k
+            ids = self._out_host[8:8 + 4 * L * k].view(np.int32).reshape(L, k).copy()
+            w = self._out_host[8 + 4 * L * k:].view(np.float32).reshape(L, k).copy()
+        else:
+            ids, w = _to_host(self.ids).copy(), _to_host(self.weights).copy()
         if account:
             self.account(ids[None], w[None], np.array([self.pos - 1], dtype=np.int64))
         return ids, w

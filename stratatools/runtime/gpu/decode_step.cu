@@ -61,6 +61,34 @@ __device__ void select_topk(float* p, int E, int k, const u64* __restrict__ slot
     }
 }
 
+// select_topk by one warp (call from the threads of warp 0 only; no block barrier): each round, every lane scans
+// its stride of p, then a butterfly arg-max (ties to the lower index) leaves the same winner in every lane.
+// Same selection as select_topk, without its two block barriers per round.
+__device__ void select_topk_warp(float* p, int E, int k, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
+                                 float* vals, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    int lane = threadIdx.x & 31;
+    for (int r = 0; r < k; ++r) {
+        float bv = NEG_INF; int bi = 0x7fffffff;
+        for (int i = lane; i < E; i += 32) {
+            float v = p[i];
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        for (int o = 16; o; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (bi < 0 || bi >= E) bi = 0;  // only if every value is NaN
+        __syncwarp();
+        if (lane == 0) {
+            u64 ptr = slot[bi];
+            ids[r] = bi; vals[r] = p[bi];
+            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
+            p[bi] = NEG_INF;
+        }
+        __syncwarp();
+    }
+}
+
 // Top-k of probs[0..E) (select_topk): ids[k], w[k] (the probabilities) and the blob addresses slot[id]
 // (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
 extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
@@ -128,11 +156,12 @@ extern "C" __global__ void dot_sigmoid(const float* __restrict__ x, const float*
 
 // Router from logits: probabilities (sigmoid if gating else softmax), then route_topk's selection (k rounds of
 // arg-max, ties to the lower index), then the weights: probabilities of the chosen, divided by their sum when
-// norm, times scale. Writes ids[k], w[k] and the blob addresses. One block; shared: E floats.
-extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
-                                       float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
-                                       u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
-    extern __shared__ float p[];
+// norm, times scale. Writes ids[k], w[k] and the blob addresses. One block; p: E floats of shared memory.
+// WARP: the selection by warp 0 alone (select_topk_warp) instead of the whole block (select_topk).
+template <bool WARP>
+__device__ void route_body(float* p, const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                           float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                           u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
     __shared__ float red[32];
     __shared__ float chosen[64];
     int t = threadIdx.x;
@@ -148,12 +177,35 @@ extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, 
         for (int i = t; i < E; i += blockDim.x) p[i] = p[i] / s;
     }
     __syncthreads();
-    select_topk(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
+    if (!WARP) {
+        select_topk(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
+    } else {
+        if (t >= 32) return;
+        select_topk_warp(p, E, k, slot, gate_bytes, ids, chosen, gate_ptr, up_ptr, down_ptr);
+    }
     if (t == 0) {
         float s = 0.0f;
         for (int r = 0; r < k; ++r) s += chosen[r];
         for (int r = 0; r < k; ++r) w[r] = (norm ? chosen[r] / s : chosen[r]) * scale;
     }
+}
+
+// route_body as a kernel. One block; shared: E floats.
+extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                       float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                       u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    extern __shared__ float p[];
+    route_body<false>(p, logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
+}
+
+// route_fused (selection by one warp), plus the shared expert's gate from its logit: sg[0] = sigmoid(logits[E]) (the router matvec with the
+// shared gate's row stacked after the E expert rows). One block; shared: E floats.
+extern "C" __global__ void route_fused_sg(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                          float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                          u64* gate_ptr, u64* up_ptr, u64* down_ptr, float* __restrict__ sg) {
+    extern __shared__ float p[];
+    if (threadIdx.x == 0) sg[0] = sigm(logits[E]);
+    route_body<true>(p, logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
 }
 
 // dst[pos * n + i] = src[i] for the position held in *posp.

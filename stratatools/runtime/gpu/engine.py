@@ -30,16 +30,24 @@ class DecoderRuntime:
         max_ctx: positions per sequence (prompt + new tokens), up to the model's context length (QSA selection runs
             on the device past :func:`stratatools.runtime.gpu.decode.max_full_context`).
         graph: replay the step from a CUDA graph (default) or launch it eagerly.
+        fused: the decoder's fused kernels (:class:`StaticDecoder` ``fused``; False: the earlier fast step).
     Raises:
         StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types).
     """
 
-    def __init__(self, rt: Any, max_ctx: int, graph: bool = True):
+    def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True):
         self.rt, self.cfg, self.xp = rt, rt.cfg, rt.xp
         self.selection = rt.selection
-        self.dec = StaticDecoder(rt, max_ctx=max_ctx)
+        self.dec = StaticDecoder(rt, max_ctx=max_ctx, fused=fused)
         self._graph = bool(graph)
         self._captured = False
+
+    def argmax(self, logits: Any) -> int:
+        """Arg-max of logits this runtime returned: for the decoder's last step, the token it already copied back
+        with its routing (no extra kernel or transfer); otherwise computed on the device."""
+        if logits is self.dec.logits:
+            return self.dec.next_token()
+        return int(self.xp.argmax(logits).get())
 
     @property
     def route_hooks(self) -> list:

@@ -25,7 +25,7 @@ from stratatools.core.errors import StrataError
 from stratatools.model.ggml_types import GGMLType
 
 from stratatools.runtime.gpu import require_cupy
-from stratatools.runtime.gpu.kernels import UNIT, kernel
+from stratatools.runtime.gpu.kernels import MOE_ROW_BUF, MOE_ROW_MAX, UNIT, launch_big_shared, kernel
 
 WARPS_PER_BLOCK = 8
 THREADS = 32 * WARPS_PER_BLOCK
@@ -116,7 +116,7 @@ def make_jobs(blob_ptrs: np.ndarray, weights: np.ndarray, gate_bytes: int, hbuf_
 
 
 def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
-               out: Any = None, accumulate: bool = False, hbuf: Any = None) -> Any:
+               out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False) -> Any:
     """Routed-expert FFN for T tokens: ``Y[t] (+)= sum_j w_j * down_j(silu(gate_j x_t) * up_j x_t)``.
 
     Args:
@@ -126,6 +126,9 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         hidden, ff: model width and expert width.
         out: optional CuPy float32 ``[T, hidden]`` to write (or add to, with ``accumulate``).
         hbuf: optional CuPy float32 scratch of at least ``J * ff`` values (reused across calls).
+        fast: use the kernels' multiply-add-fused build (:func:`stratatools.runtime.gpu.kernels.fast_module`;
+            float rounding differs from the bit-exact default): the staged-row kernels of ``moe_staged.cu`` when
+            a gate/up row and a down row are each at most ``MOE_ROW_MAX`` bytes, else the FMA build of the others.
     Returns:
         CuPy float32 ``[T, hidden]``.
     Raises:
@@ -147,12 +150,24 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if hbuf is None or hbuf.size < J * ff:
         hbuf = cp.empty(J * ff, dtype=cp.float32)
     X = cp.ascontiguousarray(X, dtype=cp.float32)
+    if fast and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX:
+        # staged rows (moe_staged.cu): every 16-byte load of a warp's rows in flight at once
+        bufs = WARPS_PER_BLOCK * 2 * MOE_ROW_BUF
+        g1 = ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, J)
+        launch_big_shared(kernel("moe_gate_up_staged", gu_type.id), g1, (THREADS,),
+                          (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
+                          hidden * 4 + bufs)
+        g2 = ((hidden + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, T)
+        launch_big_shared(kernel("moe_down_staged", d_type.id), g2, (THREADS,),
+                          (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
+                           np.int32(1 if accumulate else 0)), bufs)
+        return out
     grid1 = ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, J)
-    kernel("moe_gate_up_kernel", gu_type.id)(
+    kernel("moe_gate_up_kernel", gu_type.id, fast)(
         grid1, (THREADS,), (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
         shared_mem=hidden * 4)
     grid2 = ((hidden + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, T)
-    kernel("moe_down_kernel", d_type.id)(
+    kernel("moe_down_kernel", d_type.id, fast)(
         grid2, (THREADS,), (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
                             np.int32(1 if accumulate else 0)))
     return out

@@ -84,7 +84,8 @@ def cuda_source(name: str) -> str:
 
 def source() -> str:
     """The whole CUDA translation unit (types, tables from gguf.quants, decoders, kernels)."""
-    return cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("quant_kernels.cu")
+    return (cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("quant_kernels.cu")
+            + cuda_source("moe_staged.cu"))
 
 
 def host_source() -> str:
@@ -102,9 +103,11 @@ def host_source() -> str:
 
 KERNEL_TEMPLATES = ("dequant_kernel", "matvec_kernel", "moe_gate_up_kernel", "moe_down_kernel")
 OPTIONS = ("--std=c++17", "--fmad=false")
-#: Kernels of the fast module (:func:`fast_module`): compiled with multiply-add fusion allowed (results differ
+#: Kernels only the fast module (:func:`fast_module`) has: compiled with multiply-add fusion allowed (results differ
 #: from the reference kernels by float rounding only; the dequantizers' bit-exactness is the reference module's).
-FAST_TEMPLATES = ("matvec_tiled_kernel",)
+FAST_TEMPLATES = ("matvec_tiled_kernel", "moe_gate_up_staged", "moe_down_staged")
+#: Reference kernels of which the fast module also holds an FMA build (``kernel(..., fast=True)``).
+FAST_ALSO = ("moe_gate_up_kernel", "moe_down_kernel")
 FAST_OPTIONS = ("--std=c++17",)
 #: Bytes of a row segment one warp stages in shared memory (the CUDA source's SEG_BYTES) and its buffer.
 SEG_BYTES = 3072
@@ -121,20 +124,34 @@ def module() -> Any:
     return cupy.RawModule(code=source(), options=OPTIONS, name_expressions=names)
 
 
-def kernel(name: str, type_id: int) -> Any:
-    """The compiled kernel ``name<type_id>`` (a ``cupy.RawKernel``)."""
-    if name in FAST_TEMPLATES:
+def kernel(name: str, type_id: int, fast: bool = False) -> Any:
+    """The compiled kernel ``name<type_id>`` (a ``cupy.RawKernel``): from the bit-exact reference module, or with
+    ``fast`` (for :data:`FAST_ALSO`; always for :data:`FAST_TEMPLATES`) from the FMA build of the same source."""
+    if name in FAST_TEMPLATES or (fast and name in FAST_ALSO):
         return fast_module().get_function(f"{name}<{int(type_id)}>")
     return module().get_function(f"{name}<{int(type_id)}>")
 
 
 @functools.lru_cache(maxsize=1)
 def fast_module() -> Any:
-    """Compile (once) the :data:`FAST_TEMPLATES` kernels for every type (``cupy.RawModule``)."""
+    """Compile (once) the :data:`FAST_TEMPLATES` and :data:`FAST_ALSO` kernels for every type with multiply-add
+    fusion allowed (``cupy.RawModule``)."""
     import cupy
 
-    names = [f"{k}<{tid}>" for k in FAST_TEMPLATES for tid in sorted(UNIT)]
+    names = [f"{k}<{tid}>" for k in FAST_TEMPLATES + FAST_ALSO for tid in sorted(UNIT)]
     return cupy.RawModule(code=source(), options=FAST_OPTIONS, name_expressions=names)
+
+
+#: moe_staged.cu's MOE_ROW_BUF / MOE_ROW_MAX: one staged row buffer, and the longest row it holds (bytes).
+MOE_ROW_BUF = 3104
+MOE_ROW_MAX = MOE_ROW_BUF - 32
+
+
+def launch_big_shared(k: Any, grid: tuple, block: tuple, args: tuple, shm: int) -> None:
+    """Launch ``k`` with ``shm`` bytes of dynamic shared memory, opting in past the default 48 KiB when needed."""
+    if shm > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < shm:
+        k.max_dynamic_shared_size_bytes = shm
+    k(grid, block, args, shared_mem=shm)
 
 
 def tiled_shared_bytes(cols: int) -> int:
@@ -150,9 +167,10 @@ def _device_limits() -> tuple[int, int]:
     return int(dev["multiProcessorCount"]), int(dev.get("sharedMemPerMultiprocessor", 228 * 1024))
 
 
-def matvec_tiled_launch(W: Any, x: Any, y: Any, type_id: int, rows: int, cols: int) -> None:
+def matvec_tiled_launch(W: Any, x: Any, y: Any, type_id: int, rows: int, cols: int, silu_div: float = 0.0) -> None:
     """Launch ``matvec_tiled_kernel<type_id>``: ``y[r] = W[r, :] . x`` (CuPy arrays; W uint8, 16-byte aligned;
-    x, y float32 contiguous). Grid: at most the blocks that fit on the device at once (rows by grid stride)."""
+    x, y float32 contiguous); with ``silu_div`` != 0 the input is ``silu(x / silu_div)`` (applied while x is
+    staged). Grid: at most the blocks that fit on the device at once (rows by grid stride)."""
     n_sm, smem_sm = _device_limits()
     shm = tiled_shared_bytes(cols)
     per_sm = max(1, min(2048 // TILED_THREADS, smem_sm // (shm + 1024)))
@@ -160,4 +178,53 @@ def matvec_tiled_launch(W: Any, x: Any, y: Any, type_id: int, rows: int, cols: i
     k = kernel("matvec_tiled_kernel", type_id)
     if shm > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < shm:
         k.max_dynamic_shared_size_bytes = shm
-    k((blocks,), (TILED_THREADS,), (W, x, y, np.int32(rows), np.int32(cols)), shared_mem=shm)
+    k((blocks,), (TILED_THREADS,), (W, x, y, np.int32(rows), np.int32(cols), np.float32(silu_div)), shared_mem=shm)
+
+
+def kernel_signatures(name: str) -> dict[str, list[tuple[str, str]]]:
+    """The exported (``extern "C"``) kernels of the CUDA source file ``name``: {kernel: [(C type, parameter)]},
+    read from the source text (used to build host entry points and to check launches' argument counts)."""
+    import re
+
+    out: dict[str, list[tuple[str, str]]] = {}
+    for m in re.finditer(r'extern "C" __(?:global)__ void (\w+)\((.*?)\)\s*\{', cuda_source(name), flags=re.S):
+        params = []
+        for p in m.group(2).split(","):
+            p = " ".join(p.split())
+            pm = re.match(r"(.*?)(\w+)$", p)
+            if pm is None:
+                raise StrataError(f"{name}: cannot parse parameter {p!r} of kernel {m.group(1)}")
+            params.append((pm.group(1).strip(), pm.group(2)))
+        out[m.group(1)] = params
+    return out
+
+
+def fused_host_source() -> str:
+    """``fused_step.cu`` as host C++17 (``host_kernel_shim.cuh`` first) with one ``extern "C"`` entry per kernel,
+    ``host_<kernel>(grid_x, grid_y, <the kernel's parameters>)``, that runs the grid block by block with one thread
+    per block (tests/test_gpu_fused_host.py checks the kernels' logic on the CPU through it)."""
+    entries = []
+    for k, params in kernel_signatures("fused_step.cu").items():
+        decl = ", ".join(f"{t} {n}" for t, n in params)
+        call = ", ".join(n for _, n in params)
+        entries.append(f'extern "C" void host_{k}(unsigned gx, unsigned gy, {decl}) {{\n'
+                       f"    host_run_grid(gx, gy, [&]() {{ {k}({call}); }});\n}}\n")
+    return cuda_source("host_kernel_shim.cuh") + cuda_source("fused_step.cu") + "".join(entries)
+
+
+def experts_host_source(type_ids: tuple[int, ...]) -> str:
+    """The staged expert kernels (``moe_staged.cu``) with the decoders and ``quant_kernels.cu`` as host C++17, with
+    entries ``host_moe_gate_up_staged_<T>(gx, gy, ...)`` / ``host_moe_down_staged_<T>(gx, gy, ...)`` (the kernels'
+    parameters; one thread per block) for each ggml type id in ``type_ids`` (tests/test_gpu_fused_host.py)."""
+    gu = ("const u64* gate_ptr, const u64* up_ptr, const int* tok, const float* X, float* Hbuf, int H, int F",
+          "gate_ptr, up_ptr, tok, X, Hbuf, H, F")
+    dn = ("const u64* down_ptr, const float* w, const int* tstart, const float* Hbuf, float* Y, int H, int F, "
+          "int accumulate", "down_ptr, w, tstart, Hbuf, Y, H, F, accumulate")
+    entries = []
+    for tid in type_ids:
+        for name, (decl, call) in (("moe_gate_up_staged", gu), ("moe_down_staged", dn)):
+            entries.append(f'extern "C" void host_{name}_{int(tid)}(unsigned gx, unsigned gy, {decl}) {{\n'
+                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{int(tid)}>({call}); }});\n}}\n")
+    return (cuda_source("host_kernel_shim.cuh") + cuda_source("host_shim.cuh") + cuda_source("prelude.cuh")
+            + tables_source() + cuda_source("decoders.cuh") + cuda_source("quant_kernels.cu")
+            + cuda_source("moe_staged.cu") + "".join(entries))

@@ -124,11 +124,18 @@ template <int T> __device__ __forceinline__ void deq8s(const u8* b, int g, float
     }
 }
 
+// xdiv != 0: the input is x' = silu(x / xdiv) (the hyper-connection mix's first activation, applied while staging).
 template <int T> __global__ void __launch_bounds__(256) matvec_tiled_kernel(const u8* __restrict__ W, const float* __restrict__ x,
-                                                                           float* __restrict__ y, int rows, int cols) {
+                                                                           float* __restrict__ y, int rows, int cols,
+                                                                           float xdiv) {
     extern __shared__ __align__(16) u8 smem[];
     float* xs = reinterpret_cast<float*>(smem);
-    if ((reinterpret_cast<u64>(x) & 15) == 0) {
+    if (xdiv != 0.0f) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            float a = x[i] / xdiv;
+            xs[i] = a * (1.0f / (1.0f + expf(-a)));
+        }
+    } else if ((reinterpret_cast<u64>(x) & 15) == 0) {
         for (int i = threadIdx.x; i < cols / 4; i += blockDim.x)
             reinterpret_cast<float4*>(xs)[i] = reinterpret_cast<const float4*>(x)[i];
     } else {

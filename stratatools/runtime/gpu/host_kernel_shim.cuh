@@ -1,0 +1,43 @@
+// Makes fused_step.cu, quant_kernels.cu and moe_staged.cu compile as host C++17 (tests/test_gpu_fused_host.py; with
+// host_shim.cuh and the decoders for the latter two): a kernel runs as one thread per block,
+// the blocks one after another (host_run_grid), so barriers are no-ops and block reductions are the thread's own
+// value. Kernels written for any block size (fused_step.cu's rule) then compute what the device computes, up to
+// float summation order.
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <math.h>
+#define STRATA_HOST 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__
+#define __align__(n)
+#define __launch_bounds__(n)
+struct host_dim3 { unsigned x, y, z; };
+static host_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+static inline void __syncthreads() {}
+static inline void __syncwarp() {}
+// A warp of one lane: a butterfly reduction's partner contributes nothing (sums only; the fused kernels and the
+// staged expert kernels reduce by sums).
+template <class T> static inline T __shfl_xor_sync(unsigned, T, int) { return T(0); }
+template <class T> static inline T __ldg(const T* p) { return *p; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
+static inline void __threadfence() {}
+static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+using std::min;
+using std::max;
+static float host_dyn_smem[1 << 16];
+// Run kernel body `f` for every block of a gx x gy grid (one thread each).
+template <class F> static void host_run_grid(unsigned gx, unsigned gy, F f) {
+    gridDim = {gx, gy, 1};
+    blockDim = {1, 1, 1};
+    threadIdx = {0, 0, 0};
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) { blockIdx = {x, y, 0}; f(); }
+}

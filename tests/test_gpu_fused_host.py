@@ -1,0 +1,241 @@
+"""The fused decode-step kernels (stratatools/runtime/gpu/fused_step.cu) checked on the CPU: the CUDA source compiled as
+host C++ (host_kernel_shim.cuh runs each block as one thread), every kernel against the numpy formulas of
+stratatools.runtime.model that the reference decode step uses, on random inputs at small and at full-width head
+shapes. decode_step.cu (the router with the shared gate) must at least compile as host C++. Skips without a C++
+compiler."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from stratatools.runtime.gpu import kernels as K
+from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softplus
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the fused kernels")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fusedhost")
+    src = d / "fused_host.cpp"
+    src.write_text(K.fused_host_source())
+    so = d / "fused_host.so"
+    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
+                   capture_output=True)
+    h = ctypes.CDLL(str(so))
+    ctype = {"int": ctypes.c_int, "float": ctypes.c_float}
+    for name, params in K.kernel_signatures("fused_step.cu").items():
+        f = getattr(h, f"host_{name}")
+        f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t] for t, _ in params]
+        f.restype = None
+    return h
+
+
+def _p(a):
+    return None if a is None else a.ctypes.data
+
+
+def _rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def close(a, b, tol=2e-5):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) <= tol
+
+
+def test_kernel_signatures_parse():
+    sig = K.kernel_signatures("fused_step.cu")
+    assert set(sig) == {"gdn_conv", "gdn_recur", "ple_fused", "hc_inject_rms", "matvec_f32_rows"}
+    assert sig["hc_inject_rms"][0] == ("float* __restrict__", "H") and sig["hc_inject_rms"][-1][1] == "hn"
+    assert ("int", "K") in sig["gdn_conv"]
+
+
+@pytest.mark.parametrize("nk,dk,nv,dv,Kc,gate,ncb", [(2, 8, 4, 8, 4, "sigmoid", 3), (16, 128, 32, 128, 4, "silu", 4),
+                                                     (1, 16, 3, 24, 1, "sigmoid", 1)])
+def test_gdn_step_matches_numpy(lib, nk, dk, nv, dv, Kc, gate, ncb):
+    """gdn_conv + gdn_recur = the decoder's numpy _gdn after its projections (conv, SiLU, state shift, L2 norms,
+    tiled key groups, beta/decay, delta rule, output read, gated RMS norm); gdn_recur with each head's columns
+    split over ncb blocks (uneven split included), its per-head counters back at 0 afterwards."""
+    rng = np.random.default_rng(nk * 100 + dv)
+    C = 2 * nk * dk + nv * dv
+    qkv, z = _rand(rng, C), _rand(rng, nv * dv)
+    b, a = _rand(rng, nv), _rand(rng, nv, scale=8.0)  # scale 8: softplus's threshold branch is met
+    ssm_a = -np.exp(rng.uniform(0, np.log(16), nv)).astype(np.float32)
+    dt = _rand(rng, nv, scale=0.5)
+    wc = _rand(rng, C, Kc, scale=0.5)
+    state = _rand(rng, max(Kc - 1, 0), C)
+    S = _rand(rng, nv, dk, dv, scale=0.1)
+    nw = _rand(rng, dv) + 1
+    eps = 1e-6
+    # numpy reference (stratatools.runtime.gpu.decode.StaticDecoder._gdn on numpy)
+    xin = np.concatenate([state, qkv[None, :]], axis=0)
+    conv = np.zeros(C, dtype=np.float32)
+    for k in range(Kc):
+        conv = conv + xin[k] * wc[:, k]
+    conv = _silu(np, conv)
+    q = _l2norm(np, conv[:nk * dk].reshape(nk, dk)) * np.float32(dk ** -0.5)
+    kk = _l2norm(np, conv[nk * dk:2 * nk * dk].reshape(nk, dk))
+    v = conv[2 * nk * dk:].reshape(nv, dv)
+    q, kk = np.tile(q, (nv // nk, 1)), np.tile(kk, (nv // nk, 1))
+    beta = _sigmoid(np, b)
+    decay = np.exp(ssm_a * _softplus(np, a + dt)).astype(np.float32)
+    S1 = S * decay[:, None, None]
+    kv = np.sum(kk[:, :, None] * S1, axis=1)
+    delta = (v - kv) * beta[:, None]
+    S1 = S1 + kk[:, :, None] * delta[:, None, :]
+    o = _rmsnorm(np, np.sum(q[:, :, None] * S1, axis=1), nw, eps)
+    act = _sigmoid(np, z.reshape(nv, dv)) if gate == "sigmoid" else _silu(np, z.reshape(nv, dv))
+    ref = (o * act).reshape(-1)
+    # host kernels
+    st, SS = state.copy(), S.copy()
+    cbuf, bt, dc = (np.empty(n, np.float32) for n in (C, nv, nv))
+    lib.host_gdn_conv(3, 1, _p(qkv), _p(st), _p(wc), C, Kc, _p(b), _p(a), _p(ssm_a), _p(dt), nv, _p(cbuf), _p(bt), _p(dc))
+    assert close(cbuf, conv) and close(bt, beta) and close(dc, decay)
+    assert np.array_equal(st, xin[1:])  # the state holds the last K-1 inputs, oldest first
+    out = np.full(nv * dv, np.nan, np.float32)
+    obuf, sspart = np.empty(nv * dv, np.float32), np.empty(nv * ncb, np.float32)
+    counter = np.zeros(nv, np.int32)
+    lib.host_gdn_recur(nv, ncb, _p(cbuf), _p(bt), _p(dc), _p(SS), _p(z), _p(nw), dv, nk, dk, dv, eps,
+                       int(gate == "sigmoid"), _p(obuf), _p(sspart), _p(counter), _p(out))
+    assert close(SS, S1) and close(out, ref, 1e-4)
+    assert not counter.any()
+
+
+@pytest.mark.parametrize("hc,n,Kc,d,per_stream", [(2, 16, 3, 2, False), (4, 2560, 4, 3, True), (3, 8, 1, 2, True)])
+def test_ple_fused_matches_numpy(lib, hc, n, Kc, d, per_stream):
+    """ple_fused = the decoder's numpy _ple after its projections, added to H, conv state shifted."""
+    rng = np.random.default_rng(hc * n)
+    C = hc * n
+    H, kraw, value = _rand(rng, C), _rand(rng, C), _rand(rng, n)
+    wl = C if per_stream else n
+    wk, wq, wcn = (_rand(rng, wl) + 1 for _ in range(3))
+    span = (Kc - 1) * d
+    buf = _rand(rng, span, C)
+    wconv = _rand(rng, C, Kc, scale=0.5)
+    eps = 1e-6
+    key = _rmsnorm(np, kraw, wk if per_stream else np.tile(wk, hc), eps, group=n)
+    q = _rmsnorm(np, H, wq if per_stream else np.tile(wq, hc), eps, group=n)
+    gate = np.sum(key.reshape(hc, n) * q.reshape(hc, n), axis=-1, keepdims=True) / np.float32(np.sqrt(n))
+    gate = np.sqrt(np.maximum(np.abs(gate), np.float32(1e-6))) * np.sign(gate)
+    gv = (_sigmoid(np, gate) * value[None, :]).reshape(C)
+    gvn = _rmsnorm(np, gv, wcn if per_stream else np.tile(wcn, hc), eps, group=n)
+    xin = np.concatenate([buf, gvn[None, :]], axis=0)
+    out = np.zeros(C, dtype=np.float32)
+    for k in range(Kc):
+        out = out + xin[k * d] * wconv[:, k]
+    ref = H + gv + _silu(np, out)
+    HH, bb = H.copy(), buf.copy()
+    lib.host_ple_fused(hc, 1, _p(HH), _p(kraw), _p(value), _p(wk), wl, _p(wq), wl, _p(wcn), wl, _p(bb), _p(wconv),
+                       Kc, d, n, hc, eps)
+    assert close(HH, ref, 1e-5)
+    assert close(bb, xin[1:]) if span else bb.size == 0
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_hc_inject_rms_matches_numpy(lib, inject):
+    rng = np.random.default_rng(7)
+    hc, n = 4, 40
+    H, y, v, w = _rand(rng, hc * n), _rand(rng, n), _rand(rng, hc), _rand(rng, hc * n)
+    H1 = H + (y[None, :] * (2.0 * _sigmoid(np, v / np.float32(hc)))[:, None]).reshape(-1) if inject else H
+    ref = _rmsnorm(np, H1, w, 1e-6, group=n)
+    HH, hn = H.copy(), np.empty(hc * n, np.float32)
+    lib.host_hc_inject_rms(hc, 1, _p(HH), _p(y) if inject else None, _p(v), hc, n, _p(w), w.size, 1e-6, _p(hn))
+    assert close(HH, H1) and close(hn, ref)
+
+
+@pytest.mark.parametrize("rows,cols,shift", [(257, 2560, 0), (5, 30, 0), (7, 64, 1)])
+def test_matvec_f32_rows_matches_numpy(lib, rows, cols, shift):
+    """float4 path (aligned, cols % 4 == 0) and scalar path (cols % 4 != 0, or x one float off alignment)."""
+    rng = np.random.default_rng(rows)
+    W = _rand(rng, rows, cols)
+    xb = _rand(rng, cols + 1)
+    x = xb[shift:shift + cols]
+    y = np.full(rows, np.nan, np.float32)
+    lib.host_matvec_f32_rows(min(rows, 64), 1, _p(W), _p(x), _p(y), rows, cols)
+    assert close(y, W.astype(np.float64) @ x.astype(np.float64), 1e-5)
+
+
+def test_decode_step_compiles_as_host_cpp(tmp_path):
+    """decode_step.cu (router with the shared expert's gate, attention, norms) parses as host C++17 with the shims."""
+    src = K.cuda_source("decode_step.cu")
+    shim = K.cuda_source("host_kernel_shim.cuh") + "\n"
+    shim += "static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }\n"
+    (tmp_path / "d.cpp").write_text(shim + src)
+    r = subprocess.run([CXX, "-std=c++17", "-fsyntax-only", str(tmp_path / "d.cpp")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'extern "C" __global__ void route_fused_sg(' in K.cuda_source("decode_step.cu")
+
+
+@pytest.fixture(scope="module")
+def experts_lib(tmp_path_factory):
+    from stratatools.model.ggml_types import type_by_name
+
+    d = tmp_path_factory.mktemp("expertshost")
+    tids = tuple(sorted({type_by_name(t).id for t in ("Q2_0", "Q8_0", "IQ2_XS", "IQ4_NL")}))
+    (d / "experts_host.cpp").write_text(K.experts_host_source(tids))
+    so = d / "experts_host.so"
+    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(d / "experts_host.cpp")],
+                   check=True, capture_output=True)
+    h = ctypes.CDLL(str(so))
+    P, I, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+    for tid in tids:
+        getattr(h, f"host_moe_gate_up_staged_{tid}").argtypes = [U, U, P, P, P, P, P, I, I]
+        getattr(h, f"host_moe_down_staged_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I]
+    return h
+
+
+@pytest.mark.parametrize("gu,dn,hidden,ff", [("Q2_0", "Q2_0", 512, 128), ("Q8_0", "Q8_0", 256, 96),
+                                             ("IQ2_XS", "IQ4_NL", 512, 64)])
+def test_staged_expert_kernels_match_reference(experts_lib, gu, dn, hidden, ff):
+    """moe_gate_up_staged + moe_down_staged (16-byte staged rows) = expert_ffn_reference, for 2 tokens x 3 experts
+    whose blobs sit at unaligned offsets of one buffer that ends exactly at the last blob (the end guard reads no
+    byte past it); then the accumulate mode adds onto Y."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu.experts import expert_ffn_reference
+
+    from test_dequant import random_blocks
+
+    tg, td = type_by_name(gu), type_by_name(dn)
+    gb = ff * tg.row_bytes(hidden)
+    blob_bytes = 2 * gb + hidden * td.row_bytes(ff)
+    rng = np.random.default_rng(hidden + ff)
+    blobs = []
+    for e in range(4):
+        g = random_blocks(gu, 2 * gb // tg.type_size, seed=10 * e + 1)
+        dd = random_blocks(dn, (blob_bytes - 2 * gb) // td.type_size, seed=10 * e + 2)
+        blobs.append(np.concatenate([g, dd.reshape(-1)]).reshape(-1) if g.ndim == 1 else
+                     np.concatenate([g.reshape(-1), dd.reshape(-1)]))
+    offs = [6, 6 + blob_bytes + 10, 6 + 2 * blob_bytes + 19, 6 + 3 * blob_bytes + 19]
+    arena = np.zeros(offs[-1] + blob_bytes, dtype=np.uint8)
+    for o, b in zip(offs, blobs):
+        arena[o:o + blob_bytes] = b
+    base = arena.ctypes.data
+    T, k = 2, 3
+    routes = [[0, 3, 1], [3, 2, 0]]  # expert 3 ends at the buffer's end
+    w = (rng.uniform(0.1, 1.0, (T, k))).astype(np.float32)
+    X = (rng.standard_normal((T, hidden)) * 0.5).astype(np.float32)
+    ptr = np.array([base + offs[e] for r in routes for e in r], dtype=np.uint64)
+    gate, up, down = ptr, ptr + np.uint64(gb), ptr + np.uint64(2 * gb)
+    tok = np.repeat(np.arange(T, dtype=np.int32), k)
+    tstart = np.arange(0, T * k + 1, k, dtype=np.int32)
+    wf = w.reshape(-1).copy()
+    hbuf = np.zeros(T * k * ff, dtype=np.float32)
+    Y = np.full((T, hidden), np.nan, dtype=np.float32)
+    getattr(experts_lib, f"host_moe_gate_up_staged_{tg.id}")(1, T * k, _p(gate), _p(up), _p(tok), _p(X), _p(hbuf),
+                                                             hidden, ff)
+    getattr(experts_lib, f"host_moe_down_staged_{td.id}")(2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
+                                                          hidden, ff, 0)
+    for t in range(T):
+        ref = expert_ffn_reference(X[t], [blobs[e] for e in routes[t]], w[t], tg, td, hidden, ff)
+        assert close(Y[t], ref, 1e-4), t
+    Y0 = Y.copy()
+    getattr(experts_lib, f"host_moe_down_staged_{td.id}")(2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
+                                                          hidden, ff, 1)
+    assert close(Y, 2 * Y0, 1e-6)
