@@ -19,7 +19,9 @@ from its graph on the same tokens (prompt, then the reference's greedy tokens): 
 top-k agreement of both fast steps against the reference (issue 12 item 4: <= 1e-3, >= 99.5%), and each one's
 decode-loop time per step (graph replay + copy-back of next token and routing; the engine's bookkeeping left out).
 ``--configs`` picks the ``run --device gpu`` rows (``resident``, ``unfused``: all resident on the earlier fast step,
-the baseline measured in the same run; ``static``, ``adaptive``, ``lru``, ``vram12``, ``long``).
+the baseline measured in the same run; ``static`` (two rows: arrival order, and a profile made from routing the
+runtime recorded on the next ``--prompt`` tokens of the suite), ``adaptive``, ``lru``, ``vram12``, ``longres`` and
+``long`` (all resident and ``--vram-gib 12`` LRU at each ``--long`` context)).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
        [--long 2048,8192] [--anchor ../shared/anchors] [--configs resident,unfused,lru] [--compare-steps 32]
@@ -246,8 +248,9 @@ def main() -> None:
                     "all resident and --vram-gib 12 LRU with a prompt of that many tokens minus --new (the static "
                     "decoder selects QSA cells on the device past the full-selection range)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default="resident,unfused,static,adaptive,lru,vram12,long",
-                    help="comma list of rows: resident, unfused, static, adaptive, lru, vram12, long")
+    ap.add_argument("--configs", default="resident,unfused,static,adaptive,lru,vram12,longres,long",
+                    help="comma list of rows: resident, unfused, static, adaptive, lru, vram12, longres (all resident "
+                    "at each --long context), long (--vram-gib 12 LRU at each --long context)")
     ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
     ap.add_argument("--profile-lru", action="store_true", help="also profile the LRU configuration's step")
@@ -292,7 +295,8 @@ def main() -> None:
     touched = touched_bytes(gguf, k)
     res["touched_bytes_per_token"] = touched
     long_ctx = [int(x) for x in str(a.long).split(",") if x.strip()]
-    suite_ids = suite_prompt_ids(gguf, max([a.prompt] + [c - a.new for c in long_ctx]))
+    suite_ids = suite_prompt_ids(gguf, max([2 * a.prompt] + [c - a.new for c in long_ctx]))
+    record_ids = suite_ids[a.prompt:2 * a.prompt]
     prompts = wd / "prompt.json"
     prompts.write_text(json.dumps([{"prompt_id": "suite", "token_ids": suite_ids[:a.prompt]}]))
     res["prompt_source"] = "data/prompts/suite.json (model tokenizer)"
@@ -308,7 +312,9 @@ def main() -> None:
             traceback.print_exc()
             print(f"decoder comparison failed: {e}", flush=True)
     configs = [("resident", "all resident", {}), ("unfused", "all resident, unfused step (before)", {"_fused": False}),
-               ("static", f"{a.slots} slots static", {"slots": a.slots, "policy": "static"}),
+               ("static", f"{a.slots} slots static (arrival order, no profile)", {"slots": a.slots, "policy": "static"}),
+               ("static", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
+                                                                                      "_profile": True}),
                ("adaptive", f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
                ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
                ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
@@ -317,7 +323,7 @@ def main() -> None:
         lp = wd / f"prompt_long_{ctx}.json"
         plens[str(lp)] = ctx - a.new
         lp.write_text(json.dumps([{"prompt_id": f"suite-{ctx}", "token_ids": suite_ids[:ctx - a.new]}]))
-        configs.append(("long", f"all resident, {ctx}-token context", {"_prompts": lp}))
+        configs.append(("longres", f"all resident, {ctx}-token context", {"_prompts": lp}))
         configs.append(("long", f"--vram-gib 12, LRU, {ctx}-token context",
                         {"_prompts": lp, "vram_gib": 12.0, "policy": "lru"}))
     configs = [(name, kw) for key, name, kw in configs if key in want]
@@ -329,6 +335,20 @@ def main() -> None:
         t0 = time.perf_counter()
         kw = dict(kw)
         pp = kw.pop("_prompts", prompts)
+        if kw.pop("_profile", False):
+            # the profile comes from the routing the runtime recorded on other suite text (held out from the prompt)
+            rec_trace, prof = wd / "recorded.parquet", wd / "recorded.strp"
+            try:
+                rp = wd / "prompt_record.json"
+                rp.write_text(json.dumps([{"prompt_id": "record", "token_ids": record_ids}]))
+                run_prompts(gguf, rp, max_new_tokens=a.new, device="gpu", trace_out=rec_trace, force=True)
+                subprocess.run([sys.executable, "-m", "stratatools", "--quiet", "make-profile", str(rec_trace), "--model", gguf,
+                                "--mode", "no-base", "-o", str(prof), "--force"], check=True)
+                kw["profile"] = prof
+            except Exception as e:  # noqa: BLE001 - the table shows the failure
+                print(f"{name}: recording failed: {e}", flush=True)
+                rows.append({"name": name, "error": f"recording: {e}"})
+                continue
         fused = kw.pop("_fused", True)
         plen = plens[str(pp)]
         orig = engine_mod.DecoderRuntime
