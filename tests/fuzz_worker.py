@@ -3,9 +3,9 @@
 ``python tests/fuzz_worker.py SEEDS.json MAX_EXAMPLES [RLIMIT_MB]`` where SEEDS.json maps a reader name to a seed
 file. For every reader it runs a hypothesis campaign of mutated seeds (truncations, big numbers planted over
 header fields, byte flips, splices, line edits for text formats) and prints one JSON line per reader:
-``{"reader", "tried", "ok", "strata_error", "tracebacks": [...], "hangs": n, "multi_line": [...]}``. Each input
-is read with a 20 s alarm (a hang) under ``RLIMIT_AS`` (an unbounded allocation becomes a MemoryError, which is
-counted as a traceback). Used by tests/test_safety_readers.py; run by hand with a larger MAX_EXAMPLES for a
+``{"reader", "tried", "ok", "strata_error", "tracebacks": [...], "hangs": n, "data_loss": n, "multi_line": [...]}``.
+Each input is read with a 20 s alarm (a hang) under ``RLIMIT_AS`` (an unbounded allocation becomes a MemoryError,
+which is counted as a traceback); data loss counts inputs whose bytes were changed or removed by reading them. Used by tests/test_safety_readers.py; run by hand with a larger MAX_EXAMPLES for a
 campaign.
 """
 
@@ -57,6 +57,11 @@ def readers():
             trace_stats(tt)
         return f
 
+    def stream(p):  # the chunk sources the streaming commands use (tagged walker, Parquet batches), small chunks
+        from stratatools.traces.sources import open_traces, trace_stats_sources
+
+        trace_stats_sources(open_traces([p]), rows=7)
+
     def pack(p):
         d = Path(p).parent / "pk"
         d.mkdir(exist_ok=True)
@@ -68,7 +73,8 @@ def readers():
 
     return {"gguf": gguf, "strp": read_profile, "alloc": read_allocation, "registry": load_registry,
             "native": pack, "strata": trace("strata"), "strata-tagged": trace("strata"), "csv": trace("csv"),
-            "llama-csv": trace("llama-csv"), "parquet": trace("parquet"), "sniff": trace(None)}
+            "llama-csv": trace("llama-csv"), "parquet": trace("parquet"), "sniff": trace(None),
+            "strata-stream": stream, "parquet-stream": stream}
 
 
 BIG = [0, 1, 0x7F, 0xFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 0x100000000, 0x7FFFFFFFFFFFFFFF, 0xFFFFFFFFFFFFFFFF,
@@ -113,7 +119,7 @@ def campaign(name: str, seed_path: str, max_examples: int, workdir: Path) -> dic
     seed = Path(seed_path).read_bytes()
     text = name in ("alloc", "registry", "native", "csv", "llama-csv")
     stats = {"reader": name, "tried": 0, "ok": 0, "strata_error": 0, "tracebacks": [], "hangs": 0,
-             "multi_line": []}
+             "data_loss": 0, "multi_line": []}
     target = workdir / Path(seed_path).name
     op = st.tuples(st.integers(0, 5), st.integers(0, 1 << 32), st.integers(0, 255), st.integers(0, 1 << 16))
 
@@ -143,6 +149,11 @@ def campaign(name: str, seed_path: str, max_examples: int, workdir: Path) -> dic
                 (workdir / f"crash-{name}-{len(stats['tracebacks'])}.bin").write_bytes(data)
         finally:
             signal.alarm(0)
+            try:
+                if target.read_bytes() != data:  # a reader must never change or remove its input
+                    stats["data_loss"] += 1
+            except OSError:
+                stats["data_loss"] += 1
 
     run()
     return stats
@@ -218,5 +229,7 @@ def make_seeds(d: Path) -> dict[str, str]:
                                      for e in (p + l,)))
     out["llama-csv"] = str(d / "l.csv")
     out["sniff"] = str(d / "tt.bin")
+    out["strata-stream"] = str(d / "tt.bin")
+    out["parquet-stream"] = str(d / "t.parquet")
     (d / "seeds.json").write_text(json.dumps(out))
     return out

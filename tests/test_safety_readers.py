@@ -19,7 +19,7 @@ from stratatools.core.errors import StrataError
 
 HERE = Path(__file__).parent
 READERS = ["gguf", "strp", "alloc", "registry", "native", "strata", "strata-tagged", "csv", "llama-csv", "parquet",
-           "sniff"]
+           "sniff", "strata-stream", "parquet-stream"]
 EXAMPLES = 25  # per reader in CI (all readers together ~25 s); `python tests/fuzz_worker.py` runs more
 
 
@@ -52,7 +52,7 @@ def test_hypothesis_campaign_per_reader(seeds):
     for x in res:
         assert x["tried"] == EXAMPLES and x["ok"] + x["strata_error"] + x["hangs"] + len(x["tracebacks"]) == EXAMPLES
         assert x["tracebacks"] == [], (x["reader"], x["tracebacks"][:3])
-        assert x["hangs"] == 0 and x["multi_line"] == [], x
+        assert x["hangs"] == 0 and x["data_loss"] == 0 and x["multi_line"] == [], x
     assert sum(x["strata_error"] for x in res) > EXAMPLES * len(READERS) // 2  # the mutations really break files
 
 

@@ -1,9 +1,14 @@
 """Checks of what a routing trace means, shared by every reader (issue 14): a table whose bytes parse but whose
-values cannot be routing (a NaN weight, phase 7, a negative rank) is refused. Not checked (decision): an expert
-id repeated inside one record; many synthetic traces in use repeat ids, and the simulator counts them as given.
+values cannot be routing (a NaN weight, phase 7, a negative rank, an expert id twice in one record) is refused.
 
 Source of the rules: formats.md section 3 (phases 0 prefill, 1 decode, 2 unknown; ranks 0..k-1 of one record's
-top-k; router weights finite).
+top-k; router weights finite). A record is one token's top-k at one layer: the router picks k *different*
+experts, so an id repeated inside one record cannot come from a router (a corrupt file, or a generator that drew
+ids with replacement; the simulator would count such an entry as a hit on an expert loaded a moment before).
+
+The repeated-id search (:func:`first_repeat`, :func:`first_repeat_rows`) is a compiled loop (numba, through
+:mod:`stratatools.core.jit`): about k*(k-1)/2 integer compares per record, no allocation; without numba a
+vectorised sort gives the same answer. The streaming readers check chunk by chunk (:class:`ChunkChecker`).
 """
 
 from __future__ import annotations
@@ -13,22 +18,216 @@ import os
 import numpy as np
 
 from stratatools.core.errors import StrataError
+from stratatools.core.jit import HAVE_NUMBA, njit
 from stratatools.traces.table import TraceTable
 
+REPEAT_FIX = ("a record's top-k expert ids are distinct: the file is corrupt, or its generator drew ids with "
+              "replacement; draw them without replacement")
+MAX_RECORD = 1024  # entries of one record at most (the formats' largest k, MAX_ROUTE_K in formats.strata_spec)
+_PAIRWISE_K = 32  # records up to this long are compared pairwise; longer ones are sorted
 
-def check_semantics(table: TraceTable, path: str | os.PathLike) -> None:
-    """Refuse a trace with a non-finite weight, an unknown phase or a rank outside 0..1023. Works on the compact
-    per-record form when the reader gave one (no per-entry columns are built). Raises StrataError naming the file
-    and the first bad row (entry index)."""
+
+def check_semantics(table: TraceTable, path: str | os.PathLike, *, distinct: bool = True) -> None:
+    """Refuse a trace with a non-finite weight, an unknown phase, a rank outside 0..1023 or an expert id twice in
+    one record (records as :func:`stratatools.traces.table.record_bounds` delimits them). Works on the compact
+    per-record form when the reader gave one (no per-entry columns are built; the Strata readers check ids and
+    weights themselves). ``distinct=False`` skips the repeated-id check (the text readers make it themselves, to
+    name a line). Raises StrataError naming the file, the first bad row (entry index) and the fix."""
     n = len(table)
     if n == 0:
         return
     r = table.records
-    if r is not None:  # the Strata reader: weights are checked finite there, ranks are 0..k-1 by construction
+    if r is not None:  # the Strata reader: weights, ranks (0..k-1 by construction) and distinct ids checked there
         _check_phase(np.asarray(r.phase), path, "record")
         return
     _check_phase(np.asarray(table.phase), path, "row")
     _check_entries(np.asarray(table.weight), np.asarray(table.rank), path)
+    if distinct:
+        from stratatools.traces.table import record_bounds
+
+        starts = record_bounds(table)
+        check_record_lengths(starts, n, path)
+        i = first_repeat(np.asarray(table.expert), starts)
+        if i >= 0:
+            raise repeat_error(path, "row", i, table)
+
+
+def repeat_error(path, what: str, i: int, table=None, cols: dict | None = None, base: int = 0,
+                 where: int | None = None) -> StrataError:
+    """The one-line error for entry ``i`` whose expert id repeats an earlier id of its record: ``{path}: {what}
+    {N}: expert id .. appears twice in one record (request, position, layer, rank) (fix)``, N being ``where``
+    when given (a line number), else ``base + i``. Columns come from ``table`` or the chunk dict ``cols``."""
+    get = (lambda c: np.asarray(getattr(table, c))) if table is not None else (lambda c: np.asarray(cols[c]))
+    lay, e = int(get("layer")[i]), int(get("expert")[i])
+    req, pos, rank = int(get("request")[i]), int(get("position")[i]), int(get("rank")[i])
+    at = base + i if where is None else where
+    return StrataError(f"{path}: {what} {at}: expert id {e} appears twice in one record (request {req}, position "
+                       f"{pos}, layer {lay}, rank {rank}) ({REPEAT_FIX})", path)
+
+
+def check_record_lengths(starts: np.ndarray, n: int, path, what: str = "row", base: int = 0) -> None:
+    """Refuse a record of more than MAX_RECORD (1024) entries: ranks that never restart at 0 inside one
+    (request, position, layer) would make one unbounded record."""
+    if len(starts) == 0:
+        return
+    lens = np.diff(np.r_[starts, n])
+    if int(lens.max()) > MAX_RECORD:
+        r = int(np.argmax(lens > MAX_RECORD))
+        raise StrataError(f"{path}: {what} {base + int(starts[r])}: a record of {int(lens[r])} entries (more than "
+                          f"{MAX_RECORD}; each token's top-k at one layer is one record, ranks 0..k-1)", path)
+
+
+def first_repeat(expert: np.ndarray, starts: np.ndarray) -> int:
+    """Index of the first entry whose expert id equals an earlier id of its record, or -1.
+
+    Args:
+        expert: int [N], entries in record order.
+        starts: int64 [R], first entry of every record, ascending, ``starts[0] == 0`` (record r ends where r+1
+            starts; the last one at N).
+    "First" is the smallest index i such that ``expert[i] == expert[j]`` for some earlier j of the same record.
+    """
+    n = len(expert)
+    if n < 2 or len(starts) == n:
+        return -1
+    starts = np.ascontiguousarray(starts, np.int64)
+    if HAVE_NUMBA:
+        return int(_first_repeat_nb(expert, starts, n))
+    return _first_repeat_np(expert, starts)
+
+
+def first_repeat_rows(ids: np.ndarray) -> tuple[int, int] | None:
+    """For records of one k as rows of ``ids`` (int [R, k], any strides, e.g. a view into a mapped file): the
+    (row, rank) of the first id equal to an earlier id of its row, or None (same order as :func:`first_repeat`).
+    """
+    R, k = ids.shape
+    if R == 0 or k < 2:
+        return None
+    if HAVE_NUMBA:
+        i = int(_first_repeat_rows_nb(ids))
+    else:
+        i = _first_repeat_np(np.ascontiguousarray(ids).reshape(-1), np.arange(R, dtype=np.int64) * k)
+    return None if i < 0 else (i // k, i % k)
+
+
+@njit(cache=True, nogil=True)
+def _first_in_span(a, lo, hi):  # pragma: no cover - compiled
+    """First index in [lo, hi) repeating an earlier id of the span, or -1 (pairwise when short, else sorted)."""
+    if hi - lo <= _PAIRWISE_K:
+        for c in range(lo + 1, hi):
+            v = a[c]
+            for j in range(lo, c):
+                if a[j] == v:
+                    return c
+        return -1
+    o = np.argsort(a[lo:hi], kind="mergesort")  # stable: of equal ids, the later one comes second
+    best = -1
+    for t in range(1, hi - lo):
+        if a[lo + o[t]] == a[lo + o[t - 1]]:
+            c = lo + o[t]
+            if best < 0 or c < best:
+                best = c
+    return best
+
+
+@njit(cache=True, nogil=True)
+def _first_repeat_nb(expert, starts, n):  # pragma: no cover - compiled
+    R = starts.shape[0]
+    for r in range(R):
+        lo = starts[r]
+        hi = starts[r + 1] if r + 1 < R else n
+        if hi - lo > 1:
+            c = _first_in_span(expert, lo, hi)
+            if c >= 0:
+                return c
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _first_repeat_rows_nb(ids):  # pragma: no cover - compiled
+    R, k = ids.shape
+    if k > _PAIRWISE_K:
+        row = np.empty(k, np.int64)
+        for r in range(R):
+            for c in range(k):
+                row[c] = ids[r, c]
+            c = _first_in_span(row, 0, k)
+            if c >= 0:
+                return r * k + c
+        return -1
+    for r in range(R):
+        for c in range(1, k):
+            v = ids[r, c]
+            for j in range(c):
+                if ids[r, j] == v:
+                    return r * k + c
+    return -1
+
+
+def _first_repeat_np(expert: np.ndarray, starts: np.ndarray) -> int:
+    """:func:`first_repeat` without numba: a stable sort by (record, id); of two equal neighbours the later
+    entry repeats; the smallest such entry is the answer. O(N log N) time, O(N) memory."""
+    n = len(expert)
+    rec = np.zeros(n, np.int64)
+    rec[starts[1:]] = 1
+    np.cumsum(rec, out=rec)
+    o = np.lexsort((expert, rec))
+    eq = (rec[o[1:]] == rec[o[:-1]]) & (np.asarray(expert)[o[1:]] == np.asarray(expert)[o[:-1]])
+    if not eq.any():
+        return -1
+    return int(o[1:][eq].min())
+
+
+class ChunkChecker:
+    """The semantic checks of :func:`check_semantics` over a stream of chunks (dicts of per-entry columns as the
+    chunk sources yield them): phases, finite weights, ranks, and distinct ids per record, where a record may
+    span two chunks (its first part is carried). Memory: one record. Raises StrataError naming the file and the
+    row counted from the start of the stream."""
+
+    KEY = ("request", "position", "layer", "phase")
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.row = 0
+        self.tail: dict | None = None  # the open record's entries from the previous chunk
+
+    def __call__(self, c: dict) -> None:
+        m = len(c["layer"])
+        if m == 0:
+            return
+        path, row = self.path, self.row
+        ph = np.asarray(c["phase"])
+        bad = (ph < 0) | (ph > 2)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise StrataError(f"{path}: row {row + i}: phase {int(ph[i])} is not 0 (prefill), 1 (decode) or 2 "
+                              f"(unknown)", path)
+        try:
+            _check_entries(np.asarray(c["weight"]), np.asarray(c["rank"]), path)
+        except StrataError as e:  # renumber the row from the stream's start
+            i = int(str(e).split(": row ", 1)[1].split(":", 1)[0])
+            raise StrataError(str(e).replace(f": row {i}:", f": row {row + i}:", 1), path) from None
+        cols = ("expert", "rank") + self.KEY
+        t = self.tail
+        if t is not None:
+            c2 = {k: np.concatenate([t[k], np.asarray(c[k])]) for k in cols}
+            off = len(t["layer"])
+        else:
+            c2 = {k: np.asarray(c[k]) for k in cols}
+            off = 0
+        n = len(c2["layer"])
+        new = np.array(c2["rank"] == 0, dtype=bool, copy=True)
+        new[0] = True
+        for k in self.KEY:
+            a = c2[k]
+            new[1:] |= a[1:] != a[:-1]
+        starts = np.flatnonzero(new)
+        check_record_lengths(starts, n, path, base=row - off)
+        i = first_repeat(c2["expert"], starts)
+        if i >= 0:
+            raise repeat_error(path, "row", i, cols=c2, base=row - off)
+        last = int(starts[-1])
+        self.tail = {k: c2[k][last:].copy() for k in cols}  # at most MAX_RECORD entries (checked above)
+        self.row += m
 
 
 def _check_phase(ph: np.ndarray, path, what: str) -> None:
