@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -297,3 +298,14 @@ def test_repeat_search_compiled_and_numpy_agree():
             rows = expert.reshape(-1, k)
             got = S.first_repeat_rows(rows)
             assert (got is None and want < 0) or (got is not None and got[0] * k + got[1] == want)
+
+
+def test_writers_refuse_a_table_their_readers_would_refuse(tmp_path):
+    from stratatools.traces.formats import write_trace
+    from stratatools.traces.table import TraceTable
+
+    t = TraceTable(np.zeros(4), np.zeros(4), np.ones(4), np.zeros(4), np.arange(4), [3, 1, 3, 2], np.ones(4))
+    for fmt in ("strata", "strata-tagged", "parquet", "csv"):
+        with pytest.raises(StrataError, match=r"t.out \(not written\): row 2: expert id 3 appears twice in one record"):
+            write_trace(t, tmp_path / "t.out", fmt)
+        assert os.listdir(tmp_path) == []
