@@ -201,32 +201,33 @@ class ChunkChecker:
             i = int(np.argmax(bad))
             raise StrataError(f"{path}: row {row + i}: phase {int(ph[i])} is not 0 (prefill), 1 (decode) or 2 "
                               f"(unknown)", path)
-        try:
-            _check_entries(np.asarray(c["weight"]), np.asarray(c["rank"]), path)
-        except StrataError as e:  # renumber the row from the stream's start
-            i = int(str(e).split(": row ", 1)[1].split(":", 1)[0])
-            raise StrataError(str(e).replace(f": row {i}:", f": row {row + i}:", 1), path) from None
-        cols = ("expert", "rank") + self.KEY
+        _check_entries(np.asarray(c["weight"]), np.asarray(c["rank"]), path, base=row)
+        ex, rank = np.asarray(c["expert"]), np.asarray(c["rank"])
+        keys = [np.asarray(c[k]) for k in self.KEY]
+        new = np.array(rank == 0, dtype=bool, copy=True)
+        for a in keys:
+            if a.strides != (0,):
+                new[1:] |= a[1:] != a[:-1]
         t = self.tail
-        if t is not None:
-            c2 = {k: np.concatenate([t[k], np.asarray(c[k])]) for k in cols}
-            off = len(t["layer"])
-        else:
-            c2 = {k: np.asarray(c[k]) for k in cols}
-            off = 0
-        n = len(c2["layer"])
-        new = np.array(c2["rank"] == 0, dtype=bool, copy=True)
-        new[0] = True
-        for k in self.KEY:
-            a = c2[k]
-            new[1:] |= a[1:] != a[:-1]
+        new[0] = t is None or bool(new[0]) or any(int(a[0]) != int(t[k][-1]) for k, a in zip(self.KEY, keys))
         starts = np.flatnonzero(new)
-        check_record_lengths(starts, n, path, base=row - off)
-        i = first_repeat(c2["expert"], starts)
-        if i >= 0:
-            raise repeat_error(path, "row", i, cols=c2, base=row - off)
-        last = int(starts[-1])
-        self.tail = {k: c2[k][last:].copy() for k in cols}  # at most MAX_RECORD entries (checked above)
+        first = int(starts[0]) if len(starts) else m  # entries [0, first) continue the previous chunk's record
+        if first:  # the record spanning the boundary: the carried part + this chunk's part (<= MAX_RECORD + m)
+            span = {k: np.concatenate([t[k], np.asarray(c[k])[:first]]) for k in t}
+            off = len(t["expert"])
+            check_record_lengths(np.zeros(1, np.int64), len(span["expert"]), path, base=row - off)
+            i = first_repeat(span["expert"], np.zeros(1, np.int64))
+            if i >= 0:
+                raise repeat_error(path, "row", i, cols=span, base=row - off)
+        if len(starts):
+            check_record_lengths(starts - first, m - first, path, base=row + first)
+            i = first_repeat(ex[first:], starts - first)
+            if i >= 0:
+                raise repeat_error(path, "row", first + i, cols=c, base=row)
+            last = int(starts[-1])
+            self.tail = {k: np.array(np.asarray(c[k])[last:]) for k in ("expert", "rank") + self.KEY}
+        else:  # the whole chunk continues the carried record (at most MAX_RECORD entries, checked above)
+            self.tail = span
         self.row += m
 
 
@@ -240,13 +241,13 @@ def _check_phase(ph: np.ndarray, path, what: str) -> None:
                           path)
 
 
-def _check_entries(weight: np.ndarray, rank: np.ndarray | None, path) -> None:
+def _check_entries(weight: np.ndarray, rank: np.ndarray | None, path, base: int = 0) -> None:
     fin = np.isfinite(weight)
     if not fin.all():
         i = int(np.argmin(fin))
-        raise StrataError(f"{path}: row {i}: non-finite router weight {float(weight[i])}", path)
+        raise StrataError(f"{path}: row {base + i}: non-finite router weight {float(weight[i])}", path)
     if rank is not None:
         bad = (rank < 0) | (rank > 1023)
         if bad.any():
             i = int(np.argmax(bad))
-            raise StrataError(f"{path}: row {i}: rank {int(rank[i])} is outside 0..1023", path)
+            raise StrataError(f"{path}: row {base + i}: rank {int(rank[i])} is outside 0..1023", path)
