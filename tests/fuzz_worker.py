@@ -5,8 +5,9 @@ file. For every reader it runs a hypothesis campaign of mutated seeds (truncatio
 header fields, byte flips, splices, line edits for text formats) and prints one JSON line per reader:
 ``{"reader", "tried", "ok", "strata_error", "tracebacks": [...], "hangs": n, "data_loss": n, "multi_line": [...]}``.
 Each input is read with a 20 s alarm (a hang) under ``RLIMIT_AS`` (an unbounded allocation becomes a MemoryError,
-which is counted as a traceback); data loss counts inputs whose bytes were changed or removed by reading them. Used by tests/test_safety_readers.py; run by hand with a larger MAX_EXAMPLES for a
-campaign.
+which is counted as a traceback); data loss counts inputs whose bytes were changed or removed by reading them.
+``python tests/fuzz_worker.py --make-seeds DIR`` writes the seed files and DIR/seeds.json first. Used by
+tests/test_safety_readers.py; run by hand with a larger MAX_EXAMPLES for a campaign.
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ def campaign(name: str, seed_path: str, max_examples: int, workdir: Path) -> dic
 
 
 def main() -> None:
+    if sys.argv[1] == "--make-seeds":  # python tests/fuzz_worker.py --make-seeds DIR: DIR/seeds.json for a campaign
+        d = Path(sys.argv[2])
+        d.mkdir(parents=True, exist_ok=True)
+        make_seeds(d)
+        return
     seeds = json.loads(Path(sys.argv[1]).read_text())
     max_examples = int(sys.argv[2])
     limit_mb = int(sys.argv[3]) if len(sys.argv) > 3 else 0
