@@ -548,7 +548,7 @@ def test_pack_into_the_models_own_folder_keeps_the_model(tmp_path, tiny):
 
 
 # ------------------------------------------------------------------------------- SIGTERM and lock files
-@pytest.mark.parametrize("where", ["publish_dir", "atomic_file", "files_atomic"])
+@pytest.mark.parametrize("where", ["publish_dir", "atomic_file", "files_atomic", "lock_file"])
 def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypatch, where):
     """The CLI's SIGTERM handler raises SystemExit; a signal that lands the moment a temp file or folder exists
     (before its clean-up guard knew its name) used to leave that temp behind. Now creation and recording are
@@ -558,8 +558,10 @@ def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypa
     real_mkdir, real_open = os.mkdir, os.open
     sent = []
 
+    tag = "stratatools-lock" if where == "lock_file" else "stratatools-tmp"
+
     def signal_once(p) -> None:  # the first temp created gets the signal (the clean-up opens it again)
-        if "stratatools-tmp" in str(p) and not sent:
+        if tag in str(p) and not sent:
             sent.append(p)
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -578,7 +580,7 @@ def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypa
         monkeypatch.setattr(os, "mkdir", mkdir)
         monkeypatch.setattr(os, "open", open_)
         with pytest.raises(SystemExit) as ei:
-            if where == "publish_dir":
+            if where in ("publish_dir", "lock_file"):  # lock_file: the signal as the lock file is created
                 with publish_dir(out) as d:
                     (d / "a.txt").write_text("x")
             elif where == "atomic_file":

@@ -484,13 +484,14 @@ def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
         lp.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
-    fd = -1
-    for _ in range(100):
-        try:
-            fd = os.open(lp, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
-        except OSError as e:
-            raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
-        try:
+    fd, locked = -1, False
+    try:
+        for _ in range(100):
+            with signals_deferred():  # the fd is known to the clean-up below as soon as the file exists
+                try:
+                    fd = os.open(lp, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
+                except OSError as e:
+                    raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StrataError(f"{lp}: lock file is not a regular file; remove it", lp)
@@ -499,26 +500,34 @@ def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
             except BlockingIOError:
                 raise StrataError(f"{t}: another stratatools run is writing this output now ({lp.name} is "
                                   f"locked); wait for it to finish or choose another output path", t) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        if _names_inode(lp, st):
-            break
-        os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
-        fd = -1
-    if fd < 0:
-        raise StrataError(f"{t}: could not take the lock {lp.name} (it kept being replaced); try again", t)
-    lock = _Lock(t, fd, lp)
-    try:
-        yield lock
+            locked = True
+            if _names_inode(lp, st):
+                break
+            # the previous holder removed the file between our open and our lock: take the new one
+            with signals_deferred():
+                os.close(fd)
+                fd, locked = -1, False
+        else:
+            raise StrataError(f"{t}: could not take the lock {lp.name} (it kept being replaced); try again", t)
+        yield _Lock(t, fd, lp)
     finally:
-        try:
-            if _journal_empty(fd) and _names_inode(lp, os.fstat(fd)):
-                os.unlink(lp)  # still holding the lock: a run that opened it meanwhile starts over (above)
-        except OSError:
-            pass  # left in place: harmless, the next run takes it
-        finally:
-            os.close(fd)
+        if fd >= 0:
+            try:
+                if not locked and stat.S_ISREG(os.fstat(fd).st_mode):  # stopped (SIGTERM) before locking it
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        locked = True
+                    except OSError:
+                        pass
+                if locked and _journal_empty(fd) and _names_inode(lp, os.fstat(fd)):
+                    os.unlink(lp)  # still holding the lock: a run that opened it meanwhile starts over (above)
+            except OSError:
+                pass  # left in place: harmless, the next run takes it
+            finally:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def _names_inode(p: Path, st: os.stat_result) -> bool:
