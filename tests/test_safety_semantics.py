@@ -271,20 +271,25 @@ def test_parquet_repeated_id_whole_and_streamed_across_chunks(tmp_path, cli):
 
 
 def test_repeat_search_compiled_and_numpy_agree():
-    """The compiled search and its numpy fallback give the same first repeat on random records (short records
-    compared pairwise, long ones sorted), and the row form agrees with the flat form."""
+    """The numpy column compare (one k up to 16), the compiled search (pairwise up to 32, sorted beyond) and the
+    numpy sort fallback give the same first repeat as a brute-force search on random records; the row form agrees
+    with the flat form."""
+    from stratatools.traces import repeats
     from stratatools.traces import semantics as S
 
     rng = np.random.default_rng(5)
     for trial in range(300):
         n_rec = int(rng.integers(1, 30))
         ks = rng.integers(1, 80 if trial % 3 == 0 else 6, n_rec)
+        if trial % 4 == 1:
+            ks[:] = ks[0]  # one k: the numpy column path
         E = int(rng.integers(2, 400))
         expert = np.concatenate([rng.choice(E, min(int(k), E), replace=rng.random() < 0.3) for k in ks])
         ks = np.array([min(int(k), E) for k in ks])
         starts = np.r_[0, np.cumsum(ks)[:-1]].astype(np.int64)
-        want = S._first_repeat_np(expert, starts)
+        want = repeats._first_repeat_np(expert, starts)
         assert S.first_repeat(expert, starts) == want
+        assert repeats.first_repeat(expert, starts) == want
         brute = -1
         for r, (a, k) in enumerate(zip(starts, ks)):
             seg = expert[a:a + k].tolist()
@@ -296,8 +301,9 @@ def test_repeat_search_compiled_and_numpy_agree():
         k = int(ks[0])
         if (ks == k).all():
             rows = expert.reshape(-1, k)
-            got = S.first_repeat_rows(rows)
-            assert (got is None and want < 0) or (got is not None and got[0] * k + got[1] == want)
+            for f in (S.first_repeat_rows, repeats.first_repeat_rows):
+                got = f(rows)
+                assert (got is None and want < 0) or (got is not None and got[0] * k + got[1] == want)
 
 
 def test_writers_refuse_a_table_their_readers_would_refuse(tmp_path):

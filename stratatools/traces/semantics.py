@@ -6,9 +6,10 @@ top-k; router weights finite). A record is one token's top-k at one layer: the r
 experts, so an id repeated inside one record cannot come from a router (a corrupt file, or a generator that drew
 ids with replacement; the simulator would count such an entry as a hit on an expert loaded a moment before).
 
-The repeated-id search (:func:`first_repeat`, :func:`first_repeat_rows`) is a compiled loop (numba, through
-:mod:`stratatools.core.jit`): about k*(k-1)/2 integer compares per record, no allocation; without numba a
-vectorised sort gives the same answer. The streaming readers check chunk by chunk (:class:`ChunkChecker`).
+The repeated-id search (:func:`first_repeat`, :func:`first_repeat_rows`): records of one k up to 16 (every
+trace in practice) are compared in numpy, k*(k-1)/2 vector compares, without loading numba; other shapes use the
+compiled loop of :mod:`stratatools.traces.repeats` (about k*(k-1)/2 compares per record, a sort for k > 32; a
+numpy sort without numba). The streaming readers check chunk by chunk (:class:`ChunkChecker`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import os
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.jit import HAVE_NUMBA, njit
 from stratatools.traces.table import TraceTable
 
 REPEAT_FIX = ("a record's top-k expert ids are distinct: the file is corrupt, or its generator drew ids with "
               "replacement; draw them without replacement")
 MAX_RECORD = 1024  # entries of one record at most (the formats' largest k, MAX_ROUTE_K in formats.strata_spec)
-_PAIRWISE_K = 32  # records up to this long are compared pairwise; longer ones are sorted
+_PAIRWISE_NP = 16  # records of one k up to this are compared in numpy, column against column
 
 
 def check_semantics(table: TraceTable, path: str | os.PathLike, *, distinct: bool = True) -> None:
@@ -85,14 +85,21 @@ def first_repeat(expert: np.ndarray, starts: np.ndarray) -> int:
         starts: int64 [R], first entry of every record, ascending, ``starts[0] == 0`` (record r ends where r+1
             starts; the last one at N).
     "First" is the smallest index i such that ``expert[i] == expert[j]`` for some earlier j of the same record.
+    Records of one k up to 16 are compared column against column in numpy (k*(k-1)/2 vector compares; no
+    compiler loaded); other shapes use the compiled loop of :mod:`stratatools.traces.repeats`.
     """
     n = len(expert)
-    if n < 2 or len(starts) == n:
+    R = len(starts)
+    if n < 2 or R == n:
         return -1
-    starts = np.ascontiguousarray(starts, np.int64)
-    if HAVE_NUMBA:
-        return int(_first_repeat_nb(expert, starts, n))
-    return _first_repeat_np(expert, starts)
+    if n % R == 0:
+        k = n // R
+        if k <= _PAIRWISE_NP and int(starts[-1]) == (R - 1) * k and (R < 2 or bool((np.diff(starts) == k).all())):
+            rc = _first_repeat_rows_np(np.asarray(expert).reshape(R, k))
+            return -1 if rc is None else rc[0] * k + rc[1]
+    from stratatools.traces import repeats
+
+    return repeats.first_repeat(expert, np.ascontiguousarray(starts, np.int64))
 
 
 def first_repeat_rows(ids: np.ndarray) -> tuple[int, int] | None:
@@ -102,79 +109,28 @@ def first_repeat_rows(ids: np.ndarray) -> tuple[int, int] | None:
     R, k = ids.shape
     if R == 0 or k < 2:
         return None
-    if HAVE_NUMBA:
-        i = int(_first_repeat_rows_nb(ids))
-    else:
-        i = _first_repeat_np(np.ascontiguousarray(ids).reshape(-1), np.arange(R, dtype=np.int64) * k)
-    return None if i < 0 else (i // k, i % k)
+    if k <= _PAIRWISE_NP:
+        return _first_repeat_rows_np(ids)
+    from stratatools.traces import repeats
+
+    return repeats.first_repeat_rows(ids)
 
 
-@njit(cache=True, nogil=True)
-def _first_in_span(a, lo, hi):  # pragma: no cover - compiled
-    """First index in [lo, hi) repeating an earlier id of the span, or -1 (pairwise when short, else sorted)."""
-    if hi - lo <= _PAIRWISE_K:
-        for c in range(lo + 1, hi):
-            v = a[c]
-            for j in range(lo, c):
-                if a[j] == v:
-                    return c
-        return -1
-    o = np.argsort(a[lo:hi], kind="mergesort")  # stable: of equal ids, the later one comes second
-    best = -1
-    for t in range(1, hi - lo):
-        if a[lo + o[t]] == a[lo + o[t - 1]]:
-            c = lo + o[t]
-            if best < 0 or c < best:
-                best = c
-    return best
-
-
-@njit(cache=True, nogil=True)
-def _first_repeat_nb(expert, starts, n):  # pragma: no cover - compiled
-    R = starts.shape[0]
-    for r in range(R):
-        lo = starts[r]
-        hi = starts[r + 1] if r + 1 < R else n
-        if hi - lo > 1:
-            c = _first_in_span(expert, lo, hi)
-            if c >= 0:
-                return c
-    return -1
-
-
-@njit(cache=True, nogil=True)
-def _first_repeat_rows_nb(ids):  # pragma: no cover - compiled
+def _first_repeat_rows_np(ids: np.ndarray) -> tuple[int, int] | None:
+    """:func:`first_repeat_rows` in numpy for small k: for each rank c, the rows whose id c equals an earlier id of
+    the row; the answer is the smallest (row, rank) over all c."""
     R, k = ids.shape
-    if k > _PAIRWISE_K:
-        row = np.empty(k, np.int64)
-        for r in range(R):
-            for c in range(k):
-                row[c] = ids[r, c]
-            c = _first_in_span(row, 0, k)
-            if c >= 0:
-                return r * k + c
-        return -1
-    for r in range(R):
-        for c in range(1, k):
-            v = ids[r, c]
-            for j in range(c):
-                if ids[r, j] == v:
-                    return r * k + c
-    return -1
-
-
-def _first_repeat_np(expert: np.ndarray, starts: np.ndarray) -> int:
-    """:func:`first_repeat` without numba: a stable sort by (record, id); of two equal neighbours the later
-    entry repeats; the smallest such entry is the answer. O(N log N) time, O(N) memory."""
-    n = len(expert)
-    rec = np.zeros(n, np.int64)
-    rec[starts[1:]] = 1
-    np.cumsum(rec, out=rec)
-    o = np.lexsort((expert, rec))
-    eq = (rec[o[1:]] == rec[o[:-1]]) & (np.asarray(expert)[o[1:]] == np.asarray(expert)[o[:-1]])
-    if not eq.any():
-        return -1
-    return int(o[1:][eq].min())
+    best = None
+    for c in range(1, k):
+        col = ids[:, c]
+        hit = col == ids[:, 0]
+        for j in range(1, c):
+            hit |= col == ids[:, j]
+        if hit.any():
+            r = int(np.argmax(hit))
+            if best is None or (r, c) < best:
+                best = (r, c)
+    return best
 
 
 class ChunkChecker:

@@ -35,7 +35,7 @@ from stratatools.core.errors import StrataError
 from stratatools.traces.table import DECODE, UNKNOWN, TraceTable
 from stratatools.traces.formats.strata_spec import (MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_FORMAT, TAG_NAMES, _err,
                                                     _expand, _k_error, _repeat_err)
-from stratatools.traces.semantics import _first_in_span
+from stratatools.traces.repeats import _first_in_span
 
 __all__ = ["HAVE_NUMBA", "walk", "read_walk"]
 
