@@ -354,3 +354,15 @@ def test_chunk_checker_equals_the_whole_table_check():
         assert (got is None) == (want is None), (trial, got, want)
         if not nan:  # one kind of fault: the same first row and message (with two kinds, each names one of them)
             assert got == want, (trial, got, want)
+
+
+def test_a_record_that_never_restarts_its_ranks_is_bounded(tmp_path):
+    """2000 rows of one (prompt, position, layer) whose rank never returns to 0 would be one record of 2000
+    entries: refused (a record has at most 1024), naming the line, instead of growing one record without end."""
+    from stratatools.traces.formats import read_trace
+
+    head = "model,prompt_id,token_pos,layer,rank,expert_id,weight\n"
+    p = tmp_path / "long.csv"
+    p.write_text(head + "m,p,0,0,0,0,1\n" + "".join(f"m,p,0,0,1,{e},1\n" for e in range(1, 2000)))
+    with pytest.raises(StrataError, match=r"long.csv: line 2: a record of 2000 entries \(more than 1024"):
+        read_trace(p)

@@ -65,15 +65,17 @@ def repeat_error(path, what: str, i: int, table=None, cols: dict | None = None, 
                        f"{pos}, layer {lay}, rank {rank}) ({REPEAT_FIX})", path)
 
 
-def check_record_lengths(starts: np.ndarray, n: int, path, what: str = "row", base: int = 0) -> None:
+def check_record_lengths(starts: np.ndarray, n: int, path, what: str = "row", base: int = 0, place=None) -> None:
     """Refuse a record of more than MAX_RECORD (1024) entries: ranks that never restart at 0 inside one
-    (request, position, layer) would make one unbounded record."""
+    (request, position, layer) would make one unbounded record. The error names ``{what} {base + first entry}``,
+    or ``{what} {place(first entry)}`` when ``place`` maps an entry to a line."""
     if len(starts) == 0:
         return
     lens = np.diff(np.r_[starts, n])
     if int(lens.max()) > MAX_RECORD:
         r = int(np.argmax(lens > MAX_RECORD))
-        raise StrataError(f"{path}: {what} {base + int(starts[r])}: a record of {int(lens[r])} entries (more than "
+        at = base + int(starts[r]) if place is None else int(place(int(starts[r])))
+        raise StrataError(f"{path}: {what} {at}: a record of {int(lens[r])} entries (more than "
                           f"{MAX_RECORD}; each token's top-k at one layer is one record, ranks 0..k-1)", path)
 
 

@@ -265,7 +265,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         if np.asarray(a).strides != (0,):
             new[1:] |= a[1:] != a[:-1]
     starts = np.flatnonzero(new)
-    check_record_lengths(starts, len(rank), path)  # (a row number: only a table built elsewhere can get there)
+    check_record_lengths(starts, len(rank), path, "line", place=lambda i: line_of_rows()[i])
     i = first_repeat(expert, starts)
     if i >= 0:
         raise _line_err(path, int(line_of_rows()[i]), f"expert_id {int(expert[i])} appears twice in one record "
