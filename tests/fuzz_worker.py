@@ -195,9 +195,6 @@ def main() -> None:
             print(json.dumps(res), flush=True)
 
 
-if __name__ == "__main__":
-    main()
-
 
 def make_seeds(d: Path) -> dict[str, str]:
     """Valid seed files of every reader, made from a tiny synthetic release (a few KB each, except the GGUF)."""
@@ -239,3 +236,7 @@ def make_seeds(d: Path) -> dict[str, str]:
     out["parquet-stream"] = str(d / "t.parquet")
     (d / "seeds.json").write_text(json.dumps(out))
     return out
+
+
+if __name__ == "__main__":
+    main()
