@@ -60,7 +60,8 @@ def test_variable_k_and_chunk_boundaries(tmp_path):
     recs = []
     for i in range(400):
         k = int(rng.integers(1, 9)) if i % 50 < 25 else 4
-        recs.append((int(rng.integers(0, 5)), rng.choice(30, k, replace=False).tolist(), rng.random(k).astype(np.float32).tolist()))
+        ids = rng.choice(30, k, replace=False).tolist()  # a record's top-k: distinct ids
+        recs.append((int(rng.integers(0, 5)), ids, rng.random(k).astype(np.float32).tolist()))
     data = b"".join(rec(*r) for r in recs)
     p = write(tmp_path, "t.bin", data)
     want_e = [e for _, ids, _ in recs for e in ids]

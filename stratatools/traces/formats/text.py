@@ -134,8 +134,9 @@ def read_llama_csv(path: str | os.PathLike, n_layers: int | None = None, n_exper
     i = first_repeat(expert, rec_starts)
     if i >= 0:
         r = int(np.searchsorted(rec_starts, i, side="right")) - 1
-        raise _line_err(path, lines[r], f"expert id {int(expert[i])} appears twice in one row (id{i - int(rec_starts[r])} "
-                        f"repeats an earlier id)", REPEAT_FIX)
+        c = i - int(rec_starts[r])
+        raise _line_err(path, lines[r], f"expert id {int(expert[i])} appears twice in one row (id{c} repeats an "
+                        f"earlier id)", REPEAT_FIX)
     rec_phase = np.where(rec_pos < 0, PREFILL, DECODE).astype(np.int8)
     new_req = np.r_[False, (rec_phase[1:] == PREFILL) & (rec_phase[:-1] == DECODE)]
     rec_req = np.cumsum(new_req).astype(np.int32)
