@@ -173,6 +173,7 @@ def main() -> None:
     import numpy  # noqa: F401  - imported before the limit: their mappings are not what we measure
     import pandas  # noqa: F401
     import pyarrow.parquet  # noqa: F401
+    import pyarrow.dataset  # noqa: F401  - the chunk sources' (its shared library is large)
     readers()
     if limit_mb:
         with open("/proc/self/statm") as fh:
