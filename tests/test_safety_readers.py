@@ -253,3 +253,18 @@ def test_streamed_stats_of_huge_expert_ids_stay_small(tmp_path):
     a = _stats_combine(parts, {}, 24).to_dict()
     b = _stats_combine_sparse(parts, {}, 24).to_dict()
     assert a == b
+
+
+def test_parquet_column_name_not_utf8_is_one_line_streamed_too(cli):
+    """The campaign's find (parquet-stream, 3 of 2000): a footer whose column name is not UTF-8 was a
+    UnicodeDecodeError traceback in the chunk source (the whole-file reader already refused it in one line)."""
+    from stratatools.traces.formats import read_trace
+    from stratatools.traces.sources import open_traces
+
+    p = HERE / "fixtures" / "safety" / "parquet-name-not-utf8.parquet"
+    for f in (lambda: read_trace(p), lambda: open_traces([str(p)])):
+        with pytest.raises(StrataError, match=r"parquet-name-not-utf8.parquet: byte 0: not a readable Parquet trace "
+                                              r"\('utf-8' codec can't decode"):
+            f()
+    code, out, err = cli("trace", "stats", p)
+    assert code == 2 and err.count("\n") == 1 and "not a readable Parquet trace" in err

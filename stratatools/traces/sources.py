@@ -162,6 +162,7 @@ class ParquetSource:
         try:
             self.ds = pads.dataset(str(path), format="parquet")
             schema = self.ds.schema
+            _ = schema.names  # decoded here: a column name that is not UTF-8 is the same one-line error
         except (pa.ArrowException, OSError, ValueError) as e:
             raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({str(e).splitlines()[0][:160]})",
                               path) from None
