@@ -46,17 +46,16 @@ def gen_plain(path: str, n_entries: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     n_rec = n_entries // K
     pop = rng.zipf(1.3, size=(L, E)).astype(np.float64)
-    cdf = np.cumsum(pop / pop.sum(axis=1, keepdims=True), axis=1)
+    logp = np.log(pop / pop.sum(axis=1, keepdims=True)).astype(np.float32)
     with open(path, "wb") as fh:
-        step = 1 << 20
+        step = 1 << 15
         for a in range(0, n_rec, step):
             m = min(step, n_rec - a)
             lay = (np.arange(a, a + m) % L).astype(np.int32)
-            u = rng.random((m, K))
-            ids = np.empty((m, K), np.int32)
-            for layer in range(L):
-                sel = lay == layer
-                ids[sel] = np.minimum(np.searchsorted(cdf[layer], u[sel]), E - 1)
+            # K distinct ids per record, drawn without replacement with the layer's popularity (Gumbel top-k)
+            u = rng.random((m, E), dtype=np.float32)
+            g = logp[lay] - np.log(-np.log(np.maximum(u, np.float32(1e-30))))
+            ids = np.argpartition(-g, K - 1, axis=1)[:, :K].astype(np.int32)
             out = np.empty((m, 2 + 2 * K), "<i4")
             out[:, 0] = lay
             out[:, 1] = K

@@ -1,7 +1,7 @@
 """Benchmark: traces of any size. Generates a tagged Strata trace and a hive-partitioned Parquet dataset of N
-routed entries (48 layers x 128 experts, k = 8, requests of 256 decode tokens, skewed routing), then runs the CLI
-on them, each command in its own process, and prints its wall time, peak RSS (``os.wait4``'s ru_maxrss of that
-process) and entries/s:
+routed entries (48 layers x 128 experts, k = 8 distinct ids per record, requests of 256 decode tokens, skewed
+routing), then runs the CLI on them, each command in its own process, and prints its wall time, peak RSS
+(``os.wait4``'s ru_maxrss of that process) and entries/s:
 
 * ``simulate`` with static, adaptive, LRU and Belady and ``--kfold 5`` (``--no-sweep``), on the tagged trace;
 * ``make-profile`` and ``trace stats`` from the tagged trace and from the Parquet dataset.
@@ -34,11 +34,24 @@ import numpy as np
 L, E, K, TOKENS = 48, 128, 8, 256
 
 
+def _rank_logp() -> np.ndarray:
+    """log-probability of popularity rank r (float64 [E]): ``min(floor(6 X), E-1)`` for X ~ Lomax(1.2) (numpy's
+    ``pareto``), i.e. P(rank >= r) = (1 + r/6)^-1.2."""
+    r = np.arange(E + 1, dtype=np.float64)
+    surv = (1.0 + r / 6.0) ** -1.2
+    p = surv[:-1] - surv[1:]
+    p[-1] = surv[E - 1]
+    return np.log(p)
+
+
 def _records(rng, n_tok: int, pref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Token-major records of one request: layers [n_tok*L], ids [n_tok*L, K] (skewed: Zipf-like ranks mapped
-    through a per-layer permutation)."""
+    through a per-layer permutation). The K ranks of a record are distinct, drawn without replacement with the
+    rank weights of :func:`_rank_logp` (Gumbel top-k: the K largest ``log p + Gumbel noise``), as a router's
+    top-k are K different experts."""
     lay = np.tile(np.arange(L, dtype=np.int32), n_tok)
-    r = np.minimum((rng.pareto(1.2, size=(n_tok * L, K)) * 6).astype(np.int64), E - 1)
+    g = _rank_logp()[None, :] + rng.gumbel(size=(n_tok * L, E))
+    r = np.argpartition(-g, K - 1, axis=1)[:, :K]
     ids = pref[lay[:, None], r].astype(np.int32)
     return lay, ids
 

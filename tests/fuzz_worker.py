@@ -3,10 +3,11 @@
 ``python tests/fuzz_worker.py SEEDS.json MAX_EXAMPLES [RLIMIT_MB]`` where SEEDS.json maps a reader name to a seed
 file. For every reader it runs a hypothesis campaign of mutated seeds (truncations, big numbers planted over
 header fields, byte flips, splices, line edits for text formats) and prints one JSON line per reader:
-``{"reader", "tried", "ok", "strata_error", "tracebacks": [...], "hangs": n, "multi_line": [...]}``. Each input
-is read with a 20 s alarm (a hang) under ``RLIMIT_AS`` (an unbounded allocation becomes a MemoryError, which is
-counted as a traceback). Used by tests/test_safety_readers.py; run by hand with a larger MAX_EXAMPLES for a
-campaign.
+``{"reader", "tried", "ok", "strata_error", "tracebacks": [...], "hangs": n, "data_loss": n, "multi_line": [...]}``.
+Each input is read with a 20 s alarm (a hang) under ``RLIMIT_AS`` (an unbounded allocation becomes a MemoryError,
+which is counted as a traceback); data loss counts inputs whose bytes were changed or removed by reading them.
+``python tests/fuzz_worker.py --make-seeds DIR`` writes the seed files and DIR/seeds.json first. Used by
+tests/test_safety_readers.py; run by hand with a larger MAX_EXAMPLES for a campaign.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def readers():
             trace_stats(tt)
         return f
 
+    def stream(p):  # the chunk sources the streaming commands use (tagged walker, Parquet batches), small chunks
+        from stratatools.traces.sources import open_traces, trace_stats_sources
+
+        trace_stats_sources(open_traces([p]), rows=7)
+
     def pack(p):
         d = Path(p).parent / "pk"
         d.mkdir(exist_ok=True)
@@ -68,7 +74,8 @@ def readers():
 
     return {"gguf": gguf, "strp": read_profile, "alloc": read_allocation, "registry": load_registry,
             "native": pack, "strata": trace("strata"), "strata-tagged": trace("strata"), "csv": trace("csv"),
-            "llama-csv": trace("llama-csv"), "parquet": trace("parquet"), "sniff": trace(None)}
+            "llama-csv": trace("llama-csv"), "parquet": trace("parquet"), "sniff": trace(None),
+            "strata-stream": stream, "parquet-stream": stream}
 
 
 BIG = [0, 1, 0x7F, 0xFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 0x100000000, 0x7FFFFFFFFFFFFFFF, 0xFFFFFFFFFFFFFFFF,
@@ -113,7 +120,7 @@ def campaign(name: str, seed_path: str, max_examples: int, workdir: Path) -> dic
     seed = Path(seed_path).read_bytes()
     text = name in ("alloc", "registry", "native", "csv", "llama-csv")
     stats = {"reader": name, "tried": 0, "ok": 0, "strata_error": 0, "tracebacks": [], "hangs": 0,
-             "multi_line": []}
+             "data_loss": 0, "multi_line": []}
     target = workdir / Path(seed_path).name
     op = st.tuples(st.integers(0, 5), st.integers(0, 1 << 32), st.integers(0, 255), st.integers(0, 1 << 16))
 
@@ -143,12 +150,22 @@ def campaign(name: str, seed_path: str, max_examples: int, workdir: Path) -> dic
                 (workdir / f"crash-{name}-{len(stats['tracebacks'])}.bin").write_bytes(data)
         finally:
             signal.alarm(0)
+            try:
+                if target.read_bytes() != data:  # a reader must never change or remove its input
+                    stats["data_loss"] += 1
+            except OSError:
+                stats["data_loss"] += 1
 
     run()
     return stats
 
 
 def main() -> None:
+    if sys.argv[1] == "--make-seeds":  # python tests/fuzz_worker.py --make-seeds DIR: DIR/seeds.json for a campaign
+        d = Path(sys.argv[2])
+        d.mkdir(parents=True, exist_ok=True)
+        make_seeds(d)
+        return
     seeds = json.loads(Path(sys.argv[1]).read_text())
     max_examples = int(sys.argv[2])
     limit_mb = int(sys.argv[3]) if len(sys.argv) > 3 else 0
@@ -156,6 +173,7 @@ def main() -> None:
     import numpy  # noqa: F401  - imported before the limit: their mappings are not what we measure
     import pandas  # noqa: F401
     import pyarrow.parquet  # noqa: F401
+    import pyarrow.dataset  # noqa: F401  - the chunk sources' (its shared library is large)
     readers()
     if limit_mb:
         with open("/proc/self/statm") as fh:
@@ -177,9 +195,6 @@ def main() -> None:
                     os.replace(c, Path(crash_dir) / c.name)
             print(json.dumps(res), flush=True)
 
-
-if __name__ == "__main__":
-    main()
 
 
 def make_seeds(d: Path) -> dict[str, str]:
@@ -218,5 +233,11 @@ def make_seeds(d: Path) -> dict[str, str]:
                                      for e in (p + l,)))
     out["llama-csv"] = str(d / "l.csv")
     out["sniff"] = str(d / "tt.bin")
+    out["strata-stream"] = str(d / "tt.bin")
+    out["parquet-stream"] = str(d / "t.parquet")
     (d / "seeds.json").write_text(json.dumps(out))
     return out
+
+
+if __name__ == "__main__":
+    main()

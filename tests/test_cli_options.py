@@ -159,3 +159,26 @@ def test_alloc_export_json(kit, cli, tmp_path):
     d = json.loads(o)
     assert (d["format"], d["table"], d["rows"]) == ("csv", "map", 128)
     assert d["bytes"] == out.stat().st_size and len(out.read_text().splitlines()) == 129
+
+
+def test_click_usage_errors_are_one_line_naming_the_option_and_the_fix(cli):
+    """click's own errors (unknown option, bad value, missing argument) were boxed multi-line panels; they are
+    one line naming the command, the option and where to look, exit 2, like every other error."""
+    cases = [(["trace", "stats", "--bogus", "x.bin"], "stratatools trace stats: no such option: --bogus"),
+             (["simulate", "--traces", "t.bin", "--slots", "abc"], "stratatools simulate: invalid value for '--slots'"),
+             (["pack"], "stratatools pack: missing argument 'model'"),
+             (["profile", "show", "--top", "x", "p.bin"], "stratatools profile show: invalid value for '--top'"),
+             (["nosuchcommand"], "stratatools: no such command 'nosuchcommand'")]
+    for argv, want in cases:
+        code, out, err = cli(*argv)
+        assert code == 2, (argv, code, err)
+        assert out == "" and err.count("\n") == 1, (argv, err)
+        assert err.startswith(f"error: {want}"), (argv, err)
+        cmd = want.split(":")[0]
+        assert err.rstrip().endswith(f"(run '{cmd} --help' for its options)"), (argv, err)
+        assert "╭" not in err and "Usage:" not in err
+    # a group without a command still shows its help (exit 2), and --help still works (exit 0)
+    code, out, err = cli("trace")
+    assert code == 2 and "Usage: stratatools trace" in out + err and "stats" in out + err
+    code, out, err = cli("trace", "stats", "--help")
+    assert code == 0 and "Usage: stratatools trace stats" in out

@@ -99,10 +99,10 @@ def trace_case(draw):
         k = draw(st.integers(1, min(E, 5)))
         if kind == "route":
             layer = draw(st.integers(0, L - 1))
-            ids = draw(st.lists(st.integers(0, E - 1), min_size=k, max_size=k))
+            ids = draw(st.lists(st.integers(0, E - 1), min_size=k, max_size=k, unique=True))  # a top-k
         elif kind == "mtp":  # an MTP block after the trunk may keep more experts
             layer = L
-            ids = draw(st.lists(st.integers(0, 2 * E), min_size=k, max_size=k))
+            ids = draw(st.lists(st.integers(0, 2 * E), min_size=k, max_size=k, unique=True))
         else:
             layer = draw(st.sampled_from([-1, -3, -4, -6, -9]))
             ids = draw(st.lists(st.integers(0, 1000), min_size=k, max_size=k))
@@ -213,7 +213,8 @@ def test_complete_base_hides_traces_in_default_mode(tmp_path):
     L, E = 3, 5
     perm = [tuple(p) for p in np.argwhere(np.ones((L, E)))[rng.permutation(L * E)].tolist()]
     (tmp_path / "base.bin").write_bytes(ref_base_bytes(L, E, perm))
-    (tmp_path / "t.bin").write_bytes(strata_bytes([(2, [4, 4, 4]), (1, [0])]))
+    # expert 4 of layer 2 routed by three tokens (three records: one record's ids are distinct), expert 0 of layer 1
+    (tmp_path / "t.bin").write_bytes(strata_bytes([(2, [4]), (2, [4]), (2, [4]), (1, [0])]))
     res = make_profile_files([str(tmp_path / "t.bin")], str(tmp_path / "p.bin"), L, E,
                              base=str(tmp_path / "base.bin"))
     assert (tmp_path / "p.bin").read_bytes() == (tmp_path / "base.bin").read_bytes()

@@ -545,3 +545,108 @@ def test_pack_into_the_models_own_folder_keeps_the_model(tmp_path, tiny):
     with pytest.raises(StrataError, match="would replace the input"):
         with publish_dir(d, inputs=[m]) as st:  # a folder output that would not carry the model over
             del st
+
+
+# ------------------------------------------------------------------------------- SIGTERM and lock files
+@pytest.mark.parametrize("where", ["publish_dir", "atomic_file", "files_atomic", "lock_file"])
+def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypatch, where):
+    """The CLI's SIGTERM handler raises SystemExit; a signal that lands the moment a temp file or folder exists
+    (before its clean-up guard knew its name) used to leave that temp behind. Now creation and recording are
+    one step for the handler: the exit comes inside the guard, which removes the temp (and the lock file)."""
+    from stratatools.cli import entry
+
+    real_mkdir, real_open = os.mkdir, os.open
+    sent = []
+
+    tag = "stratatools-lock" if where == "lock_file" else "stratatools-tmp"
+
+    def signal_once(p) -> None:  # the first temp created gets the signal (the clean-up opens it again)
+        if tag in str(p) and not sent:
+            sent.append(p)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def mkdir(p, *a, **k):
+        real_mkdir(p, *a, **k)
+        signal_once(p)
+
+    def open_(p, flags, *a, **k):
+        fd = real_open(p, flags, *a, **k)
+        signal_once(p)
+        return fd
+
+    out = tmp_path / "out"
+    old = signal.signal(signal.SIGTERM, entry._terminated)
+    try:
+        monkeypatch.setattr(os, "mkdir", mkdir)
+        monkeypatch.setattr(os, "open", open_)
+        with pytest.raises(SystemExit) as ei:
+            if where in ("publish_dir", "lock_file"):  # lock_file: the signal as the lock file is created
+                with publish_dir(out) as d:
+                    (d / "a.txt").write_text("x")
+            elif where == "atomic_file":
+                write_text_atomic(out, "x")
+            else:
+                fsutil.write_files_atomic([(tmp_path / "a", b"1"), (tmp_path / "b", b"2")])
+        monkeypatch.undo()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert ei.value.code == 143 and sent
+    assert os.listdir(tmp_path) == []  # no temp, no lock file, no output
+
+
+def test_lock_file_is_removed_after_a_run_and_kept_with_a_journal(tmp_path):
+    """A finished or failed run removes its lock file; one that still carries a swap journal (a run killed
+    mid-swap) stays for the next writer, which recovers and then removes it."""
+    out = tmp_path / "rep"
+    lp = fsutil.lock_path(out)
+    with publish_dir(out) as st:
+        (st / "a.txt").write_text("v1")
+        assert lp.exists()
+    assert not lp.exists() and (out / "a.txt").read_text() == "v1"
+    with pytest.raises(RuntimeError):
+        with publish_dir(out) as st:
+            raise RuntimeError("build failed")
+    assert not lp.exists() and sorted(os.listdir(tmp_path)) == ["rep"]
+    write_text_atomic(tmp_path / "single.txt", "x")  # single files take no lock
+    assert not fsutil.lock_path(tmp_path / "single.txt").exists()
+    # a killed swap: the journal names an aside folder; the lock file must stay until a run recovers it
+    aside = tmp_path / ".rep.1-abcd.stratatools-old"
+    os.rename(out, aside)
+    with fsutil.output_lock(out) as lock:
+        lock.set_journal({"paths": [str(aside)]})
+    assert lp.exists()
+    with publish_dir(out, keep=lambda n: True) as st:
+        assert (out / "a.txt").read_text() == "v1"  # put back by recover() before the build
+    assert not lp.exists() and (out / "a.txt").read_text() == "v1"
+    assert sorted(os.listdir(tmp_path)) == ["rep", "single.txt"]
+
+
+def test_lock_file_removal_race_a_waiter_on_the_unlinked_file_starts_over(tmp_path, monkeypatch):
+    """Run B opens the lock file; run A (holding it) finishes and unlinks it; B then locks the unlinked inode.
+    Without a re-check B would believe it holds the lock while run C creates a new file and locks it too. B
+    must notice that the path no longer names its inode and take the lock through the path again, so C is
+    refused while B holds it."""
+    import fcntl
+
+    out = tmp_path / "o"
+    lp = fsutil.lock_path(out)
+    real_flock = fcntl.flock
+    state = {"a_ran": False}
+
+    def flock(fd, op):
+        if not state["a_ran"]:  # B, between its open and its flock: A takes the lock, finishes, removes the file
+            state["a_ran"] = True
+            with fsutil.output_lock(out):
+                pass
+            assert not lp.exists()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with fsutil.output_lock(out) as b:
+        st = os.fstat(b.fd)
+        cur = os.stat(lp)
+        assert (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)  # B holds the file the path names
+        with pytest.raises(StrataError, match="another stratatools run is writing"):  # C is refused
+            with fsutil.output_lock(out):
+                pass
+    assert state["a_ran"] and not lp.exists()

@@ -31,7 +31,7 @@ def plain_bytes(rng, n_rec, k, L, E, zero_rows=()):
     out = []
     for i in range(n_rec):
         w = [0.0] * k if i in zero_rows else rng.random(k).astype(np.float32).tolist()
-        out.append(rec(i % L, rng.integers(0, E, k).tolist(), w))
+        out.append(rec(i % L, rng.choice(E, k, replace=False).tolist(), w))  # a top-k: distinct ids
     return b"".join(out)
 
 
@@ -124,7 +124,7 @@ def test_tagged_compact_counts_phases(tmp_path):
     def tag(t, vals):
         return rec(t, vals, [0.0] * len(vals))
     data = tag(-2, [1]) + tag(-3, [4]) + tag(-5, [0]) + rec(0, [1, 2], [0.5, 0.5]) + rec(1, [3, 0], [0.5, 0.5])
-    data += tag(-5, [1]) + rec(0, [2, 2], [0.0, 0.0]) + rec(1, [1, 3], [0.3, 0.7])
+    data += tag(-5, [1]) + rec(0, [2, 3], [0.0, 0.0]) + rec(1, [1, 3], [0.3, 0.7])
     p = tmp_path / "t.bin"
     p.write_bytes(data)
     t = read_trace(p)

@@ -60,7 +60,8 @@ def test_variable_k_and_chunk_boundaries(tmp_path):
     recs = []
     for i in range(400):
         k = int(rng.integers(1, 9)) if i % 50 < 25 else 4
-        recs.append((int(rng.integers(0, 5)), rng.integers(0, 30, k).tolist(), rng.random(k).astype(np.float32).tolist()))
+        ids = rng.choice(30, k, replace=False).tolist()  # a record's top-k: distinct ids
+        recs.append((int(rng.integers(0, 5)), ids, rng.random(k).astype(np.float32).tolist()))
     data = b"".join(rec(*r) for r in recs)
     p = write(tmp_path, "t.bin", data)
     want_e = [e for _, ids, _ in recs for e in ids]
@@ -165,10 +166,10 @@ def test_kit_dump_equals_csv_after_reordering(kit):
 
 
 def test_llama_csv(tmp_path):
-    text = "-3,0,1,2\n-3,1,3,4\n-2,0,5,6\n0,0,7,8\n1,0,9\n\n-1,0,2,2\n0,0,1,1\n"
+    text = "-3,0,1,2\n-3,1,3,4\n-2,0,5,6\n0,0,7,8\n1,0,9\n\n-1,0,2,3\n0,0,1,4\n"
     t = read_trace(write(tmp_path, "t.csv", text.encode()))
     assert t.meta["source_format"] == "llama-csv"
-    assert t.expert.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 2, 1, 1]
+    assert t.expert.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 1, 4]
     assert np.asarray(t.phase).tolist() == [PREFILL] * 6 + [DECODE] * 3 + [PREFILL] * 2 + [DECODE] * 2
     assert np.asarray(t.request).tolist() == [0] * 9 + [1] * 4
     assert t.rank.tolist() == [0, 1, 0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1]

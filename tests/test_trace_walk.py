@@ -177,7 +177,7 @@ def tagged_stream(rng, n_items: int, k: int, L: int, E: int, version: int) -> by
         else:
             kk = k if rng.random() < 0.9 else int(rng.integers(1, k + 2))
             w = [0.0] * kk if rng.random() < 0.2 else rng.random(kk).astype(np.float32).tolist()
-            out.append(rec(int(rng.integers(0, L)), rng.integers(0, E, kk).tolist(), w))
+            out.append(rec(int(rng.integers(0, L)), rng.choice(E, kk, replace=False).tolist(), w))  # distinct ids
     return b"".join(out)
 
 
@@ -217,7 +217,7 @@ def test_without_numba_read_strata_uses_the_chunked_reader(tmp_path, monkeypatch
     import stratatools.traces.formats.strata_walk as sw
 
     p = tmp_path / "t.bin"
-    body = b"".join(rec(layer, [layer, p], [0.0, 0.0]) for layer in range(3) for p in range(2))
+    body = b"".join(rec(layer, [layer, 3 + p], [0.0, 0.0]) for layer in range(3) for p in range(2))
     p.write_bytes(tag(-2, [2]) + tag(-3, [5]) + rec(1, [2, 3], [0.5, 0.5]) + body + tag(-1, [0, 2, 1, 1]))
     fast = read_strata(p)
     assert fast.records.window.tolist() == [-1] + [0] * 6

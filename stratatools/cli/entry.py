@@ -16,6 +16,10 @@ import typer
 from stratatools.core.errors import StrataError, one_line
 from stratatools.cli import common
 
+# click's exception classes as typer raises them: click's own module, or (newer typer) typer's copy of click
+_CX = sys.modules[typer.BadParameter.__module__]
+_NO_ARGS = getattr(_CX, "NoArgsIsHelpError", ())  # a group run without a command: its help (click >= 8.2)
+
 
 def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     """Run ``app`` on ``argv`` (default: ``sys.argv[1:]``), turning a :class:`StrataError` into one line on
@@ -30,7 +34,26 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         # kill / timeout / a CI cancel: unwind like Ctrl-C, so temp files and half-built folders are removed
         signal.signal(signal.SIGTERM, _terminated)
     try:
-        app(args=argv, prog_name="stratatools", standalone_mode=True)
+        # standalone_mode=False: click's own errors (unknown option, bad value, missing argument) come back to us
+        # as exceptions instead of being printed by typer as multi-line boxed panels; we print them as the one line
+        # the project's errors are (naming the option and the fix), exit 2. typer then returns an Exit's code.
+        rv = app(args=argv, prog_name="stratatools", standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+    except _NO_ARGS as e:  # `stratatools trace`: the group's help, as before
+        from typer import rich_utils
+
+        rich_utils.rich_format_error(e)
+        sys.exit(e.exit_code)
+    except _CX.UsageError as e:
+        common.err_console.print(usage_line(e), markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except _CX.ClickException as e:
+        common.err_console.print(one_line(f"error: {e.format_message()}"), markup=False, highlight=False,
+                                 soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        common.err_console.print("aborted", markup=False)
+        sys.exit(1)
     except StrataError as e:
         if debug or os.environ.get("STRATATOOLS_DEBUG"):
             raise
@@ -52,9 +75,23 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         sys.exit(130)
 
 
+def usage_line(e) -> str:
+    """One line for a click usage error: ``error: <command>: <click's message> (run '<command> --help' for its
+    options)``; click's message names the option or argument and the value, e.g. ``No such option: --bogus`` or
+    ``Invalid value for '--slots': ...``."""
+    cmd = e.ctx.command_path if e.ctx is not None else "stratatools"
+    msg = e.format_message().strip().rstrip(".")
+    if msg[:1].isupper() and msg[1:2].islower():
+        msg = msg[0].lower() + msg[1:]
+    return one_line(f"error: {cmd}: {msg} (run '{cmd} --help' for its options)")
+
+
 def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM handler: raise SystemExit(143) (128 + SIGTERM) so every ``finally`` cleans up on the way out."""
-    raise SystemExit(128 + signum)
+    """SIGTERM handler: raise SystemExit(143) (128 + SIGTERM) so every ``finally`` cleans up on the way out; held
+    back while a temp file or folder is being created and recorded (:func:`stratatools.core.fsutil.terminate`)."""
+    from stratatools.core.fsutil import terminate
+
+    terminate(128 + signum)
 
 
 def _silence_stdout() -> None:

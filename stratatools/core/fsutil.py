@@ -99,6 +99,39 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+# SIGTERM and temp names (issue 14): the CLI's SIGTERM handler raises SystemExit so every ``finally`` cleans up.
+# Python runs that handler between any two bytecodes, so a temp created by a call that returns just before the
+# handler runs would be unknown to the clean-up code. Each creation therefore runs inside :func:`signals_deferred`
+# and its clean-up guard is installed before it: the handler (:func:`terminate`) only notes the signal while a
+# creation is in progress, and the exit is raised as the creation's block ends, inside the guard, which then knows
+# the temp's name. Python handlers run in the main thread only, so this holds whatever thread the kernel picks.
+_DEFER = {"depth": 0, "pending": None}
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Run a block (create a temp and record its name) with the CLI's SIGTERM exit held back to the block's end
+    (see the note above). Blocks nest; a SIGTERM seen meanwhile raises ``SystemExit(143)`` as the outermost one
+    ends."""
+    _DEFER["depth"] += 1
+    try:
+        yield
+    finally:
+        _DEFER["depth"] -= 1
+        if _DEFER["depth"] == 0 and _DEFER["pending"] is not None:
+            code, _DEFER["pending"] = _DEFER["pending"], None
+            raise SystemExit(code)
+
+
+def terminate(code: int) -> None:
+    """Exit through ``SystemExit(code)`` now, or, inside :func:`signals_deferred`, as that block ends (the CLI's
+    SIGTERM handler calls this)."""
+    if _DEFER["depth"] > 0:
+        _DEFER["pending"] = code
+        return
+    raise SystemExit(code)
+
+
 def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
     return folder / f".{name}.{os.getpid()}-{secrets.token_hex(4)}{tag}"
 
@@ -244,9 +277,19 @@ class AtomicFile:
 
     def __enter__(self):
         check_target(self.path, self.inputs)
-        self._fd, self.tmp = create_temp(self.path)
-        buf = io.BufferedWriter(_FdRaw(self._fd), 1 << 20)
-        self.fh = buf if self.mode == "wb" else io.TextIOWrapper(buf, encoding="utf-8", newline="\n")
+        try:  # (a SIGTERM exit held back during the creation is raised here, inside the guard: see signals_deferred)
+            with signals_deferred():
+                self._fd, self.tmp = create_temp(self.path)
+            buf = io.BufferedWriter(_FdRaw(self._fd), 1 << 20)
+            self.fh = buf if self.mode == "wb" else io.TextIOWrapper(buf, encoding="utf-8", newline="\n")
+        except BaseException:  # __exit__ is not called when __enter__ raises
+            if self.tmp is not None:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                _unlink_quiet(self.tmp)
+            raise
         return self.fh
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -310,8 +353,9 @@ def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
     try:
         for path, data in items:
             t = check_target(path, inputs)
-            fd, tmp = create_temp(t)
-            staged.append((fd, tmp, t))
+            with signals_deferred():  # created and recorded as one step (see signals_deferred)
+                fd, tmp = create_temp(t)
+                staged.append((fd, tmp, t))
             try:
                 view = memoryview(data)
                 while view:
@@ -423,28 +467,85 @@ def lock_path(target: str | os.PathLike) -> Path:
 def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
     """Hold an exclusive advisory lock (``fcntl.flock``) on ``.<name>.stratatools-lock`` beside ``target`` for the
     duration of a write. A second writer of the same output does not wait: it raises StrataError at once (one
-    line: another run is writing it). The lock file stays (removing a lock file races with its next user); it
-    also carries the swap journal of :func:`publish_dir`."""
+    line: another run is writing it). The lock file also carries the swap journal of :func:`publish_dir`.
+
+    Lock file lifetime: it is removed when the holder leaves with an empty journal (nothing for a later run to
+    recover); a run killed mid-swap leaves it, journal inside, for the next writer. Removing a lock file races
+    with a run that opened it just before the unlink and locks it just after the holder closes it: that run
+    would hold a lock on a file no path names any more, while a third run creates and locks a new one. So a
+    run, once it holds the lock, checks that the path still names the inode it locked, and starts over when not
+    (the usual rule for removable lock files); and the holder unlinks only the inode it holds.
+    """
     import fcntl
 
     t = Path(target)
     lp = lock_path(t)
     try:
         lp.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lp, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
     except OSError as e:
         raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
+    fd, locked = -1, False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StrataError(f"{lp}: lock file is not a regular file; remove it", lp)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StrataError(f"{t}: another stratatools run is writing this output now ({lp.name} is locked); "
-                              f"wait for it to finish or choose another output path", t) from None
+        for _ in range(100):
+            with signals_deferred():  # the fd is known to the clean-up below as soon as the file exists
+                try:
+                    fd = os.open(lp, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o666)
+                except OSError as e:
+                    raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StrataError(f"{lp}: lock file is not a regular file; remove it", lp)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StrataError(f"{t}: another stratatools run is writing this output now ({lp.name} is "
+                                  f"locked); wait for it to finish or choose another output path", t) from None
+            locked = True
+            if _names_inode(lp, st):
+                break
+            # the previous holder removed the file between our open and our lock: take the new one
+            with signals_deferred():
+                os.close(fd)
+                fd, locked = -1, False
+        else:
+            raise StrataError(f"{t}: could not take the lock {lp.name} (it kept being replaced); try again", t)
         yield _Lock(t, fd, lp)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            try:
+                if not locked and stat.S_ISREG(os.fstat(fd).st_mode):  # stopped (SIGTERM) before locking it
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        locked = True
+                    except OSError:
+                        pass
+                if locked and _journal_empty(fd) and _names_inode(lp, os.fstat(fd)):
+                    os.unlink(lp)  # still holding the lock: a run that opened it meanwhile starts over (above)
+            except OSError:
+                pass  # left in place: harmless, the next run takes it
+            finally:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _names_inode(p: Path, st: os.stat_result) -> bool:
+    """True when path ``p`` (not followed) is the file ``st`` describes."""
+    try:
+        cur = os.stat(p, follow_symlinks=False)
+    except OSError:
+        return False
+    return (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _journal_empty(fd: int) -> bool:
+    """True when the lock file holds no swap journal (empty, or ``{}``); False when it cannot be read."""
+    try:
+        raw = os.pread(fd, 1 << 16, 0)
+    except OSError:
+        return False
+    return raw.strip() in (b"", b"{}")
 
 
 def _ours(p: Path, target: Path) -> bool:
@@ -536,12 +637,20 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     with output_lock(t) as lock:
         try:
             recover(lock)
-            tmp = _unique(t.parent, t.name)
-            lock.set_journal({"paths": [str(tmp)]})
-            os.mkdir(tmp)
         except OSError as e:
             raise _fail(t, e, "cannot create its temp folder") from None
+        tmp = _unique(t.parent, t.name)
+        made = False  # the temp folder is ours (mkdir succeeded): only then does the guard below remove it
         try:
+            # the guard is in place before the folder exists; the journal names it first (a SIGKILL is undone by
+            # the next run), and mkdir + "made" are one step for a SIGTERM (signals_deferred)
+            try:
+                lock.set_journal({"paths": [str(tmp)]})
+                with signals_deferred():
+                    os.mkdir(tmp)
+                    made = True
+            except OSError as e:
+                raise _fail(t, e, "cannot create its temp folder") from None
             _carry_over(t, None, keep)  # refuse early, before the (possibly long) build
             yield tmp
             _carry_over(t, tmp, keep)
@@ -562,7 +671,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
             try:
                 if not os.path.lexists(t):
                     recover(lock)  # puts an aside folder back
-                if os.path.lexists(tmp):
+                if made and os.path.lexists(tmp):
                     _remove_tree(tmp)
                 lock.set_journal({})
             except OSError:

@@ -162,6 +162,7 @@ class ParquetSource:
         try:
             self.ds = pads.dataset(str(path), format="parquet")
             schema = self.ds.schema
+            _ = schema.names  # decoded here: a column name that is not UTF-8 is the same one-line error
         except (pa.ArrowException, OSError, ValueError) as e:
             raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({str(e).splitlines()[0][:160]})",
                               path) from None
@@ -208,10 +209,21 @@ class ParquetSource:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(self.path)
-        for b in pf.iter_batches(batch_size=max(int(rows), 1), columns=cols + [k for k in self.filter_cols
-                                                                                if k not in cols],
-                                 use_threads=False):
+        from stratatools.traces.semantics import ChunkChecker
+
+        check = ChunkChecker(self.path)  # phases, weights, ranks, distinct ids per record (as read_trace checks)
+        def batches():  # a corrupt page or footer is a one-line error naming the file, as in read_parquet
+            try:
+                pf = pq.ParquetFile(self.path)
+                it = pf.iter_batches(batch_size=max(int(rows), 1),
+                                     columns=cols + [k for k in self.filter_cols if k not in cols], use_threads=False)
+                for b in it:
+                    yield b
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise StrataError(f"{self.path}: not a readable Parquet trace ({str(e).splitlines()[0][:160]})",
+                                  self.path) from None
+
+        for b in batches():
             if self.filter_cols:
                 keep = None
                 for k, vs in self.filter_cols.items():
@@ -244,6 +256,7 @@ class ParquetSource:
                     raise StrataError(f"{self.path}: row {row + i}: expert id {int(exp[i])} of layer {int(lay[i])} "
                                       f"is out of range for {self.n_expert} experts (the trace is for a model with "
                                       f"more experts)", self.path)
+            check(out)
             row += len(lay)
             yield out
 

@@ -826,6 +826,7 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
     prev = None   # last entry (req, pos, lay, phase)
     run = 0       # entries of the open record
     out_src = 0
+    pairs = None  # SparsePairs once the dense grid would be too large
     for c in src.chunks(rows):
         m = len(c["layer"])
         if not m:
@@ -833,17 +834,27 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
         lay, ex = c["layer"], c["expert"]
         req, pos, rank, phs = c["request"], c["position"], c["rank"], np.asarray(c["phase"], np.int64)
         n += m
-        # pair counts in a growing [layer - lo, expert] table
+        # pair counts in a growing [layer - lo, expert] table while it stays small next to the entries seen;
+        # else (ids and layers come from the file: an id of 2^24 must not size an allocation) sparse counts
         l0, l1, e1 = int(lay.min()), int(lay.max()), int(ex.max())
-        nlo = l0 if lo is None else min(lo, l0)
-        nhi = max(l1, (lo + C.shape[0] - 1) if lo is not None else l1)
-        ne = max(e1 + 1, C.shape[1])
-        if lo is None or nlo != lo or nhi - nlo + 1 != C.shape[0] or ne != C.shape[1]:
-            G = np.zeros((nhi - nlo + 1, ne), np.int64)
-            if lo is not None:
-                G[lo - nlo:lo - nlo + C.shape[0], :C.shape[1]] = C
-            C, lo = G, nlo
-        C += np.bincount((lay - lo) * C.shape[1] + ex, minlength=C.size).reshape(C.shape)
+        if pairs is None:
+            nlo = l0 if lo is None else min(lo, l0)
+            nhi = max(l1, (lo + C.shape[0] - 1) if lo is not None else l1)
+            ne = max(e1 + 1, C.shape[1])
+            if (nhi - nlo + 1) * ne > max(_DENSE_CELLS, 8 * n):
+                pairs = SparsePairs()
+                if lo is not None:
+                    pairs.add_dense(C, lo)
+                C, lo = np.zeros((0, 0), np.int64), None
+        if pairs is not None:
+            pairs.add(lay, ex)
+        else:
+            if lo is None or nlo != lo or nhi - nlo + 1 != C.shape[0] or ne != C.shape[1]:
+                G = np.zeros((nhi - nlo + 1, ne), np.int64)
+                if lo is not None:
+                    G[lo - nlo:lo - nlo + C.shape[0], :C.shape[1]] = C
+                C, lo = G, nlo
+            C += np.bincount((lay - lo) * C.shape[1] + ex, minlength=C.size).reshape(C.shape)
         ph += np.bincount(phs.clip(0, 2), minlength=3)
         new = rank == 0
         new[1:] |= (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (phs[1:] != phs[:-1])
@@ -886,12 +897,112 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
         kmin = run if kmin is None else min(kmin, run)
         kmax = run if kmax is None else max(kmax, run)
     nw = len(wins)
-    return {"C": C, "lo": lo, "n": n, "records": records, "kmin": kmin, "kmax": kmax, "ph": ph,
+    return {"C": C, "lo": lo, "pairs": pairs, "n": n, "records": records, "kmin": kmin, "kmax": kmax, "ph": ph,
             "tokens": len(tok), "requests": len(reqs), "windows": nw, "outside": out_src if nw else 0,
             "any_in": any_in, "any_out": any_out}
 
 
+class SparsePairs:
+    """(layer, expert) pair counts kept as sorted unique keys and counts (memory ~ distinct pairs, whatever the
+    ids' size), compacted as they grow."""
+
+    def __init__(self) -> None:
+        self.keys: list[np.ndarray] = []
+        self.counts: list[np.ndarray] = []
+        self.size = self.base = 0
+
+    @staticmethod
+    def key(lay: np.ndarray, ex: np.ndarray) -> np.ndarray:
+        return ((np.asarray(lay, np.int64) + 32768) << 32) | (np.asarray(ex, np.int64) & 0xFFFFFFFF)
+
+    def add(self, lay: np.ndarray, ex: np.ndarray) -> None:
+        u, c = np.unique(self.key(lay, ex), return_counts=True)
+        self._push(u, c.astype(np.int64))
+
+    def add_dense(self, C: np.ndarray, lo: int) -> None:
+        li, ei = np.nonzero(C)
+        self._push(self.key(li + lo, ei), C[li, ei].astype(np.int64))
+
+    def add_pairs(self, other: "SparsePairs") -> None:
+        k, c = other.merged()
+        self._push(k, c)
+
+    def _push(self, k: np.ndarray, c: np.ndarray) -> None:
+        if len(k):
+            self.keys.append(k)
+            self.counts.append(c)
+            self.size += len(k)
+            if self.size > 2 * self.base + (1 << 20):
+                self.merged()
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, counts), keys sorted and unique."""
+        if not self.keys:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        u, inv = np.unique(np.concatenate(self.keys), return_inverse=True)
+        c = np.bincount(inv.reshape(-1), weights=np.concatenate(self.counts)).astype(np.int64)
+        self.keys, self.counts = [u], [c]
+        self.size = self.base = len(u)
+        return u, c
+
+
+def _union_cells(parts: list[dict], n_expert: int | None) -> int:
+    """Cells of the dense grid that would hold every part's counts."""
+    los = [(p["lo"], p["lo"] + p["C"].shape[0] - 1, p["C"].shape[1]) for p in parts if p["lo"] is not None]
+    if not los:
+        return 0
+    ne = max(max(x[2] for x in los), int(n_expert or 0))
+    return (max(x[1] for x in los) - min(x[0] for x in los) + 1) * ne
+
+
+def _stats_combine_sparse(parts: list[dict], meta: dict, n_expert: int | None) -> TraceStats:
+    """:func:`_stats_combine` from sparse pair counts (a part whose ids would make a dense grid too large)."""
+    acc = SparsePairs()
+    for p in parts:
+        if p.get("pairs") is not None:
+            acc.add_pairs(p["pairs"])
+        elif p["lo"] is not None:
+            acc.add_dense(p["C"], p["lo"])
+    keys, cnt = acc.merged()
+    lay = (keys >> 32) - 32768
+    ex = keys & 0xFFFFFFFF
+    n = sum(p["n"] for p in parts)
+    emax = int(ex.max()) if len(ex) else -1
+    E = max(int(n_expert) if n_expert else emax + 1, emax + 1)
+    ul, first = np.unique(lay, return_index=True)
+    bounds = list(first) + [len(lay)]
+    per: list[LayerStats] = []
+    for i, L in enumerate(ul.tolist()):
+        cc = cnt[bounds[i]:bounds[i + 1]]
+        tot = int(cc.sum())
+        if tot == 0:
+            continue
+        pr = cc / tot
+        per.append(LayerStats(layer=int(L), entries=tot, distinct_experts=int(len(cc)),
+                              concentration=_top_share(cc, E), entropy_bits=float(-(pr * np.log2(pr)).sum())))
+    ks = [p["kmin"] for p in parts if p["kmin"] is not None]
+    ph = sum((p["ph"] for p in parts), np.zeros(3, np.int64))
+    any_in = any(p["any_in"] for p in parts)
+    any_out = any(p["any_out"] for p in parts)
+    lmin, lmax = (int(ul[0]), int(ul[-1])) if len(ul) else (None, None)
+    n_cells = (lmax - lmin + 1) * E if len(ul) else 0
+    return TraceStats(entries=n, records=sum(p["records"] for p in parts), tokens=sum(p["tokens"] for p in parts),
+                      requests=sum(p["requests"] for p in parts), layers=len(per), layer_min=lmin, layer_max=lmax,
+                      k_min=int(min(ks) if ks else 0),
+                      k_max=int(max([p["kmax"] for p in parts if p["kmax"] is not None] or [0])), n_expert=E,
+                      phases={PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]},
+                      concentration=_top_share(cnt, n_cells) if n else 0.0,
+                      mean_entropy_bits=float(np.mean([x.entropy_bits for x in per])) if per else 0.0,
+                      per_layer=per, meta=meta, windows=sum(p["windows"] for p in parts),
+                      outside_windows=sum(p["outside"] for p in parts),
+                      rounds="positions" if not any_in else ("windows+positions" if any_out else "windows"))
+
+
 def _stats_combine(parts: list[dict], meta: dict, n_expert: int | None) -> TraceStats:
+    n = sum(p["n"] for p in parts)
+    if any(p.get("pairs") is not None for p in parts) or (n and _union_cells(parts, n_expert) > max(_DENSE_CELLS,
+                                                                                                    8 * n)):
+        return _stats_combine_sparse(parts, meta, n_expert)
     C = np.zeros((0, 0), np.int64)
     lo = None
     for p in parts:
@@ -907,7 +1018,6 @@ def _stats_combine(parts: list[dict], meta: dict, n_expert: int | None) -> Trace
         G[lo - nlo:lo - nlo + C.shape[0], :C.shape[1]] += C
         G[plo - nlo:plo - nlo + P.shape[0], :P.shape[1]] += P
         C, lo = G, nlo
-    n = sum(p["n"] for p in parts)
     ks = [p["kmin"] for p in parts if p["kmin"] is not None]
     kmin = min(ks) if ks else 0
     kmax = max([p["kmax"] for p in parts if p["kmax"] is not None] or [0])

@@ -86,12 +86,12 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
     if fmt == "llama-csv":
         from stratatools.traces.formats.text import read_llama_csv
         t = read_llama_csv(path, n_layers, n_expert)
-        check_semantics(t, path)
+        check_semantics(t, path, distinct=False)  # the text readers check ids per record, naming the line
         return t
     if fmt == "csv":
         from stratatools.traces.formats.text import read_kit_csv
         t = read_kit_csv(path, n_layers, n_expert)
-        check_semantics(t, path)
+        check_semantics(t, path, distinct=False)
         return t
     if fmt == "parquet":
         from stratatools.traces.formats.parquet import read_parquet
@@ -104,7 +104,12 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
 def write_trace(table: TraceTable, path: str | os.PathLike, fmt: str) -> None:
     """Write ``table`` as ``fmt`` (one of :data:`WRITE_FORMATS`) atomically. Overwrites ``path``: callers
     guard it (:func:`stratatools.core.fsutil.guard_output`). Raises StrataError for an unknown format or a table the
-    format cannot hold."""
+    format cannot hold, and for a table the readers would refuse (:func:`~stratatools.traces.semantics.
+    check_semantics`: a repeated id in one record, a bad phase, weight or rank), before anything is written."""
+    from stratatools.traces.semantics import check_semantics
+
+    if fmt in WRITE_FORMATS:
+        check_semantics(table, f"{path} (not written)")
     if fmt == "strata":
         from stratatools.traces.formats.strata import write_strata
         return write_strata(table, path, tagged=False)

@@ -45,6 +45,7 @@ Decisions on bad input (each raises :class:`StrataError` with the byte offset of
   when ``n_layers`` is not given): refused, because a trace of another expert numbering would otherwise build a
   silently wrong profile. Layers >= ``n_layers`` (an MTP block, which may keep the canonical expert count) are
   kept in the table; :func:`stratatools.profiles.ranking.count_pairs` leaves them out and counts them;
+* an expert id equal to an earlier id of the same record: refused (a router's top-k are k different experts);
 * a non-finite weight: refused. A record whose weights are all zero (verify windows) gets unit weights.
 
 Untagged files: negative-layer records are skipped and counted; every route record is decode (Strata writes
@@ -69,7 +70,9 @@ from stratatools.core.fsutil import AtomicFile
 from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, Records, TraceTable, no_hugepages, record_bounds
 from stratatools.traces.formats.strata_spec import (  # noqa: F401  (re-exported: the format's limits and tags)
     CHUNK_BYTES, MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_BOOT, TAG_COMMIT, TAG_FORMAT, TAG_NAMES, TAG_OWNED,
-    TAG_PHASE, TAG_REQUEST, _PHASE_OF_VALUE, _err, _expand, _k_error, _token_major_layers, ordinal_positions)
+    TAG_PHASE, TAG_REQUEST, _PHASE_OF_VALUE, _err, _expand, _k_error, _repeat_err, _token_major_layers,
+    ordinal_positions)
+from stratatools.traces.semantics import first_repeat_rows
 
 class _Reader:
     """One pass over a trace file in fixed chunks; route records go straight into preallocated columns."""
@@ -284,6 +287,11 @@ class _Reader:
                 errs.append((o, _err(self.path, o, f"expert id {int(ids[j, c])} of layer {int(rl[j])} is out of "
                                      f"range for {self.n_expert} experts",
                                      "the trace is for a model with more experts; check --n-expert / --model")))
+        rep = first_repeat_rows(out_e.reshape(nr, k))
+        if rep is not None:
+            j, c = rep
+            o = rec_off(j) + 8 + 4 * c
+            errs.append((o, _repeat_err(self.path, o, int(ids[j, c]), int(rl[j]))))
         if not np.isfinite(np.add.reduce(out_w, dtype=np.float64)):  # one pass; NaN/inf make the sum non-finite
             fin = np.isfinite(w)
             if not fin.all():
@@ -566,6 +574,8 @@ def _read_plain_fast(path: Path, size: int, n_layers: int | None, n_expert: int 
         return None
     w = v[:, 2 + k:].view("<f4")
     if not np.isfinite(np.add.reduce(w, axis=None, dtype=np.float32)):  # NaN/inf (or overflow): exact reader
+        return None
+    if first_repeat_rows(ids) is not None:  # an id twice in one record: the exact reader names its byte
         return None
     cand = np.flatnonzero(w[:, 0] == 0)  # a record of all-zero weights starts with a zero weight
     unit_rows = cand[~(w[cand] != 0).any(axis=1)] if len(cand) else None

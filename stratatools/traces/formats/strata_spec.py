@@ -8,6 +8,7 @@ from typing import Any
 from stratatools.core.errors import StrataError
 import numpy as np
 
+from stratatools.traces.semantics import REPEAT_FIX
 from stratatools.traces.table import DECODE, PREFILL, Records, TraceTable
 
 MAX_ROUTE_K = 1024
@@ -26,6 +27,12 @@ def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
     if fix:
         msg += f" ({fix})"
     return StrataError(msg, path)
+
+
+def _repeat_err(path: Any, off: int, expert: int, layer: int) -> StrataError:
+    """The error for an expert id at byte ``off`` that repeats an earlier id of its record (shared by the three
+    Strata readers, so they name the same byte)."""
+    return _err(path, off, f"expert id {expert} appears twice in one record (layer {layer})", REPEAT_FIX)
 
 
 def _k_error(path: Any, layer: int, k: int, off: int, max_route_k: int) -> StrataError | None:

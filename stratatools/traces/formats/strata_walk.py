@@ -33,7 +33,9 @@ import numpy as np
 from stratatools.core.jit import HAVE_NUMBA, njit
 from stratatools.core.errors import StrataError
 from stratatools.traces.table import DECODE, UNKNOWN, TraceTable
-from stratatools.traces.formats.strata_spec import MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_FORMAT, TAG_NAMES, _err, _expand, _k_error
+from stratatools.traces.formats.strata_spec import (MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_FORMAT, TAG_NAMES, _err,
+                                                    _expand, _k_error, _repeat_err)
+from stratatools.traces.repeats import _first_in_span
 
 __all__ = ["HAVE_NUMBA", "walk", "read_walk"]
 
@@ -49,7 +51,7 @@ S_NWIN, S_REQ, S_PHASE, S_COMMITS, S_ACC, S_WREC = 17, 18, 19, 20, 21, 22
 N_STATE = 24
 
 # scan errors
-E_K, E_LAYER, E_IDNEG, E_IDBIG, E_WEIGHT = 1, 4, 5, 6, 7  # E_K: a refused k (byte: the record's start)
+E_K, E_LAYER, E_IDNEG, E_IDBIG, E_WEIGHT, E_REPEAT = 1, 4, 5, 6, 7, 8  # E_K: a refused k (byte: the record's start)
 # tag-payload errors (deferred: the chunked reader raises them after scanning the whole file)
 D_FMT_EMPTY, D_FMT_VERSION, D_REQUEST, D_PHASE, D_COMMIT = 1, 2, 3, 4, 5
 
@@ -195,16 +197,31 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
             v = a[io + c]
             expert[ne + c] = v
             mx = max(mx, np.uint32(v))
+        # an id twice in the record: rank of the first repeat (-1: none); the lower byte of this and a range
+        # error is reported, as the chunked reader does
+        rep = np.int64(-1)
+        if k > 1:
+            rep = _first_in_span(expert, np.int64(ne), np.int64(ne) + k)
+            if rep >= 0:
+                rep -= np.int64(ne)
         if mx >= lim:
             bad = np.int64(0)
             for c in range(k):
                 if np.uint32(a[io + np.uint64(c)]) >= lim:
                     bad = c
                     break
-            v = np.int64(a[io + np.uint64(bad)])
-            st[S_ERR] = E_IDNEG if v < 0 else E_IDBIG
-            st[S_EOFF] = off + 8 + 4 * bad
-            st[S_EA] = v
+            if rep < 0 or bad < rep:
+                v = np.int64(a[io + np.uint64(bad)])
+                st[S_ERR] = E_IDNEG if v < 0 else E_IDBIG
+                st[S_EOFF] = off + 8 + 4 * bad
+                st[S_EA] = v
+                st[S_EB] = layer
+                status = 2
+                break
+        if rep >= 0:
+            st[S_ERR] = E_REPEAT
+            st[S_EOFF] = off + 8 + 4 * rep
+            st[S_EA] = np.int64(a[io + np.uint64(rep)])
             st[S_EB] = layer
             status = 2
             break
@@ -276,6 +293,8 @@ def _scan_error(path: Any, st: np.ndarray, n_expert: int | None, max_route_k: in
                     "the file is corrupt or not a Strata routing trace")
     if code == E_IDNEG:
         return _err(path, off, f"expert id {va} is negative (layer {vb})", "the file is corrupt")
+    if code == E_REPEAT:
+        return _repeat_err(path, off, va, vb)
     if code == E_IDBIG:
         return _err(path, off, f"expert id {va} of layer {vb} is out of range for {n_expert} experts",
                     "the trace is for a model with more experts; check --n-expert / --model")

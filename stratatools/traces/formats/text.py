@@ -14,7 +14,10 @@ per routed entry; prompt ids become request numbers in order of first appearance
 Bad input (StrataError with the line number, 1-based, header included):
 a non-numeric or missing field; a negative layer or one above 4096; a negative expert id; an expert id >=
 ``n_expert`` on a layer below ``n_layers`` (same rule as the Strata reader); a rank outside 0..1023; a
-non-finite weight; an empty file or a header without rows; rows of one llama-csv line beyond 1024 ids.
+non-finite weight; an empty file or a header without rows; rows of one llama-csv line beyond 1024 ids; an
+expert id twice in one llama-csv row or one ``csv`` record (the rows of one prompt, token_pos, layer and phase,
+from rank 0 on); a negative ``token_pos`` in ``csv`` (positions count from 0; llama.cpp's negative prompt
+positions belong to ``llama-csv``, and a table holding them is written to Parquet, not to ``csv``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from stratatools.core.errors import StrataError
 from stratatools.core.fsutil import AtomicFile, sha256_file
 from stratatools.traces.table import DECODE, PHASE_NAMES, PREFILL, UNKNOWN, TraceTable
 from stratatools.traces.formats.strata import MAX_LAYER, MAX_ROUTE_K
+from stratatools.traces.semantics import REPEAT_FIX, check_record_lengths, first_repeat
 
 KIT_COLUMNS = ["model", "prompt_id", "token_pos", "layer", "rank", "expert_id", "weight"]
 _PHASE_BY_NAME = {"prefill": PREFILL, "decode": DECODE, "unknown": UNKNOWN, "0": PREFILL, "1": DECODE, "2": UNKNOWN}
@@ -126,6 +130,13 @@ def read_llama_csv(path: str | os.PathLike, n_layers: int | None = None, n_exper
     expert = np.array(ids, np.int64)
     line_of = np.repeat(np.array(lines), rec_k)
     _check_ranges(path, line_of, np.repeat(rec_layer, rec_k), expert, n_layers, n_expert)
+    rec_starts = np.cumsum(rec_k) - rec_k
+    i = first_repeat(expert, rec_starts)
+    if i >= 0:
+        r = int(np.searchsorted(rec_starts, i, side="right")) - 1
+        c = i - int(rec_starts[r])
+        raise _line_err(path, lines[r], f"expert id {int(expert[i])} appears twice in one row (id{c} repeats an "
+                        f"earlier id)", REPEAT_FIX)
     rec_phase = np.where(rec_pos < 0, PREFILL, DECODE).astype(np.int8)
     new_req = np.r_[False, (rec_phase[1:] == PREFILL) & (rec_phase[:-1] == DECODE)]
     rec_req = np.cumsum(new_req).astype(np.int32)
@@ -223,7 +234,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     expert = df["expert_id"].to_numpy()
     weight = df["weight"].to_numpy()
     window = df["window"].to_numpy() if has_window else None
-    ranges = [("token_pos", pos, -(2 ** 31), 2 ** 31 - 1), ("rank", rank, 0, MAX_ROUTE_K - 1),
+    ranges = [("token_pos", pos, 0, 2 ** 31 - 1), ("rank", rank, 0, MAX_ROUTE_K - 1),
               ("expert_id", expert, -(2 ** 31), 2 ** 31 - 1)]
     if window is not None:
         ranges.append(("window", window, -1, 2 ** 31 - 1))
@@ -248,6 +259,18 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         phase = ph.to_numpy().astype(np.int8)
     else:
         phase = np.broadcast_to(np.int8(UNKNOWN), (len(df),))
+    # records: consecutive rows of one (prompt, position, layer, phase), a new one at every rank 0
+    new = np.array(rank == 0, dtype=bool, copy=True)
+    new[0] = True
+    for a in (codes, pos, layer, phase):
+        if np.asarray(a).strides != (0,):
+            new[1:] |= a[1:] != a[:-1]
+    starts = np.flatnonzero(new)
+    check_record_lengths(starts, len(rank), path, "line", place=lambda i: line_of_rows()[i])
+    i = first_repeat(expert, starts)
+    if i >= 0:
+        raise _line_err(path, int(line_of_rows()[i]), f"expert_id {int(expert[i])} appears twice in one record "
+                        f"(prompt {names[codes[i]]}, token_pos {int(pos[i])}, layer {int(layer[i])})", REPEAT_FIX)
     models = list(pd.unique(df["model"]))
     meta: dict[str, Any] = {"source_format": "csv", "source_path": str(path), "source_sha256": sha256_file(path),
                             "source_bytes": path.stat().st_size, "request_names": [str(x) for x in names],
@@ -268,8 +291,20 @@ def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 <<
     ``model`` is ``meta["model_name"]`` (or the source format); ``prompt_id`` is the request's name from
     ``meta["request_names"]`` when present, else the request number. Weights are written with 9 significant
     digits (float32 round-trips). A last ``window`` column is added when the table has verify windows.
+
+    Raises:
+        StrataError: a table with negative positions (llama.cpp prompt rows): ``csv`` positions count from 0 and
+            its reader refuses them; nothing is written.
     """
     import pandas as pd
+
+    if len(table):
+        pos = np.asarray(table.position)
+        if int(pos.min()) < 0:
+            i = int(np.argmax(pos < 0))
+            raise StrataError(f"{path}: row {i}: position {int(pos[i])} is negative; csv positions count from 0 "
+                              f"(write this trace --to parquet, which keeps llama.cpp's negative prompt positions)",
+                              path)
 
     model = str(table.meta.get("model_name") or table.meta.get("source_format") or "trace")
     names = table.meta.get("request_names")
