@@ -207,6 +207,27 @@ def test_q8_0_q4_0_equal_gguf_quants(tname):
     assert np.array_equal(quantize(x[5:7, :64].reshape(2, 64), tname), want[5:7, :want.shape[1] // 4])
 
 
+@pytest.mark.parametrize("tname", ["Q2_0", "IQ2_XS", "Q8_0"])
+def test_random_tensor_pieces_keep_the_frame_stream(monkeypatch, tname):
+    # random tensors are handed on in small pieces, but the bytes are those of whole frames drawn at once (a seed
+    # gives the same model whatever the piece size); frames end mid-word for these block sizes
+    import zlib
+
+    import stratatools.synth.model as sm
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.synth.model import TSpec, _producer
+
+    t = type_by_name(tname)
+    monkeypatch.setattr(sm, "_RANDOM_FRAME_BYTES", 37 * t.type_size + 3)   # 37 blocks a frame
+    monkeypatch.setattr(sm, "_CHUNK_BYTES", 5 * t.type_size)               # pieces of 4 or 8 blocks
+    sp = TSpec("blk.0.ffn_up_exps.weight", (t.block_size * 10, 9, 1), t, random=True)  # 90 blocks: 37 + 37 + 16
+    pieces = list(_producer(sp, 11)())
+    assert len(pieces) > 3 and all(p.nbytes <= 8 * t.type_size for p in pieces)
+    rng = np.random.default_rng([11, zlib.crc32(sp.name.encode("utf-8"))])
+    want = np.concatenate([random_blocks(t, n, rng) for n in (37, 37, 16)])
+    assert np.array_equal(np.concatenate(pieces), want)
+
+
 def test_random_blocks_are_sane():
     rng = np.random.default_rng(1)
     for t in ("Q2_0", "IQ2_XS", "IQ4_NL", "IQ3_XXS"):

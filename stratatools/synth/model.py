@@ -57,7 +57,12 @@ if TYPE_CHECKING:  # the GGUF reader is imported only to cut pruned revisions (s
 
 ARCH = "qwen4exp"
 _CHUNK_VALUES = 1 << 20     # floats generated per chunk when quantizing
-_CHUNK_BYTES = 16 << 20     # bytes per chunk for random blocks and copies
+_CHUNK_BYTES = 1 << 20      # bytes per chunk handed to the writer (random blocks and copies)
+# Random blocks are drawn in frames of 16 MiB (the bit generator's words are rounded up per frame, as they always
+# were, so a seed gives the same bytes) and handed on in ~1 MiB pieces: a piece stays in the CPU caches between the
+# producer and the write() that copies it, and numpy neither maps fresh huge pages nor zeroes them for it (16 MiB
+# chunks made the whole write about twice as slow in CPU time; bench/bench_synth.py).
+_RANDOM_FRAME_BYTES = 16 << 20
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -636,9 +641,13 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
             return
         if spec.random:
             total = t.nbytes(spec.ne) // t.type_size
-            per = max(1, _CHUNK_BYTES // t.type_size)
-            for b0 in range(0, total, per):
-                yield random_blocks(t, min(per, total - b0), rng)
+            frame = max(1, _RANDOM_FRAME_BYTES // t.type_size)
+            step = 8 // math.gcd(t.type_size, 8)  # pieces of whole 64-bit words: no word split between pieces
+            piece = max(step, _CHUNK_BYTES // t.type_size // step * step)
+            for f0 in range(0, total, frame):
+                n = min(frame, total - f0)
+                for b0 in range(0, n, piece):  # the frame's last piece rounds up to a whole word, like the frame
+                    yield random_blocks(t, min(piece, n - b0), rng)
             return
         rpc = max(1, _CHUNK_VALUES // ne0)
         for r0 in range(0, rows, rpc):
@@ -1033,9 +1042,9 @@ def _prefetched(prod: Callable[[], Iterable[Any]], depth: int = 2) -> Callable[[
     return gen
 
 
-def _pipelined(prods: list[Callable[[], Iterable[Any]]], depth: int = 3) -> list[Callable[[], Iterator[Any]]]:
+def _pipelined(prods: list[Callable[[], Iterable[Any]]], depth: int = 8) -> list[Callable[[], Iterator[Any]]]:
     """Producers for tensors that are consumed in list order (one model file, or shards in order): one helper
-    thread makes the chunks of every tensor in turn, at most ``depth`` chunks (16 MiB each at most) ahead of the
+    thread makes the chunks of every tensor in turn, at most ``depth`` chunks (1 MiB or so each) ahead of the
     writer, across tensor boundaries, so the writer never waits for a tensor's first chunk and no thread is
     started per tensor. Errors of a producer are raised in the caller; a consumer that stops early (an error while
     writing) stops the helper."""
