@@ -59,9 +59,9 @@ ARCH = "qwen4exp"
 _CHUNK_VALUES = 1 << 20     # floats generated per chunk when quantizing
 _CHUNK_BYTES = 1 << 20      # bytes per chunk handed to the writer (random blocks and copies)
 # Random blocks are drawn in frames of 16 MiB (the bit generator's words are rounded up per frame, as they always
-# were, so a seed gives the same bytes) and handed on in ~1 MiB pieces: a piece stays in the CPU caches between the
-# producer and the write() that copies it, and numpy neither maps fresh huge pages nor zeroes them for it (16 MiB
-# chunks made the whole write about twice as slow in CPU time; bench/bench_synth.py).
+# were, so a seed gives the same bytes) and handed on in ~1 MiB pieces: a piece is not fresh memory to fault in and
+# is still in the CPU caches when write() copies it (16 MiB chunks cost up to about twice the CPU time per MiB;
+# docs/synthetic-routing.md, "Full width, and write speed").
 _RANDOM_FRAME_BYTES = 16 << 20
 
 
