@@ -53,3 +53,16 @@ def test_not_a_gguf(tmp_path):
     p.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(StrataError, match="not a GGUF"):
         open_model(p)
+
+
+def test_type_table_matches_gguf_package():
+    # the built-in table (no gguf import at start-up) must agree with the pinned gguf package, id by id
+    import gguf
+
+    from stratatools.model.ggml_types import TYPES, type_by_id
+
+    for qt, (block, size) in gguf.GGML_QUANT_SIZES.items():
+        t = type_by_id(int(qt))
+        assert (t.name, t.block_size, t.type_size) == (qt.name, int(block), int(size))
+    assert set(TYPES) - {int(q) for q in gguf.GGML_QUANT_SIZES} == {42}
+    assert (TYPES[42].name, TYPES[42].block_size, TYPES[42].type_size) == ("Q2_0", 64, 18)

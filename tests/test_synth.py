@@ -62,6 +62,55 @@ def test_tokenizer_is_consistent():
         assert a in vocab and b in vocab and a + b in vocab
 
 
+def _plain_bpe(vocab_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Reference BPE: recount every pair of the whole text before each merge (what build_tokenizer must equal)."""
+    from collections import Counter
+
+    from stratatools.synth.model import _CORPUS, _PRETOK, _SPECIALS, byte_to_unicode
+
+    bmap = byte_to_unicode()
+    vocab = [bmap[b] for b in bmap]
+    words = Counter(tuple(bmap[b] for b in w.encode("utf-8")) for w in _PRETOK.findall(_CORPUS))
+    merges = []
+    while len(vocab) < vocab_size - len(_SPECIALS):
+        pairs: Counter = Counter()
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] += c
+        if not pairs:
+            break
+        (a, b), cnt = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        if cnt < 2:
+            break
+        merges.append(f"{a} {b}")
+        if a + b not in vocab:
+            vocab.append(a + b)
+        nw: Counter = Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == (a, b):
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            nw[tuple(out)] += c
+        words = nw
+    return tuple(vocab) + _SPECIALS, tuple(merges)
+
+
+@pytest.mark.parametrize("vocab", [260, 300, 512, 4096])
+def test_tokenizer_equals_plain_bpe(vocab):
+    # the incremental learner (pair counts kept up to date, heap) makes exactly the merges of a full recount
+    t = build_tokenizer(vocab)
+    tokens, merges = _plain_bpe(vocab)
+    assert t.merges == merges and t.tokens == tokens
+    assert len(t.merges) >= 1
+    if vocab == 512:
+        assert (len(t.tokens), len(t.merges)) == (391, 132)  # the built-in text runs out of repeated pairs
+
+
 def test_deterministic_for_a_seed(rel, tmp_path):
     again = synth_release(tmp_path / "again", SynthConfig(seed=7))
     for a, b in [(rel.canonical, again.canonical), (rel.revA.path, again.revA.path),
@@ -136,6 +185,47 @@ def test_q2_0_quantizer_round_trip_and_kit_layout(kit):
         assert c > 0.7  # a wrong code layout gives ~0
         ours = dequantize_q2_0(quantize_q2_0(ref))
         assert np.linalg.norm(ours - ref) <= 1.05 * np.linalg.norm(deq - ref)
+
+
+@pytest.mark.parametrize("tname", ["Q8_0", "Q4_0"])
+def test_q8_0_q4_0_equal_gguf_quants(tname):
+    # our quantizers (no gguf import at run time) give gguf.quants' bytes: normals, exact halves, zeros, ties
+    import gguf
+    from gguf.quants import quantize as gq
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 256)).astype(np.float32) * 0.02
+    x[0] = 0.0
+    x[1, :32] = np.arange(32, dtype=np.float32) - 15.5          # halves after scaling
+    x[2, :32] = np.float32(-1.0)                                  # one value of largest magnitude, negative
+    x[3, :32] = np.tile(np.float32([1.0, -1.0]), 16)             # |max| tie between signs
+    x[4] = rng.integers(-127, 128, 256).astype(np.float32) / 2   # ties in roundf
+    want = np.ascontiguousarray(gq(x, gguf.GGMLQuantizationType[tname]), dtype=np.uint8)
+    got = quantize(x, tname)
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    assert np.array_equal(got, want)
+    assert np.array_equal(quantize(x[5:7, :64].reshape(2, 64), tname), want[5:7, :want.shape[1] // 4])
+
+
+@pytest.mark.parametrize("tname", ["Q2_0", "IQ2_XS", "Q8_0"])
+def test_random_tensor_pieces_keep_the_frame_stream(monkeypatch, tname):
+    # random tensors are handed on in small pieces, but the bytes are those of whole frames drawn at once (a seed
+    # gives the same model whatever the piece size); frames end mid-word for these block sizes
+    import zlib
+
+    import stratatools.synth.model as sm
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.synth.model import TSpec, _producer
+
+    t = type_by_name(tname)
+    monkeypatch.setattr(sm, "_RANDOM_FRAME_BYTES", 37 * t.type_size + 3)   # 37 blocks a frame
+    monkeypatch.setattr(sm, "_CHUNK_BYTES", 5 * t.type_size)               # pieces of 4 or 8 blocks
+    sp = TSpec("blk.0.ffn_up_exps.weight", (t.block_size * 10, 9, 1), t, random=True)  # 90 blocks: 37 + 37 + 16
+    pieces = list(_producer(sp, 11)())
+    assert len(pieces) > 3 and all(p.nbytes <= 8 * t.type_size for p in pieces)
+    rng = np.random.default_rng([11, zlib.crc32(sp.name.encode("utf-8"))])
+    want = np.concatenate([random_blocks(t, n, rng) for n in (37, 37, 16)])
+    assert np.array_equal(np.concatenate(pieces), want)
 
 
 def test_random_blocks_are_sane():

@@ -133,3 +133,12 @@ def test_skew_or_locality_with_a_routing_that_ignores_them_is_refused(cli, tmp_p
     assert code == 2 and "Traceback" not in err
     assert f"{opt} 0.5" in err and routing in err and "realistic" in err
     assert not out.exists()
+
+
+def test_cli_help_presets_match_routing():
+    # the synth command shows the routing presets without importing numpy; they must be the library's
+    from stratatools.cli import model_cmds
+    from stratatools.synth.routing import PRESETS
+
+    assert PRESETS["realistic"] == (model_cmds.DEFAULT_SKEW, model_cmds.DEFAULT_LOCALITY)
+    assert PRESETS["bursty"] == (model_cmds.BURSTY_SKEW, model_cmds.BURSTY_LOCALITY)

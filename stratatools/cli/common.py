@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 # No markup, emoji or highlighting is ever read from text: file names, tensor names, reasons and messages come from
 # user input ("[/]" would raise MarkupError, "[shard]" would vanish, ":-1:" would become an emoji). Styled words are
@@ -73,6 +72,8 @@ def progress_bar(description: str, total: int | None, bytes_: bool = True) -> It
     if STATE.quiet or not err_console.is_terminal:
         yield _NullBar()
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     cols = [TextColumn("{task.description}", markup=False), BarColumn()]
     if bytes_:
         cols += [DownloadColumn(), TransferSpeedColumn()]

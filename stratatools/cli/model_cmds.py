@@ -1,20 +1,27 @@
 """CLI commands on models: ``inspect``, ``pack``, ``synth``. Each parses options, calls one library function and
-renders its result (rich tables, or JSON with ``--json``)."""
+renders its result (rich tables, or JSON with ``--json``).
+
+The library modules are imported inside the commands: every command's start-up pays only for what it runs
+(``synth`` does not load the pack or inspect code, nor the GGUF reader unless it writes pruned revisions)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.table import Table
 
 from stratatools.core.errors import StrataError
-from stratatools.pack.inspect import InspectReport, inspect_model
-from stratatools.pack.native import PackResult, pack_model
-from stratatools.synth.model import ReleaseInfo, SynthConfig, config_with, estimate_bytes, synth_release
-from stratatools.synth.routing import BURSTY_LOCALITY, BURSTY_SKEW, DEFAULT_LOCALITY, DEFAULT_SKEW
 from stratatools.cli import common
+
+if TYPE_CHECKING:
+    from stratatools.pack.inspect import InspectReport
+    from stratatools.pack.native import PackResult
+    from stratatools.synth.model import ReleaseInfo
+
+# the routing presets shown in --help (stratatools.synth.routing.PRESETS; kept equal by tests/test_synth_routing.py,
+# copied so that building the command line does not import numpy)
+DEFAULT_SKEW, DEFAULT_LOCALITY, BURSTY_SKEW, BURSTY_LOCALITY = 2.1, 0.3, 1.0, 0.6
 
 
 def _gib(n: int) -> str:
@@ -28,6 +35,8 @@ def _gib(n: int) -> str:
 # ----------------------------------------------------------------------------------------- inspect
 def render_inspect(r: InspectReport) -> None:
     """Print an :class:`InspectReport` as rich tables on the shared console (the --json form is ``r.to_dict()``)."""
+    from rich.table import Table
+
     c = common.console
     t = Table(title=f"{Path(r.path).name}", show_header=False, title_justify="left")
     t.add_column("field", style="bold")
@@ -65,6 +74,8 @@ def inspect_cmd(
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Show a MoE GGUF's geometry: layers, trunk/MTP, experts per layer from the routers, types, blob bytes, shards."""
+    from stratatools.pack.inspect import inspect_model
+
     r = inspect_model(model)
     if json_:
         common.emit_json(r.to_dict())
@@ -75,6 +86,8 @@ def inspect_cmd(
 # -------------------------------------------------------------------------------------------- pack
 def render_pack(r: PackResult) -> None:
     """Print a :class:`PackResult`: one row per layer (types, offsets, blob bytes, shard) and the totals."""
+    from rich.table import Table
+
     c = common.console
     t = Table(title=f"native pack {r.packdir}", title_justify="left")
     for col in ("layer", "gu", "down", "offset", "blob bytes", "gate_off", "up_off", "down_off", "shard"):
@@ -103,6 +116,8 @@ def pack_cmd(
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Write Strata's native pack for a MoE GGUF (docs/formats.md, 'The native pack')."""
+    from stratatools.pack.native import pack_model
+
     with common.progress_bar("packing experts", None) as bar:
         def start(total: int) -> None:
             if total:
@@ -134,6 +149,8 @@ def _parse_types(spec: str) -> dict[str, object]:
 
 def render_synth(r: ReleaseInfo) -> None:
     """Print a synthetic :class:`ReleaseInfo`: the files written per revision, sizes and write speed."""
+    from rich.table import Table
+
     c = common.console
     t = Table(title=f"synthetic release in {r.outdir}", title_justify="left")
     t.add_column("model")
@@ -186,6 +203,8 @@ def synth_cmd(
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Write a tiny synthetic qwen4exp release: canonical model, pruned revA/revB and their allocation maps."""
+    from stratatools.synth.model import SynthConfig, config_with, estimate_bytes, synth_release
+
     if routing != "realistic":
         for name, val in (("--skew", skew), ("--locality", locality)):
             if val is not None:

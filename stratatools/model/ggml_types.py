@@ -1,15 +1,16 @@
 """ggml tensor types: ids, names and block geometry.
 
-The table comes from the ``gguf`` package (``GGMLQuantizationType`` and ``GGML_QUANT_SIZES``) and is
-extended with the types that package (0.19.0) does not know, above all **Q2_0** (id 42, 64 values in 18
-bytes: fp16 scale then 16 bytes of 2-bit codes; formats.md section 1, llama.cpp ggml-common.h).
+The table holds the ids, names and (values per block, bytes per block) of the ``gguf`` package 0.19.0
+(``GGMLQuantizationType`` and ``GGML_QUANT_SIZES``, the pinned dependency; ``tests/test_gguf_core.py`` checks
+they agree) plus the types that package does not know, above all **Q2_0** (id 42, 64 values in 18 bytes: fp16
+scale then 16 bytes of 2-bit codes; formats.md section 1, llama.cpp ggml-common.h). It is written out here
+rather than read from ``gguf`` at import time because importing ``gguf`` (and the yaml it pulls in) costs
+about 0.1 s of every command's start-up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import gguf
 
 from stratatools.core.errors import StrataError
 
@@ -44,15 +45,23 @@ class GGMLType:
         return self.row_bytes(int(ne[0])) * n_rows if ne else self.type_size
 
 
+# id: (name, values per block, bytes per block); gguf 0.19.0 GGML_QUANT_SIZES, then the types it lacks
+_TABLE: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+    # not in gguf 0.19.0; geometry from llama.cpp ggml.c type_traits (formats.md section 1)
+    42: ("Q2_0", 64, 18),
+}
+
+
 def _build_table() -> dict[int, GGMLType]:
-    table: dict[int, GGMLType] = {}
-    for qt, (block, size) in gguf.GGML_QUANT_SIZES.items():
-        table[int(qt)] = GGMLType(int(qt), qt.name, int(block), int(size))
-    # gguf 0.19.0 lacks these; geometry from llama.cpp ggml.c type_traits (formats.md section 1).
-    extra = {42: ("Q2_0", 64, 18)}
-    for tid, (name, block, size) in extra.items():
-        table.setdefault(tid, GGMLType(tid, name, block, size))
-    return table
+    return {tid: GGMLType(tid, name, block, size) for tid, (name, block, size) in _TABLE.items()}
 
 
 TYPES: dict[int, GGMLType] = _build_table()

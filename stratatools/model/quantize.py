@@ -1,7 +1,9 @@
 """Block quantizers the synthetic releases need, and random-but-valid blocks for large benchmark models.
 
-* :func:`quantize` turns float32 rows into the bytes of one ggml type: F32, F16, BF16 (numpy), Q8_0 and Q4_0
-  (``gguf.quants``, which implements them), **Q2_0** (ours: ``gguf`` 0.19.0 does not know type 42).
+* :func:`quantize` turns float32 rows into the bytes of one ggml type: F32, F16, BF16, Q8_0 and Q4_0 (numpy, the
+  rounding of ggml-quants.c ``quantize_row_q8_0_ref`` / ``quantize_row_q4_0_ref``; bit-identical to
+  ``gguf.quants``, tests/test_synth.py checks it, without importing ``gguf`` at run time), **Q2_0** (``gguf``
+  0.19.0 does not know type 42).
 * Q2_0 block (formats.md section 1; llama.cpp ggml-common.h ``block_q2_0``): fp16 scale ``d`` then 16 bytes of
   2-bit codes; value j is code ``(qs[j // 4] >> (2 * (j % 4))) & 3`` and dequantizes to ``(code - 1) * d``
   (levels -d, 0, d, 2d; a negative d mirrors them).
@@ -82,6 +84,40 @@ def dequantize_q2_0(data: np.ndarray) -> np.ndarray:
     return vals.reshape(*lead, data.shape[-1] // Q2_0_BYTES * Q2_0_BLOCK)
 
 
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C ``roundf`` on float32 (halves away from zero), exactly: no ``v + 0.5`` that could round up itself."""
+    a = np.abs(v)
+    f = np.floor(a)
+    return np.copysign(f + (a - f >= np.float32(0.5)), v)
+
+
+def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks (32 values: fp16 d = amax / 127, then 32 int8 ``roundf(v / d)``; ggml-common.h block_q8_0)."""
+    b = x.reshape(-1, 32)
+    d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    out = np.empty((b.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = d.astype("<f2").view(np.uint8)
+    out[:, 2:] = _round_half_away(b * inv).astype(np.int8).view(np.uint8)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+def _quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks (32 values: fp16 d = (the value of largest magnitude) / -8, then 16 bytes holding codes
+    ``min(15, trunc(v / d + 8.5))``, values 0..15 in the low nibbles, 16..31 in the high ones; block_q4_0)."""
+    b = x.reshape(-1, 32)
+    m = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None], axis=1)
+    d = m / np.float32(-8)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    q = np.minimum(np.trunc(b * inv + np.float32(8.5)), np.float32(15)).astype(np.uint8)
+    out = np.empty((b.shape[0], 18), dtype=np.uint8)
+    out[:, :2] = d.astype("<f2").view(np.uint8)
+    out[:, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 18)
+
+
 def _bf16(x: np.ndarray) -> np.ndarray:
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     # round to nearest even, as torch/ggml do
@@ -92,7 +128,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 def quantize(x: np.ndarray, gtype: GGMLType | str) -> np.ndarray:
     """Float rows (..., ne0) -> uint8 bytes (..., row_bytes) of ``gtype``.
 
-    Supported: F32, F16, BF16, Q8_0, Q4_0 (``gguf.quants``), Q2_0 (ours). Raises StrataError for any other type
+    Supported: F32, F16, BF16, Q8_0, Q4_0 (bit-identical to ``gguf.quants``), Q2_0. Raises StrataError for any other type
     or a row width that is not whole blocks.
     """
     t = type_by_name(gtype) if isinstance(gtype, str) else gtype
@@ -106,11 +142,10 @@ def quantize(x: np.ndarray, gtype: GGMLType | str) -> np.ndarray:
         return _bf16(x)
     if t.name == "Q2_0":
         return quantize_q2_0(x)
-    if t.name in ("Q8_0", "Q4_0"):
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quantize as gq
-
-        return np.ascontiguousarray(gq(x, GGMLQuantizationType[t.name]), dtype=np.uint8)
+    if t.name == "Q8_0":
+        return _quantize_q8_0(x)
+    if t.name == "Q4_0":
+        return _quantize_q4_0(x)
     raise StrataError(f"no quantizer for {t.name} (supported: F32, F16, BF16, Q8_0, Q4_0, Q2_0; other types are "
                       f"written as random valid blocks)")
 

@@ -41,21 +41,28 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.core.fsutil import publish_dir, write_text_atomic
 from stratatools.model.ggml_types import GGMLType, type_by_name
-from stratatools.model.gguf import Model, TensorInfo, open_model
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
 from stratatools.model.quantize import can_quantize, quantize, random_blocks
 from stratatools.synth.routing import ROUTINGS, full_values, preset, structured_names
 
+if TYPE_CHECKING:  # the GGUF reader is imported only to cut pruned revisions (start-up of a plain synth)
+    from stratatools.model.gguf import Model, TensorInfo
+
 ARCH = "qwen4exp"
 _CHUNK_VALUES = 1 << 20     # floats generated per chunk when quantizing
-_CHUNK_BYTES = 16 << 20     # bytes per chunk for random blocks and copies
+_CHUNK_BYTES = 1 << 20      # bytes per chunk handed to the writer (random blocks and copies)
+# Random blocks are drawn in frames of 16 MiB (the bit generator's words are rounded up per frame, as they always
+# were, so a seed gives the same bytes) and handed on in ~1 MiB pieces: a piece is not fresh memory to fault in and
+# is still in the CPU caches when write() copies it (16 MiB chunks cost up to about twice the CPU time per MiB;
+# docs/synthetic-routing.md, "Full width, and write speed").
+_RANDOM_FRAME_BYTES = 16 << 20
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -326,40 +333,67 @@ class Tokenizer:
 @lru_cache(maxsize=8)
 def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
     """Train a deterministic byte-level BPE on the built-in text up to ``vocab_size`` tokens (fewer when the text
-    runs out of pairs that occur twice)."""
+    runs out of pairs that occur twice).
+
+    Each step merges the most frequent adjacent pair (ties: the smallest pair in string order), left to right
+    without overlaps in every word. Pair counts are kept up to date incrementally (only the words that hold the
+    merged pair are recounted) and the best pair comes from a heap, so a vocabulary costs milliseconds, not a
+    recount of the whole text per merge (same merges as the plain recount; tests/test_synth.py checks it)."""
+    import heapq
+
     bmap = byte_to_unicode()
     vocab = [bmap[b] for b in bmap]  # GPT-2 order: '!' .. '~', then the rest
     seen = set(vocab)
-    words = Counter(tuple(bmap[b] for b in w.encode("utf-8")) for w in _PRETOK.findall(_CORPUS))
+    wc = Counter(tuple(bmap[b] for b in w.encode("utf-8")) for w in _PRETOK.findall(_CORPUS))
+    words = [list(w) for w in wc]
+    counts = list(wc.values())
+    pairs: dict[tuple[str, str], int] = {}
+    where: dict[tuple[str, str], set[int]] = {}
+    for i, w in enumerate(words):
+        for p in zip(w, w[1:]):
+            pairs[p] = pairs.get(p, 0) + counts[i]
+            where.setdefault(p, set()).add(i)
+    heap = [(-c, p) for p, c in pairs.items()]
+    heapq.heapify(heap)
     merges: list[str] = []
     target = vocab_size - len(_SPECIALS)
     while len(vocab) < target:
-        pairs: Counter = Counter()
-        for w, c in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += c
-        if not pairs:
+        while heap and pairs.get(heap[0][1], 0) != -heap[0][0]:
+            heapq.heappop(heap)  # stale entry (the pair's count changed since it was pushed)
+        if not heap or -heap[0][0] < 2:
             break
-        (a, b), cnt = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
-        if cnt < 2:
-            break
+        _, (a, b) = heapq.heappop(heap)
         new = a + b
         merges.append(f"{a} {b}")
         if new not in seen:
             vocab.append(new)
             seen.add(new)
-        nw: Counter = Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+        changed: set[tuple[str, str]] = set()
+        for i in sorted(where.pop((a, b), ())):
+            w, c = words[i], counts[i]
+            for p in zip(w, w[1:]):
+                pairs[p] -= c
+                changed.add(p)
+            out, j = [], 0
+            while j < len(w):
+                if j + 1 < len(w) and w[j] == a and w[j + 1] == b:
                     out.append(new)
-                    i += 2
+                    j += 2
                 else:
-                    out.append(w[i])
-                    i += 1
-            nw[tuple(out)] += c
-        words = nw
+                    out.append(w[j])
+                    j += 1
+            words[i] = out
+            for p in zip(out, out[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+                where.setdefault(p, set()).add(i)
+                changed.add(p)
+        for p in changed:
+            n = pairs.get(p, 0)
+            if n > 0:
+                heapq.heappush(heap, (-n, p))
+            else:
+                pairs.pop(p, None)
+                where.pop(p, None)
     eos = len(vocab)
     tokens = tuple(vocab) + _SPECIALS
     types = tuple([1] * len(vocab) + [3] * len(_SPECIALS))
@@ -607,9 +641,13 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
             return
         if spec.random:
             total = t.nbytes(spec.ne) // t.type_size
-            per = max(1, _CHUNK_BYTES // t.type_size)
-            for b0 in range(0, total, per):
-                yield random_blocks(t, min(per, total - b0), rng)
+            frame = max(1, _RANDOM_FRAME_BYTES // t.type_size)
+            step = 8 // math.gcd(t.type_size, 8)  # pieces of whole 64-bit words: no word split between pieces
+            piece = max(step, _CHUNK_BYTES // t.type_size // step * step)
+            for f0 in range(0, total, frame):
+                n = min(frame, total - f0)
+                for b0 in range(0, n, piece):  # the frame's last piece rounds up to a whole word, like the frame
+                    yield random_blocks(t, min(piece, n - b0), rng)
             return
         rpc = max(1, _CHUNK_VALUES // ne0)
         for r0 in range(0, rows, rpc):
@@ -935,6 +973,8 @@ def _write_release(outdir: Path, cfg: SynthConfig, progress: Callable[[int], Any
     written = canon_bytes
     revisions: dict[str, RevisionInfo] = {}
     if cfg.revisions:
+        from stratatools.model.gguf import open_model
+
         sets = kept_sets(cfg)
         with open_model(canon[0]) as model:
             for rev in ("revA", "revB"):
@@ -1002,9 +1042,9 @@ def _prefetched(prod: Callable[[], Iterable[Any]], depth: int = 2) -> Callable[[
     return gen
 
 
-def _pipelined(prods: list[Callable[[], Iterable[Any]]], depth: int = 3) -> list[Callable[[], Iterator[Any]]]:
+def _pipelined(prods: list[Callable[[], Iterable[Any]]], depth: int = 8) -> list[Callable[[], Iterator[Any]]]:
     """Producers for tensors that are consumed in list order (one model file, or shards in order): one helper
-    thread makes the chunks of every tensor in turn, at most ``depth`` chunks (16 MiB each at most) ahead of the
+    thread makes the chunks of every tensor in turn, at most ``depth`` chunks (1 MiB or so each) ahead of the
     writer, across tensor boundaries, so the writer never waits for a tensor's first chunk and no thread is
     started per tensor. Errors of a producer are raised in the caller; a consumer that stops early (an error while
     writing) stops the helper."""

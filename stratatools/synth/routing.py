@@ -135,8 +135,8 @@ def _rng(seed: int, key: str, tag: int) -> np.random.Generator:
 def _perp(m: np.ndarray, c: np.ndarray, axis: int) -> np.ndarray:
     """Remove the component along unit ``c`` from every row (axis 1) or column (axis 0) of ``m``."""
     if axis == 1:
-        return m - np.outer(m @ c, c).astype(np.float32)
-    return m - np.outer(c, c @ m).astype(np.float32)
+        return m - np.outer(m @ c, c).astype(np.float32, copy=False)
+    return m - np.outer(c, c @ m).astype(np.float32, copy=False)
 
 
 def gdn_layers(cfg: Any) -> list[int]:
@@ -240,10 +240,8 @@ def full_values(cfg: Any, name: str, ne: tuple[int, ...], seed: int) -> np.ndarr
         w[:qk] = np.outer(a, c)
         w[qk:2 * qk] = np.outer(a, c)
         b = value_basis(cfg, layer, seed) * np.float32(V_PRE * math.sqrt(n) / xp)
-        v = np.empty((C - 2 * qk, n), np.float32)
-        v[0::2] = b
-        v[1::2] = -b
-        w[2 * qk:] = v
+        w[2 * qk::2] = b  # value rows in (b, -b) pairs, written in place (no C x n temporary)
+        np.negative(b, out=w[2 * qk + 1::2])
         return w
     if rest == "ssm_out.weight":
         g2 = context_gain2(cfg, layer, rm)
