@@ -345,6 +345,7 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "stratatools", "--quiet", "make-profile", str(rec_trace), "--model", gguf,
                                 "--mode", "no-base", "-o", str(prof), "--force"], check=True)
                 kw["profile"] = prof
+                free_device(cp)  # the recording run's pool blocks would hide this row's own device memory
             except Exception as e:  # noqa: BLE001 - the table shows the failure
                 print(f"{name}: recording failed: {e}", flush=True)
                 rows.append({"name": name, "error": f"recording: {e}"})
