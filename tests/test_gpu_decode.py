@@ -171,3 +171,43 @@ def test_static_decoder_gpu_long_context(kit, selection):
         worst, agree = _compare(rt, dec, st, int(np.argmax(lg.get())), n_ctx - 4)
         print(selection, "graph" if use_graph else "eager", worst, agree)
         assert worst < 1e-4 and agree >= 0.99
+
+
+@pytest.mark.kit
+def test_decoder_buffers_are_the_plan_and_the_capture_snapshot_does_not_grow(kit):
+    """What the static decoder allocates for its states and caches is what plan_vram counts (cache_bytes) at two
+    context lengths; the capture's save/restore of the step's writes (host copies) is exact and does not grow with
+    max_ctx. The capture used to keep a full device copy of every cache in the graph's private pool: on the H200
+    the 48x256 model's pool grew by the caches' size again from a 256- to an 8k-token context (over --vram-gib)."""
+    from stratatools.runtime.device import cache_bytes
+    from stratatools.runtime.gpu.decode import ATTN_SPLITS, StaticDecoder
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    w = load(kit / "gguf/model-bf16.gguf")
+    rt = Qwen4ExpRuntime(w)
+    cfg = w.cfg
+    snap_bytes, state_bytes = {}, {}
+    for mc in (64, 512):
+        dec = StaticDecoder(rt, max_ctx=mc)
+        assert dec.long and dec.ik and dec.bk
+        # the QSA selection/attention scratch is allocated on CuPy only
+        scratch = 4 * 5 * (mc + 1) + 4 * cfg.n_head * mc + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
+        state_bytes[mc] = dec.state_buffer_bytes()
+        slack = cache_bytes(cfg, mc) - state_bytes[mc] - scratch
+        assert 0 <= slack < 64 * 1024, slack  # the plan covers the buffers, by a constant independent of max_ctx
+        dec.load_state(rt.new_state())
+        for t in _prompt(kit, 7):
+            dec.step(t)
+        assert dec.pos == 7  # the next step completes block 1 (ratio 4): it writes a block key too
+        dec._stage(5)
+        before = [a.copy() for a in dec._mutable()]
+        snap = dec._snapshot()
+        dec._body()
+        changed = [i for i, (a, b) in enumerate(zip(dec._mutable(), before)) if not np.array_equal(a, b)]
+        assert len(changed) >= len(dec.kc) + len(dec.vc) + len(dec.ik) + len(dec.bk)
+        dec._restore(snap)
+        assert all(np.array_equal(a, b) for a, b in zip(dec._mutable(), before))
+        snap_bytes[mc] = StaticDecoder.snapshot_bytes(snap)
+    assert state_bytes[512] - state_bytes[64] > 448 * 2 * 4 * cfg.head_dim  # the caches grow with max_ctx ...
+    assert snap_bytes[64] == snap_bytes[512] < state_bytes[64]  # ... what the capture saves does not

@@ -244,7 +244,12 @@ def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
     pool = cp.get_default_memory_pool()
     dec = getattr(rt, "dec", None)
     grt = rt.rt if dec is not None else rt
-    info["pool_bytes"] = int(pool.total_bytes()) + (int(dec._pool.total_bytes()) if dec is not None and dec._pool is not None else 0)
+    graph_pool = int(dec._pool.total_bytes()) if dec is not None and dec._pool is not None else 0
+    info["pool_bytes"] = int(pool.total_bytes()) + graph_pool
+    # the CUDA graph's private pool (the step's temporaries) and the decoder's state buffers (the plan's caches)
+    info["graph_pool_bytes"] = graph_pool
+    if dec is not None:
+        info["decoder_state_bytes"] = int(dec.state_buffer_bytes())
     free1, _ = cp.cuda.runtime.memGetInfo()
     info["device_used_bytes"] = int(info.get("device_free_at_start", free1)) - int(free1)
     info["tier_vram_bytes"] = int(grt.tier.vram.size)

@@ -1094,8 +1094,10 @@ class StaticDecoder:
     def capture(self) -> bool:
         """Capture the step body into a CUDA graph (CuPy only); later :meth:`step` calls replay it.
 
-        The body is run once eagerly first (compiles kernels, fills a private memory pool), with the mutable
-        state saved and restored around it, then captured with every allocation served from that pool.
+        The body is run once eagerly first (compiles kernels, fills a private memory pool), with what it writes
+        saved to host memory and restored around it (:meth:`_snapshot`: the recurrent states and the cache rows of
+        the staged position, not the caches), then captured with every allocation served from that pool, so the
+        pool holds the step's temporaries only (nothing that grows with ``max_ctx``).
         Returns False on numpy.
         """
         if not self.gpu:
@@ -1104,11 +1106,10 @@ class StaticDecoder:
         self._pool = self._pool or cp.cuda.MemoryPool()
         cp.cuda.Device().synchronize()  # earlier work of any stream (prefill, load_state) is done
         with cp.cuda.using_allocator(self._pool.malloc), self._stream:
-            saved = [a.copy() for a in self._mutable()]
+            saved = self._snapshot()
             self._body()
             self._stream.synchronize()
-            for a, s in zip(self._mutable(), saved):
-                a[...] = s
+            self._restore(saved)
             self._stream.synchronize()
             mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
             try:
@@ -1123,6 +1124,55 @@ class StaticDecoder:
         self.graph = graph
         del saved
         return True
+
+    def _written_pos(self) -> int:
+        """The position the next :meth:`_body` writes (on CuPy the staged position on the device, which the
+        kernels read; on numpy ``self.pos``)."""
+        if self.gpu:
+            self.cp.cuda.Device().synchronize()
+            return int(self.pos_dev.get()[0])
+        return int(self.pos)
+
+    def _snapshot(self) -> list[tuple[Any, Any, np.ndarray]]:
+        """Host copies of everything one :meth:`_body` at the staged position can write, as (buffer, row or None,
+        copy): the GDN and PLE states whole (their size does not depend on ``max_ctx``); of the K/V and indexer
+        key caches only the row of that position, of the block-key caches only the block it may complete. Nothing
+        is allocated on the device, and the copies' size does not grow with ``max_ctx`` (a copy of the caches would
+        stay in the graph's memory pool after the capture; see :meth:`capture`). Restored by :meth:`_restore`."""
+        p = self._written_pos()
+        out: list[tuple[Any, Any, np.ndarray]] = []
+        for a in list(self.conv.values()) + list(self.ssm.values()) + list(self.ple_conv.values()):
+            out.append((a, None, np.array(_to_host(a), copy=True)))
+        rows = [(a, p) for a in list(self.kc.values()) + list(self.vc.values()) + list(self.ik.values())]
+        rows += [(self.bk[il], (p + 1) // self.cfg.compress_ratios[il] - 1) for il in self.bk]
+        for a, r in rows:
+            if 0 <= r < int(a.shape[0]):
+                out.append((a, r, np.array(_to_host(a[r]), copy=True)))
+        return out
+
+    def _restore(self, saved: list[tuple[Any, Any, np.ndarray]]) -> None:
+        """Write back a :meth:`_snapshot` (on CuPy on the decoder's stream)."""
+        for a, r, h in saved:
+            view = a if r is None else a[r]
+            if self.gpu:
+                view.set(h, stream=self._stream)
+            else:
+                view[...] = h
+
+    @staticmethod
+    def snapshot_bytes(saved: list[tuple[Any, Any, np.ndarray]]) -> int:
+        """Host bytes of a :meth:`_snapshot`."""
+        return sum(int(h.nbytes) for _, _, h in saved)
+
+    def state_buffer_bytes(self) -> int:
+        """Bytes of the decoder's static state buffers (GDN conv/recurrent states, PLE conv states, K/V caches, QSA
+        indexer and block-key caches and, on CuPy, the QSA selection and attention scratch): what
+        :func:`stratatools.runtime.device.cache_bytes` plans for ``max_ctx`` positions."""
+        n = sum(int(a.nbytes) for a in self._mutable())
+        if self.gpu and self.long:
+            n += sum(int(a.nbytes) for a in (self.q_scores, self.q_flags, self.q_pairs, self.q_cells, self.att_sc,
+                                             self.att_part))
+        return n
 
     def _mutable(self) -> list:
         """Buffers the step changes (the warm-up run before a capture writes them; they are restored)."""
