@@ -369,7 +369,8 @@ def main() -> None:
         row = {"name": name, "decode": r["tokens_per_s"], "prefill": r["prefill_tokens_per_s"],
                "h_decode": r["h_expert"], "moved_per_token": tc["bytes_moved"] / (plen + steps),
                "device_used": d["device_used_bytes"], "pool": d["pool_bytes"], "wall_s": time.perf_counter() - t0,
-               "engine": d["engine"], "tier": tc, "plan": d.get("plan")}
+               "engine": d["engine"], "tier": tc, "plan": d.get("plan"),
+               "graph_pool": d.get("graph_pool_bytes"), "decoder_state": d.get("decoder_state_bytes")}
         rows.append(row)
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
               f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB",
@@ -423,7 +424,7 @@ def main() -> None:
             print(f"| {k} | {c.get('ms_per_step', float('nan')):.2f} | {e} | {ag} |")
     for r in rows:
         if "plan" in r and r["plan"]:
-            print(f"{r['name']}: plan {json.dumps(r['plan'])}")
+            print(f"{r['name']}: plan {json.dumps(r['plan'])}; graph pool {r.get('graph_pool')}, decoder state {r.get('decoder_state')}, device used {r['device_used']}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1, default=str))
 
