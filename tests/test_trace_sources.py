@@ -210,3 +210,50 @@ def test_trace_stats_cli_streams_datasets_and_keeps_locality_for_one_small_file(
     assert code == 0, err
     d1 = json.loads(out)
     assert not d1["verdict"].startswith("locality not computed") and d1["per_layer"][0]["reuse_p50"] is not None
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="the chunked tagged walk needs numba")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 4), st.integers(1, 80), st.sampled_from([1, 2]), st.integers(1, 40), st.integers(0, 2**31 - 1),
+       st.sampled_from(["decode", "all"]))
+def test_tagged_records_and_streamed_replay_equal_the_whole_read(tmp_path, k, n_items, version, rows, seed, phase):
+    """The record chunks a replay's scan pass reads are the entries' records; the prepared stream over the walked
+    source (scan on records, replay on entries, any chunk size) equals prepare_entries of the whole read."""
+    from stratatools.cachesim.replay import EntryStream, prepare_entries, simulate_policy
+
+    rng = np.random.default_rng(seed)
+    p = tmp_path / f"t{seed}.bin"
+    p.write_bytes(tagged_stream(rng, n_items, k, 3, 6, version))
+    try:
+        whole = read_trace(p)
+    except StrataError:
+        return
+    if len(whole) == 0:
+        return
+    src = StrataTaggedSource(p, chunk_bytes=64)
+    ent = _cat(src, rows)
+    recs = [c for c in src.record_chunks(rows)]
+    rc = {c: np.concatenate([r[c] for r in recs]) for c in recs[0]}
+    starts = np.flatnonzero(np.r_[True, ent["rank"][1:] <= ent["rank"][:-1]])
+    keep = rc["k"] > 0
+    assert int(rc["k"].sum()) == len(ent["rank"])
+    for c in ("request", "position", "phase", "layer", "window"):
+        assert np.array_equal(rc[c][keep], ent[c][starts]), c
+    try:
+        ref = prepare_entries(whole, 3, 6, phase=phase)
+    except StrataError as e:
+        with pytest.raises(StrataError) as got:
+            len(EntryStream([src], 3, 6, phase=phase, chunk=rows, merge=False))
+        assert str(got.value) == str(e)
+        return
+    stream = EntryStream([src], 3, 6, phase=phase, chunk=rows, merge=False)
+    parts = list(stream.chunks())
+    for c in ("layer", "expert", "rnd", "record", "request", "token"):
+        assert np.array_equal(np.concatenate([getattr(x, c) for x in parts]), getattr(ref, c)), c
+    assert (stream.n_tokens, stream.n_rounds, stream.rounds_by, stream.skipped) == \
+        (ref.n_tokens, ref.n_rounds, ref.rounds_by, ref.skipped)
+    for pol in ("adaptive", "lru"):
+        a = simulate_policy(ref, pol, slots=5, adapt_every=2) if pol == "adaptive" else simulate_policy(ref, pol, slots=5)
+        kw = {"adapt_every": 2} if pol == "adaptive" else {}
+        b = simulate_policy(EntryStream([src], 3, 6, phase=phase, chunk=rows), pol, slots=5, **kw)
+        assert a.to_dict() == b.to_dict(), pol

@@ -596,6 +596,85 @@ def metrics_chunk(layer, record, hits, le, lh, st):
             st[4] += 1
 
 
+@njit(cache=True, nogil=True)
+def summary_chunk(lay, ex, rnd, tok, req, cnt, has_cnt, light, n_expert, counts, st, o_tok, o_req):
+    """What a stream's summary needs of one chunk of kept entries, in one loop: counted entries (``cnt``, all
+    when not ``has_cnt``) and, unless ``light``, their (layer, expert) counts (``counts`` int64 [L*E], added);
+    rounds (a change of ``rnd``), negative-token rounds; the runs of the counted positive tokens and of the
+    request ids (written to ``o_tok`` / ``o_req``). ``st`` int64 [7] carries counted, rounds, (set, last
+    round), negative rounds, (set, last negative token). Returns (token runs, request runs) written."""
+    n = lay.shape[0]
+    ntk = 0
+    nrq = 0
+    for i in range(n):
+        r = rnd[i]
+        if st[2] == 0 or r != st[3]:
+            st[1] += 1
+        st[2] = 1
+        st[3] = r
+        c = cnt[i] if has_cnt else True
+        if c:
+            st[0] += 1
+        if light:
+            continue
+        if c:
+            counts[lay[i] * n_expert + ex[i]] += 1
+            t = tok[i]
+            if t < 0:
+                if st[5] == 0 or t != st[6]:
+                    st[4] += 1
+                st[5] = 1
+                st[6] = t
+            elif ntk == 0 or o_tok[ntk - 1] != t:
+                o_tok[ntk] = t
+                ntk += 1
+        q = req[i]
+        if nrq == 0 or o_req[nrq - 1] != q:
+            o_req[nrq] = q
+            nrq += 1
+    return ntk, nrq
+
+
+SCAN_ST = 10
+"""Slots of :func:`scan_chunk`'s carried state: last entry (set, request, position, layer, rank, window), last
+record (set, request, position, in a window)."""
+
+
+@njit(cache=True, nogil=True)
+def scan_chunk(req, pos, lay, rank, win, windows, st, out):
+    """First pass of :func:`prepare_chunk`'s rules over one chunk: the requests with layer-major batches (a
+    record outside windows whose position goes back from the previous record's of the same request, that one
+    outside windows too). Records start as in :func:`prepare_chunk`; ``win`` is ignored unless ``windows``.
+    Writes the request ids found to ``out`` (a request repeated in a row once) and returns how many; the last
+    entry and record are carried in ``st`` (:data:`SCAN_ST` slots)."""
+    n = req.shape[0]
+    nb = 0
+    for i in range(n):
+        r = req[i]
+        p = pos[i]
+        la = lay[i]
+        rk = rank[i]
+        w = win[i] if windows else 0
+        rs = st[0] == 0 or r != st[1] or p != st[2] or la != st[3] or rk <= st[4] or (windows and w != st[5])
+        st[0] = 1
+        st[1] = r
+        st[2] = p
+        st[3] = la
+        st[4] = rk
+        st[5] = w
+        if rs:
+            in_w = windows and w >= 0
+            if st[6] != 0 and r == st[7] and (not in_w) and st[9] == 0 and p >= 0 and p < st[8]:
+                if nb == 0 or out[nb - 1] != r:
+                    out[nb] = r
+                    nb += 1
+            st[6] = 1
+            st[7] = r
+            st[8] = p
+            st[9] = 1 if in_w else 0
+    return nb
+
+
 # prepare state ``st`` (int64 [16]): has_pe, pe_req, pe_pos, pe_lay, pe_rank, pe_win, has_pr, pr_req, pr_pos,
 # pr_lay, pr_inw, pr_key, pr_bat, last_record, cur_round, cur_bat
 PREP_ST = 16

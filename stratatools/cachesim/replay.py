@@ -218,54 +218,24 @@ class _Prep:
         self.reset()
 
     def reset(self) -> None:
-        self.pe = None   # last entry: (req, pos, lay, rank, win)  (scan)
-        self.pr = None   # last record: (req, pos, lay, in_w, key, batched)  (scan)
+        self.sc = np.zeros(K.SCAN_ST, np.int64)  # last entry and record (scan; kernels.scan_chunk)
         self.st = np.zeros(K.PREP_ST, np.int64)  # the same for feed (kernels.prepare_chunk)
         self.st[13] = self.st[14] = -1  # last record, current round
 
-    def _records(self, c: dict):
-        req, pos, lay, rank = c["request"], c["position"], c["layer"], c["rank"]
-        win = c.get("window") if self.windows else None
-        if self.windows and win is None:
-            win = np.full(len(req), -1, np.int64)
-        n = len(req)
-        rs = np.ones(n, dtype=bool)
-        rs[1:] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (rank[1:] <= rank[:-1])
-        if win is not None:
-            rs[1:] |= win[1:] != win[:-1]
-        if self.pe is not None:
-            p = self.pe
-            rs[0] = bool(req[0] != p[0] or pos[0] != p[1] or lay[0] != p[2] or rank[0] <= p[3]
-                         or (win is not None and win[0] != p[4]))
-        self.pe = (req[-1], pos[-1], lay[-1], rank[-1], win[-1] if win is not None else 0)
-        idx = np.flatnonzero(rs)
-        r_req, r_pos, r_lay = req[idx], pos[idx], lay[idx]
-        if win is not None:
-            r_win = win[idx]
-            in_w = r_win >= 0
-            # windows: key = window id (>= 0); outside them: key = position, shifted below every window id
-            r_key = np.where(in_w, r_win, r_pos - (1 << 40))
-        else:
-            in_w = np.zeros(len(idx), dtype=bool)
-            r_key = r_pos
-        return rs, win, r_req, r_pos, r_lay, in_w, r_key
-
     def scan(self, c: dict) -> None:
-        """First pass over a chunk: note the requests with batched (going-back) positions."""
-        if not len(c["request"]):
+        """First pass over a chunk: note the requests with batched (going-back) positions (compiled:
+        :func:`.kernels.scan_chunk`)."""
+        n = len(c["request"])
+        if not n:
             return
-        _, _, r_req, r_pos, r_lay, in_w, r_key = self._records(c)
-        if not len(r_req):
-            return
-        if self.pr is not None:
-            p = self.pr
-            r_req, r_pos, in_w = np.r_[p[0], r_req], np.r_[p[1], r_pos], np.r_[p[3], in_w]
-        if len(r_req) > 1:
-            same_req = r_req[1:] == r_req[:-1]
-            back = same_req & ~in_w[1:] & ~in_w[:-1] & (r_pos[1:] >= 0) & (r_pos[1:] < r_pos[:-1])
-            if back.any():
-                self.back.add(r_req[1:][back])
-        self.pr = (r_req[-1], r_pos[-1], r_lay[-1], in_w[-1], r_key[-1], False)
+        win = c.get("window") if self.windows else None
+        if win is None:
+            win = np.full(n, -1, np.int64) if self.windows else np.zeros(1, np.int64)
+        out = np.empty(n, np.int64)
+        nb = K.scan_chunk(_i64(c["request"]), _i64(c["position"]), _i64(c["layer"]), _i64(c["rank"]), _i64(win),
+                          self.windows, self.sc, out)
+        if nb:
+            self.back.add(out[:nb])
 
     def end_scan(self) -> None:
         self.back_ids = self.back.values()
@@ -298,6 +268,26 @@ class _Prep:
         return Entries(lay, ex, rnd, rec, req, self.L, self.E, 0, token=tok, count=cnt), facts
 
 
+def _scan_chunks(src, rows: int):
+    """What the scan pass reads of a source: its chunks, or, from a source with ``record_chunks`` (a tagged Strata
+    trace), its records with k > 0 as chunks of rank-0 entries plus ``_entries`` (the entries they stand for).
+    The scan sees the same records either way (a record's entries share request, position, layer and window
+    and their ranks rise), for a fraction of the work."""
+    rc = getattr(src, "record_chunks", None)
+    if rc is None:
+        yield from src.chunks(rows)
+        return
+    for c in rc(rows):
+        k = c["k"]
+        keep = k > 0
+        if not keep.all():
+            c = {n: v[keep] for n, v in c.items()}
+            k = c["k"]
+        c["rank"] = np.zeros(len(k), np.int64)
+        c["_entries"] = int(k.sum())
+        yield c
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
@@ -315,18 +305,28 @@ class _Summary:
     def __init__(self, L: int, E: int) -> None:
         self.L, self.E = L, E
         self.entries = 0
-        self.counted = 0  # kept entries the metrics count (the rest warm the cache: prefill under phase decode)
         self.skipped = {"prefill": 0, "layer": 0, "expert": 0}
         self.pos_tokens = _Distinct()
-        self.neg_rounds = 0
-        self.rounds = 0
-        self._last_rnd = None
-        self._last_neg = None
+        # counted (kept entries the metrics count; the rest warm the cache: prefill under phase decode), rounds,
+        # (set, last round), negative-token rounds, (set, last negative token): kernels.summary_chunk
+        self.st = np.zeros(7, np.int64)
         self.requests = _Distinct()
         self.batched = self.in_w = self.out_w = False
         self.windows = False
         self.counts = np.zeros(L * E, np.int64)
         self.light = False  # True: no tokens, requests or pair counts (k-fold folds report none of them)
+
+    @property
+    def counted(self) -> int:
+        return int(self.st[0])
+
+    @property
+    def rounds(self) -> int:
+        return int(self.st[1])
+
+    @property
+    def neg_rounds(self) -> int:
+        return int(self.st[4])
 
     def add(self, ent: Entries, facts: dict) -> None:
         for k, v in facts["skipped"].items():
@@ -339,29 +339,16 @@ class _Summary:
             return
         self.entries += n
         cnt = ent.count
-        self.counted += n if cnt is None else int(np.count_nonzero(cnt))
-        if not self.light:
-            lay, ex = (ent.layer, ent.expert) if cnt is None else (ent.layer[cnt], ent.expert[cnt])
-            self.counts += np.bincount(lay * self.E + ex, minlength=self.L * self.E)
-        r = ent.rnd
-        ch = int(np.count_nonzero(r[1:] != r[:-1])) + 1
-        if self._last_rnd is not None and r[0] == self._last_rnd:
-            ch -= 1
-        self.rounds += ch
-        self._last_rnd = r[-1]
-        if self.light:
-            return
-        tk = ent.token if cnt is None else ent.token[cnt]  # tokens: those of the counted entries
-        neg = tk < 0
-        self.pos_tokens.add(_runs(tk[~neg]))
-        if neg.any():
-            t = tk[neg]
-            ch = int(np.count_nonzero(t[1:] != t[:-1])) + 1
-            if self._last_neg is not None and t[0] == self._last_neg:
-                ch -= 1
-            self.neg_rounds += ch
-            self._last_neg = t[-1]
-        self.requests.add(_runs(ent.request))
+        light = self.light
+        tok = np.empty(0 if light else n, np.int64)
+        req = np.empty(0 if light else n, np.int64)
+        ntk, nrq = K.summary_chunk(ent.layer, ent.expert, ent.rnd, ent.token if not light else ent.rnd,
+                                   ent.request if not light else ent.rnd,
+                                   cnt if cnt is not None else np.ones(1, np.bool_), cnt is not None, light, self.E,
+                                   self.counts, self.st, tok, req)
+        if not light:
+            self.pos_tokens.add(tok[:ntk])
+            self.requests.add(req[:nrq])
 
     @property
     def tokens(self) -> int:
@@ -486,9 +473,9 @@ class EntryStream:
             wmax = -1
             n_s = 0
             pp = _Prep(n_layers, n_expert, phase, self.windows)
-            for c in s.chunks(self.chunk):
-                n_s += len(c["request"])
-                reqs.add(c["request"])
+            for c in _scan_chunks(s, self.chunk):
+                n_s += c.pop("_entries", None) or len(c["request"])
+                reqs.add(_runs(c["request"]))
                 if "window" in c and len(c["window"]):
                     wmax = max(wmax, int(c["window"].max()))
                 pp.scan(c)
@@ -520,14 +507,20 @@ class EntryStream:
                 if self.merge:
                     c = dict(c)
                     r = c["request"]
-                    if len(r):
+                    ids = self._req_ids[i]
+                    if len(r) and ids[-1] - ids[0] + 1 == len(ids):  # dense ids: a shift (none for the first)
+                        if ids[0] != self._req_base[i]:
+                            c["request"] = r + (self._req_base[i] - ids[0])
+                    elif len(r):
                         st = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
-                        m = np.searchsorted(self._req_ids[i], r[st]) + self._req_base[i]
+                        m = np.searchsorted(ids, r[st]) + self._req_base[i]
                         c["request"] = np.repeat(m, np.diff(np.r_[st, len(r)]))
                     if self.windows:
                         w = c.get("window")
-                        c["window"] = (np.full(len(c["request"]), -1, np.int64) if w is None
-                                       else np.where(w >= 0, w + self._win_base[i], -1))
+                        if w is None:
+                            c["window"] = np.full(len(c["request"]), -1, np.int64)
+                        elif self._win_base[i] or (len(w) and w.min() < -1):
+                            c["window"] = np.where(w >= 0, w + self._win_base[i], -1)
                 yield c
 
     def _select(self, c: dict) -> dict:

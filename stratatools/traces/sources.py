@@ -280,8 +280,19 @@ class StrataTaggedSource:
 
         return _walk_chunks(self.path, self.n_layers, self.n_expert, int(rows), SW, self.chunk_bytes)
 
+    def record_chunks(self, rows: int) -> Iterator[dict]:
+        """The trace's records in chunks of about ``rows`` entries: dicts of int64 columns ``request, position,
+        phase (int8), layer, window`` and ``k`` (route ids of the record; the entries of :meth:`chunks` are
+        each record repeated ``k`` times with rank 0..k-1). Cheaper than :meth:`chunks` for what is a property
+        of records (a replay's scan pass)."""
+        from stratatools.traces.formats import strata_walk as SW
 
-def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int | None) -> Iterator[dict]:
+        return _walk_chunks(self.path, self.n_layers, self.n_expert, int(rows), SW, self.chunk_bytes,
+                            per_record=True)
+
+
+def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int | None,
+                 per_record: bool = False) -> Iterator[dict]:
     import mmap
 
     from stratatools.traces.formats.strata_spec import MAX_ROUTE_K, TAG_FORMAT
@@ -306,46 +317,38 @@ def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int
     recs = {"layer": np.empty(cap_r, np.int16), "k": np.empty(cap_r, np.int32), "req": np.empty(cap_r, np.int32),
             "phase": np.empty(cap_r, np.int8), "win": np.empty(cap_r, np.int32)}
     tags = np.empty(chunk_w // 2 + 4, np.int32)
-    ordinal: dict[int, int] = {}
     status = 0
     dropped = 0
     can_drop = hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 
+    tab = [np.full(1 << 10, -1, np.int64), np.zeros(1 << 10, np.int64), 0]  # (request, layer) -> records seen
+
     def emit(e: int) -> dict:
         n_rec = int(st[SW.S_NREC])
         kvar = bool(st[SW.S_KVAR])
-        ks = recs["k"][:e].astype(np.int64) if kvar else np.full(e, int(st[SW.S_K]), np.int64)
-        ne = int(ks.sum())
-        lay = recs["layer"][:e].astype(np.int64)
-        req = recs["req"][:e].astype(np.int64)
-        # ordinal among earlier records of the same (request, layer), carried across chunks
-        key = req * 8192 + lay
-        u, inv = np.unique(key, return_inverse=True)
-        base = np.array([ordinal.get(int(x), 0) for x in u], np.int64)
-        order = np.argsort(inv, kind="stable")
-        si = inv[order]
-        starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
-        lens = np.diff(np.r_[starts, e])
-        within = np.arange(e, dtype=np.int64) - np.repeat(starts, lens)
-        pos = np.empty(e, np.int64)
-        pos[order] = within + base[si]
-        cnt = np.bincount(inv, minlength=len(u))
-        for x, b0, c in zip(u.tolist(), base.tolist(), cnt.tolist()):
-            ordinal[x] = b0 + c
-        if kvar:
-            rank = np.ones(ne, np.int64)
-            if ne:
-                rank[0] = 0
-                rank[np.cumsum(ks)[:-1]] = 1 - ks[:-1]
-                np.cumsum(rank, out=rank)
-            rep = lambda x: np.repeat(x, ks)  # noqa: E731
+        kc = int(st[SW.S_K])
+        ne = int(recs["k"][:e].sum()) if kvar else e * kc
+        rows_out = e if per_record else ne
+        if 2 * (tab[2] + e) > len(tab[0]):  # keep the ordinal table at most half full
+            size = len(tab[0])
+            while 2 * (tab[2] + e) > size:
+                size *= 2
+            nk, nv = np.full(size, -1, np.int64), np.zeros(size, np.int64)
+            SW._ordinal_rehash(tab[0], tab[1], nk, nv)
+            tab[0], tab[1] = nk, nv
+        cols = [np.empty(rows_out, np.int64) for _ in range(6)]
+        cols[2] = np.empty(rows_out, np.int8)
+        # position: the record's ordinal among earlier records of the same (request, layer), across chunks
+        got, added = SW.expand_records(e, kvar, kc, recs["k"], recs["layer"], recs["req"], recs["phase"],
+                                       recs["win"], tab[0], tab[1], *cols, per_record)
+        tab[2] += int(added)
+        if per_record:
+            out = {"request": cols[0], "position": cols[1], "phase": cols[2], "layer": cols[3], "k": cols[4],
+                   "window": cols[5]}
         else:
-            kc = int(st[SW.S_K])
-            rank = np.tile(np.arange(kc, dtype=np.int64), e)
-            rep = lambda x: np.repeat(x, kc)  # noqa: E731
-        out = {"request": rep(req), "position": rep(pos), "phase": rep(recs["phase"][:e]).astype(np.int8),
-               "layer": rep(lay), "rank": rank, "expert": bufs["expert"][:ne].astype(np.int64),
-               "weight": bufs["weight"][:ne].copy(), "window": rep(recs["win"][:e].astype(np.int64))}
+            out = {"request": cols[0], "position": cols[1], "phase": cols[2], "layer": cols[3], "rank": cols[4],
+                   "expert": bufs["expert"][:ne].astype(np.int64), "weight": bufs["weight"][:ne].copy(),
+                   "window": cols[5]}
         # keep the records not handed on at the front
         rest_e = int(st[SW.S_NENT]) - ne
         for b in bufs.values():

@@ -802,6 +802,8 @@ class Distinct:
                 self._compact()
 
     def _compact(self) -> None:
+        if len(self.parts) == 1 and self.size == self.base:  # already one sorted distinct run
+            return
         u = np.unique(np.concatenate(self.parts)) if self.parts else np.zeros(0, np.int64)
         self.parts = [u]
         self.size = self.base = len(u)
