@@ -418,8 +418,9 @@ class TraceStats:
         phases: entries per phase name. concentration: share of all entries taken by the top 10% of the
         (layer, expert) pairs. per_layer: :class:`LayerStats` per layer, ascending.
         meta: the trace's metadata (source format, sha256, ...).
-        windows: verify windows the trace delimits (0 when it carries none); outside_windows: records outside
-            every window in a trace that has windows. rounds: what a replay round is for this trace
+        windows: windows the trace delimits (0 when it carries none): verify windows and prefill batches
+            (``stratatools run`` writes each prefill batch as a window); prefill_windows: those holding prefill
+            records; outside_windows: records outside every window in a trace that has windows. rounds: what a replay round is for this trace
             (:func:`rounds_kind`): ``positions``, ``windows`` or ``windows+positions``.
         window: steps per locality window (distinct experts per window, collapse verdict); locality_phase: the
             entries those statistics use (``decode`` when the trace has decode entries, else ``all``).
@@ -446,6 +447,7 @@ class TraceStats:
     windows: int = 0
     outside_windows: int = 0
     rounds: str = "positions"
+    prefill_windows: int = 0
     window: int = 64
     locality_phase: str = "decode"
     reuse_quantiles: dict[str, float] = field(default_factory=dict)
@@ -560,6 +562,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
         starts = r.starts()
         ks = r.ks()
         req, pos, rph = np.asarray(r.request), r.rec_position(), np.asarray(r.phase)
+        rec_phase = rph
         ph = np.bincount(rph.astype(np.int64).clip(0, 2), weights=ks, minlength=3).astype(np.int64) if n \
             else np.zeros(3, int)
     else:
@@ -567,6 +570,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
         ks = np.diff(np.r_[starts, n])
         req = np.asarray(table.request)[starts]
         pos = np.asarray(table.position)[starts]
+        rec_phase = np.asarray(table.phase)[starts]
         ph = np.bincount(np.asarray(table.phase).astype(np.int64).clip(0, 2), minlength=3) if n else np.zeros(3, int)
     tokens = len(np.unique(req.astype(np.int64) * (1 << 32) + (pos.astype(np.int64) & 0xFFFFFFFF))) if n else 0
     phases = {PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]}
@@ -579,8 +583,9 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
         key = np.asarray(req, np.int64)[inw] * (1 << 32) + rwin[inw].astype(np.int64)  # (request, window)
         n_windows = int(len(np.unique(key)))
         outside = int((~inw).sum()) if n_windows else 0
+        n_prefill_w = int(len(np.unique(key[np.asarray(rec_phase)[inw] == PREFILL])))
     else:
-        n_windows = outside = 0
+        n_windows = outside = n_prefill_w = 0
     kmax = int(ks.max()) if n else 0
     loc = locality_stats(table, window) if n else None
     collapsed: list[int] = []
@@ -604,7 +609,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
                       concentration=_top_share(all_counts, nl * E) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
                       per_layer=per, meta=dict(table.meta), windows=n_windows, outside_windows=outside,
-                      rounds=rounds_kind(rwin if n else None), window=window, locality_phase=lphase,
+                      prefill_windows=n_prefill_w, rounds=rounds_kind(rwin if n else None), window=window, locality_phase=lphase,
                       reuse_quantiles=rq, collapsed_layers=collapsed, verdict=verdict)
 
 
@@ -824,7 +829,7 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
     kmin, kmax = None, None
     ph = np.zeros(3, np.int64)
     any_in = any_out = False
-    tok, reqs, wins = Distinct(), Distinct(), Distinct()
+    tok, reqs, wins, pwins = Distinct(), Distinct(), Distinct(), Distinct()
     prev = None   # last entry (req, pos, lay, phase)
     run = 0       # entries of the open record
     out_src = 0
@@ -891,7 +896,9 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
             inw = rw >= 0
             any_in |= bool(inw.any())
             any_out |= bool((~inw).any())
-            wins.add(rq[inw] * (1 << 32) + rw[inw])
+            wkey = rq[inw] * (1 << 32) + rw[inw]
+            wins.add(wkey)
+            pwins.add(wkey[phs[st][inw] == PREFILL])
             out_src += int((~inw).sum())
         if progress is not None:
             progress(m)
@@ -901,7 +908,7 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
     nw = len(wins)
     return {"C": C, "lo": lo, "pairs": pairs, "n": n, "records": records, "kmin": kmin, "kmax": kmax, "ph": ph,
             "tokens": len(tok), "requests": len(reqs), "windows": nw, "outside": out_src if nw else 0,
-            "any_in": any_in, "any_out": any_out}
+            "prefill_windows": len(pwins), "any_in": any_in, "any_out": any_out}
 
 
 class SparsePairs:
@@ -1052,8 +1059,10 @@ def _stats_combine(parts: list[dict], meta: dict, n_expert: int | None) -> Trace
     requests = sum(p["requests"] for p in parts)
     n_windows = sum(p["windows"] for p in parts)
     outside = sum(p["outside"] for p in parts)
+    prefill_w = sum(p.get("prefill_windows", 0) for p in parts)
     return TraceStats(entries=n, records=records, tokens=tokens, requests=requests, layers=len(per),
                       layer_min=lmin, layer_max=lmax, k_min=int(kmin or 0), k_max=int(kmax or 0), n_expert=E,
                       phases=phases, concentration=_top_share(counts.ravel(), counts.size) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
-                      per_layer=per, meta=meta, windows=n_windows, outside_windows=outside, rounds=rounds)
+                      per_layer=per, meta=meta, windows=n_windows, outside_windows=outside, rounds=rounds,
+                      prefill_windows=prefill_w)
