@@ -216,6 +216,8 @@ def _runs(L, E, rng):
             dict(policy="adaptive", profile=prof, slots=slots, admission="global", **ad),
             dict(policy="adaptive", profile=None, slots=slots, admission="per-layer", **ad),
             dict(policy="adaptive", profile=prof, slots=slots, admission="global", **{**ad, "lag": 2, "upper_slots": 2}),
+            dict(policy="adaptive", profile=prof, budget_bytes=sum(blob) * 2, blob_bytes=blob, admission="per-layer",
+                 **{**ad, "lag": 3, "pace_bytes": 1500, "upper_slots": 1, "disjoint": 1}),
             dict(policy="lru", cap=cap), dict(policy="lfu", cap=cap, decay=0.5),
             dict(policy="lfru", cap=cap, decay=0.5), dict(policy="belady", cap=cap, blob_bytes=blob, cost=cost),
             dict(policy="belady", slots=slots)]

@@ -1041,11 +1041,11 @@ class Replay:
             self.no_free = (not admit_on_miss) or (self.per_layer and (self.occ >= self.cap).all()) or \
                 (not self.per_layer and plan.pool_slots == 0)
             self.plan, self.profile = plan, profile
-            # Strata 0.2.x knobs (lag, paced copies, upper tier): the whole-stream kernel, run at finish() on the
-            # chunks kept until then (memory ~ the trace; the other policies stream)
+            # Strata 0.2.x knobs (lag, paced copies, upper tier): their own kernel, streamed as the others
             self.v2 = policy == "adaptive" and (int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0
                                                 or int(p["upper_slots"]) > 0)
-            self.buf: list = []
+            if self.v2:
+                self._v2 = _AdaptiveV2(L, E, plan, profile, self.res, self.cap, admit_on_miss, p)
             if policy == "adaptive":
                 self.ad = (float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]), int(p["max_moves"]),
                            float(p["decay"]), int(p["copy_delay_rounds"]))
@@ -1079,19 +1079,15 @@ class Replay:
             self.info["fill_bytes"] = int((self.res.sum(1) * bb).sum())
 
     v2 = False
-    deferred = None
 
-    def feed(self, ent: Entries) -> np.ndarray | None:
-        """Replay one chunk (entries in stream order); returns its hits, bool [n] (None for the 0.2.x adaptive
-        knobs: their hits come with :attr:`deferred` after :meth:`finish`)."""
+    def feed(self, ent: Entries) -> np.ndarray:
+        """Replay one chunk (entries in stream order); returns its hits, bool [n]."""
         lay, ex = ent.layer, ent.expert
         n = len(lay)
         pol, p = self.policy, self.p
         if self.v2:
-            self.buf.append((np.array(lay), np.array(ex), np.array(ent.rnd), np.array(ent.record),
-                             np.ones(n, bool) if ent.count is None else np.array(ent.count)))
             self.offset += n
-            return None
+            return self._v2.feed(lay, ex, ent.rnd)
         if pol == "static" and self.no_free:
             hits = self.res[lay, ex]
         else:
@@ -1120,14 +1116,8 @@ class Replay:
         """End the replay: (loads int64 [L], info with n_slots, cap, fill_bytes, admission, params)."""
         info = dict(self.info)
         if self.v2:
-            cat = [np.concatenate([b[i] for b in self.buf]) if self.buf else np.zeros(0, np.int64) for i in range(5)]
-            self.buf = []
-            ent = Entries(cat[0], cat[1], cat[2], cat[3], cat[3], self.L, self.E, 0)
-            hits, loads, extra = _run_adaptive_v2(ent, self.plan, self.profile, self.res, self.cap, self.occ,
-                                                  self.admit, self.p)
-            self.loads[:] = loads
-            info.update(extra)
-            self.deferred = (cat[0], cat[1], cat[3], np.asarray(hits, dtype=bool), _all_none(cat[4].astype(bool)))
+            info.update(self._v2.finish())
+            self.loads[:] = self._v2.loads
         elif self.policy == "adaptive":
             K.adaptive_end(self.res, self.cap, self.occ, self.per_layer, *self.ad, *self.state, self.loads)
             st = self.state[3]
@@ -1162,36 +1152,71 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
                 **params)
     parts = [rp.feed(c) for c in ent.chunks(chunk or max(len(ent), 1))]
     loads, info = rp.finish()
-    if rp.deferred is not None:
-        return rp.deferred[3], loads, info
     hits = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
     return hits, loads, info
 
 
+class _AdaptiveV2:
+    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier) replayed chunk by chunk
+    (:func:`.kernels.adaptive_v2_chunk`): only its state is carried (the tier arrays, the move queues, the copies
+    in flight and, with ``lag`` > 1, the entries of the last ``lag`` rounds whose counts are not yet visible), so
+    memory does not grow with the trace. ``capv`` is updated in place at :meth:`finish`."""
+
+    def __init__(self, L: int, E: int, plan, profile, res, capv, admit_on_miss: bool, p: dict):
+        T = 2 if int(p["upper_slots"]) > 0 else 1
+        R = np.zeros((T, L, E), dtype=bool)
+        C = np.zeros((T, L), dtype=np.int64)
+        R[0], C[0] = res, capv
+        if T == 2:
+            R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
+        O = R.sum(2).astype(np.int64)
+        upool = np.zeros(T, dtype=np.int64)
+        if T == 2 and plan.admission != "per-layer":
+            upool[1] = max(0, int(p["upper_slots"]) - int(R[1].sum()))
+        self.tier = (R, C, O, upool)
+        self.lag = int(p["lag"])
+        self.knobs = (np.asarray(plan.slot_bytes, np.int64), plan.admission == "per-layer", bool(admit_on_miss),
+                      float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]), int(p["max_moves"]),
+                      float(p["decay"]), int(p["copy_delay_rounds"]), self.lag, int(p["pace_bytes"]),
+                      bool(int(p["disjoint"])))
+        self.st = K.adaptive_v2_state(T, L, E, int(p["max_moves"]), int(p["copy_delay_rounds"]), plan.pool_slots,
+                                      plan.pool_bytes)
+        self.pend = [np.zeros(0, np.int64) for _ in range(3)]
+        self.capv = capv
+        self.loads = np.zeros(L, dtype=np.int64)
+
+    def feed(self, lay: np.ndarray, ex: np.ndarray, rnd: np.ndarray, final: bool = False) -> np.ndarray:
+        """Replay one chunk (entries in stream order, round ids non-decreasing); its hits, bool [n]."""
+        n = len(lay)
+        if self.lag > 1:
+            held = int(self.st[-1][11])
+            if held + n > len(self.pend[0]):
+                size = max(held + n, 2 * len(self.pend[0]))
+                for i, a in enumerate(self.pend):
+                    g = np.zeros(size, np.int64)
+                    g[:held] = a[:held]
+                    self.pend[i] = g
+        hits = np.zeros(n, dtype=np.bool_)
+        K.adaptive_v2_chunk(_i64(lay), _i64(ex), _i64(rnd), final, *self.tier, *self.knobs, *self.st, *self.pend,
+                            hits, self.loads)
+        return hits
+
+    def finish(self) -> dict:
+        """End the stream (its last round ends); the counters for ``info``."""
+        z = np.zeros(0, np.int64)
+        self.feed(z, z, z, final=True)
+        self.capv[:] = self.tier[1][0]
+        S = self.st[-1]
+        return {"adapt_steps": int(S[1]), "swaps": int(S[2]), "dropped_moves": int(S[3]), "upper_hits": int(S[4])}
+
+
 def _run_adaptive_v2(ent: Entries, plan, profile, res, capv, occ, admit_on_miss: bool, p: dict):
-    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier); ``capv`` is updated in place."""
-    T = 2 if int(p["upper_slots"]) > 0 else 1
-    L, E = ent.n_layers, ent.n_expert
-    R = np.zeros((T, L, E), dtype=bool)
-    C = np.zeros((T, L), dtype=np.int64)
-    R[0], C[0] = res, capv
-    if T == 2:
-        R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
-    O = R.sum(2).astype(np.int64)
-    upool = np.zeros(T, dtype=np.int64)
-    if T == 2 and plan.admission != "per-layer":
-        upool[1] = max(0, int(p["upper_slots"]) - int(R[1].sum()))
-    ridx = np.zeros(len(ent), dtype=np.int64)
-    if len(ent) > 1:
-        ridx[1:] = np.cumsum(ent.rnd[1:] != ent.rnd[:-1])
-    hits, loads, steps, swaps, dropped, uh = K.adaptive_v2_kernel(
-        ent.layer, ent.expert, ridx, R, C, O, upool, plan.pool_slots, plan.pool_bytes, plan.slot_bytes,
-        plan.admission == "per-layer", admit_on_miss, float(p["usage_floor"]), float(p["margin"]),
-        int(p["adapt_every"]), int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]), int(p["lag"]),
-        int(p["pace_bytes"]), bool(int(p["disjoint"])))
-    capv[:] = C[0]
-    return hits, loads, {"adapt_steps": int(steps), "swaps": int(swaps), "dropped_moves": int(dropped),
-                         "upper_hits": int(uh)}
+    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier) over whole entries: (hits, loads, info
+    counters); ``capv`` is updated in place."""
+    v2 = _AdaptiveV2(ent.n_layers, ent.n_expert, plan, profile, res, capv, admit_on_miss, p)
+    hits = v2.feed(ent.layer, ent.expert, ent.rnd)
+    extra = v2.finish()
+    return hits, v2.loads, extra
 
 
 def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p):
@@ -1278,16 +1303,12 @@ class RunGroup:
     def feed(self, c: Entries) -> None:
         for rp, acc, ta in zip(self.reps, self.accs, self.tier):
             h = rp.feed(c)
-            if h is not None:
-                _acc_add(acc, ta, c.layer, c.expert, c.record, h, c.count)
+            _acc_add(acc, ta, c.layer, c.expert, c.record, h, c.count)
 
     def results(self) -> list[SimResult]:
         out = []
         for r, rp, acc, ta in zip(self.runs, self.reps, self.accs, self.tier):
             loads, info = rp.finish()
-            if rp.deferred is not None:
-                lay, ex, rec, h, cnt = rp.deferred
-                _acc_add(acc, ta, lay, ex, rec, h, cnt)
             res = _sim_result(acc, loads, info, self.src, r["policy"], r.get("label", ""), self.bw,
                               r.get("blob_bytes"))
             if ta is not None and acc.n:
