@@ -40,7 +40,7 @@ def _convert(
 ) -> None:
     """Convert a routing trace to another format (written to OUT.tmp, then renamed); ``--to parquet --dataset``
     writes a partitioned Parquet dataset in bounded memory."""
-    from stratatools.traces.formats import convert_trace
+    from stratatools.traces.formats import convert_trace_stream
 
     if dataset or partition or where:
         if to != "parquet" or not dataset:
@@ -58,7 +58,9 @@ def _convert(
         common.console.print(f"{src} -> {d['output']}: {d['entries']:,} routed entries in {d['records']:,} records, "
                              f"{len(d['files'])} file(s), {d['bytes']:,} bytes", markup=False, soft_wrap=True)
         return
-    res = convert_trace(Path(src), out, to, from_, force, n_layer, n_expert)
+    with common.progress_bar("converting", None, bytes_=False) as bar:
+        res = convert_trace_stream(Path(src), out, to, from_, force, n_layer, n_expert,
+                                   progress=lambda m: bar.update(advance=m))
     if json_:
         common.emit_json(res.to_dict())
         return
