@@ -1362,11 +1362,70 @@ def simulate_many(src: Entries | EntryStream, runs: Sequence[dict[str, Any]], *,
     g = RunGroup(src, runs, bandwidth)
     stream = isinstance(src, EntryStream)
     total = (src.summary.entries if src.complete else src.raw_entries) if stream else len(src)
-    for c in (src.chunks() if stream else src.chunks(chunk)):
+    for c in (prefetch(src.chunks()) if stream else src.chunks(chunk)):
         g.feed(c)
         if progress is not None and total:
             progress.update(advance=weight * len(c) / total)
     return g.results()
+
+
+PREFETCH = 2
+"""Chunks a stream's reader thread may prepare ahead of the replay (:func:`prefetch`)."""
+
+
+def prefetch(it, depth: int = PREFETCH):
+    """The items of ``it`` produced by a background thread up to ``depth`` ahead of the consumer: reading and
+    preparing a stream's next chunk overlaps the replay of the current one (the compiled kernels of both release
+    the GIL). Memory: ``depth`` more chunks. An exception of the producer is raised in the consumer at the item
+    it stopped at; a consumer that stops early stops the producer."""
+    import queue
+    import threading
+
+    if depth < 1:
+        yield from it
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for x in it:
+                while not stop.is_set():
+                    try:
+                        q.put((x, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((done, e))
+            return
+        finally:
+            close = getattr(it, "close", None)
+            if stop.is_set() and close is not None:
+                close()
+        q.put((done, None))
+
+    t = threading.Thread(target=produce, name="stratatools-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            x, err = q.get()
+            if x is done:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        while t.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            t.join(timeout=0.05)
 
 
 def simulate_policy(ent: Entries | EntryStream, policy: str, *, label: str = "",
