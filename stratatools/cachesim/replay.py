@@ -1277,6 +1277,10 @@ def check_runs(n_layers: int, n_expert: int, runs: Sequence[dict[str, Any]]) -> 
                **{k: v for k, v in r.items() if k not in ("policy", "label", "cost")})
 
 
+REPLAY_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads a :class:`RunGroup` replays its runs in (one per run, at most this many)."""
+
+
 class RunGroup:
     """Policy runs fed the same chunks (one pass of a stream serves them all); metrics accumulate per chunk.
 
@@ -1300,12 +1304,40 @@ class RunGroup:
             self.tier.append(_TierAcc(L, E, r) if r.get("cost") is not None and r.get("blob_bytes") is not None
                              else None)
 
+    def _feed_one(self, i: int, c: Entries) -> None:
+        h = self.reps[i].feed(c)
+        _acc_add(self.accs[i], self.tier[i], c.layer, c.expert, c.record, h, c.count)
+
     def feed(self, c: Entries) -> None:
-        for rp, acc, ta in zip(self.reps, self.accs, self.tier):
-            h = rp.feed(c)
-            _acc_add(acc, ta, c.layer, c.expert, c.record, h, c.count)
+        """Replay one chunk through every run; with several runs and cores, the runs in threads (each run's
+        state is its own and the compiled kernels release the GIL, so the results do not depend on it)."""
+        n = len(self.reps)
+        workers = min(n, REPLAY_THREADS)
+        if workers < 2:
+            for i in range(n):
+                self._feed_one(i, c)
+            return
+        if getattr(self, "_pool", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stratatools-replay")
+        for f in [self._pool.submit(self._feed_one, i, c) for i in range(n)]:
+            f.result()
+
+    def close(self) -> None:
+        """Stop the replay threads (:meth:`results` does)."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def results(self) -> list[SimResult]:
+        self.close()
         out = []
         for r, rp, acc, ta in zip(self.runs, self.reps, self.accs, self.tier):
             loads, info = rp.finish()
