@@ -680,11 +680,25 @@ def locality_stats(table: TraceTable, window: int = 64) -> dict[str, Any] | None
     _, ex_i = np.unique(ex, return_inverse=True)
     _, req_i = np.unique(req, return_inverse=True)
     layers: dict[int, dict[str, Any]] = {}
-    # distinct experts per (request, window, layer): unique (group, expert) rows, then rows per group
-    tw = np.unique(np.stack([req_i[keep], win[keep]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
-    grp_rows = np.unique(np.stack([tw, lay_i[keep], ex_i[keep]], axis=1), axis=0)
-    grp, cnt = np.unique(grp_rows[:, :2], axis=0, return_counts=True)
-    glay = ulay[grp[:, 1]] if len(grp) else np.zeros(0, np.int64)
+    # distinct experts per (request, window, layer): unique (group, expert) keys, then keys per group; the keys
+    # pack dense indices in lexicographic order, as row-wise uniques would sort them (far cheaper); row-wise when
+    # the packed key could overflow
+    nw = int(win.max()) + 1 if len(win) else 1
+    nr = int(req_i.max()) + 1 if len(req_i) else 1
+    nl, ne = max(len(ulay), 1), int(ex_i.max()) + 1 if len(ex_i) else 1
+    if nr * nw < 2 ** 62:
+        tw = np.unique(req_i[keep] * nw + win[keep], return_inverse=True)[1].reshape(-1)
+    else:
+        tw = np.unique(np.stack([req_i[keep], win[keep]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    ntw = int(tw.max()) + 1 if len(tw) else 1
+    if ntw * nl * ne < 2 ** 62:
+        u3 = np.unique((tw * nl + lay_i[keep]) * ne + ex_i[keep])
+        grp, cnt = np.unique(u3 // ne, return_counts=True)
+        glay = ulay[grp % nl] if len(grp) else np.zeros(0, np.int64)
+    else:
+        grp_rows = np.unique(np.stack([tw, lay_i[keep], ex_i[keep]], axis=1), axis=0)
+        grp, cnt = np.unique(grp_rows[:, :2], axis=0, return_counts=True)
+        glay = ulay[grp[:, 1]] if len(grp) else np.zeros(0, np.int64)
     # reuse distances: sort by (request, layer, expert, step)
     order = np.lexsort((step, ex_i, lay_i, req_i))
     same = np.zeros(len(order), bool)
