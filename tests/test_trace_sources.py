@@ -266,7 +266,8 @@ def test_streamed_convert_equals_the_whole_convert(tmp_path, k, n_items, version
     """trace convert chunk by chunk: Strata outputs byte-identical to the whole convert, Parquet and CSV outputs
     read back as the same table (windows included), from a walked tagged trace and from a Parquet file read in
     batches that cut records."""
-    from stratatools.traces.formats import convert_trace, convert_trace_stream
+    from stratatools.traces.formats import convert_trace
+    from stratatools.traces.sources import convert_trace_stream
 
     rng = np.random.default_rng(seed)
     p = tmp_path / f"t{seed}.bin"

@@ -40,7 +40,7 @@ def _convert(
 ) -> None:
     """Convert a routing trace to another format (written to OUT.tmp, then renamed); ``--to parquet --dataset``
     writes a partitioned Parquet dataset in bounded memory."""
-    from stratatools.traces.formats import convert_trace_stream
+    from stratatools.traces.sources import convert_trace_stream
 
     if dataset or partition or where:
         if to != "parquet" or not dataset:
