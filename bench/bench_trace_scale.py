@@ -19,8 +19,8 @@ between runs of the same size; ``--keep`` leaves them after the run).
 
 Last measured (2026-12-01, shared 2-core machine, load average 4-6; the full table is in docs/fleet-traces.md):
 simulate static/adaptive/LRU without k-fold 30.5M entries/s per online policy at 1e8 (37.1M per CPU s; 2.18x the
-baseline), 19.0M/s at 1e9 (40.1M per CPU s: the load left the command half a core); peak RSS 0.41 / 0.50 / 0.64
-GB at 1e7 / 1e8 / 1e9; with Belady and --kfold 5 39.2M/s at 1e8, 0.68 GB. make-profile / trace stats from a 1e9
+baseline), 21.9M/s at 1e9 (38.8M per CPU s; wall figures move with the load: 14.7M/s and 19.0M/s in busier runs);
+peak RSS 0.41 / 0.50 / 0.65 GB at 1e7 / 1e8 / 1e9; with Belady and --kfold 5 39.2M/s at 1e8, 0.68 GB. make-profile / trace stats from a 1e9
 Parquet dataset 0.58 / 0.57 GB, from a 1e9 tagged trace 0.37 / 0.40 GB.
 """
 
