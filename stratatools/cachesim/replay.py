@@ -34,8 +34,9 @@ Streaming (traces of any size): :class:`EntryStream` prepares the same entries c
 (:mod:`stratatools.traces.sources`) with what one chunk needs of the previous one carried over (compiled:
 :func:`.kernels.prepare_chunk`); :class:`Replay` runs one policy over chunks keeping only its state
 (:mod:`.kernels` ``*_chunk``); :class:`MetricAcc` accumulates the metrics per chunk (no sort); :class:`RunGroup`
-feeds one pass to many runs (:func:`simulate_many`). Belady's next uses come from a backward pass into a
-temporary file. :func:`prepare_entries`, :func:`run_policy`, :func:`simulate_policy` and :func:`metrics` keep
+feeds one pass to many runs (:func:`simulate_many`; the runs in threads, the next chunks prepared by a reader
+thread, :func:`prefetch`: the compiled kernels release the GIL, each run's state is its own, so results do not
+depend on it). Belady's next uses come from a backward pass into a temporary file. :func:`prepare_entries`, :func:`run_policy`, :func:`simulate_policy` and :func:`metrics` keep
 their whole-array signatures (``simulate_policy`` also takes a stream) and give the same results.
 """
 
