@@ -306,3 +306,21 @@ def test_streamed_convert_equals_the_whole_convert(tmp_path, k, n_items, version
             assert (ta.window is None) == (tb.window is None), (src, to)
             if ta.window is not None:
                 assert np.array_equal(ta.window, tb.window), (src, to)
+
+
+def test_streamed_convert_to_csv_refuses_negative_positions_as_the_whole_convert(tmp_path):
+    from stratatools.traces.formats import convert_trace
+    from stratatools.traces.sources import convert_trace_stream
+
+    t = _table(np.random.default_rng(5), 40)
+    pos = np.asarray(t.position).copy()
+    pos[37:] = -1
+    cols = {**t.columns(), "position": pos}
+    src = tmp_path / "neg.parquet"
+    write_trace(TraceTable(**cols, meta=dict(t.meta)), src, "parquet")
+    with pytest.raises(StrataError) as whole:
+        convert_trace(src, tmp_path / "a.csv", "csv")
+    with pytest.raises(StrataError) as streamed:
+        convert_trace_stream(src, tmp_path / "a.csv", "csv", rows=8)
+    assert str(streamed.value) == str(whole.value) and "is negative" in str(whole.value)
+    assert not (tmp_path / "a.csv").exists()

@@ -577,6 +577,7 @@ class _StreamWriter:
         self.hold: dict | None = None  # entries held back (an open record, or an open window stretch)
         self.state: dict = {}
         self.last = None  # (request, position, layer, phase) of the last entry counted by _records
+        self.rows = 0  # entries written (CSV: the row numbers of its errors)
 
     def begin(self, fh) -> None:
         if self.to == "parquet":
@@ -621,9 +622,11 @@ class _StreamWriter:
             self.pw.write_table(pa.Table.from_arrays(arrays, schema=self.schema))
             return self._records(t)
         if self.to == "csv":
-            from stratatools.traces.formats.text import csv_rows
+            from stratatools.traces.formats.text import csv_check_positions, csv_rows
 
             t = self._table(c)
+            csv_check_positions(t, self.path, self.rows)
+            self.rows += len(t)
             csv_rows(fh, t, self.meta, self.windows)
             return self._records(t)
         # Strata: whole records (and, tagged with windows, whole stretches between request changes and commits)
