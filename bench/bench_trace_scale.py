@@ -16,6 +16,14 @@ make-profile / trace stats from 1e9 tagged and Parquet < 2 GB.
 
 Usage: ``nice python bench/bench_trace_scale.py --sizes 1e7,1e8 --dir /tmp/bench-traces`` (files are kept
 between runs of the same size; ``--keep`` leaves them after the run).
+
+Last measured (2026-12-01, shared 2-core machine, load average 4-6; the full table is in docs/fleet-traces.md):
+simulate static/adaptive/LRU without k-fold 30.5M entries/s per online policy at 1e8 (37.1M per CPU s; 2.18x the
+baseline), 21.9M/s at 1e9 (38.8M per CPU s; wall figures move with the load: 14.7M/s and 19.0M/s in busier runs);
+peak RSS 0.41 / 0.50 / 0.65 GB at 1e7 / 1e8 / 1e9; with Belady and --kfold 5 39.2M/s at 1e8, 0.68 GB. With
+distinct ids per record (the generator since; readers refuse repeats) 1e8: 22.2M/s per online policy, 0.42 GB;
+--kfold 5 37.7M/s, 0.62 GB. make-profile / trace stats from a 1e9
+Parquet dataset 0.58 / 0.57 GB, from a 1e9 tagged trace 0.37 / 0.40 GB.
 """
 
 from __future__ import annotations

@@ -216,6 +216,8 @@ def _runs(L, E, rng):
             dict(policy="adaptive", profile=prof, slots=slots, admission="global", **ad),
             dict(policy="adaptive", profile=None, slots=slots, admission="per-layer", **ad),
             dict(policy="adaptive", profile=prof, slots=slots, admission="global", **{**ad, "lag": 2, "upper_slots": 2}),
+            dict(policy="adaptive", profile=prof, budget_bytes=sum(blob) * 2, blob_bytes=blob, admission="per-layer",
+                 **{**ad, "lag": 3, "pace_bytes": 1500, "upper_slots": 1, "disjoint": 1}),
             dict(policy="lru", cap=cap), dict(policy="lfu", cap=cap, decay=0.5),
             dict(policy="lfru", cap=cap, decay=0.5), dict(policy="belady", cap=cap, blob_bytes=blob, cost=cost),
             dict(policy="belady", slots=slots)]
@@ -314,3 +316,38 @@ def test_stream_errors_are_one_line():
         prepare_stream([TraceTable.empty()], 2, 4)
     with pytest.raises(StrataError, match="unknown phase"):
         prepare_stream([t], 2, 4, phase="prefill")
+
+
+def test_prefetch_keeps_order_raises_where_the_producer_stopped_and_stops_early():
+    import threading
+
+    from stratatools.cachesim.replay import prefetch
+
+    assert list(prefetch(iter(range(50)), depth=2)) == list(range(50))
+    assert list(prefetch(iter(range(5)), depth=0)) == list(range(5))
+
+    def bad():
+        yield 1
+        yield 2
+        raise StrataError("t.bin: byte 8: corrupt")
+
+    got = []
+    with pytest.raises(StrataError, match="byte 8: corrupt"):
+        for x in prefetch(bad()):
+            got.append(x)
+    assert got == [1, 2]
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    for x in prefetch(endless()):
+        if x == 3:
+            break
+    assert closed.wait(5)

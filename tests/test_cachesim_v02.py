@@ -163,3 +163,23 @@ def test_upper_tier_free_slots_are_filled_first_under_global_admission():
                           adapt_every=2, copy_delay_rounds=0, decay=1.0)
     assert h == [False, False, False, False, True, True, False]
     assert loads == [2] and info["swaps"] == 1 and info["upper_hits"] == 1
+
+
+def test_v02_knobs_stream_in_bounded_memory():
+    """The 0.2.x kernel is fed chunk by chunk: with lag 3 it holds only the entries of the last rounds (not the
+    trace), and gives the hits of one whole-array run."""
+    from stratatools.cachesim.replay import Replay
+
+    rng = np.random.default_rng(2)
+    seq = [[(l, rng.choice(8, 2, replace=False).tolist()) for l in range(3)] for _ in range(3000)]
+    ent = entries(seq, 3, 8)
+    p = prof(3, 8, [(i % 3, (i * 5) % 8) for i in range(24)])
+    kw = dict(profile=p, slots=7, adapt_every=2, lag=3, pace_bytes=2, upper_slots=2)
+    whole = run_policy(ent, "adaptive", **kw)
+    rp = Replay(3, 8, "adaptive", **kw)
+    hits = [rp.feed(c) for c in ent.chunks(50)]
+    held = len(rp._v2.pend[0])
+    loads, info = rp.finish()
+    assert held <= 2 * (50 + 3 * 6) and len(ent) == 3000 * 6
+    assert np.array_equal(np.concatenate(hits), whole[0]) and np.array_equal(loads, whole[1])
+    assert info["swaps"] == whole[2]["swaps"] and info["dropped_moves"] == whole[2]["dropped_moves"]

@@ -71,3 +71,37 @@ def test_tasks_are_retried_and_failures_are_one_line(tmp_path):
         assert C.run_tasks(client, _flaky, [(str(tmp_path / "m"),)], name="flaky") == [42]
         with pytest.raises(StrataError, match=r"^broken 0 failed on the cluster after 2 retries: boom$"):
             C.run_tasks(client, _broken, [()], name="broken")
+
+
+def test_a_worker_process_killed_mid_task_is_retried_and_never_partial(tmp_path):
+    """A LocalCluster of 2 worker processes: a task whose worker process is killed mid-task (SIGKILL, the first
+    time it runs) is rerun by Dask and the results equal the in-process ones; a task that kills every worker
+    it runs on ends in one line naming it, never in a partial result."""
+    from stratatools.core.errors import StrataError
+
+    marker = str(tmp_path / "killed")
+
+    def square_once_killed(i: int) -> int:
+        import os
+        import signal
+
+        if i == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker process dies mid-task
+        return i * i
+
+    def always_killed() -> int:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    args = [(i,) for i in range(5)]
+    with C.open_cluster("local:2") as client:
+        got = C.run_tasks(client, square_once_killed, args, name="square")
+        assert (tmp_path / "killed").exists()  # the kill happened
+        assert got == [square_once_killed(*a) for a in args] == [0, 1, 4, 9, 16]
+        with pytest.raises(StrataError, match=r"^killed 0 failed on the cluster after 2 retries: ") as e:
+            C.run_tasks(client, always_killed, [()], name="killed")
+        assert len(str(e.value).splitlines()) == 1

@@ -87,6 +87,26 @@ def test_pack_round_trip_and_hit_rate_gate(kit, tmp_path, cli):
     assert 0.05 <= h <= 1.0
     strict = validate_release(ReleaseInputs(**base), min_hit_rate=min(1.0, h + 0.01), slots=64)
     assert _by_name(strict)["hit-rate"].status == FAIL
+    # the gate's progress: one bar over its two passes (scan, replay), the same result
+    import contextlib
+
+    bars = []
+
+    class _Bar:
+        def __init__(self):
+            self.done = 0.0
+
+        def update(self, advance=0, **_):
+            self.done += advance
+
+    @contextlib.contextmanager
+    def progress(what, total):
+        bars.append((what, total, _Bar()))
+        yield bars[-1][2]
+
+    again = validate_release(ReleaseInputs(**base), min_hit_rate=0.05, slots=64, progress=progress)
+    assert _by_name(again)["hit-rate"].details == c["hit-rate"].details
+    assert [(w, t) for w, t, _ in bars] == [("hit-rate gate", 2)] and bars[0][2].done == pytest.approx(2.0)
     # corrupt one experts.bin byte: the round trip catches it
     binp = tmp_path / "pack" / "experts.bin"
     b = bytearray(binp.read_bytes())

@@ -360,3 +360,26 @@ def test_mutated_parquet(muts):
     for i, v in muts:
         b[i % len(b)] = v
     _read_any(bytes(b))
+
+
+def test_csv_with_an_unknown_header_is_named_as_a_csv(tmp_path, cli):
+    """A CSV whose header is not recognised was reported as a corrupt Strata binary; now one line naming the
+    expected columns, from every reader (sniffing, stats, make-profile)."""
+    from stratatools.traces.formats import read_trace, sniff_format
+
+    p = tmp_path / "t.csv"
+    p.write_text("prompt,pos,layer,expert\nm,0,0,1\n")
+    with pytest.raises(StrataError, match=r"line 1: the CSV header 'prompt,pos,layer,expert' is not recognised; "
+                                          r"expected model,prompt_id,token_pos,layer,rank,expert_id,weight"):
+        sniff_format(p)
+    with pytest.raises(StrataError, match="CSV header"):
+        read_trace(p)
+    code, out, err = cli("trace", "stats", str(p))
+    assert code == 2 and "CSV header 'prompt,pos,layer,expert' is not recognised" in err
+    assert "Strata" not in err and len(err.strip().splitlines()) == 1
+    # binary traces are still sniffed as Strata, headerless llama rows as llama-csv
+    q = tmp_path / "t.bin"
+    q.write_bytes(np.array([0, 1, 5, 0], "<i4").tobytes())
+    assert sniff_format(q) == "strata"
+    (tmp_path / "l.csv").write_text("0,1,5,6\n")
+    assert sniff_format(tmp_path / "l.csv") == "llama-csv"

@@ -210,3 +210,117 @@ def test_trace_stats_cli_streams_datasets_and_keeps_locality_for_one_small_file(
     assert code == 0, err
     d1 = json.loads(out)
     assert not d1["verdict"].startswith("locality not computed") and d1["per_layer"][0]["reuse_p50"] is not None
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="the chunked tagged walk needs numba")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 4), st.integers(1, 80), st.sampled_from([1, 2]), st.integers(1, 40), st.integers(0, 2**31 - 1),
+       st.sampled_from(["decode", "all"]))
+def test_tagged_records_and_streamed_replay_equal_the_whole_read(tmp_path, k, n_items, version, rows, seed, phase):
+    """The record chunks a replay's scan pass reads are the entries' records; the prepared stream over the walked
+    source (scan on records, replay on entries, any chunk size) equals prepare_entries of the whole read."""
+    from stratatools.cachesim.replay import EntryStream, prepare_entries, simulate_policy
+
+    rng = np.random.default_rng(seed)
+    p = tmp_path / f"t{seed}.bin"
+    p.write_bytes(tagged_stream(rng, n_items, k, 3, 6, version))
+    try:
+        whole = read_trace(p)
+    except StrataError:
+        return
+    if len(whole) == 0:
+        return
+    src = StrataTaggedSource(p, chunk_bytes=64)
+    ent = _cat(src, rows)
+    recs = [c for c in src.record_chunks(rows)]
+    rc = {c: np.concatenate([r[c] for r in recs]) for c in recs[0]}
+    starts = np.flatnonzero(np.r_[True, ent["rank"][1:] <= ent["rank"][:-1]])
+    keep = rc["k"] > 0
+    assert int(rc["k"].sum()) == len(ent["rank"])
+    for c in ("request", "position", "phase", "layer", "window"):
+        assert np.array_equal(rc[c][keep], ent[c][starts]), c
+    try:
+        ref = prepare_entries(whole, 3, 6, phase=phase)
+    except StrataError as e:
+        with pytest.raises(StrataError) as got:
+            len(EntryStream([src], 3, 6, phase=phase, chunk=rows, merge=False))
+        assert str(got.value) == str(e)
+        return
+    stream = EntryStream([src], 3, 6, phase=phase, chunk=rows, merge=False)
+    parts = list(stream.chunks())
+    for c in ("layer", "expert", "rnd", "record", "request", "token"):
+        assert np.array_equal(np.concatenate([getattr(x, c) for x in parts]), getattr(ref, c)), c
+    assert (stream.n_tokens, stream.n_rounds, stream.rounds_by, stream.skipped) == \
+        (ref.n_tokens, ref.n_rounds, ref.rounds_by, ref.skipped)
+    for pol in ("adaptive", "lru"):
+        a = simulate_policy(ref, pol, slots=5, adapt_every=2) if pol == "adaptive" else simulate_policy(ref, pol, slots=5)
+        kw = {"adapt_every": 2} if pol == "adaptive" else {}
+        b = simulate_policy(EntryStream([src], 3, 6, phase=phase, chunk=rows), pol, slots=5, **kw)
+        assert a.to_dict() == b.to_dict(), pol
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="the chunked tagged walk needs numba")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 4), st.integers(1, 80), st.sampled_from([1, 2]), st.integers(1, 30), st.integers(0, 2**31 - 1))
+def test_streamed_convert_equals_the_whole_convert(tmp_path, k, n_items, version, rows, seed):
+    """trace convert chunk by chunk: Strata outputs byte-identical to the whole convert, Parquet and CSV outputs
+    read back as the same table (windows included), from a walked tagged trace and from a Parquet file read in
+    batches that cut records."""
+    from stratatools.traces.formats import convert_trace
+    from stratatools.traces.sources import convert_trace_stream
+
+    rng = np.random.default_rng(seed)
+    p = tmp_path / f"t{seed}.bin"
+    p.write_bytes(tagged_stream(rng, n_items, k, 3, 6, version))
+    try:
+        whole = read_trace(p)
+    except StrataError as e:
+        with pytest.raises(StrataError) as got:
+            convert_trace_stream(p, tmp_path / "x.parquet", "parquet", rows=rows)
+        assert str(got.value) == str(e)
+        return
+    pq_in = tmp_path / f"in{seed}.parquet"
+    write_trace(whole, pq_in, "parquet")
+    for src in (p, pq_in):
+        for to in ("strata", "strata-tagged", "parquet", "csv"):
+            a, b = tmp_path / f"a.{to}", tmp_path / f"b.{to}"
+            try:
+                ra = convert_trace(src, a, to, force=True)
+            except StrataError as e:
+                with pytest.raises(StrataError) as got:
+                    convert_trace_stream(src, b, to, force=True, rows=rows)
+                assert str(got.value).replace(str(b), str(a)) == str(e), (src, to)
+                continue
+            got_n = []
+            rb = convert_trace_stream(src, b, to, force=True, rows=rows, progress=got_n.append)
+            assert (rb.entries, rb.records, rb.from_format) == (ra.entries, ra.records, ra.from_format), (src, to)
+            assert sum(got_n) == ra.entries
+            if to.startswith("strata"):
+                assert a.read_bytes() == b.read_bytes(), (src, to)
+                continue
+            if ra.entries == 0:
+                continue
+            ta, tb = read_trace(a), read_trace(b)
+            for c in COLS:
+                assert np.array_equal(getattr(ta, c), getattr(tb, c)), (src, to, c)
+            assert (ta.window is None) == (tb.window is None), (src, to)
+            if ta.window is not None:
+                assert np.array_equal(ta.window, tb.window), (src, to)
+
+
+def test_streamed_convert_to_csv_refuses_negative_positions_as_the_whole_convert(tmp_path):
+    from stratatools.traces.formats import convert_trace
+    from stratatools.traces.sources import convert_trace_stream
+
+    t = _table(np.random.default_rng(5), 40)
+    pos = np.asarray(t.position).copy()
+    pos[37:] = -1
+    cols = {**t.columns(), "position": pos}
+    src = tmp_path / "neg.parquet"
+    write_trace(TraceTable(**cols, meta=dict(t.meta)), src, "parquet")
+    with pytest.raises(StrataError) as whole:
+        convert_trace(src, tmp_path / "a.csv", "csv")
+    with pytest.raises(StrataError) as streamed:
+        convert_trace_stream(src, tmp_path / "a.csv", "csv", rows=8)
+    assert str(streamed.value) == str(whole.value) and "is negative" in str(whole.value)
+    assert not (tmp_path / "a.csv").exists()

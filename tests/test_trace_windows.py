@@ -347,3 +347,27 @@ def test_random_streams_windows_and_tagged_round_trip(pieces, seed):
         assert (back.window.tolist() if back.has_windows else [-1] * len(want)) == got
         assert np.asarray(back.request).tolist() == np.asarray(t.request).tolist()
         assert np.asarray(back.phase).tolist() == np.asarray(t.phase).tolist()
+
+
+def test_cli_stats_names_prefill_batches_apart_from_verify_windows(tmp_path, cli):
+    """A run's trace writes each prefill batch as a window: trace stats counts those apart and does not call
+    them verify windows (whole read and chunked read alike)."""
+    from stratatools.traces.sources import StrataTaggedSource, trace_stats_sources
+
+    pre = tag(-5, [PREFILL]) + window_bytes([[1, 2, 3]], 0, phase=PREFILL)
+    dec = tag(-5, [DECODE]) + window_bytes([[1]], 1) + window_bytes([[2]], 2)
+    for name, data, want, line in (
+            ("p.bin", tag(-2, [2]) + tag(-3, [0]) + pre, (1, 1), "rounds: prefill batches (1 batches"),
+            ("m.bin", tag(-2, [2]) + tag(-3, [0]) + pre + dec, (3, 1),
+             "rounds: windows (2 verify windows and 1 prefill batches")):
+        p = tmp_path / name
+        p.write_bytes(data)
+        st = trace_stats(read_trace(p))
+        assert (st.windows, st.prefill_windows) == want
+        assert trace_stats_sources([StrataTaggedSource(p)]).prefill_windows == want[1]
+        code, out, err = cli("trace", "stats", str(p), "--json")
+        assert code == 0, err
+        assert (json.loads(out)["windows"], json.loads(out)["prefill_windows"]) == want
+        code, out, err = cli("trace", "stats", str(p))
+        assert code == 0 and line in out, out
+        assert "verify windows (" not in out

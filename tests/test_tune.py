@@ -277,3 +277,26 @@ def test_kfold_on_a_single_request_asks_for_more_requests_not_one_fold():
     with pytest.raises(StrataError) as e:
         fold_of_requests(np.zeros(5, np.int64), 2)
     assert "at least 2 requests" in str(e.value) and "at most 1 folds" not in str(e.value)
+
+
+def test_tune_streamed_equals_the_whole_table_path(bursty, tmp_path):
+    """The streamed path (chunk sources, folds prepared on the fly, one pass per rung) gives the to_dict of the
+    path that holds the traces (mapper): given profiles (file: and traces+), prefill replayed, tok/s costs."""
+    from stratatools.traces.formats import write_trace
+    from stratatools.traces.sources import open_source
+
+    w = Workload(seed=3)
+    half = bursty.take(bursty.request % 2 == 0)
+    p = tmp_path / "w.parquet"
+    write_trace(half, p, "parquet")
+    given = {"base": Profile(w.n_layers, w.n_expert, [(i % w.n_layers, (7 * i) % w.n_expert) for i in range(90)])}
+    kw = dict(budget_bytes=200 * 4096, blob_bytes=[4000] * w.n_layers, k=3, candidates=8, objective="tok/s",
+              cost=ThreeTierModel(ram_bytes=300 * 4096), profiles=given, seed=2)
+    whole = tune([bursty, half], w.n_layers, w.n_expert, mapper=lambda f, xs: list(map(f, xs)), **kw).to_dict()
+    src = open_source(p, n_layers=w.n_layers, n_expert=w.n_expert)
+    streamed = tune([bursty, src], w.n_layers, w.n_expert, **kw).to_dict()
+    assert streamed == whole
+    assert streamed["requests"] == len(np.unique(bursty.request)) + len(np.unique(half.request))
+    assert {f["settings"]["profile"] for f in streamed["finalists"]} >= {"file:base"}
+    with pytest.raises(StrataError, match="at most 2 folds"):
+        tune([half.take(half.request < 4)], w.n_layers, w.n_expert, slots=8, k=3)

@@ -596,6 +596,85 @@ def metrics_chunk(layer, record, hits, le, lh, st):
             st[4] += 1
 
 
+@njit(cache=True, nogil=True)
+def summary_chunk(lay, ex, rnd, tok, req, cnt, has_cnt, light, n_expert, counts, st, o_tok, o_req):
+    """What a stream's summary needs of one chunk of kept entries, in one loop: counted entries (``cnt``, all
+    when not ``has_cnt``) and, unless ``light``, their (layer, expert) counts (``counts`` int64 [L*E], added);
+    rounds (a change of ``rnd``), negative-token rounds; the runs of the counted positive tokens and of the
+    request ids (written to ``o_tok`` / ``o_req``). ``st`` int64 [7] carries counted, rounds, (set, last
+    round), negative rounds, (set, last negative token). Returns (token runs, request runs) written."""
+    n = lay.shape[0]
+    ntk = 0
+    nrq = 0
+    for i in range(n):
+        r = rnd[i]
+        if st[2] == 0 or r != st[3]:
+            st[1] += 1
+        st[2] = 1
+        st[3] = r
+        c = cnt[i] if has_cnt else True
+        if c:
+            st[0] += 1
+        if light:
+            continue
+        if c:
+            counts[lay[i] * n_expert + ex[i]] += 1
+            t = tok[i]
+            if t < 0:
+                if st[5] == 0 or t != st[6]:
+                    st[4] += 1
+                st[5] = 1
+                st[6] = t
+            elif ntk == 0 or o_tok[ntk - 1] != t:
+                o_tok[ntk] = t
+                ntk += 1
+        q = req[i]
+        if nrq == 0 or o_req[nrq - 1] != q:
+            o_req[nrq] = q
+            nrq += 1
+    return ntk, nrq
+
+
+SCAN_ST = 10
+"""Slots of :func:`scan_chunk`'s carried state: last entry (set, request, position, layer, rank, window), last
+record (set, request, position, in a window)."""
+
+
+@njit(cache=True, nogil=True)
+def scan_chunk(req, pos, lay, rank, win, windows, st, out):
+    """First pass of :func:`prepare_chunk`'s rules over one chunk: the requests with layer-major batches (a
+    record outside windows whose position goes back from the previous record's of the same request, that one
+    outside windows too). Records start as in :func:`prepare_chunk`; ``win`` is ignored unless ``windows``.
+    Writes the request ids found to ``out`` (a request repeated in a row once) and returns how many; the last
+    entry and record are carried in ``st`` (:data:`SCAN_ST` slots)."""
+    n = req.shape[0]
+    nb = 0
+    for i in range(n):
+        r = req[i]
+        p = pos[i]
+        la = lay[i]
+        rk = rank[i]
+        w = win[i] if windows else 0
+        rs = st[0] == 0 or r != st[1] or p != st[2] or la != st[3] or rk <= st[4] or (windows and w != st[5])
+        st[0] = 1
+        st[1] = r
+        st[2] = p
+        st[3] = la
+        st[4] = rk
+        st[5] = w
+        if rs:
+            in_w = windows and w >= 0
+            if st[6] != 0 and r == st[7] and (not in_w) and st[9] == 0 and p >= 0 and p < st[8]:
+                if nb == 0 or out[nb - 1] != r:
+                    out[nb] = r
+                    nb += 1
+            st[6] = 1
+            st[7] = r
+            st[8] = p
+            st[9] = 1 if in_w else 0
+    return nb
+
+
 # prepare state ``st`` (int64 [16]): has_pe, pe_req, pe_pos, pe_lay, pe_rank, pe_win, has_pr, pr_req, pr_pos,
 # pr_lay, pr_inw, pr_key, pr_bat, last_record, cur_round, cur_bat
 PREP_ST = 16
@@ -771,47 +850,67 @@ def _moves_v2(t, R, C, O, upool, usage, per_layer, floor, margin, max_moves, exc
     return n
 
 
+V2_ST = 14
+"""Scalar slots of :func:`adaptive_v2_chunk`'s carried state: rounds, steps, swaps, dropped moves, upper-tier
+hits, landing round, copies in flight, free pool slots, free pool bytes, (set, last round id), lag entries held,
+current dense round, (unused)."""
+
+
+def adaptive_v2_state(T: int, L: int, E: int, max_moves: int, copy_delay: int, pool_slots: int, pool_bytes: int):
+    """Carried state of :func:`adaptive_v2_chunk` (usage, loading, move queues, copies in flight, scalars)."""
+    M = max(int(max_moves), 1)
+    cap_f = T * M * (int(copy_delay) + 2) + 1
+    S = np.zeros(V2_ST, np.int64)
+    S[5] = -1
+    S[7], S[8] = int(pool_slots), int(pool_bytes)
+    return (np.zeros((L, E), np.float64), np.zeros((T, L, E), np.bool_), np.zeros((T, M), np.int64),
+            np.zeros((T, M), np.int64), np.zeros((T, M), np.int64), np.zeros(T, np.int64), np.zeros(T, np.int64),
+            np.zeros(cap_f, np.int64), np.zeros(cap_f, np.int64), np.zeros(cap_f, np.int64),
+            np.zeros(cap_f, np.int64), np.zeros((L, E), np.bool_), S)
+
+
 @njit(cache=True, nogil=True)
-def adaptive_v2_kernel(layer, expert, ridx, R, C, O, upool, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
-                       floor, margin, adapt_every, max_moves, decay, copy_delay, lag, pace, disjoint):
-    """Adaptive tier with Strata 0.2.x knobs (``tiers.AdaptiveTier`` rules): ``ridx`` int64 [N] dense round index
-    of each entry; ``R`` bool [T, L, E], ``C``/``O`` int64 [T, L] (tier 0, then the upper tier when T = 2) are
-    modified; ``upool`` int64 [T]: free slots of a global-admission tier its moves may take (0 for tier 0).
-    ``pace`` <= 0 = unpaced. Returns hits, loads, steps, swaps, dropped moves, upper-tier hits."""
+def adaptive_v2_chunk(layer, expert, rnd, final, R, C, O, upool, slot_bytes, per_layer, admit, floor, margin,
+                      adapt_every, max_moves, decay, copy_delay, lag, pace, disjoint, usage, loading, ql, qc, qv, qn,
+                      qp, ft, fl, fe, fland, excl, S, pend_l, pend_e, pend_q, hits, loads):
+    """Adaptive tier with Strata 0.2.x knobs (``tiers.AdaptiveTier`` rules) over one chunk of entries, the state
+    carried between chunks (:func:`adaptive_v2_state`): ``rnd`` int64 [n] round ids (non-decreasing; a change
+    ends a round); ``final``: the stream ends after this chunk (its last round ends). ``R`` bool [T, L, E],
+    ``C``/``O`` int64 [T, L] (tier 0, then the upper tier when T = 2) are modified; ``upool`` int64 [T]: free
+    slots of a global-admission tier its moves may take (0 for tier 0). ``pace`` <= 0 = unpaced. With
+    ``lag`` > 1 the entries whose counts are not yet visible wait in ``pend_l/pend_e/pend_q`` (capacity at least
+    the held count ``S[11]`` + n; memory: the entries of the last ``lag`` rounds). Writes ``hits`` bool [n],
+    adds copies to ``loads`` int64 [L]."""
     n = layer.shape[0]
     T, L, E = R.shape
-    hits = np.zeros(n, dtype=np.bool_)
-    loads = np.zeros(L, dtype=np.int64)
-    usage = np.zeros((L, E), dtype=np.float64)
-    loading = np.zeros((T, L, E), dtype=np.bool_)
-    M = max(max_moves, 1)
-    ql = np.zeros((T, M), dtype=np.int64)
-    qc = np.zeros((T, M), dtype=np.int64)
-    qv = np.zeros((T, M), dtype=np.int64)
-    qn = np.zeros(T, dtype=np.int64)
-    qp = np.zeros(T, dtype=np.int64)
-    cap_f = T * M * (copy_delay + 2) + 1
-    ft = np.zeros(cap_f, dtype=np.int64)
-    fl = np.zeros(cap_f, dtype=np.int64)
-    fe = np.zeros(cap_f, dtype=np.int64)
-    fland = np.zeros(cap_f, dtype=np.int64)
-    nfl = 0
-    excl = np.zeros((L, E), dtype=np.bool_)
-    land_at = -1
-    rounds = 0
-    steps = 0
-    swaps = 0
-    dropped = 0
-    upper_hits = 0
-    j = 0  # lag > 1: next entry whose count is not yet visible
+    rounds = S[0]
+    steps = S[1]
+    swaps = S[2]
+    dropped = S[3]
+    upper_hits = S[4]
+    land_at = S[5]
+    nfl = S[6]
+    pool_slots = S[7]
+    pool_bytes = S[8]
+    has_prev = S[9]
+    prev = S[10]
+    npend = S[11]
+    q_cur = S[12]
+    pj = 0  # lag > 1: next held entry whose count is not yet visible
     for i in range(n + 1):
-        if i == n or (i > 0 and ridx[i] != ridx[i - 1]):
+        if i == n:
+            if not final:
+                break
+            boundary = True
+        else:
+            boundary = has_prev != 0 and rnd[i] != prev
+        if boundary:
             rounds += 1
             r = rounds
             if lag > 1:
-                while j < i and ridx[j] + lag <= r:
-                    usage[layer[j], expert[j]] += 1.0
-                    j += 1
+                while pj < npend and pend_q[pj] + lag <= r:
+                    usage[pend_l[pj], pend_e[pj]] += 1.0
+                    pj += 1
             do_adapt = (r % adapt_every == 0) and (pace > 0 or nfl == 0)
             if do_adapt:
                 for t in range(T):
@@ -926,6 +1025,7 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, upool, pool_slots, pool_byt
                 nfl = k
             if i == n:
                 break
+            q_cur += 1
         l = layer[i]
         e = expert[i]
         if R[0, l, e]:
@@ -955,6 +1055,49 @@ def adaptive_v2_kernel(layer, expert, ridx, R, C, O, upool, pool_slots, pool_byt
                 R[0, l, e] = True
                 O[0, l] += 1
                 loads[l] += 1
+        has_prev = 1
+        prev = rnd[i]
         if lag <= 1:
             usage[l, e] += 1.0
-    return hits, loads, steps, swaps, dropped, upper_hits
+        else:
+            pend_l[npend] = l
+            pend_e[npend] = e
+            pend_q[npend] = q_cur
+            npend += 1
+    if pj > 0:  # drop the entries counted
+        for q in range(pj, npend):
+            pend_l[q - pj] = pend_l[q]
+            pend_e[q - pj] = pend_e[q]
+            pend_q[q - pj] = pend_q[q]
+        npend -= pj
+    S[0] = rounds
+    S[1] = steps
+    S[2] = swaps
+    S[3] = dropped
+    S[4] = upper_hits
+    S[5] = land_at
+    S[6] = nfl
+    S[7] = pool_slots
+    S[8] = pool_bytes
+    S[9] = has_prev
+    S[10] = prev
+    S[11] = npend
+    S[12] = q_cur
+
+
+def adaptive_v2_kernel(layer, expert, ridx, R, C, O, upool, pool_slots, pool_bytes, slot_bytes, per_layer, admit,
+                       floor, margin, adapt_every, max_moves, decay, copy_delay, lag, pace, disjoint):
+    """:func:`adaptive_v2_chunk` over a whole stream at once: ``ridx`` int64 [N] round ids (non-decreasing).
+    Returns hits, loads, steps, swaps, dropped moves, upper-tier hits."""
+    T, L, E = R.shape
+    n = len(layer)
+    st = adaptive_v2_state(T, L, E, max_moves, copy_delay, pool_slots, pool_bytes)
+    hits = np.zeros(n, np.bool_)
+    loads = np.zeros(L, np.int64)
+    m = n if lag > 1 else 0
+    pend = (np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m, np.int64))
+    adaptive_v2_chunk(np.asarray(layer, np.int64), np.asarray(expert, np.int64), np.asarray(ridx, np.int64), True,
+                      R, C, O, upool, slot_bytes, per_layer, admit, floor, margin, adapt_every, max_moves, decay,
+                      copy_delay, lag, pace, disjoint, *st, *pend, hits, loads)
+    S = st[-1]
+    return hits, loads, int(S[1]), int(S[2]), int(S[3]), int(S[4])

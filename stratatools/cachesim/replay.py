@@ -34,8 +34,9 @@ Streaming (traces of any size): :class:`EntryStream` prepares the same entries c
 (:mod:`stratatools.traces.sources`) with what one chunk needs of the previous one carried over (compiled:
 :func:`.kernels.prepare_chunk`); :class:`Replay` runs one policy over chunks keeping only its state
 (:mod:`.kernels` ``*_chunk``); :class:`MetricAcc` accumulates the metrics per chunk (no sort); :class:`RunGroup`
-feeds one pass to many runs (:func:`simulate_many`). Belady's next uses come from a backward pass into a
-temporary file. :func:`prepare_entries`, :func:`run_policy`, :func:`simulate_policy` and :func:`metrics` keep
+feeds one pass to many runs (:func:`simulate_many`; the runs in threads, the next chunks prepared by a reader
+thread, :func:`prefetch`: the compiled kernels release the GIL, each run's state is its own, so results do not
+depend on it). Belady's next uses come from a backward pass into a temporary file. :func:`prepare_entries`, :func:`run_policy`, :func:`simulate_policy` and :func:`metrics` keep
 their whole-array signatures (``simulate_policy`` also takes a stream) and give the same results.
 """
 
@@ -218,54 +219,24 @@ class _Prep:
         self.reset()
 
     def reset(self) -> None:
-        self.pe = None   # last entry: (req, pos, lay, rank, win)  (scan)
-        self.pr = None   # last record: (req, pos, lay, in_w, key, batched)  (scan)
+        self.sc = np.zeros(K.SCAN_ST, np.int64)  # last entry and record (scan; kernels.scan_chunk)
         self.st = np.zeros(K.PREP_ST, np.int64)  # the same for feed (kernels.prepare_chunk)
         self.st[13] = self.st[14] = -1  # last record, current round
 
-    def _records(self, c: dict):
-        req, pos, lay, rank = c["request"], c["position"], c["layer"], c["rank"]
-        win = c.get("window") if self.windows else None
-        if self.windows and win is None:
-            win = np.full(len(req), -1, np.int64)
-        n = len(req)
-        rs = np.ones(n, dtype=bool)
-        rs[1:] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1]) | (lay[1:] != lay[:-1]) | (rank[1:] <= rank[:-1])
-        if win is not None:
-            rs[1:] |= win[1:] != win[:-1]
-        if self.pe is not None:
-            p = self.pe
-            rs[0] = bool(req[0] != p[0] or pos[0] != p[1] or lay[0] != p[2] or rank[0] <= p[3]
-                         or (win is not None and win[0] != p[4]))
-        self.pe = (req[-1], pos[-1], lay[-1], rank[-1], win[-1] if win is not None else 0)
-        idx = np.flatnonzero(rs)
-        r_req, r_pos, r_lay = req[idx], pos[idx], lay[idx]
-        if win is not None:
-            r_win = win[idx]
-            in_w = r_win >= 0
-            # windows: key = window id (>= 0); outside them: key = position, shifted below every window id
-            r_key = np.where(in_w, r_win, r_pos - (1 << 40))
-        else:
-            in_w = np.zeros(len(idx), dtype=bool)
-            r_key = r_pos
-        return rs, win, r_req, r_pos, r_lay, in_w, r_key
-
     def scan(self, c: dict) -> None:
-        """First pass over a chunk: note the requests with batched (going-back) positions."""
-        if not len(c["request"]):
+        """First pass over a chunk: note the requests with batched (going-back) positions (compiled:
+        :func:`.kernels.scan_chunk`)."""
+        n = len(c["request"])
+        if not n:
             return
-        _, _, r_req, r_pos, r_lay, in_w, r_key = self._records(c)
-        if not len(r_req):
-            return
-        if self.pr is not None:
-            p = self.pr
-            r_req, r_pos, in_w = np.r_[p[0], r_req], np.r_[p[1], r_pos], np.r_[p[3], in_w]
-        if len(r_req) > 1:
-            same_req = r_req[1:] == r_req[:-1]
-            back = same_req & ~in_w[1:] & ~in_w[:-1] & (r_pos[1:] >= 0) & (r_pos[1:] < r_pos[:-1])
-            if back.any():
-                self.back.add(r_req[1:][back])
-        self.pr = (r_req[-1], r_pos[-1], r_lay[-1], in_w[-1], r_key[-1], False)
+        win = c.get("window") if self.windows else None
+        if win is None:
+            win = np.full(n, -1, np.int64) if self.windows else np.zeros(1, np.int64)
+        out = np.empty(n, np.int64)
+        nb = K.scan_chunk(_i64(c["request"]), _i64(c["position"]), _i64(c["layer"]), _i64(c["rank"]), _i64(win),
+                          self.windows, self.sc, out)
+        if nb:
+            self.back.add(out[:nb])
 
     def end_scan(self) -> None:
         self.back_ids = self.back.values()
@@ -298,6 +269,26 @@ class _Prep:
         return Entries(lay, ex, rnd, rec, req, self.L, self.E, 0, token=tok, count=cnt), facts
 
 
+def _scan_chunks(src, rows: int):
+    """What the scan pass reads of a source: its chunks, or, from a source with ``record_chunks`` (a tagged Strata
+    trace), its records with k > 0 as chunks of rank-0 entries plus ``_entries`` (the entries they stand for).
+    The scan sees the same records either way (a record's entries share request, position, layer and window
+    and their ranks rise), for a fraction of the work."""
+    rc = getattr(src, "record_chunks", None)
+    if rc is None:
+        yield from src.chunks(rows)
+        return
+    for c in rc(rows):
+        k = c["k"]
+        keep = k > 0
+        if not keep.all():
+            c = {n: v[keep] for n, v in c.items()}
+            k = c["k"]
+        c["rank"] = np.zeros(len(k), np.int64)
+        c["_entries"] = int(k.sum())
+        yield c
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
@@ -315,18 +306,28 @@ class _Summary:
     def __init__(self, L: int, E: int) -> None:
         self.L, self.E = L, E
         self.entries = 0
-        self.counted = 0  # kept entries the metrics count (the rest warm the cache: prefill under phase decode)
         self.skipped = {"prefill": 0, "layer": 0, "expert": 0}
         self.pos_tokens = _Distinct()
-        self.neg_rounds = 0
-        self.rounds = 0
-        self._last_rnd = None
-        self._last_neg = None
+        # counted (kept entries the metrics count; the rest warm the cache: prefill under phase decode), rounds,
+        # (set, last round), negative-token rounds, (set, last negative token): kernels.summary_chunk
+        self.st = np.zeros(7, np.int64)
         self.requests = _Distinct()
         self.batched = self.in_w = self.out_w = False
         self.windows = False
         self.counts = np.zeros(L * E, np.int64)
         self.light = False  # True: no tokens, requests or pair counts (k-fold folds report none of them)
+
+    @property
+    def counted(self) -> int:
+        return int(self.st[0])
+
+    @property
+    def rounds(self) -> int:
+        return int(self.st[1])
+
+    @property
+    def neg_rounds(self) -> int:
+        return int(self.st[4])
 
     def add(self, ent: Entries, facts: dict) -> None:
         for k, v in facts["skipped"].items():
@@ -339,29 +340,16 @@ class _Summary:
             return
         self.entries += n
         cnt = ent.count
-        self.counted += n if cnt is None else int(np.count_nonzero(cnt))
-        if not self.light:
-            lay, ex = (ent.layer, ent.expert) if cnt is None else (ent.layer[cnt], ent.expert[cnt])
-            self.counts += np.bincount(lay * self.E + ex, minlength=self.L * self.E)
-        r = ent.rnd
-        ch = int(np.count_nonzero(r[1:] != r[:-1])) + 1
-        if self._last_rnd is not None and r[0] == self._last_rnd:
-            ch -= 1
-        self.rounds += ch
-        self._last_rnd = r[-1]
-        if self.light:
-            return
-        tk = ent.token if cnt is None else ent.token[cnt]  # tokens: those of the counted entries
-        neg = tk < 0
-        self.pos_tokens.add(_runs(tk[~neg]))
-        if neg.any():
-            t = tk[neg]
-            ch = int(np.count_nonzero(t[1:] != t[:-1])) + 1
-            if self._last_neg is not None and t[0] == self._last_neg:
-                ch -= 1
-            self.neg_rounds += ch
-            self._last_neg = t[-1]
-        self.requests.add(_runs(ent.request))
+        light = self.light
+        tok = np.empty(0 if light else n, np.int64)
+        req = np.empty(0 if light else n, np.int64)
+        ntk, nrq = K.summary_chunk(ent.layer, ent.expert, ent.rnd, ent.token if not light else ent.rnd,
+                                   ent.request if not light else ent.rnd,
+                                   cnt if cnt is not None else np.ones(1, np.bool_), cnt is not None, light, self.E,
+                                   self.counts, self.st, tok, req)
+        if not light:
+            self.pos_tokens.add(tok[:ntk])
+            self.requests.add(req[:nrq])
 
     @property
     def tokens(self) -> int:
@@ -486,9 +474,9 @@ class EntryStream:
             wmax = -1
             n_s = 0
             pp = _Prep(n_layers, n_expert, phase, self.windows)
-            for c in s.chunks(self.chunk):
-                n_s += len(c["request"])
-                reqs.add(c["request"])
+            for c in _scan_chunks(s, self.chunk):
+                n_s += c.pop("_entries", None) or len(c["request"])
+                reqs.add(_runs(c["request"]))
                 if "window" in c and len(c["window"]):
                     wmax = max(wmax, int(c["window"].max()))
                 pp.scan(c)
@@ -520,14 +508,20 @@ class EntryStream:
                 if self.merge:
                     c = dict(c)
                     r = c["request"]
-                    if len(r):
+                    ids = self._req_ids[i]
+                    if len(r) and ids[-1] - ids[0] + 1 == len(ids):  # dense ids: a shift (none for the first)
+                        if ids[0] != self._req_base[i]:
+                            c["request"] = r + (self._req_base[i] - ids[0])
+                    elif len(r):
                         st = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
-                        m = np.searchsorted(self._req_ids[i], r[st]) + self._req_base[i]
+                        m = np.searchsorted(ids, r[st]) + self._req_base[i]
                         c["request"] = np.repeat(m, np.diff(np.r_[st, len(r)]))
                     if self.windows:
                         w = c.get("window")
-                        c["window"] = (np.full(len(c["request"]), -1, np.int64) if w is None
-                                       else np.where(w >= 0, w + self._win_base[i], -1))
+                        if w is None:
+                            c["window"] = np.full(len(c["request"]), -1, np.int64)
+                        elif self._win_base[i] or (len(w) and w.min() < -1):
+                            c["window"] = np.where(w >= 0, w + self._win_base[i], -1)
                 yield c
 
     def _select(self, c: dict) -> dict:
@@ -1048,11 +1042,11 @@ class Replay:
             self.no_free = (not admit_on_miss) or (self.per_layer and (self.occ >= self.cap).all()) or \
                 (not self.per_layer and plan.pool_slots == 0)
             self.plan, self.profile = plan, profile
-            # Strata 0.2.x knobs (lag, paced copies, upper tier): the whole-stream kernel, run at finish() on the
-            # chunks kept until then (memory ~ the trace; the other policies stream)
+            # Strata 0.2.x knobs (lag, paced copies, upper tier): their own kernel, streamed as the others
             self.v2 = policy == "adaptive" and (int(p["lag"]) > 1 or int(p["pace_bytes"]) > 0
                                                 or int(p["upper_slots"]) > 0)
-            self.buf: list = []
+            if self.v2:
+                self._v2 = _AdaptiveV2(L, E, plan, profile, self.res, self.cap, admit_on_miss, p)
             if policy == "adaptive":
                 self.ad = (float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]), int(p["max_moves"]),
                            float(p["decay"]), int(p["copy_delay_rounds"]))
@@ -1086,19 +1080,15 @@ class Replay:
             self.info["fill_bytes"] = int((self.res.sum(1) * bb).sum())
 
     v2 = False
-    deferred = None
 
-    def feed(self, ent: Entries) -> np.ndarray | None:
-        """Replay one chunk (entries in stream order); returns its hits, bool [n] (None for the 0.2.x adaptive
-        knobs: their hits come with :attr:`deferred` after :meth:`finish`)."""
+    def feed(self, ent: Entries) -> np.ndarray:
+        """Replay one chunk (entries in stream order); returns its hits, bool [n]."""
         lay, ex = ent.layer, ent.expert
         n = len(lay)
         pol, p = self.policy, self.p
         if self.v2:
-            self.buf.append((np.array(lay), np.array(ex), np.array(ent.rnd), np.array(ent.record),
-                             np.ones(n, bool) if ent.count is None else np.array(ent.count)))
             self.offset += n
-            return None
+            return self._v2.feed(lay, ex, ent.rnd)
         if pol == "static" and self.no_free:
             hits = self.res[lay, ex]
         else:
@@ -1127,14 +1117,8 @@ class Replay:
         """End the replay: (loads int64 [L], info with n_slots, cap, fill_bytes, admission, params)."""
         info = dict(self.info)
         if self.v2:
-            cat = [np.concatenate([b[i] for b in self.buf]) if self.buf else np.zeros(0, np.int64) for i in range(5)]
-            self.buf = []
-            ent = Entries(cat[0], cat[1], cat[2], cat[3], cat[3], self.L, self.E, 0)
-            hits, loads, extra = _run_adaptive_v2(ent, self.plan, self.profile, self.res, self.cap, self.occ,
-                                                  self.admit, self.p)
-            self.loads[:] = loads
-            info.update(extra)
-            self.deferred = (cat[0], cat[1], cat[3], np.asarray(hits, dtype=bool), _all_none(cat[4].astype(bool)))
+            info.update(self._v2.finish())
+            self.loads[:] = self._v2.loads
         elif self.policy == "adaptive":
             K.adaptive_end(self.res, self.cap, self.occ, self.per_layer, *self.ad, *self.state, self.loads)
             st = self.state[3]
@@ -1169,36 +1153,71 @@ def run_policy(ent: Entries, policy: str, *, profile: Profile | None = None, slo
                 **params)
     parts = [rp.feed(c) for c in ent.chunks(chunk or max(len(ent), 1))]
     loads, info = rp.finish()
-    if rp.deferred is not None:
-        return rp.deferred[3], loads, info
     hits = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
     return hits, loads, info
 
 
+class _AdaptiveV2:
+    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier) replayed chunk by chunk
+    (:func:`.kernels.adaptive_v2_chunk`): only its state is carried (the tier arrays, the move queues, the copies
+    in flight and, with ``lag`` > 1, the entries of the last ``lag`` rounds whose counts are not yet visible), so
+    memory does not grow with the trace. ``capv`` is updated in place at :meth:`finish`."""
+
+    def __init__(self, L: int, E: int, plan, profile, res, capv, admit_on_miss: bool, p: dict):
+        T = 2 if int(p["upper_slots"]) > 0 else 1
+        R = np.zeros((T, L, E), dtype=bool)
+        C = np.zeros((T, L), dtype=np.int64)
+        R[0], C[0] = res, capv
+        if T == 2:
+            R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
+        O = R.sum(2).astype(np.int64)
+        upool = np.zeros(T, dtype=np.int64)
+        if T == 2 and plan.admission != "per-layer":
+            upool[1] = max(0, int(p["upper_slots"]) - int(R[1].sum()))
+        self.tier = (R, C, O, upool)
+        self.lag = int(p["lag"])
+        self.knobs = (np.asarray(plan.slot_bytes, np.int64), plan.admission == "per-layer", bool(admit_on_miss),
+                      float(p["usage_floor"]), float(p["margin"]), int(p["adapt_every"]), int(p["max_moves"]),
+                      float(p["decay"]), int(p["copy_delay_rounds"]), self.lag, int(p["pace_bytes"]),
+                      bool(int(p["disjoint"])))
+        self.st = K.adaptive_v2_state(T, L, E, int(p["max_moves"]), int(p["copy_delay_rounds"]), plan.pool_slots,
+                                      plan.pool_bytes)
+        self.pend = [np.zeros(0, np.int64) for _ in range(3)]
+        self.capv = capv
+        self.loads = np.zeros(L, dtype=np.int64)
+
+    def feed(self, lay: np.ndarray, ex: np.ndarray, rnd: np.ndarray, final: bool = False) -> np.ndarray:
+        """Replay one chunk (entries in stream order, round ids non-decreasing); its hits, bool [n]."""
+        n = len(lay)
+        if self.lag > 1:
+            held = int(self.st[-1][11])
+            if held + n > len(self.pend[0]):
+                size = max(held + n, 2 * len(self.pend[0]))
+                for i, a in enumerate(self.pend):
+                    g = np.zeros(size, np.int64)
+                    g[:held] = a[:held]
+                    self.pend[i] = g
+        hits = np.zeros(n, dtype=np.bool_)
+        K.adaptive_v2_chunk(_i64(lay), _i64(ex), _i64(rnd), final, *self.tier, *self.knobs, *self.st, *self.pend,
+                            hits, self.loads)
+        return hits
+
+    def finish(self) -> dict:
+        """End the stream (its last round ends); the counters for ``info``."""
+        z = np.zeros(0, np.int64)
+        self.feed(z, z, z, final=True)
+        self.capv[:] = self.tier[1][0]
+        S = self.st[-1]
+        return {"adapt_steps": int(S[1]), "swaps": int(S[2]), "dropped_moves": int(S[3]), "upper_hits": int(S[4])}
+
+
 def _run_adaptive_v2(ent: Entries, plan, profile, res, capv, occ, admit_on_miss: bool, p: dict):
-    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier); ``capv`` is updated in place."""
-    T = 2 if int(p["upper_slots"]) > 0 else 1
-    L, E = ent.n_layers, ent.n_expert
-    R = np.zeros((T, L, E), dtype=bool)
-    C = np.zeros((T, L), dtype=np.int64)
-    R[0], C[0] = res, capv
-    if T == 2:
-        R[1], C[1] = plan_upper(plan, profile, int(p["upper_slots"]))
-    O = R.sum(2).astype(np.int64)
-    upool = np.zeros(T, dtype=np.int64)
-    if T == 2 and plan.admission != "per-layer":
-        upool[1] = max(0, int(p["upper_slots"]) - int(R[1].sum()))
-    ridx = np.zeros(len(ent), dtype=np.int64)
-    if len(ent) > 1:
-        ridx[1:] = np.cumsum(ent.rnd[1:] != ent.rnd[:-1])
-    hits, loads, steps, swaps, dropped, uh = K.adaptive_v2_kernel(
-        ent.layer, ent.expert, ridx, R, C, O, upool, plan.pool_slots, plan.pool_bytes, plan.slot_bytes,
-        plan.admission == "per-layer", admit_on_miss, float(p["usage_floor"]), float(p["margin"]),
-        int(p["adapt_every"]), int(p["max_moves"]), float(p["decay"]), int(p["copy_delay_rounds"]), int(p["lag"]),
-        int(p["pace_bytes"]), bool(int(p["disjoint"])))
-    capv[:] = C[0]
-    return hits, loads, {"adapt_steps": int(steps), "swaps": int(swaps), "dropped_moves": int(dropped),
-                         "upper_hits": int(uh)}
+    """The Strata 0.2.x adaptive kernel (lag, paced copies, upper tier) over whole entries: (hits, loads, info
+    counters); ``capv`` is updated in place."""
+    v2 = _AdaptiveV2(ent.n_layers, ent.n_expert, plan, profile, res, capv, admit_on_miss, p)
+    hits = v2.feed(ent.layer, ent.expert, ent.rnd)
+    extra = v2.finish()
+    return hits, v2.loads, extra
 
 
 def _run_python(ent, policy, profile, slots, budget_bytes, blob_bytes, admission, cap, admit_on_miss, p):
@@ -1259,6 +1278,10 @@ def check_runs(n_layers: int, n_expert: int, runs: Sequence[dict[str, Any]]) -> 
                **{k: v for k, v in r.items() if k not in ("policy", "label", "cost")})
 
 
+REPLAY_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads a :class:`RunGroup` replays its runs in (one per run, at most this many)."""
+
+
 class RunGroup:
     """Policy runs fed the same chunks (one pass of a stream serves them all); metrics accumulate per chunk.
 
@@ -1282,19 +1305,43 @@ class RunGroup:
             self.tier.append(_TierAcc(L, E, r) if r.get("cost") is not None and r.get("blob_bytes") is not None
                              else None)
 
+    def _feed_one(self, i: int, c: Entries) -> None:
+        h = self.reps[i].feed(c)
+        _acc_add(self.accs[i], self.tier[i], c.layer, c.expert, c.record, h, c.count)
+
     def feed(self, c: Entries) -> None:
-        for rp, acc, ta in zip(self.reps, self.accs, self.tier):
-            h = rp.feed(c)
-            if h is not None:
-                _acc_add(acc, ta, c.layer, c.expert, c.record, h, c.count)
+        """Replay one chunk through every run; with several runs and cores, the runs in threads (each run's
+        state is its own and the compiled kernels release the GIL, so the results do not depend on it)."""
+        n = len(self.reps)
+        workers = min(n, REPLAY_THREADS)
+        if workers < 2:
+            for i in range(n):
+                self._feed_one(i, c)
+            return
+        if getattr(self, "_pool", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stratatools-replay")
+        for f in [self._pool.submit(self._feed_one, i, c) for i in range(n)]:
+            f.result()
+
+    def close(self) -> None:
+        """Stop the replay threads (:meth:`results` does)."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def results(self) -> list[SimResult]:
+        self.close()
         out = []
         for r, rp, acc, ta in zip(self.runs, self.reps, self.accs, self.tier):
             loads, info = rp.finish()
-            if rp.deferred is not None:
-                lay, ex, rec, h, cnt = rp.deferred
-                _acc_add(acc, ta, lay, ex, rec, h, cnt)
             res = _sim_result(acc, loads, info, self.src, r["policy"], r.get("label", ""), self.bw,
                               r.get("blob_bytes"))
             if ta is not None and acc.n:
@@ -1348,11 +1395,70 @@ def simulate_many(src: Entries | EntryStream, runs: Sequence[dict[str, Any]], *,
     g = RunGroup(src, runs, bandwidth)
     stream = isinstance(src, EntryStream)
     total = (src.summary.entries if src.complete else src.raw_entries) if stream else len(src)
-    for c in (src.chunks() if stream else src.chunks(chunk)):
+    for c in (prefetch(src.chunks()) if stream else src.chunks(chunk)):
         g.feed(c)
         if progress is not None and total:
             progress.update(advance=weight * len(c) / total)
     return g.results()
+
+
+PREFETCH = 2
+"""Chunks a stream's reader thread may prepare ahead of the replay (:func:`prefetch`)."""
+
+
+def prefetch(it, depth: int = PREFETCH):
+    """The items of ``it`` produced by a background thread up to ``depth`` ahead of the consumer: reading and
+    preparing a stream's next chunk overlaps the replay of the current one (the compiled kernels of both release
+    the GIL). Memory: ``depth`` more chunks. An exception of the producer is raised in the consumer at the item
+    it stopped at; a consumer that stops early stops the producer."""
+    import queue
+    import threading
+
+    if depth < 1:
+        yield from it
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for x in it:
+                while not stop.is_set():
+                    try:
+                        q.put((x, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((done, e))
+            return
+        finally:
+            close = getattr(it, "close", None)
+            if stop.is_set() and close is not None:
+                close()
+        q.put((done, None))
+
+    t = threading.Thread(target=produce, name="stratatools-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            x, err = q.get()
+            if x is done:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        while t.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            t.join(timeout=0.05)
 
 
 def simulate_policy(ent: Entries | EntryStream, policy: str, *, label: str = "",

@@ -187,7 +187,9 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         stream = _RemoteStream(*run_tasks(client, _summary_task, [(specs, L, E, phase, chunk, cold)], name="summary")[0])
     else:
         stream = EntryStream(list(tables), L, E, phase=phase, chunk=chunk, progress=progress, cold=cold)
-        stream.use_cache = True  # one pass reads and prepares the traces; the later ones read 5 bytes per entry
+        # Belady makes two more passes (next uses, replay): the first pass keeps the prepared entries on disk for
+        # them (5 bytes per entry); without Belady there is one pass and nothing to keep
+        stream.use_cache = "belady" in policies
 
     def replay(runs: list[dict], weight: float) -> list[SimResult]:
         if client is None:

@@ -21,10 +21,18 @@ Selection bias, stated: the best is chosen on the same held-out folds it is repo
 slightly optimistic; the reference rows are not selected and are unbiased. The objective is ``hit``
 (``h_expert``, VRAM hits per routed entry, first and upper tier together) or ``tok/s`` (:mod:`.costmodel`).
 
-Scaling seam: every (settings, fold) score is one module-level, picklable task (:func:`score_task` on a
-(:class:`FoldData`, settings, keywords) tuple), mapped through the ``mapper`` argument (default: the builtin
-``map``, in order); ``tune --cluster`` passes one that runs them as Dask tasks
-(:func:`stratatools.core.cluster.run_tasks`). Each rung is one ``mapper`` call.
+Streaming (the default, no ``mapper``): the traces are chunk sources (or tables) read chunk by chunk, in memory
+independent of their length: one pass assigns every request to its fold (merged request id % k, the same folds
+as :func:`.kfold.fold_of_requests`) and counts (layer, expert) per fold, from which every fold's training
+profiles are built (make-profile's counts of the other folds); each rung (and the two reference rows) is then
+one more pass, every fold's held-out entries prepared on the fly (:class:`.replay.EntryStream` folds) and fed to
+one adaptive replay per (settings, fold) scored on it (:class:`.replay.RunGroup`).
+
+Scaling seam: with a ``mapper``, every (settings, fold) score is one module-level, picklable task
+(:func:`score_task` on a (:class:`FoldData`, settings, keywords) tuple), mapped through it; ``tune --cluster``
+passes one that runs them as Dask tasks (:func:`stratatools.core.cluster.run_tasks`). Each rung is one
+``mapper`` call. That path holds the traces and the folds' entries in memory (tasks carry them); the results
+equal the streamed path's.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from stratatools.cachesim.costmodel import ThreeTierModel, ram_set, tier_costs
 from stratatools.cachesim.kfold import fold_of_requests, t_interval
 from stratatools.cachesim.layout import _blob_arrays, plan_tier
 from stratatools.cachesim.replay import Entries, merge_traces, prepare_entries, run_policy
+from stratatools.traces.table import PREFILL
 
 SPACE: dict[str, list[Any]] = {
     "admission": ["global", "per-layer"],
@@ -152,9 +161,7 @@ def score_one(fd: FoldData, settings: dict[str, Any], *, slots: int | None, budg
     """Replay one fold's held-out entries through the adaptive tier with ``settings``; returns h_expert, h_layer
     and, with a cost model and blob sizes, the three-tier costs (:func:`.costmodel.tier_costs`)."""
     prof = fd.profiles[settings["profile"]]
-    params = {"adapt_every": int(settings["adapt_every"]), "max_moves": int(settings["max_moves"]),
-              "decay": float(settings["decay"]), "lag": int(settings["lag"]),
-              "pace_bytes": int(settings["pace_slots"]) * int(pace_unit)}
+    params = _params(settings, pace_unit)
     ent = fd.ent
     hits, loads, _ = run_policy(ent, "adaptive", profile=prof, slots=slots, budget_bytes=budget_bytes,
                                 blob_bytes=blob_bytes, admission=settings["admission"], **params)
@@ -206,6 +213,144 @@ def engine_flags(settings: dict[str, Any], *, n_slots: int, profile_names: dict[
     return lines
 
 
+def _fold_error(f: int) -> StrataError:
+    return StrataError(f"fold {f}: the held-out requests hold no usable entries; use fewer folds (-k)")
+
+
+class _TableFolds:
+    """The folds of traces held in memory (the ``mapper`` path): every fold's :class:`FoldData`, built on first
+    use (its held-out entries prepared, its training profiles made by make-profile)."""
+
+    def __init__(self, tables, n_layers: int, n_expert: int, k: int, phase: str, count_phase: str,
+                 profiles: dict[str, Profile]):
+        self.table = tables if isinstance(tables, TraceTable) else merge_traces(list(tables))
+        self.fold = fold_of_requests(self.table.request.astype(np.int64), k)
+        self.n_requests = int(len(np.unique(self.table.request)))
+        self.L, self.E, self.phase, self.count_phase, self.given = n_layers, n_expert, phase, count_phase, profiles
+        self.cache: dict[int, FoldData] = {}
+
+    def fold_data(self, f: int) -> FoldData:
+        if f not in self.cache:
+            table, L, E = self.table, self.L, self.E
+            train, test = table.take(self.fold != f), table.take(self.fold == f)
+            try:
+                ent = prepare_entries(test, L, E, phase=self.phase)
+            except StrataError:
+                raise _fold_error(f) from None
+            profs: dict[str, Profile | None] = {"traces": make_profile([train], L, E, mode="no-base",
+                                                                        phase=self.count_phase)[0]}
+            for n, p in self.given.items():
+                profs[f"file:{n}"] = p
+                profs[f"traces+{n}"] = make_profile([train], L, E, base=p, mode="reorder", phase=self.count_phase)[0]
+            self.cache[f] = FoldData(ent, profs)
+        return self.cache[f]
+
+    def profiles(self, f: int) -> dict[str, Profile | None]:
+        return self.fold_data(f).profiles
+
+
+class _StreamFolds:
+    """The folds of traces read chunk by chunk (module docstring, "Streaming"): one pass counts (layer, expert)
+    per fold (make-profile's filter: phase, layer and expert range) and builds every fold's training profiles;
+    :meth:`score` replays a batch of (settings, fold) in one more pass. Memory: the per-fold counts, the
+    profiles and one chunk, whatever the traces' length."""
+
+    def __init__(self, tables, n_layers: int, n_expert: int, k: int, phase: str, count_phase: str,
+                 profiles: dict[str, Profile]):
+        from stratatools.cachesim.replay import EntryStream
+        from stratatools.profiles.ranking import build_profile
+
+        srcs = [tables] if isinstance(tables, TraceTable) else list(tables)
+        L, E = self.L, self.E = int(n_layers), int(n_expert)
+        self.main = main = EntryStream(srcs, L, E, phase=phase)
+        n_req = self.n_requests = int(main._req_base[-1] + len(main._req_ids[-1]))
+        # fold_of_requests' checks, in its order
+        if k < 2:
+            raise StrataError(f"--kfold {k}: need at least 2 folds")
+        if n_req < 2:
+            raise StrataError(f"--kfold {k}: the traces hold only {n_req} request; held-out evaluation needs traces "
+                              f"of at least 2 requests (a fold never splits a request)")
+        if n_req < k:
+            raise StrataError(f"--kfold {k}: the traces hold only {n_req} request(s); a fold never splits a request, "
+                              f"so use at most {n_req} folds (or traces with more requests)")
+        self.k = k
+        self.folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main) for f in range(k)}
+        for fs in self.folds.values():
+            fs.summary.light = False  # tokens are needed (the cost model's per-token figures)
+        counts = np.zeros(k * L * E, dtype=np.int64)
+        for c in main.raw_chunks():
+            for fs in self.folds.values():
+                fs.scan_fold(c)
+            lay, ex = c["layer"], c["expert"]
+            keep = (lay >= 0) & (lay < L) & (ex >= 0) & (ex < E)
+            if count_phase == "decode":
+                keep &= c["phase"] != PREFILL
+            fk = (c["request"] % k)[keep]
+            counts += np.bincount(fk * (L * E) + lay[keep] * E + ex[keep], minlength=k * L * E)
+        for fs in self.folds.values():
+            fs.end_scan()
+        counts = counts.reshape(k, L, E)
+        total = counts.sum(0)
+        self._profiles = []
+        for f in range(k):
+            train = (total - counts[f]).astype(np.float64)
+            profs: dict[str, Profile | None] = {"traces": build_profile(train, mode="no-base")}
+            for n, p in profiles.items():
+                profs[f"file:{n}"] = p
+                profs[f"traces+{n}"] = build_profile(train, base=p, mode="reorder")
+            self._profiles.append(profs)
+
+    def profiles(self, f: int) -> dict[str, Profile | None]:
+        return self._profiles[f]
+
+    def score(self, batch: list[tuple[dict[str, Any], int]], common: dict[str, Any], progress=None) -> list[dict]:
+        """:func:`score_one` of every (settings, fold) in ``batch``, in one pass over the traces."""
+        from stratatools.cachesim.replay import RunGroup
+
+        by_fold: dict[int, list[int]] = {}
+        for i, (_, f) in enumerate(batch):
+            by_fold.setdefault(f, []).append(i)
+        kw = {n: common[n] for n in ("slots", "budget_bytes", "blob_bytes")}
+        cost = common["cost"] if common["blob_bytes"] is not None else None
+        groups = {}
+        for f, idx in by_fold.items():
+            runs = []
+            for i in idx:
+                st = batch[i][0]
+                runs.append(dict(policy="adaptive", profile=self._profiles[f][st["profile"]],
+                                 admission=st["admission"], cost=cost, **kw, **_params(st, common["pace_unit"])))
+            groups[f] = RunGroup(self.folds[f], runs)
+        raw = max(self.main.raw_entries, 1)
+        for f in groups:
+            self.folds[f].begin()
+        for c in self.main.raw_chunks():
+            for f, g in groups.items():
+                e = self.folds[f].prepare(c)
+                if e is not None:
+                    g.feed(e)
+            if progress is not None:
+                progress.update(advance=len(batch) * len(c["layer"]) / raw)
+        out: list[dict] = [{} for _ in batch]
+        for f, g in groups.items():
+            try:
+                self.folds[f].end()
+            except StrataError:
+                raise _fold_error(f) from None
+            for i, r in zip(by_fold[f], g.results()):
+                o = {"h_expert": r.h_expert, "h_layer": r.h_layer}
+                if cost is not None:
+                    o.update(r.tiers)
+                out[i] = o
+        return out
+
+
+def _params(settings: dict[str, Any], pace_unit: int) -> dict[str, Any]:
+    """The adaptive tier's parameters of a setting."""
+    return {"adapt_every": int(settings["adapt_every"]), "max_moves": int(settings["max_moves"]),
+            "decay": float(settings["decay"]), "lag": int(settings["lag"]),
+            "pace_bytes": int(settings["pace_slots"]) * int(pace_unit)}
+
+
 def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *, slots: int | None = None,
          budget_bytes: int | None = None, blob_bytes=None, profiles: dict[str, Profile] | None = None,
          k: int = 5, candidates: int = 81, eta: int = 3, objective: str = "hit", cost: ThreeTierModel | None = None,
@@ -215,12 +360,14 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
     """Search tier settings by successive halving over k folds by request (module docstring).
 
     Args:
-        tables: the workload's traces; n_layers, n_expert: geometry.
+        tables: the workload's traces: TraceTables or chunk sources (:mod:`stratatools.traces.sources`; read
+            chunk by chunk unless a ``mapper`` is given, which needs TraceTables); n_layers, n_expert: geometry.
         slots / budget_bytes (+ blob_bytes): the first tier's budget (as for ``simulate``).
         profiles: given profiles by name (searched as ``file:NAME`` and ``traces+NAME``).
         k: folds (>= 2); candidates: settings drawn from :data:`SPACE` besides the two references; eta: the
             halving factor (>= 2); objective: ``hit`` or ``tok/s`` (needs blob sizes); cost: the three-tier model.
-        mapper: ``map``-like callable used for the (settings, fold) scores (the scaling seam).
+        mapper: ``map``-like callable used for the (settings, fold) scores (the scaling seam; module docstring);
+            None (default): the streamed path, in memory independent of the traces' length.
         progress: object with ``update(advance=n)`` (:func:`stratatools.cli.common.progress_bar`), or None.
         version: ``0.2`` (default) or ``0.1``: Strata 0.1.4x has no lag or paced mode, so those stay off.
         trace_paths, profile_paths: file names for the printed engine command lines (profile name -> path).
@@ -238,35 +385,18 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
     if version not in ("0.1", "0.2"):
         raise StrataError(f"--strata-version {version!r}: use 0.1 or 0.2")
     space = space_for(version)
-    table = tables if isinstance(tables, TraceTable) else merge_traces(list(tables))
-    fold = fold_of_requests(table.request.astype(np.int64), k)
     profiles = dict(profiles or {})
-    mapper = mapper or map
+    count_phase = "decode" if phase == "decode" else "all"
+    if mapper is None:
+        folds = _StreamFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles)
+    else:
+        folds = _TableFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles)
     key = "h_expert" if objective == "hit" else "tok_s"
     if cost is None and blob_bytes is not None:
         cost = ThreeTierModel()
     _, rb = _blob_arrays(n_layers, blob_bytes)
     pace_unit = int(rb.max())
     choices = ["traces"] + [f"file:{n}" for n in profiles] + [f"traces+{n}" for n in profiles]
-    count_phase = "decode" if phase == "decode" else "all"
-
-    cache: dict[int, FoldData] = {}
-
-    def fold_data(f: int) -> FoldData:
-        if f not in cache:
-            train, test = table.take(fold != f), table.take(fold == f)
-            try:
-                ent = prepare_entries(test, n_layers, n_expert, phase=phase)
-            except StrataError:
-                raise StrataError(f"fold {f}: the held-out requests hold no usable entries; use fewer folds (-k)") from None
-            profs: dict[str, Profile | None] = {"traces": make_profile([train], n_layers, n_expert, mode="no-base",
-                                                                        phase=count_phase)[0]}
-            for n, p in profiles.items():
-                profs[f"file:{n}"] = p
-                profs[f"traces+{n}"] = make_profile([train], n_layers, n_expert, base=p, mode="reorder",
-                                                    phase=count_phase)[0]
-            cache[f] = FoldData(ent, profs)
-        return cache[f]
 
     ref_profile = f"file:{next(iter(profiles))}" if profiles else "traces"
     defaults = Arm("engine defaults", {"profile": ref_profile, **ENGINE_DEFAULTS})
@@ -294,13 +424,16 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
     def run(batch: list[tuple[Arm, int]]) -> None:
         nonlocal evaluated
         todo = [(a, f) for a, f in batch if f not in a.folds]
-        for f in sorted({f for _, f in todo}):
-            fold_data(f)
-        outs = mapper(score_task, [(cache[f], dict(a.settings), common) for a, f in todo])
+        if not todo:
+            return
+        if mapper is None:
+            outs = folds.score([(dict(a.settings), f) for a, f in todo], common, progress)
+        else:
+            outs = mapper(score_task, [(folds.fold_data(f), dict(a.settings), common) for a, f in todo])
         for (a, f), o in zip(todo, outs):
             a.folds[f] = o
             evaluated += 1
-            if progress is not None:
+            if progress is not None and mapper is not None:
                 progress.update(advance=1)
 
     rungs = []
@@ -325,13 +458,13 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
         return t_interval([a.folds[f][key] - b.folds[f][key] for f in range(k)])
 
     # the engine's slot count: as given, or what the byte budget holds with the best's profile (fold 0's build)
-    plan = plan_tier(n_layers, n_expert, cache[0].profiles[best.settings["profile"]], slots=slots,
+    plan = plan_tier(n_layers, n_expert, folds.profiles(0)[best.settings["profile"]], slots=slots,
                      budget_bytes=budget_bytes, blob_bytes=blob_bytes, admission=best.settings["admission"])
     n_slots = int(slots) if slots is not None else int(plan.n_slots)
     flags = engine_flags(best.settings, n_slots=n_slots, profile_names=dict(profile_paths or {n: n for n in profiles}),
                          pace_unit=pace_unit, traces_hint=" ".join(trace_paths or ["TRACES"]),
                          geometry=(n_layers, n_expert), phase=count_phase)
-    return TuneResult(objective, k, int(len(np.unique(table.request))), best, defaults, community, finalists,
+    return TuneResult(objective, k, folds.n_requests, best, defaults, community, finalists,
                       evaluated, len(arms), rungs,
                       {"slots": slots, "budget_bytes": budget_bytes, "eta": eta, "seed": seed, "phase": phase,
                        "profiles": choices, "space": space, "strata_version": version, "pace_unit_bytes": pace_unit},

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from stratatools.release.checks import FAIL, PASS
 from stratatools.core.fsutil import write_text_atomic
-from stratatools.cli.common import console, emit_json, styled, warn
+from stratatools.cli.common import console, emit_json, progress_bar, styled, warn
 
 _STYLE = {PASS: "green", FAIL: "bold red", "skip": "yellow"}
 
@@ -63,7 +63,8 @@ def validate_release_cmd(
     if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
         warn("--traces, --slots and --budget-gib only serve the hit-rate gate; add --min-hit-rate X to run it")
     _guard_reports(inp, registry, force, junit=junit, json_out=json_out, markdown=markdown)
-    suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib, registry=registry)
+    suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib, registry=registry,
+                             progress=lambda what, total: progress_bar(what, total, bytes_=False))
     if junit is not None and str(junit) != "-":
         write_text_atomic(junit, suite.to_junit())
     if markdown is not None and str(markdown) != "-":

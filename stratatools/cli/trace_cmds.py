@@ -40,7 +40,7 @@ def _convert(
 ) -> None:
     """Convert a routing trace to another format (written to OUT.tmp, then renamed); ``--to parquet --dataset``
     writes a partitioned Parquet dataset in bounded memory."""
-    from stratatools.traces.formats import convert_trace
+    from stratatools.traces.sources import convert_trace_stream
 
     if dataset or partition or where:
         if to != "parquet" or not dataset:
@@ -58,7 +58,9 @@ def _convert(
         common.console.print(f"{src} -> {d['output']}: {d['entries']:,} routed entries in {d['records']:,} records, "
                              f"{len(d['files'])} file(s), {d['bytes']:,} bytes", markup=False, soft_wrap=True)
         return
-    res = convert_trace(Path(src), out, to, from_, force, n_layer, n_expert)
+    with common.progress_bar("converting", None, bytes_=False) as bar:
+        res = convert_trace_stream(Path(src), out, to, from_, force, n_layer, n_expert,
+                                   progress=lambda m: bar.update(advance=m))
     if json_:
         common.emit_json(res.to_dict())
         return
@@ -120,7 +122,8 @@ def _stats(
             f"{st.tokens:,} tokens, {st.requests} request(s), {st.layers} layers, k {k}, {st.n_expert} experts",
             markup=False, soft_wrap=True)
     c.print("phases: " + ", ".join(f"{p} {n:,}" for p, n in st.phases.items()), markup=False, soft_wrap=True)
-    c.print(rounds_line(st.rounds, st.windows, st.outside_windows), markup=False, soft_wrap=True)
+    c.print(rounds_line(st.rounds, st.windows, st.outside_windows, st.prefill_windows), markup=False,
+            soft_wrap=True)
     c.print(f"concentration (top 10% of pairs): {st.concentration:.1%}; mean entropy {st.mean_entropy_bits:.3f} "
             f"bits (uniform: {math.log2(st.n_expert) if st.n_expert else 0:.3f})", markup=False, soft_wrap=True)
     if st.reuse_quantiles:
@@ -141,11 +144,20 @@ def _stats(
     c.print(f"verdict: {st.verdict}", markup=False, soft_wrap=True)
 
 
-def rounds_line(rounds: str, windows: int, outside: int) -> str:
-    """One line saying what a replay round is for a trace (``trace stats``; see trace.TraceStats)."""
+def rounds_line(rounds: str, windows: int, outside: int, prefill: int = 0) -> str:
+    """One line saying what a replay round is for a trace (``trace stats``; see trace.TraceStats): verify
+    windows and prefill batches (windows holding prefill records, as ``stratatools run`` writes them) are named
+    apart."""
     if rounds == "positions":
-        return "rounds: decode positions (the trace delimits no verify windows)"
-    line = f"rounds: verify windows ({windows:,} windows, from the commit records"
+        return "rounds: decode positions (the trace delimits no verify windows or prefill batches)"
+    verify = windows - prefill
+    if prefill and not verify:
+        line = f"rounds: prefill batches ({prefill:,} batches, from the commit records"
+    elif prefill:
+        line = (f"rounds: windows ({verify:,} verify windows and {prefill:,} prefill batches, from the commit "
+                f"records")
+    else:
+        line = f"rounds: verify windows ({windows:,} windows, from the commit records"
     if outside:
         line += f"; {outside:,} records outside every window count one round per position"
     return line + ")"

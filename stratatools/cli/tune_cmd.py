@@ -79,6 +79,24 @@ def _table(res, budget_text: str) -> Table:
     return t
 
 
+def _geometry_of(t) -> tuple[int, int]:
+    """(layers, experts) a trace names: its metadata's, else its largest layer and expert id + 1 (one pass over a
+    chunk source's chunks, nothing kept)."""
+    meta = t.meta if isinstance(getattr(t, "meta", None), dict) else {}
+    L, E = meta.get("n_layers"), meta.get("n_expert")
+    if L and E:
+        return int(L), int(E)
+    if hasattr(t, "chunks") and not hasattr(t, "layer"):
+        lmax = emax = -1
+        for c in t.chunks(1 << 20):
+            if len(c["layer"]):
+                lmax = max(lmax, int(c["layer"].max()))
+                emax = max(emax, int(c["expert"].max()))
+    else:
+        lmax, emax = int(t.layer.max()), int(t.expert.max())
+    return int(L or lmax + 1), int(E or emax + 1)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``tune`` to ``app``."""
 
@@ -134,15 +152,15 @@ def register(app: typer.Typer) -> None:
             raise StrataError(f"--dense-gib {dense_gib}: must be a finite number >= 0")
         cost = ThreeTierModel(vram_gbps, pcie_gbps, ram_gbps, ssd_gbps,
                               None if ram_experts_gb is None else int(ram_experts_gb * GIB), int(dense_gib * GIB))
-        inp = load_inputs(traces, profile or [], pack=pack, model=model, whole=True)
+        # in this process the traces are read chunk by chunk (tune's streamed path); Dask tasks carry the folds'
+        # entries, so --cluster reads them whole
+        inp = load_inputs(traces, profile or [], pack=pack, model=model, whole=cluster is not None)
         L, E = inp.n_layers, inp.n_expert
         if L is None:
             if inp.profiles:
                 L, E = inp.profiles[0].n_layers, inp.profiles[0].n_expert
             else:
-                t0 = inp.tables[0]
-                L = int(t0.meta.get("n_layers") or int(t0.layer.max()) + 1)
-                E = int(t0.meta.get("n_expert") or int(t0.expert.max()) + 1)
+                L, E = _geometry_of(inp.tables[0])
                 from stratatools.profiles.strp import MAX_EXPERTS, MAX_LAYERS, MAX_PAIRS
                 if not (L <= MAX_LAYERS and E <= MAX_EXPERTS and L * E <= MAX_PAIRS):
                     raise StrataError(f"{traces[0]}: the trace names {L} layers x {E} experts, implausible "

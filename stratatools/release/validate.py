@@ -365,16 +365,25 @@ def _check_pack(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float, slots: int | None,
                     budget_gib: float | None):
-    from stratatools.cachesim.replay import prepare_stream, simulate_policy
-    from stratatools.profiles.diff import default_slots_per_layer
-    from stratatools.traces.sources import open_traces
+    import contextlib
 
     g = ctx["geometry"]
     p = ctx["profile"]
     L, E = g.n_trunk, g.uniform_n_expert
+    make_bar = ctx.get("progress")
+    with (make_bar("hit-rate gate", 2) if make_bar is not None else contextlib.nullcontext()) as bar:
+        return _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar)
+
+
+def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
+    """The gate's replay: one scan pass and one replay pass of the static tier, ``bar`` advanced by 1 for each."""
+    from stratatools.cachesim.replay import EntryStream, simulate_many
+    from stratatools.profiles.diff import default_slots_per_layer
+    from stratatools.traces.sources import open_traces
+
     try:
         tables = open_traces([str(t) for t in inp.traces], None, L, E)  # files, folders, globs or datasets, read chunk by chunk
-        ent = prepare_stream(tables, L, E)  # replayed chunk by chunk: memory independent of trace length
+        ent = EntryStream(tables, L, E, progress=bar)  # replayed chunk by chunk: memory independent of trace length
     except StrataError as e:
         return FAIL, str(e), {}
     kw: dict[str, Any] = {}
@@ -388,7 +397,7 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
         if ctx.get("blob_bytes"):
             kw["blob_bytes"] = ctx["blob_bytes"]
     try:
-        r = simulate_policy(ent, "static", profile=p, **kw)
+        r = simulate_many(ent, [dict(policy="static", profile=p, **kw)], progress=bar)[0]
     except StrataError as e:
         return FAIL, str(e), {}
     budget = f"{budget_gib} GiB" if budget_gib is not None else f"{kw['slots']} slots"
@@ -426,11 +435,15 @@ def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib
 
 
 def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, slots: int | None = None,
-                     budget_gib: float | None = None, registry: str | os.PathLike | None = None) -> CheckSuite:
+                     budget_gib: float | None = None, registry: str | os.PathLike | None = None,
+                     progress=None) -> CheckSuite:
     """Run every check that the given inputs allow; see the module docstring.
 
     Args:
         registry: release registry TOML (default: :func:`stratatools.alloc.registry.load_registry`'s).
+        progress: ``progress(description, total)`` -> a context manager yielding an object with
+            ``update(advance=x)`` (:func:`stratatools.cli.common.progress_bar`), for the hit-rate gate's two passes
+            over the traces; None: no progress.
 
     Raises:
         StrataError: a given path does not exist, the registry does not load, or the gate options are
@@ -457,7 +470,7 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
         v = getattr(inp, k)
         if v is not None:
             suite.subject[k] = str(v)
-    ctx: dict[str, Any] = {"registry": reg}
+    ctx: dict[str, Any] = {"registry": reg, "progress": progress}
     shards = suite.run("shards", "shards complete and consistent", _check_shards, inp, ctx)
     if shards.status == FAIL:
         for n, t in ALL_CHECKS[1:]:  # every check stays listed (one JUnit testcase each)

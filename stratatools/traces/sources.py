@@ -280,8 +280,19 @@ class StrataTaggedSource:
 
         return _walk_chunks(self.path, self.n_layers, self.n_expert, int(rows), SW, self.chunk_bytes)
 
+    def record_chunks(self, rows: int) -> Iterator[dict]:
+        """The trace's records in chunks of about ``rows`` entries: dicts of int64 columns ``request, position,
+        phase (int8), layer, window`` and ``k`` (route ids of the record; the entries of :meth:`chunks` are
+        each record repeated ``k`` times with rank 0..k-1). Cheaper than :meth:`chunks` for what is a property
+        of records (a replay's scan pass)."""
+        from stratatools.traces.formats import strata_walk as SW
 
-def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int | None) -> Iterator[dict]:
+        return _walk_chunks(self.path, self.n_layers, self.n_expert, int(rows), SW, self.chunk_bytes,
+                            per_record=True)
+
+
+def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int | None,
+                 per_record: bool = False) -> Iterator[dict]:
     import mmap
 
     from stratatools.traces.formats.strata_spec import MAX_ROUTE_K, TAG_FORMAT
@@ -306,46 +317,38 @@ def _walk_chunks(path: Path, n_layers, n_expert, rows: int, SW, chunk_bytes: int
     recs = {"layer": np.empty(cap_r, np.int16), "k": np.empty(cap_r, np.int32), "req": np.empty(cap_r, np.int32),
             "phase": np.empty(cap_r, np.int8), "win": np.empty(cap_r, np.int32)}
     tags = np.empty(chunk_w // 2 + 4, np.int32)
-    ordinal: dict[int, int] = {}
     status = 0
     dropped = 0
     can_drop = hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 
+    tab = [np.full(1 << 10, -1, np.int64), np.zeros(1 << 10, np.int64), 0]  # (request, layer) -> records seen
+
     def emit(e: int) -> dict:
         n_rec = int(st[SW.S_NREC])
         kvar = bool(st[SW.S_KVAR])
-        ks = recs["k"][:e].astype(np.int64) if kvar else np.full(e, int(st[SW.S_K]), np.int64)
-        ne = int(ks.sum())
-        lay = recs["layer"][:e].astype(np.int64)
-        req = recs["req"][:e].astype(np.int64)
-        # ordinal among earlier records of the same (request, layer), carried across chunks
-        key = req * 8192 + lay
-        u, inv = np.unique(key, return_inverse=True)
-        base = np.array([ordinal.get(int(x), 0) for x in u], np.int64)
-        order = np.argsort(inv, kind="stable")
-        si = inv[order]
-        starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
-        lens = np.diff(np.r_[starts, e])
-        within = np.arange(e, dtype=np.int64) - np.repeat(starts, lens)
-        pos = np.empty(e, np.int64)
-        pos[order] = within + base[si]
-        cnt = np.bincount(inv, minlength=len(u))
-        for x, b0, c in zip(u.tolist(), base.tolist(), cnt.tolist()):
-            ordinal[x] = b0 + c
-        if kvar:
-            rank = np.ones(ne, np.int64)
-            if ne:
-                rank[0] = 0
-                rank[np.cumsum(ks)[:-1]] = 1 - ks[:-1]
-                np.cumsum(rank, out=rank)
-            rep = lambda x: np.repeat(x, ks)  # noqa: E731
+        kc = int(st[SW.S_K])
+        ne = int(recs["k"][:e].sum()) if kvar else e * kc
+        rows_out = e if per_record else ne
+        if 2 * (tab[2] + e) > len(tab[0]):  # keep the ordinal table at most half full
+            size = len(tab[0])
+            while 2 * (tab[2] + e) > size:
+                size *= 2
+            nk, nv = np.full(size, -1, np.int64), np.zeros(size, np.int64)
+            SW._ordinal_rehash(tab[0], tab[1], nk, nv)
+            tab[0], tab[1] = nk, nv
+        cols = [np.empty(rows_out, np.int64) for _ in range(6)]
+        cols[2] = np.empty(rows_out, np.int8)
+        # position: the record's ordinal among earlier records of the same (request, layer), across chunks
+        got, added = SW.expand_records(e, kvar, kc, recs["k"], recs["layer"], recs["req"], recs["phase"],
+                                       recs["win"], tab[0], tab[1], *cols, per_record)
+        tab[2] += int(added)
+        if per_record:
+            out = {"request": cols[0], "position": cols[1], "phase": cols[2], "layer": cols[3], "k": cols[4],
+                   "window": cols[5]}
         else:
-            kc = int(st[SW.S_K])
-            rank = np.tile(np.arange(kc, dtype=np.int64), e)
-            rep = lambda x: np.repeat(x, kc)  # noqa: E731
-        out = {"request": rep(req), "position": rep(pos), "phase": rep(recs["phase"][:e]).astype(np.int8),
-               "layer": rep(lay), "rank": rank, "expert": bufs["expert"][:ne].astype(np.int64),
-               "weight": bufs["weight"][:ne].copy(), "window": rep(recs["win"][:e].astype(np.int64))}
+            out = {"request": cols[0], "position": cols[1], "phase": cols[2], "layer": cols[3], "rank": cols[4],
+                   "expert": bufs["expert"][:ne].astype(np.int64), "weight": bufs["weight"][:ne].copy(),
+                   "window": cols[5]}
         # keep the records not handed on at the front
         rest_e = int(st[SW.S_NENT]) - ne
         for b in bufs.values():
@@ -503,5 +506,197 @@ def _stats_task(spec, rows):
     return stats_partial(open_source(*spec[:4], where=spec[4], partition=spec[5]), rows)
 
 
+
+def convert_trace_stream(src: str | os.PathLike, out: str | os.PathLike, to: str, fmt: str | None = None,
+                         force: bool = False, n_layers: int | None = None, n_expert: int | None = None, *,
+                         rows: int = 1 << 20, progress=None) -> ConvertResult:
+    """:func:`stratatools.traces.formats.convert_trace` chunk by chunk: ``src`` is read as a chunk source
+    (:func:`open_source`: Parquet in record batches, tagged Strata walked, plain Strata
+    mapped; CSV is read whole) and written as it comes, so memory is about one chunk of ``rows`` entries whatever
+    the trace's length. The output reads back as ``convert_trace``'s does (the same table, windows and
+    metadata but the reader's walk counts); Strata output is byte-identical. A tagged Strata output with verify
+    windows is cut only where a request changes or a window closes (a commit tag), so it holds at most one such
+    stretch besides the chunk. ``progress``: callable(entries) after each chunk.
+
+    Raises:
+        StrataError: as ``convert_trace`` (unknown format, output onto the input or existing without
+            ``force``, every reader and writer error).
+    """
+    from stratatools.core.fsutil import AtomicFile, guard_output, sha256_file
+    from stratatools.traces.formats import WRITE_FORMATS, ConvertResult
+
+    if to not in WRITE_FORMATS:
+        raise StrataError(f"unknown output format {to!r} (use {', '.join(WRITE_FORMATS)})")
+    guard_output(out, [src], force)
+    source = open_source(src, fmt, n_layers, n_expert)
+    meta = dict(getattr(source, "meta", {}))
+    if "source_sha256" not in meta:
+        meta["source_sha256"] = sha256_file(src)
+    if n_layers is not None:
+        meta["n_layers"] = int(n_layers)
+    if n_expert is not None:
+        meta["n_expert"] = int(n_expert)
+    windows = bool(getattr(source, "has_windows", False)) and _has_a_window(source, rows)
+    writer = _StreamWriter(to, out, meta, windows)
+    entries = records = 0
+    with AtomicFile(out, "wb") as fh:
+        writer.begin(fh)
+        try:
+            for c in source.chunks(rows):
+                n = len(c["layer"])
+                if not n:
+                    continue
+                entries += n
+                records += writer.add(fh, c)
+                if progress is not None:
+                    progress(n)
+            records += writer.end(fh)
+        except BaseException:
+            writer.abort()
+            raise
+    return ConvertResult(str(src), str(out), str(meta.get("source_format")), to, entries, records,
+                         Path(out).stat().st_size, meta)
+
+
+def _has_a_window(source, rows: int) -> bool:
+    """Whether a source that may carry windows has any (a tagged trace without commit tags has none: its whole
+    read gives no window column); a cheap pass over the records where the source offers them."""
+    it = source.record_chunks(rows) if hasattr(source, "record_chunks") else source.chunks(rows)
+    for c in it:
+        w = c.get("window")
+        if w is not None and len(w) and int(w.max()) >= 0:
+            return True
+    return False
+
+
+class _StreamWriter:
+    """One output format written chunk by chunk (:func:`convert_trace_stream`)."""
+
+    def __init__(self, to: str, path, meta: dict, windows: bool):
+        self.to, self.path, self.meta, self.windows = to, path, meta, windows
+        self.hold: dict | None = None  # entries held back (an open record, or an open window stretch)
+        self.state: dict = {}
+        self.last = None  # (request, position, layer, phase) of the last entry counted by _records
+        self.rows = 0  # entries written (CSV: the row numbers of its errors)
+
+    def begin(self, fh) -> None:
+        if self.to == "parquet":
+            import pyarrow.parquet as pq
+
+            from stratatools.traces.formats.parquet import _schema
+
+            self.schema = _schema(self.meta, self.windows)
+            self.pw = pq.ParquetWriter(fh, self.schema, compression="zstd", write_statistics=True)
+        elif self.to == "csv":
+            from stratatools.traces.formats.text import csv_header
+
+            csv_header(fh, self.windows)
+        elif self.to == "strata-tagged":
+            from stratatools.traces.formats.strata import TAG_FORMAT, _tag
+
+            fh.write(_tag(TAG_FORMAT, [1]))
+
+    def _table(self, c: dict) -> TraceTable:
+        from stratatools.traces.table import COLUMNS
+
+        n = len(c["layer"])
+        cols = {k: c[k] if k in c else np.ones(n, np.float32) for k in COLUMNS}
+        win = None
+        if self.windows:
+            win = c["window"] if "window" in c else np.full(n, -1, np.int32)
+        return TraceTable(**cols, meta=self.meta, window=win)
+
+    def add(self, fh, c: dict) -> int:
+        """Write what of chunk ``c`` can be written now; returns the records written."""
+        if self.to == "parquet":
+            import pyarrow as pa
+
+            from stratatools.traces.formats.parquet import WINDOW
+
+            from stratatools.traces.table import COLUMNS
+
+            t = self._table(c)
+            names = list(COLUMNS) + ([WINDOW] if self.windows else [])
+            arrays = [pa.array(np.ascontiguousarray(t.window if k == WINDOW else getattr(t, k)),
+                               type=self.schema.field(k).type) for k in names]
+            self.pw.write_table(pa.Table.from_arrays(arrays, schema=self.schema))
+            return self._records(t)
+        if self.to == "csv":
+            from stratatools.traces.formats.text import csv_check_positions, csv_rows
+
+            t = self._table(c)
+            csv_check_positions(t, self.path, self.rows)
+            self.rows += len(t)
+            csv_rows(fh, t, self.meta, self.windows)
+            return self._records(t)
+        # Strata: whole records (and, tagged with windows, whole stretches between request changes and commits)
+        if self.hold is not None:
+            c = {k: np.concatenate([self.hold[k], c[k]]) for k in c if k in self.hold}
+        t = self._table(c)
+        cut = self._cut(t)
+        self.hold = {k: v[cut:] for k, v in c.items()}
+        return self._write(fh, t.take(np.arange(len(t)) < cut)) if cut else 0
+
+    def end(self, fh) -> int:
+        n = 0
+        if self.to == "parquet":
+            self.pw.close()
+        elif self.hold is not None and len(self.hold["layer"]):
+            n = self._write(fh, self._table(self.hold))
+        self.hold = None
+        return n
+
+    def abort(self) -> None:
+        """Close what is open after an error (the output is then discarded)."""
+        pw, self.pw = getattr(self, "pw", None), None
+        if pw is not None:
+            try:
+                pw.close()
+            except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                pass
+
+    def _records(self, t: TraceTable) -> int:
+        """Records starting in ``t`` (:func:`.table.record_bounds`' rule, a record continued from the previous
+        chunk not counted again)."""
+        from stratatools.traces.table import record_bounds
+
+        n = len(record_bounds(t))
+        keys = (t.request, t.position, t.layer, t.phase)
+        if n and self.last is not None and int(t.rank[0]) != 0 and all(int(a[0]) == b for a, b in zip(keys, self.last)):
+            n -= 1
+        self.last = tuple(int(a[-1]) for a in keys)
+        return int(n)
+
+    def _cut(self, t: TraceTable) -> int:
+        """The last row the entries can be cut at: a record start, the last record held back (it may go on);
+        tagged with windows, where the request changes or the previous record closed a window."""
+        from stratatools.traces.table import record_bounds
+
+        st = record_bounds(t)
+        if len(st) < 2:
+            return 0
+        if self.to == "strata" or not self.windows:
+            return int(st[-1])
+        cand = st[1:]
+        req, win = np.asarray(t.request), np.asarray(t.window)
+        ok = (req[cand] != req[cand - 1]) | ((win[cand - 1] >= 0) & (win[cand] != win[cand - 1]))
+        idx = np.flatnonzero(ok)
+        return int(cand[idx[-1]]) if len(idx) else 0
+
+    def _write(self, fh, t: TraceTable) -> int:
+        from stratatools.traces.formats.strata import _check_writable, _write_records, _write_tagged
+        from stratatools.traces.table import record_bounds
+
+        _check_writable(t, self.path)
+        starts = record_bounds(t)
+        ks = np.diff(np.r_[starts, len(t)])
+        if self.to == "strata":
+            _write_records(fh, t, 0, len(starts), starts, ks, self.path)
+        else:
+            _write_tagged(fh, t, starts, ks, self.path, self.state)
+        return int(len(starts))
+
+
+
 __all__ = ["trace_stats_sources", "expand_traces", "parse_where", "open_source", "open_traces", "ParquetSource",
-           "StrataTaggedSource", "TableSource"]
+           "StrataTaggedSource", "TableSource", "convert_trace_stream"]

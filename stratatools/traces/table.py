@@ -418,8 +418,9 @@ class TraceStats:
         phases: entries per phase name. concentration: share of all entries taken by the top 10% of the
         (layer, expert) pairs. per_layer: :class:`LayerStats` per layer, ascending.
         meta: the trace's metadata (source format, sha256, ...).
-        windows: verify windows the trace delimits (0 when it carries none); outside_windows: records outside
-            every window in a trace that has windows. rounds: what a replay round is for this trace
+        windows: windows the trace delimits (0 when it carries none): verify windows and prefill batches
+            (``stratatools run`` writes each prefill batch as a window); prefill_windows: those holding prefill
+            records; outside_windows: records outside every window in a trace that has windows. rounds: what a replay round is for this trace
             (:func:`rounds_kind`): ``positions``, ``windows`` or ``windows+positions``.
         window: steps per locality window (distinct experts per window, collapse verdict); locality_phase: the
             entries those statistics use (``decode`` when the trace has decode entries, else ``all``).
@@ -446,6 +447,7 @@ class TraceStats:
     windows: int = 0
     outside_windows: int = 0
     rounds: str = "positions"
+    prefill_windows: int = 0
     window: int = 64
     locality_phase: str = "decode"
     reuse_quantiles: dict[str, float] = field(default_factory=dict)
@@ -560,6 +562,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
         starts = r.starts()
         ks = r.ks()
         req, pos, rph = np.asarray(r.request), r.rec_position(), np.asarray(r.phase)
+        rec_phase = rph
         ph = np.bincount(rph.astype(np.int64).clip(0, 2), weights=ks, minlength=3).astype(np.int64) if n \
             else np.zeros(3, int)
     else:
@@ -567,6 +570,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
         ks = np.diff(np.r_[starts, n])
         req = np.asarray(table.request)[starts]
         pos = np.asarray(table.position)[starts]
+        rec_phase = np.asarray(table.phase)[starts]
         ph = np.bincount(np.asarray(table.phase).astype(np.int64).clip(0, 2), minlength=3) if n else np.zeros(3, int)
     tokens = len(np.unique(req.astype(np.int64) * (1 << 32) + (pos.astype(np.int64) & 0xFFFFFFFF))) if n else 0
     phases = {PHASE_NAMES[i]: int(ph[i]) for i in range(3) if ph[i]}
@@ -579,8 +583,9 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
         key = np.asarray(req, np.int64)[inw] * (1 << 32) + rwin[inw].astype(np.int64)  # (request, window)
         n_windows = int(len(np.unique(key)))
         outside = int((~inw).sum()) if n_windows else 0
+        n_prefill_w = int(len(np.unique(key[np.asarray(rec_phase)[inw] == PREFILL])))
     else:
-        n_windows = outside = 0
+        n_windows = outside = n_prefill_w = 0
     kmax = int(ks.max()) if n else 0
     loc = locality_stats(table, window) if n else None
     collapsed: list[int] = []
@@ -604,7 +609,7 @@ def trace_stats(table: TraceTable, n_expert: int | None = None, window: int = 64
                       concentration=_top_share(all_counts, nl * E) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
                       per_layer=per, meta=dict(table.meta), windows=n_windows, outside_windows=outside,
-                      rounds=rounds_kind(rwin if n else None), window=window, locality_phase=lphase,
+                      prefill_windows=n_prefill_w, rounds=rounds_kind(rwin if n else None), window=window, locality_phase=lphase,
                       reuse_quantiles=rq, collapsed_layers=collapsed, verdict=verdict)
 
 
@@ -675,11 +680,25 @@ def locality_stats(table: TraceTable, window: int = 64) -> dict[str, Any] | None
     _, ex_i = np.unique(ex, return_inverse=True)
     _, req_i = np.unique(req, return_inverse=True)
     layers: dict[int, dict[str, Any]] = {}
-    # distinct experts per (request, window, layer): unique (group, expert) rows, then rows per group
-    tw = np.unique(np.stack([req_i[keep], win[keep]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
-    grp_rows = np.unique(np.stack([tw, lay_i[keep], ex_i[keep]], axis=1), axis=0)
-    grp, cnt = np.unique(grp_rows[:, :2], axis=0, return_counts=True)
-    glay = ulay[grp[:, 1]] if len(grp) else np.zeros(0, np.int64)
+    # distinct experts per (request, window, layer): unique (group, expert) keys, then keys per group; the keys
+    # pack dense indices in lexicographic order, as row-wise uniques would sort them (far cheaper); row-wise when
+    # the packed key could overflow
+    nw = int(win.max()) + 1 if len(win) else 1
+    nr = int(req_i.max()) + 1 if len(req_i) else 1
+    nl, ne = max(len(ulay), 1), int(ex_i.max()) + 1 if len(ex_i) else 1
+    if nr * nw < 2 ** 62:
+        tw = np.unique(req_i[keep] * nw + win[keep], return_inverse=True)[1].reshape(-1)
+    else:
+        tw = np.unique(np.stack([req_i[keep], win[keep]], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    ntw = int(tw.max()) + 1 if len(tw) else 1
+    if ntw * nl * ne < 2 ** 62:
+        u3 = np.unique((tw * nl + lay_i[keep]) * ne + ex_i[keep])
+        grp, cnt = np.unique(u3 // ne, return_counts=True)
+        glay = ulay[grp % nl] if len(grp) else np.zeros(0, np.int64)
+    else:
+        grp_rows = np.unique(np.stack([tw, lay_i[keep], ex_i[keep]], axis=1), axis=0)
+        grp, cnt = np.unique(grp_rows[:, :2], axis=0, return_counts=True)
+        glay = ulay[grp[:, 1]] if len(grp) else np.zeros(0, np.int64)
     # reuse distances: sort by (request, layer, expert, step)
     order = np.lexsort((step, ex_i, lay_i, req_i))
     same = np.zeros(len(order), bool)
@@ -802,6 +821,8 @@ class Distinct:
                 self._compact()
 
     def _compact(self) -> None:
+        if len(self.parts) == 1 and self.size == self.base:  # already one sorted distinct run
+            return
         u = np.unique(np.concatenate(self.parts)) if self.parts else np.zeros(0, np.int64)
         self.parts = [u]
         self.size = self.base = len(u)
@@ -822,7 +843,7 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
     kmin, kmax = None, None
     ph = np.zeros(3, np.int64)
     any_in = any_out = False
-    tok, reqs, wins = Distinct(), Distinct(), Distinct()
+    tok, reqs, wins, pwins = Distinct(), Distinct(), Distinct(), Distinct()
     prev = None   # last entry (req, pos, lay, phase)
     run = 0       # entries of the open record
     out_src = 0
@@ -889,7 +910,9 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
             inw = rw >= 0
             any_in |= bool(inw.any())
             any_out |= bool((~inw).any())
-            wins.add(rq[inw] * (1 << 32) + rw[inw])
+            wkey = rq[inw] * (1 << 32) + rw[inw]
+            wins.add(wkey)
+            pwins.add(wkey[phs[st][inw] == PREFILL])
             out_src += int((~inw).sum())
         if progress is not None:
             progress(m)
@@ -899,7 +922,7 @@ def stats_partial(src, rows: int = 1 << 20, progress=None) -> dict:
     nw = len(wins)
     return {"C": C, "lo": lo, "pairs": pairs, "n": n, "records": records, "kmin": kmin, "kmax": kmax, "ph": ph,
             "tokens": len(tok), "requests": len(reqs), "windows": nw, "outside": out_src if nw else 0,
-            "any_in": any_in, "any_out": any_out}
+            "prefill_windows": len(pwins), "any_in": any_in, "any_out": any_out}
 
 
 class SparsePairs:
@@ -1050,8 +1073,10 @@ def _stats_combine(parts: list[dict], meta: dict, n_expert: int | None) -> Trace
     requests = sum(p["requests"] for p in parts)
     n_windows = sum(p["windows"] for p in parts)
     outside = sum(p["outside"] for p in parts)
+    prefill_w = sum(p.get("prefill_windows", 0) for p in parts)
     return TraceStats(entries=n, records=records, tokens=tokens, requests=requests, layers=len(per),
                       layer_min=lmin, layer_max=lmax, k_min=int(kmin or 0), k_max=int(kmax or 0), n_expert=E,
                       phases=phases, concentration=_top_share(counts.ravel(), counts.size) if n else 0.0,
                       mean_entropy_bits=float(np.mean([s.entropy_bits for s in per])) if per else 0.0,
-                      per_layer=per, meta=meta, windows=n_windows, outside_windows=outside, rounds=rounds)
+                      per_layer=per, meta=meta, windows=n_windows, outside_windows=outside, rounds=rounds,
+                      prefill_windows=prefill_w)

@@ -27,10 +27,11 @@ _LLAMA_ROW = re.compile(rb"^\s*-?\d+\s*,\s*\d+\s*(,\s*-?\d+\s*)+$")
 
 def sniff_format(path: str | os.PathLike) -> str:
     """Tell a trace's format from its first bytes: ``PAR1`` -> parquet; a kit header -> csv; a numeric
-    ``pos,layer,ids`` first line -> llama-csv; anything else -> strata (binary).
+    ``pos,layer,ids`` first line -> llama-csv; a line of text with commas and neither -> an error naming the
+    expected CSV columns; anything else -> strata (binary).
 
     Raises:
-        StrataError: missing file, directory, empty file.
+        StrataError: missing file, directory, empty file, a CSV whose header is not recognised.
     """
     from stratatools.core.fsutil import check_input
 
@@ -51,7 +52,25 @@ def sniff_format(path: str | os.PathLike) -> str:
         return "csv"
     if _LLAMA_ROW.match(first) and b"\x00" not in head:
         return "llama-csv"
+    if _looks_like_text(head, first):
+        from stratatools.traces.formats.text import KIT_COLUMNS
+
+        raise StrataError(f"{p}: line 1: the CSV header {first[:120].decode('utf-8', 'replace')!r} is not "
+                          f"recognised; expected {','.join(KIT_COLUMNS)}[,phase[,window]] (a per-entry CSV) or "
+                          f"headerless pos,layer,id0,id1,... rows (llama-csv)", p)
     return "strata"
+
+
+def _looks_like_text(head: bytes, first: bytes) -> bool:
+    """True when a file's first bytes are a line of text with a comma (a CSV), never a Strata binary: every
+    Strata record starts with small int32s (layer, k), so a binary trace has NUL bytes in its first 8 bytes."""
+    if b"\x00" in head[:4096] or b"," not in first:
+        return False
+    try:
+        first.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(ch >= 0x20 or ch in (0x09,) for ch in first)
 
 
 def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | None = None,
@@ -177,3 +196,4 @@ def convert_trace(src: str | os.PathLike, out: str | os.PathLike, to: str, fmt: 
 
 
 __all__ += ["convert_trace", "ConvertResult"]
+

@@ -634,6 +634,56 @@ def _tag(t: int, vals: list[int]) -> bytes:
     return np.array([t, k, *vals] + [0] * k, dtype="<i4").tobytes()
 
 
+def _write_tagged(fh, table: TraceTable, starts: np.ndarray, ks: np.ndarray, path: Any, state: dict) -> None:
+    """The tagged body of :func:`write_strata` (everything after the format tag) for ``table``; ``state`` carries
+    the last request and phase written (``req``, ``phase``) from one call to the next, so a trace written in parts
+    cut at request changes (or, without windows, at record boundaries) gives the bytes of one call."""
+    R = len(starts)
+    if R == 0:
+        return
+    req = np.asarray(table.request)[starts]
+    ph = np.asarray(table.phase)[starts]
+    change = np.r_[True, (req[1:] != req[:-1]) | (ph[1:] != ph[:-1])]
+    win = None
+    if table.has_windows:
+        rec = table.records
+        win = np.asarray(rec.window if rec is not None else np.asarray(table.window)[starts], np.int64)
+        rlay = np.asarray(rec.layer if rec is not None else np.asarray(table.layer)[starts], np.int64)
+        change[1:] |= win[1:] != win[:-1]
+    change = np.flatnonzero(change)
+    seg_ends = np.r_[change[1:], R]
+    prev_req, prev_ph = state.get("req"), state.get("phase")
+    bound = run_start = 0  # record index after the last request/commit tag; first record of the open window
+    for a, b in zip(change.tolist(), seg_ends.tolist()):
+        if req[a] != prev_req:
+            fh.write(_tag(TAG_REQUEST, [int(req[a])]))
+            prev_req = req[a]
+            bound = a
+        if ph[a] != prev_ph:
+            fh.write(_tag(TAG_PHASE, [int(ph[a])]))
+            prev_ph = ph[a]
+        if win is not None and win[a] >= 0 and (a == 0 or win[a - 1] != win[a] or req[a - 1] != req[a]):
+            run_start = a
+        _write_records(fh, table, a, b, starts, ks, path)
+        if win is None or win[a] < 0 or (b < R and win[b] == win[a] and req[b] == req[a]):
+            continue
+        c = b - run_start
+        lay = rlay[bound:b]
+        span = int(lay.max() - lay.min()) + 1
+        if run_start == bound:
+            npos = -(-c // span)
+        elif c % span == 0:
+            npos = c // span
+        else:
+            raise StrataError(f"{path}: window {int(win[a])} (request {int(req[a])}) has {c} records after "
+                              f"records outside windows, not a whole number of positions over {span} layers; "
+                              f"a commit tag cannot close exactly its records (write parquet or csv to keep "
+                              f"the windows)", path)
+        fh.write(_tag(TAG_COMMIT, [int(win[a]), int(npos), 0]))
+        bound = b
+    state["req"], state["phase"] = prev_req, prev_ph
+
+
 def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = False) -> None:
     """Write a Strata ``--dump-routing`` file (atomically: ``<path>.tmp`` then rename).
 
@@ -659,46 +709,4 @@ def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = Fals
             _write_records(fh, table, 0, len(starts), starts, ks, path)
             return
         fh.write(_tag(TAG_FORMAT, [1]))
-        R = len(starts)
-        if R == 0:
-            return
-        req = np.asarray(table.request)[starts]
-        ph = np.asarray(table.phase)[starts]
-        change = np.r_[True, (req[1:] != req[:-1]) | (ph[1:] != ph[:-1])]
-        win = None
-        if table.has_windows:
-            rec = table.records
-            win = np.asarray(rec.window if rec is not None else np.asarray(table.window)[starts], np.int64)
-            rlay = np.asarray(rec.layer if rec is not None else np.asarray(table.layer)[starts], np.int64)
-            change[1:] |= win[1:] != win[:-1]
-        change = np.flatnonzero(change)
-        seg_ends = np.r_[change[1:], R]
-        prev_req = prev_ph = None
-        bound = run_start = 0  # record index after the last request/commit tag; first record of the open window
-        for a, b in zip(change.tolist(), seg_ends.tolist()):
-            if req[a] != prev_req:
-                fh.write(_tag(TAG_REQUEST, [int(req[a])]))
-                prev_req = req[a]
-                bound = a
-            if ph[a] != prev_ph:
-                fh.write(_tag(TAG_PHASE, [int(ph[a])]))
-                prev_ph = ph[a]
-            if win is not None and win[a] >= 0 and (a == 0 or win[a - 1] != win[a] or req[a - 1] != req[a]):
-                run_start = a
-            _write_records(fh, table, a, b, starts, ks, path)
-            if win is None or win[a] < 0 or (b < R and win[b] == win[a] and req[b] == req[a]):
-                continue
-            c = b - run_start
-            lay = rlay[bound:b]
-            span = int(lay.max() - lay.min()) + 1
-            if run_start == bound:
-                npos = -(-c // span)
-            elif c % span == 0:
-                npos = c // span
-            else:
-                raise StrataError(f"{path}: window {int(win[a])} (request {int(req[a])}) has {c} records after "
-                                  f"records outside windows, not a whole number of positions over {span} layers; "
-                                  f"a commit tag cannot close exactly its records (write parquet or csv to keep "
-                                  f"the windows)", path)
-            fh.write(_tag(TAG_COMMIT, [int(win[a]), int(npos), 0]))
-            bound = b
+        _write_tagged(fh, table, starts, ks, path, {})

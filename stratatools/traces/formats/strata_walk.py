@@ -284,6 +284,71 @@ def walk(a, end, st, max_route_k, n_layers, n_expert, tagged, version1, expert, 
     return status
 
 
+@njit(cache=True, nogil=True)
+def _ordinal_insert(tab_key, tab_val, key, add):
+    """Open-addressing table (any key but -1, which marks an empty slot; size a power of two): the value stored for ``key`` (0 when
+    new), then add ``add`` to it. Returns (old value, 1 if the key was new)."""
+    mask = tab_key.shape[0] - 1
+    h = (key * np.int64(-7046029254386353131)) & mask
+    while True:
+        k = tab_key[h]
+        if k == key:
+            v = tab_val[h]
+            tab_val[h] = v + add
+            return v, 0
+        if k == -1:
+            tab_key[h] = key
+            tab_val[h] = add
+            return np.int64(0), 1
+        h = (h + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _ordinal_rehash(old_key, old_val, tab_key, tab_val):
+    """Move every entry of one table into a larger empty one."""
+    for i in range(old_key.shape[0]):
+        if old_key[i] != -1:
+            _ordinal_insert(tab_key, tab_val, old_key[i], old_val[i])
+
+
+@njit(cache=True, nogil=True)
+def expand_records(e, kvar, k_fixed, rec_k, rec_layer, rec_req, rec_phase, rec_win, tab_key, tab_val,
+                   o_req, o_pos, o_phase, o_lay, o_rank, o_win, per_record=False):
+    """The first ``e`` compact-form records as per-entry columns (one entry per route id): request, position
+    (the record's ordinal among the earlier records of the same (request, layer), counted in the table
+    ``tab_key``/``tab_val`` carried across chunks: key request x 8192 + layer), phase, layer, rank (0..k-1)
+    and window. ``per_record``: one row per record instead, its ``k`` in ``o_rank``. Returns (rows written,
+    keys added to the table); the caller keeps the table at most half full (:func:`_ordinal_rehash`)."""
+    j = 0
+    added = 0
+    for i in range(e):
+        la = np.int64(rec_layer[i])
+        r = np.int64(rec_req[i])
+        p, new = _ordinal_insert(tab_key, tab_val, r * 8192 + la, np.int64(1))
+        added += new
+        k = np.int64(rec_k[i]) if kvar else k_fixed
+        ph = rec_phase[i]
+        w = np.int64(rec_win[i])
+        if per_record:
+            o_req[j] = r
+            o_pos[j] = p
+            o_phase[j] = ph
+            o_lay[j] = la
+            o_rank[j] = k
+            o_win[j] = w
+            j += 1
+            continue
+        for q in range(k):
+            o_req[j] = r
+            o_pos[j] = p
+            o_phase[j] = ph
+            o_lay[j] = la
+            o_rank[j] = q
+            o_win[j] = w
+            j += 1
+    return j, added
+
+
 def _scan_error(path: Any, st: np.ndarray, n_expert: int | None, max_route_k: int) -> StrataError:
     code, off, va, vb = (int(x) for x in st[[S_ERR, S_EOFF, S_EA, S_EB]])
     if code == E_K:

@@ -296,35 +296,51 @@ def write_csv(table: TraceTable, path: str | os.PathLike, batch_rows: int = 1 <<
         StrataError: a table with negative positions (llama.cpp prompt rows): ``csv`` positions count from 0 and
             its reader refuses them; nothing is written.
     """
-    import pandas as pd
+    csv_check_positions(table, path)
+    with AtomicFile(path, "wb") as fh:
+        windows = table.has_windows
+        csv_header(fh, windows)
+        csv_rows(fh, table, table.meta, windows, batch_rows)
 
+
+def csv_check_positions(table: TraceTable, path: Any, row0: int = 0) -> None:
+    """Refuse negative positions (llama.cpp prompt rows): ``csv`` positions count from 0 and its reader refuses
+    them. ``row0``: the row number of the table's first row in the whole trace (for a trace written in parts)."""
     if len(table):
         pos = np.asarray(table.position)
         if int(pos.min()) < 0:
             i = int(np.argmax(pos < 0))
-            raise StrataError(f"{path}: row {i}: position {int(pos[i])} is negative; csv positions count from 0 "
-                              f"(write this trace --to parquet, which keeps llama.cpp's negative prompt positions)",
+            raise StrataError(f"{path}: row {row0 + i}: position {int(pos[i])} is negative; csv positions count from "
+                              f"0 (write this trace --to parquet, which keeps llama.cpp's negative prompt positions)",
                               path)
 
-    model = str(table.meta.get("model_name") or table.meta.get("source_format") or "trace")
-    names = table.meta.get("request_names")
+
+def csv_header(fh, windows: bool) -> None:
+    """The header line of :func:`write_csv` (``window`` last when the trace has windows)."""
+    fh.write((",".join(KIT_COLUMNS + ["phase"] + (["window"] if windows else [])) + "\n").encode())
+
+
+def csv_rows(fh, table: TraceTable, meta: dict, windows: bool, batch_rows: int = 1 << 20) -> None:
+    """The rows of ``table`` as :func:`write_csv` writes them (``meta`` names the model and the requests); a
+    trace written in parts gives the bytes of one call."""
+    import pandas as pd
+
+    model = str(meta.get("model_name") or meta.get("source_format") or "trace")
+    names = meta.get("request_names")
     phase_names = np.array([PHASE_NAMES[PREFILL], PHASE_NAMES[DECODE], PHASE_NAMES[UNKNOWN]], dtype=object)
-    with AtomicFile(path, "wb") as fh:
-        windows = table.has_windows
-        fh.write((",".join(KIT_COLUMNS + ["phase"] + (["window"] if windows else [])) + "\n").encode())
-        for a in range(0, len(table), batch_rows):
-            b = min(len(table), a + batch_rows)
-            req = np.asarray(table.request[a:b])
-            if names and len(req) and 0 <= int(req.min()) and int(req.max()) < len(names):
-                pid = np.asarray(names, dtype=object)[req]
-            else:
-                pid = req
-            ph = np.asarray(table.phase[a:b]).astype(np.int64)
-            ph = np.where((ph >= 0) & (ph <= 2), ph, UNKNOWN)
-            df = pd.DataFrame({"model": model, "prompt_id": pid, "token_pos": np.asarray(table.position[a:b]),
-                               "layer": table.layer[a:b], "rank": table.rank[a:b], "expert_id": table.expert[a:b],
-                               "weight": np.asarray(table.weight[a:b], dtype=np.float64),
-                               "phase": phase_names[ph]})
-            if windows:
-                df["window"] = np.asarray(table.window[a:b], dtype=np.int64)
-            fh.write(df.to_csv(index=False, header=False, float_format="%.9g", lineterminator="\n").encode())
+    for a in range(0, len(table), batch_rows):
+        b = min(len(table), a + batch_rows)
+        req = np.asarray(table.request[a:b])
+        if names and len(req) and 0 <= int(req.min()) and int(req.max()) < len(names):
+            pid = np.asarray(names, dtype=object)[req]
+        else:
+            pid = req
+        ph = np.asarray(table.phase[a:b]).astype(np.int64)
+        ph = np.where((ph >= 0) & (ph <= 2), ph, UNKNOWN)
+        df = pd.DataFrame({"model": model, "prompt_id": pid, "token_pos": np.asarray(table.position[a:b]),
+                           "layer": table.layer[a:b], "rank": table.rank[a:b], "expert_id": table.expert[a:b],
+                           "weight": np.asarray(table.weight[a:b], dtype=np.float64),
+                           "phase": phase_names[ph]})
+        if windows:
+            df["window"] = np.asarray(table.window[a:b], dtype=np.int64)
+        fh.write(df.to_csv(index=False, header=False, float_format="%.9g", lineterminator="\n").encode())
