@@ -50,6 +50,25 @@ def test_balanced_random_blocks_have_no_dc_gain(name):
         assert 0.35 < v.mean() / rms < 0.43
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q2_0", "BF16"])
+def test_scaled_random_blocks(name):
+    """scale=1/16 (the full-width attention output projection): rms 0.02/16, finite (Q8_0's d is then fp16
+    subnormal), the same codes; BF16 has no random blocks (an error)."""
+    t = type_by_name(name)
+    if name == "BF16":
+        with pytest.raises(StrataError):
+            random_blocks(t, 10, np.random.default_rng(0), scale=1 / 16)
+        return
+    a = random_blocks(t, 2000, np.random.default_rng(3))
+    b = random_blocks(t, 2000, np.random.default_rng(3), balanced=True, scale=1 / 16)
+    assert np.array_equal(a[:, 2:], b[:, 2:])
+    va = np.asarray(dequantize(a.reshape(-1), t), np.float64)
+    vb = np.asarray(dequantize(b.reshape(-1), t), np.float64)
+    assert np.isfinite(vb).all()
+    ratio = np.sqrt(np.mean(vb ** 2)) / np.sqrt(np.mean(va ** 2))
+    assert abs(ratio - 1 / 16) < 0.01 / 16, ratio
+
+
 def test_synth_model_with_two_scale_types_is_finite(tmp_path):
     """A synthetic model whose experts are Q4_1, Q5_1, Q4_K and Q5_K: every expert weight is finite."""
     from stratatools.model.gguf import open_model

@@ -178,7 +178,8 @@ def random_block_types() -> list[str]:
     return sorted(_D_FOR_RMS_002)
 
 
-def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator, balanced: bool = False) -> np.ndarray:
+def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator, balanced: bool = False,
+                  scale: float = 1.0) -> np.ndarray:
     """``n_blocks`` random but valid blocks of ``gtype`` as uint8 (n_blocks, type_size).
 
     Code bytes are uniform random (every bit pattern of the code fields is a valid block, module docstring); the
@@ -194,6 +195,9 @@ def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator
     token's residual is the same vector (docs/synthetic-routing.md, "Offset codes at full width"). Balanced
     blocks have zero mean on average; the default (False) keeps the bytes of earlier versions.
 
+    ``scale``: multiplies the nominal scale (the rms becomes ``0.02 * scale``; small scales give fp16 subnormal
+    ``d``, still exact fp16 values).
+
     Speed: one draw of raw 64-bit words from the bit generator covers every byte of the chunk (no per-value float
     conversion, no pool reuse: every block is fresh randomness from ``rng``); the scale fields are then overwritten
     through a uint16 view (every supported block size is even and the buffer is 8-byte aligned) with a 256-entry
@@ -202,7 +206,7 @@ def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator
     fp16 scale.
     """
     t = type_by_name(gtype) if isinstance(gtype, str) else gtype
-    d_tab, m_tab = _scale_tables(t.name)
+    d_tab, m_tab = _scale_tables(t.name, float(scale))
     nbytes = n_blocks * t.type_size
     raw = rng.bit_generator.random_raw((nbytes + 7) // 8)  # uint64 words straight from the bit generator (fast)
     u16 = raw.view("<u2")[:nbytes // 2].reshape(n_blocks, t.type_size // 2)
@@ -220,12 +224,14 @@ def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator
 
 
 @lru_cache(maxsize=None)
-def _scale_tables(name: str) -> tuple[np.ndarray, np.ndarray | None]:
+def _scale_tables(name: str, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
     """(d, second) fp16 bit patterns (uint16 [256]) of the 256 scale steps of one type (see random_blocks)."""
     base = _D_FOR_RMS_002.get(name)
     if base is None:
         raise StrataError(f"cannot write random {name} blocks (supported: {', '.join(random_block_types())})")
     steps = base * (0.5 + (np.arange(256, dtype=np.float32) + 0.5) / 256)
+    if scale != 1.0:
+        steps = steps * np.float32(scale)
     d = steps.astype("<f2").view("<u2")
     second = _SECOND_SCALE.get(name)
     m = None if second is None else (steps * second).astype("<f2").view("<u2")

@@ -66,6 +66,11 @@ _RANDOM_FRAME_BYTES = 16 << 20
 # From this width on, random blocks are balanced (random scale sign; SynthConfig.balanced_blocks): the DC gain of the
 # offset codes grows with the row width (mean x n) and collapses routing in wide models.
 BALANCED_MIN_HIDDEN = 1024
+# Wide models (balanced blocks) write the attention output projection at this share of the nominal rms 0.02: a random
+# matrix's gain is 0.02 * sqrt(n_in), about 1.6 for 6144 -> 2560, so at full width every attention layer added a
+# token-independent vector of ~0.3 rms per component (the value projection of the shared direction, averaged over
+# positions), against 0.01 at reduced width; 1/16 brings it back to ~0.02 (docs/synthetic-routing.md).
+WIDE_ATTN_OUT_SCALE = 1.0 / 16.0
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -98,7 +103,8 @@ class SynthConfig:
         ``BALANCED_MIN_HIDDEN`` (1024) and the routing is not legacy. Wide models need it: with the unbalanced
         blocks of earlier versions the Q2_0 experts' DC gain (0.39 of the rms per input) grows a shared direction
         layer after layer and routing collapses from layer ~3 on at hidden 2560 (docs/synthetic-routing.md);
-        below that width the gain is small and the old bytes are kept (the calibration rests on them).
+        below that width the gain is small and the old bytes are kept (the calibration rests on them). With it,
+        the attention output projection is also written at ``WIDE_ATTN_OUT_SCALE`` (1/16) of the nominal rms.
     """
 
     n_layers: int = 8
@@ -658,6 +664,7 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
             return
         if spec.random:
             balanced = cfg is not None and cfg.blocks_balanced
+            scale = WIDE_ATTN_OUT_SCALE if balanced and spec.name.endswith(".attn_output.weight") else 1.0
             total = t.nbytes(spec.ne) // t.type_size
             frame = max(1, _RANDOM_FRAME_BYTES // t.type_size)
             step = 8 // math.gcd(t.type_size, 8)  # pieces of whole 64-bit words: no word split between pieces
@@ -665,7 +672,7 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
             for f0 in range(0, total, frame):
                 n = min(frame, total - f0)
                 for b0 in range(0, n, piece):  # the frame's last piece rounds up to a whole word, like the frame
-                    yield random_blocks(t, min(piece, n - b0), rng, balanced=balanced)
+                    yield random_blocks(t, min(piece, n - b0), rng, balanced=balanced, scale=scale)
             return
         rpc = max(1, _CHUNK_VALUES // ne0)
         for r0 in range(0, rows, rpc):
