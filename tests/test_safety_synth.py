@@ -28,6 +28,47 @@ def test_random_blocks_are_finite_at_the_target_rms(name):
         assert TARGET_RMS / 2 <= rms <= TARGET_RMS * 2, (name, rms)
 
 
+@pytest.mark.parametrize("name", random_block_types())
+def test_balanced_random_blocks_have_no_dc_gain(name):
+    """Offset codes (Q2_0 d*(q-1): mean 0.5 d, 0.39 of the rms) give unbalanced blocks a mean of one sign, a DC gain
+    of mean * n along the all-ones direction that collapsed routing at full width; balanced blocks negate half of
+    the blocks: same rms, mean ~0, and the same bytes as before where balanced is off."""
+    t = type_by_name(name)
+    raw = random_blocks(t, 4000, np.random.default_rng(5))
+    bal = random_blocks(t, 4000, np.random.default_rng(5), balanced=True)
+    assert np.array_equal(raw[:, 2:] if t.name not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else raw[:, 4:],
+                          bal[:, 2:] if t.name not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else bal[:, 4:])
+    v = np.asarray(dequantize(raw.reshape(-1), t), np.float64).reshape(4000, -1)
+    vb = np.asarray(dequantize(bal.reshape(-1), t), np.float64).reshape(4000, -1)
+    rms, rms_b = np.sqrt(np.mean(v ** 2)), np.sqrt(np.mean(vb ** 2))
+    assert abs(rms_b - rms) < 1e-9 * rms + 1e-12
+    neg = np.all(np.isclose(vb, -v), axis=1)
+    assert np.all(neg | np.all(vb == v, axis=1)) and 0.45 < neg.mean() < 0.55  # each block kept or negated
+    # the DC gain of a row of 2560 inputs, relative to its rms gain (sqrt(2560) x rms): Q2_0 was ~20
+    assert abs(vb.mean()) / rms * 2560 ** 0.5 < 1.0, (name, v.mean() / rms, vb.mean() / rms)
+    if name == "Q2_0":
+        assert 0.35 < v.mean() / rms < 0.43
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q2_0", "BF16"])
+def test_scaled_random_blocks(name):
+    """scale=1/16 (the full-width attention output projection): rms 0.02/16, finite (Q8_0's d is then fp16
+    subnormal), the same codes; BF16 has no random blocks (an error)."""
+    t = type_by_name(name)
+    if name == "BF16":
+        with pytest.raises(StrataError):
+            random_blocks(t, 10, np.random.default_rng(0), scale=1 / 16)
+        return
+    a = random_blocks(t, 2000, np.random.default_rng(3))
+    b = random_blocks(t, 2000, np.random.default_rng(3), balanced=True, scale=1 / 16)
+    assert np.array_equal(a[:, 2:], b[:, 2:])
+    va = np.asarray(dequantize(a.reshape(-1), t), np.float64)
+    vb = np.asarray(dequantize(b.reshape(-1), t), np.float64)
+    assert np.isfinite(vb).all()
+    ratio = np.sqrt(np.mean(vb ** 2)) / np.sqrt(np.mean(va ** 2))
+    assert abs(ratio - 1 / 16) < 0.01 / 16, ratio
+
+
 def test_synth_model_with_two_scale_types_is_finite(tmp_path):
     """A synthetic model whose experts are Q4_1, Q5_1, Q4_K and Q5_K: every expert weight is finite."""
     from stratatools.model.gguf import open_model

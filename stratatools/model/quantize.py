@@ -178,13 +178,25 @@ def random_block_types() -> list[str]:
     return sorted(_D_FOR_RMS_002)
 
 
-def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator, balanced: bool = False,
+                  scale: float = 1.0) -> np.ndarray:
     """``n_blocks`` random but valid blocks of ``gtype`` as uint8 (n_blocks, type_size).
 
     Code bytes are uniform random (every bit pattern of the code fields is a valid block, module docstring); the
     leading fp16 ``d`` is the type's nominal scale (``_D_FOR_RMS_002``) times one of 256 steps in [0.5, 1.5), the
     step chosen by the block's own first random byte; types with a second fp16 (Q4_1/Q5_1 ``m``, Q4_K/Q5_K
     ``dmin``) get it set from the same step, never random bits (1 in 32 of those are NaN/Inf).
+
+    ``balanced``: the sign of every block's scale(s) is random too (bit 8 of the block's first random half-word),
+    so the block's values are negated in half of the blocks. The offset codes of Q2_0 (``d * (q - 1)``, mean
+    ``0.5 d``), Q4_0 / Q5_0 / Q8_0 (mean ``-0.5 d``) and the asymmetric IQ4 tables give every block a mean of the
+    same sign: a matrix of n inputs then has a DC gain of ``mean * n`` along the all-ones direction (Q2_0: 0.39
+    of the rms, so 21 x the rms at n 2560), which wide synthetic models amplify layer after layer until every
+    token's residual is the same vector (docs/synthetic-routing.md, "Offset codes at full width"). Balanced
+    blocks have zero mean on average; the default (False) keeps the bytes of earlier versions.
+
+    ``scale``: multiplies the nominal scale (the rms becomes ``0.02 * scale``; small scales give fp16 subnormal
+    ``d``, still exact fp16 values).
 
     Speed: one draw of raw 64-bit words from the bit generator covers every byte of the chunk (no per-value float
     conversion, no pool reuse: every block is fresh randomness from ``rng``); the scale fields are then overwritten
@@ -194,24 +206,32 @@ def random_blocks(gtype: GGMLType | str, n_blocks: int, rng: np.random.Generator
     fp16 scale.
     """
     t = type_by_name(gtype) if isinstance(gtype, str) else gtype
-    d_tab, m_tab = _scale_tables(t.name)
+    d_tab, m_tab = _scale_tables(t.name, float(scale))
     nbytes = n_blocks * t.type_size
     raw = rng.bit_generator.random_raw((nbytes + 7) // 8)  # uint64 words straight from the bit generator (fast)
     u16 = raw.view("<u2")[:nbytes // 2].reshape(n_blocks, t.type_size // 2)
-    idx = u16[:, 0] & 0xFF  # the block's first random byte (little-endian low byte of its first half-word)
+    first = u16[:, 0]
+    idx = first & 0xFF  # the block's first random byte (little-endian low byte of its first half-word)
+    sign = ((first & 0x100) << 7).astype(np.uint16) if balanced else None  # fp16 sign bit from a free random bit
     u16[:, 0] = d_tab[idx]
     if m_tab is not None:
         u16[:, 1] = m_tab[idx]
+    if sign is not None:
+        u16[:, 0] ^= sign
+        if m_tab is not None:
+            u16[:, 1] ^= sign
     return raw.view(np.uint8)[:nbytes].reshape(n_blocks, t.type_size)
 
 
 @lru_cache(maxsize=None)
-def _scale_tables(name: str) -> tuple[np.ndarray, np.ndarray | None]:
+def _scale_tables(name: str, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
     """(d, second) fp16 bit patterns (uint16 [256]) of the 256 scale steps of one type (see random_blocks)."""
     base = _D_FOR_RMS_002.get(name)
     if base is None:
         raise StrataError(f"cannot write random {name} blocks (supported: {', '.join(random_block_types())})")
     steps = base * (0.5 + (np.arange(256, dtype=np.float32) + 0.5) / 256)
+    if scale != 1.0:
+        steps = steps * np.float32(scale)
     d = steps.astype("<f2").view("<u2")
     second = _SECOND_SCALE.get(name)
     m = None if second is None else (steps * second).astype("<f2").view("<u2")

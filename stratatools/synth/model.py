@@ -63,6 +63,14 @@ _CHUNK_BYTES = 1 << 20      # bytes per chunk handed to the writer (random block
 # is still in the CPU caches when write() copies it (16 MiB chunks cost up to about twice the CPU time per MiB;
 # docs/synthetic-routing.md, "Full width, and write speed").
 _RANDOM_FRAME_BYTES = 16 << 20
+# From this width on, random blocks are balanced (random scale sign; SynthConfig.balanced_blocks): the DC gain of the
+# offset codes grows with the row width (mean x n) and collapses routing in wide models.
+BALANCED_MIN_HIDDEN = 1024
+# Wide models (balanced blocks) write the attention output projection at this share of the nominal rms 0.02: a random
+# matrix's gain is 0.02 * sqrt(n_in), about 1.6 for 6144 -> 2560, so at full width every attention layer added a
+# token-independent vector of ~0.3 rms per component (the value projection of the shared direction, averaged over
+# positions), against 0.01 at reduced width; 1/16 brings it back to ~0.02 (docs/synthetic-routing.md).
+WIDE_ATTN_OUT_SCALE = 1.0 / 16.0
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -90,6 +98,13 @@ class SynthConfig:
         ``bursty``, ``uniform`` or ``legacy``; the Zipf exponent of per-layer popularity; the share of the router
         input taken by the per-request context (topic) at depth. skew / locality None (default): the routing's
         own values (realistic 2.1 / 0.3, bursty 1.0 / 0.6; ``routing.PRESETS``).
+        balanced_blocks: random valid blocks with a random scale sign (``random_blocks(balanced=True)``), so the
+        offset codes of Q2_0 / Q4_0 / Q8_0 ... add no DC gain; None (default): on when ``hidden`` is at least
+        ``BALANCED_MIN_HIDDEN`` (1024) and the routing is not legacy. Wide models need it: with the unbalanced
+        blocks of earlier versions the Q2_0 experts' DC gain (0.39 of the rms per input) grows a shared direction
+        layer after layer and routing collapses from layer ~3 on at hidden 2560 (docs/synthetic-routing.md);
+        below that width the gain is small and the old bytes are kept (the calibration rests on them). With it,
+        the attention output projection is also written at ``WIDE_ATTN_OUT_SCALE`` (1/16) of the nominal rms.
     """
 
     n_layers: int = 8
@@ -142,6 +157,7 @@ class SynthConfig:
     routing: str = "realistic"
     skew: float | None = None
     locality: float | None = None
+    balanced_blocks: bool | None = None
 
     def __post_init__(self) -> None:
         # skew / locality left out (None): the routing's own defaults (routing.PRESETS)
@@ -165,6 +181,13 @@ class SynthConfig:
                     context_length=131072, seed=seed, name="Qwen4Exp Synth full-width")
         base.update(kw)
         return cls(**base)  # type: ignore[arg-type]
+
+    @property
+    def blocks_balanced(self) -> bool:
+        """Are random valid blocks written with a random scale sign (see ``balanced_blocks``)?"""
+        if self.balanced_blocks is None:
+            return self.routing != "legacy" and self.hidden >= BALANCED_MIN_HIDDEN
+        return bool(self.balanced_blocks)
 
     # derived shapes
     @property
@@ -640,6 +663,8 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
                 yield quantize(np.ascontiguousarray(full[r0:r0 + rpc]), t)
             return
         if spec.random:
+            balanced = cfg is not None and cfg.blocks_balanced
+            scale = WIDE_ATTN_OUT_SCALE if balanced and spec.name.endswith(".attn_output.weight") else 1.0
             total = t.nbytes(spec.ne) // t.type_size
             frame = max(1, _RANDOM_FRAME_BYTES // t.type_size)
             step = 8 // math.gcd(t.type_size, 8)  # pieces of whole 64-bit words: no word split between pieces
@@ -647,7 +672,7 @@ def _producer(spec: TSpec, seed: int, cfg: SynthConfig | None = None) -> Callabl
             for f0 in range(0, total, frame):
                 n = min(frame, total - f0)
                 for b0 in range(0, n, piece):  # the frame's last piece rounds up to a whole word, like the frame
-                    yield random_blocks(t, min(piece, n - b0), rng)
+                    yield random_blocks(t, min(piece, n - b0), rng, balanced=balanced, scale=scale)
             return
         rpc = max(1, _CHUNK_VALUES // ne0)
         for r0 in range(0, rows, rpc):
