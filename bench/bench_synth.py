@@ -44,7 +44,7 @@ SHAPE = dict(hidden=1024, expert_ff=256, n_expert=128, shared_ff=256, revisions=
 def run_child(args: list[str], out: Path, env: dict[str, str]) -> tuple[float, int]:
     """Run a command with stdout to ``out``; (wall seconds, peak RSS of that child in KiB)."""
     t = time.perf_counter()
-    with open(out, "wb") as fh:
+    with open(out, "wb") as fh:  # the child's stdout log in the bench's own scratch folder, not an output
         p = subprocess.Popen(args, stdout=fh, cwd=tempfile.gettempdir(), env=env)
         _, status, ru = os.wait4(p.pid, 0)
     dt = time.perf_counter() - t

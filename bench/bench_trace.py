@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from stratatools.core.fsutil import AtomicFile
+
 L, E, K = 48, 512, 10
 
 
@@ -47,7 +49,7 @@ def gen_plain(path: str, n_entries: int, seed: int = 0) -> None:
     n_rec = n_entries // K
     pop = rng.zipf(1.3, size=(L, E)).astype(np.float64)
     logp = np.log(pop / pop.sum(axis=1, keepdims=True)).astype(np.float32)
-    with open(path, "wb") as fh:
+    with AtomicFile(path) as fh:
         step = 1 << 15
         for a in range(0, n_rec, step):
             m = min(step, n_rec - a)
@@ -73,7 +75,7 @@ def gen_tagged(path: str, plain: str, n_entries: int) -> None:
     def tag(t, vals):
         return struct.pack(f"<ii{len(vals)}i{len(vals)}f", t, len(vals), *vals, *([0.0] * len(vals)))
 
-    with open(plain, "rb") as src, open(path, "wb") as fh:
+    with open(plain, "rb") as src, AtomicFile(path) as fh:
         fh.write(tag(-2, [2]))
         for w in range(n_win):
             if w % 256 == 0:

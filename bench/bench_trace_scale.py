@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stratatools.core.fsutil import AtomicFile, publish_dir
+
 L, E, K, TOKENS = 48, 128, 8, 256
 
 
@@ -70,8 +72,7 @@ def write_tagged(path: Path, n_entries: int, seed: int = 0) -> None:
     pref = np.stack([rng.permutation(E) for _ in range(L)])
     per_req = TOKENS * L * K
     n_req = max(1, n_entries // per_req)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
+    with AtomicFile(path) as fh:
         fh.write(np.array([-2, 1, 1, 0], "<i4").tobytes())  # format tag, version 1
         for q in range(n_req):
             fh.write(np.array([-3, 1, q, 0], "<i4").tobytes())  # request tag
@@ -81,23 +82,28 @@ def write_tagged(path: Path, n_entries: int, seed: int = 0) -> None:
             rec[:, 2:2 + K] = ids
             rec[:, 2 + K:] = np.float32(1.0 / K).view(np.int32)
             fh.write(rec.tobytes())
-    os.replace(tmp, path)
 
 
 def write_dataset(root: Path, n_entries: int, servers: int = 4, seed: int = 1) -> None:
-    """A hive-partitioned Parquet dataset ``server=sN/date=2026-12-01/part-0.parquet`` of about n_entries."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from stratatools.traces.formats.parquet import COLUMNS, _schema
+    """A hive-partitioned Parquet dataset ``server=sN/date=2026-12-01/part-0.parquet`` of about n_entries,
+    published whole (:func:`stratatools.core.fsutil.publish_dir`)."""
+    from stratatools.traces.formats.parquet import _schema
 
     rng = np.random.default_rng(seed)
     pref = np.stack([rng.permutation(E) for _ in range(L)])
     schema = _schema({"n_layers": L, "n_expert": E, "source_format": "bench"})
     per_req = TOKENS * L * K
     n_req = max(servers, n_entries // per_req)
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    with publish_dir(root) as tmp:
+        _write_servers(tmp, servers, n_req, per_req, rng, pref, schema)
+
+
+def _write_servers(tmp: Path, servers: int, n_req: int, per_req: int, rng, pref, schema) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stratatools.traces.formats.parquet import COLUMNS
+
     for s in range(servers):
         d = tmp / f"server=s{s}" / "date=2026-12-01"
         d.mkdir(parents=True)
@@ -116,8 +122,6 @@ def write_dataset(root: Path, n_entries: int, servers: int = 4, seed: int = 1) -
                         "weight": np.full(n, 1.0 / K)}
                 w.write_table(pa.Table.from_arrays(
                     [pa.array(np.asarray(cols[c], dtype=dt)) for c, dt in COLUMNS.items()], schema=schema))
-    shutil.rmtree(root, ignore_errors=True)
-    os.replace(tmp, root)
 
 
 TIME = "/usr/bin/time"
