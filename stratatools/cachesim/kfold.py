@@ -51,6 +51,31 @@ def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
     return m, m - half, m + half
 
 
+def fold_count_pass(main: Any, folds: Sequence[Any], k: int, L: int, E: int, phase: str,
+                    advance: Any = None) -> np.ndarray:
+    """One pass over ``main``'s raw chunks (an :class:`~stratatools.cachesim.replay.EntryStream`): each fold
+    stream of ``folds`` scans its requests (``scan_fold`` / ``end_scan``), and (layer, expert) entries are counted
+    per fold (merged request id % k) with make-profile's filter (layer and expert in range; under
+    ``phase="decode"`` prefill entries left out). ``advance(n)`` is called with each chunk's entry count.
+
+    Returns counts int64 [k, L, E].
+    """
+    counts = np.zeros(k * L * E, dtype=np.int64)
+    for c in main.raw_chunks():
+        for fs in folds:
+            fs.scan_fold(c)
+        lay, ex = c["layer"], c["expert"]
+        keep = (lay >= 0) & (lay < L) & (ex >= 0) & (ex < E)
+        if phase == "decode":
+            keep &= c["phase"] != PREFILL
+        fk = (c["request"] % k)[keep]
+        counts += np.bincount(fk * (L * E) + lay[keep] * E + ex[keep], minlength=k * L * E)
+        if advance is not None:
+            advance(len(lay))
+    for fs in folds:
+        fs.end_scan()
+    return counts.reshape(k, L, E)
+
 @dataclass
 class KFoldResult:
     """Held-out and in-sample scores.
@@ -178,22 +203,8 @@ def _kfold(tables, n_layers: int, n_expert: int, k: int, *, policies, slots, bud
     in_sample = only is None or only == -1
     folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main, cold=cold) for f in todo}
     raw = max(main.raw_entries, 1)
-    # pass 1: per-fold counts (make-profile's filter: phase, layer and expert range) and batched requests
-    counts = np.zeros(k * L * E, dtype=np.int64)
-    for c in main.raw_chunks():
-        for fs in folds.values():
-            fs.scan_fold(c)
-        lay, ex = c["layer"], c["expert"]
-        keep = (lay >= 0) & (lay < L) & (ex >= 0) & (ex < E)
-        if phase == "decode":
-            keep &= c["phase"] != PREFILL
-        fk = (c["request"] % k)[keep]
-        counts += np.bincount(fk * (L * E) + lay[keep] * E + ex[keep], minlength=k * L * E)
-        if progress is not None:
-            progress.update(advance=len(lay) / raw)
-    for fs in folds.values():
-        fs.end_scan()
-    counts = counts.reshape(k, L, E)
+    counts = fold_count_pass(main, list(folds.values()), k, L, E, phase,
+                             None if progress is None else (lambda n: progress.update(advance=n / raw)))
     total = counts.sum(0)
     res = KFoldResult(k=k, requests=n_req, policies=list(policies),
                       options={"mode": mode, "fill": fill, "phase": phase, "cold": cold, "admission": admission,

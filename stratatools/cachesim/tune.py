@@ -49,10 +49,9 @@ from stratatools.profiles.ranking import make_profile
 from stratatools.profiles.strp import Profile
 from stratatools.traces.table import TraceTable
 from stratatools.cachesim.costmodel import ThreeTierModel, ram_set, tier_costs
-from stratatools.cachesim.kfold import fold_of_requests, t_interval
+from stratatools.cachesim.kfold import fold_count_pass, fold_of_requests, t_interval
 from stratatools.cachesim.layout import _blob_arrays, plan_tier
 from stratatools.cachesim.replay import Entries, merge_traces, prepare_entries, run_policy
-from stratatools.traces.table import PREFILL
 
 SPACE: dict[str, list[Any]] = {
     "admission": ["global", "per-layer"],
@@ -277,19 +276,7 @@ class _StreamFolds:
         self.folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main) for f in range(k)}
         for fs in self.folds.values():
             fs.summary.light = False  # tokens are needed (the cost model's per-token figures)
-        counts = np.zeros(k * L * E, dtype=np.int64)
-        for c in main.raw_chunks():
-            for fs in self.folds.values():
-                fs.scan_fold(c)
-            lay, ex = c["layer"], c["expert"]
-            keep = (lay >= 0) & (lay < L) & (ex >= 0) & (ex < E)
-            if count_phase == "decode":
-                keep &= c["phase"] != PREFILL
-            fk = (c["request"] % k)[keep]
-            counts += np.bincount(fk * (L * E) + lay[keep] * E + ex[keep], minlength=k * L * E)
-        for fs in self.folds.values():
-            fs.end_scan()
-        counts = counts.reshape(k, L, E)
+        counts = fold_count_pass(main, list(self.folds.values()), k, L, E, count_phase)
         total = counts.sum(0)
         self._profiles = []
         for f in range(k):
