@@ -109,7 +109,7 @@ def test_cuda_sources_are_package_files():
 
     here = Path(g.__file__).parent
     for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu", "qsa_step.cu",
-                 "qsa_host_shim.cuh", "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh"):
+                 "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh"):
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()

@@ -1,5 +1,5 @@
-// Makes fused_step.cu, quant_kernels.cu and moe_staged.cu compile as host C++17 (tests/test_gpu_fused_host.py; with
-// host_shim.cuh and the decoders for the latter two): a kernel runs as one thread per block,
+// Makes fused_step.cu, quant_kernels.cu, moe_staged.cu and qsa_step.cu compile as host C++17 (tests/test_gpu_fused_host.py,
+// tests/test_gpu_qsa_host.py; with host_shim.cuh and the decoders for quant_kernels.cu and moe_staged.cu): a kernel runs as one thread per block,
 // the blocks one after another (host_run_grid), so barriers are no-ops and block reductions are the thread's own
 // value. Kernels written for any block size (fused_step.cu's rule) then compute what the device computes, up to
 // float summation order.
@@ -26,6 +26,12 @@ template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() {}
 static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+#ifndef STRATA_HOST_BITCASTS  // (also in host_shim.cuh; whichever shim comes first defines them)
+#define STRATA_HOST_BITCASTS
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+#endif
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }

@@ -1,5 +1,5 @@
 // Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py (StaticDecoder) and compiled with
-// NVRTC (cupy.RawModule); tests/test_gpu_qsa_host.py compiles it as host C++ (qsa_host_shim.cuh: one thread per
+// NVRTC (cupy.RawModule); tests/test_gpu_qsa_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per
 // block, blocks run one after another) and checks every kernel against stratatools.runtime.model / topk.
 // QSA on the device for one decode position (the position is read from *posp, so one launch sequence serves every
 // position and the step stays capturable as a CUDA graph):
@@ -15,7 +15,7 @@
 #endif
 #define QSA_MAX_THREADS 1024
 // A "warp" of the dot products: 32 lanes on the device, one lane in the host build (where a block has one thread).
-#ifdef QSA_HOST
+#ifdef STRATA_HOST
 #define QSA_WARP 1
 __device__ __forceinline__ float qsa_warp_sum(float v) { return v; }
 #else
