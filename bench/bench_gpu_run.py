@@ -21,7 +21,9 @@ decode-loop time per step (graph replay + copy-back of next token and routing; t
 ``--configs`` picks the ``run --device gpu`` rows (``resident``, ``unfused``: all resident on the earlier fast step,
 the baseline measured in the same run; ``static`` (two rows: arrival order, and a profile made from routing the
 runtime recorded on the next ``--prompt`` tokens of the suite), ``adaptive``, ``lru``, ``vram12``, ``longres`` and
-``long`` (all resident and ``--vram-gib 12`` LRU at each ``--long`` context)).
+``long`` (all resident and ``--vram-gib 12`` LRU at each ``--long`` context), ``allmiss`` (0 slots: every routed
+expert read from pinned host memory; its host->device rate during decode is printed as a fraction of the measured
+pinned copy rate, the bound of an all-miss run)).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
        [--long 2048,8192] [--anchor ../shared/anchors] [--configs resident,unfused,lru] [--compare-steps 32]
@@ -248,8 +250,9 @@ def main() -> None:
                     "all resident and --vram-gib 12 LRU with a prompt of that many tokens minus --new (the static "
                     "decoder selects QSA cells on the device past the full-selection range)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default="resident,unfused,static,adaptive,lru,vram12,longres,long",
-                    help="comma list of rows: resident, unfused, static, adaptive, lru, vram12, longres (all resident "
+    ap.add_argument("--configs", default="resident,unfused,static,adaptive,lru,vram12,allmiss,longres,long",
+                    help="comma list of rows: resident, unfused, static, adaptive, lru, vram12, allmiss (0 slots: every "
+                    "routed expert read from pinned host memory, the PCIe-bound case), longres (all resident "
                     "at each --long context), long (--vram-gib 12 LRU at each --long context)")
     ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
@@ -317,7 +320,8 @@ def main() -> None:
                                                                                       "_profile": True}),
                ("adaptive", f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
                ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
-               ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"})]
+               ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"}),
+               ("allmiss", "0 slots (every expert read from pinned host memory)", {"slots": 0, "policy": "static"})]
     plens = {str(prompts): a.prompt}
     for ctx in long_ctx:
         lp = wd / f"prompt_long_{ctx}.json"
@@ -371,6 +375,14 @@ def main() -> None:
                "device_used": d["device_used_bytes"], "pool": d["pool_bytes"], "wall_s": time.perf_counter() - t0,
                "engine": d["engine"], "tier": tc, "plan": d.get("plan"),
                "graph_pool": d.get("graph_pool_bytes"), "decoder_state": d.get("decoder_state_bytes")}
+        # host->device traffic of one decode token: its misses (1 - decode hit rate) x k x layers blobs read from
+        # pinned memory, plus what the policy copied into slots; as a rate against the measured pinned copy rate
+        misses = max(int(tc.get("misses", 0)), 0)
+        blob = (tc["miss_host_read_bytes"] + tc["miss_copy_bytes"]) / misses if misses else 0.0
+        h_dec = r["h_expert"] if r["h_expert"] is not None else 1.0
+        dec_bytes = (1.0 - h_dec) * k * a.layers * blob + tc["admit_bytes"] / (plen + steps)
+        row["h2d_bytes_per_decode_token"] = dec_bytes
+        row["h2d_rate_fraction"] = dec_bytes * row["decode"] / h2d if h2d else None
         rows.append(row)
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
               f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB",
@@ -401,8 +413,8 @@ def main() -> None:
     print(f"\nmodel {a.layers}x{a.experts} Q2_0, prompt {a.prompt}, new {a.new}; roofline {roof:.0f} tok/s "
           f"({touched / 1e6:.0f} MB/token at {d2d / 1e12:.2f} TB/s); llama.cpp tg128 {tg} pp512 {pp}")
     print("| config | decode tok/s | x llama tg128 | roofline | prefill tok/s | x llama pp512 | decode hit rate "
-          "| MB moved/token | device GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| MB moved/token | host->device during decode, x pinned copy rate | device GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
             print(f"| {r['name']} | failed: {r['error'][:80]} |")
@@ -410,6 +422,7 @@ def main() -> None:
         print(f"| {r['name']} | {r['decode']:.1f} | {r['decode'] / tg if tg else float('nan'):.3f} | "
               f"{r['decode'] / roof:.3f} | {r['prefill']:.1f} | {r['prefill'] / pp if pp else float('nan'):.4f} | "
               f"{r['h_decode'] if r['h_decode'] is None else round(r['h_decode'], 4)} | {r['moved_per_token'] / 1e6:.1f} | "
+              f"{r['h2d_rate_fraction'] if r['h2d_rate_fraction'] is None else round(r['h2d_rate_fraction'], 3)} | "
               f"{r['device_used'] / 2**30:.2f} |")
     for name, pr in prof_rows.items():
         print_profile(name, pr)
