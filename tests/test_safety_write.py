@@ -548,12 +548,17 @@ def test_pack_into_the_models_own_folder_keeps_the_model(tmp_path, tiny):
 
 
 # ------------------------------------------------------------------------------- SIGTERM and lock files
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("where", ["publish_dir", "atomic_file", "files_atomic", "lock_file"])
-def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypatch, where):
+def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypatch, where, sig):
     """The CLI's SIGTERM handler raises SystemExit; a signal that lands the moment a temp file or folder exists
     (before its clean-up guard knew its name) used to leave that temp behind. Now creation and recording are
-    one step for the handler: the exit comes inside the guard, which removes the temp (and the lock file)."""
+    one step for the handler: the exit comes inside the guard, which removes the temp (and the lock file).
+    Ctrl-C (SIGINT) likewise, exit 130 (its KeyboardInterrupt used to come at any bytecode)."""
     from stratatools.cli import entry
+
+    signum = getattr(signal, sig)
+    handler = entry._terminated if sig == "SIGTERM" else entry._interrupted
 
     real_mkdir, real_open = os.mkdir, os.open
     sent = []
@@ -563,7 +568,7 @@ def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypa
     def signal_once(p) -> None:  # the first temp created gets the signal (the clean-up opens it again)
         if tag in str(p) and not sent:
             sent.append(p)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
 
     def mkdir(p, *a, **k):
         real_mkdir(p, *a, **k)
@@ -575,7 +580,7 @@ def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypa
         return fd
 
     out = tmp_path / "out"
-    old = signal.signal(signal.SIGTERM, entry._terminated)
+    old = signal.signal(signum, handler)
     try:
         monkeypatch.setattr(os, "mkdir", mkdir)
         monkeypatch.setattr(os, "open", open_)
@@ -589,8 +594,8 @@ def test_sigterm_right_after_a_temp_is_created_leaves_nothing(tmp_path, monkeypa
                 fsutil.write_files_atomic([(tmp_path / "a", b"1"), (tmp_path / "b", b"2")])
         monkeypatch.undo()
     finally:
-        signal.signal(signal.SIGTERM, old)
-    assert ei.value.code == 143 and sent
+        signal.signal(signum, old)
+    assert ei.value.code == 128 + signum and sent
     assert os.listdir(tmp_path) == []  # no temp, no lock file, no output
 
 

@@ -33,6 +33,9 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     if argv is None and hasattr(signal, "SIGTERM"):
         # kill / timeout / a CI cancel: unwind like Ctrl-C, so temp files and half-built folders are removed
         signal.signal(signal.SIGTERM, _terminated)
+    if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # Ctrl-C: KeyboardInterrupt as before, but held back while a temp is being created and recorded
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         # standalone_mode=False: click's own errors (unknown option, bad value, missing argument) come back to us
         # as exceptions instead of being printed by typer as multi-line boxed panels; we print them as the one line
@@ -92,6 +95,14 @@ def _terminated(signum: int, frame: object) -> None:
     from stratatools.core.fsutil import terminate
 
     terminate(128 + signum)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """SIGINT handler: KeyboardInterrupt (exit 130 via :func:`main`), or exit 130 held back while a temp file or
+    folder is being created and recorded (:func:`stratatools.core.fsutil.interrupt`)."""
+    from stratatools.core.fsutil import interrupt
+
+    interrupt(128 + signum)
 
 
 def _silence_stdout() -> None:

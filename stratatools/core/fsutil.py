@@ -105,6 +105,8 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 # and its clean-up guard is installed before it: the handler (:func:`terminate`) only notes the signal while a
 # creation is in progress, and the exit is raised as the creation's block ends, inside the guard, which then knows
 # the temp's name. Python handlers run in the main thread only, so this holds whatever thread the kernel picks.
+# Ctrl-C (SIGINT) takes the same path: the CLI's SIGINT handler raises KeyboardInterrupt outside a creation and,
+# inside one, notes exit 130 the same way (:func:`interrupt`).
 _DEFER = {"depth": 0, "pending": None}
 
 
@@ -130,6 +132,15 @@ def terminate(code: int) -> None:
         _DEFER["pending"] = code
         return
     raise SystemExit(code)
+
+
+def interrupt(code: int = 130) -> None:
+    """Ctrl-C: raise KeyboardInterrupt now, or, inside :func:`signals_deferred`, note exit ``code`` (130 = 128 +
+    SIGINT) for that block's end, as :func:`terminate` does (the CLI's SIGINT handler calls this)."""
+    if _DEFER["depth"] > 0:
+        _DEFER["pending"] = code
+        return
+    raise KeyboardInterrupt
 
 
 def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
