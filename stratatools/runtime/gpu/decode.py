@@ -306,6 +306,7 @@ class StaticDecoder:
         # router kernels read it from this device table, re-uploaded between steps when the tier moved experts
         self.slot = cp.asarray(tier.slot_table())
         self._slot_version = tier.version
+        self._slot_host, self._slot_ev, self._slot_i = None, [None, None], 0
         self.ptrs = cp.zeros((L, 3, self.k), dtype=cp.uint64)
         self.tok0 = cp.zeros(self.k, dtype=cp.int32)
         self.tstart = cp.asarray(np.array([0, self.k], dtype=np.int32))
@@ -1112,7 +1113,20 @@ class StaticDecoder:
         tier = getattr(self.rt, "tier", None)
         if not self.gpu or tier is None or tier.version == self._slot_version:
             return
-        self.slot.set(tier.slot_table(), stream=self._stream)
+        # through one of two pinned buffers (a truly asynchronous copy: the host does not wait for the step that
+        # may still be running; the buffer's previous copy is waited for first, long done by then)
+        import cupyx
+
+        if self._slot_host is None:
+            self._slot_host = [cupyx.empty_pinned(self.slot.shape, dtype=np.uint64) for _ in range(2)]
+            self._slot_ev = [None, None]
+        i = self._slot_i
+        if self._slot_ev[i] is not None:
+            self._slot_ev[i].synchronize()
+        self._slot_host[i][...] = tier.slot_table()
+        self.slot.set(self._slot_host[i], stream=self._stream)
+        self._slot_ev[i] = self._stream.record()
+        self._slot_i ^= 1
         self._slot_version = tier.version
         self.stats["slot_uploads"] = self.stats.get("slot_uploads", 0) + 1
 

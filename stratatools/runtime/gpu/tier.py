@@ -281,6 +281,7 @@ class GPUExpertTier:
                               f"model has {L} x {max(ly.n_expert for ly in arena.layers)}")
         self.arena, self.policy, self.miss_mode = arena, policy, miss_mode
         self.stream = stream
+        self._held: int | None = None  # end_round calls queued while held (hold / release)
         self.slot_bytes = np.array([(ly.blob_bytes + ALIGN - 1) // ALIGN * ALIGN for ly in arena.layers], dtype=np.int64)
         self.slot_of: list[dict[int, int]] = [dict() for _ in range(L)]  # expert -> slot byte offset
         self.free: list[list[int]] = [[] for _ in range(L)]
@@ -490,9 +491,30 @@ class GPUExpertTier:
         return int(self._staging.data.ptr) + i * sb
 
     def end_round(self) -> None:
-        """Close a round (decode position): the policy may swap experts; VRAM follows."""
+        """Close a round (decode position): the policy may swap experts; VRAM follows. While :meth:`hold` is in
+        effect the call is queued (counted) and made by :meth:`release`."""
+        if self._held is not None:
+            self._held += 1
+            return
         self.policy.end_round()
         self._sync(np.asarray(self.policy.resident_mask(), dtype=bool))
+
+    def hold(self) -> None:
+        """Queue the next :meth:`end_round` calls until :meth:`release`: a decoder has run a step whose accesses it
+        has not made yet (:class:`stratatools.runtime.gpu.engine.DecoderRuntime` ``lag``), and the round must close
+        after them, as it would have."""
+        if self._held is None:
+            self._held = 0
+
+    def holding(self) -> bool:
+        """Is :meth:`hold` in effect?"""
+        return self._held is not None
+
+    def release(self) -> None:
+        """End :meth:`hold`: make the queued :meth:`end_round` calls, in order."""
+        n, self._held = self._held or 0, None
+        for _ in range(n):
+            self.end_round()
 
     def resident_count(self) -> int:
         """Experts now held in VRAM slots, all layers together."""
