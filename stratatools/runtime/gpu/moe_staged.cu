@@ -37,9 +37,11 @@ __device__ __forceinline__ void moe_stage(const u8* s, int n, const u8* end, u8*
     }
 }
 
-// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for job j = blockIdx.y, one row r per warp (grid-stride);
-// x = X[tok[j], :H]. Rows of gate/up are rb = H / bs * ts bytes, rb <= MOE_ROW_MAX. Shared memory: H floats +
-// 2 MOE_ROW_BUF bytes per warp.
+// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for job j = blockIdx.y; a warp takes `per` consecutive rows at a
+// time (as many as one MOE_ROW_BUF buffer holds with their alignment slack: 4 rows of Q2_0 at hidden 2560), stages
+// the gate and the up rows (every 16-byte load of the 2 per rows in flight at once), then computes them
+// (grid-stride over row groups); x = X[tok[j], :H]. Rows of gate/up are rb = H / bs * ts bytes, rb <= MOE_ROW_MAX.
+// Shared memory: H floats + 2 MOE_ROW_BUF bytes per warp. The host launches ceil(F / (warps * per)) blocks a job.
 template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_staged(
         const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tok,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F) {
@@ -56,32 +58,38 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_staged(
     u8* bu = bg + MOE_ROW_BUF;
     const int bs = Unit<TG>::bs, ts = Unit<TG>::ts, gpb = bs / 8;
     const int rb = (H / bs) * ts, ng = H / 8;
+    const int stride = ((rb + 30) / 16) * 16;  // bytes a staged row (with its alignment slack) takes in a buffer
+    const int per = MOE_ROW_BUF / stride;
     const u8* G = reinterpret_cast<const u8*>(gate_ptr[j]);
     const u8* U = reinterpret_cast<const u8*>(up_ptr[j]);
     const u8* Gend = G + (long long)F * rb;
     const u8* Uend = U + (long long)F * rb;
-    for (int row = blockIdx.x * warps + warp; row < F; row += gridDim.x * warps) {
-        const u8* gs = G + (long long)row * rb;
-        const u8* us = U + (long long)row * rb;
-        moe_stage(gs, rb, Gend, bg, lane, nl);
-        moe_stage(us, rb, Uend, bu, lane, nl);
-        __syncwarp();
-        const u8* gp = bg + (reinterpret_cast<u64>(gs) & 15);
-        const u8* up = bu + (reinterpret_cast<u64>(us) & 15);
-        float ga = 0.0f, ua = 0.0f;
-        for (int gi = lane; gi < ng; gi += nl) {
-            int blk = gi / gpb, g = gi - blk * gpb;
-            float og[8], ou[8];
-            deq8<TG>(gp + blk * ts, g, og);
-            deq8<TG>(up + blk * ts, g, ou);
-            const float* xx = xs + 8 * gi;
-            #pragma unroll
-            for (int t = 0; t < 8; ++t) { ga += og[t] * xx[t]; ua += ou[t] * xx[t]; }
+    for (int r0 = (blockIdx.x * warps + warp) * per; r0 < F; r0 += gridDim.x * warps * per) {
+        const int nr = F - r0 < per ? F - r0 : per;
+        for (int q = 0; q < nr; ++q) {
+            moe_stage(G + (long long)(r0 + q) * rb, rb, Gend, bg + q * stride, lane, nl);
+            moe_stage(U + (long long)(r0 + q) * rb, rb, Uend, bu + q * stride, lane, nl);
         }
         __syncwarp();
-        ga = warp_sum(ga);
-        ua = warp_sum(ua);
-        if (lane == 0) Hbuf[(long long)j * F + row] = ga / (1.0f + expf(-ga)) * ua;
+        for (int q = 0; q < nr; ++q) {
+            const long long off = (long long)(r0 + q) * rb;
+            const u8* gp = bg + q * stride + (reinterpret_cast<u64>(G + off) & 15);
+            const u8* up = bu + q * stride + (reinterpret_cast<u64>(U + off) & 15);
+            float ga = 0.0f, ua = 0.0f;
+            for (int gi = lane; gi < ng; gi += nl) {
+                int blk = gi / gpb, g = gi - blk * gpb;
+                float og[8], ou[8];
+                deq8<TG>(gp + blk * ts, g, og);
+                deq8<TG>(up + blk * ts, g, ou);
+                const float* xx = xs + 8 * gi;
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) { ga += og[t] * xx[t]; ua += ou[t] * xx[t]; }
+            }
+            ga = warp_sum(ga);
+            ua = warp_sum(ua);
+            if (lane == 0) Hbuf[(long long)j * F + r0 + q] = ga / (1.0f + expf(-ga)) * ua;
+        }
+        __syncwarp();
     }
 }
 
