@@ -99,7 +99,7 @@ def free_device(cp) -> None:
 
 
 @contextlib.contextmanager
-def env(extra: dict):
+def env_vars(extra: dict):
     """Environment variables set for the enclosed block (the decoder's before/after switches)."""
     old = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
@@ -148,7 +148,7 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
         pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
     grt = GPURuntime(w, policy=pol, miss_mode="host")
-    with env(extra_env or {}):
+    with env_vars(extra_env or {}):
         rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8, fused=fused)
     st = rt.new_state()
     lg, _ = rt.forward(prompt_ids, st)
@@ -207,10 +207,12 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
 
     w = load(gguf, xp=cp)
     grt = GPURuntime(w, policy=None, miss_mode="host")
-    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False), "fused": dict(fast=True, fused=True)}
+    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False), "fused": dict(fast=True, fused=True),
+             "fused_before": dict(fast=True, fused=True)}
     decs = {}
     for name, kw in kinds.items():
-        d = StaticDecoder(grt, max_ctx=len(prompt_ids) + 2 * steps + 2, **kw)
+        with env_vars(BEFORE_ENV if name == "fused_before" else {}):  # fused step on the GGUF-block matvec
+            d = StaticDecoder(grt, max_ctx=len(prompt_ids) + 2 * steps + 2, **kw)
         d.load_state(grt.new_state())
         d.capture()
         decs[name] = d
@@ -220,15 +222,16 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
             d.step(t)
     for d in decs.values():
         d.synchronize()
-    err = {k: [] for k in ("unfused", "fused")}
-    agree = {k: [0, 0] for k in ("unfused", "fused")}
+    fast = ("unfused", "fused", "fused_before")
+    err = {k: [] for k in fast}
+    agree = {k: [0, 0] for k in fast}
     tok = decs["reference"].next_token()
     toks = []
     for _ in range(steps):
         toks.append(tok)
         ref = decs["reference"].step(tok).get().astype(np.float64)
         ir, _ = decs["reference"].routing(account=False)
-        for k in ("unfused", "fused"):
+        for k in fast:
             got = decs[k].step(tok).get().astype(np.float64)
             ig, _ = decs[k].routing(account=False)
             err[k].append(float(np.abs(got - ref).max() / np.abs(ref).max()))
@@ -236,7 +239,7 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
                 agree[k][1] += ir.shape[1]
                 agree[k][0] += len(set(ir[l].tolist()) & set(ig[l].tolist()))
         tok = int(np.argmax(ref))
-    for k in ("unfused", "fused"):
+    for k in fast:
         out[k] = {"logits_rel_err_max": max(err[k]), "logits_rel_err_median": float(np.median(err[k])),
                   "topk_agreement": agree[k][0] / agree[k][1]}
     # decode-loop time per step: replay + the copy-back of next token and routing, on the same token sequence
@@ -407,7 +410,7 @@ def main() -> None:
             engine_mod.DecoderRuntime = functools.partial(orig, fused=False)
         extra_env = kw.pop("_env", {})
         try:
-            with env(extra_env):
+            with env_vars(extra_env):
                 r = run_prompts(gguf, pp, max_new_tokens=a.new, device="gpu", **kw).to_dict()
         except Exception as e:  # noqa: BLE001 - the table shows the failure
             print(f"{name}: failed: {e}", flush=True)
@@ -478,7 +481,7 @@ def main() -> None:
     if cmp_res:
         print("\n| decode step | ms/step (replay + copy-back) | logits rel. error max (median) | router top-k agreement |")
         print("|---|---:|---:|---:|")
-        for k in ("reference", "unfused", "fused"):
+        for k in ("reference", "unfused", "fused_before", "fused"):
             c = cmp_res.get(k, {})
             e = (f"{c['logits_rel_err_max']:.2e} ({c['logits_rel_err_median']:.2e})" if "logits_rel_err_max" in c
                  else "-")

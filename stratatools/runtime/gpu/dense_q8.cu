@@ -12,7 +12,8 @@
 // (the reference computes sum_j (q d) x; the two differ by float rounding only).
 //
 // Work split: a warp computes DQ_RW rows together (each 16-byte vector of x staged in shared memory serves DQ_RW
-// rows), its lanes striding over the 16-value chunks of the row, DQ_U chunks per row in flight per lane. Matrices with
+// rows), its lanes striding over the 16-value chunks of the row, DQ_U chunks per row in flight per lane (the first
+// ones issued before x is staged, so that both latencies overlap). Matrices with
 // few long rows (the hyper-connection down projection: 324 rows of 10,240 values) are split along the row into
 // gridDim.y parts: each part writes its partial sums, and the last block of a row group to finish (a counter per
 // row group, reset by that block) adds the parts in order, so the result does not depend on timing.
@@ -22,7 +23,7 @@
 #define DQ_RW 2
 #endif
 #ifndef DQ_U
-#define DQ_U 4
+#define DQ_U 6
 #endif
 
 // IEEE half -> float, exact (subnormals, infinities and NaNs included); decoders.cuh's h2f.
@@ -83,6 +84,37 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
     const int ks = blockIdx.y;
     const int c0 = ks * cps;
     const int c1 = min(nch, c0 + cps);
+    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
+    const int nw = (blockDim.x + 31) >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rpb = nw * DQ_RW;
+    const int r0 = blockIdx.x * rpb + warp * DQ_RW;
+    const long long nb = cols >> 5;
+    const bool active = r0 < rows;
+    const signed char* rp[DQ_RW];
+    const unsigned short* dp[DQ_RW];
+    #pragma unroll
+    for (int r = 0; r < DQ_RW; ++r) {
+        const long long rr = min(r0 + r, rows - 1);  // rows past the end repeat the last one (not written)
+        rp[r] = qs + rr * (long long)cols;
+        dp[r] = dsc + rr * nb;
+    }
+    uint4 q[DQ_U][DQ_RW];
+    float d[DQ_U][DQ_RW];
+    // the loads of DQ_U chunks of each of the warp's rows from chunk c on, all in flight together (a macro, so that
+    // q and d stay registers)
+#define DQ_LOAD(c_)                                                                                            \
+    _Pragma("unroll") for (int u = 0; u < DQ_U; ++u) {                                                         \
+        const int cc = (c_) + u * lanes;                                                                       \
+        if (cc < c1) {                                                                                         \
+            _Pragma("unroll") for (int r = 0; r < DQ_RW; ++r) {                                                \
+                q[u][r] = __ldg(reinterpret_cast<const uint4*>(rp[r] + 16 * (long long)cc));                   \
+                d[u][r] = dq_h2f(__ldg(dp[r] + (cc >> 1)));                                                    \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+    int c = c0 + lane;
+    if (active && c < c1) { DQ_LOAD(c) }  // issued before x is staged: the two latencies overlap
     const int nx = c1 > c0 ? 16 * (c1 - c0) : 0;
     for (int i = threadIdx.x; i < nx; i += blockDim.x) {
         float a = x[16 * c0 + i];
@@ -93,38 +125,11 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
         xs[i] = a;
     }
     __syncthreads();
-    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
-    const int nw = (blockDim.x + 31) >> 5;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rpb = nw * DQ_RW;
-    const int r0 = blockIdx.x * rpb + warp * DQ_RW;
-    const long long nb = cols >> 5;
     float acc[DQ_RW];
     #pragma unroll
     for (int r = 0; r < DQ_RW; ++r) acc[r] = 0.0f;
-    if (r0 < rows) {
-        const signed char* rp[DQ_RW];
-        const unsigned short* dp[DQ_RW];
-        #pragma unroll
-        for (int r = 0; r < DQ_RW; ++r) {
-            const long long rr = min(r0 + r, rows - 1);  // rows past the end repeat the last one (not written)
-            rp[r] = qs + rr * (long long)cols;
-            dp[r] = dsc + rr * nb;
-        }
-        for (int c = c0 + lane; c < c1; c += lanes * DQ_U) {
-            uint4 q[DQ_U][DQ_RW];
-            float d[DQ_U][DQ_RW];
-            #pragma unroll
-            for (int u = 0; u < DQ_U; ++u) {
-                const int cc = c + u * lanes;
-                if (cc < c1) {
-                    #pragma unroll
-                    for (int r = 0; r < DQ_RW; ++r) {
-                        q[u][r] = __ldg(reinterpret_cast<const uint4*>(rp[r] + 16 * (long long)cc));
-                        d[u][r] = dq_h2f(__ldg(dp[r] + (cc >> 1)));
-                    }
-                }
-            }
+    if (active) {
+        while (c < c1) {
             #pragma unroll
             for (int u = 0; u < DQ_U; ++u) {
                 const int cc = c + u * lanes;
@@ -134,6 +139,8 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
                     for (int r = 0; r < DQ_RW; ++r) acc[r] += d[u][r] * dq_dot16(q[u][r], xx);
                 }
             }
+            c += lanes * DQ_U;
+            if (c < c1) { DQ_LOAD(c) }
         }
     }
     #pragma unroll
