@@ -319,6 +319,7 @@ class StaticDecoder:
             _check_type(ly.d_type, ly.ff, "expert down")
         del ly0, ExpertJobs
         self._raw: dict[str, tuple[Any, Any, int, int]] = {}
+        self._f32_cache: dict[str, Any] = {}
         self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
         if self.long:
             self._init_qsa()
@@ -531,8 +532,13 @@ class StaticDecoder:
 
     # -- the fused step (fused_step.cu) ---------------------------------------------------------------
     def _f32(self, name: str) -> Any:
-        """A small dense tensor as a contiguous float32 device array (norm weights, conv kernels, gates)."""
-        return self.cp.ascontiguousarray(self.w.get(name), dtype=self.cp.float32)
+        """A small dense tensor as a contiguous float32 device array (norm weights, conv kernels, gates); made once
+        (a tensor stored transposed or in another type would otherwise be copied by a kernel in every step)."""
+        got = self._f32_cache.get(name)
+        if got is None:
+            got = self.cp.ascontiguousarray(self.w.get(name), dtype=self.cp.float32)
+            self._f32_cache[name] = got
+        return got
 
     def _norm_inject(self, H: Any, prefix: str, y: Any = None, v: Any = None) -> Any:
         """One launch: (with y) the residual H_h += y * 2 sigmoid(v[h] / hc) in place, then the RMS norm of each
