@@ -74,7 +74,30 @@ def lib(tmp_path_factory):
     P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     f.argtypes = [ctypes.c_uint, ctypes.c_uint, P, P, P, P, I, I, F, P, P]
     f.restype = None
+    g = h.host_mv_q8r_mix
+    g.argtypes = [ctypes.c_uint, ctypes.c_uint, P, P, P, F, P, P, I, I, I]
+    g.restype = None
     return h
+
+
+@pytest.mark.parametrize("hc,n,cols", [(4, 7, 320), (3, 5, 64), (8, 2, 96)])
+def test_mv_q8r_mix_matches_numpy(lib, hc, n, cols):
+    """The hyper-connection up projection and mix in one kernel = W silu(x / hc), then decode_step.cu's hc_mix:
+    mixed[i] = sum_h sigmoid(u[h n + i]) hn[h n + i] / hc."""
+    rng = np.random.default_rng(hc * 100 + n)
+    rows = hc * n
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    hn = rng.standard_normal(rows).astype(np.float32)
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    a = (x / np.float32(hc)).astype(np.float64)
+    u = W @ (a / (1.0 + np.exp(-a)))
+    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+    mixed = np.full(n, np.nan, dtype=np.float32)
+    lib.host_mv_q8r_mix(2, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, float(hc), hn.ctypes.data,
+                        mixed.ctypes.data, hc, n, cols)
+    assert np.abs(mixed - ref).max() / np.abs(ref).max() <= 2e-6
 
 
 @pytest.mark.parametrize("rows,cols,ks,xdiv", [(37, 64, 1, 0.0), (5, 10240, 8, 0.0), (33, 320, 1, 4.0),
@@ -137,3 +160,31 @@ def test_mv_q8r_on_the_gpu(rows, cols, xdiv):
         got = y.get()
         assert np.abs(got - ref).max() / np.abs(ref).max() <= 2e-6
         assert not counter.get().any()
+
+
+@pytest.mark.gpu
+def test_mv_q8r_mix_on_the_gpu():
+    """The device build of the fused up projection + mix at the full-width shape (4 streams x 2,560, rank 320)."""
+    from stratatools.runtime import gpu
+
+    if not gpu.available():
+        pytest.skip("CuPy with a CUDA GPU is not available")
+    import cupy as cp
+
+    from stratatools.runtime.gpu.kernels import cuda_source
+
+    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8r_mix")
+    hc, n, cols = 4, 2560, 320
+    rng = np.random.default_rng(7)
+    raw = q8_blocks(rng, hc * n, cols)
+    q, d = K.q8_relayout(raw, hc * n, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    hn = rng.standard_normal(hc * n).astype(np.float32)
+    W = np.asarray(dequantize(raw, "Q8_0", hc * n * cols)).reshape(hc * n, cols).astype(np.float64)
+    a = (x / np.float32(hc)).astype(np.float64)
+    u = W @ (a / (1.0 + np.exp(-a)))
+    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+    mixed = cp.full(n, cp.nan, dtype=cp.float32)
+    k(((n + 7) // 8,), (K.DQ_THREADS,), (cp.asarray(q), cp.asarray(d), cp.asarray(x), np.float32(hc), cp.asarray(hn),
+                                         mixed, np.int32(hc), np.int32(n), np.int32(cols)), shared_mem=cols * 4)
+    assert np.abs(mixed.get() - ref).max() / np.abs(ref).max() <= 2e-6

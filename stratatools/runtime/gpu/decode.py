@@ -297,6 +297,7 @@ class StaticDecoder:
         if self.dense_q8:
             self.dqmod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
             self.k_dq = self.dqmod.get_function("mv_q8r")
+            self.k_dq_mix = self.dqmod.get_function("mv_q8r_mix")
             self._dq_part = cp.zeros(0, dtype=cp.float32)
             self._dq_counter = cp.zeros(4096, dtype=cp.int32)
         self._gdn_counter = None
@@ -563,6 +564,15 @@ class StaticDecoder:
             d, v = self.mv(f"{prefix}_down.weight", hn), None
         raw, t, rows, cols = self._dense_raw(f"{prefix}_up.weight")
         d = cp.ascontiguousarray(d, dtype=cp.float32)
+        if isinstance(raw, Q8R) and hc <= 8 and rows == hc * n:  # up projection + mix in one launch (mv_q8r_mix)
+            from stratatools.runtime.gpu.kernels import DQ_THREADS
+
+            mixed = cp.empty(n, dtype=cp.float32)
+            wpb = DQ_THREADS // 32
+            self.k_dq_mix(((n + wpb - 1) // wpb,), (DQ_THREADS,), (raw.q, raw.d, d, np.float32(hc), hn, mixed,
+                                                                np.int32(hc), np.int32(n), np.int32(cols)),
+                          shared_mem=cols * 4)
+            return mixed, v
         if isinstance(raw, Q8R):  # silu(d / hc) applied while staging d
             u = cp.empty(rows, dtype=cp.float32)
             self._dq_launch(raw, d, u, rows, cols, silu_div=float(hc))

@@ -175,3 +175,58 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
     }
     if (threadIdx.x == 0) counter[blockIdx.x] = 0;
 }
+
+#define DQ_MAX_HC 8
+// The hyper-connection up projection and mix in one launch: u = W x' (W [hc n, cols] in the layout above, x' =
+// silu(x / xdiv)), then mixed[i] = (sum over h < hc of sigmoid(u[h n + i]) hn[h n + i]) / hc (decode_step.cu hc_mix),
+// without writing u. A warp computes the hc rows h n + i of one i together (grid-stride over i); hc <= DQ_MAX_HC.
+// Dynamic shared memory: 4 cols bytes.
+extern "C" __global__ void mv_q8r_mix(const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc,
+                                      const float* __restrict__ x, float xdiv, const float* __restrict__ hn,
+                                      float* __restrict__ mixed, int hc, int n, int cols) {
+    DQ_DYN_SHARED(float, xs);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float a = x[i];
+        if (xdiv != 0.0f) {
+            a = a / xdiv;
+            a = a * (1.0f / (1.0f + expf(-a)));
+        }
+        xs[i] = a;
+    }
+    __syncthreads();
+    const int nch = cols >> 4;
+    const long long nb = cols >> 5;
+    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
+    const int nw = (blockDim.x + 31) >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = blockIdx.x * nw + warp; i < n; i += gridDim.x * nw) {
+        float acc[DQ_MAX_HC];
+        #pragma unroll
+        for (int h = 0; h < DQ_MAX_HC; ++h) acc[h] = 0.0f;
+        for (int c = lane; c < nch; c += lanes) {
+            uint4 q[DQ_MAX_HC];
+            float d[DQ_MAX_HC];
+            #pragma unroll
+            for (int h = 0; h < DQ_MAX_HC; ++h) {
+                if (h < hc) {
+                    const long long row = (long long)h * n + i;
+                    q[h] = __ldg(reinterpret_cast<const uint4*>(qs + row * cols + 16 * (long long)c));
+                    d[h] = dq_h2f(__ldg(dsc + row * nb + (c >> 1)));
+                }
+            }
+            const float* xx = xs + 16 * c;
+            #pragma unroll
+            for (int h = 0; h < DQ_MAX_HC; ++h)
+                if (h < hc) acc[h] += d[h] * dq_dot16(q[h], xx);
+        }
+        float s = 0.0f;
+        #pragma unroll
+        for (int h = 0; h < DQ_MAX_HC; ++h) {
+            if (h < hc) {
+                const float u = dq_warp_sum(acc[h]);
+                s += (1.0f / (1.0f + expf(-u))) * hn[(long long)h * n + i];
+            }
+        }
+        if (lane == 0) mixed[i] = s / (float)hc;
+    }
+}
