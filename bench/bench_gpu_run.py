@@ -25,8 +25,9 @@ runtime recorded on the next ``--prompt`` tokens of the suite), ``adaptive``, ``
 expert read from pinned host memory; its host->device rate during decode is printed as a fraction of the measured
 pinned copy rate, the bound of an all-miss run); ``before`` and ``lrubefore``: all resident and ``--slots`` LRU as
 they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATATOOLS_DENSE_Q8=0
-STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run). The kernel profile prints the dense Q8_0
-matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time).
+STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run; ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
+and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``)). The kernel
+profile prints the dense Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
        [--long 2048,8192] [--anchor ../shared/anchors] [--configs resident,unfused,lru] [--compare-steps 32]
@@ -207,8 +208,8 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
 
     w = load(gguf, xp=cp)
     grt = GPURuntime(w, policy=None, miss_mode="host")
-    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False), "fused": dict(fast=True, fused=True),
-             "fused_before": dict(fast=True, fused=True)}
+    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False),
+             "fused": dict(fast=True, fused=True), "fused_before": dict(fast=True, fused=True)}
     decs = {}
     for name, kw in kinds.items():
         with env_vars(BEFORE_ENV if name == "fused_before" else {}):  # fused step on the GGUF-block matvec
@@ -364,6 +365,10 @@ def main() -> None:
                ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
                ("lrubefore", f"{a.slots} slots LRU, GGUF-block matvec + bookkeeping before launch (before)",
                 {"slots": a.slots, "policy": "lru", "_env": BEFORE_ENV}),
+               ("lruasync", f"{a.slots} slots LRU, admissions copied alongside the next step",
+                {"slots": a.slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
+               ("adaptiveasync", f"{a.slots} slots adaptive, admissions copied alongside the next step",
+                {"slots": a.slots, "policy": "adaptive", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
                ("static", f"{a.slots} slots static (arrival order, no profile)", {"slots": a.slots, "policy": "static"}),
                ("static", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
                                                                                       "_profile": True}),

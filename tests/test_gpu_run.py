@@ -153,10 +153,10 @@ def test_run_gpu_vram_budget(kit, tmp_path, cli):
 
 @pytest.mark.parametrize("policy", ["lru", "adaptive"])
 def test_lagged_bookkeeping_counts_as_before(kit, policy):
-    """DecoderRuntime with the previous step's bookkeeping done while the next step runs (lag, the default) against
-    the bookkeeping before each launch and against all resident: the same tokens and logits (a miss reads the same
-    bytes from host memory), the same routing, and the same hits per layer (the policy sees the same calls); experts
-    did move between replays."""
+    """DecoderRuntime with the previous step's bookkeeping done while the next step runs (lag, the default), and with
+    admitted experts copied alongside the next step (async_swaps), against the bookkeeping before each launch and
+    against all resident: the same tokens (a miss reads the same bytes from host memory), the same routing, and the
+    same hits per layer and copies (the policy sees the same calls); experts did move between replays."""
     import cupy as cp
 
     from stratatools.cachesim import make_tier
@@ -185,18 +185,21 @@ def test_lagged_bookkeeping_counts_as_before(kit, policy):
 
     n_ctx = max_full_context(cfg, "transformers")
     out = {}
-    for name, lag, part in (("lag", True, True), ("nolag", False, True), ("resident", True, False)):
+    for name, lag, part in (("lag", True, True), ("nolag", False, True), ("resident", True, False), ("async", True, True)):
         grt = GPURuntime(w, policy=pol() if part else None, miss_mode="host", arena=arena)
-        rt = DecoderRuntime(grt, max_ctx=n_ctx, lag=lag)
+        rt = DecoderRuntime(grt, max_ctx=n_ctx, lag=lag, async_swaps=name == "async")
+        assert rt.async_swaps == (name == "async")
         g = generate(rt, _prompt(kit, 4), max_new_tokens=n_ctx - 4, stop_id=-1,
                      on_forward=lambda phase: grt.tier.end_round())
         assert not grt.tier.holding()
         out[name] = (g, grt.tier.stats(), rt.dec.stats.get("slot_uploads", 0))
-    (ga, sa, ua), (gb, sb, _), (gc, _, _) = out["lag"], out["nolag"], out["resident"]
-    assert ga.new_ids == gb.new_ids == gc.new_ids and len(ga.new_ids) == n_ctx - 4
-    assert len(ga.decode) == len(gb.decode) == n_ctx - 5
-    for ra, rb in zip(ga.decode, gb.decode):
+    (ga, sa, ua), (gb, sb, _), (gc, _, _), (gd, sd, ud) = out["lag"], out["nolag"], out["resident"], out["async"]
+    assert ga.new_ids == gb.new_ids == gc.new_ids == gd.new_ids and len(ga.new_ids) == n_ctx - 4
+    assert len(ga.decode) == len(gb.decode) == len(gd.decode) == n_ctx - 5
+    for ra, rb, rd in zip(ga.decode, gb.decode, gd.decode):
         assert np.array_equal(ra.positions, rb.positions)
-        assert all(np.array_equal(x, y) for x, y in zip(ra.ids, rb.ids))
-    assert sa["layer_hits"] == sb["layer_hits"] and sa["layer_misses"] == sb["layer_misses"] and sa["misses"] > 0
-    assert ua > 0
+        assert all(np.array_equal(x, y) and np.array_equal(x, z) for x, y, z in zip(ra.ids, rb.ids, rd.ids))
+    for st in (sa, sd):  # the copies alongside the next step (async) count what the policy counts, as the others
+        assert st["layer_hits"] == sb["layer_hits"] and st["layer_misses"] == sb["layer_misses"]
+        assert st["admit_copies"] == sb["admit_copies"]
+    assert sa["misses"] > 0 and ua > 0 and ud > 0

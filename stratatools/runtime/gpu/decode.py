@@ -308,6 +308,7 @@ class StaticDecoder:
         self.slot = cp.asarray(tier.slot_table())
         self._slot_version = tier.version
         self._slot_host, self._slot_ev, self._slot_i = None, [None, None], 0
+        self._wait_next: list[Any] = []
         self.ptrs = cp.zeros((L, 3, self.k), dtype=cp.uint64)
         self.tok0 = cp.zeros(self.k, dtype=cp.int32)
         self.tstart = cp.asarray(np.array([0, self.k], dtype=np.int32))
@@ -1123,9 +1124,21 @@ class StaticDecoder:
         self.stats["steps"] += 1
         return self.logits
 
+    def wait_before_next(self, event: Any) -> None:
+        """Make the next step (its slot-table upload and replay) wait for ``event`` (copies into slots it reads)."""
+        self._wait_next.append(event)
+
+    def last_step_event(self) -> Any:
+        """The event recorded after the last step launched (None before the first; CuPy only)."""
+        return self._out_event if self.gpu else None
+
     def _refresh_slots(self) -> None:
         """Upload the tier's slot table when experts moved since the last upload (same device buffer: the
-        captured graph reads it at replay)."""
+        captured graph reads it at replay); first the waits asked for by :meth:`wait_before_next`."""
+        if self.gpu:
+            for ev in self._wait_next:
+                self._stream.wait_event(ev)
+            self._wait_next = []
         tier = getattr(self.rt, "tier", None)
         if not self.gpu or tier is None or tier.version == self._slot_version:
             return

@@ -17,6 +17,11 @@ are queued on the decoder's stream after the step already running (which still r
 is refilled only after it), and the next step reads the new table. :meth:`finish` (called by
 :func:`stratatools.runtime.model.generate` at its end) settles the last step. ``STRATATOOLS_DECODE_LAG=0`` turns it
 off (bookkeeping right after each step, before the next launch). See docs/cache-model.md.
+
+``async_swaps`` (with ``lag``; ``STRATATOOLS_ASYNC_SWAPS=1``, off by default until measured): the copies of the
+experts a round admits run on a stream of their own, after the step that may still read their slots, alongside the
+next step, which still reads those experts from host memory; the table points at the new slots from the step
+after (:meth:`GPUExpertTier.defer_admissions`). The policy and the counted hits are unchanged.
 """
 
 from __future__ import annotations
@@ -44,11 +49,14 @@ class DecoderRuntime:
         fused: the decoder's fused kernels (:class:`StaticDecoder` ``fused``; False: the earlier fast step).
         lag: one-token calls do the previous step's bookkeeping while their own step runs (module docstring); None:
             on unless the environment sets ``STRATATOOLS_DECODE_LAG=0``.
+        async_swaps: admitted experts copied alongside the next step (module docstring; needs ``lag``); None: on
+            when the environment sets ``STRATATOOLS_ASYNC_SWAPS=1``.
     Raises:
         StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types).
     """
 
-    def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True, lag: bool | None = None):
+    def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True, lag: bool | None = None,
+                 async_swaps: bool | None = None):
         self.rt, self.cfg, self.xp = rt, rt.cfg, rt.xp
         self.selection = rt.selection
         self.dec = StaticDecoder(rt, max_ctx=max_ctx, fused=fused)
@@ -57,12 +65,22 @@ class DecoderRuntime:
         self.lag = (os.environ.get("STRATATOOLS_DECODE_LAG", "1") != "0") if lag is None else bool(lag)
         #: the last one-token call's routing (ids, weights [1, L, k], positions), not yet fed to the tier (lag)
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if async_swaps is None:
+            async_swaps = os.environ.get("STRATATOOLS_ASYNC_SWAPS", "0") == "1"
+        self.async_swaps = bool(async_swaps) and self.lag and getattr(rt, "tier", None) is not None
+        if self.async_swaps:
+            rt.tier.defer_admissions(rt.xp.cuda.Stream(non_blocking=True))
 
     def finish(self) -> None:
         """Feed the routing of the last step to the tier and the route hooks and close the rounds ended since (with
         ``lag``), on the decoder's stream: after it the tier's counters and residency are those of every step run.
         Idempotent; a no-op without ``lag``."""
         tier = getattr(self.rt, "tier", None)
+        if self.async_swaps:
+            ev = tier.promote()  # admissions of the last bookkeeping: the next step reads their slots after their copies
+            if ev is not None:
+                self.dec.wait_before_next(ev)
+            tier.copies_after(self.dec.last_step_event())  # new copies wait for the step now running
         if self._pending is None and (tier is None or not tier.holding()):
             return
         with self.dec._stream:  # the tier's slot copies follow the steps already launched
