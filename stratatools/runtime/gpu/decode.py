@@ -367,10 +367,9 @@ class StaticDecoder:
 
     def _q8r_ok(self, type_id: int, cols: int) -> bool:
         """Is a matrix of this type and row width multiplied through :class:`Q8R` (fused step, Q8_0, whole blocks,
-        x fits the staged kernels' shared memory)?"""
-        from stratatools.runtime.gpu.experts import MAX_SHARED_FLOATS
-
-        return bool(getattr(self, "dense_q8", False)) and type_id == 8 and cols % 32 == 0 and cols <= MAX_SHARED_FLOATS
+        x and mv_q8r's own 16 bytes within the default 48 KiB of shared memory)?"""
+        return (bool(getattr(self, "dense_q8", False)) and type_id == 8 and cols % 32 == 0
+                and 4 * cols + 64 <= 48 * 1024)
 
     def _dq_launch(self, m: Q8R, x: Any, y: Any, rows: int, cols: int, silu_div: float = 0.0) -> None:
         """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix through ``mv_q8r``."""
