@@ -23,7 +23,11 @@ the baseline measured in the same run; ``static`` (two rows: arrival order, and 
 runtime recorded on the next ``--prompt`` tokens of the suite), ``adaptive``, ``lru``, ``vram12``, ``longres`` and
 ``long`` (all resident and ``--vram-gib 12`` LRU at each ``--long`` context), ``allmiss`` (0 slots: every routed
 expert read from pinned host memory; its host->device rate during decode is printed as a fraction of the measured
-pinned copy rate, the bound of an all-miss run)).
+pinned copy rate, the bound of an all-miss run); ``before`` and ``lrubefore``: all resident and ``--slots`` LRU as
+they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATATOOLS_DENSE_Q8=0
+STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run; ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
+and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``)). The kernel
+profile prints the dense Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
        [--long 2048,8192] [--anchor ../shared/anchors] [--configs resident,unfused,lru] [--compare-steps 32]
@@ -33,6 +37,7 @@ Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 25
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -94,11 +99,40 @@ def free_device(cp) -> None:
     cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
+@contextlib.contextmanager
+def env_vars(extra: dict):
+    """Environment variables set for the enclosed block (the decoder's before/after switches)."""
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: The state before the faster decode step (GGUF-block Q8_0 matvecs, bookkeeping before each launch).
+BEFORE_ENV = {"STRATATOOLS_DENSE_Q8": "0", "STRATATOOLS_DECODE_LAG": "0"}
+
+
+def dense_q8_bytes(dec) -> int:
+    """Bytes of the Q8_0 dense matrices one step of ``dec`` reads (each once a step)."""
+    m = dec.w.model
+    n = sum(int(raw.size) for raw, t, _, _ in dec._raw.values() if raw is not None and t.id == 8)
+    for names, (raw, _) in dec._raw_groups.items():
+        if m.tensor(names[0]).type.id == 8:
+            n += int(raw.size)
+    return n
+
+
 def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str,
-                   fused: bool = True) -> list:
+                   fused: bool = True, extra_env: dict | None = None) -> list:
     """Per-kernel device time of ``steps`` graph-replayed decode steps (CUPTI through torch.profiler, which
     records every CUDA kernel of the process, CuPy's included). Returns rows (kernel, total ms, calls, share),
-    sorted by time; [] when torch's profiler is not there."""
+    sorted by time, and a last row ("dense Q8_0 bytes/step", bytes, 0, 0); [] when torch's profiler is not there."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -115,7 +149,8 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
         pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
     grt = GPURuntime(w, policy=pol, miss_mode="host")
-    rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8, fused=fused)
+    with env_vars(extra_env or {}):
+        rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8, fused=fused)
     st = rt.new_state()
     lg, _ = rt.forward(prompt_ids, st)
     tok = int(lg.argmax().get())
@@ -140,6 +175,7 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         a[1] += 1
     total = sum(v[0] for v in agg.values()) or 1.0
     rows = sorted(([k, v[0] / steps, v[1] // steps, v[0] / total] for k, v in agg.items()), key=lambda r: -r[1])
+    rows.append(["dense Q8_0 bytes/step", dense_q8_bytes(rt.dec), 0, 0.0])
     del rt, grt, w
     free_device(cp)
     return rows
@@ -172,10 +208,12 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
 
     w = load(gguf, xp=cp)
     grt = GPURuntime(w, policy=None, miss_mode="host")
-    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False), "fused": dict(fast=True, fused=True)}
+    kinds = {"reference": dict(fast=False), "unfused": dict(fast=True, fused=False),
+             "fused": dict(fast=True, fused=True), "fused_before": dict(fast=True, fused=True)}
     decs = {}
     for name, kw in kinds.items():
-        d = StaticDecoder(grt, max_ctx=len(prompt_ids) + 2 * steps + 2, **kw)
+        with env_vars(BEFORE_ENV if name == "fused_before" else {}):  # fused step on the GGUF-block matvec
+            d = StaticDecoder(grt, max_ctx=len(prompt_ids) + 2 * steps + 2, **kw)
         d.load_state(grt.new_state())
         d.capture()
         decs[name] = d
@@ -185,15 +223,16 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
             d.step(t)
     for d in decs.values():
         d.synchronize()
-    err = {k: [] for k in ("unfused", "fused")}
-    agree = {k: [0, 0] for k in ("unfused", "fused")}
+    fast = ("unfused", "fused", "fused_before")
+    err = {k: [] for k in fast}
+    agree = {k: [0, 0] for k in fast}
     tok = decs["reference"].next_token()
     toks = []
     for _ in range(steps):
         toks.append(tok)
         ref = decs["reference"].step(tok).get().astype(np.float64)
         ir, _ = decs["reference"].routing(account=False)
-        for k in ("unfused", "fused"):
+        for k in fast:
             got = decs[k].step(tok).get().astype(np.float64)
             ig, _ = decs[k].routing(account=False)
             err[k].append(float(np.abs(got - ref).max() / np.abs(ref).max()))
@@ -201,7 +240,7 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
                 agree[k][1] += ir.shape[1]
                 agree[k][0] += len(set(ir[l].tolist()) & set(ig[l].tolist()))
         tok = int(np.argmax(ref))
-    for k in ("unfused", "fused"):
+    for k in fast:
         out[k] = {"logits_rel_err_max": max(err[k]), "logits_rel_err_median": float(np.median(err[k])),
                   "topk_agreement": agree[k][0] / agree[k][1]}
     # decode-loop time per step: replay + the copy-back of next token and routing, on the same token sequence
@@ -218,9 +257,17 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
 
 
 def print_profile(name: str, pr: list, top: int = 16) -> None:
-    """Markdown table of :func:`kernel_profile`'s rows (the ``top`` longest kernels)."""
+    """Markdown table of :func:`kernel_profile`'s rows (the ``top`` longest kernels) and the dense Q8_0 matvecs'
+    bandwidth."""
+    nbytes = next((r[1] for r in pr if r[0] == "dense Q8_0 bytes/step"), 0)
+    pr = [r for r in pr if r[0] != "dense Q8_0 bytes/step"]
     tot = sum(r[1] for r in pr)
     print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in {sum(r[2] for r in pr)} kernels")
+    dq = [r for r in pr if r[0].startswith("mv_q8r") or r[0].startswith("matvec_tiled_kernel<8>")]
+    if dq and nbytes:
+        ms = sum(r[1] for r in dq)
+        print(f"dense Q8_0 matvecs: {ms:.3f} ms/step in {sum(r[2] for r in dq)} launches, {nbytes / 1e6:.0f} MB: "
+              f"{nbytes / (ms * 1e-3) / 1e12:.2f} TB/s")
     print("| kernel | ms/step | launches/step | share |")
     print("|---|---:|---:|---:|")
     for r in pr[:top]:
@@ -315,6 +362,13 @@ def main() -> None:
             traceback.print_exc()
             print(f"decoder comparison failed: {e}", flush=True)
     configs = [("resident", "all resident", {}), ("unfused", "all resident, unfused step (before)", {"_fused": False}),
+               ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
+               ("lrubefore", f"{a.slots} slots LRU, GGUF-block matvec + bookkeeping before launch (before)",
+                {"slots": a.slots, "policy": "lru", "_env": BEFORE_ENV}),
+               ("lruasync", f"{a.slots} slots LRU, admissions copied alongside the next step",
+                {"slots": a.slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
+               ("adaptiveasync", f"{a.slots} slots adaptive, admissions copied alongside the next step",
+                {"slots": a.slots, "policy": "adaptive", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
                ("static", f"{a.slots} slots static (arrival order, no profile)", {"slots": a.slots, "policy": "static"}),
                ("static", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
                                                                                       "_profile": True}),
@@ -359,8 +413,10 @@ def main() -> None:
         orig = engine_mod.DecoderRuntime
         if not fused:
             engine_mod.DecoderRuntime = functools.partial(orig, fused=False)
+        extra_env = kw.pop("_env", {})
         try:
-            r = run_prompts(gguf, pp, max_new_tokens=a.new, device="gpu", **kw).to_dict()
+            with env_vars(extra_env):
+                r = run_prompts(gguf, pp, max_new_tokens=a.new, device="gpu", **kw).to_dict()
         except Exception as e:  # noqa: BLE001 - the table shows the failure
             print(f"{name}: failed: {e}", flush=True)
             rows.append({"name": name, "error": str(e)})
@@ -391,12 +447,13 @@ def main() -> None:
     prof_rows = {}
     if a.profile_steps > 0:
         ids = suite_ids[:32]
-        profs = [("all resident (fused)", None, "static", True), ("all resident (unfused, before)", None, "static", False)]
+        profs = [("all resident (fused)", None, "static", True, None),
+                 ("all resident (fused, GGUF-block matvec: before)", None, "static", True, BEFORE_ENV)]
         if a.profile_lru:
-            profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True))
-        for name, sl, pol, fu in profs:
+            profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True, None))
+        for name, sl, pol, fu, ev in profs:
             try:
-                prof_rows[name] = kernel_profile(cp, gguf, ids, a.profile_steps, sl, pol, fused=fu)
+                prof_rows[name] = kernel_profile(cp, gguf, ids, a.profile_steps, sl, pol, fused=fu, extra_env=ev)
                 print_profile(name, prof_rows[name])
             except Exception as e:  # noqa: BLE001
                 print(f"profile {name}: failed: {e}", flush=True)
@@ -429,7 +486,7 @@ def main() -> None:
     if cmp_res:
         print("\n| decode step | ms/step (replay + copy-back) | logits rel. error max (median) | router top-k agreement |")
         print("|---|---:|---:|---:|")
-        for k in ("reference", "unfused", "fused"):
+        for k in ("reference", "unfused", "fused_before", "fused"):
             c = cmp_res.get(k, {})
             e = (f"{c['logits_rel_err_max']:.2e} ({c['logits_rel_err_median']:.2e})" if "logits_rel_err_max" in c
                  else "-")

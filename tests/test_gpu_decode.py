@@ -211,3 +211,46 @@ def test_decoder_buffers_are_the_plan_and_the_capture_snapshot_does_not_grow(kit
         snap_bytes[mc] = StaticDecoder.snapshot_bytes(snap)
     assert state_bytes[512] - state_bytes[64] > 448 * 2 * 4 * cfg.head_dim  # the caches grow with max_ctx ...
     assert snap_bytes[64] == snap_bytes[512] < state_bytes[64]  # ... what the capture saves does not
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+def test_fused_step_q8_dense_matches_reference_step(tmp_path, monkeypatch):
+    """The fused step with Q8_0 dense matrices re-laid out for dense_q8.cu (stacked projections, row parts, the
+    hyper-connection up projection and mix in one kernel) and with the GGUF-block matvec (STRATATOOLS_DENSE_Q8=0),
+    against the reference step on a small synthetic model whose dense matrices are Q8_0: logits to float rounding,
+    the same routed experts."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.decode import Q8R, StaticDecoder
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+    from stratatools.synth.model import SynthConfig, synth_release
+
+    rel = synth_release(tmp_path / "m", SynthConfig(seed=3, n_layers=4, revisions=False))
+    rt = GPURuntime(load(rel.canonical, xp=cp))
+    decs = {}
+    for name, fast, env in (("reference", False, "1"), ("fused", True, "1"), ("fused_blocks", True, "0")):
+        monkeypatch.setenv("STRATATOOLS_DENSE_Q8", env)
+        d = StaticDecoder(rt, max_ctx=24, fast=fast, fused=fast)
+        d.load_state(rt.new_state())
+        assert d.capture()
+        decs[name] = d
+    q8 = [n for n, (raw, *_rest) in decs["fused"]._raw.items() if isinstance(raw, Q8R)]
+    assert any(n.endswith("hc_attn_up.weight") for n in q8)  # the mix kernel's matrices
+    assert any(isinstance(raw, Q8R) for raw, _ in decs["fused"]._raw_groups.values())
+    assert not any(isinstance(raw, Q8R) for raw, *_ in decs["fused_blocks"]._raw.values())
+    tok = 5
+    worst, same, total = {"fused": 0.0, "fused_blocks": 0.0}, {"fused": 0, "fused_blocks": 0}, 0
+    for _ in range(20):
+        a = decs["reference"].step(tok).get().astype(np.float64)
+        ia, _ = decs["reference"].routing(account=False)
+        for k in worst:
+            b = decs[k].step(tok).get().astype(np.float64)
+            ib, _ = decs[k].routing(account=False)
+            worst[k] = max(worst[k], float(np.abs(a - b).max() / np.abs(a).max()))
+            same[k] += sum(set(ia[l].tolist()) == set(ib[l].tolist()) for l in range(ia.shape[0]))
+        total += ia.shape[0]
+        tok = int(np.argmax(a))
+    print("fused step vs reference on Q8_0 dense:", worst, {k: v / total for k, v in same.items()})
+    assert max(worst.values()) < 1e-4 and min(same.values()) / total >= 0.99

@@ -149,3 +149,57 @@ def test_run_gpu_vram_budget(kit, tmp_path, cli):
     assert d["pool_bytes"] <= d["plan"]["budget_bytes"]
     code, _, err = cli("run", kit / BF16, "--prompts", prompts, "-n", "4", "--device", "gpu", "--vram-gib", "0.01")
     assert code == 2 and "before any expert slot" in err, err
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_lagged_bookkeeping_counts_as_before(kit, policy):
+    """DecoderRuntime with the previous step's bookkeeping done while the next step runs (lag, the default), and with
+    admitted experts copied alongside the next step (async_swaps), against the bookkeeping before each launch and
+    against all resident: the same tokens (a miss reads the same bytes from host memory), the same routing, and the
+    same hits per layer and copies (the policy sees the same calls); experts did move between replays."""
+    import cupy as cp
+
+    from stratatools.cachesim import make_tier
+    from stratatools.profiles.strp import read_profile
+    from stratatools.runtime.gpu.decode import max_full_context
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.tier import HostArena
+    from stratatools.runtime.model import generate
+    from stratatools.runtime.weights import load
+
+    w = load(kit / BF16, xp=cp)
+    arena = HostArena.from_expert_source(w.experts)
+    if arena.device_ptr is None:
+        pytest.skip("pinned memory is not mapped into the device here")
+    cfg = w.cfg
+    L, E = cfg.n_layer, max(cfg.n_expert)
+    bb = [ly.blob_bytes for ly in arena.layers]
+    slots = L * (cfg.n_expert_used + 2)
+
+    def pol():
+        if policy == "adaptive":
+            return make_tier(policy, profile=read_profile(kit / "pruned/profile-canonical.bin"), slots=slots,
+                             blob_bytes=bb, adapt_every=1, usage_floor=0.5)
+        return make_tier(policy, n_layers=L, n_expert=E, slots=slots, blob_bytes=bb)
+
+    n_ctx = max_full_context(cfg, "transformers")
+    out = {}
+    for name, lag, part in (("lag", True, True), ("nolag", False, True), ("resident", True, False), ("async", True, True)):
+        grt = GPURuntime(w, policy=pol() if part else None, miss_mode="host", arena=arena)
+        rt = DecoderRuntime(grt, max_ctx=n_ctx, lag=lag, async_swaps=name == "async")
+        assert rt.async_swaps == (name == "async")
+        g = generate(rt, _prompt(kit, 4), max_new_tokens=n_ctx - 4, stop_id=-1,
+                     on_forward=lambda phase: grt.tier.end_round())
+        assert not grt.tier.holding()
+        out[name] = (g, grt.tier.stats(), rt.dec.stats.get("slot_uploads", 0))
+    (ga, sa, ua), (gb, sb, _), (gc, _, _), (gd, sd, ud) = out["lag"], out["nolag"], out["resident"], out["async"]
+    assert ga.new_ids == gb.new_ids == gc.new_ids == gd.new_ids and len(ga.new_ids) == n_ctx - 4
+    assert len(ga.decode) == len(gb.decode) == len(gd.decode) == n_ctx - 5
+    for ra, rb, rd in zip(ga.decode, gb.decode, gd.decode):
+        assert np.array_equal(ra.positions, rb.positions)
+        assert all(np.array_equal(x, y) and np.array_equal(x, z) for x, y, z in zip(ra.ids, rb.ids, rd.ids))
+    for st in (sa, sd):  # the copies alongside the next step (async) count what the policy counts, as the others
+        assert st["layer_hits"] == sb["layer_hits"] and st["layer_misses"] == sb["layer_misses"]
+        assert st["admit_copies"] == sb["admit_copies"]
+    assert sa["misses"] > 0 and ua > 0 and ud > 0

@@ -569,4 +569,7 @@ def generate(rt: Qwen4ExpRuntime, prompt_ids: list[int], max_new_tokens: int = 1
         if on_forward is not None:
             on_forward("decode")
         dec.append(r)
+    finish = getattr(rt, "finish", None)  # a runtime that does a step's bookkeeping late settles it here
+    if finish is not None:
+        finish()
     return Generation(list(map(int, prompt_ids)), new, reason if max_new_tokens else "prefill", pre, dec, first_logits)

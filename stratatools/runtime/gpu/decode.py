@@ -110,6 +110,33 @@ def qsa_cache_bytes(cfg: Any, max_ctx: int) -> int:
     return n
 
 
+#: ``STRATATOOLS_DENSE_Q8=0`` keeps the fused step's Q8_0 matrices in their GGUF blocks (``matvec_tiled_kernel``, the
+#: earlier kernel; for before/after measurements in one run) instead of :class:`Q8R`'s layout.
+DENSE_Q8_ENV = "STRATATOOLS_DENSE_Q8"
+
+
+def dense_q8_enabled() -> bool:
+    """Does the fused step re-lay out Q8_0 matrices for ``dense_q8.cu`` (default yes; see :data:`DENSE_Q8_ENV`)?"""
+    import os
+
+    return os.environ.get(DENSE_Q8_ENV, "1") != "0"
+
+
+class Q8R:
+    """A Q8_0 matrix in ``dense_q8.cu``'s layout on the device (:func:`stratatools.runtime.gpu.kernels.q8_relayout`):
+    ``q`` int8 codes [rows * cols], ``d`` fp16 scale bits uint16 [rows * cols / 32]. ``size``: its device bytes
+    (the GGUF blocks' size)."""
+
+    __slots__ = ("q", "d", "size")
+
+    def __init__(self, cp: Any, raw: np.ndarray, rows: int, cols: int):
+        from stratatools.runtime.gpu.kernels import q8_relayout
+
+        q, d = q8_relayout(raw, rows, cols)
+        self.q, self.d = cp.asarray(q), cp.asarray(d)
+        self.size = int(q.nbytes + d.nbytes)
+
+
 class StaticDecoder:
     """One-token decode steps over static buffers; on CuPy optionally replayed from a CUDA graph.
 
@@ -265,6 +292,14 @@ class StaticDecoder:
             self.k_ple = self.fmod.get_function("ple_fused")
             self.k_inject_rms = self.fmod.get_function("hc_inject_rms")
             self.k_mv_f32 = self.fmod.get_function("matvec_f32_rows")
+        # fused step: Q8_0 matrices re-laid out at load time for dense_q8.cu's matvec (row parts: scratch + counters)
+        self.dense_q8 = self.fused and dense_q8_enabled()
+        if self.dense_q8:
+            self.dqmod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
+            self.k_dq = self.dqmod.get_function("mv_q8r")
+            self.k_dq_mix = self.dqmod.get_function("mv_q8r_mix")
+            self._dq_part = cp.zeros(0, dtype=cp.float32)
+            self._dq_counter = cp.zeros(4096, dtype=cp.int32)
         self._gdn_counter = None
         tier = rt.tier
         L = cfg.n_layer
@@ -272,6 +307,8 @@ class StaticDecoder:
         # router kernels read it from this device table, re-uploaded between steps when the tier moved experts
         self.slot = cp.asarray(tier.slot_table())
         self._slot_version = tier.version
+        self._slot_host, self._slot_ev, self._slot_i = None, [None, None], 0
+        self._wait_next: list[Any] = []
         self.ptrs = cp.zeros((L, 3, self.k), dtype=cp.uint64)
         self.tok0 = cp.zeros(self.k, dtype=cp.int32)
         self.tstart = cp.asarray(np.array([0, self.k], dtype=np.int32))
@@ -284,6 +321,7 @@ class StaticDecoder:
             _check_type(ly.d_type, ly.ff, "expert down")
         del ly0, ExpertJobs
         self._raw: dict[str, tuple[Any, Any, int, int]] = {}
+        self._f32_cache: dict[str, Any] = {}
         self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
         if self.long:
             self._init_qsa()
@@ -318,12 +356,34 @@ class StaticDecoder:
             rows = 1
             for d in t.ne[1:]:
                 rows *= int(d)
-            if t.type.id in UNIT and cols % UNIT[t.type.id][0] == 0 and cols <= MAX_SHARED_FLOATS:
+            if self._q8r_ok(t.type.id, cols):
+                got = (Q8R(self.cp, np.asarray(self.w.model.raw(t)), rows, cols), t.type, rows, cols)
+            elif t.type.id in UNIT and cols % UNIT[t.type.id][0] == 0 and cols <= MAX_SHARED_FLOATS:
                 got = (self.cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(t)))).reshape(-1), t.type, rows, cols)
             else:
                 got = (None, t.type, rows, cols)
             self._raw[name] = got
         return got
+
+    def _q8r_ok(self, type_id: int, cols: int) -> bool:
+        """Is a matrix of this type and row width multiplied through :class:`Q8R` (fused step, Q8_0, whole blocks,
+        x and mv_q8r's own 16 bytes within the default 48 KiB of shared memory)?"""
+        return (bool(getattr(self, "dense_q8", False)) and type_id == 8 and cols % 32 == 0
+                and 4 * cols + 64 <= 48 * 1024)
+
+    def _dq_launch(self, m: Q8R, x: Any, y: Any, rows: int, cols: int, silu_div: float = 0.0) -> None:
+        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix through ``mv_q8r``."""
+        from stratatools.runtime.gpu.kernels import DQ_THREADS, _device_limits, dq_launch_shape
+
+        cp = self.cp
+        gx, ks, shm = dq_launch_shape(rows, cols, _device_limits()[0])
+        if ks > 1:
+            if gx > int(self._dq_counter.size):
+                raise StrataError(f"{rows} x {cols} matrix: {gx} row groups, more than the matvec's counters")
+            if int(self._dq_part.size) < ks * rows:  # grows before the capture (the eager run meets every matrix)
+                self._dq_part = cp.zeros(ks * rows, dtype=cp.float32)
+        self.k_dq((gx, ks), (DQ_THREADS,), (m.q, m.d, x, y, np.int32(rows), np.int32(cols), np.float32(silu_div),
+                                            self._dq_part, self._dq_counter), shared_mem=shm)
 
     @contextlib.contextmanager
     def _ordered(self) -> Iterator[None]:
@@ -350,7 +410,7 @@ class StaticDecoder:
 
                 x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
                 y = self.cp.empty(rows, dtype=self.cp.float32)
-                if self.fast and int(raw.data.ptr) % 16 == 0:
+                if isinstance(raw, Q8R) or (self.fast and int(raw.data.ptr) % 16 == 0):
                     self._launch_mv(raw, x, y, t.id, rows, cols)
                     return y
                 grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
@@ -391,7 +451,8 @@ class StaticDecoder:
             got = self._raw_groups.get(key)
             if got is None:
                 host = np.concatenate([np.asarray(m.raw(metas[i][0])).reshape(-1) for i in idx])
-                got = (cp.asarray(host), [metas[i][1] for i in idx])
+                nrow = [metas[i][1] for i in idx]
+                got = (Q8R(cp, host, sum(nrow), cols) if self._q8r_ok(tid, cols) else cp.asarray(host), nrow)
                 self._raw_groups[key] = got
             raw, rows = got
             xx = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -409,6 +470,9 @@ class StaticDecoder:
     def _launch_mv(self, raw: Any, x: Any, y: Any, type_id: int, rows: int, cols: int) -> None:
         """``y = W x`` on the fast path: float32 matrices (the router) through the fused step's ``matvec_f32_rows``
         (one block per row, float4 loads) when fused, everything else through ``matvec_tiled_kernel``."""
+        if isinstance(raw, Q8R):
+            self._dq_launch(raw, x, y, rows, cols)
+            return
         if self.fused and type_id == 0:
             self.k_mv_f32((min(rows, 4096),), (256,), (raw, x, y, np.int32(rows), np.int32(cols)))
             return
@@ -469,8 +533,13 @@ class StaticDecoder:
 
     # -- the fused step (fused_step.cu) ---------------------------------------------------------------
     def _f32(self, name: str) -> Any:
-        """A small dense tensor as a contiguous float32 device array (norm weights, conv kernels, gates)."""
-        return self.cp.ascontiguousarray(self.w.get(name), dtype=self.cp.float32)
+        """A small dense tensor as a contiguous float32 device array (norm weights, conv kernels, gates); made once
+        (a tensor stored transposed or in another type would otherwise be copied by a kernel in every step)."""
+        got = self._f32_cache.get(name)
+        if got is None:
+            got = self.cp.ascontiguousarray(self.w.get(name), dtype=self.cp.float32)
+            self._f32_cache[name] = got
+        return got
 
     def _norm_inject(self, H: Any, prefix: str, y: Any = None, v: Any = None) -> Any:
         """One launch: (with y) the residual H_h += y * 2 sigmoid(v[h] / hc) in place, then the RMS norm of each
@@ -495,7 +564,19 @@ class StaticDecoder:
             d, v = self.mv(f"{prefix}_down.weight", hn), None
         raw, t, rows, cols = self._dense_raw(f"{prefix}_up.weight")
         d = cp.ascontiguousarray(d, dtype=cp.float32)
-        if raw is not None and t.id != 0 and int(raw.data.ptr) % 16 == 0:  # silu(d / hc) applied while staging d
+        if isinstance(raw, Q8R) and hc <= 8 and rows == hc * n:  # up projection + mix in one launch (mv_q8r_mix)
+            from stratatools.runtime.gpu.kernels import DQ_THREADS
+
+            mixed = cp.empty(n, dtype=cp.float32)
+            wpb = DQ_THREADS // 32
+            self.k_dq_mix(((n + wpb - 1) // wpb,), (DQ_THREADS,), (raw.q, raw.d, d, np.float32(hc), hn, mixed,
+                                                                np.int32(hc), np.int32(n), np.int32(cols)),
+                          shared_mem=cols * 4)
+            return mixed, v
+        if isinstance(raw, Q8R):  # silu(d / hc) applied while staging d
+            u = cp.empty(rows, dtype=cp.float32)
+            self._dq_launch(raw, d, u, rows, cols, silu_div=float(hc))
+        elif raw is not None and t.id != 0 and int(raw.data.ptr) % 16 == 0:  # silu(d / hc) applied while staging d
             from stratatools.runtime.gpu.kernels import matvec_tiled_launch
 
             u = cp.empty(rows, dtype=cp.float32)
@@ -1042,13 +1123,38 @@ class StaticDecoder:
         self.stats["steps"] += 1
         return self.logits
 
+    def wait_before_next(self, event: Any) -> None:
+        """Make the next step (its slot-table upload and replay) wait for ``event`` (copies into slots it reads)."""
+        self._wait_next.append(event)
+
+    def last_step_event(self) -> Any:
+        """The event recorded after the last step launched (None before the first; CuPy only)."""
+        return self._out_event if self.gpu else None
+
     def _refresh_slots(self) -> None:
         """Upload the tier's slot table when experts moved since the last upload (same device buffer: the
-        captured graph reads it at replay)."""
+        captured graph reads it at replay); first the waits asked for by :meth:`wait_before_next`."""
+        if self.gpu:
+            for ev in self._wait_next:
+                self._stream.wait_event(ev)
+            self._wait_next = []
         tier = getattr(self.rt, "tier", None)
         if not self.gpu or tier is None or tier.version == self._slot_version:
             return
-        self.slot.set(tier.slot_table(), stream=self._stream)
+        # through one of two pinned buffers (a truly asynchronous copy: the host does not wait for the step that
+        # may still be running; the buffer's previous copy is waited for first, long done by then)
+        import cupyx
+
+        if self._slot_host is None:
+            self._slot_host = [cupyx.empty_pinned(self.slot.shape, dtype=np.uint64) for _ in range(2)]
+            self._slot_ev = [None, None]
+        i = self._slot_i
+        if self._slot_ev[i] is not None:
+            self._slot_ev[i].synchronize()
+        self._slot_host[i][...] = tier.slot_table()
+        self.slot.set(self._slot_host[i], stream=self._stream)
+        self._slot_ev[i] = self._stream.record()
+        self._slot_i ^= 1
         self._slot_version = tier.version
         self.stats["slot_uploads"] = self.stats.get("slot_uploads", 0) + 1
 

@@ -66,6 +66,7 @@ __device__ void select_topk(float* p, int E, int k, const u64* __restrict__ slot
 // Same selection as select_topk, without its two block barriers per round.
 __device__ void select_topk_warp(float* p, int E, int k, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
                                  float* vals, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    __shared__ int sel[64];
     int lane = threadIdx.x & 31;
     for (int r = 0; r < k; ++r) {
         float bv = NEG_INF; int bi = 0x7fffffff;
@@ -80,12 +81,17 @@ __device__ void select_topk_warp(float* p, int E, int k, const u64* __restrict__
         if (bi < 0 || bi >= E) bi = 0;  // only if every value is NaN
         __syncwarp();
         if (lane == 0) {
-            u64 ptr = slot[bi];
-            ids[r] = bi; vals[r] = p[bi];
-            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
+            ids[r] = bi; vals[r] = p[bi]; sel[r] = bi;
             p[bi] = NEG_INF;
         }
         __syncwarp();
+    }
+    // the blob addresses after the rounds, one lane per expert: the k table reads in flight together instead of one
+    // global-memory round trip per round
+    const int nl = blockDim.x < 32 ? (int)blockDim.x : 32;
+    for (int r = lane; r < k; r += nl) {
+        const u64 ptr = slot[sel[r]];
+        gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
     }
 }
 

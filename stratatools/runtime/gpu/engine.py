@@ -7,10 +7,26 @@ A prompt is fed token by token through the same graph (no float32 copy of any de
 token's routing is read back after its step, and the call's records are fed to the tier layer-major at its end
 (:meth:`StaticDecoder.account`), the order of the CPU path's batched prefill, so both count the same hits. During
 the prompt the tier's residency does not change (every expert is read from its slot or from host memory).
+
+Host work off the critical path (``lag``, the default): a one-token call launches its step first and only then does
+the previous step's bookkeeping (:meth:`StaticDecoder.account`: the tier's policy, the route hooks, and the round
+ends the caller asked for meanwhile, held by :meth:`GPUExpertTier.hold`) while the device runs, then waits for its
+own step's copy-back. The policy sees the same calls in the same order (accesses of step t, end of round t, accesses
+of step t+1, ...), so the hits counted do not change; only the VRAM moves a round ends lands one step later: they
+are queued on the decoder's stream after the step already running (which still reads the old slot table: a slot
+is refilled only after it), and the next step reads the new table. :meth:`finish` (called by
+:func:`stratatools.runtime.model.generate` at its end) settles the last step. ``STRATATOOLS_DECODE_LAG=0`` turns it
+off (bookkeeping right after each step, before the next launch). See docs/cache-model.md.
+
+``async_swaps`` (with ``lag``; ``STRATATOOLS_ASYNC_SWAPS=1``, off by default until measured): the copies of the
+experts a round admits run on a stream of their own, after the step that may still read their slots, alongside the
+next step, which still reads those experts from host memory; the table points at the new slots from the step
+after (:meth:`GPUExpertTier.defer_admissions`). The policy and the counted hits are unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -31,16 +47,49 @@ class DecoderRuntime:
             on the device past :func:`stratatools.runtime.gpu.decode.max_full_context`).
         graph: replay the step from a CUDA graph (default) or launch it eagerly.
         fused: the decoder's fused kernels (:class:`StaticDecoder` ``fused``; False: the earlier fast step).
+        lag: one-token calls do the previous step's bookkeeping while their own step runs (module docstring); None:
+            on unless the environment sets ``STRATATOOLS_DECODE_LAG=0``.
+        async_swaps: admitted experts copied alongside the next step (module docstring; needs ``lag``); None: on
+            when the environment sets ``STRATATOOLS_ASYNC_SWAPS=1``.
     Raises:
         StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types).
     """
 
-    def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True):
+    def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True, lag: bool | None = None,
+                 async_swaps: bool | None = None):
         self.rt, self.cfg, self.xp = rt, rt.cfg, rt.xp
         self.selection = rt.selection
         self.dec = StaticDecoder(rt, max_ctx=max_ctx, fused=fused)
         self._graph = bool(graph)
         self._captured = False
+        self.lag = (os.environ.get("STRATATOOLS_DECODE_LAG", "1") != "0") if lag is None else bool(lag)
+        #: the last one-token call's routing (ids, weights [1, L, k], positions), not yet fed to the tier (lag)
+        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if async_swaps is None:
+            async_swaps = os.environ.get("STRATATOOLS_ASYNC_SWAPS", "0") == "1"
+        self.async_swaps = bool(async_swaps) and self.lag and getattr(rt, "tier", None) is not None
+        if self.async_swaps:
+            rt.tier.defer_admissions(rt.xp.cuda.Stream(non_blocking=True))
+
+    def finish(self) -> None:
+        """Feed the routing of the last step to the tier and the route hooks and close the rounds ended since (with
+        ``lag``), on the decoder's stream: after it the tier's counters and residency are those of every step run.
+        Idempotent; a no-op without ``lag``."""
+        tier = getattr(self.rt, "tier", None)
+        if self.async_swaps:
+            ev = tier.promote()  # admissions of the last bookkeeping: the next step reads their slots after their copies
+            if ev is not None:
+                self.dec.wait_before_next(ev)
+            tier.copies_after(self.dec.last_step_event())  # new copies wait for the step now running
+        if self._pending is None and (tier is None or not tier.holding()):
+            return
+        with self.dec._stream:  # the tier's slot copies follow the steps already launched
+            if self._pending is not None:
+                ids, w, pos = self._pending
+                self._pending = None
+                self.dec.account(ids, w, pos)
+            if tier is not None:
+                tier.release()
 
     def argmax(self, logits: Any) -> int:
         """Arg-max of logits this runtime returned: for the decoder's last step, the token it already copied back
@@ -68,6 +117,9 @@ class DecoderRuntime:
             raise StrataError("the GPU decode path returns the last token's logits only")
         ids = [int(t) for t in np.asarray(ids).reshape(-1)]
         dec = self.dec
+        if self.lag and len(ids) == 1 and self._captured and state.pos > 0 and state.pos == dec.pos:
+            return self._forward_one(ids[0], state)
+        self.finish()
         if state.pos == 0:
             dec.load_state(state)
         elif state.pos != dec.pos:
@@ -93,3 +145,20 @@ class DecoderRuntime:
         # follows before the next step
         dec.account(np.stack(rec.ids, axis=1), np.stack(rec.weights, axis=1), rec.positions)
         return lg, rec
+
+    def _forward_one(self, token: int, state: SequenceState) -> tuple[Any, RoutingRecord]:
+        """One decode token with ``lag``: launch the step, settle the previous step's bookkeeping while it runs
+        (:meth:`finish`), wait for this step's copy-back; its bookkeeping is left pending, and the tier holds the
+        round ends asked for until then."""
+        dec = self.dec
+        lg = dec.step(token)
+        self.finish()
+        i, w = dec.routing(account=False)
+        state.pos = dec.pos
+        pos = np.array([dec.pos - 1], dtype=np.int64)
+        self._pending = (i[None], w[None], pos)
+        tier = getattr(self.rt, "tier", None)
+        if tier is not None:
+            tier.hold()
+        L = self.cfg.n_layer
+        return lg, RoutingRecord(pos, [i[il][None] for il in range(L)], [w[il][None] for il in range(L)])

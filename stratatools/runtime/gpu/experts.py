@@ -150,10 +150,12 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if hbuf is None or hbuf.size < J * ff:
         hbuf = cp.empty(J * ff, dtype=cp.float32)
     X = cp.ascontiguousarray(X, dtype=cp.float32)
-    if fast and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX:
+    if (fast and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX
+            and int(X.data.ptr) % 16 == 0 and int(hbuf.data.ptr) % 16 == 0):  # (the kernels read x, h as float4)
         # staged rows (moe_staged.cu): every 16-byte load of a warp's rows in flight at once
         bufs = WARPS_PER_BLOCK * 2 * MOE_ROW_BUF
-        g1 = ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, J)
+        per = MOE_ROW_BUF // (((gu_type.row_bytes(hidden) + 30) // 16) * 16)  # rows a warp stages at once
+        g1 = ((ff + WARPS_PER_BLOCK * per - 1) // (WARPS_PER_BLOCK * per), J)
         launch_big_shared(kernel("moe_gate_up_staged", gu_type.id), g1, (THREADS,),
                           (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
                           hidden * 4 + bufs)

@@ -26,6 +26,12 @@ template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() {}
 static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+// CUDA's byte permute: byte i of the result is byte (s >> 4i) & 7 of the 8 bytes {x, y} (x the low four).
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    unsigned long long b = ((unsigned long long)y << 32) | x, r = 0;
+    for (int i = 0; i < 4; ++i) r |= ((b >> (8 * ((s >> (4 * i)) & 7))) & 0xffull) << (8 * i);
+    return (unsigned)r;
+}
 #ifndef STRATA_HOST_BITCASTS  // (also in host_shim.cuh; whichever shim comes first defines them)
 #define STRATA_HOST_BITCASTS
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }

@@ -199,17 +199,55 @@ def kernel_signatures(name: str) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def fused_host_source() -> str:
-    """``fused_step.cu`` as host C++17 (``host_kernel_shim.cuh`` first) with one ``extern "C"`` entry per kernel,
+def fused_host_source(name: str = "fused_step.cu") -> str:
+    """``fused_step.cu`` (or another self-contained kernel file written for any block size, e.g. ``dense_q8.cu``)
+    as host C++17 (``host_kernel_shim.cuh`` first) with one ``extern "C"`` entry per kernel,
     ``host_<kernel>(grid_x, grid_y, <the kernel's parameters>)``, that runs the grid block by block with one thread
-    per block (tests/test_gpu_fused_host.py checks the kernels' logic on the CPU through it)."""
+    per block (tests/test_gpu_fused_host.py and tests/test_gpu_dense_q8_host.py check the kernels' logic on the CPU
+    through it)."""
     entries = []
-    for k, params in kernel_signatures("fused_step.cu").items():
+    for k, params in kernel_signatures(name).items():
         decl = ", ".join(f"{t} {n}" for t, n in params)
         call = ", ".join(n for _, n in params)
         entries.append(f'extern "C" void host_{k}(unsigned gx, unsigned gy, {decl}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ {k}({call}); }});\n}}\n")
-    return cuda_source("host_kernel_shim.cuh") + cuda_source("fused_step.cu") + "".join(entries)
+    return cuda_source("host_kernel_shim.cuh") + cuda_source(name) + "".join(entries)
+
+
+#: dense_q8.cu's DQ_RW (rows a warp computes together) and the block size its launches use.
+DQ_RW = 2
+DQ_THREADS = 256
+#: Work of a row part when a Q8_0 matvec is split along its rows: at least this many 16-value chunks.
+DQ_MIN_SPLIT_CHUNKS = 32
+
+
+def q8_relayout(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split Q8_0 blocks (ggml ``block_q8_0``: fp16 scale d then 32 int8 codes, 34 bytes; llama.cpp
+    ggml-common.h) of a ``rows`` x ``cols`` matrix into the layout of ``dense_q8.cu``: int8 codes [rows * cols]
+    (row-major) and the fp16 scales' bits, uint16 [rows * cols / 32]. Same bytes as the blocks; no float values are
+    made. Raises StrataError when ``raw`` is not ``rows * cols / 32`` blocks or ``cols`` is not a multiple of 32."""
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if cols % 32 or raw.size != rows * (cols // 32) * 34:
+        raise StrataError(f"Q8_0 matrix of {raw.size} bytes is not {rows} rows of {cols} values (whole blocks)")
+    b = raw.reshape(rows * (cols // 32), 34)
+    d = np.ascontiguousarray(b[:, :2]).view(np.uint16).reshape(-1)
+    q = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(-1)
+    return q, d
+
+
+def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
+    """(row blocks, row parts, dynamic shared bytes) of a ``mv_q8r`` launch: rows in blocks of DQ_RW rows per warp;
+    a matrix with fewer row blocks than twice the SMs (about 4 blocks per SM wanted) is split along its rows into parts of
+    at least :data:`DQ_MIN_SPLIT_CHUNKS` chunks of 16 values."""
+    rpb = DQ_RW * max(1, (threads + 31) // 32)
+    gx = (rows + rpb - 1) // rpb
+    nch = cols // 16
+    ks = 1
+    if gx < 2 * max(1, n_sm):  # too few row blocks to keep every SM busy: aim at about 4 blocks per SM
+        ks = max(1, min(nch // DQ_MIN_SPLIT_CHUNKS, -(-4 * max(1, n_sm) // gx)))
+    cps = -(-nch // ks)
+    ks = -(-nch // cps)  # no empty part
+    return gx, ks, 64 * cps
 
 
 def experts_host_source(type_ids: tuple[int, ...]) -> str:

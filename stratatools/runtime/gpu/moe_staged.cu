@@ -13,6 +13,41 @@
 #define MOE_DYN_SHARED(name) u8* name = reinterpret_cast<u8*>(host_dyn_smem)
 #define MOE_LDG16(p) (*reinterpret_cast<const uint4*>(p))
 #endif
+// sum_t v[t] x[t] over values 8g .. 8g+7 of the block at b (in shared memory) and 8 floats x (16-byte aligned).
+// Q2_0 and Q8_0 without integer-to-float conversions (a quarter-rate instruction that bounded these kernels): a
+// code c becomes the float 2^23 + c by an OR into the mantissa of 2^23 (Q8_0: a byte permute of b + 128), exact, and
+// the block scale multiplies the group's sum once. Other types: deq8's values. Float rounding differs from deq8's
+// (v = q d, then v x) by the order of operations only; these kernels are the fast (multiply-add) path.
+template <int T> __device__ __forceinline__ float dot8s(const u8* b, int g, const float* x) {
+    const float4 xa = reinterpret_cast<const float4*>(x)[0], xb = reinterpret_cast<const float4*>(x)[1];
+    const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    float s = 0.0f;
+    if constexpr (T == 42) {  // Q2_0: (code - 1) d
+        const float d = h2f(rd16(b));
+        const u32 q2 = (u32)b[2 + 2 * g] | ((u32)b[3 + 2 * g] << 8);
+        #pragma unroll
+        for (int t = 0; t < 8; ++t) s += (__uint_as_float(0x4B000000u | ((q2 >> (2 * t)) & 3u)) - 8388609.0f) * xv[t];
+        return d * s;
+    } else if constexpr (T == 8) {  // Q8_0: int8 q d
+        const float d = h2f(rd16(b));
+        const u8* q = b + 2 + 8 * g;
+        const u32 w0 = ((u32)q[0] | ((u32)q[1] << 8) | ((u32)q[2] << 16) | ((u32)q[3] << 24)) ^ 0x80808080u;
+        const u32 w1 = ((u32)q[4] | ((u32)q[5] << 8) | ((u32)q[6] << 16) | ((u32)q[7] << 24)) ^ 0x80808080u;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            s += (__uint_as_float(__byte_perm(w0, 0x4B000000u, 0x7440 + t)) - 8388736.0f) * xv[t];
+            s += (__uint_as_float(__byte_perm(w1, 0x4B000000u, 0x7440 + t)) - 8388736.0f) * xv[4 + t];
+        }
+        return d * s;
+    } else {
+        float o[8];
+        deq8<T>(b, g, o);
+        #pragma unroll
+        for (int t = 0; t < 8; ++t) s += o[t] * xv[t];
+        return s;
+    }
+}
+
 //: bytes of one staged row buffer (a row of at most MOE_ROW_MAX bytes fits with its alignment slack)
 #define MOE_ROW_BUF 3104
 #define MOE_ROW_MAX (MOE_ROW_BUF - 32)
@@ -37,9 +72,11 @@ __device__ __forceinline__ void moe_stage(const u8* s, int n, const u8* end, u8*
     }
 }
 
-// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for job j = blockIdx.y, one row r per warp (grid-stride);
-// x = X[tok[j], :H]. Rows of gate/up are rb = H / bs * ts bytes, rb <= MOE_ROW_MAX. Shared memory: H floats +
-// 2 MOE_ROW_BUF bytes per warp.
+// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for job j = blockIdx.y; a warp takes `per` consecutive rows at a
+// time (as many as one MOE_ROW_BUF buffer holds with their alignment slack: 4 rows of Q2_0 at hidden 2560), stages
+// the gate and the up rows (every 16-byte load of the 2 per rows in flight at once), then computes them
+// (grid-stride over row groups); x = X[tok[j], :H]. Rows of gate/up are rb = H / bs * ts bytes, rb <= MOE_ROW_MAX.
+// Shared memory: H floats + 2 MOE_ROW_BUF bytes per warp. The host launches ceil(F / (warps * per)) blocks a job.
 template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_staged(
         const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tok,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F) {
@@ -56,32 +93,35 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_staged(
     u8* bu = bg + MOE_ROW_BUF;
     const int bs = Unit<TG>::bs, ts = Unit<TG>::ts, gpb = bs / 8;
     const int rb = (H / bs) * ts, ng = H / 8;
+    const int stride = ((rb + 30) / 16) * 16;  // bytes a staged row (with its alignment slack) takes in a buffer
+    const int per = MOE_ROW_BUF / stride;
     const u8* G = reinterpret_cast<const u8*>(gate_ptr[j]);
     const u8* U = reinterpret_cast<const u8*>(up_ptr[j]);
     const u8* Gend = G + (long long)F * rb;
     const u8* Uend = U + (long long)F * rb;
-    for (int row = blockIdx.x * warps + warp; row < F; row += gridDim.x * warps) {
-        const u8* gs = G + (long long)row * rb;
-        const u8* us = U + (long long)row * rb;
-        moe_stage(gs, rb, Gend, bg, lane, nl);
-        moe_stage(us, rb, Uend, bu, lane, nl);
-        __syncwarp();
-        const u8* gp = bg + (reinterpret_cast<u64>(gs) & 15);
-        const u8* up = bu + (reinterpret_cast<u64>(us) & 15);
-        float ga = 0.0f, ua = 0.0f;
-        for (int gi = lane; gi < ng; gi += nl) {
-            int blk = gi / gpb, g = gi - blk * gpb;
-            float og[8], ou[8];
-            deq8<TG>(gp + blk * ts, g, og);
-            deq8<TG>(up + blk * ts, g, ou);
-            const float* xx = xs + 8 * gi;
-            #pragma unroll
-            for (int t = 0; t < 8; ++t) { ga += og[t] * xx[t]; ua += ou[t] * xx[t]; }
+    for (int r0 = (blockIdx.x * warps + warp) * per; r0 < F; r0 += gridDim.x * warps * per) {
+        const int nr = F - r0 < per ? F - r0 : per;
+        for (int q = 0; q < nr; ++q) {
+            moe_stage(G + (long long)(r0 + q) * rb, rb, Gend, bg + q * stride, lane, nl);
+            moe_stage(U + (long long)(r0 + q) * rb, rb, Uend, bu + q * stride, lane, nl);
         }
         __syncwarp();
-        ga = warp_sum(ga);
-        ua = warp_sum(ua);
-        if (lane == 0) Hbuf[(long long)j * F + row] = ga / (1.0f + expf(-ga)) * ua;
+        for (int q = 0; q < nr; ++q) {
+            const long long off = (long long)(r0 + q) * rb;
+            const u8* gp = bg + q * stride + (reinterpret_cast<u64>(G + off) & 15);
+            const u8* up = bu + q * stride + (reinterpret_cast<u64>(U + off) & 15);
+            float ga = 0.0f, ua = 0.0f;
+            for (int gi = lane; gi < ng; gi += nl) {
+                int blk = gi / gpb, g = gi - blk * gpb;
+                const float* xx = xs + 8 * gi;
+                ga += dot8s<TG>(gp + blk * ts, g, xx);
+                ua += dot8s<TG>(up + blk * ts, g, xx);
+            }
+            ga = warp_sum(ga);
+            ua = warp_sum(ua);
+            if (lane == 0) Hbuf[(long long)j * F + r0 + q] = ga / (1.0f + expf(-ga)) * ua;
+        }
+        __syncwarp();
     }
 }
 
@@ -111,19 +151,16 @@ template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
                 moe_stage(D + (long long)row * rb, rb, D + (long long)H * rb, buf + q * stride, lane, nl);
             }
             __syncwarp();
-            for (int i = lane; i < nb * ng; i += nl) {
-                int q = i / ng, gi = i - q * ng;
-                int j = j0 + b0 + q;
+            // lanes walk the (job, group) pairs; the pair advances by nl groups without a division
+            int q = lane / ng, gi = lane - q * ng;
+            while (q < nb) {
+                const int j = j0 + b0 + q;
                 const u8* rp = reinterpret_cast<const u8*>(down_ptr[j]) + (long long)row * rb;
                 const u8* sp = buf + q * stride + (reinterpret_cast<u64>(rp) & 15);
-                int blk = gi / gpb, g = gi - blk * gpb;
-                float o[8];
-                deq8<TD>(sp + blk * ts, g, o);
-                const float* hh = Hbuf + (long long)j * F + 8 * gi;
-                float s = 0.0f;
-                #pragma unroll
-                for (int tt = 0; tt < 8; ++tt) s += o[tt] * hh[tt];
-                acc += w[j] * s;
+                const int blk = gi / gpb, g = gi - blk * gpb;
+                acc += w[j] * dot8s<TD>(sp + blk * ts, g, Hbuf + (long long)j * F + 8 * gi);
+                gi += nl;
+                while (gi >= ng) { gi -= ng; ++q; }
             }
             __syncwarp();
         }

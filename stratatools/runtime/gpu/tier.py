@@ -281,6 +281,13 @@ class GPUExpertTier:
                               f"model has {L} x {max(ly.n_expert for ly in arena.layers)}")
         self.arena, self.policy, self.miss_mode = arena, policy, miss_mode
         self.stream = stream
+        self._held: int | None = None  # end_round calls queued while held (hold / release)
+        # deferred admissions (defer_admissions): their copies' stream, the event they wait for, and the experts
+        # copied whose table entries still point at host memory
+        self._copy_stream: Any = None
+        self._after: Any = None
+        self._after_waited = False
+        self._admitting: list[tuple[int, int, int]] = []
         self.slot_bytes = np.array([(ly.blob_bytes + ALIGN - 1) // ALIGN * ALIGN for ly in arena.layers], dtype=np.int64)
         self.slot_of: list[dict[int, int]] = [dict() for _ in range(L)]  # expert -> slot byte offset
         self.free: list[list[int]] = [[] for _ in range(L)]
@@ -338,6 +345,9 @@ class GPUExpertTier:
     def _grow(self, need: int) -> None:
         cp = self.cp
         self._before_write(None)  # pending jobs point into the old buffer: launch them first
+        if self._copy_stream is not None:  # deferred admissions land in the old buffer first (rare: host wait)
+            self._copy_stream.synchronize()
+            self._admitting = []  # the table below points at every slot, those copies included
         new = cp.empty(max(need, int(self.vram.size) * 5 // 4), dtype=cp.uint8)
         new[:self._bump] = self.vram[:self._bump]
         self.vram, self.vram_ptr = new, int(new.data.ptr)
@@ -392,6 +402,11 @@ class GPUExpertTier:
             for e in np.flatnonzero(row & ~have).tolist():
                 off = self._take_slot(l)
                 slots[e] = off
+                if self._copy_stream is not None and not initial:
+                    n_b = self._admit_deferred(l, e, off)
+                    self.counters.admit_copies += 1
+                    self.counters.admit_bytes += n_b
+                    continue
                 self._place(l, e, off)
                 n_b = self._copy_in(self.vram_ptr + off, l, e)
                 if initial:
@@ -490,9 +505,72 @@ class GPUExpertTier:
         return int(self._staging.data.ptr) + i * sb
 
     def end_round(self) -> None:
-        """Close a round (decode position): the policy may swap experts; VRAM follows."""
+        """Close a round (decode position): the policy may swap experts; VRAM follows. While :meth:`hold` is in
+        effect the call is queued (counted) and made by :meth:`release`."""
+        if self._held is not None:
+            self._held += 1
+            return
         self.policy.end_round()
         self._sync(np.asarray(self.policy.resident_mask(), dtype=bool))
+
+    def defer_admissions(self, stream: Any) -> None:
+        """Decoder mode (:class:`stratatools.runtime.gpu.engine.DecoderRuntime` ``async_swaps``): an expert the
+        policy admits is copied into its slot on ``stream`` (a CuPy stream of its own), after the event given to
+        :meth:`copies_after` (the step that may still read the slot's previous expert), while the table keeps
+        pointing at its host copy; :meth:`promote` later points the table at the slot. The policy's residency and the
+        counters are updated at once, as without it (the hits counted do not change); only where the kernels read an
+        admitted expert from during one more step differs (host memory, the same bytes)."""
+        self._copy_stream = stream
+
+    def copies_after(self, event: Any) -> None:
+        """Deferred admissions copied from now on wait for ``event`` (None: no wait)."""
+        self._after, self._after_waited = event, False
+
+    def promote(self) -> Any:
+        """Point the table at the experts admitted (and copied) before this call that are still in their slots; returns
+        an event recorded on the copy stream after their copies (a step that reads the new table must wait for it),
+        or None when there was nothing to promote."""
+        if not self._admitting:
+            return None
+        for l, e, off in self._admitting:
+            if self.slot_of[l].get(e) == off:
+                self._table[l, e] = np.uint64(self.vram_ptr + off)
+        self._admitting = []
+        self.version += 1
+        return self._copy_stream.record()
+
+    def _admit_deferred(self, layer: int, expert: int, off: int) -> int:
+        """Copy an admitted expert into slot ``off`` on the copy stream (after :meth:`copies_after`'s event); its
+        table entry stays at host memory until :meth:`promote`. Returns the bytes copied."""
+        self._in_vram[layer, expert] = True
+        self._table[layer, expert] = np.uint64(self._host_addr(layer, expert))
+        self.version += 1
+        cs = self._copy_stream
+        if self._after is not None and not self._after_waited:
+            cs.wait_event(self._after)
+            self._after_waited = True
+        n = self.arena.layers[layer].blob_bytes
+        src = self.arena.host.ctypes.data + self.arena.offset(layer, expert)
+        self.cp.cuda.runtime.memcpyAsync(self.vram_ptr + off, src, n, 1, cs.ptr)  # 1 = cudaMemcpyHostToDevice
+        self._admitting.append((layer, expert, off))
+        return n
+
+    def hold(self) -> None:
+        """Queue the next :meth:`end_round` calls until :meth:`release`: a decoder has run a step whose accesses it
+        has not made yet (:class:`stratatools.runtime.gpu.engine.DecoderRuntime` ``lag``), and the round must close
+        after them, as it would have."""
+        if self._held is None:
+            self._held = 0
+
+    def holding(self) -> bool:
+        """Is :meth:`hold` in effect?"""
+        return self._held is not None
+
+    def release(self) -> None:
+        """End :meth:`hold`: make the queued :meth:`end_round` calls, in order."""
+        n, self._held = self._held or 0, None
+        for _ in range(n):
+            self.end_round()
 
     def resident_count(self) -> int:
         """Experts now held in VRAM slots, all layers together."""

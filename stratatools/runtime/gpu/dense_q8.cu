@@ -1,0 +1,232 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py and compiled with NVRTC
+// (cupy.RawModule, multiply-add fusion allowed: the fast step agrees with the reference step by tolerance);
+// tests/test_gpu_dense_q8_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run
+// one after another) and checks it against numpy.
+//
+// Batch-1 matvec over Q8_0 matrices re-laid out once at load time (decode.py StaticDecoder, issue 12 item 1): the
+// 34-byte ggml blocks (fp16 scale d, 32 int8 codes; llama.cpp ggml-common.h block_q8_0) of a [rows, cols] matrix are
+// split into one int8 code array [rows, cols] (row stride cols bytes, so every 16 codes are one 16-byte aligned
+// vector load) and one fp16 scale array [rows, cols / 32]. Same bytes as the GGUF blocks; no float copy.
+//
+// y[r] = sum over blocks b of d[r, b] * sum_j q[r, 32 b + j] x[32 b + j]
+// (the reference computes sum_j (q d) x; the two differ by float rounding only).
+//
+// Work split: a warp computes DQ_RW rows together (each 16-byte vector of x staged in shared memory serves DQ_RW
+// rows), its lanes striding over the 16-value chunks of the row, DQ_U chunks per row in flight per lane (the first
+// ones issued before x is staged, so that both latencies overlap). Matrices with
+// few long rows (the hyper-connection down projection: 324 rows of 10,240 values) are split along the row into
+// gridDim.y parts: each part writes its partial sums, and the last block of a row group to finish (a counter per
+// row group, reset by that block) adds the parts in order, so the result does not depend on timing.
+// Written for any block size (host build: blocks of one thread).
+
+#ifndef DQ_RW
+#define DQ_RW 2
+#endif
+#ifndef DQ_U
+#define DQ_U 6
+#endif
+
+// IEEE half -> float, exact (subnormals, infinities and NaNs included); decoders.cuh's h2f.
+__device__ __forceinline__ float dq_h2f(unsigned short h) {
+    unsigned sign = (unsigned)(h >> 15) << 31;
+    unsigned ex = (h >> 10) & 0x1f;
+    unsigned man = h & 0x3ff;
+    if (ex == 0) {
+        float v = (float)man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    unsigned bits = sign | ((ex == 31 ? 255u : ex + 112u) << 23) | (man << 13);
+    return __uint_as_float(bits);
+}
+
+// Sum of the 4 signed bytes of w times xx: a byte b becomes the float 2^23 + (b + 128) by a byte permute into the
+// mantissa of 2^23 (exact), minus 2^23 + 128 (exact): b as float without an integer-to-float conversion.
+__device__ __forceinline__ float dq_dot4(unsigned w, float4 xx, float s) {
+    const unsigned v = w ^ 0x80808080u;
+    s += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - 8388736.0f) * xx.x;
+    s += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7441)) - 8388736.0f) * xx.y;
+    s += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7442)) - 8388736.0f) * xx.z;
+    s += (__uint_as_float(__byte_perm(v, 0x4B000000u, 0x7443)) - 8388736.0f) * xx.w;
+    return s;
+}
+
+__device__ __forceinline__ float dq_dot16(uint4 q, const float* xs) {
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    float s = dq_dot4(q.x, x4[0], 0.0f);
+    s = dq_dot4(q.y, x4[1], s);
+    s = dq_dot4(q.z, x4[2], s);
+    return dq_dot4(q.w, x4[3], s);
+}
+
+#ifdef STRATA_HOST
+static inline float dq_warp_sum(float v) { return v; }
+#define DQ_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
+#else
+__device__ __forceinline__ float dq_warp_sum(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+#define DQ_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char dq_smem_[]; T* name = reinterpret_cast<T*>(dq_smem_)
+#endif
+
+// qs: int8 codes [rows, cols]; dsc: fp16 scales [rows, cols / 32]; x [cols]; y [rows]; cols a multiple of 32.
+// xdiv != 0: the input is silu(x / xdiv) (applied while x is staged, as matvec_tiled_kernel does).
+// Grid: (ceil(rows / rows_per_block), ksplit) with rows_per_block = DQ_RW * warps per block; dynamic shared
+// memory: 64 * ceil(cols / 16 / ksplit) bytes. With ksplit > 1: part [ksplit, rows] scratch, counter [gridDim.x]
+// zeroed (left zeroed).
+extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc,
+                                  const float* __restrict__ x, float* __restrict__ y, int rows, int cols, float xdiv,
+                                  float* __restrict__ part, int* __restrict__ counter) {
+    DQ_DYN_SHARED(float, xs);
+    const int ksplit = gridDim.y;
+    const int nch = cols >> 4;  // 16-value chunks of a row
+    const int cps = (nch + ksplit - 1) / ksplit;
+    const int ks = blockIdx.y;
+    const int c0 = ks * cps;
+    const int c1 = min(nch, c0 + cps);
+    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
+    const int nw = (blockDim.x + 31) >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rpb = nw * DQ_RW;
+    const int r0 = blockIdx.x * rpb + warp * DQ_RW;
+    const long long nb = cols >> 5;
+    const bool active = r0 < rows;
+    const signed char* rp[DQ_RW];
+    const unsigned short* dp[DQ_RW];
+    #pragma unroll
+    for (int r = 0; r < DQ_RW; ++r) {
+        const long long rr = min(r0 + r, rows - 1);  // rows past the end repeat the last one (not written)
+        rp[r] = qs + rr * (long long)cols;
+        dp[r] = dsc + rr * nb;
+    }
+    uint4 q[DQ_U][DQ_RW];
+    float d[DQ_U][DQ_RW];
+    // the loads of DQ_U chunks of each of the warp's rows from chunk c on, all in flight together (a macro, so that
+    // q and d stay registers)
+#define DQ_LOAD(c_)                                                                                            \
+    _Pragma("unroll") for (int u = 0; u < DQ_U; ++u) {                                                         \
+        const int cc = (c_) + u * lanes;                                                                       \
+        if (cc < c1) {                                                                                         \
+            _Pragma("unroll") for (int r = 0; r < DQ_RW; ++r) {                                                \
+                q[u][r] = __ldg(reinterpret_cast<const uint4*>(rp[r] + 16 * (long long)cc));                   \
+                d[u][r] = dq_h2f(__ldg(dp[r] + (cc >> 1)));                                                    \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+    int c = c0 + lane;
+    if (active && c < c1) { DQ_LOAD(c) }  // issued before x is staged: the two latencies overlap
+    const int nx = c1 > c0 ? 16 * (c1 - c0) : 0;
+    for (int i = threadIdx.x; i < nx; i += blockDim.x) {
+        float a = x[16 * c0 + i];
+        if (xdiv != 0.0f) {
+            a = a / xdiv;
+            a = a * (1.0f / (1.0f + expf(-a)));
+        }
+        xs[i] = a;
+    }
+    __syncthreads();
+    float acc[DQ_RW];
+    #pragma unroll
+    for (int r = 0; r < DQ_RW; ++r) acc[r] = 0.0f;
+    if (active) {
+        while (c < c1) {
+            #pragma unroll
+            for (int u = 0; u < DQ_U; ++u) {
+                const int cc = c + u * lanes;
+                if (cc < c1) {
+                    const float* xx = xs + 16 * (cc - c0);
+                    #pragma unroll
+                    for (int r = 0; r < DQ_RW; ++r) acc[r] += d[u][r] * dq_dot16(q[u][r], xx);
+                }
+            }
+            c += lanes * DQ_U;
+            if (c < c1) { DQ_LOAD(c) }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < DQ_RW; ++r) acc[r] = dq_warp_sum(acc[r]);
+    if (ksplit == 1) {
+        if (lane == 0) {
+            #pragma unroll
+            for (int r = 0; r < DQ_RW; ++r)
+                if (r0 + r < rows) y[r0 + r] = acc[r];
+        }
+        return;
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int r = 0; r < DQ_RW; ++r)
+            if (r0 + r < rows) part[(long long)ks * rows + r0 + r] = acc[r];
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int dq_last;
+    if (threadIdx.x == 0) dq_last = atomicAdd(counter + blockIdx.x, 1) == ksplit - 1;
+    __syncthreads();
+    if (!dq_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < rpb; i += blockDim.x) {
+        const int row = blockIdx.x * rpb + i;
+        if (row < rows) {
+            float s = 0.0f;
+            for (int k = 0; k < ksplit; ++k) s += __ldcg(part + (long long)k * rows + row);
+            y[row] = s;
+        }
+    }
+    if (threadIdx.x == 0) counter[blockIdx.x] = 0;
+}
+
+#define DQ_MAX_HC 8
+// The hyper-connection up projection and mix in one launch: u = W x' (W [hc n, cols] in the layout above, x' =
+// silu(x / xdiv)), then mixed[i] = (sum over h < hc of sigmoid(u[h n + i]) hn[h n + i]) / hc (decode_step.cu hc_mix),
+// without writing u. A warp computes the hc rows h n + i of one i together (grid-stride over i); hc <= DQ_MAX_HC.
+// Dynamic shared memory: 4 cols bytes.
+extern "C" __global__ void mv_q8r_mix(const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc,
+                                      const float* __restrict__ x, float xdiv, const float* __restrict__ hn,
+                                      float* __restrict__ mixed, int hc, int n, int cols) {
+    DQ_DYN_SHARED(float, xs);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float a = x[i];
+        if (xdiv != 0.0f) {
+            a = a / xdiv;
+            a = a * (1.0f / (1.0f + expf(-a)));
+        }
+        xs[i] = a;
+    }
+    __syncthreads();
+    const int nch = cols >> 4;
+    const long long nb = cols >> 5;
+    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
+    const int nw = (blockDim.x + 31) >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = blockIdx.x * nw + warp; i < n; i += gridDim.x * nw) {
+        float acc[DQ_MAX_HC];
+        #pragma unroll
+        for (int h = 0; h < DQ_MAX_HC; ++h) acc[h] = 0.0f;
+        for (int c = lane; c < nch; c += lanes) {
+            uint4 q[DQ_MAX_HC];
+            float d[DQ_MAX_HC];
+            #pragma unroll
+            for (int h = 0; h < DQ_MAX_HC; ++h) {
+                if (h < hc) {
+                    const long long row = (long long)h * n + i;
+                    q[h] = __ldg(reinterpret_cast<const uint4*>(qs + row * cols + 16 * (long long)c));
+                    d[h] = dq_h2f(__ldg(dsc + row * nb + (c >> 1)));
+                }
+            }
+            const float* xx = xs + 16 * c;
+            #pragma unroll
+            for (int h = 0; h < DQ_MAX_HC; ++h)
+                if (h < hc) acc[h] += d[h] * dq_dot16(q[h], xx);
+        }
+        float s = 0.0f;
+        #pragma unroll
+        for (int h = 0; h < DQ_MAX_HC; ++h) {
+            if (h < hc) {
+                const float u = dq_warp_sum(acc[h]);
+                s += (1.0f / (1.0f + expf(-u))) * hn[(long long)h * n + i];
+            }
+        }
+        if (lane == 0) mixed[i] = s / (float)hc;
+    }
+}

@@ -1,0 +1,137 @@
+"""GPUExpertTier's deferred admissions (DecoderRuntime ``async_swaps``) checked on the CPU: the tier's bookkeeping runs
+against a stand-in for CuPy in which device memory is host memory and every asynchronous copy happens at once, so the
+logic (which table entry points where, when; what is copied into which slot; what is counted) is checked without a
+GPU. Against the same tier with immediate copies: the same counters, and after promote() the same slot table with
+each slot holding its expert's bytes; before promote() an admitted expert is read from host memory."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import numpy as np
+import pytest
+
+from stratatools.cachesim import make_tier
+from stratatools.model.ggml_types import type_by_name
+from stratatools.runtime.gpu import tier as T
+
+
+class _Ptr:
+    def __init__(self, p: int):
+        self.ptr = p
+
+
+class _DevArray(np.ndarray):
+    """numpy array with CuPy's ``.data.ptr``."""
+
+    @property
+    def data(self):  # noqa: D401 - CuPy's attribute
+        return _Ptr(self.ctypes.data)
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    ptr = 0
+
+    def record(self) -> _Event:
+        return _Event()
+
+    def wait_event(self, ev: _Event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Pinned:
+    def __init__(self, n: int, flags: int = 0):
+        self.buf = (ctypes.c_uint8 * n)()
+        self.ptr = ctypes.addressof(self.buf)
+
+    def __buffer__(self, flags):  # Python >= 3.12
+        return memoryview(self.buf)
+
+
+def _fake_cupy() -> types.SimpleNamespace:
+    def empty(n, dtype=np.uint8):
+        return np.zeros(n, dtype=dtype).view(_DevArray)
+
+    runtime = types.SimpleNamespace(
+        memcpyAsync=lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n),
+        pointerGetAttributes=lambda ptr: types.SimpleNamespace(devicePointer=ptr))
+
+    def pinned_pointer(mem, off):
+        return mem
+
+    cuda = types.SimpleNamespace(runtime=runtime, PinnedMemory=_Pinned, PinnedMemoryPointer=pinned_pointer,
+                                 alloc_pinned_memory=lambda n: _Pinned(n), get_current_stream=lambda: _Stream(),
+                                 Stream=lambda non_blocking=True: _Stream())
+    return types.SimpleNamespace(empty=empty, uint8=np.uint8, cuda=cuda)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cp = _fake_cupy()
+    monkeypatch.setattr(T, "require_cupy", lambda: cp)
+    return cp
+
+
+def _arena(monkeypatch) -> T.HostArena:
+    # np.frombuffer needs the buffer protocol on Python < 3.12 too: hand it the ctypes array itself
+    orig = np.frombuffer
+    monkeypatch.setattr(T.np, "frombuffer", lambda b, **kw: orig(b.buf if isinstance(b, _Pinned) else b, **kw))
+    q2 = type_by_name("Q2_0")
+    layers = [T.LayerExperts(8, q2, q2, 64, 64) for _ in range(3)]
+    arena = T.HostArena(layers)
+    rng = np.random.default_rng(0)
+    arena.host[:] = rng.integers(0, 256, size=arena.nbytes, dtype=np.uint8)
+    return arena
+
+
+def _where(t: T.GPUExpertTier) -> list:
+    """The slot table as ("slot", offset) or ("host", address) per entry (the tiers' VRAM buffers differ)."""
+    lo, hi = t.vram_ptr, t.vram_ptr + int(t.vram.size)
+    return [("slot", v - lo) if lo <= v < hi else ("host", v) for v in t.slot_table().reshape(-1).tolist()]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_deferred_admissions_match_immediate(fake_cupy, monkeypatch, policy):
+    arena = _arena(monkeypatch)
+    assert arena.device_ptr == arena.host.ctypes.data
+    L, E = 3, 8
+    bb = [ly.blob_bytes for ly in arena.layers]
+    tiers = {}
+    for name in ("now", "deferred"):
+        tiers[name] = T.GPUExpertTier(arena, make_tier(policy, n_layers=L, n_expert=E, slots=L * 3, blob_bytes=bb),
+                                      miss_mode="host")
+    td, tn = tiers["deferred"], tiers["now"]
+    td.defer_admissions(fake_cupy.cuda.Stream())
+    rng = np.random.default_rng(1)
+    host = lambda l, e: arena.device_ptr + arena.offset(l, e)  # noqa: E731
+    promoted_any = False
+    for step in range(40):
+        ev = td.promote()  # what the last step's bookkeeping admitted is in its slots now
+        promoted_any |= ev is not None
+        assert _where(td) == _where(tn)
+        for l in range(L):
+            for e, off in td.slot_of[l].items():  # every resident expert's slot holds its bytes
+                got = np.ctypeslib.as_array((ctypes.c_uint8 * bb[l]).from_address(td.vram_ptr + off))
+                assert np.array_equal(got, arena.blob(l, e)), (step, l, e)
+        td.copies_after(fake_cupy.cuda.Stream().record())
+        ids = rng.integers(0, E, size=(L, 2))
+        for t in (tn, td):
+            for l in range(L):
+                t.access(l, ids[l])
+            t.end_round()
+        # admitted this round: resident for the policy and the counters, still read from host memory
+        tab = td.slot_table()
+        for l, e, off in td._admitting:
+            assert td.slot_of[l][e] == off and tab[l, e] == host(l, e)
+        assert tn.counters.to_dict() == td.counters.to_dict()
+        assert [dict(d) for d in tn.slot_of] == [dict(d) for d in td.slot_of]
+    assert promoted_any and tn.counters.admit_copies > 0
