@@ -1,0 +1,192 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by prefill.py and compiled with NVRTC
+// (cupy.RawModule, multiply-add fusion allowed: the batched prefill agrees with the decode step by tolerance);
+// tests/test_gpu_prefill_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run one
+// after another) and checks every kernel against numpy.
+// Kernels of the batched prompt prefill (prefill.py ChunkPrefill): the router of T tokens at once, the gated-DeltaNet
+// recurrence over a chunk of tokens with the state resident in shared memory, and the dequantization of several
+// expert blobs (addressed through a pointer table: VRAM slots or mapped pinned host memory) into float32 matrices.
+//
+// Every kernel is written for any block size (threads stride over their items; reductions through shared memory
+// trees that a block of one thread skips), so the host build, which runs blocks of one thread, executes the same code.
+// Needs prelude.cuh, the tables and decoders.cuh before it (dequant_blobs decodes with deq8).
+
+#ifdef STRATA_HOST
+#define PF_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
+#else
+#define PF_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char pf_smem_[]; T* name = reinterpret_cast<T*>(pf_smem_)
+#endif
+#define PF_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float pf_sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// Block-wide reduction through a shared array of blockDim floats (blockDim a power of two); every thread gets
+// the result. is_max: max, else sum.
+__device__ float pf_reduce(float v, bool is_max, float* sh) {
+    const int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+        if (t < s) sh[t] = is_max ? fmaxf(sh[t], sh[t + s]) : sh[t] + sh[t + s];
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// ---- router of T tokens: one block per token t = blockIdx.x (grid-stride over tokens) -----------------------------
+// logits row t at logits + t * ld (ld >= E; the shared expert's gate logit may follow the E router logits).
+// Probabilities: sigmoid (sigmoid_gating) or softmax over the E logits; then k rounds of arg-max (ties to the lower
+// expert index, what the CPU path's stable descending sort selects); weights: the chosen probabilities, divided by
+// their sum when norm, times scale. Writes ids[t * k + r], w[t * k + r]. blockDim a power of two.
+// Shared: E + 2 blockDim floats.
+extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int ld, int E, int k, int sigmoid_gating,
+                                    int norm, float scale, int* __restrict__ ids, float* __restrict__ w) {
+    PF_DYN_SHARED(float, sh);
+    float* p = sh;
+    float* rv = sh + E;
+    int* ri = reinterpret_cast<int*>(rv + blockDim.x);
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const float* lg = logits + (long long)t * ld;
+        if (sigmoid_gating) {
+            for (int i = tid; i < E; i += nt) p[i] = pf_sigm(lg[i]);
+        } else {
+            float m = PF_NEG_INF;
+            for (int i = tid; i < E; i += nt) m = fmaxf(m, lg[i]);
+            m = pf_reduce(m, true, rv);
+            float s = 0.0f;
+            for (int i = tid; i < E; i += nt) { float e = expf(lg[i] - m); p[i] = e; s += e; }
+            s = pf_reduce(s, false, rv);
+            for (int i = tid; i < E; i += nt) p[i] = p[i] / s;
+        }
+        __syncthreads();
+        float tot = 0.0f;
+        for (int r = 0; r < k; ++r) {
+            float bv = PF_NEG_INF; int bi = 0x7fffffff;
+            for (int i = tid; i < E; i += nt) {
+                float v = p[i];
+                if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+            }
+            rv[tid] = bv; ri[tid] = bi;
+            __syncthreads();
+            for (int s = nt >> 1; s > 0; s >>= 1) {
+                if (tid < s) {
+                    float ov = rv[tid + s]; int oi = ri[tid + s];
+                    if (ov > rv[tid] || (ov == rv[tid] && oi < ri[tid])) { rv[tid] = ov; ri[tid] = oi; }
+                }
+                __syncthreads();
+            }
+            int ii = ri[0];
+            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
+            const float val = p[ii];
+            tot += val;
+            __syncthreads();
+            if (tid == 0) {
+                ids[(long long)t * k + r] = ii;
+                w[(long long)t * k + r] = val;
+                p[ii] = PF_NEG_INF;
+            }
+            __syncthreads();
+        }
+        if (tid == 0) {
+            for (int r = 0; r < k; ++r) {
+                long long o = (long long)t * k + r;
+                w[o] = (norm ? w[o] / tot : w[o]) * scale;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---- gated DeltaNet recurrence over a chunk of T tokens ----------------------------------------------------------
+// q, kk: [T, nk, dk] (L2-normalised; q scaled by dk^-1/2); v: [T, ldv] with value head j at v + j dv; beta, decay:
+// [T, nv]. Value head j = blockIdx.x uses key group j % nk. Block (j, b) owns columns [b cw, (b+1) cw) of head j
+// (cw = ceil(dv / gridDim.y)); its part of the state S[j] ([dk, dv] row-major) is held in shared memory for the
+// whole chunk and written back at the end. For each token t in order (the decode step's gdn_recur arithmetic):
+// S <- decay S + k (x) delta, delta = (v - k^T (decay S)) beta; o[t, j dv + c] = sum_r q[r] S[r, c] (before the norm).
+// Shared: (dk cw + 2 dk + (rs + 1) cw) floats, rs = max(1, blockDim / cw).
+extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float* __restrict__ kk,
+                                        const float* __restrict__ v, int ldv, const float* __restrict__ beta,
+                                        const float* __restrict__ decay, float* __restrict__ S,
+                                        float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
+    PF_DYN_SHARED(float, sh);
+    const int j = blockIdx.x, g = j % nk, tid = threadIdx.x, nt = blockDim.x;
+    const int ncb = gridDim.y, cw = (dv + ncb - 1) / ncb, c0 = blockIdx.y * cw;
+    const int nc = dv - c0 < cw ? dv - c0 : cw;
+    if (nc <= 0) return;
+    const int rs = nt / nc > 1 ? nt / nc : 1;
+    float* Ss = sh;                // [dk, cw]
+    float* qs = Ss + dk * cw;      // [dk]
+    float* ks = qs + dk;           // [dk]
+    float* vec = ks + dk;          // [cw]
+    float* part = vec + cw;        // [rs, cw]
+    float* Sj = S + (long long)j * dk * dv;
+    for (int idx = tid; idx < dk * nc; idx += nt) {
+        int r = idx / nc, cl = idx - r * nc;
+        Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
+    }
+    for (int t = 0; t < T; ++t) {
+        const float* qt = q + ((long long)t * nk + g) * dk;
+        const float* kt = kk + ((long long)t * nk + g) * dk;
+        for (int r = tid; r < dk; r += nt) { qs[r] = qt[r]; ks[r] = kt[r]; }
+        __syncthreads();
+        const float dec = decay[(long long)t * nv + j], bj = beta[(long long)t * nv + j];
+        for (int idx = tid; idx < rs * nc; idx += nt) {
+            int cl = idx % nc, s = idx / nc;
+            float acc = 0.0f;
+            for (int r = s; r < dk; r += rs) acc += ks[r] * (Ss[r * cw + cl] * dec);
+            part[s * cw + cl] = acc;
+        }
+        __syncthreads();
+        const float* vt = v + (long long)t * ldv + (long long)j * dv + c0;
+        for (int cl = tid; cl < nc; cl += nt) {
+            float kv = 0.0f;
+            for (int s = 0; s < rs; ++s) kv += part[s * cw + cl];
+            vec[cl] = (vt[cl] - kv) * bj;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < rs * nc; idx += nt) {
+            int cl = idx % nc, s = idx / nc;
+            float d = vec[cl], acc = 0.0f;
+            for (int r = s; r < dk; r += rs) {
+                float sn = Ss[r * cw + cl] * dec + ks[r] * d;
+                Ss[r * cw + cl] = sn;
+                acc += qs[r] * sn;
+            }
+            part[s * cw + cl] = acc;
+        }
+        __syncthreads();
+        float* ot = out + (long long)t * nv * dv + (long long)j * dv + c0;
+        for (int cl = tid; cl < nc; cl += nt) {
+            float o = 0.0f;
+            for (int s = 0; s < rs; ++s) o += part[s * cw + cl];
+            ot[cl] = o;
+        }
+        __syncthreads();
+    }
+    for (int idx = tid; idx < dk * nc; idx += nt) {
+        int r = idx / nc, cl = idx - r * nc;
+        Sj[(long long)r * dv + c0 + cl] = Ss[r * cw + cl];
+    }
+}
+
+// ---- dequantize blobs through a pointer table ----------------------------------------------------------------------
+// For blob b = blockIdx.y: the n_groups * 8 values of type TQ starting off bytes after ptrs[b] (a VRAM slot or mapped
+// pinned host memory) into dst + b * n_groups * 8 (float32). Groups by grid stride over blockIdx.x.
+template <int TQ> __global__ void pf_dequant_blobs(const u64* __restrict__ ptrs, long long off, long long n_groups,
+                                                   float* __restrict__ dst) {
+    const int b = blockIdx.y;
+    const u8* src = reinterpret_cast<const u8*>(ptrs[b]) + off;
+    float* d = dst + (long long)b * n_groups * 8;
+    const int gpb = Unit<TQ>::bs / 8;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_groups;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long blk = i / gpb;
+        int g = (int)(i - blk * gpb);
+        float o[8];
+        deq8<TQ>(src + blk * Unit<TQ>::ts, g, o);
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) d[8 * i + e] = o[e];
+    }
+}
