@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--slots", type=int, default=None, help="LRU slots per layer (others read from host memory)")
     ap.add_argument("--modes", default="steps,batched")
-    ap.add_argument("--try", dest="try_", default="", help="extra batched timings, comma-separated chunk:group pairs")
+    ap.add_argument("--try", dest="try_", default="", help="extra batched timings, comma-separated chunk:group:path (path rows or gemm)")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -115,7 +115,7 @@ def main() -> None:
         if mode == "batched":
             from stratatools.runtime.gpu.prefill import ChunkPrefill
 
-            pf = rt.dec._prefiller = ChunkPrefill(rt.dec, a.chunk, a.group)
+            pf = rt.dec._prefiller = ChunkPrefill(rt.dec, a.chunk, a.group, "rows")
             rt.dec.load_state(rt.new_state())
             pf.timing = {}
             pf._tlast = None
@@ -137,17 +137,21 @@ def main() -> None:
             pf.timing = None
             res["tries"] = {}
             for cg in filter(None, a.try_.split(",")):
-                c, g = (int(v) for v in cg.split(":"))
+                c, g, path = cg.split(":")
+                c, g = int(c), int(g)
                 rt.dec.load_state(rt.new_state())
-                rt.dec.prefill(prompt[:64], chunk=c, group=g)  # builds the prefiller
+                rt.dec.prefill(prompt[:64], chunk=c, group=g, experts=path)  # builds the prefiller
                 rt.dec.load_state(rt.new_state())
                 cp.cuda.Device().synchronize()
                 t0 = time.perf_counter()
-                rt.dec.prefill(prompt, chunk=c, group=g)
+                _, tids, _ = rt.dec.prefill(prompt, chunk=c, group=g, experts=path)
                 cp.cuda.Device().synchronize()
                 dt2 = time.perf_counter() - t0
                 res["tries"][cg] = a.prompt / dt2
-                print(f"  batched chunk {c} group {g}: {a.prompt / dt2:9.1f} tok/s", flush=True)
+                ref_ids = out["steps"][2] if "steps" in out else None
+                agree = "" if ref_ids is None else \
+                    f", top-k sets agree with steps {np.mean([set(x.tolist()) == set(y.tolist()) for x, y in zip(ref_ids.reshape(-1, ref_ids.shape[-1]), tids.reshape(-1, tids.shape[-1]))]):.4%}"
+                print(f"  batched chunk {c} group {g} experts {path}: {a.prompt / dt2:9.1f} tok/s{agree}", flush=True)
         del rt
         free_device(cp)
     if "steps" in out and "batched" in out:

@@ -48,8 +48,9 @@ def cpu_rt(kit):
 
 
 @pytest.mark.kit
-@pytest.mark.parametrize("max_ctx,n_prompt,chunk,group", [(11, 9, 4, 3), (64, 37, 8, 5), (64, 30, 64, 32)])
-def test_numpy_prefill_equals_steps(kit, cpu_rt, max_ctx, n_prompt, chunk, group):
+@pytest.mark.parametrize("max_ctx,n_prompt,chunk,group,experts", [(11, 9, 4, 3, "rows"), (64, 37, 8, 5, "rows"),
+                                                                 (64, 37, 8, 5, "gemm"), (64, 30, 64, 32, "gemm")])
+def test_numpy_prefill_equals_steps(kit, cpu_rt, max_ctx, n_prompt, chunk, group, experts):
     """Chunks (uneven last chunk, blocks completed inside a chunk, queries past the full-selection range on the long
     decoder) leave every cache, the PLE context and the position as the steps do; routing identical, logits equal to
     float rounding; then both decode the same greedy tokens."""
@@ -68,7 +69,7 @@ def test_numpy_prefill_equals_steps(kit, cpu_rt, max_ctx, n_prompt, chunk, group
         i, w = ref.routing(account=False)
         ids_r.append(i)
         w_r.append(w)
-    lg, ids, w = got.prefill(toks, chunk=chunk, group=group)
+    lg, ids, w = got.prefill(toks, chunk=chunk, group=group, experts=experts)
     assert ids.shape == (n_prompt, cpu_rt.cfg.n_layer, cpu_rt.cfg.n_expert_used)
     assert np.array_equal(ids, np.stack(ids_r))
     assert np.allclose(w, np.stack(w_r), rtol=1e-5, atol=1e-7)
@@ -97,7 +98,33 @@ def test_numpy_prefill_refuses_bad_input(kit, cpu_rt):
         dec.prefill(list(range(12)))
     with pytest.raises(StrataError, match="no tokens"):
         dec.prefill([])
+    with pytest.raises(StrataError, match="expert path 'x'"):
+        dec.prefill([1, 2], experts="x")
     assert dec.pos == 0
+
+
+def test_expert_jobs_cover_every_pair_once():
+    """Jobs hold one expert and at most tt of its tokens, in expert then token order; every (token, rank) pair is in
+    exactly one slot, with its token; the rest of the slots are empty."""
+    from stratatools.runtime.gpu.prefill import expert_jobs
+
+    rng = np.random.default_rng(3)
+    T, k, E, tt = 29, 4, 9, 3
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    je, jt, jd = expert_jobs(ids, tt)
+    assert jt.shape == jd.shape == (je.size * tt,)
+    assert np.all(np.diff(je) >= 0)
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert np.array_equal(np.bincount(je, minlength=E), -(-counts // tt))
+    filled = jd >= 0
+    assert np.array_equal(filled, jt >= 0) and filled.sum() == T * k
+    assert sorted(jd[filled].tolist()) == list(range(T * k))
+    assert np.array_equal(jt[filled], jd[filled] // k)
+    assert np.array_equal(ids.reshape(-1)[jd[filled]], np.repeat(je, tt)[filled])
+    for j in range(je.size):  # full slots first, tokens increasing
+        s = jt[j * tt:(j + 1) * tt]
+        n = int((s >= 0).sum())
+        assert np.all(s[:n] >= 0) and np.all(np.diff(s[:n]) > 0) and np.all(s[n:] < 0)
 
 
 @pytest.mark.gpu

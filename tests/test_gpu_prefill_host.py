@@ -37,7 +37,10 @@ def lib(tmp_path_factory):
     for name, params in K.kernel_signatures("prefill.cu").items():
         f = getattr(h, f"host_{name}")
         f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t] for t, _ in params]
+    P, I, U, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong
     for tid in tids:
+        getattr(h, f"host_pf_moe_gu_{tid}").argtypes = [U, U, P, P, P, P, I, I]
+        getattr(h, f"host_pf_moe_down_{tid}").argtypes = [U, U, P, LL, P, P, P, I, I]
         getattr(h, f"host_pf_dequant_blobs_{tid}").argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
                                                                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p]
     return h
@@ -130,3 +133,45 @@ def test_pf_dequant_blobs_matches_numpy(lib, tname):
         assert np.array_equal(np.isnan(dst[b]), np.isnan(ref))
         ok = ~np.isnan(ref)
         assert np.array_equal(dst[b][ok], ref[ok]), tname
+
+
+@pytest.mark.parametrize("gu,dn,hidden,ff", [("Q2_0", "Q2_0", 512, 128), ("Q8_0", "Q4_0", 256, 96),
+                                             ("Q8_0", "F32", 64, 32)])
+def test_pf_moe_kernels_match_reference(lib, gu, dn, hidden, ff):
+    """pf_moe_gu + pf_moe_down over jobs of up to PF_TT tokens (a full job, a partial one, one expert in two jobs, blobs
+    at scattered addresses) = expert_ffn_reference per (token, expert) pair without the router weight; empty slots
+    write nothing."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu.experts import expert_ffn_reference
+    from stratatools.runtime.gpu.prefill import JOB_TOKENS, expert_jobs
+
+    from test_dequant import random_blocks
+
+    tg, td = type_by_name(gu), type_by_name(dn)
+    gb = ff * tg.row_bytes(hidden)
+    db = hidden * td.row_bytes(ff)
+    per_blk = lambda t, nbytes: nbytes // t.type_size  # noqa: E731
+    E, T, k = 3, 11, 2
+    blobs = [np.concatenate([random_blocks(gu, per_blk(tg, 2 * gb), seed=5 * e + 1).reshape(-1),
+                             random_blocks(dn, per_blk(td, db), seed=5 * e + 2).reshape(-1)]) for e in range(E)]
+    size = 2 * gb + db
+    arena = np.zeros(E * (size + 64), np.uint8)
+    starts = [e * (size + 64) + 8 * e for e in range(E)]
+    for s0, b in zip(starts, blobs):
+        arena[s0:s0 + size] = b
+    rng = np.random.default_rng(hidden)
+    ids = np.array([[0, 1] if t < 9 else [2, 0] for t in range(T)], dtype=np.int32)  # expert 0: 11 tokens, 2 jobs
+    X = (rng.standard_normal((T, hidden)) * 0.5).astype(np.float32)
+    je, jt, jd = expert_jobs(ids, JOB_TOKENS)
+    ptr = np.array([arena.ctypes.data + starts[e] for e in je], dtype=np.uint64)
+    J = je.size
+    hbuf = np.full((J * JOB_TOKENS, ff), np.nan, np.float32)
+    out = np.full((T * k + 1, hidden), 7.0, np.float32)
+    getattr(lib, f"host_pf_moe_gu_{tg.id}")(2, J, _p(ptr), _p(jt), _p(X), _p(hbuf), hidden, ff)
+    getattr(lib, f"host_pf_moe_down_{td.id}")(3, J, _p(ptr), 2 * gb, _p(jd), _p(hbuf), _p(out), hidden, ff)
+    for t in range(T):
+        for r in range(k):
+            ref = expert_ffn_reference(X[t], [blobs[ids[t, r]]], np.ones(1), tg, td, hidden, ff)
+            got = out[t * k + r]
+            assert np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-6), (t, r)
+    assert np.all(out[T * k] == 7.0)

@@ -1042,7 +1042,8 @@ class StaticDecoder:
         self.stats["steps"] += 1
         return self.logits
 
-    def prefill(self, ids: Any, chunk: int | None = None, group: int | None = None) -> tuple[Any, np.ndarray, np.ndarray]:
+    def prefill(self, ids: Any, chunk: int | None = None, group: int | None = None,
+                experts: str = "rows") -> tuple[Any, np.ndarray, np.ndarray]:
         """Run a prompt in batched chunks (:class:`stratatools.runtime.gpu.prefill.ChunkPrefill`) from the current
         position: the decoder ends in the state that one :meth:`step` per token would leave (up to float rounding).
         Returns (last token's logits [vocab], routing ids [T, L, k] int32, weights [T, L, k] float32, host arrays);
@@ -1050,16 +1051,19 @@ class StaticDecoder:
 
         Args:
             chunk: tokens per batched forward (default :data:`stratatools.runtime.gpu.prefill.CHUNK`).
-            group: experts dequantized at once (default :data:`stratatools.runtime.gpu.prefill.GROUP`).
+            group: experts dequantized at once on the ``gemm`` expert path (default
+                :data:`stratatools.runtime.gpu.prefill.GROUP`).
+            experts: the routed-expert path (:data:`stratatools.runtime.gpu.prefill.EXPERT_PATHS`).
         Raises:
-            StrataError: an empty prompt, a token outside the vocabulary, a context past ``max_ctx``.
+            StrataError: an empty prompt, a token outside the vocabulary, a context past ``max_ctx``; an unknown
+                expert path.
         """
         from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
 
         c, g = int(chunk or CHUNK), int(group or GROUP)
         pf = getattr(self, "_prefiller", None)
-        if pf is None or (pf.chunk, pf.group) != (c, g):
-            pf = self._prefiller = ChunkPrefill(self, c, g)
+        if pf is None or (pf.chunk, pf.group, pf.experts) != (c, g, experts):
+            pf = self._prefiller = ChunkPrefill(self, c, g, experts)
         with self._ordered():
             out = pf.run(ids)
         self.stats["prefill_tokens"] = self.stats.get("prefill_tokens", 0) + int(out[1].shape[0])

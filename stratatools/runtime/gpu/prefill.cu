@@ -190,3 +190,111 @@ template <int TQ> __global__ void pf_dequant_blobs(const u64* __restrict__ ptrs,
         for (int e = 0; e < 8; ++e) d[8 * i + e] = o[e];
     }
 }
+
+// ---- routed experts straight from the quantized blobs, several tokens per weight row -------------------------------
+// A job is (one expert, up to PF_TT of its tokens): job_ptr[j] is the expert's blob address (a VRAM slot or mapped
+// pinned host memory), job_tok[j PF_TT + s] the row of X of its token s (-1: no token). Each weight row is decoded
+// once per job and multiplied with the job's tokens, staged in shared memory (float32).
+#define PF_TT 8
+
+__device__ __forceinline__ float pf_warp_sum(float v) {
+#ifndef STRATA_HOST
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+#endif
+    return v;
+}
+
+// Hbuf[j PF_TT + s, r] = silu(gate_j[r] . x_s) * (up_j[r] . x_s) for job j = blockIdx.y and rows r (one per warp, grid
+// stride over blockIdx.x); gate_j = job_ptr[j], up_j = gate_j + F rb (rb = H / bs * ts bytes a row). Rows of no token
+// are left as they are. Shared: PF_TT H floats.
+template <int TQ> __global__ void __launch_bounds__(256) pf_moe_gu(
+        const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const float* __restrict__ X,
+        float* __restrict__ Hbuf, int H, int F) {
+    PF_DYN_SHARED(float, xs);
+    const int j = blockIdx.y;
+    for (int i = threadIdx.x; i < PF_TT * H; i += blockDim.x) {
+        int s = i / H, c = i - s * H;
+        int t = job_tok[j * PF_TT + s];
+        xs[i] = t >= 0 ? X[(long long)t * H + c] : 0.0f;
+    }
+    __syncthreads();
+    const int nl = blockDim.x < 32 ? blockDim.x : 32;
+    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    const int bs = Unit<TQ>::bs, ts = Unit<TQ>::ts, gpb = bs / 8;
+    const long long rb = (long long)(H / bs) * ts;
+    const int ng = H / 8;
+    const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
+    const u8* U = G + (long long)F * rb;
+    for (int row = blockIdx.x * warps + warp; row < F; row += gridDim.x * warps) {
+        const u8* gr = G + row * rb;
+        const u8* ur = U + row * rb;
+        float ag[PF_TT], au[PF_TT];
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) { ag[s] = 0.0f; au[s] = 0.0f; }
+        for (int gi = lane; gi < ng; gi += nl) {
+            int blk = gi / gpb, g = gi - blk * gpb;
+            float og[8], ou[8];
+            deq8<TQ>(gr + (long long)blk * ts, g, og);
+            deq8<TQ>(ur + (long long)blk * ts, g, ou);
+            #pragma unroll
+            for (int s = 0; s < PF_TT; ++s) {
+                const float4* x4 = reinterpret_cast<const float4*>(xs + s * H + 8 * gi);
+                float4 a = x4[0], b = x4[1];
+                ag[s] += og[0] * a.x + og[1] * a.y + og[2] * a.z + og[3] * a.w
+                       + og[4] * b.x + og[5] * b.y + og[6] * b.z + og[7] * b.w;
+                au[s] += ou[0] * a.x + ou[1] * a.y + ou[2] * a.z + ou[3] * a.w
+                       + ou[4] * b.x + ou[5] * b.y + ou[6] * b.z + ou[7] * b.w;
+            }
+        }
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) {
+            float gs = pf_warp_sum(ag[s]), us = pf_warp_sum(au[s]);
+            if (lane == 0 && job_tok[j * PF_TT + s] >= 0)
+                Hbuf[((long long)j * PF_TT + s) * F + row] = gs / (1.0f + expf(-gs)) * us;
+        }
+    }
+}
+
+// out[job_dst[j PF_TT + s], r] = down_j[r] . Hbuf[j PF_TT + s] for job j = blockIdx.y and rows r < H (one per warp,
+// grid stride over blockIdx.x); down_j = job_ptr[j] + doff; rows of F values of type TQ. Slots with job_dst < 0 are
+// skipped. Shared: PF_TT F floats.
+template <int TQ> __global__ void __launch_bounds__(256) pf_moe_down(
+        const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst,
+        const float* __restrict__ Hbuf, float* __restrict__ out, int H, int F) {
+    PF_DYN_SHARED(float, hs);
+    const int j = blockIdx.y;
+    for (int i = threadIdx.x; i < PF_TT * F; i += blockDim.x) hs[i] = Hbuf[(long long)j * PF_TT * F + i];
+    __syncthreads();
+    const int nl = blockDim.x < 32 ? blockDim.x : 32;
+    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    const int bs = Unit<TQ>::bs, ts = Unit<TQ>::ts, gpb = bs / 8;
+    const long long rb = (long long)(F / bs) * ts;
+    const int ng = F / 8;
+    const u8* D = reinterpret_cast<const u8*>(job_ptr[j]) + doff;
+    for (int row = blockIdx.x * warps + warp; row < H; row += gridDim.x * warps) {
+        const u8* dr = D + row * rb;
+        float acc[PF_TT];
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) acc[s] = 0.0f;
+        for (int gi = lane; gi < ng; gi += nl) {
+            int blk = gi / gpb, g = gi - blk * gpb;
+            float o[8];
+            deq8<TQ>(dr + (long long)blk * ts, g, o);
+            #pragma unroll
+            for (int s = 0; s < PF_TT; ++s) {
+                const float4* h4 = reinterpret_cast<const float4*>(hs + s * F + 8 * gi);
+                float4 a = h4[0], b = h4[1];
+                acc[s] += o[0] * a.x + o[1] * a.y + o[2] * a.z + o[3] * a.w
+                        + o[4] * b.x + o[5] * b.y + o[6] * b.z + o[7] * b.w;
+            }
+        }
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) {
+            float v = pf_warp_sum(acc[s]);
+            int d = job_dst[j * PF_TT + s];
+            if (lane == 0 && d >= 0) out[(long long)d * H + row] = v;
+        }
+    }
+}

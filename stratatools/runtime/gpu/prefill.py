@@ -53,6 +53,33 @@ GROUP = 8
 #: score array [heads, queries, positions] takes at most a quarter of it).
 ATTN_SCORE_BYTES = 128 << 20
 ROUTE_THREADS = 128
+#: Tokens of one expert job (``prefill.cu`` PF_TT): each weight row is decoded once per job.
+JOB_TOKENS = 8
+#: Expert paths: ``rows`` (``pf_moe_gu``/``pf_moe_down``: quantized rows decoded once per job of up to
+#: :data:`JOB_TOKENS` tokens) or ``gemm`` (blobs dequantized to float32 ``group`` at a time, batched SGEMMs).
+EXPERT_PATHS = ("rows", "gemm")
+
+
+def expert_jobs(ids: np.ndarray, tt: int = JOB_TOKENS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split the (token, expert) pairs of a routing ``ids`` [T, k] into jobs of one expert and up to ``tt`` of its
+    tokens (experts in increasing id, tokens in increasing order). Returns (expert of each job [J] int64, token of
+    each job slot [J tt] int32 (-1: empty), pair index t k + r of each slot [J tt] int32 (-1: empty))."""
+    ids = np.asarray(ids)
+    k = ids.shape[1]
+    flat = ids.reshape(-1).astype(np.int64)
+    N = flat.size
+    order = np.argsort(flat, kind="stable")
+    uniq, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    rank = np.arange(N) - np.repeat(starts, counts)
+    njob = -(-counts // tt)
+    jstart = np.concatenate([[0], np.cumsum(njob)[:-1]]).astype(np.int64)
+    slot = np.repeat(jstart, counts) * tt + (rank // tt) * tt + rank % tt
+    J = int(njob.sum())
+    tok = np.full(J * tt, -1, dtype=np.int32)
+    dst = np.full(J * tt, -1, dtype=np.int32)
+    tok[slot] = order // k
+    dst[slot] = order
+    return np.repeat(uniq, njob), tok, dst
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,14 +89,15 @@ def _module() -> Any:
     from stratatools.runtime.gpu.kernels import tables_source
 
     src = (cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("prefill.cu"))
-    names = [f"pf_dequant_blobs<{tid}>" for tid in sorted(UNIT)]
+    names = [f"{k}<{tid}>" for k in ("pf_dequant_blobs", "pf_moe_gu", "pf_moe_down") for tid in sorted(UNIT)]
     return cupy.RawModule(code=src, options=("--std=c++17",), name_expressions=names)
 
 
 def host_source(type_ids: tuple[int, ...]) -> str:
     """``prefill.cu`` with the decoders as host C++17 (``host_kernel_shim.cuh``: one thread per block), with entries
     ``host_<kernel>(grid_x, grid_y, <the kernel's parameters>)`` for its ``extern "C"`` kernels and
-    ``host_pf_dequant_blobs_<T>(grid_x, grid_y, ptrs, off, n_groups, dst)`` for each ggml type id in ``type_ids``
+    ``host_pf_dequant_blobs_<T>(grid_x, grid_y, ptrs, off, n_groups, dst)``, ``host_pf_moe_gu_<T>(...)`` and
+    ``host_pf_moe_down_<T>(...)`` (the templates' parameters) for each ggml type id in ``type_ids``
     (tests/test_gpu_prefill_host.py)."""
     from stratatools.runtime.gpu.kernels import kernel_signatures, tables_source
 
@@ -79,7 +107,14 @@ def host_source(type_ids: tuple[int, ...]) -> str:
         call = ", ".join(n for _, n in params)
         entries.append(f'extern "C" void host_{k}(unsigned gx, unsigned gy, {decl}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ {k}({call}); }});\n}}\n")
+    gu = ("const u64* job_ptr, const int* job_tok, const float* X, float* Hbuf, int H, int F",
+          "job_ptr, job_tok, X, Hbuf, H, F")
+    dn = ("const u64* job_ptr, long long doff, const int* job_dst, const float* Hbuf, float* out, int H, int F",
+          "job_ptr, doff, job_dst, Hbuf, out, H, F")
     for tid in type_ids:
+        for name, (decl, call) in (("pf_moe_gu", gu), ("pf_moe_down", dn)):
+            entries.append(f'extern "C" void host_{name}_{int(tid)}(unsigned gx, unsigned gy, {decl}) {{\n'
+                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{int(tid)}>({call}); }});\n}}\n")
         entries.append(f'extern "C" void host_pf_dequant_blobs_{int(tid)}(unsigned gx, unsigned gy, const u64* ptrs, '
                        f"long long off, long long n_groups, float* dst) {{\n"
                        f"    host_run_grid(gx, gy, [&]() {{ pf_dequant_blobs<{int(tid)}>(ptrs, off, n_groups, dst); }});\n}}\n")
@@ -109,14 +144,18 @@ class ChunkPrefill:
     Args:
         dec: the decoder whose buffers the prefill fills.
         chunk: tokens per batched forward (1..).
-        group: experts dequantized at once.
+        group: experts dequantized at once (``gemm`` expert path).
+        experts: the routed-expert path, one of :data:`EXPERT_PATHS`.
     Raises:
-        StrataError: a chunk or group below 1.
+        StrataError: a chunk or group below 1; an unknown expert path.
     """
 
-    def __init__(self, dec: Any, chunk: int = CHUNK, group: int = GROUP):
+    def __init__(self, dec: Any, chunk: int = CHUNK, group: int = GROUP, experts: str = "rows"):
         if chunk < 1 or group < 1:
             raise StrataError(f"prefill chunk {chunk} and expert group {group} must be at least 1")
+        if experts not in EXPERT_PATHS:
+            raise StrataError(f"expert path {experts!r} is not one of {', '.join(EXPERT_PATHS)}")
+        self.experts = experts
         self.dec, self.rt, self.w, self.cfg, self.xp = dec, dec.rt, dec.w, dec.cfg, dec.xp
         self.gpu = dec.gpu
         self.chunk, self.group = int(chunk), int(group)
@@ -174,6 +213,16 @@ class ChunkPrefill:
             self.timing[self._tkey] = self.timing.get(self._tkey, 0.0) + now - last
         self._tlast, self._tkey = now, key
 
+    def _push(self, key: str) -> None:
+        """Time what follows under ``key`` until :meth:`_pop` (breakdown only)."""
+        if self.timing is not None:
+            self._tstack = getattr(self, "_tstack", []) + [self._tkey]
+            self._tic(key)
+
+    def _pop(self) -> None:
+        if self.timing is not None:
+            self._tic(self._tstack.pop())
+
     def _f32(self, name: str) -> Any:
         """A small tensor as float32 on xp (norm weights, conv kernels, biases), kept."""
         a = self._small.get(name)
@@ -214,8 +263,11 @@ class ChunkPrefill:
 
     def _mm(self, X: Any, name: str) -> Any:
         """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32."""
+        self._push("dense")
         W = self._weight(name)
-        return self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
+        out = self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
+        self._pop()
+        return out
 
     def _rows(self, name: str, ids: np.ndarray) -> Any:
         """Rows ``ids`` of a table (token / PLE embedding), dequantized on the host in one call: [len(ids), ne0]
@@ -261,14 +313,14 @@ class ChunkPrefill:
                 self._tic("attention")
                 y = self._attention(il, mixed, pos0, cos, sin)
             self._tic("hc")
-            H = H + (y[:, None, :] * inject[:, :, None]).reshape(T, -1)
+            H = self._inject(H, y, inject)
             mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
             self._tic("moe")
             y, i, w = self._moe(il, mixed)
             ids_out[:, il] = i
             w_out[:, il] = w
             self._tic("hc")
-            H = H + (y[:, None, :] * inject[:, :, None]).reshape(T, -1)
+            H = self._inject(H, y, inject)
         dec.pos = pos0 + T
         lg = None
         if last:
@@ -278,10 +330,34 @@ class ChunkPrefill:
         self._tic("end")
         return lg, ids_out, w_out
 
+    def _ew(self, name: str, params: str, out: str, body: str) -> Any:
+        """A cached CuPy element-wise kernel."""
+        k = self._kernels.get(name) if hasattr(self, "_kernels") else None
+        if k is None:
+            self._kernels = getattr(self, "_kernels", {})
+            k = self._kernels[name] = self.cp.ElementwiseKernel(params, out, body, name)
+        return k
+
+    def _inject(self, H: Any, y: Any, iw: Any) -> Any:
+        """H + y [T, n] injected into every stream with the weights iw [T, hc] (in place on CuPy)."""
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        if not self.gpu:
+            return H + (y[:, None, :] * iw[:, :, None]).reshape(T, -1)
+        k = self._ew("pf_inject", "raw float32 y, raw float32 iw, int32 hc, int32 n", "float32 H",
+                     "long long t = i / ((long long)hc * n); int r = (int)(i - t * hc * n); int h = r / n;"
+                     " H = H + y[t * n + (r - h * n)] * iw[t * hc + h];")
+        k(self.cp.ascontiguousarray(y, dtype=xp.float32), self.cp.ascontiguousarray(iw, dtype=xp.float32),
+          np.int32(hc), np.int32(n), H)
+        return H
+
     def _hc(self, prefix: str, H: Any, inject: bool = True) -> tuple[Any, Any]:
         xp, cfg = self.xp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
         T = H.shape[0]
+        if self.gpu:
+            return self._hc_gpu(prefix, H, inject)
         hn = _rmsnorm(xp, H, self._f32(f"{prefix}_norm.weight"), cfg.eps, group=n)
         m = _silu(xp, self._mm(hn, f"{prefix}_down.weight") / xp.float32(hc))
         m = _sigmoid(xp, self._mm(m, f"{prefix}_up.weight"))
@@ -290,6 +366,30 @@ class ChunkPrefill:
             return mixed.astype(xp.float32, copy=False), None
         iw = 2.0 * _sigmoid(xp, self._mm(hn, f"{prefix}_inject.weight") / xp.float32(hc))
         return mixed.astype(xp.float32, copy=False), iw.astype(xp.float32)
+
+    def _hc_gpu(self, prefix: str, H: Any, inject: bool = True) -> tuple[Any, Any]:
+        """:meth:`_hc` on CuPy: the decoder's ``rmsnorm_rows`` over the T hc streams, the mix as one kernel."""
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        H = cp.ascontiguousarray(H, dtype=cp.float32)
+        w = self._f32(f"{prefix}_norm.weight")
+        hn = cp.empty_like(H)
+        self.dec.k_rms((T * hc,), (256,), (H, w, hn, np.int32(n), np.int32(w.size), np.float32(cfg.eps)))
+        d = self._mm(hn, f"{prefix}_down.weight")
+        m = self._ew("pf_silu_div", "float32 d, float32 div", "float32 m",
+                     "float a = d / div; m = a * (1.0f / (1.0f + expf(-a)));")(d, np.float32(hc))
+        u = cp.ascontiguousarray(self._mm(m, f"{prefix}_up.weight"))
+        mixed = cp.empty((T, n), dtype=cp.float32)
+        self._ew("pf_hc_mix", "raw float32 u, raw float32 hn, int32 hc, int32 n", "float32 out",
+                 "long long t = i / n; int c = (int)(i - t * n); float s = 0.0f;"
+                 " for (int h = 0; h < hc; ++h) { long long o = (t * hc + h) * n + c;"
+                 " s += (1.0f / (1.0f + expf(-u[o]))) * hn[o]; } out = s / (float)hc;")(u, hn, np.int32(hc),
+                                                                                       np.int32(n), mixed)
+        if not inject:
+            return mixed, None
+        iw = 2.0 * _sigmoid(cp, self._mm(hn, f"{prefix}_inject.weight") / cp.float32(hc))
+        return mixed, iw.astype(cp.float32)
 
     # -- PLE ----------------------------------------------------------------------------------------------
     def _ple_rows(self, toks: np.ndarray) -> dict[int, np.ndarray]:
@@ -366,7 +466,9 @@ class ChunkPrefill:
         beta = _sigmoid(xp, b)
         decay = xp.exp(self._f32(p + "ssm_a")[None, :] * _softplus(xp, a + self._f32(p + "ssm_dt.bias")[None, :]))
         decay = decay.astype(xp.float32)
+        self._push("gdn_recur")
         out = self._gdn_recur(il, q, kn, conv, 2 * nk * dk, beta, decay, T)
+        self._pop()
         o = _rmsnorm(xp, out.reshape(T, nv, dv), self._f32(p + "ssm_norm.weight"), cfg.eps)
         act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
         return self._mm((o * act).reshape(T, nv * dv), p + "ssm_out.weight")
@@ -533,7 +635,7 @@ class ChunkPrefill:
         x = xp.ascontiguousarray(x, dtype=xp.float32)
         ids, w = self._route(il, x)
         self._tic("experts")
-        ya = self._experts(il, x, ids)  # [T k, n] per (token, rank) output, unweighted
+        ya = (self._experts_rows if self.experts == "rows" else self._experts)(il, x, ids)  # [T k, n], unweighted
         wd = self._w_dev
         y = xp.sum(ya.reshape(T, k, n) * xp.asarray(wd).reshape(T, k, 1), axis=1)
         self._tic("shared")
@@ -554,6 +656,49 @@ class ChunkPrefill:
         rows, cols = (ff, hidden) if which < 2 else (hidden, ff)
         W = dequantize(dev[which], t, rows * cols).reshape(rows, cols)
         return self.cp.matmul(X, W.T)
+
+    def _experts_rows(self, il: int, x: Any, ids: np.ndarray) -> Any:
+        """:meth:`_experts` through jobs of one expert and up to :data:`JOB_TOKENS` tokens (:func:`expert_jobs`): on
+        CuPy ``pf_moe_gu`` + ``pf_moe_down`` read the quantized blobs through the slot table; on numpy the same jobs
+        with float32 matrices."""
+        xp = self.xp
+        T, n = x.shape
+        N = int(ids.size)
+        je, jt, jd = expert_jobs(ids, JOB_TOKENS)
+        J = int(je.size)
+        if not self.gpu:
+            out = np.zeros((N, n), dtype=np.float32)
+            for j in range(J):
+                g, u, d = (np.asarray(a, dtype=np.float32) for a in self.rt.expert_fn(il, int(je[j])))
+                tok, dst = jt[j * JOB_TOKENS:(j + 1) * JOB_TOKENS], jd[j * JOB_TOKENS:(j + 1) * JOB_TOKENS]
+                X = np.where((tok >= 0)[:, None], x[np.maximum(tok, 0)], np.float32(0))
+                h = self._silu_mul(X @ g.T, X @ u.T)
+                y = h @ d.T
+                out[dst[dst >= 0]] = y[dst >= 0]
+            return out
+        cp = self.cp
+        from stratatools.runtime.gpu.kernels import launch_big_shared
+
+        ly = self.rt.tier.arena.layers[il]
+        hidden, ff = ly.hidden, ly.ff
+        for t, cols, what in ((ly.gu_type, hidden, "gate/up"), (ly.d_type, ff, "down")):
+            if t.id not in UNIT or cols % UNIT[t.id][0] or cols % 8:
+                raise StrataError(f"layer {il}: expert {what} rows of {cols} {t.name} values have no prefill kernel")
+        ptr = cp.asarray(self._slots[il][je].astype(np.uint64))
+        tok = cp.asarray(jt)
+        dst = cp.asarray(jd)
+        xx = cp.ascontiguousarray(x, dtype=cp.float32)
+        hbuf = cp.empty((J * JOB_TOKENS, ff), dtype=cp.float32)
+        out = cp.empty((N, n), dtype=cp.float32)
+        warps = 8
+        gx = max(1, -(-ff // (8 * warps)))
+        launch_big_shared(self._mod.get_function(f"pf_moe_gu<{ly.gu_type.id}>"), (gx, J), (32 * warps,),
+                          (ptr, tok, xx, hbuf, np.int32(hidden), np.int32(ff)), JOB_TOKENS * hidden * 4)
+        gx = max(1, -(-hidden // (8 * warps)))
+        launch_big_shared(self._mod.get_function(f"pf_moe_down<{ly.d_type.id}>"), (gx, J), (32 * warps,),
+                          (ptr, np.int64(2 * ly.gate_bytes), dst, hbuf, out, np.int32(hidden), np.int32(ff)),
+                          JOB_TOKENS * ff * 4)
+        return out
 
     def _experts(self, il: int, x: Any, ids: np.ndarray) -> Any:
         """Routed experts of T tokens grouped by expert: [T k, n] float32 where row t k + r is expert ids[t, r]'s
