@@ -82,15 +82,21 @@ def expert_jobs(ids: np.ndarray, tt: int = JOB_TOKENS) -> tuple[np.ndarray, np.n
     return np.repeat(uniq, njob), tok, dst
 
 
-@functools.lru_cache(maxsize=1)
-def _module() -> Any:
+@functools.lru_cache(maxsize=None)
+def _module(exact: bool, type_ids: tuple[int, ...]) -> Any:
+    """``prefill.cu`` compiled (once per argument set) with the templates instantiated only for ``type_ids`` (the
+    types the model uses: compiling every type's decoder takes NVRTC tens of seconds): ``exact``: the dequantizer
+    ``pf_dequant_blobs`` without multiply-add fusion (bit-identical to the numpy dequantizer); else the expert kernels
+    ``pf_moe_gu``/``pf_moe_down`` with it. Both hold the ``extern "C"`` kernels."""
     import cupy
 
     from stratatools.runtime.gpu.kernels import tables_source
 
     src = (cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("prefill.cu"))
-    names = [f"{k}<{tid}>" for k in ("pf_dequant_blobs", "pf_moe_gu", "pf_moe_down") for tid in sorted(UNIT)]
-    return cupy.RawModule(code=src, options=("--std=c++17",), name_expressions=names)
+    kinds = ("pf_dequant_blobs",) if exact else ("pf_moe_gu", "pf_moe_down")
+    names = [f"{k}<{tid}>" for k in kinds for tid in type_ids]
+    opts = ("--std=c++17", "--fmad=false") if exact else ("--std=c++17",)
+    return cupy.RawModule(code=src, options=opts, name_expressions=names)
 
 
 def host_source(type_ids: tuple[int, ...]) -> str:
@@ -166,10 +172,13 @@ class ChunkPrefill:
             import cupy as cp
 
             self.cp = cp
-            mod = _module()
+            ex = {t for ly in dec.rt.tier.arena.layers for t in (ly.gu_type.id, ly.d_type.id) if t in UNIT}
+            dense = {t.type.id for t in self.w.model.iter_tensors()
+                     if "_exps." not in t.name and t.type.id in UNIT and t.type.name not in ("F32", "F16", "BF16")}
+            self._tids = {True: tuple(sorted(ex | dense)), False: tuple(sorted(ex))}
+            mod = _module(False, self._tids[False])
             self.k_route = mod.get_function("pf_route")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
-            self._mod = mod
 
     # -- public -----------------------------------------------------------------------------------------
     def run(self, ids: Any) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -251,15 +260,35 @@ class ChunkPrefill:
                     off += nb
         return cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(t))).reshape(-1)), t.type, rows, cols
 
+    def _fn(self, exact: bool, kind: str, tid: int) -> Any:
+        """Kernel ``kind<tid>`` of :func:`_module` (a type the model did not list gets a module of its own)."""
+        tids = self._tids[exact] if tid in self._tids[exact] else (int(tid),)
+        return _module(exact, tids).get_function(f"{kind}<{int(tid)}>")
+
+    def _dequant(self, raw: Any, t: Any, rows: int, cols: int) -> Any:
+        """Device bytes of a matrix of type ``t`` as float32 [rows, cols], bit-identical to the numpy dequantizer
+        (float types by a view or a cast; block types by ``pf_dequant_blobs`` without multiply-add fusion)."""
+        cp = self.cp
+        if t.name in ("F32", "F16", "BF16") or t.id not in UNIT:
+            from stratatools.runtime.gpu.dequant import dequantize
+
+            return dequantize(raw, t, rows * cols).reshape(rows, cols)
+        if int(raw.size) != rows * t.row_bytes(cols) or cols % UNIT[t.id][0]:
+            raise StrataError(f"{t.name} matrix of {rows} x {cols} values: {int(raw.size)} bytes are not whole rows")
+        out = cp.empty((rows, cols), dtype=cp.float32)
+        ng = rows * cols // 8
+        ptr = cp.asarray(np.array([int(raw.data.ptr)], dtype=np.uint64))
+        self._fn(True, "pf_dequant_blobs", t.id)((max(1, min(-(-ng // 256), 8192)), 1), (256,),
+                                                 (ptr, np.int64(0), np.int64(ng), out))
+        return out
+
     def _weight(self, name: str) -> Any:
         """Matrix ``name`` as float32 [rows, cols] (numpy order): on CuPy dequantized now (transient)."""
         if not self.gpu:
             W = self.w.get(name)
             return W.reshape(W.shape[0], -1) if W.ndim > 1 else W.reshape(1, -1)
-        from stratatools.runtime.gpu.dequant import dequantize
-
         raw, t, rows, cols = self._raw_dev(name)
-        return dequantize(raw, t, rows * cols).reshape(rows, cols)
+        return self._dequant(raw, t, rows, cols)
 
     def _mm(self, X: Any, name: str) -> Any:
         """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32."""
@@ -649,12 +678,10 @@ class ChunkPrefill:
         name = f"blk.{il}.ffn_{('gate', 'up', 'down')[which]}_shexp.weight"
         if not self.gpu:
             return self._mm(X, name)
-        from stratatools.runtime.gpu.dequant import dequantize
-
         dev, _ptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         t = gu_t if which < 2 else d_t
         rows, cols = (ff, hidden) if which < 2 else (hidden, ff)
-        W = dequantize(dev[which], t, rows * cols).reshape(rows, cols)
+        W = self._dequant(dev[which], t, rows, cols)
         return self.cp.matmul(X, W.T)
 
     def _experts_rows(self, il: int, x: Any, ids: np.ndarray) -> Any:
@@ -692,10 +719,10 @@ class ChunkPrefill:
         out = cp.empty((N, n), dtype=cp.float32)
         warps = 8
         gx = max(1, -(-ff // (8 * warps)))
-        launch_big_shared(self._mod.get_function(f"pf_moe_gu<{ly.gu_type.id}>"), (gx, J), (32 * warps,),
+        launch_big_shared(self._fn(False, "pf_moe_gu", ly.gu_type.id), (gx, J), (32 * warps,),
                           (ptr, tok, xx, hbuf, np.int32(hidden), np.int32(ff)), JOB_TOKENS * hidden * 4)
         gx = max(1, -(-hidden // (8 * warps)))
-        launch_big_shared(self._mod.get_function(f"pf_moe_down<{ly.d_type.id}>"), (gx, J), (32 * warps,),
+        launch_big_shared(self._fn(False, "pf_moe_down", ly.d_type.id), (gx, J), (32 * warps,),
                           (ptr, np.int64(2 * ly.gate_bytes), dst, hbuf, out, np.int32(hidden), np.int32(ff)),
                           JOB_TOKENS * ff * 4)
         return out
@@ -777,6 +804,6 @@ class ChunkPrefill:
                 raise StrataError(f"layer {il}: expert type {t.name} has no GPU dequantizer")
             ng = nv // 8
             blocks = max(1, min(-(-ng // 256), 4096))
-            self._mod.get_function(f"pf_dequant_blobs<{t.id}>")((blocks, G), (256,),
+            self._fn(True, "pf_dequant_blobs", t.id)((blocks, G), (256,),
                                                                   (ptrs, np.int64(off), np.int64(ng), arr))
         return gu, dd
