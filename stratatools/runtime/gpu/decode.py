@@ -56,16 +56,7 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.gpu.kernels import cuda_source
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
-
-
-
-def _selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
-    """True when QSA attends every visible cell at position p (see module docstring)."""
-    if ratio <= 0:
-        return True
-    if selection == "transformers":
-        return (p + 1) // ratio <= budget // ratio
-    return p + 1 <= budget + ratio - 1
+from stratatools.runtime.topk import qsa_selects_all as _selects_all
 
 
 def max_full_context(cfg: Any, selection: str) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
-from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
+from stratatools.runtime.topk import llamacpp_cells, qsa_selects_all, torch_topk_indices
 
 from stratatools.runtime.gpu.kernels import UNIT, cuda_source
 
@@ -584,14 +584,12 @@ class ChunkPrefill:
         """QSA: on a long-context decoder, cache the chunk's raw indexer keys and pool the blocks it completes (the
         step's ``_qsa`` caches); when some query of the chunk is past the full-selection range, the attended cells
         per query (``Qwen4ExpRuntime._select``'s rule) as a host mask [T, P]; else None."""
-        from stratatools.runtime.gpu.decode import _selects_all
-
         dec, cfg, xp = self.dec, self.cfg, self.xp
         if not dec._qsa_layer(il):
             return None
         r, dih, budget = cfg.compress_ratios[il], cfg.idx_head_dim, cfg.idx_budget
         P = pos0 + T
-        full = _selects_all(self.rt.selection, r, budget, P - 1)
+        full = qsa_selects_all(self.rt.selection, r, budget, P - 1)
         if not dec.long:
             if not full:  # cannot happen: a decoder without the indexer stays in the full-selection range
                 raise StrataError(f"position {P - 1} is past the full-selection range of a decoder built without QSA")
