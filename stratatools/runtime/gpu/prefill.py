@@ -129,19 +129,25 @@ def host_source(type_ids: tuple[int, ...]) -> str:
 
 
 def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, group: int = GROUP,
-                          max_dense_values: int = 0, max_ctx: int = 1 << 30) -> int:
-    """Device bytes the batched prefill's temporaries need at most (an estimate for the ``--vram-gib`` plan):
-    ``group`` expert blobs as float32 (``blob_bytes_f32`` each) with their gathered inputs and outputs (every expert
-    of a group padded to the chunk), one dense matrix as float32 (``max_dense_values`` values) twice (dequantized and
-    in flight), the per-pair expert outputs [chunk k, n_embd] twice, the attention scores with their temporaries (at
-    most :data:`ATTN_SCORE_BYTES`, less for short contexts) and about twelve chunk-wide activations of the
-    hyper-connection width."""
+                          max_dense_values: int = 0, max_ctx: int = 1 << 30, experts: str = "rows") -> int:
+    """Device bytes the batched prefill's temporaries need at most (an estimate for the ``--vram-gib`` plan): about
+    twelve chunk-wide activations of the hyper-connection width; one dense matrix as float32 (``max_dense_values``
+    values) twice (dequantized and in flight); the attention scores with their temporaries (at most
+    :data:`ATTN_SCORE_BYTES`, less for short contexts); the per-pair expert outputs [chunk k, n_embd] three times
+    (outputs, weighted, summed) and, on the ``rows`` expert path, the jobs' hidden activations (every expert's last
+    job padded to :data:`JOB_TOKENS`), on the ``gemm`` path ``group`` expert blobs as float32 (``blob_bytes_f32``
+    each) with their gathered inputs and outputs (every expert of a group padded to the chunk)."""
     n, hc, k = cfg.n_embd, cfg.hc_count, cfg.n_expert_used
     ff = cfg.n_ff_exp
+    E = max(cfg.n_expert) if isinstance(cfg.n_expert, (list, tuple)) else int(cfg.n_expert)
     act = 12 * chunk * hc * n * 4
-    experts = group * blob_bytes_f32 + group * chunk * (n + 3 * ff) * 4 * 2 + (chunk * k + 1) * n * 4 * 2
+    experts_b = 3 * (chunk * k + 1) * n * 4
+    if experts == "rows":
+        experts_b += (chunk * k + E * (JOB_TOKENS - 1)) * ff * 4
+    else:
+        experts_b += group * blob_bytes_f32 + group * chunk * (n + 3 * ff) * 4 * 2
     attn = min(ATTN_SCORE_BYTES, 4 * 4 * cfg.n_head * chunk * max(1, min(max_ctx, 1 << 30)))
-    return int(act + experts + 2 * 4 * max_dense_values + attn)
+    return int(act + experts_b + 2 * 4 * max_dense_values + attn)
 
 
 class ChunkPrefill:
