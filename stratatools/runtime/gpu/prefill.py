@@ -6,17 +6,20 @@ QSA indexer raw keys and pooled block keys, PLE conv states and n-gram context, 
 Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4ExpRuntime.forward`, in float32):
 
 * dense projections: on CuPy each matrix is dequantized from the GGUF bytes the step already keeps in VRAM
-  (:func:`stratatools.runtime.gpu.dequant.dequantize`, the bit-exact dequantizer) into a transient float32 array
-  (one matrix at a time, served by CuPy's pool) and multiplied by cuBLAS SGEMM (``X @ W.T``; no TF32); the output
-  head runs for the last token only, through the step's quantized matvec;
+  (``pf_dequant_blobs`` compiled without multiply-add fusion: bit-identical to the numpy dequantizer) into a transient
+  float32 array (one matrix at a time, served by CuPy's pool) and multiplied by cuBLAS SGEMM (``X @ W.T``; no TF32);
+  the output head runs for the last token only, through the step's quantized matvec;
 * the router: ``pf_route`` (``prefill.cu``) for all T tokens at once (softmax/sigmoid, k rounds of arg-max with ties
   to the lower index, weight normalisation: the step's ``route_fused`` rule); the routing comes back to the host once
-  per layer (the expert grouping needs it);
-* routed experts grouped by expert: the T k (token, expert) pairs are sorted by expert, experts (most tokens first) are
-  taken ``group`` at a time, their blobs are dequantized through a pointer table (``pf_dequant_blobs``: the tier's
-  slot table, i.e. a VRAM slot or the mapped pinned host arena for an expert not resident; the tier's residency does
-  not change during the prompt) and each expert's tokens go through two batched SGEMMs (gate+up, down); every pair's
-  output lands in its own row and the k rows of a token are summed with the router weights in rank order;
+  per layer (the expert jobs are built there);
+* routed experts (``experts="rows"``, the default): the T k (token, expert) pairs are split into jobs of one expert
+  and up to :data:`JOB_TOKENS` of its tokens (:func:`expert_jobs`); ``pf_moe_gu`` / ``pf_moe_down`` decode each
+  quantized row of a job's expert once and multiply it with the job's tokens, reading the blob through the tier's
+  slot table (a VRAM slot, or the mapped pinned host arena for an expert not resident; the tier's residency does not
+  change during the prompt); every pair's output lands in its own row and the k rows of a token are summed with the
+  router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
+  blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
+  through two batched SGEMMs;
 * the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] batched; the delta-rule
   recurrence by ``pf_gdn_chunk`` (one block per value head and column slice, the state resident in shared memory
   while the block walks the chunk's tokens in order);
@@ -24,7 +27,7 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   block keys) are written into the static caches, then causal attention of the chunk's queries over positions
   ``0 .. pos0+T-1``; where QSA selects (a query past :func:`stratatools.runtime.gpu.decode.max_full_context`'s range)
   the attended cells are picked per query exactly as :meth:`Qwen4ExpRuntime._select` picks them;
-* PLE, hyper-connection mixing/inject and norms: batched array code.
+* PLE and norms: batched array code; the hyper-connection norm, mix and inject as single kernels on CuPy.
 
 With numpy (a decoder over :class:`stratatools.runtime.model.Qwen4ExpRuntime`) the same code runs on the CPU with
 float32 matrices from :meth:`Weights.get` and experts from the runtime's ``expert_fn`` (tests check the chunk logic
