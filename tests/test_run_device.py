@@ -66,7 +66,7 @@ def test_context_longer_than_the_model_is_refused(kit, tmp_path, cli):
 def test_vram_plan_fits_refuses_and_says_what_it_needs(kit):
     from stratatools.model.gguf import open_model
     from stratatools.runtime.config import read_config
-    from stratatools.runtime.device import GIB, RESERVE_BYTES, cache_bytes, dense_device_bytes, plan_vram
+    from stratatools.runtime.device import GIB, RESERVE_BYTES, cache_bytes, dense_device_bytes, plan_vram, prefill_bytes
     from stratatools.runtime.gpu.decode import qsa_cache_bytes
 
     with open_model(kit / BF16) as m:
@@ -81,11 +81,14 @@ def test_vram_plan_fits_refuses_and_says_what_it_needs(kit):
         kv_pos = sum(8 * cfg.n_head_kv * cfg.head_dim for il in range(cfg.n_layer) if not cfg.recurrent[il])
         assert cache_bytes(cfg, 64) - cache_bytes(cfg, 11) == 53 * kv_pos + qsa_cache_bytes(cfg, 64)
         assert qsa_cache_bytes(cfg, 64) > 64 * 4 * cfg.idx_head_dim
-        fixed = dense + caches + RESERVE_BYTES
+        # the batched prefill's temporaries (a chunk of at most 64 tokens here) are planned too
+        pf = prefill_bytes(m, cfg, 64)
+        assert prefill_bytes(m, cfg, 1024) > pf > 64 * cfg.n_embd * cfg.hc_count * 4
+        fixed = dense + caches + RESERVE_BYTES + pf
         # a budget with room for 100 slots of 1,024 bytes (blob 1,000 rounded up to 256)
         plan = plan_vram(m, cfg, blob, 64, (fixed + 100 * 1024 + 10) / GIB, None, total_e)
         assert plan.slot_bytes == 1024 and plan.slots == min(100, total_e)
-        assert plan.total <= plan.budget
+        assert plan.total <= plan.budget and plan.to_dict()["prefill_bytes"] == pf
         # no budget: every expert
         assert plan_vram(m, cfg, blob, 64, None, None, total_e).slots == total_e
         # too small for the dense part

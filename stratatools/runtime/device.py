@@ -4,7 +4,7 @@
 :func:`resolve_device`: ``auto`` picks the GPU when CuPy imports and sees a CUDA device, else the CPU; ``gpu``
 without them is a one-line error. :func:`plan_vram`: the device footprint of the GPU decode path (the quantized
 dense weights as stored in the GGUF, small float32 vectors, K/V and recurrent caches, a fixed reserve for the
-CUDA context, graph and memory pool) and, from what is left of ``--vram-gib``, the number of expert slots; or the
+CUDA context, graph and memory pool, the batched prefill's temporaries) and, from what is left of ``--vram-gib``, the number of expert slots; or the
 memory a requested ``--slots N`` needs.
 """
 
@@ -55,6 +55,7 @@ class VramPlan:
         slot_bytes: bytes of one expert slot (largest layer's blob rounded up to 256).
         slots: expert slots that fit (or were asked for).
         budget: ``--vram-gib`` in bytes (None: no budget).
+        prefill: the batched prefill's temporaries (:func:`prefill_bytes`).
     """
 
     dense: int
@@ -63,11 +64,12 @@ class VramPlan:
     slot_bytes: int
     slots: int
     budget: int | None
+    prefill: int = 0
 
     @property
     def fixed(self) -> int:
         """Everything but the expert slots."""
-        return self.dense + self.caches + self.reserve
+        return self.dense + self.caches + self.reserve + self.prefill
 
     @property
     def total(self) -> int:
@@ -76,6 +78,7 @@ class VramPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dense_bytes": self.dense, "cache_bytes": self.caches, "reserve_bytes": self.reserve,
+                "prefill_bytes": self.prefill,
                 "slot_bytes": self.slot_bytes, "slots": self.slots, "planned_bytes": self.total,
                 "budget_bytes": self.budget}
 
@@ -132,6 +135,26 @@ def cache_bytes(cfg: Any, max_ctx: int, selection: str = "transformers") -> int:
     return n
 
 
+def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
+    """Device bytes of the batched prefill's temporaries (:class:`stratatools.runtime.gpu.prefill.ChunkPrefill` with
+    its default chunk, at most ``max_ctx`` tokens, and expert group): see
+    :func:`stratatools.runtime.gpu.prefill.prefill_scratch_bytes`; the largest dense matrix is taken over the trunk's
+    matrices other than the embedding tables and the output head (which runs as a matvec)."""
+    from stratatools.runtime.gpu.prefill import CHUNK, GROUP, prefill_scratch_bytes
+
+    big = 0
+    for t in model.iter_tensors():
+        name = t.name
+        if "_exps." in name or name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+            continue
+        n = 1
+        for d in t.ne:
+            n *= int(d)
+        big = max(big, n)
+    ff, n = int(cfg.n_ff_exp), int(cfg.n_embd)
+    return prefill_scratch_bytes(cfg, 3 * ff * n * 4, min(CHUNK, max(1, int(max_ctx))), GROUP, big, int(max_ctx))
+
+
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
               slots: int | None, n_expert_total: int, selection: str = "transformers") -> VramPlan:
     """Plan the GPU path's device memory.
@@ -153,7 +176,7 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
     long = long_context(cfg, max_ctx, selection)
     plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), cache_bytes(cfg, max_ctx, selection), RESERVE_BYTES,
-                    sb, 0, None)
+                    sb, 0, None, prefill_bytes(model, cfg, max_ctx))
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)
         return plan
@@ -163,14 +186,15 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     plan.budget = budget
     if plan.fixed > budget:
         raise StrataError(f"--vram-gib {vram_gib:g}: the dense weights ({plan.dense / GIB:.2f} GiB), caches for "
-                          f"{max_ctx} positions ({plan.caches / GIB:.2f} GiB) and reserve ({plan.reserve / GIB:.2f} GiB) "
+                          f"{max_ctx} positions ({plan.caches / GIB:.2f} GiB), prefill scratch ({plan.prefill / GIB:.2f} GiB) "
+                          f"and reserve ({plan.reserve / GIB:.2f} GiB) "
                           f"need {plan.fixed / GIB:.2f} GiB before any expert slot; give at least that")
     fit = (budget - plan.fixed) // sb
     if slots is not None:
         if slots > fit:
             need = plan.fixed + int(slots) * sb
             raise StrataError(f"--slots {slots} does not fit in --vram-gib {vram_gib:g}: it needs {need / GIB:.2f} GiB "
-                              f"({plan.fixed / GIB:.2f} GiB dense weights, caches and reserve + {slots} x {sb} bytes); "
+                              f"({plan.fixed / GIB:.2f} GiB dense weights, caches, prefill scratch and reserve + {slots} x {sb} bytes); "
                               f"at most {fit} slots fit")
         plan.slots = int(slots)
     else:

@@ -198,3 +198,15 @@ def torch_topk_indices(values: np.ndarray, k: int) -> list[int]:
     q = [(float(x), i) for i, x in enumerate(v)]
     nth_element(q, k - 1, lambda x, y: x[0] > y[0])
     return [i for _, i in q[:k]]
+
+
+def qsa_selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
+    """True when QSA attends every visible cell at position ``p`` (0-based) of a layer with compress ratio ``ratio``
+    and indexer budget ``budget`` tokens: no ratio (plain attention); ``transformers`` rule: the complete blocks
+    ``(p+1)//ratio`` fit the ``budget//ratio`` blocks taken; ``llamacpp`` rule: the ``p+1`` visible cells fit the
+    ``budget + ratio - 1`` cells taken."""
+    if ratio <= 0:
+        return True
+    if selection == "transformers":
+        return (p + 1) // ratio <= budget // ratio
+    return p + 1 <= budget + ratio - 1

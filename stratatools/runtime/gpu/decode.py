@@ -56,16 +56,7 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.gpu.kernels import cuda_source
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
-
-
-
-def _selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
-    """True when QSA attends every visible cell at position p (see module docstring)."""
-    if ratio <= 0:
-        return True
-    if selection == "transformers":
-        return (p + 1) // ratio <= budget // ratio
-    return p + 1 <= budget + ratio - 1
+from stratatools.runtime.topk import qsa_selects_all as _selects_all
 
 
 def max_full_context(cfg: Any, selection: str) -> int:
@@ -1130,6 +1121,34 @@ class StaticDecoder:
     def last_step_event(self) -> Any:
         """The event recorded after the last step launched (None before the first; CuPy only)."""
         return self._out_event if self.gpu else None
+
+    def prefill(self, ids: Any, chunk: int | None = None, group: int | None = None,
+                experts: str = "rows") -> tuple[Any, np.ndarray, np.ndarray]:
+        """Run a prompt in batched chunks (:class:`stratatools.runtime.gpu.prefill.ChunkPrefill`) from the current
+        position: the decoder ends in the state that one :meth:`step` per token would leave (up to float rounding).
+        Returns (last token's logits [vocab], routing ids [T, L, k] int32, weights [T, L, k] float32, host arrays);
+        nothing is fed to the tier or the route hooks (:meth:`account` does that).
+
+        Args:
+            chunk: tokens per batched forward (default :data:`stratatools.runtime.gpu.prefill.CHUNK`).
+            group: experts dequantized at once on the ``gemm`` expert path (default
+                :data:`stratatools.runtime.gpu.prefill.GROUP`).
+            experts: the routed-expert path (:data:`stratatools.runtime.gpu.prefill.EXPERT_PATHS`).
+        Raises:
+            StrataError: an empty prompt, a token outside the vocabulary, a context past ``max_ctx``; an unknown
+                expert path.
+        """
+        from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
+
+        c, g = int(chunk or CHUNK), int(group or GROUP)
+        pf = getattr(self, "_prefiller", None)
+        if pf is None or (pf.chunk, pf.group, pf.experts) != (c, g, experts):
+            pf = self._prefiller = ChunkPrefill(self, c, g, experts)
+        with self._ordered():
+            self._refresh_slots()  # copies into slots the prefill reads (async swaps) are waited for first
+            out = pf.run(ids)
+        self.stats["prefill_tokens"] = self.stats.get("prefill_tokens", 0) + int(out[1].shape[0])
+        return out
 
     def _refresh_slots(self) -> None:
         """Upload the tier's slot table when experts moved since the last upload (same device buffer: the

@@ -3,10 +3,13 @@ quantized dense matvecs, experts through the tier's slot table) behind the ``for
 of :class:`stratatools.runtime.model.Qwen4ExpRuntime`, so that :func:`stratatools.runtime.model.generate` and
 the run loop drive it unchanged.
 
-A prompt is fed token by token through the same graph (no float32 copy of any dense matrix is made); each
-token's routing is read back after its step, and the call's records are fed to the tier layer-major at its end
-(:meth:`StaticDecoder.account`), the order of the CPU path's batched prefill, so both count the same hits. During
-the prompt the tier's residency does not change (every expert is read from its slot or from host memory).
+A prompt (a call of more than one token) runs as a batched prefill (:meth:`StaticDecoder.prefill`: chunks of
+tokens through SGEMMs over matrices dequantized one at a time, experts grouped by expert; no float32 copy of any
+dense matrix is kept); with ``prefill="steps"`` (or ``STRATATOOLS_PREFILL=steps``) it is fed token by token through
+the decode graph instead, each token's routing read back after its step. Either way the call's records are fed to
+the tier layer-major at its end (:meth:`StaticDecoder.account`), the order of the CPU path's batched prefill, so
+both count the same hits. During the prompt the tier's residency does not change (every expert is read from its
+slot or from host memory).
 
 Host work off the critical path (``lag``, the default): a one-token call launches its step first and only then does
 the previous step's bookkeeping (:meth:`StaticDecoder.account`: the tier's policy, the route hooks, and the round
@@ -51,12 +54,16 @@ class DecoderRuntime:
             on unless the environment sets ``STRATATOOLS_DECODE_LAG=0``.
         async_swaps: admitted experts copied alongside the next step (module docstring; needs ``lag``); None: on
             when the environment sets ``STRATATOOLS_ASYNC_SWAPS=1``.
+        prefill: how a multi-token call runs: ``batched`` (:meth:`StaticDecoder.prefill`) or ``steps`` (one decode
+            step per token); default: the environment's ``STRATATOOLS_PREFILL``, else ``batched``.
+        prefill_chunk: tokens per batched forward (default :data:`stratatools.runtime.gpu.prefill.CHUNK`).
     Raises:
-        StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types).
+        StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types); an
+            unknown ``prefill`` mode.
     """
 
     def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True, lag: bool | None = None,
-                 async_swaps: bool | None = None):
+                 async_swaps: bool | None = None, prefill: str | None = None, prefill_chunk: int | None = None):
         self.rt, self.cfg, self.xp = rt, rt.cfg, rt.xp
         self.selection = rt.selection
         self.dec = StaticDecoder(rt, max_ctx=max_ctx, fused=fused)
@@ -70,6 +77,11 @@ class DecoderRuntime:
         self.async_swaps = bool(async_swaps) and self.lag and getattr(rt, "tier", None) is not None
         if self.async_swaps:
             rt.tier.defer_admissions(rt.xp.cuda.Stream(non_blocking=True))
+        mode = prefill if prefill is not None else (os.environ.get("STRATATOOLS_PREFILL") or "batched")
+        if mode not in ("batched", "steps"):
+            raise StrataError(f"prefill mode {mode!r} (STRATATOOLS_PREFILL) is not one of batched, steps")
+        self.prefill_mode = mode
+        self.prefill_chunk = prefill_chunk
 
     def finish(self) -> None:
         """Feed the routing of the last step to the tier and the route hooks and close the rounds ended since (with
@@ -107,8 +119,8 @@ class DecoderRuntime:
         return self.rt.new_state()
 
     def forward(self, ids: Any, state: SequenceState, logits: str = "last") -> tuple[Any, RoutingRecord]:
-        """Run ``ids`` after ``state`` (one decoder step per token); returns the last token's logits [vocab]
-        (device array) and the routing record of the call.
+        """Run ``ids`` after ``state`` (a batched prefill for several tokens, or one decoder step per token: see the
+        module docstring); returns the last token's logits [vocab] (device array) and the routing record of the call.
 
         Raises StrataError for ``logits`` other than ``last``, a state that is not this decoder's current sequence,
         or a context past ``max_ctx``.
@@ -131,6 +143,13 @@ class DecoderRuntime:
         rid: list[list[np.ndarray]] = [[] for _ in range(L)]
         rw: list[list[np.ndarray]] = [[] for _ in range(L)]
         pos0 = dec.pos
+        if len(ids) > 1 and self.prefill_mode == "batched":
+            lg, bi, bw = dec.prefill(ids, chunk=self.prefill_chunk)
+            state.pos = dec.pos
+            rec = RoutingRecord(np.arange(pos0, dec.pos, dtype=np.int64), [bi[:, il].copy() for il in range(L)],
+                                [bw[:, il].copy() for il in range(L)])
+            dec.account(bi, bw, rec.positions)
+            return lg, rec
         lg = None
         for t in ids:
             lg = dec.step(t)

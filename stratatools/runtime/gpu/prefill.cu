@@ -1,0 +1,300 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by prefill.py and compiled with NVRTC
+// (cupy.RawModule, multiply-add fusion allowed: the batched prefill agrees with the decode step by tolerance);
+// tests/test_gpu_prefill_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run one
+// after another) and checks every kernel against numpy.
+// Kernels of the batched prompt prefill (prefill.py ChunkPrefill): the router of T tokens at once, the gated-DeltaNet
+// recurrence over a chunk of tokens with the state resident in shared memory, and the dequantization of several
+// expert blobs (addressed through a pointer table: VRAM slots or mapped pinned host memory) into float32 matrices.
+//
+// Every kernel is written for any block size (threads stride over their items; reductions through shared memory
+// trees that a block of one thread skips), so the host build, which runs blocks of one thread, executes the same code.
+// Needs prelude.cuh, the tables and decoders.cuh before it (dequant_blobs decodes with deq8).
+
+#ifdef STRATA_HOST
+#define PF_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
+#else
+#define PF_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char pf_smem_[]; T* name = reinterpret_cast<T*>(pf_smem_)
+#endif
+#define PF_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float pf_sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// Block-wide reduction through a shared array of blockDim floats (blockDim a power of two); every thread gets
+// the result. is_max: max, else sum.
+__device__ float pf_reduce(float v, bool is_max, float* sh) {
+    const int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+        if (t < s) sh[t] = is_max ? fmaxf(sh[t], sh[t + s]) : sh[t] + sh[t + s];
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// ---- router of T tokens: one block per token t = blockIdx.x (grid-stride over tokens) -----------------------------
+// logits row t at logits + t * ld (ld >= E; the shared expert's gate logit may follow the E router logits).
+// Probabilities: sigmoid (sigmoid_gating) or softmax over the E logits; then k rounds of arg-max (ties to the lower
+// expert index, what the CPU path's stable descending sort selects); weights: the chosen probabilities, divided by
+// their sum when norm, times scale. Writes ids[t * k + r], w[t * k + r]. blockDim a power of two.
+// Shared: E + 2 blockDim floats.
+extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int ld, int E, int k, int sigmoid_gating,
+                                    int norm, float scale, int* __restrict__ ids, float* __restrict__ w) {
+    PF_DYN_SHARED(float, sh);
+    float* p = sh;
+    float* rv = sh + E;
+    int* ri = reinterpret_cast<int*>(rv + blockDim.x);
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const float* lg = logits + (long long)t * ld;
+        if (sigmoid_gating) {
+            for (int i = tid; i < E; i += nt) p[i] = pf_sigm(lg[i]);
+        } else {
+            float m = PF_NEG_INF;
+            for (int i = tid; i < E; i += nt) m = fmaxf(m, lg[i]);
+            m = pf_reduce(m, true, rv);
+            float s = 0.0f;
+            for (int i = tid; i < E; i += nt) { float e = expf(lg[i] - m); p[i] = e; s += e; }
+            s = pf_reduce(s, false, rv);
+            for (int i = tid; i < E; i += nt) p[i] = p[i] / s;
+        }
+        __syncthreads();
+        float tot = 0.0f;
+        for (int r = 0; r < k; ++r) {
+            float bv = PF_NEG_INF; int bi = 0x7fffffff;
+            for (int i = tid; i < E; i += nt) {
+                float v = p[i];
+                if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+            }
+            rv[tid] = bv; ri[tid] = bi;
+            __syncthreads();
+            for (int s = nt >> 1; s > 0; s >>= 1) {
+                if (tid < s) {
+                    float ov = rv[tid + s]; int oi = ri[tid + s];
+                    if (ov > rv[tid] || (ov == rv[tid] && oi < ri[tid])) { rv[tid] = ov; ri[tid] = oi; }
+                }
+                __syncthreads();
+            }
+            int ii = ri[0];
+            if (ii < 0 || ii >= E) ii = 0;  // only if every value is NaN
+            const float val = p[ii];
+            tot += val;
+            __syncthreads();
+            if (tid == 0) {
+                ids[(long long)t * k + r] = ii;
+                w[(long long)t * k + r] = val;
+                p[ii] = PF_NEG_INF;
+            }
+            __syncthreads();
+        }
+        if (tid == 0) {
+            for (int r = 0; r < k; ++r) {
+                long long o = (long long)t * k + r;
+                w[o] = (norm ? w[o] / tot : w[o]) * scale;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---- gated DeltaNet recurrence over a chunk of T tokens ----------------------------------------------------------
+// q, kk: [T, nk, dk] (L2-normalised; q scaled by dk^-1/2); v: [T, ldv] with value head j at v + j dv; beta, decay:
+// [T, nv]. Value head j = blockIdx.x uses key group j % nk. Block (j, b) owns columns [b cw, (b+1) cw) of head j
+// (cw = ceil(dv / gridDim.y)); its part of the state S[j] ([dk, dv] row-major) is held in shared memory for the
+// whole chunk and written back at the end. For each token t in order (the decode step's gdn_recur arithmetic):
+// S <- decay S + k (x) delta, delta = (v - k^T (decay S)) beta; o[t, j dv + c] = sum_r q[r] S[r, c] (before the norm).
+// Shared: (dk cw + 2 dk + (rs + 1) cw) floats, rs = max(1, blockDim / cw).
+extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float* __restrict__ kk,
+                                        const float* __restrict__ v, int ldv, const float* __restrict__ beta,
+                                        const float* __restrict__ decay, float* __restrict__ S,
+                                        float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
+    PF_DYN_SHARED(float, sh);
+    const int j = blockIdx.x, g = j % nk, tid = threadIdx.x, nt = blockDim.x;
+    const int ncb = gridDim.y, cw = (dv + ncb - 1) / ncb, c0 = blockIdx.y * cw;
+    const int nc = dv - c0 < cw ? dv - c0 : cw;
+    if (nc <= 0) return;
+    const int rs = nt / nc > 1 ? nt / nc : 1;
+    float* Ss = sh;                // [dk, cw]
+    float* qs = Ss + dk * cw;      // [dk]
+    float* ks = qs + dk;           // [dk]
+    float* vec = ks + dk;          // [cw]
+    float* part = vec + cw;        // [rs, cw]
+    float* Sj = S + (long long)j * dk * dv;
+    for (int idx = tid; idx < dk * nc; idx += nt) {
+        int r = idx / nc, cl = idx - r * nc;
+        Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
+    }
+    for (int t = 0; t < T; ++t) {
+        const float* qt = q + ((long long)t * nk + g) * dk;
+        const float* kt = kk + ((long long)t * nk + g) * dk;
+        for (int r = tid; r < dk; r += nt) { qs[r] = qt[r]; ks[r] = kt[r]; }
+        __syncthreads();
+        const float dec = decay[(long long)t * nv + j], bj = beta[(long long)t * nv + j];
+        for (int idx = tid; idx < rs * nc; idx += nt) {
+            int cl = idx % nc, s = idx / nc;
+            float acc = 0.0f;
+            for (int r = s; r < dk; r += rs) acc += ks[r] * (Ss[r * cw + cl] * dec);
+            part[s * cw + cl] = acc;
+        }
+        __syncthreads();
+        const float* vt = v + (long long)t * ldv + (long long)j * dv + c0;
+        for (int cl = tid; cl < nc; cl += nt) {
+            float kv = 0.0f;
+            for (int s = 0; s < rs; ++s) kv += part[s * cw + cl];
+            vec[cl] = (vt[cl] - kv) * bj;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < rs * nc; idx += nt) {
+            int cl = idx % nc, s = idx / nc;
+            float d = vec[cl], acc = 0.0f;
+            for (int r = s; r < dk; r += rs) {
+                float sn = Ss[r * cw + cl] * dec + ks[r] * d;
+                Ss[r * cw + cl] = sn;
+                acc += qs[r] * sn;
+            }
+            part[s * cw + cl] = acc;
+        }
+        __syncthreads();
+        float* ot = out + (long long)t * nv * dv + (long long)j * dv + c0;
+        for (int cl = tid; cl < nc; cl += nt) {
+            float o = 0.0f;
+            for (int s = 0; s < rs; ++s) o += part[s * cw + cl];
+            ot[cl] = o;
+        }
+        __syncthreads();
+    }
+    for (int idx = tid; idx < dk * nc; idx += nt) {
+        int r = idx / nc, cl = idx - r * nc;
+        Sj[(long long)r * dv + c0 + cl] = Ss[r * cw + cl];
+    }
+}
+
+// ---- dequantize blobs through a pointer table ----------------------------------------------------------------------
+// For blob b = blockIdx.y: the n_groups * 8 values of type TQ starting off bytes after ptrs[b] (a VRAM slot or mapped
+// pinned host memory) into dst + b * n_groups * 8 (float32). Groups by grid stride over blockIdx.x.
+template <int TQ> __global__ void pf_dequant_blobs(const u64* __restrict__ ptrs, long long off, long long n_groups,
+                                                   float* __restrict__ dst) {
+    const int b = blockIdx.y;
+    const u8* src = reinterpret_cast<const u8*>(ptrs[b]) + off;
+    float* d = dst + (long long)b * n_groups * 8;
+    const int gpb = Unit<TQ>::bs / 8;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_groups;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long blk = i / gpb;
+        int g = (int)(i - blk * gpb);
+        float o[8];
+        deq8<TQ>(src + blk * Unit<TQ>::ts, g, o);
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) d[8 * i + e] = o[e];
+    }
+}
+
+// ---- routed experts straight from the quantized blobs, several tokens per weight row -------------------------------
+// A job is (one expert, up to PF_TT of its tokens): job_ptr[j] is the expert's blob address (a VRAM slot or mapped
+// pinned host memory), job_tok[j PF_TT + s] the row of X of its token s (-1: no token). Each weight row is decoded
+// once per job and multiplied with the job's tokens, staged in shared memory (float32).
+#define PF_TT 8
+
+__device__ __forceinline__ float pf_warp_sum(float v) {
+#ifndef STRATA_HOST
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+#endif
+    return v;
+}
+
+// Hbuf[j PF_TT + s, r] = silu(gate_j[r] . x_s) * (up_j[r] . x_s) for job j = blockIdx.y and rows r (one per warp, grid
+// stride over blockIdx.x); gate_j = job_ptr[j], up_j = gate_j + F rb (rb = H / bs * ts bytes a row). Rows of no token
+// are left as they are. Shared: PF_TT H floats.
+template <int TQ> __global__ void __launch_bounds__(256) pf_moe_gu(
+        const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const float* __restrict__ X,
+        float* __restrict__ Hbuf, int H, int F) {
+    PF_DYN_SHARED(float, xs);
+    const int j = blockIdx.y;
+    for (int i = threadIdx.x; i < PF_TT * H; i += blockDim.x) {
+        int s = i / H, c = i - s * H;
+        int t = job_tok[j * PF_TT + s];
+        xs[i] = t >= 0 ? X[(long long)t * H + c] : 0.0f;
+    }
+    __syncthreads();
+    const int nl = blockDim.x < 32 ? blockDim.x : 32;
+    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    const int bs = Unit<TQ>::bs, ts = Unit<TQ>::ts, gpb = bs / 8;
+    const long long rb = (long long)(H / bs) * ts;
+    const int ng = H / 8;
+    const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
+    const u8* U = G + (long long)F * rb;
+    for (int row = blockIdx.x * warps + warp; row < F; row += gridDim.x * warps) {
+        const u8* gr = G + row * rb;
+        const u8* ur = U + row * rb;
+        float ag[PF_TT], au[PF_TT];
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) { ag[s] = 0.0f; au[s] = 0.0f; }
+        for (int gi = lane; gi < ng; gi += nl) {
+            int blk = gi / gpb, g = gi - blk * gpb;
+            float og[8], ou[8];
+            deq8<TQ>(gr + (long long)blk * ts, g, og);
+            deq8<TQ>(ur + (long long)blk * ts, g, ou);
+            #pragma unroll
+            for (int s = 0; s < PF_TT; ++s) {
+                const float4* x4 = reinterpret_cast<const float4*>(xs + s * H + 8 * gi);
+                float4 a = x4[0], b = x4[1];
+                ag[s] += og[0] * a.x + og[1] * a.y + og[2] * a.z + og[3] * a.w
+                       + og[4] * b.x + og[5] * b.y + og[6] * b.z + og[7] * b.w;
+                au[s] += ou[0] * a.x + ou[1] * a.y + ou[2] * a.z + ou[3] * a.w
+                       + ou[4] * b.x + ou[5] * b.y + ou[6] * b.z + ou[7] * b.w;
+            }
+        }
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) {
+            float gs = pf_warp_sum(ag[s]), us = pf_warp_sum(au[s]);
+            if (lane == 0 && job_tok[j * PF_TT + s] >= 0)
+                Hbuf[((long long)j * PF_TT + s) * F + row] = gs / (1.0f + expf(-gs)) * us;
+        }
+    }
+}
+
+// out[job_dst[j PF_TT + s], r] = down_j[r] . Hbuf[j PF_TT + s] for job j = blockIdx.y and rows r < H (one per warp,
+// grid stride over blockIdx.x); down_j = job_ptr[j] + doff; rows of F values of type TQ. Slots with job_dst < 0 are
+// skipped. Shared: PF_TT F floats.
+template <int TQ> __global__ void __launch_bounds__(256) pf_moe_down(
+        const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst,
+        const float* __restrict__ Hbuf, float* __restrict__ out, int H, int F) {
+    PF_DYN_SHARED(float, hs);
+    const int j = blockIdx.y;
+    for (int i = threadIdx.x; i < PF_TT * F; i += blockDim.x) hs[i] = Hbuf[(long long)j * PF_TT * F + i];
+    __syncthreads();
+    const int nl = blockDim.x < 32 ? blockDim.x : 32;
+    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    const int bs = Unit<TQ>::bs, ts = Unit<TQ>::ts, gpb = bs / 8;
+    const long long rb = (long long)(F / bs) * ts;
+    const int ng = F / 8;
+    const u8* D = reinterpret_cast<const u8*>(job_ptr[j]) + doff;
+    for (int row = blockIdx.x * warps + warp; row < H; row += gridDim.x * warps) {
+        const u8* dr = D + row * rb;
+        float acc[PF_TT];
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) acc[s] = 0.0f;
+        for (int gi = lane; gi < ng; gi += nl) {
+            int blk = gi / gpb, g = gi - blk * gpb;
+            float o[8];
+            deq8<TQ>(dr + (long long)blk * ts, g, o);
+            #pragma unroll
+            for (int s = 0; s < PF_TT; ++s) {
+                const float4* h4 = reinterpret_cast<const float4*>(hs + s * F + 8 * gi);
+                float4 a = h4[0], b = h4[1];
+                acc[s] += o[0] * a.x + o[1] * a.y + o[2] * a.z + o[3] * a.w
+                        + o[4] * b.x + o[5] * b.y + o[6] * b.z + o[7] * b.w;
+            }
+        }
+        #pragma unroll
+        for (int s = 0; s < PF_TT; ++s) {
+            float v = pf_warp_sum(acc[s]);
+            int d = job_dst[j * PF_TT + s];
+            if (lane == 0 && d >= 0) out[(long long)d * H + row] = v;
+        }
+    }
+}

@@ -1,0 +1,816 @@
+"""Batched prompt prefill for :class:`stratatools.runtime.gpu.decode.StaticDecoder`: a prompt runs in chunks of up to
+``chunk`` tokens, each chunk one batched forward over the decoder's static buffers, leaving the decoder in the state
+the same tokens fed one :meth:`StaticDecoder.step` at a time would leave (K/V caches, GDN conv and recurrent states,
+QSA indexer raw keys and pooled block keys, PLE conv states and n-gram context, position), up to float rounding.
+
+Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4ExpRuntime.forward`, in float32):
+
+* dense projections: on CuPy each matrix is dequantized from the GGUF bytes the step already keeps in VRAM
+  (``pf_dequant_blobs`` compiled without multiply-add fusion: bit-identical to the numpy dequantizer) into a transient
+  float32 array (one matrix at a time, served by CuPy's pool) and multiplied by cuBLAS SGEMM (``X @ W.T``; no TF32);
+  the output head runs for the last token only, through the step's quantized matvec;
+* the router: ``pf_route`` (``prefill.cu``) for all T tokens at once (softmax/sigmoid, k rounds of arg-max with ties
+  to the lower index, weight normalisation: the step's ``route_fused`` rule); the routing comes back to the host once
+  per layer (the expert jobs are built there);
+* routed experts (``experts="rows"``, the default): the T k (token, expert) pairs are split into jobs of one expert
+  and up to :data:`JOB_TOKENS` of its tokens (:func:`expert_jobs`); ``pf_moe_gu`` / ``pf_moe_down`` decode each
+  quantized row of a job's expert once and multiply it with the job's tokens, reading the blob through the tier's
+  slot table (a VRAM slot, or the mapped pinned host arena for an expert not resident; the tier's residency does not
+  change during the prompt); every pair's output lands in its own row and the k rows of a token are summed with the
+  router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
+  blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
+  through two batched SGEMMs;
+* the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] batched; the delta-rule
+  recurrence by ``pf_gdn_chunk`` (one block per value head and column slice, the state resident in shared memory
+  while the block walks the chunk's tokens in order);
+* attention: the chunk's keys/values (and, on a long-context decoder, its raw indexer keys and newly completed pooled
+  block keys) are written into the static caches, then causal attention of the chunk's queries over positions
+  ``0 .. pos0+T-1``; where QSA selects (a query past :func:`stratatools.runtime.gpu.decode.max_full_context`'s range)
+  the attended cells are picked per query exactly as :meth:`Qwen4ExpRuntime._select` picks them;
+* PLE and norms: batched array code; the hyper-connection norm, mix and inject as single kernels on CuPy.
+
+With numpy (a decoder over :class:`stratatools.runtime.model.Qwen4ExpRuntime`) the same code runs on the CPU with
+float32 matrices from :meth:`Weights.get` and experts from the runtime's ``expert_fn`` (tests check the chunk logic
+against numpy decode steps there; the CUDA kernels are checked as host C++).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
+from stratatools.runtime.topk import llamacpp_cells, qsa_selects_all, torch_topk_indices
+
+from stratatools.runtime.gpu.kernels import UNIT, cuda_source
+
+#: Tokens per chunk (default).
+CHUNK = 512
+#: Experts whose float32 blobs are dequantized at once (default).
+GROUP = 8
+#: Bytes the attention of one query block may take with its temporaries (the chunk's queries are split so that one
+#: score array [heads, queries, positions] takes at most a quarter of it).
+ATTN_SCORE_BYTES = 128 << 20
+ROUTE_THREADS = 128
+#: Tokens of one expert job (``prefill.cu`` PF_TT): each weight row is decoded once per job.
+JOB_TOKENS = 8
+#: Expert paths: ``rows`` (``pf_moe_gu``/``pf_moe_down``: quantized rows decoded once per job of up to
+#: :data:`JOB_TOKENS` tokens) or ``gemm`` (blobs dequantized to float32 ``group`` at a time, batched SGEMMs).
+EXPERT_PATHS = ("rows", "gemm")
+
+
+def expert_jobs(ids: np.ndarray, tt: int = JOB_TOKENS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split the (token, expert) pairs of a routing ``ids`` [T, k] into jobs of one expert and up to ``tt`` of its
+    tokens (experts in increasing id, tokens in increasing order). Returns (expert of each job [J] int64, token of
+    each job slot [J tt] int32 (-1: empty), pair index t k + r of each slot [J tt] int32 (-1: empty))."""
+    ids = np.asarray(ids)
+    k = ids.shape[1]
+    flat = ids.reshape(-1).astype(np.int64)
+    N = flat.size
+    order = np.argsort(flat, kind="stable")
+    uniq, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    rank = np.arange(N) - np.repeat(starts, counts)
+    njob = -(-counts // tt)
+    jstart = np.concatenate([[0], np.cumsum(njob)[:-1]]).astype(np.int64)
+    slot = np.repeat(jstart, counts) * tt + (rank // tt) * tt + rank % tt
+    J = int(njob.sum())
+    tok = np.full(J * tt, -1, dtype=np.int32)
+    dst = np.full(J * tt, -1, dtype=np.int32)
+    tok[slot] = order // k
+    dst[slot] = order
+    return np.repeat(uniq, njob), tok, dst
+
+
+@functools.lru_cache(maxsize=None)
+def _module(exact: bool, type_ids: tuple[int, ...]) -> Any:
+    """``prefill.cu`` compiled (once per argument set) with the templates instantiated only for ``type_ids`` (the
+    types the model uses: compiling every type's decoder takes NVRTC tens of seconds): ``exact``: the dequantizer
+    ``pf_dequant_blobs`` without multiply-add fusion (bit-identical to the numpy dequantizer); else the expert kernels
+    ``pf_moe_gu``/``pf_moe_down`` with it. Both hold the ``extern "C"`` kernels."""
+    import cupy
+
+    from stratatools.runtime.gpu.kernels import tables_source
+
+    src = (cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("prefill.cu"))
+    kinds = ("pf_dequant_blobs",) if exact else ("pf_moe_gu", "pf_moe_down")
+    names = [f"{k}<{tid}>" for k in kinds for tid in type_ids]
+    opts = ("--std=c++17", "--fmad=false") if exact else ("--std=c++17",)
+    return cupy.RawModule(code=src, options=opts, name_expressions=names)
+
+
+def host_source(type_ids: tuple[int, ...]) -> str:
+    """``prefill.cu`` with the decoders as host C++17 (``host_kernel_shim.cuh``: one thread per block), with entries
+    ``host_<kernel>(grid_x, grid_y, <the kernel's parameters>)`` for its ``extern "C"`` kernels and
+    ``host_pf_dequant_blobs_<T>(grid_x, grid_y, ptrs, off, n_groups, dst)``, ``host_pf_moe_gu_<T>(...)`` and
+    ``host_pf_moe_down_<T>(...)`` (the templates' parameters) for each ggml type id in ``type_ids``
+    (tests/test_gpu_prefill_host.py)."""
+    from stratatools.runtime.gpu.kernels import kernel_signatures, tables_source
+
+    entries = []
+    for k, params in kernel_signatures("prefill.cu").items():
+        decl = ", ".join(f"{t} {n}" for t, n in params)
+        call = ", ".join(n for _, n in params)
+        entries.append(f'extern "C" void host_{k}(unsigned gx, unsigned gy, {decl}) {{\n'
+                       f"    host_run_grid(gx, gy, [&]() {{ {k}({call}); }});\n}}\n")
+    gu = ("const u64* job_ptr, const int* job_tok, const float* X, float* Hbuf, int H, int F",
+          "job_ptr, job_tok, X, Hbuf, H, F")
+    dn = ("const u64* job_ptr, long long doff, const int* job_dst, const float* Hbuf, float* out, int H, int F",
+          "job_ptr, doff, job_dst, Hbuf, out, H, F")
+    for tid in type_ids:
+        for name, (decl, call) in (("pf_moe_gu", gu), ("pf_moe_down", dn)):
+            entries.append(f'extern "C" void host_{name}_{int(tid)}(unsigned gx, unsigned gy, {decl}) {{\n'
+                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{int(tid)}>({call}); }});\n}}\n")
+        entries.append(f'extern "C" void host_pf_dequant_blobs_{int(tid)}(unsigned gx, unsigned gy, const u64* ptrs, '
+                       f"long long off, long long n_groups, float* dst) {{\n"
+                       f"    host_run_grid(gx, gy, [&]() {{ pf_dequant_blobs<{int(tid)}>(ptrs, off, n_groups, dst); }});\n}}\n")
+    return (cuda_source("host_kernel_shim.cuh") + cuda_source("host_shim.cuh") + cuda_source("prelude.cuh")
+            + tables_source() + cuda_source("decoders.cuh") + cuda_source("prefill.cu") + "".join(entries))
+
+
+def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, group: int = GROUP,
+                          max_dense_values: int = 0, max_ctx: int = 1 << 30, experts: str = "rows") -> int:
+    """Device bytes the batched prefill's temporaries need at most (an estimate for the ``--vram-gib`` plan): about
+    twelve chunk-wide activations of the hyper-connection width; one dense matrix as float32 (``max_dense_values``
+    values) twice (dequantized and in flight); the attention scores with their temporaries (at most
+    :data:`ATTN_SCORE_BYTES`, less for short contexts); the per-pair expert outputs [chunk k, n_embd] three times
+    (outputs, weighted, summed) and, on the ``rows`` expert path, the jobs' hidden activations (every expert's last
+    job padded to :data:`JOB_TOKENS`), on the ``gemm`` path ``group`` expert blobs as float32 (``blob_bytes_f32``
+    each) with their gathered inputs and outputs (every expert of a group padded to the chunk)."""
+    n, hc, k = cfg.n_embd, cfg.hc_count, cfg.n_expert_used
+    ff = cfg.n_ff_exp
+    E = max(cfg.n_expert) if isinstance(cfg.n_expert, (list, tuple)) else int(cfg.n_expert)
+    act = 12 * chunk * hc * n * 4
+    experts_b = 3 * (chunk * k + 1) * n * 4
+    if experts == "rows":
+        experts_b += (chunk * k + E * (JOB_TOKENS - 1)) * ff * 4
+    else:
+        experts_b += group * blob_bytes_f32 + group * chunk * (n + 3 * ff) * 4 * 2
+    attn = min(ATTN_SCORE_BYTES, 4 * 4 * cfg.n_head * chunk * max(1, min(max_ctx, 1 << 30)))
+    return int(act + experts_b + 2 * 4 * max_dense_values + attn)
+
+
+class ChunkPrefill:
+    """The batched prefill of one :class:`StaticDecoder` (see module docstring).
+
+    Args:
+        dec: the decoder whose buffers the prefill fills.
+        chunk: tokens per batched forward (1..).
+        group: experts dequantized at once (``gemm`` expert path).
+        experts: the routed-expert path, one of :data:`EXPERT_PATHS`.
+    Raises:
+        StrataError: a chunk or group below 1; an unknown expert path.
+    """
+
+    def __init__(self, dec: Any, chunk: int = CHUNK, group: int = GROUP, experts: str = "rows"):
+        if chunk < 1 or group < 1:
+            raise StrataError(f"prefill chunk {chunk} and expert group {group} must be at least 1")
+        if experts not in EXPERT_PATHS:
+            raise StrataError(f"expert path {experts!r} is not one of {', '.join(EXPERT_PATHS)}")
+        self.experts = experts
+        self.dec, self.rt, self.w, self.cfg, self.xp = dec, dec.rt, dec.w, dec.cfg, dec.xp
+        self.gpu = dec.gpu
+        self.chunk, self.group = int(chunk), int(group)
+        self.k = self.cfg.n_expert_used
+        self._small: dict[str, Any] = {}
+        self.timing: dict[str, float] | None = None  # set to {} to collect per-part host-side timings (synchronises)
+        if self.gpu:
+            import cupy as cp
+
+            self.cp = cp
+            ex = {t for ly in dec.rt.tier.arena.layers for t in (ly.gu_type.id, ly.d_type.id) if t in UNIT}
+            dense = {t.type.id for t in self.w.model.iter_tensors()
+                     if "_exps." not in t.name and t.type.id in UNIT and t.type.name not in ("F32", "F16", "BF16")}
+            self._tids = {True: tuple(sorted(ex | dense)), False: tuple(sorted(ex))}
+            mod = _module(False, self._tids[False])
+            self.k_route = mod.get_function("pf_route")
+            self.k_gdn = mod.get_function("pf_gdn_chunk")
+
+    # -- public -----------------------------------------------------------------------------------------
+    def run(self, ids: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+        """Run the prompt ``ids`` from the decoder's position on; returns (logits of the last token [vocab] (device
+        array on CuPy), routing ids [T, L, k] int32, weights [T, L, k] float32 (host)).
+
+        Raises StrataError for an empty call, a token outside the vocabulary or a context past ``max_ctx``.
+        """
+        dec, cfg = self.dec, self.cfg
+        toks = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if toks.size == 0:
+            raise StrataError("no tokens to run")
+        if toks.min() < 0 or toks.max() >= cfg.n_vocab:
+            bad = int(toks[(toks < 0) | (toks >= cfg.n_vocab)][0])
+            raise StrataError(f"token id {bad} is outside the vocabulary [0, {cfg.n_vocab})")
+        if dec.pos + toks.size > dec.max_ctx:
+            raise StrataError(f"position {dec.max_ctx} is past the static decoder's {dec.max_ctx} positions "
+                              f"(prompt of {toks.size} tokens at position {dec.pos})")
+        if self.gpu:
+            self._slots = dec.rt.tier.slot_table()
+        rid, rw = [], []
+        lg = None
+        for a in range(0, toks.size, self.chunk):
+            part = toks[a:a + self.chunk]
+            lg, i, w = self._chunk(part, last=a + self.chunk >= toks.size)
+            rid.append(i)
+            rw.append(w)
+        return lg, np.concatenate(rid, axis=0), np.concatenate(rw, axis=0)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _tic(self, key: str) -> None:
+        if self.timing is None:
+            return
+        import time
+
+        if self.gpu:
+            self.cp.cuda.get_current_stream().synchronize()
+        now = time.perf_counter()
+        last = getattr(self, "_tlast", None)
+        if last is not None:
+            self.timing[self._tkey] = self.timing.get(self._tkey, 0.0) + now - last
+        self._tlast, self._tkey = now, key
+
+    def _push(self, key: str) -> None:
+        """Time what follows under ``key`` until :meth:`_pop` (breakdown only)."""
+        if self.timing is not None:
+            self._tstack = getattr(self, "_tstack", []) + [self._tkey]
+            self._tic(key)
+
+    def _pop(self) -> None:
+        if self.timing is not None:
+            self._tic(self._tstack.pop())
+
+    def _f32(self, name: str) -> Any:
+        """A small tensor as float32 on xp (norm weights, conv kernels, biases), kept."""
+        a = self._small.get(name)
+        if a is None:
+            a = self.xp.ascontiguousarray(self.w.get(name), dtype=self.xp.float32)
+            self._small[name] = a
+        return a
+
+    def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
+        """(device bytes of matrix ``name`` as the step holds them, type, rows, cols): the decoder's own copy (its
+        per-matrix buffer, or a slice of a stacked group buffer), else a transient upload."""
+        dec, cp = self.dec, self.cp
+        t = self.w.model.tensor(name)
+        cols = int(t.ne[0])
+        rows = int(np.prod([int(d) for d in t.ne[1:]])) if len(t.ne) > 1 else 1
+        got = dec._raw.get(name)
+        if got is not None and got[0] is not None:
+            return got[0], t.type, rows, cols
+        for key, (buf, _rows) in dec._raw_groups.items():
+            if name in key:
+                off = 0
+                for nm in key:
+                    nb = int(self.w.model.tensor(nm).nbytes)
+                    if nm == name:
+                        return buf[off:off + nb], t.type, rows, cols
+                    off += nb
+        return cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(t))).reshape(-1)), t.type, rows, cols
+
+    def _fn(self, exact: bool, kind: str, tid: int) -> Any:
+        """Kernel ``kind<tid>`` of :func:`_module` (a type the model did not list gets a module of its own)."""
+        tids = self._tids[exact] if tid in self._tids[exact] else (int(tid),)
+        return _module(exact, tids).get_function(f"{kind}<{int(tid)}>")
+
+    def _dequant(self, raw: Any, t: Any, rows: int, cols: int) -> Any:
+        """Device bytes of a matrix of type ``t`` as float32 [rows, cols], bit-identical to the numpy dequantizer
+        (float types by a view or a cast; block types by ``pf_dequant_blobs`` without multiply-add fusion)."""
+        cp = self.cp
+        if t.name in ("F32", "F16", "BF16") or t.id not in UNIT:
+            from stratatools.runtime.gpu.dequant import dequantize
+
+            return dequantize(raw, t, rows * cols).reshape(rows, cols)
+        if int(raw.size) != rows * t.row_bytes(cols) or cols % UNIT[t.id][0]:
+            raise StrataError(f"{t.name} matrix of {rows} x {cols} values: {int(raw.size)} bytes are not whole rows")
+        out = cp.empty((rows, cols), dtype=cp.float32)
+        ng = rows * cols // 8
+        ptr = cp.asarray(np.array([int(raw.data.ptr)], dtype=np.uint64))
+        self._fn(True, "pf_dequant_blobs", t.id)((max(1, min(-(-ng // 256), 8192)), 1), (256,),
+                                                 (ptr, np.int64(0), np.int64(ng), out))
+        return out
+
+    def _weight(self, name: str) -> Any:
+        """Matrix ``name`` as float32 [rows, cols] (numpy order): on CuPy dequantized now (transient)."""
+        if not self.gpu:
+            W = self.w.get(name)
+            return W.reshape(W.shape[0], -1) if W.ndim > 1 else W.reshape(1, -1)
+        raw, t, rows, cols = self._raw_dev(name)
+        return self._dequant(raw, t, rows, cols)
+
+    def _mm(self, X: Any, name: str) -> Any:
+        """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32."""
+        self._push("dense")
+        W = self._weight(name)
+        out = self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
+        self._pop()
+        return out
+
+    def _rows(self, name: str, ids: np.ndarray) -> Any:
+        """Rows ``ids`` of a table (token / PLE embedding), dequantized on the host in one call: [len(ids), ne0]
+        float32 on xp (the step's per-row decoding, vectorised)."""
+        from stratatools.runtime.weights import dequantize
+
+        t = self.w.model.tensor(name)
+        ne0 = int(t.ne[0])
+        rb = t.type.row_bytes(ne0)
+        n_rows = int(t.ne[1])
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            raise StrataError(f"{self.w.model.path}: tensor {name}: row id out of range [0, {n_rows})")
+        raw = np.asarray(self.w.model.raw(t)).reshape(n_rows, rb)
+        got = raw[ids].reshape(-1)
+        out = _to_host(dequantize(got, t.type, ids.size * ne0, xp=np)).reshape(ids.size, ne0)
+        return self.xp.asarray(np.ascontiguousarray(out, dtype=np.float32))
+
+    # -- the chunk --------------------------------------------------------------------------------------
+    def _chunk(self, toks: np.ndarray, last: bool) -> tuple[Any, np.ndarray, np.ndarray]:
+        dec, cfg, xp = self.dec, self.cfg, self.xp
+        T = int(toks.size)
+        pos0 = dec.pos
+        L, k = cfg.n_layer, self.k
+        self._tic("embed")
+        x0 = self._rows("token_embd.weight", toks)
+        H = xp.concatenate([x0] * cfg.hc_count, axis=-1)  # [T, hc n]
+        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        cos, sin = self.rt.rope.cos_sin(positions)
+        ple_rows = self._ple_rows(toks) if cfg.ple_layers else {}
+        ids_out = np.zeros((T, L, k), dtype=np.int32)
+        w_out = np.zeros((T, L, k), dtype=np.float32)
+        for il in range(L):
+            if il in cfg.ple_layers:
+                self._tic("ple")
+                H = H + self._ple(il, H, ple_rows[il])
+            self._tic("hc")
+            mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
+            if cfg.recurrent[il]:
+                self._tic("gdn")
+                y = self._gdn(il, mixed)
+            else:
+                self._tic("attention")
+                y = self._attention(il, mixed, pos0, cos, sin)
+            self._tic("hc")
+            H = self._inject(H, y, inject)
+            mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
+            self._tic("moe")
+            y, i, w = self._moe(il, mixed)
+            ids_out[:, il] = i
+            w_out[:, il] = w
+            self._tic("hc")
+            H = self._inject(H, y, inject)
+        dec.pos = pos0 + T
+        lg = None
+        if last:
+            self._tic("head")
+            out_in, _ = self._hc("output_hc", H[-1:], inject=False)
+            lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
+        self._tic("end")
+        return lg, ids_out, w_out
+
+    def _ew(self, name: str, params: str, out: str, body: str) -> Any:
+        """A cached CuPy element-wise kernel."""
+        k = self._kernels.get(name) if hasattr(self, "_kernels") else None
+        if k is None:
+            self._kernels = getattr(self, "_kernels", {})
+            k = self._kernels[name] = self.cp.ElementwiseKernel(params, out, body, name)
+        return k
+
+    def _inject(self, H: Any, y: Any, iw: Any) -> Any:
+        """H + y [T, n] injected into every stream with the weights iw [T, hc] (in place on CuPy)."""
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        if not self.gpu:
+            return H + (y[:, None, :] * iw[:, :, None]).reshape(T, -1)
+        k = self._ew("pf_inject", "raw float32 y, raw float32 iw, int32 hc, int32 n", "float32 H",
+                     "long long t = i / ((long long)hc * n); int r = (int)(i - t * hc * n); int h = r / n;"
+                     " H = H + y[t * n + (r - h * n)] * iw[t * hc + h];")
+        k(self.cp.ascontiguousarray(y, dtype=xp.float32), self.cp.ascontiguousarray(iw, dtype=xp.float32),
+          np.int32(hc), np.int32(n), H)
+        return H
+
+    def _hc(self, prefix: str, H: Any, inject: bool = True) -> tuple[Any, Any]:
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        if self.gpu:
+            return self._hc_gpu(prefix, H, inject)
+        hn = _rmsnorm(xp, H, self._f32(f"{prefix}_norm.weight"), cfg.eps, group=n)
+        m = _silu(xp, self._mm(hn, f"{prefix}_down.weight") / xp.float32(hc))
+        m = _sigmoid(xp, self._mm(m, f"{prefix}_up.weight"))
+        mixed = xp.sum(m.reshape(T, hc, n) * hn.reshape(T, hc, n), axis=1) / xp.float32(hc)
+        if not inject:
+            return mixed.astype(xp.float32, copy=False), None
+        iw = 2.0 * _sigmoid(xp, self._mm(hn, f"{prefix}_inject.weight") / xp.float32(hc))
+        return mixed.astype(xp.float32, copy=False), iw.astype(xp.float32)
+
+    def _hc_gpu(self, prefix: str, H: Any, inject: bool = True) -> tuple[Any, Any]:
+        """:meth:`_hc` on CuPy: the decoder's ``rmsnorm_rows`` over the T hc streams, the mix as one kernel."""
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        H = cp.ascontiguousarray(H, dtype=cp.float32)
+        w = self._f32(f"{prefix}_norm.weight")
+        hn = cp.empty_like(H)
+        self.dec.k_rms((T * hc,), (256,), (H, w, hn, np.int32(n), np.int32(w.size), np.float32(cfg.eps)))
+        d = self._mm(hn, f"{prefix}_down.weight")
+        m = self._ew("pf_silu_div", "float32 d, float32 div", "float32 m",
+                     "float a = d / div; m = a * (1.0f / (1.0f + expf(-a)));")(d, np.float32(hc))
+        u = cp.ascontiguousarray(self._mm(m, f"{prefix}_up.weight"))
+        mixed = cp.empty((T, n), dtype=cp.float32)
+        self._ew("pf_hc_mix", "raw float32 u, raw float32 hn, int32 hc, int32 n", "float32 out",
+                 "long long t = i / n; int c = (int)(i - t * n); float s = 0.0f;"
+                 " for (int h = 0; h < hc; ++h) { long long o = (t * hc + h) * n + c;"
+                 " s += (1.0f / (1.0f + expf(-u[o]))) * hn[o]; } out = s / (float)hc;")(u, hn, np.int32(hc),
+                                                                                       np.int32(n), mixed)
+        if not inject:
+            return mixed, None
+        iw = 2.0 * _sigmoid(cp, self._mm(hn, f"{prefix}_inject.weight") / cp.float32(hc))
+        return mixed, iw.astype(cp.float32)
+
+    # -- PLE ----------------------------------------------------------------------------------------------
+    def _ple_rows(self, toks: np.ndarray) -> dict[int, np.ndarray]:
+        """PLE table row ids [T, heads] per PLE layer, with the step's context handling (the context advances after
+        every PLE layer of every token); updates the decoder's context."""
+        dec, cfg, rt = self.dec, self.cfg, self.rt
+        keep = cfg.ple_ngram - 1
+        ctx = dec.ple_ctx
+        layers = list(cfg.ple_layers)
+        if len(layers) == 1:  # one PLE layer: T single-token calls = one call over the T tokens
+            rows = {layers[0]: rt.ple_ngram_ids(toks, ctx)}
+            if keep > 0:
+                ctx = np.concatenate([ctx, toks])[-keep:]
+        else:
+            per: dict[int, list[np.ndarray]] = {il: [] for il in layers}
+            for t in toks.tolist():
+                one = np.array([t], dtype=np.int64)
+                for il in layers:
+                    per[il].append(rt.ple_ngram_ids(one, ctx))
+                    if keep > 0:
+                        ctx = np.concatenate([ctx, one])[-keep:]
+            rows = {il: np.concatenate(v, axis=0) for il, v in per.items()}
+        dec.ple_ctx = ctx
+        return rows
+
+    def _ple(self, il: int, H: Any, rows: np.ndarray) -> Any:
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        emb = self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(T, -1)
+        p = f"blk.{il}.ple_"
+        key = _rmsnorm(xp, self._mm(emb, p + "key.weight"), self._f32(p + "norm_key.weight"), cfg.eps, group=n)
+        value = self._mm(emb, p + "value.weight")
+        q = _rmsnorm(xp, H, self._f32(p + "norm_query.weight"), cfg.eps, group=n)
+        gate = xp.sum(key.reshape(T, hc, n) * q.reshape(T, hc, n), axis=-1, keepdims=True) / xp.float32(math.sqrt(n))
+        gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
+        gv = (_sigmoid(xp, gate) * value[:, None, :]).reshape(T, hc * n)
+        gvn = _rmsnorm(xp, gv, self._f32(p + "norm_conv.weight"), cfg.eps, group=n)
+        K, d = cfg.ple_conv_kernel, cfg.ple_ngram
+        span = (K - 1) * d
+        buf = self.dec.ple_conv[il]
+        xin = xp.concatenate([buf, gvn], axis=0)  # [span + T, C]
+        if span:
+            buf[...] = xin[-span:]
+        wc = self._f32(p + "conv1d.weight")  # [C, K]
+        out = xp.zeros((T, hc * n), dtype=xp.float32)
+        for kk in range(K):
+            out = out + xin[kk * d:kk * d + T] * wc[:, kk][None, :]
+        return gv + _silu(xp, out)
+
+    # -- gated DeltaNet -----------------------------------------------------------------------------------
+    def _gdn(self, il: int, x: Any) -> Any:
+        xp, cfg, dec = self.xp, self.cfg, self.dec
+        T = x.shape[0]
+        nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
+        dv = cfg.ssm_head_v_dim
+        p = f"blk.{il}."
+        qkv = self._mm(x, p + "attn_qkv.weight")  # [T, C]
+        z = self._mm(x, p + "attn_gate.weight").reshape(T, nv, dv)
+        b = self._mm(x, p + "ssm_beta.weight")
+        a = self._mm(x, p + "ssm_alpha.weight")
+        wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
+        C, K = wc.shape
+        cbuf = dec.conv[il]
+        xin = xp.concatenate([cbuf, qkv], axis=0)  # [K-1+T, C]
+        if K > 1:
+            cbuf[...] = xin[-(K - 1):]
+        conv = xp.zeros((T, C), dtype=xp.float32)
+        for kk in range(K):
+            conv = conv + xin[kk:kk + T] * wc[:, kk][None, :]
+        conv = _silu(xp, conv)
+        q = _l2norm(xp, conv[:, :nk * dk].reshape(T, nk, dk)) * xp.float32(dk ** -0.5)
+        kn = _l2norm(xp, conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
+        beta = _sigmoid(xp, b)
+        decay = xp.exp(self._f32(p + "ssm_a")[None, :] * _softplus(xp, a + self._f32(p + "ssm_dt.bias")[None, :]))
+        decay = decay.astype(xp.float32)
+        self._push("gdn_recur")
+        out = self._gdn_recur(il, q, kn, conv, 2 * nk * dk, beta, decay, T)
+        self._pop()
+        o = _rmsnorm(xp, out.reshape(T, nv, dv), self._f32(p + "ssm_norm.weight"), cfg.eps)
+        act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
+        return self._mm((o * act).reshape(T, nv * dv), p + "ssm_out.weight")
+
+    def _gdn_recur(self, il: int, q: Any, kn: Any, conv: Any, voff: int, beta: Any, decay: Any, T: int) -> Any:
+        """The delta-rule recurrence over the chunk (state ``dec.ssm[il]`` updated in place): out [T, nv dv]."""
+        cfg, xp = self.cfg, self.xp
+        nk, dk, nv, dv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank, cfg.ssm_head_v_dim
+        S = self.dec.ssm[il]
+        if self.gpu:
+            cp = self.cp
+            v = cp.ascontiguousarray(conv)
+            out = cp.empty((T, nv * dv), dtype=cp.float32)
+            ncb = max(1, min(dv, -(-128 // max(nv, 1))))  # about one block per SM in all
+            cw = -(-dv // ncb)
+            threads = 256 if cw >= 32 else 128
+            rs = max(1, threads // cw)
+            shm = (dk * cw + 2 * dk + (rs + 1) * cw) * 4
+            if shm > 96 * 1024:
+                raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the prefill kernel's shared memory")
+            if shm > 48 * 1024 and getattr(self.k_gdn, "max_dynamic_shared_size_bytes", 0) < shm:
+                self.k_gdn.max_dynamic_shared_size_bytes = shm
+            self.k_gdn((nv, ncb), (threads,), (cp.ascontiguousarray(q), cp.ascontiguousarray(kn),
+                                               np.uint64(int(v.data.ptr) + 4 * voff), np.int32(v.shape[1]), cp.ascontiguousarray(beta),
+                                               cp.ascontiguousarray(decay), S, out, np.int32(T), np.int32(nk),
+                                               np.int32(nv), np.int32(dk), np.int32(dv)), shared_mem=shm)
+            return out
+        rep = nv // nk
+        qt = np.tile(q, (1, rep, 1)) if rep > 1 else q
+        kt = np.tile(kn, (1, rep, 1)) if rep > 1 else kn
+        v = conv[:, voff:].reshape(T, nv, dv)
+        out = np.empty((T, nv, dv), dtype=np.float32)
+        St = S.copy()
+        for t in range(T):
+            St = St * decay[t][:, None, None]
+            kv = np.sum(kt[t][:, :, None] * St, axis=1)
+            delta = (v[t] - kv) * beta[t][:, None]
+            St = St + kt[t][:, :, None] * delta[:, None, :]
+            out[t] = np.sum(qt[t][:, :, None] * St, axis=1)
+        S[...] = St
+        return out.reshape(T, nv * dv)
+
+    # -- attention ----------------------------------------------------------------------------------------
+    def _attention(self, il: int, x: Any, pos0: int, cos: Any, sin: Any) -> Any:
+        xp, cfg, dec = self.xp, self.cfg, self.dec
+        T = x.shape[0]
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        qg = self._mm(x, p + "attn_q.weight").reshape(T, nh, 2 * hd)
+        q = qg[..., :hd]
+        gate = qg[..., hd:].reshape(T, nh * hd)
+        q = _rmsnorm(xp, q, self._f32(p + "attn_q_norm.weight"), cfg.eps)
+        kk = _rmsnorm(xp, self._mm(x, p + "attn_k.weight").reshape(T, nkv, hd), self._f32(p + "attn_k_norm.weight"),
+                      cfg.eps)
+        v = self._mm(x, p + "attn_v.weight").reshape(T, nkv, hd)
+        q = self.rt.rope.apply(q, cos, sin)
+        kk = self.rt.rope.apply(kk, cos, sin)
+        P = pos0 + T
+        dec.kc[il][pos0:P] = kk
+        dec.vc[il][pos0:P] = v
+        allowed = self._allowed(il, x, pos0, T, cos, sin)  # host bool [T, P] or None (causal only)
+        grp = nh // nkv
+        scale = xp.float32(hd ** -0.5)
+        Kc = xp.transpose(dec.kc[il][:P], (1, 2, 0))  # [nkv, hd, P]
+        Vc = xp.transpose(dec.vc[il][:P], (1, 0, 2))  # [nkv, P, hd]
+        qh = xp.transpose(q.reshape(T, nkv, grp, hd), (1, 2, 0, 3))  # [nkv, grp, T, hd]
+        o = xp.empty((nkv, grp, T, hd), dtype=xp.float32)
+        tq = max(1, min(T, ATTN_SCORE_BYTES // 4 // max(1, nh * P * 4)))
+        cols = np.arange(P)
+        for a in range(0, T, tq):
+            b = min(T, a + tq)
+            sc = xp.matmul(qh[:, :, a:b], Kc[:, None]) * scale  # [nkv, grp, b-a, P]
+            mask = cols[None, :] <= (pos0 + np.arange(a, b))[:, None]
+            if allowed is not None:
+                mask &= allowed[a:b]
+            sc = xp.where(xp.asarray(mask)[None, None], sc, xp.float32(-np.inf))
+            att = _softmax(xp, sc, axis=-1)
+            o[:, :, a:b] = xp.matmul(att, Vc[:, None])
+        o = xp.transpose(o, (2, 0, 1, 3)).reshape(T, nh * hd)
+        o = o * _sigmoid(xp, gate)
+        return self._mm(xp.ascontiguousarray(o, dtype=xp.float32), p + "attn_output.weight")
+
+    def _allowed(self, il: int, x: Any, pos0: int, T: int, cos: Any, sin: Any) -> np.ndarray | None:
+        """QSA: on a long-context decoder, cache the chunk's raw indexer keys and pool the blocks it completes (the
+        step's ``_qsa`` caches); when some query of the chunk is past the full-selection range, the attended cells
+        per query (``Qwen4ExpRuntime._select``'s rule) as a host mask [T, P]; else None."""
+        dec, cfg, xp = self.dec, self.cfg, self.xp
+        if not dec._qsa_layer(il):
+            return None
+        r, dih, budget = cfg.compress_ratios[il], cfg.idx_head_dim, cfg.idx_budget
+        P = pos0 + T
+        full = qsa_selects_all(self.rt.selection, r, budget, P - 1)
+        if not dec.long:
+            if not full:  # cannot happen: a decoder without the indexer stays in the full-selection range
+                raise StrataError(f"position {P - 1} is past the full-selection range of a decoder built without QSA")
+            return None
+        p = f"blk.{il}.indexer."
+        kr = self._mm(x, p + "k_proj.weight")  # [T, dih]
+        dec.ik[il][pos0:P] = kr
+        have, nb_all = pos0 // r, P // r
+        if nb_all > have:
+            raw = dec.ik[il][have * r:nb_all * r].reshape(nb_all - have, r, dih)
+            pooled = _rmsnorm(xp, xp.mean(raw, axis=1), self._f32(p + "k_norm.weight"), cfg.eps)
+            bc, bs = self.rt.rope.cos_sin(np.arange(have, nb_all, dtype=np.int64) * r)
+            dec.bk[il][have:nb_all] = self.rt.rope.apply(pooled[:, None, :], bc, bs)[:, 0, :]
+        if full:
+            return None
+        qi = self._mm(x, p + "q_proj.weight").reshape(T, -1, dih)
+        qi = _rmsnorm(xp, qi, self._f32(p + "q_norm.weight"), cfg.eps)
+        qi = self.rt.rope.apply(qi, cos, sin)
+        mask = np.zeros((T, P), dtype=bool)
+        if nb_all > 0:
+            sc = xp.einsum("thd,bd->tbh", qi, dec.bk[il][:nb_all])
+            scores = _to_host(xp.sum(xp.maximum(sc, 0), axis=-1) / xp.float32(math.sqrt(dih)))
+        else:
+            scores = np.zeros((T, 0), dtype=np.float32)
+        for t in range(T):
+            pp = pos0 + t
+            nb = (pp + 1) // r
+            if self.rt.selection == "transformers":
+                if nb > 0:
+                    for blk in torch_topk_indices(scores[t, :nb], min(budget // r, nb)):
+                        mask[t, blk * r:(blk + 1) * r] = True
+                mask[t, nb * r:pp + 1] = True
+            else:
+                mask[t, llamacpp_cells(scores[t, :nb], r, pp, budget + r - 1, P)] = True
+        return mask
+
+    # -- MoE ----------------------------------------------------------------------------------------------
+    def _route(self, il: int, x: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Router top-k of T tokens: host ids [T, k] int32, weights [T, k] float32 (and device copies on CuPy)."""
+        xp, cfg, k = self.xp, self.cfg, self.k
+        logits = self._mm(x, f"blk.{il}.ffn_gate_inp.weight")  # [T, E]
+        T, E = logits.shape
+        if self.gpu:
+            cp = self.cp
+            if k > E:
+                raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
+            ids = cp.empty((T, k), dtype=cp.int32)
+            w = cp.empty((T, k), dtype=cp.float32)
+            shm = (E + 2 * ROUTE_THREADS) * 4
+            self.k_route((min(T, 65535),), (ROUTE_THREADS,),
+                         (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
+                          np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
+                          np.float32(cfg.expert_weights_scale), ids, w), shared_mem=shm)
+            self._w_dev = w
+            return cp.asnumpy(ids), cp.asnumpy(w)
+        probs = _sigmoid(xp, logits) if cfg.gating == "sigmoid" else _softmax(xp, logits, axis=-1)
+        ph = np.asarray(probs, dtype=np.float32)
+        ids = np.argsort(-ph, axis=-1, kind="stable")[:, :k]
+        w = np.take_along_axis(ph, ids, axis=-1)
+        if cfg.norm_topk:
+            w = w / w.sum(axis=-1, keepdims=True)
+        w = (w * np.float32(cfg.expert_weights_scale)).astype(np.float32)
+        self._w_dev = w
+        return ids.astype(np.int32), w
+
+    def _moe(self, il: int, x: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+        xp, cfg, k = self.xp, self.cfg, self.k
+        p = f"blk.{il}."
+        T, n = x.shape
+        x = xp.ascontiguousarray(x, dtype=xp.float32)
+        ids, w = self._route(il, x)
+        self._tic("experts")
+        ya = (self._experts_rows if self.experts == "rows" else self._experts)(il, x, ids)  # [T k, n], unweighted
+        wd = self._w_dev
+        y = xp.sum(ya.reshape(T, k, n) * xp.asarray(wd).reshape(T, k, 1), axis=1)
+        self._tic("shared")
+        sg = _sigmoid(xp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+        hs = _silu(xp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
+        y = y + sg * self._shared_mm(il, hs, 2)
+        return y.astype(xp.float32, copy=False), ids, w
+
+    def _shared_mm(self, il: int, X: Any, which: int) -> Any:
+        """X @ W.T for the shared expert's gate (0), up (1) or down (2) matrix."""
+        name = f"blk.{il}.ffn_{('gate', 'up', 'down')[which]}_shexp.weight"
+        if not self.gpu:
+            return self._mm(X, name)
+        dev, _ptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
+        t = gu_t if which < 2 else d_t
+        rows, cols = (ff, hidden) if which < 2 else (hidden, ff)
+        W = self._dequant(dev[which], t, rows, cols)
+        return self.cp.matmul(X, W.T)
+
+    def _experts_rows(self, il: int, x: Any, ids: np.ndarray) -> Any:
+        """:meth:`_experts` through jobs of one expert and up to :data:`JOB_TOKENS` tokens (:func:`expert_jobs`): on
+        CuPy ``pf_moe_gu`` + ``pf_moe_down`` read the quantized blobs through the slot table; on numpy the same jobs
+        with float32 matrices."""
+        xp = self.xp
+        T, n = x.shape
+        N = int(ids.size)
+        je, jt, jd = expert_jobs(ids, JOB_TOKENS)
+        J = int(je.size)
+        if not self.gpu:
+            out = np.zeros((N, n), dtype=np.float32)
+            for j in range(J):
+                g, u, d = (np.asarray(a, dtype=np.float32) for a in self.rt.expert_fn(il, int(je[j])))
+                tok, dst = jt[j * JOB_TOKENS:(j + 1) * JOB_TOKENS], jd[j * JOB_TOKENS:(j + 1) * JOB_TOKENS]
+                X = np.where((tok >= 0)[:, None], x[np.maximum(tok, 0)], np.float32(0))
+                h = self._silu_mul(X @ g.T, X @ u.T)
+                y = h @ d.T
+                out[dst[dst >= 0]] = y[dst >= 0]
+            return out
+        cp = self.cp
+        from stratatools.runtime.gpu.kernels import launch_big_shared
+
+        ly = self.rt.tier.arena.layers[il]
+        hidden, ff = ly.hidden, ly.ff
+        for t, cols, what in ((ly.gu_type, hidden, "gate/up"), (ly.d_type, ff, "down")):
+            if t.id not in UNIT or cols % UNIT[t.id][0] or cols % 8:
+                raise StrataError(f"layer {il}: expert {what} rows of {cols} {t.name} values have no prefill kernel")
+        ptr = cp.asarray(self._slots[il][je].astype(np.uint64))
+        tok = cp.asarray(jt)
+        dst = cp.asarray(jd)
+        xx = cp.ascontiguousarray(x, dtype=cp.float32)
+        hbuf = cp.empty((J * JOB_TOKENS, ff), dtype=cp.float32)
+        out = cp.empty((N, n), dtype=cp.float32)
+        warps = 8
+        gx = max(1, -(-ff // (8 * warps)))
+        launch_big_shared(self._fn(False, "pf_moe_gu", ly.gu_type.id), (gx, J), (32 * warps,),
+                          (ptr, tok, xx, hbuf, np.int32(hidden), np.int32(ff)), JOB_TOKENS * hidden * 4)
+        gx = max(1, -(-hidden // (8 * warps)))
+        launch_big_shared(self._fn(False, "pf_moe_down", ly.d_type.id), (gx, J), (32 * warps,),
+                          (ptr, np.int64(2 * ly.gate_bytes), dst, hbuf, out, np.int32(hidden), np.int32(ff)),
+                          JOB_TOKENS * ff * 4)
+        return out
+
+    def _experts(self, il: int, x: Any, ids: np.ndarray) -> Any:
+        """Routed experts of T tokens grouped by expert: [T k, n] float32 where row t k + r is expert ids[t, r]'s
+        output for token t (unweighted)."""
+        xp, k = self.xp, self.k
+        T, n = x.shape
+        flat = ids.reshape(-1).astype(np.int64)
+        N = flat.size
+        order = np.argsort(flat, kind="stable")  # pairs sorted by expert (token order inside an expert)
+        se = flat[order]
+        uniq, starts, counts = np.unique(se, return_index=True, return_counts=True)
+        rank = np.arange(N) - np.repeat(starts, counts)  # place of each sorted pair among its expert's pairs
+        by_count = np.argsort(-counts, kind="stable")  # experts with the most tokens first: little padding per group
+        slot = np.empty(uniq.size, dtype=np.int64)
+        slot[by_count] = np.arange(uniq.size)
+        ge = slot[np.searchsorted(uniq, se)]  # each sorted pair's expert's place in by_count order
+        groups, toks, dsts = [], [], []
+        off = 0
+        for g0 in range(0, uniq.size, self.group):
+            sel = by_count[g0:g0 + self.group]
+            G, Tm = int(sel.size), int(counts[sel].max())
+            m = (ge >= g0) & (ge < g0 + G)
+            tok = np.full((G, Tm), T, dtype=np.int32)  # row T of the padded input is zeros
+            dst = np.full((G, Tm), N, dtype=np.int32)  # row N of the output is scratch
+            tok[ge[m] - g0, rank[m]] = order[m] // k
+            dst[ge[m] - g0, rank[m]] = order[m]
+            toks.append(tok.reshape(-1))
+            dsts.append(dst.reshape(-1))
+            groups.append((g0, G, Tm, off))
+            off += G * Tm
+        tok_d = xp.asarray(np.concatenate(toks))
+        dst_d = xp.asarray(np.concatenate(dsts))
+        experts = uniq[by_count]
+        ptrs = self.cp.asarray(self._slots[il][experts].astype(np.uint64)) if self.gpu else None
+        Xp = xp.concatenate([x, xp.zeros((1, n), dtype=xp.float32)], axis=0)
+        out = xp.empty((N + 1, n), dtype=xp.float32)
+        for g0, G, Tm, o in groups:
+            Wgu, Wd = self._expert_weights(il, experts[g0:g0 + G], None if ptrs is None else ptrs[g0:g0 + G])
+            Xg = Xp[tok_d[o:o + G * Tm]].reshape(G, Tm, n)
+            hgu = xp.matmul(Xg, xp.swapaxes(Wgu, 1, 2))  # [G, Tm, 2 ff]
+            ff = Wd.shape[2]
+            h = self._silu_mul(hgu[..., :ff], hgu[..., ff:])
+            yg = xp.matmul(h, xp.swapaxes(Wd, 1, 2))  # [G, Tm, n]
+            out[dst_d[o:o + G * Tm]] = yg.reshape(G * Tm, n)
+        return out[:N]
+
+    def _silu_mul(self, g: Any, u: Any) -> Any:
+        """silu(g) * u in float32 (one fused kernel on CuPy)."""
+        if not self.gpu:
+            return (_silu(np, g) * u).astype(np.float32, copy=False)
+        k = getattr(self, "_k_silu_mul", None)
+        if k is None:
+            k = self._k_silu_mul = self.cp.ElementwiseKernel(
+                "float32 g, float32 u", "float32 y", "y = g * (1.0f / (1.0f + expf(-g))) * u", "pf_silu_mul")
+        return k(g, u)
+
+    def _expert_weights(self, il: int, experts: np.ndarray, ptrs: Any = None) -> tuple[Any, Any]:
+        """float32 gate+up [G, 2 ff, n] and down [G, n, ff] of the given experts of layer ``il`` (on CuPy read
+        through ``ptrs``, their blob addresses on the device: the tier's slot table)."""
+        xp = self.xp
+        if not self.gpu:
+            gu, dd = [], []
+            for e in experts.tolist():
+                g, u, d = self.rt.expert_fn(il, int(e))
+                gu.append(np.concatenate([np.asarray(g), np.asarray(u)], axis=0))
+                dd.append(np.asarray(d))
+            return np.stack(gu).astype(np.float32), np.stack(dd).astype(np.float32)
+        cp = self.cp
+        ly = self.rt.tier.arena.layers[il]
+        hidden, ff = ly.hidden, ly.ff
+        G = int(experts.size)
+        gu = cp.empty((G, 2 * ff, hidden), dtype=cp.float32)
+        dd = cp.empty((G, hidden, ff), dtype=cp.float32)
+        for arr, t, off, nv in ((gu, ly.gu_type, 0, 2 * ff * hidden), (dd, ly.d_type, 2 * ly.gate_bytes, hidden * ff)):
+            if t.id not in UNIT:
+                raise StrataError(f"layer {il}: expert type {t.name} has no GPU dequantizer")
+            ng = nv // 8
+            blocks = max(1, min(-(-ng // 256), 4096))
+            self._fn(True, "pf_dequant_blobs", t.id)((blocks, G), (256,),
+                                                                  (ptrs, np.int64(off), np.int64(ng), arr))
+        return gu, dd

@@ -1,0 +1,177 @@
+"""The batched-prefill kernels (stratatools/runtime/gpu/prefill.cu) checked on the CPU: the CUDA source compiled as host
+C++ (host_kernel_shim.cuh runs each block as one thread) against numpy: the T-token router against the CPU path's
+stable sort, the chunked gated-DeltaNet recurrence against T sequential delta-rule steps, the pointer-table expert
+dequantizer against stratatools.runtime.dequant. Skips without a C++ compiler."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from stratatools.runtime.gpu import kernels as K
+from stratatools.runtime.gpu import prefill as PF
+from stratatools.runtime.model import _l2norm, _sigmoid, _softmax
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the prefill kernels")
+TYPES = ("Q2_0", "Q8_0", "Q4_0", "BF16", "F32")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    from stratatools.model.ggml_types import type_by_name
+
+    d = tmp_path_factory.mktemp("prefillhost")
+    tids = tuple(sorted({type_by_name(t).id for t in TYPES}))
+    (d / "pf.cpp").write_text(PF.host_source(tids))
+    so = d / "pf.so"
+    r = subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(d / "pf.cpp")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    h = ctypes.CDLL(str(so))
+    ctype = {"int": ctypes.c_int, "float": ctypes.c_float}
+    for name, params in K.kernel_signatures("prefill.cu").items():
+        f = getattr(h, f"host_{name}")
+        f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t] for t, _ in params]
+    P, I, U, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong
+    for tid in tids:
+        getattr(h, f"host_pf_moe_gu_{tid}").argtypes = [U, U, P, P, P, P, I, I]
+        getattr(h, f"host_pf_moe_down_{tid}").argtypes = [U, U, P, LL, P, P, P, I, I]
+        getattr(h, f"host_pf_dequant_blobs_{tid}").argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                                                                ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p]
+    return h
+
+
+def _p(a):
+    return a.ctypes.data
+
+
+def test_prefill_kernel_signatures():
+    sig = K.kernel_signatures("prefill.cu")
+    assert set(sig) == {"pf_route", "pf_gdn_chunk"}
+    assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
+
+
+@pytest.mark.parametrize("gating,norm,E,k", [("softmax", True, 32, 4), ("sigmoid", False, 256, 10)])
+def test_pf_route_matches_stable_sort(lib, gating, norm, E, k):
+    """Ids = the first k of a stable descending sort of the probabilities (ties to the lower index: some logits are
+    repeated), weights = chosen probabilities (normalised), times the scale; the rows past E (ld > E) are ignored."""
+    rng = np.random.default_rng(E)
+    T, ld = 7, E + 1
+    lg = rng.standard_normal((T, ld)).astype(np.float32)
+    lg[:, 5] = lg[:, 3]  # ties
+    lg[2, :E] = 0.5  # all tied
+    ids = np.full((T, k), -1, np.int32)
+    w = np.zeros((T, k), np.float32)
+    lib.host_pf_route(3, 1, _p(lg), T, ld, E, k, int(gating == "sigmoid"), int(norm), 1.5, _p(ids), _p(w))
+    pr = _sigmoid(np, lg[:, :E]) if gating == "sigmoid" else _softmax(np, lg[:, :E], axis=-1)
+    ref = np.argsort(-pr, axis=-1, kind="stable")[:, :k]
+    assert np.array_equal(ids, ref)
+    rw = np.take_along_axis(pr, ref, axis=-1)
+    if norm:
+        rw = rw / rw.sum(axis=-1, keepdims=True)
+    assert np.allclose(w, rw * 1.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4)])
+def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb):
+    """pf_gdn_chunk over T tokens (columns split over ncb blocks, uneven split included; v read with a row stride)
+    = T delta-rule steps of the decoder's numpy _gdn; the state is written back."""
+    rng = np.random.default_rng(T * dv)
+    q = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
+    kk = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32))
+    ldv = nv * dv + 7
+    vbuf = rng.standard_normal((T, ldv)).astype(np.float32)
+    v = vbuf[:, 3:3 + nv * dv].reshape(T, nv, dv)
+    beta = _sigmoid(np, rng.standard_normal((T, nv)).astype(np.float32))
+    decay = np.exp(-rng.uniform(0, 2, (T, nv))).astype(np.float32)
+    S0 = (rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32)
+    rep = nv // nk
+    St = S0.astype(np.float64)
+    ref = np.empty((T, nv, dv))
+    for t in range(T):
+        qt, kt = np.tile(q[t], (rep, 1)), np.tile(kk[t], (rep, 1))
+        St = St * decay[t][:, None, None]
+        kv = np.sum(kt[:, :, None] * St, axis=1)
+        delta = (v[t] - kv) * beta[t][:, None]
+        St = St + kt[:, :, None] * delta[:, None, :]
+        ref[t] = np.sum(qt[:, :, None] * St, axis=1)
+    S = S0.copy()
+    out = np.full((T, nv * dv), np.nan, np.float32)
+    lib.host_pf_gdn_chunk(nv, ncb, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay), _p(S),
+                          _p(out), T, nk, nv, dk, dv)
+    assert np.abs(out.reshape(T, nv, dv) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert np.abs(S - St).max() <= 1e-5 * np.abs(St).max()
+
+
+@pytest.mark.parametrize("tname", TYPES)
+def test_pf_dequant_blobs_matches_numpy(lib, tname):
+    """Three blobs at scattered addresses, a byte offset into each: every blob's values = dequantize of its bytes."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.dequant import dequantize
+
+    from test_dequant import random_blocks
+
+    t = type_by_name(tname)
+    nblk, off = (40 if tname in ("F32", "BF16") else 5), 24  # whole groups of 8 values
+    raw = [random_blocks(tname, nblk, seed=s).reshape(-1) for s in range(3)]
+    nb = raw[0].size
+    arena = np.zeros(3 * (nb + off + 40), np.uint8)
+    starts = [5, nb + off + 17, 2 * (nb + off) + 33]
+    for s, r in zip(starts, raw):
+        arena[s + off:s + off + nb] = r
+    ptrs = np.array([arena.ctypes.data + s for s in starts], dtype=np.uint64)
+    n_vals = int(dequantize(raw[0], t).size)
+    dst = np.full((3, n_vals), np.nan, np.float32)
+    getattr(lib, f"host_pf_dequant_blobs_{t.id}")(2, 3, _p(ptrs), off, n_vals // 8, _p(dst))
+    for b in range(3):
+        ref = np.asarray(dequantize(raw[b], t), dtype=np.float32)
+        assert np.array_equal(np.isnan(dst[b]), np.isnan(ref))
+        ok = ~np.isnan(ref)
+        assert np.array_equal(dst[b][ok], ref[ok]), tname
+
+
+@pytest.mark.parametrize("gu,dn,hidden,ff", [("Q2_0", "Q2_0", 512, 128), ("Q8_0", "Q4_0", 256, 96),
+                                             ("Q8_0", "F32", 64, 32)])
+def test_pf_moe_kernels_match_reference(lib, gu, dn, hidden, ff):
+    """pf_moe_gu + pf_moe_down over jobs of up to PF_TT tokens (a full job, a partial one, one expert in two jobs, blobs
+    at scattered addresses) = expert_ffn_reference per (token, expert) pair without the router weight; empty slots
+    write nothing."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu.experts import expert_ffn_reference
+    from stratatools.runtime.gpu.prefill import JOB_TOKENS, expert_jobs
+
+    from test_dequant import random_blocks
+
+    tg, td = type_by_name(gu), type_by_name(dn)
+    gb = ff * tg.row_bytes(hidden)
+    db = hidden * td.row_bytes(ff)
+    per_blk = lambda t, nbytes: nbytes // t.type_size  # noqa: E731
+    E, T, k = 3, 11, 2
+    blobs = [np.concatenate([random_blocks(gu, per_blk(tg, 2 * gb), seed=5 * e + 1).reshape(-1),
+                             random_blocks(dn, per_blk(td, db), seed=5 * e + 2).reshape(-1)]) for e in range(E)]
+    size = 2 * gb + db
+    arena = np.zeros(E * (size + 64), np.uint8)
+    starts = [e * (size + 64) + 8 * e for e in range(E)]
+    for s0, b in zip(starts, blobs):
+        arena[s0:s0 + size] = b
+    rng = np.random.default_rng(hidden)
+    ids = np.array([[0, 1] if t < 9 else [2, 0] for t in range(T)], dtype=np.int32)  # expert 0: 11 tokens, 2 jobs
+    X = (rng.standard_normal((T, hidden)) * 0.5).astype(np.float32)
+    je, jt, jd = expert_jobs(ids, JOB_TOKENS)
+    ptr = np.array([arena.ctypes.data + starts[e] for e in je], dtype=np.uint64)
+    J = je.size
+    hbuf = np.full((J * JOB_TOKENS, ff), np.nan, np.float32)
+    out = np.full((T * k + 1, hidden), 7.0, np.float32)
+    getattr(lib, f"host_pf_moe_gu_{tg.id}")(2, J, _p(ptr), _p(jt), _p(X), _p(hbuf), hidden, ff)
+    getattr(lib, f"host_pf_moe_down_{td.id}")(3, J, _p(ptr), 2 * gb, _p(jd), _p(hbuf), _p(out), hidden, ff)
+    for t in range(T):
+        for r in range(k):
+            ref = expert_ffn_reference(X[t], [blobs[ids[t, r]]], np.ones(1), tg, td, hidden, ff)
+            got = out[t * k + r]
+            assert np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-6), (t, r)
+    assert np.all(out[T * k] == 7.0)
