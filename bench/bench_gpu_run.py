@@ -199,9 +199,11 @@ def suite_prompt_ids(gguf: str, n: int) -> list[int]:
     return ids[:n]
 
 
-def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
+def decode_compare(cp, gguf: str, prompt_ids: list, steps: int, oracle: int = 0) -> dict:
     """Reference, unfused-fast and fused steps of :class:`StaticDecoder` on one loaded model, all resident, graphs
-    replayed on the same tokens (see the module docstring). Returns tolerance figures and ms per step."""
+    replayed on the same tokens (see the module docstring). Returns tolerance figures and ms per step; also each fast
+    step's error against the reference along the prompt, and (``oracle`` > 0) every step's logits at prompt position
+    ``oracle - 1`` against the numpy forward of :mod:`stratatools.runtime.model` on the CPU."""
     from stratatools.runtime.gpu.decode import StaticDecoder
     from stratatools.runtime.gpu.runtime import GPURuntime
     from stratatools.runtime.weights import load
@@ -218,11 +220,34 @@ def decode_compare(cp, gguf: str, prompt_ids: list, steps: int) -> dict:
         d.capture()
         decs[name] = d
     out: dict = {"steps": steps, "prompt": len(prompt_ids)}
-    for t in prompt_ids:
-        for d in decs.values():
-            d.step(t)
+    # along the prompt: each fast step against the reference step, per position; and at position ``oracle - 1``
+    # every step against the numpy forward (stratatools.runtime.model, the path checked against transformers)
+    n_or = min(oracle, len(prompt_ids))
+    along = {k: [] for k in kinds if k != "reference"}
+    at_oracle = {}
+    for i, t in enumerate(prompt_ids):
+        lg = {name: d.step(t) for name, d in decs.items()}
+        ref = lg["reference"].get().astype(np.float64)
+        for k in along:
+            along[k].append(float(np.abs(lg[k].get().astype(np.float64) - ref).max() / np.abs(ref).max()))
+        if i == n_or - 1:
+            at_oracle = {name: v.get().astype(np.float64) for name, v in lg.items()}
     for d in decs.values():
         d.synchronize()
+    out["prompt_rel_err_vs_reference"] = {
+        k: {"first_over_1e-4": next((i for i, e in enumerate(v) if e > 1e-4), None), "pos0": v[0],
+            f"pos{n_or - 1}": v[n_or - 1], "last": v[-1], "max": max(v)} for k, v in along.items()}
+    if n_or > 0:
+        from stratatools.runtime.model import Qwen4ExpRuntime
+
+        t0 = time.perf_counter()
+        cpu_rt = Qwen4ExpRuntime(load(gguf, xp=np))
+        oracle_lg, _ = cpu_rt.forward(np.array(prompt_ids[:n_or]), cpu_rt.new_state())
+        del cpu_rt
+        oracle_lg = np.asarray(oracle_lg, dtype=np.float64)
+        out["vs_numpy_forward"] = {"position": n_or - 1, "seconds": time.perf_counter() - t0, **{
+            name: float(np.abs(v - oracle_lg).max() / np.abs(oracle_lg).max()) for name, v in at_oracle.items()}}
+    print(f"decoder comparison along the prompt: {json.dumps(out)}", flush=True)
     fast = ("unfused", "fused", "fused_before")
     err = {k: [] for k in fast}
     agree = {k: [0, 0] for k in fast}
@@ -302,6 +327,8 @@ def main() -> None:
                     "routed expert read from pinned host memory, the PCIe-bound case), longres (all resident "
                     "at each --long context), long (--vram-gib 12 LRU at each --long context)")
     ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
+    ap.add_argument("--compare-oracle", type=int, default=8, help="decoder comparison: prompt tokens also run "
+                    "through the numpy forward on the CPU, every step's logits compared with it there (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
     ap.add_argument("--profile-lru", action="store_true", help="also profile the LRU configuration's step")
     ap.add_argument("--expert-kernels", choices=("staged", "warp"), default="staged",
@@ -353,7 +380,7 @@ def main() -> None:
     cmp_res = None
     if a.compare_steps > 0:
         try:
-            cmp_res = decode_compare(cp, gguf, suite_ids[:a.prompt], a.compare_steps)
+            cmp_res = decode_compare(cp, gguf, suite_ids[:a.prompt], a.compare_steps, a.compare_oracle)
             res["decode_compare"] = cmp_res
             print(f"decoder comparison: {json.dumps(cmp_res)}", flush=True)
         except Exception as e:  # noqa: BLE001 - reported, the rows still run
