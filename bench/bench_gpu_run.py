@@ -322,8 +322,9 @@ def main() -> None:
                     "all resident and --vram-gib 12 LRU with a prompt of that many tokens minus --new (the static "
                     "decoder selects QSA cells on the device past the full-selection range)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default="resident,unfused,static,adaptive,lru,vram12,allmiss,longres,long",
-                    help="comma list of rows: resident, unfused, static, adaptive, lru, vram12, allmiss (0 slots: every "
+    ap.add_argument("--configs", default="resident,unfused,static,staticprof,adaptive,lru,vram12,allmiss,longres,long",
+                    help="comma list of rows: resident, unfused, static (arrival order), staticprof (a profile the "
+                    "runtime recorded), adaptive, lru, vram12, allmiss (0 slots: every "
                     "routed expert read from pinned host memory, the PCIe-bound case), longres (all resident "
                     "at each --long context), long (--vram-gib 12 LRU at each --long context)")
     ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
@@ -397,7 +398,7 @@ def main() -> None:
                ("adaptiveasync", f"{a.slots} slots adaptive, admissions copied alongside the next step",
                 {"slots": a.slots, "policy": "adaptive", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
                ("static", f"{a.slots} slots static (arrival order, no profile)", {"slots": a.slots, "policy": "static"}),
-               ("static", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
+               ("staticprof", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
                                                                                       "_profile": True}),
                ("adaptive", f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
                ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
@@ -467,6 +468,8 @@ def main() -> None:
         row["h2d_bytes_per_decode_token"] = dec_bytes
         row["h2d_rate_fraction"] = dec_bytes * row["decode"] / h2d if h2d else None
         rows.append(row)
+        if a.out:  # after every row, so that a run stopped by its time limit keeps the rows it made
+            Path(a.out).write_text(json.dumps({**res, "rows": rows}, indent=1, default=str))
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
               f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB",
               flush=True)
@@ -474,8 +477,9 @@ def main() -> None:
     prof_rows = {}
     if a.profile_steps > 0:
         ids = suite_ids[:32]
-        profs = [("all resident (fused)", None, "static", True, None),
-                 ("all resident (fused, GGUF-block matvec: before)", None, "static", True, BEFORE_ENV)]
+        profs = [("all resident (fused)", None, "static", True, None)]
+        if "before" in want:
+            profs.append(("all resident (fused, GGUF-block matvec: before)", None, "static", True, BEFORE_ENV))
         if a.profile_lru:
             profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True, None))
         for name, sl, pol, fu, ev in profs:
