@@ -90,6 +90,22 @@ class BatchDecoder(ChunkPrefill):
             self._hbuf = cp.empty(N * k * max(ly.ff for ly in self.rt.tier.arena.layers), dtype=cp.float32)
             self._tok_cache: dict[int, tuple[Any, Any]] = {}
 
+    def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
+        """The prefill's device bytes of a dense matrix, uploaded once: the decoder's own copy (its quantized
+        matvec's; made now when its step never ran), else a copy kept here (types the matvec does not take)."""
+        dec = self.dec
+        if name not in dec._raw and not any(name in key for key in dec._raw_groups):
+            raw, t, rows, cols = dec._dense_raw(name)
+            if raw is None:
+                own = getattr(self, "_own_raw", None)
+                if own is None:
+                    own = self._own_raw = {}
+                if name not in own:
+                    tt = self.w.model.tensor(name)
+                    own[name] = self.cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(tt))).reshape(-1))
+                return own[name], t, rows, cols
+        return super()._raw_dev(name)
+
     def state_bytes(self) -> int:
         """Device (or host, numpy) bytes of the places' state buffers."""
         return int(sum(int(a.nbytes) for d in (self.conv, self.ssm, self.kc, self.vc, self.ple_conv, self.ik, self.bk)
@@ -162,6 +178,7 @@ class BatchDecoder(ChunkPrefill):
         self._pl = pl
         self._pl_dev = xp.asarray(pl)
         self._all = bool(n == self.n and (pl == np.arange(self.n)).all())
+        self._tic("embed")
         x0 = self._rows("token_embd.weight", toks)
         H = xp.concatenate([x0] * cfg.hc_count, axis=-1)  # [n, hc n]
         cos, sin = self.rt.rope.cos_sin(pos)
@@ -170,25 +187,39 @@ class BatchDecoder(ChunkPrefill):
         w_out = np.zeros((n, L, k), dtype=np.float32)
         for il in range(L):
             if il in cfg.ple_layers:
+                self._tic("ple")
                 H = H + self._ple_b(il, H, ple_rows[il])
+            self._tic("hc")
             mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
-            y = self._gdn_b(il, mixed) if cfg.recurrent[il] else self._attention_b(il, mixed, pos, cos, sin)
+            if cfg.recurrent[il]:
+                self._tic("gdn")
+                y = self._gdn_b(il, mixed)
+            else:
+                self._tic("attention")
+                y = self._attention_b(il, mixed, pos, cos, sin)
+            self._tic("hc")
             H = H + (y[:, None, :] * inject[:, :, None]).reshape(n, -1)
             mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
+            self._tic("moe")
             if self.gpu:
                 y = self._moe_gpu(il, mixed)
             else:
                 y, i, w = self._moe(il, mixed)
                 ids_out[:, il] = i
                 w_out[:, il] = w
+            self._tic("hc")
             H = H + (y[:, None, :] * inject[:, :, None]).reshape(n, -1)
+        self._tic("head")
         out_in, _ = self._hc("output_hc", H, inject=False)
         lg = self._mm(xp.ascontiguousarray(out_in, dtype=xp.float32), "output.weight")  # [n, vocab]
         nxt = xp.argmax(lg, axis=-1)
+        self._tic("readback")
         if self.gpu:
             ids_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._ids_dev[:, :n]), (1, 0, 2)))
             w_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._w_all[:, :n]), (1, 0, 2)))
-        return lg, np.asarray(_to_host(nxt), dtype=np.int64).reshape(-1), ids_out, w_out
+        nxt = np.asarray(_to_host(nxt), dtype=np.int64).reshape(-1)
+        self._tic("end")
+        return lg, nxt, ids_out, w_out
 
     # -- per-place state helpers ----------------------------------------------------------------------------
     def _take(self, a: Any) -> Any:
@@ -439,12 +470,14 @@ class BatchDecoder(ChunkPrefill):
                      (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
                       np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
                       np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
+        self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
         base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
         gb = np.uint64(ly.gate_bytes)
         tok, tstart = self._jobs_layout(T)
         jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart)
         y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True)
+        self._tic("shared")
         sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
         return (y + sg * self._shared_mm(il, hs, 2)).astype(cp.float32, copy=False)
