@@ -19,7 +19,7 @@ then
 Prints every row and writes ``--out`` JSON. llama-batched-bench is run by bench_gpu_model.py (the lead's bench).
 
 Usage: python bench/bench_gpu_batch.py --workdir /tmp/bb [--layers 8 --experts 256 --prompt 64 --steps 16
-       --n 1,8,32 --reuse --out res.json]
+       --n 1,8,32 --reuse --gguf M --out res.json]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--n", default="1,8,32")
     ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--gguf", default=None, help="an existing model to use (no synth)")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -56,11 +57,13 @@ def main() -> None:
     mdir = wd / f"model{a.layers}x{a.experts}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     t0 = time.perf_counter()
-    if not (a.reuse and list(mdir.glob("*.gguf"))):
+    if a.gguf:
+        mdir = Path(a.gguf).parent
+    elif not (a.reuse and list(mdir.glob("*.gguf"))):
         subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
                         "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
                         "--force", "--json"], check=True, capture_output=True, env=env)
-    gguf = str(sorted(mdir.glob("*.gguf"))[0])
+    gguf = a.gguf or str(sorted(mdir.glob("*.gguf"))[0])
     res: dict = {"args": vars(a), "synth_s": time.perf_counter() - t0}
     print(f"model {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB), synth/reuse {res['synth_s']:.0f} s", flush=True)
 

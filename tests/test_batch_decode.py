@@ -151,3 +151,20 @@ def test_batch_below_one_is_refused(model, tmp_path):
         run_prompts(gguf, d / "p.txt", batch=0)
     code, _, err = _cli("run", gguf, "--prompts", d / "p.txt", "--device", "cpu", "--batch", "0")
     assert code == 2 and "--batch" in err
+
+
+def test_vram_plan_counts_the_places(model):
+    from stratatools.runtime.device import cache_bytes, plan_vram
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        blob = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
+        one = plan_vram(w.model, w.cfg, blob, 64, None, None, L * E)
+        four = plan_vram(w.model, w.cfg, blob, 64, None, None, L * E, batch=4)
+        assert one.caches == cache_bytes(w.cfg, 64)
+        assert four.caches == 5 * one.caches + (256 << 20)  # the decoder's sequence, 4 places, small f32 matrices
+        assert four.dense == one.dense
+    finally:
+        w.close()

@@ -168,7 +168,8 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
         n_expert_total: routed experts of all layers together.
         selection: the QSA selection rule (decides where the full-selection range ends).
         batch: sequences decoded together (``run --batch``): above 1 the caches are planned for the decoder's own
-            sequence (the prefill) and ``batch`` places of :class:`stratatools.runtime.gpu.batch.BatchDecoder`.
+            sequence (the prefill) and ``batch`` places of :class:`stratatools.runtime.gpu.batch.BatchDecoder`, plus
+            the batched step's small float32 matrices (256 MiB at most).
     Returns:
         the :class:`VramPlan`.
     Raises:
@@ -178,6 +179,8 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
     long = long_context(cfg, max_ctx, selection)
     caches = cache_bytes(cfg, max_ctx, selection) * (1 + int(batch) if batch > 1 else 1)
+    if batch > 1:  # the batched step's small float32 matrices (stratatools.runtime.gpu.batch.SMALL_F32_TOTAL at most)
+        caches += 256 << 20
     plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), caches, RESERVE_BYTES,
                     sb, 0, None, prefill_bytes(model, cfg, max_ctx))
     if vram_gib is None:

@@ -50,6 +50,12 @@ from stratatools.runtime.model import RoutingRecord, _l2norm, _rmsnorm, _sigmoid
 from stratatools.runtime.gpu.prefill import ChunkPrefill
 
 
+#: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
+SMALL_F32_BYTES = 8 << 20
+#: At most this many bytes of such matrices in all (planned by :func:`stratatools.runtime.device.plan_vram`).
+SMALL_F32_TOTAL = 256 << 20
+
+
 class BatchDecoder(ChunkPrefill):
     """Batched decode steps over N places (module docstring).
 
@@ -82,6 +88,8 @@ class BatchDecoder(ChunkPrefill):
         self.pos = np.zeros(N, dtype=np.int64)
         self.ple_ctx = [np.array(dec.ple_ctx, copy=True) for _ in range(N)]
         self.stats = {"steps": 0, "tokens": 0}
+        self._small_w: dict[str, Any] = {}
+        self._small_w_bytes = 0
         if self.gpu:
             cp = self.cp
             L, k = cfg.n_layer, self.k
@@ -89,6 +97,22 @@ class BatchDecoder(ChunkPrefill):
             self._w_all = cp.zeros((L, N, k), dtype=cp.float32)
             self._hbuf = cp.empty(N * k * max(ly.ff for ly in self.rt.tier.arena.layers), dtype=cp.float32)
             self._tok_cache: dict[int, tuple[Any, Any]] = {}
+
+    def _weight(self, name: str) -> Any:
+        """Matrix ``name`` as float32 [rows, cols]: the prefill's (dequantized now, transient), except that on CuPy
+        matrices of at most :data:`SMALL_F32_BYTES` as float32 are kept once dequantized (hyper-connection, router,
+        GDN gate matrices: every step needs them and they are small), up to :data:`SMALL_F32_TOTAL` bytes in all."""
+        if not self.gpu:
+            return super()._weight(name)
+        got = self._small_w.get(name)
+        if got is not None:
+            return got
+        W = super()._weight(name)
+        nb = int(W.size) * 4
+        if nb <= SMALL_F32_BYTES and self._small_w_bytes + nb <= SMALL_F32_TOTAL:
+            self._small_w[name] = W
+            self._small_w_bytes += nb
+        return W
 
     def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
         """The prefill's device bytes of a dense matrix, uploaded once: the decoder's own copy (its quantized
@@ -107,8 +131,8 @@ class BatchDecoder(ChunkPrefill):
         return super()._raw_dev(name)
 
     def state_bytes(self) -> int:
-        """Device (or host, numpy) bytes of the places' state buffers."""
-        return int(sum(int(a.nbytes) for d in (self.conv, self.ssm, self.kc, self.vc, self.ple_conv, self.ik, self.bk)
+        """Device (or host, numpy) bytes of the places' state buffers and of the small matrices kept as float32."""
+        return self._small_w_bytes + int(sum(int(a.nbytes) for d in (self.conv, self.ssm, self.kc, self.vc, self.ple_conv, self.ik, self.bk)
                        for a in d.values()))
 
     # -- places ---------------------------------------------------------------------------------------
