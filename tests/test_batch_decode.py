@@ -168,3 +168,33 @@ def test_vram_plan_counts_the_places(model):
         assert four.dense == one.dense
     finally:
         w.close()
+
+
+def test_early_stop_frees_the_place_for_the_next_prompt(model):
+    """A sequence that meets the stop token mid-way leaves while the others go on; the next prompt takes its place:
+    every request's tokens and stop equal generate() at batch 1 with the same stop token."""
+    from stratatools.runtime.gpu.batch import BatchDecoder, run_batched
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.model import Qwen4ExpRuntime, generate
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        rt = Qwen4ExpRuntime(w)
+        prompts = [[5, 17, 99, 3], [42, 7], [300, 301, 7, 7, 9], [1, 2, 3], [11, 12]]
+        free = [generate(rt, p, 8, stop_id=-1).new_ids for p in prompts]
+        stop = free[1][2]  # request 1 stops at its third token
+        want = [generate(rt, p, 8, stop_id=stop) for p in prompts]
+        assert want[1].stop == "stop" and any(g.stop == "length" for g in want)
+        dec = StaticDecoder(rt, max_ctx=16)
+        bd = BatchDecoder(dec, 2)
+        order = []
+        got, tot = run_batched(dec, bd, prompts, 8, stop, on_done=lambda r: order.append(r.request))
+        assert [r.new_ids for r in got] == [g.new_ids for g in want]
+        assert [r.stop for r in got] == [g.stop for g in want]
+        assert order.index(1) < order.index(0) or want[0].stop == "stop"  # request 1 left before request 0
+        assert tot["decode_forwards"] == sum(len(g.decode) for g in want)
+        assert tot["mean_active"] <= 2.0 and tot["steps"] >= tot["decode_forwards"] / 2
+    finally:
+        w.close()
