@@ -222,7 +222,7 @@ class BatchDecoder(ChunkPrefill):
                 self._tic("attention")
                 y = self._attention_b(il, mixed, pos, cos, sin)
             self._tic("hc")
-            H = H + (y[:, None, :] * inject[:, :, None]).reshape(n, -1)
+            H = self._inject(H, y, inject)
             mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
             self._tic("moe")
             if self.gpu:
@@ -232,7 +232,7 @@ class BatchDecoder(ChunkPrefill):
                 ids_out[:, il] = i
                 w_out[:, il] = w
             self._tic("hc")
-            H = H + (y[:, None, :] * inject[:, :, None]).reshape(n, -1)
+            H = self._inject(H, y, inject)
         self._tic("head")
         out_in, _ = self._hc("output_hc", H, inject=False)
         lg = self._mm(xp.ascontiguousarray(out_in, dtype=xp.float32), "output.weight")  # [n, vocab]
