@@ -315,6 +315,11 @@ def _run_batched(rt: Any, dev: str, w: Any, tier: ExpertTier | None, prompts: li
     from stratatools.runtime.gpu.decode import StaticDecoder
 
     dec = rt.dec if dev == "gpu" else StaticDecoder(rt, max_ctx=need_ctx)
+    if dev == "gpu" and rt._graph and not rt._captured:
+        # as at batch 1's first call: the step's dense matrices go to the device once (the prefills and the batched
+        # step read them there) and its graph is captured; nothing is routed or accounted
+        dec.capture()
+        rt._captured = True
     bd = BatchDecoder(dec, min(batch, len(enc)))
 
     def done(r: Any) -> None:
