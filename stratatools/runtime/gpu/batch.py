@@ -114,6 +114,15 @@ class BatchDecoder(ChunkPrefill):
             self._small_w_bytes += nb
         return W
 
+    def _dequant(self, raw: Any, t: Any, rows: int, cols: int) -> Any:
+        """A matrix's device bytes as float32 [rows, cols] through :func:`stratatools.runtime.gpu.dequant.dequantize`
+        (bit-identical to the numpy dequantizer, as the prefill's ``pf_dequant_blobs``; its kernels are the decoder's
+        reference module): no pointer table is uploaded per matrix, a host-to-device copy the eager step would make
+        for every matrix of every step."""
+        from stratatools.runtime.gpu.dequant import dequantize
+
+        return dequantize(raw, t, rows * cols).reshape(rows, cols)
+
     def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
         """The prefill's device bytes of a dense matrix, uploaded once: the decoder's own copy (its quantized
         matvec's; made now when its step never ran), else a copy kept here (types the matvec does not take)."""
