@@ -422,14 +422,13 @@ class BatchDecoder(ChunkPrefill):
         cache each place's raw indexer key and pool the block it completes; when some place is past the
         full-selection range, the attended cells per place (``Qwen4ExpRuntime._select``'s rule) as a host mask
         [T, max pos + 1]; else None."""
-        from stratatools.runtime.gpu.decode import _selects_all
-        from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
+        from stratatools.runtime.topk import llamacpp_cells, qsa_selects_all, torch_topk_indices
 
         dec, cfg, xp = self.dec, self.cfg, self.xp
         if not dec._qsa_layer(il):
             return None
         r, dih, budget = cfg.compress_ratios[il], cfg.idx_head_dim, cfg.idx_budget
-        full = all(_selects_all(self.rt.selection, r, budget, int(pp)) for pp in pos)
+        full = all(qsa_selects_all(self.rt.selection, r, budget, int(pp)) for pp in pos)
         if not dec.long:
             if not full:  # cannot happen: a decoder without the indexer stays in the full-selection range
                 raise StrataError(f"position {int(pos.max())} is past the full-selection range of a decoder built "
