@@ -198,3 +198,32 @@ def test_early_stop_frees_the_place_for_the_next_prompt(model):
         assert tot["mean_active"] <= 2.0 and tot["steps"] >= tot["decode_forwards"] / 2
     finally:
         w.close()
+
+
+def test_q8r_rows_dequantize_like_the_gguf_blocks():
+    """The batched prefill and decode read the fused step's re-laid-out Q8_0 matrices (dense_q8.cu's layout, one
+    matrix or a stacked group) through kernels.q8r_f32: bit-identical to the numpy dequantizer of the GGUF blocks."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.dequant import dequantize
+    from stratatools.runtime.gpu.kernels import q8_relayout, q8r_f32
+    from stratatools.runtime.gpu.prefill import _is_q8r, _Q8RRows
+
+    rng = np.random.default_rng(5)
+    rows, cols = 7, 96
+    nb = rows * cols // 32
+    blocks = np.zeros((nb, 34), dtype=np.uint8)
+    blocks[:, :2] = rng.normal(0, 0.02, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:] = rng.integers(-128, 128, (nb, 32), dtype=np.int8).view(np.uint8)
+    raw = blocks.reshape(-1)
+    want = np.asarray(dequantize(raw, type_by_name("Q8_0"), rows * cols)).reshape(rows, cols)
+    q, d = q8_relayout(raw, rows, cols)
+    assert q8r_f32(np, q, d, 0, rows, cols).tobytes() == want.tobytes()
+    assert q8r_f32(np, q, d, 2, 3, cols).tobytes() == want[2:5].tobytes()  # a matrix inside a stacked group
+
+    class FakeQ8R:
+        def __init__(self):
+            self.q, self.d, self.size = q, d, q.nbytes + d.nbytes
+
+    assert _is_q8r(FakeQ8R()) and not _is_q8r(np.zeros(4, np.uint8))
+    v = _Q8RRows(FakeQ8R(), 2)
+    assert v.row0 == 2 and v.m.q is q

@@ -54,6 +54,7 @@ def test_gpu_batched_steps_match_the_graph_decoder(kit, kit_prompts):
                 lg, _ = rt.forward([t], st)
             ref_lg.append(ls)
             ref_tok.append(ts)
+        rt.finish()  # the last step's bookkeeping (lag) before the decoder is used directly
         dec = rt.dec
         bd = BatchDecoder(dec, 3)
         toks = []

@@ -314,6 +314,8 @@ def _run_batched(rt: Any, dev: str, w: Any, tier: ExpertTier | None, prompts: li
     from stratatools.runtime.gpu.batch import BatchDecoder, run_batched
     from stratatools.runtime.gpu.decode import StaticDecoder
 
+    if getattr(rt, "async_swaps", False):
+        raise StrataError("--batch does not run with asynchronous expert swaps (STRATATOOLS_ASYNC_SWAPS=1): unset it")
     dec = rt.dec if dev == "gpu" else StaticDecoder(rt, max_ctx=need_ctx)
     if dev == "gpu" and rt._graph and not rt._captured:
         # as at batch 1's first call: the step's dense matrices go to the device once (the prefills and the batched

@@ -120,7 +120,10 @@ class BatchDecoder(ChunkPrefill):
         reference module): no pointer table is uploaded per matrix, a host-to-device copy the eager step would make
         for every matrix of every step."""
         from stratatools.runtime.gpu.dequant import dequantize
+        from stratatools.runtime.gpu.prefill import _Q8RRows
 
+        if isinstance(raw, _Q8RRows):  # the fused step's re-laid-out Q8_0 matrix
+            return super()._dequant(raw, t, rows, cols)
         return dequantize(raw, t, rows * cols).reshape(rows, cols)
 
     def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
