@@ -41,6 +41,8 @@ def run_cmd(
     device: str = typer.Option("auto", "--device", help="auto (the GPU when CuPy sees one), cpu or gpu."),
     vram_gib: Optional[float] = typer.Option(None, "--vram-gib", help="GPU: the whole device footprint in GiB; "
                                              "the expert slots follow from what is left."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Sequences decoded together (continuous batching: a finished "
+                              "sequence's place goes to the next prompt); 1: one request at a time."),
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
@@ -55,7 +57,7 @@ def run_cmd(
                           policy=policy, admission=admission, max_new_tokens=max_new_tokens, trace_out=trace_out,
                           trace_format=trace_format, force=force, selection=selection, output_gate=output_gate,
                           progress=lambda k: bar.update(advance=k), tier_params=tier_params,
-                          device=device, vram_gib=vram_gib)
+                          device=device, vram_gib=vram_gib, batch=batch)
     if as_json:
         common.emit_json(res.to_dict())
         return
@@ -75,7 +77,9 @@ def run_cmd(
                   repr(txt[:40]) if txt else "")
     c.print(t)
     c.print(f"prefill: {res.prompt_tokens} tokens, {res.prefill_tokens_per_s:.1f} tokens/s; decode: "
-            f"{res.new_tokens} new tokens, {res.tokens_per_s:.1f} tokens/s", markup=False)
+            f"{res.new_tokens} new tokens, {res.tokens_per_s:.1f} tokens/s"
+            + (f" aggregate over --batch {res.batch['batch']} ({res.batch.get('mean_active', 0):.1f} sequences per "
+               f"step on average)" if res.batch.get("batch", 1) > 1 else ""), markup=False)
     if res.tier is not None:
         tier = res.tier
         c.print(f"tier: {tier['policy']}, {tier['resident']} experts resident"

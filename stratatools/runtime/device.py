@@ -156,7 +156,7 @@ def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
 
 
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
-              slots: int | None, n_expert_total: int, selection: str = "transformers") -> VramPlan:
+              slots: int | None, n_expert_total: int, selection: str = "transformers", batch: int = 1) -> VramPlan:
     """Plan the GPU path's device memory.
 
     Args:
@@ -167,6 +167,9 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
         slots: requested slot count (None: as many as fit, at most every expert).
         n_expert_total: routed experts of all layers together.
         selection: the QSA selection rule (decides where the full-selection range ends).
+        batch: sequences decoded together (``run --batch``): above 1 the caches are planned for the decoder's own
+            sequence (the prefill) and ``batch`` places of :class:`stratatools.runtime.gpu.batch.BatchDecoder`, plus
+            the batched step's small float32 matrices (256 MiB at most).
     Returns:
         the :class:`VramPlan`.
     Raises:
@@ -175,7 +178,10 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     """
     sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
     long = long_context(cfg, max_ctx, selection)
-    plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), cache_bytes(cfg, max_ctx, selection), RESERVE_BYTES,
+    caches = cache_bytes(cfg, max_ctx, selection) * (1 + int(batch) if batch > 1 else 1)
+    if batch > 1:  # the batched step's small float32 matrices (stratatools.runtime.gpu.batch.SMALL_F32_TOTAL at most)
+        caches += 256 << 20
+    plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), caches, RESERVE_BYTES,
                     sb, 0, None, prefill_bytes(model, cfg, max_ctx))
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)

@@ -176,7 +176,10 @@ class RunResult:
         prompt_tokens, new_tokens: totals.
         prefill_s, decode_s: wall time of the prefills and of the decode steps (seconds).
         tokens_per_s: generated tokens per decode second (decode throughput; the first new token comes from
-            the prefill, so it is counted in ``prefill_tokens_per_s`` instead).
+            the prefill, so it is counted in ``prefill_tokens_per_s`` instead); with ``--batch N`` the aggregate
+            over the sequences decoded together (decode positions run / wall seconds of the batched steps).
+        batch: ``{"batch": N}``, and for N > 1 the batched decode's figures: ``steps``, ``mean_active`` (sequences
+            per step), ``decode_tokens_per_s`` (aggregate, as ``tokens_per_s``), ``engine``.
         prefill_tokens_per_s: prompt tokens per prefill second.
         tier: the tier's stats (None without a tier); h_expert: the tier's decode-phase hit rate
             (cache-policy.md ``h_expert``; prefill and all-phase rates are in ``tier``).
@@ -201,6 +204,7 @@ class RunResult:
     trace_records: int
     options: dict[str, Any] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu"})
+    batch: dict[str, Any] = field(default_factory=lambda: {"batch": 1})
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "pack": self.pack, "expert_source": self.expert_source,
@@ -209,7 +213,7 @@ class RunResult:
                 "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "h_expert": self.h_expert, "tier": self.tier,
                 "trace_path": self.trace_path, "trace_format": self.trace_format, "trace_records": self.trace_records,
-                "options": self.options, "device": self.device}
+                "options": self.options, "device": self.device, "batch": self.batch}
 
 
 def _gpu_runtime(w: Any, tier: ExpertTier | None, selection: str, max_ctx: int, info: dict[str, Any]) -> Any:
@@ -300,13 +304,52 @@ class _TraceBuilder:
         return TraceTable(**cols, meta=dict(meta), window=window if self.windows else None)
 
 
+def _run_batched(rt: Any, dev: str, w: Any, tier: ExpertTier | None, prompts: list[Prompt], enc: list[list[int]],
+                 max_new_tokens: int, need_ctx: int, batch: int, builder: _TraceBuilder,
+                 results: list[RequestResult], tok: Any, progress: Callable[[int], None] | None,
+                 info: dict[str, Any]) -> tuple[float, float, int]:
+    """``run --batch N`` (N > 1): continuous batching through :func:`stratatools.runtime.gpu.batch.run_batched`
+    (on the CPU a numpy :class:`StaticDecoder` over ``rt`` does the prefills). Fills ``results`` in request order and
+    the trace builder in the tier's order; returns (prefill seconds, decode seconds, decode positions run)."""
+    from stratatools.runtime.gpu.batch import BatchDecoder, run_batched
+    from stratatools.runtime.gpu.decode import StaticDecoder
+
+    if getattr(rt, "async_swaps", False):
+        raise StrataError("--batch does not run with asynchronous expert swaps (STRATATOOLS_ASYNC_SWAPS=1): unset it")
+    dec = rt.dec if dev == "gpu" else StaticDecoder(rt, max_ctx=need_ctx)
+    if dev == "gpu" and rt._graph and not rt._captured:
+        # as at batch 1's first call: the step's dense matrices go to the device once (the prefills and the batched
+        # step read them there) and its graph is captured; nothing is routed or accounted
+        dec.capture()
+        rt._captured = True
+    bd = BatchDecoder(dec, min(batch, len(enc)))
+
+    def done(r: Any) -> None:
+        if progress:
+            progress(1)
+
+    res, tot = run_batched(dec, bd, enc, max_new_tokens, w.cfg.eos_id, tier=tier,
+                           on_record=lambda ri, ph, rec: builder.add(ri, ph, rec), on_done=done)
+    for r, pr in zip(res, prompts):
+        text = tok.decode(r.new_ids) if tok is not None else None
+        results.append(RequestResult(r.request, pr.prompt_id, r.prompt_tokens, r.new_ids, text, r.stop, r.prefill_s,
+                                     r.decode_s))
+    dec_s = float(tot["decode_s"])
+    info.update({"places": bd.n, "steps": int(tot["steps"]), "mean_active": float(tot["mean_active"]),
+                 "decode_forwards": int(tot["decode_forwards"]),
+                 "decode_tokens_per_s": (tot["decode_forwards"] / dec_s) if dec_s > 0 else 0.0,
+                 "state_bytes": bd.state_bytes(),
+                 "engine": "batched decode (continuous batching), eager launches"})
+    return float(tot["prefill_s"]), dec_s, int(tot["decode_forwards"])
+
+
 def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, model: str | os.PathLike | None = None,
                 profile: str | os.PathLike | None = None, budget_gib: float | None = None, slots: int | None = None,
                 policy: str = "static", admission: str = "global", max_new_tokens: int = 16,
                 trace_out: str | os.PathLike | None = None, trace_format: str | None = None, force: bool = False,
                 selection: str = "transformers", output_gate: str = "sigmoid", xp: Any = np,
                 progress: Callable[[int], None] | None = None, tier_params: dict[str, Any] | None = None,
-                device: str = "cpu", vram_gib: float | None = None) -> RunResult:
+                device: str = "cpu", vram_gib: float | None = None, batch: int = 1) -> RunResult:
     """Run every prompt of ``prompts_path`` through a pack (or GGUF) with greedy decoding.
 
     Args:
@@ -324,6 +367,10 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             slots and misses read from pinned host memory.
         vram_gib: the GPU path's device-memory budget: the expert slots follow from what the dense weights and
             caches leave (:func:`stratatools.runtime.device.plan_vram`).
+        batch: sequences decoded together (1: one request at a time, the path above). Above 1, continuous
+            batching (:func:`stratatools.runtime.gpu.batch.run_batched`): each prompt's batched prefill, then one
+            batched decode step over the running sequences per position, a finished sequence's place taken by the
+            next prompt; on the CPU the same code runs with numpy. Rounds: docs/cache-model.md "Batched decode".
 
     Raises:
         StrataError: every load/parse error (pack vs GGUF mismatch, bad prompts, profile of another geometry),
@@ -340,6 +387,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         fmt = trace_format_for(trace_out, trace_format)
     if max_new_tokens < 0:
         raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
+    if batch < 1:
+        raise StrataError(f"--batch {batch}: the batch size must be at least 1")
     from stratatools.runtime.device import resolve_device
 
     dev = resolve_device(device)
@@ -400,7 +449,7 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
 
             blob = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
             vram_plan = plan_vram(w.model, w.cfg, blob, need_ctx, vram_gib, slots, int(sum(w.cfg.n_expert)),
-                                  selection=selection)
+                                  selection=selection, batch=batch)
             if vram_gib is not None:
                 slots = vram_plan.slots
         tier = None
@@ -418,7 +467,11 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         results: list[RequestResult] = []
         pre_s = dec_s = 0.0
         n_new_decoded = 0
-        for ri, (pr, ids) in enumerate(zip(prompts, enc)):
+        batch_info: dict[str, Any] = {"batch": int(batch)}
+        if batch > 1:
+            pre_s, dec_s, n_new_decoded = _run_batched(rt, dev, w, tier, prompts, enc, max_new_tokens, need_ctx,
+                                                       int(batch), builder, results, tok, progress, batch_info)
+        for ri, (pr, ids) in enumerate(zip(prompts, enc) if batch == 1 else ()):
             if tier is not None:
                 tier.phase = "prefill"
             marks: dict[str, float] = {}
@@ -470,7 +523,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             trace_path=str(trace_out) if trace_out is not None else None, trace_format=fmt, trace_records=n_records,
             options={"policy": policy if tier else None, "admission": admission if tier else None, "slots": slots,
                      "budget_gib": budget_gib, "profile": str(profile) if profile else None,
-                     "max_new_tokens": max_new_tokens, "output_gate": output_gate, "vram_gib": vram_gib},
-            device=dev_info)
+                     "max_new_tokens": max_new_tokens, "output_gate": output_gate, "vram_gib": vram_gib,
+                     "batch": int(batch)},
+            device=dev_info, batch=batch_info)
     finally:
         w.close()

@@ -235,6 +235,17 @@ def q8_relayout(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
     return q, d
 
 
+def q8r_f32(xp: Any, q: Any, d: Any, row0: int, rows: int, cols: int) -> Any:
+    """Rows ``row0 .. row0+rows-1`` of a Q8_0 matrix in :func:`q8_relayout`'s layout (int8 codes [R * cols], fp16
+    scale bits uint16 [R * cols / 32]) as float32 [rows, cols] on ``xp``: code times scale, one float32 multiply per
+    value as ggml's ``dequantize_row_q8_0`` (ggml-quants.c) does, so bit-identical to the numpy dequantizer of the
+    GGUF blocks. The batched prefill and decode read the fused step's re-laid-out matrices through it."""
+    a, b = row0 * cols, (row0 + rows) * cols
+    qq = q[a:b].reshape(-1, 32).astype(xp.float32)
+    dd = d[a // 32:b // 32].view(xp.float16).astype(xp.float32)
+    return (qq * dd[:, None]).reshape(rows, cols)
+
+
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
     """(row blocks, row parts, dynamic shared bytes) of a ``mv_q8r`` launch: rows in blocks of DQ_RW rows per warp;
     a matrix with fewer row blocks than twice the SMs (about 4 blocks per SM wanted) is split along its rows into parts of

@@ -153,6 +153,21 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
     return int(act + experts_b + 2 * 4 * max_dense_values + attn)
 
 
+def _is_q8r(buf: Any) -> bool:
+    """Is a decoder's matrix buffer a :class:`stratatools.runtime.gpu.decode.Q8R` (codes ``q`` and scales ``d`` in
+    ``dense_q8.cu``'s layout) rather than GGUF block bytes?"""
+    return getattr(buf, "q", None) is not None and getattr(buf, "d", None) is not None
+
+
+class _Q8RRows:
+    """Rows ``row0 ..`` of a decoder's :class:`Q8R` buffer (one matrix of a stacked group), for :meth:`ChunkPrefill._dequant`."""
+
+    __slots__ = ("m", "row0")
+
+    def __init__(self, m: Any, row0: int):
+        self.m, self.row0 = m, int(row0)
+
+
 class ChunkPrefill:
     """The batched prefill of one :class:`StaticDecoder` (see module docstring).
 
@@ -251,16 +266,19 @@ class ChunkPrefill:
 
     def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
         """(device bytes of matrix ``name`` as the step holds them, type, rows, cols): the decoder's own copy (its
-        per-matrix buffer, or a slice of a stacked group buffer), else a transient upload."""
+        per-matrix buffer, or a slice of a stacked group buffer; a :class:`_Q8RRows` where the fused step keeps the
+        matrix re-laid out for ``dense_q8.cu``), else a transient upload."""
         dec, cp = self.dec, self.cp
         t = self.w.model.tensor(name)
         cols = int(t.ne[0])
         rows = int(np.prod([int(d) for d in t.ne[1:]])) if len(t.ne) > 1 else 1
         got = dec._raw.get(name)
         if got is not None and got[0] is not None:
-            return got[0], t.type, rows, cols
+            return (_Q8RRows(got[0], 0) if _is_q8r(got[0]) else got[0]), t.type, rows, cols
         for key, (buf, _rows) in dec._raw_groups.items():
             if name in key:
+                if _is_q8r(buf):  # the fused step's re-laid-out Q8_0 group: this matrix's rows of it
+                    return _Q8RRows(buf, int(sum(_rows[:key.index(name)]))), t.type, rows, cols
                 off = 0
                 for nm in key:
                     nb = int(self.w.model.tensor(nm).nbytes)
@@ -278,6 +296,10 @@ class ChunkPrefill:
         """Device bytes of a matrix of type ``t`` as float32 [rows, cols], bit-identical to the numpy dequantizer
         (float types by a view or a cast; block types by ``pf_dequant_blobs`` without multiply-add fusion)."""
         cp = self.cp
+        if isinstance(raw, _Q8RRows):
+            from stratatools.runtime.gpu.kernels import q8r_f32
+
+            return q8r_f32(cp, raw.m.q, raw.m.d, raw.row0, rows, cols)
         if t.name in ("F32", "F16", "BF16") or t.id not in UNIT:
             from stratatools.runtime.gpu.dequant import dequantize
 

@@ -1,0 +1,177 @@
+"""Batched decode (``run --batch N``, issue 12 item 3) on the full-width synthetic model: aggregate decode tok/s at
+N = 1, 8, 32 against the batch-1 CUDA-graph decoder measured in the same run. A benchmark, not a timed test.
+
+Steps: synthesize the model (``stratatools synth --full-width --layers L --experts E --types gu=Q2_0,down=Q2_0``,
+or reuse it), load it once (every expert resident), build a :class:`stratatools.runtime.gpu.engine.DecoderRuntime`;
+then
+
+1. batch 1 (the reference): prompt 0 prefilled, ``--steps`` greedy decode steps through the CUDA graph: tok/s, the
+   tokens and the first step's logits;
+2. for each N of ``--n``: a :class:`stratatools.runtime.gpu.batch.BatchDecoder` with N places, N prompts of
+   ``--prompt`` tokens (distinct slices of the prompt suite) prefilled into them, two warm-up steps, then ``--steps``
+   timed batched steps (greedy, synchronised by the per-step read-back of tokens and routing): aggregate tok/s =
+   N x steps / seconds, ratio to batch 1; place 0 runs prompt 0, so its tokens and first logits are compared with
+   the batch-1 run (same tokens expected; logits relative error <= 1e-3);
+3. a per-part breakdown of one step at the largest N (host-timed with a device synchronisation between parts);
+4. end to end at the largest N: :func:`stratatools.runtime.gpu.batch.run_batched` over 2 N prompts with
+   ``--steps`` new tokens each (prefills, continuous batching and the per-place accounting included).
+
+Prints every row and writes ``--out`` JSON. llama-batched-bench is run by bench_gpu_model.py (the lead's bench).
+
+Usage: python bench/bench_gpu_batch.py --workdir /tmp/bb [--layers 8 --experts 256 --prompt 64 --steps 16
+       --n 1,8,32 --reuse --gguf M --out res.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", default="/tmp/bb")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--n", default="1,8,32")
+    ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--gguf", default=None, help="an existing model to use (no synth)")
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    wd = Path(a.workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    mdir = wd / f"model{a.layers}x{a.experts}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    t0 = time.perf_counter()
+    if a.gguf:
+        mdir = Path(a.gguf).parent
+    elif not (a.reuse and list(mdir.glob("*.gguf"))):
+        subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
+                        "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
+                        "--force", "--json"], check=True, capture_output=True, env=env)
+    gguf = a.gguf or str(sorted(mdir.glob("*.gguf"))[0])
+    res: dict = {"args": vars(a), "synth_s": time.perf_counter() - t0}
+    print(f"model {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB), synth/reuse {res['synth_s']:.0f} s", flush=True)
+
+    import cupy as cp
+
+    from bench_gpu_run import suite_prompt_ids
+    from stratatools.runtime.gpu.batch import BatchDecoder, run_batched
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    ns = [int(v) for v in a.n.split(",")]
+    nmax = max(ns)
+    ids = suite_prompt_ids(gguf, a.prompt * 2 * nmax + 64)
+    prompts = [ids[i * a.prompt:(i + 1) * a.prompt] for i in range(2 * nmax)]
+    t0 = time.perf_counter()
+    w = load(gguf, xp=cp)
+    grt = GPURuntime(w, policy=None, miss_mode="host")
+    rt = DecoderRuntime(grt, max_ctx=a.prompt + a.steps + 8)
+    res["load_s"] = time.perf_counter() - t0
+    print(f"loaded in {res['load_s']:.0f} s", flush=True)
+
+    # 1. batch 1 through the CUDA graph
+    st = rt.new_state()
+    lg, _ = rt.forward(prompts[1][:16], st)  # compiles, captures, uploads the dense matrices
+    st = rt.new_state()
+    lg, _ = rt.forward(prompts[0], st)
+    ref_tok, ref_lg = [], []
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for s in range(a.steps):
+        tok = rt.argmax(lg)
+        ref_tok.append(tok)
+        lg, _ = rt.forward([tok], st)
+        if s == 0:
+            ref_lg.append(cp.asnumpy(lg).astype(np.float64))
+    cp.cuda.Device().synchronize()
+    b1 = a.steps / (time.perf_counter() - t0)
+    rt.finish()  # the last step's bookkeeping (lag) before the decoder is used directly
+    res["batch1_graph_tok_s"] = b1
+    print(f"batch 1 (CUDA graph decoder): {b1:8.1f} tok/s", flush=True)
+
+    dec = rt.dec
+    rows = {}
+    bd = None
+    for n in ns:
+        bd = BatchDecoder(dec, n)
+        first = []
+        for p in range(n):
+            dec.load_state(rt.new_state())
+            lgp, _, _ = dec.prefill(prompts[p])
+            bd.admit(p)
+            first.append(int(cp.asnumpy(cp.argmax(lgp))))
+        toks = list(first)
+        got0 = []
+        places = list(range(n))
+        t0 = time.perf_counter()
+        for s in range(a.steps + 2):
+            if s == 2:
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+            lgb, nxt, _, _ = bd.step(places, toks)
+            if s == 0:
+                lg0 = cp.asnumpy(lgb[0]).astype(np.float64)
+            got0.append(toks[0])
+            toks = [int(v) for v in nxt]
+        dt = time.perf_counter() - t0
+        agg = n * a.steps / dt
+        rel = float(np.abs(lg0 - ref_lg[0]).max() / np.abs(ref_lg[0]).max())
+        same = got0[:a.steps] == ref_tok[:a.steps] if a.steps <= len(got0) else None
+        rows[n] = {"aggregate_tok_s": agg, "step_ms": dt / a.steps * 1e3, "ratio_to_batch1": agg / b1,
+                   "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same,
+                   "state_bytes": bd.state_bytes(), "pool_bytes": int(cp.get_default_memory_pool().total_bytes())}
+        print(f"N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), {agg / b1:5.2f}x batch 1; "
+              f"place 0 vs batch 1: first logits rel {rel:.2e}, tokens {'equal' if same else 'DIFFER'}", flush=True)
+        if n != nmax:
+            del bd
+            bd = None
+    res["rows"] = rows
+    # 3. breakdown at the largest N
+    if bd is not None:
+        bd.timing = {}
+        bd._tlast = None
+        t0 = time.perf_counter()
+        bd.step(list(range(nmax)), toks)
+        cp.cuda.Device().synchronize()
+        tot = time.perf_counter() - t0
+        bd.timing.pop("end", None)
+        res["breakdown_s"] = dict(bd.timing)
+        print(f"breakdown of one step at N={nmax} (synchronised parts, {tot * 1e3:.1f} ms in all):")
+        for k, v in sorted(bd.timing.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:10s} {v * 1e3:8.2f} ms  {v / tot:6.1%}")
+        bd.timing = None
+        del bd
+    # 4. end to end (prefills + continuous batching + accounting)
+    if not a.no_e2e:
+        bd = BatchDecoder(dec, nmax)
+        t0 = time.perf_counter()
+        out, tot = run_batched(dec, bd, prompts[:2 * nmax], a.steps, -1)
+        wall = time.perf_counter() - t0
+        res["e2e"] = {**tot, "wall_s": wall, "decode_tok_s": tot["decode_forwards"] / tot["decode_s"],
+                      "prefill_tok_s": sum(map(len, prompts[:2 * nmax])) / tot["prefill_s"]}
+        print(f"end to end, {2 * nmax} prompts x {a.steps} new at N={nmax}: decode {res['e2e']['decode_tok_s']:.1f} "
+              f"tok/s aggregate over {tot['steps']} steps ({tot['mean_active']:.1f} per step), prefill "
+              f"{res['e2e']['prefill_tok_s']:.1f} tok/s, wall {wall:.1f} s", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,654 @@
+"""Batched decode with continuous batching (``stratatools run --batch N``).
+
+:class:`BatchDecoder` holds the state of up to N sequences ("places") with a leading place axis (K/V caches
+[N, max_ctx, kv heads, head dim], GDN conv states [N, K-1, C] and recurrent states [N, v heads, dk, dv], PLE conv
+states [N, span, hc n]; per place on the host: position and PLE n-gram context) and runs one decode position of
+every active place as one batched forward (:meth:`BatchDecoder.step`), the same numerics as one
+:meth:`stratatools.runtime.gpu.decode.StaticDecoder.step` per sequence, in float32:
+
+* every per-token part (embedding rows, hyper-connection mixing/inject and norms, the dense projections, the
+  router, the shared expert, the output head) is the batched prefill's code (:class:`ChunkPrefill`, of which
+  :class:`BatchDecoder` is a subclass) over the N tokens: on CuPy one dequantize-to-float32 + SGEMM per matrix
+  for all N tokens; with numpy the float32 matrices of :meth:`Weights.get`;
+* routed experts: on CuPy the per-(token, expert) job kernels (:func:`stratatools.runtime.gpu.experts.expert_ffn`,
+  staged rows, one job per routed entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped
+  pinned host arena for an expert not resident); with numpy the prefill's grouped path over ``expert_fn``;
+* the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
+  place at once (on CuPy ``pf_gdn_chunk`` with the places folded into the head axis: one launch per layer);
+* attention: each query over its own place's cache, positions ``0 .. pos``, as one masked batched product (the
+  places' lengths differ; columns past a place's position are masked out).
+
+A sequence enters a place after its prompt ran through the :class:`StaticDecoder`'s batched prefill
+(:meth:`BatchDecoder.admit` copies the decoder's state into the place). :func:`run_batched` is the scheduler: the
+first N prompts fill the places; every step feeds each active place its last token; a sequence that stops (EOS
+or ``max_new_tokens``) frees its place, which the next prompt takes (its prefill runs, then it joins the next
+step).
+
+Tier and trace (docs/cache-model.md "Batched decode"): a prefill is one round (as at batch 1); a batched step
+makes one round per active place, in ascending place order: that place's routed entries, layer-major (layer 0 ..
+L-1), then the tier's end of round. The trace records them in that order (each decode position a record of its
+own request, outside every window), so ``stratatools simulate`` on it replays the same rounds and counts the same
+hits. The tier's residency seen by the device is refreshed between steps (as between batch-1 steps).
+
+QSA: on a long-context decoder each place keeps its raw indexer keys and pooled block keys; past the
+full-selection range the attended cells of each place are chosen on the host as the prefill chooses them (a mask
+over the batched product). The step is launched eagerly (no CUDA graph).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.runtime.model import RoutingRecord, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
+
+from stratatools.runtime.gpu.prefill import ChunkPrefill
+
+
+#: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
+SMALL_F32_BYTES = 8 << 20
+#: At most this many bytes of such matrices in all (planned by :func:`stratatools.runtime.device.plan_vram`).
+SMALL_F32_TOTAL = 256 << 20
+
+
+class BatchDecoder(ChunkPrefill):
+    """Batched decode steps over N places (module docstring).
+
+    Args:
+        dec: the :class:`StaticDecoder` whose prefill fills a place (its weights, buffers layout and ``max_ctx``).
+        n_places: N, the most sequences decoded together (1..).
+    Raises:
+        StrataError: ``n_places`` below 1; a decoder whose context reaches past QSA's full-selection range.
+    """
+
+    def __init__(self, dec: Any, n_places: int):
+        if n_places < 1:
+            raise StrataError(f"--batch {n_places}: the batch size must be at least 1")
+        super().__init__(dec, chunk=max(1, int(n_places)), group=8)
+        cfg, xp = self.cfg, self.xp
+        N = self.n = int(n_places)
+        self.conv, self.ssm, self.kc, self.vc, self.ple_conv = {}, {}, {}, {}, {}
+        for il in range(cfg.n_layer):
+            if cfg.recurrent[il]:
+                self.conv[il] = xp.zeros((N,) + tuple(dec.conv[il].shape), dtype=xp.float32)
+                self.ssm[il] = xp.zeros((N,) + tuple(dec.ssm[il].shape), dtype=xp.float32)
+            else:
+                self.kc[il] = xp.zeros((N,) + tuple(dec.kc[il].shape), dtype=xp.float32)
+                self.vc[il] = xp.zeros((N,) + tuple(dec.vc[il].shape), dtype=xp.float32)
+        for il in cfg.ple_layers:
+            self.ple_conv[il] = xp.zeros((N,) + tuple(dec.ple_conv[il].shape), dtype=xp.float32)
+        # QSA indexer caches (a long-context decoder): raw keys [N, max_ctx, dih], pooled block keys [N, blocks, dih]
+        self.ik = {il: xp.zeros((N,) + tuple(a.shape), dtype=xp.float32) for il, a in dec.ik.items()}
+        self.bk = {il: xp.zeros((N,) + tuple(a.shape), dtype=xp.float32) for il, a in dec.bk.items()}
+        self.pos = np.zeros(N, dtype=np.int64)
+        self.ple_ctx = [np.array(dec.ple_ctx, copy=True) for _ in range(N)]
+        self.stats = {"steps": 0, "tokens": 0}
+        self._small_w: dict[str, Any] = {}
+        self._small_w_bytes = 0
+        if self.gpu:
+            cp = self.cp
+            L, k = cfg.n_layer, self.k
+            self._ids_dev = cp.zeros((L, N, k), dtype=cp.int32)
+            self._w_all = cp.zeros((L, N, k), dtype=cp.float32)
+            self._hbuf = cp.empty(N * k * max(ly.ff for ly in self.rt.tier.arena.layers), dtype=cp.float32)
+            self._tok_cache: dict[int, tuple[Any, Any]] = {}
+
+    def _weight(self, name: str) -> Any:
+        """Matrix ``name`` as float32 [rows, cols]: the prefill's (dequantized now, transient), except that on CuPy
+        matrices of at most :data:`SMALL_F32_BYTES` as float32 are kept once dequantized (hyper-connection, router,
+        GDN gate matrices: every step needs them and they are small), up to :data:`SMALL_F32_TOTAL` bytes in all."""
+        if not self.gpu:
+            return super()._weight(name)
+        got = self._small_w.get(name)
+        if got is not None:
+            return got
+        W = super()._weight(name)
+        nb = int(W.size) * 4
+        if nb <= SMALL_F32_BYTES and self._small_w_bytes + nb <= SMALL_F32_TOTAL:
+            self._small_w[name] = W
+            self._small_w_bytes += nb
+        return W
+
+    def _dequant(self, raw: Any, t: Any, rows: int, cols: int) -> Any:
+        """A matrix's device bytes as float32 [rows, cols] through :func:`stratatools.runtime.gpu.dequant.dequantize`
+        (bit-identical to the numpy dequantizer, as the prefill's ``pf_dequant_blobs``; its kernels are the decoder's
+        reference module): no pointer table is uploaded per matrix, a host-to-device copy the eager step would make
+        for every matrix of every step."""
+        from stratatools.runtime.gpu.dequant import dequantize
+        from stratatools.runtime.gpu.prefill import _Q8RRows
+
+        if isinstance(raw, _Q8RRows):  # the fused step's re-laid-out Q8_0 matrix
+            return super()._dequant(raw, t, rows, cols)
+        return dequantize(raw, t, rows * cols).reshape(rows, cols)
+
+    def _raw_dev(self, name: str) -> tuple[Any, Any, int, int]:
+        """The prefill's device bytes of a dense matrix, uploaded once: the decoder's own copy (its quantized
+        matvec's; made now when its step never ran), else a copy kept here (types the matvec does not take)."""
+        dec = self.dec
+        if name not in dec._raw and not any(name in key for key in dec._raw_groups):
+            raw, t, rows, cols = dec._dense_raw(name)
+            if raw is None:
+                own = getattr(self, "_own_raw", None)
+                if own is None:
+                    own = self._own_raw = {}
+                if name not in own:
+                    tt = self.w.model.tensor(name)
+                    own[name] = self.cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(tt))).reshape(-1))
+                return own[name], t, rows, cols
+        return super()._raw_dev(name)
+
+    def state_bytes(self) -> int:
+        """Device (or host, numpy) bytes of the places' state buffers and of the small matrices kept as float32."""
+        return self._small_w_bytes + int(sum(int(a.nbytes) for d in (self.conv, self.ssm, self.kc, self.vc, self.ple_conv, self.ik, self.bk)
+                       for a in d.values()))
+
+    # -- places ---------------------------------------------------------------------------------------
+    def admit(self, place: int) -> None:
+        """Copy the decoder's sequence (after its prefill) into ``place``: caches up to its position, GDN and PLE
+        states, PLE context, position."""
+        dec = self.dec
+        if not 0 <= place < self.n:
+            raise StrataError(f"place {place} is outside 0..{self.n - 1}")
+        if self.gpu:
+            dec.synchronize()
+        P = int(dec.pos)
+        for il in self.conv:
+            self.conv[il][place] = dec.conv[il]
+            self.ssm[il][place] = dec.ssm[il]
+        for il in self.kc:
+            self.kc[il][place, :P] = dec.kc[il][:P]
+            self.vc[il][place, :P] = dec.vc[il][:P]
+        for il in self.ple_conv:
+            self.ple_conv[il][place] = dec.ple_conv[il]
+        for il in self.ik:
+            self.ik[il][place, :P] = dec.ik[il][:P]
+            nb = P // self.cfg.compress_ratios[il]
+            self.bk[il][place, :nb] = dec.bk[il][:nb]
+        self.ple_ctx[place] = np.array(dec.ple_ctx, dtype=np.int64, copy=True)
+        self.pos[place] = P
+
+    # -- the batched step -------------------------------------------------------------------------------
+    def step(self, places: Iterable[int], tokens: Iterable[int]) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+        """One decode position of every place in ``places`` (distinct, any order) with its token.
+
+        Returns (logits [n, vocab] float32 (device array on CuPy), greedy next tokens [n] int64, routing ids
+        [n, L, k] int32, weights [n, L, k] float32; host arrays), row i for ``places[i]``. Each place's position
+        advances by one.
+
+        Raises:
+            StrataError: no place, a repeated place, a token outside the vocabulary, a place at ``max_ctx``.
+        """
+        cfg, xp = self.cfg, self.xp
+        pl = np.asarray(list(places), dtype=np.int64)
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        n = int(pl.size)
+        if n == 0 or toks.size != n:
+            raise StrataError(f"a batched step needs one token per place ({n} places, {toks.size} tokens)")
+        if np.unique(pl).size != n or pl.min() < 0 or pl.max() >= self.n:
+            raise StrataError(f"places {pl.tolist()} must be distinct and within 0..{self.n - 1}")
+        if toks.min() < 0 or toks.max() >= cfg.n_vocab:
+            bad = int(toks[(toks < 0) | (toks >= cfg.n_vocab)][0])
+            raise StrataError(f"token id {bad} is outside the vocabulary [0, {cfg.n_vocab})")
+        pos = self.pos[pl].copy()
+        if pos.max() >= self.dec.max_ctx:
+            raise StrataError(f"position {int(pos.max())} is past the static decoder's {self.dec.max_ctx} positions")
+        if self.gpu:
+            self.dec._refresh_slots()
+            with self.dec._ordered():
+                lg, nxt, i, w = self._step(pl, toks, pos)
+        else:
+            lg, nxt, i, w = self._step(pl, toks, pos)
+        self.pos[pl] += 1
+        self.stats["steps"] += 1
+        self.stats["tokens"] += n
+        return lg, nxt, i, w
+
+    def _step(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+        cfg, xp = self.cfg, self.xp
+        n, L, k = int(pl.size), cfg.n_layer, self.k
+        self._pl = pl
+        self._pl_dev = xp.asarray(pl)
+        self._all = bool(n == self.n and (pl == np.arange(self.n)).all())
+        self._tic("embed")
+        x0 = self._rows("token_embd.weight", toks)
+        H = xp.concatenate([x0] * cfg.hc_count, axis=-1)  # [n, hc n]
+        cos, sin = self.rt.rope.cos_sin(pos)
+        ple_rows = self._ple_rows_b(toks, pl) if cfg.ple_layers else {}
+        ids_out = np.zeros((n, L, k), dtype=np.int32)
+        w_out = np.zeros((n, L, k), dtype=np.float32)
+        for il in range(L):
+            if il in cfg.ple_layers:
+                self._tic("ple")
+                H = H + self._ple_b(il, H, ple_rows[il])
+            self._tic("hc")
+            mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
+            if cfg.recurrent[il]:
+                self._tic("gdn")
+                y = self._gdn_b(il, mixed)
+            else:
+                self._tic("attention")
+                y = self._attention_b(il, mixed, pos, cos, sin)
+            self._tic("hc")
+            H = self._inject(H, y, inject)
+            mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
+            self._tic("moe")
+            if self.gpu:
+                y = self._moe_gpu(il, mixed)
+            else:
+                y, i, w = self._moe(il, mixed)
+                ids_out[:, il] = i
+                w_out[:, il] = w
+            self._tic("hc")
+            H = self._inject(H, y, inject)
+        self._tic("head")
+        out_in, _ = self._hc("output_hc", H, inject=False)
+        lg = self._mm(xp.ascontiguousarray(out_in, dtype=xp.float32), "output.weight")  # [n, vocab]
+        nxt = xp.argmax(lg, axis=-1)
+        self._tic("readback")
+        if self.gpu:
+            ids_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._ids_dev[:, :n]), (1, 0, 2)))
+            w_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._w_all[:, :n]), (1, 0, 2)))
+        nxt = np.asarray(_to_host(nxt), dtype=np.int64).reshape(-1)
+        self._tic("end")
+        return lg, nxt, ids_out, w_out
+
+    # -- per-place state helpers ----------------------------------------------------------------------------
+    def _take(self, a: Any) -> Any:
+        """The active places' rows of a per-place buffer (a view when every place is active in order)."""
+        return a if self._all else a[self._pl_dev]
+
+    def _put(self, a: Any, v: Any) -> None:
+        if self._all:
+            a[...] = v
+        else:
+            a[self._pl_dev] = v
+
+    # -- PLE -------------------------------------------------------------------------------------------
+    def _ple_rows_b(self, toks: np.ndarray, pl: np.ndarray) -> dict[int, np.ndarray]:
+        """PLE row ids [n, heads] per PLE layer, each place's context advanced as one decode step advances it."""
+        cfg, rt = self.cfg, self.rt
+        keep = cfg.ple_ngram - 1
+        layers = list(cfg.ple_layers)
+        per: dict[int, list[np.ndarray]] = {il: [] for il in layers}
+        for t, p in zip(toks.tolist(), pl.tolist()):
+            ctx = self.ple_ctx[p]
+            one = np.array([t], dtype=np.int64)
+            for il in layers:
+                per[il].append(rt.ple_ngram_ids(one, ctx))
+                if keep > 0:
+                    ctx = np.concatenate([ctx, one])[-keep:]
+            self.ple_ctx[p] = ctx
+        return {il: np.concatenate(v, axis=0) for il, v in per.items()}
+
+    def _ple_b(self, il: int, H: Any, rows: np.ndarray) -> Any:
+        xp, cfg = self.xp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        T = H.shape[0]
+        emb = self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(T, -1)
+        p = f"blk.{il}.ple_"
+        key = _rmsnorm(xp, self._mm(emb, p + "key.weight"), self._f32(p + "norm_key.weight"), cfg.eps, group=n)
+        value = self._mm(emb, p + "value.weight")
+        q = _rmsnorm(xp, H, self._f32(p + "norm_query.weight"), cfg.eps, group=n)
+        gate = xp.sum(key.reshape(T, hc, n) * q.reshape(T, hc, n), axis=-1, keepdims=True) / xp.float32(math.sqrt(n))
+        gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
+        gv = (_sigmoid(xp, gate) * value[:, None, :]).reshape(T, hc * n)
+        gvn = _rmsnorm(xp, gv, self._f32(p + "norm_conv.weight"), cfg.eps, group=n)
+        K, d = cfg.ple_conv_kernel, cfg.ple_ngram
+        span = (K - 1) * d
+        buf = self.ple_conv[il]
+        xin = xp.concatenate([self._take(buf), gvn[:, None, :]], axis=1)  # [T, span + 1, C]
+        if span:
+            self._put(buf, xin[:, 1:])
+        wc = self._f32(p + "conv1d.weight")  # [C, K]
+        out = xp.zeros((T, hc * n), dtype=xp.float32)
+        for kk in range(K):
+            out = out + xin[:, kk * d] * wc[:, kk][None, :]
+        return gv + _silu(xp, out)
+
+    # -- gated DeltaNet -------------------------------------------------------------------------------------
+    def _gdn_b(self, il: int, x: Any) -> Any:
+        xp, cfg = self.xp, self.cfg
+        T = x.shape[0]
+        nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
+        dv = cfg.ssm_head_v_dim
+        p = f"blk.{il}."
+        qkv = self._mm(x, p + "attn_qkv.weight")  # [T, C]
+        z = self._mm(x, p + "attn_gate.weight").reshape(T, nv, dv)
+        b = self._mm(x, p + "ssm_beta.weight")
+        a = self._mm(x, p + "ssm_alpha.weight")
+        wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
+        C, K = wc.shape
+        xin = xp.concatenate([self._take(self.conv[il]), qkv[:, None, :]], axis=1)  # [T, K, C]
+        if K > 1:
+            self._put(self.conv[il], xin[:, 1:])
+        conv = xp.zeros((T, C), dtype=xp.float32)
+        for kk in range(K):
+            conv = conv + xin[:, kk] * wc[:, kk][None, :]
+        conv = _silu(xp, conv)
+        q = _l2norm(xp, conv[:, :nk * dk].reshape(T, nk, dk)) * xp.float32(dk ** -0.5)
+        kn = _l2norm(xp, conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
+        beta = _sigmoid(xp, b).astype(xp.float32)
+        decay = xp.exp(self._f32(p + "ssm_a")[None, :] * _softplus(xp, a + self._f32(p + "ssm_dt.bias")[None, :]))
+        decay = decay.astype(xp.float32)
+        v = xp.ascontiguousarray(conv[:, 2 * nk * dk:], dtype=xp.float32)  # [T, nv dv]
+        out = self._gdn_step_b(il, q, kn, v, beta, decay)
+        o = _rmsnorm(xp, out.reshape(T, nv, dv), self._f32(p + "ssm_norm.weight"), cfg.eps)
+        act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
+        return self._mm((o * act).reshape(T, nv * dv), p + "ssm_out.weight")
+
+    def _gdn_step_b(self, il: int, q: Any, kn: Any, v: Any, beta: Any, decay: Any) -> Any:
+        """One delta-rule step of every active place (states ``self.ssm[il]`` updated): out [T, nv dv]. Key heads
+        are repeated over the value heads (value head h reads key head h mod nk, as the prefill's tiling)."""
+        cfg, xp = self.cfg, self.xp
+        nk, dk, nv, dv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank, cfg.ssm_head_v_dim
+        T = int(q.shape[0])
+        rep = nv // nk
+        qt = xp.tile(q, (1, rep, 1)) if rep > 1 else q  # [T, nv, dk]
+        kt = xp.tile(kn, (1, rep, 1)) if rep > 1 else kn
+        S = self._take(self.ssm[il])  # [T, nv, dk, dv]
+        if self.gpu:
+            cp = self.cp
+            S = cp.ascontiguousarray(S)
+            out = cp.empty((T, nv * dv), dtype=cp.float32)
+            H = T * nv  # places folded into the head axis: head s nv + h is place s's head h, key head the same
+            cw = dv
+            threads = 256 if cw >= 32 else 128
+            rs = max(1, threads // cw)
+            shm = (dk * cw + 2 * dk + (rs + 1) * cw) * 4
+            if shm > 96 * 1024:
+                raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the prefill kernel's shared memory")
+            if shm > 48 * 1024 and getattr(self.k_gdn, "max_dynamic_shared_size_bytes", 0) < shm:
+                self.k_gdn.max_dynamic_shared_size_bytes = shm
+            self.k_gdn((H, 1), (threads,), (cp.ascontiguousarray(qt, dtype=cp.float32),
+                                            cp.ascontiguousarray(kt, dtype=cp.float32), v, np.int32(H * dv),
+                                            cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out,
+                                            np.int32(1), np.int32(H), np.int32(H), np.int32(dk), np.int32(dv)),
+                       shared_mem=shm)
+            if not self._all:
+                self._put(self.ssm[il], S)
+            return out
+        vv = v.reshape(T, nv, dv)
+        St = S * decay[:, :, None, None]
+        kv = np.sum(kt[:, :, :, None] * St, axis=2)  # [T, nv, dv]
+        delta = (vv - kv) * beta[:, :, None]
+        St = St + kt[:, :, :, None] * delta[:, :, None, :]
+        out = np.sum(qt[:, :, :, None] * St, axis=2)
+        self._put(self.ssm[il], St.astype(np.float32))
+        return out.reshape(T, nv * dv).astype(np.float32)
+
+    # -- attention -------------------------------------------------------------------------------------------
+    def _attention_b(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> Any:
+        xp, cfg = self.xp, self.cfg
+        T = x.shape[0]
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        qg = self._mm(x, p + "attn_q.weight").reshape(T, nh, 2 * hd)
+        q = qg[..., :hd]
+        gate = qg[..., hd:].reshape(T, nh * hd)
+        q = _rmsnorm(xp, q, self._f32(p + "attn_q_norm.weight"), cfg.eps)
+        kk = _rmsnorm(xp, self._mm(x, p + "attn_k.weight").reshape(T, nkv, hd), self._f32(p + "attn_k_norm.weight"),
+                      cfg.eps)
+        v = self._mm(x, p + "attn_v.weight").reshape(T, nkv, hd)
+        q = self.rt.rope.apply(q, cos, sin)
+        kk = self.rt.rope.apply(kk, cos, sin)
+        posd = xp.asarray(pos)
+        self.kc[il][self._pl_dev, posd] = kk
+        self.vc[il][self._pl_dev, posd] = v
+        allowed = self._allowed_b(il, x, pos, cos, sin)  # host bool [T, P] or None (causal only)
+        P = int(pos.max()) + 1
+        grp = nh // nkv
+        if self._all:
+            Kc, Vc = self.kc[il][:, :P], self.vc[il][:, :P]
+        else:
+            Kc, Vc = self.kc[il][self._pl_dev, :P], self.vc[il][self._pl_dev, :P]  # [T, P, nkv, hd]
+        Kt = xp.transpose(Kc, (0, 2, 3, 1))  # [T, nkv, hd, P]
+        Vt = xp.transpose(Vc, (0, 2, 1, 3))  # [T, nkv, P, hd]
+        qh = q.reshape(T, nkv, grp, hd)
+        sc = xp.matmul(qh, Kt) * xp.float32(hd ** -0.5)  # [T, nkv, grp, P]
+        mask = np.arange(P)[None, :] <= pos[:, None]  # [T, P]
+        if allowed is not None:
+            mask &= allowed
+        mask = xp.asarray(mask)
+        sc = xp.where(mask[:, None, None, :], sc, xp.float32(-np.inf))
+        att = _softmax(xp, sc, axis=-1)
+        o = xp.matmul(att, Vt).reshape(T, nh * hd)  # [T, nkv, grp, hd]
+        o = o * _sigmoid(xp, gate)
+        return self._mm(xp.ascontiguousarray(o, dtype=xp.float32), p + "attn_output.weight")
+
+    def _allowed_b(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> np.ndarray | None:
+        """QSA for one position of each place (the prefill's ``_allowed`` per place): on a long-context decoder,
+        cache each place's raw indexer key and pool the block it completes; when some place is past the
+        full-selection range, the attended cells per place (``Qwen4ExpRuntime._select``'s rule) as a host mask
+        [T, max pos + 1]; else None."""
+        from stratatools.runtime.topk import llamacpp_cells, qsa_selects_all, torch_topk_indices
+
+        dec, cfg, xp = self.dec, self.cfg, self.xp
+        if not dec._qsa_layer(il):
+            return None
+        r, dih, budget = cfg.compress_ratios[il], cfg.idx_head_dim, cfg.idx_budget
+        full = all(qsa_selects_all(self.rt.selection, r, budget, int(pp)) for pp in pos)
+        if not dec.long:
+            if not full:  # cannot happen: a decoder without the indexer stays in the full-selection range
+                raise StrataError(f"position {int(pos.max())} is past the full-selection range of a decoder built "
+                                  f"without QSA")
+            return None
+        p = f"blk.{il}.indexer."
+        T = int(pos.size)
+        kr = self._mm(x, p + "k_proj.weight")  # [T, dih]
+        self.ik[il][self._pl_dev, xp.asarray(pos)] = kr
+        done = np.nonzero((pos + 1) % r == 0)[0]
+        if done.size:
+            pls, b = self._pl[done], (pos[done] + 1) // r - 1
+            cells = b[:, None] * r + np.arange(r)[None, :]
+            raw = self.ik[il][xp.asarray(pls)[:, None], xp.asarray(cells)]  # [m, r, dih]
+            pooled = _rmsnorm(xp, xp.mean(raw, axis=1), self._f32(p + "k_norm.weight"), cfg.eps)
+            bc, bs = self.rt.rope.cos_sin(b * r)
+            self.bk[il][xp.asarray(pls), xp.asarray(b)] = self.rt.rope.apply(pooled[:, None, :], bc, bs)[:, 0, :]
+        if full:
+            return None
+        qi = self._mm(x, p + "q_proj.weight").reshape(T, -1, dih)
+        qi = _rmsnorm(xp, qi, self._f32(p + "q_norm.weight"), cfg.eps)
+        qi = self.rt.rope.apply(qi, cos, sin)
+        P = int(pos.max()) + 1
+        nbm = P // r
+        mask = np.zeros((T, P), dtype=bool)
+        if nbm > 0:
+            bk = self.bk[il][self._pl_dev, :nbm]  # [T, nbm, dih]
+            sc = xp.einsum("thd,tbd->tbh", qi, bk)
+            scores = _to_host(xp.sum(xp.maximum(sc, 0), axis=-1) / xp.float32(math.sqrt(dih)))
+        else:
+            scores = np.zeros((T, 0), dtype=np.float32)
+        for t in range(T):
+            pp = int(pos[t])
+            nb = (pp + 1) // r
+            if self.rt.selection == "transformers":
+                if nb > 0:
+                    for blk in torch_topk_indices(scores[t, :nb], min(budget // r, nb)):
+                        mask[t, blk * r:(blk + 1) * r] = True
+                mask[t, nb * r:pp + 1] = True
+            else:
+                mask[t, llamacpp_cells(scores[t, :nb], r, pp, budget + r - 1, P)] = True
+        return mask
+
+    # -- MoE on the GPU -------------------------------------------------------------------------------------
+    def _jobs_layout(self, T: int) -> tuple[Any, Any]:
+        got = self._tok_cache.get(T)
+        if got is None:
+            cp, k = self.cp, self.k
+            got = (cp.asarray(np.repeat(np.arange(T, dtype=np.int32), k)),
+                   cp.asarray(np.arange(0, T * k + 1, k, dtype=np.int32)))
+            self._tok_cache[T] = got
+        return got
+
+    def _moe_gpu(self, il: int, x: Any) -> Any:
+        """Router for T tokens (``pf_route``, on the device), routed experts through the job kernels with blob
+        addresses from the tier's slot table, the shared expert by SGEMM; ids/weights kept on the device."""
+        from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
+        from stratatools.runtime.gpu.prefill import ROUTE_THREADS
+
+        cp, cfg, k = self.cp, self.cfg, self.k
+        p = f"blk.{il}."
+        T, n = x.shape
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        logits = self._mm(x, p + "ffn_gate_inp.weight")  # [T, E]
+        E = int(logits.shape[1])
+        if k > E:
+            raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
+        ids = self._ids_dev[il, :T]
+        w = self._w_all[il, :T]
+        self.k_route((min(T, 65535),), (ROUTE_THREADS,),
+                     (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
+                      np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
+                      np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
+        self._tic("experts")
+        ly = self.rt.tier.arena.layers[il]
+        base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
+        gb = np.uint64(ly.gate_bytes)
+        tok, tstart = self._jobs_layout(T)
+        jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart)
+        y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True)
+        self._tic("shared")
+        sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+        hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
+        return (y + sg * self._shared_mm(il, hs, 2)).astype(cp.float32, copy=False)
+
+
+@dataclass
+class BatchedRequest:
+    """One request's outcome in :func:`run_batched` (what :class:`stratatools.runtime.run.RequestResult` holds)."""
+
+    request: int
+    prompt_tokens: int
+    new_ids: list[int] = field(default_factory=list)
+    stop: str = "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_logits: Any = None
+
+
+def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_tokens: int, stop_id: int,
+                tier: Any = None, on_record: Callable[[int, int, RoutingRecord], None] | None = None,
+                on_done: Callable[[BatchedRequest], None] | None = None,
+                keep_logits: bool = False) -> tuple[list[BatchedRequest], dict[str, float]]:
+    """Greedy generation of every prompt with continuous batching over ``bd``'s places (module docstring).
+
+    Per prompt, in file order as places free up: its prefill through ``dec`` (one round: ``tier.phase`` prefill,
+    the records fed layer-major, ``tier.end_round()``), its first new token from the prefill's logits (as
+    :func:`stratatools.runtime.model.generate`); then, while it runs, one position per batched step; each step's
+    places are accounted in ascending place order, one round each. ``on_record(request, phase, record)`` gets
+    every forward's routing in the order the tier saw it (phase :data:`stratatools.traces.table.PREFILL` /
+    ``DECODE``).
+
+    Returns (per-request results in request order, totals: ``prefill_s``, ``decode_s`` (wall seconds of the
+    batched steps), ``decode_forwards`` (decode positions run), ``steps``, ``mean_active``).
+
+    Raises:
+        StrataError: an empty prompt, a negative ``max_new_tokens``, a context past the decoder's ``max_ctx``.
+    """
+    from stratatools.traces.table import DECODE, PREFILL
+
+    if max_new_tokens < 0:
+        raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
+    L = bd.cfg.n_layer
+    results = [BatchedRequest(i, len(p)) for i, p in enumerate(prompts)]
+    queue = list(range(len(prompts)))[::-1]
+    place_req: list[int | None] = [None] * bd.n
+    last_tok = [0] * bd.n
+    t_join = [0.0] * bd.n
+    tot = {"prefill_s": 0.0, "decode_s": 0.0, "decode_forwards": 0, "steps": 0, "active_sum": 0}
+
+    def finish(pl: int, now: float) -> None:
+        r = results[place_req[pl]]
+        r.decode_s = now - t_join[pl]
+        place_req[pl] = None
+        if on_done is not None:
+            on_done(r)
+
+    def admit(pl: int) -> None:
+        while queue and place_req[pl] is None:
+            ri = queue.pop()
+            ids = prompts[ri]
+            if not ids:
+                raise StrataError(f"prompt #{ri} is empty: nothing to run")
+            r = results[ri]
+            if tier is not None:
+                tier.phase = "prefill"
+            t0 = time.perf_counter()
+            st = dec.rt.new_state()
+            dec.load_state(st)
+            lg, bi, bw = dec.prefill(ids)
+            positions = np.arange(len(ids), dtype=np.int64)
+            dec.account(bi, bw, positions)
+            if tier is not None:
+                tier.end_round()
+                tier.phase = "decode"
+            nxt = dec.rt.xp.argmax(lg)
+            nxt = int(_to_host(nxt))
+            t1 = time.perf_counter()
+            r.prefill_s = t1 - t0
+            tot["prefill_s"] += t1 - t0
+            if keep_logits:
+                r.first_logits = np.asarray(_to_host(lg), dtype=np.float32).copy()
+            if on_record is not None:
+                on_record(ri, PREFILL, RoutingRecord(positions, [bi[:, il].copy() for il in range(L)],
+                                                     [bw[:, il].copy() for il in range(L)]))
+            if max_new_tokens == 0:
+                r.stop = "prefill"
+                if on_done is not None:
+                    on_done(r)
+                continue
+            r.new_ids.append(nxt)
+            if nxt == stop_id or len(r.new_ids) >= max_new_tokens:
+                r.stop = "stop" if nxt == stop_id else "length"
+                if on_done is not None:
+                    on_done(r)
+                continue
+            bd.admit(pl)
+            place_req[pl] = ri
+            last_tok[pl] = nxt
+            t_join[pl] = t1
+
+    for pl in range(bd.n):
+        admit(pl)
+    while any(r is not None for r in place_req):
+        act = [pl for pl in range(bd.n) if place_req[pl] is not None]
+        pos = bd.pos[act].copy()
+        t0 = time.perf_counter()
+        lg, nxt, ids, w = bd.step(act, [last_tok[pl] for pl in act])
+        t1 = time.perf_counter()
+        tot["decode_s"] += t1 - t0
+        tot["steps"] += 1
+        tot["active_sum"] += len(act)
+        tot["decode_forwards"] += len(act)
+        for j, pl in enumerate(act):  # one round per place, ascending place order
+            ri = place_req[pl]
+            if tier is not None:
+                tier.phase = "decode"
+            p = pos[j:j + 1]
+            dec.account(ids[j:j + 1], w[j:j + 1], p)
+            if tier is not None:
+                tier.end_round()
+            if on_record is not None:
+                on_record(ri, DECODE, RoutingRecord(p.copy(), [ids[j, il][None].copy() for il in range(L)],
+                                                    [w[j, il][None].copy() for il in range(L)]))
+        now = time.perf_counter()
+        freed = []
+        for j, pl in enumerate(act):
+            r = results[place_req[pl]]
+            t = int(nxt[j])
+            r.new_ids.append(t)
+            last_tok[pl] = t
+            if t == stop_id or len(r.new_ids) >= max_new_tokens:
+                r.stop = "stop" if t == stop_id else "length"
+                finish(pl, now)
+                freed.append(pl)
+        for pl in freed:
+            admit(pl)
+    tot["mean_active"] = tot["active_sum"] / tot["steps"] if tot["steps"] else 0.0
+    del tot["active_sum"]
+    return results, tot

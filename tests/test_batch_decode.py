@@ -1,0 +1,229 @@
+"""Batched decode (``stratatools run --batch N``, :mod:`stratatools.runtime.gpu.batch`) on the CPU with numpy, on a
+small synthetic model (GDN, attention with QSA past its full-selection range, PLE, hyper-connections):
+
+* every step's logits of every place equal the batch-1 reference forward's (``Qwen4ExpRuntime.forward``, one
+  sequence at a time) to 1e-3 relative, with places at different positions and steps over a subset of the places;
+* ``run --batch N`` gives every request the tokens and stop of ``run`` at batch 1;
+* ``simulate`` on a batched run's trace counts the run's hits per phase and layer (docs/cache-model.md
+  "Batched decode": one round per place per step, ascending place order).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from stratatools.cli import run_captured
+from stratatools.core.errors import StrataError
+
+L, E = 4, 16
+PROMPTS = ("def add(a, b):\\n    return a + b\n"
+           "x\n"
+           "hello world, this is a test of routing through the tier\n"
+           "the quick brown fox\n"
+           "import numpy as np\n")
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = run_captured([str(a) for a in args], out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch")
+    code, _, err = _cli("synth", d / "rel", "--layers", L, "--experts", E, "--k", 4, "--no-revisions", "--json")
+    assert code == 0, err
+    (d / "p.txt").write_text(PROMPTS)
+    return d, d / "rel" / "synth-canonical.gguf"
+
+
+def test_batched_step_logits_match_batch1(model):
+    from stratatools.runtime.gpu.batch import BatchDecoder
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        rt = Qwen4ExpRuntime(w)
+        prompts = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11], [42], [300, 301, 7, 7, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+        max_ctx = 13 + 12
+        assert max_ctx > max_full_context(w.cfg, "transformers")  # QSA selects cells in the later steps
+        dec = StaticDecoder(rt, max_ctx=max_ctx)
+        assert dec.long
+        bd = BatchDecoder(dec, 3)
+        refs, toks = [], []
+        for i in range(3):  # prompt i in place i
+            dec.load_state(rt.new_state())
+            lg, _, _ = dec.prefill(prompts[i])
+            bd.admit(i)
+            st = rt.new_state()
+            lr, _ = rt.forward(prompts[i], st, logits="last")
+            np.testing.assert_allclose(lg, lr, rtol=0, atol=1e-3 * float(np.abs(lr).max()))
+            refs.append(st)
+            toks.append(int(np.argmax(lr)))
+        checked = 0
+        for s in range(12):
+            places = [2, 0] if s % 4 == 3 else [0, 1, 2]  # a subset of the places, out of order
+            if s == 6:  # place 1 finishes; prompt 3 takes it
+                dec.load_state(rt.new_state())
+                dec.prefill(prompts[3])
+                bd.admit(1)
+                refs[1] = rt.new_state()
+                lr, _ = rt.forward(prompts[3], refs[1], logits="last")
+                toks[1] = int(np.argmax(lr))
+            pos_before = bd.pos[places].copy()
+            lg, nxt, ids, wts = bd.step(places, [toks[p] for p in places])
+            assert (bd.pos[places] == pos_before + 1).all()
+            for j, p in enumerate(places):
+                lr, rec = rt.forward([toks[p]], refs[p], logits="last")
+                rel = float(np.abs(lg[j] - lr).max() / np.abs(lr).max())
+                assert rel <= 1e-3, (s, p, rel)
+                assert int(nxt[j]) == int(np.argmax(lr))
+                assert (ids[j] == np.stack([rec.ids[il][0] for il in range(L)])).all()
+                toks[p] = int(nxt[j])
+                checked += 1
+        assert checked == 33 and bd.pos.max() > max_full_context(w.cfg, "transformers")
+        with pytest.raises(StrataError, match="distinct"):
+            bd.step([0, 0], [1, 2])
+        with pytest.raises(StrataError, match="vocabulary"):
+            bd.step([0], [w.cfg.n_vocab])
+    finally:
+        w.close()
+
+
+def _run(gguf, prompts, *opts):
+    code, out, err = _cli("run", gguf, "--prompts", prompts, "--device", "cpu", *opts, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_run_batch_outputs_equal_batch1(model):
+    d, gguf = model
+    base = _run(gguf, d / "p.txt", "-n", "9", "--slots", "20", "--policy", "lru")
+    assert base["batch"] == {"batch": 1} and base["options"]["batch"] == 1
+    for n in (2, 8):  # 8 places for 5 prompts: 5 places
+        got = _run(gguf, d / "p.txt", "-n", "9", "--slots", "20", "--policy", "lru", "--batch", n)
+        assert [r["new_ids"] for r in got["requests"]] == [r["new_ids"] for r in base["requests"]]
+        assert [r["stop"] for r in got["requests"]] == [r["stop"] for r in base["requests"]]
+        b = got["batch"]
+        assert b["batch"] == n and b["places"] == min(n, 5)
+        assert b["decode_forwards"] == 5 * 8 and got["new_tokens"] == 45  # the first token of each from its prefill
+        assert b["steps"] == (8 if n == 8 else 24) and b["decode_tokens_per_s"] == got["tokens_per_s"] > 0
+        assert got["tier"]["rounds"] == base["tier"]["rounds"] == 5 + 40
+        assert got["tier"]["decode"]["entries"] == base["tier"]["decode"]["entries"]
+    pre = _run(gguf, d / "p.txt", "-n", "0", "--batch", "3")
+    assert all(r["new_ids"] == [] and r["stop"] == "prefill" for r in pre["requests"])
+
+
+@pytest.mark.parametrize("policy,opts,ext", [
+    ("lru", ["--slots", "20"], "bin"),
+    ("adaptive", ["--slots", "24", "--adapt-every", "1"], "parquet"),
+    ("lfru", ["--slots", "28", "--admission", "per-layer"], "csv"),
+])
+def test_batched_run_equals_simulate(model, tmp_path, policy, opts, ext):
+    d, gguf = model
+    trace = tmp_path / f"t.{ext}"
+    got = _run(gguf, d / "p.txt", "-n", "7", "--policy", policy, *opts, "--batch", "3", "--trace-out", trace)
+    tier = got["tier"]
+    assert got["trace_records"] == (sum(r["prompt_tokens"] for r in got["requests"]) + 5 * 6) * L
+    code, out, err = _cli("simulate", "-t", trace, "--model", gguf, "--policy", policy, *opts, "--no-sweep",
+                          "--report", tmp_path / "rep", "--json")
+    assert code == 0, err
+    r = json.loads(out)["results"][0]
+    want = tier["decode"]
+    assert (r["entries"], r["hits"]) == (want["entries"], want["hits"])
+    assert r["layer_hits"] == want["layer_hits"] and r["rounds"] == tier["rounds"] == 5 + 5 * 6
+    assert r["warmup"] == tier["prefill"]["entries"] and r["moved_bytes"] == tier["moved_bytes"]
+
+
+def test_batch_below_one_is_refused(model, tmp_path):
+    from stratatools.runtime.run import run_prompts
+
+    d, gguf = model
+    with pytest.raises(StrataError, match="--batch 0"):
+        run_prompts(gguf, d / "p.txt", batch=0)
+    code, _, err = _cli("run", gguf, "--prompts", d / "p.txt", "--device", "cpu", "--batch", "0")
+    assert code == 2 and "--batch" in err
+
+
+def test_vram_plan_counts_the_places(model):
+    from stratatools.runtime.device import cache_bytes, plan_vram
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        blob = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
+        one = plan_vram(w.model, w.cfg, blob, 64, None, None, L * E)
+        four = plan_vram(w.model, w.cfg, blob, 64, None, None, L * E, batch=4)
+        assert one.caches == cache_bytes(w.cfg, 64)
+        assert four.caches == 5 * one.caches + (256 << 20)  # the decoder's sequence, 4 places, small f32 matrices
+        assert four.dense == one.dense
+    finally:
+        w.close()
+
+
+def test_early_stop_frees_the_place_for_the_next_prompt(model):
+    """A sequence that meets the stop token mid-way leaves while the others go on; the next prompt takes its place:
+    every request's tokens and stop equal generate() at batch 1 with the same stop token."""
+    from stratatools.runtime.gpu.batch import BatchDecoder, run_batched
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.model import Qwen4ExpRuntime, generate
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        rt = Qwen4ExpRuntime(w)
+        prompts = [[5, 17, 99, 3], [42, 7], [300, 301, 7, 7, 9], [1, 2, 3], [11, 12]]
+        free = [generate(rt, p, 8, stop_id=-1).new_ids for p in prompts]
+        stop = free[1][2]  # request 1 stops at its third token
+        want = [generate(rt, p, 8, stop_id=stop) for p in prompts]
+        assert want[1].stop == "stop" and any(g.stop == "length" for g in want)
+        dec = StaticDecoder(rt, max_ctx=16)
+        bd = BatchDecoder(dec, 2)
+        order = []
+        got, tot = run_batched(dec, bd, prompts, 8, stop, on_done=lambda r: order.append(r.request))
+        assert [r.new_ids for r in got] == [g.new_ids for g in want]
+        assert [r.stop for r in got] == [g.stop for g in want]
+        assert order.index(1) < order.index(0) or want[0].stop == "stop"  # request 1 left before request 0
+        assert tot["decode_forwards"] == sum(len(g.decode) for g in want)
+        assert tot["mean_active"] <= 2.0 and tot["steps"] >= tot["decode_forwards"] / 2
+    finally:
+        w.close()
+
+
+def test_q8r_rows_dequantize_like_the_gguf_blocks():
+    """The batched prefill and decode read the fused step's re-laid-out Q8_0 matrices (dense_q8.cu's layout, one
+    matrix or a stacked group) through kernels.q8r_f32: bit-identical to the numpy dequantizer of the GGUF blocks."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.dequant import dequantize
+    from stratatools.runtime.gpu.kernels import q8_relayout, q8r_f32
+    from stratatools.runtime.gpu.prefill import _is_q8r, _Q8RRows
+
+    rng = np.random.default_rng(5)
+    rows, cols = 7, 96
+    nb = rows * cols // 32
+    blocks = np.zeros((nb, 34), dtype=np.uint8)
+    blocks[:, :2] = rng.normal(0, 0.02, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:] = rng.integers(-128, 128, (nb, 32), dtype=np.int8).view(np.uint8)
+    raw = blocks.reshape(-1)
+    want = np.asarray(dequantize(raw, type_by_name("Q8_0"), rows * cols)).reshape(rows, cols)
+    q, d = q8_relayout(raw, rows, cols)
+    assert q8r_f32(np, q, d, 0, rows, cols).tobytes() == want.tobytes()
+    assert q8r_f32(np, q, d, 2, 3, cols).tobytes() == want[2:5].tobytes()  # a matrix inside a stacked group
+
+    class FakeQ8R:
+        def __init__(self):
+            self.q, self.d, self.size = q, d, q.nbytes + d.nbytes
+
+    assert _is_q8r(FakeQ8R()) and not _is_q8r(np.zeros(4, np.uint8))
+    v = _Q8RRows(FakeQ8R(), 2)
+    assert v.row0 == 2 and v.m.q is q
