@@ -328,6 +328,8 @@ def main() -> None:
                     "routed expert read from pinned host memory, the PCIe-bound case), longres (all resident "
                     "at each --long context), long (--vram-gib 12 LRU at each --long context)")
     ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
+    ap.add_argument("--compare-prompt", type=int, default=0, help="decoder comparison: prompt tokens before the "
+                    "compared steps (0: --prompt)")
     ap.add_argument("--compare-oracle", type=int, default=8, help="decoder comparison: prompt tokens also run "
                     "through the numpy forward on the CPU, every step's logits compared with it there (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
@@ -381,7 +383,8 @@ def main() -> None:
     cmp_res = None
     if a.compare_steps > 0:
         try:
-            cmp_res = decode_compare(cp, gguf, suite_ids[:a.prompt], a.compare_steps, a.compare_oracle)
+            cmp_res = decode_compare(cp, gguf, suite_ids[:a.compare_prompt or a.prompt], a.compare_steps,
+                                     a.compare_oracle)
             res["decode_compare"] = cmp_res
             print(f"decoder comparison: {json.dumps(cmp_res)}", flush=True)
         except Exception as e:  # noqa: BLE001 - reported, the rows still run
