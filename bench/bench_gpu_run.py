@@ -322,9 +322,9 @@ def main() -> None:
                     "all resident and --vram-gib 12 LRU with a prompt of that many tokens minus --new (the static "
                     "decoder selects QSA cells on the device past the full-selection range)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default="resident,unfused,static,staticprof,adaptive,lru,vram12,allmiss,longres,long",
+    ap.add_argument("--configs", default="resident,unfused,static,staticprof,adaptive,adaptiveprof,lru,vram12,allmiss,longres,long",
                     help="comma list of rows: resident, unfused, static (arrival order), staticprof (a profile the "
-                    "runtime recorded), adaptive, lru, vram12, allmiss (0 slots: every "
+                    "runtime recorded), adaptive, adaptiveprof (adaptive on that profile), lru, vram12, allmiss (0 slots: every "
                     "routed expert read from pinned host memory, the PCIe-bound case), longres (all resident "
                     "at each --long context), long (--vram-gib 12 LRU at each --long context)")
     ap.add_argument("--compare-steps", type=int, default=32, help="decoder comparison steps (0: skip)")
@@ -404,6 +404,8 @@ def main() -> None:
                ("staticprof", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
                                                                                       "_profile": True}),
                ("adaptive", f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
+               ("adaptiveprof", f"{a.slots} slots adaptive, on the profile recorded by the runtime",
+                {"slots": a.slots, "policy": "adaptive", "_profile": True}),
                ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
                ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"}),
                ("allmiss", "0 slots (every expert read from pinned host memory)", {"slots": 0, "policy": "static"})]
@@ -457,7 +459,7 @@ def main() -> None:
         d = r["device"]
         tc = d["tier"]
         steps = max(r["new_tokens"] - 1, 1)
-        row = {"name": name, "decode": r["tokens_per_s"], "prefill": r["prefill_tokens_per_s"],
+        row = {"name": name, "decode": r["tokens_per_s"], "prefill": r["prefill_tokens_per_s"], "setup_s": d.get("setup_s"),
                "h_decode": r["h_expert"], "moved_per_token": tc["bytes_moved"] / (plen + steps),
                "device_used": d["device_used_bytes"], "pool": d["pool_bytes"], "wall_s": time.perf_counter() - t0,
                "engine": d["engine"], "tier": tc, "plan": d.get("plan"),
@@ -474,8 +476,8 @@ def main() -> None:
         if a.out:  # after every row, so that a run stopped by its time limit keeps the rows it made
             Path(a.out).write_text(json.dumps({**res, "rows": rows}, indent=1, default=str))
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
-              f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB",
-              flush=True)
+              f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB, "
+              f"set-up {row['setup_s']} s", flush=True)
     res["rows"] = rows
     prof_rows = {}
     if a.profile_steps > 0:

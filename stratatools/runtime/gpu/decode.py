@@ -1122,6 +1122,17 @@ class StaticDecoder:
         """The event recorded after the last step launched (None before the first; CuPy only)."""
         return self._out_event if self.gpu else None
 
+    def prefiller(self, chunk: int | None = None, group: int | None = None, experts: str = "rows") -> Any:
+        """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options (made
+        once and kept; its kernels are compiled as it is made and by its ``compile()``)."""
+        from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
+
+        c, g = int(chunk or CHUNK), int(group or GROUP)
+        pf = getattr(self, "_prefiller", None)
+        if pf is None or (pf.chunk, pf.group, pf.experts) != (c, g, experts):
+            pf = self._prefiller = ChunkPrefill(self, c, g, experts)
+        return pf
+
     def prefill(self, ids: Any, chunk: int | None = None, group: int | None = None,
                 experts: str = "rows") -> tuple[Any, np.ndarray, np.ndarray]:
         """Run a prompt in batched chunks (:class:`stratatools.runtime.gpu.prefill.ChunkPrefill`) from the current
@@ -1138,12 +1149,7 @@ class StaticDecoder:
             StrataError: an empty prompt, a token outside the vocabulary, a context past ``max_ctx``; an unknown
                 expert path.
         """
-        from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
-
-        c, g = int(chunk or CHUNK), int(group or GROUP)
-        pf = getattr(self, "_prefiller", None)
-        if pf is None or (pf.chunk, pf.group, pf.experts) != (c, g, experts):
-            pf = self._prefiller = ChunkPrefill(self, c, g, experts)
+        pf = self.prefiller(chunk, group, experts)
         with self._ordered():
             self._refresh_slots()  # copies into slots the prefill reads (async swaps) are waited for first
             out = pf.run(ids)

@@ -103,6 +103,15 @@ class DecoderRuntime:
             if tier is not None:
                 tier.release()
 
+    def prepare(self) -> None:
+        """One-time set-up before the first prompt: capture the step's graph and compile the batched prefill's
+        kernels (what the first :meth:`forward` would otherwise do inside its timed prompt). Idempotent."""
+        if self._graph and not self._captured:
+            self.dec.capture()
+            self._captured = True
+        if self.prefill_mode == "batched":
+            self.dec.prefiller(self.prefill_chunk).compile()
+
     def argmax(self, logits: Any) -> int:
         """Arg-max of logits this runtime returned: for the decoder's last step, the token it already copied back
         with its routing (no extra kernel or transfer); otherwise computed on the device."""
