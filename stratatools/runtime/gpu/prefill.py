@@ -208,9 +208,9 @@ class ChunkPrefill:
     def compile(self) -> None:
         """Build the CUDA modules a chunk uses (the FMA kernels and the exact dequantizer; CuPy caches them), so that
         a timed prompt does not include their compilation. A no-op on numpy."""
-        if self.gpu:
-            _module(False, self._tids[False])
-            _module(True, self._tids[True])
+        if self.gpu:  # CuPy compiles a RawModule at its first kernel lookup (pf_route is in both modules)
+            for exact in (False, True):
+                _module(exact, self._tids[exact]).get_function("pf_route")
 
     def run(self, ids: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """Run the prompt ``ids`` from the decoder's position on; returns (logits of the last token [vocab] (device
