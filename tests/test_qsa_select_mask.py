@@ -102,3 +102,17 @@ def test_bad_shapes_are_refused():
         qsa_select_mask("transformers", np.zeros((1, 2), np.float32), [20], 4, 8, 21)
     with pytest.raises(ValueError, match="rule"):
         qsa_select_mask("other", np.zeros((1, 9), np.float32), [20], 4, 8, 21)
+
+
+def test_compiled_heap_selection_keeps_partial_sorts_set():
+    """_heap_select_set (used for llama.cpp rows that take a block in part) = partial_sort_topk's set, ties too."""
+    from stratatools.runtime.topk import _heap_select_set, partial_sort_topk
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        v = rng.integers(0, 4, n).astype(np.float32)
+        v[rng.random(n) < 0.1] = np.inf
+        v[rng.random(n) < 0.1] = -np.inf
+        k = int(rng.integers(1, n + 1))
+        assert sorted(_heap_select_set(v, k).tolist()) == sorted(partial_sort_topk(v, k))

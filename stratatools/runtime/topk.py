@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from stratatools.core.jit import njit
+
 
 def _adjust_heap(idx: list[int], hole: int, length: int, value: int, less) -> None:
     top = hole
@@ -212,6 +214,44 @@ def qsa_selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
     return p + 1 <= budget + ratio - 1
 
 
+@njit(cache=True, nogil=True)
+def _heap_select_set(v: np.ndarray, k: int) -> np.ndarray:  # pragma: no cover - compiled (or plain Python)
+    """The indices libstdc++'s ``__heap_select`` keeps as the top ``k`` of ``v`` (float32 [n]), comparator
+    ``v[a] > v[b]``: the set :func:`partial_sort_topk` returns (its sort_heap and swap only reorder it). The
+    same steps as ``_make_heap`` / ``_adjust_heap`` / ``_heap_select`` above, compiled with numba."""
+    n = v.shape[0]
+    idx = np.arange(k)
+    for parent in range((k - 2) // 2, -1, -1):
+        _sift(v, idx, parent, k, idx[parent])
+    for i in range(k, n):
+        if v[i] > v[idx[0]]:
+            _sift(v, idx, 0, k, i)
+    return idx
+
+
+@njit(cache=True, nogil=True)
+def _sift(v: np.ndarray, idx: np.ndarray, hole: int, length: int, value: int) -> None:  # pragma: no cover
+    """``_adjust_heap`` on index array ``idx`` with ``less(a, b) = v[a] > v[b]``."""
+    top = hole
+    child = hole
+    while child < (length - 1) // 2:
+        child = 2 * (child + 1)
+        if v[idx[child]] > v[idx[child - 1]]:
+            child -= 1
+        idx[hole] = idx[child]
+        hole = child
+    if (length & 1) == 0 and child == (length - 2) // 2:
+        child = 2 * (child + 1)
+        idx[hole] = idx[child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and v[idx[parent]] > v[value]:
+        idx[hole] = idx[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    idx[hole] = value
+
+
 def qsa_select_mask(selection: str, scores: np.ndarray, pos: np.ndarray, ratio: int, budget: int, n_cells: int,
                     stats: dict | None = None) -> np.ndarray:
     """The cells each of ``T`` queries attends, for a whole chunk at once: boolean mask [T, n_cells].
@@ -296,8 +336,12 @@ def qsa_select_mask(selection: str, scores: np.ndarray, pos: np.ndarray, ratio: 
                 for blk in torch_topk_indices(sc[t, :n], min(budget // ratio, n)):
                     mask[t, blk * ratio:(blk + 1) * ratio] = True
             mask[t, n * ratio:pp + 1] = True
-        else:
-            mask[t, llamacpp_cells(sc[t, :n], ratio, pp, budget + ratio - 1, n_cells)] = True
+        else:  # llamacpp_cells: the set partial_sort_topk keeps (compiled), future cells dropped
+            cs = llamacpp_cell_scores(sc[t, :n], ratio, pp, n_cells)
+            kk = min(budget + ratio - 1, n_cells)
+            if kk > 0:
+                sel = _heap_select_set(cs, kk)
+                mask[t, sel[sel <= pp]] = True
     if stats is not None:
         stats["fallback"] = int(slow.size)
     return mask
