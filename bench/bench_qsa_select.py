@@ -58,6 +58,7 @@ def block_scores(rng, n_q: int, n_blocks: int) -> np.ndarray:
 
 def selection_bench(rows: dict[str, int]) -> None:
     rng = np.random.default_rng(0)
+    qsa_select_mask("llamacpp", np.arange(4, dtype=np.float32)[None], [17], RATIO, 6, 18)  # numba: compile/load
     print(f"selection, chunk of {T} queries, ratio {RATIO}, budget {BUDGET}:")
     for pos0 in (6000, 8128 - T):
         P = pos0 + T
