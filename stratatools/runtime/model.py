@@ -40,7 +40,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 
 from stratatools.runtime.config import Qwen4ExpConfig
-from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
+from stratatools.runtime.topk import qsa_select_mask
 from stratatools.runtime.weights import Weights
 
 SELECTIONS = ("transformers", "llamacpp")
@@ -419,29 +419,13 @@ class Qwen4ExpRuntime:
             bc, bs = self.rope.cos_sin(np.arange(have, nb_all, dtype=np.int64) * ratio)
             newbk = self.rope.apply(pooled[:, None, :], bc, bs)[:, 0, :]
             ls.bk = newbk if ls.bk is None else xp.concatenate([ls.bk, newbk], axis=0)
-        mask = np.zeros((T, P), dtype=bool)
         if nb_all > 0:
             sc = xp.einsum("thd,bd->tbh", qi, ls.bk)
             scores = _to_host(xp.sum(xp.maximum(sc, 0), axis=-1) / xp.float32(math.sqrt(dih)))  # [T, B]
         else:
             scores = np.zeros((T, 0), dtype=np.float32)
-        budget = cfg.idx_budget
-        block_topk = budget // ratio
-        for t in range(T):
-            ppos = int(pos[t])
-            nb = (ppos + 1) // ratio
-            tail0 = nb * ratio
-            if self.selection == "transformers":
-                if nb > 0:
-                    s = scores[t, :nb]
-                    take = min(block_topk, nb)
-                    order = torch_topk_indices(s, take)
-                    for blk in order:
-                        mask[t, blk * ratio:(blk + 1) * ratio] = True
-                mask[t, tail0:ppos + 1] = True
-            else:
-                cells = llamacpp_cells(scores[t, :nb], ratio, ppos, budget + ratio - 1, P)
-                mask[t, cells] = True
+        # per query: torch_topk_indices / llamacpp_cells (qsa_select_mask replays them where ties decide)
+        mask = qsa_select_mask(self.selection, scores, pos, ratio, cfg.idx_budget, P)
         return mask
 
     def _attention(self, il: int, x: Any, ls: LayerState, pos: np.ndarray, cos: Any, sin: Any) -> Any:

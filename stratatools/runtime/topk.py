@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from stratatools.core.jit import njit
+
 
 def _adjust_heap(idx: list[int], hole: int, length: int, value: int, less) -> None:
     top = hole
@@ -210,3 +212,136 @@ def qsa_selects_all(selection: str, ratio: int, budget: int, p: int) -> bool:
     if selection == "transformers":
         return (p + 1) // ratio <= budget // ratio
     return p + 1 <= budget + ratio - 1
+
+
+@njit(cache=True, nogil=True)
+def _heap_select_set(v: np.ndarray, k: int) -> np.ndarray:  # pragma: no cover - compiled (or plain Python)
+    """The indices libstdc++'s ``__heap_select`` keeps as the top ``k`` of ``v`` (float32 [n]), comparator
+    ``v[a] > v[b]``: the set :func:`partial_sort_topk` returns (its sort_heap and swap only reorder it). The
+    same steps as ``_make_heap`` / ``_adjust_heap`` / ``_heap_select`` above, compiled with numba."""
+    n = v.shape[0]
+    idx = np.arange(k)
+    for parent in range((k - 2) // 2, -1, -1):
+        _sift(v, idx, parent, k, idx[parent])
+    for i in range(k, n):
+        if v[i] > v[idx[0]]:
+            _sift(v, idx, 0, k, i)
+    return idx
+
+
+@njit(cache=True, nogil=True)
+def _sift(v: np.ndarray, idx: np.ndarray, hole: int, length: int, value: int) -> None:  # pragma: no cover
+    """``_adjust_heap`` on index array ``idx`` with ``less(a, b) = v[a] > v[b]``."""
+    top = hole
+    child = hole
+    while child < (length - 1) // 2:
+        child = 2 * (child + 1)
+        if v[idx[child]] > v[idx[child - 1]]:
+            child -= 1
+        idx[hole] = idx[child]
+        hole = child
+    if (length & 1) == 0 and child == (length - 2) // 2:
+        child = 2 * (child + 1)
+        idx[hole] = idx[child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and v[idx[parent]] > v[value]:
+        idx[hole] = idx[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    idx[hole] = value
+
+
+def qsa_select_mask(selection: str, scores: np.ndarray, pos: np.ndarray, ratio: int, budget: int, n_cells: int,
+                    stats: dict | None = None) -> np.ndarray:
+    """The cells each of ``T`` queries attends, for a whole chunk at once: boolean mask [T, n_cells].
+
+    Row ``t`` equals what the per-query rule of :meth:`stratatools.runtime.model.Qwen4ExpRuntime._select` gives for
+    the query at ``pos[t]`` (0-based) with ``nb = (pos[t]+1)//ratio`` complete blocks scored by ``scores[t, :nb]``:
+    ``transformers``: the blocks :func:`torch_topk_indices` keeps (``min(budget//ratio, nb)`` of them) plus the
+    incomplete tail ``nb*ratio..pos[t]``; ``llamacpp``: :func:`llamacpp_cells` (top ``budget+ratio-1`` cells).
+
+    Vectorized with numpy: each row's ``kb``-th largest block score (``kb`` blocks needed) is the threshold; when
+    the blocks scoring at least the threshold are exactly the ones needed (no tie straddles it, and for
+    ``llamacpp`` no block is taken in part) the chosen set is unique, so any top-k algorithm gives it and the row
+    is ``scores >= threshold``. Other rows (ties across the threshold, a partly taken block, non-finite scores)
+    replay the exact per-query function, whose tie rule decides (the device kernel ``qsa_select`` in
+    ``gpu/qsa_step.cu`` splits the same way). Scores are rounded to float32 first, as the per-query functions do.
+
+    Args:
+        selection: ``transformers`` or ``llamacpp``.
+        scores: block scores [T, B] with ``B >= (max(pos)+1)//ratio`` (later columns are ignored per row).
+        pos: query positions [T] (int).
+        ratio: compress ratio (> 0); budget: indexer budget in tokens (``idx_budget``).
+        n_cells: mask width (the cache length, ``> max(pos)``).
+        stats: if given, ``stats["fallback"]`` gets the number of rows that ran the per-query function.
+
+    Memory: the mask plus a few [T, B] arrays (B = n_cells // ratio).
+
+    Raises:
+        ValueError: shapes that do not fit (a caller's bug, not bad input), an unknown rule or ``ratio <= 0``.
+    """
+    if selection not in ("transformers", "llamacpp"):
+        raise ValueError(f"unknown QSA selection rule {selection!r}")
+    if ratio <= 0:
+        raise ValueError(f"compress ratio {ratio} is not positive")
+    pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+    T = int(pos.size)
+    sc = np.asarray(scores, dtype=np.float32)
+    if sc.ndim != 2 or sc.shape[0] != T:
+        raise ValueError(f"scores of shape {sc.shape} do not match {T} positions")
+    mask = np.zeros((T, n_cells), dtype=bool)
+    if T == 0:
+        return mask
+    if int(pos.min()) < 0 or int(pos.max()) >= n_cells:
+        raise ValueError(f"positions {int(pos.min())}..{int(pos.max())} outside the {n_cells} cells")
+    nb = (pos + 1) // ratio  # complete blocks per row
+    B = int(nb.max())
+    if B > sc.shape[1]:
+        raise ValueError(f"{sc.shape[1]} block scores but position {int(pos.max())} has {B} complete blocks")
+    s = sc[:, :B]
+    valid = np.arange(B)[None, :] < nb[:, None]  # [T, B]
+    tail = pos + 1 - nb * ratio
+    if selection == "transformers":
+        kb = np.clip(np.minimum(budget // ratio, nb), 0, None)  # blocks taken (torch_topk_indices: k <= 0 -> none)
+        need = kb * ratio
+        special = np.zeros(T, dtype=bool)
+    else:
+        k = budget + ratio - 1
+        allvis = k >= pos + 1  # every visible cell is among the top k (future cells score -inf)
+        need = np.where(allvis, nb * ratio, k - tail)  # cells taken from complete blocks (the tail is all taken)
+        kb = np.where(allvis, nb, np.clip(-(-need // ratio), 0, None))
+        special = ~allvis & (need < 0)  # a budget so small that not even the tail fits: per query
+    bad = special | np.any(valid & ~np.isfinite(s), axis=1)
+    sm = np.where(valid, s, np.float32(-np.inf))
+    th = np.full(T, np.inf, dtype=np.float32)
+    some = (kb > 0) & ~bad
+    if some.any():
+        srt = -np.sort(-sm, axis=1)  # descending per row
+        th[some] = srt[some, kb[some] - 1]
+    ge = valid & (sm >= th[:, None])  # rows without blocks: th = +inf, nothing (scores are finite)
+    fits = ge.sum(axis=1) * ratio == need
+    blocks = ge & (fits & ~bad)[:, None]
+    if B:
+        mask[:, :B * ratio] = np.repeat(blocks, ratio, axis=1)
+    for j in range(ratio - 1):  # the incomplete tail: fewer than ratio cells per row
+        rows = np.nonzero(j < tail)[0]
+        mask[rows, nb[rows] * ratio + j] = True
+    slow = np.nonzero(bad | ~fits)[0]
+    for t in slow:
+        mask[t] = False
+        pp, n = int(pos[t]), int(nb[t])
+        if selection == "transformers":
+            if n > 0:
+                for blk in torch_topk_indices(sc[t, :n], min(budget // ratio, n)):
+                    mask[t, blk * ratio:(blk + 1) * ratio] = True
+            mask[t, n * ratio:pp + 1] = True
+        else:  # llamacpp_cells: the set partial_sort_topk keeps (compiled), future cells dropped
+            cs = llamacpp_cell_scores(sc[t, :n], ratio, pp, n_cells)
+            kk = min(budget + ratio - 1, n_cells)
+            if kk > 0:
+                sel = _heap_select_set(cs, kk)
+                mask[t, sel[sel <= pp]] = True
+    if stats is not None:
+        stats["fallback"] = int(slow.size)
+    return mask

@@ -425,7 +425,7 @@ class BatchDecoder(ChunkPrefill):
         cache each place's raw indexer key and pool the block it completes; when some place is past the
         full-selection range, the attended cells per place (``Qwen4ExpRuntime._select``'s rule) as a host mask
         [T, max pos + 1]; else None."""
-        from stratatools.runtime.topk import llamacpp_cells, qsa_selects_all, torch_topk_indices
+        from stratatools.runtime.topk import qsa_select_mask, qsa_selects_all
 
         dec, cfg, xp = self.dec, self.cfg, self.xp
         if not dec._qsa_layer(il):
@@ -456,24 +456,13 @@ class BatchDecoder(ChunkPrefill):
         qi = self.rt.rope.apply(qi, cos, sin)
         P = int(pos.max()) + 1
         nbm = P // r
-        mask = np.zeros((T, P), dtype=bool)
         if nbm > 0:
             bk = self.bk[il][self._pl_dev, :nbm]  # [T, nbm, dih]
             sc = xp.einsum("thd,tbd->tbh", qi, bk)
             scores = _to_host(xp.sum(xp.maximum(sc, 0), axis=-1) / xp.float32(math.sqrt(dih)))
         else:
             scores = np.zeros((T, 0), dtype=np.float32)
-        for t in range(T):
-            pp = int(pos[t])
-            nb = (pp + 1) // r
-            if self.rt.selection == "transformers":
-                if nb > 0:
-                    for blk in torch_topk_indices(scores[t, :nb], min(budget // r, nb)):
-                        mask[t, blk * r:(blk + 1) * r] = True
-                mask[t, nb * r:pp + 1] = True
-            else:
-                mask[t, llamacpp_cells(scores[t, :nb], r, pp, budget + r - 1, P)] = True
-        return mask
+        return qsa_select_mask(self.rt.selection, scores, pos, r, budget, P)
 
     # -- MoE on the GPU -------------------------------------------------------------------------------------
     def _jobs_layout(self, T: int) -> tuple[Any, Any]:

@@ -44,7 +44,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
-from stratatools.runtime.topk import llamacpp_cells, qsa_selects_all, torch_topk_indices
+from stratatools.runtime.topk import qsa_select_mask, qsa_selects_all
 
 from stratatools.runtime.gpu.kernels import UNIT, cuda_source
 
@@ -646,23 +646,12 @@ class ChunkPrefill:
         qi = self._mm(x, p + "q_proj.weight").reshape(T, -1, dih)
         qi = _rmsnorm(xp, qi, self._f32(p + "q_norm.weight"), cfg.eps)
         qi = self.rt.rope.apply(qi, cos, sin)
-        mask = np.zeros((T, P), dtype=bool)
         if nb_all > 0:
             sc = xp.einsum("thd,bd->tbh", qi, dec.bk[il][:nb_all])
             scores = _to_host(xp.sum(xp.maximum(sc, 0), axis=-1) / xp.float32(math.sqrt(dih)))
         else:
             scores = np.zeros((T, 0), dtype=np.float32)
-        for t in range(T):
-            pp = pos0 + t
-            nb = (pp + 1) // r
-            if self.rt.selection == "transformers":
-                if nb > 0:
-                    for blk in torch_topk_indices(scores[t, :nb], min(budget // r, nb)):
-                        mask[t, blk * r:(blk + 1) * r] = True
-                mask[t, nb * r:pp + 1] = True
-            else:
-                mask[t, llamacpp_cells(scores[t, :nb], r, pp, budget + r - 1, P)] = True
-        return mask
+        return qsa_select_mask(self.rt.selection, scores, np.arange(pos0, P), r, budget, P)
 
     # -- MoE ----------------------------------------------------------------------------------------------
     def _route(self, il: int, x: Any) -> tuple[np.ndarray, np.ndarray]:
