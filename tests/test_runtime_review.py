@@ -81,6 +81,18 @@ def test_policy_without_a_tier_is_refused(ista_pack, tmp_path, cli):
     assert code == 2 and "--slots" in err and err.strip().count("\n") == 0, err
 
 
+@pytest.mark.parametrize("policy", ["belady", "foo"])
+def test_unknown_or_offline_policy_is_refused_naming_the_option(ista_pack, tmp_path, cli, policy):
+    """run's tier is online: --policy belady (simulate's offline bound) and unknown names are one line naming
+    --policy and the policies run takes (belady is not offered), before the model is loaded."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, out, err = cli("run", ista_pack, "--prompts", prompts, "-n", "2", "--slots", "4", "--policy", policy)
+    assert code == 2 and out == "" and err.strip().count("\n") == 0, err
+    assert f"--policy {policy}" in err and "static, adaptive, lru, lfu, lfru" in err, err
+    assert "belady)" not in err and "future=" not in err, err
+
+
 def test_token_id_prompts_report_decoded_text(kit, ista_pack, tmp_path, cli):
     """The kit's prompts.json gives token ids; the generated text is still decoded (not shown as ids)."""
     from stratatools.runtime.tokenizer import BPETokenizer
