@@ -212,3 +212,20 @@ def test_trace_out_directory_is_refused_before_running(ista_pack, tmp_path, cli)
     code, _, err = cli("run", ista_pack, "--prompts", prompts, "-n", "0", "--trace-out", d, "--force")
     assert code == 2 and "directory" in err and err.strip().count("\n") == 0, err
     assert d.is_dir() and not list(d.iterdir())
+
+
+def test_batched_decode_line_is_one_line_at_80_columns(ista_pack, tmp_path):
+    """The decode summary of run --batch N stays one line in a pipe (80 columns), like the other summary lines."""
+    import io
+
+    from stratatools.cli import run_captured
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\nthe quick brown fox\n")
+    out = io.StringIO()
+    code = run_captured(["run", str(ista_pack), "--prompts", str(prompts), "-n", "3", "--batch", "2"], out, io.StringIO(),
+                        width=80)
+    assert code == 0
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("prefill: ")]
+    assert len(lines) == 1 and "tokens/s aggregate over --batch 2 (2.0 sequences per step on average)" in lines[0], \
+        out.getvalue()
