@@ -81,6 +81,18 @@ def test_policy_without_a_tier_is_refused(ista_pack, tmp_path, cli):
     assert code == 2 and "--slots" in err and err.strip().count("\n") == 0, err
 
 
+@pytest.mark.parametrize("policy", ["belady", "foo"])
+def test_unknown_or_offline_policy_is_refused_naming_the_option(ista_pack, tmp_path, cli, policy):
+    """run's tier is online: --policy belady (simulate's offline bound) and unknown names are one line naming
+    --policy and the policies run takes (belady is not offered), before the model is loaded."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    code, out, err = cli("run", ista_pack, "--prompts", prompts, "-n", "2", "--slots", "4", "--policy", policy)
+    assert code == 2 and out == "" and err.strip().count("\n") == 0, err
+    assert f"--policy {policy}" in err and "static, adaptive, lru, lfu, lfru" in err, err
+    assert "belady)" not in err and "future=" not in err, err
+
+
 def test_token_id_prompts_report_decoded_text(kit, ista_pack, tmp_path, cli):
     """The kit's prompts.json gives token ids; the generated text is still decoded (not shown as ids)."""
     from stratatools.runtime.tokenizer import BPETokenizer
@@ -200,3 +212,20 @@ def test_trace_out_directory_is_refused_before_running(ista_pack, tmp_path, cli)
     code, _, err = cli("run", ista_pack, "--prompts", prompts, "-n", "0", "--trace-out", d, "--force")
     assert code == 2 and "directory" in err and err.strip().count("\n") == 0, err
     assert d.is_dir() and not list(d.iterdir())
+
+
+def test_batched_decode_line_is_one_line_at_80_columns(ista_pack, tmp_path):
+    """The decode summary of run --batch N stays one line in a pipe (80 columns), like the other summary lines."""
+    import io
+
+    from stratatools.cli import run_captured
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\nthe quick brown fox\n")
+    out = io.StringIO()
+    code = run_captured(["run", str(ista_pack), "--prompts", str(prompts), "-n", "3", "--batch", "2"], out, io.StringIO(),
+                        width=80)
+    assert code == 0
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("prefill: ")]
+    assert len(lines) == 1 and "tokens/s aggregate over --batch 2 (2.0 sequences per step on average)" in lines[0], \
+        out.getvalue()

@@ -79,7 +79,7 @@ def run_cmd(
     c.print(f"prefill: {res.prompt_tokens} tokens, {res.prefill_tokens_per_s:.1f} tokens/s; decode: "
             f"{res.new_tokens} new tokens, {res.tokens_per_s:.1f} tokens/s"
             + (f" aggregate over --batch {res.batch['batch']} ({res.batch.get('mean_active', 0):.1f} sequences per "
-               f"step on average)" if res.batch.get("batch", 1) > 1 else ""), markup=False)
+               f"step on average)" if res.batch.get("batch", 1) > 1 else ""), markup=False, soft_wrap=True)
     if res.tier is not None:
         tier = res.tier
         c.print(f"tier: {tier['policy']}, {tier['resident']} experts resident"

@@ -43,6 +43,7 @@ from stratatools.runtime.tokenizer import BPETokenizer
 from stratatools.runtime.weights import load
 
 TRACE_FORMATS = ("strata-tagged", "strata", "parquet", "csv")
+RUN_POLICIES = ("static", "adaptive", "lru", "lfu", "lfru")  # the online tiers (belady is offline)
 
 
 @dataclass
@@ -374,7 +375,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
 
     Raises:
         StrataError: every load/parse error (pack vs GGUF mismatch, bad prompts, profile of another geometry),
-            an existing trace without ``force``, an output that is an input.
+            an existing trace without ``force``, an output that is an input, a ``policy`` outside
+            :data:`RUN_POLICIES` (``belady`` is offline: simulate only).
     """
     prompts = read_prompts(prompts_path)
     fmt = None
@@ -401,6 +403,9 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         from stratatools.runtime.gpu import require_cupy
 
         xp = require_cupy()
+    if policy not in RUN_POLICIES:
+        why = " is offline (it needs the whole future: use it in simulate)" if policy == "belady" else " is unknown"
+        raise StrataError(f"--policy {policy}{why}; run's expert tier takes {', '.join(RUN_POLICIES)}")
     want_tier = profile is not None or budget_gib is not None or slots is not None or vram_gib is not None
     if tier_params and policy != "adaptive":
         raise StrataError(f"the --adapt-*/--upper-slots options configure the adaptive tier, not --policy {policy}: "
