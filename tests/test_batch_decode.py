@@ -227,3 +227,46 @@ def test_q8r_rows_dequantize_like_the_gguf_blocks():
     assert _is_q8r(FakeQ8R()) and not _is_q8r(np.zeros(4, np.uint8))
     v = _Q8RRows(FakeQ8R(), 2)
     assert v.row0 == 2 and v.m.q is q
+
+
+def test_plain_strata_trace_with_batch_is_refused(model, tmp_path):
+    """The plain layout keeps no request ids or phases: a batched run's trace in it replayed to other hits than
+    the run counted (found by a new user: decode hits [198, 207] against [1969, 2414] from simulate)."""
+    p = tmp_path / "p.txt"
+    p.write_text(PROMPTS)
+    out = tmp_path / "t.bin"
+    code, _, err = _cli("run", model[1], "-p", p, "-n", 4, "--batch", 3, "--slots", 12, "--policy", "lru", "-t", out,
+                        "--trace-format", "strata")
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert "--trace-format strata" in err and "strata-tagged" in err and not out.exists()
+
+
+def test_unwritable_trace_folder_fails_before_the_model_loads(model, tmp_path, monkeypatch):
+    """A --trace-out folder that cannot take a file (here: a read-only file system) used to be found only when the
+    trace was written, after the whole workload; now before the model is loaded."""
+    import errno
+    import os
+
+    import stratatools.runtime.run as run_mod
+
+    p = tmp_path / "p.txt"
+    p.write_text(PROMPTS)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_open = os.open
+
+    def open_(path, flags, *a, **k):
+        if str(path).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a, **k)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the trace folder was checked")
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(run_mod, "load", no_load)
+    code, _, err = _cli("run", model[1], "-p", p, "-n", 4, "-t", ro / "t.bin")
+    monkeypatch.undo()
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert "t.bin" in err and "Read-only" in err
+    assert os.listdir(ro) == []

@@ -147,6 +147,18 @@ def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
     return folder / f".{name}.{os.getpid()}-{secrets.token_hex(4)}{tag}"
 
 
+def probe_writable(target: str | os.PathLike) -> None:
+    """Check, before long work, that ``target``'s folder takes a new file: create the unique temp the write would
+    create (:func:`create_temp`; the folder is made if missing) and remove it at once, with SIGTERM/SIGINT held back
+    meanwhile. Raises StrataError naming the target (read-only file system, permissions, a parent that is a file)."""
+    with signals_deferred():
+        fd, tmp = create_temp(target)
+        try:
+            os.close(fd)
+        finally:
+            os.unlink(tmp)
+
+
 def create_temp(target: str | os.PathLike, mode: int = 0o666) -> tuple[int, Path]:
     """Create a fresh temp file beside ``target`` (``O_CREAT|O_EXCL|O_NOFOLLOW``, unique name); returns (fd, path).
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import guard_output
+from stratatools.core.fsutil import guard_output, probe_writable
 from stratatools.pack.native import EXPERTS_BIN, NATIVE_TXT
 from stratatools.profiles.strp import read_profile
 from stratatools.traces.table import DECODE, PREFILL, TraceTable
@@ -391,6 +391,12 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         raise StrataError(f"--max-new-tokens {max_new_tokens} is negative")
     if batch < 1:
         raise StrataError(f"--batch {batch}: the batch size must be at least 1")
+    if batch > 1 and fmt == "strata":
+        raise StrataError(f"{trace_out}: --batch {batch} with --trace-format strata: the plain layout keeps no request ids "
+                          f"or phases, so a replay cannot rebuild the batched rounds; use strata-tagged (the default), "
+                          f"parquet or csv", trace_out)
+    if trace_out is not None:  # a folder that cannot take the trace fails now, not after the whole workload
+        probe_writable(trace_out)
     from stratatools.runtime.device import resolve_device
 
     dev = resolve_device(device)
