@@ -270,3 +270,14 @@ def test_unwritable_trace_folder_fails_before_the_model_loads(model, tmp_path, m
     assert code == 2 and err.strip().count("\n") == 0, err
     assert "t.bin" in err and "Read-only" in err
     assert os.listdir(ro) == []
+
+
+@pytest.mark.parametrize("opt,value", [("--adapt-every", "0"), ("--adapt-swaps", "-5"), ("--adapt-lag", "0"),
+                                       ("--adapt-pace-bytes", "-1")])
+def test_adaptive_option_errors_name_the_option(model, tmp_path, opt, value):
+    """They named internal fields (adapt_every, copy_delay_rounds, max_moves) instead of the option given."""
+    p = tmp_path / "p.txt"
+    p.write_text(PROMPTS)
+    code, _, err = _cli("run", model[1], "-p", p, "-n", 2, "--slots", 12, "--policy", "adaptive", opt, value)
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert f"{opt} {value}" in err and "must be at least" in err, err

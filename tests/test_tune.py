@@ -201,7 +201,7 @@ def test_simulate_engine_named_adaptive_options(cli, tmp_path):
     for extra, msg in ((["--strata-version", "0.1", "--adapt-lag", "2"], "Strata 0.2.x behaviour"),
                        (["--adapt-lag", "2", "--set", "adaptive.lag=2"], "both given"),
                        (["--strata-version", "0.3"], "--strata-version"),
-                       (["--adapt-lag", "0"], "lag 0 must be >= 1")):
+                       (["--adapt-lag", "0"], "--adapt-lag 0 must be at least 1")):
         code, _, err = cli("simulate", "-t", str(tp), "-p", str(pp), "--slots", "72", "--policy", "adaptive",
                            "--no-sweep", "--report", str(tmp_path / "r"), "--force", *extra)
         assert code == 2 and msg in err, (extra, err)

@@ -74,12 +74,18 @@ NEVER = np.iinfo(np.int64).max
 
 def check_adaptive_params(p: dict) -> None:
     """Range checks of a full adaptive parameter dict; StrataError naming the parameter and the fix."""
-    if int(p["adapt_every"]) < 1 or int(p["copy_delay_rounds"]) < 0 or int(p["max_moves"]) < 0:
-        raise StrataError("adaptive tier: adapt_every must be >= 1, copy_delay_rounds and max_moves >= 0")
+    # each range names the option that sets it (run / simulate), its value and the engine default
+    for key, opt, lo, what in (("adapt_every", "--adapt-every", 1, "rounds between adaptations; engine default 4"),
+                               ("max_moves", "--adapt-swaps", 0, "moves per adaptation; engine default 96"),
+                               ("copy_delay_rounds", None, 0, "engine default 1"),
+                               ("pace_bytes", "--adapt-pace-bytes", 0, "0 = off"),
+                               ("upper_slots", "--upper-slots", 0, "0 = off")):
+        if int(p[key]) < lo:
+            via = f"{opt} or --set adaptive.{key}=N" if opt else f"--set adaptive.{key}=N"
+            raise StrataError(f"adaptive tier: {opt or key} {p[key]} must be at least {lo} ({what}; {via})")
     if int(p["lag"]) < 1:
-        raise StrataError(f"adaptive tier: lag {p['lag']} must be >= 1 (STRATA_ADAPT_LAG: 1 = the engine default)")
-    if int(p["pace_bytes"]) < 0 or int(p["upper_slots"]) < 0:
-        raise StrataError("adaptive tier: pace_bytes and upper_slots must be >= 0 (0 = off)")
+        raise StrataError(f"adaptive tier: --adapt-lag {p['lag']} must be at least 1 (STRATA_ADAPT_LAG: 1 = the engine "
+                          f"default; --adapt-lag or --set adaptive.lag=N)")
     if int(p["disjoint"]) not in (0, 1):
         raise StrataError(f"adaptive tier: disjoint {p['disjoint']} must be 0 or 1 (STRATA_DISJOINT_ADAPT)")
     if not 0.0 <= float(p["decay"]) <= 1.0:
