@@ -183,7 +183,7 @@ class BatchDecoder(ChunkPrefill):
         Raises:
             StrataError: no place, a repeated place, a token outside the vocabulary, a place at ``max_ctx``.
         """
-        cfg, xp = self.cfg, self.xp
+        cfg = self.cfg
         pl = np.asarray(list(places), dtype=np.int64)
         toks = np.asarray(list(tokens), dtype=np.int64)
         n = int(pl.size)
@@ -221,30 +221,7 @@ class BatchDecoder(ChunkPrefill):
         ple_rows = self._ple_rows_b(toks, pl) if cfg.ple_layers else {}
         ids_out = np.zeros((n, L, k), dtype=np.int32)
         w_out = np.zeros((n, L, k), dtype=np.float32)
-        for il in range(L):
-            if il in cfg.ple_layers:
-                self._tic("ple")
-                H = H + self._ple_b(il, H, ple_rows[il])
-            self._tic("hc")
-            mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
-            if cfg.recurrent[il]:
-                self._tic("gdn")
-                y = self._gdn_b(il, mixed)
-            else:
-                self._tic("attention")
-                y = self._attention_b(il, mixed, pos, cos, sin)
-            self._tic("hc")
-            H = self._inject(H, y, inject)
-            mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
-            self._tic("moe")
-            if self.gpu:
-                y = self._moe_gpu(il, mixed)
-            else:
-                y, i, w = self._moe(il, mixed)
-                ids_out[:, il] = i
-                w_out[:, il] = w
-            self._tic("hc")
-            H = self._inject(H, y, inject)
+        H = self._layers(H, ple_rows, ids_out, w_out, pos, cos, sin)  # the prefill's trunk, per-place methods below
         self._tic("head")
         out_in, _ = self._hc("output_hc", H, inject=False)
         lg = self._mm(xp.ascontiguousarray(out_in, dtype=xp.float32), "output.weight")  # [n, vocab]
@@ -285,7 +262,7 @@ class BatchDecoder(ChunkPrefill):
             self.ple_ctx[p] = ctx
         return {il: np.concatenate(v, axis=0) for il, v in per.items()}
 
-    def _ple_b(self, il: int, H: Any, rows: np.ndarray) -> Any:
+    def _ple(self, il: int, H: Any, rows: np.ndarray) -> Any:
         xp, cfg = self.xp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
         T = H.shape[0]
@@ -311,7 +288,7 @@ class BatchDecoder(ChunkPrefill):
         return gv + _silu(xp, out)
 
     # -- gated DeltaNet -------------------------------------------------------------------------------------
-    def _gdn_b(self, il: int, x: Any) -> Any:
+    def _gdn(self, il: int, x: Any) -> Any:
         xp, cfg = self.xp, self.cfg
         T = x.shape[0]
         nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
@@ -382,7 +359,7 @@ class BatchDecoder(ChunkPrefill):
         return out.reshape(T, nv * dv).astype(np.float32)
 
     # -- attention -------------------------------------------------------------------------------------------
-    def _attention_b(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> Any:
+    def _attention(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> Any:
         xp, cfg = self.xp, self.cfg
         T = x.shape[0]
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -473,6 +450,13 @@ class BatchDecoder(ChunkPrefill):
                    cp.asarray(np.arange(0, T * k + 1, k, dtype=np.int32)))
             self._tok_cache[T] = got
         return got
+
+    def _moe(self, il: int, x: Any) -> tuple[Any, np.ndarray | None, np.ndarray | None]:
+        """The MoE of the places' tokens: on CuPy :meth:`_moe_gpu` (the routing stays on the device and is read back
+        once per step: (y, None, None)); on numpy the prefill's."""
+        if self.gpu:
+            return self._moe_gpu(il, x), None, None
+        return super()._moe(il, x)
 
     def _moe_gpu(self, il: int, x: Any) -> Any:
         """Router for T tokens (``pf_route``, on the device), routed experts through the job kernels with blob

@@ -885,7 +885,7 @@ class StaticDecoder:
         """The indexer of one attention layer at this step's position: caches the raw key, pools a completed block,
         scores the complete blocks and selects the attended cells (Qwen4ExpRuntime._select for one query). Returns
         a boolean mask [pos+1] on numpy; on CuPy the cells are left in ``q_cells[:q_ncell]``."""
-        xp, cfg = self.xp, self.cfg
+        cfg = self.cfg
         r, dih, budget = cfg.compress_ratios[il], cfg.idx_head_dim, cfg.idx_budget
         p = f"blk.{il}.indexer."
         qi = self._rope(self._rms(qraw.reshape(-1, dih), self.w.get(p + "q_norm.weight")))

@@ -367,7 +367,24 @@ class ChunkPrefill:
         ple_rows = self._ple_rows(toks) if cfg.ple_layers else {}
         ids_out = np.zeros((T, L, k), dtype=np.int32)
         w_out = np.zeros((T, L, k), dtype=np.float32)
-        for il in range(L):
+        H = self._layers(H, ple_rows, ids_out, w_out, pos0, cos, sin)
+        dec.pos = pos0 + T
+        lg = None
+        if last:
+            self._tic("head")
+            out_in, _ = self._hc("output_hc", H[-1:], inject=False)
+            lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
+        self._tic("end")
+        return lg, ids_out, w_out
+
+    def _layers(self, H: Any, ple_rows: dict, ids_out: np.ndarray, w_out: np.ndarray, pos: Any, cos: Any,
+                sin: Any) -> Any:
+        """The trunk over the streams H [T, hc n]: per layer the PLE block, the token mixer (:meth:`_gdn` or
+        :meth:`_attention`, given ``pos``) and :meth:`_moe`, each between the hyper-connections; returns H. The
+        routing [T, L, k] goes into ``ids_out`` / ``w_out`` where :meth:`_moe` returns it on the host (not None).
+        The batched decoder runs the same trunk with its per-place versions of those methods."""
+        cfg = self.cfg
+        for il in range(cfg.n_layer):
             if il in cfg.ple_layers:
                 self._tic("ple")
                 H = H + self._ple(il, H, ple_rows[il])
@@ -378,24 +395,18 @@ class ChunkPrefill:
                 y = self._gdn(il, mixed)
             else:
                 self._tic("attention")
-                y = self._attention(il, mixed, pos0, cos, sin)
+                y = self._attention(il, mixed, pos, cos, sin)
             self._tic("hc")
             H = self._inject(H, y, inject)
             mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
             self._tic("moe")
             y, i, w = self._moe(il, mixed)
-            ids_out[:, il] = i
-            w_out[:, il] = w
+            if i is not None:
+                ids_out[:, il] = i
+                w_out[:, il] = w
             self._tic("hc")
             H = self._inject(H, y, inject)
-        dec.pos = pos0 + T
-        lg = None
-        if last:
-            self._tic("head")
-            out_in, _ = self._hc("output_hc", H[-1:], inject=False)
-            lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
-        self._tic("end")
-        return lg, ids_out, w_out
+        return H
 
     def _ew(self, name: str, params: str, out: str, body: str) -> Any:
         """A cached CuPy element-wise kernel."""
@@ -542,7 +553,7 @@ class ChunkPrefill:
 
     def _gdn_recur(self, il: int, q: Any, kn: Any, conv: Any, voff: int, beta: Any, decay: Any, T: int) -> Any:
         """The delta-rule recurrence over the chunk (state ``dec.ssm[il]`` updated in place): out [T, nv dv]."""
-        cfg, xp = self.cfg, self.xp
+        cfg = self.cfg
         nk, dk, nv, dv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank, cfg.ssm_head_v_dim
         S = self.dec.ssm[il]
         if self.gpu:
@@ -683,7 +694,7 @@ class ChunkPrefill:
         return ids.astype(np.int32), w
 
     def _moe(self, il: int, x: Any) -> tuple[Any, np.ndarray, np.ndarray]:
-        xp, cfg, k = self.xp, self.cfg, self.k
+        xp, k = self.xp, self.k
         p = f"blk.{il}."
         T, n = x.shape
         x = xp.ascontiguousarray(x, dtype=xp.float32)
@@ -713,7 +724,6 @@ class ChunkPrefill:
         """:meth:`_experts` through jobs of one expert and up to :data:`JOB_TOKENS` tokens (:func:`expert_jobs`): on
         CuPy ``pf_moe_gu`` + ``pf_moe_down`` read the quantized blobs through the slot table; on numpy the same jobs
         with float32 matrices."""
-        xp = self.xp
         T, n = x.shape
         N = int(ids.size)
         je, jt, jd = expert_jobs(ids, JOB_TOKENS)
@@ -810,7 +820,6 @@ class ChunkPrefill:
     def _expert_weights(self, il: int, experts: np.ndarray, ptrs: Any = None) -> tuple[Any, Any]:
         """float32 gate+up [G, 2 ff, n] and down [G, n, ff] of the given experts of layer ``il`` (on CuPy read
         through ``ptrs``, their blob addresses on the device: the tier's slot table)."""
-        xp = self.xp
         if not self.gpu:
             gu, dd = [], []
             for e in experts.tolist():
