@@ -28,25 +28,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stratatools.runtime.topk import llamacpp_cells, qsa_select_mask, torch_topk_indices  # noqa: E402
+from stratatools.runtime.topk import qsa_select_mask, qsa_select_per_query  # noqa: E402
 
 RATIO, BUDGET, HEADS, DIH, T = 4, 2048, 8, 128, 512
 
 
-def per_query(selection, scores, pos, ratio, budget, n_cells):
-    """The loop the runtime ran before: one torch_topk_indices / llamacpp_cells per query."""
-    mask = np.zeros((len(pos), n_cells), dtype=bool)
-    for t, pp in enumerate(pos):
-        pp = int(pp)
-        nb = (pp + 1) // ratio
-        if selection == "transformers":
-            if nb > 0:
-                for blk in torch_topk_indices(scores[t, :nb], min(budget // ratio, nb)):
-                    mask[t, blk * ratio:(blk + 1) * ratio] = True
-            mask[t, nb * ratio:pp + 1] = True
-        else:
-            mask[t, llamacpp_cells(scores[t, :nb], ratio, pp, budget + ratio - 1, n_cells)] = True
-    return mask
+per_query = qsa_select_per_query  # the per-query rule the runtime ran before (the reference)
 
 
 def block_scores(rng, n_q: int, n_blocks: int) -> np.ndarray:

@@ -5,23 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stratatools.runtime.topk import llamacpp_cells, qsa_select_mask, torch_topk_indices
+from stratatools.runtime.topk import qsa_select_mask, qsa_select_per_query
 
 
-def per_query(selection, scores, pos, ratio, budget, n_cells):
-    """The loop of Qwen4ExpRuntime._select / ChunkPrefill._allowed, one query at a time."""
-    mask = np.zeros((len(pos), n_cells), dtype=bool)
-    for t, pp in enumerate(pos):
-        pp = int(pp)
-        nb = (pp + 1) // ratio
-        if selection == "transformers":
-            if nb > 0:
-                for blk in torch_topk_indices(scores[t, :nb], min(budget // ratio, nb)):
-                    mask[t, blk * ratio:(blk + 1) * ratio] = True
-            mask[t, nb * ratio:pp + 1] = True
-        else:
-            mask[t, llamacpp_cells(scores[t, :nb], ratio, pp, budget + ratio - 1, n_cells)] = True
-    return mask
+per_query = qsa_select_per_query  # the per-query rule the runtime ran before (the reference)
 
 
 def random_scores(rng, T, B, kind):

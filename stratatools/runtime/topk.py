@@ -252,6 +252,25 @@ def _sift(v: np.ndarray, idx: np.ndarray, hole: int, length: int, value: int) ->
     idx[hole] = value
 
 
+def qsa_select_per_query(selection: str, scores: np.ndarray, pos: np.ndarray, ratio: int, budget: int,
+                         n_cells: int) -> np.ndarray:
+    """The per-query QSA rule, one query at a time (:func:`torch_topk_indices` / :func:`llamacpp_cells` per row):
+    the reference :func:`qsa_select_mask` equals, kept for its tests and benchmark. Same arguments and result
+    (boolean mask [T, n_cells]); no checks."""
+    mask = np.zeros((len(pos), n_cells), dtype=bool)
+    for t, pp in enumerate(pos):
+        pp = int(pp)
+        nb = (pp + 1) // ratio
+        if selection == "transformers":
+            if nb > 0:
+                for blk in torch_topk_indices(scores[t, :nb], min(budget // ratio, nb)):
+                    mask[t, blk * ratio:(blk + 1) * ratio] = True
+            mask[t, nb * ratio:pp + 1] = True
+        else:
+            mask[t, llamacpp_cells(scores[t, :nb], ratio, pp, budget + ratio - 1, n_cells)] = True
+    return mask
+
+
 def qsa_select_mask(selection: str, scores: np.ndarray, pos: np.ndarray, ratio: int, budget: int, n_cells: int,
                     stats: dict | None = None) -> np.ndarray:
     """The cells each of ``T`` queries attends, for a whole chunk at once: boolean mask [T, n_cells].
