@@ -125,22 +125,26 @@ def signals_deferred() -> Iterator[None]:
             raise SystemExit(code)
 
 
+def _held(code: int) -> bool:
+    """Inside :func:`signals_deferred`: note exit ``code`` for the block's end and say so."""
+    if _DEFER["depth"] > 0:
+        _DEFER["pending"] = code
+        return True
+    return False
+
+
 def terminate(code: int) -> None:
     """Exit through ``SystemExit(code)`` now, or, inside :func:`signals_deferred`, as that block ends (the CLI's
     SIGTERM handler calls this)."""
-    if _DEFER["depth"] > 0:
-        _DEFER["pending"] = code
-        return
-    raise SystemExit(code)
+    if not _held(code):
+        raise SystemExit(code)
 
 
 def interrupt(code: int = 130) -> None:
     """Ctrl-C: raise KeyboardInterrupt now, or, inside :func:`signals_deferred`, note exit ``code`` (130 = 128 +
     SIGINT) for that block's end, as :func:`terminate` does (the CLI's SIGINT handler calls this)."""
-    if _DEFER["depth"] > 0:
-        _DEFER["pending"] = code
-        return
-    raise KeyboardInterrupt
+    if not _held(code):
+        raise KeyboardInterrupt
 
 
 def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
