@@ -317,12 +317,9 @@ def _run_batched(rt: Any, dev: str, w: Any, tier: ExpertTier | None, prompts: li
 
     if getattr(rt, "async_swaps", False):
         raise StrataError("--batch does not run with asynchronous expert swaps (STRATATOOLS_ASYNC_SWAPS=1): unset it")
+    # on the GPU the decoder's step was captured first (run_prompts: DecoderRuntime.prepare), so its dense matrices
+    # are on the device once for the prefills and the batched step
     dec = rt.dec if dev == "gpu" else StaticDecoder(rt, max_ctx=need_ctx)
-    if dev == "gpu" and rt._graph and not rt._captured:
-        # as at batch 1's first call: the step's dense matrices go to the device once (the prefills and the batched
-        # step read them there) and its graph is captured; nothing is routed or accounted
-        dec.capture()
-        rt._captured = True
     bd = BatchDecoder(dec, min(batch, len(enc)))
 
     def done(r: Any) -> None:
@@ -479,7 +476,7 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         pre_s = dec_s = 0.0
         n_new_decoded = 0
         batch_info: dict[str, Any] = {"batch": int(batch)}
-        if dev == "gpu" and batch == 1 and hasattr(rt, "prepare"):
+        if dev == "gpu":
             # graph capture and kernel compilation are one-time set-up, timed apart from the first prompt's prefill
             ts = time.perf_counter()
             rt.prepare()

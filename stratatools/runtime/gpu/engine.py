@@ -69,6 +69,7 @@ class DecoderRuntime:
         self.dec = StaticDecoder(rt, max_ctx=max_ctx, fused=fused)
         self._graph = bool(graph)
         self._captured = False
+        self._prepared = False
         self.lag = (os.environ.get("STRATATOOLS_DECODE_LAG", "1") != "0") if lag is None else bool(lag)
         #: the last one-token call's routing (ids, weights [1, L, k], positions), not yet fed to the tier (lag)
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -106,11 +107,14 @@ class DecoderRuntime:
     def prepare(self) -> None:
         """One-time set-up before the first prompt: capture the step's graph and compile the batched prefill's
         kernels (what the first :meth:`forward` would otherwise do inside its timed prompt). Idempotent."""
+        if self._prepared:
+            return
         if self._graph and not self._captured:
             self.dec.capture()
             self._captured = True
         if self.prefill_mode == "batched":
             self.dec.prefiller(self.prefill_chunk).compile()
+        self._prepared = True
 
     def argmax(self, logits: Any) -> int:
         """Arg-max of logits this runtime returned: for the decoder's last step, the token it already copied back
@@ -145,9 +149,7 @@ class DecoderRuntime:
             dec.load_state(state)
         elif state.pos != dec.pos:
             raise StrataError(f"sequence at position {state.pos} but the decoder holds {dec.pos}; one sequence at a time")
-        if not self._captured and self._graph:
-            dec.capture()
-            self._captured = True
+        self.prepare()
         L = self.cfg.n_layer
         rid: list[list[np.ndarray]] = [[] for _ in range(L)]
         rw: list[list[np.ndarray]] = [[] for _ in range(L)]
