@@ -50,7 +50,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.profiles.strp import Profile
-from stratatools.traces.table import PREFILL, Distinct as _Distinct, TraceTable
+from stratatools.traces.table import Distinct as _Distinct, TraceTable
 from stratatools.cachesim import kernels as K
 from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier, plan_upper
 from stratatools.cachesim.tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults,

@@ -821,7 +821,7 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
             raise StrataError(f"{model_path}: this model cannot be packed: the table would be refused on reading "
                               f"({e}); nothing was written", model_path) from None
         want = _experts_src(model, text, plan.total_bytes)
-        bin_path, src_path, txt_path = packdir / EXPERTS_BIN, packdir / EXPERTS_SRC, packdir / NATIVE_TXT
+        bin_path, src_path = packdir / EXPERTS_BIN, packdir / EXPERTS_SRC
         notes = list(plan.notes)
         reuse = _bin_matches(model, plan, bin_path, src_path, want)
         if bin_path.exists() and not reuse and not experts_bin:

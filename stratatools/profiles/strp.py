@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 

@@ -59,7 +59,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.core.fsutil import AtomicFile
-from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, Records, TraceTable, no_hugepages, record_bounds
+from stratatools.traces.table import DECODE, UNKNOWN, TraceTable, no_hugepages, record_bounds
 from stratatools.traces.formats.strata_spec import (  # noqa: F401  (re-exported: the format's limits and tags)
     CHUNK_BYTES, MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_BOOT, TAG_COMMIT, TAG_FORMAT, TAG_NAMES, TAG_OWNED,
     TAG_PHASE, TAG_REQUEST, _PHASE_OF_VALUE, _err, _expand, _k_error, _repeat_err, _token_major_layers,
