@@ -1,5 +1,6 @@
 """Dense Q8_0 matvec of the decode step, per matrix shape, on the GPU: the GGUF-block tiled kernel
-(``matvec_tiled_kernel<8>``, the earlier fast path) against the re-laid-out ``mv_q8r`` (``runtime/gpu/dense_q8.cu``).
+(``matvec_tiled_kernel<8>``, the earlier fast path) against the re-laid-out ``mv_q8r`` and the streaming ``mv_q8s``
+(``runtime/gpu/dense_q8.cu``); the hyper-connection up projection + mix as ``mv_q8r_mix`` and as ``mv_q8s`` in mix mode.
 A benchmark, not a timed test: both kernels are timed in the same run, on the same random valid matrices.
 
 Shapes: those of the full-width synthetic's step (hidden 2560, 4 hyper-connection streams, low rank 320): the
@@ -47,10 +48,15 @@ def main() -> None:
     import cupy as cp
 
     from stratatools.runtime.gpu.kernels import (DQ_THREADS, _device_limits, cuda_source, dq_launch_shape,
-                                                 matvec_tiled_launch, q8_relayout)
+                                                 dqs_launch_shape, matvec_tiled_launch, q8_relayout)
 
     n_sm = _device_limits()[0]
-    k_dq = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8r")
+    mod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
+    k_dq, k_dqs, k_mix = mod.get_function("mv_q8r"), mod.get_function("mv_q8s"), mod.get_function("mv_q8r_mix")
+    # other builds of mv_q8s (window of DQS_U chunks a lane, DQS_MINB blocks per SM), timed beside the default
+    variants = [(f"u{u}x{b}", cp.RawModule(code=cuda_source("dense_q8.cu"),
+                                           options=("--std=c++17", f"-DDQS_U={u}", f"-DDQS_MINB={b}")).get_function("mv_q8s"), u, b)
+                for u, b in ((5, 4), (8, 2))]
     s = cp.cuda.Stream(non_blocking=True)
     nbytes = 1 << 30
     src, dst = cp.empty(nbytes, dtype=cp.uint8), cp.empty(nbytes, dtype=cp.uint8)
@@ -69,8 +75,26 @@ def main() -> None:
     counter = cp.zeros(4096, dtype=cp.int32)
     res = {"copy_d2d_Bps": d2d, "rows": []}
     print(f"device-to-device copy {d2d / 1e12:.2f} TB/s; {a.reps} launches per graph, {a.copies} copies of each matrix")
-    print("| matrix | rows x cols | MB | tiled us | tiled TB/s | mv_q8r us | mv_q8r TB/s | row parts | max rel. diff |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| matrix | rows x cols | MB | tiled us | tiled TB/s | mv_q8r us | mv_q8r TB/s | row parts | mv_q8s us | "
+          "mv_q8s TB/s | mv_q8s / mv_q8r speed | max rel. diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def timed(fn) -> float:
+        """Seconds per launch of ``fn(i)``, a.reps launches captured in one graph and replayed once."""
+        with s:
+            fn(0)  # compile, warm
+            s.synchronize()
+            s.begin_capture()
+            for i in range(a.reps):
+                fn(i)
+            g = s.end_capture()
+            g.launch(stream=s)
+            e0 = s.record()
+            g.launch(stream=s)
+            e1 = s.record()
+        e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / a.reps
+
     for name, rows, cols in SHAPES:
         raws, q8s = [], []
         for _ in range(a.copies):
@@ -79,8 +103,9 @@ def main() -> None:
             raws.append(cp.asarray(raw))
             q8s.append((cp.asarray(q), cp.asarray(d)))
         x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
-        y1, y2 = cp.empty(rows, dtype=cp.float32), cp.empty(rows, dtype=cp.float32)
+        y1, y2, y3 = (cp.empty(rows, dtype=cp.float32) for _ in range(3))
         gx, ks, shm = dq_launch_shape(rows, cols, n_sm)
+        sb, lpr, su, sshm = dqs_launch_shape(rows, cols, n_sm)
 
         def tiled(i):
             matvec_tiled_launch(raws[i % a.copies], x, y1, 8, rows, cols)
@@ -90,30 +115,66 @@ def main() -> None:
             k_dq((gx, ks), (DQ_THREADS,), (qq, dd, x, y2, np.int32(rows), np.int32(cols), np.float32(0.0), part,
                                           counter), shared_mem=shm)
 
-        times = {}
-        for key, fn in (("tiled", tiled), ("dq", dq)):
-            with s:
-                fn(0)  # compile, warm
-                s.synchronize()
-                s.begin_capture()
-                for i in range(a.reps):
-                    fn(i)
-                g = s.end_capture()
-                g.launch(stream=s)
-                e0 = s.record()
-                g.launch(stream=s)
-                e1 = s.record()
-            e1.synchronize()
-            times[key] = cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / a.reps
-        diff = float(cp.abs(y1 - y2).max() / cp.abs(y1).max())  # both computed the last copy's product
+        def dqs(i):
+            qq, dd = q8s[i % a.copies]
+            k_dqs((sb,), (DQ_THREADS,), (qq, dd, x, y3, np.int32(rows), np.int32(cols), np.float32(0.0),
+                                         np.int32(lpr), np.int32(su), np.uint64(0), np.int32(0), np.int32(0)),
+                  shared_mem=sshm)
+
+        times = {key: timed(fn) for key, fn in (("tiled", tiled), ("dq", dq), ("dqs", dqs))}
+        y4 = cp.empty(rows, dtype=cp.float32)
+        vt = {}
+        for vname, kv, vu, vb in variants:
+            vsb, vlpr, vsu, vshm = dqs_launch_shape(rows, cols, n_sm, u_max=vu, blocks_per_sm=vb)
+
+            def dqv(i, kv=kv, vsb=vsb, vlpr=vlpr, vsu=vsu, vshm=vshm):
+                qq, dd = q8s[i % a.copies]
+                kv((vsb,), (DQ_THREADS,), (qq, dd, x, y4, np.int32(rows), np.int32(cols), np.float32(0.0),
+                                           np.int32(vlpr), np.int32(vsu), np.uint64(0), np.int32(0), np.int32(0)),
+                   shared_mem=vshm)
+
+            vt[vname] = timed(dqv)
+            vt[vname + "_rel_diff"] = float(cp.abs(y1 - y4).max() / cp.abs(y1).max())
+        # all three computed the last copy's product
+        diff = max(float(cp.abs(y1 - y2).max() / cp.abs(y1).max()), float(cp.abs(y1 - y3).max() / cp.abs(y1).max()))
         mb = raws[0].size
         row = {"matrix": name, "rows": rows, "cols": cols, "bytes": int(mb), "tiled_s": times["tiled"],
-               "dq_s": times["dq"], "row_parts": ks, "max_rel_diff": diff}
+               "dq_s": times["dq"], "dqs_s": times["dqs"], "row_parts": ks, "dqs_lanes_per_row": lpr,
+               "dqs_window": su, "dqs_blocks": sb, "max_rel_diff": diff, "variants": vt}
         res["rows"].append(row)
         print(f"| {name} | {rows} x {cols} | {mb / 1e6:.1f} | {times['tiled'] * 1e6:.1f} | "
               f"{mb / times['tiled'] / 1e12:.2f} | {times['dq'] * 1e6:.1f} | {mb / times['dq'] / 1e12:.2f} | {ks} | "
+              f"{times['dqs'] * 1e6:.1f} | {mb / times['dqs'] / 1e12:.2f} | {times['dq'] / times['dqs']:.2f} | "
               f"{diff:.1e} |", flush=True)
+        print("    variants: " + ", ".join(f"{k} {vt[k] * 1e6:.1f} us ({mb / vt[k] / 1e12:.2f} TB/s, diff "
+                                          f"{vt[k + '_rel_diff']:.1e})" for k, *_ in variants), flush=True)
         del raws, q8s
+    # the hyper-connection up projection + mix (4 streams of 2,560, rank 320): mv_q8r_mix against mv_q8s mix mode
+    hc, n, cols = 4, 2560, 320
+    q8s = [tuple(cp.asarray(v) for v in q8_relayout(q8_random(rng, hc * n, cols), hc * n, cols))
+           for _ in range(a.copies)]
+    x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
+    hn = cp.asarray(rng.standard_normal(hc * n).astype(np.float32))
+    m1, m2 = cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)
+    sb, lpr, su, sshm = dqs_launch_shape(n, cols, n_sm, hc=hc)
+
+    def mix_rows(i):
+        qq, dd = q8s[i % a.copies]
+        k_mix(((n + 7) // 8,), (DQ_THREADS,), (qq, dd, x, np.float32(hc), hn, m1, np.int32(hc), np.int32(n),
+                                               np.int32(cols)), shared_mem=cols * 4)
+
+    def mix_stream(i):
+        qq, dd = q8s[i % a.copies]
+        k_dqs((sb,), (DQ_THREADS,), (qq, dd, x, m2, np.int32(hc * n), np.int32(cols), np.float32(hc), np.int32(lpr),
+                                     np.int32(su), hn, np.int32(hc), np.int32(n)), shared_mem=sshm)
+
+    t1, t2 = timed(mix_rows), timed(mix_stream)
+    mb = q8s[0][0].nbytes + q8s[0][1].nbytes
+    diff = float(cp.abs(m1 - m2).max() / cp.abs(m1).max())
+    res["mix"] = {"rows": hc * n, "cols": cols, "bytes": int(mb), "mv_q8r_mix_s": t1, "mv_q8s_s": t2,
+                  "max_rel_diff": diff}
+    print(f"| hc up + mix | {hc * n} x {cols} | {mb / 1e6:.1f} | - | - | {t1 * 1e6:.1f} (mv_q8r_mix) | "
+          f"{mb / t1 / 1e12:.2f} | 1 | {t2 * 1e6:.1f} | {mb / t2 / 1e12:.2f} | {t1 / t2:.2f} | {diff:.1e} |", flush=True)
     if a.out:
         from stratatools.core.fsutil import write_text_atomic
 

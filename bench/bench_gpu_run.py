@@ -288,7 +288,7 @@ def print_profile(name: str, pr: list, top: int = 16) -> None:
     pr = [r for r in pr if r[0] != "dense Q8_0 bytes/step"]
     tot = sum(r[1] for r in pr)
     print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in {sum(r[2] for r in pr)} kernels")
-    dq = [r for r in pr if r[0].startswith("mv_q8r") or r[0].startswith("matvec_tiled_kernel<8>")]
+    dq = [r for r in pr if r[0].startswith(("mv_q8r", "mv_q8s")) or r[0].startswith("matvec_tiled_kernel<8>")]
     if dq and nbytes:
         ms = sum(r[1] for r in dq)
         print(f"dense Q8_0 matvecs: {ms:.3f} ms/step in {sum(r[2] for r in dq)} launches, {nbytes / 1e6:.0f} MB: "
@@ -394,6 +394,8 @@ def main() -> None:
             print(f"decoder comparison failed: {e}", flush=True)
     configs = [("resident", "all resident", {}), ("unfused", "all resident, unfused step (before)", {"_fused": False}),
                ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
+               ("rowsdense", "all resident, dense Q8_0 on mv_q8r (before the streaming matvec)",
+                {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
                ("lrubefore", f"{a.slots} slots LRU, GGUF-block matvec + bookkeeping before launch (before)",
                 {"slots": a.slots, "policy": "lru", "_env": BEFORE_ENV}),
                ("lruasync", f"{a.slots} slots LRU, admissions copied alongside the next step",
@@ -485,6 +487,9 @@ def main() -> None:
         profs = [("all resident (fused)", None, "static", True, None)]
         if "before" in want:
             profs.append(("all resident (fused, GGUF-block matvec: before)", None, "static", True, BEFORE_ENV))
+        if "rowsdense" in want:
+            profs.append(("all resident (fused, dense on mv_q8r: before)", None, "static", True,
+                          {"STRATATOOLS_DENSE_KERNEL": "rows"}))
         if a.profile_lru:
             profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True, None))
         for name, sl, pol, fu, ev in profs:

@@ -77,6 +77,9 @@ def lib(tmp_path_factory):
     g = h.host_mv_q8r_mix
     g.argtypes = [ctypes.c_uint, ctypes.c_uint, P, P, P, F, P, P, I, I, I]
     g.restype = None
+    s = h.host_mv_q8s
+    s.argtypes = [ctypes.c_uint, ctypes.c_uint, P, P, P, P, I, I, F, I, I, P, I, I]
+    s.restype = None
     return h
 
 
@@ -125,6 +128,82 @@ def test_mv_q8r_matches_numpy(lib, rows, cols, ks, xdiv):
     err = np.abs(y - ref).max() / np.abs(ref).max()
     assert err <= 2e-6, err
     assert not counter.any()
+
+
+def test_stream_launch_shape():
+    """mv_q8s's lanes per row and window: every lane at least 4 chunks where the row allows, windows of at most
+    DQS_U chunks, all the same size, covering the row; blocks capped at a few per SM."""
+    n_sm = 132
+    for cols, lpr, u in [(2560, 32, 5), (4096, 32, 8), (6144, 32, 6), (10240, 32, 7), (320, 4, 5), (64, 1, 4),
+                         (32, 1, 2)]:
+        blocks, lp, uu, shm = K.dqs_launch_shape(12352, cols, n_sm)
+        assert (lp, uu) == (lpr, u), cols
+        gpw = 32 // lpr
+        assert shm == 4 * cols and blocks == min(-(-12352 // (8 * gpw)), K.DQS_BLOCKS_PER_SM * n_sm)
+        nch = cols // 16
+        per_lane = -(-nch // lp)
+        assert uu <= K.DQS_U and -(-per_lane // uu) * uu * lp >= nch
+    # the mix's 2,560 outputs of 4 streams (rank 320): 4 lanes a stream, 16 an output, 2 outputs a warp
+    blocks, lp, uu, _ = K.dqs_launch_shape(2560, 320, n_sm, hc=4)
+    assert (lp, uu, blocks) == (4, 5, 160)
+    assert K.dqs_launch_shape(12352, 2560, n_sm, u_max=5, blocks_per_sm=2)[:3] == (264, 32, 5)
+    assert K.dqs_launch_shape(10, 2560, n_sm)[0] == 2  # 8 warps a block, one row each
+    with pytest.raises(StrataError, match="whole Q8_0 blocks"):
+        K.dqs_launch_shape(10, 48, n_sm)
+
+
+@pytest.mark.parametrize("rows,cols,xdiv,gx,lpr,u", [(37, 64, 0.0, 5, 1, 4), (9, 2560, 0.0, 4, 32, 3),
+                                                      (33, 320, 4.0, 64, 4, 5), (5, 10240, 0.0, 2, 32, 7),
+                                                      (6, 4096, 0.0, 1, 32, 3), (4, 96, 4.0, 3, 1, 1)])
+def test_mv_q8s_matches_numpy(lib, rows, cols, xdiv, gx, lpr, u):
+    """The streaming matvec: any grid (more blocks than rows, fewer: blocks walk the rows), windows of u chunks
+    with a short last one, the rotated reads of x; y = W x or W silu(x / xdiv)."""
+    rng = np.random.default_rng(rows * 7 + cols)
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    xin = x.astype(np.float64)
+    if xdiv:
+        a = (x / np.float32(xdiv)).astype(np.float64)
+        xin = a / (1.0 + np.exp(-a))
+    ref = W @ xin
+    y = np.full(rows + 1, np.nan, dtype=np.float32)  # one past the end: must stay untouched
+    lib.host_mv_q8s(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, y.ctypes.data, rows, cols, xdiv, lpr, u,
+                    None, 0, 0)
+    assert np.isnan(y[-1])
+    err = np.abs(y[:-1] - ref).max() / np.abs(ref).max()
+    assert err <= 2e-6, err
+
+
+@pytest.mark.parametrize("hc,n,cols,gx", [(4, 7, 320, 3), (3, 5, 64, 1), (8, 2, 96, 5)])
+def test_mv_q8s_mix_matches_numpy(lib, hc, n, cols, gx):
+    """mv_q8s in mix mode = mv_q8r_mix: mixed[i] = sum_h sigmoid((W silu(x / hc))[h n + i]) hn[h n + i] / hc."""
+    rng = np.random.default_rng(hc * 31 + n)
+    rows = hc * n
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    hn = rng.standard_normal(rows).astype(np.float32)
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    a = (x / np.float32(hc)).astype(np.float64)
+    u = W @ (a / (1.0 + np.exp(-a)))
+    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+    mixed = np.full(n, np.nan, dtype=np.float32)
+    _, lpr, uu, _ = K.dqs_launch_shape(n, cols, 132, hc=hc)
+    lib.host_mv_q8s(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, mixed.ctypes.data, rows, cols, float(hc),
+                    lpr, uu, hn.ctypes.data, hc, n)
+    assert np.abs(mixed - ref).max() / np.abs(ref).max() <= 2e-6
+
+
+def test_dense_kernel_choice(monkeypatch):
+    monkeypatch.delenv(K.DENSE_KERNEL_ENV, raising=False)
+    assert K.dense_kernel() == "stream"
+    monkeypatch.setenv(K.DENSE_KERNEL_ENV, "rows")
+    assert K.dense_kernel() == "rows"
+    monkeypatch.setenv(K.DENSE_KERNEL_ENV, "fast")
+    with pytest.raises(StrataError, match="stream or rows"):
+        K.dense_kernel()
 
 
 @pytest.mark.gpu
@@ -188,3 +267,42 @@ def test_mv_q8r_mix_on_the_gpu():
     k(((n + 7) // 8,), (K.DQ_THREADS,), (cp.asarray(q), cp.asarray(d), cp.asarray(x), np.float32(hc), cp.asarray(hn),
                                          mixed, np.int32(hc), np.int32(n), np.int32(cols)), shared_mem=cols * 4)
     assert np.abs(mixed.get() - ref).max() / np.abs(ref).max() <= 2e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,hc,xdiv", [(12352, 2560, 0, 0.0), (2560, 4096, 0, 0.0), (2560, 6144, 0, 4.0),
+                                               (1000, 10240, 0, 0.0), (4 * 2560, 320, 4, 4.0), (3 * 50, 64, 3, 3.0)])
+def test_mv_q8s_on_the_gpu(rows, cols, hc, xdiv):
+    """The device build of the streaming matvec at the full-width model's shapes (lanes per row, windows, rotated
+    reads of x and, in mix mode, streams spread over lane groups and summed by shuffles), launched as the decoder
+    launches it."""
+    from stratatools.runtime import gpu
+
+    if not gpu.available():
+        pytest.skip("CuPy with a CUDA GPU is not available")
+    import cupy as cp
+
+    from stratatools.runtime.gpu.kernels import _device_limits, cuda_source
+
+    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8s")
+    rng = np.random.default_rng(rows + cols)
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    xin = x.astype(np.float64)
+    if xdiv:
+        a = (x / np.float32(xdiv)).astype(np.float64)
+        xin = a / (1.0 + np.exp(-a))
+    u = W @ xin
+    hn = rng.standard_normal(rows).astype(np.float32)
+    n = rows // hc if hc else rows
+    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc if hc else u
+    blocks, lpr, uu, shm = K.dqs_launch_shape(n, cols, _device_limits()[0], hc=hc)
+    y = cp.full(n + 1, cp.nan, dtype=cp.float32)
+    k((blocks,), (K.DQ_THREADS,), (cp.asarray(q), cp.asarray(d), cp.asarray(x), y, np.int32(rows), np.int32(cols),
+                                   np.float32(xdiv), np.int32(lpr), np.int32(uu), cp.asarray(hn), np.int32(hc),
+                                   np.int32(n)), shared_mem=shm)
+    got = y.get()
+    assert np.isnan(got[-1])
+    assert np.abs(got[:-1] - ref).max() / np.abs(ref).max() <= 2e-6

@@ -53,7 +53,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 
-from stratatools.runtime.gpu.kernels import cuda_source
+from stratatools.runtime.gpu.kernels import cuda_source, dense_kernel
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
 from stratatools.runtime.topk import qsa_selects_all as _selects_all
@@ -283,12 +283,17 @@ class StaticDecoder:
             self.k_ple = self.fmod.get_function("ple_fused")
             self.k_inject_rms = self.fmod.get_function("hc_inject_rms")
             self.k_mv_f32 = self.fmod.get_function("matvec_f32_rows")
+            self.amod = cp.RawModule(code=cuda_source("attn_step.cu"), options=("--std=c++17",))
+            self.k_attn_prep = self.amod.get_function("attn_prep")
+            self.k_gate_mul = self.amod.get_function("attn_gate_mul")
         # fused step: Q8_0 matrices re-laid out at load time for dense_q8.cu's matvec (row parts: scratch + counters)
         self.dense_q8 = self.fused and dense_q8_enabled()
         if self.dense_q8:
             self.dqmod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
             self.k_dq = self.dqmod.get_function("mv_q8r")
             self.k_dq_mix = self.dqmod.get_function("mv_q8r_mix")
+            self.k_dqs = self.dqmod.get_function("mv_q8s")
+            self.dense_stream = dense_kernel() == "stream"
             self._dq_part = cp.zeros(0, dtype=cp.float32)
             self._dq_counter = cp.zeros(4096, dtype=cp.int32)
         self._gdn_counter = None
@@ -363,11 +368,21 @@ class StaticDecoder:
                 and 4 * cols + 64 <= 48 * 1024)
 
     def _dq_launch(self, m: Q8R, x: Any, y: Any, rows: int, cols: int, silu_div: float = 0.0) -> None:
-        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix through ``mv_q8r``."""
-        from stratatools.runtime.gpu.kernels import DQ_THREADS, _device_limits, dq_launch_shape
+        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix: ``mv_q8s`` for matrices of at least
+        :data:`~stratatools.runtime.gpu.kernels.DQS_MIN_ROWS_PER_SM` rows per SM (unless ``STRATATOOLS_DENSE_KERNEL=rows``),
+        else ``mv_q8r`` (split along the rows when they are few)."""
+        from stratatools.runtime.gpu.kernels import (DQ_THREADS, DQS_MIN_ROWS_PER_SM, _device_limits, dq_launch_shape,
+                                                     dqs_launch_shape)
 
         cp = self.cp
-        gx, ks, shm = dq_launch_shape(rows, cols, _device_limits()[0])
+        n_sm = _device_limits()[0]
+        if self.dense_stream and rows >= DQS_MIN_ROWS_PER_SM * n_sm:
+            blocks, lpr, u, shm = dqs_launch_shape(rows, cols, n_sm)
+            self.k_dqs((blocks,), (DQ_THREADS,), (m.q, m.d, x, y, np.int32(rows), np.int32(cols), np.float32(silu_div),
+                                                 np.int32(lpr), np.int32(u), np.uint64(0), np.int32(0), np.int32(0)),
+                       shared_mem=shm)
+            return
+        gx, ks, shm = dq_launch_shape(rows, cols, n_sm)
         if ks > 1:
             if gx > int(self._dq_counter.size):
                 raise StrataError(f"{rows} x {cols} matrix: {gx} row groups, more than the matvec's counters")
@@ -555,6 +570,15 @@ class StaticDecoder:
             d, v = self.mv(f"{prefix}_down.weight", hn), None
         raw, t, rows, cols = self._dense_raw(f"{prefix}_up.weight")
         d = cp.ascontiguousarray(d, dtype=cp.float32)
+        if isinstance(raw, Q8R) and rows == hc * n and self.dense_stream:  # up projection + mix in one launch
+            from stratatools.runtime.gpu.kernels import DQ_THREADS, _device_limits, dqs_launch_shape
+
+            mixed = cp.empty(n, dtype=cp.float32)
+            blocks, lpr, u, shm = dqs_launch_shape(n, cols, _device_limits()[0], hc=hc)
+            self.k_dqs((blocks,), (DQ_THREADS,), (raw.q, raw.d, d, mixed, np.int32(rows), np.int32(cols),
+                                                 np.float32(hc), np.int32(lpr), np.int32(u), hn, np.int32(hc),
+                                                 np.int32(n)), shared_mem=shm)
+            return mixed, v
         if isinstance(raw, Q8R) and hc <= 8 and rows == hc * n:  # up projection + mix in one launch (mv_q8r_mix)
             from stratatools.runtime.gpu.kernels import DQ_THREADS
 
@@ -938,6 +962,10 @@ class StaticDecoder:
         if sel:
             names += [p + "indexer.q_proj.weight", p + "indexer.k_proj.weight"]
         qraw, kraw, vraw, *idx = self.mv_many(names, x)
+        if self.fused and self.gpu and not sel:
+            fused = self._attention_fused(il, qraw, kraw, vraw)
+            if fused is not None:
+                return fused
         qg = qraw.reshape(nh, 2 * hd)
         q = qg[:, :hd]
         gate = qg[:, hd:].reshape(nh * hd)
@@ -978,6 +1006,42 @@ class StaticDecoder:
             o = np.einsum("hp,phd->hd", att, vv).reshape(nh * hd).astype(np.float32)
         o = o * _sigmoid(xp, gate)
         return self.mv(p + "attn_output.weight", o)
+
+    def _attention_fused(self, il: int, qraw: Any, kraw: Any, vraw: Any) -> Any:
+        """:meth:`_attention` without QSA selection on ``attn_step.cu``: ``attn_prep`` (q/k norms, rope, cache
+        rows), the scores as the unfused step runs them, ``attn_gate_mul``, the output projection. None (the caller
+        runs the unfused code) when a norm weight is neither per head nor per tensor or a head exceeds 1,024 values."""
+        cp, cfg = self.cp, self.cfg
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        wq, wk = self._f32(p + "attn_q_norm.weight"), self._f32(p + "attn_k_norm.weight")
+        if (wq.size not in (hd, nh * hd) or wk.size not in (hd, nkv * hd) or hd > 1024 or cfg.n_rot > hd
+                or int(qraw.size) != nh * 2 * hd or int(kraw.size) != nkv * hd or int(vraw.size) != nkv * hd):
+            return None
+        qraw, kraw, vraw = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (qraw, kraw, vraw))
+        a, _ = self._cos_sl
+        c, _ = self._sin_sl
+        q = cp.empty((nh, hd), dtype=cp.float32)
+        threads = min(1024, (hd + 31) // 32 * 32)
+        self.k_attn_prep((nh + nkv,), (threads,), (qraw, kraw, vraw, wq, np.int32(wq.size), wk, np.int32(wk.size),
+                                                    self.inp[a:], self.inp[c:], np.int32(cfg.n_rot), np.int32(nh),
+                                                    np.int32(nkv), np.int32(hd), np.float32(cfg.eps), self.pos_dev, q,
+                                                    self.kc[il], self.vc[il]), shared_mem=hd * 4)
+        scale = np.float32(hd ** -0.5)
+        o = cp.empty((nh, hd), dtype=cp.float32)
+        if self.long:
+            self.k_attn_part((nh, ATTN_SPLITS), (128,), (q, self.kc[il], self.vc[il], self.q_cells, self.q_ncell,
+                                                         np.int32(0), self.pos_dev, self.att_sc, self.att_part,
+                                                         np.int32(nh), np.int32(nkv), np.int32(hd), scale,
+                                                         np.int32(self.max_ctx)))
+            self.k_attn_comb((nh,), (min(hd, 1024),), (self.att_part, o, np.int32(ATTN_SPLITS), np.int32(hd)))
+        else:
+            self.k_attn((nh,), (256,), (q, self.kc[il], self.vc[il], self.pos_dev, o, np.int32(nh), np.int32(nkv),
+                                        np.int32(hd), scale), shared_mem=self.max_ctx * 4)
+        g = cp.empty(nh * hd, dtype=cp.float32)
+        n = nh * hd
+        self.k_gate_mul((min(1024, (n + 255) // 256),), (256,), (o, qraw, np.int32(nh), np.int32(hd), g))
+        return self.mv(p + "attn_output.weight", g)
 
     def _moe(self, il: int, x: Any) -> Any:
         xp, cfg = self.xp, self.cfg

@@ -14,7 +14,7 @@
 #define __restrict__
 #define __shared__
 #define __align__(n)
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 struct host_dim3 { unsigned x, y, z; };
 static host_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
 static inline void __syncthreads() {}

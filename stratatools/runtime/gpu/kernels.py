@@ -187,7 +187,7 @@ def kernel_signatures(name: str) -> dict[str, list[tuple[str, str]]]:
     import re
 
     out: dict[str, list[tuple[str, str]]] = {}
-    for m in re.finditer(r'extern "C" __(?:global)__ void (\w+)\((.*?)\)\s*\{', cuda_source(name), flags=re.S):
+    for m in re.finditer(r'extern "C" __(?:global)__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\((.*?)\)\s*\{', cuda_source(name), flags=re.S):
         params = []
         for p in m.group(2).split(","):
             p = " ".join(p.split())
@@ -244,6 +244,57 @@ def q8r_f32(xp: Any, q: Any, d: Any, row0: int, rows: int, cols: int) -> Any:
     qq = q[a:b].reshape(-1, 32).astype(xp.float32)
     dd = d[a // 32:b // 32].view(xp.float16).astype(xp.float32)
     return (qq * dd[:, None]).reshape(rows, cols)
+
+
+#: dense_q8.cu's DQS_U (chunks of 16 values a lane holds per window in ``mv_q8s``) and DQS_MINB (its blocks per SM).
+DQS_U = 8
+DQS_BLOCKS_PER_SM = 3
+#: The decoder multiplies a matrix through ``mv_q8s`` when it has at least this many rows per SM (the 2,560-row
+#: output projections and up); fewer, longer rows (the hyper-connection down projection) go to ``mv_q8r``'s row parts.
+DQS_MIN_ROWS_PER_SM = 8
+#: Dense kernel choice of the fast step: ``stream`` (``mv_q8s`` on tall matrices and the hyper-connection mix,
+#: ``mv_q8r`` with row parts on the few-row ones) or ``rows`` (``mv_q8r`` / ``mv_q8r_mix`` only; the earlier path,
+#: kept for comparison in the benchmarks).
+DENSE_KERNEL_ENV = "STRATATOOLS_DENSE_KERNEL"
+
+
+def dense_kernel() -> str:
+    """The fast step's dense Q8_0 kernel family, from :data:`DENSE_KERNEL_ENV` (default ``stream``); raises
+    StrataError for another value."""
+    import os
+
+    v = os.environ.get(DENSE_KERNEL_ENV, "stream").strip() or "stream"
+    if v not in ("stream", "rows"):
+        raise StrataError(f"{DENSE_KERNEL_ENV}={v!r}: use stream or rows")
+    return v
+
+
+def dqs_launch_shape(nout: int, cols: int, n_sm: int, hc: int = 0, threads: int = DQ_THREADS, u_max: int = DQS_U,
+                     blocks_per_sm: int = DQS_BLOCKS_PER_SM) -> tuple[int, int, int, int]:
+    """(blocks, lanes per row, chunks per lane per window, dynamic shared bytes) of a ``mv_q8s`` launch with
+    ``nout`` outputs (rows, or in mix mode the n outputs of hc rows each) of ``cols`` values (a multiple of 32).
+    Lanes per row: the largest power of two <= 32 that leaves each lane at least 4 chunks of 16 values; a lane's
+    chunks are cut into the fewest windows of at most ``u_max`` (the module's DQS_U), all of one size. Blocks:
+    enough for every output group, at most ``blocks_per_sm`` per SM (the kernel walks the rest). Raises StrataError
+    for ``cols`` not a multiple of 32."""
+    if cols <= 0 or cols % 32:
+        raise StrataError(f"mv_q8s: rows of {cols} values are not whole Q8_0 blocks of 32")
+    nch = cols // 16
+    lpr = 1
+    while lpr * 2 <= 32 and lpr * 2 * 4 <= nch:
+        lpr *= 2
+    per_lane = -(-nch // lpr)
+    windows = -(-per_lane // u_max)
+    u = -(-per_lane // windows)
+    lanes = min(32, threads)
+    nhs = 1
+    if hc > 0:
+        while nhs * 2 <= hc and lpr * nhs * 2 <= lanes and hc % (nhs * 2) == 0:
+            nhs *= 2
+    gpw = max(1, lanes // min(lanes, lpr * nhs))
+    warps = max(1, (threads + 31) // 32)
+    blocks = max(1, min(-(-nout // (gpw * warps)), blocks_per_sm * max(1, n_sm)))
+    return blocks, lpr, u, 4 * cols
 
 
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
