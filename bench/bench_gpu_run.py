@@ -334,14 +334,20 @@ def main() -> None:
                     "through the numpy forward on the CPU, every step's logits compared with it there (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
     ap.add_argument("--profile-lru", action="store_true", help="also profile the LRU configuration's step")
-    ap.add_argument("--expert-kernels", choices=("staged", "warp"), default="staged",
-                    help="fast step's routed-expert kernels: staged rows (moe_staged.cu) or the FMA build of the "
-                         "warp-per-row kernels (for comparison)")
+    ap.add_argument("--expert-kernels", choices=("staged", "pipe", "warp"), default="staged",
+                    help="fast step's routed-expert kernels: staged rows (moe_staged.cu), its pipelined kernels "
+                         "(STRATATOOLS_MOE_KERNEL=pipe; launch shapes from STRATATOOLS_MOE_PIPE, see "
+                         "bench/bench_moe_kernels.py) or the FMA build of the warp-per-row kernels (for comparison)")
     a = ap.parse_args()
     if a.expert_kernels == "warp":
         import stratatools.runtime.gpu.experts as experts_mod
 
         experts_mod.MOE_ROW_MAX = 0  # no row fits: expert_ffn(fast=True) takes the warp-per-row kernels
+    else:
+        from stratatools.runtime.gpu.experts import MOE_KERNEL_ENV, pipe_shapes
+
+        os.environ[MOE_KERNEL_ENV] = a.expert_kernels  # read by expert_ffn (also in child processes)
+        pipe_shapes()  # a malformed STRATATOOLS_MOE_PIPE fails here, not in the middle of a run
     res_expert_kernels = a.expert_kernels
     want = set(a.configs.split(","))
     wd = Path(a.workdir)

@@ -187,6 +187,9 @@ def experts_lib(tmp_path_factory):
     for tid in tids:
         getattr(h, f"host_moe_gate_up_staged_{tid}").argtypes = [U, U, P, P, P, P, P, I, I]
         getattr(h, f"host_moe_down_staged_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I]
+        if tid in K.PIPE_TYPES:
+            getattr(h, f"host_moe_gate_up_pipe_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I]
+            getattr(h, f"host_moe_down_pipe_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I, I, I]
     return h
 
 
@@ -238,3 +241,141 @@ def test_staged_expert_kernels_match_reference(experts_lib, gu, dn, hidden, ff):
     getattr(experts_lib, f"host_moe_down_staged_{td.id}")(2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
                                                           hidden, ff, 1)
     assert close(Y, 2 * Y0, 1e-6)
+
+
+def _expert_arena(gu, dn, hidden, ff, n_exp, gaps):
+    """n_exp random expert blobs [gate][up][down] of types gu / dn in one uint8 buffer, blob e at offset
+    sum(gaps[:e + 1]) + e * blob bytes (odd gaps: unaligned rows), the buffer ending exactly at the last blob's end."""
+    from stratatools.model.ggml_types import type_by_name
+
+    from test_dequant import random_blocks
+
+    tg, td = type_by_name(gu), type_by_name(dn)
+    gb = ff * tg.row_bytes(hidden)
+    blob_bytes = 2 * gb + hidden * td.row_bytes(ff)
+    blobs = [np.concatenate([random_blocks(gu, 2 * gb // tg.type_size, seed=10 * e + 1).reshape(-1),
+                             random_blocks(dn, (blob_bytes - 2 * gb) // td.type_size, seed=10 * e + 2).reshape(-1)])
+             for e in range(n_exp)]
+    offs = [int(sum(gaps[:e + 1])) + e * blob_bytes for e in range(n_exp)]
+    arena = np.zeros(offs[-1] + blob_bytes, dtype=np.uint8)
+    for o, b in zip(offs, blobs):
+        arena[o:o + blob_bytes] = b
+    return tg, td, gb, blobs, offs, arena
+
+
+# (gate/up type, down type, hidden, ff, tokens x experts per token, gate/up grid x, down grid x, stages)
+PIPE_CASES = [
+    ("Q2_0", "Q2_0", 512, 128, (2, 3), 1, 2, 2),    # one block a job: every row through one warp's ring
+    ("Q2_0", "Q2_0", 512, 192, (1, 1), 5, 3, 3),    # 1 job; rows not a multiple of the grid (uneven items)
+    ("Q8_0", "Q8_0", 256, 96, (2, 2), 7, 5, 1),     # Q8_0, no ring (stage then compute)
+    ("Q2_0", "Q8_0", 320, 64, (3, 2), 2, 4, 4),     # mixed types, 4 stages (more than some warps' items)
+    ("Q2_0", "Q2_0", 2560, 576, (1, 10), 24, 40, 2),  # the full-width decode step's routed shape
+]
+
+
+@pytest.mark.parametrize("gu,dn,hidden,ff,tk,gx1,gx2,nstage", PIPE_CASES)
+def test_pipe_expert_kernels_match_reference(experts_lib, gu, dn, hidden, ff, tk, gx1, gx2, nstage):
+    """moe_gate_up_pipe + moe_down_pipe (cp.async rings, 16-value units, pre-scaled Q2_0 inputs) =
+    expert_ffn_reference for T tokens x k experts whose blobs sit at odd offsets of one buffer that ends exactly at the
+    last blob (routed on every token: the end guard of its last rows is taken), with grids that leave warps uneven
+    numbers of rows and stage counts from 1 to 4; the staged kernels agree on the same jobs; then the accumulate mode
+    adds onto Y."""
+    from stratatools.runtime.gpu.experts import expert_ffn_reference
+
+    T, k = tk
+    n_exp = max(k + 1, 3)
+    tg, td, gb, blobs, offs, arena = _expert_arena(gu, dn, hidden, ff, n_exp, [3] + [7, 10, 19] * n_exp)
+    rng = np.random.default_rng(hidden + ff + k)
+    routes = [[n_exp - 1] + list(rng.choice(n_exp - 1, size=k - 1, replace=False)) for _ in range(T)]
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    X = (rng.standard_normal((T, hidden)) * 0.5).astype(np.float32)
+    base = arena.ctypes.data
+    ptr = np.array([base + offs[e] for r in routes for e in r], dtype=np.uint64)
+    gate, up, down = ptr, ptr + np.uint64(gb), ptr + np.uint64(2 * gb)
+    tok = np.repeat(np.arange(T, dtype=np.int32), k)
+    tstart = np.arange(0, T * k + 1, k, dtype=np.int32)
+    wf = w.reshape(-1).copy()
+    hbuf = np.full(T * k * ff, np.nan, dtype=np.float32)
+    Y = np.full((T, hidden), np.nan, dtype=np.float32)
+    getattr(experts_lib, f"host_moe_gate_up_pipe_{tg.id}")(gx1, T * k, _p(gate), _p(up), _p(tok), _p(X), _p(hbuf),
+                                                           hidden, ff, nstage)
+    getattr(experts_lib, f"host_moe_down_pipe_{td.id}")(gx2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
+                                                        hidden, ff, 0, nstage, k)
+    for t in range(T):
+        ref = expert_ffn_reference(X[t], [blobs[e] for e in routes[t]], w[t], tg, td, hidden, ff)
+        assert close(Y[t], ref, 1e-4), t
+    hs, Ys = np.zeros_like(hbuf), np.zeros_like(Y)
+    getattr(experts_lib, f"host_moe_gate_up_staged_{tg.id}")(1, T * k, _p(gate), _p(up), _p(tok), _p(X), _p(hs),
+                                                             hidden, ff)
+    getattr(experts_lib, f"host_moe_down_staged_{td.id}")(2, T, _p(down), _p(wf), _p(tstart), _p(hs), _p(Ys),
+                                                          hidden, ff, 0)
+    assert close(hbuf, hs, 1e-5) and close(Y, Ys, 1e-5)
+    Y0 = Y.copy()
+    getattr(experts_lib, f"host_moe_down_pipe_{td.id}")(gx2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
+                                                        hidden, ff, 1, nstage, k)
+    assert close(Y, 2 * Y0, 1e-6)
+
+
+def test_pipe_down_marks_tokens_over_the_job_bound(experts_lib):
+    """A token with more jobs than the launch's max_jobs gets NaN rows (no write past the shared buffers); a token
+    within the bound is computed."""
+    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 128, 64, 3, [0, 2, 2])
+    ptr = np.array([arena.ctypes.data + o for o in (offs[0], offs[1], offs[2])], dtype=np.uint64)
+    down = ptr + np.uint64(2 * gb)
+    tstart = np.array([0, 1, 3], dtype=np.int32)  # token 0: 1 job, token 1: 2 jobs
+    wf = np.ones(3, dtype=np.float32)
+    hbuf = np.ones(3 * 64, dtype=np.float32)
+    Y = np.zeros((2, 128), dtype=np.float32)
+    experts_lib.host_moe_down_pipe_42(2, 2, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), 128, 64, 0, 2, 1)
+    assert np.isfinite(Y[0]).all() and np.abs(Y[0]).max() > 0 and np.isnan(Y[1]).all()
+
+
+def test_expert_kernel_choice_and_pipe_shapes(monkeypatch):
+    """STRATATOOLS_MOE_KERNEL picks staged (default) or pipe; STRATATOOLS_MOE_PIPE overrides the pipelined launch
+    shapes part by part; bad values are one-line StrataErrors naming the variable."""
+    from stratatools.core.errors import StrataError
+    from stratatools.runtime.gpu import experts as E
+
+    monkeypatch.delenv(E.MOE_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(E.MOE_PIPE_ENV, raising=False)
+    assert E.expert_kernel_choice() == "staged"
+    monkeypatch.setenv(E.MOE_KERNEL_ENV, "pipe")
+    assert E.expert_kernel_choice() == "pipe" and E.expert_kernel_choice("staged") == "staged"
+    monkeypatch.setenv(E.MOE_KERNEL_ENV, "fastest")
+    with pytest.raises(StrataError, match="STRATATOOLS_MOE_KERNEL"):
+        E.expert_kernel_choice()
+    assert E.pipe_shapes() == E.DEFAULT_PIPE
+    sh = E.pipe_shapes("down=128x4x3")
+    assert sh["down"] == E.PipeShape(128, 4, 3) and sh["gu"] == E.DEFAULT_PIPE["gu"]
+    monkeypatch.setenv(E.MOE_PIPE_ENV, "gu=64x1x1, down=256x8x2")
+    assert E.pipe_shapes() == {"gu": E.PipeShape(64, 1, 1), "down": E.PipeShape(256, 8, 2)}
+    for bad in ("gu=256x2", "up=256x2x2", "gu=100x2x2", "gu=256x2x5", "gu=512x1x1", "gu=256x0x1"):
+        with pytest.raises(StrataError, match="STRATATOOLS_MOE_PIPE"):
+            E.pipe_shapes(bad)
+
+
+def test_pipe_launch_sizes():
+    """Grid and ring slots of the pipelined launches, and their shared memory as moe_staged.cu lays it out, at the
+    full-width shape: (Q2_0 gate/up rows of 720 bytes take 736-byte slots, down rows of 162 bytes 192-byte slots)."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu import experts as E
+
+    q2, q8 = type_by_name("Q2_0"), type_by_name("Q8_0")
+    assert E._pipe_grid(576, E.PipeShape(256, 2, 2)) == (36, 2)
+    assert E._pipe_grid(576, E.PipeShape(256, 3, 3)) == (24, 3)
+    assert E._pipe_grid(576, E.PipeShape(256, 1, 3)) == (72, 1)  # slots clipped to the rows a warp gets
+    assert E._pipe_grid(100, E.PipeShape(64, 3, 4)) == (17, 3)  # 17 blocks x 2 warps: at most 3 rows, 3 slots
+    assert E.pipe_gu_shared(q2, 2560, 256, 2) == 2560 * 4 + 8 * 2 * 2 * 736 + 16
+    assert E.pipe_down_shared(q2, 576, 10, 256, 2) == 10 * 576 * 4 + 16 * 3 + 16 * 5 + 8 * 2 * 10 * 192 + 16
+    assert E.pipe_gu_shared(q8, 2560, 256, 4) <= E.PIPE_MAX_SHARED < E.pipe_gu_shared(q8, 2560, 256, 4) + 48 * 1024
+
+    class Jobs:
+        def __init__(self, J, T, per_token=None):
+            self.n_jobs, self.n_tokens, self.per_token = J, T, per_token
+
+    sh = E.DEFAULT_PIPE
+    assert E.pipe_fits(Jobs(10, 1), q2, q2, 2560, 576, sh)
+    assert E.pipe_max_jobs(Jobs(320, 32, 10)) == 10 and E.pipe_max_jobs(Jobs(320, 32)) == 320
+    assert E.pipe_fits(Jobs(320, 32, 10), q2, q2, 2560, 576, sh)
+    assert not E.pipe_fits(Jobs(320, 32), q2, q2, 2560, 576, sh)  # 320 jobs' h rows do not fit: staged
+    assert not E.pipe_fits(Jobs(10, 1), type_by_name("IQ2_XS"), q2, 2560, 576, sh)

@@ -113,8 +113,8 @@ def test_cuda_sources_are_package_files():
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()
-    for k in K.KERNEL_TEMPLATES + K.FAST_TEMPLATES:
-        assert re.search(rf"__global__ void (__launch_bounds__\(\d+\) )?{k}\(", src), k
+    for k in K.KERNEL_TEMPLATES + K.FAST_TEMPLATES + K.PIPE_TEMPLATES:
+        assert re.search(rf"__global__ void (__launch_bounds__\(\d+(, \d+)?\) )?{k}\(", src), k
     dec = K.cuda_source("decode_step.cu")
     for k in ("route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused",
               "route_fused_sg", "put_row", "attn_decode"):

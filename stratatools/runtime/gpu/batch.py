@@ -483,7 +483,8 @@ class BatchDecoder(ChunkPrefill):
         base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
         gb = np.uint64(ly.gate_bytes)
         tok, tstart = self._jobs_layout(T)
-        jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart)
+        jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
+                          per_token=k)
         y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True)
         self._tic("shared")
         sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]

@@ -16,6 +16,7 @@ Addresses may point at VRAM slots or at mapped pinned host memory (zero-copy rea
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,8 @@ from stratatools.core.errors import StrataError
 from stratatools.model.ggml_types import GGMLType
 
 from stratatools.runtime.gpu import require_cupy
-from stratatools.runtime.gpu.kernels import MOE_ROW_BUF, MOE_ROW_MAX, UNIT, launch_big_shared, kernel
+from stratatools.runtime.gpu.kernels import (MOE_ROW_BUF, MOE_ROW_MAX, PIPE_TYPES, UNIT, launch_big_shared,
+                                             kernel)
 
 WARPS_PER_BLOCK = 8
 THREADS = 32 * WARPS_PER_BLOCK
@@ -74,6 +76,8 @@ class ExpertJobs:
         tok: CuPy int32 ``[J]`` token index of each job (jobs sorted by token).
         weight: CuPy float32 ``[J]`` router weight of each job.
         tstart: CuPy int32 ``[T+1]``: token t's jobs are ``tstart[t] .. tstart[t+1]-1``.
+        per_token: the most jobs one token has, when the caller knows it (k); sizes the pipelined down kernel's
+            shared memory (a token with more jobs than it gets NaN rows).
     """
 
     gate_ptr: Any
@@ -82,6 +86,8 @@ class ExpertJobs:
     tok: Any
     weight: Any
     tstart: Any
+    #: most jobs any one token has (None: not known; the pipelined down kernel then assumes all J for T > 1)
+    per_token: int | None = None
 
     @property
     def n_jobs(self) -> int:
@@ -112,11 +118,172 @@ def make_jobs(blob_ptrs: np.ndarray, weights: np.ndarray, gate_bytes: int, hbuf_
     J = T * k
     return ExpertJobs(dev[:J], dev[J:2 * J], dev[2 * J:], cp.asarray(np.repeat(np.arange(T, dtype=np.int32), k)),
                       cp.asarray(np.asarray(weights, dtype=np.float32).reshape(-1)),
-                      cp.asarray(np.arange(0, J + 1, k, dtype=np.int32)))
+                      cp.asarray(np.arange(0, J + 1, k, dtype=np.int32)), per_token=int(k))
+
+
+#: Environment variable that picks the fast path's routed-expert kernels (``expert_ffn(fast=True)``): ``staged``
+#: (moe_staged.cu's staged-row kernels; the default) or ``pipe`` (its pipelined kernels: cp.async rings, 16-value
+#: units; Q2_0 and Q8_0 only, others stay on ``staged``). bench/bench_moe_kernels.py times both.
+MOE_KERNEL_ENV = "STRATATOOLS_MOE_KERNEL"
+EXPERT_KERNELS = ("staged", "pipe")
+#: Environment variable with the pipelined kernels' launch shapes, ``gu=THREADSxROWSxSTAGES,down=THREADSxROWSxSTAGES``
+#: (threads a block, rows a warp computes, ring slots a warp stages ahead); either part may be left out.
+MOE_PIPE_ENV = "STRATATOOLS_MOE_PIPE"
+#: Most dynamic shared memory a block may opt in to on the devices we run (sm_90: 227 KiB).
+PIPE_MAX_SHARED = 227 * 1024
+#: moe_staged.cu's MOE_PIPE_PAD (bytes after the last ring slot).
+MOE_PIPE_PAD = 16
+
+
+@dataclass(frozen=True)
+class PipeShape:
+    """Launch shape of one pipelined expert kernel: ``threads`` a block (a multiple of 32, at most 256), ``rows`` a
+    warp computes (the grid is sized so that each warp gets at most that many), ``stages`` ring slots a warp has
+    (rows copied ahead while it computes; clipped to its rows)."""
+
+    threads: int = 256
+    rows: int = 2
+    stages: int = 2
+
+
+#: Pipelined kernels' shapes when STRATATOOLS_MOE_PIPE does not set them (to be tuned with bench_moe_kernels.py).
+DEFAULT_PIPE = {"gu": PipeShape(256, 2, 2), "down": PipeShape(256, 2, 2)}
+
+
+def expert_kernel_choice(value: str | None = None) -> str:
+    """The fast path's routed-expert kernels: ``value``, else ``$STRATATOOLS_MOE_KERNEL``, else ``staged``.
+
+    Raises:
+        StrataError: a name other than those of :data:`EXPERT_KERNELS`.
+    """
+    v = (value if value is not None else os.environ.get(MOE_KERNEL_ENV, "")).strip() or "staged"
+    if v not in EXPERT_KERNELS:
+        raise StrataError(f"expert kernels {v!r} ({MOE_KERNEL_ENV}) is not one of {', '.join(EXPERT_KERNELS)}")
+    return v
+
+
+def pipe_shapes(value: str | None = None) -> dict[str, PipeShape]:
+    """The pipelined kernels' launch shapes: :data:`DEFAULT_PIPE` overridden by ``value`` (else
+    ``$STRATATOOLS_MOE_PIPE``), e.g. ``gu=256x2x2,down=128x4x3``.
+
+    Raises:
+        StrataError: a malformed part, an unknown kernel name, threads not a multiple of 32 in 32..256, or rows or
+            stages outside 1..64 / 1..4.
+    """
+    v = value if value is not None else os.environ.get(MOE_PIPE_ENV, "")
+    out = dict(DEFAULT_PIPE)
+    for part in filter(None, (p.strip() for p in v.split(","))):
+        name, _, spec = part.partition("=")
+        nums = spec.split("x")
+        if name not in out or len(nums) != 3 or not all(n.isdigit() for n in nums):
+            raise StrataError(f"{MOE_PIPE_ENV}: {part!r} is not gu=THREADSxROWSxSTAGES or down=THREADSxROWSxSTAGES "
+                              f"(e.g. gu=256x2x2)")
+        th, rows, st = (int(n) for n in nums)
+        if th % 32 or not 32 <= th <= 256 or not 1 <= rows <= 64 or not 1 <= st <= 4:
+            raise StrataError(f"{MOE_PIPE_ENV}: {part!r}: threads must be a multiple of 32 in 32..256, rows 1..64, "
+                              f"stages 1..4")
+        out[name] = PipeShape(th, rows, st)
+    return out
+
+
+def _slot_stride(t: GGMLType, ncols: int) -> int:
+    return ((t.row_bytes(ncols) + 30) // 16) * 16
+
+
+def pipe_gu_shared(gu_type: GGMLType, hidden: int, threads: int, stages: int) -> int:
+    """Dynamic shared bytes of ``moe_gate_up_pipe``: x (hidden floats) + a ring of ``stages`` slots of a gate and an
+    up row per warp + MOE_PIPE_PAD."""
+    return hidden * 4 + (threads // 32) * stages * 2 * _slot_stride(gu_type, hidden) + MOE_PIPE_PAD
+
+
+def pipe_down_shared(d_type: GGMLType, ff: int, max_jobs: int, threads: int, stages: int) -> int:
+    """Dynamic shared bytes of ``moe_down_pipe``: the token's h rows (max_jobs * ff floats), weights, addresses, a
+    ring of ``stages`` slots of max_jobs down rows per warp + MOE_PIPE_PAD."""
+    return (max_jobs * ff * 4 + 16 * ((max_jobs + 3) // 4) + 16 * ((max_jobs + 1) // 2)
+            + (threads // 32) * stages * max_jobs * _slot_stride(d_type, ff) + MOE_PIPE_PAD)
+
+
+def _pipe_grid(rows_total: int, shape: PipeShape) -> tuple[int, int]:
+    """(blocks along the rows, ring slots): blocks so that a warp gets at most shape.rows rows, slots clipped to
+    the rows a warp gets."""
+    warps = shape.threads // 32
+    gx = max(1, -(-rows_total // (warps * shape.rows)))
+    items = -(-rows_total // (gx * warps))
+    return gx, max(1, min(shape.stages, items))
+
+
+def staged_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any) -> None:
+    """Launch ``moe_gate_up_staged`` (hbuf[j, :ff] = silu(gate_j x) * up_j x); a row of at most MOE_ROW_MAX bytes,
+    X and hbuf 16-byte aligned (the caller checks)."""
+    bufs = WARPS_PER_BLOCK * 2 * MOE_ROW_BUF
+    per = MOE_ROW_BUF // _slot_stride(gu_type, hidden)  # rows a warp stages at once
+    g1 = ((ff + WARPS_PER_BLOCK * per - 1) // (WARPS_PER_BLOCK * per), jobs.n_jobs)
+    launch_big_shared(kernel("moe_gate_up_staged", gu_type.id), g1, (THREADS,),
+                      (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
+                      hidden * 4 + bufs)
+
+
+def staged_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: Any, out: Any,
+                accumulate: bool) -> None:
+    """Launch ``moe_down_staged`` (out[t] (+)= sum_j w_j down_j hbuf[j]); a row of at most MOE_ROW_MAX bytes."""
+    g2 = ((hidden + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, jobs.n_tokens)
+    launch_big_shared(kernel("moe_down_staged", d_type.id), g2, (THREADS,),
+                      (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
+                       np.int32(1 if accumulate else 0)), WARPS_PER_BLOCK * 2 * MOE_ROW_BUF)
+
+
+def pipe_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any,
+                 shape: PipeShape) -> None:
+    """Launch ``moe_gate_up_pipe`` with ``shape`` (same result as :func:`staged_gate_up`; Q2_0 / Q8_0; no alignment
+    asked of X or hbuf). Raises StrataError when the shape's shared memory exceeds PIPE_MAX_SHARED."""
+    gx, st = _pipe_grid(ff, shape)
+    shm = pipe_gu_shared(gu_type, hidden, shape.threads, st)
+    if shm > PIPE_MAX_SHARED:
+        raise StrataError(f"moe_gate_up_pipe: {shape} needs {shm} bytes of shared memory, over {PIPE_MAX_SHARED}")
+    launch_big_shared(kernel("moe_gate_up_pipe", gu_type.id), (gx, jobs.n_jobs), (shape.threads,),
+                      (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff), np.int32(st)),
+                      shm)
+
+
+def pipe_max_jobs(jobs: ExpertJobs) -> int:
+    """Jobs of the busiest token as the pipelined down kernel sizes it: all J for one token, else ``per_token``
+    when the job table carries it, else J."""
+    if jobs.n_tokens == 1 or jobs.per_token is None:
+        return jobs.n_jobs
+    return int(jobs.per_token)
+
+
+def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: Any, out: Any, accumulate: bool,
+              shape: PipeShape) -> None:
+    """Launch ``moe_down_pipe`` with ``shape`` (same result as :func:`staged_down`; Q2_0 / Q8_0). Raises StrataError
+    when the shape's shared memory exceeds PIPE_MAX_SHARED."""
+    mj = pipe_max_jobs(jobs)
+    gx, st = _pipe_grid(hidden, shape)
+    shm = pipe_down_shared(d_type, ff, mj, shape.threads, st)
+    if shm > PIPE_MAX_SHARED:
+        raise StrataError(f"moe_down_pipe: {shape} for {mj} jobs a token needs {shm} bytes of shared memory, over "
+                          f"{PIPE_MAX_SHARED}")
+    launch_big_shared(kernel("moe_down_pipe", d_type.id), (gx, jobs.n_tokens), (shape.threads,),
+                      (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
+                       np.int32(1 if accumulate else 0), np.int32(st), np.int32(mj)), shm)
+
+
+def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
+              shapes: dict[str, PipeShape]) -> bool:
+    """Whether the pipelined kernels take this call: both types Q2_0 / Q8_0 and both launches' shared memory
+    within PIPE_MAX_SHARED."""
+    if gu_type.id not in PIPE_TYPES or d_type.id not in PIPE_TYPES:
+        return False
+    gx, st = _pipe_grid(ff, shapes["gu"])
+    if pipe_gu_shared(gu_type, hidden, shapes["gu"].threads, st) > PIPE_MAX_SHARED:
+        return False
+    gx, st = _pipe_grid(hidden, shapes["down"])
+    return pipe_down_shared(d_type, ff, pipe_max_jobs(jobs), shapes["down"].threads, st) <= PIPE_MAX_SHARED
 
 
 def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
-               out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False) -> Any:
+               out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False,
+               kernels: str | None = None) -> Any:
     """Routed-expert FFN for T tokens: ``Y[t] (+)= sum_j w_j * down_j(silu(gate_j x_t) * up_j x_t)``.
 
     Args:
@@ -127,12 +294,16 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         out: optional CuPy float32 ``[T, hidden]`` to write (or add to, with ``accumulate``).
         hbuf: optional CuPy float32 scratch of at least ``J * ff`` values (reused across calls).
         fast: use the kernels' multiply-add-fused build (:func:`stratatools.runtime.gpu.kernels.fast_module`;
-            float rounding differs from the bit-exact default): the staged-row kernels of ``moe_staged.cu`` when
-            a gate/up row and a down row are each at most ``MOE_ROW_MAX`` bytes, else the FMA build of the others.
+            float rounding differs from the bit-exact default): with ``kernels`` ``pipe`` the pipelined kernels of
+            ``moe_staged.cu`` (Q2_0 / Q8_0 whose shared memory fits, launch shapes from :func:`pipe_shapes`), else
+            its staged-row kernels when a gate/up row and a down row are each at most ``MOE_ROW_MAX`` bytes, else
+            the FMA build of the others.
+        kernels: ``staged`` or ``pipe`` (:func:`expert_kernel_choice`; None: ``$STRATATOOLS_MOE_KERNEL``, default
+            ``staged``); only read with ``fast``.
     Returns:
         CuPy float32 ``[T, hidden]``.
     Raises:
-        StrataError: unsupported types, or widths that are not whole blocks.
+        StrataError: unsupported types, widths that are not whole blocks, or a bad kernel choice / pipe shape.
     """
     cp = require_cupy()
     _check_type(gu_type, hidden, "expert gate/up")
@@ -150,19 +321,17 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if hbuf is None or hbuf.size < J * ff:
         hbuf = cp.empty(J * ff, dtype=cp.float32)
     X = cp.ascontiguousarray(X, dtype=cp.float32)
+    if fast and expert_kernel_choice(kernels) == "pipe":
+        shapes = pipe_shapes()
+        if pipe_fits(jobs, gu_type, d_type, hidden, ff, shapes):
+            pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, shapes["gu"])
+            pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, shapes["down"])
+            return out
     if (fast and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX
             and int(X.data.ptr) % 16 == 0 and int(hbuf.data.ptr) % 16 == 0):  # (the kernels read x, h as float4)
-        # staged rows (moe_staged.cu): every 16-byte load of a warp's rows in flight at once
-        bufs = WARPS_PER_BLOCK * 2 * MOE_ROW_BUF
-        per = MOE_ROW_BUF // (((gu_type.row_bytes(hidden) + 30) // 16) * 16)  # rows a warp stages at once
-        g1 = ((ff + WARPS_PER_BLOCK * per - 1) // (WARPS_PER_BLOCK * per), J)
-        launch_big_shared(kernel("moe_gate_up_staged", gu_type.id), g1, (THREADS,),
-                          (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
-                          hidden * 4 + bufs)
-        g2 = ((hidden + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, T)
-        launch_big_shared(kernel("moe_down_staged", d_type.id), g2, (THREADS,),
-                          (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
-                           np.int32(1 if accumulate else 0)), bufs)
+        # staged rows (moe_staged.cu): a warp's rows copied to shared memory, then decoded from there
+        staged_gate_up(X, jobs, gu_type, hidden, ff, hbuf)
+        staged_down(jobs, d_type, hidden, ff, hbuf, out, accumulate)
         return out
     grid1 = ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, J)
     kernel("moe_gate_up_kernel", gu_type.id, fast)(

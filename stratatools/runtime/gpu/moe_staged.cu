@@ -171,3 +171,270 @@ template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Pipelined variants (moe_gate_up_pipe / moe_down_pipe; experts.py selects them with STRATATOOLS_MOE_KERNEL=pipe).
+// Same job table and results (up to float rounding) as the staged kernels above; what differs:
+// * Rows reach shared memory by cp.async (16-byte global -> shared copies that need no register and no wait per
+//   copy). moe_stage's loop (16-byte load, then its store to shared) waits for each load before the next one is
+//   issued, so a lane's ~12 loads of one pass were a chain of memory round trips; here every copy of an item is in
+//   flight at once, and with nstage > 1 a warp's next nstage - 1 items are copied while it computes the current one
+//   (a ring of nstage slots per warp; the host picks nstage, threads a block and rows a warp).
+// * A lane decodes units of 16 values (a quarter of a Q2_0 block, half a Q8_0 block): one scale read per unit, the
+//   codes read as 32-bit words (two aligned shared loads and a funnel shift: rows sit at any byte offset), and the
+//   16 input values as 4 float4 from an interleaved layout (chunk k = values 4k .. 4k+3 of unit u at float4 index
+//   k * units + u) in which the 32 lanes' loads of one chunk hit 32 consecutive float4: no bank conflict.
+// * Q2_0: the input is staged pre-scaled, x'[t] = x[t] * 4^-(t mod 8) for value t of a unit (a power of two, exact
+//   unless the product is subnormal), so code c of value t (bits 2t .. 2t+1 of the word, of its high half after one
+//   shift for t >= 8) becomes the float 2^23 + c 4^(t mod 8) by one AND-OR into the mantissa of 2^23, and
+//   (that - 2^23 - 4^(t mod 8)) * x'[t] = (c - 1) x[t] with a single rounding, as the direct product: 3 instructions a
+//   value (and-or, add, fused multiply-add). Q8_0: byte permute of (q + 128) into 2^23's mantissa, add, multiply-add.
+// Supported types: Q2_0 (42) and Q8_0 (8); H and F multiples of 16 values (of whole blocks in any case).
+#ifndef STRATA_HOST
+__device__ __forceinline__ void moe_cp16(u8* dst, const u8* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void moe_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ float moe_h2f(u32 h) {  // IEEE half (low 16 bits) -> float, exact (hardware conversion)
+    float f;
+    asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}\n" : "=f"(f) : "r"(h));
+    return f;
+}
+#define MOE_FUNNEL(lo, hi, sh) __funnelshift_r((lo), (hi), (sh))
+#else
+static inline void moe_cp16(u8* dst, const u8* src) { std::memcpy(dst, src, 16); }
+static inline void moe_cp_commit() {}
+template <int N> static inline void moe_cp_wait() {}
+static inline float moe_h2f(u32 h) { return h2f((u16)(h & 0xffffu)); }
+#define MOE_FUNNEL(lo, hi, sh) ((u32)((((u64)(hi) << 32) | (u64)(lo)) >> ((sh) & 31)))
+#endif
+// Wait for all but the newest nstage - 1 commit groups (the slot about to be computed has landed).
+__device__ __forceinline__ void moe_cp_wait_ring(int nstage) {
+    if (nstage <= 1) moe_cp_wait<0>();
+    else if (nstage == 2) moe_cp_wait<1>();
+    else if (nstage == 3) moe_cp_wait<2>();
+    else moe_cp_wait<3>();
+}
+//: bytes of shared memory the pipelined kernels leave after their last slot (moe_ld32u reads up to 4 bytes past a row)
+#define MOE_PIPE_PAD 16
+// The 32-bit little-endian word at any byte address p of shared memory: two aligned loads and a funnel shift
+// (reads the aligned word after p's, which may lie past the row: the slack and MOE_PIPE_PAD keep it in bounds).
+__device__ __forceinline__ u32 moe_ld32u(const u8* p) {
+    const u64 a = reinterpret_cast<u64>(p);
+    const u32* w = reinterpret_cast<const u32*>(a & ~3ull);
+    return MOE_FUNNEL(w[0], w[1], (u32)(a & 3u) * 8u);
+}
+// Issue the copies of nr rows of n bytes each into slot + q * stride (q < nr; row q's bytes [s_q, s_q + n) at
+// slot + q * stride + (s_q & 15), the 16-byte-aligned chunks that cover them), lanes striding over the (row, chunk)
+// pairs; rowf(q, s, end) gives row q's start and the end of its matrix: a chunk that reaches past the end is copied
+// byte by byte with ordinary loads (nothing at or past the end is read), bytes past the end left as they were.
+// stride >= the chunk slots of a row: ((n + 30) / 16) * 16.
+template <class RowF> __device__ __forceinline__ void moe_issue_rows(int nr, int n, int stride, u8* slot, int lane,
+                                                                    int nl, RowF rowf) {
+    const int cpr = stride >> 4;
+    int q = 0, c = lane;
+    while (c >= cpr) { c -= cpr; ++q; }
+    while (q < nr) {
+        const u8* s;
+        const u8* end;
+        rowf(q, s, end);
+        const u8* src = reinterpret_cast<const u8*>(reinterpret_cast<u64>(s) & ~15ull) + 16 * c;
+        if (src < s + n) {
+            u8* dst = slot + (long long)q * stride + 16 * c;
+            if (src + 16 <= end) moe_cp16(dst, src);
+            else
+                for (int k = 0; k < 16; ++k)
+                    if (src + k < end) dst[k] = src[k];
+        }
+        c += nl;
+        while (c >= cpr) { c -= cpr; ++q; }
+    }
+}
+// Stage v = x[i] (i < n, the values of consecutive units of 16) into the interleaved layout at xs4 (units = n / 16
+// float4 per chunk index), pre-scaled by 4^-(i mod 8) for Q2_0; all threads of the block stride over i.
+template <int T> __device__ __forceinline__ void moe_stage_x(const float* x, int n, float* xs) {
+    const int units = n >> 4;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int u = i >> 4, t = i & 15;
+        float v = x[i];
+        if constexpr (T == 42) v *= __uint_as_float((u32)(127 - 2 * (t & 7)) << 23);  // 4^-(t mod 8), exact
+        xs[4 * ((t >> 2) * units + u) + (t & 3)] = v;
+    }
+}
+// sum_t v[t] x[t] over the 16 values of unit s of the block at b (shared memory, any byte offset), x the unit's 16
+// staged inputs (pre-scaled for Q2_0; see above). Returns d * sum (the block scale applied once).
+template <int T> __device__ __forceinline__ float dot16p(const u8* b, int s, const float* xv) {
+    const float d = moe_h2f(moe_ld32u(b));
+    float s0 = 0.0f, s1 = 0.0f;
+    if constexpr (T == 42) {  // Q2_0: 18-byte block, fp16 d then 16 bytes of codes, value j = (qs[j/4] >> 2(j%4)) & 3
+        const u32 w = moe_ld32u(b + 2 + 4 * s), wh = w >> 16;
+        #pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const float off = 8388608.0f + (float)(1u << (2 * t));  // 2^23 + 4^t (the code's -1 included)
+            s0 = fmaf(__uint_as_float(0x4B000000u | (w & (3u << (2 * t)))) - off, xv[t], s0);
+            s1 = fmaf(__uint_as_float(0x4B000000u | (wh & (3u << (2 * t)))) - off, xv[8 + t], s1);
+        }
+    } else {  // Q8_0: 34-byte block, fp16 d then 32 int8 codes
+        const u8* q = b + 2 + 16 * s;
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 w = moe_ld32u(q + 4 * k) ^ 0x80808080u;  // byte = q + 128
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float v = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + e)) - 8388736.0f;
+                if (e & 1) s1 = fmaf(v, xv[4 * k + e], s1);
+                else s0 = fmaf(v, xv[4 * k + e], s0);
+            }
+        }
+    }
+    return d * (s0 + s1);
+}
+// The 16 staged inputs of unit u (interleaved layout of `units` units at xs).
+__device__ __forceinline__ void moe_load_x16(const float* xs, int units, int u, float* xv) {
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float4 v = x4[k * units + u];
+        xv[4 * k] = v.x; xv[4 * k + 1] = v.y; xv[4 * k + 2] = v.z; xv[4 * k + 3] = v.w;
+    }
+}
+
+// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for job j = blockIdx.y, x = X[tok[j], :H]; a warp's items are the
+// rows r = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (gate row and up row) into a slot of its ring
+// of nstage slots. Shared memory (experts.pipe_gu_shared): H floats (x, interleaved) + warps * nstage * 2 * stride bytes
+// + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16, rb = H / bs * ts.
+template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
+        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tok,
+        const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
+    MOE_DYN_SHARED(smem);
+    float* xs = reinterpret_cast<float*>(smem);
+    const int j = blockIdx.y;
+    moe_stage_x<TG>(X + (long long)tok[j] * H, H, xs);
+    __syncthreads();
+    const int nl = blockDim.x < 32 ? blockDim.x : 32;
+    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    const int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
+    const int rb = (H / bs) * ts, units = H / 16;
+    const int stride = ((rb + 30) / 16) * 16;
+    u8* ring = smem + (long long)H * 4 + (long long)warp * nstage * 2 * stride;
+    const u8* G = reinterpret_cast<const u8*>(gate_ptr[j]);
+    const u8* U = reinterpret_cast<const u8*>(up_ptr[j]);
+    const u8* Gend = G + (long long)F * rb;
+    const u8* Uend = U + (long long)F * rb;
+    const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
+    const int nit = r0 < F ? (F - r0 + rstep - 1) / rstep : 0;
+    auto issue = [=](int i) {
+        const long long off = (long long)(r0 + i * rstep) * rb;
+        moe_issue_rows(2, rb, stride, ring + (i % nstage) * 2 * stride, lane, nl,
+                       [=](int q, const u8*& s, const u8*& end) { s = (q ? U : G) + off; end = q ? Uend : Gend; });
+    };
+    for (int i = 0; i < nstage - 1; ++i) {
+        if (i < nit) issue(i);
+        moe_cp_commit();
+    }
+    for (int i = 0; i < nit; ++i) {
+        if (i + nstage - 1 < nit) issue(i + nstage - 1);
+        moe_cp_commit();
+        moe_cp_wait_ring(nstage);
+        __syncwarp();
+        const int r = r0 + i * rstep;
+        const long long off = (long long)r * rb;
+        const u8* slot = ring + (i % nstage) * 2 * stride;
+        const u8* gp = slot + (reinterpret_cast<u64>(G + off) & 15);
+        const u8* up = slot + stride + (reinterpret_cast<u64>(U + off) & 15);
+        float ga = 0.0f, ua = 0.0f;
+        for (int u = lane; u < units; u += nl) {
+            float xv[16];
+            moe_load_x16(xs, units, u, xv);
+            const int blk = u / upb, s = u - blk * upb;
+            ga += dot16p<TG>(gp + blk * ts, s, xv);
+            ua += dot16p<TG>(up + blk * ts, s, xv);
+        }
+        ga = warp_sum(ga);
+        ua = warp_sum(ua);
+        if (lane == 0) Hbuf[(long long)j * F + r] = ga / (1.0f + expf(-ga)) * ua;
+        __syncwarp();
+    }
+}
+
+// Y[t, r] (+)= sum over token t's jobs j of w[j] (down_j[r] . Hbuf[j]) for t = blockIdx.y; a warp's items are the
+// output rows r = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (the row r of every job's down
+// matrix) into a slot of its ring of nstage slots. The block first stages the token's Hbuf rows (interleaved over the
+// (job, unit) pairs p = q * F / 16 + u, pre-scaled for Q2_0), its weights and its down addresses. Shared memory
+// (experts.pipe_down_shared): max_jobs F floats + 16 ceil(max_jobs / 4) bytes (w) + 16 ceil(max_jobs / 2) bytes
+// (addresses) + warps * nstage * max_jobs * stride bytes + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16,
+// rb = F / bs * ts. A token with more than max_jobs jobs gets NaN rows.
+template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
+        const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
+        const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
+        int max_jobs) {
+    MOE_DYN_SHARED(smem);
+    const int t = blockIdx.y;
+    const int j0 = tstart[t], nj = tstart[t + 1] - j0;
+    if (nj > max_jobs) {  // the launch's bound broken: NaN rows rather than writes past the shared buffers
+        for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < H; r += gridDim.x * blockDim.x)
+            Y[(long long)t * H + r] = __uint_as_float(0x7fc00000u);
+        return;
+    }
+    const int np = nj * (F / 16);  // (job, unit) pairs
+    float* hs = reinterpret_cast<float*>(smem);
+    float* ws = hs + (long long)max_jobs * F;
+    u64* ps = reinterpret_cast<u64*>(ws + 4 * ((max_jobs + 3) / 4));
+    u8* rings = reinterpret_cast<u8*>(ps + 2 * ((max_jobs + 1) / 2));
+    moe_stage_x<TD>(Hbuf + (long long)j0 * F, nj * F, hs);
+    for (int q = threadIdx.x; q < nj; q += blockDim.x) { ws[q] = w[j0 + q]; ps[q] = down_ptr[j0 + q]; }
+    __syncthreads();
+    const int nl = blockDim.x < 32 ? blockDim.x : 32;
+    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    const int bs = Unit<TD>::bs, ts = Unit<TD>::ts, upb = bs / 16, fu = F / 16;
+    const int rb = (F / bs) * ts;
+    const int stride = ((rb + 30) / 16) * 16;
+    const long long sbytes = (long long)nj * stride;
+    u8* ring = rings + (long long)warp * nstage * max_jobs * stride;
+    const long long mbytes = (long long)H * rb;
+    const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
+    const int nit = r0 < H ? (H - r0 + rstep - 1) / rstep : 0;
+    auto issue = [=](int i) {
+        const long long off = (long long)(r0 + i * rstep) * rb;
+        moe_issue_rows(nj, rb, stride, ring + (i % nstage) * sbytes, lane, nl, [=](int q, const u8*& s, const u8*& end) {
+            const u8* D = reinterpret_cast<const u8*>(ps[q]);
+            s = D + off;
+            end = D + mbytes;
+        });
+    };
+    for (int i = 0; i < nstage - 1; ++i) {
+        if (i < nit) issue(i);
+        moe_cp_commit();
+    }
+    for (int i = 0; i < nit; ++i) {
+        if (i + nstage - 1 < nit) issue(i + nstage - 1);
+        moe_cp_commit();
+        moe_cp_wait_ring(nstage);
+        __syncwarp();
+        const int r = r0 + i * rstep;
+        const long long off = (long long)r * rb;
+        const u8* slot = ring + (i % nstage) * sbytes;
+        float acc = 0.0f;
+        int q = 0, u = lane;
+        while (u >= fu) { u -= fu; ++q; }
+        for (int p = lane; p < np; p += nl) {
+            float xv[16];
+            moe_load_x16(hs, np, p, xv);
+            const int blk = u / upb, s = u - blk * upb;
+            const u8* rp = slot + (long long)q * stride + ((ps[q] + (u64)off) & 15);
+            acc = fmaf(ws[q], dot16p<TD>(rp + blk * ts, s, xv), acc);
+            u += nl;
+            while (u >= fu) { u -= fu; ++q; }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            const long long o = (long long)t * H + r;
+            Y[o] = accumulate ? Y[o] + acc : acc;
+        }
+        __syncwarp();
+    }
+}
