@@ -146,6 +146,12 @@ def main() -> None:
         return cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / reps
 
     res: dict = {"copy_d2d_Bps": d2d, "reps": a.reps, "rows": []}
+
+    def save(r):
+        if a.out:
+            from stratatools.core.fsutil import write_text_atomic
+
+            write_text_atomic(a.out, json.dumps(r, indent=1))
     groups = [("routed Q2_0", q2, q2, K_ROUTED, dev_alloc, PIPE_GU, PIPE_DN, a.reps),
               ("shared Q8_0", q8, q8, 1, dev_alloc, PIPE_GU, PIPE_DN, a.reps)]
     if not a.no_zero_copy:
@@ -224,6 +230,7 @@ def main() -> None:
                 if v is None:
                     best.setdefault(("staged",) + key, dt)
         del keep, jt
+        save(res)  # after every group: a later failure keeps what was measured
     print(f"\nfastest pipe shape per kernel (total {time.time() - t_start:.0f} s):")
     for (gname, kname), (v, dt) in sorted((kk, vv) for kk, vv in best.items() if kk[0] != "staged"):
         st = best.get(("staged", gname, kname))
@@ -234,10 +241,7 @@ def main() -> None:
         env = f"STRATATOOLS_MOE_KERNEL=pipe STRATATOOLS_MOE_PIPE=gu={g[0]}x{g[1]}x{g[2]},down={d[0]}x{d[1]}x{d[2]}"
         res["best_env"] = env
         print(f"  decode step with the routed shapes' best: {env}")
-    if a.out:
-        from stratatools.core.fsutil import write_text_atomic
-
-        write_text_atomic(a.out, json.dumps(res, indent=1))
+    save(res)
 
 
 if __name__ == "__main__":

@@ -221,10 +221,12 @@ __device__ __forceinline__ void moe_cp_wait_ring(int nstage) {
 #define MOE_PIPE_PAD 16
 // The 32-bit little-endian word at any byte address p of shared memory: two aligned loads and a funnel shift
 // (reads the aligned word after p's, which may lie past the row: the slack and MOE_PIPE_PAD keep it in bounds).
+// (The aligned address is p minus its low bits, pointer arithmetic rather than an integer round trip, so that the
+// compiler keeps knowing p is in shared memory and emits shared loads.)
 __device__ __forceinline__ u32 moe_ld32u(const u8* p) {
-    const u64 a = reinterpret_cast<u64>(p);
-    const u32* w = reinterpret_cast<const u32*>(a & ~3ull);
-    return MOE_FUNNEL(w[0], w[1], (u32)(a & 3u) * 8u);
+    const u32 lo = (u32)reinterpret_cast<u64>(p) & 3u;
+    const u32* w = reinterpret_cast<const u32*>(p - lo);
+    return MOE_FUNNEL(w[0], w[1], lo * 8u);
 }
 // Issue the copies of nr rows of n bytes each into slot + q * stride (q < nr; row q's bytes [s_q, s_q + n) at
 // slot + q * stride + (s_q & 15), the 16-byte-aligned chunks that cover them), lanes striding over the (row, chunk)
@@ -311,8 +313,6 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
     MOE_DYN_SHARED(smem);
     float* xs = reinterpret_cast<float*>(smem);
     const int j = blockIdx.y;
-    moe_stage_x<TG>(X + (long long)tok[j] * H, H, xs);
-    __syncthreads();
     const int nl = blockDim.x < 32 ? blockDim.x : 32;
     const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
@@ -331,14 +331,15 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
         moe_issue_rows(2, rb, stride, ring + (i % nstage) * 2 * stride, lane, nl,
                        [=](int q, const u8*& s, const u8*& end) { s = (q ? U : G) + off; end = q ? Uend : Gend; });
     };
-    for (int i = 0; i < nstage - 1; ++i) {
+    // the first nstage items' copies go out before x is staged (they do not need it): the two overlap
+    for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
         moe_cp_commit();
     }
+    moe_stage_x<TG>(X + (long long)tok[j] * H, H, xs);
+    __syncthreads();
     for (int i = 0; i < nit; ++i) {
-        if (i + nstage - 1 < nit) issue(i + nstage - 1);
-        moe_cp_commit();
-        moe_cp_wait_ring(nstage);
+        moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
         __syncwarp();
         const int r = r0 + i * rstep;
         const long long off = (long long)r * rb;
@@ -356,7 +357,9 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
         ga = warp_sum(ga);
         ua = warp_sum(ua);
         if (lane == 0) Hbuf[(long long)j * F + r] = ga / (1.0f + expf(-ga)) * ua;
-        __syncwarp();
+        __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
+        if (i + nstage < nit) issue(i + nstage);
+        moe_cp_commit();
     }
 }
 
@@ -384,9 +387,6 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
     float* ws = hs + (long long)max_jobs * F;
     u64* ps = reinterpret_cast<u64*>(ws + 4 * ((max_jobs + 3) / 4));
     u8* rings = reinterpret_cast<u8*>(ps + 2 * ((max_jobs + 1) / 2));
-    moe_stage_x<TD>(Hbuf + (long long)j0 * F, nj * F, hs);
-    for (int q = threadIdx.x; q < nj; q += blockDim.x) { ws[q] = w[j0 + q]; ps[q] = down_ptr[j0 + q]; }
-    __syncthreads();
     const int nl = blockDim.x < 32 ? blockDim.x : 32;
     const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
@@ -398,22 +398,25 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
     const long long mbytes = (long long)H * rb;
     const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
     const int nit = r0 < H ? (H - r0 + rstep - 1) / rstep : 0;
+    const u64* dp = down_ptr + j0;  // (read from global memory: ps is not staged yet)
     auto issue = [=](int i) {
         const long long off = (long long)(r0 + i * rstep) * rb;
         moe_issue_rows(nj, rb, stride, ring + (i % nstage) * sbytes, lane, nl, [=](int q, const u8*& s, const u8*& end) {
-            const u8* D = reinterpret_cast<const u8*>(ps[q]);
+            const u8* D = reinterpret_cast<const u8*>(dp[q]);
             s = D + off;
             end = D + mbytes;
         });
     };
-    for (int i = 0; i < nstage - 1; ++i) {
+    // the first nstage items' copies go out before h is staged (they do not need it): the two overlap
+    for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
         moe_cp_commit();
     }
+    moe_stage_x<TD>(Hbuf + (long long)j0 * F, nj * F, hs);
+    for (int q = threadIdx.x; q < nj; q += blockDim.x) { ws[q] = w[j0 + q]; ps[q] = dp[q]; }
+    __syncthreads();
     for (int i = 0; i < nit; ++i) {
-        if (i + nstage - 1 < nit) issue(i + nstage - 1);
-        moe_cp_commit();
-        moe_cp_wait_ring(nstage);
+        moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
         __syncwarp();
         const int r = r0 + i * rstep;
         const long long off = (long long)r * rb;
@@ -435,6 +438,8 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
             const long long o = (long long)t * H + r;
             Y[o] = accumulate ? Y[o] + acc : acc;
         }
-        __syncwarp();
+        __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
+        if (i + nstage < nit) issue(i + nstage);
+        moe_cp_commit();
     }
 }
