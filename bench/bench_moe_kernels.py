@@ -97,29 +97,32 @@ def main() -> None:
 
     def experts(t_gu, t_d, n_exp, alloc):
         """n_exp random expert blobs [gate][up][down] in one buffer from alloc(nbytes) -> (keep-alive, device
-        address); returns (keep-alive, base address, blob bytes, gate bytes)."""
+        address, host view or None); returns (keep-alive, base address, blob bytes, gate bytes)."""
         gb = FF * t_gu.row_bytes(HIDDEN)
         blob = 2 * gb + HIDDEN * t_d.row_bytes(FF)
-        keep, base = alloc(n_exp * blob)
+        keep, base, view = alloc(n_exp * blob)
         host = np.empty(blob, dtype=np.uint8)
         for e in range(n_exp):
             gen_gu = q2_random if t_gu.id == 42 else q8_random
             gen_d = q2_random if t_d.id == 42 else q8_random
             host[:2 * gb] = gen_gu(rng, 2 * gb // t_gu.type_size)
             host[2 * gb:] = gen_d(rng, (blob - 2 * gb) // t_d.type_size)
-            cp.cuda.runtime.memcpy(base + e * blob, host.ctypes.data, blob, 4)  # (default: UVA decides)
+            if view is not None:
+                view[e * blob:(e + 1) * blob] = host
+            else:
+                cp.cuda.runtime.memcpy(base + e * blob, host.ctypes.data, blob, 1)
         return keep, base, blob, gb
 
     def dev_alloc(n):
         m = cp.cuda.alloc(n)
-        return m, int(m.ptr)
+        return m, int(m.ptr), None
 
     def host_alloc(n):
         m = _alloc_mapped_pinned(cp, n)
         dp = _device_pointer(cp, m)
         if dp is None:
             raise SystemExit("pinned host memory is not mapped into the device address space on this machine")
-        return m, dp
+        return m, dp, np.frombuffer(m, dtype=np.uint8, count=n)
 
     def tables(base, blob, gb, k, n_exp):
         """Job tables of k distinct experts each, cycling through all n_exp."""
@@ -236,11 +239,14 @@ def main() -> None:
         st = best.get(("staged", gname, kname))
         print(f"  {gname} {kname}: pipe {v[0]}x{v[1]}x{v[2]} {dt * 1e6:.1f} us"
               + (f" vs staged {st * 1e6:.1f} us ({st / dt:.2f}x)" if st else ""))
-    if ("routed Q2_0", "gate/up") in best and ("routed Q2_0", "down") in best:
-        g, d = best[("routed Q2_0", "gate/up")][0], best[("routed Q2_0", "down")][0]
-        env = f"STRATATOOLS_MOE_KERNEL=pipe STRATATOOLS_MOE_PIPE=gu={g[0]}x{g[1]}x{g[2]},down={d[0]}x{d[1]}x{d[2]}"
+    parts = [f"{key}={v[0]}x{v[1]}x{v[2]}" for key, (gname, kname) in
+             (("gu", ("routed Q2_0", "gate/up")), ("down", ("routed Q2_0", "down")),
+              ("gu1", ("shared Q8_0", "gate/up")), ("down1", ("shared Q8_0", "down")))
+             for v in [best.get((gname, kname), (None,))[0]] if v is not None]
+    if parts:
+        env = f"STRATATOOLS_MOE_KERNEL=pipe STRATATOOLS_MOE_PIPE={','.join(parts)}"
         res["best_env"] = env
-        print(f"  decode step with the routed shapes' best: {env}")
+        print(f"  decode step with the best shapes (gu/down: routed, gu1/down1: the one-job shared expert): {env}")
     save(res)
 
 

@@ -285,3 +285,56 @@ def test_gpu_arena_from_gguf_matches_slices(cp, kit):
         n = ly.down_bytes
         assert np.array_equal(arena.blob(2, e)[2 * ly.gate_bytes:], np.array(m.raw(t, e * n, n)))
         assert ly.gu_type.name == "IQ2_XS" and ly.d_type.name == "Q2_0"
+
+
+PIPE_GPU_CASES = [("Q2_0", "Q2_0", 2560, 576, 1, 10), ("Q2_0", "Q2_0", 512, 192, 4, 3), ("Q8_0", "Q8_0", 2560, 576, 1, 1),
+                  ("Q2_0", "Q8_0", 256, 64, 3, 2)]
+PIPE_GPU_SHAPES = ["", "gu=256x1x1,down=256x1x1", "gu=128x3x3,down=64x4x2", "gu=64x2x2,down=256x8x3",
+                   "gu=256x4x4,down=128x4x4"]
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("shapes", PIPE_GPU_SHAPES, ids=lambda s: s or "default")
+@pytest.mark.parametrize("gu,d,hidden,ff,T,k", PIPE_GPU_CASES)
+def test_gpu_expert_ffn_pipe(cp, monkeypatch, gu, d, hidden, ff, T, k, shapes, where):
+    """expert_ffn(fast=True) with STRATATOOLS_MOE_KERNEL=pipe (moe_gate_up_pipe / moe_down_pipe: cp.async rings)
+    against the float64 reference and the staged kernels, at several launch shapes, with blobs at odd offsets of one
+    buffer that ends at the last blob (device memory, or mapped pinned host memory: the zero-copy miss case)."""
+    from stratatools.runtime.gpu.experts import MOE_KERNEL_ENV, MOE_PIPE_ENV, expert_ffn, expert_ffn_reference, make_jobs
+    from stratatools.runtime.gpu.tier import _alloc_mapped_pinned, _device_pointer
+
+    E = k + 2
+    tg, td, blobs = _blob_set(gu, d, hidden, ff, E, seed=hidden + ff + k)
+    bb = blobs[0].size
+    offs = [3 + e * (bb + 5) for e in range(E)]
+    size = offs[-1] + bb
+    host = np.zeros(size, dtype=np.uint8)
+    for o, b in zip(offs, blobs):
+        host[o:o + bb] = b
+    if where == "device":
+        buf = cp.asarray(host)
+        base = int(buf.data.ptr)
+    else:
+        mem = _alloc_mapped_pinned(cp, size)
+        dp = _device_pointer(cp, mem)
+        if dp is None:
+            pytest.skip("pinned memory is not mapped on this platform")
+        np.frombuffer(mem, dtype=np.uint8, count=size)[:] = host
+        base = dp
+    rng = np.random.default_rng(T * 10 + k)
+    ids = np.stack([np.concatenate([[E - 1], rng.choice(E - 1, k - 1, replace=False)]) for _ in range(T)])
+    w = rng.random((T, k)).astype(np.float32)
+    X = rng.normal(0, 1, (T, hidden)).astype(np.float32)
+    ptrs = np.array([[base + offs[e] for e in row] for row in ids], dtype=np.uint64)
+    jobs = make_jobs(ptrs, w, ff * tg.row_bytes(hidden))
+    monkeypatch.setenv(MOE_PIPE_ENV, shapes)
+    Yp = cp.asnumpy(expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff, fast=True, kernels="pipe"))
+    Ys = cp.asnumpy(expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff, fast=True, kernels="staged"))
+    for t in range(T):
+        ref = expert_ffn_reference(X[t], [blobs[e] for e in ids[t]], w[t], tg, td, hidden, ff)
+        err = np.abs(Yp[t] - ref).max() / (np.abs(ref).max() + 1e-30)
+        assert err < 1e-4, (t, err)
+    assert np.abs(Yp - Ys).max() <= 1e-5 * np.abs(Ys).max()
+    monkeypatch.setenv(MOE_KERNEL_ENV, "pipe")  # the environment's choice, and accumulate
+    Y2 = expert_ffn(cp.asarray(X), jobs, tg, td, hidden, ff, out=cp.asarray(Yp), accumulate=True, fast=True)
+    assert np.allclose(cp.asnumpy(Y2), 2 * Yp, rtol=1e-6, atol=1e-6)

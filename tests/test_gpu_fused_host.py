@@ -346,9 +346,11 @@ def test_expert_kernel_choice_and_pipe_shapes(monkeypatch):
         E.expert_kernel_choice()
     assert E.pipe_shapes() == E.DEFAULT_PIPE
     sh = E.pipe_shapes("down=128x4x3")
-    assert sh["down"] == E.PipeShape(128, 4, 3) and sh["gu"] == E.DEFAULT_PIPE["gu"]
-    monkeypatch.setenv(E.MOE_PIPE_ENV, "gu=64x1x1, down=256x8x2")
-    assert E.pipe_shapes() == {"gu": E.PipeShape(64, 1, 1), "down": E.PipeShape(256, 8, 2)}
+    assert sh["down"] == sh["down1"] == E.PipeShape(128, 4, 3)  # the one-job shape follows the given one
+    assert sh["gu"] == E.DEFAULT_PIPE["gu"] and sh["gu1"] == E.DEFAULT_PIPE["gu1"]
+    monkeypatch.setenv(E.MOE_PIPE_ENV, "gu=64x1x1, down=256x8x2,gu1=32x1x2")
+    assert E.pipe_shapes() == {"gu": E.PipeShape(64, 1, 1), "down": E.PipeShape(256, 8, 2),
+                               "gu1": E.PipeShape(32, 1, 2), "down1": E.PipeShape(256, 8, 2)}
     for bad in ("gu=256x2", "up=256x2x2", "gu=100x2x2", "gu=256x2x5", "gu=512x1x1", "gu=256x0x1"):
         with pytest.raises(StrataError, match="STRATATOOLS_MOE_PIPE"):
             E.pipe_shapes(bad)
@@ -373,7 +375,7 @@ def test_pipe_launch_sizes():
         def __init__(self, J, T, per_token=None):
             self.n_jobs, self.n_tokens, self.per_token = J, T, per_token
 
-    sh = E.DEFAULT_PIPE
+    sh = {"gu": E.DEFAULT_PIPE["gu"], "down": E.DEFAULT_PIPE["down"]}
     assert E.pipe_fits(Jobs(10, 1), q2, q2, 2560, 576, sh)
     assert E.pipe_max_jobs(Jobs(320, 32, 10)) == 10 and E.pipe_max_jobs(Jobs(320, 32)) == 320
     assert E.pipe_fits(Jobs(320, 32, 10), q2, q2, 2560, 576, sh)

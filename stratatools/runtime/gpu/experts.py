@@ -126,8 +126,10 @@ def make_jobs(blob_ptrs: np.ndarray, weights: np.ndarray, gate_bytes: int, hbuf_
 #: units; Q2_0 and Q8_0 only, others stay on ``staged``). bench/bench_moe_kernels.py times both.
 MOE_KERNEL_ENV = "STRATATOOLS_MOE_KERNEL"
 EXPERT_KERNELS = ("staged", "pipe")
-#: Environment variable with the pipelined kernels' launch shapes, ``gu=THREADSxROWSxSTAGES,down=THREADSxROWSxSTAGES``
-#: (threads a block, rows a warp computes, ring slots a warp stages ahead); either part may be left out.
+#: Environment variable with the pipelined kernels' launch shapes, ``KEY=THREADSxROWSxSTAGES`` parts joined by commas
+#: (threads a block, rows a warp computes, ring slots a warp keeps in flight): keys ``gu`` and ``down`` for calls of
+#: several jobs (the routed experts), ``gu1`` and ``down1`` for calls of one job (the decode step's shared expert;
+#: they follow ``gu`` / ``down`` when not given); any part may be left out.
 MOE_PIPE_ENV = "STRATATOOLS_MOE_PIPE"
 #: Most dynamic shared memory a block may opt in to on the devices we run (sm_90: 227 KiB).
 PIPE_MAX_SHARED = 227 * 1024
@@ -147,7 +149,8 @@ class PipeShape:
 
 
 #: Pipelined kernels' shapes when STRATATOOLS_MOE_PIPE does not set them (to be tuned with bench_moe_kernels.py).
-DEFAULT_PIPE = {"gu": PipeShape(256, 2, 2), "down": PipeShape(256, 2, 2)}
+DEFAULT_PIPE = {"gu": PipeShape(256, 2, 2), "down": PipeShape(256, 2, 2), "gu1": PipeShape(128, 1, 1),
+                "down1": PipeShape(256, 2, 2)}
 
 
 def expert_kernel_choice(value: str | None = None) -> str:
@@ -163,26 +166,30 @@ def expert_kernel_choice(value: str | None = None) -> str:
 
 
 def pipe_shapes(value: str | None = None) -> dict[str, PipeShape]:
-    """The pipelined kernels' launch shapes: :data:`DEFAULT_PIPE` overridden by ``value`` (else
-    ``$STRATATOOLS_MOE_PIPE``), e.g. ``gu=256x2x2,down=128x4x3``.
+    """The pipelined kernels' launch shapes (keys ``gu``, ``down``, ``gu1``, ``down1``; see :data:`MOE_PIPE_ENV`):
+    :data:`DEFAULT_PIPE` overridden by ``value`` (else ``$STRATATOOLS_MOE_PIPE``), e.g. ``gu=256x2x2,down=128x4x3``;
+    ``gu1`` / ``down1`` take the given ``gu`` / ``down`` unless given themselves.
 
     Raises:
-        StrataError: a malformed part, an unknown kernel name, threads not a multiple of 32 in 32..256, or rows or
+        StrataError: a malformed part, an unknown key, threads not a multiple of 32 in 32..256, or rows or
             stages outside 1..64 / 1..4.
     """
     v = value if value is not None else os.environ.get(MOE_PIPE_ENV, "")
-    out = dict(DEFAULT_PIPE)
+    given: dict[str, PipeShape] = {}
     for part in filter(None, (p.strip() for p in v.split(","))):
         name, _, spec = part.partition("=")
         nums = spec.split("x")
-        if name not in out or len(nums) != 3 or not all(n.isdigit() for n in nums):
-            raise StrataError(f"{MOE_PIPE_ENV}: {part!r} is not gu=THREADSxROWSxSTAGES or down=THREADSxROWSxSTAGES "
-                              f"(e.g. gu=256x2x2)")
+        if name not in DEFAULT_PIPE or len(nums) != 3 or not all(n.isdigit() for n in nums):
+            raise StrataError(f"{MOE_PIPE_ENV}: {part!r} is not KEY=THREADSxROWSxSTAGES with KEY one of "
+                              f"{', '.join(DEFAULT_PIPE)} (e.g. gu=256x2x2)")
         th, rows, st = (int(n) for n in nums)
         if th % 32 or not 32 <= th <= 256 or not 1 <= rows <= 64 or not 1 <= st <= 4:
             raise StrataError(f"{MOE_PIPE_ENV}: {part!r}: threads must be a multiple of 32 in 32..256, rows 1..64, "
                               f"stages 1..4")
-        out[name] = PipeShape(th, rows, st)
+        given[name] = PipeShape(th, rows, st)
+    out = {k: given.get(k, DEFAULT_PIPE[k]) for k in ("gu", "down")}
+    for k in ("gu", "down"):
+        out[k + "1"] = given.get(k + "1", given.get(k, DEFAULT_PIPE[k + "1"]))
     return out
 
 
@@ -271,7 +278,7 @@ def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: An
 def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
               shapes: dict[str, PipeShape]) -> bool:
     """Whether the pipelined kernels take this call: both types Q2_0 / Q8_0 and both launches' shared memory
-    within PIPE_MAX_SHARED."""
+    (shapes ``gu`` and ``down``) within PIPE_MAX_SHARED."""
     if gu_type.id not in PIPE_TYPES or d_type.id not in PIPE_TYPES:
         return False
     gx, st = _pipe_grid(ff, shapes["gu"])
@@ -295,7 +302,8 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         hbuf: optional CuPy float32 scratch of at least ``J * ff`` values (reused across calls).
         fast: use the kernels' multiply-add-fused build (:func:`stratatools.runtime.gpu.kernels.fast_module`;
             float rounding differs from the bit-exact default): with ``kernels`` ``pipe`` the pipelined kernels of
-            ``moe_staged.cu`` (Q2_0 / Q8_0 whose shared memory fits, launch shapes from :func:`pipe_shapes`), else
+            ``moe_staged.cu`` (Q2_0 / Q8_0 whose shared memory fits, launch shapes from :func:`pipe_shapes`: ``gu1`` /
+            ``down1`` for a call of one job), else
             its staged-row kernels when a gate/up row and a down row are each at most ``MOE_ROW_MAX`` bytes, else
             the FMA build of the others.
         kernels: ``staged`` or ``pipe`` (:func:`expert_kernel_choice`; None: ``$STRATATOOLS_MOE_KERNEL``, default
@@ -322,7 +330,9 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         hbuf = cp.empty(J * ff, dtype=cp.float32)
     X = cp.ascontiguousarray(X, dtype=cp.float32)
     if fast and expert_kernel_choice(kernels) == "pipe":
-        shapes = pipe_shapes()
+        sh = pipe_shapes()
+        one = "1" if J == 1 else ""
+        shapes = {"gu": sh["gu" + one], "down": sh["down" + one]}
         if pipe_fits(jobs, gu_type, d_type, hidden, ff, shapes):
             pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, shapes["gu"])
             pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, shapes["down"])
