@@ -263,9 +263,9 @@ def _expert_arena(gu, dn, hidden, ff, n_exp, gaps):
     return tg, td, gb, blobs, offs, arena
 
 
-# (gate/up type, down type, hidden, ff, tokens x experts per token, gate/up grid x, down grid x, stages)
+# (gate/up type, down type, hidden, ff, tokens x experts per token, blocks a token for gate/up, for down, stages)
 PIPE_CASES = [
-    ("Q2_0", "Q2_0", 512, 128, (2, 3), 1, 2, 2),    # one block a job: every row through one warp's ring
+    ("Q2_0", "Q2_0", 512, 128, (2, 3), 1, 2, 2),    # one block a token: all its (job, row) items through one ring
     ("Q2_0", "Q2_0", 512, 192, (1, 1), 5, 3, 3),    # 1 job; rows not a multiple of the grid (uneven items)
     ("Q8_0", "Q8_0", 256, 96, (2, 2), 7, 5, 1),     # Q8_0, no ring (stage then compute)
     ("Q2_0", "Q8_0", 320, 64, (3, 2), 2, 4, 4),     # mixed types, 4 stages (more than some warps' items)
@@ -297,7 +297,7 @@ def test_pipe_expert_kernels_match_reference(experts_lib, gu, dn, hidden, ff, tk
     wf = w.reshape(-1).copy()
     hbuf = np.full(T * k * ff, np.nan, dtype=np.float32)
     Y = np.full((T, hidden), np.nan, dtype=np.float32)
-    getattr(experts_lib, f"host_moe_gate_up_pipe_{tg.id}")(gx1, T * k, _p(gate), _p(up), _p(tok), _p(X), _p(hbuf),
+    getattr(experts_lib, f"host_moe_gate_up_pipe_{tg.id}")(gx1, T, _p(gate), _p(up), _p(tstart), _p(X), _p(hbuf),
                                                            hidden, ff, nstage)
     getattr(experts_lib, f"host_moe_down_pipe_{td.id}")(gx2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
                                                         hidden, ff, 0, nstage, k)
@@ -381,3 +381,28 @@ def test_pipe_launch_sizes():
     assert E.pipe_fits(Jobs(320, 32, 10), q2, q2, 2560, 576, sh)
     assert not E.pipe_fits(Jobs(320, 32), q2, q2, 2560, 576, sh)  # 320 jobs' h rows do not fit: staged
     assert not E.pipe_fits(Jobs(10, 1), type_by_name("IQ2_XS"), q2, 2560, 576, sh)
+
+
+def test_pipe_tokens_with_different_job_counts(experts_lib):
+    """Tokens with 2, 0 and 3 jobs (tstart 0, 2, 2, 5): the pipelined kernels give the staged kernels' h and y (the
+    token without jobs: zeros), the gate/up grid sized for the busiest token."""
+    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 256, 128, 5, [1, 3, 5, 7, 9])
+    ptr = np.array([arena.ctypes.data + offs[e] for e in (0, 4, 1, 2, 3)], dtype=np.uint64)
+    gate, up, down = ptr, ptr + np.uint64(gb), ptr + np.uint64(2 * gb)
+    tstart = np.array([0, 2, 2, 5], dtype=np.int32)
+    tok = np.array([0, 0, 2, 2, 2], dtype=np.int32)
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((3, 256)).astype(np.float32)
+    wf = rng.uniform(0.1, 1, 5).astype(np.float32)
+    out = {}
+    for kind in ("staged", "pipe"):
+        hb, Y = np.zeros(5 * 128, np.float32), np.full((3, 256), np.nan, np.float32)
+        if kind == "staged":
+            experts_lib.host_moe_gate_up_staged_42(1, 5, _p(gate), _p(up), _p(tok), _p(X), _p(hb), 256, 128)
+            experts_lib.host_moe_down_staged_42(2, 3, _p(down), _p(wf), _p(tstart), _p(hb), _p(Y), 256, 128, 0)
+        else:
+            experts_lib.host_moe_gate_up_pipe_42(3, 3, _p(gate), _p(up), _p(tstart), _p(X), _p(hb), 256, 128, 2)
+            experts_lib.host_moe_down_pipe_42(2, 3, _p(down), _p(wf), _p(tstart), _p(hb), _p(Y), 256, 128, 0, 2, 3)
+        out[kind] = hb, Y
+    assert close(out["pipe"][0], out["staged"][0], 1e-5) and close(out["pipe"][1], out["staged"][1], 1e-5)
+    assert not out["pipe"][1][1].any() and np.abs(out["pipe"][1][2]).max() > 0

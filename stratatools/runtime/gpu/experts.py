@@ -242,14 +242,16 @@ def staged_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: 
 def pipe_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any,
                  shape: PipeShape) -> None:
     """Launch ``moe_gate_up_pipe`` with ``shape`` (same result as :func:`staged_gate_up`; Q2_0 / Q8_0; no alignment
-    asked of X or hbuf). Raises StrataError when the shape's shared memory exceeds PIPE_MAX_SHARED."""
-    gx, st = _pipe_grid(ff, shape)
+    asked of X or hbuf): blocks of one token each, over the token's (job, row) pairs (:func:`pipe_max_jobs` * ff;
+    the blocks of a token with fewer jobs find nothing to do). Raises StrataError when the shape's shared memory
+    exceeds PIPE_MAX_SHARED."""
+    gx, st = _pipe_grid(pipe_max_jobs(jobs) * ff, shape)
     shm = pipe_gu_shared(gu_type, hidden, shape.threads, st)
     if shm > PIPE_MAX_SHARED:
         raise StrataError(f"moe_gate_up_pipe: {shape} needs {shm} bytes of shared memory, over {PIPE_MAX_SHARED}")
-    launch_big_shared(kernel("moe_gate_up_pipe", gu_type.id), (gx, jobs.n_jobs), (shape.threads,),
-                      (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff), np.int32(st)),
-                      shm)
+    launch_big_shared(kernel("moe_gate_up_pipe", gu_type.id), (gx, jobs.n_tokens), (shape.threads,),
+                      (jobs.gate_ptr, jobs.up_ptr, jobs.tstart, X, hbuf, np.int32(hidden), np.int32(ff),
+                       np.int32(st)), shm)
 
 
 def pipe_max_jobs(jobs: ExpertJobs) -> int:
@@ -281,7 +283,7 @@ def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int
     (shapes ``gu`` and ``down``) within PIPE_MAX_SHARED."""
     if gu_type.id not in PIPE_TYPES or d_type.id not in PIPE_TYPES:
         return False
-    gx, st = _pipe_grid(ff, shapes["gu"])
+    gx, st = _pipe_grid(pipe_max_jobs(jobs) * ff, shapes["gu"])
     if pipe_gu_shared(gu_type, hidden, shapes["gu"].threads, st) > PIPE_MAX_SHARED:
         return False
     gx, st = _pipe_grid(hidden, shapes["down"])

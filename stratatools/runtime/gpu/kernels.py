@@ -326,7 +326,8 @@ def experts_host_source(type_ids: tuple[int, ...]) -> str:
           "gate_ptr, up_ptr, tok, X, Hbuf, H, F")
     dn = ("const u64* down_ptr, const float* w, const int* tstart, const float* Hbuf, float* Y, int H, int F, "
           "int accumulate", "down_ptr, w, tstart, Hbuf, Y, H, F, accumulate")
-    gup = (gu[0] + ", int nstage", gu[1] + ", nstage")
+    gup = ("const u64* gate_ptr, const u64* up_ptr, const int* tstart, const float* X, float* Hbuf, int H, int F, "
+           "int nstage", "gate_ptr, up_ptr, tstart, X, Hbuf, H, F, nstage")
     dnp = (dn[0] + ", int nstage, int max_jobs", dn[1] + ", nstage, max_jobs")
     kinds = [("moe_gate_up_staged", gu), ("moe_down_staged", dn)]
     entries = []

@@ -303,49 +303,52 @@ __device__ __forceinline__ void moe_load_x16(const float* xs, int units, int u, 
     }
 }
 
-// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for job j = blockIdx.y, x = X[tok[j], :H]; a warp's items are the
-// rows r = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (gate row and up row) into a slot of its ring
-// of nstage slots. Shared memory (experts.pipe_gu_shared): H floats (x, interleaved) + warps * nstage * 2 * stride bytes
-// + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16, rb = H / bs * ts.
+// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for every job j of token t = blockIdx.y (jobs tstart[t] ..
+// tstart[t+1]-1), x = X[t, :H]. The block's items are the token's (job, row) pairs f = q * F + r (q: the job's place
+// among the token's), so that x is staged once per block and any number of jobs spreads over the whole grid; a warp's
+// items are f = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (gate row and up row) into a slot of its
+// ring of nstage slots. Shared memory (experts.pipe_gu_shared): H floats (x, interleaved) + warps * nstage * 2 * stride
+// bytes + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16, rb = H / bs * ts.
 template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
-        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tok,
+        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
     MOE_DYN_SHARED(smem);
     float* xs = reinterpret_cast<float*>(smem);
-    const int j = blockIdx.y;
+    const int t = blockIdx.y;
+    const int j0 = tstart[t], nf = (tstart[t + 1] - j0) * F;
     const int nl = blockDim.x < 32 ? blockDim.x : 32;
     const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
     const int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
     const int rb = (H / bs) * ts, units = H / 16;
     const int stride = ((rb + 30) / 16) * 16;
+    const long long mbytes = (long long)F * rb;
     u8* ring = smem + (long long)H * 4 + (long long)warp * nstage * 2 * stride;
-    const u8* G = reinterpret_cast<const u8*>(gate_ptr[j]);
-    const u8* U = reinterpret_cast<const u8*>(up_ptr[j]);
-    const u8* Gend = G + (long long)F * rb;
-    const u8* Uend = U + (long long)F * rb;
-    const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
-    const int nit = r0 < F ? (F - r0 + rstep - 1) / rstep : 0;
+    const int f0 = blockIdx.x * warps + warp, fstep = gridDim.x * warps;
+    const int nit = f0 < nf ? (nf - f0 + fstep - 1) / fstep : 0;
     auto issue = [=](int i) {
-        const long long off = (long long)(r0 + i * rstep) * rb;
+        const int f = f0 + i * fstep, q = f / F;
+        const u8* G = reinterpret_cast<const u8*>(gate_ptr[j0 + q]);
+        const u8* U = reinterpret_cast<const u8*>(up_ptr[j0 + q]);
+        const long long off = (long long)(f - q * F) * rb;
         moe_issue_rows(2, rb, stride, ring + (i % nstage) * 2 * stride, lane, nl,
-                       [=](int q, const u8*& s, const u8*& end) { s = (q ? U : G) + off; end = q ? Uend : Gend; });
+                       [=](int k, const u8*& s, const u8*& end) { s = (k ? U : G) + off; end = (k ? U : G) + mbytes; });
     };
     // the first nstage items' copies go out before x is staged (they do not need it): the two overlap
     for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
         moe_cp_commit();
     }
-    moe_stage_x<TG>(X + (long long)tok[j] * H, H, xs);
+    moe_stage_x<TG>(X + (long long)t * H, H, xs);
     __syncthreads();
     for (int i = 0; i < nit; ++i) {
         moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
         __syncwarp();
-        const int r = r0 + i * rstep;
+        const int f = f0 + i * fstep, q = f / F, r = f - q * F;
         const long long off = (long long)r * rb;
         const u8* slot = ring + (i % nstage) * 2 * stride;
-        const u8* gp = slot + (reinterpret_cast<u64>(G + off) & 15);
-        const u8* up = slot + stride + (reinterpret_cast<u64>(U + off) & 15);
+        const u8* gp = slot + ((gate_ptr[j0 + q] + (u64)off) & 15);
+        const u8* up = slot + stride + ((up_ptr[j0 + q] + (u64)off) & 15);
         float ga = 0.0f, ua = 0.0f;
         for (int u = lane; u < units; u += nl) {
             float xv[16];
@@ -356,7 +359,7 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
         }
         ga = warp_sum(ga);
         ua = warp_sum(ua);
-        if (lane == 0) Hbuf[(long long)j * F + r] = ga / (1.0f + expf(-ga)) * ua;
+        if (lane == 0) Hbuf[(long long)(j0 + q) * F + r] = ga / (1.0f + expf(-ga)) * ua;
         __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
         if (i + nstage < nit) issue(i + nstage);
         moe_cp_commit();
