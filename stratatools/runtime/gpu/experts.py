@@ -12,6 +12,11 @@ its expert's gate/up/down matrices at device addresses ``gate_ptr[j]``, ``up_ptr
     y_t = sum_j w_j D_j h_j                   (moe_down_kernel, one warp per (token, output row))
 
 Addresses may point at VRAM slots or at mapped pinned host memory (zero-copy reads of a miss).
+
+The fast path (``fast=True``, the decode step's) runs ``moe_staged.cu``: its staged-row kernels by default, or with
+``STRATATOOLS_MOE_KERNEL=pipe`` its pipelined kernels (rows copied to shared memory by cp.async into a ring of slots per
+warp, decoded 16 values a lane-step; launch shapes from ``STRATATOOLS_MOE_PIPE``). ``bench/bench_moe_kernels.py``
+times both per shape; the default changes only on its numbers.
 """
 
 from __future__ import annotations

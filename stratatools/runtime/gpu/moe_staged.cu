@@ -178,8 +178,11 @@ template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
 // * Rows reach shared memory by cp.async (16-byte global -> shared copies that need no register and no wait per
 //   copy). moe_stage's loop (16-byte load, then its store to shared) waits for each load before the next one is
 //   issued, so a lane's ~12 loads of one pass were a chain of memory round trips; here every copy of an item is in
-//   flight at once, and with nstage > 1 a warp's next nstage - 1 items are copied while it computes the current one
-//   (a ring of nstage slots per warp; the host picks nstage, threads a block and rows a warp).
+//   flight at once, a warp's first nstage items are issued before the block stages its input (the two overlap), and
+//   with nstage > 1 its next nstage - 1 items are copied while it computes the current one (a ring of nstage slots
+//   per warp; the host picks nstage, threads a block and rows a warp).
+// * gate/up: a block works for one token over all of that token's (job, row) pairs, so x is staged once per block
+//   and the jobs spread over the whole grid whatever their number; down: one token a block, its h rows staged once.
 // * A lane decodes units of 16 values (a quarter of a Q2_0 block, half a Q8_0 block): one scale read per unit, the
 //   codes read as 32-bit words (two aligned shared loads and a funnel shift: rows sit at any byte offset), and the
 //   16 input values as 4 float4 from an interleaved layout (chunk k = values 4k .. 4k+3 of unit u at float4 index
@@ -188,7 +191,8 @@ template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
 //   unless the product is subnormal), so code c of value t (bits 2t .. 2t+1 of the word, of its high half after one
 //   shift for t >= 8) becomes the float 2^23 + c 4^(t mod 8) by one AND-OR into the mantissa of 2^23, and
 //   (that - 2^23 - 4^(t mod 8)) * x'[t] = (c - 1) x[t] with a single rounding, as the direct product: 3 instructions a
-//   value (and-or, add, fused multiply-add). Q8_0: byte permute of (q + 128) into 2^23's mantissa, add, multiply-add.
+//   value (and-or, add, fused multiply-add). Q8_0: byte permute of (q + 128) into 2^23's mantissa, add, multiply-add
+//   (and one XOR a word). The staged kernels' dot8s spends 4 to 5 a value plus byte loads of codes and scale.
 // Supported types: Q2_0 (42) and Q8_0 (8); H and F multiples of 16 values (of whole blocks in any case).
 #ifndef STRATA_HOST
 __device__ __forceinline__ void moe_cp16(u8* dst, const u8* src) {
