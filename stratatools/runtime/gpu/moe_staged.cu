@@ -214,12 +214,13 @@ template <int N> static inline void moe_cp_wait() {}
 static inline float moe_h2f(u32 h) { return h2f((u16)(h & 0xffffu)); }
 #define MOE_FUNNEL(lo, hi, sh) ((u32)((((u64)(hi) << 32) | (u64)(lo)) >> ((sh) & 31)))
 #endif
-// Wait for all but the newest nstage - 1 commit groups (the slot about to be computed has landed).
+// Wait for all but the newest nstage - 1 commit groups (the slot about to be computed has landed); the host keeps
+// nstage in 1..4 (more would wait for every group: correct, no longer pipelined).
 __device__ __forceinline__ void moe_cp_wait_ring(int nstage) {
-    if (nstage <= 1) moe_cp_wait<0>();
-    else if (nstage == 2) moe_cp_wait<1>();
+    if (nstage == 2) moe_cp_wait<1>();
     else if (nstage == 3) moe_cp_wait<2>();
-    else moe_cp_wait<3>();
+    else if (nstage == 4) moe_cp_wait<3>();
+    else moe_cp_wait<0>();
 }
 //: bytes of shared memory the pipelined kernels leave after their last slot (moe_ld32u reads up to 4 bytes past a row)
 #define MOE_PIPE_PAD 16
