@@ -239,6 +239,14 @@ def main() -> None:
         st = best.get(("staged", gname, kname))
         print(f"  {gname} {kname}: pipe {v[0]}x{v[1]}x{v[2]} {dt * 1e6:.1f} us"
               + (f" vs staged {st * 1e6:.1f} us ({st / dt:.2f}x)" if st else ""))
+    four = [(g, kn) for g in ("routed Q2_0", "shared Q8_0") for kn in ("gate/up", "down")]
+    if all(("staged",) + kk in best and kk in best for kk in four):
+        st = sum(best[("staged",) + kk] for kk in four)
+        pb = sum(best[kk][1] for kk in four)
+        res["layer_s"] = {"staged": st, "pipe_best": pb}
+        print(f"  one decode layer's expert kernels (routed gate/up + down, shared gate/up + down): staged "
+              f"{st * 1e6:.1f} us, best pipe shapes {pb * 1e6:.1f} us ({st / pb:.2f}x); x 8 layers: "
+              f"{8 * st * 1e3:.3f} ms vs {8 * pb * 1e3:.3f} ms")
     parts = [f"{key}={v[0]}x{v[1]}x{v[2]}" for key, (gname, kname) in
              (("gu", ("routed Q2_0", "gate/up")), ("down", ("routed Q2_0", "down")),
               ("gu1", ("shared Q8_0", "gate/up")), ("down1", ("shared Q8_0", "down")))
