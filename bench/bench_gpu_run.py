@@ -26,7 +26,9 @@ expert read from pinned host memory; its host->device rate during decode is prin
 pinned copy rate, the bound of an all-miss run); ``before`` and ``lrubefore``: all resident and ``--slots`` LRU as
 they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATATOOLS_DENSE_Q8=0
 STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run; ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
-and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``)). The kernel
+and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``); ``pipeexp``,
+``allmisspipe``: all resident and 0 slots on the pipelined expert kernels (``STRATATOOLS_MOE_KERNEL=pipe``, shapes from
+``STRATATOOLS_MOE_PIPE``), against ``resident`` / ``allmiss`` on the default kernels in the same run). The kernel
 profile prints the dense Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
@@ -402,6 +404,10 @@ def main() -> None:
                ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
                ("rowsdense", "all resident, dense Q8_0 on mv_q8r (before the streaming matvec)",
                 {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
+               ("pipeexp", "all resident, pipelined expert kernels (STRATATOOLS_MOE_KERNEL=pipe)",
+                {"_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
+               ("allmisspipe", "0 slots, pipelined expert kernels (every expert read from pinned host memory)",
+                {"slots": 0, "policy": "static", "_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
                ("lrubefore", f"{a.slots} slots LRU, GGUF-block matvec + bookkeeping before launch (before)",
                 {"slots": a.slots, "policy": "lru", "_env": BEFORE_ENV}),
                ("lruasync", f"{a.slots} slots LRU, admissions copied alongside the next step",
@@ -496,6 +502,9 @@ def main() -> None:
         if "rowsdense" in want:
             profs.append(("all resident (fused, dense on mv_q8r: before)", None, "static", True,
                           {"STRATATOOLS_DENSE_KERNEL": "rows"}))
+        if "pipeexp" in want:
+            profs.append(("all resident (fused, pipelined expert kernels)", None, "static", True,
+                          {"STRATATOOLS_MOE_KERNEL": "pipe"}))
         if a.profile_lru:
             profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True, None))
         for name, sl, pol, fu, ev in profs:
