@@ -222,17 +222,17 @@ __device__ __forceinline__ void moe_cp_wait_ring(int nstage) {
     else if (nstage == 4) moe_cp_wait<3>();
     else moe_cp_wait<0>();
 }
-//: bytes of shared memory the pipelined kernels leave after their last slot (moe_ld32u reads up to 4 bytes past a row)
+// Lanes of a warp, a compile-time constant so that a lane's units (u = lane + 32 m) have loop-invariant places in
+// their blocks and constant strides: 32 on the device (the host launches whole warps only), 1 in the host build
+// (one thread per block).
+#ifndef STRATA_HOST
+#define MOE_PIPE_LANES 32
+#else
+#define MOE_PIPE_LANES 1
+#endif
+//: bytes of shared memory the pipelined kernels leave after their last slot (dot16w reads the aligned word after a
+//: row's last code byte, which may lie past the row: the slot slack and this pad keep it in bounds)
 #define MOE_PIPE_PAD 16
-// The 32-bit little-endian word at any byte address p of shared memory: two aligned loads and a funnel shift
-// (reads the aligned word after p's, which may lie past the row: the slack and MOE_PIPE_PAD keep it in bounds).
-// (The aligned address is p minus its low bits, pointer arithmetic rather than an integer round trip, so that the
-// compiler keeps knowing p is in shared memory and emits shared loads.)
-__device__ __forceinline__ u32 moe_ld32u(const u8* p) {
-    const u32 lo = (u32)reinterpret_cast<u64>(p) & 3u;
-    const u32* w = reinterpret_cast<const u32*>(p - lo);
-    return MOE_FUNNEL(w[0], w[1], lo * 8u);
-}
 // Issue the copies of nr rows of n bytes each into slot + q * stride (q < nr; row q's bytes [s_q, s_q + n) at
 // slot + q * stride + (s_q & 15), the 16-byte-aligned chunks that cover them), lanes striding over the (row, chunk)
 // pairs; rowf(q, s, end) gives row q's start and the end of its matrix: a chunk that reaches past the end is copied
@@ -270,13 +270,18 @@ template <int T> __device__ __forceinline__ void moe_stage_x(const float* x, int
         xs[4 * ((t >> 2) * units + u) + (t & 3)] = v;
     }
 }
-// sum_t v[t] x[t] over the 16 values of unit s of the block at b (shared memory, any byte offset), x the unit's 16
-// staged inputs (pre-scaled for Q2_0; see above). Returns d * sum (the block scale applied once).
-template <int T> __device__ __forceinline__ float dot16p(const u8* b, int s, const float* xv) {
-    const float d = moe_h2f(moe_ld32u(b));
+//: bytes of codes in a unit of 16 values (Q2_0: 4, Q8_0: 16)
+template <int T> struct MoeUnit { static constexpr int cb = T == 42 ? 4 : 16; };
+// sum_t v[t] x[t] over the 16 values of one unit, x the unit's 16 staged inputs (pre-scaled for Q2_0; see above);
+// the block's fp16 scale is bits [ssh, ssh + 16) of the word pair at sw, the unit's code bytes start at bit csh of
+// the words at cw (sw, cw 4-byte aligned pointers into shared memory, shifts 0, 8, 16 or 24). Returns d * sum (the
+// block scale applied once).
+template <int T> __device__ __forceinline__ float dot16w(const u32* sw, u32 ssh, const u32* cw, u32 csh,
+                                                         const float* xv) {
+    const float d = moe_h2f(MOE_FUNNEL(sw[0], sw[1], ssh));
     float s0 = 0.0f, s1 = 0.0f;
     if constexpr (T == 42) {  // Q2_0: 18-byte block, fp16 d then 16 bytes of codes, value j = (qs[j/4] >> 2(j%4)) & 3
-        const u32 w = moe_ld32u(b + 2 + 4 * s), wh = w >> 16;
+        const u32 w = MOE_FUNNEL(cw[0], cw[1], csh), wh = w >> 16;
         #pragma unroll
         for (int t = 0; t < 8; ++t) {
             const float off = 8388608.0f + (float)(1u << (2 * t));  // 2^23 + 4^t (the code's -1 included)
@@ -284,10 +289,9 @@ template <int T> __device__ __forceinline__ float dot16p(const u8* b, int s, con
             s1 = fmaf(__uint_as_float(0x4B000000u | (wh & (3u << (2 * t)))) - off, xv[8 + t], s1);
         }
     } else {  // Q8_0: 34-byte block, fp16 d then 32 int8 codes
-        const u8* q = b + 2 + 16 * s;
         #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 w = moe_ld32u(q + 4 * k) ^ 0x80808080u;  // byte = q + 128
+            const u32 w = MOE_FUNNEL(cw[k], cw[k + 1], csh) ^ 0x80808080u;  // byte = q + 128
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float v = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + e)) - 8388736.0f;
@@ -297,6 +301,20 @@ template <int T> __device__ __forceinline__ float dot16p(const u8* b, int s, con
         }
     }
     return d * (s0 + s1);
+}
+// The 4-byte-aligned word pointer at or below p (shared memory) and p's offset from it in bits. (Pointer arithmetic
+// rather than an integer round trip, so that the compiler keeps knowing the address is in shared memory.)
+__device__ __forceinline__ const u32* moe_words(const u8* p, u32& sh) {
+    const u32 lo = (u32)reinterpret_cast<u64>(p) & 3u;
+    sh = 8u * lo;
+    return reinterpret_cast<const u32*>(p - lo);
+}
+// dot16w for unit s of the block at b (shared memory, any byte offset).
+template <int T> __device__ __forceinline__ float dot16p(const u8* b, int s, const float* xv) {
+    u32 ssh, csh;
+    const u32* sw = moe_words(b, ssh);
+    const u32* cw = moe_words(b + 2 + MoeUnit<T>::cb * s, csh);
+    return dot16w<T>(sw, ssh, cw, csh, xv);
 }
 // The 16 staged inputs of unit u (interleaved layout of `units` units at xs).
 __device__ __forceinline__ void moe_load_x16(const float* xs, int units, int u, float* xv) {
@@ -321,10 +339,12 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
     float* xs = reinterpret_cast<float*>(smem);
     const int t = blockIdx.y;
     const int j0 = tstart[t], nf = (tstart[t + 1] - j0) * F;
-    const int nl = blockDim.x < 32 ? blockDim.x : 32;
-    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    constexpr int nl = MOE_PIPE_LANES;
+    const int warps = blockDim.x / nl;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
-    const int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
+    constexpr int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
+    constexpr int wstep = (32 / upb) * ts / 4;  // words a lane's unit pointers advance by (see the compute loop)
+    static_assert(32 % upb == 0 && ((32 / upb) * ts) % 4 == 0, "a lane's units keep their byte alignment");
     const int rb = (H / bs) * ts, units = H / 16;
     const int stride = ((rb + 30) / 16) * 16;
     const long long mbytes = (long long)F * rb;
@@ -354,13 +374,25 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
         const u8* slot = ring + (i % nstage) * 2 * stride;
         const u8* gp = slot + ((gate_ptr[j0 + q] + (u64)off) & 15);
         const u8* up = slot + stride + ((up_ptr[j0 + q] + (u64)off) & 15);
+        // Units are dealt to 32 lanes (in the host build one thread plays the 32 in turn): lane v takes u = v + 32 m,
+        // so its place in a block (v mod upb) and the alignment of its scale and codes are the same for every m (a
+        // step is 32 / upb blocks: 144 bytes for Q2_0, 544 for Q8_0, multiples of 4); word pointers and funnel shifts
+        // are set once per row and advance by a constant.
         float ga = 0.0f, ua = 0.0f;
-        for (int u = lane; u < units; u += nl) {
-            float xv[16];
-            moe_load_x16(xs, units, u, xv);
-            const int blk = u / upb, s = u - blk * upb;
-            ga += dot16p<TG>(gp + blk * ts, s, xv);
-            ua += dot16p<TG>(up + blk * ts, s, xv);
+        for (int v = lane; v < 32; v += nl) {
+            const int s = v % upb, b0 = v / upb;
+            u32 gss, gcs, uss, ucs;
+            const u32* gsw = moe_words(gp + b0 * ts, gss);
+            const u32* gcw = moe_words(gp + b0 * ts + 2 + MoeUnit<TG>::cb * s, gcs);
+            const u32* usw = moe_words(up + b0 * ts, uss);
+            const u32* ucw = moe_words(up + b0 * ts + 2 + MoeUnit<TG>::cb * s, ucs);
+            for (int u = v; u < units; u += 32) {
+                float xv[16];
+                moe_load_x16(xs, units, u, xv);
+                ga += dot16w<TG>(gsw, gss, gcw, gcs, xv);
+                ua += dot16w<TG>(usw, uss, ucw, ucs, xv);
+                gsw += wstep; gcw += wstep; usw += wstep; ucw += wstep;
+            }
         }
         ga = warp_sum(ga);
         ua = warp_sum(ua);
@@ -395,8 +427,8 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
     float* ws = hs + (long long)max_jobs * F;
     u64* ps = reinterpret_cast<u64*>(ws + 4 * ((max_jobs + 3) / 4));
     u8* rings = reinterpret_cast<u8*>(ps + 2 * ((max_jobs + 1) / 2));
-    const int nl = blockDim.x < 32 ? blockDim.x : 32;
-    const int warps = blockDim.x >> 5 ? blockDim.x >> 5 : 1;
+    constexpr int nl = MOE_PIPE_LANES;
+    const int warps = blockDim.x / nl;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
     const int bs = Unit<TD>::bs, ts = Unit<TD>::ts, upb = bs / 16, fu = F / 16;
     const int rb = (F / bs) * ts;
