@@ -47,6 +47,7 @@ With numpy (``xp=numpy``) the same code runs on the CPU (tests check it against 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 import numpy as np
@@ -108,8 +109,6 @@ DENSE_Q8_ENV = "STRATATOOLS_DENSE_Q8"
 
 def dense_q8_enabled() -> bool:
     """Does the fused step re-lay out Q8_0 matrices for ``dense_q8.cu`` (default yes; see :data:`DENSE_Q8_ENV`)?"""
-    import os
-
     return os.environ.get(DENSE_Q8_ENV, "1") != "0"
 
 
@@ -312,6 +311,17 @@ class StaticDecoder:
         self.hbuf = cp.empty(self.k * max(ly.ff for ly in tier.arena.layers), dtype=cp.float32)
         self.shared_tok = cp.zeros(1, dtype=cp.int32)
         self.shared_tstart = cp.asarray(np.array([0, 1], dtype=np.int32))
+        # expert kernels of the fused step: $STRATATOOLS_MOE_KERNEL when set; else the pipelined kernels for the
+        # shared expert and, when the tier holds every expert, the routed ones (1.9x the staged gate/up on device
+        # memory on the H200), the staged kernels for a partial tier (they read missed experts over the bus about
+        # 1.7x faster than the pipelined ones: bench/bench_moe_kernels.py, bench/gpu-notes.md)
+        from stratatools.runtime.gpu.experts import MOE_KERNEL_ENV, expert_kernel_choice
+
+        if os.environ.get(MOE_KERNEL_ENV, "").strip():
+            self.kernels_routed = self.kernels_shared = expert_kernel_choice()
+        else:
+            full = getattr(tier.policy, "policy", None) == "all-resident"
+            self.kernels_routed, self.kernels_shared = ("pipe" if full else "staged"), "pipe"
         for ly in tier.arena.layers:
             _check_type(ly.gu_type, ly.hidden, "expert gate/up")
             _check_type(ly.d_type, ly.ff, "expert down")
@@ -691,9 +701,11 @@ class StaticDecoder:
         dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
         jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
-        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True)
+        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True,
+                   kernels=self.kernels_routed)
         sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg, self.shared_tstart)
-        expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True)
+        expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True,
+                   kernels=self.kernels_shared)
         return y.reshape(-1)
 
     def _body_fused(self) -> None:

@@ -153,9 +153,10 @@ class PipeShape:
     stages: int = 2
 
 
-#: Pipelined kernels' shapes when STRATATOOLS_MOE_PIPE does not set them (to be tuned with bench_moe_kernels.py).
-DEFAULT_PIPE = {"gu": PipeShape(256, 2, 2), "down": PipeShape(256, 2, 2), "gu1": PipeShape(128, 1, 1),
-                "down1": PipeShape(256, 2, 2)}
+#: Pipelined kernels' shapes when STRATATOOLS_MOE_PIPE does not set them: the fastest of bench_moe_kernels.py's
+#: sweep on the H200 (full-width Q2_0 routed experts, 10 jobs; the Q8_0 shared expert, 1 job; bench/gpu-notes.md).
+DEFAULT_PIPE = {"gu": PipeShape(256, 2, 2), "down": PipeShape(256, 1, 1), "gu1": PipeShape(256, 1, 1),
+                "down1": PipeShape(256, 1, 1)}
 
 
 def expert_kernel_choice(value: str | None = None) -> str:
