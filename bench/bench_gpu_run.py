@@ -336,8 +336,9 @@ def main() -> None:
                     "through the numpy forward on the CPU, every step's logits compared with it there (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
     ap.add_argument("--profile-lru", action="store_true", help="also profile the LRU configuration's step")
-    ap.add_argument("--expert-kernels", choices=("staged", "pipe", "warp"), default="staged",
-                    help="fast step's routed-expert kernels: staged rows (moe_staged.cu), its pipelined kernels "
+    ap.add_argument("--expert-kernels", choices=("auto", "staged", "pipe", "warp"), default="auto",
+                    help="fast step's routed-expert kernels: auto (the decoder's choice: pipelined when every expert "
+                         "is resident, else staged; the shared expert pipelined), staged rows (moe_staged.cu), its pipelined kernels "
                          "(STRATATOOLS_MOE_KERNEL=pipe; launch shapes from STRATATOOLS_MOE_PIPE, see "
                          "bench/bench_moe_kernels.py) or the FMA build of the warp-per-row kernels (for comparison)")
     a = ap.parse_args()
@@ -348,7 +349,10 @@ def main() -> None:
     else:
         from stratatools.runtime.gpu.experts import MOE_KERNEL_ENV, pipe_shapes
 
-        os.environ[MOE_KERNEL_ENV] = a.expert_kernels  # read by expert_ffn (also in child processes)
+        if a.expert_kernels == "auto":
+            os.environ.pop(MOE_KERNEL_ENV, None)
+        else:
+            os.environ[MOE_KERNEL_ENV] = a.expert_kernels  # read by expert_ffn (also in child processes)
         pipe_shapes()  # a malformed STRATATOOLS_MOE_PIPE fails here, not in the middle of a run
     res_expert_kernels = a.expert_kernels
     want = set(a.configs.split(","))
@@ -404,6 +408,8 @@ def main() -> None:
                ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
                ("rowsdense", "all resident, dense Q8_0 on mv_q8r (before the streaming matvec)",
                 {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
+               ("stagedexp", "all resident, staged expert kernels (STRATATOOLS_MOE_KERNEL=staged: before)",
+                {"_env": {"STRATATOOLS_MOE_KERNEL": "staged"}}),
                ("pipeexp", "all resident, pipelined expert kernels (STRATATOOLS_MOE_KERNEL=pipe)",
                 {"_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
                ("allmisspipe", "0 slots, pipelined expert kernels (every expert read from pinned host memory)",
