@@ -31,6 +31,22 @@ def q8_blocks(rng, rows: int, cols: int) -> np.ndarray:
     return b.reshape(-1)
 
 
+def ref_matvec(raw: np.ndarray, rows: int, cols: int, x: np.ndarray, xdiv: float = 0.0) -> np.ndarray:
+    """float64 W x' from the reference dequantizer, x' = x or silu(x / xdiv) (as mv_q8r / mv_q8s stage it)."""
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    xin = x.astype(np.float64)
+    if xdiv:
+        a = (x / np.float32(xdiv)).astype(np.float64)
+        xin = a / (1.0 + np.exp(-a))
+    return W @ xin
+
+
+def ref_mix(raw: np.ndarray, hc: int, n: int, cols: int, x: np.ndarray, hn: np.ndarray) -> np.ndarray:
+    """float64 hyper-connection mix: sum_h sigmoid((W silu(x / hc))[h n + i]) hn[h n + i] / hc."""
+    u = ref_matvec(raw, hc * n, cols, x, float(hc))
+    return (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+
+
 def test_relayout_matches_dequantizer():
     rng = np.random.default_rng(1)
     rows, cols = 7, 96
@@ -93,10 +109,7 @@ def test_mv_q8r_mix_matches_numpy(lib, hc, n, cols):
     q, d = K.q8_relayout(raw, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     hn = rng.standard_normal(rows).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
-    a = (x / np.float32(hc)).astype(np.float64)
-    u = W @ (a / (1.0 + np.exp(-a)))
-    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+    ref = ref_mix(raw, hc, n, cols, x, hn)
     mixed = np.full(n, np.nan, dtype=np.float32)
     lib.host_mv_q8r_mix(2, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, float(hc), hn.ctypes.data,
                         mixed.ctypes.data, hc, n, cols)
@@ -112,12 +125,7 @@ def test_mv_q8r_matches_numpy(lib, rows, cols, ks, xdiv):
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
-    xin = x.astype(np.float64)
-    if xdiv:
-        a = (x / np.float32(xdiv)).astype(np.float64)
-        xin = a / (1.0 + np.exp(-a))
-    ref = W @ xin
+    ref = ref_matvec(raw, rows, cols, x, xdiv)
     y = np.full(rows, np.nan, dtype=np.float32)
     gx = (rows + K.DQ_RW - 1) // K.DQ_RW  # one-thread blocks: DQ_RW rows each
     part = np.full(ks * rows, np.nan, dtype=np.float32)
@@ -162,12 +170,7 @@ def test_mv_q8s_matches_numpy(lib, rows, cols, xdiv, gx, lpr, u):
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
-    xin = x.astype(np.float64)
-    if xdiv:
-        a = (x / np.float32(xdiv)).astype(np.float64)
-        xin = a / (1.0 + np.exp(-a))
-    ref = W @ xin
+    ref = ref_matvec(raw, rows, cols, x, xdiv)
     y = np.full(rows + 1, np.nan, dtype=np.float32)  # one past the end: must stay untouched
     lib.host_mv_q8s(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, y.ctypes.data, rows, cols, xdiv, lpr, u,
                     None, 0, 0)
@@ -185,10 +188,7 @@ def test_mv_q8s_mix_matches_numpy(lib, hc, n, cols, gx):
     q, d = K.q8_relayout(raw, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     hn = rng.standard_normal(rows).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
-    a = (x / np.float32(hc)).astype(np.float64)
-    u = W @ (a / (1.0 + np.exp(-a)))
-    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+    ref = ref_mix(raw, hc, n, cols, x, hn)
     mixed = np.full(n, np.nan, dtype=np.float32)
     _, lpr, uu, _ = K.dqs_launch_shape(n, cols, 132, hc=hc)
     lib.host_mv_q8s(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, mixed.ctypes.data, rows, cols, float(hc),
@@ -224,12 +224,7 @@ def test_mv_q8r_on_the_gpu(rows, cols, xdiv):
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
-    xin = x.astype(np.float64)
-    if xdiv:
-        a = (x / np.float32(xdiv)).astype(np.float64)
-        xin = a / (1.0 + np.exp(-a))
-    ref = W @ xin
+    ref = ref_matvec(raw, rows, cols, x, xdiv)
     gx, ks, shm = K.dq_launch_shape(rows, cols, _device_limits()[0])
     part, counter = cp.zeros(ks * rows, dtype=cp.float32), cp.zeros(max(gx, 1), dtype=cp.int32)
     for _ in range(2):
@@ -259,10 +254,7 @@ def test_mv_q8r_mix_on_the_gpu():
     q, d = K.q8_relayout(raw, hc * n, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     hn = rng.standard_normal(hc * n).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", hc * n * cols)).reshape(hc * n, cols).astype(np.float64)
-    a = (x / np.float32(hc)).astype(np.float64)
-    u = W @ (a / (1.0 + np.exp(-a)))
-    ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+    ref = ref_mix(raw, hc, n, cols, x, hn)
     mixed = cp.full(n, cp.nan, dtype=cp.float32)
     k(((n + 7) // 8,), (K.DQ_THREADS,), (cp.asarray(q), cp.asarray(d), cp.asarray(x), np.float32(hc), cp.asarray(hn),
                                          mixed, np.int32(hc), np.int32(n), np.int32(cols)), shared_mem=cols * 4)
@@ -289,12 +281,7 @@ def test_mv_q8s_on_the_gpu(rows, cols, hc, xdiv):
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
-    xin = x.astype(np.float64)
-    if xdiv:
-        a = (x / np.float32(xdiv)).astype(np.float64)
-        xin = a / (1.0 + np.exp(-a))
-    u = W @ xin
+    u = ref_matvec(raw, rows, cols, x, xdiv)
     hn = rng.standard_normal(rows).astype(np.float32)
     n = rows // hc if hc else rows
     ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc if hc else u
