@@ -28,7 +28,10 @@ they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATA
 STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run; ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
 and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``); ``pipeexp``,
 ``allmisspipe``: all resident and 0 slots on the pipelined expert kernels (``STRATATOOLS_MOE_KERNEL=pipe``, shapes from
-``STRATATOOLS_MOE_PIPE``), against ``resident`` / ``allmiss`` on the default kernels in the same run). The kernel
+``STRATATOOLS_MOE_PIPE``), against ``resident`` / ``allmiss`` on the default kernels in the same run;
+``staticproffetch``, ``lrufetch``, ``vram12fetch``, ``allmissfetch`` and the same with ``pf`` for ``fetch``: those
+configurations with ``STRATATOOLS_MISS_FETCH=fetch`` / ``prefetch``, each printing its fetched and prefetched bytes per
+step and the share of misses a prefetched copy served). The kernel
 profile prints the dense Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
@@ -429,6 +432,15 @@ def main() -> None:
                ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
                ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"}),
                ("allmiss", "0 slots (every expert read from pinned host memory)", {"slots": 0, "policy": "static"})]
+    # miss fetch modes (decode.MISS_FETCH_ENV): misses copied into device staging by the SMs before the expert kernels
+    # (fetch), and the next layer's predicted misses copied ahead on a second stream (prefetch)
+    for mode, tag in (("fetch", "fetch"), ("prefetch", "pf")):
+        fe = {"STRATATOOLS_MISS_FETCH": mode}
+        configs += [(f"staticprof{tag}", f"{a.slots} slots static on the recorded profile, miss {mode}",
+                     {"slots": a.slots, "policy": "static", "_profile": True, "_env": fe}),
+                    (f"lru{tag}", f"{a.slots} slots LRU, miss {mode}", {"slots": a.slots, "policy": "lru", "_env": fe}),
+                    (f"vram12{tag}", f"--vram-gib 12, LRU, miss {mode}", {"vram_gib": 12.0, "policy": "lru", "_env": fe}),
+                    (f"allmiss{tag}", f"0 slots, miss {mode}", {"slots": 0, "policy": "static", "_env": fe})]
     plens = {str(prompts): a.prompt}
     for ctx in long_ctx:
         lp = wd / f"prompt_long_{ctx}.json"
@@ -483,7 +495,8 @@ def main() -> None:
                "h_decode": r["h_expert"], "moved_per_token": tc["bytes_moved"] / (plen + steps),
                "device_used": d["device_used_bytes"], "pool": d["pool_bytes"], "wall_s": time.perf_counter() - t0,
                "engine": d["engine"], "tier": tc, "plan": d.get("plan"),
-               "graph_pool": d.get("graph_pool_bytes"), "decoder_state": d.get("decoder_state_bytes")}
+               "graph_pool": d.get("graph_pool_bytes"), "decoder_state": d.get("decoder_state_bytes"),
+               "miss_fetch": d.get("miss_fetch")}
         # host->device traffic of one decode token: its misses (1 - decode hit rate) x k x layers blobs read from
         # pinned memory, plus what the policy copied into slots; as a rate against the measured pinned copy rate
         misses = max(int(tc.get("misses", 0)), 0)
@@ -498,6 +511,14 @@ def main() -> None:
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
               f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB, "
               f"set-up {row['setup_s']} s", flush=True)
+        mf = row["miss_fetch"] or {}
+        if mf.get("mode", "zero-copy") != "zero-copy":
+            tot = mf["fetched_jobs"] + mf["prefetch_used_jobs"]
+            print(f"  miss {mf['mode']}: {mf['fetched_bytes'] / 1e6 / steps:.1f} MB fetched after routing and "
+                  f"{mf['prefetched_bytes'] / 1e6 / steps:.1f} MB prefetched per decode step (counts include the "
+                  f"prompt's steps when it ran token by token); misses served by a prefetched copy: "
+                  f"{mf['prefetch_used_jobs']} of {tot} ({mf['prefetch_used_jobs'] / max(tot, 1):.3f}), "
+                  f"prefetched copies used {mf['prefetch_used_jobs']} of {mf['prefetched_jobs']}", flush=True)
     res["rows"] = rows
     prof_rows = {}
     if a.profile_steps > 0:

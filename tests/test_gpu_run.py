@@ -26,9 +26,15 @@ def _prompt(kit, n):
     return [int(v) for v in line.split("\t")[1].split()][:n]
 
 
+@pytest.mark.parametrize("fetch", ["zero-copy", "fetch", "prefetch"])
 @pytest.mark.parametrize("policy", ["static", "adaptive", "lru", "lfu", "lfru"])
-def test_static_decoder_partial_tier_equals_all_resident(kit, policy):
+def test_static_decoder_partial_tier_equals_all_resident(kit, policy, fetch, monkeypatch):
+    """Every miss fetch mode (decode.MISS_FETCH_ENV): bit for bit the all-resident logits and routing, the
+    simulator's hits; with a fetch mode every miss of a replayed step is either copied after its routing or served by
+    the copy its prediction made (counted on the device)."""
     import cupy as cp
+
+    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", fetch)
 
     from stratatools.cachesim import make_tier
     from stratatools.profiles.strp import read_profile
@@ -83,6 +89,17 @@ def test_static_decoder_partial_tier_equals_all_resident(kit, policy):
     assert st["misses"] > 0 and st["miss_host_read_bytes"] == st["misses"] * bb[0]
     if policy != "static":
         assert decs[0].stats.get("slot_uploads", 0) > 0  # experts moved between replays
+    fs = decs[0].fetch_stats()
+    assert fs["mode"] == fetch and decs[1].fetch_stats() == {"mode": "zero-copy"}
+    if fetch != "zero-copy":
+        assert decs[0].kernels_routed == "pipe"
+        assert fs["fetched_jobs"] + fs["prefetch_used_jobs"] == st["misses"]
+        assert fs["fetched_bytes"] == fs["fetched_jobs"] * bb[0]
+        if fetch == "prefetch":
+            assert fs["prefetched_bytes"] == fs["prefetched_jobs"] * bb[0]
+            assert 0 < fs["prefetch_used_jobs"] <= fs["prefetched_jobs"]
+        else:
+            assert fs["prefetched_jobs"] == fs["prefetch_used_jobs"] == 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "static"])

@@ -102,6 +102,50 @@ def test_vram_plan_fits_refuses_and_says_what_it_needs(kit):
                 plan_vram(m, cfg, blob, 64, bad, None, total_e)
 
 
+def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
+    """STRATATOOLS_MISS_FETCH: the staging of the fetch modes (k blob entries; 3 k with the prefetch's two parities)
+    comes out of the budget before the slots; an unknown mode is a one-line StrataError naming the variable."""
+    from stratatools.model.gguf import open_model
+    from stratatools.runtime.config import read_config
+    from stratatools.runtime.device import GIB, plan_vram
+    from stratatools.runtime.gpu.decode import fetch_grid, fetch_staging_bytes, miss_fetch_mode, prefetch_width
+
+    monkeypatch.delenv("STRATATOOLS_PREFETCH_EXTRA", raising=False)
+    assert fetch_staging_bytes("zero-copy", 8, 1024) == 0
+    assert fetch_staging_bytes("fetch", 8, 1024) == 8 * 1024
+    # prefetch: k entries for the layer computed + two parities of k + k // 2 predicted experts
+    assert prefetch_width(8) == 12 and prefetch_width(8, 10) == 10 and prefetch_width(60) == 64
+    assert fetch_staging_bytes("prefetch", 8, 1024) == (8 + 2 * 12) * 1024
+    monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", "0")
+    assert prefetch_width(8) == 8 and fetch_staging_bytes("prefetch", 8, 1024) == 24 * 1024
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", bad)
+        with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_EXTRA=.*whole number of experts >= 0"):
+            prefetch_width(8)
+    monkeypatch.delenv("STRATATOOLS_PREFETCH_EXTRA")
+    # 1.38 MB blobs, k 8, 132 SMs: 66 blocks a job (4 per SM when all 8 miss); a small blob: one block per 16 KiB
+    assert fetch_grid(8, 1382400, 132) == 66 and fetch_grid(8, 20000, 132) == 2 and fetch_grid(64, 100, 4) == 1
+    with open_model(kit / BF16) as m:
+        cfg = read_config(m)
+        blob = [1000] * cfg.n_layer
+        total_e = cfg.n_layer * max(cfg.n_expert)
+        monkeypatch.delenv("STRATATOOLS_MISS_FETCH", raising=False)
+        assert miss_fetch_mode() == "zero-copy"
+        base = plan_vram(m, cfg, blob, 64, None, None, total_e)
+        assert base.staging == 0 and base.to_dict()["staging_bytes"] == 0
+        budget = (base.fixed + 100 * 1024 + 10) / GIB
+        assert plan_vram(m, cfg, blob, 64, budget, None, total_e).slots == min(100, total_e)
+        monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "prefetch")
+        plan = plan_vram(m, cfg, blob, 64, budget, None, total_e)
+        k = cfg.n_expert_used
+        n_st = k + 2 * prefetch_width(k, min(cfg.n_expert))
+        assert plan.staging == n_st * 1024 and plan.fixed == base.fixed + plan.staging
+        assert plan.slots == min(100 - n_st, total_e)
+        monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "later")
+        with pytest.raises(StrataError, match="STRATATOOLS_MISS_FETCH='later': use one of zero-copy, fetch, prefetch"):
+            plan_vram(m, cfg, blob, 64, budget, None, total_e)
+
+
 def test_resolve_device():
     from stratatools.runtime.device import resolve_device
 

@@ -56,6 +56,8 @@ class VramPlan:
         slots: expert slots that fit (or were asked for).
         budget: ``--vram-gib`` in bytes (None: no budget).
         prefill: the batched prefill's temporaries (:func:`prefill_bytes`).
+        staging: the decode step's miss fetch staging
+            (:func:`stratatools.runtime.gpu.decode.fetch_staging_bytes`; 0 in the default zero-copy mode).
     """
 
     dense: int
@@ -65,11 +67,12 @@ class VramPlan:
     slots: int
     budget: int | None
     prefill: int = 0
+    staging: int = 0
 
     @property
     def fixed(self) -> int:
         """Everything but the expert slots."""
-        return self.dense + self.caches + self.reserve + self.prefill
+        return self.dense + self.caches + self.reserve + self.prefill + self.staging
 
     @property
     def total(self) -> int:
@@ -78,7 +81,7 @@ class VramPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dense_bytes": self.dense, "cache_bytes": self.caches, "reserve_bytes": self.reserve,
-                "prefill_bytes": self.prefill,
+                "prefill_bytes": self.prefill, "staging_bytes": self.staging,
                 "slot_bytes": self.slot_bytes, "slots": self.slots, "planned_bytes": self.total,
                 "budget_bytes": self.budget}
 
@@ -174,15 +177,19 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
         the :class:`VramPlan`.
     Raises:
         StrataError: a budget that is not a finite size > 0; a budget below the dense weights and caches; a
-            ``slots`` request that does not fit (the message says how much memory it needs).
+            ``slots`` request that does not fit (the message says how much memory it needs); an unknown
+            ``STRATATOOLS_MISS_FETCH`` value.
     """
     sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
     long = long_context(cfg, max_ctx, selection)
     caches = cache_bytes(cfg, max_ctx, selection) * (1 + int(batch) if batch > 1 else 1)
     if batch > 1:  # the batched step's small float32 matrices (stratatools.runtime.gpu.batch.SMALL_F32_TOTAL at most)
         caches += 256 << 20
+    from stratatools.runtime.gpu.decode import fetch_staging_bytes, miss_fetch_mode
+
     plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), caches, RESERVE_BYTES,
-                    sb, 0, None, prefill_bytes(model, cfg, max_ctx))
+                    sb, 0, None, prefill_bytes(model, cfg, max_ctx),
+                    fetch_staging_bytes(miss_fetch_mode(), cfg.n_expert_used, sb, min(cfg.n_expert)))
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)
         return plan
@@ -193,7 +200,7 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     if plan.fixed > budget:
         raise StrataError(f"--vram-gib {vram_gib:g}: the dense weights ({plan.dense / GIB:.2f} GiB), caches for "
                           f"{max_ctx} positions ({plan.caches / GIB:.2f} GiB), prefill scratch ({plan.prefill / GIB:.2f} GiB) "
-                          f"and reserve ({plan.reserve / GIB:.2f} GiB) "
+                          f"{'miss staging (%.2f GiB) ' % (plan.staging / GIB) if plan.staging else ''}and reserve ({plan.reserve / GIB:.2f} GiB) "
                           f"need {plan.fixed / GIB:.2f} GiB before any expert slot; give at least that")
     fit = (budget - plan.fixed) // sb
     if slots is not None:

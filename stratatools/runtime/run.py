@@ -262,6 +262,7 @@ def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
     info["plan"] = plan.to_dict() if plan is not None else None
     if dec is not None:
         info["decoder"] = dict(dec.stats)
+        info["miss_fetch"] = dec.fetch_stats()
 
 
 class _TraceBuilder:

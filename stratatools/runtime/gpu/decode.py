@@ -112,6 +112,63 @@ def dense_q8_enabled() -> bool:
     return os.environ.get(DENSE_Q8_ENV, "1") != "0"
 
 
+#: How the offloaded fused step serves missed experts (a partial tier; ignored when every expert is resident):
+#: ``zero-copy`` (the default: the staged expert kernels read a missed blob from the mapped host arena as they compute),
+#: ``fetch`` (``miss_fetch.cu`` first copies the layer's missed blobs into device staging with every SM, one burst over
+#: the bus; the pipelined expert kernels then read device memory only) or ``prefetch`` (``fetch``, and while layer l
+#: runs, a second stream applies layer l+1's router to layer l's expert input and copies the predicted misses of
+#: layer l+1 ahead; layer l+1's fetch then copies only what the prediction missed). The policy, the hits counted and
+#: the results do not depend on the mode (a prediction only decides what is copied early).
+MISS_FETCH_ENV = "STRATATOOLS_MISS_FETCH"
+MISS_FETCH_MODES = ("zero-copy", "fetch", "prefetch")
+#: Threads of a ``fetch_blobs`` block.
+FETCH_THREADS = 256
+
+
+def miss_fetch_mode() -> str:
+    """The miss fetch mode from :data:`MISS_FETCH_ENV` (default ``zero-copy``); raises StrataError for another
+    value."""
+    v = os.environ.get(MISS_FETCH_ENV, "").strip() or "zero-copy"
+    if v not in MISS_FETCH_MODES:
+        raise StrataError(f"{MISS_FETCH_ENV}={v!r}: use one of {', '.join(MISS_FETCH_MODES)}")
+    return v
+
+
+#: Experts the ``prefetch`` mode predicts for the next layer beyond its k (default k // 2: on synthetic and kit
+#: models the top 1.5 k of the next router on this layer's input held 93-98% of the next layer's k, the top k 83-88%).
+PREFETCH_EXTRA_ENV = "STRATATOOLS_PREFETCH_EXTRA"
+
+
+def prefetch_width(k: int, n_expert: int | None = None) -> int:
+    """Experts predicted per layer in ``prefetch`` mode: k + :data:`PREFETCH_EXTRA_ENV` (default k // 2), at most
+    ``n_expert`` and 64 (the routing kernel's limit). Raises StrataError for a value that is not an integer >= 0."""
+    v = os.environ.get(PREFETCH_EXTRA_ENV, "").strip()
+    try:
+        extra = int(v) if v else int(k) // 2
+    except ValueError:
+        extra = -1
+    if extra < 0:
+        raise StrataError(f"{PREFETCH_EXTRA_ENV}={v!r}: give a whole number of experts >= 0")
+    return int(min(int(k) + extra, 64, n_expert if n_expert else 64))
+
+
+def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None = None) -> int:
+    """Device bytes of the miss fetch's staging for ``mode``: one blob entry per routed job (``k`` of them) for the
+    layer being computed, and with ``prefetch`` two sets of :func:`prefetch_width` entries for the predicted next
+    layer (by layer parity: one is filled while the other is read)."""
+    n = {"zero-copy": 0, "fetch": int(k)}.get(mode)
+    if n is None:
+        n = int(k) + 2 * prefetch_width(k, n_expert)
+    return n * int(slot_bytes)
+
+
+def fetch_grid(k: int, blob_bytes: int, n_sm: int) -> int:
+    """Blocks per job of a ``fetch_blobs`` launch: enough for about 4 blocks per SM when all ``k`` jobs miss, no
+    more than the blob has parts of FETCH_THREADS x 4 loads of 16 bytes."""
+    per_block = 16 * FETCH_THREADS * 4
+    return max(1, min(max(1, 4 * max(1, n_sm) // max(1, k)), -(-int(blob_bytes) // per_block)))
+
+
 class Q8R:
     """A Q8_0 matrix in ``dense_q8.cu``'s layout on the device (:func:`stratatools.runtime.gpu.kernels.q8_relayout`):
     ``q`` int8 codes [rows * cols], ``d`` fp16 scale bits uint16 [rows * cols / 32]. ``size``: its device bytes
@@ -322,6 +379,15 @@ class StaticDecoder:
         else:
             full = getattr(tier.policy, "policy", None) == "all-resident"
             self.kernels_routed, self.kernels_shared = ("pipe" if full else "staged"), "pipe"
+        # missed experts: read where they are (zero-copy) or fetched into device staging first (MISS_FETCH_ENV)
+        self.miss_fetch = "zero-copy"
+        partial = getattr(tier.policy, "policy", None) != "all-resident"
+        if self.fused and partial and tier.arena.device_ptr is not None:
+            self.miss_fetch = miss_fetch_mode()
+        if self.miss_fetch != "zero-copy":
+            self._init_fetch(tier)
+            if not os.environ.get(MOE_KERNEL_ENV, "").strip():
+                self.kernels_routed = "pipe"  # every blob is read from device memory
         for ly in tier.arena.layers:
             _check_type(ly.gu_type, ly.hidden, "expert gate/up")
             _check_type(ly.d_type, ly.ff, "expert down")
@@ -331,6 +397,120 @@ class StaticDecoder:
         self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
         if self.long:
             self._init_qsa()
+
+    def _init_fetch(self, tier: Any) -> None:
+        """Kernel and buffers of the miss fetch (:data:`MISS_FETCH_ENV`): the relocated job addresses ``fptrs``
+        [L, 3, k], the staging of the layer being computed (k blob entries), the device counters (late fetch: bytes,
+        jobs, jobs served by a prefetched copy; prefetch: bytes, jobs, -), and for ``prefetch`` the side stream and
+        its buffers by layer parity (input copy, router logits, predicted ids / weights / addresses, staging)."""
+        from stratatools.runtime.gpu.kernels import _device_limits
+
+        cp, cfg, k, L = self.cp, self.cfg, self.k, self.cfg.n_layer
+        self.fmfmod = cp.RawModule(code=cuda_source("miss_fetch.cu"), options=("--std=c++17",))
+        self.k_fetch = self.fmfmod.get_function("fetch_blobs")
+        self._fetch_sb = int(np.max(tier.slot_bytes))
+        self._host_lo = int(tier.arena.device_ptr)
+        self._host_hi = self._host_lo + int(tier.arena.host.nbytes)
+        n_sm = _device_limits()[0]
+        self._fetch_gx = [fetch_grid(k, ly.blob_bytes, n_sm) for ly in tier.arena.layers]
+        self.fptrs = cp.zeros((L, 3, k), dtype=cp.uint64)
+        self.fetch_stage = cp.empty(fetch_staging_bytes("fetch", k, self._fetch_sb), dtype=cp.uint8)
+        self.fetch_counters = cp.zeros(6, dtype=cp.uint64)
+        self._pf_events: dict[int, Any] = {}
+        if self.miss_fetch == "prefetch":
+            Emax = max(ly.n_expert for ly in tier.arena.layers)
+            kp = self.pf_k = prefetch_width(k, min(ly.n_expert for ly in tier.arena.layers))
+            self.pf_x = cp.zeros((2, cfg.n_embd), dtype=cp.float32)
+            self.pf_logits = cp.zeros((2, Emax + 1), dtype=cp.float32)
+            self.pf_ids = cp.zeros((2, kp), dtype=cp.int32)
+            self.pf_w = cp.zeros((2, kp), dtype=cp.float32)
+            self.pf_ptrs = cp.zeros((2, 3, kp), dtype=cp.uint64)
+            self.pf_addr = cp.zeros((2, 3, kp), dtype=cp.uint64)
+            self.pf_sg = cp.zeros(2, dtype=cp.float32)
+            self.pf_stage = cp.empty(2 * kp * self._fetch_sb, dtype=cp.uint8)
+            self._pf_stream = cp.cuda.Stream(non_blocking=True)
+
+    def _router_stack(self, il: int) -> Any:
+        """Layer ``il``'s float32 router with the shared expert's gate row stacked under it, as :meth:`mv_many`
+        builds and keeps it (created here when the prediction needs it first), or None when the two are not
+        stacked that way (another type or width)."""
+        names = [f"blk.{il}.ffn_gate_inp.weight", f"blk.{il}.ffn_gate_inp_shexp.weight"]
+        got = self._group_buffer(names)
+        if got is None or got[2] != 0 or self._raw_groups[tuple(names)][1][1] != 1:
+            return None
+        return got
+
+    def _prefetch_next(self, il: int, X: Any) -> None:
+        """``prefetch`` mode, at the start of layer ``il``'s experts: on the side stream, after the work queued so far,
+        layer il+1's router on X (this layer's expert input), its top :func:`prefetch_width` through
+        ``route_fused_sg`` (layer il+1's slot table) and ``fetch_blobs`` of the predicted misses into the parity's
+        staging; the event that layer il+1's fetch waits for is kept in ``_pf_events``."""
+        nxt = self._router_stack(il + 1)
+        if nxt is None:
+            return
+        raw, rows, _tid, cols = nxt
+        cp, cfg, k = self.cp, self.cfg, self.pf_k
+        p = (il + 1) & 1
+        ly = self.rt.tier.arena.layers[il + 1]
+        E = rows - 1
+        main = cp.cuda.get_current_stream()
+        self.pf_x[p, :cols] = X.reshape(-1)[:cols]
+        side = self._pf_stream
+        fork = cp.cuda.Event(disable_timing=True)  # fork / join events of the capture: no timing
+        fork.record(main)
+        side.wait_event(fork)
+        with side:
+            self.k_mv_f32((min(rows, 4096),), (256,), (raw, self.pf_x[p], self.pf_logits[p], np.int32(rows),
+                                                      np.int32(cols)))
+            block = (min(1024, max(32, (E + 31) // 32 * 32)),)
+            self.k_route_sg((1,), block, (self.pf_logits[p], np.int32(E), np.int32(k),
+                                          np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
+                                          np.float32(cfg.expert_weights_scale), self.slot[il + 1],
+                                          np.uint64(ly.gate_bytes), self.pf_ids[p], self.pf_w[p], self.pf_ptrs[p, 0],
+                                          self.pf_ptrs[p, 1], self.pf_ptrs[p, 2], self.pf_sg[p:p + 1]),
+                            shared_mem=E * 4)
+            st = self.pf_stage[p * k * self._fetch_sb:(p + 1) * k * self._fetch_sb]
+            self.k_fetch((self._fetch_gx[il + 1], k), (FETCH_THREADS,),
+                         (self.pf_ptrs[p, 0], self.pf_ids[p], np.int32(k), np.uint64(self._host_lo),
+                          np.uint64(self._host_hi), np.uint64(0), np.uint64(0), np.int32(0), st,
+                          np.int64(self._fetch_sb), np.int64(ly.blob_bytes), np.int64(ly.gate_bytes),
+                          self.pf_addr[p, 0], self.pf_addr[p, 1], self.pf_addr[p, 2], self.fetch_counters[3:]))
+            join = cp.cuda.Event(disable_timing=True)
+            join.record(side)
+            self._pf_events[il + 1] = join
+
+    def _fetch_layer(self, il: int, pt: Any) -> Any:
+        """``fetch`` / ``prefetch`` modes, after layer ``il``'s routing: ``fetch_blobs`` relocates the routed jobs'
+        addresses ``pt`` [3, k] into ``fptrs[il]``: resident experts unchanged, predicted misses to their prefetched
+        copies (after the side stream's event), other misses copied into the staging now. Returns ``fptrs[il]``."""
+        cp, k = self.cp, self.k
+        ly = self.rt.tier.arena.layers[il]
+        fp = self.fptrs[il]
+        pf_ids, pf_addr, n_pf = np.uint64(0), np.uint64(0), 0
+        ev = self._pf_events.pop(il, None)
+        if ev is not None:
+            cp.cuda.get_current_stream().wait_event(ev)
+            p = il & 1
+            pf_ids, pf_addr, n_pf = self.pf_ids[p], self.pf_addr[p, 0], self.pf_k
+        self.k_fetch((self._fetch_gx[il], k), (FETCH_THREADS,),
+                     (pt[0], self.ids[il], np.int32(k), np.uint64(self._host_lo), np.uint64(self._host_hi), pf_ids,
+                      pf_addr, np.int32(n_pf), self.fetch_stage, np.int64(self._fetch_sb), np.int64(ly.blob_bytes),
+                      np.int64(ly.gate_bytes), fp[0], fp[1], fp[2], self.fetch_counters[:3]))
+        return fp
+
+    def fetch_stats(self) -> dict[str, Any]:
+        """Counters of the miss fetch since the decoder was built (or captured): ``mode``; with a fetch mode also
+        ``fetched_bytes`` / ``fetched_jobs`` (copied after the routing), ``prefetched_bytes`` / ``prefetched_jobs``
+        (copied ahead on the prediction, used or not) and ``prefetch_used_jobs`` (misses served by a prefetched copy).
+        Waits for the device."""
+        out: dict[str, Any] = {"mode": getattr(self, "miss_fetch", "zero-copy")}
+        if out["mode"] == "zero-copy":
+            return out
+        self._stream.synchronize()
+        c = [int(v) for v in self.fetch_counters.get(stream=self._stream)]
+        out.update(fetched_bytes=c[0], fetched_jobs=c[1], prefetch_used_jobs=c[2], prefetched_bytes=c[3],
+                   prefetched_jobs=c[4], prefetch_width=getattr(self, "pf_k", 0))
+        return out
 
     def _init_qsa(self) -> None:
         """Kernels and scratch of the device QSA path (qsa_step.cu), shared by the attention layers (they run one
@@ -449,14 +629,9 @@ class StaticDecoder:
         cp = self.cp
         m = self.w.model
         groups: dict[tuple[int, int], list[int]] = {}
-        metas = []
         for i, n in enumerate(names):
             t = m.tensor(n)
             cols = int(t.ne[0])
-            rows = 1
-            for d in t.ne[1:]:
-                rows *= int(d)
-            metas.append((t, rows, cols))
             if t.type.id in UNIT and cols % UNIT[t.type.id][0] == 0 and cols <= MAX_SHARED_FLOATS and n not in self._raw:
                 groups.setdefault((t.type.id, cols), []).append(i)
         out: list[Any] = [None] * len(names)
@@ -464,13 +639,8 @@ class StaticDecoder:
             if len(idx) < 2:
                 continue
             key = tuple(names[i] for i in idx)
-            got = self._raw_groups.get(key)
-            if got is None:
-                host = np.concatenate([np.asarray(m.raw(metas[i][0])).reshape(-1) for i in idx])
-                nrow = [metas[i][1] for i in idx]
-                got = (Q8R(cp, host, sum(nrow), cols) if self._q8r_ok(tid, cols) else cp.asarray(host), nrow)
-                self._raw_groups[key] = got
-            raw, rows = got
+            self._group_buffer(list(key))
+            raw, rows = self._raw_groups[key]
             xx = cp.ascontiguousarray(x, dtype=cp.float32)
             y = cp.empty(sum(rows), dtype=cp.float32)
             self._launch_mv(raw, xx, y, tid, sum(rows), cols)
@@ -482,6 +652,37 @@ class StaticDecoder:
             if out[i] is None:
                 out[i] = self.mv(n, x)
         return out
+
+    def _group_buffer(self, names: list[str]) -> tuple[Any, int, int, int] | None:
+        """The stacked device buffer of the matrices ``names`` (all of one type and row width, each multiplied by the
+        fast path's kernels: :meth:`mv_many`'s condition), built at first use and kept in ``_raw_groups``, as
+        (buffer, rows in all, type id, cols); None when they cannot be stacked."""
+        from stratatools.runtime.gpu.experts import MAX_SHARED_FLOATS
+        from stratatools.runtime.gpu.kernels import UNIT
+
+        key = tuple(names)
+        m = self.w.model
+        got = self._raw_groups.get(key)
+        metas = []
+        for n in names:
+            t = m.tensor(n)
+            cols = int(t.ne[0])
+            rows = 1
+            for d in t.ne[1:]:
+                rows *= int(d)
+            metas.append((t, rows, cols))
+        tid, cols = metas[0][0].type.id, metas[0][2]
+        if got is None:
+            if len(names) < 2 or any(t.type.id != tid or c != cols or n in self._raw
+                                     for (t, _r, c), n in zip(metas, names)):
+                return None
+            if tid not in UNIT or cols % UNIT[tid][0] or cols > MAX_SHARED_FLOATS:
+                return None
+            host = np.concatenate([np.asarray(m.raw(t)).reshape(-1) for t, _r, _c in metas])
+            nrow = [r for _t, r, _c in metas]
+            got = (Q8R(self.cp, host, sum(nrow), cols) if self._q8r_ok(tid, cols) else self.cp.asarray(host), nrow)
+            self._raw_groups[key] = got
+        return got[0], int(sum(got[1])), int(tid), int(cols)
 
     def _launch_mv(self, raw: Any, x: Any, y: Any, type_id: int, rows: int, cols: int) -> None:
         """``y = W x`` on the fast path: float32 matrices (the router) through the fused step's ``matvec_f32_rows``
@@ -688,6 +889,8 @@ class StaticDecoder:
         w = self.weights[il]
         sg = cp.empty(1, dtype=cp.float32)
         X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
+        if self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer:
+            self._prefetch_next(il, X)
         block = (min(1024, max(32, (E + 31) // 32 * 32)),)
         route = (np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
                  np.float32(cfg.expert_weights_scale), self.slot[il], np.uint64(ly.gate_bytes), self.ids[il], w,
@@ -698,6 +901,8 @@ class StaticDecoder:
             self.k_route((1,), block, (cp.ascontiguousarray(logits),) + route, shared_mem=E * 4)
             sgw = self._f32(p + "ffn_gate_inp_shexp.weight").reshape(-1)
             self.k_dot_sig((1,), (256,), (X, sgw, np.int32(X.size), sg))
+        if self.miss_fetch != "zero-copy":
+            pt = self._fetch_layer(il, pt)
         dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
         jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
@@ -713,6 +918,7 @@ class StaticDecoder:
         cp, cfg = self.cp, self.cfg
         a, b = self._x_sl
         H = cp.ascontiguousarray(cp.concatenate([self.inp[a:b]] * cfg.hc_count), dtype=cp.float32)
+        self._pf_events = {}  # prefetch mode: side-stream events by layer, each joined by that layer's fetch
         hn = None
         L = cfg.n_layer
         for il in range(L):
@@ -1329,6 +1535,9 @@ class StaticDecoder:
                 graph = self._stream.end_capture()
         cp.cuda.Device().synchronize()
         self.graph = graph
+        if getattr(self, "miss_fetch", "zero-copy") != "zero-copy":
+            with self._stream:  # count replays only (not the eager run and the capture above)
+                self.fetch_counters.fill(0)
         del saved
         return True
 
