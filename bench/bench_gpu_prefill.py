@@ -3,7 +3,9 @@ A benchmark, not a timed test: both paths run in the same process on the same mo
 
 Steps: synthesize the model (``stratatools synth --full-width --layers L --experts E --types gu=Q2_0,down=Q2_0``,
 or reuse it), load it once, then for each prefill mode (``steps``: one CUDA-graph decode step per prompt token, the
-earlier path; ``batched``: :meth:`stratatools.runtime.gpu.decode.StaticDecoder.prefill`) build a
+earlier path; ``batched``: :meth:`stratatools.runtime.gpu.decode.StaticDecoder.prefill`; ``batched-gdnarray``: the
+batched prefill with the gated DeltaNet's element-wise parts as array code, ``STRATATOOLS_GDN_PREP=0``, the path before
+``gdn_prep.cu``, printed as a ratio to ``batched``) build a
 :class:`stratatools.runtime.gpu.engine.DecoderRuntime` over the same loaded runtime, warm it on a short prompt, then
 time the ``--prompt``-token prompt (the suite's text, tokenized) and decode ``--new`` greedy tokens. Prints prefill
 tok/s of both and their ratio, the prompt logits' relative error and the router top-k agreement (issue 12 item 4:
@@ -85,8 +87,12 @@ def main() -> None:
 
     pfmod.GROUP = a.group  # the engine's prefill uses the module's defaults for the group
     out: dict = {}
+    variants = {"gdnarray": ("STRATATOOLS_GDN_PREP", "0")}  # batched-gdnarray: the GDN's element-wise parts as arrays
     for mode in a.modes.split(","):
-        rt = DecoderRuntime(grt, max_ctx=a.prompt + a.new + 8, prefill=mode, prefill_chunk=a.chunk)
+        base, _, variant = mode.partition("-")
+        for k_, v_ in [variants[variant]] if variant else []:
+            os.environ[k_] = v_
+        rt = DecoderRuntime(grt, max_ctx=a.prompt + a.new + 8, prefill=base, prefill_chunk=a.chunk)
         st = rt.new_state()
         rt.forward(warm, st)  # compiles, captures the graph, uploads the dense matrices
         cp.cuda.Device().synchronize()
@@ -154,6 +160,13 @@ def main() -> None:
                 print(f"  batched chunk {c} group {g} experts {path}: {a.prompt / dt2:9.1f} tok/s{agree}", flush=True)
         del rt
         free_device(cp)
+        if variant:
+            os.environ.pop(variants[variant][0], None)
+    for other in [m for m in out if m.startswith("batched-")]:
+        (r0, l0, i0), (r1, l1, i1) = out["batched"] if "batched" in out else out[other], out[other]
+        print(f"{other} against batched: prefill {r1['prefill_tok_s'] / r0['prefill_tok_s']:.3f}x, logits rel. "
+              f"{float(np.abs(l1 - l0).max() / np.abs(l0).max()):.2e}", flush=True)
+        res.setdefault("variants", {})[other] = {"ratio": r1["prefill_tok_s"] / r0["prefill_tok_s"]}
     if "steps" in out and "batched" in out:
         (rs, ls, is_), (rb, lb, ib) = out["steps"], out["batched"]
         rel = float(np.abs(lb - ls).max() / np.abs(ls).max())

@@ -14,7 +14,8 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
   staged rows, one job per routed entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped
   pinned host arena for an expert not resident); with numpy the prefill's grouped path over ``expert_fn``;
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
-  place at once (on CuPy ``pf_gdn_chunk`` with the places folded into the head axis: one launch per layer);
+  place at once (on CuPy ``gdn_prep.cu``'s conv/norm kernel with each place a sequence of one row, ``pf_gdn_chunk``
+  with the places folded into the head axis, then ``gdn_prep.cu``'s output norm and gate: three launches per layer);
 * attention: each query over its own place's cache, positions ``0 .. pos``, as one masked batched product (the
   places' lengths differ; columns past a place's position are masked out).
 
@@ -37,6 +38,7 @@ over the batched product). The step is launched eagerly (no CUDA graph).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,7 +49,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 
-from stratatools.runtime.gpu.prefill import ChunkPrefill
+from stratatools.runtime.gpu.prefill import ChunkPrefill, gdn_out_launch, gdn_prep_enabled, gdn_prep_launch
 
 
 #: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
@@ -300,6 +302,18 @@ class BatchDecoder(ChunkPrefill):
         a = self._mm(x, p + "ssm_alpha.weight")
         wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
         C, K = wc.shape
+        if self.gpu and gdn_prep_enabled():  # gdn_prep.cu, each place a sequence of one row with its own conv state
+            cp = self.cp
+            c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
+            qn, kn, v, beta, decay, st = gdn_prep_launch(
+                cp, c32(qkv), c32(self._take(self.conv[il])), wc, c32(b), c32(a),
+                self._f32(p + "ssm_a").reshape(-1), self._f32(p + "ssm_dt.bias").reshape(-1), T, nk, dk, nv, dv)
+            if K > 1:
+                self._put(self.conv[il], st)
+            out = self._gdn_step_b(il, qn, kn, v, beta, decay)
+            y = gdn_out_launch(cp, out, c32(z.reshape(T, nv * dv)), self._f32(p + "ssm_norm.weight").reshape(-1),
+                               cfg.eps, cfg.output_gate == "sigmoid", nv, dv)
+            return self._mm(y, p + "ssm_out.weight")
         xin = xp.concatenate([self._take(self.conv[il]), qkv[:, None, :]], axis=1)  # [T, K, C]
         if K > 1:
             self._put(self.conv[il], xin[:, 1:])

@@ -20,8 +20,9 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
   blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
   through two batched SGEMMs;
-* the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] batched; the delta-rule
-  recurrence by ``pf_gdn_chunk`` (one block per value head and column slice, the state resident in shared memory
+* the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] with SiLU, the q/k L2 norms and
+  the per-head beta/decay in one launch, and the output's RMS norm and gate in another (``gdn_prep.cu``; array code
+  with ``STRATATOOLS_GDN_PREP=0``); the delta-rule recurrence by ``pf_gdn_chunk`` (one block per value head and column slice, the state resident in shared memory
   while the block walks the chunk's tokens in order);
 * attention: the chunk's keys/values (and, on a long-context decoder, its raw indexer keys and newly completed pooled
   block keys) are written into the static caches, then causal attention of the chunk's queries over positions
@@ -83,6 +84,66 @@ def expert_jobs(ids: np.ndarray, tt: int = JOB_TOKENS) -> tuple[np.ndarray, np.n
     tok[slot] = order // k
     dst[slot] = order
     return np.repeat(uniq, njob), tok, dst
+
+
+#: ``0`` keeps the gated DeltaNet's element-wise parts of the batched paths as array code (the earlier path, for
+#: comparisons); default: ``gdn_prep.cu``'s two kernels (conv + SiLU + norms + beta/decay, then norm + gate).
+GDN_PREP_ENV = "STRATATOOLS_GDN_PREP"
+#: Threads of a ``pf_gdn_prep`` / ``pf_gdn_out`` block.
+GDN_PREP_THREADS = 256
+
+
+def gdn_prep_enabled() -> bool:
+    """Do the batched paths (prefill, batched decode) run the GDN's element-wise parts through ``gdn_prep.cu``
+    (:data:`GDN_PREP_ENV`, default yes)?"""
+    import os
+
+    return os.environ.get(GDN_PREP_ENV, "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _gdn_module() -> Any:
+    """``gdn_prep.cu`` compiled once (multiply-add fusion allowed)."""
+    import cupy
+
+    return cupy.RawModule(code=cuda_source("gdn_prep.cu"), options=("--std=c++17",))
+
+
+def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,
+                    nk: int, dk: int, nv: int, dv: int) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """``pf_gdn_prep`` over ``nseq`` sequences of R / nseq rows each: qkv [R, C], state [nseq, K-1, C] (each
+    sequence's previous K-1 conv inputs), wc [C, K], b / a [R, nv], ssm_a / dt_bias [nv] (float32, contiguous, on
+    the device). Returns (qn [R, nk, dk] L2-normalised and scaled by dk^-1/2, kn [R, nk, dk], v [R, nv dv] after
+    conv + SiLU, beta [R, nv], decay [R, nv], the next conv state [nseq, K-1, C]: new arrays). Raises StrataError
+    when R is not a multiple of ``nseq`` or the widths disagree."""
+    R, C = int(qkv.shape[0]), int(qkv.shape[1])
+    K = int(wc.shape[1])
+    if nseq < 1 or R % nseq or C != 2 * nk * dk + nv * dv or int(wc.shape[0]) != C:
+        raise StrataError(f"GDN prep: {R} rows of {C} values in {nseq} sequences do not match heads "
+                          f"2 x {nk} x {dk} + {nv} x {dv} and a conv of {int(wc.shape[0])} channels")
+    f32 = xp.float32
+    qn, kn = xp.empty((R, nk, dk), dtype=f32), xp.empty((R, nk, dk), dtype=f32)
+    v = xp.empty((R, nv * dv), dtype=f32)
+    beta, decay = xp.empty((R, nv), dtype=f32), xp.empty((R, nv), dtype=f32)
+    st_out = xp.empty((nseq, K - 1, C), dtype=f32)
+    _gdn_module().get_function("pf_gdn_prep")(
+        (max(1, min(R, 65535)),), (GDN_PREP_THREADS,),
+        (qkv, state, st_out, wc, np.int32(C), np.int32(K), np.int32(nseq), np.int32(R // nseq), b, a, ssm_a, dt_bias,
+         np.int32(nk), np.int32(dk), np.int32(nv), np.float32(dk ** -0.5), qn, kn, v, beta, decay),
+        shared_mem=2 * nk * dk * 4)
+    return qn, kn, v, beta, decay, st_out
+
+
+def gdn_out_launch(xp: Any, o: Any, z: Any, norm_w: Any, eps: float, sigmoid_gate: bool, nv: int, dv: int) -> Any:
+    """``pf_gdn_out``: per value head RMS norm of the recurrence output o [R, nv dv] times ``norm_w`` (dv or nv dv
+    floats) times the gate's activation of z [R, nv dv] (sigmoid, else SiLU); returns a new [R, nv dv] array."""
+    R = int(o.shape[0])
+    y = xp.empty((R, nv * dv), dtype=xp.float32)
+    _gdn_module().get_function("pf_gdn_out")(
+        (max(1, min(R, 65535)),), (GDN_PREP_THREADS,),
+        (o, z, norm_w, np.int32(norm_w.size), np.float32(eps), np.int32(bool(sigmoid_gate)), np.int32(R),
+         np.int32(nv), np.int32(dv), y))
+    return y
 
 
 @functools.lru_cache(maxsize=None)
@@ -532,6 +593,20 @@ class ChunkPrefill:
         wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
         C, K = wc.shape
         cbuf = dec.conv[il]
+        if self.gpu and gdn_prep_enabled():  # gdn_prep.cu: the same formulas in two launches
+            cp = self.cp
+            c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
+            qn, kn, v, beta, decay, st = gdn_prep_launch(
+                cp, c32(qkv), cbuf, wc, c32(b), c32(a), self._f32(p + "ssm_a").reshape(-1),
+                self._f32(p + "ssm_dt.bias").reshape(-1), 1, nk, dk, nv, dv)
+            if K > 1:
+                cbuf[...] = st[0]
+            self._push("gdn_recur")
+            out = self._gdn_recur(il, qn, kn, v, 0, beta, decay, T)
+            self._pop()
+            y = gdn_out_launch(cp, out, c32(z.reshape(T, nv * dv)), self._f32(p + "ssm_norm.weight").reshape(-1),
+                               cfg.eps, cfg.output_gate == "sigmoid", nv, dv)
+            return self._mm(y, p + "ssm_out.weight")
         xin = xp.concatenate([cbuf, qkv], axis=0)  # [K-1+T, C]
         if K > 1:
             cbuf[...] = xin[-(K - 1):]

@@ -1,0 +1,119 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by prefill.py and batch.py (cupy.RawModule,
+// multiply-add fusion allowed: the batched paths agree with the decode step by tolerance); tests/test_gpu_gdn_prep_host.py
+// compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run one after another) and checks it
+// against the numpy formulas of stratatools.runtime.model (the CPU path's gated DeltaNet).
+//
+// The element-wise parts of the gated DeltaNet (GDN) around the recurrence (prefill.cu pf_gdn_chunk) for R rows at
+// once, in two launches instead of about twenty array operations:
+//   pf_gdn_prep: causal depthwise conv over [conv state; the sequence's rows] + SiLU, L2 norms of the q and k heads
+//                (q also scaled by qscale = dk^-1/2), beta = sigmoid(b), decay = exp(ssm_a softplus(a + dt_bias)),
+//                and each sequence's next conv state;
+//   pf_gdn_out:  per value head RMS norm of the recurrence output times the norm weight, times the output gate's
+//                activation of z (sigmoid or SiLU).
+// The R rows are nseq sequences of len rows each (row r = s len + u): the prefill is one sequence of T rows, the
+// batched decode step T sequences (places) of one row, each with its own conv state.
+//
+// Written for any block size: a block's threads stride over its row's values, its warps over heads (lanes =
+// min(32, blockDim.x)), so the host build (blocks of one thread) runs the same code.
+
+#ifdef STRATA_HOST
+static inline float gp_warp_sum(float v) { return v; }
+#define GP_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
+#else
+__device__ __forceinline__ float gp_warp_sum(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+#define GP_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char gp_smem_[]; T* name = reinterpret_cast<T*>(gp_smem_)
+#endif
+
+__device__ __forceinline__ float gp_sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
+// torch.nn.functional.softplus (beta 1, threshold 20), as stratatools.runtime.model._softplus
+__device__ __forceinline__ float gp_softplus(float x) { return x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f))); }
+
+// qkv [R, C]: the conv input of every row (C = 2 nk dk + nv dv: q heads, k heads, v heads); state [nseq, K-1, C]: each
+// sequence's previous K-1 inputs, oldest first (read only); state_out [nseq, K-1, C]: the K-1 inputs after the
+// sequence's rows (written by the block of its last row); wc [C, K]; b, a [R, nv]; ssm_a, dt_bias [nv].
+// Outputs: qn, kn [R, nk, dk] (L2-normalised with eps 1e-6; qn times qscale), v [R, nv dv] (conv + SiLU of the v
+// part), beta, decay [R, nv]. Grid: any number of blocks (rows by grid stride); shared: 2 nk dk floats.
+extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const float* __restrict__ state,
+                                       float* __restrict__ state_out, const float* __restrict__ wc, int C, int K,
+                                       int nseq, int len, const float* __restrict__ b, const float* __restrict__ a,
+                                       const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int nk,
+                                       int dk, int nv, float qscale, float* __restrict__ qn, float* __restrict__ kn,
+                                       float* __restrict__ v, float* __restrict__ beta, float* __restrict__ decay) {
+    GP_DYN_SHARED(float, qk);
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
+    const int warp = tid / lanes, lane = tid % lanes;
+    const int nqk = 2 * nk * dk, km1 = K - 1, R = nseq * len;
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        const int s = r / len, u = r - s * len;
+        const float* st = state + (long long)s * km1 * C;
+        const float* rows = qkv + (long long)s * len * C;  // the sequence's first row
+        for (int c = tid; c < C; c += nt) {
+            float acc = 0.0f;
+            for (int i = 0; i < K; ++i) {
+                const int xi = u + i;  // index into [state; rows]
+                const float xv = xi < km1 ? st[(long long)xi * C + c] : rows[(long long)(xi - km1) * C + c];
+                acc += xv * wc[(long long)c * K + i];
+            }
+            const float y = acc * gp_sigm(acc);
+            if (c < nqk) qk[c] = y;
+            else v[(long long)r * (C - nqk) + (c - nqk)] = y;
+            if (u == len - 1) {  // the sequence's next conv state: [state; rows] positions len .. len + K - 2
+                for (int i = 0; i < km1; ++i) {
+                    const int xi = len + i;
+                    state_out[((long long)s * km1 + i) * C + c] = xi < km1 ? st[(long long)xi * C + c]
+                                                                           : rows[(long long)(xi - km1) * C + c];
+                }
+            }
+        }
+        __syncthreads();
+        for (int h = warp; h < 2 * nk; h += warps) {  // heads 0 .. nk-1: q, nk .. 2 nk-1: k
+            const float* x = qk + h * dk;
+            float ss = 0.0f;
+            for (int i = lane; i < dk; i += lanes) ss += x[i] * x[i];
+            ss = gp_warp_sum(ss);
+            const float inv = 1.0f / sqrtf(ss + 1e-6f);
+            float* o = h < nk ? qn + ((long long)r * nk + h) * dk : kn + ((long long)r * nk + (h - nk)) * dk;
+            if (h < nk) {
+                for (int i = lane; i < dk; i += lanes) o[i] = (x[i] * inv) * qscale;
+            } else {
+                for (int i = lane; i < dk; i += lanes) o[i] = x[i] * inv;
+            }
+        }
+        for (int j = tid; j < nv; j += nt) {
+            const long long i = (long long)r * nv + j;
+            beta[i] = gp_sigm(b[i]);
+            decay[i] = expf(ssm_a[j] * gp_softplus(a[i] + dt_bias[j]));
+        }
+        __syncthreads();  // qk is rewritten by the block's next row
+    }
+}
+
+// o [R, nv dv]: the recurrence's output; z [R, nv dv]: the output gate's input; norm_w: wlen floats (indexed by the
+// value's place in the row modulo wlen: per head (dv) or whole row (nv dv)). y[r, j dv + c] = (o * rn_j) * norm_w *
+// act(z) with rn_j = 1 / sqrt(mean over the head's dv values of o^2 + eps), act sigmoid (sigmoid_gate) or SiLU.
+// Grid: any number of blocks (rows by grid stride).
+extern "C" __global__ void pf_gdn_out(const float* __restrict__ o, const float* __restrict__ z,
+                                      const float* __restrict__ norm_w, int wlen, float eps, int sigmoid_gate, int R,
+                                      int nv, int dv, float* __restrict__ y) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
+    const int warp = tid / lanes, lane = tid % lanes;
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        for (int j = warp; j < nv; j += warps) {
+            const long long base = (long long)r * nv * dv + (long long)j * dv;
+            float ss = 0.0f;
+            for (int c = lane; c < dv; c += lanes) ss += o[base + c] * o[base + c];
+            ss = gp_warp_sum(ss);
+            const float rn = 1.0f / sqrtf(ss / (float)dv + eps);
+            for (int c = lane; c < dv; c += lanes) {
+                const float zz = z[base + c];
+                const float act = sigmoid_gate ? gp_sigm(zz) : zz * gp_sigm(zz);
+                y[base + c] = ((o[base + c] * rn) * norm_w[(j * dv + c) % wlen]) * act;
+            }
+        }
+    }
+}
