@@ -49,7 +49,8 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 
-from stratatools.runtime.gpu.prefill import ChunkPrefill, gdn_out_launch, gdn_prep_enabled, gdn_prep_launch
+from stratatools.runtime.gpu.prefill import (ChunkPrefill, gdn_chunk_shared, gdn_out_launch, gdn_prep_enabled,
+                                              gdn_prep_launch)
 
 
 #: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
@@ -350,7 +351,7 @@ class BatchDecoder(ChunkPrefill):
             cw = dv
             threads = 256 if cw >= 32 else 128
             rs = max(1, threads // cw)
-            shm = (dk * cw + 2 * dk + (rs + 1) * cw) * 4
+            shm = gdn_chunk_shared(dk, cw, rs)
             if shm > 96 * 1024:
                 raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the prefill kernel's shared memory")
             if shm > 48 * 1024 and getattr(self.k_gdn, "max_dynamic_shared_size_bytes", 0) < shm:

@@ -105,7 +105,13 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 // (cw = ceil(dv / gridDim.y)); its part of the state S[j] ([dk, dv] row-major) is held in shared memory for the
 // whole chunk and written back at the end. For each token t in order (the decode step's gdn_recur arithmetic):
 // S <- decay S + k (x) delta, delta = (v - k^T (decay S)) beta; o[t, j dv + c] = sum_r q[r] S[r, c] (before the norm).
-// Shared: (dk cw + 2 dk + (rs + 1) cw) floats, rs = max(1, blockDim / cw).
+// Token t+1's inputs (q, k, the block's v columns, decay, beta) are loaded into registers while token t is computed
+// and stored into the other half of double-buffered shared arrays after it (up to PF_GDN_PER values a thread; any
+// further ones are read then), so the token loop does not wait on global memory.
+// Shared (gdn_chunk_shared in prefill.py): (dk cw + 4 dk + (rs + 2) cw + 4) floats, rs = max(1, blockDim / cw).
+#ifndef PF_GDN_PER
+#define PF_GDN_PER 4
+#endif
 extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float* __restrict__ kk,
                                         const float* __restrict__ v, int ldv, const float* __restrict__ beta,
                                         const float* __restrict__ decay, float* __restrict__ S,
@@ -117,42 +123,63 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
     if (nc <= 0) return;
     const int rs = nt / nc > 1 ? nt / nc : 1;
     float* Ss = sh;                // [dk, cw]
-    float* qs = Ss + dk * cw;      // [dk]
-    float* ks = qs + dk;           // [dk]
-    float* vec = ks + dk;          // [cw]
-    float* part = vec + cw;        // [rs, cw]
+    float* qs = Ss + dk * cw;      // [2, dk]
+    float* ks = qs + 2 * dk;       // [2, dk]
+    float* vs = ks + 2 * dk;       // [2, cw]
+    float* dl = vs + 2 * cw;       // [cw]
+    float* part = dl + cw;         // [rs, cw]
+    float* sc = part + rs * cw;    // [2, 2]: decay, beta
     float* Sj = S + (long long)j * dk * dv;
     for (int idx = tid; idx < dk * nc; idx += nt) {
         int r = idx / nc, cl = idx - r * nc;
         Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
     }
+    // token 0's inputs into half 0
+    for (int r = tid; r < dk; r += nt) { qs[r] = q[(long long)g * dk + r]; ks[r] = kk[(long long)g * dk + r]; }
+    for (int cl = tid; cl < nc; cl += nt) vs[cl] = v[(long long)j * dv + c0 + cl];
+    if (tid == 0) { sc[0] = decay[j]; sc[1] = beta[j]; }
+    __syncthreads();
     for (int t = 0; t < T; ++t) {
-        const float* qt = q + ((long long)t * nk + g) * dk;
-        const float* kt = kk + ((long long)t * nk + g) * dk;
-        for (int r = tid; r < dk; r += nt) { qs[r] = qt[r]; ks[r] = kt[r]; }
-        __syncthreads();
-        const float dec = decay[(long long)t * nv + j], bj = beta[(long long)t * nv + j];
+        const int h = t & 1, hn = h ^ 1;
+        const bool more = t + 1 < T;
+        const float* qn = q + ((long long)(t + 1) * nk + g) * dk;
+        const float* kn = kk + ((long long)(t + 1) * nk + g) * dk;
+        const float* vn = v + (long long)(t + 1) * ldv + (long long)j * dv + c0;
+        float pq[PF_GDN_PER], pk[PF_GDN_PER], pv[PF_GDN_PER], pd = 0.0f, pb = 0.0f;
+        if (more) {  // issued now, used after this token
+            #pragma unroll
+            for (int i = 0; i < PF_GDN_PER; ++i) {
+                const int r = tid + i * nt;
+                pq[i] = r < dk ? qn[r] : 0.0f;
+                pk[i] = r < dk ? kn[r] : 0.0f;
+                pv[i] = r < nc ? vn[r] : 0.0f;
+            }
+            if (tid == 0) { pd = decay[(long long)(t + 1) * nv + j]; pb = beta[(long long)(t + 1) * nv + j]; }
+        }
+        const float* qb = qs + h * dk;
+        const float* kb = ks + h * dk;
+        const float* vb = vs + h * cw;
+        const float dec = sc[2 * h], bj = sc[2 * h + 1];
         for (int idx = tid; idx < rs * nc; idx += nt) {
             int cl = idx % nc, s = idx / nc;
             float acc = 0.0f;
-            for (int r = s; r < dk; r += rs) acc += ks[r] * (Ss[r * cw + cl] * dec);
+            for (int r = s; r < dk; r += rs) acc += kb[r] * (Ss[r * cw + cl] * dec);
             part[s * cw + cl] = acc;
         }
         __syncthreads();
-        const float* vt = v + (long long)t * ldv + (long long)j * dv + c0;
         for (int cl = tid; cl < nc; cl += nt) {
             float kv = 0.0f;
             for (int s = 0; s < rs; ++s) kv += part[s * cw + cl];
-            vec[cl] = (vt[cl] - kv) * bj;
+            dl[cl] = (vb[cl] - kv) * bj;
         }
         __syncthreads();
         for (int idx = tid; idx < rs * nc; idx += nt) {
             int cl = idx % nc, s = idx / nc;
-            float d = vec[cl], acc = 0.0f;
+            float d = dl[cl], acc = 0.0f;
             for (int r = s; r < dk; r += rs) {
-                float sn = Ss[r * cw + cl] * dec + ks[r] * d;
+                float sn = Ss[r * cw + cl] * dec + kb[r] * d;
                 Ss[r * cw + cl] = sn;
-                acc += qs[r] * sn;
+                acc += qb[r] * sn;
             }
             part[s * cw + cl] = acc;
         }
@@ -162,6 +189,17 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
             float o = 0.0f;
             for (int s = 0; s < rs; ++s) o += part[s * cw + cl];
             ot[cl] = o;
+        }
+        if (more) {  // token t+1's inputs into the other half (read by nobody during token t)
+            #pragma unroll
+            for (int i = 0; i < PF_GDN_PER; ++i) {
+                const int r = tid + i * nt;
+                if (r < dk) { qs[hn * dk + r] = pq[i]; ks[hn * dk + r] = pk[i]; }
+                if (r < nc) vs[hn * cw + r] = pv[i];
+            }
+            for (int r = tid + PF_GDN_PER * nt; r < dk; r += nt) { qs[hn * dk + r] = qn[r]; ks[hn * dk + r] = kn[r]; }
+            for (int r = tid + PF_GDN_PER * nt; r < nc; r += nt) vs[hn * cw + r] = vn[r];
+            if (tid == 0) { sc[2 * hn] = pd; sc[2 * hn + 1] = pb; }
         }
         __syncthreads();
     }

@@ -93,6 +93,13 @@ GDN_PREP_ENV = "STRATATOOLS_GDN_PREP"
 GDN_PREP_THREADS = 256
 
 
+def gdn_chunk_shared(dk: int, cw: int, rs: int) -> int:
+    """Dynamic shared bytes of ``pf_gdn_chunk`` (prefill.cu) for keys of ``dk``, ``cw`` value columns a block and ``rs``
+    row slices: the state slice, double-buffered q, k and v columns, the delta, the row-slice partial sums and the
+    decay/beta pairs."""
+    return (dk * cw + 4 * dk + (rs + 2) * cw + 4) * 4
+
+
 def gdn_prep_enabled() -> bool:
     """Do the batched paths (prefill, batched decode) run the GDN's element-wise parts through ``gdn_prep.cu``
     (:data:`GDN_PREP_ENV`, default yes)?"""
@@ -639,7 +646,7 @@ class ChunkPrefill:
             cw = -(-dv // ncb)
             threads = 256 if cw >= 32 else 128
             rs = max(1, threads // cw)
-            shm = (dk * cw + 2 * dk + (rs + 1) * cw) * 4
+            shm = gdn_chunk_shared(dk, cw, rs)
             if shm > 96 * 1024:
                 raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the prefill kernel's shared memory")
             if shm > 48 * 1024 and getattr(self.k_gdn, "max_dynamic_shared_size_bytes", 0) < shm:
