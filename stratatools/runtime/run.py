@@ -4,7 +4,9 @@ Prompts file (decision):
 
 * ``*.json``: ``{"prompts": [...]}`` or a bare list; each item is a string (the text) or an object with
   ``text`` and/or ``token_ids`` (ids win when both are given: the kit's ``routing/prompts.json`` runs as is)
-  and an optional ``prompt_id``;
+  and an optional ``prompt_id``: a string or an integer (its decimal text); absent or JSON ``null``, the
+  default ``p<index>`` (null means "not given", as it does for ``text`` and ``token_ids``); any other type or an
+  empty string is refused;
 * anything else: UTF-8 text, one prompt per non-empty line; the escapes ``\\n``, ``\\t`` and ``\\\\`` inside
   a line become newline, tab and backslash (so code prompts fit on one line).
 
@@ -73,8 +75,8 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     """Parse a prompts file (see the module docstring).
 
     Raises:
-        StrataError: missing file, binary/non-UTF-8 content (byte offset named), malformed JSON or items, no
-            prompt at all.
+        StrataError: missing file, binary/non-UTF-8 content (byte offset named), malformed JSON or items (a
+            ``prompt_id`` that is not a non-empty string or an integer, for one), no prompt at all.
     """
     from stratatools.core.fsutil import check_input
 
@@ -118,7 +120,13 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
                 raise StrataError(f"{p}: prompt #{i}: text must be a string", p)
             if ids is None and txt is None:
                 raise StrataError(f"{p}: prompt #{i} has neither text nor token_ids", p)
-            prompts.append(Prompt(str(it.get("prompt_id", f"p{i}")), txt, list(ids) if ids is not None else None))
+            pid = it.get("prompt_id")
+            if pid is None:
+                pid = f"p{i}"
+            elif isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
+                raise StrataError(f"{p}: prompt #{i}: prompt_id {json.dumps(pid)} is not a prompt id; give a non-empty "
+                                  f"string (or leave it out for the default p{i})", p)
+            prompts.append(Prompt(str(pid), txt, list(ids) if ids is not None else None))
     else:
         n = 0
         for line in text.splitlines():

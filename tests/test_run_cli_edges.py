@@ -1,0 +1,81 @@
+"""``stratatools run`` edge cases on the CPU (numpy) path, on the embedded synthetic release that ``make demo``
+uses (``synth --seed 7``: the 32-expert canonical model): prompt ids in JSON prompt files, the JSON shape at every
+``--batch``, trace output options that cannot work."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from stratatools.cli import run_captured
+from stratatools.core.errors import StrataError
+from stratatools.runtime.run import read_prompts
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = run_captured([str(a) for a in args], out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_release(tmp_path_factory):
+    """The demo's release (``synth R --seed 7``) and its training prompts."""
+    from stratatools.demo.walkthrough import demo_prompts
+
+    d = tmp_path_factory.mktemp("demo-rel")
+    code, _, err = _cli("synth", d / "rel", "--seed", "7", "--json")
+    assert code == 0, err
+    (d / "train.txt").write_text(demo_prompts("train"))
+    return d, d / "rel" / "synth-canonical.gguf"
+
+
+def _one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and out == ""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- prompt_id in JSON prompt files -----------------------------------------------------------------------
+
+def _prompts(tmp_path, items):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"prompts": items}))
+    return p
+
+
+def test_null_prompt_id_gets_the_documented_default(tmp_path):
+    """``prompt_id`` is optional (README, run.py): JSON null means "not given", as for ``text``/``token_ids``,
+    so the request gets the default ``p<index>``, never the string "None"."""
+    got = read_prompts(_prompts(tmp_path, [{"text": "a", "prompt_id": "first"}, {"text": "b", "prompt_id": None},
+                                           {"token_ids": [1, 2]}, {"text": "c", "prompt_id": 7}]))
+    assert [p.prompt_id for p in got] == ["first", "p1", "p2", "7"]
+
+
+@pytest.mark.parametrize("bad,what", [([1], "list"), ({"a": 1}, "dict"), (True, "bool"), (1.5, "float"),
+                                      ("", "empty")])
+def test_prompt_id_of_another_type_is_refused(tmp_path, bad, what):
+    p = _prompts(tmp_path, [{"text": "a"}, {"text": "b", "prompt_id": bad}])
+    with pytest.raises(StrataError) as e:
+        read_prompts(p)
+    msg = str(e.value)
+    assert str(p) in msg and "prompt #1" in msg and "prompt_id" in msg and "string" in msg and "\n" not in msg
+
+
+def test_null_prompt_id_runs_and_names_the_request(demo_release, tmp_path):
+    d, gguf = demo_release
+    p = _prompts(tmp_path, [{"text": "def f(x):", "prompt_id": None}, {"text": "hello", "prompt_id": "h"}])
+    code, out, err = _cli("run", gguf, "--prompts", p, "-n", "2", "--device", "cpu", "--json")
+    assert code == 0, err
+    assert [r["prompt_id"] for r in json.loads(out)["requests"]] == ["p0", "h"]
+
+
+def test_bad_prompt_id_is_a_one_line_cli_error(demo_release, tmp_path):
+    d, gguf = demo_release
+    p = _prompts(tmp_path, [{"text": "x", "prompt_id": ["a"]}])
+    line = _one_line_error(*_cli("run", gguf, "--prompts", p, "-n", "1", "--device", "cpu"))
+    assert "prompt #0" in line and "prompt_id" in line
