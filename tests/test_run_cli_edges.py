@@ -79,3 +79,44 @@ def test_bad_prompt_id_is_a_one_line_cli_error(demo_release, tmp_path):
     p = _prompts(tmp_path, [{"text": "x", "prompt_id": ["a"]}])
     line = _one_line_error(*_cli("run", gguf, "--prompts", p, "-n", "1", "--device", "cpu"))
     assert "prompt #0" in line and "prompt_id" in line
+
+
+# --- the JSON's shape does not depend on --batch ------------------------------------------------------------
+
+def _paths(obj, prefix=""):
+    """Every key path of a JSON value (lists: the union over their items, as ``[]``)."""
+    out = set()
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.add(prefix + k)
+            out |= _paths(v, prefix + k + ".")
+    elif isinstance(obj, list):
+        for v in obj:
+            out |= _paths(v, prefix + "[].")
+    return out
+
+
+BATCH_EXTRA = {"batch." + k for k in ("places", "steps", "mean_active", "decode_forwards", "decode_tokens_per_s",
+                                      "state_bytes", "engine")}
+
+
+def test_batch_json_has_the_same_keys_as_without_batch(demo_release):
+    """``--batch 1`` is the default path: the same keys at every level; ``--batch N`` adds only the batched
+    decode's figures inside ``batch`` (README, RunResult), and the outputs are the same."""
+    d, gguf = demo_release
+    common = ("run", gguf, "--prompts", d / "train.txt", "-n", "3", "--device", "cpu", "--slots", "20", "--json")
+    runs = {}
+    for name, extra in (("default", ()), ("b1", ("--batch", "1")), ("b2", ("--batch", "2"))):
+        code, out, err = _cli(*common, *extra)
+        assert code == 0, err
+        runs[name] = json.loads(out)
+    base = _paths(runs["default"])
+    assert {"requests.[].prompt_id", "tier.decode.h_expert", "device.device", "options.batch", "batch.batch"} <= base
+    assert _paths(runs["b1"]) == base
+    assert runs["b1"]["batch"] == runs["default"]["batch"] == {"batch": 1}
+    assert runs["b1"]["options"] == runs["default"]["options"]
+    assert _paths(runs["b2"]) == base | BATCH_EXTRA
+    assert runs["b2"]["batch"]["batch"] == runs["b2"]["options"]["batch"] == 2
+    for r in ("b1", "b2"):
+        assert [q["new_ids"] for q in runs[r]["requests"]] == [q["new_ids"] for q in runs["default"]["requests"]]
+        assert runs[r]["tier"]["decode"]["entries"] == runs["default"]["tier"]["decode"]["entries"] > 0
