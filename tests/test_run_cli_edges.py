@@ -120,3 +120,29 @@ def test_batch_json_has_the_same_keys_as_without_batch(demo_release):
     for r in ("b1", "b2"):
         assert [q["new_ids"] for q in runs[r]["requests"]] == [q["new_ids"] for q in runs["default"]["requests"]]
         assert runs[r]["tier"]["decode"]["entries"] == runs["default"]["tier"]["decode"]["entries"] > 0
+
+
+# --- a trace output of '-' -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt", ["-t", "--trace-out"])
+@pytest.mark.parametrize("fmt", [None, "csv", "parquet"])
+def test_trace_out_dash_is_refused_and_writes_no_file(demo_release, tmp_path, monkeypatch, opt, fmt):
+    """A routing trace is never written to stdout (binary layouts, and --json owns stdout): '-' is refused
+    before the model loads, and no file named '-' appears."""
+    d, gguf = demo_release
+    monkeypatch.chdir(tmp_path)
+    args = ["run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu", opt, "-"]
+    line = _one_line_error(*_cli(*args, *(["--trace-format", fmt] if fmt else [])))
+    assert "--trace-out -" in line and "stdout" in line and "file path" in line
+    assert not (tmp_path / "-").exists()
+
+
+def test_trace_convert_output_dash_is_refused(tmp_path, monkeypatch):
+    src = tmp_path / "t.csv"
+    src.write_text("0,0,1,2\n0,1,3,4\n")
+    monkeypatch.chdir(tmp_path)
+    for extra in ([], ["--dataset"]):
+        to = "parquet" if extra else "csv"
+        line = _one_line_error(*_cli("trace", "convert", src, "-o", "-", "--to", to, *extra))
+        assert "--output -" in line and "stdout" in line and "file path" in line
+        assert not (tmp_path / "-").exists()

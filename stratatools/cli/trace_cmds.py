@@ -40,8 +40,11 @@ def _convert(
 ) -> None:
     """Convert a routing trace to another format (written to OUT.tmp, then renamed); ``--to parquet --dataset``
     writes a partitioned Parquet dataset in bounded memory."""
+    from stratatools.core.fsutil import refuse_stdout
     from stratatools.traces.sources import convert_trace_stream
 
+    refuse_stdout(out, "--output", "a converted trace (written to a temp file and renamed)",
+                  "trace.parquet" if to == "parquet" else f"trace.{'csv' if to == 'csv' else 'bin'}")
     if dataset or partition or where:
         if to != "parquet" or not dataset:
             raise StrataError("--partition and --where need --to parquet --dataset (a dataset folder)")

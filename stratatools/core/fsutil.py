@@ -443,6 +443,17 @@ def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], fo
     return out
 
 
+def refuse_stdout(out: str | os.PathLike | None, option: str, what: str, example: str) -> None:
+    """Refuse ``-`` as an output path where the output cannot go to stdout (a binary layout, or one written
+    through a temp file and renamed); ``option`` names the option (``--trace-out``), ``what`` the output, and
+    ``example`` a file path to suggest. Without this, ``-`` would be a file literally named ``-``.
+
+    Raises StrataError (one line, with the fix) when ``out`` is ``-``.
+    """
+    if out is not None and str(out) == "-":
+        raise StrataError(f"{option} -: {what} is not written to stdout; give a file path, e.g. {option} {example}")
+
+
 # ----------------------------------------------------------------------------------------------- inputs
 def check_input(path: str | os.PathLike, what: str = "input") -> Path:
     """Refuse, without opening it, an input that would hang or mislead a reader: a FIFO, socket or device (an

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import guard_output, probe_writable
+from stratatools.core.fsutil import guard_output, probe_writable, refuse_stdout
 from stratatools.pack.native import EXPERTS_BIN, NATIVE_TXT
 from stratatools.profiles.strp import read_profile
 from stratatools.traces.table import DECODE, PREFILL, TraceTable
@@ -384,6 +384,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
             an existing trace without ``force``, an output that is an input, a ``policy`` outside
             :data:`RUN_POLICIES` (``belady`` is offline: simulate only).
     """
+    refuse_stdout(trace_out, "--trace-out", "a routing trace (Strata binary, Parquet or CSV, written to a temp "
+                  "file and renamed)", "run-trace.bin")
     prompts = read_prompts(prompts_path)
     fmt = None
     inputs: list[Any] = []
