@@ -146,3 +146,13 @@ def test_trace_convert_output_dash_is_refused(tmp_path, monkeypatch):
         line = _one_line_error(*_cli("trace", "convert", src, "-o", "-", "--to", to, *extra))
         assert "--output -" in line and "stdout" in line and "file path" in line
         assert not (tmp_path / "-").exists()
+
+
+# --- --trace-format without --trace-out ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["csv", "strata", "parquet"])
+def test_trace_format_without_trace_out_is_refused(demo_release, fmt):
+    d, gguf = demo_release
+    line = _one_line_error(*_cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
+                                 "--trace-format", fmt))
+    assert f"--trace-format {fmt}" in line and "--trace-out" in line

@@ -381,11 +381,15 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
 
     Raises:
         StrataError: every load/parse error (pack vs GGUF mismatch, bad prompts, profile of another geometry),
-            an existing trace without ``force``, an output that is an input, a ``policy`` outside
-            :data:`RUN_POLICIES` (``belady`` is offline: simulate only).
+            an existing trace without ``force``, an output that is an input, ``trace_out`` ``-`` (stdout),
+            ``trace_format`` without ``trace_out``, a ``policy`` outside :data:`RUN_POLICIES` (``belady`` is
+            offline: simulate only).
     """
     refuse_stdout(trace_out, "--trace-out", "a routing trace (Strata binary, Parquet or CSV, written to a temp "
                   "file and renamed)", "run-trace.bin")
+    if trace_format is not None and trace_out is None:
+        raise StrataError(f"--trace-format {trace_format} without --trace-out: the format is the written trace's; add "
+                          f"--trace-out FILE or drop --trace-format")
     prompts = read_prompts(prompts_path)
     fmt = None
     inputs: list[Any] = []
