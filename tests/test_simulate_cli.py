@@ -133,6 +133,31 @@ def test_simulate_cli_report(cli, files, tmp_path):
     assert all((rep / f).read_bytes() == b for f, b in before.items())
 
 
+def test_simulate_json_alone_prints_the_study_and_writes_nothing(cli, files, tmp_path, monkeypatch):
+    """``--json`` is a switch printing the result on stdout (no ``--report`` needed, no file written); with
+    ``--report`` too, stdout is the same JSON as the report's report.json. Without either, the table alone."""
+    t, tp, gp, sp = files
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, out, err = cli("simulate", "-t", tp, "-p", gp, "--slots", 16, "--policy", "static,lru", "--json")
+    assert code == 0, err
+    js = json.loads(out)
+    from stratatools.profiles.strp import read_profile
+
+    ref = simulate_policy(prepare_entries(t, L, E), "static", profile=read_profile(gp), slots=16)
+    assert {(r["label"], r["policy"]) for r in js["results"]} >= {("good", "static")}
+    assert [r["h_expert"] for r in js["results"] if r["policy"] == "static"] == [pytest.approx(ref.h_expert)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no report folder, no file
+    rep = tmp_path / "rep"
+    code, out2, err = cli("simulate", "-t", tp, "-p", gp, "--slots", 16, "--policy", "static,lru", "--json",
+                          "--report", rep)
+    assert code == 0, err
+    assert json.loads(out2) == js == json.loads((rep / "report.json").read_text())
+    code, out3, err = cli("simulate", "-t", tp, "-p", gp, "--slots", 16, "--policy", "static,lru")
+    assert code == 0, err
+    assert "h_expert" in out3 and "wrote" not in out3 + err and sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["rep"])
+
+
 def test_simulate_cli_errors(cli, files, tmp_path):
     t, tp, gp, sp = files
     code, _, err = cli("simulate", "-t", tp, "-p", gp, "--budget-gib", 1, "--report", tmp_path / "r")

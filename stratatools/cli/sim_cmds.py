@@ -303,14 +303,18 @@ def register(app: typer.Typer) -> None:
         no_sweep: bool = typer.Option(False, "--no-sweep", help="Skip the budget sweep (faster)."),
         where: Optional[list[str]] = _WHERE,
         cluster: Optional[str] = _CLUSTER,
-        report: str = typer.Option(..., "--report", help="Folder for report.md, report.json and PNG plots."),
+        report: Optional[str] = typer.Option(None, "--report", help="Also write a report folder: report.md, "
+                                             "report.json and PNG plots."),
         force: bool = _FORCE,
-        as_json: bool = typer.Option(False, "--json", help="Print the study as JSON."),
+        as_json: bool = typer.Option(False, "--json", help="Print the study as JSON on stdout (report.json's "
+                                     "content)."),
     ) -> None:
-        """Replay traces through Strata's VRAM tier and baselines; write a report with plots."""
+        """Replay traces through Strata's VRAM tier and baselines; print the table (or JSON), optionally write
+        a report with plots."""
         from stratatools.cachesim.report import study_json, write_report
 
-        _check_report(report, list(traces) + list(profile or []), force)
+        if report is not None:
+            _check_report(report, list(traces) + list(profile or []), force)
         st, _ = run(traces, profile or [], pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or [], admission=admission, kfold=kfold, phase=phase, host_gbps=host_gbps,
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
@@ -318,7 +322,7 @@ def register(app: typer.Typer) -> None:
                                        upper_slots, disjoint_adapt, strata_version),
                     ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
                     cold=cold)
-        paths = write_report(st, report, force=force)
+        paths = write_report(st, report, force=force) if report is not None else []
         if as_json:
             import sys
             sys.stdout.write(study_json(st))
@@ -331,7 +335,8 @@ def register(app: typer.Typer) -> None:
                 common.console.print(f"{kf.k}-fold held-out {p}: h_expert {100 * kf.mean[p]:.2f}% "
                                      f"[{100 * kf.low[p]:.2f}%, {100 * kf.high[p]:.2f}%], in-sample "
                                      f"{100 * kf.in_sample[p]:.2f}%")
-        common.note(f"wrote {', '.join(str(p) for p in paths)}")
+        if paths:
+            common.note(f"wrote {', '.join(str(p) for p in paths)}")
 
     @app.command("compare")
     def compare_cmd(
