@@ -109,7 +109,7 @@ def test_cuda_sources_are_package_files():
 
     here = Path(g.__file__).parent
     for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu", "qsa_step.cu",
-                 "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh"):
+                 "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh", "step_common.cuh", "attn_step.cu"):
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()
@@ -126,3 +126,29 @@ def test_cuda_sources_are_package_files():
         assert "__global__" not in (here / py).read_text(encoding="utf-8"), py
     with pytest.raises(StrataError, match="missing from the installation"):
         K.cuda_source("no-such-file.cu")
+
+
+def test_step_helpers_are_written_once_and_put_in_place():
+    """fused_step.cu and attn_step.cu share step_common.cuh's helpers (sigmoid, softplus, block sum, dynamic shared
+    memory) through one #include, which cuda_unit replaces by the header's text (NVRTC gets no include path): the
+    helpers are defined in the header only, each unit holds them once and no #include line is left."""
+    from pathlib import Path
+
+    import stratatools.runtime.gpu as g
+
+    here = Path(g.__file__).parent
+    defs = re.compile(r"float (\w+_)?(sigm|softplus|block_sum|warp_sum)\(float|define \w*DYN_SHARED")
+    for name in ("fused_step.cu", "attn_step.cu"):
+        raw = K.cuda_source(name)
+        assert raw.count('#include "step_common.cuh"') == 1 and not defs.search(raw), name
+        unit = K.cuda_unit(name)
+        assert not re.search(r"^\s*#\s*include", unit, re.M), name
+        assert unit.count("__device__ float step_block_sum(float v, float* red)") == 1, name
+        assert unit.count("#define STRATA_STEP_COMMON_CUH") == 1 and K.cuda_source("step_common.cuh") in unit
+        assert K.cuda_source("host_kernel_shim.cuh") + unit in K.fused_host_source(name)
+    others = [f.name for f in sorted(here.glob("*.cu*")) if f.name != "step_common.cuh"
+              and re.search(r"\bstep_(sigm|softplus|block_sum)\b", f.read_text()) and
+              '#include "step_common.cuh"' not in f.read_text()]
+    assert others == []
+    for name in ("quant_kernels.cu", "dense_q8.cu"):  # files without includes are unchanged
+        assert K.cuda_unit(name) == K.cuda_source(name)

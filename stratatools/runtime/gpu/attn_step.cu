@@ -1,4 +1,5 @@
-// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py and compiled with NVRTC
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py (kernels.cuda_unit: with
+// step_common.cuh in place of its #include) and compiled with NVRTC
 // (cupy.RawModule, multiply-add fusion allowed: the fast step agrees with the reference step by tolerance);
 // tests/test_gpu_attn_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run one
 // after another) and checks both kernels against the numpy formulas of stratatools.runtime.model.
@@ -9,33 +10,7 @@
 // step); after them, the output times sigmoid of the gate half of the query projection (one launch instead of 5).
 // Written for any block size, as fused_step.cu.
 
-__device__ __forceinline__ float a_sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
-
-#ifdef STRATA_HOST
-static inline float a_block_sum(float v, float*) { return v; }
-#define A_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
-#else
-__device__ __forceinline__ float a_warp_sum(float v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-// Block-wide sum; every thread gets the result. red: 32 floats of shared memory. Call from every thread.
-__device__ float a_block_sum(float v, float* red) {
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = a_warp_sum(v);
-    __syncthreads();
-    if (lane == 0) red[wid] = v;
-    __syncthreads();
-    if (wid == 0) {
-        float r = lane < nw ? red[lane] : 0.0f;
-        r = a_warp_sum(r);
-        if (lane == 0) red[0] = r;
-    }
-    __syncthreads();
-    return red[0];
-}
-#define A_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char a_smem_[]; T* name = reinterpret_cast<T*>(a_smem_)
-#endif
+#include "step_common.cuh"  // step_sigm, step_softplus, step_block_sum, STEP_DYN_SHARED
 
 // Blocks 0 .. nh-1: query head h = qraw[h, 0:hd] of the [nh, 2 hd] projection (its gate half is attn_gate_mul's);
 // blocks nh .. nh+nkv-1: key head h = kraw[h, :] of [nkv, hd]. Each: x = v * (1 / sqrt(mean(v^2) + eps)) * w[(h hd
@@ -50,7 +25,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qraw, const float
                                      const float* __restrict__ sinv, int n_rot, int nh, int nkv, int hd, float eps,
                                      const int* __restrict__ posp, float* __restrict__ qout, float* __restrict__ Kc,
                                      float* __restrict__ Vc) {
-    A_DYN_SHARED(float, t);
+    STEP_DYN_SHARED(float, t);
     __shared__ float red[32];
     const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const bool isq = b < nh;
@@ -64,7 +39,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qraw, const float
         t[i] = v;
         ss += v * v;
     }
-    ss = a_block_sum(ss, red);  // (its barriers also make t visible to the block)
+    ss = step_block_sum(ss, red);  // (its barriers also make t visible to the block)
     const float r = 1.0f / sqrtf(ss / (float)hd + eps);
     const long long pos = posp[0];
     float* dst = isq ? qout + (long long)h * hd : Kc + (pos * nkv + h) * hd;
@@ -91,6 +66,6 @@ extern "C" __global__ void attn_gate_mul(const float* __restrict__ o, const floa
     const long long n = (long long)nh * hd;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
         const long long h = e / hd, i = e - h * hd;
-        out[e] = o[e] * a_sigm(qraw[h * 2 * hd + hd + i]);
+        out[e] = o[e] * step_sigm(qraw[h * 2 * hd + hd + i]);
     }
 }

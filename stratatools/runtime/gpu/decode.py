@@ -54,7 +54,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 
-from stratatools.runtime.gpu.kernels import cuda_source, dense_kernel
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
 from stratatools.runtime.topk import qsa_selects_all as _selects_all
@@ -333,13 +333,13 @@ class StaticDecoder:
         self.k_route = self.mod.get_function("route_fused")
         self.k_route_sg = self.mod.get_function("route_fused_sg")
         if self.fused:
-            self.fmod = cp.RawModule(code=cuda_source("fused_step.cu"), options=("--std=c++17",))
+            self.fmod = cp.RawModule(code=cuda_unit("fused_step.cu"), options=("--std=c++17",))
             self.k_gdn_conv = self.fmod.get_function("gdn_conv")
             self.k_gdn_recur = self.fmod.get_function("gdn_recur")
             self.k_ple = self.fmod.get_function("ple_fused")
             self.k_inject_rms = self.fmod.get_function("hc_inject_rms")
             self.k_mv_f32 = self.fmod.get_function("matvec_f32_rows")
-            self.amod = cp.RawModule(code=cuda_source("attn_step.cu"), options=("--std=c++17",))
+            self.amod = cp.RawModule(code=cuda_unit("attn_step.cu"), options=("--std=c++17",))
             self.k_attn_prep = self.amod.get_function("attn_prep")
             self.k_gate_mul = self.amod.get_function("attn_gate_mul")
         # fused step: Q8_0 matrices re-laid out at load time for dense_q8.cu's matvec (row parts: scratch + counters)

@@ -1,42 +1,15 @@
-// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py and compiled with NVRTC
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py (kernels.cuda_unit: with
+// step_common.cuh in place of its #include) and compiled with NVRTC
 // (cupy.RawModule, multiply-add fusion allowed: the fast step agrees with the reference step by tolerance);
 // tests/test_gpu_fused_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run
 // one after another) and checks every kernel against the numpy formulas of stratatools.runtime.model.
 // Fused kernels of the batch-1 decode step (decode.py StaticDecoder(fused=True)): the gated-DeltaNet step, the
 // PLE block, hyper-connection inject + RMS norm, the hyper-connection mix.
 //
-// Every kernel is written for any block size (threads stride over their items; reductions through f_block_sum),
+// Every kernel is written for any block size (threads stride over their items; reductions through step_block_sum),
 // so that the host build, which runs blocks of one thread, executes the same code.
 
-__device__ __forceinline__ float f_sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
-// torch.nn.functional.softplus (beta 1, threshold 20), as stratatools.runtime.model._softplus
-__device__ __forceinline__ float f_softplus(float x) { return x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f))); }
-
-#ifdef STRATA_HOST
-static inline float f_block_sum(float v, float*) { return v; }
-#define F_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
-#else
-__device__ __forceinline__ float f_warp_sum(float v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-// Block-wide sum; every thread gets the result. red: 32 floats of shared memory. Call from every thread.
-__device__ float f_block_sum(float v, float* red) {
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = f_warp_sum(v);
-    __syncthreads();
-    if (lane == 0) red[wid] = v;
-    __syncthreads();
-    if (wid == 0) {
-        float r = lane < nw ? red[lane] : 0.0f;
-        r = f_warp_sum(r);
-        if (lane == 0) red[0] = r;
-    }
-    __syncthreads();
-    return red[0];
-}
-#define F_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char f_smem_[]; T* name = reinterpret_cast<T*>(f_smem_)
-#endif
+#include "step_common.cuh"  // step_sigm, step_softplus, step_block_sum, STEP_DYN_SHARED
 
 // ---- gated DeltaNet, part 1: causal depthwise conv + SiLU, conv-state shift, per-head beta and decay ----------
 // qkv[C]: this step's conv input; state[(K-1), C]: the previous K-1 inputs (oldest first), shifted in place;
@@ -55,11 +28,11 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ qkv, float* __rest
         acc += xn * w[K - 1];
         for (int k = 0; k + 1 < K - 1; ++k) state[(long long)k * C + i] = state[(long long)(k + 1) * C + i];
         if (K > 1) state[(long long)(K - 2) * C + i] = xn;
-        out[i] = acc * f_sigm(acc);
+        out[i] = acc * step_sigm(acc);
     }
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += stride) {
-        beta[j] = f_sigm(b[j]);
-        decay[j] = expf(ssm_a[j] * f_softplus(a[j] + dt_bias[j]));
+        beta[j] = step_sigm(b[j]);
+        decay[j] = expf(ssm_a[j] * step_softplus(a[j] + dt_bias[j]));
     }
 }
 
@@ -77,7 +50,7 @@ extern "C" __global__ void gdn_recur(const float* __restrict__ conv, const float
                                      const float* __restrict__ norm_w, int wlen, int nk, int dk, int dv, float eps,
                                      int sigmoid_gate, float* __restrict__ obuf, float* __restrict__ sspart,
                                      int* __restrict__ counter, float* __restrict__ out) {
-    F_DYN_SHARED(float, sh);
+    STEP_DYN_SHARED(float, sh);
     __shared__ float red[32];
     __shared__ int last;
     const int j = blockIdx.x, g = j % nk, tid = threadIdx.x, nt = blockDim.x;
@@ -95,8 +68,8 @@ extern "C" __global__ void gdn_recur(const float* __restrict__ conv, const float
         q[r] = a; k[r] = c;
         sq += a * a; sk += c * c;
     }
-    sq = f_block_sum(sq, red);
-    sk = f_block_sum(sk, red);
+    sq = step_block_sum(sq, red);
+    sk = step_block_sum(sk, red);
     const float qs = (1.0f / sqrtf(sq + 1e-6f)) * (1.0f / sqrtf((float)dk));
     const float ks = 1.0f / sqrtf(sk + 1e-6f);
     for (int r = tid; r < dk; r += nt) { q[r] = q[r] * qs; k[r] = k[r] * ks; }
@@ -139,7 +112,7 @@ extern "C" __global__ void gdn_recur(const float* __restrict__ conv, const float
         ss += o * o;
     }
     __threadfence();  // every thread's obuf writes are visible device-wide before thread 0 counts this block
-    ss = f_block_sum(ss, red);
+    ss = step_block_sum(ss, red);
     if (tid == 0) {
         sspart[j * ncb + blockIdx.y] = ss;
         __threadfence();
@@ -154,7 +127,7 @@ extern "C" __global__ void gdn_recur(const float* __restrict__ conv, const float
     for (int c = tid; c < dv; c += nt) {
         long long i = (long long)j * dv + c;
         float zz = z[i];
-        float act = sigmoid_gate ? f_sigm(zz) : zz * f_sigm(zz);
+        float act = sigmoid_gate ? step_sigm(zz) : zz * step_sigm(zz);
         out[i] = (__ldcg(&obuf[i]) * rn) * norm_w[i % wlen] * act;
     }
     if (tid == 0) counter[j] = 0;
@@ -178,8 +151,8 @@ extern "C" __global__ void ple_fused(float* __restrict__ H, const float* __restr
         float a = kraw[base + i], b = H[base + i];
         sk += a * a; sq += b * b;
     }
-    sk = f_block_sum(sk, red);
-    sq = f_block_sum(sq, red);
+    sk = step_block_sum(sk, red);
+    sq = step_block_sum(sq, red);
     const float rk = 1.0f / sqrtf(sk / (float)n + eps), rq = 1.0f / sqrtf(sq / (float)n + eps);
     float dt = 0.0f, sg2 = 0.0f;
     for (int i = tid; i < n; i += nt) {
@@ -187,11 +160,11 @@ extern "C" __global__ void ple_fused(float* __restrict__ H, const float* __restr
         dt += ((kraw[f] * rk) * wk[f % wkl]) * ((H[f] * rq) * wq[f % wql]);
         sg2 += value[i] * value[i];
     }
-    dt = f_block_sum(dt, red);
-    sg2 = f_block_sum(sg2, red);
+    dt = step_block_sum(dt, red);
+    sg2 = step_block_sum(sg2, red);
     float gate = dt / sqrtf((float)n);
     gate = sqrtf(fmaxf(fabsf(gate), 1e-6f)) * (float)((gate > 0.0f) - (gate < 0.0f));
-    const float sg = f_sigm(gate);
+    const float sg = step_sigm(gate);
     // sum of gv^2 = sg^2 * sum value^2 (gv = sg * value)
     const float rg = 1.0f / sqrtf((sg * sg * sg2) / (float)n + eps);
     const int span = (K - 1) * d;
@@ -207,7 +180,7 @@ extern "C" __global__ void ple_fused(float* __restrict__ H, const float* __restr
         }
         for (int r = 0; r + 1 < span; ++r) buf[(long long)r * C + col] = buf[(long long)(r + 1) * C + col];
         if (span > 0) buf[(long long)(span - 1) * C + col] = gvn;
-        H[col] = H[col] + (gv + acc * f_sigm(acc));
+        H[col] = H[col] + (gv + acc * step_sigm(acc));
     }
 }
 
@@ -220,14 +193,14 @@ extern "C" __global__ void hc_inject_rms(float* __restrict__ H, const float* __r
     __shared__ float red[32];
     const int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const long long base = (long long)h * n;
-    const float iw = y ? 2.0f * f_sigm(v[h] / (float)hc) : 0.0f;
+    const float iw = y ? 2.0f * step_sigm(v[h] / (float)hc) : 0.0f;
     float ss = 0.0f;
     for (int i = tid; i < n; i += nt) {
         float x = H[base + i];
         if (y) { x = x + y[i] * iw; H[base + i] = x; }
         ss += x * x;
     }
-    ss = f_block_sum(ss, red);
+    ss = step_block_sum(ss, red);
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int i = tid; i < n; i += nt) hn[base + i] = (H[base + i] * r) * w[(base + i) % wl];
 }
@@ -251,7 +224,7 @@ extern "C" __global__ void matvec_f32_rows(const float* __restrict__ W, const fl
         } else {
             for (int i = threadIdx.x; i < cols; i += blockDim.x) acc += w[i] * x[i];
         }
-        acc = f_block_sum(acc, red);
+        acc = step_block_sum(acc, red);
         if (threadIdx.x == 0) y[r] = acc;
     }
 }

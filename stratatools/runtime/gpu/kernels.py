@@ -2,7 +2,8 @@
 
 The CUDA code lives in files beside this module (``prelude.cuh``: integer types; ``decoders.cuh``: the block
 decoders; ``quant_kernels.cu``: dequantize / matvec / expert-FFN kernels; ``host_shim.cuh``: what lets the
-decoders compile as host C++), read at run time with :func:`cuda_source`. Importing this module needs no CuPy:
+decoders compile as host C++; ``step_common.cuh``: helpers the fused decode step's kernel files include), read at
+run time with :func:`cuda_source` (:func:`cuda_unit` puts a file's package includes in place). Importing this module needs no CuPy:
 it only builds the source text. :func:`module` compiles it (NVRTC through
 ``cupy.RawModule``) on first use and caches the compiled kernels.
 
@@ -20,6 +21,7 @@ The i-quant grids, sign table and non-linear 4-bit values are not retyped: they 
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from typing import Any
 
@@ -80,6 +82,27 @@ def cuda_source(name: str) -> str:
     except (FileNotFoundError, OSError) as e:
         raise StrataError(f"{__package__}/{name}: CUDA source missing from the installation ({e}); "
                           f"reinstall stratatools") from None
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([\w.]+)"[^\n]*\n?', re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_unit(name: str) -> str:
+    """One CUDA source file of this package as a self-contained translation unit: each ``#include "X"`` line of a
+    package file (``fused_step.cu`` and ``attn_step.cu`` include ``step_common.cuh``) replaced by X's text, the
+    first time X is met (later includes of it drop out; its own guard would make them empty anyway). NVRTC
+    (``cupy.RawModule(code=...)``) and the host C++ builds (:func:`fused_host_source`) compile this text, so a
+    helper shared by several kernel files is written once.
+
+    Raises StrataError when a file, or a file it includes, is missing (:func:`cuda_source`)."""
+    seen: set[str] = set()
+
+    def expand(n: str) -> str:
+        seen.add(n)
+        return _INCLUDE.sub(lambda m: "" if m.group(1) in seen else expand(m.group(1)), cuda_source(n))
+
+    return expand(name)
 
 
 def source() -> str:
@@ -189,7 +212,6 @@ def matvec_tiled_launch(W: Any, x: Any, y: Any, type_id: int, rows: int, cols: i
 def kernel_signatures(name: str) -> dict[str, list[tuple[str, str]]]:
     """The exported (``extern "C"``) kernels of the CUDA source file ``name``: {kernel: [(C type, parameter)]},
     read from the source text (used to build host entry points and to check launches' argument counts)."""
-    import re
 
     out: dict[str, list[tuple[str, str]]] = {}
     for m in re.finditer(r'extern "C" __(?:global)__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\((.*?)\)\s*\{', cuda_source(name), flags=re.S):
@@ -209,14 +231,14 @@ def fused_host_source(name: str = "fused_step.cu") -> str:
     as host C++17 (``host_kernel_shim.cuh`` first) with one ``extern "C"`` entry per kernel,
     ``host_<kernel>(grid_x, grid_y, <the kernel's parameters>)``, that runs the grid block by block with one thread
     per block (tests/test_gpu_fused_host.py and tests/test_gpu_dense_q8_host.py check the kernels' logic on the CPU
-    through it)."""
+    through it). The file's package includes (``step_common.cuh``) are put in place (:func:`cuda_unit`)."""
     entries = []
     for k, params in kernel_signatures(name).items():
         decl = ", ".join(f"{t} {n}" for t, n in params)
         call = ", ".join(n for _, n in params)
         entries.append(f'extern "C" void host_{k}(unsigned gx, unsigned gy, {decl}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ {k}({call}); }});\n}}\n")
-    return cuda_source("host_kernel_shim.cuh") + cuda_source(name) + "".join(entries)
+    return cuda_source("host_kernel_shim.cuh") + cuda_unit(name) + "".join(entries)
 
 
 #: dense_q8.cu's DQ_RW (rows a warp computes together) and the block size its launches use.
