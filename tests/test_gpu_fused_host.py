@@ -383,6 +383,41 @@ def test_pipe_launch_sizes():
     assert not E.pipe_fits(Jobs(10, 1), type_by_name("IQ2_XS"), q2, 2560, 576, sh)
 
 
+@pytest.mark.parametrize("gu,dn,all_resident,env,routed", [
+    ("Q2_0", "Q2_0", True, None, "pipe"), ("Q2_0", "Q2_0", False, None, "staged"),
+    ("IQ2_XS", "IQ4_NL", True, None, "staged"), ("IQ2_XS", "IQ4_NL", True, "pipe", "staged"),
+    ("Q2_0", "IQ4_NL", True, None, "staged"), ("Q8_0", "Q8_0", True, "staged", "staged"),
+    ("Q8_0", "Q8_0", False, "pipe", "pipe")])
+def test_decoder_expert_kernels_fall_back_for_types_without_pipe(monkeypatch, gu, dn, all_resident, env, routed):
+    """The fused decode step's expert kernels on the full-width shape (hidden 2560, ff 640, 10 routed jobs of one
+    token; the Q8_0 shared expert, 1 job): the decoder asks for the pipelined kernels (all resident, or
+    STRATATOOLS_MOE_KERNEL=pipe), and a call whose types have none (PIPE_TYPES: Q8_0, Q2_0; issue 12's
+    IQ2_XS + IQ4_NL) runs on the staged kernels instead of failing; the shared expert stays pipelined."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu import experts as E
+
+    class Jobs:
+        def __init__(self, J, T, per_token=None):
+            self.n_jobs, self.n_tokens, self.per_token = J, T, per_token
+
+    if env is None:
+        monkeypatch.delenv(E.MOE_KERNEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(E.MOE_KERNEL_ENV, env)
+    monkeypatch.delenv(E.MOE_PIPE_ENV, raising=False)
+    k_routed, k_shared = E.decoder_expert_kernels(from_device=all_resident)
+    assert k_shared == (env or "pipe") and k_routed == (env or ("pipe" if all_resident else "staged"))
+    gt, dt = type_by_name(gu), type_by_name(dn)
+    assert E.expert_kernel_path(Jobs(10, 1), gt, dt, 2560, 640, fast=True, kernels=k_routed) == routed
+    q8 = type_by_name("Q8_0")
+    assert E.expert_kernel_path(Jobs(1, 1), q8, q8, 2560, 640, fast=True, kernels=k_shared) == (env or "pipe")
+    # without fast (the reference step) the warp-per-row kernels; misaligned buffers or rows over MOE_ROW_MAX too
+    assert E.expert_kernel_path(Jobs(10, 1), gt, dt, 2560, 640, fast=False, kernels="pipe") == "warp"
+    assert E.expert_kernel_path(Jobs(10, 1), gt, dt, 2560, 640, fast=True, kernels="staged", aligned=False) == "warp"
+    assert E.expert_kernel_path(Jobs(10, 1), gt, dt, 1 << 15, 640, fast=True, kernels="staged") == (
+        "staged" if gt.row_bytes(1 << 15) <= E.MOE_ROW_MAX else "warp")
+
+
 def test_pipe_tokens_with_different_job_counts(experts_lib):
     """Tokens with 2, 0 and 3 jobs (tstart 0, 2, 2, 5): the pipelined kernels give the staged kernels' h and y (the
     token without jobs: zeros), the gate/up grid sized for the busiest token."""

@@ -368,17 +368,11 @@ class StaticDecoder:
         self.hbuf = cp.empty(self.k * max(ly.ff for ly in tier.arena.layers), dtype=cp.float32)
         self.shared_tok = cp.zeros(1, dtype=cp.int32)
         self.shared_tstart = cp.asarray(np.array([0, 1], dtype=np.int32))
-        # expert kernels of the fused step: $STRATATOOLS_MOE_KERNEL when set; else the pipelined kernels for the
-        # shared expert and, when the tier holds every expert, the routed ones (1.9x the staged gate/up on device
-        # memory on the H200), the staged kernels for a partial tier (they read missed experts over the bus about
-        # 1.7x faster than the pipelined ones: bench/bench_moe_kernels.py, bench/gpu-notes.md)
-        from stratatools.runtime.gpu.experts import MOE_KERNEL_ENV, expert_kernel_choice
+        # expert kernels of the fused step (experts.decoder_expert_kernels: $STRATATOOLS_MOE_KERNEL, else pipelined
+        # for the shared expert and for the routed ones when every blob is read from device memory); a call whose
+        # types have no pipelined kernels (IQ2_XS, IQ4_NL, ...) runs on the staged ones (experts.expert_kernel_path)
+        from stratatools.runtime.gpu.experts import decoder_expert_kernels
 
-        if os.environ.get(MOE_KERNEL_ENV, "").strip():
-            self.kernels_routed = self.kernels_shared = expert_kernel_choice()
-        else:
-            full = getattr(tier.policy, "policy", None) == "all-resident"
-            self.kernels_routed, self.kernels_shared = ("pipe" if full else "staged"), "pipe"
         # missed experts: read where they are (zero-copy) or fetched into device staging first (MISS_FETCH_ENV)
         self.miss_fetch = "zero-copy"
         partial = getattr(tier.policy, "policy", None) != "all-resident"
@@ -386,8 +380,9 @@ class StaticDecoder:
             self.miss_fetch = miss_fetch_mode()
         if self.miss_fetch != "zero-copy":
             self._init_fetch(tier)
-            if not os.environ.get(MOE_KERNEL_ENV, "").strip():
-                self.kernels_routed = "pipe"  # every blob is read from device memory
+        # every routed blob read from device memory: all resident, or misses fetched into device staging
+        self.kernels_routed, self.kernels_shared = decoder_expert_kernels(
+            not partial or self.miss_fetch != "zero-copy")
         for ly in tier.arena.layers:
             _check_type(ly.gu_type, ly.hidden, "expert gate/up")
             _check_type(ly.d_type, ly.ff, "expert down")

@@ -296,6 +296,45 @@ def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int
     return pipe_down_shared(d_type, ff, pipe_max_jobs(jobs), shapes["down"].threads, st) <= PIPE_MAX_SHARED
 
 
+def decoder_expert_kernels(from_device: bool) -> tuple[str, str]:
+    """The fused decode step's expert kernels, (routed, shared): ``$STRATATOOLS_MOE_KERNEL`` for both when set
+    (:func:`expert_kernel_choice`); else ``pipe`` for the shared expert and, when every routed blob is read from
+    device memory (``from_device``: the tier holds every expert, or missed experts are fetched into device staging
+    first), for the routed ones (1.9x the staged gate/up on device memory on the H200), ``staged`` when misses are
+    read over the bus (about 1.7x faster there: bench/bench_moe_kernels.py, bench/gpu-notes.md). A ``pipe`` choice is a wish: :func:`expert_kernel_path` takes the staged kernels for a
+    call the pipelined ones cannot run (types outside PIPE_TYPES, shared memory).
+
+    Raises:
+        StrataError: a bad ``$STRATATOOLS_MOE_KERNEL``.
+    """
+    if os.environ.get(MOE_KERNEL_ENV, "").strip():
+        k = expert_kernel_choice()
+        return k, k
+    return ("pipe" if from_device else "staged"), "pipe"
+
+
+def expert_kernel_path(jobs: Any, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int, *, fast: bool,
+                       kernels: str | None = None, aligned: bool = True) -> str:
+    """Which kernels :func:`expert_ffn` runs for a call: ``pipe`` (moe_staged.cu's pipelined kernels: ``fast``,
+    the ``kernels`` choice ``pipe`` (:func:`expert_kernel_choice`) and :func:`pipe_fits` with :func:`pipe_shapes`,
+    ``gu1`` / ``down1`` for one job), else ``staged`` (its staged-row kernels: ``fast``, a gate/up row and a down
+    row each at most MOE_ROW_MAX bytes, and the x / h buffers 16-byte ``aligned``), else ``warp`` (the
+    warp-per-row kernels). ``jobs``: anything with ``n_jobs``, ``n_tokens`` and ``per_token`` (:class:`ExpertJobs`).
+    Needs no GPU.
+
+    Raises:
+        StrataError: a bad kernel choice or pipe shape (only read with ``fast``).
+    """
+    if fast and expert_kernel_choice(kernels) == "pipe":
+        sh = pipe_shapes()
+        one = "1" if jobs.n_jobs == 1 else ""
+        if pipe_fits(jobs, gu_type, d_type, hidden, ff, {"gu": sh["gu" + one], "down": sh["down" + one]}):
+            return "pipe"
+    if fast and aligned and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX:
+        return "staged"
+    return "warp"
+
+
 def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
                out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False,
                kernels: str | None = None) -> Any:
@@ -309,9 +348,9 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         out: optional CuPy float32 ``[T, hidden]`` to write (or add to, with ``accumulate``).
         hbuf: optional CuPy float32 scratch of at least ``J * ff`` values (reused across calls).
         fast: use the kernels' multiply-add-fused build (:func:`stratatools.runtime.gpu.kernels.fast_module`;
-            float rounding differs from the bit-exact default): with ``kernels`` ``pipe`` the pipelined kernels of
-            ``moe_staged.cu`` (Q2_0 / Q8_0 whose shared memory fits, launch shapes from :func:`pipe_shapes`: ``gu1`` /
-            ``down1`` for a call of one job), else
+            float rounding differs from the bit-exact default; :func:`expert_kernel_path` picks): with ``kernels``
+            ``pipe`` the pipelined kernels of ``moe_staged.cu`` (Q2_0 / Q8_0 whose shared memory fits, launch shapes
+            from :func:`pipe_shapes`: ``gu1`` / ``down1`` for a call of one job; other types fall back), else
             its staged-row kernels when a gate/up row and a down row are each at most ``MOE_ROW_MAX`` bytes, else
             the FMA build of the others.
         kernels: ``staged`` or ``pipe`` (:func:`expert_kernel_choice`; None: ``$STRATATOOLS_MOE_KERNEL``, default
@@ -337,16 +376,15 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if hbuf is None or hbuf.size < J * ff:
         hbuf = cp.empty(J * ff, dtype=cp.float32)
     X = cp.ascontiguousarray(X, dtype=cp.float32)
-    if fast and expert_kernel_choice(kernels) == "pipe":
+    path = expert_kernel_path(jobs, gu_type, d_type, hidden, ff, fast=fast, kernels=kernels,
+                              aligned=int(X.data.ptr) % 16 == 0 and int(hbuf.data.ptr) % 16 == 0)  # (float4 reads)
+    if path == "pipe":
         sh = pipe_shapes()
         one = "1" if J == 1 else ""
-        shapes = {"gu": sh["gu" + one], "down": sh["down" + one]}
-        if pipe_fits(jobs, gu_type, d_type, hidden, ff, shapes):
-            pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, shapes["gu"])
-            pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, shapes["down"])
-            return out
-    if (fast and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX
-            and int(X.data.ptr) % 16 == 0 and int(hbuf.data.ptr) % 16 == 0):  # (the kernels read x, h as float4)
+        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one])
+        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one])
+        return out
+    if path == "staged":
         # staged rows (moe_staged.cu): a warp's rows copied to shared memory, then decoded from there
         staged_gate_up(X, jobs, gu_type, hidden, ff, hbuf)
         staged_down(jobs, d_type, hidden, ff, hbuf, out, accumulate)
