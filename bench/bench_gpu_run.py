@@ -2,7 +2,8 @@
 table, issue 12's ratios). A benchmark, not a timed test: every ratio is against numbers measured in this run.
 
 Steps: start the llama.cpp anchor build (``--anchor DIR``: ``llama-anchor.sh``, in the background), synthesize the
-model (``stratatools synth --full-width --layers L --experts E --types gu=Q2_0,down=Q2_0``), measure the
+model (``stratatools synth --full-width --layers L --experts E --types T``, ``--types`` default
+``gu=Q2_0,down=Q2_0``; issue 12's variant: ``--types gu=IQ2_XS,down=IQ4_NL``), measure the
 device-to-device copy and pinned host-to-device copy rates, then run one prompt of ``--prompt`` tokens and
 ``--new`` greedy tokens for each tier configuration (all resident; ``--slots`` with static, adaptive, LRU), and
 llama-bench tg128/pp512 on the same GGUF. Prints one row per configuration: decode and prefill tok/s, their
@@ -32,11 +33,15 @@ and adaptive with the admitted experts copied alongside the next step (``STRATAT
 ``staticproffetch``, ``lrufetch``, ``vram12fetch``, ``allmissfetch`` and the same with ``pf`` for ``fetch``: those
 configurations with ``STRATATOOLS_MISS_FETCH=fetch`` / ``prefetch``, each printing its fetched and prefetched bytes per
 step and the share of misses a prefetched copy served). The kernel
-profile prints the dense Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time).
+profile (:func:`profile_plan`: the all-resident step, every selected all-resident row, and with ``--profile-lru``
+every selected ``--slots`` LRU row) runs each under its row's ``_env``, as the timed row runs, and prints the dense
+Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time). The expert types have
+pipelined kernels only for Q2_0 and Q8_0 (``PIPE_TYPES``): with other ``--types`` the rows that ask for them
+(``resident``, ``pipeexp``) run the routed experts on the staged kernels (the shared expert, Q8_0, stays pipelined).
 
 Usage: python bench/bench_gpu_run.py --workdir /tmp/fw [--layers 48 --experts 256 --slots 1872]
        [--long 2048,8192] [--anchor ../shared/anchors] [--configs resident,unfused,lru] [--compare-steps 32]
-       [--out res.json]
+       [--types gu=IQ2_XS,down=IQ4_NL] [--out res.json]
 """
 
 from __future__ import annotations
@@ -136,7 +141,8 @@ def dense_q8_bytes(dec) -> int:
 def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str,
                    fused: bool = True, extra_env: dict | None = None) -> list:
     """Per-kernel device time of ``steps`` graph-replayed decode steps (CUPTI through torch.profiler, which
-    records every CUDA kernel of the process, CuPy's included). Returns rows (kernel, total ms, calls, share),
+    records every CUDA kernel of the process, CuPy's included), everything under the environment ``extra_env``
+    (a config row's ``_env``). Returns rows (kernel, total ms, calls, share),
     sorted by time, and a last row ("dense Q8_0 bytes/step", bytes, 0, 0); [] when torch's profiler is not there."""
     try:
         import torch
@@ -148,24 +154,26 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
     from stratatools.runtime.gpu.runtime import GPURuntime
     from stratatools.runtime.weights import load
 
-    w = load(gguf, xp=cp)
-    pol = None
-    if slots is not None:
-        bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
-        pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
-    grt = GPURuntime(w, policy=pol, miss_mode="host")
+    # the row's environment for everything the timed row does under it (load, decoder set-up, graph capture on the
+    # first forward, the profiled steps): the decoder reads some switches when it captures, not when it is built
     with env_vars(extra_env or {}):
+        w = load(gguf, xp=cp)
+        pol = None
+        if slots is not None:
+            bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
+            pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
+        grt = GPURuntime(w, policy=pol, miss_mode="host")
         rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8, fused=fused)
-    st = rt.new_state()
-    lg, _ = rt.forward(prompt_ids, st)
-    tok = int(lg.argmax().get())
-    torch.cuda.init()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            lg, _ = rt.forward([tok], st)
-            tok = int(lg.argmax().get())
-            grt.tier.end_round()
-        cp.cuda.Device().synchronize()
+        st = rt.new_state()
+        lg, _ = rt.forward(prompt_ids, st)
+        tok = int(lg.argmax().get())
+        torch.cuda.init()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                lg, _ = rt.forward([tok], st)
+                tok = int(lg.argmax().get())
+                grt.tier.end_round()
+            cp.cuda.Device().synchronize()
     agg: dict = {}
     for ev in prof.events():
         if getattr(ev, "device_type", None) is None or "CUDA" not in str(ev.device_type):
@@ -183,6 +191,74 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
     rows.append(["dense Q8_0 bytes/step", dense_q8_bytes(rt.dec), 0, 0.0])
     del rt, grt, w
     free_device(cp)
+    return rows
+
+
+#: ``--types`` default: the full-width synthetic's routed experts in Q2_0 (issue 17's table).
+DEFAULT_TYPES = "gu=Q2_0,down=Q2_0"
+
+
+def synth_argv(mdir: str | os.PathLike, layers: int, experts: int, types: str) -> list[str]:
+    """``stratatools synth`` arguments of the benchmark's model (``types``: ``--types``, e.g. ``gu=IQ2_XS,down=IQ4_NL``)."""
+    return ["synth", str(mdir), "--full-width", "--no-revisions", "--layers", str(layers), "--experts", str(experts),
+            "--types", types, "--force", "--json"]
+
+
+def profile_plan(configs: list, want: set, slots: int, profile_lru: bool) -> list:
+    """The kernel profiles to take, as (title, slots, policy, fused, env) with each row's own ``_env`` (and
+    ``_fused``): the all-resident fused step first (always), then every selected all-resident row that changes the
+    step (an ``_env`` or ``_fused``), and with ``profile_lru`` the ``lru`` row (selected or not) and every other
+    selected ``--slots`` LRU row. ``configs``: the (key, title, kw) rows of :func:`main`."""
+    plan = [("all resident (fused)", None, "static", True, {})]
+    for key, title, kw in configs:
+        if any(k in kw for k in ("_prompts", "_profile", "vram_gib")):
+            continue
+        env, fused = dict(kw.get("_env", {})), kw.get("_fused", True)
+        if key in want and "slots" not in kw and (env or not fused):
+            plan.append((title, None, "static", fused, env))
+        elif (profile_lru and (key in want or key == "lru") and kw.get("slots") == slots
+              and kw.get("policy") == "lru"):
+            plan.append((title, slots, "lru", fused, env))
+    return plan
+
+
+def config_rows(slots: int) -> list:
+    """The ``run --device gpu`` rows as (key, title, run_prompts keywords; ``_env``: environment of the row, its
+    kernel profile's too; ``_fused``, ``_profile``, ``_prompts``: see :func:`main`), before the ``--long`` rows."""
+    rows = [("resident", "all resident", {}), ("unfused", "all resident, unfused step (before)", {"_fused": False}),
+            ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
+            ("rowsdense", "all resident, dense Q8_0 on mv_q8r (before the streaming matvec)",
+             {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
+            ("stagedexp", "all resident, staged expert kernels (STRATATOOLS_MOE_KERNEL=staged: before)",
+             {"_env": {"STRATATOOLS_MOE_KERNEL": "staged"}}),
+            ("pipeexp", "all resident, pipelined expert kernels (STRATATOOLS_MOE_KERNEL=pipe)",
+             {"_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
+            ("allmisspipe", "0 slots, pipelined expert kernels (every expert read from pinned host memory)",
+             {"slots": 0, "policy": "static", "_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
+            ("lrubefore", f"{slots} slots LRU, GGUF-block matvec + bookkeeping before launch (before)",
+             {"slots": slots, "policy": "lru", "_env": BEFORE_ENV}),
+            ("lruasync", f"{slots} slots LRU, admissions copied alongside the next step",
+             {"slots": slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
+            ("adaptiveasync", f"{slots} slots adaptive, admissions copied alongside the next step",
+             {"slots": slots, "policy": "adaptive", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
+            ("static", f"{slots} slots static (arrival order, no profile)", {"slots": slots, "policy": "static"}),
+            ("staticprof", f"{slots} slots static, profile recorded by the runtime", {"slots": slots, "policy": "static",
+                                                                                   "_profile": True}),
+            ("adaptive", f"{slots} slots adaptive", {"slots": slots, "policy": "adaptive"}),
+            ("adaptiveprof", f"{slots} slots adaptive, on the profile recorded by the runtime",
+             {"slots": slots, "policy": "adaptive", "_profile": True}),
+            ("lru", f"{slots} slots LRU", {"slots": slots, "policy": "lru"}),
+            ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"}),
+            ("allmiss", "0 slots (every expert read from pinned host memory)", {"slots": 0, "policy": "static"})]
+    # miss fetch modes (decode.MISS_FETCH_ENV): misses copied into device staging by the SMs before the expert kernels
+    # (fetch), and the next layer's predicted misses copied ahead on a second stream (prefetch)
+    for mode, tag in (("fetch", "fetch"), ("prefetch", "pf")):
+        fe = {"STRATATOOLS_MISS_FETCH": mode}
+        rows += [(f"staticprof{tag}", f"{slots} slots static on the recorded profile, miss {mode}",
+                  {"slots": slots, "policy": "static", "_profile": True, "_env": fe}),
+                 (f"lru{tag}", f"{slots} slots LRU, miss {mode}", {"slots": slots, "policy": "lru", "_env": fe}),
+                 (f"vram12{tag}", f"--vram-gib 12, LRU, miss {mode}", {"vram_gib": 12.0, "policy": "lru", "_env": fe}),
+                 (f"allmiss{tag}", f"0 slots, miss {mode}", {"slots": 0, "policy": "static", "_env": fe})]
     return rows
 
 
@@ -338,7 +414,10 @@ def main() -> None:
     ap.add_argument("--compare-oracle", type=int, default=8, help="decoder comparison: prompt tokens also run "
                     "through the numpy forward on the CPU, every step's logits compared with it there (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
-    ap.add_argument("--profile-lru", action="store_true", help="also profile the LRU configuration's step")
+    ap.add_argument("--profile-lru", action="store_true", help="also profile the selected --slots LRU rows' steps")
+    ap.add_argument("--types", default=DEFAULT_TYPES, help="routed experts' types, passed to stratatools synth --types "
+                    f"(default {DEFAULT_TYPES}; issue 12's variant: gu=IQ2_XS,down=IQ4_NL; pipelined expert kernels "
+                    "exist for Q2_0 and Q8_0 only, other types run on the staged ones)")
     ap.add_argument("--expert-kernels", choices=("auto", "staged", "pipe", "warp"), default="auto",
                     help="fast step's routed-expert kernels: auto (the decoder's choice: pipelined when every expert "
                          "is resident, else staged; the shared expert pipelined), staged rows (moe_staged.cu), its pipelined kernels "
@@ -365,10 +444,13 @@ def main() -> None:
     mdir = wd / "model"
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    if not (a.reuse and list(mdir.glob("*.gguf"))):
-        subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
-                        "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
-                        "--force", "--json"], check=True, capture_output=True, env=env)
+    argv = synth_argv(mdir, a.layers, a.experts, a.types)
+    stamp = wd / "model.argv.json"  # what made the model in the workdir: --reuse keeps only the same model
+    if not (a.reuse and list(mdir.glob("*.gguf")) and stamp.is_file() and json.loads(stamp.read_text()) == argv):
+        p = subprocess.run([sys.executable, "-m", "stratatools", *argv], capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            sys.exit(f"stratatools {' '.join(argv)}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
+        stamp.write_text(json.dumps(argv))
     gguf = str(sorted(mdir.glob("*.gguf"))[0])
     res["synth_s"] = time.perf_counter() - t0
     print(f"synth {res['synth_s']:.0f} s: {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB)", flush=True)
@@ -407,40 +489,7 @@ def main() -> None:
 
             traceback.print_exc()
             print(f"decoder comparison failed: {e}", flush=True)
-    configs = [("resident", "all resident", {}), ("unfused", "all resident, unfused step (before)", {"_fused": False}),
-               ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
-               ("rowsdense", "all resident, dense Q8_0 on mv_q8r (before the streaming matvec)",
-                {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
-               ("stagedexp", "all resident, staged expert kernels (STRATATOOLS_MOE_KERNEL=staged: before)",
-                {"_env": {"STRATATOOLS_MOE_KERNEL": "staged"}}),
-               ("pipeexp", "all resident, pipelined expert kernels (STRATATOOLS_MOE_KERNEL=pipe)",
-                {"_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
-               ("allmisspipe", "0 slots, pipelined expert kernels (every expert read from pinned host memory)",
-                {"slots": 0, "policy": "static", "_env": {"STRATATOOLS_MOE_KERNEL": "pipe"}}),
-               ("lrubefore", f"{a.slots} slots LRU, GGUF-block matvec + bookkeeping before launch (before)",
-                {"slots": a.slots, "policy": "lru", "_env": BEFORE_ENV}),
-               ("lruasync", f"{a.slots} slots LRU, admissions copied alongside the next step",
-                {"slots": a.slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
-               ("adaptiveasync", f"{a.slots} slots adaptive, admissions copied alongside the next step",
-                {"slots": a.slots, "policy": "adaptive", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1"}}),
-               ("static", f"{a.slots} slots static (arrival order, no profile)", {"slots": a.slots, "policy": "static"}),
-               ("staticprof", f"{a.slots} slots static, profile recorded by the runtime", {"slots": a.slots, "policy": "static",
-                                                                                      "_profile": True}),
-               ("adaptive", f"{a.slots} slots adaptive", {"slots": a.slots, "policy": "adaptive"}),
-               ("adaptiveprof", f"{a.slots} slots adaptive, on the profile recorded by the runtime",
-                {"slots": a.slots, "policy": "adaptive", "_profile": True}),
-               ("lru", f"{a.slots} slots LRU", {"slots": a.slots, "policy": "lru"}),
-               ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"}),
-               ("allmiss", "0 slots (every expert read from pinned host memory)", {"slots": 0, "policy": "static"})]
-    # miss fetch modes (decode.MISS_FETCH_ENV): misses copied into device staging by the SMs before the expert kernels
-    # (fetch), and the next layer's predicted misses copied ahead on a second stream (prefetch)
-    for mode, tag in (("fetch", "fetch"), ("prefetch", "pf")):
-        fe = {"STRATATOOLS_MISS_FETCH": mode}
-        configs += [(f"staticprof{tag}", f"{a.slots} slots static on the recorded profile, miss {mode}",
-                     {"slots": a.slots, "policy": "static", "_profile": True, "_env": fe}),
-                    (f"lru{tag}", f"{a.slots} slots LRU, miss {mode}", {"slots": a.slots, "policy": "lru", "_env": fe}),
-                    (f"vram12{tag}", f"--vram-gib 12, LRU, miss {mode}", {"vram_gib": 12.0, "policy": "lru", "_env": fe}),
-                    (f"allmiss{tag}", f"0 slots, miss {mode}", {"slots": 0, "policy": "static", "_env": fe})]
+    configs = config_rows(a.slots)
     plens = {str(prompts): a.prompt}
     for ctx in long_ctx:
         lp = wd / f"prompt_long_{ctx}.json"
@@ -449,6 +498,7 @@ def main() -> None:
         configs.append(("longres", f"all resident, {ctx}-token context", {"_prompts": lp}))
         configs.append(("long", f"--vram-gib 12, LRU, {ctx}-token context",
                         {"_prompts": lp, "vram_gib": 12.0, "policy": "lru"}))
+    all_configs = list(configs)
     configs = [(name, kw) for key, name, kw in configs if key in want]
     rows = []
     import stratatools.runtime.gpu.engine as engine_mod
@@ -523,18 +573,7 @@ def main() -> None:
     prof_rows = {}
     if a.profile_steps > 0:
         ids = suite_ids[:32]
-        profs = [("all resident (fused)", None, "static", True, None)]
-        if "before" in want:
-            profs.append(("all resident (fused, GGUF-block matvec: before)", None, "static", True, BEFORE_ENV))
-        if "rowsdense" in want:
-            profs.append(("all resident (fused, dense on mv_q8r: before)", None, "static", True,
-                          {"STRATATOOLS_DENSE_KERNEL": "rows"}))
-        if "pipeexp" in want:
-            profs.append(("all resident (fused, pipelined expert kernels)", None, "static", True,
-                          {"STRATATOOLS_MOE_KERNEL": "pipe"}))
-        if a.profile_lru:
-            profs.append((f"{a.slots} slots LRU (fused)", a.slots, "lru", True, None))
-        for name, sl, pol, fu, ev in profs:
+        for name, sl, pol, fu, ev in profile_plan(all_configs, want, a.slots, a.profile_lru):
             try:
                 prof_rows[name] = kernel_profile(cp, gguf, ids, a.profile_steps, sl, pol, fused=fu, extra_env=ev)
                 print_profile(name, prof_rows[name])
@@ -550,7 +589,7 @@ def main() -> None:
     res["llama"] = llama
     tg, pp = llama.get("tg128"), llama.get("pp512")
     roof = d2d / touched
-    print(f"\nmodel {a.layers}x{a.experts} Q2_0, prompt {a.prompt}, new {a.new}; roofline {roof:.0f} tok/s "
+    print(f"\nmodel {a.layers}x{a.experts} {a.types}, prompt {a.prompt}, new {a.new}; roofline {roof:.0f} tok/s "
           f"({touched / 1e6:.0f} MB/token at {d2d / 1e12:.2f} TB/s); llama.cpp tg128 {tg} pp512 {pp}")
     print("| config | decode tok/s | x llama tg128 | roofline | prefill tok/s | x llama pp512 | decode hit rate "
           "| MB moved/token | host->device during decode, x pinned copy rate | device GiB |")
