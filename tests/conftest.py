@@ -49,9 +49,9 @@ def cli(tmp_path, monkeypatch):
 
     from stratatools.cli import run_captured
 
-    def run(*args: str):
+    def run(*args):  # (paths and numbers are passed as their text)
         out, err = io.StringIO(), io.StringIO()
-        code = run_captured(list(args), out, err)
+        code = run_captured([str(a) for a in args], out, err)
         return code, out.getvalue(), err.getvalue()
 
     return run

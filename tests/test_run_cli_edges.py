@@ -14,20 +14,14 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.run import read_prompts
 
 
-def _cli(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = run_captured([str(a) for a in args], out, err)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def demo_release(tmp_path_factory):
     """The demo's release (``synth R --seed 7``) and its training prompts."""
     from stratatools.demo.walkthrough import demo_prompts
 
     d = tmp_path_factory.mktemp("demo-rel")
-    code, _, err = _cli("synth", d / "rel", "--seed", "7", "--json")
-    assert code == 0, err
+    err = io.StringIO()
+    assert run_captured(["synth", str(d / "rel"), "--seed", "7", "--json"], io.StringIO(), err) == 0, err.getvalue()
     (d / "train.txt").write_text(demo_prompts("train"))
     return d, d / "rel" / "synth-canonical.gguf"
 
@@ -66,18 +60,18 @@ def test_prompt_id_of_another_type_is_refused(tmp_path, bad, what):
     assert str(p) in msg and "prompt #1" in msg and "prompt_id" in msg and "string" in msg and "\n" not in msg
 
 
-def test_null_prompt_id_runs_and_names_the_request(demo_release, tmp_path):
+def test_null_prompt_id_runs_and_names_the_request(demo_release, tmp_path, cli):
     d, gguf = demo_release
     p = _prompts(tmp_path, [{"text": "def f(x):", "prompt_id": None}, {"text": "hello", "prompt_id": "h"}])
-    code, out, err = _cli("run", gguf, "--prompts", p, "-n", "2", "--device", "cpu", "--json")
+    code, out, err = cli("run", gguf, "--prompts", p, "-n", "2", "--device", "cpu", "--json")
     assert code == 0, err
     assert [r["prompt_id"] for r in json.loads(out)["requests"]] == ["p0", "h"]
 
 
-def test_bad_prompt_id_is_a_one_line_cli_error(demo_release, tmp_path):
+def test_bad_prompt_id_is_a_one_line_cli_error(demo_release, tmp_path, cli):
     d, gguf = demo_release
     p = _prompts(tmp_path, [{"text": "x", "prompt_id": ["a"]}])
-    line = _one_line_error(*_cli("run", gguf, "--prompts", p, "-n", "1", "--device", "cpu"))
+    line = _one_line_error(*cli("run", gguf, "--prompts", p, "-n", "1", "--device", "cpu"))
     assert "prompt #0" in line and "prompt_id" in line
 
 
@@ -100,14 +94,14 @@ BATCH_EXTRA = {"batch." + k for k in ("places", "steps", "mean_active", "decode_
                                       "state_bytes", "engine")}
 
 
-def test_batch_json_has_the_same_keys_as_without_batch(demo_release):
+def test_batch_json_has_the_same_keys_as_without_batch(demo_release, cli):
     """``--batch 1`` is the default path: the same keys at every level; ``--batch N`` adds only the batched
     decode's figures inside ``batch`` (README, RunResult), and the outputs are the same."""
     d, gguf = demo_release
     common = ("run", gguf, "--prompts", d / "train.txt", "-n", "3", "--device", "cpu", "--slots", "20", "--json")
     runs = {}
     for name, extra in (("default", ()), ("b1", ("--batch", "1")), ("b2", ("--batch", "2"))):
-        code, out, err = _cli(*common, *extra)
+        code, out, err = cli(*common, *extra)
         assert code == 0, err
         runs[name] = json.loads(out)
     base = _paths(runs["default"])
@@ -126,24 +120,24 @@ def test_batch_json_has_the_same_keys_as_without_batch(demo_release):
 
 @pytest.mark.parametrize("opt", ["-t", "--trace-out"])
 @pytest.mark.parametrize("fmt", [None, "csv", "parquet"])
-def test_trace_out_dash_is_refused_and_writes_no_file(demo_release, tmp_path, monkeypatch, opt, fmt):
+def test_trace_out_dash_is_refused_and_writes_no_file(demo_release, tmp_path, monkeypatch, opt, fmt, cli):
     """A routing trace is never written to stdout (binary layouts, and --json owns stdout): '-' is refused
     before the model loads, and no file named '-' appears."""
     d, gguf = demo_release
     monkeypatch.chdir(tmp_path)
     args = ["run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu", opt, "-"]
-    line = _one_line_error(*_cli(*args, *(["--trace-format", fmt] if fmt else [])))
+    line = _one_line_error(*cli(*args, *(["--trace-format", fmt] if fmt else [])))
     assert "--trace-out -" in line and "stdout" in line and "file path" in line
     assert not (tmp_path / "-").exists()
 
 
-def test_trace_convert_output_dash_is_refused(tmp_path, monkeypatch):
+def test_trace_convert_output_dash_is_refused(tmp_path, monkeypatch, cli):
     src = tmp_path / "t.csv"
     src.write_text("0,0,1,2\n0,1,3,4\n")
     monkeypatch.chdir(tmp_path)
     for extra in ([], ["--dataset"]):
         to = "parquet" if extra else "csv"
-        line = _one_line_error(*_cli("trace", "convert", src, "-o", "-", "--to", to, *extra))
+        line = _one_line_error(*cli("trace", "convert", src, "-o", "-", "--to", to, *extra))
         assert "--output -" in line and "stdout" in line and "file path" in line
         assert not (tmp_path / "-").exists()
 
@@ -151,8 +145,8 @@ def test_trace_convert_output_dash_is_refused(tmp_path, monkeypatch):
 # --- --trace-format without --trace-out ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["csv", "strata", "parquet"])
-def test_trace_format_without_trace_out_is_refused(demo_release, fmt):
+def test_trace_format_without_trace_out_is_refused(demo_release, fmt, cli):
     d, gguf = demo_release
-    line = _one_line_error(*_cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
+    line = _one_line_error(*cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
                                  "--trace-format", fmt))
     assert f"--trace-format {fmt}" in line and "--trace-out" in line
