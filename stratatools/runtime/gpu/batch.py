@@ -16,8 +16,10 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
   place at once (on CuPy ``gdn_prep.cu``'s conv/norm kernel with each place a sequence of one row, ``pf_gdn_chunk``
   with the places folded into the head axis, then ``gdn_prep.cu``'s output norm and gate: three launches per layer);
-* attention: each query over its own place's cache, positions ``0 .. pos``, as one masked batched product (the
-  places' lengths differ; columns past a place's position are masked out).
+* attention: each query over its own place's cache, positions ``0 .. pos``: on CuPy ``attn_batch.cu`` (q/k norms,
+  rope and the cache rows in one launch, each query over its place's positions with the output gate in another;
+  ``STRATATOOLS_BATCH_ATTN=0`` or a layer where QSA selects cells: the array code), else one masked batched product
+  (the places' lengths differ; columns past a place's position are masked out).
 
 A sequence enters a place after its prompt ran through the :class:`StaticDecoder`'s batched prefill
 (:meth:`BatchDecoder.admit` copies the decoder's state into the place). :func:`run_batched` is the scheduler: the
@@ -51,6 +53,30 @@ from stratatools.runtime.model import RoutingRecord, _l2norm, _rmsnorm, _sigmoid
 
 from stratatools.runtime.gpu.prefill import (ChunkPrefill, gdn_chunk_shared, gdn_out_launch, gdn_prep_enabled,
                                               gdn_prep_launch)
+
+
+#: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
+#: comparisons); default: ``attn_batch.cu``'s kernels where QSA does not select cells.
+ATTN_KERNELS_ENV = "STRATATOOLS_BATCH_ATTN"
+#: Most dynamic shared bytes of ``attn_decode_b`` (its scores: 4 bytes a position of the longest place).
+ATTN_B_MAX_SHARED = 200 * 1024
+
+
+def attn_kernels_enabled() -> bool:
+    """Does the batched step run its attention through ``attn_batch.cu`` (:data:`ATTN_KERNELS_ENV`, default yes)?"""
+    import os
+
+    return os.environ.get(ATTN_KERNELS_ENV, "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _attn_module() -> Any:
+    """``attn_batch.cu`` compiled once (multiply-add fusion allowed)."""
+    import cupy
+
+    from stratatools.runtime.gpu.kernels import cuda_unit
+
+    return cupy.RawModule(code=cuda_unit("attn_batch.cu"), options=("--std=c++17",))
 
 
 #: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
@@ -375,6 +401,10 @@ class BatchDecoder(ChunkPrefill):
 
     # -- attention -------------------------------------------------------------------------------------------
     def _attention(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> Any:
+        if self.gpu and attn_kernels_enabled():
+            got = self._attention_kernels(il, x, pos, cos, sin)
+            if got is not None:
+                return got
         xp, cfg = self.xp, self.cfg
         T = x.shape[0]
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -411,6 +441,49 @@ class BatchDecoder(ChunkPrefill):
         o = xp.matmul(att, Vt).reshape(T, nh * hd)  # [T, nkv, grp, hd]
         o = o * _sigmoid(xp, gate)
         return self._mm(xp.ascontiguousarray(o, dtype=xp.float32), p + "attn_output.weight")
+
+    def _attention_kernels(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> Any:
+        """:meth:`_attention` on ``attn_batch.cu`` (CuPy): ``attn_prep_b`` (q/k norms, rope, each token's key and
+        value rows into its place's caches), ``attn_decode_b`` (each query over its place's positions, output gate),
+        the output projection. None (the caller runs the array code) where QSA selects cells in this layer, a norm
+        weight is neither per head nor per tensor, a head exceeds 1,024 values or the scores of the longest place
+        exceed :data:`ATTN_B_MAX_SHARED`."""
+        from stratatools.runtime.topk import qsa_selects_all
+
+        cp, cfg, dec = self.cp, self.cfg, self.dec
+        T = int(x.shape[0])
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        P = int(pos.max()) + 1
+        if dec._qsa_layer(il) and not all(qsa_selects_all(self.rt.selection, cfg.compress_ratios[il], cfg.idx_budget,
+                                                          int(pp)) for pp in pos):
+            return None
+        wq, wk = self._f32(p + "attn_q_norm.weight"), self._f32(p + "attn_k_norm.weight")
+        if (wq.size not in (hd, nh * hd) or wk.size not in (hd, nkv * hd) or hd > 1024 or cfg.n_rot > hd
+                or 4 * P > ATTN_B_MAX_SHARED):
+            return None
+        c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
+        qraw = c32(self._mm(x, p + "attn_q.weight"))  # [T, nh 2 hd]
+        kraw = c32(self._mm(x, p + "attn_k.weight"))  # [T, nkv hd]
+        vraw = c32(self._mm(x, p + "attn_v.weight"))
+        pl_d = cp.asarray(np.asarray(self._pl, dtype=np.int32))
+        pos_d = cp.asarray(np.asarray(pos, dtype=np.int32))
+        mc = int(self.kc[il].shape[1])
+        mod = _attn_module()
+        q = cp.empty((T, nh, hd), dtype=cp.float32)
+        threads = min(1024, (hd + 31) // 32 * 32)
+        mod.get_function("attn_prep_b")((nh + nkv, T), (threads,), (
+            qraw, kraw, vraw, wq, np.int32(wq.size), wk, np.int32(wk.size), c32(cos), c32(sin), np.int32(cfg.n_rot),
+            np.int32(nh), np.int32(nkv), np.int32(hd), np.float32(cfg.eps), pl_d, pos_d, np.int32(mc), q, self.kc[il],
+            self.vc[il]), shared_mem=hd * 4)
+        self._allowed_b(il, x, pos, cos, sin)  # the indexer caches of a long-context decoder (no selection here)
+        o = cp.empty((T, nh * hd), dtype=cp.float32)
+        k = mod.get_function("attn_decode_b")
+        if 4 * P > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < 4 * P:
+            k.max_dynamic_shared_size_bytes = 4 * P
+        k((nh, T), (128,), (q, self.kc[il], self.vc[il], pl_d, pos_d, np.int32(mc), qraw, o, np.int32(nh),
+                            np.int32(nkv), np.int32(hd), np.float32(hd ** -0.5)), shared_mem=4 * P)
+        return self._mm(o, p + "attn_output.weight")
 
     def _allowed_b(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> np.ndarray | None:
         """QSA for one position of each place (the prefill's ``_allowed`` per place): on a long-context decoder,

@@ -1,4 +1,5 @@
-// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by prefill.py and batch.py (cupy.RawModule,
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by prefill.py and batch.py (kernels.cuda_unit:
+// with step_common.cuh in place of its #include; cupy.RawModule,
 // multiply-add fusion allowed: the batched paths agree with the decode step by tolerance); tests/test_gpu_gdn_prep_host.py
 // compiles it as host C++ (host_kernel_shim.cuh: one thread per block, blocks run one after another) and checks it
 // against the numpy formulas of stratatools.runtime.model (the CPU path's gated DeltaNet).
@@ -16,20 +17,7 @@
 // Written for any block size: a block's threads stride over its row's values, its warps over heads (lanes =
 // min(32, blockDim.x)), so the host build (blocks of one thread) runs the same code.
 
-#ifdef STRATA_HOST
-static inline float gp_warp_sum(float v) { return v; }
-#define GP_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
-#else
-__device__ __forceinline__ float gp_warp_sum(float v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-#define GP_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char gp_smem_[]; T* name = reinterpret_cast<T*>(gp_smem_)
-#endif
-
-__device__ __forceinline__ float gp_sigm(float a) { return 1.0f / (1.0f + expf(-a)); }
-// torch.nn.functional.softplus (beta 1, threshold 20), as stratatools.runtime.model._softplus
-__device__ __forceinline__ float gp_softplus(float x) { return x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f))); }
+#include "step_common.cuh"  // step_sigm, step_softplus, step_warp_sum, STEP_DYN_SHARED
 
 // qkv [R, C]: the conv input of every row (C = 2 nk dk + nv dv: q heads, k heads, v heads); state [nseq, K-1, C]: each
 // sequence's previous K-1 inputs, oldest first (read only); state_out [nseq, K-1, C]: the K-1 inputs after the
@@ -42,7 +30,7 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
                                        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int nk,
                                        int dk, int nv, float qscale, float* __restrict__ qn, float* __restrict__ kn,
                                        float* __restrict__ v, float* __restrict__ beta, float* __restrict__ decay) {
-    GP_DYN_SHARED(float, qk);
+    STEP_DYN_SHARED(float, qk);
     const int tid = threadIdx.x, nt = blockDim.x;
     const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
     const int warp = tid / lanes, lane = tid % lanes;
@@ -58,7 +46,7 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
                 const float xv = xi < km1 ? st[(long long)xi * C + c] : rows[(long long)(xi - km1) * C + c];
                 acc += xv * wc[(long long)c * K + i];
             }
-            const float y = acc * gp_sigm(acc);
+            const float y = acc * step_sigm(acc);
             if (c < nqk) qk[c] = y;
             else v[(long long)r * (C - nqk) + (c - nqk)] = y;
             if (u == len - 1) {  // the sequence's next conv state: [state; rows] positions len .. len + K - 2
@@ -74,7 +62,7 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
             const float* x = qk + h * dk;
             float ss = 0.0f;
             for (int i = lane; i < dk; i += lanes) ss += x[i] * x[i];
-            ss = gp_warp_sum(ss);
+            ss = step_warp_sum(ss);
             const float inv = 1.0f / sqrtf(ss + 1e-6f);
             float* o = h < nk ? qn + ((long long)r * nk + h) * dk : kn + ((long long)r * nk + (h - nk)) * dk;
             if (h < nk) {
@@ -85,8 +73,8 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
         }
         for (int j = tid; j < nv; j += nt) {
             const long long i = (long long)r * nv + j;
-            beta[i] = gp_sigm(b[i]);
-            decay[i] = expf(ssm_a[j] * gp_softplus(a[i] + dt_bias[j]));
+            beta[i] = step_sigm(b[i]);
+            decay[i] = expf(ssm_a[j] * step_softplus(a[i] + dt_bias[j]));
         }
         __syncthreads();  // qk is rewritten by the block's next row
     }
@@ -107,11 +95,11 @@ extern "C" __global__ void pf_gdn_out(const float* __restrict__ o, const float* 
             const long long base = (long long)r * nv * dv + (long long)j * dv;
             float ss = 0.0f;
             for (int c = lane; c < dv; c += lanes) ss += o[base + c] * o[base + c];
-            ss = gp_warp_sum(ss);
+            ss = step_warp_sum(ss);
             const float rn = 1.0f / sqrtf(ss / (float)dv + eps);
             for (int c = lane; c < dv; c += lanes) {
                 const float zz = z[base + c];
-                const float act = sigmoid_gate ? gp_sigm(zz) : zz * gp_sigm(zz);
+                const float act = sigmoid_gate ? step_sigm(zz) : zz * step_sigm(zz);
                 y[base + c] = ((o[base + c] * rn) * norm_w[(j * dv + c) % wlen]) * act;
             }
         }

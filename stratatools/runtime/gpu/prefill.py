@@ -47,7 +47,7 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import qsa_select_mask, qsa_selects_all
 
-from stratatools.runtime.gpu.kernels import UNIT, cuda_source
+from stratatools.runtime.gpu.kernels import UNIT, cuda_source, cuda_unit
 
 #: Tokens per chunk (default).
 CHUNK = 512
@@ -113,7 +113,7 @@ def _gdn_module() -> Any:
     """``gdn_prep.cu`` compiled once (multiply-add fusion allowed)."""
     import cupy
 
-    return cupy.RawModule(code=cuda_source("gdn_prep.cu"), options=("--std=c++17",))
+    return cupy.RawModule(code=cuda_unit("gdn_prep.cu"), options=("--std=c++17",))
 
 
 def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,
