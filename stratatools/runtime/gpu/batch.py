@@ -11,8 +11,9 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
   :class:`BatchDecoder` is a subclass) over the N tokens: on CuPy one dequantize-to-float32 + SGEMM per matrix
   for all N tokens; with numpy the float32 matrices of :meth:`Weights.get`;
 * routed experts: on CuPy the per-(token, expert) job kernels (:func:`stratatools.runtime.gpu.experts.expert_ffn`,
-  staged rows, one job per routed entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped
-  pinned host arena for an expert not resident); with numpy the prefill's grouped path over ``expert_fn``;
+  pipelined when every expert is resident, else staged rows, as the batch-1 decoder chooses; one job per routed entry,
+  blob addresses from the tier's slot table: a VRAM slot, or the mapped pinned host arena for an expert not resident);
+  with numpy the prefill's grouped path over ``expert_fn``;
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
   place at once (on CuPy ``gdn_prep.cu``'s conv/norm kernel with each place a sequence of one row, ``pf_gdn_chunk``
   with the places folded into the head axis, then ``gdn_prep.cu``'s output norm and gate: three launches per layer);
@@ -546,6 +547,14 @@ class BatchDecoder(ChunkPrefill):
             return self._moe_gpu(il, x), None, None
         return super()._moe(il, x)
 
+    def _kernels_routed(self) -> str:
+        """The routed experts' kernels (:func:`stratatools.runtime.gpu.experts.decoder_expert_kernels`, as the batch-1
+        decoder chooses them): pipelined when the tier holds every expert, staged when misses are read over the bus."""
+        from stratatools.runtime.gpu.experts import decoder_expert_kernels
+
+        full = getattr(self.rt.tier.policy, "policy", None) == "all-resident"
+        return decoder_expert_kernels(full)[0]
+
     def _moe_gpu(self, il: int, x: Any) -> Any:
         """Router for T tokens (``pf_route``, on the device), routed experts through the job kernels with blob
         addresses from the tier's slot table, the shared expert by SGEMM; ids/weights kept on the device."""
@@ -573,7 +582,8 @@ class BatchDecoder(ChunkPrefill):
         tok, tstart = self._jobs_layout(T)
         jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
                           per_token=k)
-        y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True)
+        y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
+                       kernels=self._kernels_routed())
         self._tic("shared")
         sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
