@@ -1,0 +1,360 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by qmm.py (after prelude.cuh and mma.cuh) and
+// compiled with NVRTC (cupy.RawModule, multiply-add fusion allowed); tests/test_gpu_qmm_host.py compiles it as host
+// C++ (host_kernel_shim.cuh: one thread per block, which plays the 32 lanes of the block's one warp in turn) and
+// checks it against numpy.
+//
+// Tensor-core GEMMs straight from quantized weights, for the batched prefill and the batched decode (issue 12 items 2
+// and 3): Y[t, r] = sum_k X[t, k] W[r, k], W quantized by blocks of BV values with one fp16 scale d per block.
+//
+// Precision: a weight enters mma.m16n8k16 as its exact integer code in fp16 (Q8_0: int8 q; Q2_0: code - 1), the
+// block's scale multiplies the block's float32 partial sum once (Q8_0: 2 k-steps of 16, Q2_0: 4), and an activation
+// row is split (qmm_split) into two halves hi + lo of x 2^-e_t (e_t a power of two per row that puts max |x_t| in
+// [2^14, 2^15)), two products per k-step, the result scaled back by 2^e_t: about 22 significant bits of x, products
+// exact, float32 sums, so the result agrees with a float64 reference to about 1e-6 relative (float32 SGEMM's order).
+//
+// Layouts (F): 0 = "Q8R", dense_q8.cu's re-laid-out Q8_0 (int8 codes [R, K] row-major, fp16 scales [R, K / 32]);
+// 8 = GGUF Q8_0 blocks (34 bytes: fp16 d, 32 int8 codes; llama.cpp ggml-common.h block_q8_0); 42 = GGUF Q2_0 blocks
+// (18 bytes: fp16 d, 16 bytes of 2-bit codes, value j = (qs[j / 4] >> 2 (j % 4)) & 3, (code - 1) d; formats.md 1).
+//
+// k order: the sum over k does not depend on the order, so inside a block the k-steps' columns are assigned to lanes
+// so that each lane reads its weights as one run of VPL = BV / 4 consecutive values: lane c (= lane & 3) takes the
+// block's values [VPL c, VPL c + VPL), step s its values VPL c + 4 s + {0, 1, 2, 3} as the fragment columns
+// {2c, 2c+1, 2c+8, 2c+9} (B's rows likewise), so Q8R is one 8-byte load per row and block, Q2_0 one 4-byte word.
+//
+// Work split: a warp computes 16 weight rows (rows r0 + g and r0 + g + 8 of its lanes) for the block's 8 NT tokens
+// (NT mma column tiles of 8); a block has nw = blockDim / 32 warps (the host build: one) and stages the tokens' hi/lo
+// halves of QMM_KC values at a time in shared memory (all warps use them); each lane loads its own weights straight
+// into registers (the next chunk's while the current one is computed).
+
+#ifndef QMM_KC
+#define QMM_KC 128           // values of k staged at a time (a multiple of 64)
+#endif
+#define QMM_XS (QMM_KC + 32)  // halves of a staged token row (padding: two token rows of a quarter warp's reads on
+                              // different banks)
+#ifndef QMM_THREADS
+#define QMM_THREADS 128
+#endif
+//: tokens of one expert job of the mma expert path (prefill.py JOB_TOKENS_MMA)
+#define QMM_JOB 16
+
+template <int F> struct QFmt;
+template <> struct QFmt<0> { static constexpr int bv = 32, ts = 0, vpl = 8, wpb = 2, steps = 2; };
+template <> struct QFmt<8> { static constexpr int bv = 32, ts = 34, vpl = 8, wpb = 2, steps = 2; };
+template <> struct QFmt<42> { static constexpr int bv = 64, ts = 18, vpl = 16, wpb = 1, steps = 4; };
+
+// Raw weights of one lane for one row and one block: the lane's code words and the block's fp16 scale bits.
+// rowp: the row's first byte (Q8R codes, or the row's first GGUF block); drow: the row's Q8R scales.
+template <int F> __device__ __forceinline__ void qmm_load_raw(const u8* rowp, const u16* drow, int blk, int c,
+                                                             u32* w, u16& d) {
+    if constexpr (F == 0) {
+#ifdef STRATA_HOST
+        const u32* p = reinterpret_cast<const u32*>(rowp + 32 * (long long)blk + 8 * c);
+        w[0] = p[0];
+        w[1] = p[1];
+#else
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(rowp + 32 * (long long)blk + 8 * c));
+        w[0] = v.x;
+        w[1] = v.y;
+#endif
+        d = __ldg(drow + blk);
+    } else {
+        const u8* b = rowp + (long long)QFmt<F>::ts * blk;  // GGUF blocks are 2-byte aligned: 16-bit loads
+        const u16* p = reinterpret_cast<const u16*>(b);
+        d = __ldg(p);
+        const u16* q = reinterpret_cast<const u16*>(b + 2 + 2 * QFmt<F>::wpb * 2 * c);
+        #pragma unroll
+        for (int i = 0; i < QFmt<F>::wpb; ++i) w[i] = (u32)__ldg(q + 2 * i) | ((u32)__ldg(q + 2 * i + 1) << 16);
+    }
+}
+
+// The codes of k-step s as two f16x2 registers: values VPL c + 4 s + {0, 1} and + {2, 3} (exact integers).
+template <int F> __device__ __forceinline__ void qmm_codes(const u32* w, int s, u32& p01, u32& p23) {
+    if constexpr (F == 42) {  // 2^10 + code in the mantissa of 1024 (0x6400), minus 1025: code - 1
+        const u32 b = (w[0] >> (8 * s)) & 0xffu;
+        p01 = mma_hsub2(0x64006400u | (b & 3u) | (((b >> 2) & 3u) << 16), 0x64016401u);
+        p23 = mma_hsub2(0x64006400u | ((b >> 4) & 3u) | (((b >> 6) & 3u) << 16), 0x64016401u);
+    } else {  // int8 q: byte q + 128 in the mantissa of 1024, minus 1152
+        const u32 v = w[s] ^ 0x80808080u;
+        p01 = mma_hsub2(__byte_perm(v, 0x64646464u, 0x4140), 0x64806480u);
+        p23 = mma_hsub2(__byte_perm(v, 0x64646464u, 0x4342), 0x64806480u);
+    }
+}
+
+// Issue the loads of this lane's raw weights of chunk `chunk` (QMM_KC values) of its two rows r0 + g, r0 + g + 8
+// (clamped to R - 1) of each of the NM matrices: wr[lane][m][block][row][word], dr[lane][m][block][row].
+template <int F, int NM>
+__device__ __forceinline__ void qmm_fetch(const u8* const* w, const u16* const* wd, long long rb, int R, int K, int r0,
+                                          int chunk, u32 (*wr)[NM][QMM_KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                          u16 (*dr)[NM][QMM_KC / QFmt<F>::bv][2]) {
+    constexpr int BV = QFmt<F>::bv, BPC = QMM_KC / BV;
+    const int nb = K / BV, b0 = chunk * BPC;
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const long long row = min(r0 + g + 8 * h, R - 1);
+            #pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                const u8* rp = w[m] + row * rb;
+                const u16* dp = F == 0 ? wd[m] + row * (long long)(K / 32) : nullptr;
+                #pragma unroll
+                for (int b = 0; b < BPC; ++b)
+                    if (b0 + b < nb) qmm_load_raw<F>(rp, dp, b0 + b, c, wr[l][m][b][h], dr[l][m][b][h]);
+            }
+        }
+    }
+}
+
+// The product of the 16-row tile of NM matrices (rows r0 .. r0 + 15 of each; rows past R repeat row R - 1 and are
+// not to be written) with the block's 8 NT tokens (tokrow[slot]: the row of xhi / xlo, or -1 for zeros; ldx halves
+// a row): acc[m][n] (+)= the tile's sums, float32 and unscaled by the tokens' 2^e. All threads of the block call it
+// (every warp stages; a warp whose tile lies past R computes on its clamped rows and writes nothing).
+// w[m]: matrix m's first byte; wd[m]: its Q8R scales (F = 0); rb: bytes of a row (F = 0: K).
+template <int F, int NT, int NM>
+__device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* wd, long long rb, int R, int K, int r0,
+                                         const u16* __restrict__ xhi, const u16* __restrict__ xlo, long long ldx,
+                                         const int* tokrow, u16* xs_hi, u16* xs_lo, mma_c (*acc)[NT]) {
+    constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, WPB = QFmt<F>::wpb, S = QFmt<F>::steps;
+    constexpr int BPC = QMM_KC / BV;  // blocks per staged chunk
+    constexpr int TOK = 8 * NT;
+    const int nb = K / BV;
+    const int nchunk = (nb + BPC - 1) / BPC;
+    #pragma unroll
+    for (int m = 0; m < NM; ++m)
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
+    // raw weights of the chunk in flight: [lane][matrix][block][row g / g + 8][word]
+    u32 wr[MMA_LANES][NM][BPC][2][WPB];
+    u16 dr[MMA_LANES][NM][BPC][2];
+    qmm_fetch<F, NM>(w, wd, rb, R, K, r0, 0, wr, dr);
+    for (int chunk = 0; chunk < nchunk; ++chunk) {
+        const int b0 = chunk * BPC;
+        const int nbc = min(BPC, nb - b0);
+        // stage the tokens' halves of this chunk: 16-byte pieces (8 halves), hi then lo
+        const int pieces = nbc * BV / 8;
+        for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
+            const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
+            const int slot = rem / pieces, p = rem - slot * pieces;
+            const int row = tokrow[slot];
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>((lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV) + p);
+            reinterpret_cast<uint4*>((lohi ? xs_lo : xs_hi) + slot * QMM_XS)[p] = v;
+        }
+        __syncthreads();
+        u32 wc[MMA_LANES][NM][BPC][2][WPB];
+        u16 dc[MMA_LANES][NM][BPC][2];
+        for (int l = 0; l < MMA_LANES; ++l)
+            #pragma unroll
+            for (int m = 0; m < NM; ++m)
+                #pragma unroll
+                for (int b = 0; b < BPC; ++b)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        dc[l][m][b][h] = dr[l][m][b][h];
+                        #pragma unroll
+                        for (int q = 0; q < WPB; ++q) wc[l][m][b][h][q] = wr[l][m][b][h][q];
+                    }
+        if (chunk + 1 < nchunk) qmm_fetch<F, NM>(w, wd, rb, R, K, r0, chunk + 1, wr, dr);  // in flight while this chunk is computed
+        #pragma unroll
+        for (int b = 0; b < BPC; ++b) {
+            if (b >= nbc) break;
+            mma_c P[NM][NT];
+            #pragma unroll
+            for (int m = 0; m < NM; ++m)
+                #pragma unroll
+                for (int n = 0; n < NT; ++n) mma_zero(P[m][n]);
+            #pragma unroll
+            for (int s = 0; s < S; ++s) {
+                mma_a A[NM];
+                for (int l = 0; l < MMA_LANES; ++l) {
+                    #pragma unroll
+                    for (int m = 0; m < NM; ++m) {
+                        qmm_codes<F>(wc[l][m][b][0], s, A[m].x[l][0], A[m].x[l][2]);  // row g: a0 a1, a4 a5
+                        qmm_codes<F>(wc[l][m][b][1], s, A[m].x[l][1], A[m].x[l][3]);  // row g + 8: a2 a3, a6 a7
+                    }
+                }
+                #pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    mma_b Bh, Bl;
+                    for (int l = 0; l < MMA_LANES; ++l) {
+                        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+                        const int o = (8 * n + g) * QMM_XS + b * BV + VPL * c + 4 * s;
+                        const u32* ph = reinterpret_cast<const u32*>(xs_hi + o);
+                        const u32* pl = reinterpret_cast<const u32*>(xs_lo + o);
+                        Bh.x[l][0] = ph[0];
+                        Bh.x[l][1] = ph[1];
+                        Bl.x[l][0] = pl[0];
+                        Bl.x[l][1] = pl[1];
+                    }
+                    #pragma unroll
+                    for (int m = 0; m < NM; ++m) {
+                        mma_sync(P[m][n], A[m], Bh);
+                        mma_sync(P[m][n], A[m], Bl);
+                    }
+                }
+            }
+            for (int l = 0; l < MMA_LANES; ++l) {
+                #pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    const float d0 = mma_h2f(dc[l][m][b][0]), d1 = mma_h2f(dc[l][m][b][1]);
+                    #pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        acc[m][n].x[l][0] += d0 * P[m][n].x[l][0];
+                        acc[m][n].x[l][1] += d0 * P[m][n].x[l][1];
+                        acc[m][n].x[l][2] += d1 * P[m][n].x[l][2];
+                        acc[m][n].x[l][3] += d1 * P[m][n].x[l][3];
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the staged chunk is free for the next one
+    }
+}
+
+// ---- activations: hi / lo halves ---------------------------------------------------------------------------------
+// For rows t < T of X (ldx floats a row, K values): e_t = clamp(E - 15, -126, 127) with max |X[t]| in [2^(E-1), 2^E)
+// (0 for an all-zero or non-finite row), hi[t, k] = half(X[t, k] 2^-e_t), lo[t, k] = half(X[t, k] 2^-e_t - hi),
+// sc[t] = 2^e_t. hi, lo: [T, K] (K halves a row). One block per row (grid stride); blockDim a power of two <= 256.
+extern "C" __global__ void qmm_split(const float* __restrict__ X, long long ldx, int T, int K, u16* __restrict__ hi,
+                                     u16* __restrict__ lo, float* __restrict__ sc) {
+    __shared__ float red[256];
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const float* x = X + (long long)t * ldx;
+        float m = 0.0f;
+        for (int k = threadIdx.x; k < K; k += blockDim.x) m = fmaxf(m, fabsf(x[k]));
+        red[threadIdx.x] = m;
+        __syncthreads();
+        for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+            if ((int)threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+            __syncthreads();
+        }
+        m = red[0];
+        __syncthreads();
+        int e = 0;
+        if (m > 0.0f && m <= 3.4028234663852886e38f) {
+            int E;
+            frexpf(m, &E);
+            e = min(127, max(-126, E - 15));
+        }
+        for (int k = threadIdx.x; k < K; k += blockDim.x) {
+            const float v = ldexpf(x[k], -e);
+            const u16 h = mma_f2h(v);
+            hi[(long long)t * K + k] = h;
+            lo[(long long)t * K + k] = mma_f2h(v - mma_h2f(h));
+        }
+        if (threadIdx.x == 0) sc[t] = ldexpf(1.0f, e);
+    }
+}
+
+// ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------
+// W: layout F (w: codes or blocks; wd: Q8R scales, F = 0 only; rb: bytes a row); X given as qmm_split's hi / lo [T, K]
+// and sc [T]; Y [T, ldy] float32 (columns 0 .. R-1 written). K a multiple of the block (32, Q2_0 64).
+// Grid: (ceil(R / (16 nw)), ceil(T / (8 NT))), nw = blockDim / 32 warps (host build: 1).
+template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS) qmm_dense(
+        const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
+        const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
+        int R, int K) {
+    __shared__ __align__(16) u16 xs_hi[8 * NT * QMM_XS];
+    __shared__ __align__(16) u16 xs_lo[8 * NT * QMM_XS];
+    __shared__ int tokrow[8 * NT];
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    const int t0 = blockIdx.y * 8 * NT;
+    for (int s = threadIdx.x; s < 8 * NT; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
+    __syncthreads();
+    const int r0 = (blockIdx.x * nw + warp) * 16;
+    const u8* wm[1] = {w};
+    const u16* dm[1] = {wd};
+    mma_c acc[1][NT];
+    qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs_hi, xs_lo, acc);
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int n = 0; n < NT; ++n)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = r0 + g + (i >= 2 ? 8 : 0);
+                const int t = tokrow[8 * n + 2 * c + (i & 1)];
+                if (row < R && t >= 0) Y[(long long)t * ldy + row] = acc[0][n].x[l][i] * xsc[t];
+            }
+    }
+}
+
+// ---- routed experts: jobs of one expert and up to QMM_JOB tokens (prefill.py expert_jobs) ---------------------------
+// gate/up: Hbuf[j QMM_JOB + s, r] = silu(g) u, g = gate_j[r] . x, u = up_j[r] . x, x = X[job_tok[j QMM_JOB + s]], for
+// job j = blockIdx.y and rows r < Fd (16 nw a block, blockIdx.x); gate_j at job_ptr[j] (a VRAM slot or mapped pinned
+// host memory), up_j = gate_j + Fd rb, rb = H / BV * ts. X as qmm_split's hi / lo [T, H] and sc [T]. Slots with
+// job_tok < 0 are left as they are.
+template <int F> __global__ void __launch_bounds__(QMM_THREADS) qmm_moe_gu(
+        const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u16* __restrict__ xhi,
+        const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Hbuf, int H, int Fd) {
+    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QMM_XS];
+    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QMM_XS];
+    __shared__ int tokrow[QMM_JOB];
+    const int j = blockIdx.y;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    for (int s = threadIdx.x; s < QMM_JOB; s += blockDim.x) tokrow[s] = job_tok[j * QMM_JOB + s];
+    __syncthreads();
+    const int r0 = (blockIdx.x * nw + warp) * 16;
+    const long long rb = (long long)(H / QFmt<F>::bv) * QFmt<F>::ts;
+    const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
+    const u8* wm[2] = {G, G + (long long)Fd * rb};
+    const u16* dm[2] = {nullptr, nullptr};
+    mma_c acc[2][QMM_JOB / 8];
+    qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs_hi, xs_lo, acc);
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int n = 0; n < QMM_JOB / 8; ++n)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = r0 + g + (i >= 2 ? 8 : 0);
+                const int s = 8 * n + 2 * c + (i & 1);
+                const int t = tokrow[s];
+                if (row < Fd && t >= 0) {
+                    const float gs = acc[0][n].x[l][i] * xsc[t], us = acc[1][n].x[l][i] * xsc[t];
+                    Hbuf[((long long)j * QMM_JOB + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
+                }
+            }
+    }
+}
+
+// down: out[job_dst[j QMM_JOB + s], r] = down_j[r] . h for job j = blockIdx.y, rows r < H, h = row j QMM_JOB + s of
+// Hbuf given as qmm_split's hi / lo [J QMM_JOB, Fd] and sc; down_j = job_ptr[j] + doff, rows of Fd values. Slots with
+// job_dst < 0 are skipped (their Hbuf rows are not read). (Launch bounds with a minimum of one block: without it ptxas
+// spilled 8 bytes of the Q2_0 instance at 72 registers.)
+template <int F> __global__ void __launch_bounds__(QMM_THREADS, 1) qmm_moe_down(
+        const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u16* __restrict__ hhi,
+        const u16* __restrict__ hlo, const float* __restrict__ hsc, float* __restrict__ out, int H, int Fd) {
+    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QMM_XS];
+    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QMM_XS];
+    __shared__ int tokrow[QMM_JOB];
+    __shared__ int dst[QMM_JOB];
+    const int j = blockIdx.y;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    for (int s = threadIdx.x; s < QMM_JOB; s += blockDim.x) {
+        dst[s] = job_dst[j * QMM_JOB + s];
+        tokrow[s] = dst[s] >= 0 ? j * QMM_JOB + s : -1;
+    }
+    __syncthreads();
+    const int r0 = (blockIdx.x * nw + warp) * 16;
+    const long long rb = (long long)(Fd / QFmt<F>::bv) * QFmt<F>::ts;
+    const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
+    const u16* dm[1] = {nullptr};
+    mma_c acc[1][QMM_JOB / 8];
+    qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs_hi, xs_lo, acc);
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int n = 0; n < QMM_JOB / 8; ++n)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = r0 + g + (i >= 2 ? 8 : 0);
+                const int s = 8 * n + 2 * c + (i & 1);
+                const int t = tokrow[s];
+                if (row < H && t >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i] * hsc[t];
+            }
+    }
+}

@@ -1,0 +1,239 @@
+"""Tensor-core GEMMs straight from quantized weights (``qmm.cu`` with the ``mma.cuh`` wrapper), for the batched
+prefill and the batched decode (issue 12 items 2 and 3).
+
+``Y[T, R] = X[T, K] W[R, K]^T`` with W in one of :data:`LAYOUTS`: the decoder's re-laid-out Q8_0 (``Q8R``: int8
+codes [R, K] and fp16 scales [R, K / 32], :func:`stratatools.runtime.gpu.kernels.q8_relayout`), or GGUF ``Q8_0`` /
+``Q2_0`` block bytes. X is float32; it is split once per call (:func:`split`) into two fp16 halves of ``x 2^-e_t``
+(``e_t`` a power of two per row), the weights enter ``mma.m16n8k16`` as their exact integer codes and each block's
+scale multiplies the block's float32 partial sum once: the result agrees with a float64 reference to about 1e-6
+relative (see the header of ``qmm.cu``). The routed experts of the prefill run as jobs of one expert and up to
+:data:`JOB_TOKENS` tokens (:func:`moe_gate_up` / :func:`moe_down`, the job table of
+:func:`stratatools.runtime.gpu.prefill.expert_jobs`).
+
+:data:`GEMM_ENV` (``STRATATOOLS_PREFILL_GEMM``) picks the prefill's dense path: ``sgemm`` (default: dequantize to
+float32, cuBLAS SGEMM) or ``mma`` (these kernels where the layout allows). Importing this module needs no CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+from stratatools.runtime.gpu.kernels import cuda_source
+
+#: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
+LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
+#: Values of one quantization block (one fp16 scale) per layout id.
+BLOCK_VALUES: dict[int, int] = {0: 32, 8: 32, 42: 64}
+#: Bytes of one GGUF block per layout id (Q8R: codes only, no blocks).
+BLOCK_BYTES: dict[int, int] = {0: 32, 8: 34, 42: 18}
+#: Token tiles (8 NT tokens a block) the dense kernel is instantiated for.
+TILES = (2, 4, 8)
+#: Threads a block (qmm.cu QMM_THREADS: 4 warps, 16 weight rows each).
+THREADS = 128
+ROWS_PER_BLOCK = 16 * (THREADS // 32)
+#: Tokens of one expert job (qmm.cu QMM_JOB).
+JOB_TOKENS = 16
+SPLIT_THREADS = 256
+#: Environment switch of the prefill's dense GEMMs.
+GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
+GEMMS = ("sgemm", "mma")
+
+
+def prefill_gemm() -> str:
+    """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``sgemm`` (default) or ``mma``. Raises
+    StrataError for another value."""
+    v = os.environ.get(GEMM_ENV, "sgemm").strip().lower() or "sgemm"
+    if v not in GEMMS:
+        raise StrataError(f"{GEMM_ENV}={v!r}: use sgemm or mma")
+    return v
+
+
+def device_source() -> str:
+    """The CUDA translation unit of the qmm kernels (``prelude.cuh``, ``mma.cuh``, ``qmm.cu``)."""
+    return cuda_source("prelude.cuh") + cuda_source("mma.cuh") + cuda_source("qmm.cu")
+
+
+def kernel_names() -> list[str]:
+    """Name expressions of every kernel the module instantiates."""
+    names = ["qmm_split"]
+    names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
+    names += [f"{k}<{f}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42)]
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def module() -> Any:
+    """Compile (once) the qmm kernels with multiply-add fusion allowed (``cupy.RawModule``; needs sm_80 or newer for
+    ``mma.m16n8k16`` with f32 accumulation)."""
+    import cupy
+
+    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=kernel_names())
+
+
+def _fn(name: str) -> Any:
+    return module().get_function(name)
+
+
+def host_source() -> str:
+    """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
+    lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)``,
+    ``host_qmm_moe_gu_<F>`` / ``host_qmm_moe_down_<F>`` (the kernels' parameters) and the wrapper checks
+    ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32: D = A B + C through
+    the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
+    dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
+             "long long ldy, int T, int R, int K", "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K")
+    gu = ("const u64* job_ptr, const int* job_tok, const u16* xhi, const u16* xlo, const float* xsc, float* Hbuf, "
+          "int H, int Fd", "job_ptr, job_tok, xhi, xlo, xsc, Hbuf, H, Fd")
+    dn = ("const u64* job_ptr, long long doff, const int* job_dst, const u16* hhi, const u16* hlo, const float* hsc, "
+          "float* out, int H, int Fd", "job_ptr, doff, job_dst, hhi, hlo, hsc, out, H, Fd")
+    ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
+           "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n"]
+    for f in sorted(set(LAYOUTS.values())):
+        for nt in TILES:
+            ent.append(f'extern "C" void host_qmm_dense_{f}_{nt}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
+                       f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {nt}>({dense[1]}); }});\n}}\n")
+    for f in (8, 42):
+        for name, (decl, call) in (("qmm_moe_gu", gu), ("qmm_moe_down", dn)):
+            ent.append(f'extern "C" void host_{name}_{f}(unsigned gx, unsigned gy, {decl}) {{\n'
+                       f"    host_run_grid(gx, gy, [&]() {{ {name}<{f}>({call}); }});\n}}\n")
+    ent.append(
+        'extern "C" void host_mma_tile(const u16* A, const u16* B, const float* C, float* D) {\n'
+        "    mma_a a; mma_b b; mma_c c;\n"
+        "    for (int l = 0; l < 32; ++l) {\n"
+        "        const int g = l >> 2, t = l & 3;\n"
+        "        for (int m = 0; m < 4; ++m) {\n"
+        "            const int row = g + ((m & 1) ? 8 : 0), col = 2 * t + ((m & 2) ? 8 : 0);\n"
+        "            a.x[l][m] = mma_pack(A[row * 16 + col], A[row * 16 + col + 1]);\n"
+        "        }\n"
+        "        for (int m = 0; m < 2; ++m) {\n"
+        "            const int k = 2 * t + (m ? 8 : 0);\n"
+        "            b.x[l][m] = mma_pack(B[k * 8 + g], B[(k + 1) * 8 + g]);\n"
+        "        }\n"
+        "        for (int i = 0; i < 4; ++i) c.x[l][i] = C[(g + (i >= 2 ? 8 : 0)) * 8 + 2 * t + (i & 1)];\n"
+        "    }\n"
+        "    mma_sync(c, a, b);\n"
+        "    for (int l = 0; l < 32; ++l) {\n"
+        "        const int g = l >> 2, t = l & 3;\n"
+        "        for (int i = 0; i < 4; ++i) D[(g + (i >= 2 ? 8 : 0)) * 8 + 2 * t + (i & 1)] = c.x[l][i];\n"
+        "    }\n"
+        "}\n"
+        'extern "C" void host_f2h(const float* x, u16* h, long long n) { for (long long i = 0; i < n; ++i) h[i] = mma_f2h(x[i]); }\n'
+        'extern "C" void host_h2f(const u16* h, float* x, long long n) { for (long long i = 0; i < n; ++i) x[i] = mma_h2f(h[i]); }\n')
+    return cuda_source("host_kernel_shim.cuh") + device_source() + "".join(ent)
+
+
+# ---- launchers ---------------------------------------------------------------------------------------------------
+def _layout_id(layout: Any) -> int:
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise StrataError(f"qmm: weight layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        return LAYOUTS[layout]
+    if int(layout) not in BLOCK_VALUES:
+        raise StrataError(f"qmm: weight layout id {layout} is not one of {sorted(BLOCK_VALUES)}")
+    return int(layout)
+
+
+def supports(layout: Any, cols: int) -> bool:
+    """Can :func:`dense` multiply a matrix of this layout (name or id; ggml type ids 8 and 42 are the GGUF layouts)
+    with rows of ``cols`` values (whole blocks)?"""
+    try:
+        f = _layout_id(layout)
+    except StrataError:
+        return False
+    return cols > 0 and cols % BLOCK_VALUES[f] == 0
+
+
+def split(X: Any) -> tuple[Any, Any, Any]:
+    """Split float32 activations X [T, K] (CuPy; K a multiple of 8) into (hi, lo) fp16 bits uint16 [T, K] and the
+    row scales sc float32 [T] (powers of two) with X ~= (hi + lo) sc (``qmm_split``). Raises StrataError for another
+    shape."""
+    import cupy as cp
+
+    if X.ndim != 2 or X.shape[1] % 8 or X.shape[0] < 1:
+        raise StrataError(f"qmm: activations of shape {tuple(X.shape)} are not [T >= 1, K] with K a multiple of 8")
+    X = cp.ascontiguousarray(X, dtype=cp.float32)
+    T, K = (int(s) for s in X.shape)
+    hi = cp.empty((T, K), dtype=cp.uint16)
+    lo = cp.empty((T, K), dtype=cp.uint16)
+    sc = cp.empty(T, dtype=cp.float32)
+    _fn("qmm_split")((min(T, 65535),), (SPLIT_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), hi, lo, sc))
+    return hi, lo, sc
+
+
+def token_tile(T: int) -> int:
+    """NT (8 NT tokens a block) of a dense launch for T tokens: 2 up to 16 tokens, 4 up to 32, else 8."""
+    return 2 if T <= 16 else (4 if T <= 32 else 8)
+
+
+def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
+          out: Any = None) -> Any:
+    """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
+    ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
+    ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
+    None. ``xs``: X already split (:func:`split`). Returns ``out`` or a new float32 [T, rows].
+
+    Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
+    or alignment, X not [T, cols]."""
+    f = _layout_id(layout)
+    bv = BLOCK_VALUES[f]
+    if cols <= 0 or cols % bv or rows <= 0:
+        raise StrataError(f"qmm: a {rows} x {cols} matrix is not whole blocks of {bv} values")
+    T = int(X.shape[0])
+    if X.ndim != 2 or int(X.shape[1]) != cols:
+        raise StrataError(f"qmm: activations {tuple(X.shape)} do not match a matrix of {cols} columns")
+    want = rows * cols if f == 0 else rows * (cols // bv) * BLOCK_BYTES[f]
+    nbytes = int(w.nbytes)
+    if nbytes != want:
+        raise StrataError(f"qmm: {nbytes} weight bytes are not a {rows} x {cols} matrix of layout {f} ({want} bytes)")
+    if int(w.data.ptr) % (8 if f == 0 else 2):
+        raise StrataError(f"qmm: weights at {int(w.data.ptr):#x} are not aligned for layout {f}")
+    if f == 0:
+        if wd is None or int(wd.size) != rows * cols // 32:
+            raise StrataError(f"qmm: Q8R scales missing or not {rows * cols // 32} values")
+    import cupy as cp
+
+    hi, lo, sc = xs if xs is not None else split(X)
+    if out is None:
+        out = cp.empty((T, rows), dtype=cp.float32)
+    nt = token_tile(T)
+    rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
+    grid = (-(-rows // ROWS_PER_BLOCK), -(-T // (8 * nt)))
+    _fn(f"qmm_dense<{f}, {nt}>")(grid, (THREADS,), (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out,
+                                                    np.int64(out.shape[1]), np.int32(T), np.int32(rows), np.int32(cols)))
+    return out
+
+
+def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: Any, hbuf: Any, hidden: int,
+                ff: int) -> None:
+    """Gate/up of the routed-expert jobs: ``hbuf[j 16 + s] = silu(gate_j x) * (up_j x)`` for x the row
+    ``job_tok[j 16 + s]`` of the split activations ``xs`` (:func:`split` of X [T, hidden]); ``job_ptr`` uint64 [J]
+    device addresses of the experts' blobs (gate [ff, hidden] then up, GGUF ``layout`` Q8_0 or Q2_0 blocks);
+    ``job_tok`` int32 [J 16] (-1: empty slot, its row left as it is); ``hbuf`` float32 [J 16, ff].
+    Raises StrataError for another layout or rows that are not whole blocks."""
+    f = _layout_id(layout)
+    if f == 0 or hidden % BLOCK_VALUES[f]:
+        raise StrataError(f"qmm: expert rows of {hidden} values in layout {f} have no mma kernel")
+    J = int(job_ptr.size)
+    hi, lo, sc = xs
+    _fn(f"qmm_moe_gu<{f}>")((-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
+                           (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)))
+
+
+def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
+             ff: int) -> None:
+    """Down of the routed-expert jobs: ``out[job_dst[j 16 + s]] = down_j h`` for h the row ``j 16 + s`` of the split
+    hidden activations ``hs`` (:func:`split` of hbuf [J 16, ff]); ``down_j`` at ``job_ptr[j] + doff`` ([hidden, ff],
+    GGUF ``layout`` Q8_0 or Q2_0 blocks); ``job_dst`` int32 [J 16] (-1: skipped); ``out`` float32 [N, hidden].
+    Raises StrataError for another layout or rows that are not whole blocks."""
+    f = _layout_id(layout)
+    if f == 0 or ff % BLOCK_VALUES[f]:
+        raise StrataError(f"qmm: expert rows of {ff} values in layout {f} have no mma kernel")
+    J = int(job_ptr.size)
+    hi, lo, sc = hs
+    _fn(f"qmm_moe_down<{f}>")((-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+                             (job_ptr, np.int64(doff), job_dst, hi, lo, sc, out, np.int32(hidden), np.int32(ff)))

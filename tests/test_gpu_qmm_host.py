@@ -1,0 +1,268 @@
+"""The tensor-core quantized GEMMs (stratatools/runtime/gpu/mma.cuh, qmm.cu) checked on the CPU: the CUDA source
+compiled as host C++ (host_kernel_shim.cuh runs a block as one thread, which plays the 32 lanes of the mma fragments
+in turn) against numpy: the fragment wrapper on one 16x16 by 16x8 product, the float -> half rounding against numpy's,
+the hi/lo activation split, the dense GEMM (Q8R, GGUF Q8_0 and Q2_0; token counts that do not fill a tile, rows that
+do not fill a warp's 16, K not a multiple of the staged chunk) and the routed-expert jobs, against float64 references
+on the reference dequantizer's values. Skips without a C++ compiler."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from stratatools.core.errors import StrataError
+from stratatools.runtime.dequant import dequantize
+from stratatools.runtime.gpu import kernels as K
+from stratatools.runtime.gpu import qmm as Q
+from stratatools.runtime.gpu.prefill import expert_jobs
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the qmm kernels")
+P, I, U, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qmmhost")
+    (d / "qmm.cpp").write_text(Q.host_source())
+    so = d / "qmm.so"
+    r = subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(d / "qmm.cpp")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    h = ctypes.CDLL(str(so))
+    h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
+    for f in sorted(set(Q.LAYOUTS.values())):
+        for nt in Q.TILES:
+            getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I]
+    for f in (8, 42):
+        getattr(h, f"host_qmm_moe_gu_{f}").argtypes = [U, U, P, P, P, P, P, P, I, I]
+        getattr(h, f"host_qmm_moe_down_{f}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
+    h.host_mma_tile.argtypes = [P, P, P, P]
+    h.host_f2h.argtypes = [P, P, LL]
+    h.host_h2f.argtypes = [P, P, LL]
+    return h
+
+
+def _p(a):
+    return a.ctypes.data
+
+
+def _silu_np(a):
+    return a / (1.0 + np.exp(-a))
+
+
+def blocks(rng, tname: str, rows: int, cols: int) -> np.ndarray:
+    """Random valid GGUF blocks of Q8_0 (34 bytes) or Q2_0 (18 bytes): fp16 scales of both signs (one subnormal),
+    codes over the whole range."""
+    bv, tb = (32, 34) if tname == "Q8_0" else (64, 18)
+    nb = rows * cols // bv
+    d = (rng.standard_normal(nb) * 0.02).astype(np.float16)
+    d[0] = np.float16(3e-6)
+    b = np.empty((nb, tb), dtype=np.uint8)
+    b[:, :2] = d.view(np.uint8).reshape(nb, 2)
+    b[:, 2:] = rng.integers(0, 256, size=(nb, tb - 2)).astype(np.uint8)
+    return b.reshape(-1)
+
+
+def wmat(raw: np.ndarray, tname: str, rows: int, cols: int) -> np.ndarray:
+    return np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
+
+
+def acts(rng, T: int, K: int) -> np.ndarray:
+    """Activations with rows of very different magnitude (1e-30 .. 1e30, a zero row, a row with one outlier)."""
+    X = rng.standard_normal((T, K)).astype(np.float32)
+    mags = [1.0, 1e30, 1e-30, 0.0, 3e4, 1e-3]
+    for t in range(min(T, len(mags))):
+        X[t] *= np.float32(mags[t])
+    if T > 6:
+        X[6, 3] = 5e3  # one outlier: the rest of the row sits far below it
+    return X
+
+
+def test_f2h_rounds_like_numpy(lib):
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4000) * s for s in (1e-7, 1e-5, 1e-3, 1.0, 1e3, 6e4)]).astype(np.float32)
+    # ties between halves (normal and subnormal), overflow edges, signed zeros, infinities
+    ties = (np.arange(1, 200, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    x = np.concatenate([x, ties, -ties, np.float32([65504, 65519.99, 65520, 1e6, -1e6, 0.0, -0.0, np.inf, -np.inf,
+                                                    2.0 ** -25, 2.0 ** -25 * 1.0001, 2.0 ** -26, 2.0 ** -14])])
+    x = x.astype(np.float32)
+    h = np.zeros(x.size, dtype=np.uint16)
+    lib.host_f2h(_p(x), _p(h), x.size)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(h, x.astype(np.float16).view(np.uint16))
+    back = np.zeros(x.size, dtype=np.float32)
+    lib.host_h2f(_p(h), _p(back), x.size)
+    assert np.array_equal(back, h.view(np.float16).astype(np.float32))
+
+
+def test_mma_tile_matches_numpy(lib):
+    """One mma.m16n8k16 through the documented fragment layout: D = A B + C (products of halves exact)."""
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((16, 16)).astype(np.float16)
+    B = rng.standard_normal((16, 8)).astype(np.float16)
+    A[3, 5], B[7, 2] = np.float16(2.0 ** -20), np.float16(-3e4)  # a subnormal and a large value
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    D = np.full((16, 8), np.nan, dtype=np.float32)
+    lib.host_mma_tile(_p(np.ascontiguousarray(A.view(np.uint16))), _p(np.ascontiguousarray(B.view(np.uint16))),
+                      _p(C), _p(D))
+    ref = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
+    assert np.array_equal(D, ref)
+    # a different A gives a different D (the layout reaches every element)
+    for r, c in ((0, 0), (15, 15), (8, 9), (7, 8)):
+        A2 = A.copy()
+        A2[r, c] += np.float16(1.0)
+        D2 = np.zeros_like(D)
+        lib.host_mma_tile(_p(np.ascontiguousarray(A2.view(np.uint16))), _p(np.ascontiguousarray(B.view(np.uint16))),
+                          _p(C), _p(D2))
+        ref2 = (A2.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
+        assert np.array_equal(D2, ref2) and not np.array_equal(D2[r], D[r])
+
+
+def split_host(lib, X: np.ndarray):
+    T, Kc = X.shape
+    hi = np.zeros((T, Kc), np.uint16)
+    lo = np.zeros((T, Kc), np.uint16)
+    sc = np.zeros(T, np.float32)
+    lib.host_qmm_split(3, 1, _p(X), Kc, T, Kc, _p(hi), _p(lo), _p(sc))
+    return hi, lo, sc
+
+
+def test_split_keeps_22_bits(lib):
+    rng = np.random.default_rng(2)
+    X = acts(rng, 9, 96)
+    hi, lo, sc = split_host(lib, X)
+    m = np.frexp(np.abs(X).max(axis=1))[1]
+    e = np.where(np.abs(X).max(axis=1) > 0, np.clip(m - 15, -126, 127), 0)
+    assert np.array_equal(sc, np.ldexp(np.float32(1), e).astype(np.float32))
+    scaled = np.abs(X.astype(np.float64)) / sc[:, None].astype(np.float64)
+    assert np.all(scaled.max(axis=1) < 2.0 ** 15)
+    rec = (hi.view(np.float16).astype(np.float64) + lo.view(np.float16).astype(np.float64)) * sc[:, None]
+    rowmax = np.abs(X).max(axis=1, keepdims=True).astype(np.float64)
+    err = np.abs(rec - X)
+    # each value to 2^-22 of itself, or (far below its row's maximum: lo subnormal) to 2^-39 of the row's maximum
+    assert np.all(err <= np.maximum(2.0 ** -22 * np.abs(X), 2.0 ** -38 * rowmax))
+    assert not np.any(hi[3] & 0x7fff) and not np.any(lo[3] & 0x7fff) and sc[3] == 1.0  # the zero row (signed zeros)
+
+
+def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None) -> np.ndarray:
+    f = Q.LAYOUTS[layout]
+    T = X.shape[0]
+    nt = nt or Q.token_tile(T)
+    hi, lo, sc = split_host(lib, X)
+    Y = np.full((T, rows), np.nan, dtype=np.float32)
+    rb = cols if f == 0 else cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
+    gx, gy = -(-rows // 16), -(-T // (8 * nt))  # host blocks: one warp, 16 rows
+    getattr(lib, f"host_qmm_dense_{f}_{nt}")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb, _p(hi), _p(lo),
+                                             _p(sc), _p(Y), rows, T, rows, cols)
+    return Y
+
+
+def check(Y, W, X, tol=2e-6):
+    """|Y - ref| within tol of |W| |x| (the sum of the magnitudes of the products) for every element."""
+    ref = X.astype(np.float64) @ W.T
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W).T
+    assert np.all(np.isfinite(Y))
+    err = np.abs(Y - ref)
+    assert np.all(err <= tol * bound + 1e-300), float((err / np.maximum(bound, 1e-300)).max())
+    return float((err / np.maximum(bound, 1e-300)).max())
+
+
+@pytest.mark.parametrize("layout,rows,cols,T,nt", [
+    ("Q8R", 37, 96, 1, None), ("Q8R", 16, 160, 15, None), ("Q8R", 40, 288, 16, None), ("Q8R", 21, 64, 33, None),
+    ("Q8R", 19, 128, 20, 4), ("Q8_0", 37, 96, 15, None), ("Q8_0", 17, 160, 33, None),
+    ("Q2_0", 37, 320, 1, None), ("Q2_0", 18, 192, 33, None), ("Q2_0", 16, 64, 16, 4)])
+def test_dense_matches_float64(lib, layout, rows, cols, T, nt):
+    rng = np.random.default_rng(rows * 1000 + cols + T)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        W8, Wd = q.view(np.uint8), d
+    else:
+        W8, Wd = raw, None
+    X = acts(rng, T, cols)
+    Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nt)
+    check(Y, W, X)
+
+
+def test_dense_large_rows_precision(lib):
+    """Rows of large magnitude: the result is within ~1e-6 of float64 relative to each row's |W| |x|, also where
+    the row's sum cancels."""
+    rng = np.random.default_rng(7)
+    rows, cols, T = 32, 512, 9
+    raw = blocks(rng, "Q8_0", rows, cols)
+    W = wmat(raw, "Q8_0", rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    X = acts(rng, T, cols) * np.float32(1e3)
+    worst = check(dense_host(lib, "Q8R", q.view(np.uint8), d, X, rows, cols), W, X, tol=1e-6)
+    assert worst < 1e-6
+
+
+def test_launchers_refuse_bad_shapes():
+    with pytest.raises(StrataError, match="layout"):
+        Q.dense(np.zeros((2, 64), np.float32), "Q4_0", np.zeros(8, np.uint8), None, 1, 64)
+    with pytest.raises(StrataError, match="whole blocks"):
+        Q.dense(np.zeros((2, 96), np.float32), "Q2_0", np.zeros(8, np.uint8), None, 1, 96)
+    assert Q.supports("Q8R", 2560) and Q.supports(42, 128) and not Q.supports(42, 96) and not Q.supports(2, 64)
+    assert [Q.token_tile(t) for t in (1, 16, 17, 32, 33, 512)] == [2, 2, 4, 4, 8, 8]
+
+
+def test_prefill_gemm_env(monkeypatch):
+    monkeypatch.delenv(Q.GEMM_ENV, raising=False)
+    assert Q.prefill_gemm() == "sgemm"
+    monkeypatch.setenv(Q.GEMM_ENV, "MMA")
+    assert Q.prefill_gemm() == "mma"
+    monkeypatch.setenv(Q.GEMM_ENV, "tf32")
+    with pytest.raises(StrataError, match="sgemm or mma"):
+        Q.prefill_gemm()
+
+
+@pytest.mark.parametrize("tname,hidden,ff,T,E,k", [("Q2_0", 192, 128, 21, 5, 3), ("Q8_0", 96, 64, 19, 3, 2)])
+def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
+    """Routed experts as jobs of one expert and up to 16 tokens: gate/up with the silu epilogue into hbuf, then down
+    into the pair's own row, against float64 per pair (blobs read through host addresses, as through the slot
+    table's device addresses)."""
+    rng = np.random.default_rng(hidden + T)
+    blobs, mats = [], []
+    for _ in range(E):
+        g, u, dn = blocks(rng, tname, ff, hidden), blocks(rng, tname, ff, hidden), blocks(rng, tname, hidden, ff)
+        blobs.append(np.concatenate([g, u, dn]))
+        mats.append((wmat(g, tname, ff, hidden), wmat(u, tname, ff, hidden), wmat(dn, tname, hidden, ff)))
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    ids[:, 0] = 0  # expert 0 gets every token: more than one job
+    je, jt, jd = expert_jobs(ids, Q.JOB_TOKENS)
+    J = je.size
+    ptr = np.array([blobs[e].ctypes.data for e in je], dtype=np.uint64)
+    X = rng.standard_normal((T, hidden)).astype(np.float32)
+    X[1] *= np.float32(1e4)
+    xh, xl, xs = split_host(lib, X)
+    hbuf = np.full((J * 16, ff), np.nan, dtype=np.float32)
+    f = Q.LAYOUTS[tname]
+    getattr(lib, f"host_qmm_moe_gu_{f}")(-(-ff // 16), J, _p(ptr), _p(jt), _p(xh), _p(xl), _p(xs), _p(hbuf), hidden, ff)
+    used = jt >= 0
+    assert np.all(np.isfinite(hbuf[used])) and np.all(np.isnan(hbuf[~used]))
+    hbuf[~used] = 0.0
+    hh, hl, hs = split_host(lib, hbuf)
+    out = np.full((T * k, hidden), np.nan, dtype=np.float32)
+    doff = 2 * (ff * hidden // Q.BLOCK_VALUES[f]) * Q.BLOCK_BYTES[f]
+    getattr(lib, f"host_qmm_moe_down_{f}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), _p(hh), _p(hl), _p(hs),
+                                           _p(out), hidden, ff)
+    for t in range(T):
+        x = X[t].astype(np.float64)
+        for r in range(k):
+            g, u, dn = mats[ids[t, r]]
+            hg, hu = g @ x, u @ x
+            h = _silu_np(hg) * hu
+            # the hidden row the kernel wrote (float32) is the down's input: check both halves separately
+            slot = int(np.nonzero(jd == t * k + r)[0][0])
+            bound_h = (np.abs(g) @ np.abs(x)) * (np.abs(hu) + 1) + np.abs(_silu_np(hg)) * (np.abs(u) @ np.abs(x))
+            assert np.all(np.abs(hbuf[slot] - h) <= 4e-6 * bound_h + 1e-30)
+            hv = hbuf[slot].astype(np.float64)
+            ref = dn @ hv
+            assert np.all(np.abs(out[t * k + r] - ref) <= 2e-6 * (np.abs(dn) @ np.abs(hv)) + 1e-30)
