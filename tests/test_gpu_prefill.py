@@ -49,7 +49,8 @@ def cpu_rt(kit):
 
 @pytest.mark.kit
 @pytest.mark.parametrize("max_ctx,n_prompt,chunk,group,experts", [(11, 9, 4, 3, "rows"), (64, 37, 8, 5, "rows"),
-                                                                 (64, 37, 8, 5, "gemm"), (64, 30, 64, 32, "gemm")])
+                                                                 (64, 37, 8, 5, "gemm"), (64, 30, 64, 32, "gemm"),
+                                                                 (64, 37, 8, 5, "mma")])
 def test_numpy_prefill_equals_steps(kit, cpu_rt, max_ctx, n_prompt, chunk, group, experts):
     """Chunks (uneven last chunk, blocks completed inside a chunk, queries past the full-selection range on the long
     decoder) leave every cache, the PLE context and the position as the steps do; routing identical, logits equal to
@@ -103,6 +104,30 @@ def test_numpy_prefill_refuses_bad_input(kit, cpu_rt):
     assert dec.pos == 0
 
 
+@pytest.mark.kit
+def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
+    """STRATATOOLS_PREFILL_GEMM picks the dense path (default sgemm); with mma the rows expert path becomes the mma
+    jobs (an explicit gemm path stays); a changed switch makes the decoder build a new prefiller; a bad value is a
+    one-line error."""
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+
+    dec = StaticDecoder(cpu_rt, max_ctx=11)
+    monkeypatch.delenv("STRATATOOLS_PREFILL_GEMM", raising=False)
+    pf = dec.prefiller()
+    assert (pf.gemm, pf.experts) == ("sgemm", "rows")
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", "mma")
+    pf2 = dec.prefiller()
+    assert pf2 is not pf and (pf2.gemm, pf2.experts) == ("mma", "mma") and dec.prefiller() is pf2
+    assert ChunkPrefill(dec, experts="gemm").experts == "gemm"
+    assert ChunkPrefill(dec, gemm="sgemm").experts == "rows"
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", "bf16")
+    with pytest.raises(StrataError, match="STRATATOOLS_PREFILL_GEMM='bf16'"):
+        dec.prefiller()
+    with pytest.raises(StrataError, match="GEMM path 'x'"):
+        ChunkPrefill(dec, gemm="x")
+
+
 def test_expert_jobs_cover_every_pair_once():
     """Jobs hold one expert and at most tt of its tokens, in expert then token order; every (token, rank) pair is in
     exactly one slot, with its token; the rest of the slots are empty."""
@@ -130,16 +155,19 @@ def test_expert_jobs_cover_every_pair_once():
 @pytest.mark.gpu
 @pytest.mark.kit
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
-@pytest.mark.parametrize("model,max_ctx,n_prompt,chunk,slots", [("gguf/model-bf16.gguf", 11, 9, 4, None),
-                                                               ("gguf/model-bf16.gguf", 96, 70, 16, None),
-                                                               ("gguf/model-bf16.gguf", 96, 70, 32, 6),
-                                                               ("quant/model-ISTA-mix.gguf", 96, 70, 512, None)])
-def test_gpu_prefill_matches_steps(kit, model, max_ctx, n_prompt, chunk, slots):
+@pytest.mark.parametrize("model,max_ctx,n_prompt,chunk,slots,gemm", [
+    ("gguf/model-bf16.gguf", 11, 9, 4, None, "sgemm"), ("gguf/model-bf16.gguf", 96, 70, 16, None, "sgemm"),
+    ("gguf/model-bf16.gguf", 96, 70, 32, 6, "sgemm"), ("quant/model-ISTA-mix.gguf", 96, 70, 512, None, "sgemm"),
+    ("quant/model-ISTA-mix.gguf", 96, 70, 512, None, "mma"), ("quant/model-Q2_0.gguf", 96, 70, 32, 6, "mma")])
+def test_gpu_prefill_matches_steps(kit, model, max_ctx, n_prompt, chunk, slots, gemm, monkeypatch):
     """DecoderRuntime: the batched prefill against the token-by-token graph (same prompt, fresh runtimes; all resident,
-    or an LRU tier of ``slots`` per layer whose other experts are read from mapped host memory): logits within 1e-3
-    relative, routed sets agreeing on >= 99.5% of (token, layer), caches close, the same greedy decode."""
+    or an LRU tier of ``slots`` per layer whose other experts are read from mapped host memory; the dense GEMMs as
+    SGEMMs or, ``STRATATOOLS_PREFILL_GEMM=mma``, on the tensor cores straight from the quantized matrices, with the
+    routed experts' mma jobs): logits within 1e-3 relative, routed sets agreeing on >= 99.5% of (token, layer), caches
+    close, the same greedy decode."""
     import cupy as cp
 
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
     from stratatools.cachesim import make_tier
     from stratatools.runtime.gpu.engine import DecoderRuntime
     from stratatools.runtime.gpu.runtime import GPURuntime
@@ -180,7 +208,7 @@ def test_gpu_prefill_matches_steps(kit, model, max_ctx, n_prompt, chunk, slots):
                for a, b in zip(rec_s.ids[l], rec_b.ids[l]))
     total = sum(len(a) for a in rec_s.ids)
     pre = _rel(out["batched_prefill"], out["steps_prefill"])
-    print(f"{model}: routed sets agree {same}/{total}; prompt logits rel {pre:.2e}; last decode logits rel "
+    print(f"{model} ({gemm}): routed sets agree {same}/{total}; prompt logits rel {pre:.2e}; last decode logits rel "
           f"{_rel(lg_b, lg_s):.2e}")
     assert pre < 1e-3
     assert same / total >= 0.995

@@ -1400,13 +1400,15 @@ class StaticDecoder:
         return self._out_event if self.gpu else None
 
     def prefiller(self, chunk: int | None = None, group: int | None = None, experts: str = "rows") -> Any:
-        """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options (made
-        once and kept; its kernels are compiled as it is made and by its ``compile()``)."""
+        """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options and the
+        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM`` (made once and kept while they stay the same; its kernels are
+        compiled as it is made and by its ``compile()``)."""
         from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
+        from stratatools.runtime.gpu.qmm import prefill_gemm
 
         c, g = int(chunk or CHUNK), int(group or GROUP)
         pf = getattr(self, "_prefiller", None)
-        if pf is None or (pf.chunk, pf.group, pf.experts) != (c, g, experts):
+        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm) != (c, g, experts, prefill_gemm()):
             pf = self._prefiller = ChunkPrefill(self, c, g, experts)
         return pf
 

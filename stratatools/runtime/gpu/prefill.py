@@ -19,7 +19,9 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   change during the prompt); every pair's output lands in its own row and the k rows of a token are summed with the
   router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
   blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
-  through two batched SGEMMs;
+  through two batched SGEMMs. ``experts="mma"``: jobs of one expert and up to :data:`JOB_TOKENS_MMA` tokens on the
+  tensor cores (:mod:`stratatools.runtime.gpu.qmm`: codes exact in fp16, the block scale applied once per block,
+  activations split into two halves), Q8_0 and Q2_0 experts (other types take the ``rows`` path);
 * the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] with SiLU, the q/k L2 norms and
   the per-head beta/decay in one launch, and the output's RMS norm and gate in another (``gdn_prep.cu``; array code
   with ``STRATATOOLS_GDN_PREP=0``); the delta-rule recurrence by ``pf_gdn_chunk`` (one block per value head and column slice, the state resident in shared memory
@@ -29,6 +31,12 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   ``0 .. pos0+T-1``; where QSA selects (a query past :func:`stratatools.runtime.gpu.decode.max_full_context`'s range)
   the attended cells are picked per query exactly as :meth:`Qwen4ExpRuntime._select` picks them;
 * PLE and norms: batched array code; the hyper-connection norm, mix and inject as single kernels on CuPy.
+
+Dense GEMM switch (``STRATATOOLS_PREFILL_GEMM``, :func:`stratatools.runtime.gpu.qmm.prefill_gemm`; or the ``gemm``
+argument): ``sgemm`` (default) as above; ``mma``: the dense projections and the shared expert of the decoder's
+re-laid-out Q8_0 (``Q8R``) and of GGUF Q8_0 / Q2_0 matrices through :func:`stratatools.runtime.gpu.qmm.dense` (no
+float32 copy of the matrix; others keep dequantize + SGEMM), and the routed experts on the ``mma`` path where the
+``rows`` path was asked for. :class:`stratatools.runtime.gpu.batch.BatchDecoder` inherits the dense part.
 
 With numpy (a decoder over :class:`stratatools.runtime.model.Qwen4ExpRuntime`) the same code runs on the CPU with
 float32 matrices from :meth:`Weights.get` and experts from the runtime's ``expert_fn`` (tests check the chunk logic
@@ -59,9 +67,12 @@ ATTN_SCORE_BYTES = 128 << 20
 ROUTE_THREADS = 128
 #: Tokens of one expert job (``prefill.cu`` PF_TT): each weight row is decoded once per job.
 JOB_TOKENS = 8
+#: Tokens of one expert job of the ``mma`` expert path (``qmm.cu`` QMM_JOB).
+JOB_TOKENS_MMA = 16
 #: Expert paths: ``rows`` (``pf_moe_gu``/``pf_moe_down``: quantized rows decoded once per job of up to
-#: :data:`JOB_TOKENS` tokens) or ``gemm`` (blobs dequantized to float32 ``group`` at a time, batched SGEMMs).
-EXPERT_PATHS = ("rows", "gemm")
+#: :data:`JOB_TOKENS` tokens), ``gemm`` (blobs dequantized to float32 ``group`` at a time, batched SGEMMs) or ``mma``
+#: (tensor-core jobs of up to :data:`JOB_TOKENS_MMA` tokens, :mod:`stratatools.runtime.gpu.qmm`).
+EXPERT_PATHS = ("rows", "gemm", "mma")
 
 
 def expert_jobs(ids: np.ndarray, tt: int = JOB_TOKENS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -215,6 +226,8 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
     experts_b = 3 * (chunk * k + 1) * n * 4
     if experts == "rows":
         experts_b += (chunk * k + E * (JOB_TOKENS - 1)) * ff * 4
+    elif experts == "mma":  # the jobs' hidden rows and their hi/lo halves, the input's halves
+        experts_b += 2 * (chunk * k + E * (JOB_TOKENS_MMA - 1)) * ff * 4 + chunk * n * 4
     else:
         experts_b += group * blob_bytes_f32 + group * chunk * (n + 3 * ff) * 4 * 2
     attn = min(ATTN_SCORE_BYTES, 4 * 4 * cfg.n_head * chunk * max(1, min(max_ctx, 1 << 30)))
@@ -243,17 +256,26 @@ class ChunkPrefill:
         dec: the decoder whose buffers the prefill fills.
         chunk: tokens per batched forward (1..).
         group: experts dequantized at once (``gemm`` expert path).
-        experts: the routed-expert path, one of :data:`EXPERT_PATHS`.
+        experts: the routed-expert path, one of :data:`EXPERT_PATHS` (``rows`` becomes ``mma`` when ``gemm`` is
+            ``mma``).
+        gemm: the dense GEMM path, ``sgemm`` or ``mma`` (module docstring); None: from ``STRATATOOLS_PREFILL_GEMM``.
     Raises:
-        StrataError: a chunk or group below 1; an unknown expert path.
+        StrataError: a chunk or group below 1; an unknown expert or GEMM path.
     """
 
-    def __init__(self, dec: Any, chunk: int = CHUNK, group: int = GROUP, experts: str = "rows"):
+    def __init__(self, dec: Any, chunk: int = CHUNK, group: int = GROUP, experts: str = "rows",
+                 gemm: str | None = None):
+        from stratatools.runtime.gpu.qmm import GEMMS, prefill_gemm
+
         if chunk < 1 or group < 1:
             raise StrataError(f"prefill chunk {chunk} and expert group {group} must be at least 1")
         if experts not in EXPERT_PATHS:
             raise StrataError(f"expert path {experts!r} is not one of {', '.join(EXPERT_PATHS)}")
-        self.experts = experts
+        self.gemm = prefill_gemm() if gemm is None else str(gemm)
+        if self.gemm not in GEMMS:
+            raise StrataError(f"prefill GEMM path {self.gemm!r} is not one of {', '.join(GEMMS)}")
+        self.asked = (experts, gemm)  # the arguments (StaticDecoder.prefiller compares them)
+        self.experts = "mma" if (experts == "rows" and self.gemm == "mma") else experts
         self.dec, self.rt, self.w, self.cfg, self.xp = dec, dec.rt, dec.w, dec.cfg, dec.xp
         self.gpu = dec.gpu
         self.chunk, self.group = int(chunk), int(group)
@@ -279,6 +301,10 @@ class ChunkPrefill:
         if self.gpu:  # CuPy compiles a RawModule at its first kernel lookup (pf_route is in both modules)
             for exact in (False, True):
                 _module(exact, self._tids[exact]).get_function("pf_route")
+            if self.gemm == "mma" or self.experts == "mma":
+                from stratatools.runtime.gpu import qmm
+
+                qmm.module().get_function("qmm_split")
 
     def run(self, ids: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         """Run the prompt ``ids`` from the decoder's position on; returns (logits of the last token [vocab] (device
@@ -397,12 +423,39 @@ class ChunkPrefill:
         return self._dequant(raw, t, rows, cols)
 
     def _mm(self, X: Any, name: str) -> Any:
-        """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32."""
+        """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32 (on the ``mma`` GEMM path through
+        :meth:`_qmm` where the matrix's layout allows)."""
         self._push("dense")
-        W = self._weight(name)
-        out = self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
+        out = None
+        if self.gpu and self.gemm == "mma":
+            raw, t, rows, cols = self._raw_dev(name)
+            out = self._qmm(X, raw, t, rows, cols)
+        if out is None:
+            W = self._weight(name)
+            out = self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
         self._pop()
         return out
+
+    def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int) -> Any:
+        """X [T, cols] @ W.T on the tensor cores (:func:`stratatools.runtime.gpu.qmm.dense`) for a matrix's device
+        bytes as :meth:`_raw_dev` gives them: the decoder's re-laid-out Q8_0 rows (:class:`_Q8RRows`) or GGUF Q8_0 /
+        Q2_0 blocks. None where the layout has no qmm kernel (the caller dequantizes)."""
+        from stratatools.runtime.gpu import qmm
+
+        cp = self.cp
+        if X.ndim != 2 or int(X.shape[0]) == 0 or int(X.shape[1]) != cols:
+            return None
+        if isinstance(raw, _Q8RRows):
+            if not qmm.supports("Q8R", cols):
+                return None
+            a = raw.row0 * cols
+            return qmm.dense(cp.ascontiguousarray(X, dtype=cp.float32), "Q8R", raw.m.q[a:a + rows * cols],
+                             raw.m.d[a // 32:(a + rows * cols) // 32], rows, cols)
+        if t.name not in ("Q8_0", "Q2_0") or not qmm.supports(t.name, cols):
+            return None
+        if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
+            return None
+        return qmm.dense(cp.ascontiguousarray(X, dtype=cp.float32), t.name, raw, None, rows, cols)
 
     def _rows(self, name: str, ids: np.ndarray) -> Any:
         """Rows ``ids`` of a table (token / PLE embedding), dequantized on the host in one call: [len(ids), ne0]
@@ -782,7 +835,8 @@ class ChunkPrefill:
         x = xp.ascontiguousarray(x, dtype=xp.float32)
         ids, w = self._route(il, x)
         self._tic("experts")
-        ya = (self._experts_rows if self.experts == "rows" else self._experts)(il, x, ids)  # [T k, n], unweighted
+        path = {"rows": self._experts_rows, "gemm": self._experts, "mma": self._experts_mma}[self.experts]
+        ya = path(il, x, ids)  # [T k, n], unweighted
         wd = self._w_dev
         y = xp.sum(ya.reshape(T, k, n) * xp.asarray(wd).reshape(T, k, 1), axis=1)
         self._tic("shared")
@@ -799,22 +853,56 @@ class ChunkPrefill:
         dev, _ptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         t = gu_t if which < 2 else d_t
         rows, cols = (ff, hidden) if which < 2 else (hidden, ff)
+        if self.gemm == "mma":
+            out = self._qmm(X, dev[which], t, rows, cols)
+            if out is not None:
+                return out
         W = self._dequant(dev[which], t, rows, cols)
         return self.cp.matmul(X, W.T)
 
-    def _experts_rows(self, il: int, x: Any, ids: np.ndarray) -> Any:
-        """:meth:`_experts` through jobs of one expert and up to :data:`JOB_TOKENS` tokens (:func:`expert_jobs`): on
-        CuPy ``pf_moe_gu`` + ``pf_moe_down`` read the quantized blobs through the slot table; on numpy the same jobs
-        with float32 matrices."""
+    def _experts_mma(self, il: int, x: Any, ids: np.ndarray) -> Any:
+        """:meth:`_experts_rows`' contract on the tensor cores: jobs of one expert and up to :data:`JOB_TOKENS_MMA`
+        tokens (:func:`expert_jobs`), ``qmm_moe_gu`` (gate and up, silu(gate) * up into the jobs' hidden rows) and
+        ``qmm_moe_down`` (each pair's unweighted output row) reading the blobs through the slot table; experts of
+        another type than Q8_0 / Q2_0 (or rows that are not whole blocks) go through :meth:`_experts_rows`. On numpy
+        the same jobs with float32 matrices."""
+        if not self.gpu:
+            return self._experts_rows(il, x, ids, JOB_TOKENS_MMA)
+        from stratatools.runtime.gpu import qmm
+
+        cp = self.cp
+        ly = self.rt.tier.arena.layers[il]
+        hidden, ff = ly.hidden, ly.ff
+        if not (qmm.supports(ly.gu_type.id, hidden) and qmm.supports(ly.d_type.id, ff)
+                and ly.gu_type.id in (8, 42) and ly.d_type.id in (8, 42)):
+            return self._experts_rows(il, x, ids)
         T, n = x.shape
         N = int(ids.size)
-        je, jt, jd = expert_jobs(ids, JOB_TOKENS)
+        tt = JOB_TOKENS_MMA
+        je, jt, jd = expert_jobs(ids, tt)
+        J = int(je.size)
+        ptr = cp.asarray(self._slots[il][je].astype(np.uint64))
+        xs = qmm.split(cp.ascontiguousarray(x, dtype=cp.float32))
+        hbuf = cp.zeros((J * tt, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
+        qmm.moe_gate_up(ptr, cp.asarray(jt), xs, ly.gu_type.id, hbuf, hidden, ff)
+        hs = qmm.split(hbuf)
+        out = cp.empty((N, n), dtype=cp.float32)
+        qmm.moe_down(ptr, 2 * ly.gate_bytes, cp.asarray(jd), hs, ly.d_type.id, out, hidden, ff)
+        return out
+
+    def _experts_rows(self, il: int, x: Any, ids: np.ndarray, tt: int = JOB_TOKENS) -> Any:
+        """:meth:`_experts` through jobs of one expert and up to :data:`JOB_TOKENS` tokens (:func:`expert_jobs`): on
+        CuPy ``pf_moe_gu`` + ``pf_moe_down`` read the quantized blobs through the slot table; on numpy the same jobs
+        (of up to ``tt`` tokens) with float32 matrices."""
+        T, n = x.shape
+        N = int(ids.size)
+        je, jt, jd = expert_jobs(ids, tt if not self.gpu else JOB_TOKENS)
         J = int(je.size)
         if not self.gpu:
             out = np.zeros((N, n), dtype=np.float32)
             for j in range(J):
                 g, u, d = (np.asarray(a, dtype=np.float32) for a in self.rt.expert_fn(il, int(je[j])))
-                tok, dst = jt[j * JOB_TOKENS:(j + 1) * JOB_TOKENS], jd[j * JOB_TOKENS:(j + 1) * JOB_TOKENS]
+                tok, dst = jt[j * tt:(j + 1) * tt], jd[j * tt:(j + 1) * tt]
                 X = np.where((tok >= 0)[:, None], x[np.maximum(tok, 0)], np.float32(0))
                 h = self._silu_mul(X @ g.T, X @ u.T)
                 y = h @ d.T

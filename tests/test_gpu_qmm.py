@@ -1,0 +1,90 @@
+"""The tensor-core quantized GEMMs (stratatools/runtime/gpu/qmm.py) on a GPU: the dense kernel for every layout and
+token counts from 1 to a full chunk against float64 and against the prefill's dequantize + SGEMM path on the same
+matrices; the routed-expert job kernels with blobs in VRAM against float64 per (token, expert) pair. Skips without
+CuPy and a GPU (tests/test_gpu_qmm_host.py checks the same kernels as host C++ in CI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stratatools.runtime import gpu
+from stratatools.runtime.dequant import dequantize
+
+pytestmark = pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+
+
+def _blocks(rng, tname, rows, cols):
+    bv, tb = (32, 34) if tname == "Q8_0" else (64, 18)
+    nb = rows * cols // bv
+    d = (rng.standard_normal(nb) * 0.02).astype(np.float16)
+    b = np.empty((nb, tb), dtype=np.uint8)
+    b[:, :2] = d.view(np.uint8).reshape(nb, 2)
+    b[:, 2:] = rng.integers(0, 256, size=(nb, tb - 2)).astype(np.uint8)
+    return b.reshape(-1)
+
+
+@pytest.mark.parametrize("layout,rows,cols", [("Q8R", 2560, 2560), ("Q8R", 300, 1056), ("Q8_0", 520, 640),
+                                              ("Q2_0", 264, 1024)])
+@pytest.mark.parametrize("T", [1, 15, 16, 33, 512])
+def test_gpu_dense_matches_float64_and_sgemm(layout, rows, cols, T):
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+    from stratatools.runtime.gpu import qmm
+
+    rng = np.random.default_rng(rows + T)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = _blocks(rng, tname, rows, cols)
+    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    X[0] *= np.float32(1e4)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        Y = qmm.dense(cp.asarray(X), "Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
+    else:
+        Y = qmm.dense(cp.asarray(X), tname, cp.asarray(raw), None, rows, cols)
+    Y = cp.asnumpy(Y).astype(np.float64)
+    ref = X.astype(np.float64) @ W.T.astype(np.float64)
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W.T.astype(np.float64))
+    assert np.all(np.abs(Y - ref) <= 1e-5 * bound + 1e-30)
+    sg = cp.asnumpy(cp.asarray(X) @ cp.asarray(W).T).astype(np.float64)  # the SGEMM path's product
+    rel_q = np.abs(Y - ref).max() / np.abs(ref).max()
+    rel_s = np.abs(sg - ref).max() / np.abs(ref).max()
+    print(f"{layout} {rows}x{cols} T={T}: qmm rel {rel_q:.2e}, sgemm rel {rel_s:.2e}")
+    assert rel_q < 1e-5
+
+
+@pytest.mark.parametrize("tname,hidden,ff", [("Q2_0", 1024, 512), ("Q8_0", 512, 256)])
+def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.prefill import expert_jobs
+
+    rng = np.random.default_rng(hidden)
+    E, T, k = 6, 77, 4
+    blobs, mats = [], []
+    for _ in range(E):
+        g, u, dn = _blocks(rng, tname, ff, hidden), _blocks(rng, tname, ff, hidden), _blocks(rng, tname, hidden, ff)
+        blobs.append(cp.asarray(np.concatenate([g, u, dn])))
+        mats.append([np.asarray(dequantize(a, tname, r * c)).reshape(r, c).astype(np.float64)
+                     for a, r, c in ((g, ff, hidden), (u, ff, hidden), (dn, hidden, ff))])
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    je, jt, jd = expert_jobs(ids, qmm.JOB_TOKENS)
+    ptr = cp.asarray(np.array([int(blobs[e].data.ptr) for e in je], dtype=np.uint64))
+    X = rng.standard_normal((T, hidden)).astype(np.float32)
+    hbuf = cp.zeros((je.size * qmm.JOB_TOKENS, ff), dtype=cp.float32)
+    qmm.moe_gate_up(ptr, cp.asarray(jt), qmm.split(cp.asarray(X)), tname, hbuf, hidden, ff)
+    out = cp.full((T * k, hidden), cp.nan, dtype=cp.float32)
+    bv, bb = qmm.BLOCK_VALUES[qmm.LAYOUTS[tname]], qmm.BLOCK_BYTES[qmm.LAYOUTS[tname]]
+    qmm.moe_down(ptr, 2 * ff * hidden // bv * bb, cp.asarray(jd), qmm.split(hbuf), tname, out, hidden, ff)
+    out = cp.asnumpy(out).astype(np.float64)
+    ref = np.empty_like(out)
+    for t in range(T):
+        x = X[t].astype(np.float64)
+        for r in range(k):
+            g, u, dn = mats[ids[t, r]]
+            hg = g @ x
+            ref[t * k + r] = dn @ (hg / (1.0 + np.exp(-hg)) * (u @ x))
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
