@@ -266,3 +266,122 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
             hv = hbuf[slot].astype(np.float64)
             ref = dn @ hv
             assert np.all(np.abs(out[t * k + r] - ref) <= 2e-6 * (np.abs(dn) @ np.abs(hv)) + 1e-30)
+
+
+# ---- the Python launchers and the prefill's mma paths, run on the host kernels through a stand-in for CuPy --------
+class HostArr(np.ndarray):
+    """A numpy array that answers ``.data.ptr`` as a CuPy array does (its host address)."""
+
+    @property
+    def data(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
+def _h(a, dtype=None):
+    return np.ascontiguousarray(np.asarray(a, dtype=dtype)).view(HostArr)
+
+
+def _fake_cupy():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        float32=np.float32, uint16=np.uint16, int32=np.int32, uint64=np.uint64, nan=np.nan,
+        asarray=lambda a, dtype=None: _h(np.array(a, dtype=dtype)),
+        ascontiguousarray=lambda a, dtype=None: _h(a, dtype),
+        empty=lambda shape, dtype=np.float32: _h(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0xAB, dtype)),
+        zeros=lambda shape, dtype=np.float32: _h(np.zeros(shape, dtype)))
+
+
+@pytest.fixture
+def hostcp(lib, monkeypatch):
+    """qmm's kernels looked up as the host build's entries (a device block of 4 warps = 4 host blocks of one warp),
+    CuPy replaced by numpy arrays with ``.data.ptr``."""
+    import sys
+
+    def fn(name):
+        base, _, targs = name.partition("<")
+        entry = "host_" + base + "".join("_" + p.strip() for p in targs.rstrip(">").split(",") if p.strip())
+        f = getattr(lib, entry)
+
+        def launch(grid, block, args):
+            gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
+            if base != "qmm_split":
+                gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
+            f(gx, gy, *[a.ctypes.data if isinstance(a, np.ndarray) else (a.item() if isinstance(a, np.generic) else a)
+                        for a in args])
+        return launch
+
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(Q, "_fn", fn)
+    return fake
+
+
+@pytest.mark.parametrize("layout,T", [("Q8R", 1), ("Q8R", 70), ("Q8_0", 20), ("Q2_0", 33)])
+def test_dense_launcher_on_host(hostcp, layout, T):
+    """qmm.dense / qmm.split: argument order and grid as the device launch has them (rows of 4 warps), against
+    float64."""
+    rng = np.random.default_rng(T)
+    rows, cols = 70, 192
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    X = acts(rng, T, cols)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        Y = Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols)
+    else:
+        Y = Q.dense(_h(X), tname, _h(raw), None, rows, cols)
+    check(np.asarray(Y), W, X)
+    with pytest.raises(StrataError, match="weight bytes"):
+        Q.dense(_h(X), tname if layout != "Q8R" else "Q8_0", _h(raw[:-2]), None, rows, cols)
+    with pytest.raises(StrataError, match="do not match"):
+        Q.dense(_h(X[:, :64]), "Q8_0", _h(raw), None, rows, cols)
+
+
+def test_prefill_qmm_and_expert_paths_on_host(hostcp):
+    """ChunkPrefill._qmm on a decoder's stacked Q8R group (the second matrix's rows) and on GGUF blocks; the mma
+    expert path (_experts_mma: jobs, slot-table addresses, split, gate/up, down) against float64; another expert type
+    falls back to the rows path."""
+    from types import SimpleNamespace
+
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu.prefill import ChunkPrefill, _Q8RRows
+
+    rng = np.random.default_rng(11)
+    pf = ChunkPrefill.__new__(ChunkPrefill)
+    pf.gpu, pf.cp, pf.k = True, hostcp, 3
+    q8 = type_by_name("Q8_0")
+    r1, r2, cols = 48, 40, 256
+    raw1, raw2 = blocks(rng, "Q8_0", r1, cols), blocks(rng, "Q8_0", r2, cols)
+    q, d = K.q8_relayout(np.concatenate([raw1, raw2]), r1 + r2, cols)
+    grp = SimpleNamespace(q=_h(q), d=_h(d))
+    X = acts(rng, 21, cols)
+    check(np.asarray(pf._qmm(_h(X), _Q8RRows(grp, r1), q8, r2, cols)), wmat(raw2, "Q8_0", r2, cols), X)
+    check(np.asarray(pf._qmm(_h(X), _h(raw1), q8, r1, cols)), wmat(raw1, "Q8_0", r1, cols), X)
+    assert pf._qmm(_h(X), _h(raw1), type_by_name("Q4_0"), r1, cols) is None
+
+    hidden, ff, E, T = 128, 64, 4, 23
+    q2 = type_by_name("Q2_0")
+    blobs, mats = [], []
+    for _ in range(E):
+        g, u, dn = blocks(rng, "Q2_0", ff, hidden), blocks(rng, "Q2_0", ff, hidden), blocks(rng, "Q2_0", hidden, ff)
+        blobs.append(_h(np.concatenate([g, u, dn])))
+        mats.append((wmat(g, "Q2_0", ff, hidden), wmat(u, "Q2_0", ff, hidden), wmat(dn, "Q2_0", hidden, ff)))
+    ly = SimpleNamespace(hidden=hidden, ff=ff, gu_type=q2, d_type=q2, gate_bytes=ff * hidden // 64 * 18)
+    pf.rt = SimpleNamespace(tier=SimpleNamespace(arena=SimpleNamespace(layers=[ly])))
+    pf._slots = [np.array([b.ctypes.data for b in blobs], dtype=np.uint64)]
+    ids = np.stack([rng.permutation(E)[:pf.k] for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    out = np.asarray(pf._experts_mma(0, _h(x), ids))
+    for t in range(T):
+        for r in range(pf.k):
+            g, u, dn = mats[ids[t, r]]
+            hg = g @ x[t].astype(np.float64)
+            ref = dn @ (_silu_np(hg) * (u @ x[t].astype(np.float64)))
+            assert np.abs(out[t * pf.k + r] - ref).max() <= 1e-5 * np.abs(ref).max()
+    ly.d_type = type_by_name("Q4_0")
+    pf._experts_rows = lambda il, xx, ii: "rows path"
+    assert pf._experts_mma(0, _h(x), ids) == "rows path"

@@ -1,0 +1,244 @@
+"""Tensor-core GEMMs straight from quantized weights (``stratatools/runtime/gpu/qmm.py``, issue 12 items 2 and 3)
+against the batched prefill's earlier paths, on the full-width synthetic model. A benchmark, not a timed test: every
+comparison runs in the same process on the same loaded model and inputs.
+
+Steps: synthesize the model (``stratatools synth --full-width --layers L --experts E --types gu=Q2_0,down=Q2_0``;
+dense matrices Q8_0), or reuse it (``--reuse``, or ``--gguf`` a model made elsewhere), load it once into a
+:class:`stratatools.runtime.gpu.engine.DecoderRuntime` (batched prefill) and warm it on a short prompt (the fused step
+re-lays out its Q8_0 matrices: ``Q8R``), then:
+
+1. dense: every distinct dense matrix shape of one gated-DeltaNet layer and one attention layer (and the shared
+   expert), as the prefill reads it (``ChunkPrefill._raw_dev``: the decoder's Q8R rows or GGUF bytes), for T in
+   ``--tokens`` (default 1, 8, 32, 128, 512): ``qmm.dense`` (split of X included) against the ``sgemm`` path (the
+   matrix dequantized to float32, then cuBLAS SGEMM: what ``_mm`` did), each timed with CUDA events over ``--reps``
+   launches after a warm-up; prints ms, TFLOP/s (2 T R K / time), the ratio sgemm / qmm (> 1: qmm faster) and the
+   largest difference between the two relative to the SGEMM result's largest magnitude;
+2. routed experts of one ``--prompt``-token chunk (layer 0's router on the hidden states of random activations):
+   the ``mma`` job path (``_experts_mma``, 16-token jobs) against the ``rows`` path (``_experts_rows``: CUDA-core
+   jobs of 8 tokens), ms each, ratio, relative difference;
+3. the prefill of a ``--prompt``-token prompt (the prompt suite's text) with ``STRATATOOLS_PREFILL_GEMM=sgemm`` and
+   ``=mma`` (each after a warm-up prefill that compiles its kernels): tok/s of both, their ratio, the last token's
+   logits relative error of mma against sgemm (issue 12 item 4: <= 1e-3) and the router top-k agreement over
+   (token, layer) (>= 99.5%), then a per-part breakdown of one mma prefill (host-timed with a device
+   synchronisation between parts).
+
+Usage: python bench/bench_qmm.py --workdir /tmp/qmm [--layers 8 --experts 256 --prompt 512 --tokens 1,8,32,128,512
+       --reps 20 --reuse | --gguf model.gguf] [--skip dense,experts,prefill] [--out res.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def cuda_ms(cp, fn, reps: int) -> float:
+    """Mean milliseconds of ``fn()`` over ``reps`` calls (CUDA events around the whole loop, after two warm-up
+    calls)."""
+    for _ in range(2):
+        fn()
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return cp.cuda.get_elapsed_time(s, e) / reps
+
+
+def dense_names(model, cfg) -> list[str]:
+    """Dense matrices (quantized, two or more rows) of the first recurrent and the first attention layer and of the
+    first layer's shared expert and router."""
+    want = []
+    for rec in (True, False):
+        il = next((i for i in range(cfg.n_layer) if bool(cfg.recurrent[i]) == rec), None)
+        if il is not None:
+            want.append(f"blk.{il}.")
+    out = []
+    for t in model.iter_tensors():
+        if not any(t.name.startswith(p) for p in want) or "_exps." in t.name or len(t.ne) < 2 or int(t.ne[1]) < 2:
+            continue
+        if t.type.name in ("F32", "F16", "BF16"):
+            continue
+        out.append(t.name)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", default="/tmp/qmm")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tokens", default="1,8,32,128,512")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip", default="", help="parts to skip: dense, experts, prefill (comma-separated)")
+    ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--gguf", default=None, help="a full-width model made elsewhere (skips the synthesis)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    wd = Path(a.workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    t0 = time.perf_counter()
+    if a.gguf:
+        gguf = a.gguf
+    else:
+        mdir = wd / f"model{a.layers}x{a.experts}"
+        if not (a.reuse and list(mdir.glob("*.gguf"))):
+            subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
+                            "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
+                            "--force", "--json"], check=True, capture_output=True, env=env)
+        gguf = str(sorted(mdir.glob("*.gguf"))[0])
+    res: dict = {"args": vars(a), "synth_s": time.perf_counter() - t0}
+    print(f"model {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB), synth/reuse {res['synth_s']:.0f} s", flush=True)
+
+    import cupy as cp
+
+    from bench_gpu_run import env_vars, free_device, suite_prompt_ids
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    ids = suite_prompt_ids(gguf, a.prompt + 64)
+    prompt, warm = ids[:a.prompt], ids[a.prompt:a.prompt + 32]
+    t0 = time.perf_counter()
+    w = load(gguf, xp=cp)
+    grt = GPURuntime(w, policy=None, miss_mode="host")
+    rt = DecoderRuntime(grt, max_ctx=a.prompt + 72, prefill="batched", prefill_chunk=a.prompt)
+    st = rt.new_state()
+    rt.forward(warm, st)  # compiles, captures the step (its Q8_0 matrices re-laid out), uploads the dense matrices
+    cp.cuda.Device().synchronize()
+    res["load_s"] = time.perf_counter() - t0
+    print(f"loaded and warmed in {res['load_s']:.0f} s", flush=True)
+    dec, cfg = rt.dec, w.cfg
+    pf = ChunkPrefill(dec, a.prompt, 8, "rows", gemm="mma")
+    pf.compile()
+    pf._slots = dec.rt.tier.slot_table()
+    rng = np.random.default_rng(0)
+
+    # 1. dense shapes ------------------------------------------------------------------------------------------
+    if "dense" not in skip:
+        rows_out = []
+        seen = set()
+        names = dense_names(w.model, cfg)
+        print(f"\ndense: {len(names)} matrices of layers with a recurrent / attention mixer; T in {a.tokens}")
+        print(f"{'matrix':34s} {'type':5s} {'rows x cols':>13s} {'T':>4s} {'sgemm ms':>9s} {'qmm ms':>8s} "
+              f"{'sgemm TF/s':>10s} {'qmm TF/s':>9s} {'ratio':>6s} {'rel diff':>9s}")
+        for name in names:
+            raw, t, R, Kc = pf._raw_dev(name)
+            kind = "Q8R" if type(raw).__name__ == "_Q8RRows" else t.name
+            key = (kind, R, Kc)
+            if key in seen:
+                continue
+            seen.add(key)
+            for T in [int(v) for v in a.tokens.split(",")]:
+                X = cp.asarray(rng.standard_normal((T, Kc)).astype(np.float32))
+                yq = pf._qmm(X, raw, t, R, Kc)
+                if yq is None:
+                    print(f"{name:34s} {kind:5s} {R:6d}x{Kc:<6d}: no qmm kernel for this layout")
+                    break
+
+                def run_sgemm():
+                    return cp.matmul(X, pf._dequant(raw, t, R, Kc).T)
+
+                ys = run_sgemm()
+                rel = float(cp.abs(yq - ys).max() / cp.abs(ys).max())
+                ms_s = cuda_ms(cp, run_sgemm, a.reps)
+                ms_q = cuda_ms(cp, lambda: pf._qmm(X, raw, t, R, Kc), a.reps)
+                fl = 2.0 * T * R * Kc
+                r = {"matrix": name, "layout": kind, "rows": R, "cols": Kc, "T": T, "sgemm_ms": ms_s, "qmm_ms": ms_q,
+                     "sgemm_tflops": fl / ms_s / 1e9, "qmm_tflops": fl / ms_q / 1e9, "ratio": ms_s / ms_q,
+                     "rel_diff": rel}
+                rows_out.append(r)
+                print(f"{name:34s} {kind:5s} {R:6d}x{Kc:<6d} {T:4d} {ms_s:9.3f} {ms_q:8.3f} {r['sgemm_tflops']:10.2f} "
+                      f"{r['qmm_tflops']:9.2f} {r['ratio']:6.2f} {rel:9.2e}", flush=True)
+        res["dense"] = rows_out
+        for T in [int(v) for v in a.tokens.split(",")]:
+            sel = [r for r in rows_out if r["T"] == T]
+            if sel:
+                ts, tq = sum(r["sgemm_ms"] for r in sel), sum(r["qmm_ms"] for r in sel)
+                print(f"  T={T:4d}: all shapes once: sgemm {ts:.3f} ms, qmm {tq:.3f} ms, ratio {ts / tq:.2f}")
+        free_device(cp)
+
+    # 2. routed experts of one chunk ---------------------------------------------------------------------------
+    if "experts" not in skip:
+        T = a.prompt
+        x = cp.asarray((rng.standard_normal((T, cfg.n_embd)) * 0.5).astype(np.float32))
+        ids_r, _ = pf._route(0, x)
+        ly = dec.rt.tier.arena.layers[0]
+        y_rows = pf._experts_rows(0, x, ids_r)
+        y_mma = pf._experts_mma(0, x, ids_r)
+        rel = float(cp.abs(y_mma - y_rows).max() / cp.abs(y_rows).max())
+        ms_r = cuda_ms(cp, lambda: pf._experts_rows(0, x, ids_r), max(3, a.reps // 4))
+        ms_m = cuda_ms(cp, lambda: pf._experts_mma(0, x, ids_r), max(3, a.reps // 4))
+        n_pairs = int(ids_r.size)
+        fl = 2.0 * n_pairs * 3 * ly.hidden * ly.ff
+        res["experts"] = {"T": T, "pairs": n_pairs, "gu_type": ly.gu_type.name, "d_type": ly.d_type.name,
+                          "rows_ms": ms_r, "mma_ms": ms_m, "ratio": ms_r / ms_m, "rel_diff": rel,
+                          "rows_tflops": fl / ms_r / 1e9, "mma_tflops": fl / ms_m / 1e9}
+        print(f"\nrouted experts, layer 0, {T} tokens x k={pf.k} ({ly.gu_type.name}/{ly.d_type.name}, hidden {ly.hidden}, "
+              f"ff {ly.ff}): rows {ms_r:.2f} ms ({fl / ms_r / 1e9:.1f} TFLOP/s useful), mma {ms_m:.2f} ms "
+              f"({fl / ms_m / 1e9:.1f} TFLOP/s), rows/mma {ms_r / ms_m:.2f}x, rel diff {rel:.2e}", flush=True)
+        free_device(cp)
+
+    # 3. the prefill with both settings -------------------------------------------------------------------------
+    if "prefill" not in skip:
+        out = {}
+        for gemm in ("sgemm", "mma"):
+            with env_vars({qmm.GEMM_ENV: gemm}):
+                dec.load_state(rt.new_state())
+                dec.prefill(warm)  # builds this setting's prefiller, compiles its kernels
+                dec.load_state(rt.new_state())
+                cp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                lg, tids, _ = dec.prefill(prompt)
+                lg_h = cp.asnumpy(lg).astype(np.float64)
+                dt = time.perf_counter() - t0
+                out[gemm] = (dt, lg_h, tids)
+                print(f"prefill {a.prompt} tokens, {gemm:5s}: {a.prompt / dt:9.1f} tok/s ({dt:.3f} s)", flush=True)
+                if gemm == "mma":
+                    p2 = dec.prefiller()
+                    dec.load_state(rt.new_state())
+                    p2.timing, p2._tlast = {}, None
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    dec.prefill(prompt)
+                    cp.cuda.Device().synchronize()
+                    tot = time.perf_counter() - t0
+                    p2.timing.pop("end", None)
+                    res["mma_breakdown_s"] = dict(p2.timing)
+                    print(f"breakdown of one mma prefill (synchronised parts, {tot:.3f} s in all):")
+                    for k, v in sorted(p2.timing.items(), key=lambda kv: -kv[1]):
+                        print(f"  {k:10s} {v * 1e3:8.1f} ms  {v / tot:6.1%}")
+                    p2.timing = None
+        (ds, ls, is_), (dm, lm, im) = out["sgemm"], out["mma"]
+        rel = float(np.abs(lm - ls).max() / np.abs(ls).max())
+        same = int(sum(set(is_[t, l].tolist()) == set(im[t, l].tolist())
+                       for t in range(is_.shape[0]) for l in range(is_.shape[1])))
+        total = is_.shape[0] * is_.shape[1]
+        res["prefill"] = {"sgemm_tok_s": a.prompt / ds, "mma_tok_s": a.prompt / dm, "ratio": ds / dm,
+                          "logits_rel": rel, "topk_agree": same / total}
+        print(f"prefill mma/sgemm {ds / dm:.2f}x; last logits rel. error {rel:.2e}; router top-k agreement "
+              f"{same}/{total} = {same / total:.4%}", flush=True)
+    if a.out:
+        from stratatools.core.fsutil import write_json_atomic
+
+        write_json_atomic(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
