@@ -126,6 +126,13 @@ def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
         dec.prefiller()
     with pytest.raises(StrataError, match="GEMM path 'x'"):
         ChunkPrefill(dec, gemm="x")
+    from stratatools.runtime.gpu.prefill import JOB_TOKENS, JOB_TOKENS_MMA, prefill_scratch_bytes
+
+    cfg = cpu_rt.cfg  # the mma jobs' hidden rows (16-token jobs) and their halves take more than the rows path's
+    extra = prefill_scratch_bytes(cfg, 0, experts="mma") - prefill_scratch_bytes(cfg, 0, experts="rows")
+    E, ff, k = max(cfg.n_expert), cfg.n_ff_exp, cfg.n_expert_used
+    assert extra == (2 * (512 * k + E * (JOB_TOKENS_MMA - 1)) - (512 * k + E * (JOB_TOKENS - 1))) * ff * 4 \
+        + 512 * cfg.n_embd * 4
 
 
 def test_expert_jobs_cover_every_pair_once():

@@ -142,8 +142,10 @@ def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
     """Device bytes of the batched prefill's temporaries (:class:`stratatools.runtime.gpu.prefill.ChunkPrefill` with
     its default chunk, at most ``max_ctx`` tokens, and expert group): see
     :func:`stratatools.runtime.gpu.prefill.prefill_scratch_bytes`; the largest dense matrix is taken over the trunk's
-    matrices other than the embedding tables and the output head (which runs as a matvec)."""
+    matrices other than the embedding tables and the output head (which runs as a matvec); the routed experts' share
+    of the path ``STRATATOOLS_PREFILL_GEMM`` selects (``mma``: the tensor-core jobs)."""
     from stratatools.runtime.gpu.prefill import CHUNK, GROUP, prefill_scratch_bytes
+    from stratatools.runtime.gpu.qmm import prefill_gemm
 
     big = 0
     for t in model.iter_tensors():
@@ -155,7 +157,8 @@ def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
             n *= int(d)
         big = max(big, n)
     ff, n = int(cfg.n_ff_exp), int(cfg.n_embd)
-    return prefill_scratch_bytes(cfg, 3 * ff * n * 4, min(CHUNK, max(1, int(max_ctx))), GROUP, big, int(max_ctx))
+    return prefill_scratch_bytes(cfg, 3 * ff * n * 4, min(CHUNK, max(1, int(max_ctx))), GROUP, big, int(max_ctx),
+                                 experts="mma" if prefill_gemm() == "mma" else "rows")
 
 
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
