@@ -29,11 +29,16 @@
 #ifndef QMM_KC
 #define QMM_KC 128           // values of k staged at a time (a multiple of 64)
 #endif
-#define QMM_XS (QMM_KC + 32)  // halves of a staged token row (padding: two token rows of a quarter warp's reads on
-                              // different banks)
+// Halves of a staged token row (the chunk plus padding): a quarter warp (token rows g, g + 1; lanes c = 0..3) reads
+// 16-byte pieces at g XS + VPL c (+ 8 q): Q8_0 (VPL 8) wants XS / 2 = 16 (mod 32) words, Q2_0 (VPL 16) 4 (mod 8),
+// so that the 8 pieces fall on distinct banks.
+template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 : 32); };
 #ifndef QMM_THREADS
 #define QMM_THREADS 128
 #endif
+// The kernels' launch bounds name a minimum of resident blocks (dense 2, expert jobs 3): without one, ptxas (CUDA
+// 13.0, sm_90) spilled 8 bytes of the Q2_0 instances at 72 registers; with 3 the Q8_0 gate/up job kernel keeps 165
+// registers (3 blocks an SM) instead of 198, without spills (nvcc -Xptxas -v, no instance spills).
 //: tokens of one expert job of the mma expert path (prefill.py JOB_TOKENS_MMA)
 #define QMM_JOB 16
 
@@ -116,6 +121,7 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
                                          const int* tokrow, u16* xs_hi, u16* xs_lo, mma_c (*acc)[NT]) {
     constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, WPB = QFmt<F>::wpb, S = QFmt<F>::steps;
     constexpr int BPC = QMM_KC / BV;  // blocks per staged chunk
+    constexpr int XS = QmmXS<F>::v;
     constexpr int TOK = 8 * NT;
     const int nb = K / BV;
     const int nchunk = (nb + BPC - 1) / BPC;
@@ -138,7 +144,7 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
             const int row = tokrow[slot];
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>((lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV) + p);
-            reinterpret_cast<uint4*>((lohi ? xs_lo : xs_hi) + slot * QMM_XS)[p] = v;
+            reinterpret_cast<uint4*>((lohi ? xs_lo : xs_hi) + slot * XS)[p] = v;
         }
         __syncthreads();
         u32 wc[MMA_LANES][NM][BPC][2][WPB];
@@ -158,51 +164,54 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
             if (b >= nbc) break;
-            mma_c P[NM][NT];
-            #pragma unroll
-            for (int m = 0; m < NM; ++m)
-                #pragma unroll
-                for (int n = 0; n < NT; ++n) mma_zero(P[m][n]);
-            #pragma unroll
-            for (int s = 0; s < S; ++s) {
-                mma_a A[NM];
-                for (int l = 0; l < MMA_LANES; ++l) {
-                    #pragma unroll
-                    for (int m = 0; m < NM; ++m) {
-                        qmm_codes<F>(wc[l][m][b][0], s, A[m].x[l][0], A[m].x[l][2]);  // row g: a0 a1, a4 a5
-                        qmm_codes<F>(wc[l][m][b][1], s, A[m].x[l][1], A[m].x[l][3]);  // row g + 8: a2 a3, a6 a7
-                    }
-                }
-                #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    mma_b Bh, Bl;
-                    for (int l = 0; l < MMA_LANES; ++l) {
-                        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                        const int o = (8 * n + g) * QMM_XS + b * BV + VPL * c + 4 * s;
-                        const u32* ph = reinterpret_cast<const u32*>(xs_hi + o);
-                        const u32* pl = reinterpret_cast<const u32*>(xs_lo + o);
-                        Bh.x[l][0] = ph[0];
-                        Bh.x[l][1] = ph[1];
-                        Bl.x[l][0] = pl[0];
-                        Bl.x[l][1] = pl[1];
-                    }
-                    #pragma unroll
-                    for (int m = 0; m < NM; ++m) {
-                        mma_sync(P[m][n], A[m], Bh);
-                        mma_sync(P[m][n], A[m], Bl);
-                    }
-                }
-            }
+            // the block's weights as fragments, every k-step (A reused by all NT column tiles)
+            mma_a A[NM][S];
+            float d0[MMA_LANES][NM], d1[MMA_LANES][NM];
             for (int l = 0; l < MMA_LANES; ++l) {
                 #pragma unroll
                 for (int m = 0; m < NM; ++m) {
-                    const float d0 = mma_h2f(dc[l][m][b][0]), d1 = mma_h2f(dc[l][m][b][1]);
                     #pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        acc[m][n].x[l][0] += d0 * P[m][n].x[l][0];
-                        acc[m][n].x[l][1] += d0 * P[m][n].x[l][1];
-                        acc[m][n].x[l][2] += d1 * P[m][n].x[l][2];
-                        acc[m][n].x[l][3] += d1 * P[m][n].x[l][3];
+                    for (int s = 0; s < S; ++s) {
+                        qmm_codes<F>(wc[l][m][b][0], s, A[m][s].x[l][0], A[m][s].x[l][2]);  // row g: a0 a1, a4 a5
+                        qmm_codes<F>(wc[l][m][b][1], s, A[m][s].x[l][1], A[m][s].x[l][3]);  // row g + 8: a2 a3, a6 a7
+                    }
+                    d0[l][m] = mma_h2f(dc[l][m][b][0]);
+                    d1[l][m] = mma_h2f(dc[l][m][b][1]);
+                }
+            }
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                // the column tile's hi / lo fragments of every k-step: a lane's VPL staged values are 16-byte loads
+                // (two k-steps each; with the row padding, a quarter warp's loads fall on distinct banks)
+                mma_b Bh[S], Bl[S];
+                for (int l = 0; l < MMA_LANES; ++l) {
+                    const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+                    const int o = (8 * n + g) * XS + b * BV + VPL * c;
+                    const uint4* ph = reinterpret_cast<const uint4*>(xs_hi + o);
+                    const uint4* pl = reinterpret_cast<const uint4*>(xs_lo + o);
+                    #pragma unroll
+                    for (int q = 0; q < S / 2; ++q) {
+                        const uint4 vh = ph[q], vl = pl[q];
+                        Bh[2 * q].x[l][0] = vh.x; Bh[2 * q].x[l][1] = vh.y;
+                        Bh[2 * q + 1].x[l][0] = vh.z; Bh[2 * q + 1].x[l][1] = vh.w;
+                        Bl[2 * q].x[l][0] = vl.x; Bl[2 * q].x[l][1] = vl.y;
+                        Bl[2 * q + 1].x[l][0] = vl.z; Bl[2 * q + 1].x[l][1] = vl.w;
+                    }
+                }
+                #pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    mma_c P;  // the block's partial sums (unscaled), then scaled once into acc
+                    mma_zero(P);
+                    #pragma unroll
+                    for (int s = 0; s < S; ++s) {
+                        mma_sync(P, A[m][s], Bh[s]);
+                        mma_sync(P, A[m][s], Bl[s]);
+                    }
+                    for (int l = 0; l < MMA_LANES; ++l) {
+                        acc[m][n].x[l][0] += d0[l][m] * P.x[l][0];
+                        acc[m][n].x[l][1] += d0[l][m] * P.x[l][1];
+                        acc[m][n].x[l][2] += d1[l][m] * P.x[l][2];
+                        acc[m][n].x[l][3] += d1[l][m] * P.x[l][3];
                     }
                 }
             }
@@ -250,12 +259,12 @@ extern "C" __global__ void qmm_split(const float* __restrict__ X, long long ldx,
 // W: layout F (w: codes or blocks; wd: Q8R scales, F = 0 only; rb: bytes a row); X given as qmm_split's hi / lo [T, K]
 // and sc [T]; Y [T, ldy] float32 (columns 0 .. R-1 written). K a multiple of the block (32, Q2_0 64).
 // Grid: (ceil(R / (16 nw)), ceil(T / (8 NT))), nw = blockDim / 32 warps (host build: 1).
-template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS) qmm_dense(
+template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
         int R, int K) {
-    __shared__ __align__(16) u16 xs_hi[8 * NT * QMM_XS];
-    __shared__ __align__(16) u16 xs_lo[8 * NT * QMM_XS];
+    __shared__ __align__(16) u16 xs_hi[8 * NT * QmmXS<F>::v];
+    __shared__ __align__(16) u16 xs_lo[8 * NT * QmmXS<F>::v];
     __shared__ int tokrow[8 * NT];
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
@@ -285,11 +294,11 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS) qmm_dens
 // job j = blockIdx.y and rows r < Fd (16 nw a block, blockIdx.x); gate_j at job_ptr[j] (a VRAM slot or mapped pinned
 // host memory), up_j = gate_j + Fd rb, rb = H / BV * ts. X as qmm_split's hi / lo [T, H] and sc [T]. Slots with
 // job_tok < 0 are left as they are.
-template <int F> __global__ void __launch_bounds__(QMM_THREADS) qmm_moe_gu(
+template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Hbuf, int H, int Fd) {
-    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QMM_XS];
-    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QMM_XS];
+    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QmmXS<F>::v];
+    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QmmXS<F>::v];
     __shared__ int tokrow[QMM_JOB];
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
@@ -322,13 +331,12 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS) qmm_moe_gu(
 
 // down: out[job_dst[j QMM_JOB + s], r] = down_j[r] . h for job j = blockIdx.y, rows r < H, h = row j QMM_JOB + s of
 // Hbuf given as qmm_split's hi / lo [J QMM_JOB, Fd] and sc; down_j = job_ptr[j] + doff, rows of Fd values. Slots with
-// job_dst < 0 are skipped (their Hbuf rows are not read). (Launch bounds with a minimum of one block: without it ptxas
-// spilled 8 bytes of the Q2_0 instance at 72 registers.)
-template <int F> __global__ void __launch_bounds__(QMM_THREADS, 1) qmm_moe_down(
+// job_dst < 0 are skipped (their Hbuf rows are not read).
+template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u16* __restrict__ hhi,
         const u16* __restrict__ hlo, const float* __restrict__ hsc, float* __restrict__ out, int H, int Fd) {
-    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QMM_XS];
-    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QMM_XS];
+    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QmmXS<F>::v];
+    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QmmXS<F>::v];
     __shared__ int tokrow[QMM_JOB];
     __shared__ int dst[QMM_JOB];
     const int j = blockIdx.y;
