@@ -385,3 +385,38 @@ def test_prefill_qmm_and_expert_paths_on_host(hostcp):
     ly.d_type = type_by_name("Q4_0")
     pf._experts_rows = lambda il, xx, ii: "rows path"
     assert pf._experts_mma(0, _h(x), ids) == "rows path"
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc to compile the device code")
+def test_device_build_has_no_spills(tmp_path):
+    """The module's source as qmm.py assembles it, every kernel it instantiates, compiled for sm_90 with the options
+    of the fast modules: compiles, and ptxas reports no spills (register counts printed for the notes)."""
+    import re
+
+    inst = []
+    for n in Q.kernel_names():
+        base, _, targs = n.partition("<")
+        if not targs:
+            continue
+        if base == "qmm_dense":
+            sig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, "
+                   "int")
+        elif base == "qmm_moe_gu":
+            sig = "const u64*, const int*, const u16*, const u16*, const float*, float*, int, int"
+        else:
+            sig = "const u64*, long long, const int*, const u16*, const u16*, const float*, float*, int, int"
+        inst.append(f"template __global__ void {base}<{targs}({sig});\n")
+    src = tmp_path / "qmm_dev.cu"
+    src.write_text(Q.device_source() + "".join(inst))
+    r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
+                        str(tmp_path / "qmm.cubin"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+                         r.stderr + r.stdout, flags=re.S)
+    assert len(entries) == len(Q.kernel_names())
+    for name, spill, regs in entries:
+        print(f"{name}: {regs} registers, {spill} bytes spill stores")
+        assert int(spill) == 0, name
