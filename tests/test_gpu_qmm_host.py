@@ -305,7 +305,9 @@ def hostcp(lib, monkeypatch):
         entry = "host_" + base + "".join("_" + p.strip() for p in targs.rstrip(">").split(",") if p.strip())
         f = getattr(lib, entry)
 
-        def launch(grid, block, args):
+        def launch(grid, block, args, shared_mem=0):
+            assert shared_mem <= 228 * 1024 and shared_mem <= getattr(launch, "max_dynamic_shared_size_bytes",
+                                                                       48 * 1024)
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
             if base != "qmm_split":
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block

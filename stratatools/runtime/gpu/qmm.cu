@@ -23,8 +23,9 @@
 //
 // Work split: a warp computes 16 weight rows (rows r0 + g and r0 + g + 8 of its lanes) for the block's 8 NT tokens
 // (NT mma column tiles of 8); a block has nw = blockDim / 32 warps (the host build: one) and stages the tokens' hi/lo
-// halves of QMM_KC values at a time in shared memory (all warps use them); each lane loads its own weights straight
-// into registers (the next chunk's while the current one is computed).
+// halves of QMM_KC values at a time in shared memory (all warps use them; two buffers, the next chunk copied with
+// cp.async while the current one is computed); each lane loads its own weights straight into registers (also one
+// chunk ahead).
 
 #ifndef QMM_KC
 #define QMM_KC 128           // values of k staged at a time (a multiple of 64)
@@ -41,6 +42,24 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 // registers (3 blocks an SM) instead of 198, without spills (nvcc -Xptxas -v, no instance spills).
 //: tokens of one expert job of the mma expert path (prefill.py JOB_TOKENS_MMA)
 #define QMM_JOB 16
+
+// Asynchronous 16-byte copies global -> shared (cp.async; the host build copies at once), and the dynamic shared
+// memory that holds the staged activations (two chunks: the next one lands while the current one is computed).
+#ifndef STRATA_HOST
+__device__ __forceinline__ void qmm_cp16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void qmm_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void qmm_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+extern __shared__ __align__(16) unsigned char qmm_smem[];
+#define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(qmm_smem)
+#else
+static inline void qmm_cp16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+static inline void qmm_cp_commit() {}
+template <int N> static inline void qmm_cp_wait() {}
+#define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(host_dyn_smem)
+#endif
 
 template <int F> struct QFmt;
 template <> struct QFmt<0> { static constexpr int bv = 32, ts = 0, vpl = 8, wpb = 2, steps = 2; };
@@ -110,15 +129,38 @@ __device__ __forceinline__ void qmm_fetch(const u8* const* w, const u16* const* 
     }
 }
 
+// Issue the copies of chunk `chunk` of the block's tokens' hi / lo halves into stage buffer xs (hi: TOK rows of XS
+// halves, then lo), 16-byte pieces, all threads striding; a slot without a token (tokrow -1) gets zeros.
+template <int F, int NT>
+__device__ __forceinline__ void qmm_stage(const u16* __restrict__ xhi, const u16* __restrict__ xlo, long long ldx,
+                                          const int* tokrow, int K, int chunk, u16* xs) {
+    constexpr int BV = QFmt<F>::bv, BPC = QMM_KC / BV, XS = QmmXS<F>::v, TOK = 8 * NT;
+    const int nb = K / BV, b0 = chunk * BPC;
+    const int pieces = min(BPC, nb - b0) * BV / 8;
+    for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
+        const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
+        const int slot = rem / pieces, p = rem - slot * pieces;
+        const int row = tokrow[slot];
+        u16* dst = xs + (lohi * TOK + slot) * XS + 8 * p;
+        if (row >= 0) qmm_cp16(dst, (lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV + 8 * p);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Dynamic shared memory of a kernel with NT column tiles (qmm.py smem_bytes): two stage buffers of hi and lo halves.
+template <int F, int NT> struct QmmSmem { static constexpr int bytes = 2 * 2 * 8 * NT * QmmXS<F>::v * 2; };
+
 // The product of the 16-row tile of NM matrices (rows r0 .. r0 + 15 of each; rows past R repeat row R - 1 and are
 // not to be written) with the block's 8 NT tokens (tokrow[slot]: the row of xhi / xlo, or -1 for zeros; ldx halves
 // a row): acc[m][n] (+)= the tile's sums, float32 and unscaled by the tokens' 2^e. All threads of the block call it
 // (every warp stages; a warp whose tile lies past R computes on its clamped rows and writes nothing).
-// w[m]: matrix m's first byte; wd[m]: its Q8R scales (F = 0); rb: bytes of a row (F = 0: K).
+// w[m]: matrix m's first byte; wd[m]: its Q8R scales (F = 0); rb: bytes of a row (F = 0: K); xs: the dynamic shared
+// memory (QmmSmem bytes). Chunk c + 1's activations are copied asynchronously and its weights loaded into registers
+// while chunk c is computed.
 template <int F, int NT, int NM>
 __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* wd, long long rb, int R, int K, int r0,
                                          const u16* __restrict__ xhi, const u16* __restrict__ xlo, long long ldx,
-                                         const int* tokrow, u16* xs_hi, u16* xs_lo, mma_c (*acc)[NT]) {
+                                         const int* tokrow, u16* xs, mma_c (*acc)[NT]) {
     constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, WPB = QFmt<F>::wpb, S = QFmt<F>::steps;
     constexpr int BPC = QMM_KC / BV;  // blocks per staged chunk
     constexpr int XS = QmmXS<F>::v;
@@ -132,21 +174,22 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
     // raw weights of the chunk in flight: [lane][matrix][block][row g / g + 8][word]
     u32 wr[MMA_LANES][NM][BPC][2][WPB];
     u16 dr[MMA_LANES][NM][BPC][2];
+    qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, 0, xs);
+    qmm_cp_commit();
     qmm_fetch<F, NM>(w, wd, rb, R, K, r0, 0, wr, dr);
     for (int chunk = 0; chunk < nchunk; ++chunk) {
         const int b0 = chunk * BPC;
         const int nbc = min(BPC, nb - b0);
-        // stage the tokens' halves of this chunk: 16-byte pieces (8 halves), hi then lo
-        const int pieces = nbc * BV / 8;
-        for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
-            const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
-            const int slot = rem / pieces, p = rem - slot * pieces;
-            const int row = tokrow[slot];
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>((lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV) + p);
-            reinterpret_cast<uint4*>((lohi ? xs_lo : xs_hi) + slot * XS)[p] = v;
+        if (chunk + 1 < nchunk) {  // the next chunk's copies go out into the other buffer (free since the last barrier)
+            qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, chunk + 1, xs + ((chunk + 1) & 1) * 2 * TOK * XS);
+            qmm_cp_commit();
+            qmm_cp_wait<1>();  // this chunk's copies have landed (the next chunk's may be in flight)
+        } else {
+            qmm_cp_wait<0>();
         }
         __syncthreads();
+        const u16* xs_hi = xs + (chunk & 1) * 2 * TOK * XS;
+        const u16* xs_lo = xs_hi + TOK * XS;
         u32 wc[MMA_LANES][NM][BPC][2][WPB];
         u16 dc[MMA_LANES][NM][BPC][2];
         for (int l = 0; l < MMA_LANES; ++l)
@@ -216,7 +259,7 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
                 }
             }
         }
-        __syncthreads();  // the staged chunk is free for the next one
+        __syncthreads();  // every warp is done with this buffer: the copies of chunk + 2 may go there
     }
 }
 
@@ -258,13 +301,13 @@ extern "C" __global__ void qmm_split(const float* __restrict__ X, long long ldx,
 // ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------
 // W: layout F (w: codes or blocks; wd: Q8R scales, F = 0 only; rb: bytes a row); X given as qmm_split's hi / lo [T, K]
 // and sc [T]; Y [T, ldy] float32 (columns 0 .. R-1 written). K a multiple of the block (32, Q2_0 64).
-// Grid: (ceil(R / (16 nw)), ceil(T / (8 NT))), nw = blockDim / 32 warps (host build: 1).
+// Grid: (ceil(R / (16 nw)), ceil(T / (8 NT))), nw = blockDim / 32 warps (host build: 1). Dynamic shared memory:
+// QmmSmem<F, NT>::bytes.
 template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
         int R, int K) {
-    __shared__ __align__(16) u16 xs_hi[8 * NT * QmmXS<F>::v];
-    __shared__ __align__(16) u16 xs_lo[8 * NT * QmmXS<F>::v];
+    QMM_DYN_SHARED(xs);
     __shared__ int tokrow[8 * NT];
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
@@ -275,7 +318,7 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
     const u8* wm[1] = {w};
     const u16* dm[1] = {wd};
     mma_c acc[1][NT];
-    qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs_hi, xs_lo, acc);
+    qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc);
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
         #pragma unroll
@@ -293,12 +336,11 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
 // gate/up: Hbuf[j QMM_JOB + s, r] = silu(g) u, g = gate_j[r] . x, u = up_j[r] . x, x = X[job_tok[j QMM_JOB + s]], for
 // job j = blockIdx.y and rows r < Fd (16 nw a block, blockIdx.x); gate_j at job_ptr[j] (a VRAM slot or mapped pinned
 // host memory), up_j = gate_j + Fd rb, rb = H / BV * ts. X as qmm_split's hi / lo [T, H] and sc [T]. Slots with
-// job_tok < 0 are left as they are.
+// job_tok < 0 are left as they are. Grid: (ceil(Fd / (16 nw)), jobs); dynamic shared memory: QmmSmem<F, 2>::bytes.
 template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Hbuf, int H, int Fd) {
-    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QmmXS<F>::v];
-    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QmmXS<F>::v];
+    QMM_DYN_SHARED(xs);
     __shared__ int tokrow[QMM_JOB];
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
@@ -311,7 +353,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     const u16* dm[2] = {nullptr, nullptr};
     mma_c acc[2][QMM_JOB / 8];
-    qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs_hi, xs_lo, acc);
+    qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs, acc);
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
         #pragma unroll
@@ -331,12 +373,12 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
 
 // down: out[job_dst[j QMM_JOB + s], r] = down_j[r] . h for job j = blockIdx.y, rows r < H, h = row j QMM_JOB + s of
 // Hbuf given as qmm_split's hi / lo [J QMM_JOB, Fd] and sc; down_j = job_ptr[j] + doff, rows of Fd values. Slots with
-// job_dst < 0 are skipped (their Hbuf rows are not read).
+// job_dst < 0 are skipped (their Hbuf rows are not read). Grid: (ceil(H / (16 nw)), jobs); dynamic shared memory:
+// QmmSmem<F, 2>::bytes.
 template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u16* __restrict__ hhi,
         const u16* __restrict__ hlo, const float* __restrict__ hsc, float* __restrict__ out, int H, int Fd) {
-    __shared__ __align__(16) u16 xs_hi[QMM_JOB * QmmXS<F>::v];
-    __shared__ __align__(16) u16 xs_lo[QMM_JOB * QmmXS<F>::v];
+    QMM_DYN_SHARED(xs);
     __shared__ int tokrow[QMM_JOB];
     __shared__ int dst[QMM_JOB];
     const int j = blockIdx.y;
@@ -352,7 +394,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     const u16* dm[1] = {nullptr};
     mma_c acc[1][QMM_JOB / 8];
-    qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs_hi, xs_lo, acc);
+    qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs, acc);
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
         #pragma unroll

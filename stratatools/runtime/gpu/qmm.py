@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.gpu.kernels import cuda_source
+from stratatools.runtime.gpu.kernels import cuda_source, launch_big_shared
 
 #: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
 LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
@@ -39,6 +39,16 @@ ROWS_PER_BLOCK = 16 * (THREADS // 32)
 #: Tokens of one expert job (qmm.cu QMM_JOB).
 JOB_TOKENS = 16
 SPLIT_THREADS = 256
+#: qmm.cu QMM_KC: values of k a chunk of staged activations holds.
+KC = 128
+
+
+def smem_bytes(layout: Any, nt: int) -> int:
+    """Dynamic shared memory of a qmm kernel with ``nt`` column tiles of 8 tokens (qmm.cu QmmSmem): two stage buffers
+    of the tokens' hi and lo halves, rows of QMM_KC values plus the layout's bank padding."""
+    f = _layout_id(layout)
+    xs = KC + (40 if f == 42 else 32)
+    return 2 * 2 * 8 * int(nt) * xs * 2
 #: Environment switch of the prefill's dense GEMMs.
 GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 GEMMS = ("sgemm", "mma")
@@ -203,8 +213,9 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     nt = token_tile(T)
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
     grid = (-(-rows // ROWS_PER_BLOCK), -(-T // (8 * nt)))
-    _fn(f"qmm_dense<{f}, {nt}>")(grid, (THREADS,), (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out,
-                                                    np.int64(out.shape[1]), np.int32(T), np.int32(rows), np.int32(cols)))
+    launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>"), grid, (THREADS,),
+                      (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
+                       np.int32(T), np.int32(rows), np.int32(cols)), smem_bytes(f, nt))
     return out
 
 
@@ -220,8 +231,8 @@ def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: An
         raise StrataError(f"qmm: expert rows of {hidden} values in layout {f} have no mma kernel")
     J = int(job_ptr.size)
     hi, lo, sc = xs
-    _fn(f"qmm_moe_gu<{f}>")((-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
-                           (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)))
+    launch_big_shared(_fn(f"qmm_moe_gu<{f}>"), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)), smem_bytes(f, JOB_TOKENS // 8))
 
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
@@ -235,5 +246,6 @@ def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], la
         raise StrataError(f"qmm: expert rows of {ff} values in layout {f} have no mma kernel")
     J = int(job_ptr.size)
     hi, lo, sc = hs
-    _fn(f"qmm_moe_down<{f}>")((-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
-                             (job_ptr, np.int64(doff), job_dst, hi, lo, sc, out, np.int32(hidden), np.int32(ff)))
+    launch_big_shared(_fn(f"qmm_moe_down<{f}>"), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, np.int64(doff), job_dst, hi, lo, sc, out, np.int32(hidden), np.int32(ff)),
+                      smem_bytes(f, JOB_TOKENS // 8))
