@@ -211,6 +211,8 @@ def test_launchers_refuse_bad_shapes():
         Q.dense(np.zeros((2, 96), np.float32), "Q2_0", np.zeros(8, np.uint8), None, 1, 96)
     assert Q.supports("Q8R", 2560) and Q.supports(42, 128) and not Q.supports(42, 96) and not Q.supports(2, 64)
     assert [Q.token_tile(t) for t in (1, 16, 17, 32, 33, 512)] == [2, 2, 4, 4, 8, 8]
+    # a tall matrix keeps the 64-token tile; a few-row one over a chunk gets more, smaller token tiles
+    assert Q.token_tile(512, 2560, 132) == 8 and Q.token_tile(512, 32, 132) == 2 and Q.token_tile(512, 700, 132) == 4
 
 
 def test_prefill_gemm_env(monkeypatch):
@@ -318,6 +320,7 @@ def hostcp(lib, monkeypatch):
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(Q, "_fn", fn)
+    monkeypatch.setattr(K, "_device_limits", lambda: (132, 228 * 1024))
     return fake
 
 

@@ -175,9 +175,16 @@ def split(X: Any) -> tuple[Any, Any, Any]:
     return hi, lo, sc
 
 
-def token_tile(T: int) -> int:
-    """NT (8 NT tokens a block) of a dense launch for T tokens: 2 up to 16 tokens, 4 up to 32, else 8."""
-    return 2 if T <= 16 else (4 if T <= 32 else 8)
+def token_tile(T: int, rows: int | None = None, n_sm: int | None = None) -> int:
+    """NT (8 NT tokens a block) of a dense launch for T tokens: 2 up to 16 tokens, 4 up to 32, else 8; with ``rows``
+    and ``n_sm`` (the device's SMs), the tile shrinks (to 4, then 2) while the grid would have fewer blocks than SMs
+    (few-row matrices over a long chunk: more blocks at the price of reading the matrix more often, from L2)."""
+    nt = 2 if T <= 16 else (4 if T <= 32 else 8)
+    if rows is not None and n_sm:
+        tiles = -(-int(rows) // ROWS_PER_BLOCK)
+        while nt > 2 and tiles * -(-T // (8 * nt)) < n_sm:
+            nt //= 2
+    return nt
 
 
 def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
@@ -210,7 +217,9 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     hi, lo, sc = xs if xs is not None else split(X)
     if out is None:
         out = cp.empty((T, rows), dtype=cp.float32)
-    nt = token_tile(T)
+    from stratatools.runtime.gpu.kernels import _device_limits
+
+    nt = token_tile(T, rows, _device_limits()[0])
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
     grid = (-(-rows // ROWS_PER_BLOCK), -(-T // (8 * nt)))
     launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>"), grid, (THREADS,),
