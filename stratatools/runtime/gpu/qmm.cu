@@ -38,8 +38,8 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 #define QMM_THREADS 128
 #endif
 // The kernels' launch bounds name a minimum of resident blocks (dense 2, expert jobs 3): without one, ptxas (CUDA
-// 13.0, sm_90) spilled 8 bytes of the Q2_0 instances at 72 registers; with 3 the Q8_0 gate/up job kernel keeps 165
-// registers (3 blocks an SM) instead of 198, without spills (nvcc -Xptxas -v, no instance spills).
+// 13.0, sm_90) spilled 8 bytes of Q2_0 instances at 72 registers; with 3 the Q8_0 gate/up job kernel keeps about 165
+// registers (3 blocks an SM) instead of about 198 (nvcc -Xptxas -v: no instance spills).
 //: tokens of one expert job of the mma expert path (prefill.py JOB_TOKENS_MMA)
 #define QMM_JOB 16
 
