@@ -41,14 +41,6 @@ JOB_TOKENS = 16
 SPLIT_THREADS = 256
 #: qmm.cu QMM_KC: values of k a chunk of staged activations holds.
 KC = 128
-
-
-def smem_bytes(layout: Any, nt: int) -> int:
-    """Dynamic shared memory of a qmm kernel with ``nt`` column tiles of 8 tokens (qmm.cu QmmSmem): two stage buffers
-    of the tokens' hi and lo halves, rows of QMM_KC values plus the layout's bank padding."""
-    f = _layout_id(layout)
-    xs = KC + (40 if f == 42 else 32)
-    return 2 * 2 * 8 * int(nt) * xs * 2
 #: Environment switch of the prefill's dense GEMMs.
 GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 GEMMS = ("sgemm", "mma")
@@ -156,6 +148,14 @@ def supports(layout: Any, cols: int) -> bool:
     except StrataError:
         return False
     return cols > 0 and cols % BLOCK_VALUES[f] == 0
+
+
+def smem_bytes(layout: Any, nt: int) -> int:
+    """Dynamic shared memory of a qmm kernel with ``nt`` column tiles of 8 tokens (qmm.cu QmmSmem): two stage buffers
+    of the tokens' hi and lo halves, rows of QMM_KC values plus the layout's bank padding."""
+    f = _layout_id(layout)
+    xs = KC + (40 if f == 42 else 32)
+    return 2 * 2 * 8 * int(nt) * xs * 2
 
 
 def split(X: Any) -> tuple[Any, Any, Any]:
