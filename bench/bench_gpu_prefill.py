@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--slots", type=int, default=None, help="LRU slots per layer (others read from host memory)")
     ap.add_argument("--modes", default="steps,batched")
-    ap.add_argument("--try", dest="try_", default="", help="extra batched timings, comma-separated chunk:group:path (path rows or gemm)")
+    ap.add_argument("--try", dest="try_", default="", help="extra batched timings, comma-separated chunk:group:path (path rows, gemm or mma: the tensor-core expert jobs)")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
