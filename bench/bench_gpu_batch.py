@@ -18,8 +18,11 @@ then
 
 Prints every row and writes ``--out`` JSON. llama-batched-bench is run by bench_gpu_model.py (the lead's bench).
 
+``--variants default,before,mma`` times the step at every N for each variant (:data:`VARIANTS`: this tree's step,
+the step before the attention / GDN kernels and the pipelined expert kernels, the tensor-core GEMMs) in the same run.
+
 Usage: python bench/bench_gpu_batch.py --workdir /tmp/bb [--layers 8 --experts 256 --prompt 64 --steps 16
-       --n 1,8,32 --reuse --gguf M --out res.json]
+       --n 1,8,32 --variants default,before,mma --reuse --gguf M --out res.json]
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+#: Step variants (environment of the BatchDecoder and its prefills): ``default`` (this tree's choices), ``before``
+#: (the array-code attention and GDN, staged expert kernels: the step as measured before them), ``mma`` (dense
+#: projections and the shared expert on the tensor-core GEMMs, STRATATOOLS_PREFILL_GEMM=mma).
+VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
+                                      "STRATATOOLS_MOE_KERNEL": "staged"},
+            "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default="/tmp/bb")
@@ -50,6 +61,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--gguf", default=None, help="an existing model to use (no synth)")
     ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated step variants, each timed at every N: " + ", ".join(VARIANTS))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     wd = Path(a.workdir)
@@ -109,55 +122,65 @@ def main() -> None:
     dec = rt.dec
     rows = {}
     bd = None
-    for n in ns:
-        bd = BatchDecoder(dec, n)
-        first = []
-        for p in range(n):
-            dec.load_state(rt.new_state())
-            lgp, _, _ = dec.prefill(prompts[p])
-            bd.admit(p)
-            first.append(int(cp.asnumpy(cp.argmax(lgp))))
-        toks = list(first)
-        got0 = []
-        places = list(range(n))
-        t0 = time.perf_counter()
-        for s in range(a.steps + 2):
-            if s == 2:
-                cp.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-            lgb, nxt, _, _ = bd.step(places, toks)
-            if s == 0:
-                lg0 = cp.asnumpy(lgb[0]).astype(np.float64)
-            got0.append(toks[0])
-            toks = [int(v) for v in nxt]
-        dt = time.perf_counter() - t0
-        agg = n * a.steps / dt
-        rel = float(np.abs(lg0 - ref_lg[0]).max() / np.abs(ref_lg[0]).max())
-        same = got0[:a.steps] == ref_tok[:a.steps] if a.steps <= len(got0) else None
-        rows[n] = {"aggregate_tok_s": agg, "step_ms": dt / a.steps * 1e3, "ratio_to_batch1": agg / b1,
-                   "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same,
-                   "state_bytes": bd.state_bytes(), "pool_bytes": int(cp.get_default_memory_pool().total_bytes())}
-        print(f"N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), {agg / b1:5.2f}x batch 1; "
-              f"place 0 vs batch 1: first logits rel {rel:.2e}, tokens {'equal' if same else 'DIFFER'}", flush=True)
-        if n != nmax:
-            del bd
-            bd = None
+    from bench_gpu_run import env_vars
+
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    for var, n in [(v, n) for v in variants for n in ns]:
+        with env_vars(VARIANTS[var]):
+            if bd is not None:
+                del bd
+                bd = None
+            bd = BatchDecoder(dec, n)
+            first = []
+            for p in range(n):
+                dec.load_state(rt.new_state())
+                lgp, _, _ = dec.prefill(prompts[p])
+                bd.admit(p)
+                first.append(int(cp.asnumpy(cp.argmax(lgp))))
+            toks = list(first)
+            got0 = []
+            places = list(range(n))
+            t0 = time.perf_counter()
+            for s in range(a.steps + 2):
+                if s == 2:
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                lgb, nxt, _, _ = bd.step(places, toks)
+                if s == 0:
+                    lg0 = cp.asnumpy(lgb[0]).astype(np.float64)
+                got0.append(toks[0])
+                toks = [int(v) for v in nxt]
+            dt = time.perf_counter() - t0
+            agg = n * a.steps / dt
+            rel = float(np.abs(lg0 - ref_lg[0]).max() / np.abs(ref_lg[0]).max())
+            same = got0[:a.steps] == ref_tok[:a.steps] if a.steps <= len(got0) else None
+            rows[n if var == "default" else f"{var}:{n}"] = {
+                "aggregate_tok_s": agg, "step_ms": dt / a.steps * 1e3, "ratio_to_batch1": agg / b1,
+                "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same, "state_bytes": bd.state_bytes(),
+                "pool_bytes": int(cp.get_default_memory_pool().total_bytes())}
+            print(f"{var:8s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
+                  f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
+                  f"{'equal' if same else 'DIFFER'}", flush=True)
     res["rows"] = rows
-    # 3. breakdown at the largest N
+    # 3. breakdown at the largest N (the last variant's step)
     if bd is not None:
-        bd.timing = {}
-        bd._tlast = None
-        t0 = time.perf_counter()
-        bd.step(list(range(nmax)), toks)
-        cp.cuda.Device().synchronize()
-        tot = time.perf_counter() - t0
-        bd.timing.pop("end", None)
-        res["breakdown_s"] = dict(bd.timing)
-        print(f"breakdown of one step at N={nmax} (synchronised parts, {tot * 1e3:.1f} ms in all):")
-        for k, v in sorted(bd.timing.items(), key=lambda kv: -kv[1]):
-            print(f"  {k:10s} {v * 1e3:8.2f} ms  {v / tot:6.1%}")
-        bd.timing = None
-        del bd
+        with env_vars(VARIANTS[variants[-1]]):
+            bd.timing = {}
+            bd._tlast = None
+            t0 = time.perf_counter()
+            bd.step(list(range(nmax)), toks)
+            cp.cuda.Device().synchronize()
+            tot = time.perf_counter() - t0
+            bd.timing.pop("end", None)
+            res["breakdown_s"] = dict(bd.timing)
+            print(f"breakdown of one step at N={nmax} (synchronised parts, {tot * 1e3:.1f} ms in all):")
+            for k, v in sorted(bd.timing.items(), key=lambda kv: -kv[1]):
+                print(f"  {k:10s} {v * 1e3:8.2f} ms  {v / tot:6.1%}")
+            bd.timing = None
+            del bd
     # 4. end to end (prefills + continuous batching + accounting)
     if not a.no_e2e:
         bd = BatchDecoder(dec, nmax)
