@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,22 +65,13 @@ def main() -> None:
     a = ap.parse_args()
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    mdir = wd / f"model{a.layers}x{a.experts}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    t0 = time.perf_counter()
-    if a.gguf:
-        mdir = Path(a.gguf).parent
-    elif not (a.reuse and list(mdir.glob("*.gguf"))):
-        subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
-                        "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
-                        "--force", "--json"], check=True, capture_output=True, env=env)
-    gguf = a.gguf or str(sorted(mdir.glob("*.gguf"))[0])
-    res: dict = {"args": vars(a), "synth_s": time.perf_counter() - t0}
-    print(f"model {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB), synth/reuse {res['synth_s']:.0f} s", flush=True)
+    from bench_gpu_run import env_vars, full_width_model, print_breakdown, suite_prompt_ids
+
+    gguf, synth_s = full_width_model(wd, a.layers, a.experts, a.reuse, a.gguf)
+    res: dict = {"args": vars(a), "synth_s": synth_s}
 
     import cupy as cp
 
-    from bench_gpu_run import suite_prompt_ids
     from stratatools.runtime.gpu.batch import BatchDecoder, run_batched
     from stratatools.runtime.gpu.engine import DecoderRuntime
     from stratatools.runtime.gpu.runtime import GPURuntime
@@ -122,8 +111,6 @@ def main() -> None:
     dec = rt.dec
     rows = {}
     bd = None
-    from bench_gpu_run import env_vars
-
     variants = [v for v in a.variants.split(",") if v]
     for v in variants:
         if v not in VARIANTS:
@@ -176,9 +163,7 @@ def main() -> None:
             tot = time.perf_counter() - t0
             bd.timing.pop("end", None)
             res["breakdown_s"] = dict(bd.timing)
-            print(f"breakdown of one step at N={nmax} (synchronised parts, {tot * 1e3:.1f} ms in all):")
-            for k, v in sorted(bd.timing.items(), key=lambda kv: -kv[1]):
-                print(f"  {k:10s} {v * 1e3:8.2f} ms  {v / tot:6.1%}")
+            print_breakdown(f"one step at N={nmax}", bd.timing, tot)
             bd.timing = None
             del bd
     # 4. end to end (prefills + continuous batching + accounting)

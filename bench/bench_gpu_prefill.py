@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,20 +50,13 @@ def main() -> None:
     a = ap.parse_args()
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    mdir = wd / f"model{a.layers}x{a.experts}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    t0 = time.perf_counter()
-    if not (a.reuse and list(mdir.glob("*.gguf"))):
-        subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
-                        "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
-                        "--force", "--json"], check=True, capture_output=True, env=env)
-    gguf = str(sorted(mdir.glob("*.gguf"))[0])
-    res: dict = {"args": vars(a), "synth_s": time.perf_counter() - t0}
-    print(f"model {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB), synth/reuse {res['synth_s']:.0f} s", flush=True)
+    from bench_gpu_run import free_device, full_width_model, print_breakdown, suite_prompt_ids
+
+    gguf, synth_s = full_width_model(wd, a.layers, a.experts, a.reuse)
+    res: dict = {"args": vars(a), "synth_s": synth_s}
 
     import cupy as cp
 
-    from bench_gpu_run import free_device, suite_prompt_ids
     from stratatools.cachesim import make_tier
     from stratatools.runtime.gpu.engine import DecoderRuntime
     from stratatools.runtime.gpu.runtime import GPURuntime
@@ -137,9 +129,7 @@ def main() -> None:
                   f"{res['prefill_pool_peak_bytes'] / 2**20:.0f} MiB", flush=True)
             pf.timing.pop("end", None)
             res["breakdown_s"] = dict(pf.timing)
-            print(f"breakdown of one batched prefill (synchronised parts, {tot:.3f} s in all):")
-            for k, v in sorted(pf.timing.items(), key=lambda kv: -kv[1]):
-                print(f"  {k:10s} {v * 1e3:8.1f} ms  {v / tot:6.1%}")
+            print_breakdown("one batched prefill", pf.timing, tot)
             pf.timing = None
             res["tries"] = {}
             for cg in filter(None, a.try_.split(",")):
@@ -163,7 +153,7 @@ def main() -> None:
         if variant:
             os.environ.pop(variants[variant][0], None)
     for other in [m for m in out if m.startswith("batched-")]:
-        (r0, l0, i0), (r1, l1, i1) = out["batched"] if "batched" in out else out[other], out[other]
+        (r0, l0, _), (r1, l1, _) = out["batched"] if "batched" in out else out[other], out[other]
         print(f"{other} against batched: prefill {r1['prefill_tok_s'] / r0['prefill_tok_s']:.3f}x, logits rel. "
               f"{float(np.abs(l1 - l0).max() / np.abs(l0).max()):.2e}", flush=True)
         res.setdefault("variants", {})[other] = {"ratio": r1["prefill_tok_s"] / r0["prefill_tok_s"]}

@@ -204,6 +204,34 @@ def synth_argv(mdir: str | os.PathLike, layers: int, experts: int, types: str) -
             "--types", types, "--force", "--json"]
 
 
+def full_width_model(workdir: str | os.PathLike, layers: int, experts: int, reuse: bool, gguf: str | None = None,
+                     types: str = DEFAULT_TYPES) -> tuple[str, float]:
+    """The GGUF a GPU bench runs on: ``gguf`` when given, else ``stratatools synth`` (:func:`synth_argv`) into
+    ``workdir/model{layers}x{experts}`` (kept when ``reuse`` finds a GGUF there). Returns (path, seconds it took) and
+    prints the model's size."""
+    t0 = time.perf_counter()
+    if gguf:
+        path = str(gguf)
+    else:
+        mdir = Path(workdir) / f"model{layers}x{experts}"
+        if not (reuse and list(mdir.glob("*.gguf"))):
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            subprocess.run([sys.executable, "-m", "stratatools"] + synth_argv(mdir, layers, experts, types),
+                           check=True, capture_output=True, env=env)
+        path = str(sorted(mdir.glob("*.gguf"))[0])
+    dt = time.perf_counter() - t0
+    print(f"model {path} ({os.path.getsize(path) / 1e9:.1f} GB), synth/reuse {dt:.0f} s", flush=True)
+    return path, dt
+
+
+def print_breakdown(title: str, timing: dict, total_s: float) -> None:
+    """A per-part breakdown (``timing``: part -> seconds, host-timed with a synchronisation between parts), largest
+    first, in ms and as a share of ``total_s``."""
+    print(f"breakdown of {title} (synchronised parts, {total_s * 1e3:.1f} ms in all):")
+    for k, v in sorted(timing.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:10s} {v * 1e3:8.2f} ms  {v / total_s:6.1%}")
+
+
 def profile_plan(configs: list, want: set, slots: int, profile_lru: bool) -> list:
     """The kernel profiles to take, as (title, slots, policy, fused, env) with each row's own ``_env`` (and
     ``_fused``): the all-resident fused step first (always), then every selected all-resident row that changes the

@@ -29,8 +29,6 @@ Usage: python bench/bench_qmm.py --workdir /tmp/qmm [--layers 8 --experts 256 --
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,23 +88,14 @@ def main() -> None:
     skip = set(filter(None, a.skip.split(",")))
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    t0 = time.perf_counter()
-    if a.gguf:
-        gguf = a.gguf
-    else:
-        mdir = wd / f"model{a.layers}x{a.experts}"
-        if not (a.reuse and list(mdir.glob("*.gguf"))):
-            subprocess.run([sys.executable, "-m", "stratatools", "synth", str(mdir), "--full-width", "--no-revisions",
-                            "--layers", str(a.layers), "--experts", str(a.experts), "--types", "gu=Q2_0,down=Q2_0",
-                            "--force", "--json"], check=True, capture_output=True, env=env)
-        gguf = str(sorted(mdir.glob("*.gguf"))[0])
-    res: dict = {"args": vars(a), "synth_s": time.perf_counter() - t0}
-    print(f"model {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB), synth/reuse {res['synth_s']:.0f} s", flush=True)
+    from bench_gpu_run import full_width_model
+
+    gguf, synth_s = full_width_model(wd, a.layers, a.experts, a.reuse, a.gguf)
+    res: dict = {"args": vars(a), "synth_s": synth_s}
 
     import cupy as cp
 
-    from bench_gpu_run import env_vars, free_device, suite_prompt_ids
+    from bench_gpu_run import env_vars, free_device, print_breakdown, suite_prompt_ids
     from stratatools.runtime.gpu import qmm
     from stratatools.runtime.gpu.engine import DecoderRuntime
     from stratatools.runtime.gpu.prefill import ChunkPrefill
@@ -221,9 +210,7 @@ def main() -> None:
                     tot = time.perf_counter() - t0
                     p2.timing.pop("end", None)
                     res["mma_breakdown_s"] = dict(p2.timing)
-                    print(f"breakdown of one mma prefill (synchronised parts, {tot:.3f} s in all):")
-                    for k, v in sorted(p2.timing.items(), key=lambda kv: -kv[1]):
-                        print(f"  {k:10s} {v * 1e3:8.1f} ms  {v / tot:6.1%}")
+                    print_breakdown("one mma prefill", p2.timing, tot)
                     p2.timing = None
         (ds, ls, is_), (dm, lm, im) = out["sgemm"], out["mma"]
         rel = float(np.abs(lm - ls).max() / np.abs(ls).max())

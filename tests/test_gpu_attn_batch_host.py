@@ -6,37 +6,22 @@ on a stand-in for CuPy against the array path on a small synthetic model. Skips 
 
 from __future__ import annotations
 
-import ctypes
 import io
-import shutil
-import subprocess
 import types
 
 import numpy as np
 import pytest
 
+from hostlib import CXX, build_host_lib
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import Rope, _rmsnorm, _sigmoid, _softmax
 
-CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    d = tmp_path_factory.mktemp("attnbatch")
-    src = d / "ab_host.cpp"
-    src.write_text(K.fused_host_source("attn_batch.cu"))
-    so = d / "ab_host.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
-                   capture_output=True)
-    h = ctypes.CDLL(str(so))
-    ctype = {"int": ctypes.c_int, "float": ctypes.c_float}
-    for name, params in K.kernel_signatures("attn_batch.cu").items():
-        f = getattr(h, f"host_{name}")
-        f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t] for t, _ in params]
-        f.restype = None
-    return h
+    return build_host_lib(tmp_path_factory.mktemp("attnbatch"), "attn_batch.cu")
 
 
 def _f(rng, *shape, scale=1.0):

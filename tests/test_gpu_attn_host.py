@@ -5,35 +5,19 @@ model's heads (partial rotary). Skips without a C++ compiler."""
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from stratatools.runtime.gpu import kernels as K
+from hostlib import CXX, build_host_lib
 from stratatools.runtime.model import Rope, _rmsnorm, _sigmoid
 
-CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    d = tmp_path_factory.mktemp("attnhost")
-    src = d / "attn_host.cpp"
-    src.write_text(K.fused_host_source("attn_step.cu"))
-    so = d / "attn_host.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
-                   capture_output=True)
-    h = ctypes.CDLL(str(so))
-    ctype = {"int": ctypes.c_int, "float": ctypes.c_float}
-    for name, params in K.kernel_signatures("attn_step.cu").items():
-        f = getattr(h, f"host_{name}")
-        f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t] for t, _ in params]
-        f.restype = None
-    return h
+    return build_host_lib(tmp_path_factory.mktemp("attnhost"), "attn_step.cu")
 
 
 def _rand(rng, *shape, scale=1.0):

@@ -6,35 +6,20 @@ places), with fewer blocks than rows (grid stride). Skips without a C++ compiler
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
+from hostlib import CXX, build_host_lib
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softplus
 
-CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gdnprep")
-    src = d / "gp_host.cpp"
-    src.write_text(K.fused_host_source("gdn_prep.cu"))
-    so = d / "gp_host.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
-                   capture_output=True)
-    h = ctypes.CDLL(str(so))
-    ctype = {"int": ctypes.c_int, "float": ctypes.c_float}
-    for name, params in K.kernel_signatures("gdn_prep.cu").items():
-        f = getattr(h, f"host_{name}")
-        f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t] for t, _ in params]
-        f.restype = None
-    return h
+    return build_host_lib(tmp_path_factory.mktemp("gdnprep"), "gdn_prep.cu")
 
 
 def _p(a: np.ndarray) -> int:

@@ -8,15 +8,13 @@ compiler."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
+from hostlib import CXX, build_host_lib
 from stratatools.runtime.gpu import kernels as K
 
-CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
 
 U64P = ctypes.POINTER(ctypes.c_uint64)
@@ -24,19 +22,7 @@ U64P = ctypes.POINTER(ctypes.c_uint64)
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    d = tmp_path_factory.mktemp("missfetch")
-    src = d / "mf_host.cpp"
-    src.write_text(K.fused_host_source("miss_fetch.cu"))
-    so = d / "mf_host.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
-                   capture_output=True)
-    h = ctypes.CDLL(str(so))
-    ctype = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "unsigned long long": ctypes.c_ulonglong}
-    params = K.kernel_signatures("miss_fetch.cu")["fetch_blobs"]
-    h.host_fetch_blobs.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else ctype[t]
-                                                                    for t, _ in params]
-    h.host_fetch_blobs.restype = None
-    return h
+    return build_host_lib(tmp_path_factory.mktemp("missfetch"), "miss_fetch.cu")
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -10,7 +10,7 @@
 // output gate. Two launches instead of about fifteen array operations and a masked batched product.
 // Written for any block size (lanes = min(32, blockDim.x), warps = max(1, blockDim.x / lanes)).
 
-#include "step_common.cuh"  // step_sigm, step_warp_sum, step_block_sum, step_block_max, STEP_DYN_SHARED
+#include "step_common.cuh"  // step_sigm, step_warp_sum, step_block_sum, step_block_max, step_rms_rope_row
 
 
 // Block (b, r): token r = blockIdx.y; b < nh: query head b of qraw [T, nh, 2 hd] (first hd values; the second half is
@@ -29,30 +29,10 @@ extern "C" __global__ void attn_prep_b(const float* __restrict__ qraw, const flo
     const bool isq = b < nh;
     const int h = isq ? b : b - nh;
     const float* src = isq ? qraw + ((long long)r * nh + h) * 2 * hd : kraw + ((long long)r * nkv + h) * hd;
-    const float* w = isq ? wq : wk;
-    const int wl = isq ? wql : wkl;
-    float ss = 0.0f;
-    for (int i = tid; i < hd; i += nt) {
-        const float v = src[i];
-        t[i] = v;
-        ss += v * v;
-    }
-    ss = step_block_sum(ss, red);  // (its barriers also make t visible to the block)
-    const float rn = 1.0f / sqrtf(ss / (float)hd + eps);
     const long long row = ((long long)place[r] * max_ctx + pos[r]) * nkv + h;
     float* dst = isq ? qout + ((long long)r * nh + h) * hd : Kc + row * hd;
-    const float* cs = cosv + (long long)r * n_rot;
-    const float* sn = sinv + (long long)r * n_rot;
-    const int half = n_rot / 2;
-    for (int i = tid; i < hd; i += nt) {
-        float a = (t[i] * rn) * w[((long long)h * hd + i) % wl];
-        if (i < n_rot) {
-            const int j = i < half ? i + half : i - half;
-            const float bj = (t[j] * rn) * w[((long long)h * hd + j) % wl];
-            a = a * cs[i] + (i < half ? -bj : bj) * sn[i];
-        }
-        dst[i] = a;
-    }
+    step_rms_rope_row(src, isq ? wq : wk, isq ? wql : wkl, h, hd, eps, cosv + (long long)r * n_rot,
+                      sinv + (long long)r * n_rot, n_rot, t, red, dst);
     if (!isq) {
         const float* vs = vraw + ((long long)r * nkv + h) * hd;
         for (int i = tid; i < hd; i += nt) Vc[row * hd + i] = vs[i];

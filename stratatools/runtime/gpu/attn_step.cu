@@ -10,7 +10,7 @@
 // step); after them, the output times sigmoid of the gate half of the query projection (one launch instead of 5).
 // Written for any block size, as fused_step.cu.
 
-#include "step_common.cuh"  // step_sigm, step_softplus, step_block_sum, STEP_DYN_SHARED
+#include "step_common.cuh"  // step_sigm, step_rms_rope_row, STEP_DYN_SHARED
 
 // Blocks 0 .. nh-1: query head h = qraw[h, 0:hd] of the [nh, 2 hd] projection (its gate half is attn_gate_mul's);
 // blocks nh .. nh+nkv-1: key head h = kraw[h, :] of [nkv, hd]. Each: x = v * (1 / sqrt(mean(v^2) + eps)) * w[(h hd
@@ -31,28 +31,9 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qraw, const float
     const bool isq = b < nh;
     const int h = isq ? b : b - nh;
     const float* src = isq ? qraw + (long long)h * 2 * hd : kraw + (long long)h * hd;
-    const float* w = isq ? wq : wk;
-    const int wl = isq ? wql : wkl;
-    float ss = 0.0f;
-    for (int i = tid; i < hd; i += nt) {
-        const float v = src[i];
-        t[i] = v;
-        ss += v * v;
-    }
-    ss = step_block_sum(ss, red);  // (its barriers also make t visible to the block)
-    const float r = 1.0f / sqrtf(ss / (float)hd + eps);
     const long long pos = posp[0];
     float* dst = isq ? qout + (long long)h * hd : Kc + (pos * nkv + h) * hd;
-    const int half = n_rot / 2;
-    for (int i = tid; i < hd; i += nt) {
-        float a = (t[i] * r) * w[((long long)h * hd + i) % wl];
-        if (i < n_rot) {
-            const int j = i < half ? i + half : i - half;
-            const float bj = (t[j] * r) * w[((long long)h * hd + j) % wl];
-            a = a * cosv[i] + (i < half ? -bj : bj) * sinv[i];
-        }
-        dst[i] = a;
-    }
+    step_rms_rope_row(src, isq ? wq : wk, isq ? wql : wkl, h, hd, eps, cosv, sinv, n_rot, t, red, dst);
     if (!isq) {
         float* vd = Vc + (pos * nkv + h) * hd;
         for (int i = tid; i < hd; i += nt) vd[i] = vraw[(long long)h * hd + i];

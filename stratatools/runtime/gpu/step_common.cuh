@@ -54,4 +54,33 @@ __device__ float step_block_max(float v, float* red) {
 #define STEP_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char step_smem_[]; T* name = reinterpret_cast<T*>(step_smem_)
 #endif
 
+// One attention head's row x = src[0:hd] (head h): dst[i] = x[i] * (1 / sqrt(mean(x^2) + eps)) * w[(h hd + i) % wl]
+// (stratatools.runtime.model._rmsnorm over rows of hd), then NEOX rope for i < n_rot: dst[i] cos[i] + r[i] sin[i]
+// with r = [-x[half:n_rot], x[0:half]] (Rope.apply; half = n_rot / 2); dims past n_rot unchanged. t: hd floats of
+// shared memory, red: 32. Call from every thread of the block (decode attn_prep, batched attn_prep_b).
+__device__ __forceinline__ void step_rms_rope_row(const float* __restrict__ src, const float* __restrict__ w, int wl,
+                                                  int h, int hd, float eps, const float* __restrict__ cosv,
+                                                  const float* __restrict__ sinv, int n_rot, float* t, float* red,
+                                                  float* __restrict__ dst) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    float ss = 0.0f;
+    for (int i = tid; i < hd; i += nt) {
+        const float v = src[i];
+        t[i] = v;
+        ss += v * v;
+    }
+    ss = step_block_sum(ss, red);  // (its barriers also make t visible to the block)
+    const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+    const int half = n_rot / 2;
+    for (int i = tid; i < hd; i += nt) {
+        float a = (t[i] * r) * w[((long long)h * hd + i) % wl];
+        if (i < n_rot) {
+            const int j = i < half ? i + half : i - half;
+            const float bj = (t[j] * r) * w[((long long)h * hd + j) % wl];
+            a = a * cosv[i] + (i < half ? -bj : bj) * sinv[i];
+        }
+        dst[i] = a;
+    }
+}
+
 #endif  // STRATA_STEP_COMMON_CUH

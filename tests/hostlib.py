@@ -1,0 +1,34 @@
+"""Host C++ builds of the CUDA kernel files of stratatools.runtime.gpu for the ``test_gpu_*_host`` tests: the file
+through :func:`stratatools.runtime.gpu.kernels.fused_host_source` (host_kernel_shim.cuh: one thread per block), built
+as a shared library, each ``host_<kernel>(grid_x, grid_y, ...)`` entry typed from the kernel's own signature."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+from stratatools.runtime.gpu import kernels as K
+
+#: The C++ compiler the host builds use (None: the tests that need it skip).
+CXX = shutil.which("g++") or shutil.which("clang++")
+_SCALARS = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong,
+            "unsigned long long": ctypes.c_ulonglong}
+
+
+def build_host_lib(folder: Path, name: str) -> ctypes.CDLL:
+    """Compile kernel file ``name`` (e.g. ``attn_step.cu``) in ``folder`` and return the library with every
+    ``host_<kernel>`` entry's argument types set: pointers as ``c_void_p``, scalars by their C type."""
+    stem = Path(name).stem
+    src, so = Path(folder) / f"{stem}_host.cpp", Path(folder) / f"{stem}_host.so"
+    src.write_text(K.fused_host_source(name))
+    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
+                   capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    for kernel, params in K.kernel_signatures(name).items():
+        f = getattr(lib, f"host_{kernel}")
+        f.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if "*" in t else _SCALARS[t]
+                                                       for t, _ in params]
+        f.restype = None
+    return lib
