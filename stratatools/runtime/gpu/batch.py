@@ -11,9 +11,10 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
   :class:`BatchDecoder` is a subclass) over the N tokens: on CuPy one dequantize-to-float32 + SGEMM per matrix
   for all N tokens; with numpy the float32 matrices of :meth:`Weights.get`;
 * routed experts: on CuPy the per-(token, expert) job kernels (:func:`stratatools.runtime.gpu.experts.expert_ffn`,
-  pipelined when every expert is resident, else staged rows, as the batch-1 decoder chooses; one job per routed entry,
-  blob addresses from the tier's slot table: a VRAM slot, or the mapped pinned host arena for an expert not resident);
-  with numpy the prefill's grouped path over ``expert_fn``;
+  pipelined when every expert is resident, else staged rows, as the batch-1 decoder chooses (with
+  ``STRATATOOLS_PREFILL_GEMM=mma`` the prefill's tensor-core jobs of one expert and its tokens); one job per routed
+  entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped pinned host arena for an expert not
+  resident); with numpy the prefill's grouped path over ``expert_fn``;
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
   place at once (on CuPy ``gdn_prep.cu``'s conv/norm kernel with each place a sequence of one row, ``pf_gdn_chunk``
   with the places folded into the head axis, then ``gdn_prep.cu``'s output norm and gate: three launches per layer);
@@ -243,6 +244,7 @@ class BatchDecoder(ChunkPrefill):
         n, L, k = int(pl.size), cfg.n_layer, self.k
         self._pl = pl
         self._pl_dev = xp.asarray(pl)
+        self._slots = None  # the tier's slot table on the host, read at the first expert-job layer of the step
         self._all = bool(n == self.n and (pl == np.arange(self.n)).all())
         self._tic("embed")
         x0 = self._rows("token_embd.weight", toks)
@@ -577,13 +579,19 @@ class BatchDecoder(ChunkPrefill):
                       np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
         self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
-        base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
-        gb = np.uint64(ly.gate_bytes)
-        tok, tstart = self._jobs_layout(T)
-        jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
-                          per_token=k)
-        y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
-                       kernels=self._kernels_routed())
+        if self.experts == "mma":  # STRATATOOLS_PREFILL_GEMM=mma: the prefill tensor-core jobs (an expert, its tokens)
+            if getattr(self, "_slots", None) is None:
+                self._slots = self.rt.tier.slot_table()
+            ya = self._experts_mma(il, x, cp.asnumpy(ids).astype(np.int64))  # [T k, n] unweighted
+            y = cp.sum(ya.reshape(T, k, n) * w.reshape(T, k, 1), axis=1)
+        else:
+            base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
+            gb = np.uint64(ly.gate_bytes)
+            tok, tstart = self._jobs_layout(T)
+            jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
+                              per_token=k)
+            y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
+                           kernels=self._kernels_routed())
         self._tic("shared")
         sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
