@@ -122,6 +122,18 @@ def test_run_batch_outputs_equal_batch1(model):
     assert all(r["new_ids"] == [] and r["stop"] == "prefill" for r in pre["requests"])
 
 
+def test_gpu_only_settings_do_not_stop_a_cpu_batched_run(model, monkeypatch):
+    """The GPU path's environment switches set to garbage: a CPU run with --batch 2 decodes as without them (it
+    stopped with STRATATOOLS_PREFILL_GEMM's error before; found by a new-user test)."""
+    d, gguf = model
+    base = _run(gguf, d / "p.txt", "-n", "4", "--batch", "2")
+    for var in ("STRATATOOLS_PREFILL_GEMM", "STRATATOOLS_GDN_PREP", "STRATATOOLS_BATCH_ATTN", "STRATATOOLS_MOE_KERNEL",
+                "STRATATOOLS_MISS_FETCH", "STRATATOOLS_PREFETCH_EXTRA"):
+        monkeypatch.setenv(var, "garbage")
+    got = _run(gguf, d / "p.txt", "-n", "4", "--batch", "2")
+    assert [r["new_ids"] for r in got["requests"]] == [r["new_ids"] for r in base["requests"]]
+
+
 @pytest.mark.parametrize("policy,opts,ext", [
     ("lru", ["--slots", "20"], "bin"),
     ("adaptive", ["--slots", "24", "--adapt-every", "1"], "parquet"),

@@ -106,24 +106,31 @@ def test_numpy_prefill_refuses_bad_input(kit, cpu_rt):
 
 @pytest.mark.kit
 def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
-    """STRATATOOLS_PREFILL_GEMM picks the dense path (default sgemm); with mma the rows expert path becomes the mma
-    jobs (an explicit gemm path stays); a changed switch makes the decoder build a new prefiller; a bad value is a
-    one-line error."""
+    """STRATATOOLS_PREFILL_GEMM picks the GPU path's dense GEMMs (default sgemm; a bad value is a one-line error);
+    a CPU decoder ignores it (a garbage value must not stop a CPU run: found by a new-user test of run --batch 2),
+    while an explicit gemm path applies there too: with mma the rows expert path becomes the mma jobs (an explicit
+    expert path stays); another option makes the decoder build a new prefiller."""
     from stratatools.runtime.gpu.decode import StaticDecoder
     from stratatools.runtime.gpu.prefill import ChunkPrefill
+    from stratatools.runtime.gpu.qmm import prefill_gemm
 
     dec = StaticDecoder(cpu_rt, max_ctx=11)
     monkeypatch.delenv("STRATATOOLS_PREFILL_GEMM", raising=False)
+    assert prefill_gemm() == "sgemm"
     pf = dec.prefiller()
-    assert (pf.gemm, pf.experts) == ("sgemm", "rows")
-    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", "mma")
-    pf2 = dec.prefiller()
-    assert pf2 is not pf and (pf2.gemm, pf2.experts) == ("mma", "mma") and dec.prefiller() is pf2
-    assert ChunkPrefill(dec, experts="gemm").experts == "gemm"
-    assert ChunkPrefill(dec, gemm="sgemm").experts == "rows"
-    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", "bf16")
+    assert (pf.gemm, pf.experts) == ("sgemm", "rows") and dec.prefiller() is pf
+    for v in ("mma", "bf16"):
+        monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", v)
+        assert dec.prefiller() is pf and (ChunkPrefill(dec).gemm, ChunkPrefill(dec).experts) == ("sgemm", "rows")
     with pytest.raises(StrataError, match="STRATATOOLS_PREFILL_GEMM='bf16'"):
-        dec.prefiller()
+        prefill_gemm()
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", "MMA")
+    assert prefill_gemm() == "mma"
+    pf2 = dec.prefiller(experts="gemm")
+    assert pf2 is not pf and pf2.experts == "gemm"
+    assert (ChunkPrefill(dec, gemm="mma").gemm, ChunkPrefill(dec, gemm="mma").experts) == ("mma", "mma")
+    assert ChunkPrefill(dec, experts="gemm", gemm="mma").experts == "gemm"
+    assert ChunkPrefill(dec, gemm="sgemm").experts == "rows"
     with pytest.raises(StrataError, match="GEMM path 'x'"):
         ChunkPrefill(dec, gemm="x")
     from stratatools.runtime.gpu.prefill import JOB_TOKENS, JOB_TOKENS_MMA, prefill_scratch_bytes

@@ -129,6 +129,37 @@ def test_tagged_writer_round_trip(tmp_path):
     assert np.array_equal(back.weight, t.weight)
 
 
+@pytest.mark.parametrize("names,model", [(["a\rb", "second", "c"], "m"), (["x", " x", "p2"], "m"),
+                                         (["x", "y", "z"], "mo\rdel"), (["\tx", "x", "x "], " m")])
+def test_csv_keeps_request_names_with_a_carriage_return_or_leading_space(tmp_path, names, model):
+    """Request names (prompt ids) and the model name that contain a carriage return or start with white space come
+    back from our CSV as written: 3 requests, each its own name (a bare CR broke the file for the reader; a leading
+    space was dropped by it and merged two requests). Found by a new-user test of ``run -t x.csv``."""
+    n = 9
+    t = TraceTable(request=np.repeat([0, 1, 2], 3), position=np.tile(np.arange(3), 3), phase=np.ones(n),
+                   layer=np.zeros(n), rank=np.zeros(n), expert=np.arange(n), weight=np.full(n, 0.5),
+                   meta={"request_names": names, "model_name": model})
+    out = tmp_path / "t.csv"
+    write_trace(t, out, "csv")
+    back = read_trace(out)
+    assert back.meta["request_names"] == names
+    assert np.asarray(back.request).tolist() == np.asarray(t.request).tolist()
+    assert np.asarray(back.expert).tolist() == list(range(n))
+    assert trace_stats(back).requests == 3
+
+
+def test_csv_with_a_bare_carriage_return_is_a_one_line_error(tmp_path, cli):
+    """A CSV written before the fix above (a bare CR inside an unquoted prompt_id): a one-line error naming the line,
+    exit 2, no traceback."""
+    p = tmp_path / "cr.csv"
+    p.write_bytes(b"model,prompt_id,token_pos,layer,rank,expert_id,weight,phase\n"
+                  b"m,a\rb,0,0,0,1,0.5,decode\nm,c,0,0,0,2,0.5,decode\n")
+    with pytest.raises(StrataError, match=r"cr.csv: line 2: 2 fields, expected 8"):
+        read_trace(p)
+    code, out, err = cli("trace", "stats", p)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and "line 2" in err
+
+
 # -- round trips through every format ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["strata", "strata-tagged", "parquet", "csv"])

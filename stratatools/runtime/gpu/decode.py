@@ -1408,7 +1408,8 @@ class StaticDecoder:
 
         c, g = int(chunk or CHUNK), int(group or GROUP)
         pf = getattr(self, "_prefiller", None)
-        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm) != (c, g, experts, prefill_gemm()):
+        gemm = prefill_gemm() if self.gpu else "sgemm"  # (a CPU decoder ignores the GPU switch: ChunkPrefill)
+        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm) != (c, g, experts, gemm):
             pf = self._prefiller = ChunkPrefill(self, c, g, experts)
         return pf
 

@@ -271,7 +271,9 @@ class ChunkPrefill:
             raise StrataError(f"prefill chunk {chunk} and expert group {group} must be at least 1")
         if experts not in EXPERT_PATHS:
             raise StrataError(f"expert path {experts!r} is not one of {', '.join(EXPERT_PATHS)}")
-        self.gemm = prefill_gemm() if gemm is None else str(gemm)
+        # the environment's switch is the GPU path's (on numpy it would only regroup the float32 job products; a
+        # CPU run ignores the GPU-only settings, as it ignores the others)
+        self.gemm = (prefill_gemm() if dec.gpu else "sgemm") if gemm is None else str(gemm)
         if self.gemm not in GEMMS:
             raise StrataError(f"prefill GEMM path {self.gemm!r} is not one of {', '.join(GEMMS)}")
         self.asked = (experts, gemm)  # the arguments (StaticDecoder.prefiller compares them)

@@ -160,8 +160,16 @@ def read_llama_csv(path: str | os.PathLike, n_layers: int | None = None, n_exper
 def _slow_kit_scan(path: Path, text: str, has_phase: bool, has_window: bool = False) -> None:
     """Find and raise the first bad line (the fast parser only says that one exists)."""
     ncol = len(KIT_COLUMNS) + (1 if has_phase else 0) + (1 if has_window else 0)
-    rdr = csv.reader(io.StringIO(text))
-    for ln, row in enumerate(rdr, 1):
+    rdr = csv.reader(io.StringIO(text, newline=""))
+    ln = 1
+    while True:
+        try:
+            row = next(rdr)
+        except StopIteration:
+            break
+        except csv.Error as e:  # e.g. a bare carriage return inside an unquoted field
+            raise _line_err(path, rdr.line_num, f"not a CSV row ({e}); quote a field that holds a line break") from None
+        ln = rdr.line_num
         if ln == 1:
             continue
         if not row or all(not c.strip() for c in row):
@@ -209,7 +217,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
                          keep_default_na=False, na_filter=False, header=0, names=header, skipinitialspace=True)
         if df.shape[1] != len(header):
             raise ValueError("column count")
-    except (ValueError, pd.errors.ParserError, OverflowError):
+    except (ValueError, TypeError, pd.errors.ParserError, OverflowError):
         _slow_kit_scan(path, text, has_phase, has_window)
         raise  # unreachable: the slow scan always raises
     if len(df) == 0:
@@ -327,6 +335,11 @@ def csv_rows(fh, table: TraceTable, meta: dict, windows: bool, batch_rows: int =
 
     model = str(meta.get("model_name") or meta.get("source_format") or "trace")
     names = meta.get("request_names")
+    # the csv module quotes a field that holds the delimiter, a quote or the line terminator ("\n") but not a bare
+    # carriage return, which then breaks the row for every reader; and our reader skips white space after a
+    # delimiter, so an unquoted leading space would be lost: with either in a name, every text field is quoted
+    odd = [model] + [str(x) for x in (names or [])]
+    quoting = csv.QUOTE_NONNUMERIC if any("\r" in x or x[:1].isspace() for x in odd) else csv.QUOTE_MINIMAL
     phase_names = np.array([PHASE_NAMES[PREFILL], PHASE_NAMES[DECODE], PHASE_NAMES[UNKNOWN]], dtype=object)
     for a in range(0, len(table), batch_rows):
         b = min(len(table), a + batch_rows)
@@ -343,4 +356,5 @@ def csv_rows(fh, table: TraceTable, meta: dict, windows: bool, batch_rows: int =
                            "phase": phase_names[ph]})
         if windows:
             df["window"] = np.asarray(table.window[a:b], dtype=np.int64)
-        fh.write(df.to_csv(index=False, header=False, float_format="%.9g", lineterminator="\n").encode())
+        fh.write(df.to_csv(index=False, header=False, float_format="%.9g", lineterminator="\n",
+                           quoting=quoting).encode())
