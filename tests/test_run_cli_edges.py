@@ -150,3 +150,29 @@ def test_trace_format_without_trace_out_is_refused(demo_release, fmt, cli):
     line = _one_line_error(*cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
                                  "--trace-format", fmt))
     assert f"--trace-format {fmt}" in line and "--trace-out" in line
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(demo_release, tmp_path, cli):
+    """A single text line whose bytes cannot fit the model's context whatever its tokens (a token covers at most the
+    vocabulary's longest token) is refused from its byte count, before the tokenizer builds its token list (a 20 MB
+    line took 12 s and 665 MB before its context error; found by a new-user test); a prompt that may fit is
+    tokenized and refused with its exact count."""
+    import time
+
+    from stratatools.model.gguf import open_model
+    from stratatools.runtime.tokenizer import BPETokenizer
+
+    d, gguf = demo_release
+    with open_model(gguf) as m:
+        ctx = int(m.kv[f"{m.arch}.context_length"])
+        longest = max(len(t.encode("utf-8", "replace")) for t in BPETokenizer.from_gguf(m).tokens)
+    big = tmp_path / "big.txt"
+    big.write_text("ab " * (ctx * longest))  # 3 ctx longest bytes: at least 3 ctx tokens
+    t0 = time.perf_counter()
+    line = _one_line_error(*cli("run", gguf, "--prompts", big, "-n", "1", "--device", "cpu"))
+    assert time.perf_counter() - t0 < 20
+    assert "prompt #0" in line and f"at least {3 * ctx} tokens" in line and f"context length {ctx}" in line
+    near = tmp_path / "near.txt"
+    near.write_text("x" * (ctx + 5))  # may fit by its bytes (a token can cover several), so tokenized: too long
+    line = _one_line_error(*cli("run", gguf, "--prompts", near, "-n", "1", "--device", "cpu"))
+    assert "prompt #0" in line and "positions, over the model's context length" in line
