@@ -219,3 +219,12 @@ def test_cold_replay_moves_lru_and_adaptive_at_48x512():
     (lru_w, ad_w, st_w), (lru_c, ad_c, st_c) = res[False], res[True]
     assert lru_w > lru_c + 0.2          # warm: the request's prefill already loaded its topic
     assert ad_w > ad_c + 0.1 and st_w == st_c  # measured: LRU 0.996 / 0.587, adaptive 0.33 / 0.14, static 0.12
+
+
+def test_report_dash_is_refused_and_makes_no_folder(cli, files, tmp_path, monkeypatch):
+    """``--report -`` is a one-line error (it made a folder named '-'; ``--trace-out -`` was already refused)."""
+    t, tp, gp, sp = files
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("simulate", "-t", tp, "-p", gp, "--slots", 16, "--report", "-")
+    assert code == 2 and "--report -" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "-").exists()

@@ -110,6 +110,9 @@ def _check_report(report: str, inputs: list[str], force: bool) -> None:
 
     from stratatools.cachesim.report import FILES
 
+    if report == "-":  # (Path would make a folder named "-")
+        raise StrataError("--report -: a report folder (report.md, report.json, ...) is not written to stdout; give "
+                          "a folder, e.g. --report sim-report (add --json for the numbers on stdout)")
     d = Path(report)
     ins = {Path(p).resolve(): p for p in inputs}
     if d.resolve() in ins:
