@@ -162,6 +162,12 @@ def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None
     return n * int(slot_bytes)
 
 
+#: Blocks of the prefetch's ``fetch_blobs`` launch, all jobs together: it runs beside the main stream's kernels, so
+#: it takes a few SMs only; 32 blocks keep about 0.5 MB of 16-byte loads in flight, several times what the bus needs
+#: to run at its rate (about 55 GB/s x 2 us of latency).
+PREFETCH_BLOCKS = 32
+
+
 def fetch_grid(k: int, blob_bytes: int, n_sm: int) -> int:
     """Blocks per job of a ``fetch_blobs`` launch: enough for about 4 blocks per SM when all ``k`` jobs miss, no
     more than the blob has parts of FETCH_THREADS x 4 loads of 16 bytes."""
@@ -439,7 +445,8 @@ class StaticDecoder:
         """``prefetch`` mode, at the start of layer ``il``'s experts: on the side stream, after the work queued so far,
         layer il+1's router on X (this layer's expert input), its top :func:`prefetch_width` through
         ``route_fused_sg`` (layer il+1's slot table) and ``fetch_blobs`` of the predicted misses into the parity's
-        staging; the event that layer il+1's fetch waits for is kept in ``_pf_events``."""
+        staging on :data:`PREFETCH_BLOCKS` blocks (beside the main stream's work); the event that layer il+1's fetch
+        waits for is kept in ``_pf_events``."""
         nxt = self._router_stack(il + 1)
         if nxt is None:
             return
@@ -465,7 +472,7 @@ class StaticDecoder:
                                           self.pf_ptrs[p, 1], self.pf_ptrs[p, 2], self.pf_sg[p:p + 1]),
                             shared_mem=E * 4)
             st = self.pf_stage[p * k * self._fetch_sb:(p + 1) * k * self._fetch_sb]
-            self.k_fetch((self._fetch_gx[il + 1], k), (FETCH_THREADS,),
+            self.k_fetch((max(1, min(self._fetch_gx[il + 1], PREFETCH_BLOCKS // k)), k), (FETCH_THREADS,),
                          (self.pf_ptrs[p, 0], self.pf_ids[p], np.int32(k), np.uint64(self._host_lo),
                           np.uint64(self._host_hi), np.uint64(0), np.uint64(0), np.int32(0), st,
                           np.int64(self._fetch_sb), np.int64(ly.blob_bytes), np.int64(ly.gate_bytes),
