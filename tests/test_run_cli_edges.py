@@ -152,6 +152,19 @@ def test_trace_format_without_trace_out_is_refused(demo_release, fmt, cli):
     assert f"--trace-format {fmt}" in line and "--trace-out" in line
 
 
+def test_trace_format_takes_any_case_and_a_bad_one_names_the_option(demo_release, tmp_path, cli):
+    """``--trace-format CSV`` was refused while a ``.CSV`` extension was accepted; an unknown format's error now names
+    the option (found by a new-user test)."""
+    d, gguf = demo_release
+    code, out, err = cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
+                         "--trace-out", tmp_path / "t.txt", "--trace-format", "CSV", "--json")
+    assert code == 0, err
+    assert (tmp_path / "t.txt").read_text().startswith("model,prompt_id,")
+    line = _one_line_error(*cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
+                                 "--trace-out", tmp_path / "u.bin", "--trace-format", "bogus"))
+    assert "--trace-format 'bogus' is not one of" in line and not (tmp_path / "u.bin").exists()
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(demo_release, tmp_path, cli):
     """A single text line whose bytes cannot fit the model's context whatever its tokens (a token covers at most the
     vocabulary's longest token) is refused from its byte count, before the tokenizer builds its token list (a 20 MB

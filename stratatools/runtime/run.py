@@ -145,11 +145,13 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
 
 
 def trace_format_for(path: str | os.PathLike, fmt: str | None) -> str:
-    """The trace format: ``fmt`` when given, else by extension (.parquet, .csv, otherwise strata-tagged)."""
+    """The trace format: ``fmt`` when given (any case, as the extensions are), else by extension (.parquet, .csv,
+    otherwise strata-tagged). Raises StrataError naming ``--trace-format`` for an unknown format."""
     if fmt:
-        if fmt not in TRACE_FORMATS:
-            raise StrataError(f"trace format {fmt!r} is not one of {', '.join(TRACE_FORMATS)}")
-        return fmt
+        f = fmt.strip().lower()
+        if f not in TRACE_FORMATS:
+            raise StrataError(f"--trace-format {fmt!r} is not one of {', '.join(TRACE_FORMATS)}")
+        return f
     s = Path(path).suffix.lower()
     return {".parquet": "parquet", ".csv": "csv"}.get(s, "strata-tagged")
 
