@@ -51,10 +51,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.model import RoutingRecord, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
+from stratatools.runtime.model import RoutingRecord, _rmsnorm, _sigmoid, _silu, _softmax, _to_host
 
-from stratatools.runtime.gpu.prefill import (ChunkPrefill, gdn_chunk_shared, gdn_out_launch, gdn_prep_enabled,
-                                              gdn_prep_launch)
+from stratatools.runtime.gpu.prefill import ChunkPrefill, gdn_chunk_shared
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
@@ -294,73 +293,18 @@ class BatchDecoder(ChunkPrefill):
             self.ple_ctx[p] = ctx
         return {il: np.concatenate(v, axis=0) for il, v in per.items()}
 
-    def _ple(self, il: int, H: Any, rows: np.ndarray) -> Any:
-        xp, cfg = self.xp, self.cfg
-        hc, n = cfg.hc_count, cfg.n_embd
-        T = H.shape[0]
-        emb = self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(T, -1)
-        p = f"blk.{il}.ple_"
-        key = _rmsnorm(xp, self._mm(emb, p + "key.weight"), self._f32(p + "norm_key.weight"), cfg.eps, group=n)
-        value = self._mm(emb, p + "value.weight")
-        q = _rmsnorm(xp, H, self._f32(p + "norm_query.weight"), cfg.eps, group=n)
-        gate = xp.sum(key.reshape(T, hc, n) * q.reshape(T, hc, n), axis=-1, keepdims=True) / xp.float32(math.sqrt(n))
-        gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
-        gv = (_sigmoid(xp, gate) * value[:, None, :]).reshape(T, hc * n)
-        gvn = _rmsnorm(xp, gv, self._f32(p + "norm_conv.weight"), cfg.eps, group=n)
-        K, d = cfg.ple_conv_kernel, cfg.ple_ngram
-        span = (K - 1) * d
-        buf = self.ple_conv[il]
-        xin = xp.concatenate([self._take(buf), gvn[:, None, :]], axis=1)  # [T, span + 1, C]
-        if span:
-            self._put(buf, xin[:, 1:])
-        wc = self._f32(p + "conv1d.weight")  # [C, K]
-        out = xp.zeros((T, hc * n), dtype=xp.float32)
-        for kk in range(K):
-            out = out + xin[:, kk * d] * wc[:, kk][None, :]
-        return gv + _silu(xp, out)
+    # -- per-place states of the prefill's GDN and PLE code -----------------------------------------------------
+    def _conv_state(self, which: str, il: int) -> Any:
+        """The active places' causal-conv states [places, history, C] (the prefill's hook; a place is a sequence of
+        one row)."""
+        return self._take((self.conv if which == "gdn" else self.ple_conv)[il])
 
-    # -- gated DeltaNet -------------------------------------------------------------------------------------
-    def _gdn(self, il: int, x: Any) -> Any:
-        xp, cfg = self.xp, self.cfg
-        T = x.shape[0]
-        nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
-        dv = cfg.ssm_head_v_dim
-        p = f"blk.{il}."
-        qkv = self._mm(x, p + "attn_qkv.weight")  # [T, C]
-        z = self._mm(x, p + "attn_gate.weight").reshape(T, nv, dv)
-        b = self._mm(x, p + "ssm_beta.weight")
-        a = self._mm(x, p + "ssm_alpha.weight")
-        wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
-        C, K = wc.shape
-        if self.gpu and gdn_prep_enabled():  # gdn_prep.cu, each place a sequence of one row with its own conv state
-            cp = self.cp
-            c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
-            qn, kn, v, beta, decay, st = gdn_prep_launch(
-                cp, c32(qkv), c32(self._take(self.conv[il])), wc, c32(b), c32(a),
-                self._f32(p + "ssm_a").reshape(-1), self._f32(p + "ssm_dt.bias").reshape(-1), T, nk, dk, nv, dv)
-            if K > 1:
-                self._put(self.conv[il], st)
-            out = self._gdn_step_b(il, qn, kn, v, beta, decay)
-            y = gdn_out_launch(cp, out, c32(z.reshape(T, nv * dv)), self._f32(p + "ssm_norm.weight").reshape(-1),
-                               cfg.eps, cfg.output_gate == "sigmoid", nv, dv)
-            return self._mm(y, p + "ssm_out.weight")
-        xin = xp.concatenate([self._take(self.conv[il]), qkv[:, None, :]], axis=1)  # [T, K, C]
-        if K > 1:
-            self._put(self.conv[il], xin[:, 1:])
-        conv = xp.zeros((T, C), dtype=xp.float32)
-        for kk in range(K):
-            conv = conv + xin[:, kk] * wc[:, kk][None, :]
-        conv = _silu(xp, conv)
-        q = _l2norm(xp, conv[:, :nk * dk].reshape(T, nk, dk)) * xp.float32(dk ** -0.5)
-        kn = _l2norm(xp, conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
-        beta = _sigmoid(xp, b).astype(xp.float32)
-        decay = xp.exp(self._f32(p + "ssm_a")[None, :] * _softplus(xp, a + self._f32(p + "ssm_dt.bias")[None, :]))
-        decay = decay.astype(xp.float32)
-        v = xp.ascontiguousarray(conv[:, 2 * nk * dk:], dtype=xp.float32)  # [T, nv dv]
-        out = self._gdn_step_b(il, q, kn, v, beta, decay)
-        o = _rmsnorm(xp, out.reshape(T, nv, dv), self._f32(p + "ssm_norm.weight"), cfg.eps)
-        act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
-        return self._mm((o * act).reshape(T, nv * dv), p + "ssm_out.weight")
+    def _set_conv_state(self, which: str, il: int, st: Any) -> None:
+        self._put((self.conv if which == "gdn" else self.ple_conv)[il], st)
+
+    def _gdn_core(self, il: int, q: Any, kn: Any, v: Any, beta: Any, decay: Any, T: int) -> Any:
+        """One delta-rule step of every active place (:meth:`_gdn_step_b`; the prefill's hook)."""
+        return self._gdn_step_b(il, q, kn, v, beta, decay)
 
     def _gdn_step_b(self, il: int, q: Any, kn: Any, v: Any, beta: Any, decay: Any) -> Any:
         """One delta-rule step of every active place (states ``self.ssm[il]`` updated): out [T, nv dv]. Key heads

@@ -629,21 +629,45 @@ class ChunkPrefill:
         gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
         gv = (_sigmoid(xp, gate) * value[:, None, :]).reshape(T, hc * n)
         gvn = _rmsnorm(xp, gv, self._f32(p + "norm_conv.weight"), cfg.eps, group=n)
-        K, d = cfg.ple_conv_kernel, cfg.ple_ngram
-        span = (K - 1) * d
-        buf = self.dec.ple_conv[il]
-        xin = xp.concatenate([buf, gvn], axis=0)  # [span + T, C]
-        if span:
-            buf[...] = xin[-span:]
-        wc = self._f32(p + "conv1d.weight")  # [C, K]
-        out = xp.zeros((T, hc * n), dtype=xp.float32)
-        for kk in range(K):
-            out = out + xin[kk * d:kk * d + T] * wc[:, kk][None, :]
+        out = self._causal_conv("ple", il, gvn, self._f32(p + "conv1d.weight"), cfg.ple_ngram)
         return gv + _silu(xp, out)
+
+    # -- the causal convolutions' states (a subclass with several sequences overrides the two accessors) ---------
+    def _conv_state(self, which: str, il: int) -> Any:
+        """Layer ``il``'s causal-conv state, ``which`` ``gdn`` (K-1 previous inputs) or ``ple`` ((K-1) d), as
+        [sequences, history, C]: here the decoder's one sequence (a view of its buffer)."""
+        return (self.dec.conv if which == "gdn" else self.dec.ple_conv)[il][None]
+
+    def _set_conv_state(self, which: str, il: int, st: Any) -> None:
+        """Store :meth:`_conv_state`'s next value ``st`` [sequences, history, C]."""
+        (self.dec.conv if which == "gdn" else self.dec.ple_conv)[il][...] = st[0]
+
+    def _causal_conv(self, which: str, il: int, xnew: Any, wc: Any, dil: int = 1) -> Any:
+        """Depthwise causal conv of ``xnew`` [R, C] (the R / S rows of each of the S sequences of
+        :meth:`_conv_state`, in order) over [state; rows] with kernel ``wc`` [C, K] and dilation ``dil``:
+        out[s, u] = sum_k xin[s, u + k dil] wc[:, k]; the state moves on by the rows. Returns [R, C]."""
+        xp = self.xp
+        st = self._conv_state(which, il)
+        S, span, C = int(st.shape[0]), int(st.shape[1]), int(xnew.shape[1])
+        L = int(xnew.shape[0]) // S
+        xin = xp.concatenate([st, xnew.reshape(S, L, C)], axis=1)  # [S, span + L, C]
+        if span:
+            self._set_conv_state(which, il, xin[:, -span:])
+        out = xp.zeros((S, L, C), dtype=xp.float32)
+        for kk in range(int(wc.shape[1])):
+            out = out + xin[:, kk * dil:kk * dil + L] * wc[:, kk][None, None, :]
+        return out.reshape(S * L, C)
+
+    def _gdn_core(self, il: int, q: Any, kn: Any, v: Any, beta: Any, decay: Any, T: int) -> Any:
+        """The delta-rule recurrence of the GDN layer ``il`` over the rows (:meth:`_gdn_recur`, timed apart)."""
+        self._push("gdn_recur")
+        out = self._gdn_recur(il, q, kn, v, 0, beta, decay, T)
+        self._pop()
+        return out
 
     # -- gated DeltaNet -----------------------------------------------------------------------------------
     def _gdn(self, il: int, x: Any) -> Any:
-        xp, cfg, dec = self.xp, self.cfg, self.dec
+        xp, cfg = self.xp, self.cfg
         T = x.shape[0]
         nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
         dv = cfg.ssm_head_v_dim
@@ -654,36 +678,27 @@ class ChunkPrefill:
         a = self._mm(x, p + "ssm_alpha.weight")
         wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
         C, K = wc.shape
-        cbuf = dec.conv[il]
         if self.gpu and gdn_prep_enabled():  # gdn_prep.cu: the same formulas in two launches
             cp = self.cp
             c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
+            state = c32(self._conv_state("gdn", il))
             qn, kn, v, beta, decay, st = gdn_prep_launch(
-                cp, c32(qkv), cbuf, wc, c32(b), c32(a), self._f32(p + "ssm_a").reshape(-1),
-                self._f32(p + "ssm_dt.bias").reshape(-1), 1, nk, dk, nv, dv)
+                cp, c32(qkv), state, wc, c32(b), c32(a), self._f32(p + "ssm_a").reshape(-1),
+                self._f32(p + "ssm_dt.bias").reshape(-1), int(state.shape[0]), nk, dk, nv, dv)
             if K > 1:
-                cbuf[...] = st[0]
-            self._push("gdn_recur")
-            out = self._gdn_recur(il, qn, kn, v, 0, beta, decay, T)
-            self._pop()
+                self._set_conv_state("gdn", il, st)
+            out = self._gdn_core(il, qn, kn, v, beta, decay, T)
             y = gdn_out_launch(cp, out, c32(z.reshape(T, nv * dv)), self._f32(p + "ssm_norm.weight").reshape(-1),
                                cfg.eps, cfg.output_gate == "sigmoid", nv, dv)
             return self._mm(y, p + "ssm_out.weight")
-        xin = xp.concatenate([cbuf, qkv], axis=0)  # [K-1+T, C]
-        if K > 1:
-            cbuf[...] = xin[-(K - 1):]
-        conv = xp.zeros((T, C), dtype=xp.float32)
-        for kk in range(K):
-            conv = conv + xin[kk:kk + T] * wc[:, kk][None, :]
-        conv = _silu(xp, conv)
+        conv = _silu(xp, self._causal_conv("gdn", il, qkv, wc))
         q = _l2norm(xp, conv[:, :nk * dk].reshape(T, nk, dk)) * xp.float32(dk ** -0.5)
         kn = _l2norm(xp, conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
         beta = _sigmoid(xp, b)
         decay = xp.exp(self._f32(p + "ssm_a")[None, :] * _softplus(xp, a + self._f32(p + "ssm_dt.bias")[None, :]))
         decay = decay.astype(xp.float32)
-        self._push("gdn_recur")
-        out = self._gdn_recur(il, q, kn, conv, 2 * nk * dk, beta, decay, T)
-        self._pop()
+        v = xp.ascontiguousarray(conv[:, 2 * nk * dk:], dtype=xp.float32)  # [T, nv dv]
+        out = self._gdn_core(il, q, kn, v, beta, decay, T)
         o = _rmsnorm(xp, out.reshape(T, nv, dv), self._f32(p + "ssm_norm.weight"), cfg.eps)
         act = _sigmoid(xp, z) if cfg.output_gate == "sigmoid" else _silu(xp, z)
         return self._mm((o * act).reshape(T, nv * dv), p + "ssm_out.weight")
