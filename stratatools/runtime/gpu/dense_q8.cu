@@ -69,6 +69,19 @@ __device__ __forceinline__ float dq_warp_sum(float v) {
 #define DQ_DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char dq_smem_[]; T* name = reinterpret_cast<T*>(dq_smem_)
 #endif
 
+// xs[i] = x[i] (or silu(x[i] / xdiv) when xdiv != 0: the hyper-connection mix's input) for i < n, the block's threads
+// striding; the caller synchronises before reading xs.
+__device__ __forceinline__ void dq_stage_x(const float* __restrict__ x, float xdiv, float* xs, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float a = x[i];
+        if (xdiv != 0.0f) {
+            a = a / xdiv;
+            a = a * (1.0f / (1.0f + expf(-a)));
+        }
+        xs[i] = a;
+    }
+}
+
 // qs: int8 codes [rows, cols]; dsc: fp16 scales [rows, cols / 32]; x [cols]; y [rows]; cols a multiple of 32.
 // xdiv != 0: the input is silu(x / xdiv) (applied while x is staged, as matvec_tiled_kernel does).
 // Grid: (ceil(rows / rows_per_block), ksplit) with rows_per_block = DQ_RW * warps per block; dynamic shared
@@ -116,14 +129,7 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
     int c = c0 + lane;
     if (active && c < c1) { DQ_LOAD(c) }  // issued before x is staged: the two latencies overlap
     const int nx = c1 > c0 ? 16 * (c1 - c0) : 0;
-    for (int i = threadIdx.x; i < nx; i += blockDim.x) {
-        float a = x[16 * c0 + i];
-        if (xdiv != 0.0f) {
-            a = a / xdiv;
-            a = a * (1.0f / (1.0f + expf(-a)));
-        }
-        xs[i] = a;
-    }
+    dq_stage_x(x + 16 * c0, xdiv, xs, nx);
     __syncthreads();
     float acc[DQ_RW];
     #pragma unroll
@@ -185,14 +191,7 @@ extern "C" __global__ void mv_q8r_mix(const signed char* __restrict__ qs, const 
                                       const float* __restrict__ x, float xdiv, const float* __restrict__ hn,
                                       float* __restrict__ mixed, int hc, int n, int cols) {
     DQ_DYN_SHARED(float, xs);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float a = x[i];
-        if (xdiv != 0.0f) {
-            a = a / xdiv;
-            a = a * (1.0f / (1.0f + expf(-a)));
-        }
-        xs[i] = a;
-    }
+    dq_stage_x(x, xdiv, xs, cols);
     __syncthreads();
     const int nch = cols >> 4;
     const long long nb = cols >> 5;
@@ -278,14 +277,7 @@ extern "C" __global__ void __launch_bounds__(256, DQS_MINB) mv_q8s(
         float* __restrict__ y, int rows, int cols, float xdiv, int lpr, int u, const float* __restrict__ hn, int hc,
         int n) {
     DQ_DYN_SHARED(float, xs);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float a = x[i];
-        if (xdiv != 0.0f) {
-            a = a / xdiv;
-            a = a * (1.0f / (1.0f + expf(-a)));
-        }
-        xs[i] = a;
-    }
+    dq_stage_x(x, xdiv, xs, cols);
     __syncthreads();
     const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
     const int nw = (blockDim.x + 31) >> 5;
