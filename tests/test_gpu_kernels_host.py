@@ -109,10 +109,12 @@ def test_cuda_sources_are_package_files():
 
     here = Path(g.__file__).parent
     for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu", "qsa_step.cu",
-                 "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh", "step_common.cuh", "attn_step.cu"):
+                 "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh", "step_common.cuh", "attn_step.cu",
+                 "cp_async.cuh"):
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()
+    assert not re.search(r'^\s*#include "', src, re.M)  # package includes put in place (cuda_unit): NVRTC has no path
     for k in K.KERNEL_TEMPLATES + K.FAST_TEMPLATES + K.PIPE_TEMPLATES:
         assert re.search(rf"__global__ void (__launch_bounds__\(\d+(, \d+)?\) )?{k}\(", src), k
     dec = K.cuda_source("decode_step.cu")

@@ -108,7 +108,7 @@ def cuda_unit(name: str) -> str:
 def source() -> str:
     """The whole CUDA translation unit (types, tables from gguf.quants, decoders, kernels)."""
     return (cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("quant_kernels.cu")
-            + cuda_source("moe_staged.cu"))
+            + cuda_unit("moe_staged.cu"))
 
 
 def host_source() -> str:
@@ -360,4 +360,4 @@ def experts_host_source(type_ids: tuple[int, ...]) -> str:
                            f"    host_run_grid(gx, gy, [&]() {{ {name}<{int(tid)}>({call}); }});\n}}\n")
     return (cuda_source("host_kernel_shim.cuh") + cuda_source("host_shim.cuh") + cuda_source("prelude.cuh")
             + tables_source() + cuda_source("decoders.cuh") + cuda_source("quant_kernels.cu")
-            + cuda_source("moe_staged.cu") + "".join(entries))
+            + cuda_unit("moe_staged.cu") + "".join(entries))

@@ -194,13 +194,8 @@ template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
 //   value (and-or, add, fused multiply-add). Q8_0: byte permute of (q + 128) into 2^23's mantissa, add, multiply-add
 //   (and one XOR a word). The staged kernels' dot8s spends 4 to 5 a value plus byte loads of codes and scale.
 // Supported types: Q2_0 (42) and Q8_0 (8); H and F multiples of 16 values (of whole blocks in any case).
+#include "cp_async.cuh"  // cp_async16, cp_async_commit, cp_async_wait
 #ifndef STRATA_HOST
-__device__ __forceinline__ void moe_cp16(u8* dst, const u8* src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void moe_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ float moe_h2f(u32 h) {  // IEEE half (low 16 bits) -> float, exact (hardware conversion)
     float f;
     asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo;}\n" : "=f"(f) : "r"(h));
@@ -208,19 +203,16 @@ __device__ __forceinline__ float moe_h2f(u32 h) {  // IEEE half (low 16 bits) ->
 }
 #define MOE_FUNNEL(lo, hi, sh) __funnelshift_r((lo), (hi), (sh))
 #else
-static inline void moe_cp16(u8* dst, const u8* src) { std::memcpy(dst, src, 16); }
-static inline void moe_cp_commit() {}
-template <int N> static inline void moe_cp_wait() {}
 static inline float moe_h2f(u32 h) { return h2f((u16)(h & 0xffffu)); }
 #define MOE_FUNNEL(lo, hi, sh) ((u32)((((u64)(hi) << 32) | (u64)(lo)) >> ((sh) & 31)))
 #endif
 // Wait for all but the newest nstage - 1 commit groups (the slot about to be computed has landed); the host keeps
 // nstage in 1..4 (more would wait for every group: correct, no longer pipelined).
 __device__ __forceinline__ void moe_cp_wait_ring(int nstage) {
-    if (nstage == 2) moe_cp_wait<1>();
-    else if (nstage == 3) moe_cp_wait<2>();
-    else if (nstage == 4) moe_cp_wait<3>();
-    else moe_cp_wait<0>();
+    if (nstage == 2) cp_async_wait<1>();
+    else if (nstage == 3) cp_async_wait<2>();
+    else if (nstage == 4) cp_async_wait<3>();
+    else cp_async_wait<0>();
 }
 // Lanes of a warp, a compile-time constant so that a lane's units (u = lane + 32 m) have loop-invariant places in
 // their blocks and constant strides: 32 on the device (the host launches whole warps only), 1 in the host build
@@ -250,7 +242,7 @@ template <class RowF> __device__ __forceinline__ void moe_issue_rows(int nr, int
         const u8* src = reinterpret_cast<const u8*>(reinterpret_cast<u64>(s) & ~15ull) + 16 * c;
         if (src < s + n) {
             u8* dst = slot + (long long)q * stride + 16 * c;
-            if (src + 16 <= end) moe_cp16(dst, src);
+            if (src + 16 <= end) cp_async16(dst, src);
             else
                 for (int k = 0; k < 16; ++k)
                     if (src + k < end) dst[k] = src[k];
@@ -362,7 +354,7 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
     // the first nstage items' copies go out before x is staged (they do not need it): the two overlap
     for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
-        moe_cp_commit();
+        cp_async_commit();
     }
     moe_stage_x<TG>(X + (long long)t * H, H, xs);
     __syncthreads();
@@ -399,7 +391,7 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
         if (lane == 0) Hbuf[(long long)(j0 + q) * F + r] = ga / (1.0f + expf(-ga)) * ua;
         __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
         if (i + nstage < nit) issue(i + nstage);
-        moe_cp_commit();
+        cp_async_commit();
     }
 }
 
@@ -450,7 +442,7 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
     // the first nstage items' copies go out before h is staged (they do not need it): the two overlap
     for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
-        moe_cp_commit();
+        cp_async_commit();
     }
     moe_stage_x<TD>(Hbuf + (long long)j0 * F, nj * F, hs);
     for (int q = threadIdx.x; q < nj; q += blockDim.x) { ws[q] = w[j0 + q]; ps[q] = dp[q]; }
@@ -480,6 +472,6 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
         }
         __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
         if (i + nstage < nit) issue(i + nstage);
-        moe_cp_commit();
+        cp_async_commit();
     }
 }

@@ -43,21 +43,13 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 //: tokens of one expert job of the mma expert path (prefill.py JOB_TOKENS_MMA)
 #define QMM_JOB 16
 
-// Asynchronous 16-byte copies global -> shared (cp.async; the host build copies at once), and the dynamic shared
+// Asynchronous 16-byte copies global -> shared (cp_async.cuh; the host build copies at once), and the dynamic shared
 // memory that holds the staged activations (two chunks: the next one lands while the current one is computed).
+#include "cp_async.cuh"  // cp_async16, cp_async_commit, cp_async_wait
 #ifndef STRATA_HOST
-__device__ __forceinline__ void qmm_cp16(void* dst, const void* src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void qmm_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void qmm_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 extern __shared__ __align__(16) unsigned char qmm_smem[];
 #define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(qmm_smem)
 #else
-static inline void qmm_cp16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
-static inline void qmm_cp_commit() {}
-template <int N> static inline void qmm_cp_wait() {}
 #define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(host_dyn_smem)
 #endif
 
@@ -142,7 +134,7 @@ __device__ __forceinline__ void qmm_stage(const u16* __restrict__ xhi, const u16
         const int slot = rem / pieces, p = rem - slot * pieces;
         const int row = tokrow[slot];
         u16* dst = xs + (lohi * TOK + slot) * XS + 8 * p;
-        if (row >= 0) qmm_cp16(dst, (lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV + 8 * p);
+        if (row >= 0) cp_async16(dst, (lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV + 8 * p);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
@@ -175,17 +167,17 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
     u32 wr[MMA_LANES][NM][BPC][2][WPB];
     u16 dr[MMA_LANES][NM][BPC][2];
     qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, 0, xs);
-    qmm_cp_commit();
+    cp_async_commit();
     qmm_fetch<F, NM>(w, wd, rb, R, K, r0, 0, wr, dr);
     for (int chunk = 0; chunk < nchunk; ++chunk) {
         const int b0 = chunk * BPC;
         const int nbc = min(BPC, nb - b0);
         if (chunk + 1 < nchunk) {  // the next chunk's copies go out into the other buffer (free since the last barrier)
             qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, chunk + 1, xs + ((chunk + 1) & 1) * 2 * TOK * XS);
-            qmm_cp_commit();
-            qmm_cp_wait<1>();  // this chunk's copies have landed (the next chunk's may be in flight)
+            cp_async_commit();
+            cp_async_wait<1>();  // this chunk's copies have landed (the next chunk's may be in flight)
         } else {
-            qmm_cp_wait<0>();
+            cp_async_wait<0>();
         }
         __syncthreads();
         const u16* xs_hi = xs + (chunk & 1) * 2 * TOK * XS;

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.gpu.kernels import cuda_source, launch_big_shared
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, launch_big_shared
 
 #: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
 LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
@@ -57,7 +57,7 @@ def prefill_gemm() -> str:
 
 def device_source() -> str:
     """The CUDA translation unit of the qmm kernels (``prelude.cuh``, ``mma.cuh``, ``qmm.cu``)."""
-    return cuda_source("prelude.cuh") + cuda_source("mma.cuh") + cuda_source("qmm.cu")
+    return cuda_source("prelude.cuh") + cuda_source("mma.cuh") + cuda_unit("qmm.cu")
 
 
 def kernel_names() -> list[str]:
