@@ -119,8 +119,7 @@ def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, 
         results = []
         for kernels in (False, True):
             bd.kc[il][...], bd.vc[il][...] = kc0, vc0
-            bd._pl = np.array([2, 0])
-            bd._pl_dev, bd._all = bd._pl, False
+            bd._places(np.array([2, 0]), pos)
             with monkeypatch.context() as m:
                 if kernels:
                     mod = types.SimpleNamespace(get_function=lambda name: _HostKernel(lib, name))

@@ -182,9 +182,7 @@ def test_prefill_and_batched_gdn_use_the_kernels_like_the_array_code(lib, small_
         for kernels in (False, True):
             bd.conv[il][...] = conv_p
             bd.ssm[il][...] = ssm_p
-            bd._pl = np.array([2, 0])
-            bd._pl_dev = bd._pl
-            bd._all = False
+            bd._places(np.array([2, 0]), np.zeros(2, dtype=np.int64))
             with monkeypatch.context() as m:
                 if kernels:
                     _on_kernels(m, lib, bd, "_gdn_step_b")

@@ -448,20 +448,20 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         n_ctx_model = w.model.kv.get(f"{w.model.arch}.context_length")
         if any(pr.token_ids is None for pr in prompts):
             tok = BPETokenizer.from_gguf(w.model)
-            # a token covers at most this many bytes of text: a prompt whose bytes cannot fit the context whatever
-            # its tokens is refused before it is tokenized (its token list would take ~35 bytes a token of memory)
-            max_tok_bytes = max((len(t.encode("utf-8", "replace")) for t in tok.tokens), default=1) or 1
+        ctx_left = None if n_ctx_model is None else int(n_ctx_model) - max_new_tokens
         for i, pr in enumerate(prompts):
             if pr.token_ids is not None:
                 ids = pr.token_ids
             else:
+                # a text that cannot fit the context whatever its tokens is refused before it is tokenized (its token
+                # list would take ~35 bytes a token of memory); only one of more bytes than positions left can be
                 nbytes = len((pr.text or "").encode("utf-8", "replace"))
-                least = -(-nbytes // max_tok_bytes)
-                if n_ctx_model is not None and least + max_new_tokens > int(n_ctx_model):
+                least = -(-nbytes // tok.max_token_bytes) if ctx_left is not None and nbytes > ctx_left else 0
+                if least and least > ctx_left:
                     raise StrataError(f"{prompts_path}: prompt #{i}: {nbytes} bytes of text are at least {least} "
-                                      f"tokens (a token covers at most {max_tok_bytes} bytes) + --max-new-tokens "
-                                      f"{max_new_tokens}, over the model's context length {int(n_ctx_model)}; "
-                                      f"shorten the prompt or lower --max-new-tokens", prompts_path)
+                                      f"tokens (a token covers at most {tok.max_token_bytes} bytes) + --max-new-tokens "
+                                      f"{max_new_tokens}, over the model's context length {int(n_ctx_model)}; shorten "
+                                      f"the prompt or lower --max-new-tokens", prompts_path)
                 ids = tok.encode(pr.text or "")
             bad = [x for x in ids if not 0 <= x < w.cfg.n_vocab]
             if bad:

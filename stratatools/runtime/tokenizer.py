@@ -17,7 +17,7 @@ Decoding inverts the byte map (invalid UTF-8 becomes U+FFFD).
 from __future__ import annotations
 
 import unicodedata
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import regex
 
@@ -132,6 +132,13 @@ class BPETokenizer:
         for m in self._pat.finditer(text):
             out.extend(self._bpe(m.group(0)))
         return out
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """Most bytes of text one token stands for: the longest token string's UTF-8 length (a byte-level token
+        spells each byte with one character, of one or two UTF-8 bytes; a special token is its literal text), so a
+        text of n bytes has at least ceil(n / max_token_bytes) tokens."""
+        return max((len(t.encode("utf-8", "replace")) for t in self.tokens), default=1) or 1
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
         """Token ids of ``text`` (no BOS is added; qwen4exp has none)."""

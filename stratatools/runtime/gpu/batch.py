@@ -127,6 +127,12 @@ class BatchDecoder(ChunkPrefill):
             self._w_all = cp.zeros((L, N, k), dtype=cp.float32)
             self._hbuf = cp.empty(N * k * max(ly.ff for ly in self.rt.tier.arena.layers), dtype=cp.float32)
             self._tok_cache: dict[int, tuple[Any, Any]] = {}
+            from stratatools.runtime.gpu.experts import decoder_expert_kernels
+
+            # the routed experts' kernels, as the batch-1 decoder chooses them: pipelined when the tier holds every
+            # expert, staged when misses are read over the bus (experts.decoder_expert_kernels)
+            full = getattr(self.rt.tier.policy, "policy", None) == "all-resident"
+            self._kernels_routed = decoder_expert_kernels(full)[0]
 
     def _weight(self, name: str) -> Any:
         """Matrix ``name`` as float32 [rows, cols]: the prefill's (dequantized now, transient), except that on CuPy
@@ -241,10 +247,7 @@ class BatchDecoder(ChunkPrefill):
     def _step(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
         cfg, xp = self.cfg, self.xp
         n, L, k = int(pl.size), cfg.n_layer, self.k
-        self._pl = pl
-        self._pl_dev = xp.asarray(pl)
-        self._slots = None  # the tier's slot table on the host, read at the first expert-job layer of the step
-        self._all = bool(n == self.n and (pl == np.arange(self.n)).all())
+        self._places(pl, pos)
         self._tic("embed")
         x0 = self._rows("token_embd.weight", toks)
         H = xp.concatenate([x0] * cfg.hc_count, axis=-1)  # [n, hc n]
@@ -266,6 +269,18 @@ class BatchDecoder(ChunkPrefill):
         return lg, nxt, ids_out, w_out
 
     # -- per-place state helpers ----------------------------------------------------------------------------
+    def _places(self, pl: np.ndarray, pos: np.ndarray) -> None:
+        """The step's places ``pl`` [n] and their positions ``pos`` [n], in the forms the layers read: host and
+        device indices, int32 copies for the attention kernels (uploaded once a step), whether every place is active
+        in order (``_take`` / ``_put`` then work on whole buffers); the host slot table is read again when needed."""
+        xp = self.xp
+        self._pl = pl
+        self._pl_dev = xp.asarray(pl)
+        self._pl_i32 = xp.asarray(np.asarray(pl, dtype=np.int32))
+        self._pos_i32 = xp.asarray(np.asarray(pos, dtype=np.int32))
+        self._slots = None  # the tier's slot table on the host, read at the first expert-job layer of the step
+        self._all = bool(pl.size == self.n and (pl == np.arange(self.n)).all())
+
     def _take(self, a: Any) -> Any:
         """The active places' rows of a per-place buffer (a view when every place is active in order)."""
         return a if self._all else a[self._pl_dev]
@@ -413,8 +428,7 @@ class BatchDecoder(ChunkPrefill):
         qraw = c32(self._mm(x, p + "attn_q.weight"))  # [T, nh 2 hd]
         kraw = c32(self._mm(x, p + "attn_k.weight"))  # [T, nkv hd]
         vraw = c32(self._mm(x, p + "attn_v.weight"))
-        pl_d = cp.asarray(np.asarray(self._pl, dtype=np.int32))
-        pos_d = cp.asarray(np.asarray(pos, dtype=np.int32))
+        pl_d, pos_d = self._pl_i32, self._pos_i32
         mc = int(self.kc[il].shape[1])
         mod = _attn_module()
         q = cp.empty((T, nh, hd), dtype=cp.float32)
@@ -493,14 +507,6 @@ class BatchDecoder(ChunkPrefill):
             return self._moe_gpu(il, x), None, None
         return super()._moe(il, x)
 
-    def _kernels_routed(self) -> str:
-        """The routed experts' kernels (:func:`stratatools.runtime.gpu.experts.decoder_expert_kernels`, as the batch-1
-        decoder chooses them): pipelined when the tier holds every expert, staged when misses are read over the bus."""
-        from stratatools.runtime.gpu.experts import decoder_expert_kernels
-
-        full = getattr(self.rt.tier.policy, "policy", None) == "all-resident"
-        return decoder_expert_kernels(full)[0]
-
     def _moe_gpu(self, il: int, x: Any) -> Any:
         """Router for T tokens (``pf_route``, on the device), routed experts through the job kernels with blob
         addresses from the tier's slot table, the shared expert by SGEMM; ids/weights kept on the device."""
@@ -535,7 +541,7 @@ class BatchDecoder(ChunkPrefill):
             jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
                               per_token=k)
             y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
-                           kernels=self._kernels_routed())
+                           kernels=self._kernels_routed)
         self._tic("shared")
         sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
