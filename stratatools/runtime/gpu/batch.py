@@ -371,15 +371,7 @@ class BatchDecoder(ChunkPrefill):
         T = x.shape[0]
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         p = f"blk.{il}."
-        qg = self._mm(x, p + "attn_q.weight").reshape(T, nh, 2 * hd)
-        q = qg[..., :hd]
-        gate = qg[..., hd:].reshape(T, nh * hd)
-        q = _rmsnorm(xp, q, self._f32(p + "attn_q_norm.weight"), cfg.eps)
-        kk = _rmsnorm(xp, self._mm(x, p + "attn_k.weight").reshape(T, nkv, hd), self._f32(p + "attn_k_norm.weight"),
-                      cfg.eps)
-        v = self._mm(x, p + "attn_v.weight").reshape(T, nkv, hd)
-        q = self.rt.rope.apply(q, cos, sin)
-        kk = self.rt.rope.apply(kk, cos, sin)
+        q, kk, v, gate = self._attn_qkv(il, x, cos, sin)
         posd = xp.asarray(pos)
         self.kc[il][self._pl_dev, posd] = kk
         self.vc[il][self._pl_dev, posd] = v

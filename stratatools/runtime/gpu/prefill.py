@@ -742,8 +742,10 @@ class ChunkPrefill:
         return out.reshape(T, nv * dv)
 
     # -- attention ----------------------------------------------------------------------------------------
-    def _attention(self, il: int, x: Any, pos0: int, cos: Any, sin: Any) -> Any:
-        xp, cfg, dec = self.xp, self.cfg, self.dec
+    def _attn_qkv(self, il: int, x: Any, cos: Any, sin: Any) -> tuple[Any, Any, Any, Any]:
+        """Attention layer ``il``'s projections of the rows ``x`` [T, n]: queries [T, heads, hd] and keys [T, kv
+        heads, hd] RMS-normed and roped, values [T, kv heads, hd], and the output gate's input [T, heads hd]."""
+        xp, cfg = self.xp, self.cfg
         T = x.shape[0]
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         p = f"blk.{il}."
@@ -754,8 +756,14 @@ class ChunkPrefill:
         kk = _rmsnorm(xp, self._mm(x, p + "attn_k.weight").reshape(T, nkv, hd), self._f32(p + "attn_k_norm.weight"),
                       cfg.eps)
         v = self._mm(x, p + "attn_v.weight").reshape(T, nkv, hd)
-        q = self.rt.rope.apply(q, cos, sin)
-        kk = self.rt.rope.apply(kk, cos, sin)
+        return self.rt.rope.apply(q, cos, sin), self.rt.rope.apply(kk, cos, sin), v, gate
+
+    def _attention(self, il: int, x: Any, pos0: int, cos: Any, sin: Any) -> Any:
+        xp, cfg, dec = self.xp, self.cfg, self.dec
+        T = x.shape[0]
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        q, kk, v, gate = self._attn_qkv(il, x, cos, sin)
         P = pos0 + T
         dec.kc[il][pos0:P] = kk
         dec.vc[il][pos0:P] = v
