@@ -4,6 +4,7 @@ as a shared library, each ``host_<kernel>(grid_x, grid_y, ...)`` entry typed fro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import shutil
 import subprocess
@@ -32,3 +33,15 @@ def build_host_lib(folder: Path, name: str) -> ctypes.CDLL:
                                                        for t, _ in params]
         f.restype = None
     return lib
+
+
+@contextlib.contextmanager
+def shared_within(lib: ctypes.CDLL, nbytes: int):
+    """Fail when the host kernels run inside the block write dynamic shared memory past ``nbytes`` (what their
+    launcher asks the device for; the host build's buffer is larger, so an overrun there goes unseen otherwise)."""
+    lib.host_smem_poison.argtypes = lib.host_smem_overrun.argtypes = [ctypes.c_longlong]
+    lib.host_smem_poison.restype, lib.host_smem_overrun.restype = None, ctypes.c_longlong
+    lib.host_smem_poison(nbytes)
+    yield
+    over = lib.host_smem_overrun(nbytes)
+    assert over == 0, f"{over} bytes written past the {nbytes} dynamic shared bytes the launcher asks for"

@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from hostlib import CXX, build_host_lib
+from hostlib import CXX, build_host_lib, shared_within
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import Rope, _rmsnorm, _sigmoid, _softmax
 
@@ -48,8 +48,9 @@ def test_attn_batch_kernels_match_numpy(lib, nh, nkv, hd, n_rot, wq_full):
     Kc, Vc = _f(rng, N, mc, nkv, hd), _f(rng, N, mc, nkv, hd)
     K0, V0 = Kc.copy(), Vc.copy()
     q = np.full((T, nh, hd), np.nan, dtype=np.float32)
-    lib.host_attn_prep_b(nh + nkv, T, _p(qraw), _p(kraw), _p(vraw), _p(wq), wq.size, _p(wk), wk.size, _p(cos),
-                         _p(sin), n_rot, nh, nkv, hd, eps, _p(places), _p(pos), mc, _p(q), _p(Kc), _p(Vc))
+    with shared_within(lib, hd * 4):  # BatchDecoder._attention_kernels' launch: one head's values
+        lib.host_attn_prep_b(nh + nkv, T, _p(qraw), _p(kraw), _p(vraw), _p(wq), wq.size, _p(wk), wk.size, _p(cos),
+                             _p(sin), n_rot, nh, nkv, hd, eps, _p(places), _p(pos), mc, _p(q), _p(Kc), _p(Vc))
     # numpy: BatchDecoder._attention's array code
     qn = _rmsnorm(np, qraw[..., :hd], wq.reshape(nh, hd) if wq_full else wq, eps)
     kn = _rmsnorm(np, kraw, wk, eps)
@@ -61,8 +62,9 @@ def test_attn_batch_kernels_match_numpy(lib, nh, nkv, hd, n_rot, wq_full):
     np.testing.assert_array_equal(Vc, V1)  # only the tokens' rows changed, values copied
     out = np.full((T, nh * hd), np.nan, dtype=np.float32)
     scale = np.float32(hd ** -0.5)
-    lib.host_attn_decode_b(nh, T, _p(q), _p(Kc), _p(Vc), _p(places), _p(pos), mc, _p(qraw), _p(out), nh, nkv, hd,
-                           scale)
+    with shared_within(lib, 4 * (int(pos.max()) + 1)):  # the launch's scores: the longest place's positions
+        lib.host_attn_decode_b(nh, T, _p(q), _p(Kc), _p(Vc), _p(places), _p(pos), mc, _p(qraw), _p(out), nh, nkv,
+                               hd, scale)
     grp = nh // nkv
     for t in range(T):
         P = int(pos[t]) + 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hostlib import CXX, build_host_lib
+from hostlib import CXX, build_host_lib, shared_within
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softplus
 
@@ -49,8 +49,11 @@ def test_pf_gdn_prep_matches_numpy(lib, nseq, length, Kc, nk, dk, nv, dv, blocks
     outs = [np.full(s, np.nan, dtype=np.float32) for s in ((nseq, Kc - 1, C), (R, nk, dk), (R, nk, dk), (R, nv * dv),
                                                            (R, nv), (R, nv))]
     st_out, qn, kn, v, beta, decay = outs
-    lib.host_pf_gdn_prep(blocks, 1, _p(qkv), _p(state), _p(st_out), _p(wc), C, Kc, nseq, length, _p(b), _p(a),
-                         _p(ssm_a), _p(dt_bias), nk, dk, nv, qscale, _p(qn), _p(kn), _p(v), _p(beta), _p(decay))
+    from stratatools.runtime.gpu.prefill import gdn_prep_shared
+
+    with shared_within(lib, gdn_prep_shared(nk, dk)):
+        lib.host_pf_gdn_prep(blocks, 1, _p(qkv), _p(state), _p(st_out), _p(wc), C, Kc, nseq, length, _p(b), _p(a),
+                             _p(ssm_a), _p(dt_bias), nk, dk, nv, qscale, _p(qn), _p(kn), _p(v), _p(beta), _p(decay))
     # numpy: the prefill's _gdn per sequence
     for s in range(nseq):
         rows = slice(s * length, (s + 1) * length)

@@ -16,6 +16,8 @@ from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.gpu import prefill as PF
 from stratatools.runtime.model import _l2norm, _sigmoid, _softmax
 
+from hostlib import shared_within
+
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the prefill kernels")
 TYPES = ("Q2_0", "Q8_0", "Q4_0", "BF16", "F32")
@@ -102,8 +104,10 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb):
         ref[t] = np.sum(qt[:, :, None] * St, axis=1)
     S = S0.copy()
     out = np.full((T, nv * dv), np.nan, np.float32)
-    lib.host_pf_gdn_chunk(nv, ncb, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay), _p(S),
-                          _p(out), T, nk, nv, dk, dv)
+    cw = -(-dv // ncb)
+    with shared_within(lib, PF.gdn_chunk_shared(dk, cw, 1)):  # the host block is one thread: one row slice
+        lib.host_pf_gdn_chunk(nv, ncb, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay), _p(S),
+                              _p(out), T, nk, nv, dk, dv)
     assert np.abs(out.reshape(T, nv, dv) - ref).max() <= 1e-5 * np.abs(ref).max()
     assert np.abs(S - St).max() <= 1e-5 * np.abs(St).max()
 

@@ -71,13 +71,16 @@ def test_static_decoder_partial_tier_equals_all_resident(kit, policy, fetch, mon
         assert d.capture()
         decs.append(d)
     tok = _prompt(kit, 1)[0]
+    dev_misses = 0  # routed experts not in a slot when their step replayed (what the device fetches)
     for step in range(n_ctx):
+        before = [set(d) for d in part.tier.slot_of]
         a = decs[0].step(tok).get()
         b = decs[1].step(tok).get()
         ia, _ = decs[0].routing()
         ib, _ = decs[1].routing()
         assert np.array_equal(a, b), (policy, step)
         assert np.array_equal(ia, ib)
+        dev_misses += sum(int(e) not in before[l] for l in range(L) for e in ia[l])
         for l in range(L):
             sim.access(l, ib[l].astype(np.int64))
         sim.end_round()
@@ -93,7 +96,10 @@ def test_static_decoder_partial_tier_equals_all_resident(kit, policy, fetch, mon
     assert fs["mode"] == fetch and decs[1].fetch_stats() == {"mode": "zero-copy"}
     if fetch != "zero-copy":
         assert decs[0].kernels_routed == "pipe"
-        assert fs["fetched_jobs"] + fs["prefetch_used_jobs"] == st["misses"]
+        # An evicting policy can count more misses than the device fetched: its access of a layer's k experts in
+        # turn may evict one of the same k (resident when the step ran, a miss by the time the policy reaches it).
+        assert fs["fetched_jobs"] + fs["prefetch_used_jobs"] == dev_misses
+        assert dev_misses == st["misses"] if policy == "static" else 0 < dev_misses <= st["misses"]
         assert fs["fetched_bytes"] == fs["fetched_jobs"] * bb[0]
         if fetch == "prefetch":
             assert fs["prefetched_bytes"] == fs["prefetched_jobs"] * bb[0]

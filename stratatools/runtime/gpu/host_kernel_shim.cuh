@@ -45,6 +45,17 @@ static inline float4 make_float4(float a, float b, float c, float d) { return {a
 using std::min;
 using std::max;
 static float host_dyn_smem[1 << 16];
+// The tests hold a kernel to the dynamic shared bytes its launcher asks for: host_smem_poison(n) fills the buffer
+// past n bytes with 0xA5, host_smem_overrun(n) counts the bytes past n that a kernel changed since.
+extern "C" void host_smem_poison(long long n) {
+    std::memset(reinterpret_cast<unsigned char*>(host_dyn_smem) + n, 0xA5, sizeof(host_dyn_smem) - (size_t)n);
+}
+extern "C" long long host_smem_overrun(long long n) {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(host_dyn_smem);
+    long long c = 0;
+    for (size_t i = (size_t)n; i < sizeof(host_dyn_smem); ++i) c += b[i] != 0xA5;
+    return c;
+}
 // Run kernel body `f` for every block of a gx x gy grid (one thread each).
 template <class F> static void host_run_grid(unsigned gx, unsigned gy, F f) {
     gridDim = {gx, gy, 1};

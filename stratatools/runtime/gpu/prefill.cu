@@ -108,7 +108,7 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 // Token t+1's inputs (q, k, the block's v columns, decay, beta) are loaded into registers while token t is computed
 // and stored into the other half of double-buffered shared arrays after it (up to PF_GDN_PER values a thread; any
 // further ones are read then), so the token loop does not wait on global memory.
-// Shared (gdn_chunk_shared in prefill.py): (dk cw + 4 dk + (rs + 2) cw + 4) floats, rs = max(1, blockDim / cw).
+// Shared (gdn_chunk_shared in prefill.py): (dk cw + 4 dk + (rs + 3) cw + 4) floats, rs = max(1, blockDim / cw).
 #ifndef PF_GDN_PER
 #define PF_GDN_PER 4
 #endif

@@ -106,9 +106,9 @@ GDN_PREP_THREADS = 256
 
 def gdn_chunk_shared(dk: int, cw: int, rs: int) -> int:
     """Dynamic shared bytes of ``pf_gdn_chunk`` (prefill.cu) for keys of ``dk``, ``cw`` value columns a block and ``rs``
-    row slices: the state slice, double-buffered q, k and v columns, the delta, the row-slice partial sums and the
-    decay/beta pairs."""
-    return (dk * cw + 4 * dk + (rs + 2) * cw + 4) * 4
+    row slices: the state slice [dk, cw], double-buffered q and k [2, dk] each and v columns [2, cw], the delta
+    [cw], the row-slice partial sums [rs, cw] and the decay/beta pairs [2, 2]."""
+    return (dk * cw + 4 * dk + (rs + 3) * cw + 4) * 4
 
 
 def gdn_prep_enabled() -> bool:
@@ -125,6 +125,11 @@ def _gdn_module() -> Any:
     import cupy
 
     return cupy.RawModule(code=cuda_unit("gdn_prep.cu"), options=("--std=c++17",))
+
+
+def gdn_prep_shared(nk: int, dk: int) -> int:
+    """Dynamic shared bytes of ``pf_gdn_prep`` (gdn_prep.cu): one row's q and k heads after the conv, 2 nk dk floats."""
+    return 2 * nk * dk * 4
 
 
 def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,
@@ -148,7 +153,7 @@ def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_
         (max(1, min(R, 65535)),), (GDN_PREP_THREADS,),
         (qkv, state, st_out, wc, np.int32(C), np.int32(K), np.int32(nseq), np.int32(R // nseq), b, a, ssm_a, dt_bias,
          np.int32(nk), np.int32(dk), np.int32(nv), np.float32(dk ** -0.5), qn, kn, v, beta, decay),
-        shared_mem=2 * nk * dk * 4)
+        shared_mem=gdn_prep_shared(nk, dk))
     return qn, kn, v, beta, decay, st_out
 
 
