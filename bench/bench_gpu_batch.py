@@ -42,10 +42,43 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 #: Step variants (environment of the BatchDecoder and its prefills): ``default`` (this tree's choices), ``before``
 #: (the array-code attention and GDN, staged expert kernels: the step as measured before them), ``mma`` (dense
-#: projections and the shared expert on the tensor-core GEMMs, STRATATOOLS_PREFILL_GEMM=mma).
+#: projections, the shared expert and the routed-expert jobs of the step on the tensor-core GEMMs,
+#: STRATATOOLS_BATCH_GEMM=mma), ``sgemm`` (the step's default, with the prefills on SGEMM too).
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
-            "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"}}
+            "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
+            "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm", "STRATATOOLS_BATCH_GEMM": "sgemm"}}
+
+
+def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict:
+    """Per-kernel device time of ``steps`` batched steps (CUPTI through torch.profiler, as bench_gpu_run's decode
+    profile) and the steps' wall time: the share of the wall the device is busy says whether kernels or the host's
+    launches bound the step. Prints the 14 longest kernels; returns {"wall_ms", "device_ms", "launches", "rows"}."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:  # noqa: BLE001
+        return {}
+    from bench_gpu_run import kernel_rows
+
+    torch.cuda.init()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _, nxt, _, _ = bd.step(places, toks)
+            toks = [int(v) for v in nxt]
+        cp.cuda.Device().synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    rows = kernel_rows(prof, steps)
+    dev = sum(r[1] for r in rows)
+    nl = sum(r[2] for r in rows)
+    print(f"\nkernels of one {var} step at N={len(places)} (profiled): {dev:.2f} ms of device time in {nl} launches, "
+          f"wall {wall:.2f} ms (device busy {dev / wall:.0%})\n| kernel | ms/step | launches/step | share |\n"
+          f"|---|---:|---:|---:|", flush=True)
+    for r in rows[:14]:
+        print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |", flush=True)
+    return {"wall_ms": wall, "device_ms": dev, "launches": nl, "rows": rows}
 
 
 def main() -> None:
@@ -61,6 +94,9 @@ def main() -> None:
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--variants", default="default",
                     help="comma-separated step variants, each timed at every N: " + ", ".join(VARIANTS))
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
+                    help="per-kernel device time of STEPS steps at the largest N for every variant (torch.profiler), "
+                         "against the steps' wall time")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     wd = Path(a.workdir)
@@ -151,6 +187,8 @@ def main() -> None:
             print(f"{var:8s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
                   f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
                   f"{'equal' if same else 'DIFFER'}", flush=True)
+            if a.kernel_profile > 0 and n == nmax:
+                res.setdefault("kernel_profile", {})[var] = step_profile(cp, bd, places, toks, a.kernel_profile, var)
     res["rows"] = rows
     # 3. breakdown at the largest N (the last variant's step)
     if bd is not None:

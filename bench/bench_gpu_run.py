@@ -56,6 +56,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -174,6 +175,16 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
                 tok = int(lg.argmax().get())
                 grt.tier.end_round()
             cp.cuda.Device().synchronize()
+    rows = kernel_rows(prof, steps)
+    rows.append(["dense Q8_0 bytes/step", dense_q8_bytes(rt.dec), 0, 0.0])
+    del rt, grt, w
+    free_device(cp)
+    return rows
+
+
+def kernel_rows(prof: Any, steps: int) -> list:
+    """A torch.profiler run's CUDA kernels as rows (kernel, ms a step, launches a step, share of the device time),
+    longest first, over ``steps`` steps."""
     agg: dict = {}
     for ev in prof.events():
         if getattr(ev, "device_type", None) is None or "CUDA" not in str(ev.device_type):
@@ -187,11 +198,7 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         a[0] += t / 1e3
         a[1] += 1
     total = sum(v[0] for v in agg.values()) or 1.0
-    rows = sorted(([k, v[0] / steps, v[1] // steps, v[0] / total] for k, v in agg.items()), key=lambda r: -r[1])
-    rows.append(["dense Q8_0 bytes/step", dense_q8_bytes(rt.dec), 0, 0.0])
-    del rt, grt, w
-    free_device(cp)
-    return rows
+    return sorted(([k, v[0] / steps, v[1] // steps, v[0] / total] for k, v in agg.items()), key=lambda r: -r[1])
 
 
 #: ``--types`` default: the full-width synthetic's routed experts in Q2_0 (issue 17's table).

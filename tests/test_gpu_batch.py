@@ -31,13 +31,14 @@ def _prompts(kit_prompts, n):
 @pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
 def test_gpu_batched_steps_match_the_graph_decoder(kit, kit_prompts, model, gemm, monkeypatch):
     """Places of a BatchDecoder against the batch-1 CUDA-graph decoder: logits within 1e-3, the same greedy tokens
-    (the dense GEMMs as SGEMMs, or with ``STRATATOOLS_PREFILL_GEMM=mma`` on the tensor cores from the quantized
-    matrices, prefill and batched steps both)."""
+    (the dense GEMMs as SGEMMs, or with ``STRATATOOLS_PREFILL_GEMM=mma`` and ``STRATATOOLS_BATCH_GEMM=mma`` on the
+    tensor cores from the quantized matrices, prefill and batched steps both)."""
     import cupy as cp
 
     if not (kit / model).exists():
         pytest.skip(f"{model} not carried")
     monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
+    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
 
     from stratatools.runtime.gpu.batch import BatchDecoder
     from stratatools.runtime.gpu.engine import DecoderRuntime

@@ -106,7 +106,7 @@ def test_numpy_prefill_refuses_bad_input(kit, cpu_rt):
 
 @pytest.mark.kit
 def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
-    """STRATATOOLS_PREFILL_GEMM picks the GPU path's dense GEMMs (default sgemm; a bad value is a one-line error);
+    """STRATATOOLS_PREFILL_GEMM picks the GPU path's dense GEMMs (default mma; a bad value is a one-line error);
     a CPU decoder ignores it (a garbage value must not stop a CPU run: found by a new-user test of run --batch 2),
     while an explicit gemm path applies there too: with mma the rows expert path becomes the mma jobs (an explicit
     expert path stays); another option makes the decoder build a new prefiller."""
@@ -116,7 +116,7 @@ def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
 
     dec = StaticDecoder(cpu_rt, max_ctx=11)
     monkeypatch.delenv("STRATATOOLS_PREFILL_GEMM", raising=False)
-    assert prefill_gemm() == "sgemm"
+    assert prefill_gemm() == "mma"  # the GPU path's default; the CPU decoder below stays on sgemm
     pf = dec.prefiller()
     assert (pf.gemm, pf.experts) == ("sgemm", "rows") and dec.prefiller() is pf
     for v in ("mma", "bf16"):

@@ -215,14 +215,20 @@ def test_launchers_refuse_bad_shapes():
     assert Q.token_tile(512, 2560, 132) == 8 and Q.token_tile(512, 32, 132) == 2 and Q.token_tile(512, 700, 132) == 4
 
 
-def test_prefill_gemm_env(monkeypatch):
+def test_prefill_and_batch_gemm_env(monkeypatch):
+    """The prefill's switch defaults to mma, the batched step's to sgemm; each reads its own variable only."""
     monkeypatch.delenv(Q.GEMM_ENV, raising=False)
-    assert Q.prefill_gemm() == "sgemm"
-    monkeypatch.setenv(Q.GEMM_ENV, "MMA")
-    assert Q.prefill_gemm() == "mma"
-    monkeypatch.setenv(Q.GEMM_ENV, "tf32")
-    with pytest.raises(StrataError, match="sgemm or mma"):
-        Q.prefill_gemm()
+    monkeypatch.delenv(Q.BATCH_GEMM_ENV, raising=False)
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("mma", "sgemm")
+    monkeypatch.setenv(Q.GEMM_ENV, "SGEMM")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "sgemm")
+    monkeypatch.setenv(Q.BATCH_GEMM_ENV, " mma")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "mma")
+    for env, fn in ((Q.GEMM_ENV, Q.prefill_gemm), (Q.BATCH_GEMM_ENV, Q.batch_gemm)):
+        monkeypatch.setenv(env, "tf32")
+        with pytest.raises(StrataError, match=f"{env}='tf32': use sgemm or mma"):
+            fn()
+        monkeypatch.setenv(env, "mma")
 
 
 @pytest.mark.parametrize("tname,hidden,ff,T,E,k", [("Q2_0", 192, 128, 21, 5, 3), ("Q8_0", 96, 64, 19, 3, 2)])

@@ -63,7 +63,8 @@ def test_context_longer_than_the_model_is_refused(kit, tmp_path, cli):
     assert "4200 positions" in err and "context length 4096" in err and "prompt #0" in err
 
 
-def test_vram_plan_fits_refuses_and_says_what_it_needs(kit):
+def test_vram_plan_fits_refuses_and_says_what_it_needs(kit, monkeypatch):
+    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "zero-copy")  # no staging (planned in the test below)
     from stratatools.model.gguf import open_model
     from stratatools.runtime.config import read_config
     from stratatools.runtime.device import GIB, RESERVE_BYTES, cache_bytes, dense_device_bytes, plan_vram, prefill_bytes
@@ -130,7 +131,8 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
         blob = [1000] * cfg.n_layer
         total_e = cfg.n_layer * max(cfg.n_expert)
         monkeypatch.delenv("STRATATOOLS_MISS_FETCH", raising=False)
-        assert miss_fetch_mode() == "zero-copy"
+        assert miss_fetch_mode() == "prefetch"  # the default
+        monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "zero-copy")
         base = plan_vram(m, cfg, blob, 64, None, None, total_e)
         assert base.staging == 0 and base.to_dict()["staging_bytes"] == 0
         budget = (base.fixed + 100 * 1024 + 10) / GIB
@@ -141,6 +143,8 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
         n_st = k + 2 * prefetch_width(k, min(cfg.n_expert))
         assert plan.staging == n_st * 1024 and plan.fixed == base.fixed + plan.staging
         assert plan.slots == min(100 - n_st, total_e)
+        monkeypatch.delenv("STRATATOOLS_MISS_FETCH")
+        assert plan_vram(m, cfg, blob, 64, budget, None, total_e).staging == plan.staging
         monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "later")
         with pytest.raises(StrataError, match="STRATATOOLS_MISS_FETCH='later': use one of zero-copy, fetch, prefetch"):
             plan_vram(m, cfg, blob, 64, budget, None, total_e)

@@ -9,10 +9,10 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
 * every per-token part (embedding rows, hyper-connection mixing/inject and norms, the dense projections, the
   router, the shared expert, the output head) is the batched prefill's code (:class:`ChunkPrefill`, of which
   :class:`BatchDecoder` is a subclass) over the N tokens: on CuPy one dequantize-to-float32 + SGEMM per matrix
-  for all N tokens; with numpy the float32 matrices of :meth:`Weights.get`;
+  for all N tokens (``STRATATOOLS_BATCH_GEMM=mma``: the tensor-core GEMMs from the quantized matrices); with numpy the float32 matrices of :meth:`Weights.get`;
 * routed experts: on CuPy the per-(token, expert) job kernels (:func:`stratatools.runtime.gpu.experts.expert_ffn`,
   pipelined when every expert is resident, else staged rows, as the batch-1 decoder chooses (with
-  ``STRATATOOLS_PREFILL_GEMM=mma`` the prefill's tensor-core jobs of one expert and its tokens); one job per routed
+  ``STRATATOOLS_BATCH_GEMM=mma`` the prefill's tensor-core jobs of one expert and its tokens); one job per routed
   entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped pinned host arena for an expert not
   resident); with numpy the prefill's grouped path over ``expert_fn``;
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
@@ -99,7 +99,10 @@ class BatchDecoder(ChunkPrefill):
     def __init__(self, dec: Any, n_places: int):
         if n_places < 1:
             raise StrataError(f"--batch {n_places}: the batch size must be at least 1")
-        super().__init__(dec, chunk=max(1, int(n_places)), group=8)
+        from stratatools.runtime.gpu.qmm import batch_gemm
+
+        # the step's own GEMM switch (STRATATOOLS_BATCH_GEMM): 32 rows a GEMM are not the prefill's 512
+        super().__init__(dec, chunk=max(1, int(n_places)), group=8, gemm=batch_gemm() if dec.gpu else "sgemm")
         cfg, xp = self.cfg, self.xp
         N = self.n = int(n_places)
         self.conv, self.ssm, self.kc, self.vc, self.ple_conv = {}, {}, {}, {}, {}
@@ -521,7 +524,7 @@ class BatchDecoder(ChunkPrefill):
                       np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
         self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
-        if self.experts == "mma":  # STRATATOOLS_PREFILL_GEMM=mma: the prefill tensor-core jobs (an expert, its tokens)
+        if self.experts == "mma":  # STRATATOOLS_BATCH_GEMM=mma: the prefill tensor-core jobs (an expert, its tokens)
             if getattr(self, "_slots", None) is None:
                 self._slots = self.rt.tier.slot_table()
             ya = self._experts_mma(il, x, cp.asnumpy(ids).astype(np.int64))  # [T k, n] unweighted

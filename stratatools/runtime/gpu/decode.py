@@ -113,9 +113,9 @@ def dense_q8_enabled() -> bool:
 
 
 #: How the offloaded fused step serves missed experts (a partial tier; ignored when every expert is resident):
-#: ``zero-copy`` (the default: the staged expert kernels read a missed blob from the mapped host arena as they compute),
+#: ``zero-copy`` (the staged expert kernels read a missed blob from the mapped host arena as they compute),
 #: ``fetch`` (``miss_fetch.cu`` first copies the layer's missed blobs into device staging with every SM, one burst over
-#: the bus; the pipelined expert kernels then read device memory only) or ``prefetch`` (``fetch``, and while layer l
+#: the bus; the pipelined expert kernels then read device memory only) or ``prefetch`` (the default; ``fetch``, and while layer l
 #: runs, a second stream applies layer l+1's router to layer l's expert input and copies the predicted misses of
 #: layer l+1 ahead; layer l+1's fetch then copies only what the prediction missed). The policy, the hits counted and
 #: the results do not depend on the mode (a prediction only decides what is copied early).
@@ -126,9 +126,9 @@ FETCH_THREADS = 256
 
 
 def miss_fetch_mode() -> str:
-    """The miss fetch mode from :data:`MISS_FETCH_ENV` (default ``zero-copy``); raises StrataError for another
-    value."""
-    v = os.environ.get(MISS_FETCH_ENV, "").strip() or "zero-copy"
+    """The miss fetch mode from :data:`MISS_FETCH_ENV` (default ``prefetch``: the fastest of the three on every
+    partial tier measured, bench/gpu-notes.md); raises StrataError for another value."""
+    v = os.environ.get(MISS_FETCH_ENV, "").strip() or "prefetch"
     if v not in MISS_FETCH_MODES:
         raise StrataError(f"{MISS_FETCH_ENV}={v!r}: use one of {', '.join(MISS_FETCH_MODES)}")
     return v

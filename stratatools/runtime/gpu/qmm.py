@@ -10,8 +10,10 @@ relative (see the header of ``qmm.cu``). The routed experts of the prefill run a
 :data:`JOB_TOKENS` tokens (:func:`moe_gate_up` / :func:`moe_down`, the job table of
 :func:`stratatools.runtime.gpu.prefill.expert_jobs`).
 
-:data:`GEMM_ENV` (``STRATATOOLS_PREFILL_GEMM``) picks the prefill's dense path: ``sgemm`` (default: dequantize to
-float32, cuBLAS SGEMM) or ``mma`` (these kernels where the layout allows). Importing this module needs no CuPy.
+:data:`GEMM_ENV` (``STRATATOOLS_PREFILL_GEMM``) picks the prefill's dense path: ``mma`` (default: these kernels where
+the layout allows; 1.80x the SGEMM path on the 48 x 256 model's 512-token prefill, H200, bench/gpu-notes.md) or
+``sgemm`` (dequantize to float32, cuBLAS SGEMM). :data:`BATCH_GEMM_ENV` (``STRATATOOLS_BATCH_GEMM``) picks the batched
+decode step's, default ``sgemm`` (measured faster there at 32 sequences). Importing this module needs no CuPy.
 """
 
 from __future__ import annotations
@@ -43,16 +45,28 @@ SPLIT_THREADS = 256
 KC = 128
 #: Environment switch of the prefill's dense GEMMs.
 GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
+#: Environment switch of the batched decode step's dense GEMMs (and, with ``mma``, its routed-expert jobs).
+BATCH_GEMM_ENV = "STRATATOOLS_BATCH_GEMM"
 GEMMS = ("sgemm", "mma")
 
 
-def prefill_gemm() -> str:
-    """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``sgemm`` (default) or ``mma``. Raises
-    StrataError for another value."""
-    v = os.environ.get(GEMM_ENV, "sgemm").strip().lower() or "sgemm"
+def _gemm_from(env: str, default: str) -> str:
+    v = os.environ.get(env, default).strip().lower() or default
     if v not in GEMMS:
-        raise StrataError(f"{GEMM_ENV}={v!r}: use sgemm or mma")
+        raise StrataError(f"{env}={v!r}: use sgemm or mma")
     return v
+
+
+def prefill_gemm() -> str:
+    """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``mma`` (default) or ``sgemm``. Raises
+    StrataError for another value."""
+    return _gemm_from(GEMM_ENV, "mma")
+
+
+def batch_gemm() -> str:
+    """The batched decode step's dense GEMM path from :data:`BATCH_GEMM_ENV`: ``sgemm`` (default) or ``mma``.
+    Raises StrataError for another value."""
+    return _gemm_from(BATCH_GEMM_ENV, "sgemm")
 
 
 def device_source() -> str:
