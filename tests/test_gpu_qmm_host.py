@@ -37,7 +37,7 @@ def lib(tmp_path_factory):
     h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
-            getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I]
+            getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I]
     for f in (8, 42):
         getattr(h, f"host_qmm_moe_gu_{f}").argtypes = [U, U, P, P, P, P, P, P, I, I]
         getattr(h, f"host_qmm_moe_down_{f}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
@@ -149,17 +149,20 @@ def test_split_keeps_22_bits(lib):
     assert not np.any(hi[3] & 0x7fff) and not np.any(lo[3] & 0x7fff) and sc[3] == 1.0  # the zero row (signed zeros)
 
 
-def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None) -> np.ndarray:
+def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None, nz: int = 1) -> np.ndarray:
+    """The host build's qmm_dense; with ``nz`` > 1 k split into nz slices, their partial results [nz, T, rows]
+    added here (every slice's every element written: an empty slice writes zeros)."""
     f = Q.LAYOUTS[layout]
     T = X.shape[0]
     nt = nt or Q.token_tile(T)
     hi, lo, sc = split_host(lib, X)
-    Y = np.full((T, rows), np.nan, dtype=np.float32)
+    Y = np.full((nz, T, rows), np.nan, dtype=np.float32)
     rb = cols if f == 0 else cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
-    gx, gy = -(-rows // 16), -(-T // (8 * nt))  # host blocks: one warp, 16 rows
+    gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz  # host blocks: one warp, 16 rows
     getattr(lib, f"host_qmm_dense_{f}_{nt}")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb, _p(hi), _p(lo),
-                                             _p(sc), _p(Y), rows, T, rows, cols)
-    return Y
+                                             _p(sc), _p(Y), rows, T, rows, cols, nz)
+    assert np.all(np.isfinite(Y))
+    return Y.sum(axis=0, dtype=np.float32) if nz > 1 else Y[0]
 
 
 def check(Y, W, X, tol=2e-6):
@@ -189,6 +192,36 @@ def test_dense_matches_float64(lib, layout, rows, cols, T, nt):
     X = acts(rng, T, cols)
     Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nt)
     check(Y, W, X)
+
+
+@pytest.mark.parametrize("layout,rows,cols,T,nz", [
+    ("Q8R", 37, 640, 5, 2),    # 5 chunks: slices [0, 3) and [3, 5) (the second starts on an odd chunk)
+    ("Q8R", 16, 640, 32, 7),   # 1 chunk a slice, slices 5 and 6 empty (zeros)
+    ("Q8_0", 21, 384, 17, 3), ("Q2_0", 18, 320, 9, 2), ("Q2_0", 40, 640, 1, 4)])
+def test_dense_split_k_matches_float64(lib, layout, rows, cols, T, nz):
+    """qmm_dense with k split over nz slices (dense_launch's small-T launch): the slices' sum = the product."""
+    rng = np.random.default_rng(rows * 7 + cols + T + nz)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        W8, Wd = q.view(np.uint8), d
+    else:
+        W8, Wd = raw, None
+    X = acts(rng, T, cols)
+    check(dense_host(lib, layout, W8, Wd, X, rows, cols, nz=nz), W, X)
+
+
+def test_dense_launch_splits_k_for_few_tokens():
+    """Up to 32 tokens: one token tile and k split while the row blocks leave SMs idle (about 2 blocks a SM, at
+    most one slice a chunk); longer X keeps token_tile's tiles and no split."""
+    # 2,560 x 2,560 Q8R (the full-width hidden), 132 SMs: 40 row blocks, 20 chunks of 128 -> 6 slices (240 blocks)
+    assert Q.dense_launch(32, 2560, 2560, "Q8R", 132) == (4, 40, 6, 6)
+    assert Q.dense_launch(1, 2560, 2560, "Q8R", 132) == (2, 40, 6, 6)
+    assert Q.dense_launch(16, 64, 256, "Q8_0", 132) == (2, 1, 2, 2)  # 2 chunks: at most 2 slices
+    assert Q.dense_launch(32, 12288, 2560, "Q8R", 132) == (4, 192, 1, 1)  # rows fill the device
+    assert Q.dense_launch(512, 2560, 2560, "Q8R", 132) == (Q.token_tile(512, 2560, 132), 40, 512 // (8 * Q.token_tile(512, 2560, 132)), 1)
 
 
 def test_dense_large_rows_precision(lib):
@@ -299,7 +332,8 @@ def _fake_cupy():
         asarray=lambda a, dtype=None: _h(np.array(a, dtype=dtype)),
         ascontiguousarray=lambda a, dtype=None: _h(a, dtype),
         empty=lambda shape, dtype=np.float32: _h(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0xAB, dtype)),
-        zeros=lambda shape, dtype=np.float32: _h(np.zeros(shape, dtype)))
+        zeros=lambda shape, dtype=np.float32: _h(np.zeros(shape, dtype)),
+        sum=lambda a, axis=None, out=None: np.sum(a, axis=axis, out=out))
 
 
 @pytest.fixture
@@ -414,7 +448,7 @@ def test_device_build_has_no_spills(tmp_path):
             continue
         if base == "qmm_dense":
             sig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, "
-                   "int")
+                   "int, int")
         elif base == "qmm_moe_gu":
             sig = "const u64*, const int*, const u16*, const u16*, const float*, float*, int, int"
         else:

@@ -148,39 +148,45 @@ template <int F, int NT> struct QmmSmem { static constexpr int bytes = 2 * 2 * 8
 // (every warp stages; a warp whose tile lies past R computes on its clamped rows and writes nothing).
 // w[m]: matrix m's first byte; wd[m]: its Q8R scales (F = 0); rb: bytes of a row (F = 0: K); xs: the dynamic shared
 // memory (QmmSmem bytes). Chunk c + 1's activations are copied asynchronously and its weights loaded into registers
-// while chunk c is computed.
+// while chunk c is computed. Only chunks [c0, c1) of QMM_KC values of k are summed (qmm_chunks: all of them; a split
+// of k over blocks gives each block its own range; an empty range leaves acc zero).
+template <int F> __device__ __forceinline__ int qmm_chunks(int K) {
+    return (K / QFmt<F>::bv + QMM_KC / QFmt<F>::bv - 1) / (QMM_KC / QFmt<F>::bv);
+}
+
 template <int F, int NT, int NM>
 __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* wd, long long rb, int R, int K, int r0,
                                          const u16* __restrict__ xhi, const u16* __restrict__ xlo, long long ldx,
-                                         const int* tokrow, u16* xs, mma_c (*acc)[NT]) {
+                                         const int* tokrow, u16* xs, mma_c (*acc)[NT], int c0, int c1) {
     constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, WPB = QFmt<F>::wpb, S = QFmt<F>::steps;
     constexpr int BPC = QMM_KC / BV;  // blocks per staged chunk
     constexpr int XS = QmmXS<F>::v;
     constexpr int TOK = 8 * NT;
     const int nb = K / BV;
-    const int nchunk = (nb + BPC - 1) / BPC;
     #pragma unroll
     for (int m = 0; m < NM; ++m)
         #pragma unroll
         for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
+    if (c0 >= c1) return;  // (uniform over the block: no barrier is skipped by some threads only)
     // raw weights of the chunk in flight: [lane][matrix][block][row g / g + 8][word]
     u32 wr[MMA_LANES][NM][BPC][2][WPB];
     u16 dr[MMA_LANES][NM][BPC][2];
-    qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, 0, xs);
+    qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, c0, xs);
     cp_async_commit();
-    qmm_fetch<F, NM>(w, wd, rb, R, K, r0, 0, wr, dr);
-    for (int chunk = 0; chunk < nchunk; ++chunk) {
+    qmm_fetch<F, NM>(w, wd, rb, R, K, r0, c0, wr, dr);
+    for (int chunk = c0; chunk < c1; ++chunk) {
         const int b0 = chunk * BPC;
         const int nbc = min(BPC, nb - b0);
-        if (chunk + 1 < nchunk) {  // the next chunk's copies go out into the other buffer (free since the last barrier)
-            qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, chunk + 1, xs + ((chunk + 1) & 1) * 2 * TOK * XS);
+        const int buf = (chunk - c0) & 1;  // the range's first chunk is staged into buffer 0
+        if (chunk + 1 < c1) {  // the next chunk's copies go out into the other buffer (free since the last barrier)
+            qmm_stage<F, NT>(xhi, xlo, ldx, tokrow, K, chunk + 1, xs + (buf ^ 1) * 2 * TOK * XS);
             cp_async_commit();
             cp_async_wait<1>();  // this chunk's copies have landed (the next chunk's may be in flight)
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const u16* xs_hi = xs + (chunk & 1) * 2 * TOK * XS;
+        const u16* xs_hi = xs + buf * 2 * TOK * XS;
         const u16* xs_lo = xs_hi + TOK * XS;
         u32 wc[MMA_LANES][NM][BPC][2][WPB];
         u16 dc[MMA_LANES][NM][BPC][2];
@@ -195,7 +201,7 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
                         #pragma unroll
                         for (int q = 0; q < WPB; ++q) wc[l][m][b][h][q] = wr[l][m][b][h][q];
                     }
-        if (chunk + 1 < nchunk) qmm_fetch<F, NM>(w, wd, rb, R, K, r0, chunk + 1, wr, dr);  // in flight while this chunk is computed
+        if (chunk + 1 < c1) qmm_fetch<F, NM>(w, wd, rb, R, K, r0, chunk + 1, wr, dr);  // in flight while this chunk is computed
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
             if (b >= nbc) break;
@@ -293,24 +299,31 @@ extern "C" __global__ void qmm_split(const float* __restrict__ X, long long ldx,
 // ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------
 // W: layout F (w: codes or blocks; wd: Q8R scales, F = 0 only; rb: bytes a row); X given as qmm_split's hi / lo [T, K]
 // and sc [T]; Y [T, ldy] float32 (columns 0 .. R-1 written). K a multiple of the block (32, Q2_0 64).
-// Grid: (ceil(R / (16 nw)), ceil(T / (8 NT))), nw = blockDim / 32 warps (host build: 1). Dynamic shared memory:
-// QmmSmem<F, NT>::bytes.
+// Split of k over nz slices (few tokens: more blocks than the rows give): slice z sums chunks [z p, (z + 1) p) of
+// QMM_KC values, p = ceil(chunks / nz), into its own Y + z T ldy (the caller adds the nz partial results; nz = 1:
+// Y itself, the whole sum).
+// Grid: (ceil(R / (16 nw)), ceil(T / (8 NT)) nz), blockIdx.y = token tile nz + slice; nw = blockDim / 32 warps (host
+// build: 1). Dynamic shared memory: QmmSmem<F, NT>::bytes.
 template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
-        int R, int K) {
+        int R, int K, int nz) {
     QMM_DYN_SHARED(xs);
     __shared__ int tokrow[8 * NT];
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
-    const int t0 = blockIdx.y * 8 * NT;
+    const int z = (int)blockIdx.y % nz;
+    const int t0 = ((int)blockIdx.y / nz) * 8 * NT;
+    const int nch = qmm_chunks<F>(K), per = (nch + nz - 1) / nz;
+    const int c0 = min(nch, z * per), c1 = min(nch, c0 + per);
+    Y += (long long)z * T * ldy;
     for (int s = threadIdx.x; s < 8 * NT; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
     __syncthreads();
     const int r0 = (blockIdx.x * nw + warp) * 16;
     const u8* wm[1] = {w};
     const u16* dm[1] = {wd};
     mma_c acc[1][NT];
-    qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc);
+    qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc, c0, c1);
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
         #pragma unroll
@@ -345,7 +358,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     const u16* dm[2] = {nullptr, nullptr};
     mma_c acc[2][QMM_JOB / 8];
-    qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs, acc);
+    qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs, acc, 0, qmm_chunks<F>(H));
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
         #pragma unroll
@@ -386,7 +399,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     const u16* dm[1] = {nullptr};
     mma_c acc[1][QMM_JOB / 8];
-    qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs, acc);
+    qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs, acc, 0, qmm_chunks<F>(Fd));
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
         #pragma unroll

@@ -102,7 +102,7 @@ def host_source() -> str:
     ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32: D = A B + C through
     the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
-             "long long ldy, int T, int R, int K", "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K")
+             "long long ldy, int T, int R, int K, int nz", "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K, nz")
     gu = ("const u64* job_ptr, const int* job_tok, const u16* xhi, const u16* xlo, const float* xsc, float* Hbuf, "
           "int H, int Fd", "job_ptr, job_tok, xhi, xlo, xsc, Hbuf, H, Fd")
     dn = ("const u64* job_ptr, long long doff, const int* job_dst, const u16* hhi, const u16* hlo, const float* hsc, "
@@ -201,6 +201,22 @@ def token_tile(T: int, rows: int | None = None, n_sm: int | None = None) -> int:
     return nt
 
 
+def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int) -> tuple[int, int, int, int]:
+    """The launch of :func:`dense` for T tokens and a [rows, cols] matrix on a device of ``n_sm`` SMs: (NT, grid x,
+    grid y, nz). Up to 32 tokens (the batched decode step's GEMMs) the tokens share one tile and k is split into nz
+    slices (chunks of :data:`KC` values) while the row blocks alone would leave SMs idle: about two blocks a SM
+    (the kernel's occupancy), each slice's partial sums added by the caller. Longer X: :func:`token_tile`, nz 1."""
+    f = _layout_id(layout)
+    gx = -(-int(rows) // ROWS_PER_BLOCK)
+    if T > 8 * TILES[1]:
+        nt = token_tile(T, rows, n_sm)
+        return nt, gx, -(-T // (8 * nt)), 1
+    nt = token_tile(T)
+    chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (KC // BLOCK_VALUES[f]))
+    nz = max(1, min(chunks, (2 * int(n_sm)) // gx)) if gx < n_sm else 1
+    return nt, gx, nz, nz
+
+
 def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
           out: Any = None) -> Any:
     """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
@@ -233,12 +249,15 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
         out = cp.empty((T, rows), dtype=cp.float32)
     from stratatools.runtime.gpu.kernels import _device_limits
 
-    nt = token_tile(T, rows, _device_limits()[0])
+    nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0])
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
-    grid = (-(-rows // ROWS_PER_BLOCK), -(-T // (8 * nt)))
-    launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>"), grid, (THREADS,),
-                      (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
-                       np.int32(T), np.int32(rows), np.int32(cols)), smem_bytes(f, nt))
+    dst = out if nz == 1 else cp.empty((nz, T, rows), dtype=cp.float32)  # each k slice's partial sums
+    launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>"), (gx, gy), (THREADS,),
+                      (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, dst,
+                       np.int64(out.shape[1] if nz == 1 else rows), np.int32(T), np.int32(rows), np.int32(cols),
+                       np.int32(nz)), smem_bytes(f, nt))
+    if nz > 1:
+        cp.sum(dst, axis=0, out=out)
     return out
 
 
