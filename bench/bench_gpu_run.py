@@ -30,9 +30,10 @@ STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run; ``lruasync``
 and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``); ``pipeexp``,
 ``allmisspipe``: all resident and 0 slots on the pipelined expert kernels (``STRATATOOLS_MOE_KERNEL=pipe``, shapes from
 ``STRATATOOLS_MOE_PIPE``), against ``resident`` / ``allmiss`` on the default kernels in the same run;
-``staticproffetch``, ``lrufetch``, ``vram12fetch``, ``allmissfetch`` and the same with ``pf`` for ``fetch``: those
-configurations with ``STRATATOOLS_MISS_FETCH=fetch`` / ``prefetch``, each printing its fetched and prefetched bytes per
-step and the share of misses a prefetched copy served). The kernel
+``staticproffetch``, ``lrufetch``, ``vram12fetch``, ``allmissfetch`` and the same with ``zc``, ``pf`` or ``pf0`` for
+``fetch``: those configurations with ``STRATATOOLS_MISS_FETCH=fetch`` / ``zero-copy`` / ``prefetch`` (the default, which
+the rows without a suffix run) / ``prefetch`` with ``STRATATOOLS_PREFETCH_EXTRA=0``, each printing its fetched and
+prefetched bytes per step and the share of misses a prefetched copy served). The kernel
 profile (:func:`profile_plan`: the all-resident step, every selected all-resident row, and with ``--profile-lru``
 every selected ``--slots`` LRU row) runs each under its row's ``_env``, as the timed row runs, and prints the dense
 Q8_0 matvecs' bandwidth (bytes of the step's Q8_0 matrices / their kernels' time). The expert types have
@@ -285,10 +286,13 @@ def config_rows(slots: int) -> list:
             ("lru", f"{slots} slots LRU", {"slots": slots, "policy": "lru"}),
             ("vram12", "--vram-gib 12, LRU", {"vram_gib": 12.0, "policy": "lru"}),
             ("allmiss", "0 slots (every expert read from pinned host memory)", {"slots": 0, "policy": "static"})]
-    # miss fetch modes (decode.MISS_FETCH_ENV): misses copied into device staging by the SMs before the expert kernels
-    # (fetch), and the next layer's predicted misses copied ahead on a second stream (prefetch)
-    for mode, tag in (("fetch", "fetch"), ("prefetch", "pf")):
-        fe = {"STRATATOOLS_MISS_FETCH": mode}
+    # miss fetch modes (decode.MISS_FETCH_ENV; the rows above run the default, prefetch): misses read by the kernels
+    # over the bus (zero-copy), copied into device staging by the SMs before the expert kernels (fetch), and the next
+    # layer's predicted misses copied ahead on a second stream (prefetch; pf0: the top k only, no extra predictions)
+    for mode, tag, extra in (("zero-copy", "zc", {}), ("fetch", "fetch", {}), ("prefetch", "pf", {}),
+                             ("prefetch", "pf0", {"STRATATOOLS_PREFETCH_EXTRA": "0"})):
+        fe = {"STRATATOOLS_MISS_FETCH": mode, **extra}
+        mode = mode + (" (top k only)" if extra else "")
         rows += [(f"staticprof{tag}", f"{slots} slots static on the recorded profile, miss {mode}",
                   {"slots": slots, "policy": "static", "_profile": True, "_env": fe}),
                  (f"lru{tag}", f"{slots} slots LRU, miss {mode}", {"slots": slots, "policy": "lru", "_env": fe}),

@@ -39,6 +39,9 @@ def test_every_profile_runs_under_its_rows_env(bench):
     assert got[by_key["lruasync"][0]] == (1872, "lru", True, {"STRATATOOLS_ASYNC_SWAPS": "1"})
     assert got[by_key["lrufetch"][0]] == (1872, "lru", True, {"STRATATOOLS_MISS_FETCH": "fetch"})
     assert got[by_key["lru"][0]] == (1872, "lru", True, {})  # --profile-lru: the plain LRU row, selected or not
+    assert by_key["lruzc"][1]["_env"] == {"STRATATOOLS_MISS_FETCH": "zero-copy"}
+    assert by_key["vram12pf0"][1]["_env"] == {"STRATATOOLS_MISS_FETCH": "prefetch", "STRATATOOLS_PREFETCH_EXTRA": "0"}
+    assert "(top k only)" in by_key["vram12pf0"][0] and "(top k only)" not in by_key["vram12pf"][0]
     for key in ("allmisspipe", "static", "allmissfetch"):  # slot rows other than --slots LRU: not profiled
         assert by_key[key][0] not in got
     assert len(plan) == 9
