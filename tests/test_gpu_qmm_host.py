@@ -20,6 +20,8 @@ from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.gpu import qmm as Q
 from stratatools.runtime.gpu.prefill import expert_jobs
 
+from hostlib import shared_within
+
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the qmm kernels")
 P, I, U, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong
@@ -35,6 +37,7 @@ def lib(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     h = ctypes.CDLL(str(so))
     h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
+    h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I]
@@ -309,6 +312,61 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
             assert np.all(np.abs(out[t * k + r] - ref) <= 2e-6 * (np.abs(dn) @ np.abs(hv)) + 1e-30)
 
 
+@pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4)])
+def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed):
+    """The device-built job table (qmm_jobs) = expert_jobs' for the first J jobs, blob addresses from the layer's
+    row; the spare jobs up to job_capacity are empty with expert 0's address. An expert with more than 16 pairs and
+    experts with none are in every case but one."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(E)[:k] if k <= E else rng.integers(0, E, k) for _ in range(T)]).astype(np.int32)
+    if T > 16:
+        ids[:, 0] = 1  # 1 gets a pair of every token: two jobs or more
+    N = ids.size
+    ptr_row = (np.arange(E, dtype=np.uint64) * 4096 + 0x1000).astype(np.uint64)
+    J = Q.job_capacity(N, E)
+    assert J == -(-N // 16) + min(E, N)
+    jp = np.zeros(J, np.uint64)
+    jt = np.full(J * 16, 7777, np.int32)
+    jd = np.full(J * 16, 7777, np.int32)
+    with shared_within(lib, 8 * E):
+        lib.host_qmm_jobs(1, 1, _p(ids.reshape(-1)), N, k, E, _p(ptr_row), J, _p(jp), _p(jt), _p(jd))
+    je, rt, rd = expert_jobs(ids, Q.JOB_TOKENS)
+    n = je.size
+    assert n <= J
+    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(jt[:n * 16], rt) and np.array_equal(jd[:n * 16], rd)
+    assert np.all(jp[n:] == ptr_row[0]) and np.all(jt[n * 16:] == -1) and np.all(jd[n * 16:] == -1)
+
+
+def test_moe_job_kernels_skip_empty_jobs(lib):
+    """Jobs whose first slot is empty (qmm_jobs' spares) are skipped before any weight is read: their blob address
+    here is null, which the host build would crash on; the real jobs' results are those without the spares."""
+    rng = np.random.default_rng(5)
+    tname, hidden, ff, T, E, k = "Q2_0", 128, 64, 9, 4, 2
+    f = Q.LAYOUTS[tname]
+    blobs = [np.concatenate([blocks(rng, tname, ff, hidden), blocks(rng, tname, ff, hidden), blocks(rng, tname, hidden, ff)])
+             for _ in range(E)]
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    je, jt, jd = expert_jobs(ids, Q.JOB_TOKENS)
+    X = rng.standard_normal((T, hidden)).astype(np.float32)
+    xh, xl, xs = split_host(lib, X)
+    outs = []
+    for spare in (0, 3):
+        J = je.size + spare
+        ptr = np.array([blobs[e].ctypes.data for e in je] + [0] * spare, dtype=np.uint64)
+        t2 = np.concatenate([jt, np.full(spare * 16, -1, np.int32)])
+        d2 = np.concatenate([jd, np.full(spare * 16, -1, np.int32)])
+        hbuf = np.zeros((J * 16, ff), dtype=np.float32)
+        getattr(lib, f"host_qmm_moe_gu_{f}")(-(-ff // 16), J, _p(ptr), _p(t2), _p(xh), _p(xl), _p(xs), _p(hbuf), hidden, ff)
+        hh, hl, hs = split_host(lib, hbuf)
+        out = np.full((T * k, hidden), np.nan, dtype=np.float32)
+        doff = 2 * (ff * hidden // Q.BLOCK_VALUES[f]) * Q.BLOCK_BYTES[f]
+        getattr(lib, f"host_qmm_moe_down_{f}")(-(-hidden // 16), J, _p(ptr), doff, _p(d2), _p(hh), _p(hl), _p(hs),
+                                               _p(out), hidden, ff)
+        assert np.all(np.isfinite(out))
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+
+
 # ---- the Python launchers and the prefill's mma paths, run on the host kernels through a stand-in for CuPy --------
 class HostArr(np.ndarray):
     """A numpy array that answers ``.data.ptr`` as a CuPy array does (its host address)."""
@@ -351,7 +409,7 @@ def hostcp(lib, monkeypatch):
             assert shared_mem <= 228 * 1024 and shared_mem <= getattr(launch, "max_dynamic_shared_size_bytes",
                                                                        48 * 1024)
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
-            if base != "qmm_split":
+            if base not in ("qmm_split", "qmm_jobs"):
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
             f(gx, gy, *[a.ctypes.data if isinstance(a, np.ndarray) else (a.item() if isinstance(a, np.generic) else a)
                         for a in args])
@@ -427,7 +485,14 @@ def test_prefill_qmm_and_expert_paths_on_host(hostcp):
             hg = g @ x[t].astype(np.float64)
             ref = dn @ (_silu_np(hg) * (u @ x[t].astype(np.float64)))
             assert np.abs(out[t * pf.k + r] - ref).max() <= 1e-5 * np.abs(ref).max()
+    # the batched step's path: the same jobs built by qmm_jobs from the routing on the "device", addresses from the
+    # decoder's device slot table: the same outputs bit for bit
+    ly.n_expert = E
+    pf.dec = SimpleNamespace(slot=[_h(pf._slots[0])])
+    assert pf._mma_experts_ok(0)
+    assert np.array_equal(np.asarray(pf._experts_mma_dev(0, _h(x), _h(ids))), out)
     ly.d_type = type_by_name("Q4_0")
+    assert not pf._mma_experts_ok(0)
     pf._experts_rows = lambda il, xx, ii: "rows path"
     assert pf._experts_mma(0, _h(x), ids) == "rows path"
 

@@ -275,13 +275,12 @@ class BatchDecoder(ChunkPrefill):
     def _places(self, pl: np.ndarray, pos: np.ndarray) -> None:
         """The step's places ``pl`` [n] and their positions ``pos`` [n], in the forms the layers read: host and
         device indices, int32 copies for the attention kernels (uploaded once a step), whether every place is active
-        in order (``_take`` / ``_put`` then work on whole buffers); the host slot table is read again when needed."""
+        in order (``_take`` / ``_put`` then work on whole buffers)."""
         xp = self.xp
         self._pl = pl
         self._pl_dev = xp.asarray(pl)
         self._pl_i32 = xp.asarray(np.asarray(pl, dtype=np.int32))
         self._pos_i32 = xp.asarray(np.asarray(pos, dtype=np.int32))
-        self._slots = None  # the tier's slot table on the host, read at the first expert-job layer of the step
         self._all = bool(pl.size == self.n and (pl == np.arange(self.n)).all())
 
     def _take(self, a: Any) -> Any:
@@ -524,10 +523,10 @@ class BatchDecoder(ChunkPrefill):
                       np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
         self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
-        if self.experts == "mma":  # STRATATOOLS_BATCH_GEMM=mma: the prefill tensor-core jobs (an expert, its tokens)
-            if getattr(self, "_slots", None) is None:
-                self._slots = self.rt.tier.slot_table()
-            ya = self._experts_mma(il, x, cp.asnumpy(ids).astype(np.int64))  # [T k, n] unweighted
+        if self.experts == "mma" and self._mma_experts_ok(il):
+            # STRATATOOLS_BATCH_GEMM=mma: the prefill's tensor-core jobs (an expert, its tokens), the job table built on
+            # the device from the routing (nothing read back)
+            ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
             y = cp.sum(ya.reshape(T, k, n) * w.reshape(T, k, 1), axis=1)
         else:
             base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses

@@ -901,23 +901,45 @@ class ChunkPrefill:
         from stratatools.runtime.gpu import qmm
 
         cp = self.cp
+        if not self._mma_experts_ok(il):
+            return self._experts_rows(il, x, ids)
+        je, jt, jd = expert_jobs(ids, JOB_TOKENS_MMA)
+        return self._mma_jobs(il, x, cp.asarray(self._slots[il][je].astype(np.uint64)), cp.asarray(jt),
+                              cp.asarray(jd), int(ids.size))
+
+    def _mma_experts_ok(self, il: int) -> bool:
+        """Do layer ``il``'s routed experts have tensor-core job kernels (Q8_0 / Q2_0 rows of whole blocks)?"""
+        from stratatools.runtime.gpu import qmm
+
+        ly = self.rt.tier.arena.layers[il]
+        return bool(qmm.supports(ly.gu_type.id, ly.hidden) and qmm.supports(ly.d_type.id, ly.ff)
+                    and ly.gu_type.id in (8, 42) and ly.d_type.id in (8, 42))
+
+    def _experts_mma_dev(self, il: int, x: Any, ids: Any) -> Any:
+        """:meth:`_experts_mma` with the routing ``ids`` [T, k] int32 left on the device: the job table built there
+        (:func:`stratatools.runtime.gpu.qmm.moe_jobs`, blob addresses from the decoder's device slot table), spare
+        jobs empty. CuPy only; the caller checks :meth:`_mma_experts_ok`. Returns [T k, n] unweighted."""
+        from stratatools.runtime.gpu import qmm
+
+        ly = self.rt.tier.arena.layers[il]
+        ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il])
+        return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size))
+
+    def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int) -> Any:
+        """Run the tensor-core expert jobs (blob addresses ``ptr`` [J], slots ``jt`` / ``jd`` [J 16] on the device)
+        of layer ``il`` over the rows ``x``: the N pairs' unweighted outputs [N, n]."""
+        from stratatools.runtime.gpu import qmm
+
+        cp = self.cp
         ly = self.rt.tier.arena.layers[il]
         hidden, ff = ly.hidden, ly.ff
-        if not (qmm.supports(ly.gu_type.id, hidden) and qmm.supports(ly.d_type.id, ff)
-                and ly.gu_type.id in (8, 42) and ly.d_type.id in (8, 42)):
-            return self._experts_rows(il, x, ids)
-        T, n = x.shape
-        N = int(ids.size)
-        tt = JOB_TOKENS_MMA
-        je, jt, jd = expert_jobs(ids, tt)
-        J = int(je.size)
-        ptr = cp.asarray(self._slots[il][je].astype(np.uint64))
+        J = int(ptr.size)
         xs = qmm.split(cp.ascontiguousarray(x, dtype=cp.float32))
-        hbuf = cp.zeros((J * tt, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
-        qmm.moe_gate_up(ptr, cp.asarray(jt), xs, ly.gu_type.id, hbuf, hidden, ff)
+        hbuf = cp.zeros((J * JOB_TOKENS_MMA, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
+        qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff)
         hs = qmm.split(hbuf)
-        out = cp.empty((N, n), dtype=cp.float32)
-        qmm.moe_down(ptr, 2 * ly.gate_bytes, cp.asarray(jd), hs, ly.d_type.id, out, hidden, ff)
+        out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
+        qmm.moe_down(ptr, 2 * ly.gate_bytes, jd, hs, ly.d_type.id, out, hidden, ff)
         return out
 
     def _experts_rows(self, il: int, x: Any, ids: np.ndarray, tt: int = JOB_TOKENS) -> Any:

@@ -48,10 +48,11 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 #include "cp_async.cuh"  // cp_async16, cp_async_commit, cp_async_wait
 #ifndef STRATA_HOST
 extern __shared__ __align__(16) unsigned char qmm_smem[];
-#define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(qmm_smem)
+#define QMM_SMEM_BASE qmm_smem
 #else
-#define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(host_dyn_smem)
+#define QMM_SMEM_BASE host_dyn_smem
 #endif
+#define QMM_DYN_SHARED(name) u16* name = reinterpret_cast<u16*>(QMM_SMEM_BASE)
 
 template <int F> struct QFmt;
 template <> struct QFmt<0> { static constexpr int bv = 32, ts = 0, vpl = 8, wpb = 2, steps = 2; };
@@ -352,6 +353,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
     const int warp = (int)(threadIdx.x >> 5);
     for (int s = threadIdx.x; s < QMM_JOB; s += blockDim.x) tokrow[s] = job_tok[j * QMM_JOB + s];
     __syncthreads();
+    if (tokrow[0] < 0) return;  // an empty job (qmm_jobs' spare jobs; slots fill from 0): nothing to read
     const int r0 = (blockIdx.x * nw + warp) * 16;
     const long long rb = (long long)(H / QFmt<F>::bv) * QFmt<F>::ts;
     const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
@@ -394,6 +396,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
         tokrow[s] = dst[s] >= 0 ? j * QMM_JOB + s : -1;
     }
     __syncthreads();
+    if (dst[0] < 0) return;  // an empty job
     const int r0 = (blockIdx.x * nw + warp) * 16;
     const long long rb = (long long)(Fd / QFmt<F>::bv) * QFmt<F>::ts;
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
@@ -411,5 +414,53 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
                 const int t = tokrow[s];
                 if (row < H && t >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i] * hsc[t];
             }
+    }
+}
+
+// ---- the job table on the device (the batched decode step: its routing is not read back) -----------------------------
+// ids [N]: the expert of pair i = t k + r (0 <= id < E); ptr_row [E]: the layer's blob addresses (the decoder's slot
+// table row). Writes the jobs of prefill.py expert_jobs (experts in increasing id, each expert's pairs in increasing
+// pair index, QMM_JOB slots a job): job_ptr [jmax], job_tok / job_dst [jmax QMM_JOB] (token t and pair i of each slot,
+// -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the job
+// kernels return at once on them). jmax >= ceil(N / QMM_JOB) + min(E, N) holds every routing. One block (grid 1 x 1);
+// dynamic shared memory: 2 E ints. Thread e walks the pairs in order for experts e, e + nt, ... (deterministic).
+extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row,
+                                    int jmax, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
+                                    int* __restrict__ job_dst) {
+    int* cnt = reinterpret_cast<int*>(QMM_SMEM_BASE);
+    int* js = cnt + E;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int e = tid; e < E; e += nt) {
+        int c = 0;
+        for (int i = 0; i < N; ++i) c += ids[i] == e;
+        cnt[e] = c;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; ++e) {
+            js[e] = acc;
+            acc += (cnt[e] + QMM_JOB - 1) / QMM_JOB;
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += nt) {
+        const int n = cnt[e];
+        if (n == 0) continue;
+        const int j0 = js[e], nj = (n + QMM_JOB - 1) / QMM_JOB;
+        for (int j = j0; j < j0 + nj; ++j) job_ptr[j] = ptr_row[e];
+        int r = 0;
+        for (int i = 0; i < N; ++i)
+            if (ids[i] == e) {
+                job_tok[j0 * QMM_JOB + r] = i / k;
+                job_dst[j0 * QMM_JOB + r] = i;
+                ++r;
+            }
+        for (; r < nj * QMM_JOB; ++r) job_tok[j0 * QMM_JOB + r] = job_dst[j0 * QMM_JOB + r] = -1;
+    }
+    const int jused = js[E - 1] + (cnt[E - 1] + QMM_JOB - 1) / QMM_JOB;
+    for (int j = jused + tid; j < jmax; j += nt) {
+        job_ptr[j] = ptr_row[0];
+        for (int s = 0; s < QMM_JOB; ++s) job_tok[j * QMM_JOB + s] = job_dst[j * QMM_JOB + s] = -1;
     }
 }

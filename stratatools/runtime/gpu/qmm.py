@@ -76,7 +76,7 @@ def device_source() -> str:
 
 def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
-    names = ["qmm_split"]
+    names = ["qmm_split", "qmm_jobs"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
     names += [f"{k}<{f}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42)]
     return names
@@ -108,7 +108,10 @@ def host_source() -> str:
     dn = ("const u64* job_ptr, long long doff, const int* job_dst, const u16* hhi, const u16* hlo, const float* hsc, "
           "float* out, int H, int Fd", "job_ptr, doff, job_dst, hhi, hlo, hsc, out, H, Fd")
     ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
-           "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n"]
+           "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n",
+           'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
+           "const u64* ptr_row, int jmax, u64* job_ptr, int* job_tok, int* job_dst) {\n    host_run_grid(gx, gy, [&]() { "
+           "qmm_jobs(ids, N, k, E, ptr_row, jmax, job_ptr, job_tok, job_dst); });\n}\n"]
     for f in sorted(set(LAYOUTS.values())):
         for nt in TILES:
             ent.append(f'extern "C" void host_qmm_dense_{f}_{nt}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
@@ -259,6 +262,33 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     if nz > 1:
         cp.sum(dst, axis=0, out=out)
     return out
+
+
+def job_capacity(n_pairs: int, n_expert: int) -> int:
+    """Jobs :func:`moe_jobs` provides for ``n_pairs`` (token, expert) pairs over ``n_expert`` experts: enough for any
+    routing (each expert with pairs has at most one job that is not full)."""
+    return -(-int(n_pairs) // JOB_TOKENS) + min(int(n_expert), int(n_pairs))
+
+
+def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any) -> tuple[Any, Any, Any]:
+    """The job table of :func:`stratatools.runtime.gpu.prefill.expert_jobs` built on the device (``qmm_jobs``, one
+    block), so that the batched step need not read its routing back: ``ids`` int32 [N] (pair t k + r's expert, on the
+    device), ``ptr_row`` uint64 [>= n_expert] the layer's blob addresses. Returns (job_ptr uint64 [J], job_tok int32
+    [J 16], job_dst int32 [J 16]) with J = :func:`job_capacity`; the jobs after the routing's are empty (-1 slots),
+    and :func:`moe_gate_up` / :func:`moe_down` skip them. Raises StrataError for an empty routing or more experts
+    than one block's shared memory counts (12,288)."""
+    import cupy as cp
+
+    N, E = int(ids.size), int(n_expert)
+    if N == 0 or E < 1 or E > 12288:
+        raise StrataError(f"qmm: a device job table for {N} pairs over {E} experts is not supported")
+    J = job_capacity(N, E)
+    job_ptr = cp.empty(J, dtype=cp.uint64)
+    job_tok = cp.empty(J * JOB_TOKENS, dtype=cp.int32)
+    job_dst = cp.empty(J * JOB_TOKENS, dtype=cp.int32)
+    _fn("qmm_jobs")((1,), (256,), (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E),
+                                    ptr_row, np.int32(J), job_ptr, job_tok, job_dst), shared_mem=8 * E)
+    return job_ptr, job_tok, job_dst
 
 
 def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: Any, hbuf: Any, hidden: int,
