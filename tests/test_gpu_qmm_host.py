@@ -178,12 +178,17 @@ def check(Y, W, X, tol=2e-6):
     return float((err / np.maximum(bound, 1e-300)).max())
 
 
-@pytest.mark.parametrize("layout,rows,cols,T,nt", [
-    ("Q8R", 37, 96, 1, None), ("Q8R", 16, 160, 15, None), ("Q8R", 40, 288, 16, None), ("Q8R", 21, 64, 33, None),
-    ("Q8R", 19, 128, 20, 4), ("Q8_0", 37, 96, 15, None), ("Q8_0", 17, 160, 33, None),
-    ("Q2_0", 37, 320, 1, None), ("Q2_0", 18, 192, 33, None), ("Q2_0", 16, 64, 16, 4)])
-def test_dense_matches_float64(lib, layout, rows, cols, T, nt):
-    rng = np.random.default_rng(rows * 1000 + cols + T)
+@pytest.mark.parametrize("layout,rows,cols,T,nt,nz", [
+    ("Q8R", 37, 96, 1, None, 1), ("Q8R", 16, 160, 15, None, 1), ("Q8R", 40, 288, 16, None, 1),
+    ("Q8R", 21, 64, 33, None, 1), ("Q8R", 19, 128, 20, 4, 1), ("Q8_0", 37, 96, 15, None, 1),
+    ("Q8_0", 17, 160, 33, None, 1), ("Q2_0", 37, 320, 1, None, 1), ("Q2_0", 18, 192, 33, None, 1),
+    ("Q2_0", 16, 64, 16, 4, 1),
+    # k split over nz slices (dense_launch's launch for few tokens): the slices' sum is the product
+    ("Q8R", 37, 640, 5, None, 2),   # 5 chunks: slices [0, 3) and [3, 5) (the second starts on an odd chunk)
+    ("Q8R", 16, 640, 32, None, 7),  # 1 chunk a slice, slices 5 and 6 empty (zeros)
+    ("Q8_0", 21, 384, 17, None, 3), ("Q2_0", 18, 320, 9, None, 2), ("Q2_0", 40, 640, 1, None, 4)])
+def test_dense_matches_float64(lib, layout, rows, cols, T, nt, nz):
+    rng = np.random.default_rng(rows * 1000 + cols + T + 7 * (nz - 1))
     tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
     raw = blocks(rng, tname, rows, cols)
     W = wmat(raw, tname, rows, cols)
@@ -193,27 +198,8 @@ def test_dense_matches_float64(lib, layout, rows, cols, T, nt):
     else:
         W8, Wd = raw, None
     X = acts(rng, T, cols)
-    Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nt)
+    Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nt, nz)
     check(Y, W, X)
-
-
-@pytest.mark.parametrize("layout,rows,cols,T,nz", [
-    ("Q8R", 37, 640, 5, 2),    # 5 chunks: slices [0, 3) and [3, 5) (the second starts on an odd chunk)
-    ("Q8R", 16, 640, 32, 7),   # 1 chunk a slice, slices 5 and 6 empty (zeros)
-    ("Q8_0", 21, 384, 17, 3), ("Q2_0", 18, 320, 9, 2), ("Q2_0", 40, 640, 1, 4)])
-def test_dense_split_k_matches_float64(lib, layout, rows, cols, T, nz):
-    """qmm_dense with k split over nz slices (dense_launch's small-T launch): the slices' sum = the product."""
-    rng = np.random.default_rng(rows * 7 + cols + T + nz)
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    raw = blocks(rng, tname, rows, cols)
-    W = wmat(raw, tname, rows, cols)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        W8, Wd = q.view(np.uint8), d
-    else:
-        W8, Wd = raw, None
-    X = acts(rng, T, cols)
-    check(dense_host(lib, layout, W8, Wd, X, rows, cols, nz=nz), W, X)
 
 
 def test_dense_launch_splits_k_for_few_tokens():
