@@ -57,7 +57,8 @@ class VramPlan:
         budget: ``--vram-gib`` in bytes (None: no budget).
         prefill: the batched prefill's temporaries (:func:`prefill_bytes`).
         staging: the decode step's miss fetch staging
-            (:func:`stratatools.runtime.gpu.decode.fetch_staging_bytes`; 0 in the default zero-copy mode).
+            (:func:`stratatools.runtime.gpu.decode.fetch_staging_bytes`; 0 in zero-copy mode). Planned whenever a
+            fetch mode is set, also where every expert gets a slot (a cold LRU tier still misses while it fills).
     """
 
     dense: int
