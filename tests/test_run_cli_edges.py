@@ -75,6 +75,157 @@ def test_bad_prompt_id_is_a_one_line_cli_error(demo_release, tmp_path, cli):
     assert "prompt #0" in line and "prompt_id" in line
 
 
+# --- JSON Lines prompt files (.jsonl) ----------------------------------------------------------------------
+
+def _jsonl(tmp_path, lines, name="p.jsonl"):
+    p = tmp_path / name
+    p.write_bytes("".join(ln + "\n" for ln in lines).encode("utf-8"))
+    return p
+
+
+def _as_tuples(prompts):
+    return [(q.prompt_id, q.text, q.token_ids) for q in prompts]
+
+
+@pytest.mark.parametrize("name", ["p.jsonl", "P.JSONL", "p.JsonL"])
+def test_jsonl_items_follow_the_json_list_rules(tmp_path, name):
+    """One item per non-empty line, each read as an item of a ``.json`` list (never as a text prompt): the same
+    prompts, and the defaults ``p<index>`` count items, not lines (blank and whitespace-only lines are skipped)."""
+    items = ["def f(x):", {"text": "a", "prompt_id": "first"}, {"text": "b", "prompt_id": None},
+             {"token_ids": [1, 2], "text": "ignored"}, {"text": "c\\n d", "prompt_id": 7}]
+    lines = [json.dumps(items[0]), "", json.dumps(items[1]), "   \t", json.dumps(items[2]), json.dumps(items[3]),
+             "", json.dumps(items[4])]
+    got = read_prompts(_jsonl(tmp_path, lines, name))
+    assert _as_tuples(got) == [("p0", "def f(x):", None), ("first", "a", None), ("p2", "b", None),
+                               ("p3", "ignored", [1, 2]), ("7", "c\\n d", None)]
+    # JSON escapes only: the text-lines escape "\n" (two characters) is left as written
+    assert got[4].text == "c" + "\\" + "n d"
+    assert _as_tuples(got) == _as_tuples(read_prompts(_prompts(tmp_path, items)))
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    """CRLF line ends are fine, and a U+2028/U+0085 inside a JSON string (written raw, as json.dumps(...,
+    ensure_ascii=False) does) does not split the item: lines end at ``\\n`` only."""
+    p = tmp_path / "u.jsonl"
+    p.write_bytes(b'{"text": "one\xe2\x80\xa8two\xc2\x85three", "prompt_id": "u"}\r\n"x"\r\n')
+    assert _as_tuples(read_prompts(p)) == [("u", "one\u2028two\u0085three", None), ("p1", "x", None)]
+
+
+def test_jsonl_with_only_blank_lines_has_no_prompts(tmp_path):
+    p = _jsonl(tmp_path, ["", "  ", ""])
+    with pytest.raises(StrataError) as e:
+        read_prompts(p)
+    assert str(p) in str(e.value) and "no prompts" in str(e.value)
+
+
+JSONL_BAD = [
+    # (the bad line, the words its one-line error must name)
+    ('{"text": "x", }', ["not valid JSON", "one JSON value per line"]),
+    ('{"text": "x"} {"text": "y"}', ["not valid JSON", "one JSON value per line"]),
+    ('["a", "b"]', ["prompt #1", "list", "a string or an object with text/token_ids"]),
+    ("12", ["prompt #1", "number", "a string or an object with text/token_ids"]),
+    ("null", ["prompt #1", "null", "a string or an object with text/token_ids"]),
+    ('{"prompts": ["a"]}', ["prompt #1", "neither text nor token_ids"]),
+    ('{"text": 5}', ["prompt #1", "text must be a string"]),
+    ('{"token_ids": [1, "2"]}', ["prompt #1", "token_ids must be a list of integers"]),
+    ('{"token_ids": []}', ["prompt #1", "no tokens"]),
+    ('{"text": ""}', ["prompt #1", "is empty"]),
+    ('{"text": "x", "prompt_id": [1]}', ["prompt #1", "prompt_id", "non-empty string", "p1"]),
+    ('{"text": "x", "prompt_id": true}', ["prompt #1", "prompt_id", "non-empty string", "p1"]),
+]
+
+
+@pytest.mark.parametrize("bad,words", JSONL_BAD)
+def test_jsonl_bad_line_is_one_error_naming_file_and_line(tmp_path, bad, words):
+    """The bad item is the second one, on line 3 (line 2 is blank): the error names the file and line 3 (1-based),
+    and the item number where there is an item."""
+    p = _jsonl(tmp_path, ['"fine"', "", bad, '"after"'])
+    with pytest.raises(StrataError) as e:
+        read_prompts(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: line 3: "), msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("bad,words", [b for b in JSONL_BAD if "prompt #1" in b[1]])
+def test_json_list_items_get_the_same_errors(tmp_path, bad, words):
+    """A ``.json`` list item is checked by the same rules, with the same words (no line: the item is named)."""
+    p = tmp_path / "p.json"
+    p.write_text('{"prompts": ["fine", ' + bad + ', "after"]}')
+    with pytest.raises(StrataError) as e:
+        read_prompts(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: prompt #1"), msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_jsonl_runs_and_names_the_requests(demo_release, tmp_path, cli):
+    d, gguf = demo_release
+    p = _jsonl(tmp_path, [json.dumps({"text": "def f(x):", "prompt_id": "code"}), "", json.dumps("hello"),
+                          json.dumps({"text": "x = 1", "prompt_id": 12})], name="x.jsonl")
+    code, out, err = cli("run", gguf, "--prompts", p, "-n", "2", "--device", "cpu", "--json")
+    assert code == 0, err
+    reqs = json.loads(out)["requests"]
+    assert [r["prompt_id"] for r in reqs] == ["code", "p1", "12"]
+    assert [r["request"] for r in reqs] == [0, 1, 2]
+    assert all(r["prompt_tokens"] > 0 and r["new_tokens"] == 2 for r in reqs)
+
+
+def test_bad_jsonl_line_is_a_one_line_cli_error(demo_release, tmp_path, cli):
+    d, gguf = demo_release
+    p = _jsonl(tmp_path, ['"a"', '{"text": "b"'])
+    line = _one_line_error(*cli("run", gguf, "--prompts", p, "-n", "1", "--device", "cpu"))
+    assert str(p) in line and "line 2" in line and "not valid JSON" in line
+
+
+# --- duplicate prompt ids --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("items,i,j,dup", [
+    ([{"text": "a", "prompt_id": "x"}, "b", {"text": "c", "prompt_id": "x"}], 0, 2, "x"),
+    ([{"text": "a", "prompt_id": "p1"}, "b"], 0, 1, "p1"),            # an explicit id equal to a default
+    (["a", {"text": "b", "prompt_id": "p0"}], 0, 1, "p0"),
+    ([{"text": "a", "prompt_id": 7}, {"text": "b", "prompt_id": "7"}], 0, 1, "7"),  # 7 and "7" name the same request
+])
+def test_duplicate_prompt_id_is_refused(tmp_path, items, i, j, dup):
+    """Request names key traces and reports: two prompts with one id are refused, naming both and the id."""
+    p = _prompts(tmp_path, items)
+    with pytest.raises(StrataError) as e:
+        read_prompts(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: "), msg
+    assert f"prompt #{i}" in msg and f"prompt #{j}" in msg and json.dumps(dup) in msg, msg
+    assert "give each prompt its own prompt_id" in msg
+    assert msg.index(f"prompt #{i}") < msg.index(f"prompt #{j}")
+
+
+def test_duplicate_prompt_id_in_jsonl_names_both_lines(tmp_path):
+    p = _jsonl(tmp_path, ['"a"', "", '{"text": "b", "prompt_id": "p3"}', '"c"', "", '{"text": "d"}',
+                          '{"text": "e", "prompt_id": "p3"}'])
+    # items: #0 line 1 (p0), #1 line 3 ("p3"), #2 line 4 (p2), #3 line 6 (default p3): #1 and #3 collide
+    with pytest.raises(StrataError) as e:
+        read_prompts(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: "), msg
+    assert "prompt #1 (line 3)" in msg and "prompt #3 (line 6)" in msg and '"p3"' in msg, msg
+    assert "give each prompt its own prompt_id" in msg
+
+
+def test_distinct_prompt_ids_are_kept(tmp_path):
+    """Not a duplicate: ids that differ only in case, or a default-looking id whose default is not taken."""
+    got = read_prompts(_prompts(tmp_path, [{"text": "a", "prompt_id": "A"}, {"text": "b", "prompt_id": "a"},
+                                           {"text": "c", "prompt_id": "p9"}, "d"]))
+    assert [q.prompt_id for q in got] == ["A", "a", "p9", "p3"]
+
+
+def test_duplicate_prompt_id_is_a_one_line_cli_error(demo_release, tmp_path, cli):
+    d, gguf = demo_release
+    p = _prompts(tmp_path, [{"text": "a", "prompt_id": "same"}, {"text": "b", "prompt_id": "same"}])
+    line = _one_line_error(*cli("run", gguf, "--prompts", p, "-n", "1", "--device", "cpu"))
+    assert "prompt #0" in line and "prompt #1" in line and '"same"' in line
+
+
 # --- the JSON's shape does not depend on --batch ------------------------------------------------------------
 
 def _paths(obj, prefix=""):

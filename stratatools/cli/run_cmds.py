@@ -16,8 +16,9 @@ from stratatools.cli import common, sim_cmds
 
 def run_cmd(
     pack: Path = typer.Argument(..., help="Pack folder (native_experts.txt [+ experts.bin]) or a GGUF."),
-    prompts: Path = typer.Option(..., "--prompts", "-p", help="Prompts: text lines (\\n escapes) or JSON "
-                                 "({\"prompts\": [{\"text\"|\"token_ids\", \"prompt_id\"}]})."),
+    prompts: Path = typer.Option(..., "--prompts", "-p", help="Prompts: text lines (\\n escapes), JSON "
+                                 "({\"prompts\": [{\"text\"|\"token_ids\", \"prompt_id\"}]}) or JSON Lines "
+                                 "(.jsonl: one item per line); prompt ids must be distinct."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="The pack's GGUF, when the pack does not name it."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="STRP profile that fills the expert tier."),
     budget_gib: Optional[float] = typer.Option(None, "--budget-gib", min=0.0, help="Tier size in GiB."),

@@ -7,11 +7,16 @@ Prompts file (decision):
   and an optional ``prompt_id``: a string or an integer (its decimal text); absent or JSON ``null``, the
   default ``p<index>`` (null means "not given", as it does for ``text`` and ``token_ids``); any other type or an
   empty string is refused;
+* ``*.jsonl`` (JSON Lines): one item per non-empty line, each following exactly the rules of a ``.json`` list's
+  items (the index of ``p<index>`` counts items, not lines; lines end at ``\\n`` only, a ``\\r`` before it is
+  ignored); errors name the line (1-based);
 * anything else: UTF-8 text, one prompt per non-empty line; the escapes ``\\n``, ``\\t`` and ``\\\\`` inside
   a line become newline, tab and backslash (so code prompts fit on one line).
 
-A file with NUL bytes or invalid UTF-8 is not text and is refused. Requests are numbered 0.. in file order;
-those numbers are the trace's request ids.
+The suffixes are matched in any case. A file with NUL bytes or invalid UTF-8 is not text and is refused. Prompt
+ids must be distinct (an explicit id equal to another prompt's default ``p<index>`` included; ``7`` and ``"7"``
+are the same id): traces and reports name requests by them, so two prompts with one id are refused, naming
+both. Requests are numbered 0.. in file order; those numbers are the trace's request ids.
 
 The routing trace has one record per (request, position, layer): prefill positions with phase ``prefill``,
 generated positions with phase ``decode`` (format by extension: ``.parquet``, ``.csv``, otherwise Strata's
@@ -71,12 +76,55 @@ def _unescape(line: str) -> str:
     return "".join(out)
 
 
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list"}
+
+
+def _prompt_item(p: Path, it: Any, i: int, place: str) -> Prompt:
+    """One item of a JSON prompts file (a ``.json`` list or a ``.jsonl`` line): the rules of the module docstring.
+
+    ``i`` is the item's index (0-based, the default id ``p<i>``); ``place`` names it in errors (``prompt #i``, or
+    ``line L: prompt #i`` in a ``.jsonl``). Raises StrataError (one line: file, place, fix) for an item that is not a
+    string or an object, ``text`` that is not a string, ``token_ids`` that are not a list of integers, neither given,
+    an empty prompt, or a ``prompt_id`` that is not a non-empty string or an integer.
+    """
+    if isinstance(it, str):
+        if not it:
+            raise StrataError(f"{p}: {place} is empty; give the prompt's text", p)
+        return Prompt(f"p{i}", it, None)
+    if not isinstance(it, dict):
+        what = _JSON_TYPES.get(type(it), type(it).__name__)
+        raise StrataError(f"{p}: {place} is {what}; expected a string or an object with text/token_ids", p)
+    ids = it.get("token_ids")
+    txt = it.get("text")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise StrataError(f"{p}: {place}: token_ids must be a list of integers", p)
+    if txt is not None and not isinstance(txt, str):
+        raise StrataError(f"{p}: {place}: text must be a string", p)
+    if ids is None and txt is None:
+        raise StrataError(f"{p}: {place} has neither text nor token_ids; give one of them", p)
+    if ids is not None and not ids:
+        raise StrataError(f"{p}: {place} has no tokens; give at least one token id (or leave token_ids out)", p)
+    if ids is None and not txt:
+        raise StrataError(f"{p}: {place} is empty; give the prompt's text", p)
+    pid = it.get("prompt_id")
+    if pid is None:
+        pid = f"p{i}"
+    elif isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
+        raise StrataError(f"{p}: {place}: prompt_id {json.dumps(pid)} is not a prompt id; give a non-empty "
+                          f"string (or leave it out for the default p{i})", p)
+    return Prompt(str(pid), txt, list(ids) if ids is not None else None)
+
+
 def read_prompts(path: str | os.PathLike) -> list[Prompt]:
-    """Parse a prompts file (see the module docstring).
+    """Parse a prompts file (see the module docstring): ``.json``, ``.jsonl`` (any case) or text lines.
+
+    Returns the prompts in file order (request i is item i); their ``prompt_id`` values are distinct.
 
     Raises:
-        StrataError: missing file, binary/non-UTF-8 content (byte offset named), malformed JSON or items (a
-            ``prompt_id`` that is not a non-empty string or an integer, for one), no prompt at all.
+        StrataError: missing file, binary/non-UTF-8 content (byte offset named), malformed JSON (the line named)
+            or items (a ``prompt_id`` that is not a non-empty string or an integer, for one; in a ``.jsonl`` the
+            line is named too), two prompts with the same ``prompt_id`` (both named), no prompt at all.
     """
     from stratatools.core.fsutil import check_input
 
@@ -86,18 +134,22 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
     except FileNotFoundError:
         raise StrataError(f"{p}: no such file", p) from None
     except IsADirectoryError:
-        raise StrataError(f"{p}: is a directory, expected a prompts file (text lines or JSON)", p) from None
+        raise StrataError(f"{p}: is a directory, expected a prompts file (text lines, JSON or JSON Lines)", p) from None
     nul = data.find(b"\x00")
     if nul >= 0:
-        raise StrataError(f"{p}: byte {nul}: NUL byte; the prompts file is not text (one prompt per line, or JSON)", p)
+        raise StrataError(f"{p}: byte {nul}: NUL byte; the prompts file is not text (one prompt per line, JSON "
+                          f"or JSON Lines)", p)
     if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not part of the first prompt
         data = data[3:]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise StrataError(f"{p}: byte {e.start}: not UTF-8 text; the prompts file must be text lines or JSON", p) from None
+        raise StrataError(f"{p}: byte {e.start}: not UTF-8 text; the prompts file must be text lines, JSON or "
+                          f"JSON Lines", p) from None
     prompts: list[Prompt] = []
-    if p.suffix.lower() == ".json":
+    lines: list[int] = []  # .jsonl: the 1-based line of each prompt (for the duplicate id error)
+    suffix = p.suffix.lower()
+    if suffix == ".json":
         try:
             obj = json.loads(text)
         except ValueError as e:
@@ -106,27 +158,22 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
         if not isinstance(items, list):
             raise StrataError(f"{p}: JSON must be a list of prompts or {{\"prompts\": [...]}}", p)
         for i, it in enumerate(items):
-            if isinstance(it, str):
-                prompts.append(Prompt(f"p{i}", it, None))
+            prompts.append(_prompt_item(p, it, i, f"prompt #{i}"))
+    elif suffix == ".jsonl":
+        # JSON Lines: lines end at "\n" only (str.splitlines would also split at U+2028 or U+0085, which JSON
+        # allows raw inside a string); a "\r" before it is whitespace to json.loads.
+        for ln, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
                 continue
-            if not isinstance(it, dict):
-                raise StrataError(f"{p}: prompt #{i} is {type(it).__name__}; expected a string or an object with text/token_ids", p)
-            ids = it.get("token_ids")
-            txt = it.get("text")
-            if ids is not None:
-                if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                    raise StrataError(f"{p}: prompt #{i}: token_ids must be a list of integers", p)
-            if txt is not None and not isinstance(txt, str):
-                raise StrataError(f"{p}: prompt #{i}: text must be a string", p)
-            if ids is None and txt is None:
-                raise StrataError(f"{p}: prompt #{i} has neither text nor token_ids", p)
-            pid = it.get("prompt_id")
-            if pid is None:
-                pid = f"p{i}"
-            elif isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
-                raise StrataError(f"{p}: prompt #{i}: prompt_id {json.dumps(pid)} is not a prompt id; give a non-empty "
-                                  f"string (or leave it out for the default p{i})", p)
-            prompts.append(Prompt(str(pid), txt, list(ids) if ids is not None else None))
+            try:
+                it = json.loads(line)
+            except ValueError as e:
+                raise StrataError(f"{p}: line {ln}: not valid JSON ({e.msg if hasattr(e, 'msg') else e}, column "
+                                  f"{getattr(e, 'colno', '?')}); a .jsonl file holds one JSON value per line: a "
+                                  f"string or an object with text/token_ids", p) from None
+            i = len(prompts)
+            prompts.append(_prompt_item(p, it, i, f"line {ln}: prompt #{i}"))
+            lines.append(ln)
     else:
         n = 0
         for line in text.splitlines():
@@ -136,11 +183,15 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
             n += 1
     if not prompts:
         raise StrataError(f"{p}: no prompts in the file", p)
+    seen: dict[str, int] = {}
     for i, pr in enumerate(prompts):
-        if pr.token_ids is not None and not pr.token_ids:
-            raise StrataError(f"{p}: prompt #{i} has no tokens", p)
-        if pr.token_ids is None and not pr.text:
-            raise StrataError(f"{p}: prompt #{i} is empty", p)
+        j = seen.setdefault(pr.prompt_id, i)
+        if j != i:
+            a, b = (f"prompt #{j} (line {lines[j]})", f"prompt #{i} (line {lines[i]})") if lines else \
+                (f"prompt #{j}", f"prompt #{i}")
+            raise StrataError(f"{p}: {a} and {b} have the same prompt_id {json.dumps(pr.prompt_id)} "
+                              f"(request ids in traces and reports are keyed by it); give each prompt its own "
+                              f"prompt_id (a prompt without one is named p<index>)", p)
     return prompts
 
 
