@@ -93,7 +93,8 @@ class _HostKernel:
             else:
                 assert type(a) is {"int": np.int32, "float": np.float32}[t], (self.name, p, type(a))
                 conv.append(a)
-        getattr(self.lib, f"host_{self.name}")(grid[0], grid[1], *conv)
+        with shared_within(self.lib, shared_mem):  # the bytes the launcher asks the device for
+            getattr(self.lib, f"host_{self.name}")(grid[0], grid[1], *conv)
 
 
 def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from hostlib import CXX, build_host_lib
+from hostlib import CXX, build_host_lib, shared_within
 from stratatools.runtime.gpu import kernels as K
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
@@ -162,7 +162,8 @@ class _FakeKernel:
         if self.name == "fetch_blobs":
             conv = [a.ctypes.data if isinstance(a, np.ndarray) else (None if "*" in t and int(a) == 0 else a)
                     for a, (t, _p) in zip(args, K.kernel_signatures("miss_fetch.cu")["fetch_blobs"])]
-            self.lib.host_fetch_blobs(grid[0], grid[1], *conv)
+            with shared_within(self.lib, shared_mem):  # the bytes the launcher asks the device for
+                self.lib.host_fetch_blobs(grid[0], grid[1], *conv)
         elif self.name == "matvec_f32_rows":
             W, x, y, rows, cols = args
             y[:int(rows)] = W.view(np.float32).reshape(int(rows), int(cols)) @ x[:int(cols)]

@@ -397,8 +397,9 @@ def hostcp(lib, monkeypatch):
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
             if base not in ("qmm_split", "qmm_jobs"):
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
-            f(gx, gy, *[a.ctypes.data if isinstance(a, np.ndarray) else (a.item() if isinstance(a, np.generic) else a)
-                        for a in args])
+            with shared_within(lib, shared_mem):  # the bytes the launcher asks the device for
+                f(gx, gy, *[a.ctypes.data if isinstance(a, np.ndarray) else (a.item() if isinstance(a, np.generic) else a)
+                            for a in args])
         return launch
 
     fake = _fake_cupy()
