@@ -36,11 +36,19 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         # Ctrl-C: KeyboardInterrupt as before, but held back while a temp is being created and recorded
         signal.signal(signal.SIGINT, _interrupted)
+    from stratatools.core import fsutil
+
+    if argv is None:  # the real process: its handlers are ours (above); an in-process run leaves the state alone
+        fsutil.cli_signals(True)
     try:
         # standalone_mode=False: click's own errors (unknown option, bad value, missing argument) come back to us
         # as exceptions instead of being printed by typer as multi-line boxed panels; we print them as the one line
         # the project's errors are (naming the option and the fix), exit 2. typer then returns an Exit's code.
         rv = app(args=argv, prog_name="stratatools", standalone_mode=False)
+        # the command has finished (its outputs published, its last line printed): a Ctrl-C or SIGTERM from here
+        # would only turn a done job into "interrupted" or a death by signal while the interpreter shuts down
+        if argv is None:
+            fsutil.commit_point()
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
     except _NO_ARGS as e:  # `stratatools trace`: the group's help, as before
         from typer import rich_utils

@@ -107,7 +107,7 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 # the temp's name. Python handlers run in the main thread only, so this holds whatever thread the kernel picks.
 # Ctrl-C (SIGINT) takes the same path: the CLI's SIGINT handler raises KeyboardInterrupt outside a creation and,
 # inside one, notes exit 130 the same way (:func:`interrupt`).
-_DEFER = {"depth": 0, "pending": None}
+_DEFER: dict[str, Any] = {"depth": 0, "pending": None, "committed": False, "cli": False}
 
 
 @contextmanager
@@ -126,7 +126,10 @@ def signals_deferred() -> Iterator[None]:
 
 
 def _held(code: int) -> bool:
-    """Inside :func:`signals_deferred`: note exit ``code`` for the block's end and say so."""
+    """Inside :func:`signals_deferred`: note exit ``code`` for the block's end and say so. After
+    :func:`commit_point` the signal is dropped (the output is published: the command finishes and exits 0)."""
+    if _DEFER["committed"]:
+        return True
     if _DEFER["depth"] > 0:
         _DEFER["pending"] = code
         return True
@@ -145,6 +148,31 @@ def interrupt(code: int = 130) -> None:
     SIGINT) for that block's end, as :func:`terminate` does (the CLI's SIGINT handler calls this)."""
     if not _held(code):
         raise KeyboardInterrupt
+
+
+def cli_signals(installed: bool) -> None:
+    """Called by the CLI as a command starts: ``installed`` says whether its SIGINT/SIGTERM handlers
+    (:func:`interrupt`, :func:`terminate`) are in place (the real process) or not (an in-process run); clears the
+    state :func:`commit_point` set."""
+    _DEFER.update(committed=False, pending=None, cli=bool(installed))
+
+
+def commit_point() -> None:
+    """The command's output is published (a folder swapped in): from here a Ctrl-C or SIGTERM no longer stops it,
+    so it finishes its clean-up and last messages and exits 0 instead of reporting an interruption after the
+    fact (README "Exit codes"). A signal held back meanwhile (:func:`signals_deferred`) is dropped; in the CLI's
+    own process SIGINT and SIGTERM are ignored from here to the exit (SIG_IGN, which also covers the
+    interpreter's shutdown, when Python's handlers are gone)."""
+    _DEFER["committed"] = True
+    _DEFER["pending"] = None
+    if _DEFER["cli"]:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in ("SIGINT", "SIGTERM"):
+                if hasattr(signal, name):
+                    signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
@@ -219,6 +247,93 @@ def _clean_stale_temps(folder: Path, name: str) -> None:
             pass
 
 
+# Outputs that must not replace an existing file (issue: two runs at once). guard_output() without --force checks
+# that the output is absent and records it here; the rename that publishes it is then a no-replace one
+# (:func:`_publish_file`), so an output that appeared after the check (another run, same path) is never replaced:
+# this run fails with "already exists" and its temp is removed. Once published, the entry is dropped (the file is
+# ours: a later rewrite by the same command replaces it). guard_output(..., force=True) drops it too.
+_NO_REPLACE: set[str] = set()
+
+
+def _key(p: str | os.PathLike) -> str:
+    return os.path.normpath(os.path.abspath(os.fspath(p)))
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2(a, b, flags); True when done, False when the call or the flag is unsupported. Raises
+    OSError (FileExistsError for RENAME_NOREPLACE onto an existing path)."""
+    fn = _RENAMEAT2.get("fn", 0)
+    if fn == 0:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        except (OSError, AttributeError):
+            fn = None
+        _RENAMEAT2["fn"] = fn
+    if fn is None:
+        return False
+    import ctypes
+
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_RENAMEAT2: dict[str, Any] = {}
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist, in one step: renameat2(RENAME_NOREPLACE), else
+    (old kernel, file system without it) a hard link ``dst`` -> ``src``'s inode then unlink ``src`` (link fails
+    when ``dst`` exists), else, for a folder or a file system without hard links, a check and a rename (the only
+    non-atomic case). Raises FileExistsError when ``dst`` exists, or another OSError."""
+    if _renameat2(src, dst, _RENAME_NOREPLACE):
+        return
+    if not os.path.isdir(src) or os.path.islink(src):
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+        else:
+            os.unlink(src)
+            return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+def _exists_error(t: Path) -> StrataError:
+    return StrataError(f"{t}: already exists (pass --force to replace it; another run created it while this one "
+                       f"ran)", t)
+
+
+def _publish_file(tmp: Path, t: Path) -> None:
+    """Rename the finished temp ``tmp`` to ``t``: over it, or, when guard_output recorded ``t`` without --force,
+    only if ``t`` is still absent (:func:`rename_noreplace`). Raises StrataError when ``t`` appeared meanwhile
+    (``tmp`` is removed), OSError otherwise."""
+    k = _key(t)
+    if k not in _NO_REPLACE:
+        os.rename(tmp, t)
+        return
+    try:
+        rename_noreplace(tmp, t)
+    except FileExistsError:
+        _unlink_quiet(tmp)
+        raise _exists_error(t) from None
+    _NO_REPLACE.discard(k)
+
+
 def commit_temp(fd: int, tmp: Path, target: str | os.PathLike) -> None:
     """fsync and close ``fd``, rename ``tmp`` over ``target`` (checked again: a regular file or absent), fsync the
     folder. On any error the temp is removed and a one-line StrataError naming the target is raised."""
@@ -229,7 +344,7 @@ def commit_temp(fd: int, tmp: Path, target: str | os.PathLike) -> None:
         finally:
             os.close(fd)
         check_target(t)
-        os.rename(tmp, t)
+        _publish_file(tmp, t)
     except BaseException as e:
         _unlink_quiet(tmp)
         if isinstance(e, OSError):
@@ -404,7 +519,7 @@ def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
     for i, (_fd, tmp, t) in enumerate(staged):
         try:
             check_target(t)
-            os.rename(tmp, t)
+            _publish_file(tmp, t)
         except BaseException as e:
             for _f, rest, _r in staged[i:]:
                 _unlink_quiet(rest)
@@ -438,8 +553,12 @@ def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], fo
     Returns the output as a Path. Raises StrataError with the fix.
     """
     out = check_target(out, inputs)
-    if out.exists() and not force:
+    if (out.exists() or out.is_symlink()) and not force:
         raise StrataError(f"{out}: already exists (pass --force to replace it)", out)
+    if force:
+        _NO_REPLACE.discard(_key(out))
+    else:  # published with a no-replace rename: a file another run creates meanwhile is not replaced
+        _NO_REPLACE.add(_key(out))
     return out
 
 
@@ -549,23 +668,24 @@ def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
             raise StrataError(f"{t}: could not take the lock {lp.name} (it kept being replaced); try again", t)
         yield _Lock(t, fd, lp)
     finally:
-        if fd >= 0:
-            try:
-                if not locked and stat.S_ISREG(os.fstat(fd).st_mode):  # stopped (SIGTERM) before locking it
+        with signals_deferred():  # a signal does not leave the lock file behind
+            if fd >= 0:
+                try:
+                    if not locked and stat.S_ISREG(os.fstat(fd).st_mode):  # stopped (SIGTERM) before locking it
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                            locked = True
+                        except OSError:
+                            pass
+                    if locked and _journal_empty(fd) and _names_inode(lp, os.fstat(fd)):
+                        os.unlink(lp)  # still holding the lock: a run that opened it meanwhile starts over (above)
+                except OSError:
+                    pass  # left in place: harmless, the next run takes it
+                finally:
                     try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        locked = True
+                        os.close(fd)
                     except OSError:
                         pass
-                if locked and _journal_empty(fd) and _names_inode(lp, os.fstat(fd)):
-                    os.unlink(lp)  # still holding the lock: a run that opened it meanwhile starts over (above)
-            except OSError:
-                pass  # left in place: harmless, the next run takes it
-            finally:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
 
 def _names_inode(p: Path, st: os.stat_result) -> bool:
@@ -627,27 +747,13 @@ def _remove_tree(p: Path) -> None:
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:
     """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd = -100
-    r = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), 2)
-    if r == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+    return _renameat2(a, b, _RENAME_EXCHANGE)
 
 
 @contextmanager
 def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (),
-                keep: Callable[[str], bool] | None = None) -> Iterator[Path]:
+                keep: Callable[[str], bool] | None = None,
+                refuse: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Build a folder output in a unique sibling temp folder and swap it in whole on success.
 
     Yields the (empty) temp folder to write into. On success the temp folder replaces ``target`` in one step
@@ -659,6 +765,15 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
 
     ``keep(name)``: entries of an existing ``target`` that the new output carries over (hard links, no copy);
     other entries of the old folder go with it.
+
+    ``refuse(target)``: the caller's "already exists (pass --force)" check, run again under the lock, before the
+    build and just before the swap (a run that checked before taking the lock cannot replace an output another
+    run published meanwhile); it raises StrataError to refuse. A new ``target`` is renamed in with no-replace
+    (:func:`rename_noreplace`).
+
+    Signals: the swap runs with SIGINT/SIGTERM held back (:func:`signals_deferred`) and ends in
+    :func:`commit_point`; an interrupt before it leaves the old output and removes the temp folder and the lock,
+    one after it is dropped: the command completes and exits 0 (the new output is in place).
 
     Raises:
         StrataError: the target is an input, a non-folder, a locked output; any OSError (one line).
@@ -672,53 +787,67 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
         raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
     if os.path.lexists(t) and (t.is_symlink() or not t.is_dir()):
         raise StrataError(f"{t}: exists and is not a folder; choose another output folder", t)
-    with output_lock(t) as lock:
-        try:
-            recover(lock)
-        except OSError as e:
-            raise _fail(t, e, "cannot create its temp folder") from None
-        tmp = _unique(t.parent, t.name)
-        made = False  # the temp folder is ours (mkdir succeeded): only then does the guard below remove it
-        try:
-            # the guard is in place before the folder exists; the journal names it first (a SIGKILL is undone by
-            # the next run), and mkdir + "made" are one step for a SIGTERM (signals_deferred)
+    try:
+        with output_lock(t) as lock:
             try:
-                lock.set_journal({"paths": [str(tmp)]})
-                with signals_deferred():
-                    os.mkdir(tmp)
-                    made = True
+                recover(lock)
             except OSError as e:
                 raise _fail(t, e, "cannot create its temp folder") from None
-            _carry_over(t, None, keep)  # refuse early, before the (possibly long) build
-            yield tmp
-            _carry_over(t, tmp, keep)
-            _fsync_tree(tmp)
-            if os.path.lexists(t):
-                if not _renameat2_exchange(tmp, t):
-                    aside = _unique(t.parent, t.name, _ASIDE_TAG)
-                    lock.set_journal({"paths": [str(tmp), str(aside)]})
-                    os.rename(t, aside)
-                    os.rename(tmp, t)
-                    tmp = aside
-                # tmp now holds the previous output
-            else:
-                os.rename(tmp, t)
-            fsync_dir(t.parent)
-        except BaseException as e:
-            recover_exc = e
+            tmp = _unique(t.parent, t.name)
+            made = False  # the temp folder is ours (mkdir succeeded): only then does the guard below remove it
             try:
-                if not os.path.lexists(t):
-                    recover(lock)  # puts an aside folder back
-                if made and os.path.lexists(tmp):
-                    _remove_tree(tmp)
-                lock.set_journal({})
-            except OSError:
-                pass
-            if isinstance(recover_exc, OSError):
-                raise _fail(t, recover_exc) from None
-            raise
-        _remove_tree(tmp)
-        lock.set_journal({})
+                # the guard is in place before the folder exists; the journal names it first (a SIGKILL is undone by
+                # the next run), and mkdir + "made" are one step for a SIGTERM (signals_deferred)
+                if refuse is not None:
+                    refuse(t)
+                try:
+                    lock.set_journal({"paths": [str(tmp)]})
+                    with signals_deferred():
+                        os.mkdir(tmp)
+                        made = True
+                except OSError as e:
+                    raise _fail(t, e, "cannot create its temp folder") from None
+                _carry_over(t, None, keep)  # refuse early, before the (possibly long) build
+                yield tmp
+                _carry_over(t, tmp, keep)
+                _fsync_tree(tmp)
+                if refuse is not None:
+                    refuse(t)
+                with signals_deferred():  # the swap and commit_point are one step for SIGINT/SIGTERM
+                    if os.path.lexists(t):
+                        if not _renameat2_exchange(tmp, t):
+                            aside = _unique(t.parent, t.name, _ASIDE_TAG)
+                            lock.set_journal({"paths": [str(tmp), str(aside)]})
+                            os.rename(t, aside)
+                            os.rename(tmp, t)
+                            tmp = aside
+                        # tmp now holds the previous output
+                    else:
+                        try:
+                            rename_noreplace(tmp, t)
+                        except FileExistsError:
+                            raise _exists_error(t) from None
+                    commit_point()
+                fsync_dir(t.parent)
+            except BaseException as e:
+                recover_exc = e
+                with signals_deferred():  # a second signal does not cut the clean-up short
+                    try:
+                        if not os.path.lexists(t):
+                            recover(lock)  # puts an aside folder back
+                        if made and os.path.lexists(tmp):
+                            _remove_tree(tmp)  # the new build, or after the swap the previous output
+                        lock.set_journal({})
+                    except OSError:
+                        pass
+                if isinstance(recover_exc, OSError):
+                    raise _fail(t, recover_exc) from None
+                raise
+            _remove_tree(tmp)
+            lock.set_journal({})
+    finally:
+        if not _DEFER["cli"]:  # outside the CLI's process the signals are dropped only until the folder is out
+            _DEFER["committed"] = False
 
 
 def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -> None:

@@ -90,14 +90,18 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
         StrataError: ``out`` exists and is not empty, without ``force``.
     """
     final = Path(out)
-    if final.exists() and final.is_dir() and any(final.iterdir()):
-        if not force:
-            raise StrataError(f"{final}: already exists and is not empty (pass --force to replace it)", final)
-        if not (final / MARKER).is_file() or (final / MARKER).is_symlink():
-            raise StrataError(f"{final}: is not a demo folder (it has no {MARKER} file); refusing to replace it "
-                              f"(choose an empty or new folder)", final)
+
+    def refuse(_t: Path) -> None:  # also run under the output lock just before the swap (publish_dir)
+        if final.exists() and final.is_dir() and any(final.iterdir()):
+            if not force:
+                raise StrataError(f"{final}: already exists and is not empty (pass --force to replace it)", final)
+            if not (final / MARKER).is_file() or (final / MARKER).is_symlink():
+                raise StrataError(f"{final}: is not a demo folder (it has no {MARKER} file); refusing to replace "
+                                  f"it (choose an empty or new folder)", final)
+
+    refuse(final)
     # built in a temp folder beside the output and swapped in whole: the previous demo survives any failure
-    with publish_dir(final) as out:
+    with publish_dir(final, refuse=refuse) as out:
         res = _run_steps(out, final, runner, progress)
     return _rebased(res, out, final)
 

@@ -778,7 +778,14 @@ def _guard_packdir(packdir: Path, model: Model, force: bool) -> None:
     for o in outs[1:]:
         if (o.exists() or o.is_symlink()) and not o.is_file():
             raise StrataError(f"{o}: exists and is not a file; remove it or choose another -o folder", o)
-    if (packdir / NATIVE_TXT).exists() and not force:
+    if not force:
+        _refuse_pack(packdir)
+
+
+def _refuse_pack(packdir: Path) -> None:
+    """Refuse (without --force) a folder that already holds a pack; run again under the output lock just before
+    the swap (:func:`stratatools.core.fsutil.publish_dir`), so a pack another run published meanwhile is kept."""
+    if (packdir / NATIVE_TXT).exists():
         raise StrataError(f"{packdir / NATIVE_TXT}: already exists (pass --force to replace the pack)", packdir)
 
 
@@ -841,7 +848,7 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
             # the whole pack is built in a temp folder beside packdir and swapped in at the end (publish_dir): a
             # kill, full disk or error at any point leaves the previous pack as it was
             with publish_dir(packdir, inputs=[f.path for f in model.files],
-                             keep=lambda n: n not in _PACK_FILES) as stage:
+                             keep=lambda n: n not in _PACK_FILES, refuse=None if force else _refuse_pack) as stage:
                 hasher.start()
                 started = True
                 if on_start is not None:

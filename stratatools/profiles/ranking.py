@@ -428,8 +428,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     sidecar = provenance.sidecar_path(output)
     inputs_guard = paths + ([base] if base else []) + list(extra_inputs)
     guard_output(output, inputs_guard, force)
-    if sidecar.exists() and not force:
-        raise StrataError(f"{sidecar}: already exists (pass --force to replace it)", sidecar)
+    guard_output(sidecar, inputs_guard, force)  # <output>.json is written too (same no-replace publication)
     warns: list[str] = []
     base_prof = None
     if base is not None:

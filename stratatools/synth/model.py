@@ -961,12 +961,17 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
     names = ["canonical"] + (["revA", "revB"] if cfg.revisions else [])
     planned = [p for n in names for p in shard_paths(outdir / f"synth-{n}", cfg.shards)]
     planned += [outdir / "release.json"] + [outdir / f"synth-{n}.rco-allocation.txt" for n in names[1:]]
-    existing = [p for p in planned if p.exists()]
-    if existing and not force:
-        raise StrataError(f"{existing[0]}: already exists (pass --force to replace the release)", existing[0])
+
+    def refuse(_t: Path) -> None:  # also run under the output lock just before the swap (publish_dir)
+        existing = [p for p in planned if p.exists()]
+        if existing:
+            raise StrataError(f"{existing[0]}: already exists (pass --force to replace the release)", existing[0])
+
+    if not force:
+        refuse(outdir)
     planned_names = {p.name for p in planned}
     # the release is built in a temp folder beside outdir and swapped in whole (other files there are carried over)
-    with publish_dir(outdir, keep=lambda n: n not in planned_names) as stage:
+    with publish_dir(outdir, keep=lambda n: n not in planned_names, refuse=None if force else refuse) as stage:
         info = _write_release(stage, cfg, progress, t0)
     return _rebased(info, stage, outdir)
 
