@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -340,3 +341,85 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(dem
     near.write_text("x" * (ctx + 5))  # may fit by its bytes (a token can cover several), so tokenized: too long
     line = _one_line_error(*cli("run", gguf, "--prompts", near, "-n", "1", "--device", "cpu"))
     assert "prompt #0" in line and "positions, over the model's context length" in line
+
+
+# --- output paths that name no file (found by a new-user test) ---------------------------------------------
+
+@pytest.mark.parametrize("raw, says", [("newdir/", "names a folder; give a file name"),
+                                       ("nodir/x/", "names a folder; give a file name"),
+                                       ("", "the path is empty"), (" ", "the path is empty")])
+def test_trace_out_that_names_no_file_is_refused(tmp_path, monkeypatch, cli, raw, says):
+    """``--trace-out newdir/`` wrote a regular file named ``newdir`` (the Path type drops the slash);
+    ``--trace-out ''`` said ``.: exists and is a folder``. Both are refused as the options are parsed."""
+    monkeypatch.chdir(tmp_path)
+    line = _one_line_error(*cli("run", "no-model.gguf", "--prompts", "p.txt", "--trace-out", raw))
+    assert f"--trace-out {raw!r}" in line if not raw.strip() else f"--trace-out {raw}:" in line
+    assert says in line and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, opt", [
+    (("pack", "m.gguf", "-o"), "-o"), (("synth",), "OUTDIR"), (("demo",), "OUT"),
+    (("make-profile", "t.csv", "--n-layer", "2", "--n-expert", "4", "-o"), "--output"),
+    (("remap-profile", "p.bin", "-o"), "--out"), (("alloc", "export", "a.txt", "-o"), "--out"),
+    (("tune", "-t", "t.csv", "--slots", "4", "--json-out"), "--json-out"),
+    (("trace", "convert", "t.csv", "--to", "csv", "-o"), "--output"),
+])
+@pytest.mark.parametrize("raw", ["-", ""])
+def test_every_output_path_refuses_dash_and_empty(tmp_path, monkeypatch, cli, args, opt, raw):
+    """``pack -o -`` made a folder named '-' where run and trace convert refused '-': every output option and
+    argument refuses '-' (no file or folder output goes to stdout) and an empty path, before any work."""
+    monkeypatch.chdir(tmp_path)
+    line = _one_line_error(*cli(*args, raw))
+    assert line.startswith(f"error: {opt} {raw!r}:" if raw == "" else f"error: {opt} -:"), line
+    assert ("stdout" in line) if raw == "-" else ("the path is empty" in line)
+    assert os.listdir(tmp_path) == []
+
+
+def test_trace_out_in_a_missing_folder_is_created(demo_release, tmp_path, cli):
+    d, gguf = demo_release
+    out = tmp_path / "nodir" / "x" / "t.bin"
+    code, _o, err = cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu", "--trace-out", out,
+                        "--json")
+    assert code == 0, err
+    assert out.read_bytes()[:4] != b"PAR1" and out.stat().st_size > 0 and "names no trace format" not in err
+
+
+# --- the trace's extension and --trace-format ------------------------------------------------------------
+
+@pytest.mark.parametrize("name, fmt", [("b.csv", "parquet"), ("b.parquet", "csv"), ("b.bin", "csv"),
+                                       ("b.csv", "strata-tagged"), ("b.pq", "strata")])
+def test_trace_extension_that_disagrees_with_the_format_is_refused(tmp_path, cli, name, fmt):
+    """``--trace-out tr/b.csv --trace-format parquet`` wrote Parquet into a .csv file."""
+    (tmp_path / "p.txt").write_text("hello\n")
+    line = _one_line_error(*cli("run", tmp_path / "none.gguf", "--prompts", tmp_path / "p.txt", "--trace-out",
+                                tmp_path / "tr" / name, "--trace-format", fmt))
+    assert f"{name}: the extension" in line and f"--trace-format says {fmt}" in line
+    assert not (tmp_path / "tr").exists()
+
+
+@pytest.mark.parametrize("fmt", [None, "csv"])
+def test_trace_named_json_is_refused(tmp_path, cli, fmt):
+    """``--trace-out tr/a.json`` wrote Strata binary into a .json file: no trace format is JSON."""
+    (tmp_path / "p.txt").write_text("hello\n")
+    line = _one_line_error(*cli("run", tmp_path / "none.gguf", "--prompts", tmp_path / "p.txt", "--trace-out",
+                                tmp_path / "tr" / "a.json", *(["--trace-format", fmt] if fmt else [])))
+    assert "a.json: a routing trace is not JSON" in line and not (tmp_path / "tr").exists()
+
+
+def test_trace_convert_extension_that_disagrees_is_refused(tmp_path, cli):
+    src = tmp_path / "t.csv"
+    src.write_text("0,0,1,2\n0,1,3,4\n")
+    line = _one_line_error(*cli("trace", "convert", src, "-o", tmp_path / "o.csv", "--to", "parquet"))
+    assert "o.csv: the extension .csv says csv, --to says parquet" in line and not (tmp_path / "o.csv").exists()
+
+
+def test_unknown_trace_extension_says_which_format_was_written(demo_release, tmp_path, cli):
+    d, gguf = demo_release
+    out = tmp_path / "t.trace"
+    code, _o, err = cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu", "--trace-out", out,
+                        "--json")
+    assert code == 0, err
+    assert "t.trace: .trace names no trace format: writing Strata tagged binary" in err
+    from stratatools.traces.formats import read_trace
+
+    assert read_trace(out).meta.get("source_format", "").startswith("strata")

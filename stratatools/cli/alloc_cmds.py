@@ -113,7 +113,8 @@ def check_cmd(
 @alloc_app.command("export")
 def export_cmd(
     alloc: Path = typer.Argument(..., help="rco-allocation.txt"),
-    out: Path = typer.Option(..., "--out", "-o", help="Output file (.csv, .parquet or .json)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output file (.csv, .parquet or .json).",
+                             parser=common.out_file("--out", "alloc.csv")),
     fmt: Optional[str] = typer.Option(None, "--format", "-f", help="csv, parquet or json (default: from the suffix)."),
     what: str = typer.Option("map", "--table", help="map (layer, new_index, original_index, types) or entries "
                                                     "(every Section 2 line)."),

@@ -88,3 +88,55 @@ def progress_bar(description: str, total: int | None, bytes_: bool = True) -> It
                 p.update(task, advance=advance, **kw)
 
         yield _Bar()
+
+
+# ------------------------------------------------------------------------------------------ output paths
+# Output options take the raw text through these parsers (typer's ``parser=``), because a pathlib.Path drops what
+# matters here: "newdir/" (a folder) becomes "newdir" (a file of that name), "" becomes "." (the current folder).
+def out_file(option: str, example: str, stdout_ok: bool = False, folder_ok: bool = False):
+    """A typer ``parser`` for an output FILE option: refuses an empty path, ``-`` (unless ``stdout_ok``: the
+    command prints there) and a path ending in ``/`` (a folder); returns the Path. A missing parent folder is
+    created when the file is written. Raises StrataError (one line, exit 2) naming ``option`` and a fix with
+    ``example``. ``folder_ok``: the option may also name a folder (a trailing ``/`` is kept)."""
+    import os
+    from pathlib import Path
+
+    from stratatools.core.errors import StrataError
+
+    def parse(raw: Any) -> Any:
+        if not isinstance(raw, str):  # a default value, already a Path
+            return raw
+        if not raw.strip():
+            raise StrataError(f"{option} {raw!r}: the path is empty; give a file name, e.g. {option} {example}")
+        if raw == "-" and not stdout_ok:
+            raise StrataError(f"{option} -: this output is written to a file (through a temp file and a rename), "
+                              f"not to stdout; give a file path, e.g. {option} {example}")
+        if raw != "-" and not folder_ok and (raw.endswith("/") or raw.endswith(os.sep) or raw.endswith("/.")):
+            raise StrataError(f"{option} {raw}: names a folder; give a file name, e.g. {option} "
+                              f"{raw.rstrip('/.')}/{example}")
+        return raw if raw == "-" else Path(raw)
+
+    return parse
+
+
+def out_folder(option: str, example: str):
+    """A typer ``parser`` for an output FOLDER option or argument: refuses an empty path and ``-`` (a folder named
+    ``-`` is never what was meant: no folder output goes to stdout); returns the Path. Raises StrataError (one line,
+    exit 2) naming ``option`` and a fix with ``example``."""
+    from pathlib import Path
+
+    from stratatools.core.errors import StrataError
+
+    eg = example if option.isupper() else f"{option} {example}"  # an argument (OUTDIR) or an option (-o)
+
+    def parse(raw: Any) -> Any:
+        if not isinstance(raw, str):
+            return raw
+        if not raw.strip():
+            raise StrataError(f"{option} {raw!r}: the path is empty; give a folder, e.g. {eg}")
+        if raw == "-":
+            raise StrataError(f"{option} -: this output is a folder, not a stream on stdout; give a folder path, "
+                              f"e.g. {eg}")
+        return Path(raw)
+
+    return parse

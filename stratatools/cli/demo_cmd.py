@@ -6,13 +6,15 @@ from pathlib import Path
 
 import typer
 
+from stratatools.cli import common
 from stratatools.cli.common import STATE, console, err_console, styled
 
 _APP: typer.Typer | None = None  # the app ``register`` added the command to
 
 
 def demo_cmd(
-    out: Path = typer.Argument(Path("demo-out"), help="Output folder (index.md links everything)."),
+    out: Path = typer.Argument(Path("demo-out"), help="Output folder (index.md links everything).",
+                                   parser=common.out_folder("OUT", "demo-out")),
     force: bool = typer.Option(False, "--force", help="Replace an existing demo folder."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout: the steps, their exit codes and times."),
 ) -> None:

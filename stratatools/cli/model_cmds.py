@@ -106,7 +106,8 @@ def render_pack(r: PackResult) -> None:
 
 def pack_cmd(
     model: Path = typer.Argument(..., help="GGUF file or any shard of a set."),
-    out: Path = typer.Option(..., "-o", "--out", help="Pack folder (native_experts.txt, experts.bin, sidecars)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Pack folder (native_experts.txt, experts.bin, sidecars).",
+                             parser=common.out_folder("-o", "packs/mymodel")),
     experts_bin: bool = typer.Option(False, "--experts-bin", help="Also write experts.bin (reused when it matches)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing pack."),
     no_hash: bool = typer.Option(False, "--no-hash",
@@ -170,7 +171,7 @@ def render_synth(r: ReleaseInfo) -> None:
 
 
 def synth_cmd(
-    outdir: Path = typer.Argument(..., help="Folder for the release."),
+    outdir: Path = typer.Argument(..., help="Folder for the release.", parser=common.out_folder("OUTDIR", "rel")),
     experts: Optional[int] = typer.Option(None, "--experts", help="Experts per layer in the canonical model [32]."),
     keep: Optional[int] = typer.Option(None, "--keep", help="Survivors per layer in the pruned revisions [16]."),
     swap: Optional[int] = typer.Option(None, "--swap", help="revA survivors replaced in revB, per layer [4]."),

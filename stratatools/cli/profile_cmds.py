@@ -75,7 +75,8 @@ def show_cmd(
 
 def remap_cmd(
     profile: Path = typer.Argument(..., help="Profile to remap (STRP v1)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output profile (written atomically, plus <out>.json provenance)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output profile (written atomically, plus <out>.json provenance).",
+                             parser=common.out_file("--out", "remapped.bin")),
     alloc: Optional[Path] = typer.Option(None, "--alloc", "-a", help="Allocation of the pruned target: the profile is "
                                           "of the full model (original indices)."),
     from_alloc: Optional[Path] = typer.Option(None, "--from-alloc", help="Allocation the profile was built for."),
@@ -128,7 +129,8 @@ def diff_cmd(
     max_stale: float = typer.Option(0.0, "--max-stale", min=0.0, max=1.0,
                                     help="Largest stale fraction that still passes (exit 1 beyond it)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout instead of markdown."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the markdown report to FILE."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the markdown report to FILE.",
+                                            parser=common.out_file("--markdown", "diff.md")),
     force: bool = typer.Option(False, "--force", help="Replace an existing --markdown file."),
 ) -> None:
     """Is a profile stale? Against a re-release (--old-alloc/--new-alloc) or against another profile."""

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from stratatools.release.checks import FAIL, PASS
 from stratatools.core.fsutil import write_text_atomic
+from stratatools.cli import common
 from stratatools.cli.common import console, emit_json, progress_bar, styled, warn
 
 _STYLE = {PASS: "green", FAIL: "bold red", "skip": "yellow"}
@@ -30,9 +31,12 @@ def validate_release_cmd(
     slots: Optional[int] = typer.Option(None, "--slots", help="Slots for the gate (default: 39/256 of the experts per layer)."),
     budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget for the gate instead of slots."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of the table."),
-    json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE."),
-    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check; '-' = stdout)."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary ('-' = stdout)."),
+    json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE.",
+                                            parser=common.out_file("--json-out", "validate.json", stdout_ok=True)),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per check; '-' = stdout).",
+                                         parser=common.out_file("--junit", "validate.xml", stdout_ok=True)),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary ('-' = stdout).",
+                                            parser=common.out_file("--markdown", "validate.md", stdout_ok=True)),
     registry: Optional[Path] = typer.Option(None, "--registry", help="Release registry TOML (default: "
                                             "$STRATATOOLS_REGISTRY, else the packaged allocations/releases.toml)."),
     force: bool = typer.Option(False, "--force", help="Replace existing --json-out/--junit/--markdown files."),

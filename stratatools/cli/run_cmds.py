@@ -26,7 +26,8 @@ def run_cmd(
     policy: str = typer.Option("static", "--policy", help="Tier policy: static, adaptive, lru, lfu, lfru."),
     admission: str = typer.Option("global", "--admission", help="Tier admission: global or per-layer."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n", min=0, help="Length cap per request."),
-    trace_out: Optional[Path] = typer.Option(None, "--trace-out", "-t", help="Write the routing trace here."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace-out", "-t", help="Write the routing trace here.",
+                                               parser=common.out_file("--trace-out", "run-trace.bin")),
     trace_format: Optional[str] = typer.Option(None, "--trace-format", help="strata-tagged (default), strata, "
                                                "parquet or csv (default by extension)."),
     selection: str = typer.Option("transformers", "--qsa", help="QSA token selection: transformers or llamacpp."),
@@ -48,7 +49,7 @@ def run_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
     """Greedy-decode every prompt, write the routing trace, report h_expert and tokens/s."""
-    from stratatools.runtime.run import read_prompts, run_prompts
+    from stratatools.runtime.run import read_prompts, run_prompts, trace_format_note
 
     tier_params = sim_cmds.adaptive_params(adapt_every, adapt_swaps, adapt_decay, adapt_lag, adapt_pace_bytes,
                                            upper_slots, disjoint_adapt, strata_version)
@@ -59,6 +60,9 @@ def run_cmd(
                           trace_format=trace_format, force=force, selection=selection, output_gate=output_gate,
                           progress=lambda k: bar.update(advance=k), tier_params=tier_params,
                           device=device, vram_gib=vram_gib, batch=batch)
+    fmt_note = trace_format_note(trace_out, trace_format) if trace_out is not None else None
+    if fmt_note and not common.STATE.quiet:  # one line (no wrap), on stderr: stdout may be --json
+        common.err_console.print(fmt_note, markup=False, highlight=False, soft_wrap=True)
     if as_json:
         common.emit_json(res.to_dict())
         return

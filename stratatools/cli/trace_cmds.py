@@ -24,7 +24,8 @@ def _convert(
     src: str = typer.Argument(..., help="Input trace (Strata --dump-routing plain/tagged, llama-moe-trace CSV, "
                                         "kit CSV or Parquet; the format is sniffed); with --dataset also a folder, "
                                         "a glob or a Parquet dataset."),
-    out: Path = typer.Option(..., "-o", "--output", help="Output file."),
+    out: Path = typer.Option(..., "-o", "--output", help="Output file (with --dataset: a folder).",
+                             parser=common.out_file("--output", "trace.parquet", folder_ok=True)),
     to: str = typer.Option(..., "--to", help="Output format: strata, strata-tagged, parquet or csv."),
     from_: Optional[str] = typer.Option(None, "--from", help="Input format (strata, llama-csv, csv, parquet); "
                                                              "default: sniffed."),
@@ -61,6 +62,9 @@ def _convert(
         common.console.print(f"{src} -> {d['output']}: {d['entries']:,} routed entries in {d['records']:,} records, "
                              f"{len(d['files'])} file(s), {d['bytes']:,} bytes", markup=False, soft_wrap=True)
         return
+    from stratatools.traces.formats import check_trace_name
+
+    check_trace_name(out, to.strip().lower(), "--to")
     with common.progress_bar("converting", None, bytes_=False) as bar:
         res = convert_trace_stream(Path(src), out, to, from_, force, n_layer, n_expert,
                                    progress=lambda m: bar.update(advance=m))
@@ -261,7 +265,8 @@ def _make_profile(
     traces: List[str] = typer.Argument(..., help="Trace files, folders, globs or Parquet datasets, each optionally "
                                                  "TRACE:WEIGHT (the weight applies to every file it names)."),
     out: Path = typer.Option(..., "-o", "--output", help="Output STRP profile (a .json provenance sidecar is "
-                                                          "written beside it)."),
+                                                          "written beside it).",
+                             parser=common.out_file("--output", "profile.bin")),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF model (any shard): geometry from its routers."),
     pack: Optional[Path] = typer.Option(None, "--pack", help="Native pack directory: geometry from its table."),
     n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Trunk layers (with --n-expert)."),

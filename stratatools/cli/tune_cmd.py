@@ -123,8 +123,10 @@ def register(app: typer.Typer) -> None:
         ssd_gbps: float = typer.Option(6.0, "--ssd-gbps", help="SSD read bandwidth, GB/s."),
         ram_experts_gb: Optional[float] = typer.Option(None, "--ram-experts-gb", help="RAM tier size in GiB (the rest on SSD); default: all in RAM."),
         dense_gib: float = typer.Option(0.0, "--dense-gib", help="Non-expert weights read per token, GiB (cost model)."),
-        plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the held-out scores."),
-        json_out: Optional[str] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE."),
+        plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the held-out scores.",
+                                            parser=common.out_file("--plot", "tune.png")),
+        json_out: Optional[str] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE.",
+                                                parser=common.out_file("--json-out", "tune.json")),
         force: bool = typer.Option(False, "--force", help="Replace existing output files."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         cluster: Optional[str] = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster "

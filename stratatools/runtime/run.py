@@ -196,15 +196,34 @@ def read_prompts(path: str | os.PathLike) -> list[Prompt]:
 
 
 def trace_format_for(path: str | os.PathLike, fmt: str | None) -> str:
-    """The trace format: ``fmt`` when given (any case, as the extensions are), else by extension (.parquet, .csv,
-    otherwise strata-tagged). Raises StrataError naming ``--trace-format`` for an unknown format."""
+    """The trace format: ``fmt`` when given (any case, as the extensions are), else by extension (.parquet/.pq,
+    .csv, .bin; otherwise strata-tagged, see :func:`trace_format_note`).
+
+    Raises StrataError naming ``--trace-format`` for an unknown format, naming the file when its extension is one of
+    :data:`stratatools.traces.formats.TRACE_EXTENSIONS` and disagrees with ``fmt``, or is .json/.jsonl (no trace
+    format is JSON)."""
+    from stratatools.traces.formats import check_trace_name, format_by_extension
+
     if fmt:
         f = fmt.strip().lower()
         if f not in TRACE_FORMATS:
             raise StrataError(f"--trace-format {fmt!r} is not one of {', '.join(TRACE_FORMATS)}")
+        check_trace_name(path, f, "--trace-format")
         return f
-    s = Path(path).suffix.lower()
-    return {".parquet": "parquet", ".csv": "csv"}.get(s, "strata-tagged")
+    check_trace_name(path, None, "--trace-format")
+    return format_by_extension(path) or "strata-tagged"
+
+
+def trace_format_note(path: str | os.PathLike, fmt: str | None) -> str | None:
+    """A line for the console when the trace's format was chosen for an extension that names none (``fmt`` not
+    given, the extension names no trace format), else None."""
+    from stratatools.traces.formats import format_by_extension
+
+    if fmt or format_by_extension(path):
+        return None
+    ext = Path(path).suffix or "no extension"
+    return (f"{path}: {ext} names no trace format: writing Strata tagged binary (the default; .csv or .parquet, "
+            f"or --trace-format, choose another)")
 
 
 @dataclass

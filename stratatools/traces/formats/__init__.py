@@ -175,6 +175,35 @@ class ConvertResult:
         return d
 
 
+# A trace file's extension names its format: Strata binary (.bin: tagged or plain), CSV (.csv), Parquet (.parquet,
+# .pq). A writer given a format that disagrees with the extension refuses (a .csv file holding Parquet is opened as
+# text by every tool that trusts the name); .json/.jsonl are refused whatever the format (no trace format is JSON,
+# and <file>.json is where this project puts provenance sidecars). Other extensions take the format given.
+TRACE_EXTENSIONS = {".bin": ("strata-tagged", "strata"), ".csv": ("csv",), ".parquet": ("parquet",),
+                    ".pq": ("parquet",)}
+_NOT_TRACE_EXTENSIONS = (".json", ".jsonl")
+
+
+def format_by_extension(path: str | os.PathLike) -> str | None:
+    """The trace format ``path``'s extension names (:data:`TRACE_EXTENSIONS`, the first for .bin:
+    strata-tagged), or None."""
+    got = TRACE_EXTENSIONS.get(Path(path).suffix.lower())
+    return got[0] if got else None
+
+
+def check_trace_name(path: str | os.PathLike, fmt: str | None, option: str) -> None:
+    """Refuse a trace output whose extension disagrees with the format ``fmt`` chosen by ``option`` (e.g.
+    ``--trace-format``, ``--to``), or is .json/.jsonl. Raises StrataError naming the file and the fix."""
+    s = Path(path).suffix.lower()
+    if s in _NOT_TRACE_EXTENSIONS:
+        raise StrataError(f"{path}: a routing trace is not JSON (it is Strata binary, CSV or Parquet); name the file "
+                          f"for its format: .bin (Strata tagged, the default), .csv or .parquet", path)
+    if fmt and s in TRACE_EXTENSIONS and fmt not in TRACE_EXTENSIONS[s]:
+        want = {"csv": ".csv", "parquet": ".parquet"}.get(fmt, ".bin")
+        raise StrataError(f"{path}: the extension {s} says {TRACE_EXTENSIONS[s][0]}, {option} says {fmt}; name the "
+                          f"file {Path(path).stem}{want} or change {option}", path)
+
+
 def convert_trace(src: str | os.PathLike, out: str | os.PathLike, to: str, fmt: str | None = None,
                   force: bool = False, n_layers: int | None = None, n_expert: int | None = None) -> ConvertResult:
     """Read ``src`` (any format, sniffed unless ``fmt``) and write it to ``out`` as ``to``.
