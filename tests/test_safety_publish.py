@@ -224,3 +224,30 @@ def test_signal_after_the_swap_completes_with_exit_0(tmp_path, cli, monkeypatch,
     # the new release is complete: a fresh synth of the same config writes the same bytes
     code, _o, err = _synth(cli, tmp_path / "again", "--seed", 2)
     assert code == 0 and {p.name: p.read_bytes() for p in (tmp_path / "again").iterdir()} == after
+
+
+def test_a_folder_published_inside_another_keeps_ctrl_c_working(tmp_path, monkeypatch):
+    """The demo publishes step outputs (a synth release, a pack) inside its own folder output: the inner swap
+    drops signals only until its clean-up ends (Ctrl-C still stops the demo); the outer, final swap makes the
+    CLI's process ignore SIGINT/SIGTERM to its exit."""
+    from stratatools.cli import entry
+
+    monkeypatch.setitem(fsutil._DEFER, "cli", True)
+    old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with publish_dir(tmp_path / "demo") as outer:
+            with publish_dir(outer / "rel") as inner:
+                (inner / "release.json").write_text("{}")
+            assert signal.getsignal(signal.SIGINT) is old_int and not fsutil._DEFER["committed"]
+            with pytest.raises(KeyboardInterrupt):
+                entry._interrupted(signal.SIGINT, None)
+            (outer / "index.md").write_text("x")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        entry._interrupted(signal.SIGINT, None)  # dropped: the demo is out
+        entry._terminated(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+        fsutil.cli_signals(False)
+    assert (tmp_path / "demo" / "rel" / "release.json").exists() and _leftovers(tmp_path) == []

@@ -107,7 +107,7 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 # the temp's name. Python handlers run in the main thread only, so this holds whatever thread the kernel picks.
 # Ctrl-C (SIGINT) takes the same path: the CLI's SIGINT handler raises KeyboardInterrupt outside a creation and,
 # inside one, notes exit 130 the same way (:func:`interrupt`).
-_DEFER: dict[str, Any] = {"depth": 0, "pending": None, "committed": False, "cli": False}
+_DEFER: dict[str, Any] = {"depth": 0, "pending": None, "committed": False, "cli": False, "publishing": 0}
 
 
 @contextmanager
@@ -157,15 +157,16 @@ def cli_signals(installed: bool) -> None:
     _DEFER.update(committed=False, pending=None, cli=bool(installed))
 
 
-def commit_point() -> None:
+def commit_point(final: bool = True) -> None:
     """The command's output is published (a folder swapped in): from here a Ctrl-C or SIGTERM no longer stops it,
     so it finishes its clean-up and last messages and exits 0 instead of reporting an interruption after the
     fact (README "Exit codes"). A signal held back meanwhile (:func:`signals_deferred`) is dropped; in the CLI's
     own process SIGINT and SIGTERM are ignored from here to the exit (SIG_IGN, which also covers the
-    interpreter's shutdown, when Python's handlers are gone)."""
+    interpreter's shutdown, when Python's handlers are gone). ``final`` False (a folder output published inside
+    another one, as the demo's steps are): signals are dropped only until that inner output's clean-up ends."""
     _DEFER["committed"] = True
     _DEFER["pending"] = None
-    if _DEFER["cli"]:
+    if _DEFER["cli"] and final:
         import signal
         import threading
 
@@ -787,6 +788,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
         raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
     if os.path.lexists(t) and (t.is_symlink() or not t.is_dir()):
         raise StrataError(f"{t}: exists and is not a folder; choose another output folder", t)
+    _DEFER["publishing"] += 1
     try:
         with output_lock(t) as lock:
             try:
@@ -827,7 +829,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                             rename_noreplace(tmp, t)
                         except FileExistsError:
                             raise _exists_error(t) from None
-                    commit_point()
+                    commit_point(final=_DEFER["publishing"] == 1)
                 fsync_dir(t.parent)
             except BaseException as e:
                 recover_exc = e
@@ -846,8 +848,11 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
             _remove_tree(tmp)
             lock.set_journal({})
     finally:
-        if not _DEFER["cli"]:  # outside the CLI's process the signals are dropped only until the folder is out
+        # outside the CLI's process, or for a folder inside another one (the demo's), signals are dropped only
+        # until this folder is out
+        if not _DEFER["cli"] or _DEFER["publishing"] > 1:
             _DEFER["committed"] = False
+        _DEFER["publishing"] -= 1
 
 
 def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -> None:
