@@ -20,7 +20,8 @@ from stratatools.core.errors import StrataError
 # Every output of the project is written here (decision, issue 14):
 # * a file goes to a unique temp name in the target's own folder, created with O_CREAT|O_EXCL|O_NOFOLLOW (a planted
 #   symlink or file at that name is never followed or truncated), is written, fsync'ed, renamed over the target,
-#   and the folder is fsync'ed (the rename survives a crash);
+#   and the folder is fsync'ed (the rename survives a crash); an output checked absent without --force
+#   (:func:`guard_output`) is renamed in with no-replace instead, so a file another run published meanwhile stays;
 # * the target must be a regular file or absent (never a device, FIFO, socket or folder: a rename would replace the
 #   node) and must not be an input of the command, nor the registry named by $STRATATOOLS_REGISTRY;
 # * any OSError (ENOSPC, EACCES, EIO...) removes the temp and becomes a one-line StrataError naming the target;
@@ -549,7 +550,11 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], force: bool) -> Path:
     """Refuse an output that is one of the inputs (or the registry), that exists and is not a regular file, or
-    that exists without ``force``.
+    that exists (a dangling symlink included) without ``force``.
+
+    Without ``force`` the output is also recorded for a no-replace publication: the write that publishes it later
+    (:class:`AtomicFile`, :func:`write_files_atomic`) fails with "already exists (pass --force ...)" instead of
+    replacing a file that another run created after this check (two runs at once).
 
     Returns the output as a Path. Raises StrataError with the fix.
     """
@@ -777,7 +782,8 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     one after it is dropped: the command completes and exits 0 (the new output is in place).
 
     Raises:
-        StrataError: the target is an input, a non-folder, a locked output; any OSError (one line).
+        StrataError: the target is an input, a non-folder, a locked output; ``refuse``'s error; a new target that
+            appeared meanwhile (already exists); any OSError (one line).
     """
     t = Path(target)
     for i in list(inputs) + registry_input():
