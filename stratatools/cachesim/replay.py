@@ -396,6 +396,16 @@ def as_source(t):
     return _TableSource(t) if isinstance(t, TraceTable) else t
 
 
+def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
+    """The one-line refusal of a trace routing more layers than the model has (see ``EntryStream``)."""
+    meta = getattr(src, "meta", None) or {}
+    name = meta.get("source_path") or getattr(src, "name", None) or "a trace"
+    extra = f" + {max_layers - n_layers} MTP" if max_layers > n_layers else ""
+    return (f"{name}: the trace routes {lmax + 1} layers (0..{lmax}) but the model has {n_layers} trunk layers{extra}; "
+            f"its entries of layers {max_layers}..{lmax} would be left out, so it is another model's trace: give "
+            f"the model (--model/--pack/--profile) the trace was recorded on, or traces of this model")
+
+
 class EntryStream:
     """Traces prepared for replay chunk by chunk, in memory independent of their length.
 
@@ -417,14 +427,18 @@ class EntryStream:
         fold: ``(k, f)``: only the requests of fold f of k (merged request id % k == f; see
             :mod:`.kfold`), prepared as a table of those requests alone would be.
         parent: a stream whose merged chunks this one reads (for folds; no own scan of the sources).
+        max_layers: refuse (StrataError, in the scan) a trace that routes layer ``max_layers`` or above: the
+            trunk plus the model's MTP blocks, whose entries alone are skipped. None: skip and count every
+            entry outside ``n_layers`` (the skip counts are in :attr:`skipped`).
         progress: ``update(advance=x)``, advanced by 1 over the scan and by 1 over building Belady's next uses.
     Raises:
-        StrataError: unknown phase, ``cold`` with ``phase="all"``, no traces, no entries (or none counted).
+        StrataError: unknown phase, ``cold`` with ``phase="all"``, no traces, no entries (or none counted), a
+            trace of more layers than ``max_layers``.
     """
 
     def __init__(self, tables, n_layers: int, n_expert: int, *, phase: str = "decode", chunk: int | None = None,
                  merge: bool = True, fold: tuple[int, int] | None = None, parent: "EntryStream | None" = None,
-                 progress=None, cold: bool = False):
+                 progress=None, cold: bool = False, max_layers: int | None = None):
         if phase not in ("decode", "all"):
             raise StrataError(f"unknown phase filter {phase!r} (use decode or all)")
         if cold and phase != "decode":
@@ -474,13 +488,18 @@ class EntryStream:
             wmax = -1
             n_s = 0
             pp = _Prep(n_layers, n_expert, phase, self.windows)
+            lmax = -1
             for c in _scan_chunks(s, self.chunk):
                 n_s += c.pop("_entries", None) or len(c["request"])
+                if max_layers is not None and len(c["layer"]):
+                    lmax = max(lmax, int(c["layer"].max()))
                 reqs.add(_runs(c["request"]))
                 if "window" in c and len(c["window"]):
                     wmax = max(wmax, int(c["window"].max()))
                 pp.scan(c)
             self.source_entries.append(n_s)
+            if max_layers is not None and lmax >= max_layers:
+                raise StrataError(_layers_error(s, lmax, self.n_layers, max_layers))
             if progress is not None:
                 progress.update(advance=1 / len(self.sources))
             if n_s == 0:

@@ -138,7 +138,7 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
               blob_bytes=None, admission: str = "global", phase: str = "decode", kfold: int | None = None,
               bandwidth: BandwidthModel | None = None, sweep: bool = True,
               policy_params: dict[str, dict] | None = None, progress=None, chunk: int | None = None,
-              client=None, cost=None, cold: bool = False) -> Study:
+              client=None, cost=None, cold: bool = False, max_layers: int | None = None) -> Study:
     """Simulate profiles and policies on traces (module docstring).
 
     Args:
@@ -152,6 +152,9 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         chunk: entries per replay chunk (default :data:`.replay.CHUNK_ENTRIES`; results do not depend on it).
         phase / cold: what is counted and whether the prefill is dropped (:func:`.replay.prepare_entries`).
         cost: a :class:`.costmodel.ThreeTierModel` for the main-budget results (needs blob sizes), optional.
+        max_layers: refuse traces that route layer ``max_layers`` or above (another model's: the trunk plus
+            the model's MTP blocks is what a trace of this model routes; :class:`.replay.EntryStream`); None:
+            skip and count those entries (``Study.skipped``).
         client: a ``distributed.Client`` (:mod:`stratatools.core.cluster`): the summary, every replay
             (budgets x policies x profiles, then the Belady runs) and every k-fold fold run as Dask tasks, each
             a streaming replay of the sources reopened from their ``spec``; the same Study as in-process.
@@ -184,9 +187,11 @@ def run_study(tables: Sequence[TraceTable], profiles: Sequence[Profile | None], 
         from stratatools.core.cluster import run_tasks
 
         specs = [t.spec for t in tables]
-        stream = _RemoteStream(*run_tasks(client, _summary_task, [(specs, L, E, phase, chunk, cold)], name="summary")[0])
+        stream = _RemoteStream(*run_tasks(client, _summary_task, [(specs, L, E, phase, chunk, cold, max_layers)],
+                                          name="summary")[0])
     else:
-        stream = EntryStream(list(tables), L, E, phase=phase, chunk=chunk, progress=progress, cold=cold)
+        stream = EntryStream(list(tables), L, E, phase=phase, chunk=chunk, progress=progress, cold=cold,
+                             max_layers=max_layers)
         # Belady makes two more passes (next uses, replay): the first pass keeps the prepared entries on disk for
         # them (5 bytes per entry); without Belady there is one pass and nothing to keep
         stream.use_cache = "belady" in policies
@@ -295,8 +300,8 @@ def _open_specs(specs):
     return [open_source(*s[:4], where=s[4], partition=s[5]) for s in specs]
 
 
-def _summary_task(specs, L, E, phase, chunk, cold=False):
-    st = EntryStream(_open_specs(specs), L, E, phase=phase, chunk=chunk, cold=cold)
+def _summary_task(specs, L, E, phase, chunk, cold=False, max_layers=None):
+    st = EntryStream(_open_specs(specs), L, E, phase=phase, chunk=chunk, cold=cold, max_layers=max_layers)
     st.summarize()
     return (st.source_entries, L, E, st.n_counted, st.n_tokens, st.n_requests, st.skipped, st.pair_counts(),
             st.n_warmup)
@@ -328,6 +333,7 @@ class StudyInputs:
     n_layers: int | None
     n_expert: int | None
     blob_source: str | None
+    n_mtp: int = 0  # MTP blocks of the --model (their trace entries are skipped, not another model's)
 
 
 def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | None = None,
@@ -352,6 +358,7 @@ def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | N
     blob = None
     L = E = None
     src = None
+    n_mtp = 0
     if pack is not None:
         from stratatools.pack.native import read_pack
 
@@ -370,6 +377,7 @@ def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | N
                               f"blob sizes need gate, up and down of every trunk layer")
         blob = [int(le.blob_bytes) for le in g.layers]
         L, E, src = g.n_trunk, g.n_expert, f"model {model}"
+        n_mtp = len(g.mtp_layers or ())
     profs = [read_profile(p) for p in profiles]
     for p, path in zip(profs, profiles):
         if L is not None and (p.n_layers, p.n_expert) != (L, E):
@@ -386,4 +394,4 @@ def load_inputs(traces: Sequence[str], profiles: Sequence[str], *, pack: str | N
     tnames = [Path(str(t.meta.get("source_path") or getattr(t, "name", "") or "trace")).name for t in tables]
     if len(set(tnames)) < len(tnames):  # files of a dataset share names (part-0.parquet): show their folders
         tnames = [str(t.meta.get("source_path") or getattr(t, "name", "")) for t in tables]
-    return StudyInputs(tables, tnames, profs, names, blob, L, E, src)
+    return StudyInputs(tables, tnames, profs, names, blob, L, E, src, n_mtp)

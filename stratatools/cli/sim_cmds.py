@@ -6,6 +6,8 @@ Both parse options, call :func:`stratatools.cachesim.study.run_study`, and rende
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Optional
 
 import typer
@@ -103,9 +105,27 @@ def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional
     return slots, (None if budget_gib is None else int(budget_gib * 2**30))
 
 
-def _check_report(report: str, inputs: list[str], force: bool) -> None:
-    """Refuse, before any work, a report folder that is an input or whose report files are inputs (even with
-    --force), or that already holds a report (without --force)."""
+def _inputs(traces: list[str], profiles: Optional[list[str]]) -> list[str]:
+    """The input files of a study: every file the trace arguments name (files, folders, globs) and the
+    profiles; the paths as given when a trace argument does not expand (its reader reports that)."""
+    from stratatools.traces.sources import expand_traces
+
+    out: list[str] = [str(t) for t in traces]
+    try:
+        out += [str(f) for f, _ in expand_traces([str(t) for t in traces])]
+    except StrataError:
+        pass
+    return out + [str(p) for p in (profiles or [])]
+
+
+def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[list[str]] = None) -> None:
+    """Refuse, before any work, a --report folder that would take an input's place or hold one (even with
+    --force), that already holds a report (without --force), or that is an existing folder of other files and
+    no report (without --force: it is not a report folder; with --force the report is added beside them).
+
+    The folder-output rule (README, "Files"): a report folder is built beside the target and swapped in whole,
+    the other files of an existing folder carried over; an input is never replaced, moved or deleted.
+    """
     from pathlib import Path
 
     from stratatools.cachesim.report import FILES
@@ -114,16 +134,30 @@ def _check_report(report: str, inputs: list[str], force: bool) -> None:
         raise StrataError("--report -: a report folder (report.md, report.json, ...) is not written to stdout; give "
                           "a folder, e.g. --report sim-report (add --json for the numbers on stdout)")
     d = Path(report)
-    ins = {Path(p).resolve(): p for p in inputs}
-    if d.resolve() in ins:
-        raise StrataError(f"{report}: the report folder would overwrite the input {ins[d.resolve()]}")
+    rd = d.resolve()
+    given = list(inputs) + (_inputs(traces, None) if traces else [])
+    ins = {Path(p).resolve(): p for p in given}
+    if rd in ins:
+        raise StrataError(f"{report}: the report folder would overwrite the input {ins[rd]}")
     for f in FILES:
         if (d / f).resolve() in ins:
             raise StrataError(f"{d / f}: is an input; the report would overwrite it (choose another --report)")
+    for r, p in ins.items():
+        if rd in r.parents:  # an input inside the folder: the swap would move it; never, even with --force
+            raise StrataError(f"{report}: holds the input {p}; the report folder is replaced whole, so write it "
+                              f"elsewhere (choose another --report folder)")
+    if d.exists() and not d.is_dir():
+        raise StrataError(f"{report}: exists and is not a folder; choose another --report folder")
     if not force:
         for f in FILES:
             if (d / f).exists():
                 raise StrataError(f"{d / f}: already exists (pass --force to replace the report)")
+        if d.is_dir():
+            other = sorted(n for n in os.listdir(d) if not n.startswith("."))
+            if other:
+                raise StrataError(f"{report}: an existing folder that is not a report (it holds {other[0]}"
+                                  f"{f' and {len(other) - 1} more' if len(other) > 1 else ''}); choose a new "
+                                  f"--report folder, or pass --force to add the report beside its files")
 
 
 def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: Optional[str],
@@ -139,7 +173,8 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
 
     ``adaptive``: the engine-named adaptive options (:func:`adaptive_params` keyword arguments); ``ssd_gbps`` and
     ``ram_experts_gb`` complete the three-tier cost model (:mod:`stratatools.cachesim.costmodel`), applied when
-    blob sizes are known (--pack/--model). ``cold``: drop the prefill (``--cold``, with ``phase`` decode)."""
+    blob sizes are known (--pack/--model). ``cold``: drop the prefill (``--cold``, with ``phase`` decode). Traces that route more layers
+    than the model has (trunk plus MTP blocks) are refused (another model's)."""
     from stratatools.cachesim.replay import BandwidthModel
     from stratatools.cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
 
@@ -180,8 +215,16 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
                        blob_bytes=inp.blob_bytes, admission=admission, phase=phase, kfold=kfold,
                        bandwidth=BandwidthModel(host_gbps, pcie_gbps, vram_gbps), sweep=sweep,
                        policy_params=pp, progress=bar, cost=cost if inp.blob_bytes is not None else None,
-                       client=client, cold=cold)
+                       client=client, cold=cold,
+                       max_layers=_geometry_layers(inp, profs))
     return st, inp
+
+
+def _geometry_layers(inp, profs) -> int | None:
+    """The layers a trace of the study's model may route: the trunk (of the model, pack or profiles) plus the
+    --model's MTP blocks. A trace routing more is another model's (refused by the study)."""
+    L = inp.n_layers if inp.n_layers is not None else next((p.n_layers for p in profs if p is not None), None)
+    return None if L is None else int(L) + int(getattr(inp, "n_mtp", 0) or 0)
 
 
 def _table(st) -> Table:
@@ -216,6 +259,22 @@ def _print_table(t: Table) -> None:
     need = Measurement.get(con, con.options.update_width(10_000), t).maximum
     Console(file=con.file, width=max(con.width, need), highlight=False, markup=False, emoji=False,
             color_system=None).print(t)
+
+
+def _print_skipped(st) -> None:
+    """Say on the console what the replay left out (MTP-block entries, --cold's prefill, out-of-range experts);
+    nothing when every entry was replayed."""
+    sk = {k: int(v) for k, v in (getattr(st, "skipped", None) or {}).items() if v}
+    if not sk:
+        return
+    parts = []
+    if sk.get("layer"):
+        parts.append(f"{sk['layer']:,} entries of layers >= {st.n_layers} (the model's MTP blocks)")
+    if sk.get("expert"):
+        parts.append(f"{sk['expert']:,} entries of experts >= {st.n_expert}")
+    if sk.get("prefill"):
+        parts.append(f"{sk['prefill']:,} prefill entries (--cold)")
+    common.warn("left out of the replay: " + "; ".join(parts))
 
 
 def _print_rounds(st) -> None:
@@ -317,7 +376,7 @@ def register(app: typer.Typer) -> None:
         from stratatools.cachesim.report import study_json, write_report
 
         if report is not None:
-            _check_report(report, list(traces) + list(profile or []), force)
+            _check_report(report, list(traces) + list(profile or []), force, traces=list(traces))
         st, _ = run(traces, profile or [], pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or [], admission=admission, kfold=kfold, phase=phase, host_gbps=host_gbps,
                     pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [], sweep=not no_sweep,
@@ -325,7 +384,8 @@ def register(app: typer.Typer) -> None:
                                        upper_slots, disjoint_adapt, strata_version),
                     ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
                     cold=cold)
-        paths = write_report(st, report, force=force) if report is not None else []
+        paths = write_report(st, report, force=force, inputs=_inputs(traces, profile)) if report is not None else []
+        _print_skipped(st)  # on stderr, with --json too
         if as_json:
             import sys
             sys.stdout.write(study_json(st))
@@ -379,7 +439,7 @@ def register(app: typer.Typer) -> None:
         if not profile:
             raise StrataError("compare needs at least one --profile")
         if report is not None:
-            _check_report(report, list(traces) + list(profile), force)
+            _check_report(report, list(traces) + list(profile), force, traces=list(traces))
         st, _ = run(traces, profile, pack=pack, model=model, slots=slots, budget_gib=budget_gib,
                     policies=policy or ["static", "adaptive", "belady"], admission=admission, kfold=None,
                     phase=phase, host_gbps=host_gbps, pcie_gbps=pcie_gbps, vram_gbps=vram_gbps, sets=sets or [],
@@ -389,7 +449,8 @@ def register(app: typer.Typer) -> None:
                     ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
                     cold=cold)
         if report is not None:
-            write_report(st, report, force=force)
+            write_report(st, report, force=force, inputs=_inputs(traces, profile))
+        _print_skipped(st)  # on stderr, with --json too
         if as_json:
             common.emit_json({"entries": st.entries, "tokens": st.tokens, "budget": st.budget,
                               "admission": st.admission, "profiles": st.profiles, "rows": result_rows(st)})

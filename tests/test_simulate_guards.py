@@ -1,0 +1,64 @@
+"""simulate/compare: traces of another model (more layers) refused, left-out entries named, --report folders.
+
+Each case is an input a new-user break test found passing silently (or merging into the wrong folder)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from test_release_gates import _extra_layer_trace
+
+
+def test_simulate_refuses_a_trace_of_more_layers(kit, cli, tmp_path):
+    t = _extra_layer_trace(kit, tmp_path / "l10.csv")
+    p = kit / "pruned"
+    code, out, err = cli("simulate", "-t", t, "--model", p / "coder-revB.gguf", "--slots", "32", "--no-sweep")
+    assert code == 2 and "routes 10 layers (0..9)" in err and "8 trunk layers" in err, err
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = cli("compare", "-t", t, "-p", p / "expected-profile-revA-remapped-to-revB.bin",
+                         "--slots", "32")
+    assert code == 2 and "routes 10 layers" in err, err
+    # the same trace of the model's own layers replays with nothing left out, and says nothing about it
+    code, out, err = cli("simulate", "-t", p / "coder-revB.routing.csv", "--model", p / "coder-revB.gguf",
+                         "--slots", "32", "--no-sweep")
+    assert code == 0 and "left out" not in err, err
+
+
+def test_simulate_says_what_it_left_out(kit, cli, tmp_path):
+    p = kit / "pruned"
+    lines = (p / "coder-revB.routing.csv").read_text().splitlines()
+    t = tmp_path / "phased.csv"  # the first 4 positions of every prompt are its prefill
+    t.write_text("\n".join([lines[0] + ",phase"] + [ln + ("," + ("prefill" if int(ln.split(",")[2]) < 4
+                                                                       else "decode")) for ln in lines[1:]]) + "\n")
+    code, out, err = cli("simulate", "-t", t, "--model", p / "coder-revB.gguf",
+                         "--slots", "32", "--no-sweep", "--cold", "--json")
+    sk = json.loads(out)["skipped"]
+    assert code == 0 and sk["prefill"] > 0
+    assert f"left out of the replay: {sk['prefill']:,} prefill entries (--cold)" in err.replace("\n", " ")
+
+
+def test_report_into_a_folder_of_traces_is_refused(kit, cli, tmp_path):
+    tr = tmp_path / "tr"
+    tr.mkdir()
+    t = tr / "o.csv"
+    shutil.copy(kit / "pruned/coder-revB.routing.csv", t)
+    (tr / "other.csv").write_text("keep me\n")
+    base = ("simulate", "-t", t, "--model", kit / "pruned/coder-revB.gguf", "--slots", "32", "--no-sweep")
+    for extra in ((), ("--force",)):
+        code, _, err = cli(*base, "--report", tr, *extra)
+        assert code == 2 and "holds the input" in err, err
+        assert sorted(x.name for x in tr.iterdir()) == ["o.csv", "other.csv"]
+    # a folder of other files, no input in it: refused without --force, added beside them with it
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "n.txt").write_text("mine\n")
+    code, _, err = cli(*base, "--report", other)
+    assert code == 2 and "not a report" in err and "n.txt" in err, err
+    assert [x.name for x in other.iterdir()] == ["n.txt"]
+    code, _, err = cli(*base, "--report", other, "--force")
+    assert code == 0, err
+    assert (other / "n.txt").read_text() == "mine\n" and (other / "report.json").exists()
+    # a previous report: --force replaces it, without it is refused
+    code, _, err = cli(*base, "--report", other)
+    assert code == 2 and "already exists" in err
