@@ -45,13 +45,17 @@ def validate_release_cmd(
 ) -> None:
     """Validate a release: shards, geometry, allocation, survivor map, profile (stale?), pack, hit-rate gate.
 
-    Exit 0 when every check passes (skips allowed), 1 when a check failed, 2 for unusable input.
+    Exit 0 when every check passes (skips allowed), 1 when a check failed, 2 for unusable input. A requested
+    gate never becomes a skip: --min-hit-rate needs --traces and a profile, --slots/--budget-gib need
+    --min-hit-rate, --previous-alloc needs --previous (else exit 2). The gate's default budget is
+    L x round(E x 39/256) slots (at least 1 per layer).
     """
-    from stratatools.release.validate import check_gate_options, resolve_inputs, validate_release
+    from stratatools.release.validate import check_gate_inputs, check_gate_options, resolve_inputs, validate_release
 
     inp = resolve_inputs(release_dir, model=model, alloc=alloc, profile=profile, pack=pack, traces=traces,
                          full=full, previous=previous, previous_alloc=previous_alloc)
     check_gate_options(min_hit_rate, slots, budget_gib)
+    check_gate_inputs(inp, min_hit_rate, slots, budget_gib)  # a requested gate never becomes a skip
     if json_out is not None and str(json_out) == "-":
         from stratatools.core.errors import StrataError
 
@@ -64,8 +68,8 @@ def validate_release_cmd(
 
         named = [(f"--{k}" if k in ("json", "github") else f"--{k} -") for k in stdout_reports]
         raise StrataError(f"{' and '.join(named)} all print on stdout; send at most one report there")
-    if min_hit_rate is None and (inp.traces or slots is not None or budget_gib is not None):
-        warn("--traces, --slots and --budget-gib only serve the hit-rate gate; add --min-hit-rate X to run it")
+    if min_hit_rate is None and inp.traces:
+        warn("--traces only serves the hit-rate gate; add --min-hit-rate X to run it")
     _guard_reports(inp, registry, force, junit=junit, json_out=json_out, markdown=markdown)
     suite = validate_release(inp, min_hit_rate=min_hit_rate, slots=slots, budget_gib=budget_gib, registry=registry,
                              progress=lambda what, total: progress_bar(what, total, bytes_=False))

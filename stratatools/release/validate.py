@@ -14,9 +14,13 @@ Checks, in order (each one line of reason; details in JSON):
                       re-indexed the experts the profile names
 ``pack``              a given pack's table equals the one re-derived from the GGUF; sampled experts.bin
                       blobs equal their GGUF slices
-``hit-rate``          with --traces and --min-hit-rate: the profile's h_expert on the traces (static
-                      tier, global admission) at the given budget is at least the gate; traces are not
-                      the profile's build data unless it says so, so this is a held-out number
+``hit-rate``          with --min-hit-rate: the profile's h_expert on the traces (static tier, global
+                      admission) at the budget (--slots N or --budget-gib X; default L x round(E x 39/256)
+                      slots, at least 1 per layer: the 12 GB card's share of the Coder) is at least the
+                      gate; traces are not the profile's build data unless it says so, so this is a
+                      held-out number. A requested gate is never a skip: without --traces or a profile
+                      it is refused up front (exit 2); a profile that does not load, an unreadable trace
+                      or a trace of another model (more layers or experts) fails it
 
 Exit codes: 0 all pass (skips allowed), 1 a check failed, 2 unusable input (a path that does not exist,
 a release folder without a model).
@@ -31,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from stratatools.release.checks import FAIL, PASS, SKIP, CheckSuite
+from stratatools.release.checks import FAIL, PASS, SKIP, Check, CheckSuite
 from stratatools.core.errors import StrataError
 
 
@@ -383,7 +387,9 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
 
     try:
         tables = open_traces([str(t) for t in inp.traces], None, L, E)  # files, folders, globs or datasets, read chunk by chunk
-        ent = EntryStream(tables, L, E, progress=bar)  # replayed chunk by chunk: memory independent of trace length
+        # replayed chunk by chunk: memory independent of trace length; traces of more layers than the model's
+        # trunk and MTP blocks are another model's: refused, not silently cut to the trunk
+        ent = EntryStream(tables, L, E, progress=bar, max_layers=L + len(ctx["geometry"].mtp_layers or ()))
     except StrataError as e:
         return FAIL, str(e), {}
     kw: dict[str, Any] = {}
@@ -393,7 +399,7 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
         kw["budget_bytes"] = int(budget_gib * (1 << 30))
         kw["blob_bytes"] = ctx.get("blob_bytes")
     else:
-        kw["slots"] = slots if slots is not None else L * default_slots_per_layer(E)
+        kw["slots"] = slots if slots is not None else L * default_slots_per_layer(E)  # documented default
         if ctx.get("blob_bytes"):
             kw["blob_bytes"] = ctx["blob_bytes"]
     try:
@@ -401,6 +407,9 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
     except StrataError as e:
         return FAIL, str(e), {}
     budget = f"{budget_gib} GiB" if budget_gib is not None else f"{kw['slots']} slots"
+    if budget_gib is None and slots is None:
+        budget += (f" (default: {default_slots_per_layer(E)} per layer, 39/256 of {E} experts; "
+                   f"set --slots or --budget-gib)")
     d = {"h_expert": r.h_expert, "h_layer": r.h_layer, "budget": budget, "min_hit_rate": min_hit_rate,
          "entries": ent.n_counted, "warmup": ent.n_warmup}
     msg = f"h_expert {r.h_expert:.4f} at {budget} on {len(inp.traces)} trace(s) (gate {min_hit_rate:.4f})"
@@ -434,6 +443,35 @@ def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib
         raise StrataError(f"--budget-gib {budget_gib}: give a finite positive number of GiB")
 
 
+def check_gate_inputs(inp: ReleaseInputs, min_hit_rate: float | None, slots: int | None,
+                      budget_gib: float | None) -> None:
+    """Refuse, before any check runs, a requested check that could not run on the given inputs: a gate the
+    user asked for must never become a green skip in CI.
+
+    ``--min-hit-rate`` needs traces (``--traces``) and a profile (``--profile`` or one in the release
+    folder); ``--slots``/``--budget-gib`` only set the gate's budget, so they need ``--min-hit-rate``;
+    ``--previous-alloc`` is read by the survivor-map check against ``--previous`` only.
+
+    Raises:
+        StrataError: one line naming what is missing and how to fix it (exit 2).
+    """
+    if min_hit_rate is not None:
+        missing = [w for w, ok in (("--traces TRACE", bool(inp.traces)),
+                                   ("--profile P.bin (or a profile in the release folder)", inp.profile is not None))
+                   if not ok]
+        if missing:
+            raise StrataError(f"--min-hit-rate {min_hit_rate}: the hit-rate gate needs {' and '.join(missing)}; "
+                              f"add {'them' if len(missing) > 1 else 'it'} or drop --min-hit-rate")
+    else:
+        given = [o for o, v in (("--slots", slots), ("--budget-gib", budget_gib)) if v is not None]
+        if given:
+            raise StrataError(f"{' and '.join(given)}: only the hit-rate gate's budget, and no gate is set; add "
+                              f"--min-hit-rate X (with --traces and --profile) or drop {' and '.join(given)}")
+    if inp.previous_alloc is not None and inp.previous is None:
+        raise StrataError("--previous-alloc is compared against --previous Q.gguf (the previous revision) and "
+                          "nothing else; add --previous or drop --previous-alloc")
+
+
 def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, slots: int | None = None,
                      budget_gib: float | None = None, registry: str | os.PathLike | None = None,
                      progress=None) -> CheckSuite:
@@ -446,13 +484,15 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
             over the traces; None: no progress.
 
     Raises:
-        StrataError: a given path does not exist, the registry does not load, or the gate options are
-            meaningless (:func:`check_gate_options`) (unusable input, exit 2). Problems found inside the
+        StrataError: a given path does not exist, the registry does not load, the gate options are
+            meaningless (:func:`check_gate_options`) or a requested check lacks its inputs
+            (:func:`check_gate_inputs`) (unusable input, exit 2). Problems found inside the
             release's files are failed checks, not errors.
     """
     from stratatools.alloc.registry import load_registry
 
     check_gate_options(min_hit_rate, slots, budget_gib)
+    check_gate_inputs(inp, min_hit_rate, slots, budget_gib)
     _must_exist(inp.model, "model")
     for p, what in ((inp.alloc, "allocation file"), (inp.profile, "profile"), (inp.pack, "pack folder"),
                     (inp.full, "full model"), (inp.previous, "previous revision"),
@@ -474,7 +514,11 @@ def validate_release(inp: ReleaseInputs, *, min_hit_rate: float | None = None, s
     shards = suite.run("shards", "shards complete and consistent", _check_shards, inp, ctx)
     if shards.status == FAIL:
         for n, t in ALL_CHECKS[1:]:  # every check stays listed (one JUnit testcase each)
-            suite.skip(n, t, "the model does not open (see shards)")
+            if n == "hit-rate" and min_hit_rate is not None:  # a requested gate is never a skip
+                suite.add(Check(n, t, FAIL, f"gate --min-hit-rate {min_hit_rate} not measured: the model does "
+                                f"not open (see shards)", {"min_hit_rate": min_hit_rate}))
+            else:
+                suite.skip(n, t, "the model does not open (see shards)")
         return suite
     try:
         _run_model_checks(suite, inp, ctx, min_hit_rate, slots, budget_gib)
@@ -516,8 +560,12 @@ def _run_model_checks(suite: CheckSuite, inp: ReleaseInputs, ctx: dict[str, Any]
     else:
         suite.skip("pack", "pack round trip", "no pack given (--pack)")
     if min_hit_rate is not None:
-        if not inp.traces or ctx.get("profile") is None:
-            suite.skip("hit-rate", "hit-rate gate", "needs --traces and a loadable --profile")
+        # a gate that was asked for never turns into a skip: the traces and the profile were required up front
+        # (check_gate_inputs), so a profile that did not load (or a model whose geometry is unknown) fails it
+        if ctx.get("profile") is None:
+            suite.add(Check("hit-rate", "hit-rate gate", FAIL,
+                            f"gate --min-hit-rate {min_hit_rate} not measured: the profile {inp.profile} did not "
+                            f"load for this model (see profile-geometry)", {"min_hit_rate": min_hit_rate}))
         else:
             suite.run("hit-rate", "hit-rate gate", _check_hit_rate, inp, ctx, min_hit_rate, slots, budget_gib)
     else:
