@@ -35,7 +35,7 @@ def test_simulate_says_what_it_left_out(kit, cli, tmp_path):
                          "--slots", "32", "--no-sweep", "--cold", "--json")
     sk = json.loads(out)["skipped"]
     assert code == 0 and sk["prefill"] > 0
-    assert f"left out of the replay: {sk['prefill']:,} prefill entries (--cold)" in err.replace("\n", " ")
+    assert f"left out of the replay: {sk['prefill']:,} prefill entries (--cold)" in " ".join(err.split())
 
 
 def test_report_into_a_folder_of_traces_is_refused(kit, cli, tmp_path):
@@ -62,3 +62,27 @@ def test_report_into_a_folder_of_traces_is_refused(kit, cli, tmp_path):
     # a previous report: --force replaces it, without it is refused
     code, _, err = cli(*base, "--report", other)
     assert code == 2 and "already exists" in err
+
+
+def test_mtp_block_entries_are_named_not_refused(cli, tmp_path):
+    """A trace of a model with an MTP block routes one layer past the trunk: with --model (which names the
+    block) it replays, its MTP entries left out and said so; with the profile alone the layer is unexplained."""
+    code, _, err = cli("synth", tmp_path / "rel", "--layers", "3", "--experts", "8", "--keep", "4", "--mtp",
+                       "--no-revisions")
+    assert code == 0, err
+    m = tmp_path / "rel/synth-canonical.gguf"
+    rows = ["model,prompt_id,token_pos,layer,rank,expert_id,weight"]
+    for pos in range(12):
+        for layer in range(4):  # 3 trunk layers + the MTP block (layer 3)
+            for rank in range(2):
+                rows.append(f"m,p0,{pos},{layer},{rank},{(pos + layer + 3 * rank) % 8},0.5")
+    t = tmp_path / "mtp.csv"
+    t.write_text("\n".join(rows) + "\n")
+    code, out, err = cli("simulate", "-t", t, "--model", m, "--slots", "6", "--no-sweep", "--json")
+    assert code == 0, err
+    assert json.loads(out)["skipped"]["layer"] == 24
+    assert "left out of the replay: 24 entries of layers >= 3 (the model's MTP blocks)" in " ".join(err.split())
+    code, _, err = cli("make-profile", t, "--model", m, "-o", tmp_path / "p.bin")
+    assert code == 0, err
+    code, _, err = cli("simulate", "-t", t, "-p", tmp_path / "p.bin", "--slots", "6", "--no-sweep")
+    assert code == 2 and "routes 4 layers (0..3)" in err and "entries of layer 3 " in err and "--model" in err, err

@@ -401,9 +401,12 @@ def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
     meta = getattr(src, "meta", None) or {}
     name = meta.get("source_path") or getattr(src, "name", None) or "a trace"
     extra = f" + {max_layers - n_layers} MTP" if max_layers > n_layers else ""
+    rng = f"layer {lmax}" if lmax == max_layers else f"layers {max_layers}..{lmax}"
     return (f"{name}: the trace routes {lmax + 1} layers (0..{lmax}) but the model has {n_layers} trunk layers{extra}; "
-            f"its entries of layers {max_layers}..{lmax} would be left out, so it is another model's trace: give "
-            f"the model (--model/--pack/--profile) the trace was recorded on, or traces of this model")
+            f"its entries of {rng} would be left out, so it is another model's trace: give "
+            f"the model (--model/--pack/--profile) the trace was recorded on, or traces of this model"
+            + ("" if max_layers > n_layers else " (a trace of this model's MTP blocks: pass --model M.gguf, which "
+                                                 "names them)"))
 
 
 class EntryStream:
