@@ -405,8 +405,8 @@ def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
     return (f"{name}: the trace routes {lmax + 1} layers (0..{lmax}) but the model has {n_layers} trunk layers{extra}; "
             f"its entries of {rng} would be left out, so it is another model's trace: give "
             f"the model (--model/--pack/--profile) the trace was recorded on, or traces of this model"
-            + ("" if max_layers > n_layers else " (a trace of this model's MTP blocks: pass --model M.gguf, which "
-                                                 "names them)"))
+            + (f" (if layer {lmax} is this model's MTP block: pass --model M.gguf, which names it)"
+               if lmax == max_layers == n_layers else ""))
 
 
 class EntryStream:
