@@ -287,9 +287,10 @@ def test_unwritable_trace_folder_fails_before_the_model_loads(model, tmp_path, m
 @pytest.mark.parametrize("opt,value", [("--adapt-every", "0"), ("--adapt-swaps", "-5"), ("--adapt-lag", "0"),
                                        ("--adapt-pace-bytes", "-1")])
 def test_adaptive_option_errors_name_the_option(model, tmp_path, opt, value):
-    """They named internal fields (adapt_every, copy_delay_rounds, max_moves) instead of the option given."""
+    """They named internal fields (adapt_every, copy_delay_rounds, max_moves) instead of the option given; the
+    option's bounds now refuse them while the command line is parsed (naming the option, the value and the range)."""
     p = tmp_path / "p.txt"
     p.write_text(PROMPTS)
     code, _, err = _cli("run", model[1], "-p", p, "-n", 2, "--slots", 12, "--policy", "adaptive", opt, value)
     assert code == 2 and err.strip().count("\n") == 0, err
-    assert f"{opt} {value}" in err and "must be at least" in err, err
+    assert f"invalid value for '{opt}': must be an integer from " in err and f"(got {value})" in err, err

@@ -93,7 +93,13 @@ def test_synth_model_with_two_scale_types_is_finite(tmp_path):
 @pytest.mark.parametrize("seed", [-1, 1 << 63, 10 ** 30])
 def test_out_of_range_seed_is_one_line(cli, tmp_path, seed):
     code, out, err = cli("synth", tmp_path / "r", "--seed", str(seed))
-    assert code == 2 and err.strip() == f"error: synth: --seed {seed} must be an integer from 0 to 2^63-1"
+    assert code == 2 and err.strip() == (f"error: stratatools synth: invalid value for '--seed': must be an integer "
+                                         f"from 0 to 9223372036854775807 (got {seed}) (run 'stratatools synth --help' "
+                                         f"for its options)")
+    from stratatools.synth.model import SynthConfig
+
+    with pytest.raises(StrataError, match=rf"^synth: --seed {seed} must be an integer from 0 to 2\^63-1$"):
+        SynthConfig(seed=seed).validate()  # the library's own check, for callers other than the CLI
     assert not (tmp_path / "r").exists()
 
 

@@ -150,8 +150,8 @@ def test_tune_on_a_dask_cluster_equals_in_process(cli, tmp_path, bursty):
     (["--card", "1GB"], "leaves no room"),
     (["--card", "12GB"], "blob sizes"),
     (["--slots", "8", "--objective", "speed"], "--objective"),
-    (["--slots", "8", "-k", "1"], "at least 2 folds"),
-    (["--slots", "8", "--seed", "-1"], "--seed -1"),
+    (["--slots", "8", "-k", "1"], "'--kfold' / '-k': must be an integer from 2 to 2147483647 (got 1)"),
+    (["--slots", "8", "--seed", "-1"], "'--seed': must be an integer from 0 to 9223372036854775807 (got -1)"),
 ])
 def test_tune_cli_errors(cli, tmp_path, bursty, args, msg):
     from stratatools.traces.formats import write_trace
@@ -201,7 +201,7 @@ def test_simulate_engine_named_adaptive_options(cli, tmp_path):
     for extra, msg in ((["--strata-version", "0.1", "--adapt-lag", "2"], "Strata 0.2.x behaviour"),
                        (["--adapt-lag", "2", "--set", "adaptive.lag=2"], "both given"),
                        (["--strata-version", "0.3"], "--strata-version"),
-                       (["--adapt-lag", "0"], "--adapt-lag 0 must be at least 1")):
+                       (["--adapt-lag", "0"], "'--adapt-lag': must be an integer from 1 to 2147483647 (got 0)")):
         code, _, err = cli("simulate", "-t", str(tp), "-p", str(pp), "--slots", "72", "--policy", "adaptive",
                            "--no-sweep", "--report", str(tmp_path / "r"), "--force", *extra)
         assert code == 2 and msg in err, (extra, err)

@@ -70,22 +70,29 @@ STRATA_VERSIONS = ("0.1", "0.2")
 LFU_DEFAULTS = {"decay": 0.7, "decay_every": 4}
 LFRU_DEFAULTS = {"decay": 0.7, "decay_every": 4, "privileged_frac": 0.5}
 NEVER = np.iinfo(np.int64).max
+MAX_COUNT = 2**31 - 1  # largest count/round parameter (adapt_every, max_moves, lag, ...)
 
 
 def check_adaptive_params(p: dict) -> None:
     """Range checks of a full adaptive parameter dict; StrataError naming the parameter and the fix."""
     # each range names the option that sets it (run / simulate), its value and the engine default
-    for key, opt, lo, what in (("adapt_every", "--adapt-every", 1, "rounds between adaptations; engine default 4"),
-                               ("max_moves", "--adapt-swaps", 0, "moves per adaptation; engine default 96"),
-                               ("copy_delay_rounds", None, 0, "engine default 1"),
-                               ("pace_bytes", "--adapt-pace-bytes", 0, "0 = off"),
-                               ("upper_slots", "--upper-slots", 0, "0 = off")):
+    # (the upper bounds keep every value inside the int64 arrays and numba kernels the tiers run on; the CLI options
+    # have the same ones, stratatools.cli.common)
+    for key, opt, lo, hi, what in (("adapt_every", "--adapt-every", 1, MAX_COUNT, "rounds between adaptations; engine "
+                                    "default 4"),
+                                   ("max_moves", "--adapt-swaps", 0, MAX_COUNT, "moves per adaptation; engine default 96"),
+                                   ("copy_delay_rounds", None, 0, MAX_COUNT, "engine default 1"),
+                                   ("pace_bytes", "--adapt-pace-bytes", 0, 2**50, "0 = off"),
+                                   ("upper_slots", "--upper-slots", 0, 2**40, "0 = off")):
         if int(p[key]) < lo:
             via = f"{opt} or --set adaptive.{key}=N" if opt else f"--set adaptive.{key}=N"
             raise StrataError(f"adaptive tier: {opt or key} {p[key]} must be at least {lo} ({what}; {via})")
-    if int(p["lag"]) < 1:
-        raise StrataError(f"adaptive tier: --adapt-lag {p['lag']} must be at least 1 (STRATA_ADAPT_LAG: 1 = the engine "
-                          f"default; --adapt-lag or --set adaptive.lag=N)")
+        if int(p[key]) > hi:
+            via = f"{opt} or --set adaptive.{key}=N" if opt else f"--set adaptive.{key}=N"
+            raise StrataError(f"adaptive tier: {opt or key} {p[key]} must be at most {hi} ({what}; {via})")
+    if not 1 <= int(p["lag"]) <= MAX_COUNT:
+        raise StrataError(f"adaptive tier: --adapt-lag {p['lag']} must be from 1 to {MAX_COUNT} (STRATA_ADAPT_LAG: "
+                          f"1 = the engine default; --adapt-lag or --set adaptive.lag=N)")
     if int(p["disjoint"]) not in (0, 1):
         raise StrataError(f"adaptive tier: disjoint {p['disjoint']} must be 0 or 1 (STRATA_DISJOINT_ADAPT)")
     if not 0.0 <= float(p["decay"]) <= 1.0:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import typer
 from rich.console import Console
 
 # No markup, emoji or highlighting is ever read from text: file names, tensor names, reasons and messages come from
@@ -140,3 +142,58 @@ def out_folder(option: str, example: str):
         return Path(raw)
 
     return parse
+
+
+# Bounds of the CLI's numeric options. A value outside is refused while the command line is parsed (click's usage
+# error: one line naming the option and the range, exit 2), before it can overflow an int64 array or a numba
+# kernel's argument deep inside a command.
+MAX_SLOTS = 2**40          # expert slots (--slots, --upper-slots, --top ...): far above any real tier
+MAX_COUNT = 2**31 - 1      # counts and rounds (--adapt-every, --adapt-lag, --window, --candidates ...)
+MAX_BYTES = 2**50          # byte counts (--adapt-pace-bytes)
+MAX_GIB = float(2**20)     # sizes in GiB or GB (--budget-gib, --vram-gib, --ram-experts-gb ...): 1 PiB
+MAX_GBPS = 1e9             # bandwidths in GB/s
+MAX_SEED = 2**63 - 1       # seeds (numpy seed sequences, stored as GGUF int64)
+MAX_LAYERS = 4096          # layers a profile can address (stratatools.profiles.strp)
+MAX_EXPERTS = 1 << 16      # experts per layer a profile can address
+MAX_NEW_TOKENS = 2**20     # run --max-new-tokens: 1,048,576 (the model's context length limits it further)
+
+
+def int_range(lo: int, hi: int) -> Any:
+    """A typer ``callback`` bounding an integer option (or each item of a repeatable one) to ``lo..hi``.
+
+    Returns the value unchanged (None passes: the option was not given). Raises typer.BadParameter ("must be an
+    integer from LO to HI (got V)"), which the CLI prints as one line naming the option, exit 2. Used instead of
+    typer's ``min``/``max``, whose messages (pydantic's under typer >= 0.2x) do not name the range."""
+
+    def check(ctx: Any, param: Any, value: Any) -> Any:
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None and not lo <= v <= hi:
+                raise typer.BadParameter(f"must be an integer from {lo} to {hi} (got {v})")
+        return value
+
+    check.bounds = (lo, hi)  # type: ignore[attr-defined]
+    return check
+
+
+def float_range(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Any:
+    """A typer ``callback`` bounding a float option (or each item of a repeatable one) to a finite ``lo..hi``
+    (``lo_open``: above ``lo``; ``hi_open``: below ``hi``). NaN and infinities are refused. Raises
+    typer.BadParameter ("must be a finite number, at least LO and at most HI (got V)"), printed as one line naming
+    the option, exit 2."""
+    def num(x: float) -> str:  # 1048576, not 1.04858e+06
+        return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+    low = f"above {num(lo)}" if lo_open else f"at least {num(lo)}"
+    high = f"below {num(hi)}" if hi_open else f"at most {num(hi)}"
+
+    def check(ctx: Any, param: Any, value: Any) -> Any:
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is None:
+                continue
+            ok = math.isfinite(v) and (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+            if not ok:
+                raise typer.BadParameter(f"must be a finite number, {low} and {high} (got {v})")
+        return value
+
+    check.bounds = (lo, hi)  # type: ignore[attr-defined]
+    return check

@@ -144,6 +144,12 @@ def _parse_types(spec: str) -> dict[str, object]:
         if k not in keys or not v:
             raise StrataError(f"--types: unknown role '{k}' (roles: gu, down, dense, embd)")
         vals = tuple(x.strip().upper() for x in v.split("/") if x.strip())
+        from stratatools.synth.model import writable_types
+
+        ok = writable_types()
+        for x in vals:
+            if x not in ok:
+                raise StrataError(f"--types {k}={v}: unknown or unwritable type '{x}' (synth writes: {', '.join(ok)})")
         out[keys[k]] = vals if k in ("gu", "down") else vals[0]
     return out
 
@@ -172,19 +178,19 @@ def render_synth(r: ReleaseInfo) -> None:
 
 def synth_cmd(
     outdir: Path = typer.Argument(..., help="Folder for the release.", parser=common.out_folder("OUTDIR", "rel")),
-    experts: Optional[int] = typer.Option(None, "--experts", help="Experts per layer in the canonical model [32]."),
-    keep: Optional[int] = typer.Option(None, "--keep", help="Survivors per layer in the pruned revisions [16]."),
-    swap: Optional[int] = typer.Option(None, "--swap", help="revA survivors replaced in revB, per layer [4]."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Trunk layers [8]."),
-    hidden: Optional[int] = typer.Option(None, "--hidden", help="n_embd [256]."),
-    expert_ff: Optional[int] = typer.Option(None, "--expert-ff", help="Expert width [64]."),
-    k: Optional[int] = typer.Option(None, "--k", help="Experts used per token [4]."),
+    experts: Optional[int] = typer.Option(None, "--experts", callback=common.int_range(1, 65535), help="Experts per layer in the canonical model [32]."),
+    keep: Optional[int] = typer.Option(None, "--keep", callback=common.int_range(1, 65535), help="Survivors per layer in the pruned revisions [16]."),
+    swap: Optional[int] = typer.Option(None, "--swap", callback=common.int_range(0, 65535), help="revA survivors replaced in revB, per layer [4]."),
+    layers: Optional[int] = typer.Option(None, "--layers", callback=common.int_range(1, common.MAX_LAYERS), help="Trunk layers [8]."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", callback=common.int_range(1, 2**24), help="n_embd [256]."),
+    expert_ff: Optional[int] = typer.Option(None, "--expert-ff", callback=common.int_range(1, 2**24), help="Expert width [64]."),
+    k: Optional[int] = typer.Option(None, "--k", callback=common.int_range(1, 65535), help="Experts used per token [4]."),
     types: Optional[str] = typer.Option(None, "--types",
                                         help="role=TYPE list, e.g. gu=Q8_0/Q4_0,down=Q2_0,dense=Q8_0,embd=BF16 "
                                              "('/' cycles over layers)."),
-    shards: Optional[int] = typer.Option(None, "--shards", help="Files per model (gguf-split layout) [1]."),
+    shards: Optional[int] = typer.Option(None, "--shards", callback=common.int_range(1, 99999), help="Files per model (gguf-split layout) [1]."),
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP block that keeps the canonical expert count."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed [0]."),
+    seed: Optional[int] = typer.Option(None, "--seed", callback=common.int_range(0, common.MAX_SEED), help="Random seed [0]."),
     full_width: bool = typer.Option(False, "--full-width",
                                     help="Real expert geometry (2560/640, 512 experts, k 10; Q2_0 + i-quants, random "
                                          "valid blocks); multi-GB. Other options override it."),
@@ -194,9 +200,10 @@ def synth_cmd(
                                      "collapse at depth; calibrated to real routing), bursty (realistic with mild "
                                      "popularity and strong locality: LRU beats a static profile), uniform (no "
                                      "skew, no locality) or legacy (old weights)."),
-    skew: Optional[float] = typer.Option(None, "--skew", help=f"Zipf exponent of each layer's expert popularity "
+    skew: Optional[float] = typer.Option(None, "--skew", callback=common.float_range(0.0, 8.0), help=f"Zipf exponent of each layer's expert popularity "
                                                              f"[{DEFAULT_SKEW}; bursty {BURSTY_SKEW}]; 0 = none."),
     locality: Optional[float] = typer.Option(None, "--locality",
+                                             callback=common.float_range(0.0, 1.0, hi_open=True),
                                              help=f"Share of the router input taken by the per-request topic "
                                                   f"context at depth, 0..<1 [{DEFAULT_LOCALITY}; bursty "
                                                   f"{BURSTY_LOCALITY}]; 0 = none."),
@@ -204,7 +211,7 @@ def synth_cmd(
     json_: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Write a tiny synthetic qwen4exp release: canonical model, pruned revA/revB and their allocation maps."""
-    from stratatools.synth.model import SynthConfig, config_with, estimate_bytes, synth_release
+    from stratatools.synth.model import SynthConfig, check_footprint, config_with, synth_release
 
     if routing != "realistic":
         for name, val in (("--skew", skew), ("--locality", locality)):
@@ -232,7 +239,7 @@ def synth_cmd(
             cfg = config_with(cfg, k=cfg.keep)
     elif k is None and cfg.k > cfg.n_expert:
         cfg = config_with(cfg, k=cfg.n_expert)
-    total = estimate_bytes(cfg) * (3 if cfg.revisions else 1)
+    total, _ = check_footprint(cfg, outdir)  # before anything is allocated: too big for memory or disk is refused
     with common.progress_bar("writing synthetic release", total) as bar:
         r = synth_release(outdir, cfg, force=force, progress=lambda n: bar.update(advance=n))
     if json_:

@@ -35,10 +35,10 @@ def _expect_from(model: Optional[Path], n_layer: Optional[int], n_expert: Option
 @profile_app.command("show")
 def show_cmd(
     profile: Path = typer.Argument(..., help="STRP v1 profile (.bin)."),
-    top: int = typer.Option(8, "--top", "-k", min=0, help="Experts listed per layer, in rank order."),
+    top: int = typer.Option(8, "--top", "-k", callback=common.int_range(0, common.MAX_EXPERTS), help="Experts listed per layer, in rank order."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="GGUF the profile is for: dims must match."),
-    n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Expected layers (without --model)."),
-    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Expected experts per layer (without --model)."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", callback=common.int_range(1, common.MAX_LAYERS), help="Expected layers (without --model)."),
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", callback=common.int_range(1, common.MAX_EXPERTS), help="Expected experts per layer (without --model)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
 ) -> None:
     """Summary, per-layer counts and top-K per layer of a profile; stricter than the engine's reader."""
@@ -83,7 +83,7 @@ def remap_cmd(
     to_alloc: Optional[Path] = typer.Option(None, "--to-alloc", help="Allocation of the revision to remap onto."),
     fill: str = typer.Option("layer-major", "--fill", help="Order for survivors the ranking never named: "
                               "layer-major (as Strata's shipped Coder profile), expert-major (as make_profile), none."),
-    slots: Optional[int] = typer.Option(None, "--slots", min=0, help="Keep only the first N pairs."),
+    slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Keep only the first N pairs."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target GGUF: its router geometry must match."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     as_json: bool = typer.Option(False, "--json", help="JSON report on stdout."),
@@ -123,10 +123,11 @@ def diff_cmd(
     other: Optional[Path] = typer.Argument(None, help="Profile B of the same model (second form)."),
     old_alloc: Optional[Path] = typer.Option(None, "--old-alloc", help="Allocation the profile was built for."),
     new_alloc: Optional[Path] = typer.Option(None, "--new-alloc", help="Allocation of the release it is loaded on."),
-    slots_per_layer: Optional[int] = typer.Option(None, "--slots-per-layer", "-k", min=1,
+    slots_per_layer: Optional[int] = typer.Option(None, "--slots-per-layer", "-k",
+                                                   callback=common.int_range(1, common.MAX_EXPERTS),
                                                    help="K for the top-K per layer comparison (default: the 12 GB "
                                                         "card's share of the Coder, 39 of 256)."),
-    max_stale: float = typer.Option(0.0, "--max-stale", min=0.0, max=1.0,
+    max_stale: float = typer.Option(0.0, "--max-stale", callback=common.float_range(0.0, 1.0),
                                     help="Largest stale fraction that still passes (exit 1 beyond it)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout instead of markdown."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the markdown report to FILE.",

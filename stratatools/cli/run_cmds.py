@@ -21,11 +21,14 @@ def run_cmd(
                                  "(.jsonl: one item per line); prompt ids must be distinct."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="The pack's GGUF, when the pack does not name it."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="STRP profile that fills the expert tier."),
-    budget_gib: Optional[float] = typer.Option(None, "--budget-gib", min=0.0, help="Tier size in GiB."),
-    slots: Optional[int] = typer.Option(None, "--slots", min=0, help="Tier size in slots."),
+    budget_gib: Optional[float] = typer.Option(None, "--budget-gib",
+                                                callback=common.float_range(0.0, common.MAX_GIB), help="Tier size in GiB."),
+    slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS),
+                                         help="Tier size in slots."),
     policy: str = typer.Option("static", "--policy", help="Tier policy: static, adaptive, lru, lfu, lfru."),
     admission: str = typer.Option("global", "--admission", help="Tier admission: global or per-layer."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n", min=0, help="Length cap per request."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n",
+                                    callback=common.int_range(0, common.MAX_NEW_TOKENS), help="Length cap per request."),
     trace_out: Optional[Path] = typer.Option(None, "--trace-out", "-t", help="Write the routing trace here.",
                                                parser=common.out_file("--trace-out", "run-trace.bin")),
     trace_format: Optional[str] = typer.Option(None, "--trace-format", help="strata-tagged (default), strata, "
@@ -41,9 +44,10 @@ def run_cmd(
     disjoint_adapt: bool = sim_cmds._DISJOINT,
     strata_version: str = sim_cmds._VERSION,
     device: str = typer.Option("auto", "--device", help="auto (the GPU when CuPy sees one), cpu or gpu."),
-    vram_gib: Optional[float] = typer.Option(None, "--vram-gib", help="GPU: the whole device footprint in GiB; "
+    vram_gib: Optional[float] = typer.Option(None, "--vram-gib", callback=common.float_range(0.0, common.MAX_GIB, lo_open=True),
+                                             help="GPU: the whole device footprint in GiB; "
                                              "the expert slots follow from what is left."),
-    batch: int = typer.Option(1, "--batch", min=1, help="Sequences decoded together (continuous batching: a finished "
+    batch: int = typer.Option(1, "--batch", callback=common.int_range(1, common.MAX_EXPERTS), help="Sequences decoded together (continuous batching: a finished "
                               "sequence's place goes to the next prompt); 1: one request at a time."),
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
@@ -81,8 +85,11 @@ def run_cmd(
         t.add_row(str(r.request), r.prompt_id, str(r.prompt_tokens), str(len(r.new_ids)), r.stop,
                   repr(txt[:40]) if txt else "")
     c.print(t)
-    c.print(f"prefill: {res.prompt_tokens} tokens, {res.prefill_tokens_per_s:.1f} tokens/s; decode: "
-            f"{res.new_tokens} new tokens, {res.tokens_per_s:.1f} tokens/s"
+    # a request's first new token comes from its prefill's logits: the decode figure counts only the steps' tokens
+    from_prefill = res.new_tokens - res.decode_tokens
+    c.print(f"prefill: {res.prompt_tokens} tokens, {res.prefill_tokens_per_s:.1f} tokens/s; new tokens: "
+            f"{res.new_tokens} ({from_prefill} from the prefill logits); decode: {res.decode_tokens} tokens, "
+            + (f"{res.tokens_per_s:.1f} tokens/s" if res.decode_tokens else "no decode steps")
             + (f" aggregate over --batch {res.batch['batch']} ({res.batch.get('mean_active', 0):.1f} sequences per "
                f"step on average)" if res.batch.get("batch", 1) > 1 else ""), markup=False, soft_wrap=True)
     if res.tier is not None:

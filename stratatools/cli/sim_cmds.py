@@ -98,6 +98,9 @@ def adaptive_params(every: Optional[int] = None, swaps: Optional[int] = None, de
 def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional[int], Optional[int]]:
     if slots is None and budget_gib is None:
         raise StrataError("no budget: give --slots N or --budget-gib X")
+    if slots is not None and budget_gib is not None:
+        raise StrataError(f"--slots {slots} and --budget-gib {budget_gib:g} both size the tier: give --slots N or "
+                          f"--budget-gib X, not both")
     if slots is not None and slots < 0:
         raise StrataError(f"--slots {slots}: must be >= 0")
     if budget_gib is not None and not (0 < budget_gib < float("inf")):
@@ -307,20 +310,22 @@ _CLUSTER = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local 
 _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
 _PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
 _MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")
-_SLOTS = typer.Option(None, "--slots", help="Slot count budget.")
-_HOST_GBPS = typer.Option(60.0, "--host-gbps", "--ram-gbps", help="Host-memory (RAM) bandwidth, GB/s.")
-_SSD_GBPS = typer.Option(6.0, "--ssd-gbps", help="SSD read bandwidth, GB/s (three-tier cost model).")
-_RAM_EXPERTS = typer.Option(None, "--ram-experts-gb", help="RAM tier size in GiB, the rest on SSD (three-tier cost model; default: all in RAM).")
-_PCIE_GBPS = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s.")
-_VRAM_GBPS = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s.")
+_GBPS = common.float_range(0.0, common.MAX_GBPS, lo_open=True)
+_BUDGET_GIB = common.float_range(0.0, common.MAX_GIB, lo_open=True)
+_SLOTS = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Slot count budget.")
+_HOST_GBPS = typer.Option(60.0, "--host-gbps", "--ram-gbps", callback=_GBPS, help="Host-memory (RAM) bandwidth, GB/s.")
+_SSD_GBPS = typer.Option(6.0, "--ssd-gbps", callback=_GBPS, help="SSD read bandwidth, GB/s (three-tier cost model).")
+_RAM_EXPERTS = typer.Option(None, "--ram-experts-gb", callback=common.float_range(0.0, common.MAX_GIB), help="RAM tier size in GiB, the rest on SSD (three-tier cost model; default: all in RAM).")
+_PCIE_GBPS = typer.Option(25.0, "--pcie-gbps", callback=_GBPS, help="PCIe host->VRAM bandwidth, GB/s.")
+_VRAM_GBPS = typer.Option(900.0, "--vram-gbps", callback=_GBPS, help="VRAM bandwidth, GB/s.")
 _SETS = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable.")
 _FORCE = typer.Option(False, "--force", help="Replace an existing report.")
-_ADAPT_EVERY = typer.Option(None, "--adapt-every", help="Adaptive tier: adapt every N rounds (engine default 4).")
-_ADAPT_SWAPS = typer.Option(None, "--adapt-swaps", help="Adaptive tier: at most N moves per step (engine default 96).")
-_ADAPT_DECAY = typer.Option(None, "--adapt-decay", help="Adaptive tier: usage decay per step (engine default 0.7).")
-_ADAPT_LAG = typer.Option(None, "--adapt-lag", help="STRATA_ADAPT_LAG (0.2.x): 1 (default); 2 = swaps from windows >= 2 old.")
-_ADAPT_PACE = typer.Option(None, "--adapt-pace-bytes", help="Paced mode (0.2.x): copy bytes per round; 0 = off.")
-_UPPER_SLOTS = typer.Option(None, "--upper-slots", help="Upper tier (0.2.x): slots on a second GPU; 0 = none.")
+_ADAPT_EVERY = typer.Option(None, "--adapt-every", callback=common.int_range(1, common.MAX_COUNT), help="Adaptive tier: adapt every N rounds (engine default 4).")
+_ADAPT_SWAPS = typer.Option(None, "--adapt-swaps", callback=common.int_range(0, common.MAX_COUNT), help="Adaptive tier: at most N moves per step (engine default 96).")
+_ADAPT_DECAY = typer.Option(None, "--adapt-decay", callback=common.float_range(0.0, 1.0), help="Adaptive tier: usage decay per step (engine default 0.7).")
+_ADAPT_LAG = typer.Option(None, "--adapt-lag", callback=common.int_range(1, common.MAX_COUNT), help="STRATA_ADAPT_LAG (0.2.x): 1 (default); 2 = swaps from windows >= 2 old.")
+_ADAPT_PACE = typer.Option(None, "--adapt-pace-bytes", callback=common.int_range(0, common.MAX_BYTES), help="Paced mode (0.2.x): copy bytes per round; 0 = off.")
+_UPPER_SLOTS = typer.Option(None, "--upper-slots", callback=common.int_range(0, common.MAX_SLOTS), help="Upper tier (0.2.x): slots on a second GPU; 0 = none.")
 _DISJOINT = typer.Option(False, "--disjoint-adapt", help="STRATA_DISJOINT_ADAPT=1 (0.2.x): the two tiers hold disjoint sets.")
 _VERSION = typer.Option("0.2", "--strata-version", help="Engine version modelled: 0.2 (default) or 0.1 (refuses 0.2.x knobs).")
 
@@ -340,10 +345,11 @@ def register(app: typer.Typer) -> None:
         pack: Optional[str] = _PACK,
         model: Optional[str] = _MODEL,
         slots: Optional[int] = _SLOTS,
-        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB (needs --pack/--model)."),
+        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=_BUDGET_GIB,
+                                                   help="Byte budget in GiB (needs --pack/--model)."),
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP),
         admission: str = typer.Option("global", "--admission", help="global (engine default) or per-layer."),
-        kfold: Optional[int] = typer.Option(None, "--kfold", help="Held-out k-fold by request."),
+        kfold: Optional[int] = typer.Option(None, "--kfold", callback=common.int_range(2, common.MAX_COUNT), help="Held-out k-fold by request."),
         phase: str = typer.Option("decode", "--phase", help="decode (replay everything, count the decode) or "
                                   "all (count everything)."),
         cold: bool = typer.Option(False, "--cold", help="With --phase decode: drop the prefill, so the decode "
@@ -408,7 +414,7 @@ def register(app: typer.Typer) -> None:
         pack: Optional[str] = _PACK,
         model: Optional[str] = _MODEL,
         slots: Optional[int] = _SLOTS,
-        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB."),
+        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=_BUDGET_GIB, help="Byte budget in GiB."),
         policy: Optional[list[str]] = typer.Option(None, "--policy", help=POLICY_HELP + " Default: static,adaptive,belady."),
         admission: str = typer.Option("global", "--admission", help="global or per-layer."),
         phase: str = typer.Option("decode", "--phase", help="decode (replay everything, count the decode) or all."),

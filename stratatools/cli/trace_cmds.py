@@ -29,8 +29,8 @@ def _convert(
     to: str = typer.Option(..., "--to", help="Output format: strata, strata-tagged, parquet or csv."),
     from_: Optional[str] = typer.Option(None, "--from", help="Input format (strata, llama-csv, csv, parquet); "
                                                              "default: sniffed."),
-    n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Trunk layers, to range-check expert ids."),
-    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer, to range-check ids."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", callback=common.int_range(1, common.MAX_LAYERS), help="Trunk layers, to range-check expert ids."),
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", callback=common.int_range(1, common.MAX_EXPERTS), help="Experts per layer, to range-check ids."),
     dataset: bool = typer.Option(False, "--dataset", help="--to parquet: write OUT as a (hive-partitioned) "
                                                           "dataset folder, read and written chunk by chunk."),
     partition: Optional[List[str]] = typer.Option(None, "--partition", help="With --dataset: KEY=VALUE folder "
@@ -83,9 +83,9 @@ def _stats(
     traces: List[str] = typer.Argument(..., help="Trace files, folders, globs or Parquet datasets (any supported "
                                                  "format); several are one fleet."),
     from_: Optional[str] = typer.Option(None, "--from", help="Input format; default: sniffed."),
-    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer (concentration "
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", callback=common.int_range(1, common.MAX_EXPERTS), help="Experts per layer (concentration "
                                                                     "denominator); default: largest id + 1."),
-    window: int = typer.Option(64, "--window", min=1, help="Steps per locality window (distinct experts per "
+    window: int = typer.Option(64, "--window", callback=common.int_range(1, common.MAX_COUNT), help="Steps per locality window (distinct experts per "
                                                            "window; the collapse verdict)."),
     where: Optional[List[str]] = _WHERE,
     cluster: Optional[str] = _CLUSTER,
@@ -269,15 +269,15 @@ def _make_profile(
                              parser=common.out_file("--output", "profile.bin")),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF model (any shard): geometry from its routers."),
     pack: Optional[Path] = typer.Option(None, "--pack", help="Native pack directory: geometry from its table."),
-    n_layer: Optional[int] = typer.Option(None, "--n-layer", help="Trunk layers (with --n-expert)."),
-    n_expert: Optional[int] = typer.Option(None, "--n-expert", help="Experts per layer (with --n-layer)."),
+    n_layer: Optional[int] = typer.Option(None, "--n-layer", callback=common.int_range(1, common.MAX_LAYERS), help="Trunk layers (with --n-expert)."),
+    n_expert: Optional[int] = typer.Option(None, "--n-expert", callback=common.int_range(1, common.MAX_EXPERTS), help="Experts per layer (with --n-layer)."),
     base: Optional[Path] = typer.Option(None, "--base", help="Base profile to merge (modes default, reorder)."),
     mode: str = typer.Option("default", "--mode", help="default (base, traces, fill), reorder (traces, base, "
                                                        "fill) or no-base (traces, fill)."),
     fill: str = typer.Option("expert-major", "--fill", help="expert-major (Strata) or layer-major."),
     phase: str = typer.Option("all", "--phase", help="all (Strata) or decode (drop prefill entries)."),
     weighting: str = typer.Option("count", "--weighting", help="count (Strata) or weight (router weights)."),
-    weight: Optional[List[float]] = typer.Option(None, "--weight", help="Per-trace weight, once per trace in "
+    weight: Optional[List[float]] = typer.Option(None, "--weight", callback=common.float_range(0.0, 1e12), help="Per-trace weight, once per trace in "
                                                                         "order (or use TRACE:W)."),
     from_: Optional[str] = typer.Option(None, "--from", help="Trace format; default: sniffed per file."),
     where: Optional[List[str]] = _WHERE,

@@ -97,6 +97,11 @@ def _geometry_of(t) -> tuple[int, int]:
     return int(L or lmax + 1), int(E or emax + 1)
 
 
+_GBPS = common.float_range(0.0, common.MAX_GBPS, lo_open=True)
+_GIB = common.float_range(0.0, common.MAX_GIB)
+_GIB_POS = common.float_range(0.0, common.MAX_GIB, lo_open=True)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``tune`` to ``app``."""
 
@@ -106,23 +111,27 @@ def register(app: typer.Typer) -> None:
         profile: Optional[list[str]] = typer.Option(None, "--profile", "-p", help="STRP profile to consider; repeatable."),
         pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
-        slots: Optional[int] = typer.Option(None, "--slots", help="Slot count budget."),
-        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", help="Byte budget in GiB (needs --pack/--model)."),
+        slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Slot count budget."),
+        budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=_GIB_POS,
+                                                   help="Byte budget in GiB (needs --pack/--model)."),
         card: Optional[str] = typer.Option(None, "--card", help="Card memory, e.g. 12GB: budget = card - --reserve-gib."),
-        reserve_gib: float = typer.Option(1.5, "--reserve-gib", help="With --card: GiB kept for dense weights, KV cache, context."),
+        reserve_gib: float = typer.Option(1.5, "--reserve-gib", callback=_GIB,
+                                         help="With --card: GiB kept for dense weights, KV cache, context."),
         objective: str = typer.Option("hit", "--objective", help="hit (held-out h_expert) or tok/s (cost model)."),
-        kfold: int = typer.Option(5, "--kfold", "-k", help="Folds by request."),
-        candidates: int = typer.Option(81, "--candidates", help="Settings drawn from the grid (besides the references)."),
-        eta: int = typer.Option(3, "--eta", help="Successive halving: keep 1/eta per rung."),
-        seed: int = typer.Option(0, "--seed", help="Seed of the draw."),
+        kfold: int = typer.Option(5, "--kfold", "-k", callback=common.int_range(2, common.MAX_COUNT), help="Folds by request."),
+        candidates: int = typer.Option(81, "--candidates", callback=common.int_range(0, common.MAX_COUNT),
+                                        help="Settings drawn from the grid (besides the references)."),
+        eta: int = typer.Option(3, "--eta", callback=common.int_range(2, common.MAX_COUNT), help="Successive halving: keep 1/eta per rung."),
+        seed: int = typer.Option(0, "--seed", callback=common.int_range(0, common.MAX_SEED), help="Seed of the draw."),
         phase: str = typer.Option("decode", "--phase", help="decode (replay the prefill too, score the decode) or all."),
         strata_version: str = typer.Option("0.2", "--strata-version", help="0.2 (lag, paced mode) or 0.1."),
-        vram_gbps: float = typer.Option(900.0, "--vram-gbps", help="VRAM bandwidth, GB/s (cost model)."),
-        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", help="PCIe host->VRAM bandwidth, GB/s."),
-        ram_gbps: float = typer.Option(60.0, "--ram-gbps", help="Host RAM bandwidth, GB/s."),
-        ssd_gbps: float = typer.Option(6.0, "--ssd-gbps", help="SSD read bandwidth, GB/s."),
-        ram_experts_gb: Optional[float] = typer.Option(None, "--ram-experts-gb", help="RAM tier size in GiB (the rest on SSD); default: all in RAM."),
-        dense_gib: float = typer.Option(0.0, "--dense-gib", help="Non-expert weights read per token, GiB (cost model)."),
+        vram_gbps: float = typer.Option(900.0, "--vram-gbps", callback=_GBPS, help="VRAM bandwidth, GB/s (cost model)."),
+        pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", callback=_GBPS, help="PCIe host->VRAM bandwidth, GB/s."),
+        ram_gbps: float = typer.Option(60.0, "--ram-gbps", callback=_GBPS, help="Host RAM bandwidth, GB/s."),
+        ssd_gbps: float = typer.Option(6.0, "--ssd-gbps", callback=_GBPS, help="SSD read bandwidth, GB/s."),
+        ram_experts_gb: Optional[float] = typer.Option(None, "--ram-experts-gb", callback=_GIB,
+                                                       help="RAM tier size in GiB (the rest on SSD); default: all in RAM."),
+        dense_gib: float = typer.Option(0.0, "--dense-gib", callback=_GIB, help="Non-expert weights read per token, GiB (cost model)."),
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the held-out scores.",
                                             parser=common.out_file("--plot", "tune.png")),
         json_out: Optional[str] = typer.Option(None, "--json-out", help="Write the result as JSON to FILE.",

@@ -254,7 +254,8 @@ class RunResult:
             ``experts.bin`` or ``gguf``.
         selection: QSA selection rule.
         requests: per request :class:`RequestResult`.
-        prompt_tokens, new_tokens: totals.
+        prompt_tokens, new_tokens: totals. decode_tokens: the new tokens that decode steps made (a request's first
+            new token comes from its prefill's logits, so with ``-n 1`` there are none).
         prefill_s, decode_s: wall time of the prefills and of the decode steps (seconds).
         tokens_per_s: generated tokens per decode second (decode throughput; the first new token comes from
             the prefill, so it is counted in ``prefill_tokens_per_s`` instead); with ``--batch N`` the aggregate
@@ -286,11 +287,13 @@ class RunResult:
     options: dict[str, Any] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu"})
     batch: dict[str, Any] = field(default_factory=lambda: {"batch": 1})
+    decode_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "pack": self.pack, "expert_source": self.expert_source,
                 "selection": self.selection, "requests": [r.to_dict() for r in self.requests],
-                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "prefill_s": self.prefill_s,
+                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "decode_tokens": self.decode_tokens, "prefill_s": self.prefill_s,
                 "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "h_expert": self.h_expert, "tier": self.tier,
                 "trace_path": self.trace_path, "trace_format": self.trace_format, "trace_records": self.trace_records,
@@ -486,6 +489,9 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
     dev = resolve_device(device)
     if vram_gib is not None and dev != "gpu":
         raise StrataError("--vram-gib sizes the GPU path; it needs --device gpu (or auto with a GPU)")
+    if slots is not None and budget_gib is not None:
+        raise StrataError(f"--slots {slots} and --budget-gib {budget_gib:g} both size the tier: give --slots N or "
+                          f"--budget-gib X, not both")
     if vram_gib is not None and budget_gib is not None:
         raise StrataError("--vram-gib and --budget-gib both size the tier; give one (--vram-gib: the whole device "
                           "footprint, --budget-gib: the expert slots alone)")
@@ -496,6 +502,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
     if policy not in RUN_POLICIES:
         why = " is offline (it needs the whole future: use it in simulate)" if policy == "belady" else " is unknown"
         raise StrataError(f"--policy {policy}{why}; run's expert tier takes {', '.join(RUN_POLICIES)}")
+    if admission not in ("global", "per-layer"):
+        raise StrataError(f"--admission {admission!r}: unknown; use global or per-layer")
     want_tier = profile is not None or budget_gib is not None or slots is not None or vram_gib is not None
     if tier_params and policy != "adaptive":
         raise StrataError(f"the --adapt-*/--upper-slots options configure the adaptive tier, not --policy {policy}: "
@@ -635,6 +643,6 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
                      "budget_gib": budget_gib, "profile": str(profile) if profile else None,
                      "max_new_tokens": max_new_tokens, "output_gate": output_gate, "vram_gib": vram_gib,
                      "batch": int(batch)},
-            device=dev_info, batch=batch_info)
+            device=dev_info, batch=batch_info, decode_tokens=int(n_new_decoded))
     finally:
         w.close()

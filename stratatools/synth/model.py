@@ -247,7 +247,7 @@ class SynthConfig:
         for nm in ("n_layers", "hidden", "n_expert", "keep", "k", "expert_ff", "shared_ff", "n_head", "head_dim",
                    "shards", "vocab_size", "full_attention_interval"):
             if getattr(self, nm) < 1:
-                raise bad(f"--{nm.replace('_', '-')} must be at least 1")
+                raise bad(f"{option_name(nm)} {getattr(self, nm)} must be at least 1")
         MAX_LAYERS, MAX_EXPERTS = 4096, 1 << 16  # the bounds of stratatools.profiles.strp.check_dims
         if self.n_layers > MAX_LAYERS or self.n_expert > MAX_EXPERTS:
             raise bad(f"--layers {self.n_layers} x --experts {self.n_expert}: at most {MAX_LAYERS} layers and "
@@ -265,14 +265,20 @@ class SynthConfig:
         for nm in ("seed", "ple_seed"):  # stored as a GGUF int64 and fed to numpy's seed sequence (non-negative)
             v = getattr(self, nm)
             if not isinstance(v, int) or not 0 <= v < 1 << 63:
-                raise bad(f"--{nm.replace('_', '-')} {v} must be an integer from 0 to 2^63-1")
+                raise bad(f"{option_name(nm)} {v} must be an integer from 0 to 2^63-1")
         if self.vocab_size < 260:
-            raise bad("--vocab-size must be at least 260 (256 bytes + specials)")
+            raise bad(f"{option_name('vocab_size')} {self.vocab_size} must be at least 260 (256 bytes + specials)")
         if self.head_dim % 16:
-            raise bad("--head-dim must be a multiple of 16 (rope sections)")
+            raise bad(f"{option_name('head_dim')} {self.head_dim} must be a multiple of 16 (rope sections)")
         for layer in self.ple_layers:
+            periodic_full = layer % self.full_attention_interval == self.full_attention_interval - 1
+            if layer >= self.n_layers and not periodic_full:  # a linear-attention layer, once there are enough
+                raise bad(f"--layers {self.n_layers} is too few: the model's PLE layer {layer} (0-based) must be one of "
+                          f"its linear-attention trunk layers; use --layers {layer + 1} or more")
             if not 0 <= layer < self.n_layers or self.is_full(layer):
-                raise bad(f"PLE layer {layer} must be a linear-attention trunk layer")
+                raise bad(f"PLE layer {layer} ({option_name('ple_layers')}) must be a linear-attention trunk layer "
+                          f"(layer l is full attention when l % {self.full_attention_interval} == "
+                          f"{self.full_attention_interval - 1})")
         if self.ple_layers and self.ple_dim % self.ngram_heads:
             raise bad(f"PLE width {self.ple_dim} is not divisible by the {self.ngram_heads} n-gram heads")
         for i in range(self.n_blocks):
@@ -293,6 +299,25 @@ class SynthConfig:
             raise bad(f"--locality {self.locality} must be at least 0 and below 1")
         if self.routing != "legacy" and self.linear_v_dim % 2:
             raise bad(f"--routing {self.routing} needs an even linear value head width (it is {self.linear_v_dim})")
+
+
+# SynthConfig fields set by `stratatools synth` options; the others are library-only (SynthConfig.<field>)
+_OPTIONS = {"n_layers": "--layers", "n_expert": "--experts", "hidden": "--hidden", "keep": "--keep", "swap": "--swap",
+            "k": "--k", "expert_ff": "--expert-ff", "shards": "--shards", "seed": "--seed"}
+
+
+def option_name(field_name: str) -> str:
+    """How a message names a :class:`SynthConfig` field: the ``synth`` option that sets it (``n_layers`` ->
+    ``--layers``), else ``SynthConfig.<field>`` (a field only the library sets)."""
+    return _OPTIONS.get(field_name, f"SynthConfig.{field_name}")
+
+
+def writable_types() -> list[str]:
+    """Type names ``synth --types`` accepts: those :func:`stratatools.model.quantize.quantize` has a quantizer for
+    and those :func:`stratatools.model.quantize.random_blocks` can fill; sorted."""
+    from stratatools.model.ggml_types import TYPES_BY_NAME
+
+    return sorted(n for n in TYPES_BY_NAME if can_quantize(n) or n in _random_ok())
 
 
 def _random_ok() -> set[str]:
@@ -1141,6 +1166,89 @@ def estimate_bytes(cfg: SynthConfig) -> int:
     """GGUF data bytes of the canonical model (for progress bars)."""
     cfg.validate()
     return sum(sp.gtype.nbytes(sp.ne) for sp in _tensor_list(cfg, len(build_tokenizer(cfg.vocab_size).tokens)))
+
+
+# Memory the writer holds besides one structured tensor: the pipelined producers' chunks and random frames
+# (_pipelined depth 8 x _RANDOM_FRAME_BYTES), the tokenizer, the interpreter and numpy.
+_BASE_HOLD_BYTES = 256 << 20
+# A structured tensor (routing.full_values) is built with up to ~4 float32 copies alive at once (output.weight:
+# the embedding, its projection, the noise and the result).
+_HOLD_COPIES = 4
+
+
+def footprint(cfg: SynthConfig) -> tuple[int, int]:
+    """(bytes written, peak bytes held) estimates of :func:`synth_release` for ``cfg``, computed from the tensor
+    shapes alone (nothing is allocated).
+
+    Written: the canonical model's GGUF data bytes, times 3 with the pruned revisions (they keep fewer experts, so
+    this bounds them). Held: the largest tensor whose values are built whole (the routing model's tensors,
+    ``routing.structured_names``; the others stream in ~1 MiB chunks) as float32 with its temporaries, plus the
+    writer's pipeline. Raises StrataError for an invalid config (:meth:`SynthConfig.validate`)."""
+    cfg.validate()
+    specs = _tensor_list(cfg, len(build_tokenizer(cfg.vocab_size).tokens))
+    written = sum(sp.gtype.nbytes(sp.ne) for sp in specs) * (3 if cfg.revisions else 1)
+    pat = structured_names(cfg)
+    whole = [math.prod(sp.ne) for sp in specs if not sp.random and pat.match(sp.name)]
+    held = _BASE_HOLD_BYTES + _HOLD_COPIES * 4 * max(whole, default=0)
+    return int(written), int(held)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable (/proc/meminfo), lowered to the headroom
+    under an address-space limit (``ulimit -v``: RLIMIT_AS minus the current VmSize). None where neither is known
+    (not Linux)."""
+    avail: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            vm = 0
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmSize:"):
+                        vm = int(line.split()[1]) * 1024
+            avail.append(max(0, soft - vm))
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
+    return min(avail) if avail else None
+
+
+def check_footprint(cfg: SynthConfig, outdir: str | os.PathLike) -> tuple[int, int]:
+    """Refuse, before anything is allocated or written, a release that would not fit: the bytes held (see
+    :func:`footprint`) over :func:`available_memory`, or the bytes written over the free space of the disk that
+    holds ``outdir`` (its nearest existing folder). Returns :func:`footprint`'s (written, held).
+
+    Raises:
+        StrataError: naming the size options (--hidden, --experts, --expert-ff, --layers, --keep) and both sizes."""
+    import shutil
+
+    written, held = footprint(cfg)
+    opts = (f"--layers {cfg.n_layers} --hidden {cfg.hidden} --experts {cfg.n_expert} --expert-ff {cfg.expert_ff}"
+            + (f" --keep {cfg.keep}" if cfg.revisions else ""))
+    gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
+    mem = available_memory()
+    if mem is not None and held > mem:
+        raise StrataError(f"synth: {opts} needs about {gib(held)} of memory while writing, and {gib(mem)} is "
+                          f"available; lower --hidden (or --experts / --expert-ff)")
+    d = Path(outdir).absolute()
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        free = shutil.disk_usage(d).free
+    except OSError:
+        free = None
+    if free is not None and written > free:
+        raise StrataError(f"synth: {opts} writes about {gib(written)} and {d} has {gib(free)} free; lower --hidden, "
+                          f"--experts, --expert-ff or --layers (or add --no-revisions)", d)
+    return written, held
 
 
 def config_with(cfg: SynthConfig, **kw: Any) -> SynthConfig:

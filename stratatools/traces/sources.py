@@ -155,7 +155,7 @@ class ParquetSource:
         import pyarrow as pa
         import pyarrow.dataset as pads
 
-        from stratatools.traces.formats.parquet import WINDOW, stored_meta
+        from stratatools.traces.formats.parquet import UNREADABLE_FIX, WINDOW, arrow_reason, stored_meta
 
         self.path, self.name = Path(path), str(path)
         self.n_layers, self.n_expert = n_layers, n_expert
@@ -164,7 +164,7 @@ class ParquetSource:
             schema = self.ds.schema
             _ = schema.names  # decoded here: a column name that is not UTF-8 is the same one-line error
         except (pa.ArrowException, OSError, ValueError) as e:
-            raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({str(e).splitlines()[0][:160]})",
+            raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({arrow_reason(e)}); {UNREADABLE_FIX}",
                               path) from None
         self.schema = schema
         missing = [c for c in COLUMNS if c not in schema.names]
@@ -209,6 +209,7 @@ class ParquetSource:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
+        from stratatools.traces.formats.parquet import UNREADABLE_FIX, arrow_reason
         from stratatools.traces.semantics import ChunkChecker
 
         check = ChunkChecker(self.path)  # phases, weights, ranks, distinct ids per record (as read_trace checks)
@@ -220,7 +221,7 @@ class ParquetSource:
                 for b in it:
                     yield b
             except (pa.ArrowException, OSError, ValueError) as e:
-                raise StrataError(f"{self.path}: not a readable Parquet trace ({str(e).splitlines()[0][:160]})",
+                raise StrataError(f"{self.path}: not a readable Parquet trace ({arrow_reason(e)}); {UNREADABLE_FIX}",
                                   self.path) from None
 
         for b in batches():
@@ -238,7 +239,7 @@ class ParquetSource:
                 try:
                     a = c.to_numpy(zero_copy_only=False)
                 except (pa.ArrowException, ValueError) as e:
-                    raise StrataError(f"{self.path}: column {name}: {str(e).splitlines()[0][:120]}",
+                    raise StrataError(f"{self.path}: column {name}: {arrow_reason(e)}",
                                       self.path) from None
                 out[name] = np.asarray(a, np.int8 if name == "phase" else np.float32 if name == "weight"
                                        else np.int64)

@@ -109,6 +109,26 @@ def _plausible_meta(stored: dict) -> dict[str, Any]:
     return out
 
 
+UNREADABLE_FIX = ("the file is cut short, damaged or not Parquet: restore the complete file or write it again, e.g. "
+                  "with `stratatools trace convert --to parquet`")
+
+
+def arrow_reason(e: BaseException) -> str:
+    """The innermost cause of a pyarrow error as one complete clause, for a one-line message: pyarrow chains its
+    causes with ": " ("Error creating dataset. ...: Could not open Parquet input source 'x': Parquet magic bytes not
+    found in footer. Either the file is corrupted or ...") and the last link's first sentence says what is wrong
+    ("Parquet magic bytes not found in footer"); a UnicodeError's message is kept as it is. Never cut mid-word: a clause over 200 characters ends at a word
+    with "...". Falls back to the exception's type name."""
+    text = " ".join(str(e).split())
+    if isinstance(e, UnicodeError):  # Python's own message is one clause already ("'utf-8' codec can't decode ...")
+        return text[:200] or type(e).__name__
+    cause = text.rsplit(": ", 1)[-1].strip() if text else ""
+    cause = cause.split(". ", 1)[0].rstrip(". ")
+    if len(cause) > 200:
+        cause = cause[:200].rsplit(" ", 1)[0] + " ..."
+    return cause or type(e).__name__
+
+
 def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
     """Read our Parquet trace. Expert ids are range-checked like the other readers (below ``n_layers``).
 
@@ -126,7 +146,8 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         pf = pq.ParquetFile(path)
         t = pf.read()
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({str(e).splitlines()[0][:160]})", path) from None
+        raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({arrow_reason(e)}); {UNREADABLE_FIX}",
+                          path) from None
     missing = [c for c in COLUMNS if c not in t.column_names]
     if missing:
         raise StrataError(f"{path}: Parquet schema lacks column(s) {', '.join(missing)}; expected "
@@ -140,7 +161,7 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
             cols[name] = col.cast(pa.from_numpy_dtype(np.dtype(dt)), safe=True).to_numpy()
         except (pa.ArrowException, ValueError) as e:
             raise StrataError(f"{path}: column {name} does not fit {np.dtype(dt).name} "
-                              f"({str(e).splitlines()[0][:120]})", path) from None
+                              f"({arrow_reason(e)})", path) from None
     window = None
     if WINDOW in t.column_names:
         col = t.column(WINDOW)
@@ -149,7 +170,7 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         try:
             window = col.cast(pa.int32(), safe=True).to_numpy()
         except (pa.ArrowException, ValueError) as e:
-            raise StrataError(f"{path}: column {WINDOW} does not fit int32 ({str(e).splitlines()[0][:120]})",
+            raise StrataError(f"{path}: column {WINDOW} does not fit int32 ({arrow_reason(e)})",
                               path) from None
     meta = stored_meta(t.schema)
     meta.update({"source_format": "parquet", "source_path": str(path), "source_sha256": sha256_file(path),
