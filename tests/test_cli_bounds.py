@@ -282,3 +282,14 @@ def test_truncated_parquet_message_is_whole_with_a_fix(tmp_path):
                                       "in footer); the file is cut short, damaged or not Parquet: restore the "
                                       "complete file or write it again, e.g. with `stratatools trace convert --to "
                                       "parquet`"), err
+
+
+def test_adaptive_v2_state_is_sized_by_the_model_not_the_knobs():
+    """--adapt-lag 2 with --adapt-swaps 2147483647 (both in range) asked numpy for 48 GiB of move queues: a step
+    never queues more moves than (layer, expert) pairs and a copy is in flight once per (tier, layer, expert)."""
+    from stratatools.cachesim.kernels import adaptive_v2_state
+
+    st = adaptive_v2_state(2, 4, 16, 2**31 - 1, 2**31 - 1, 8, 0)
+    assert st[2].shape == (2, 64) and st[7].shape == (2 * 4 * 16 + 1,)
+    st = adaptive_v2_state(1, 40, 512, 96, 1, 8, 0)  # the engine defaults on a real geometry: as before
+    assert st[2].shape == (1, 96) and st[7].shape == (1 * 96 * 3 + 1,)

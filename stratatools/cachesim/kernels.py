@@ -858,8 +858,10 @@ current dense round, (unused)."""
 
 def adaptive_v2_state(T: int, L: int, E: int, max_moves: int, copy_delay: int, pool_slots: int, pool_bytes: int):
     """Carried state of :func:`adaptive_v2_chunk` (usage, loading, move queues, copies in flight, scalars)."""
-    M = max(int(max_moves), 1)
-    cap_f = T * M * (int(copy_delay) + 2) + 1
+    # a step queues at most one move per (layer, candidate expert), and a copy is in flight at most once per (tier,
+    # layer, expert) (``loading``): the queues and the copy list never need more, whatever max_moves / copy_delay say
+    M = max(min(int(max_moves), L * E), 1)
+    cap_f = min(T * M * (int(copy_delay) + 2), T * L * E) + 1
     S = np.zeros(V2_ST, np.int64)
     S[5] = -1
     S[7], S[8] = int(pool_slots), int(pool_bytes)
