@@ -141,10 +141,15 @@ def test_jsonl_bad_line_is_one_error_naming_file_and_line(tmp_path, bad, words):
     """The bad item is the second one, on line 3 (line 2 is blank): the error names the file and line 3 (1-based),
     and the item number where there is an item."""
     p = _jsonl(tmp_path, ['"fine"', "", bad, '"after"'])
+    _one_line_error_of(p, f"{p}: line 3: ", words)
+
+
+def _one_line_error_of(p, prefix: str, words) -> None:
+    """read_prompts(p) raises a one-line StrataError starting with ``prefix`` and holding every word of ``words``."""
     with pytest.raises(StrataError) as e:
         read_prompts(p)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"{p}: line 3: "), msg
+    assert "\n" not in msg and msg.startswith(prefix), msg
     for w in words:
         assert w in msg, (w, msg)
 
@@ -154,12 +159,7 @@ def test_json_list_items_get_the_same_errors(tmp_path, bad, words):
     """A ``.json`` list item is checked by the same rules, with the same words (no line: the item is named)."""
     p = tmp_path / "p.json"
     p.write_text('{"prompts": ["fine", ' + bad + ', "after"]}')
-    with pytest.raises(StrataError) as e:
-        read_prompts(p)
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"{p}: prompt #1"), msg
-    for w in words:
-        assert w in msg, (w, msg)
+    _one_line_error_of(p, f"{p}: prompt #1", words)
 
 
 def test_jsonl_runs_and_names_the_requests(demo_release, tmp_path, cli):
