@@ -45,3 +45,10 @@ def shared_within(lib: ctypes.CDLL, nbytes: int):
     yield
     over = lib.host_smem_overrun(nbytes)
     assert over == 0, f"{over} bytes written past the {nbytes} dynamic shared bytes the launcher asks for"
+
+
+def rand32(rng, *shape, scale: float = 1.0):
+    """Standard normal float32 values of ``shape`` times ``scale`` from ``rng`` (the host kernel tests' inputs)."""
+    import numpy as np
+
+    return (rng.standard_normal(shape) * scale).astype(np.float32)

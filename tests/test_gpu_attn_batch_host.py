@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hostlib import CXX, build_host_lib, shared_within
+from hostlib import rand32 as _f
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import Rope, _rmsnorm, _sigmoid, _softmax
 
@@ -22,10 +23,6 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build th
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     return build_host_lib(tmp_path_factory.mktemp("attnbatch"), "attn_batch.cu")
-
-
-def _f(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def _p(a):

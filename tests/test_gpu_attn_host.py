@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hostlib import CXX, build_host_lib
+from hostlib import rand32 as _rand
 from stratatools.runtime.model import Rope, _rmsnorm, _sigmoid
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
@@ -18,10 +19,6 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build th
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     return build_host_lib(tmp_path_factory.mktemp("attnhost"), "attn_step.cu")
-
-
-def _rand(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 @pytest.mark.parametrize("nh,nkv,hd,n_rot,wq_full,pos", [(4, 2, 16, 8, False, 3), (16, 2, 256, 64, False, 700),

@@ -13,6 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from hostlib import rand32 as _rand
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softplus
 
@@ -39,10 +40,6 @@ def lib(tmp_path_factory):
 
 def _p(a):
     return None if a is None else a.ctypes.data
-
-
-def _rand(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def close(a, b, tol=2e-5):

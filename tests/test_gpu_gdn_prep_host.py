@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hostlib import CXX, build_host_lib, shared_within
+from hostlib import rand32 as _f
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softplus
 
@@ -25,10 +26,6 @@ def lib(tmp_path_factory):
 def _p(a: np.ndarray) -> int:
     assert a.dtype == np.float32 and a.flags.c_contiguous
     return a.ctypes.data
-
-
-def _f(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 @pytest.mark.parametrize("nseq,length,Kc,nk,dk,nv,dv,blocks", [
@@ -162,38 +159,33 @@ def test_prefill_and_batched_gdn_use_the_kernels_like_the_array_code(lib, small_
         dec = StaticDecoder(rt, max_ctx=16)
         rng = np.random.default_rng(3)
         x = _f(rng, 7, cfg.n_embd)
-        conv0 = _f(rng, *dec.conv[il].shape)
-        ssm0 = _f(rng, *dec.ssm[il].shape, scale=0.1)
-        results = []
-        for kernels in (False, True):
-            pf = dec.prefiller()
-            dec.conv[il][...] = conv0
-            dec.ssm[il][...] = ssm0
-            with monkeypatch.context() as m:
-                if kernels:
-                    _on_kernels(m, lib, pf, "_gdn_recur")
-                y = pf._gdn(il, x)
-            results.append((np.array(y), dec.conv[il].copy(), dec.ssm[il].copy()))
-        for a, b in zip(*results):
-            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6 * float(np.abs(a).max()))
+        def both_ways(owner, make, recur_name, xx, before=lambda: None):
+            """``make()._gdn(il, xx)`` on the array code and on the host kernels, each from the same conv / SSM
+            states of ``owner`` (``before`` runs first each time): outputs and next states agree; returns the
+            states given and both runs' (output, conv, ssm)."""
+            conv0 = _f(rng, *owner.conv[il].shape)
+            ssm0 = _f(rng, *owner.ssm[il].shape, scale=0.1)
+            results = []
+            for kernels in (False, True):
+                obj = make()
+                owner.conv[il][...] = conv0
+                owner.ssm[il][...] = ssm0
+                before()
+                with monkeypatch.context() as m:
+                    if kernels:
+                        _on_kernels(m, lib, obj, recur_name)
+                    y = obj._gdn(il, xx)
+                results.append((np.array(y), owner.conv[il].copy(), owner.ssm[il].copy()))
+            for a, b in zip(*results):
+                np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6 * float(np.abs(a).max()))
+            return conv0, results
+
+        conv0, results = both_ways(dec, dec.prefiller, "_gdn_recur", x)
         assert not np.array_equal(results[0][1], conv0)  # the conv state moved on
         # batched decode: places 2 and 0 of 3, each with its own conv state
         bd = BatchDecoder(dec, 3)
-        conv_p = _f(rng, *bd.conv[il].shape)
-        ssm_p = _f(rng, *bd.ssm[il].shape, scale=0.1)
-        xb = _f(rng, 2, cfg.n_embd)
-        results = []
-        for kernels in (False, True):
-            bd.conv[il][...] = conv_p
-            bd.ssm[il][...] = ssm_p
-            bd._places(np.array([2, 0]), np.zeros(2, dtype=np.int64))
-            with monkeypatch.context() as m:
-                if kernels:
-                    _on_kernels(m, lib, bd, "_gdn_step_b")
-                y = bd._gdn(il, xb)
-            results.append((np.array(y), bd.conv[il].copy(), bd.ssm[il].copy()))
-        for a, b in zip(*results):
-            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6 * float(np.abs(a).max()))
+        conv_p, results = both_ways(bd, lambda: bd, "_gdn_step_b", _f(rng, 2, cfg.n_embd),
+                                    lambda: bd._places(np.array([2, 0]), np.zeros(2, dtype=np.int64)))
         assert np.array_equal(results[1][1][1], conv_p[1])  # place 1 was not in the step
     finally:
         w.close()

@@ -262,6 +262,19 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
     }
 }
 
+// The output of a tile: calls f(l, n, i, row, slot) for each value acc[.][n].x[l][i] a lane holds (lanes l of the
+// thread: one on the device, 32 in the host build): its weight row (of the 16 from r0) and its token slot in the
+// column tiles (8 n + 2 c + ...). The kernels' epilogues write through it.
+template <int NT, class Fn> __device__ __forceinline__ void qmm_each_out(int r0, Fn f) {
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int n = 0; n < NT; ++n)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) f(l, n, i, r0 + g + (i >= 2 ? 8 : 0), 8 * n + 2 * c + (i & 1));
+    }
+}
+
 // ---- activations: hi / lo halves ---------------------------------------------------------------------------------
 // For rows t < T of X (ldx floats a row, K values): e_t = clamp(E - 15, -126, 127) with max |X[t]| in [2^(E-1), 2^E)
 // (0 for an all-zero or non-finite row), hi[t, k] = half(X[t, k] 2^-e_t), lo[t, k] = half(X[t, k] 2^-e_t - hi),
@@ -325,17 +338,10 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
     const u16* dm[1] = {wd};
     mma_c acc[1][NT];
     qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc, c0, c1);
-    for (int l = 0; l < MMA_LANES; ++l) {
-        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-        #pragma unroll
-        for (int n = 0; n < NT; ++n)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = r0 + g + (i >= 2 ? 8 : 0);
-                const int t = tokrow[8 * n + 2 * c + (i & 1)];
-                if (row < R && t >= 0) Y[(long long)t * ldy + row] = acc[0][n].x[l][i] * xsc[t];
-            }
-    }
+    qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
+        const int t = tokrow[s];
+        if (row < R && t >= 0) Y[(long long)t * ldy + row] = acc[0][n].x[l][i] * xsc[t];
+    });
 }
 
 // ---- routed experts: jobs of one expert and up to QMM_JOB tokens (prefill.py expert_jobs) ---------------------------
@@ -361,21 +367,13 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
     const u16* dm[2] = {nullptr, nullptr};
     mma_c acc[2][QMM_JOB / 8];
     qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs, acc, 0, qmm_chunks<F>(H));
-    for (int l = 0; l < MMA_LANES; ++l) {
-        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-        #pragma unroll
-        for (int n = 0; n < QMM_JOB / 8; ++n)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = r0 + g + (i >= 2 ? 8 : 0);
-                const int s = 8 * n + 2 * c + (i & 1);
-                const int t = tokrow[s];
-                if (row < Fd && t >= 0) {
-                    const float gs = acc[0][n].x[l][i] * xsc[t], us = acc[1][n].x[l][i] * xsc[t];
-                    Hbuf[((long long)j * QMM_JOB + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
-                }
-            }
-    }
+    qmm_each_out<QMM_JOB / 8>(r0, [&](int l, int n, int i, int row, int s) {
+        const int t = tokrow[s];
+        if (row < Fd && t >= 0) {
+            const float gs = acc[0][n].x[l][i] * xsc[t], us = acc[1][n].x[l][i] * xsc[t];
+            Hbuf[((long long)j * QMM_JOB + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
+        }
+    });
 }
 
 // down: out[job_dst[j QMM_JOB + s], r] = down_j[r] . h for job j = blockIdx.y, rows r < H, h = row j QMM_JOB + s of
@@ -403,18 +401,10 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
     const u16* dm[1] = {nullptr};
     mma_c acc[1][QMM_JOB / 8];
     qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs, acc, 0, qmm_chunks<F>(Fd));
-    for (int l = 0; l < MMA_LANES; ++l) {
-        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-        #pragma unroll
-        for (int n = 0; n < QMM_JOB / 8; ++n)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = r0 + g + (i >= 2 ? 8 : 0);
-                const int s = 8 * n + 2 * c + (i & 1);
-                const int t = tokrow[s];
-                if (row < H && t >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i] * hsc[t];
-            }
-    }
+    qmm_each_out<QMM_JOB / 8>(r0, [&](int l, int n, int i, int row, int s) {
+        const int t = tokrow[s];
+        if (row < H && t >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i] * hsc[t];
+    });
 }
 
 // ---- the job table on the device (the batched decode step: its routing is not read back) -----------------------------

@@ -291,6 +291,15 @@ def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any) -> tuple[Any, Any, A
     return job_ptr, job_tok, job_dst
 
 
+def _expert_layout(layout: Any, cols: int) -> int:
+    """The layout id of expert rows of ``cols`` values, which the job kernels read as GGUF blocks (Q8_0 / Q2_0).
+    Raises StrataError for another layout or rows that are not whole blocks."""
+    f = _layout_id(layout)
+    if f == 0 or cols % BLOCK_VALUES[f]:
+        raise StrataError(f"qmm: expert rows of {cols} values in layout {f} have no mma kernel")
+    return f
+
+
 def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: Any, hbuf: Any, hidden: int,
                 ff: int) -> None:
     """Gate/up of the routed-expert jobs: ``hbuf[j 16 + s] = silu(gate_j x) * (up_j x)`` for x the row
@@ -298,9 +307,7 @@ def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: An
     device addresses of the experts' blobs (gate [ff, hidden] then up, GGUF ``layout`` Q8_0 or Q2_0 blocks);
     ``job_tok`` int32 [J 16] (-1: empty slot, its row left as it is); ``hbuf`` float32 [J 16, ff].
     Raises StrataError for another layout or rows that are not whole blocks."""
-    f = _layout_id(layout)
-    if f == 0 or hidden % BLOCK_VALUES[f]:
-        raise StrataError(f"qmm: expert rows of {hidden} values in layout {f} have no mma kernel")
+    f = _expert_layout(layout, hidden)
     J = int(job_ptr.size)
     hi, lo, sc = xs
     launch_big_shared(_fn(f"qmm_moe_gu<{f}>"), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
@@ -313,9 +320,7 @@ def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], la
     hidden activations ``hs`` (:func:`split` of hbuf [J 16, ff]); ``down_j`` at ``job_ptr[j] + doff`` ([hidden, ff],
     GGUF ``layout`` Q8_0 or Q2_0 blocks); ``job_dst`` int32 [J 16] (-1: skipped); ``out`` float32 [N, hidden].
     Raises StrataError for another layout or rows that are not whole blocks."""
-    f = _layout_id(layout)
-    if f == 0 or ff % BLOCK_VALUES[f]:
-        raise StrataError(f"qmm: expert rows of {ff} values in layout {f} have no mma kernel")
+    f = _expert_layout(layout, ff)
     J = int(job_ptr.size)
     hi, lo, sc = hs
     launch_big_shared(_fn(f"qmm_moe_down<{f}>"), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
