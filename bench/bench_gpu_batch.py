@@ -43,10 +43,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: Step variants (environment of the BatchDecoder and its prefills): ``default`` (this tree's choices), ``before``
 #: (the array-code attention and GDN, staged expert kernels: the step as measured before them), ``mma`` (dense
 #: projections, the shared expert and the routed-expert jobs of the step on the tensor-core GEMMs,
-#: STRATATOOLS_BATCH_GEMM=mma), ``sgemm`` (the step's default, with the prefills on SGEMM too).
+#: STRATATOOLS_BATCH_GEMM=mma), ``sgemm`` (the step's default, with the prefills on SGEMM too); ``eager`` and
+#: ``mma-eager``: those steps launched from Python every time (STRATATOOLS_BATCH_GRAPH=0, no CUDA graph).
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
+            "eager": {"STRATATOOLS_BATCH_GRAPH": "0"},
+            "mma-eager": {"STRATATOOLS_BATCH_GEMM": "mma", "STRATATOOLS_BATCH_GRAPH": "0"},
             "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm", "STRATATOOLS_BATCH_GEMM": "sgemm"}}
 
 
@@ -183,10 +186,14 @@ def main() -> None:
             rows[n if var == "default" else f"{var}:{n}"] = {
                 "aggregate_tok_s": agg, "step_ms": dt / a.steps * 1e3, "ratio_to_batch1": agg / b1,
                 "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same, "state_bytes": bd.state_bytes(),
-                "pool_bytes": int(cp.get_default_memory_pool().total_bytes())}
-            print(f"{var:8s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
+                "pool_bytes": int(cp.get_default_memory_pool().total_bytes()),
+                "graph_steps": int(bd.stats["graph_steps"]), "graph_error": bd.stats.get("graph_error"),
+                "graph_pool_bytes": int(bd._gpool.total_bytes()) if bd._gpool is not None else 0}
+            how = (f"graph ({bd.stats['graph_steps']} replays)" if bd.stats["graph_steps"]
+                   else "eager" + (f": {bd.stats['graph_error']}" if bd.stats.get("graph_error") else ""))
+            print(f"{var:9s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
                   f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
-                  f"{'equal' if same else 'DIFFER'}", flush=True)
+                  f"{'equal' if same else 'DIFFER'}; {how}", flush=True)
             if a.kernel_profile > 0 and n == nmax:
                 res.setdefault("kernel_profile", {})[var] = step_profile(cp, bd, places, toks, a.kernel_profile, var)
     res["rows"] = rows

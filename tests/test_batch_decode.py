@@ -165,8 +165,8 @@ def test_batch_below_one_is_refused(model, tmp_path):
     assert code == 2 and "--batch" in err
 
 
-def test_vram_plan_counts_the_places(model):
-    from stratatools.runtime.device import cache_bytes, plan_vram
+def test_vram_plan_counts_the_places(model, monkeypatch):
+    from stratatools.runtime.device import batch_step_bytes, cache_bytes, plan_vram
     from stratatools.runtime.weights import load
 
     _, gguf = model
@@ -178,6 +178,11 @@ def test_vram_plan_counts_the_places(model):
         assert one.caches == cache_bytes(w.cfg, 64)
         assert four.caches == 5 * one.caches + (256 << 20)  # the decoder's sequence, 4 places, small f32 matrices
         assert four.dense == one.dense
+        # the batched step's graph keeps its temporaries in a pool of its own: planned apart, 0 at batch 1
+        assert one.batch_step == 0 and four.batch_step == batch_step_bytes(w.model, w.cfg, 4, 64) > 0
+        assert four.fixed - four.batch_step == four.dense + four.caches + four.reserve + four.prefill + four.staging
+        monkeypatch.setenv("STRATATOOLS_BATCH_GRAPH", "0")
+        assert plan_vram(w.model, w.cfg, blob, 64, None, None, L * E, batch=4).batch_step == 0
     finally:
         w.close()
 
@@ -294,3 +299,45 @@ def test_adaptive_option_errors_name_the_option(model, tmp_path, opt, value):
     code, _, err = _cli("run", model[1], "-p", p, "-n", 2, "--slots", 12, "--policy", "adaptive", opt, value)
     assert code == 2 and err.strip().count("\n") == 0, err
     assert f"invalid value for '{opt}': must be an integer from " in err and f"(got {value})" in err, err
+
+
+def test_static_input_steps_equal_the_eager_steps(model):
+    """The graph step's body (static input buffers: positions, embedding rows, rope tables, PLE rows filled before
+    the step; on numpy run eagerly) gives the eager step's logits, tokens and routing bit for bit, steps of all places
+    and of a subset (eager) interleaved, and a place re-admitted between them."""
+    from stratatools.runtime.gpu.batch import BatchDecoder
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        rt = Qwen4ExpRuntime(w)
+        prompts = [[5, 17], [42], [300, 301], [1, 2]]
+        dec = StaticDecoder(rt, max_ctx=min(11, max_full_context(w.cfg, "transformers")))
+        assert not dec.long
+        bds = [BatchDecoder(dec, 3), BatchDecoder(dec, 3)]
+        bds[0].static_inputs, bds[1].static_inputs = True, False
+
+        def admit(i, p):
+            dec.load_state(rt.new_state())
+            lg, _, _ = dec.prefill(p)
+            for bd in bds:
+                bd.admit(i)
+            return int(np.argmax(lg))
+
+        toks = [admit(i, prompts[i]) for i in range(3)]
+        for s in range(8):
+            places = [2, 0] if s % 4 == 3 else [0, 1, 2]
+            if s == 5:
+                toks[1] = admit(1, prompts[3])
+            got = [bd.step(places, [toks[p] for p in places]) for bd in bds]
+            for a, b in zip(got[0], got[1]):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), s
+            for j, p in enumerate(places):
+                toks[p] = int(got[0][1][j])
+        assert bds[0].stats["static_steps"] == 6 and bds[1].stats["static_steps"] == 0
+        assert all(bd.stats["graph_steps"] == 0 for bd in bds)  # no capture on numpy
+    finally:
+        w.close()

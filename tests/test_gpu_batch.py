@@ -86,6 +86,57 @@ def test_gpu_batched_steps_match_the_graph_decoder(kit, kit_prompts, model, gemm
                 assert int(nxt[j]) == ref_tok[p][done[p]], (s, p)
                 toks[p] = int(nxt[j])
         assert worst <= 1e-3, worst
+        assert bd.stats["graph_steps"] == 0  # a long-context decoder (QSA past position 11): every step eager
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
+def test_gpu_graph_steps_equal_eager_steps(kit, kit_prompts, model, gemm, monkeypatch):
+    """The batched step replayed from its CUDA graph gives the eager step's logits, tokens and routing bit for bit,
+    over steps of every place with a subset step (eager) and a re-admitted place between them."""
+    import cupy as cp
+
+    if not (kit / model).exists():
+        pytest.skip(f"{model} not carried")
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
+    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
+    from stratatools.runtime.gpu.batch import BatchDecoder
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    ids = [t for _, p in kit_prompts for t in p]
+    prompts = [ids[0:2], ids[2:3], ids[3:5], ids[5:6]]
+    w = load(kit / model, xp=cp)
+    try:
+        # within the full-selection range (11 positions on the kit's models): no host-side QSA selection
+        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
+        dec = rt.dec
+        bds = [BatchDecoder(dec, 3), BatchDecoder(dec, 3)]
+        bds[1].static_inputs = False
+
+        def admit(i, p):
+            dec.load_state(rt.new_state())
+            lg, _, _ = dec.prefill(p)
+            for bd in bds:
+                bd.admit(i)
+            return int(cp.asnumpy(cp.argmax(lg)))
+
+        toks = [admit(i, prompts[i]) for i in range(3)]
+        assert not dec.long
+        for s in range(8):
+            places = [2, 0] if s == 4 else [0, 1, 2]
+            if s == 6:
+                toks[1] = admit(1, prompts[3])
+            got = [bd.step(places, [toks[p] for p in places]) for bd in bds]
+            assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
+            for a, b in zip(got[0][1:], got[1][1:]):
+                assert np.array_equal(a, b), s
+            for j, p in enumerate(places):
+                toks[p] = int(got[0][1][j])
+        assert "graph_error" not in bds[0].stats, bds[0].stats.get("graph_error")
+        assert bds[0].stats["graph_steps"] == 6 and bds[1].stats["static_steps"] == 0
     finally:
         w.close()
 

@@ -59,6 +59,8 @@ class VramPlan:
         staging: the decode step's miss fetch staging
             (:func:`stratatools.runtime.gpu.decode.fetch_staging_bytes`; 0 in zero-copy mode). Planned whenever a
             fetch mode is set, also where every expert gets a slot (a cold LRU tier still misses while it fills).
+        batch_step: ``run --batch N``: the batched step's temporaries held by its CUDA graph's own memory pool
+            (:func:`batch_step_bytes`; 0 at batch 1 or with ``STRATATOOLS_BATCH_GRAPH=0``).
     """
 
     dense: int
@@ -69,11 +71,12 @@ class VramPlan:
     budget: int | None
     prefill: int = 0
     staging: int = 0
+    batch_step: int = 0
 
     @property
     def fixed(self) -> int:
         """Everything but the expert slots."""
-        return self.dense + self.caches + self.reserve + self.prefill + self.staging
+        return self.dense + self.caches + self.reserve + self.prefill + self.staging + self.batch_step
 
     @property
     def total(self) -> int:
@@ -82,7 +85,7 @@ class VramPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dense_bytes": self.dense, "cache_bytes": self.caches, "reserve_bytes": self.reserve,
-                "prefill_bytes": self.prefill, "staging_bytes": self.staging,
+                "prefill_bytes": self.prefill, "staging_bytes": self.staging, "batch_step_bytes": self.batch_step,
                 "slot_bytes": self.slot_bytes, "slots": self.slots, "planned_bytes": self.total,
                 "budget_bytes": self.budget}
 
@@ -162,6 +165,33 @@ def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
                                  experts="mma" if prefill_gemm() == "mma" else "rows")
 
 
+def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:
+    """Device bytes of one batched step's temporaries for ``batch`` places, as the graph's own pool keeps them
+    (:class:`stratatools.runtime.gpu.batch.BatchDecoder`; the eager steps' temporaries come from the pool the prefill
+    uses, planned by :func:`prefill_bytes`): :func:`stratatools.runtime.gpu.prefill.prefill_scratch_bytes` for a
+    chunk of ``batch`` tokens, the largest dense matrix taken over the trunk and, where the step's GEMMs dequantize
+    (``STRATATOOLS_BATCH_GEMM=sgemm``), the output head. 0 for ``batch`` <= 1 or with ``STRATATOOLS_BATCH_GRAPH=0``."""
+    from stratatools.runtime.gpu.batch import graph_enabled
+    from stratatools.runtime.gpu.prefill import GROUP, prefill_scratch_bytes
+    from stratatools.runtime.gpu.qmm import batch_gemm
+
+    if batch <= 1 or not graph_enabled():
+        return 0
+    gemm = batch_gemm()
+    skip = ("token_embd.weight", "per_layer_token_embd.weight") + (() if gemm == "sgemm" else ("output.weight",))
+    big = 0
+    for t in model.iter_tensors():
+        if "_exps." in t.name or t.name in skip:
+            continue
+        n = 1
+        for d in t.ne:
+            n *= int(d)
+        big = max(big, n)
+    ff, n = int(cfg.n_ff_exp), int(cfg.n_embd)
+    return prefill_scratch_bytes(cfg, 3 * ff * n * 4, int(batch), GROUP, big, int(max_ctx),
+                                 experts="mma" if gemm == "mma" else "rows")
+
+
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
               slots: int | None, n_expert_total: int, selection: str = "transformers", batch: int = 1) -> VramPlan:
     """Plan the GPU path's device memory.
@@ -176,7 +206,8 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
         selection: the QSA selection rule (decides where the full-selection range ends).
         batch: sequences decoded together (``run --batch``): above 1 the caches are planned for the decoder's own
             sequence (the prefill) and ``batch`` places of :class:`stratatools.runtime.gpu.batch.BatchDecoder`, plus
-            the batched step's small float32 matrices (256 MiB at most).
+            the batched step's small float32 matrices (256 MiB at most) and its graph's temporaries
+            (:func:`batch_step_bytes`).
     Returns:
         the :class:`VramPlan`.
     Raises:
@@ -193,7 +224,8 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
 
     plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), caches, RESERVE_BYTES,
                     sb, 0, None, prefill_bytes(model, cfg, max_ctx),
-                    fetch_staging_bytes(miss_fetch_mode(), cfg.n_expert_used, sb, min(cfg.n_expert)))
+                    fetch_staging_bytes(miss_fetch_mode(), cfg.n_expert_used, sb, min(cfg.n_expert)),
+                    batch_step_bytes(model, cfg, batch, max_ctx))
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)
         return plan

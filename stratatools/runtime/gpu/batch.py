@@ -37,7 +37,16 @@ hits. The tier's residency seen by the device is refreshed between steps (as bet
 
 QSA: on a long-context decoder each place keeps its raw indexer keys and pooled block keys; past the
 full-selection range the attended cells of each place are chosen on the host as the prefill chooses them (a mask
-over the batched product). The step is launched eagerly (no CUDA graph).
+over the batched product).
+
+CUDA graph (CuPy): a step of all N places in place order (what continuous batching runs while the queue lasts)
+replays one captured graph; the eager step launched about 90 kernels a layer from Python, so the device waited for
+the host most of the step. What changes from step to step enters through buffers filled before the replay
+(:meth:`BatchDecoder._stage_static`: positions, embedding rows, rope tables, PLE rows; the tier's slot table as at
+batch 1), the attention kernels size their scores for ``max_ctx`` positions, and the step's temporaries come from a
+memory pool of the graph's own. The first such step runs eagerly from those buffers (its result is the step's) and
+is then captured. Eager instead: a step of some of the places, a long-context decoder (QSA selection on the host),
+the timed breakdown, ``STRATATOOLS_BATCH_GRAPH=0``, or a capture that failed (``stats["graph_error"]``).
 """
 
 from __future__ import annotations
@@ -80,6 +89,17 @@ def _attn_module() -> Any:
     return cupy.RawModule(code=cuda_unit("attn_batch.cu"), options=("--std=c++17",))
 
 
+#: ``0`` runs every batched step eagerly; default: a step of all N places replays a CUDA graph (module docstring).
+GRAPH_ENV = "STRATATOOLS_BATCH_GRAPH"
+
+
+def graph_enabled() -> bool:
+    """May the batched step replay a CUDA graph (:data:`GRAPH_ENV`, default yes)?"""
+    import os
+
+    return os.environ.get(GRAPH_ENV, "1") != "0"
+
+
 #: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
 SMALL_F32_BYTES = 8 << 20
 #: At most this many bytes of such matrices in all (planned by :func:`stratatools.runtime.device.plan_vram`).
@@ -120,7 +140,15 @@ class BatchDecoder(ChunkPrefill):
         self.bk = {il: xp.zeros((N,) + tuple(a.shape), dtype=xp.float32) for il, a in dec.bk.items()}
         self.pos = np.zeros(N, dtype=np.int64)
         self.ple_ctx = [np.array(dec.ple_ctx, copy=True) for _ in range(N)]
-        self.stats = {"steps": 0, "tokens": 0}
+        self.stats: dict[str, Any] = {"steps": 0, "tokens": 0, "static_steps": 0, "graph_steps": 0}
+        #: run a step of all places through the static input buffers the graph reads (:meth:`_step_static`); set on
+        #: CuPy when a graph may be used, settable on numpy (no capture there: the same code eagerly, for tests)
+        self.static_inputs = bool(self.gpu and graph_enabled())
+        self._gin: dict[str, Any] | None = None  # the static input buffers
+        self._graph: Any = None
+        self._gpool: Any = None
+        self._gout: tuple[Any, Any] | None = None
+        self._in_static = False  # inside the static body: PLE rows and attention sizes from the buffers
         self._small_w: dict[str, Any] = {}
         self._small_w_bytes = 0
         if self.gpu:
@@ -248,6 +276,8 @@ class BatchDecoder(ChunkPrefill):
         return lg, nxt, i, w
 
     def _step(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+        if self._static_ok(pl):
+            return self._step_static(pl, toks, pos)
         cfg, xp = self.cfg, self.xp
         n, L, k = int(pl.size), cfg.n_layer, self.k
         self._places(pl, pos)
@@ -270,6 +300,144 @@ class BatchDecoder(ChunkPrefill):
         nxt = np.asarray(_to_host(nxt), dtype=np.int64).reshape(-1)
         self._tic("end")
         return lg, nxt, ids_out, w_out
+
+    # -- the graph step ------------------------------------------------------------------------------------
+    def _static_ok(self, pl: np.ndarray) -> bool:
+        """Does this step run through the static buffers (and on CuPy a graph)? Every place in order, no timed
+        breakdown, a decoder without host-side QSA selection, and attention that stays on ``attn_batch.cu``'s
+        kernels at every position up to ``max_ctx`` (module docstring)."""
+        if not self.static_inputs or self.timing is not None or "graph_error" in self.stats:
+            return False
+        if pl.size != self.n or not (pl == np.arange(self.n)).all():
+            return False
+        ok = getattr(self, "_static_layers_ok", None)
+        if ok is None:
+            ok = self._static_layers_ok = self._static_layers()
+        return ok
+
+    def _static_layers(self) -> bool:
+        """The position-independent part of :meth:`_static_ok`: no long-context decoder, and every attention layer
+        on ``attn_batch.cu`` (kernels on, norm weights per head or per tensor, heads of at most 1,024 values, the
+        scores of ``max_ctx`` positions within :data:`ATTN_B_MAX_SHARED`); on numpy only the first."""
+        cfg, dec = self.cfg, self.dec
+        if dec.long:
+            return False
+        if not self.gpu:
+            return True
+        hd = cfg.head_dim
+        if not attn_kernels_enabled() or hd > 1024 or cfg.n_rot > hd or 4 * dec.max_ctx > ATTN_B_MAX_SHARED:
+            return False
+        for il in range(cfg.n_layer):
+            if cfg.recurrent[il]:
+                continue
+            p = f"blk.{il}."
+            if (self._f32(p + "attn_q_norm.weight").size not in (hd, cfg.n_head * hd)
+                    or self._f32(p + "attn_k_norm.weight").size not in (hd, cfg.n_head_kv * hd)):
+                return False
+        return True
+
+    def _stage_static(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
+        """Fill the static input buffers for a step of all places (host work and uploads, before a replay): places
+        and positions (as :meth:`_places`), the token embedding rows, the rope tables and each PLE layer's rows
+        (the places' PLE contexts advance)."""
+        xp, cfg, n = self.xp, self.cfg, self.n
+        x0 = self._rows("token_embd.weight", toks)
+        cos, sin = self.rt.rope.cos_sin(pos)
+        ple = {il: self._ple_emb_rows(r) for il, r in self._ple_rows_b(toks, pl).items()} if cfg.ple_layers else {}
+        g = self._gin
+        if g is None:
+            g = self._gin = {"pl": xp.asarray(np.arange(n, dtype=np.int64)),
+                             "pl_i32": xp.asarray(np.arange(n, dtype=np.int32)),
+                             "pos_i32": xp.zeros(n, dtype=xp.int32), "x0": xp.empty_like(x0),
+                             "cos": xp.empty_like(cos), "sin": xp.empty_like(sin),
+                             "ple": {il: xp.empty_like(e) for il, e in ple.items()}}
+        g["pos_i32"][...] = xp.asarray(np.asarray(pos, dtype=np.int32))
+        g["x0"][...] = x0
+        g["cos"][...] = cos
+        g["sin"][...] = sin
+        for il, e in ple.items():
+            g["ple"][il][...] = e
+        self._pl, self._all = pl, True
+        self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
+
+    def _ple_emb_rows(self, rows: np.ndarray) -> Any:
+        return self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(int(rows.shape[0]), -1)
+
+    def _ple_emb(self, il: int, rows: Any, T: int) -> Any:
+        if self._in_static:
+            return self._gin["ple"][il]
+        return super()._ple_emb(il, rows, T)
+
+    def _body_static(self, pos: np.ndarray) -> tuple[Any, Any]:
+        """The step of all places from the static buffers (what the graph holds): (logits [N, vocab], greedy next
+        tokens [N]) on xp; the routing goes to ``_ids_dev`` / ``_w_all`` on CuPy. ``pos`` (host) only answers
+        position-independent questions here (the attention's scores are sized for ``max_ctx``)."""
+        xp, cfg, g = self.xp, self.cfg, self._gin
+        n, L, k = self.n, cfg.n_layer, self.k
+        H = xp.concatenate([g["x0"]] * cfg.hc_count, axis=-1)
+        ids_out = np.zeros((n, L, k), dtype=np.int32)
+        w_out = np.zeros((n, L, k), dtype=np.float32)
+        self._in_static = True
+        try:
+            H = self._layers(H, {il: None for il in cfg.ple_layers}, ids_out, w_out, pos, g["cos"], g["sin"])
+            out_in, _ = self._hc("output_hc", H, inject=False)
+            lg = self._mm(xp.ascontiguousarray(out_in, dtype=xp.float32), "output.weight")
+            nxt = xp.argmax(lg, axis=-1)
+        finally:
+            self._in_static = False
+        if not self.gpu:
+            self._cpu_routing = (ids_out, w_out)
+        return lg, nxt
+
+    def _step_static(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray,
+                                                                                       np.ndarray]:
+        """A step of all places through the static buffers: on CuPy the graph's replay (the first such step runs
+        eagerly and is then captured, :meth:`_capture`); on numpy the same body eagerly. :meth:`_step`'s returns
+        (the logits a copy, not the graph's buffer)."""
+        self._stage_static(pl, toks, pos)
+        self.stats["static_steps"] += 1
+        if not self.gpu:
+            lg, nxt = self._body_static(pos)
+            ids_out, w_out = self._cpu_routing
+            return lg, np.asarray(nxt, dtype=np.int64).reshape(-1), ids_out, w_out
+        if self._graph is None:
+            lg, nxt = self._capture(pos)
+        else:
+            self._graph.launch(stream=self.dec._stream)
+            lg, nxt = self._gout
+            self.stats["graph_steps"] += 1
+        lg = lg.copy()  # the graph's buffer is the next replay's output
+        n = self.n
+        ids_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._ids_dev[:, :n]), (1, 0, 2)))
+        w_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._w_all[:, :n]), (1, 0, 2)))
+        return lg, np.asarray(self.cp.asnumpy(nxt), dtype=np.int64).reshape(-1), ids_out, w_out
+
+    def _capture(self, pos: np.ndarray) -> tuple[Any, Any]:
+        """Run the static body eagerly (this step's result; it compiles the kernels and fills the graph's own memory
+        pool), then capture it (capturing runs nothing). A capture that fails leaves the eager result and makes
+        later steps eager (``stats["graph_error"]``)."""
+        cp = self.cp
+        s = self.dec._stream
+        self._gpool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(self._gpool.malloc), s:
+            lg, nxt = self._body_static(pos)
+            s.synchronize()
+            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+            try:
+                try:
+                    s.begin_capture(mode=mode) if mode is not None else s.begin_capture()
+                except TypeError:  # an older CuPy without the mode argument
+                    s.begin_capture()
+                try:
+                    out = self._body_static(pos)
+                finally:
+                    graph = s.end_capture()
+            except Exception as e:  # noqa: BLE001 - any capture failure: stay eager, say why in the stats
+                self.stats["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                self._gpool = None
+                return lg, nxt
+        self._graph, self._gout = graph, out
+        return lg, nxt
 
     # -- per-place state helpers ----------------------------------------------------------------------------
     def _places(self, pl: np.ndarray, pos: np.ndarray) -> None:
@@ -410,7 +578,7 @@ class BatchDecoder(ChunkPrefill):
         T = int(x.shape[0])
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         p = f"blk.{il}."
-        P = int(pos.max()) + 1
+        P = dec.max_ctx if self._in_static else int(pos.max()) + 1  # (the graph serves every position)
         if dec._qsa_layer(il) and not all(qsa_selects_all(self.rt.selection, cfg.compress_ratios[il], cfg.idx_budget,
                                                           int(pp)) for pp in pos):
             return None

@@ -621,11 +621,16 @@ class ChunkPrefill:
         dec.ple_ctx = ctx
         return rows
 
+    def _ple_emb(self, il: int, rows: np.ndarray, T: int) -> Any:
+        """The PLE table rows ``rows`` [T, heads] of layer ``il`` as [T, heads ne0] float32 on xp (the batched
+        decoder's graph step reads them from a buffer filled before its replay instead)."""
+        return self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(T, -1)
+
     def _ple(self, il: int, H: Any, rows: np.ndarray) -> Any:
         xp, cfg = self.xp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
         T = H.shape[0]
-        emb = self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(T, -1)
+        emb = self._ple_emb(il, rows, T)
         p = f"blk.{il}.ple_"
         key = _rmsnorm(xp, self._mm(emb, p + "key.weight"), self._f32(p + "norm_key.weight"), cfg.eps, group=n)
         value = self._mm(emb, p + "value.weight")
