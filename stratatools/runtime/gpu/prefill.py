@@ -439,7 +439,7 @@ class ChunkPrefill:
             out = self._qmm(X, raw, t, rows, cols)
         if out is None:
             W = self._weight(name)
-            out = self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
+            out = self._sgemm(X, W)
         self._pop()
         return out
 
@@ -893,7 +893,16 @@ class ChunkPrefill:
             if out is not None:
                 return out
         W = self._dequant(dev[which], t, rows, cols)
-        return self.cp.matmul(X, W.T)
+        return self._sgemm(X, W)
+
+    def _sgemm(self, X: Any, W: Any) -> Any:
+        """X [T, K] @ W.T for W [R, K]: float32 [T, R] (on CuPy :func:`stratatools.runtime.gpu.blas.sgemm_nt`, which
+        a captured step may call; numpy's matmul otherwise)."""
+        if not self.gpu:
+            return self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
+        from stratatools.runtime.gpu.blas import sgemm_nt
+
+        return sgemm_nt(X, W)
 
     def _experts_mma(self, il: int, x: Any, ids: np.ndarray) -> Any:
         """:meth:`_experts_rows`' contract on the tensor cores: jobs of one expert and up to :data:`JOB_TOKENS_MMA`
