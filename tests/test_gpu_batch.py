@@ -93,8 +93,8 @@ def test_gpu_batched_steps_match_the_graph_decoder(kit, kit_prompts, model, gemm
 
 @pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
 def test_gpu_graph_steps_equal_eager_steps(kit, kit_prompts, model, gemm, monkeypatch):
-    """The batched step replayed from its CUDA graph gives the eager step's logits, tokens and routing bit for bit,
-    over steps of every place with a subset step (eager) and a re-admitted place between them."""
+    """The batched step replayed from its CUDA graph gives the eager step's tokens and routing and its logits within
+    1e-5, over steps of every place with a subset step (eager) and a re-admitted place between them."""
     import cupy as cp
 
     if not (kit / model).exists():
@@ -130,9 +130,11 @@ def test_gpu_graph_steps_equal_eager_steps(kit, kit_prompts, model, gemm, monkey
             if s == 6:
                 toks[1] = admit(1, prompts[3])
             got = [bd.step(places, [toks[p] for p in places]) for bd in bds]
-            assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
-            for a, b in zip(got[0][1:], got[1][1:]):
-                assert np.array_equal(a, b), s
+            # the graph step's SGEMMs are cuBLAS calls of their own (runtime/gpu/blas.py), the eager step's CuPy's
+            la, lb = cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])
+            assert np.abs(la - lb).max() <= 1e-5 * np.abs(lb).max(), s
+            assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][2], got[1][2]), s
+            np.testing.assert_allclose(got[0][3], got[1][3], rtol=1e-5, atol=1e-6)
             for j, p in enumerate(places):
                 toks[p] = int(got[0][1][j])
         assert "graph_error" not in bds[0].stats, bds[0].stats.get("graph_error")

@@ -1,4 +1,4 @@
-"""``runtime/gpu/blas.py`` (cuBLAS SGEMM called directly, so that a captured batched step may run it) against numpy:
+"""``runtime/gpu/blas.py`` (cuBLAS SGEMM through ctypes, so that a captured batched step may run it) against numpy:
 shapes of one row, non-contiguous inputs, an empty inner dimension, the same result inside a CUDA graph as eagerly.
 Skips without CuPy and a GPU."""
 

@@ -148,7 +148,7 @@ class BatchDecoder(ChunkPrefill):
         self._graph: Any = None
         self._gpool: Any = None
         self._gout: tuple[Any, Any] | None = None
-        self._in_static = False  # inside the static body: PLE rows and attention sizes from the buffers
+        self._in_static = False  # inside the static body: PLE rows, attention sizes and GEMMs for the graph
         self._small_w: dict[str, Any] = {}
         self._small_w_bytes = 0
         if self.gpu:

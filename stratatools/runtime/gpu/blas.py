@@ -1,14 +1,15 @@
-"""cuBLAS SGEMM for the batched prefill and the batched decode step: ``Y[T, R] = X[T, K] W[R, K]^T`` in float32.
+"""cuBLAS SGEMM that a CUDA-graph capture may record: ``Y[T, R] = X[T, K] W[R, K]^T`` in float32.
 
-CuPy's ``matmul`` refuses to call cuBLAS while a stream is being captured into a CUDA graph (NotImplementedError),
+CuPy refuses every cuBLAS call while a stream is being captured (its ``setStream`` raises NotImplementedError),
 although cuBLAS supports capture; the batched decode step is captured (:mod:`stratatools.runtime.gpu.batch`), so its
-dense GEMMs go through this thin call of cuBLAS's ``sgemm`` on the current stream instead (the eager steps too, so
-that a replayed step and an eager one run the same cuBLAS call and agree bit for bit). Importing this module needs no
-CuPy.
+dense GEMMs there call the cuBLAS library CuPy already loaded, through ctypes, on CuPy's handle. Eager steps keep
+CuPy's ``matmul``. Importing this module needs no CuPy.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
 
 import numpy as np
@@ -19,19 +20,41 @@ _ONE = np.ones(1, dtype=np.float32)  # host scalars cuBLAS reads at the call (po
 _ZERO = np.zeros(1, dtype=np.float32)
 
 
-def _cublas() -> Any:
+@functools.lru_cache(maxsize=1)
+def _lib() -> Any:
+    """The cuBLAS library of this process (the one CuPy loaded: found among the mapped libraries), with the two
+    entry points used here typed."""
+    import ctypes.util
+
+    import cupy as cp
+
+    cp.cuda.device.get_cublas_handle()  # CuPy loads cuBLAS on its first handle
+    path = None
     try:
-        from cupy_backends.cuda.libs import cublas
-    except ImportError:  # older CuPy layouts
-        from cupy.cuda import cublas
-    return cublas
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name = line.split()[-1] if line.strip() else ""
+                if "libcublas.so" in name and "libcublasLt" not in name:
+                    path = name
+                    break
+    except OSError:
+        pass
+    path = path or ctypes.util.find_library("cublas")
+    if path is None:
+        raise StrataError("cuBLAS: the library CuPy uses was not found among this process's libraries")
+    lib = ctypes.CDLL(path)
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.cublasSetStream_v2.argtypes = [vp, vp]
+    lib.cublasSgemm_v2.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, vp, ci, vp, vp, ci]
+    return lib
 
 
 def sgemm_nt(X: Any, W: Any, out: Any = None) -> Any:
     """``X @ W.T`` for float32 CuPy arrays X [T, K] and W [R, K] (made contiguous first): returns ``out`` or a new
-    float32 [T, R] array. Runs cuBLAS ``sgemm`` on the current stream (also while it is captured).
+    float32 [T, R] array, computed by cuBLAS ``cublasSgemm`` on the current stream (also while it is captured).
 
-    Raises StrataError for shapes that do not match or an ``out`` that is not a contiguous float32 [T, R] array."""
+    Raises StrataError for shapes that do not match, an ``out`` that is not a contiguous float32 [T, R] array, or a
+    cuBLAS error status."""
     import cupy as cp
 
     if X.ndim != 2 or W.ndim != 2 or int(X.shape[1]) != int(W.shape[1]):
@@ -49,9 +72,13 @@ def sgemm_nt(X: Any, W: Any, out: Any = None) -> Any:
     if K == 0:
         out.fill(0)
         return out
-    cublas = _cublas()
+    lib = _lib()
     h = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+    st = lib.cublasSetStream_v2(h, cp.cuda.get_current_stream().ptr)
     # column-major view: Y^T [R, T] = (W^T)^T [R, K] . X^T [K, T]; W^T and X^T are the row-major arrays as stored
-    cublas.sgemm(h, 1, 0, R, T, K, _ONE.ctypes.data, W.data.ptr, K, X.data.ptr, K, _ZERO.ctypes.data, out.data.ptr, R)
+    if st == 0:
+        st = lib.cublasSgemm_v2(h, 1, 0, R, T, K, _ONE.ctypes.data, W.data.ptr, K, X.data.ptr, K, _ZERO.ctypes.data,
+                                out.data.ptr, R)
+    if st != 0:
+        raise StrataError(f"cuBLAS sgemm of [{T}, {K}] x [{R}, {K}]^T failed with status {st}")
     return out

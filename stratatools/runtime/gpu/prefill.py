@@ -895,14 +895,17 @@ class ChunkPrefill:
         W = self._dequant(dev[which], t, rows, cols)
         return self._sgemm(X, W)
 
-    def _sgemm(self, X: Any, W: Any) -> Any:
-        """X [T, K] @ W.T for W [R, K]: float32 [T, R] (on CuPy :func:`stratatools.runtime.gpu.blas.sgemm_nt`, which
-        a captured step may call; numpy's matmul otherwise)."""
-        if not self.gpu:
-            return self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
-        from stratatools.runtime.gpu.blas import sgemm_nt
+    #: set by the batched decoder while it runs (or captures) its graph step: GEMMs through a capturable cuBLAS call
+    _in_static = False
 
-        return sgemm_nt(X, W)
+    def _sgemm(self, X: Any, W: Any) -> Any:
+        """X [T, K] @ W.T for W [R, K]: float32 [T, R] (xp's matmul; in the batched decoder's graph step
+        :func:`stratatools.runtime.gpu.blas.sgemm_nt`, which a stream capture may record)."""
+        if self.gpu and self._in_static:
+            from stratatools.runtime.gpu.blas import sgemm_nt
+
+            return sgemm_nt(X, W)
+        return self.xp.matmul(X, W.T).astype(self.xp.float32, copy=False)
 
     def _experts_mma(self, il: int, x: Any, ids: np.ndarray) -> Any:
         """:meth:`_experts_rows`' contract on the tensor cores: jobs of one expert and up to :data:`JOB_TOKENS_MMA`
