@@ -88,3 +88,36 @@ def test_mtp_block_entries_are_named_not_refused(cli, tmp_path):
     one = " ".join(err.split())
     assert code == 2 and "routes 4 layers (0..3)" in one and "entries of layer 3 " in one, err
     assert "if layer 3 is this model's MTP block: pass --model M.gguf" in one, err
+
+
+def test_tune_refuses_a_trace_of_more_layers(kit, cli, tmp_path):
+    """tune on another model's trace (10 layers, the model has 8) stopped on the --kfold check (default 5 folds,
+    3 requests) and, with --kfold 2, tuned it and exited 0: now simulate's refusal, one line, exit 2."""
+    t = _extra_layer_trace(kit, tmp_path / "l10.csv")
+    m = kit / "pruned/coder-revB.gguf"
+    for extra in ((), ("--kfold", "2", "--candidates", "3")):
+        code, out, err = cli("tune", "-t", t, "--model", m, "--slots", "32", *extra)
+        assert code == 2 and "routes 10 layers (0..9)" in err and "8 trunk layers" in err, err
+        assert str(t) in err and "--kfold" not in err and len(err.strip().splitlines()) == 1, err
+    # the profile alone names the geometry too
+    code, out, err = cli("tune", "-t", t, "-p", kit / "pruned/expected-profile-revA-remapped-to-revB.bin",
+                         "--slots", "32", "--kfold", "2", "--candidates", "3")
+    assert code == 2 and "routes 10 layers" in err, err
+    # the model's own trace tunes as before
+    code, out, err = cli("tune", "-t", kit / "pruned/coder-revB.routing.csv", "--model", m, "--slots", "32",
+                         "--kfold", "2", "--candidates", "3", "--json")
+    assert code == 0 and json.loads(out)["k"] == 2, err
+
+
+def test_tune_in_memory_path_refuses_a_trace_of_more_layers(kit):
+    """The mapper path (--cluster) reads the traces whole: the same refusal, before any fold is built."""
+    import pytest
+
+    from stratatools.cachesim.tune import tune
+    from stratatools.core.errors import StrataError
+    from stratatools.traces.formats import read_trace
+
+    t = read_trace(kit / "pruned/coder-revB.routing.csv")
+    t.layer[t.layer == 0] = 9
+    with pytest.raises(StrataError, match=r"routes 10 layers \(0..9\) but the model has 8 trunk layers"):
+        tune(t, 8, 16, slots=32, k=2, candidates=3, mapper=lambda fn, items: list(map(fn, items)), max_layers=8)

@@ -409,6 +409,19 @@ def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
                if lmax == max_layers == n_layers else ""))
 
 
+def refuse_extra_layers(src, lmax: int, n_layers: int, max_layers: int | None) -> None:
+    """Refuse a trace whose largest routed layer ``lmax`` is ``max_layers`` or above (another model's trace).
+
+    ``src``: the trace (a TraceTable or chunk source; its ``meta["source_path"]`` names it); ``n_layers``: the
+    model's trunk layers; ``max_layers``: the trunk plus its MTP blocks, None to accept any layer.
+
+    Raises:
+        StrataError: the one-line refusal (:func:`_layers_error`), exit 2 in the CLI.
+    """
+    if max_layers is not None and lmax >= max_layers:
+        raise StrataError(_layers_error(src, lmax, n_layers, max_layers))
+
+
 class EntryStream:
     """Traces prepared for replay chunk by chunk, in memory independent of their length.
 
@@ -501,8 +514,7 @@ class EntryStream:
                     wmax = max(wmax, int(c["window"].max()))
                 pp.scan(c)
             self.source_entries.append(n_s)
-            if max_layers is not None and lmax >= max_layers:
-                raise StrataError(_layers_error(s, lmax, self.n_layers, max_layers))
+            refuse_extra_layers(s, lmax, self.n_layers, max_layers)
             if progress is not None:
                 progress.update(advance=1 / len(self.sources))
             if n_s == 0:

@@ -221,7 +221,12 @@ class _TableFolds:
     use (its held-out entries prepared, its training profiles made by make-profile)."""
 
     def __init__(self, tables, n_layers: int, n_expert: int, k: int, phase: str, count_phase: str,
-                 profiles: dict[str, Profile]):
+                 profiles: dict[str, Profile], max_layers: int | None = None):
+        from stratatools.cachesim.replay import refuse_extra_layers
+
+        for t in [tables] if isinstance(tables, TraceTable) else list(tables):
+            if len(t.layer):
+                refuse_extra_layers(t, int(t.layer.max()), n_layers, max_layers)
         self.table = tables if isinstance(tables, TraceTable) else merge_traces(list(tables))
         self.fold = fold_of_requests(self.table.request.astype(np.int64), k)
         self.n_requests = int(len(np.unique(self.table.request)))
@@ -255,13 +260,13 @@ class _StreamFolds:
     profiles and one chunk, whatever the traces' length."""
 
     def __init__(self, tables, n_layers: int, n_expert: int, k: int, phase: str, count_phase: str,
-                 profiles: dict[str, Profile]):
+                 profiles: dict[str, Profile], max_layers: int | None = None):
         from stratatools.cachesim.replay import EntryStream
         from stratatools.profiles.ranking import build_profile
 
         srcs = [tables] if isinstance(tables, TraceTable) else list(tables)
         L, E = self.L, self.E = int(n_layers), int(n_expert)
-        self.main = main = EntryStream(srcs, L, E, phase=phase)
+        self.main = main = EntryStream(srcs, L, E, phase=phase, max_layers=max_layers)
         n_req = self.n_requests = int(main._req_base[-1] + len(main._req_ids[-1]))
         # fold_of_requests' checks, in its order
         if k < 2:
@@ -343,7 +348,7 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
          k: int = 5, candidates: int = 81, eta: int = 3, objective: str = "hit", cost: ThreeTierModel | None = None,
          seed: int = 0, phase: str = "decode", mapper: Callable | None = None,
          progress: Any = None, version: str = "0.2", trace_paths: Sequence[str] | None = None,
-         profile_paths: dict[str, str] | None = None) -> TuneResult:
+         profile_paths: dict[str, str] | None = None, max_layers: int | None = None) -> TuneResult:
     """Search tier settings by successive halving over k folds by request (module docstring).
 
     Args:
@@ -358,8 +363,12 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
         progress: object with ``update(advance=n)`` (:func:`stratatools.cli.common.progress_bar`), or None.
         version: ``0.2`` (default) or ``0.1``: Strata 0.1.4x has no lag or paced mode, so those stay off.
         trace_paths, profile_paths: file names for the printed engine command lines (profile name -> path).
+        max_layers: refuse traces that route layer ``max_layers`` or above (another model's: the trunk plus its
+            MTP blocks; :func:`~stratatools.cachesim.replay.refuse_extra_layers`), before the folds are made.
+            None: entries outside ``n_layers`` are skipped.
     Raises:
-        StrataError: bad k/eta/candidates/objective, too few requests, no budget, tok/s without blob sizes.
+        StrataError: bad k/eta/candidates/objective, too few requests, no budget, tok/s without blob sizes, a
+            trace of more layers than ``max_layers``.
     """
     if objective not in OBJECTIVES:
         raise StrataError(f"--objective {objective!r}: use hit or tok/s")
@@ -375,9 +384,9 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
     profiles = dict(profiles or {})
     count_phase = "decode" if phase == "decode" else "all"
     if mapper is None:
-        folds = _StreamFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles)
+        folds = _StreamFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles, max_layers)
     else:
-        folds = _TableFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles)
+        folds = _TableFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles, max_layers)
     key = "h_expert" if objective == "hit" else "tok_s"
     if cost is None and blob_bytes is not None:
         cost = ThreeTierModel()

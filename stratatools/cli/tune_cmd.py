@@ -146,6 +146,7 @@ def register(app: typer.Typer) -> None:
         from stratatools.cachesim.costmodel import ThreeTierModel
         from stratatools.cachesim.study import load_inputs
         from stratatools.cachesim.tune import plot_tune, tune
+        from stratatools.cli.sim_cmds import _geometry_layers
         from stratatools.core.fsutil import guard_output, write_bytes_atomic, write_json_atomic
 
         s, b, budget_text = _budget(slots, budget_gib, card, reserve_gib)
@@ -190,7 +191,8 @@ def register(app: typer.Typer) -> None:
                        profiles=dict(zip(inp.names, inp.profiles)), k=kfold, candidates=candidates, eta=eta,
                        objective=objective, cost=cost if inp.blob_bytes is not None else None, seed=seed,
                        phase=phase, progress=bar, version=strata_version, trace_paths=list(traces),
-                       profile_paths=dict(zip(inp.names, profile or [])), mapper=mapper)
+                       profile_paths=dict(zip(inp.names, profile or [])), mapper=mapper,
+                       max_layers=_geometry_layers(inp, inp.profiles or [None]))
         d = res.to_dict()
         d["budget"] = budget_text
         if plot is not None:
