@@ -29,8 +29,9 @@ def validate_release_cmd(
     previous_alloc: Optional[Path] = typer.Option(None, "--previous-alloc", help="The previous revision's allocation."),
     min_hit_rate: Optional[float] = typer.Option(None, "--min-hit-rate", callback=common.float_range(0.0, 1.0),
                                                 help="Gate: profile h_expert on the traces (0..1)."),
-    slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(1, common.MAX_SLOTS),
-                                       help="Slots for the gate (default: 39/256 of the experts per layer)."),
+    slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS),
+                                       help="Slots for the gate, at least 1 (default: 39/256 of the experts per "
+                                            "layer)."),
     budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=common.float_range(0.0, common.MAX_GIB, lo_open=True),
                                               help="Byte budget for the gate instead of slots."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout instead of the table."),

@@ -30,8 +30,11 @@ def _budget(slots: Optional[int], budget_gib: Optional[float], card: Optional[st
     if sum(given) != 1:
         raise StrataError("give exactly one budget: --slots N, --budget-gib X or --card SIZE (e.g. --card 12GB)")
     if slots is not None:
-        if slots < 0:
-            raise StrataError(f"--slots {slots}: must be >= 0")
+        if slots < 1:
+            # 0 is accepted by run/simulate (the all-miss tier, a measurement); a search over it finds nothing
+            raise StrataError(f"--slots {slots}: tune needs at least 1 slot (with no slot nothing is resident, so "
+                              f"every setting scores the same and there is nothing to search); give the card's "
+                              f"slot count, --budget-gib X or --card SIZE")
         return slots, None, f"{slots} slots"
     if card is not None:
         size = parse_card(card)
@@ -111,7 +114,7 @@ def register(app: typer.Typer) -> None:
         profile: Optional[list[str]] = typer.Option(None, "--profile", "-p", help="STRP profile to consider; repeatable."),
         pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
-        slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Slot count budget."),
+        slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Slot count budget (at least 1)."),
         budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=_GIB_POS,
                                                    help="Byte budget in GiB (needs --pack/--model)."),
         card: Optional[str] = typer.Option(None, "--card", help="Card memory, e.g. 12GB: budget = card - --reserve-gib."),

@@ -428,7 +428,8 @@ def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib
     """Refuse gate options that cannot mean anything (exit 2 before any check runs).
 
     Raises:
-        StrataError: --min-hit-rate outside 0..1 or not finite, --slots < 1, --budget-gib not a finite
+        StrataError: --min-hit-rate outside 0..1 or not finite, --slots < 1 (at 0 slots h_expert is 0 whatever
+            the profile: the gate would test nothing), --budget-gib not a finite
             positive number, or both --slots and --budget-gib.
     """
     import math
@@ -438,7 +439,10 @@ def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib
     if slots is not None and budget_gib is not None:
         raise StrataError("give --slots N or --budget-gib X for the hit-rate gate, not both")
     if slots is not None and slots < 1:
-        raise StrataError(f"--slots {slots}: give a positive number of expert slots")
+        # 0 is accepted by run/simulate (the all-miss tier, a measurement); a gate on it tests nothing
+        raise StrataError(f"--slots {slots}: the hit-rate gate needs at least 1 slot (with no slot every entry "
+                          f"misses, so h_expert is 0 whatever the profile and the gate tests nothing); give the "
+                          f"card's slot count, or leave --slots out for the default L x round(E x 39/256)")
     if budget_gib is not None and not (math.isfinite(budget_gib) and budget_gib > 0):
         raise StrataError(f"--budget-gib {budget_gib}: give a finite positive number of GiB")
 
