@@ -121,3 +121,30 @@ def test_tune_in_memory_path_refuses_a_trace_of_more_layers(kit):
     t.layer[t.layer == 0] = 9
     with pytest.raises(StrataError, match=r"routes 10 layers \(0..9\) but the model has 8 trunk layers"):
         tune(t, 8, 16, slots=32, k=2, candidates=3, mapper=lambda fn, items: list(map(fn, items)), max_layers=8)
+
+
+def test_report_published_meanwhile_is_not_replaced(kit, cli, tmp_path, monkeypatch):
+    """simulate/compare --report without --force checked the folder (no report), then another run published a
+    report there before the swap: the check runs again under the folder's lock, so the other report is kept."""
+    import os
+
+    from stratatools.cachesim import report as rep
+
+    p = kit / "pruned"
+    real = rep.study_markdown
+    for i, cmd in enumerate((("simulate", "--model", p / "coder-revB.gguf", "--no-sweep"),
+                             ("compare", "-p", p / "profile-revA.bin"))):
+        out = tmp_path / f"rep{i}"
+
+        def other_run_first(study, *a, _out=out, **k):  # the report is rendered after the early check
+            md = real(study, *a, **k)
+            _out.mkdir(exist_ok=True)
+            (_out / "report.json").write_text("theirs")
+            return md
+
+        monkeypatch.setattr(rep, "study_markdown", other_run_first)
+        code, _o, err = cli(cmd[0], "-t", p / "coder-revB.routing.csv", *cmd[1:], "--slots", "32", "--report", out)
+        assert code == 2 and "report.json: already exists (pass --force" in err, (cmd[0], err)
+        assert sorted(os.listdir(out)) == ["report.json"] and (out / "report.json").read_text() == "theirs"
+        assert sorted(x.name for x in tmp_path.iterdir() if x.name.startswith((".", "rep"))) == \
+            [f"rep{j}" for j in range(i + 1)], list(tmp_path.iterdir())

@@ -310,22 +310,30 @@ def write_report(study, folder: str | os.PathLike, force: bool = False,
     beside it and swapped in (:func:`stratatools.core.fsutil.publish_dir`), other files already in the folder are
     carried over, a previous report survives any failure.
 
-    Raises StrataError when a report file exists there and ``force`` is False, when the folder is an input or not
-    a folder. Returns the paths written.
+    Without ``force`` the "already exists" check runs again under the folder's lock, before the build and just
+    before the swap (``publish_dir``'s ``refuse``): a report another run published after this one's first check
+    is refused, not replaced.
+
+    Raises StrataError when a report file exists there and ``force`` is False (also one published meanwhile),
+    when the folder is an input or not a folder. Returns the paths written.
     """
     from stratatools.core.fsutil import publish_dir
 
     d = Path(folder)
-    if d.exists() and not d.is_dir():
-        raise StrataError(f"{d}: exists and is not a folder; choose another --report folder", d)
-    if not force:
+
+    def refuse(_t: Path) -> None:  # also run under the output lock (publish_dir)
         for f in FILES:
             if (d / f).exists():
                 raise StrataError(f"{d / f}: already exists (pass --force to replace the report)", d / f)
+
+    if d.exists() and not d.is_dir():
+        raise StrataError(f"{d}: exists and is not a folder; choose another --report folder", d)
+    if not force:
+        refuse(d)
     blobs = {"report.json": study_json(study).encode(), "report.md": study_markdown(study).encode(),
              "hit_rate_vs_budget.png": plot_sweep(study), "layer_heatmap.png": plot_heatmap(study),
              "coverage.png": plot_coverage(study)}
-    with publish_dir(d, inputs=inputs, keep=lambda n: n not in FILES) as stage:
+    with publish_dir(d, inputs=inputs, keep=lambda n: n not in FILES, refuse=None if force else refuse) as stage:
         for name in FILES:
             write_bytes_atomic(stage / name, blobs[name])
     return [d / name for name in FILES]
