@@ -3,7 +3,9 @@ compiled as host C++ (host_kernel_shim.cuh runs a block as one thread, which pla
 in turn) against numpy: the fragment wrapper on one 16x16 by 16x8 product, the float -> half rounding against numpy's,
 the hi/lo activation split, the dense GEMM (Q8R, GGUF Q8_0 and Q2_0; token counts that do not fill a tile, rows that
 do not fill a warp's 16, K not a multiple of the staged chunk) and the routed-expert jobs, against float64 references
-on the reference dequantizer's values. Skips without a C++ compiler."""
+on the reference dequantizer's values; the hgemm path's weight split (Wh + Wl = W exactly, the fp16 overflow flag),
+its numerics emulated in numpy and its launcher and fallbacks with a numpy stand-in for cuBLAS. Skips without a C++
+compiler."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def lib(tmp_path_factory):
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I]
+    for f in sorted(set(Q.LAYOUTS.values())):
+        getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
         getattr(h, f"host_qmm_moe_gu_{f}").argtypes = [U, U, P, P, P, P, P, P, I, I]
         getattr(h, f"host_qmm_moe_down_{f}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
@@ -238,7 +242,8 @@ def test_launchers_refuse_bad_shapes():
 
 
 def test_prefill_and_batch_gemm_env(monkeypatch):
-    """The prefill's switch defaults to mma, the batched step's to sgemm; each reads its own variable only."""
+    """The prefill's switch defaults to mma, the batched step's to sgemm; each reads its own variable only and takes
+    sgemm, mma or hgemm (any case, spaces around)."""
     monkeypatch.delenv(Q.GEMM_ENV, raising=False)
     monkeypatch.delenv(Q.BATCH_GEMM_ENV, raising=False)
     assert (Q.prefill_gemm(), Q.batch_gemm()) == ("mma", "sgemm")
@@ -246,9 +251,13 @@ def test_prefill_and_batch_gemm_env(monkeypatch):
     assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "sgemm")
     monkeypatch.setenv(Q.BATCH_GEMM_ENV, " mma")
     assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "mma")
+    monkeypatch.setenv(Q.GEMM_ENV, "HGEMM ")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("hgemm", "mma")
+    monkeypatch.setenv(Q.BATCH_GEMM_ENV, "hgemm")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("hgemm", "hgemm")
     for env, fn in ((Q.GEMM_ENV, Q.prefill_gemm), (Q.BATCH_GEMM_ENV, Q.batch_gemm)):
         monkeypatch.setenv(env, "tf32")
-        with pytest.raises(StrataError, match=f"{env}='tf32': use sgemm or mma"):
+        with pytest.raises(StrataError, match=f"{env}='tf32': use sgemm, mma or hgemm"):
             fn()
         monkeypatch.setenv(env, "mma")
 
@@ -442,7 +451,7 @@ def test_prefill_qmm_and_expert_paths_on_host(hostcp):
 
     rng = np.random.default_rng(11)
     pf = ChunkPrefill.__new__(ChunkPrefill)
-    pf.gpu, pf.cp, pf.k = True, hostcp, 3
+    pf.gpu, pf.cp, pf.k, pf.gemm = True, hostcp, 3, "mma"
     q8 = type_by_name("Q8_0")
     r1, r2, cols = 48, 40, 256
     raw1, raw2 = blocks(rng, "Q8_0", r1, cols), blocks(rng, "Q8_0", r2, cols)
@@ -501,6 +510,8 @@ def test_device_build_has_no_spills(tmp_path):
         if base == "qmm_dense":
             sig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, "
                    "int, int")
+        elif base == "qmm_wsplit":
+            sig = "const u8*, const u16*, long long, int, int, u16*, u16*, int*"
         elif base == "qmm_moe_gu":
             sig = "const u64*, const int*, const u16*, const u16*, const float*, float*, int, int"
         else:
@@ -517,3 +528,200 @@ def test_device_build_has_no_spills(tmp_path):
     for name, spill, regs in entries:
         print(f"{name}: {regs} registers, {spill} bytes spill stores")
         assert int(spill) == 0, name
+
+
+# ---- hgemm: fp16 hi / lo weights (qmm_wsplit) and the cuBLAS path's numerics ------------------------------------------
+def wide_blocks(rng, tname: str, rows: int, cols: int) -> np.ndarray:
+    """:func:`blocks` with scales log-uniform over 1e-7 .. 500 of both signs (subnormal fp16 scales; products down to
+    the subnormal range of fp16 and up to 64,000) and the extreme codes in every row."""
+    bv, tb = (32, 34) if tname == "Q8_0" else (64, 18)
+    raw = blocks(rng, tname, rows, cols).reshape(-1, tb)
+    nb = raw.shape[0]
+    d = (np.exp(rng.uniform(np.log(1e-7), np.log(500.0), nb)) * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+    d[:4] = np.float16([500.0, -500.0, 6e-8, 1e-7])
+    raw[:, :2] = d.view(np.uint8).reshape(nb, 2)
+    if tname == "Q8_0":
+        raw[0, 2:4] = (np.int8([-128, 127]).view(np.uint8))  # -64,000 and 63,500
+    else:
+        raw[0, 2] = 0xFF  # codes 3: 2 d = 1,000
+    return raw.reshape(-1)
+
+
+def wsplit_host(lib, layout: str, raw: np.ndarray, rows: int, cols: int, grid: int = 5):
+    """The host build's qmm_wsplit (grid-stride over ``grid`` blocks of one thread): (Wh, Wl, flag), Wl as left by
+    the kernel (poisoned with 0xABCD first)."""
+    f = Q.LAYOUTS[layout]
+    if f == 0:
+        q, d = K.q8_relayout(raw, rows, cols)
+        W8, Wd, rb = q.view(np.uint8), d, cols
+    else:
+        W8, Wd, rb = raw, raw, cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
+    wh = np.full((rows, cols), 0xABCD, np.uint16)
+    wl = np.full((rows, cols), 0xABCD, np.uint16)
+    flag = np.zeros(1, np.int32)
+    getattr(lib, f"host_qmm_wsplit_{f}")(grid, 1, _p(W8), _p(Wd), rb, rows, cols, _p(wh), _p(wl), _p(flag))
+    return wh, wl, int(flag[0])
+
+
+@pytest.mark.parametrize("layout,rows,cols", [("Q8R", 13, 96), ("Q8_0", 9, 160), ("Q2_0", 11, 192)])
+def test_wsplit_is_exact(lib, layout, rows, cols):
+    """Wh = fp16(W) rounded to nearest and Wh + Wl = W exactly (the reference dequantizer's values) over scales from
+    1e-7 to 500 (products from fp16's subnormals to 64,000); Q2_0 needs no Wl (left unwritten); no overflow flag."""
+    rng = np.random.default_rng(rows + cols)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = wide_blocks(rng, tname, rows, cols)
+    W = np.asarray(dequantize(raw, tname, rows * cols), dtype=np.float32).reshape(rows, cols)
+    wh, wl, flag = wsplit_host(lib, layout, raw, rows, cols)
+    assert flag == 0
+    assert np.array_equal(wh, W.astype(np.float16).view(np.uint16))
+    hv = wh.view(np.float16).astype(np.float64)
+    if layout == "Q2_0":
+        assert np.all(wl == 0xABCD) and np.array_equal(hv, W.astype(np.float64))
+    else:
+        assert np.array_equal(hv + wl.view(np.float16).astype(np.float64), W.astype(np.float64))
+        assert np.any(wl != 0) and np.abs(wl.view(np.float16)).min() == 0  # both cases occur
+        sub = (np.abs(W) < 2.0 ** -14) & (W != 0)
+        assert sub.sum() > 0 and np.all(wl[sub] == 0)  # fp16 subnormal range: the value itself, exactly
+    assert np.abs(W).max() >= 1000
+
+
+@pytest.mark.parametrize("layout,d,code,flagged", [
+    ("Q8R", 511.75, -128, 0), ("Q8R", 512.0, -128, 1), ("Q8_0", 600.0, 127, 1), ("Q8_0", 515.5, 127, 0), ("Q8_0", 516.0, 127, 1),
+    ("Q2_0", 32752.0, 3, 0), ("Q2_0", 32768.0, 3, 1), ("Q2_0", 40000.0, 1, 0)])
+def test_wsplit_flags_values_past_fp16(lib, layout, d, code, flagged):
+    """One value d code (Q2_0: (code - 1) d) at fp16's edge: -65,504 (511.75 x -128), 65,468.5 and 65,504 (32,752 x
+    2) fit, -65,536, 65,532 (rounds to infinity) and past set the flag; a large scale on a zero value does not."""
+    rng = np.random.default_rng(3)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    rows, cols = 3, 128
+    raw = blocks(rng, tname, rows, cols).reshape(-1, 34 if tname == "Q8_0" else 18)
+    raw[:, :2] = np.float16(0.01).reshape(1).view(np.uint8)
+    b = 4  # a block inside the second row
+    raw[b, :2] = np.float16(d).reshape(1).view(np.uint8)
+    if tname == "Q8_0":
+        raw[b, 2:] = 0
+        raw[b, 7] = np.int8(code).view(np.uint8)
+    else:
+        raw[b, 2:] = 0x55  # codes 1: value 0
+        raw[b, 9] = 0x55 & ~0x0C | (code << 2)
+    raw = raw.reshape(-1)
+    wh, wl, flag = wsplit_host(lib, layout, raw, rows, cols)
+    assert flag == flagged
+    if not flagged:
+        W = np.asarray(dequantize(raw, tname, rows * cols), dtype=np.float32).reshape(rows, cols)
+        rec = wh.view(np.float16).astype(np.float64) + (0 if layout == "Q2_0" else wl.view(np.float16).astype(np.float64))
+        assert np.array_equal(rec, W.astype(np.float64))
+
+
+def hgemm_emulated(wh, wl, hi, lo, sc) -> np.ndarray:
+    """The hgemm path's arithmetic in numpy: three fp16 GEMMs into one float32 Y (each product sum exact, rounded to
+    float32 once per GEMM as cuBLAS's beta = 1 accumulation does), then Y[t] *= sc[t] in float32."""
+    Wh = wh.view(np.float16).astype(np.float64)
+    Xh, Xl = hi.view(np.float16).astype(np.float64), lo.view(np.float16).astype(np.float64)
+    Y = (Xh @ Wh.T).astype(np.float32)
+    Y = (Y + Xl @ Wh.T).astype(np.float32)
+    if wl is not None:
+        Y = (Y + Xh @ wl.view(np.float16).astype(np.float64).T).astype(np.float32)
+    return (Y * sc[:, None]).astype(np.float32)
+
+
+@pytest.mark.parametrize("layout,rows,cols,T", [("Q8R", 24, 256, 9), ("Q8_0", 17, 320, 7), ("Q2_0", 19, 256, 8)])
+def test_hgemm_numerics_match_float64(lib, layout, rows, cols, T):
+    """Wh hi + Wh lo + Wl hi (lo lo dropped: below 2^-22 of |W| |x|) scaled back agrees with float64 to 2e-6 of
+    |W| |x| for every element, on rows of activations from 1e-30 to 1e30 and weights with scales from 1e-7 to 500."""
+    rng = np.random.default_rng(rows * T)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = wide_blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    wh, wl, flag = wsplit_host(lib, layout, raw, rows, cols)
+    assert flag == 0
+    X = acts(rng, T, cols)
+    hi, lo, sc = split_host(lib, X)
+    Y = hgemm_emulated(wh, None if layout == "Q2_0" else wl, hi, lo, sc)
+    worst = check(Y, W, X, tol=2e-6)
+    print(f"{layout}: worst error {worst:.2e} of |W| |x|")
+
+
+def _gemm16_np(A, B, Y, accumulate):
+    """cuBLAS gemmEx's contract (Y (+)= B A^T, fp16 inputs, float32 output) in numpy: exact sums rounded once."""
+    P = np.asarray(B).view(np.float16).astype(np.float64) @ np.asarray(A).view(np.float16).astype(np.float64).T
+    Y[...] = ((np.asarray(Y, dtype=np.float64) if accumulate else 0.0) + P).astype(np.float32)
+
+
+@pytest.fixture
+def host_gemm16(hostcp, monkeypatch):
+    """hostcp with qmm.gemm16 replaced by :func:`_gemm16_np`; returns the list of the calls' ``accumulate``."""
+    class Calls(list):
+        cupy = None
+
+    calls = Calls()
+
+    def fake(A, B, Y, accumulate):
+        calls.append(accumulate)
+        _gemm16_np(A, B, Y, accumulate)
+
+    monkeypatch.setattr(Q, "gemm16", fake)
+    calls.cupy = hostcp
+    return calls
+
+
+def _layout_args(raw, layout, rows, cols):
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        return "Q8R", _h(q), _h(d)
+    return layout, _h(raw), None
+
+
+@pytest.mark.parametrize("layout,T", [("Q8R", 1), ("Q8R", 40), ("Q8_0", 20), ("Q2_0", 33)])
+def test_hgemm_launcher_on_host(host_gemm16, layout, T):
+    """qmm.hgemm: the weight split's launch, the GEMMs (three; Q2_0 two: no Wl) and the rows' scales, against
+    float64 within 2e-6 of |W| |x|."""
+    rng = np.random.default_rng(50 + T)
+    rows, cols = 70, 192
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = wide_blocks(rng, tname, rows, cols)
+    X = acts(rng, T, cols)
+    Y = Q.hgemm(_h(X), *_layout_args(raw, layout, rows, cols), rows, cols)
+    check(np.asarray(Y), wmat(raw, tname, rows, cols), X, tol=2e-6)
+    assert host_gemm16 == ([False, True] if layout == "Q2_0" else [False, True, True])
+    with pytest.raises(StrataError, match="weight bytes"):
+        Q.hgemm(_h(X), tname, _h(raw[:-2]), None, rows, cols)
+
+
+def test_prefill_hgemm_falls_back_on_fp16_overflow(host_gemm16, monkeypatch):
+    """ChunkPrefill._qmm on the hgemm path: a matrix that fits fp16 is checked on its first call only (one flag read),
+    then multiplied unchecked; one with a value past fp16's range is found on its first call, goes through the mma
+    kernel (the same result as the mma path) and is not split again; another layout has no kernel (None: the
+    caller dequantizes)."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+
+    rng = np.random.default_rng(21)
+    q8 = type_by_name("Q8_0")
+    rows, cols, T = 40, 256, 12
+    good = blocks(rng, "Q8_0", rows, cols)
+    bad = good.copy().reshape(-1, 34)
+    bad[7, :2] = np.float16(600.0).reshape(1).view(np.uint8)
+    bad[7, 2:] = 127  # 76,200: no fp16
+    bad = bad.reshape(-1)
+    X = acts(rng, T, cols)
+    assert Q.hgemm(_h(X), "Q8_0", _h(bad), None, rows, cols) is None  # the check finds it
+    with np.errstate(all="ignore"):
+        assert not np.all(np.isfinite(np.asarray(Q.hgemm(_h(X), "Q8_0", _h(bad), None, rows, cols, check=False))))
+    checks, splits = [], []
+    real_hgemm, real_wsplit = Q.hgemm, Q.wsplit
+    monkeypatch.setattr(Q, "hgemm", lambda *a, **kw: (checks.append(kw["check"]), real_hgemm(*a, **kw))[1])
+    monkeypatch.setattr(Q, "wsplit", lambda *a, **kw: (splits.append(1), real_wsplit(*a, **kw))[1])
+    pf = ChunkPrefill.__new__(ChunkPrefill)
+    pf.gpu, pf.cp, pf.gemm = True, host_gemm16.cupy, "hgemm"
+    for _ in range(2):
+        check(np.asarray(pf._qmm(_h(X), _h(good), q8, rows, cols, "blk.0.good")), wmat(good, "Q8_0", rows, cols), X)
+        yb = np.asarray(pf._qmm(_h(X), _h(bad), q8, rows, cols, "blk.0.bad"))
+        check(yb, wmat(bad, "Q8_0", rows, cols), X)
+    assert checks == [True, True, False] and len(splits) == 3  # good checked, bad checked; then good unchecked only
+    assert pf._hgemm_fits() == {"blk.0.good": True, "blk.0.bad": False}
+    pf.gemm = "mma"
+    assert np.array_equal(np.asarray(pf._qmm(_h(X), _h(bad), q8, rows, cols, "blk.0.bad")), yb)
+    pf.gemm = "hgemm"
+    assert pf._qmm(_h(X), _h(good), type_by_name("Q4_0"), rows, cols, "blk.0.q4") is None
+    assert "blk.0.q4" not in pf._hgemm_fits()

@@ -9,10 +9,12 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
 * every per-token part (embedding rows, hyper-connection mixing/inject and norms, the dense projections, the
   router, the shared expert, the output head) is the batched prefill's code (:class:`ChunkPrefill`, of which
   :class:`BatchDecoder` is a subclass) over the N tokens: on CuPy one dequantize-to-float32 + SGEMM per matrix
-  for all N tokens (``STRATATOOLS_BATCH_GEMM=mma``: the tensor-core GEMMs from the quantized matrices); with numpy the float32 matrices of :meth:`Weights.get`;
+  for all N tokens (``STRATATOOLS_BATCH_GEMM=mma``: the tensor-core GEMMs from the quantized matrices; ``hgemm``: the
+  prefill's fp16 hi/lo cuBLAS GEMMs, :func:`stratatools.runtime.gpu.qmm.hgemm`); with numpy the float32 matrices of
+  :meth:`Weights.get`;
 * routed experts: on CuPy the per-(token, expert) job kernels (:func:`stratatools.runtime.gpu.experts.expert_ffn`,
   pipelined when every expert is resident, else staged rows, as the batch-1 decoder chooses (with
-  ``STRATATOOLS_BATCH_GEMM=mma`` the prefill's tensor-core jobs of one expert and its tokens); one job per routed
+  ``STRATATOOLS_BATCH_GEMM=mma`` or ``hgemm`` the prefill's tensor-core jobs of one expert and its tokens); one job per routed
   entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped pinned host arena for an expert not
   resident); with numpy the prefill's grouped path over ``expert_fn``;
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
@@ -692,7 +694,7 @@ class BatchDecoder(ChunkPrefill):
         self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
         if self.experts == "mma" and self._mma_experts_ok(il):
-            # STRATATOOLS_BATCH_GEMM=mma: the prefill's tensor-core jobs (an expert, its tokens), the job table built on
+            # STRATATOOLS_BATCH_GEMM=mma / hgemm: the prefill's tensor-core jobs (an expert, its tokens), the job table built on
             # the device from the routing (nothing read back)
             ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
             y = cp.sum(ya.reshape(T, k, n) * w.reshape(T, k, 1), axis=1)

@@ -33,10 +33,14 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
 * PLE and norms: batched array code; the hyper-connection norm, mix and inject as single kernels on CuPy.
 
 Dense GEMM switch (``STRATATOOLS_PREFILL_GEMM``, :func:`stratatools.runtime.gpu.qmm.prefill_gemm`; or the ``gemm``
-argument): ``sgemm`` (default) as above; ``mma``: the dense projections and the shared expert of the decoder's
+argument): ``sgemm`` as above; ``mma`` (default): the dense projections and the shared expert of the decoder's
 re-laid-out Q8_0 (``Q8R``) and of GGUF Q8_0 / Q2_0 matrices through :func:`stratatools.runtime.gpu.qmm.dense` (no
 float32 copy of the matrix; others keep dequantize + SGEMM), and the routed experts on the ``mma`` path where the
-``rows`` path was asked for. :class:`stratatools.runtime.gpu.batch.BatchDecoder` inherits the dense part.
+``rows`` path was asked for; ``hgemm``: as ``mma``, but those dense matrices through
+:func:`stratatools.runtime.gpu.qmm.hgemm` (each written as a transient fp16 pair Wh + Wl = W, cuBLAS fp16 GEMMs with
+float32 accumulation; a matrix with a value past fp16's range goes through ``mma``: checked once per matrix name, one
+synchronisation, the answer kept on the decoder). :class:`stratatools.runtime.gpu.batch.BatchDecoder` inherits the
+dense part.
 
 With numpy (a decoder over :class:`stratatools.runtime.model.Qwen4ExpRuntime`) the same code runs on the CPU with
 float32 matrices from :meth:`Weights.get` and experts from the runtime's ``expert_fn`` (tests check the chunk logic
@@ -219,7 +223,8 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
                           max_dense_values: int = 0, max_ctx: int = 1 << 30, experts: str = "rows") -> int:
     """Device bytes the batched prefill's temporaries need at most (an estimate for the ``--vram-gib`` plan): about
     twelve chunk-wide activations of the hyper-connection width; one dense matrix as float32 (``max_dense_values``
-    values) twice (dequantized and in flight); the attention scores with their temporaries (at most
+    values) twice (dequantized and in flight: 8 bytes a weight; the ``hgemm`` path's transient fp16 pair Wh + Wl
+    takes 4 bytes a weight, ``mma`` none, so this covers all three GEMM paths); the attention scores with their temporaries (at most
     :data:`ATTN_SCORE_BYTES`, less for short contexts); the per-pair expert outputs [chunk k, n_embd] three times
     (outputs, weighted, summed) and, on the ``rows`` expert path, the jobs' hidden activations (every expert's last
     job padded to :data:`JOB_TOKENS`), on the ``gemm`` path ``group`` expert blobs as float32 (``blob_bytes_f32``
@@ -262,8 +267,9 @@ class ChunkPrefill:
         chunk: tokens per batched forward (1..).
         group: experts dequantized at once (``gemm`` expert path).
         experts: the routed-expert path, one of :data:`EXPERT_PATHS` (``rows`` becomes ``mma`` when ``gemm`` is
-            ``mma``).
-        gemm: the dense GEMM path, ``sgemm`` or ``mma`` (module docstring); None: from ``STRATATOOLS_PREFILL_GEMM``.
+            ``mma`` or ``hgemm``).
+        gemm: the dense GEMM path, ``sgemm``, ``mma`` or ``hgemm`` (module docstring); None: from
+            ``STRATATOOLS_PREFILL_GEMM``.
     Raises:
         StrataError: a chunk or group below 1; an unknown expert or GEMM path.
     """
@@ -282,7 +288,7 @@ class ChunkPrefill:
         if self.gemm not in GEMMS:
             raise StrataError(f"prefill GEMM path {self.gemm!r} is not one of {', '.join(GEMMS)}")
         self.asked = (experts, gemm)  # the arguments (StaticDecoder.prefiller compares them)
-        self.experts = "mma" if (experts == "rows" and self.gemm == "mma") else experts
+        self.experts = "mma" if (experts == "rows" and self.gemm in ("mma", "hgemm")) else experts
         self.dec, self.rt, self.w, self.cfg, self.xp = dec, dec.rt, dec.w, dec.cfg, dec.xp
         self.gpu = dec.gpu
         self.chunk, self.group = int(chunk), int(group)
@@ -308,7 +314,7 @@ class ChunkPrefill:
         if self.gpu:  # CuPy compiles a RawModule at its first kernel lookup (pf_route is in both modules)
             for exact in (False, True):
                 _module(exact, self._tids[exact]).get_function("pf_route")
-            if self.gemm == "mma" or self.experts == "mma":
+            if self.gemm in ("mma", "hgemm") or self.experts == "mma":
                 from stratatools.runtime.gpu import qmm
 
                 qmm.module().get_function("qmm_split")
@@ -431,22 +437,24 @@ class ChunkPrefill:
 
     def _mm(self, X: Any, name: str) -> Any:
         """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32 (on the ``mma`` GEMM path through
-        :meth:`_qmm` where the matrix's layout allows)."""
+        :meth:`_qmm` where the matrix's layout allows, also on the ``hgemm`` path)."""
         self._push("dense")
         out = None
-        if self.gpu and self.gemm == "mma":
+        if self.gpu and self.gemm in ("mma", "hgemm"):
             raw, t, rows, cols = self._raw_dev(name)
-            out = self._qmm(X, raw, t, rows, cols)
+            out = self._qmm(X, raw, t, rows, cols, name)
         if out is None:
             W = self._weight(name)
             out = self._sgemm(X, W)
         self._pop()
         return out
 
-    def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int) -> Any:
-        """X [T, cols] @ W.T on the tensor cores (:func:`stratatools.runtime.gpu.qmm.dense`) for a matrix's device
-        bytes as :meth:`_raw_dev` gives them: the decoder's re-laid-out Q8_0 rows (:class:`_Q8RRows`) or GGUF Q8_0 /
-        Q2_0 blocks. None where the layout has no qmm kernel (the caller dequantizes)."""
+    def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int, key: str | None = None) -> Any:
+        """X [T, cols] @ W.T on the tensor cores (:func:`stratatools.runtime.gpu.qmm.dense`; on the ``hgemm`` path
+        :func:`stratatools.runtime.gpu.qmm.hgemm`, through ``dense`` for a matrix whose values do not fit fp16) for a
+        matrix's device bytes as :meth:`_raw_dev` gives them: the decoder's re-laid-out Q8_0 rows (:class:`_Q8RRows`)
+        or GGUF Q8_0 / Q2_0 blocks. ``key``: the matrix's name (hgemm's fp16 check is made once per name; None: on
+        every call). None where the layout has no qmm kernel (the caller dequantizes)."""
         from stratatools.runtime.gpu import qmm
 
         cp = self.cp
@@ -456,13 +464,35 @@ class ChunkPrefill:
             if not qmm.supports("Q8R", cols):
                 return None
             a = raw.row0 * cols
-            return qmm.dense(cp.ascontiguousarray(X, dtype=cp.float32), "Q8R", raw.m.q[a:a + rows * cols],
-                             raw.m.d[a // 32:(a + rows * cols) // 32], rows, cols)
-        if t.name not in ("Q8_0", "Q2_0") or not qmm.supports(t.name, cols):
-            return None
-        if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
-            return None
-        return qmm.dense(cp.ascontiguousarray(X, dtype=cp.float32), t.name, raw, None, rows, cols)
+            args = ("Q8R", raw.m.q[a:a + rows * cols], raw.m.d[a // 32:(a + rows * cols) // 32], rows, cols)
+        else:
+            if t.name not in ("Q8_0", "Q2_0") or not qmm.supports(t.name, cols):
+                return None
+            if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
+                return None
+            args = (t.name, raw, None, rows, cols)
+        X = cp.ascontiguousarray(X, dtype=cp.float32)
+        xs = qmm.split(X)
+        if self.gemm == "hgemm":
+            fits = self._hgemm_fits()
+            if fits.get(key) is not False:
+                out = qmm.hgemm(X, *args, xs=xs, check=key is None or key not in fits)
+                if key is not None:
+                    fits[key] = out is not None
+                if out is not None:
+                    return out
+        return qmm.dense(X, *args, xs=xs)
+
+    def _hgemm_fits(self) -> dict[str, bool]:
+        """Matrix name -> do its values fit fp16 (the ``hgemm`` path's check, made once): kept on the decoder, so that
+        its later prefillers and batched decoders do not check again (its matrices do not change)."""
+        holder = getattr(self, "dec", None)
+        holder = self if holder is None else holder
+        fits = getattr(holder, "_hgemm_fits_by_name", None)
+        if fits is None:
+            fits = {}
+            setattr(holder, "_hgemm_fits_by_name", fits)
+        return fits
 
     def _rows(self, name: str, ids: np.ndarray) -> Any:
         """Rows ``ids`` of a table (token / PLE embedding), dequantized on the host in one call: [len(ids), ne0]
@@ -888,8 +918,8 @@ class ChunkPrefill:
         dev, _ptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         t = gu_t if which < 2 else d_t
         rows, cols = (ff, hidden) if which < 2 else (hidden, ff)
-        if self.gemm == "mma":
-            out = self._qmm(X, dev[which], t, rows, cols)
+        if self.gemm in ("mma", "hgemm"):
+            out = self._qmm(X, dev[which], t, rows, cols, name)
             if out is not None:
                 return out
         W = self._dequant(dev[which], t, rows, cols)

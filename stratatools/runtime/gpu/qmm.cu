@@ -407,6 +407,58 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
     });
 }
 
+// ---- weights as fp16 hi / lo for cuBLAS (the hgemm path, qmm.py hgemm) ------------------------------------------------
+// W (layout F: w, wd, rb as for qmm_dense; R rows of K values) as two fp16 matrices Wh, Wl [R, K] row-major (halves)
+// with W = Wh + Wl exactly: v = d code in float32 (exact: 11 x 8 significant bits), Wh = half(v) round to nearest,
+// Wl = half(v - Wh). Wl is exact: d is an fp16 value, so v and Wh are multiples of 2^-24 and |v - Wh| <= ulp(Wh) / 2
+// holds at most v's 8 bits below Wh's (halves represent every multiple of 2^-24 of 11 significant bits). Q2_0
+// ((code - 1) d, code - 1 in {-1, 0, 1, 2}) is exact in one half: Wl is not written (may be null). A value with
+// |v| >= 65520 has no half (Wh infinite): *flag is set to 1 (the caller falls back to qmm_dense for the matrix; flag
+// is never cleared here). One thread a lane unit of qmm_load_raw (VPL values of one row's block: 8, Q2_0 16), grid
+// stride; K a multiple of the block (32, Q2_0 64) and of 8; wh, wl 16-byte aligned.
+template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
+        const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, int R, int K, u16* __restrict__ wh,
+        u16* __restrict__ wl, int* __restrict__ flag) {
+    constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, WPB = QFmt<F>::wpb;
+    const int nb = K / BV;
+    const long long units = (long long)R * nb * 4;  // 4 lanes' units (c = 0..3) a block
+    bool inf = false;
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < units;
+         u += (long long)gridDim.x * blockDim.x) {
+        const long long r = u / (4LL * nb);
+        const int rem = (int)(u - r * 4LL * nb), blk = rem >> 2, c = rem & 3;
+        u32 q[WPB];
+        u16 db;
+        qmm_load_raw<F>(w + r * rb, F == 0 ? wd + r * (long long)(K / 32) : nullptr, blk, c, q, db);
+        const float d = mma_h2f(db);
+        u16 hi[VPL], lo[VPL];
+        #pragma unroll
+        for (int j = 0; j < VPL; ++j) {
+            float v;
+            if constexpr (F == 42) v = (float)((int)((q[0] >> (2 * j)) & 3u) - 1) * d;
+            else v = (float)(int)(i8)((q[j >> 2] >> (8 * (j & 3))) & 0xffu) * d;
+            hi[j] = mma_f2h(v);
+            inf |= (hi[j] & 0x7fffu) >= 0x7c00u;
+            if constexpr (F != 42) lo[j] = mma_f2h(v - mma_h2f(hi[j]));
+        }
+        const long long o = r * K + (long long)blk * BV + VPL * c;
+        #pragma unroll
+        for (int p = 0; p < VPL / 8; ++p) {
+            uint4 vh;
+            vh.x = mma_pack(hi[8 * p], hi[8 * p + 1]); vh.y = mma_pack(hi[8 * p + 2], hi[8 * p + 3]);
+            vh.z = mma_pack(hi[8 * p + 4], hi[8 * p + 5]); vh.w = mma_pack(hi[8 * p + 6], hi[8 * p + 7]);
+            reinterpret_cast<uint4*>(wh + o)[p] = vh;
+            if constexpr (F != 42) {
+                uint4 vl;
+                vl.x = mma_pack(lo[8 * p], lo[8 * p + 1]); vl.y = mma_pack(lo[8 * p + 2], lo[8 * p + 3]);
+                vl.z = mma_pack(lo[8 * p + 4], lo[8 * p + 5]); vl.w = mma_pack(lo[8 * p + 6], lo[8 * p + 7]);
+                reinterpret_cast<uint4*>(wl + o)[p] = vl;
+            }
+        }
+    }
+    if (inf) *flag = 1;
+}
+
 // ---- the job table on the device (the batched decode step: its routing is not read back) -----------------------------
 // ids [N]: the expert of pair i = t k + r (0 <= id < E); ptr_row [E]: the layer's blob addresses (the decoder's slot
 // table row). Writes the jobs of prefill.py expert_jobs (experts in increasing id, each expert's pairs in increasing

@@ -11,9 +11,12 @@ relative (see the header of ``qmm.cu``). The routed experts of the prefill run a
 :func:`stratatools.runtime.gpu.prefill.expert_jobs`).
 
 :data:`GEMM_ENV` (``STRATATOOLS_PREFILL_GEMM``) picks the prefill's dense path: ``mma`` (default: these kernels where
-the layout allows; 1.80x the SGEMM path on the 48 x 256 model's 512-token prefill, H200, bench/gpu-notes.md) or
-``sgemm`` (dequantize to float32, cuBLAS SGEMM). :data:`BATCH_GEMM_ENV` (``STRATATOOLS_BATCH_GEMM``) picks the batched
-decode step's, default ``sgemm`` (measured faster there at 32 sequences). Importing this module needs no CuPy.
+the layout allows; 1.80x the SGEMM path on the 48 x 256 model's 512-token prefill, H200, bench/gpu-notes.md),
+``sgemm`` (dequantize to float32, cuBLAS SGEMM) or ``hgemm`` (:func:`hgemm`: the matrix written once as two fp16
+matrices Wh + Wl = W exactly (``qmm_wsplit``), X split as for ``mma``, three cuBLAS fp16 GEMMs with float32
+accumulation into one float32 Y, then the rows' scales; same ~1e-6 precision; a matrix whose values do not fit fp16
+falls back to ``mma``). :data:`BATCH_GEMM_ENV` (``STRATATOOLS_BATCH_GEMM``) picks the batched decode step's, default
+``sgemm`` (measured faster there at 32 sequences). Importing this module needs no CuPy.
 """
 
 from __future__ import annotations
@@ -47,25 +50,27 @@ KC = 128
 GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 #: Environment switch of the batched decode step's dense GEMMs (and, with ``mma``, its routed-expert jobs).
 BATCH_GEMM_ENV = "STRATATOOLS_BATCH_GEMM"
-GEMMS = ("sgemm", "mma")
+GEMMS = ("sgemm", "mma", "hgemm")
+#: Threads of a ``qmm_wsplit`` block.
+WSPLIT_THREADS = 256
 
 
 def _gemm_from(env: str, default: str) -> str:
     v = os.environ.get(env, default).strip().lower() or default
     if v not in GEMMS:
-        raise StrataError(f"{env}={v!r}: use sgemm or mma")
+        raise StrataError(f"{env}={v!r}: use sgemm, mma or hgemm")
     return v
 
 
 def prefill_gemm() -> str:
-    """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``mma`` (default) or ``sgemm``. Raises
-    StrataError for another value."""
+    """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``mma`` (default), ``sgemm`` or ``hgemm``.
+    Raises StrataError for another value."""
     return _gemm_from(GEMM_ENV, "mma")
 
 
 def batch_gemm() -> str:
-    """The batched decode step's dense GEMM path from :data:`BATCH_GEMM_ENV`: ``sgemm`` (default) or ``mma``.
-    Raises StrataError for another value."""
+    """The batched decode step's dense GEMM path from :data:`BATCH_GEMM_ENV`: ``sgemm`` (default), ``mma`` or
+    ``hgemm``. Raises StrataError for another value."""
     return _gemm_from(BATCH_GEMM_ENV, "sgemm")
 
 
@@ -79,6 +84,7 @@ def kernel_names() -> list[str]:
     names = ["qmm_split", "qmm_jobs"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
     names += [f"{k}<{f}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42)]
+    names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
     return names
 
 
@@ -95,10 +101,15 @@ def _fn(name: str) -> Any:
     return module().get_function(name)
 
 
+#: ``qmm_wsplit``'s parameters (declaration, call).
+WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, u16* wl, int* flag",
+              "w, wd, rb, R, K, wh, wl, flag")
+
+
 def host_source() -> str:
     """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
     lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)``,
-    ``host_qmm_moe_gu_<F>`` / ``host_qmm_moe_down_<F>`` (the kernels' parameters) and the wrapper checks
+    ``host_qmm_moe_gu_<F>`` / ``host_qmm_moe_down_<F>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the wrapper checks
     ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32: D = A B + C through
     the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
@@ -116,6 +127,9 @@ def host_source() -> str:
         for nt in TILES:
             ent.append(f'extern "C" void host_qmm_dense_{f}_{nt}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {nt}>({dense[1]}); }});\n}}\n")
+    for f in sorted(set(LAYOUTS.values())):
+        ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
+                   f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
     for f in (8, 42):
         for name, (decl, call) in (("qmm_moe_gu", gu), ("qmm_moe_down", dn)):
             ent.append(f'extern "C" void host_{name}_{f}(unsigned gx, unsigned gy, {decl}) {{\n'
@@ -220,21 +234,15 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int) -> tuple[
     return nt, gx, nz, nz
 
 
-def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
-          out: Any = None) -> Any:
-    """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
-    ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
-    ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
-    None. ``xs``: X already split (:func:`split`). Returns ``out`` or a new float32 [T, rows].
-
-    Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
-    or alignment, X not [T, cols]."""
+def _check_matrix(layout: Any, w: Any, wd: Any, rows: int, cols: int, X: Any = None) -> int:
+    """The layout id of a [rows, cols] matrix given as :func:`dense` takes it (and X [T, cols] when given). Raises
+    StrataError: an unknown layout, rows that are not whole blocks, weights of the wrong size or alignment, missing
+    Q8R scales, X of another width."""
     f = _layout_id(layout)
     bv = BLOCK_VALUES[f]
     if cols <= 0 or cols % bv or rows <= 0:
         raise StrataError(f"qmm: a {rows} x {cols} matrix is not whole blocks of {bv} values")
-    T = int(X.shape[0])
-    if X.ndim != 2 or int(X.shape[1]) != cols:
+    if X is not None and (X.ndim != 2 or int(X.shape[1]) != cols):
         raise StrataError(f"qmm: activations {tuple(X.shape)} do not match a matrix of {cols} columns")
     want = rows * cols if f == 0 else rows * (cols // bv) * BLOCK_BYTES[f]
     nbytes = int(w.nbytes)
@@ -245,6 +253,21 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     if f == 0:
         if wd is None or int(wd.size) != rows * cols // 32:
             raise StrataError(f"qmm: Q8R scales missing or not {rows * cols // 32} values")
+    return f
+
+
+def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
+          out: Any = None) -> Any:
+    """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
+    ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
+    ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
+    None. ``xs``: X already split (:func:`split`). Returns ``out`` or a new float32 [T, rows].
+
+    Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
+    or alignment, X not [T, cols]."""
+    f = _check_matrix(layout, w, wd, rows, cols, X)
+    bv = BLOCK_VALUES[f]
+    T = int(X.shape[0])
     import cupy as cp
 
     hi, lo, sc = xs if xs is not None else split(X)
@@ -262,6 +285,82 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     if nz > 1:
         cp.sum(dst, axis=0, out=out)
     return out
+
+
+# ---- hgemm: the weights as fp16 hi + lo, cuBLAS fp16 GEMMs with float32 accumulation ------------------------------
+def wsplit(layout: Any, w: Any, wd: Any, rows: int, cols: int, flag: Any) -> tuple[Any, Any]:
+    """W [rows, cols] (as :func:`dense` takes it) as fp16 bits uint16 (Wh, Wl) [rows, cols] with W = Wh + Wl exactly,
+    Wh = fp16(W) rounded to nearest (``qmm_wsplit``); Q2_0 values are exact halves: Wl is None. ``flag`` int32 [1]
+    on the device is set to 1 when a value does not fit fp16 (|W| >= 65520: Wh infinite; never cleared here).
+    The two arrays are transient (4 bytes a weight, CuPy's pool). Raises StrataError as :func:`dense` does."""
+    import cupy as cp
+
+    f = _check_matrix(layout, w, wd, rows, cols)
+    rb = cols if f == 0 else (cols // BLOCK_VALUES[f]) * BLOCK_BYTES[f]
+    wh = cp.empty((rows, cols), dtype=cp.uint16)
+    wl = cp.empty((rows, cols), dtype=cp.uint16) if f != 42 else None
+    units = rows * (cols // BLOCK_VALUES[f]) * 4
+    grid = max(1, min(-(-units // WSPLIT_THREADS), 65535))
+    _fn(f"qmm_wsplit<{f}>")((grid,), (WSPLIT_THREADS,),
+                            (w, wd if wd is not None else w, np.int64(rb), np.int32(rows), np.int32(cols), wh,
+                             wl if wl is not None else wh, flag))
+    return wh, wl
+
+
+_ONE = np.ones(1, dtype=np.float32)  # host scalars of the GEMM calls (alive for the module's life)
+_ZERO = np.zeros(1, dtype=np.float32)
+
+
+def gemm16(A: Any, B: Any, Y: Any, accumulate: bool) -> None:
+    """``Y (+)= B A^T`` on the current stream: A [R, K] and B [T, K] fp16 bits (uint16, C-contiguous CuPy arrays),
+    Y float32 [T, R] C-contiguous; products and sums in float32 (cuBLAS gemmEx, CUBLAS_COMPUTE_32F). cuBLAS is called
+    directly because CuPy's matmul of fp16 arrays returns fp16 (the float32 output is what keeps hgemm's precision)."""
+    import cupy
+
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # older CuPy
+        from cupy.cuda import cublas
+    R, K = (int(v) for v in A.shape)
+    T = int(B.shape[0])
+    h = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(h)
+    if mode != 0:  # scalars from host memory (CUBLAS_POINTER_MODE_HOST)
+        cublas.setPointerMode(h, 0)
+    try:
+        # column-major view: Y^T [R, T] = op_T(A^T [K, R]) B^T [K, T]; 2 = CUDA_R_16F, 0 = CUDA_R_32F,
+        # 68 = CUBLAS_COMPUTE_32F, -1 = CUBLAS_GEMM_DEFAULT
+        cublas.gemmEx(h, 1, 0, R, T, K, _ONE.ctypes.data, A.data.ptr, 2, K, B.data.ptr, 2, K,
+                      (_ONE if accumulate else _ZERO).ctypes.data, Y.data.ptr, 0, R, 68, -1)
+    finally:
+        if mode != 0:
+            cublas.setPointerMode(h, mode)
+
+
+def hgemm(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
+          check: bool = True) -> Any:
+    """:func:`dense`'s ``Y = X W^T`` through cuBLAS: W as fp16 Wh + Wl (:func:`wsplit`, transient), X split into
+    halves hi + lo with row scales sc (:func:`split`, or ``xs``), ``Y = (Wh hi + Wh lo + Wl hi) sc`` (three fp16 GEMMs
+    accumulating in float32, :func:`gemm16`; Q2_0 two, its Wl being zero), within about 1e-6 of float64 relative to
+    |W| |x| like :func:`dense`. ``check``: read the overflow flag back (one synchronisation) and return None when a
+    value of W does not fit fp16 (the caller takes :func:`dense`); without it the caller knows W fits (an earlier
+    checked call). Returns a new float32 [T, rows], or None. Raises StrataError as :func:`dense` does."""
+    import cupy as cp
+
+    f = _check_matrix(layout, w, wd, rows, cols, X)
+    flag = cp.zeros(1, dtype=cp.int32) if check else cp.empty(1, dtype=cp.int32)
+    wh, wl = wsplit(f, w, wd, rows, cols, flag)
+    if check and int(flag[0]) != 0:
+        return None
+    hi, lo, sc = xs if xs is not None else split(X)
+    Y = cp.empty((int(X.shape[0]), rows), dtype=cp.float32)
+    gemm16(wh, hi, Y, False)
+    gemm16(wh, lo, Y, True)
+    if wl is not None:
+        gemm16(wl, hi, Y, True)
+    Y *= sc.reshape(-1, 1)
+    return Y
 
 
 def job_capacity(n_pairs: int, n_expert: int) -> int:
