@@ -18,11 +18,12 @@ then
 
 Prints every row and writes ``--out`` JSON. llama-batched-bench is run by bench_gpu_model.py (the lead's bench).
 
-``--variants default,before,mma`` times the step at every N for each variant (:data:`VARIANTS`: this tree's step,
-the step before the attention / GDN kernels and the pipelined expert kernels, the tensor-core GEMMs) in the same run.
+``--variants default,before,mma,hgemm,sgemm`` times the step at every N for each variant (:data:`VARIANTS`: this
+tree's step, the step before the attention / GDN kernels and the pipelined expert kernels, the tensor-core GEMMs, the
+fp16 hi/lo cuBLAS GEMMs, SGEMM; ``eager``, ``mma-eager``, ``hgemm-eager`` without the CUDA graph) in the same run.
 
 Usage: python bench/bench_gpu_batch.py --workdir /tmp/bb [--layers 8 --experts 256 --prompt 64 --steps 16
-       --n 1,8,32 --variants default,before,mma --reuse --gguf M --out res.json]
+       --n 1,8,32 --variants default,before,mma,hgemm --reuse --gguf M --out res.json]
 """
 
 from __future__ import annotations
@@ -43,13 +44,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: Step variants (environment of the BatchDecoder and its prefills): ``default`` (this tree's choices), ``before``
 #: (the array-code attention and GDN, staged expert kernels: the step as measured before them), ``mma`` (dense
 #: projections, the shared expert and the routed-expert jobs of the step on the tensor-core GEMMs,
-#: STRATATOOLS_BATCH_GEMM=mma), ``sgemm`` (the step's default, with the prefills on SGEMM too); ``eager`` and
-#: ``mma-eager``: those steps launched from Python every time (STRATATOOLS_BATCH_GRAPH=0, no CUDA graph).
+#: STRATATOOLS_BATCH_GEMM=mma), ``hgemm`` (the step's dense projections and shared expert through fp16 hi/lo cuBLAS
+#: GEMMs, its routed experts on the tensor-core jobs, the prefills likewise: STRATATOOLS_BATCH_GEMM=hgemm and
+#: STRATATOOLS_PREFILL_GEMM=hgemm), ``sgemm`` (the step's default, with the prefills on SGEMM too); ``eager``,
+#: ``mma-eager`` and ``hgemm-eager``: those steps launched from Python every time (STRATATOOLS_BATCH_GRAPH=0, no
+#: CUDA graph).
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
+            "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},
             "eager": {"STRATATOOLS_BATCH_GRAPH": "0"},
             "mma-eager": {"STRATATOOLS_BATCH_GEMM": "mma", "STRATATOOLS_BATCH_GRAPH": "0"},
+            "hgemm-eager": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm",
+                            "STRATATOOLS_BATCH_GRAPH": "0"},
             "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm", "STRATATOOLS_BATCH_GEMM": "sgemm"}}
 
 

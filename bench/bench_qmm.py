@@ -9,18 +9,20 @@ re-lays out its Q8_0 matrices: ``Q8R``), then:
 
 1. dense: every distinct dense matrix shape of one gated-DeltaNet layer and one attention layer (and the shared
    expert), as the prefill reads it (``ChunkPrefill._raw_dev``: the decoder's Q8R rows or GGUF bytes), for T in
-   ``--tokens`` (default 1, 8, 32, 128, 512): ``qmm.dense`` (split of X included) against the ``sgemm`` path (the
-   matrix dequantized to float32, then cuBLAS SGEMM: what ``_mm`` did), each timed with CUDA events over ``--reps``
-   launches after a warm-up; prints ms, TFLOP/s (2 T R K / time), the ratio sgemm / qmm (> 1: qmm faster) and the
-   largest difference between the two relative to the SGEMM result's largest magnitude;
+   ``--tokens`` (default 1, 8, 32, 128, 512): ``qmm.dense`` (split of X included) and ``qmm.hgemm`` (the
+   ``hgemm`` path: split of X and of the matrix into fp16 hi/lo included, three cuBLAS fp16 GEMMs) against the
+   ``sgemm`` path (the matrix dequantized to float32, then cuBLAS SGEMM: what ``_mm`` did), each timed with CUDA
+   events over ``--reps`` launches after a warm-up; prints ms, TFLOP/s (2 T R K / time), the ratios sgemm / qmm,
+   sgemm / hgemm and qmm / hgemm (> 1: the second faster) and the largest differences of qmm and hgemm from SGEMM
+   relative to the SGEMM result's largest magnitude;
 2. routed experts of one ``--prompt``-token chunk (layer 0's router on the hidden states of random activations):
    the ``mma`` job path (``_experts_mma``, 16-token jobs) against the ``rows`` path (``_experts_rows``: CUDA-core
    jobs of 8 tokens), ms each, ratio, relative difference;
-3. the prefill of a ``--prompt``-token prompt (the prompt suite's text) with ``STRATATOOLS_PREFILL_GEMM=sgemm`` and
-   ``=mma`` (each after a warm-up prefill that compiles its kernels): tok/s of both, their ratio, the last token's
-   logits relative error of mma against sgemm (issue 12 item 4: <= 1e-3) and the router top-k agreement over
-   (token, layer) (>= 99.5%), then a per-part breakdown of one mma prefill (host-timed with a device
-   synchronisation between parts).
+3. the prefill of a ``--prompt``-token prompt (the prompt suite's text) with ``STRATATOOLS_PREFILL_GEMM=sgemm``,
+   ``=mma`` and ``=hgemm`` (each after a warm-up prefill that compiles its kernels): tok/s of each, the ratios mma /
+   sgemm, hgemm / sgemm and hgemm / mma, the last token's logits relative error of mma and hgemm against sgemm
+   (issue 12 item 4: <= 1e-3) and their router top-k agreement over (token, layer) (>= 99.5%), then a per-part
+   breakdown of one mma and one hgemm prefill (host-timed with a device synchronisation between parts).
 
 Usage: python bench/bench_qmm.py --workdir /tmp/qmm [--layers 8 --experts 256 --prompt 512 --tokens 1,8,32,128,512
        --reps 20 --reuse | --gguf model.gguf] [--skip dense,experts,prefill] [--out res.json]
@@ -117,6 +119,7 @@ def main() -> None:
     pf = ChunkPrefill(dec, a.prompt, 8, "rows", gemm="mma")
     pf.compile()
     pf._slots = dec.rt.tier.slot_table()
+    pfh = ChunkPrefill(dec, a.prompt, 8, "rows", gemm="hgemm")  # the same kernels; _qmm takes qmm.hgemm
     rng = np.random.default_rng(0)
 
     # 1. dense shapes ------------------------------------------------------------------------------------------
@@ -126,7 +129,8 @@ def main() -> None:
         names = dense_names(w.model, cfg)
         print(f"\ndense: {len(names)} matrices of layers with a recurrent / attention mixer; T in {a.tokens}")
         print(f"{'matrix':34s} {'type':5s} {'rows x cols':>13s} {'T':>4s} {'sgemm ms':>9s} {'qmm ms':>8s} "
-              f"{'sgemm TF/s':>10s} {'qmm TF/s':>9s} {'ratio':>6s} {'rel diff':>9s}")
+              f"{'hgemm ms':>8s} {'sgemm TF/s':>10s} {'qmm TF/s':>9s} {'hgemm TF/s':>10s} {'s/q':>6s} {'s/h':>6s} "
+              f"{'q/h':>6s} {'qmm diff':>9s} {'hgemm diff':>10s}")
         for name in names:
             raw, t, R, Kc = pf._raw_dev(name)
             kind = "Q8R" if type(raw).__name__ == "_Q8RRows" else t.name
@@ -145,22 +149,31 @@ def main() -> None:
                     return cp.matmul(X, pf._dequant(raw, t, R, Kc).T)
 
                 ys = run_sgemm()
+                yh = pfh._qmm(X, raw, t, R, Kc, name)  # the first call checks the matrix against fp16's range
                 rel = float(cp.abs(yq - ys).max() / cp.abs(ys).max())
+                rel_h = float(cp.abs(yh - ys).max() / cp.abs(ys).max())
                 ms_s = cuda_ms(cp, run_sgemm, a.reps)
                 ms_q = cuda_ms(cp, lambda: pf._qmm(X, raw, t, R, Kc), a.reps)
+                ms_h = cuda_ms(cp, lambda: pfh._qmm(X, raw, t, R, Kc, name), a.reps)
                 fl = 2.0 * T * R * Kc
                 r = {"matrix": name, "layout": kind, "rows": R, "cols": Kc, "T": T, "sgemm_ms": ms_s, "qmm_ms": ms_q,
-                     "sgemm_tflops": fl / ms_s / 1e9, "qmm_tflops": fl / ms_q / 1e9, "ratio": ms_s / ms_q,
-                     "rel_diff": rel}
+                     "hgemm_ms": ms_h, "sgemm_tflops": fl / ms_s / 1e9, "qmm_tflops": fl / ms_q / 1e9,
+                     "hgemm_tflops": fl / ms_h / 1e9, "ratio": ms_s / ms_q, "ratio_sgemm_hgemm": ms_s / ms_h,
+                     "ratio_qmm_hgemm": ms_q / ms_h, "rel_diff": rel, "hgemm_rel_diff": rel_h,
+                     "hgemm_fits_fp16": pfh._hgemm_fits().get(name)}
                 rows_out.append(r)
-                print(f"{name:34s} {kind:5s} {R:6d}x{Kc:<6d} {T:4d} {ms_s:9.3f} {ms_q:8.3f} {r['sgemm_tflops']:10.2f} "
-                      f"{r['qmm_tflops']:9.2f} {r['ratio']:6.2f} {rel:9.2e}", flush=True)
+                print(f"{name:34s} {kind:5s} {R:6d}x{Kc:<6d} {T:4d} {ms_s:9.3f} {ms_q:8.3f} {ms_h:8.3f} "
+                      f"{r['sgemm_tflops']:10.2f} {r['qmm_tflops']:9.2f} {r['hgemm_tflops']:10.2f} {r['ratio']:6.2f} "
+                      f"{ms_s / ms_h:6.2f} {ms_q / ms_h:6.2f} {rel:9.2e} {rel_h:10.2e}"
+                      + ("" if r["hgemm_fits_fp16"] else "  (past fp16: hgemm ran mma)"), flush=True)
         res["dense"] = rows_out
         for T in [int(v) for v in a.tokens.split(",")]:
             sel = [r for r in rows_out if r["T"] == T]
             if sel:
                 ts, tq = sum(r["sgemm_ms"] for r in sel), sum(r["qmm_ms"] for r in sel)
-                print(f"  T={T:4d}: all shapes once: sgemm {ts:.3f} ms, qmm {tq:.3f} ms, ratio {ts / tq:.2f}")
+                th = sum(r["hgemm_ms"] for r in sel)
+                print(f"  T={T:4d}: all shapes once: sgemm {ts:.3f} ms, qmm {tq:.3f} ms, hgemm {th:.3f} ms; "
+                      f"sgemm/qmm {ts / tq:.2f}, sgemm/hgemm {ts / th:.2f}, qmm/hgemm {tq / th:.2f}")
         free_device(cp)
 
     # 2. routed experts of one chunk ---------------------------------------------------------------------------
@@ -187,7 +200,7 @@ def main() -> None:
     # 3. the prefill with both settings -------------------------------------------------------------------------
     if "prefill" not in skip:
         out = {}
-        for gemm in ("sgemm", "mma"):
+        for gemm in ("sgemm", "mma", "hgemm"):
             with env_vars({qmm.GEMM_ENV: gemm}):
                 dec.load_state(rt.new_state())
                 dec.prefill(warm)  # builds this setting's prefiller, compiles its kernels
@@ -199,7 +212,7 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 out[gemm] = (dt, lg_h, tids)
                 print(f"prefill {a.prompt} tokens, {gemm:5s}: {a.prompt / dt:9.1f} tok/s ({dt:.3f} s)", flush=True)
-                if gemm == "mma":
+                if gemm in ("mma", "hgemm"):
                     p2 = dec.prefiller()
                     dec.load_state(rt.new_state())
                     p2.timing, p2._tlast = {}, None
@@ -209,18 +222,24 @@ def main() -> None:
                     cp.cuda.Device().synchronize()
                     tot = time.perf_counter() - t0
                     p2.timing.pop("end", None)
-                    res["mma_breakdown_s"] = dict(p2.timing)
-                    print_breakdown("one mma prefill", p2.timing, tot)
+                    res[f"{gemm}_breakdown_s"] = dict(p2.timing)
+                    print_breakdown(f"one {gemm} prefill", p2.timing, tot)
                     p2.timing = None
-        (ds, ls, is_), (dm, lm, im) = out["sgemm"], out["mma"]
-        rel = float(np.abs(lm - ls).max() / np.abs(ls).max())
-        same = int(sum(set(is_[t, l].tolist()) == set(im[t, l].tolist())
-                       for t in range(is_.shape[0]) for l in range(is_.shape[1])))
+        ds, ls, is_ = out["sgemm"]
         total = is_.shape[0] * is_.shape[1]
-        res["prefill"] = {"sgemm_tok_s": a.prompt / ds, "mma_tok_s": a.prompt / dm, "ratio": ds / dm,
-                          "logits_rel": rel, "topk_agree": same / total}
-        print(f"prefill mma/sgemm {ds / dm:.2f}x; last logits rel. error {rel:.2e}; router top-k agreement "
-              f"{same}/{total} = {same / total:.4%}", flush=True)
+        res["prefill"] = {"sgemm_tok_s": a.prompt / ds}
+        for gemm in ("mma", "hgemm"):
+            dm, lm, im = out[gemm]
+            rel = float(np.abs(lm - ls).max() / np.abs(ls).max())
+            same = int(sum(set(is_[t, l].tolist()) == set(im[t, l].tolist())
+                           for t in range(is_.shape[0]) for l in range(is_.shape[1])))
+            res["prefill"].update({f"{gemm}_tok_s": a.prompt / dm, f"{gemm}_ratio": ds / dm,
+                                   f"{gemm}_logits_rel": rel, f"{gemm}_topk_agree": same / total})
+            print(f"prefill {gemm}/sgemm {ds / dm:.2f}x; last logits rel. error {rel:.2e}; router top-k agreement "
+                  f"{same}/{total} = {same / total:.4%}", flush=True)
+        dm, dh = out["mma"][0], out["hgemm"][0]
+        res["prefill"]["hgemm_over_mma"] = dm / dh
+        print(f"prefill hgemm/mma {dm / dh:.2f}x", flush=True)
     if a.out:
         from stratatools.core.fsutil import write_json_atomic
 

@@ -28,11 +28,13 @@ def _prompts(kit_prompts, n):
     return out
 
 
-@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
+@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma"),
+                                        ("quant/model-ISTA-mix.gguf", "hgemm")])
 def test_gpu_batched_steps_match_the_graph_decoder(kit, kit_prompts, model, gemm, monkeypatch):
     """Places of a BatchDecoder against the batch-1 CUDA-graph decoder: logits within 1e-3, the same greedy tokens
-    (the dense GEMMs as SGEMMs, or with ``STRATATOOLS_PREFILL_GEMM=mma`` and ``STRATATOOLS_BATCH_GEMM=mma`` on the
-    tensor cores from the quantized matrices, prefill and batched steps both)."""
+    (the dense GEMMs as SGEMMs, or with ``STRATATOOLS_PREFILL_GEMM`` and ``STRATATOOLS_BATCH_GEMM`` both ``mma``, on
+    the tensor cores from the quantized matrices, or both ``hgemm``, cuBLAS fp16 GEMMs of the matrices' hi/lo halves;
+    prefill and batched steps both)."""
     import cupy as cp
 
     if not (kit / model).exists():

@@ -1,7 +1,8 @@
 """The tensor-core quantized GEMMs (stratatools/runtime/gpu/qmm.py) on a GPU: the dense kernel for every layout and
 token counts from 1 to a full chunk against float64 and against the prefill's dequantize + SGEMM path on the same
-matrices; the routed-expert job kernels with blobs in VRAM against float64 per (token, expert) pair. Skips without
-CuPy and a GPU (tests/test_gpu_qmm_host.py checks the same kernels as host C++ in CI)."""
+matrices; the hgemm path (fp16 hi/lo weights, cuBLAS) against float64 for every layout, its fp16 overflow check;
+the routed-expert job kernels with blobs in VRAM against float64 per (token, expert) pair. Skips without CuPy and a
+GPU (tests/test_gpu_qmm_host.py checks the same kernels as host C++ in CI)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,68 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
             hg = g @ x
             ref[t * k + r] = dn @ (hg / (1.0 + np.exp(-hg)) * (u @ x))
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("layout,rows,cols", [("Q8R", 2560, 2560), ("Q8R", 300, 1056), ("Q8_0", 520, 640),
+                                              ("Q2_0", 264, 1024)])
+@pytest.mark.parametrize("T", [1, 7, 32, 512])
+def test_gpu_hgemm_matches_float64(layout, rows, cols, T):
+    """qmm.hgemm (Wh + Wl = W in fp16, three cuBLAS fp16 GEMMs into float32, the rows' scales) within 2e-6 of
+    float64 relative to |W| |x| element by element, like qmm.dense; the printed errors against the dense kernel's."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+    from stratatools.runtime.gpu import qmm
+
+    rng = np.random.default_rng(rows + T + 1)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = _blocks(rng, tname, rows, cols)
+    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    X[0] *= np.float32(1e4)
+    if T > 2:
+        X[1] *= np.float32(1e-20)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        args = ("Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
+    else:
+        args = (tname, cp.asarray(raw), None, rows, cols)
+    Y = qmm.hgemm(cp.asarray(X), *args)
+    assert Y is not None and Y.shape == (T, rows) and Y.dtype == cp.float32
+    Y = cp.asnumpy(Y).astype(np.float64)
+    ref = X.astype(np.float64) @ W.T
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W.T)
+    err = np.abs(Y - ref) / np.maximum(bound, 1e-300)
+    Yd = cp.asnumpy(qmm.dense(cp.asarray(X), *args)).astype(np.float64)
+    err_d = np.abs(Yd - ref) / np.maximum(bound, 1e-300)
+    print(f"hgemm {layout} {rows}x{cols} T={T}: worst {err.max():.2e} of |W||x| (mma {err_d.max():.2e})")
+    assert err.max() < 2e-6
+
+
+def test_gpu_hgemm_overflow_check_and_gemm16():
+    """A matrix with a value past fp16's range: hgemm's check returns None (the prefill takes the mma kernel); the
+    same matrix at half the scale fits. gemm16 alone: Y = B A^T and Y += B A^T in float32."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+
+    rng = np.random.default_rng(9)
+    rows, cols, T = 64, 256, 5
+    raw = _blocks(rng, "Q8_0", rows, cols).reshape(-1, 34)
+    raw[3, :2] = np.float16(1024.0).reshape(1).view(np.uint8)
+    raw[3, 2:] = 100  # 102,400
+    X = cp.asarray(rng.standard_normal((T, cols)).astype(np.float32))
+    assert qmm.hgemm(X, "Q8_0", cp.asarray(raw.reshape(-1)), None, rows, cols) is None
+    raw[3, :2] = np.float16(512.0).reshape(1).view(np.uint8)  # 51,200
+    W = np.asarray(dequantize(raw.reshape(-1), "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    Y = cp.asnumpy(qmm.hgemm(X, "Q8_0", cp.asarray(raw.reshape(-1)), None, rows, cols)).astype(np.float64)
+    Xh = cp.asnumpy(X).astype(np.float64)
+    assert np.all(np.abs(Y - Xh @ W.T) <= 2e-6 * (np.abs(Xh) @ np.abs(W.T)))
+    A = rng.standard_normal((40, 64)).astype(np.float16)
+    B = rng.standard_normal((3, 64)).astype(np.float16)
+    Yg = cp.full((3, 40), 7.0, dtype=cp.float32)
+    ref = B.astype(np.float64) @ A.astype(np.float64).T
+    qmm.gemm16(cp.asarray(A.view(np.uint16)), cp.asarray(B.view(np.uint16)), Yg, False)
+    assert np.allclose(cp.asnumpy(Yg), ref, rtol=1e-6, atol=1e-5)
+    qmm.gemm16(cp.asarray(A.view(np.uint16)), cp.asarray(B.view(np.uint16)), Yg, True)
+    assert np.allclose(cp.asnumpy(Yg), 2 * ref, rtol=1e-6, atol=1e-5)
