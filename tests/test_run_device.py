@@ -85,6 +85,13 @@ def test_vram_plan_fits_refuses_and_says_what_it_needs(kit, monkeypatch):
         # the batched prefill's temporaries (a chunk of at most 64 tokens here) are planned too
         pf = prefill_bytes(m, cfg, 64)
         assert prefill_bytes(m, cfg, 1024) > pf > 64 * cfg.n_embd * cfg.hc_count * 4
+        # the hgemm path plans as mma (the same expert jobs; its fp16 weight pair fits the dense share), sgemm less
+        sizes = {}
+        for g in ("mma", "hgemm", "sgemm"):
+            monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", g)
+            sizes[g] = prefill_bytes(m, cfg, 64)
+        monkeypatch.delenv("STRATATOOLS_PREFILL_GEMM")
+        assert sizes["hgemm"] == sizes["mma"] == pf > sizes["sgemm"]
         fixed = dense + caches + RESERVE_BYTES + pf
         # a budget with room for 100 slots of 1,024 bytes (blob 1,000 rounded up to 256)
         plan = plan_vram(m, cfg, blob, 64, (fixed + 100 * 1024 + 10) / GIB, None, total_e)

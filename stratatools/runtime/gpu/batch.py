@@ -14,7 +14,8 @@ every active place as one batched forward (:meth:`BatchDecoder.step`), the same 
   :meth:`Weights.get`;
 * routed experts: on CuPy the per-(token, expert) job kernels (:func:`stratatools.runtime.gpu.experts.expert_ffn`,
   pipelined when every expert is resident, else staged rows, as the batch-1 decoder chooses (with
-  ``STRATATOOLS_BATCH_GEMM=mma`` or ``hgemm`` the prefill's tensor-core jobs of one expert and its tokens); one job per routed
+  ``STRATATOOLS_BATCH_GEMM=mma`` or ``hgemm`` the prefill's tensor-core jobs of one expert and its tokens); one job
+  per routed
   entry, blob addresses from the tier's slot table: a VRAM slot, or the mapped pinned host arena for an expert not
   resident); with numpy the prefill's grouped path over ``expert_fn``;
 * the gated DeltaNet: the causal conv over each place's [conv state; token] and one delta-rule step for every
@@ -694,8 +695,8 @@ class BatchDecoder(ChunkPrefill):
         self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
         if self.experts == "mma" and self._mma_experts_ok(il):
-            # STRATATOOLS_BATCH_GEMM=mma / hgemm: the prefill's tensor-core jobs (an expert, its tokens), the job table built on
-            # the device from the routing (nothing read back)
+            # STRATATOOLS_BATCH_GEMM=mma / hgemm: the prefill's tensor-core jobs (an expert, its tokens), the job table
+            # built on the device from the routing (nothing read back)
             ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
             y = cp.sum(ya.reshape(T, k, n) * w.reshape(T, k, 1), axis=1)
         else:

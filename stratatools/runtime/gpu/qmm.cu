@@ -407,7 +407,7 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
     });
 }
 
-// ---- weights as fp16 hi / lo for cuBLAS (the hgemm path, qmm.py hgemm) ------------------------------------------------
+// ---- weights as fp16 hi / lo for cuBLAS (the hgemm path, qmm.py hgemm) --------------------------------------------
 // W (layout F: w, wd, rb as for qmm_dense; R rows of K values) as two fp16 matrices Wh, Wl [R, K] row-major (halves)
 // with W = Wh + Wl exactly: v = d code in float32 (exact: 11 x 8 significant bits), Wh = half(v) round to nearest,
 // Wl = half(v - Wh). Wl is exact: d is an fp16 value, so v and Wh are multiples of 2^-24 and |v - Wh| <= ulp(Wh) / 2

@@ -109,9 +109,9 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
 def host_source() -> str:
     """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
     lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)``,
-    ``host_qmm_moe_gu_<F>`` / ``host_qmm_moe_down_<F>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the wrapper checks
-    ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32: D = A B + C through
-    the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
+    ``host_qmm_moe_gu_<F>`` / ``host_qmm_moe_down_<F>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
+    wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
+    D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
              "long long ldy, int T, int R, int K, int nz", "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K, nz")
     gu = ("const u64* job_ptr, const int* job_tok, const u16* xhi, const u16* xlo, const float* xsc, float* Hbuf, "
