@@ -244,9 +244,10 @@ def test_gpu_prefill_matches_steps(kit, model, max_ctx, n_prompt, chunk, slots, 
 @pytest.mark.parametrize("model", ["quant/model-ISTA-mix.gguf", "quant/model-Q2_0.gguf"])
 def test_gpu_prefill_hgemm_matches_sgemm(kit, model, monkeypatch):
     """STRATATOOLS_PREFILL_GEMM=hgemm (the Q8_0 / Q2_0 dense matrices through fp16 hi/lo cuBLAS GEMMs; others
-    dequantize + SGEMM) against sgemm on the same decoder and prompt: the last token's logits within 1e-5 relative and
-    the same routed sets for every (token, layer); every fp16 check of the hgemm path passed (no fallback on these
-    models) and its matrices were met. The mma path's distance is printed beside."""
+    dequantize + SGEMM) against sgemm on the same decoder and prompt, the routed experts on the same path for both
+    (the mma jobs; ISTA-mix's expert types take the rows path): the last token's logits within 1e-5 relative and the
+    same routed sets for every (token, layer); every fp16 check of the hgemm path passed (no fallback on these models)
+    and its matrices were met. The mma path's distance is printed beside."""
     import cupy as cp
 
     from stratatools.runtime.gpu.engine import DecoderRuntime
@@ -260,12 +261,14 @@ def test_gpu_prefill_hgemm_matches_sgemm(kit, model, monkeypatch):
     drt = DecoderRuntime(GPURuntime(load(path, xp=cp), policy=None, miss_mode="copy"), max_ctx=96,
                          prefill="batched", prefill_chunk=512)
     dec = drt.dec
+    drt.prepare()  # the step's graph (its Q8_0 matrices re-laid out, as a real run has them)
     out = {}
     for gemm in ("sgemm", "hgemm", "mma"):
         monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
-        lg, rec = drt.forward(toks, drt.new_state())  # a fresh sequence: the decoder's buffers reset
-        assert dec.prefiller().gemm == gemm
-        out[gemm] = (_h(lg), np.sort(np.stack(rec.ids, axis=1), axis=-1))
+        dec.load_state(drt.new_state())
+        lg, ids, _ = dec.prefill(toks, chunk=512, experts="mma")
+        assert dec.prefiller(512, experts="mma").gemm == gemm
+        out[gemm] = (_h(lg), np.sort(ids, axis=-1))
     fits = getattr(dec, "_hgemm_fits_by_name", {})
     rel_h, rel_m = _rel(out["hgemm"][0], out["sgemm"][0]), _rel(out["mma"][0], out["sgemm"][0])
     same = float(np.mean(np.all(out["hgemm"][1] == out["sgemm"][1], axis=-1)))
