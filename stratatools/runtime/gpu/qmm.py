@@ -292,7 +292,9 @@ def wsplit(layout: Any, w: Any, wd: Any, rows: int, cols: int, flag: Any) -> tup
     """W [rows, cols] (as :func:`dense` takes it) as fp16 bits uint16 (Wh, Wl) [rows, cols] with W = Wh + Wl exactly,
     Wh = fp16(W) rounded to nearest (``qmm_wsplit``); Q2_0 values are exact halves: Wl is None. ``flag`` int32 [1]
     on the device is set to 1 when a value does not fit fp16 (|W| >= 65520: Wh infinite; never cleared here).
-    The two arrays are transient (4 bytes a weight, CuPy's pool). Raises StrataError as :func:`dense` does."""
+    The two arrays are transient (4 bytes a weight, CuPy's pool: within the VRAM plan's dense share of 8 bytes a weight
+    of the largest matrix, :func:`stratatools.runtime.gpu.prefill.prefill_scratch_bytes`). Raises StrataError as
+    :func:`dense` does."""
     import cupy as cp
 
     f = _check_matrix(layout, w, wd, rows, cols)
