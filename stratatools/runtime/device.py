@@ -170,8 +170,10 @@ def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:
     """Device bytes of one batched step's temporaries for ``batch`` places, as the graph's own pool keeps them
     (:class:`stratatools.runtime.gpu.batch.BatchDecoder`; the eager steps' temporaries come from the pool the prefill
     uses, planned by :func:`prefill_bytes`): :func:`stratatools.runtime.gpu.prefill.prefill_scratch_bytes` for a
-    chunk of ``batch`` tokens, the largest dense matrix taken over the trunk and, where the step's GEMMs dequantize
-    (``STRATATOOLS_BATCH_GEMM=sgemm``), the output head. 0 for ``batch`` <= 1 or with ``STRATATOOLS_BATCH_GRAPH=0``."""
+    chunk of ``batch`` tokens, the largest dense matrix taken over the trunk and, where the step's GEMMs write a
+    transient copy of it (``STRATATOOLS_BATCH_GEMM=sgemm``: float32, 8 bytes a weight planned; ``hgemm``: the fp16
+    pair, 4 bytes a weight, within that), the output head. 0 for ``batch`` <= 1 or with
+    ``STRATATOOLS_BATCH_GRAPH=0``."""
     from stratatools.runtime.gpu.batch import graph_enabled
     from stratatools.runtime.gpu.prefill import GROUP, prefill_scratch_bytes
     from stratatools.runtime.gpu.qmm import batch_gemm
@@ -179,7 +181,7 @@ def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:
     if batch <= 1 or not graph_enabled():
         return 0
     gemm = batch_gemm()
-    skip = ("token_embd.weight", "per_layer_token_embd.weight") + (() if gemm == "sgemm" else ("output.weight",))
+    skip = ("token_embd.weight", "per_layer_token_embd.weight") + (("output.weight",) if gemm == "mma" else ())
     big = 0
     for t in model.iter_tensors():
         if "_exps." in t.name or t.name in skip:
@@ -190,7 +192,7 @@ def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:
         big = max(big, n)
     ff, n = int(cfg.n_ff_exp), int(cfg.n_embd)
     return prefill_scratch_bytes(cfg, 3 * ff * n * 4, int(batch), GROUP, big, int(max_ctx),
-                                 experts="mma" if gemm == "mma" else "rows")
+                                 experts="mma" if gemm in ("mma", "hgemm") else "rows")
 
 
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
