@@ -226,10 +226,9 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
     values) twice (dequantized and in flight: 8 bytes a weight; the ``hgemm`` path's transient fp16 pair Wh + Wl
     takes 4 bytes a weight, ``mma`` none, so this covers all three GEMM paths); the attention scores with their
     temporaries (at most :data:`ATTN_SCORE_BYTES`, less for short contexts); the per-pair expert outputs [chunk k,
-    n_embd] three times
-    (outputs, weighted, summed) and, on the ``rows`` expert path, the jobs' hidden activations (every expert's last
-    job padded to :data:`JOB_TOKENS`), on the ``gemm`` path ``group`` expert blobs as float32 (``blob_bytes_f32``
-    each) with their gathered inputs and outputs (every expert of a group padded to the chunk)."""
+    n_embd] three times (outputs, weighted, summed) and, on the ``rows`` expert path, the jobs' hidden activations
+    (every expert's last job padded to :data:`JOB_TOKENS`), on the ``gemm`` path ``group`` expert blobs as float32
+    (``blob_bytes_f32`` each) with their gathered inputs and outputs (every expert of a group padded to the chunk)."""
     n, hc, k = cfg.n_embd, cfg.hc_count, cfg.n_expert_used
     ff = cfg.n_ff_exp
     E = max(cfg.n_expert) if isinstance(cfg.n_expert, (list, tuple)) else int(cfg.n_expert)
