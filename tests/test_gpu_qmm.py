@@ -95,8 +95,9 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
                                               ("Q2_0", 264, 1024)])
 @pytest.mark.parametrize("T", [1, 7, 32, 512])
 def test_gpu_hgemm_matches_float64(layout, rows, cols, T):
-    """qmm.hgemm (Wh + Wl = W in fp16, three cuBLAS fp16 GEMMs into float32, the rows' scales) within 2e-6 of
-    float64 relative to |W| |x| element by element, like qmm.dense; the printed errors against the dense kernel's."""
+    """qmm.hgemm (Wh + Wl = W in fp16, three cuBLAS fp16 GEMMs into float32, the rows' scales) within 1e-5 of
+    float64 relative to |W| |x| element by element, as qmm.dense is held above (a dropped hi/lo term would be
+    ~2e-4); the worst errors of both printed (expected about 1e-6)."""
     import cupy as cp
 
     from stratatools.runtime.gpu import kernels as K
@@ -124,7 +125,7 @@ def test_gpu_hgemm_matches_float64(layout, rows, cols, T):
     Yd = cp.asnumpy(qmm.dense(cp.asarray(X), *args)).astype(np.float64)
     err_d = np.abs(Yd - ref) / np.maximum(bound, 1e-300)
     print(f"hgemm {layout} {rows}x{cols} T={T}: worst {err.max():.2e} of |W||x| (mma {err_d.max():.2e})")
-    assert err.max() < 2e-6
+    assert err.max() < 1e-5
 
 
 def test_gpu_hgemm_overflow_check_and_gemm16():
@@ -145,7 +146,7 @@ def test_gpu_hgemm_overflow_check_and_gemm16():
     W = np.asarray(dequantize(raw.reshape(-1), "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
     Y = cp.asnumpy(qmm.hgemm(X, "Q8_0", cp.asarray(raw.reshape(-1)), None, rows, cols)).astype(np.float64)
     Xh = cp.asnumpy(X).astype(np.float64)
-    assert np.all(np.abs(Y - Xh @ W.T) <= 2e-6 * (np.abs(Xh) @ np.abs(W.T)))
+    assert np.all(np.abs(Y - Xh @ W.T) <= 1e-5 * (np.abs(Xh) @ np.abs(W.T)))
     A = rng.standard_normal((40, 64)).astype(np.float16)
     B = rng.standard_normal((3, 64)).astype(np.float16)
     Yg = cp.full((3, 40), 7.0, dtype=cp.float32)
