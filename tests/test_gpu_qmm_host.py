@@ -653,7 +653,7 @@ def _gemm16_np(A, B, Y, accumulate):
 
 @pytest.fixture
 def host_gemm16(hostcp, monkeypatch):
-    """hostcp with qmm.gemm16 replaced by :func:`_gemm16_np`; returns the list of the calls' ``accumulate``."""
+    """hostcp with blas.gemm16 replaced by :func:`_gemm16_np`; returns the list of the calls' ``accumulate``."""
     class Calls(list):
         cupy = None
 
@@ -663,7 +663,9 @@ def host_gemm16(hostcp, monkeypatch):
         calls.append(accumulate)
         _gemm16_np(A, B, Y, accumulate)
 
-    monkeypatch.setattr(Q, "gemm16", fake)
+    from stratatools.runtime.gpu import blas
+
+    monkeypatch.setattr(blas, "gemm16", fake)
     calls.cupy = hostcp
     return calls
 

@@ -1,4 +1,6 @@
-"""cuBLAS SGEMM that a CUDA-graph capture may record: ``Y[T, R] = X[T, K] W[R, K]^T`` in float32.
+"""cuBLAS SGEMM that a CUDA-graph capture may record: ``Y[T, R] = X[T, K] W[R, K]^T`` in float32; and the fp16 GEMM
+with float32 output and accumulation of the ``hgemm`` path (:func:`gemm16`, :func:`stratatools.runtime.gpu.qmm.hgemm`;
+CuPy's matmul of fp16 arrays returns fp16), through the same library call eagerly and in a capture.
 
 CuPy refuses every cuBLAS call while a stream is being captured (its ``setStream`` raises NotImplementedError),
 although cuBLAS supports capture; the batched decode step is captured (:mod:`stratatools.runtime.gpu.batch`), so its
@@ -46,6 +48,7 @@ def _lib() -> Any:
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.cublasSetStream_v2.argtypes = [vp, vp]
     lib.cublasSgemm_v2.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, vp, ci, vp, vp, ci]
+    lib.cublasGemmEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, vp, ci, ci, vp, vp, ci, ci, ci, ci]
     return lib
 
 
@@ -82,3 +85,24 @@ def sgemm_nt(X: Any, W: Any, out: Any = None) -> Any:
     if st != 0:
         raise StrataError(f"cuBLAS sgemm of [{T}, {K}] x [{R}, {K}]^T failed with status {st}")
     return out
+
+
+def gemm16(A: Any, B: Any, Y: Any, accumulate: bool) -> None:
+    """``Y (+)= B A^T`` on the current stream (eagerly, or recorded by a capture): A [R, K] and B [T, K] fp16 bits
+    (uint16, C-contiguous CuPy arrays), Y float32 [T, R] C-contiguous; products and sums in float32 (cuBLAS
+    ``cublasGemmEx``, CUBLAS_COMPUTE_32F, scalars from host memory as :func:`sgemm_nt`'s). The caller checks shapes
+    and layout (:func:`stratatools.runtime.gpu.qmm.hgemm`). Raises StrataError for a cuBLAS error status."""
+    import cupy as cp
+
+    R, K = (int(v) for v in A.shape)
+    T = int(B.shape[0])
+    lib = _lib()
+    h = cp.cuda.device.get_cublas_handle()
+    st = lib.cublasSetStream_v2(h, cp.cuda.get_current_stream().ptr)
+    # column-major view as in sgemm_nt; 2 = CUDA_R_16F, 0 = CUDA_R_32F, 68 = CUBLAS_COMPUTE_32F,
+    # -1 = CUBLAS_GEMM_DEFAULT
+    if st == 0:
+        st = lib.cublasGemmEx(h, 1, 0, R, T, K, _ONE.ctypes.data, A.data.ptr, 2, K, B.data.ptr, 2, K,
+                              (_ONE if accumulate else _ZERO).ctypes.data, Y.data.ptr, 0, R, 68, -1)
+    if st != 0:
+        raise StrataError(f"cuBLAS fp16 GEMM of [{T}, {K}] x [{R}, {K}]^T failed with status {st}")

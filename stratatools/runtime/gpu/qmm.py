@@ -309,46 +309,18 @@ def wsplit(layout: Any, w: Any, wd: Any, rows: int, cols: int, flag: Any) -> tup
     return wh, wl
 
 
-_ONE = np.ones(1, dtype=np.float32)  # host scalars of the GEMM calls (alive for the module's life)
-_ZERO = np.zeros(1, dtype=np.float32)
-
-
-def gemm16(A: Any, B: Any, Y: Any, accumulate: bool) -> None:
-    """``Y (+)= B A^T`` on the current stream: A [R, K] and B [T, K] fp16 bits (uint16, C-contiguous CuPy arrays),
-    Y float32 [T, R] C-contiguous; products and sums in float32 (cuBLAS gemmEx, CUBLAS_COMPUTE_32F). cuBLAS is called
-    directly because CuPy's matmul of fp16 arrays returns fp16 (the float32 output is what keeps hgemm's precision)."""
-    import cupy
-
-    try:
-        from cupy_backends.cuda.libs import cublas
-    except ImportError:  # older CuPy
-        from cupy.cuda import cublas
-    R, K = (int(v) for v in A.shape)
-    T = int(B.shape[0])
-    h = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
-    mode = cublas.getPointerMode(h)
-    if mode != 0:  # scalars from host memory (CUBLAS_POINTER_MODE_HOST)
-        cublas.setPointerMode(h, 0)
-    try:
-        # column-major view: Y^T [R, T] = op_T(A^T [K, R]) B^T [K, T]; 2 = CUDA_R_16F, 0 = CUDA_R_32F,
-        # 68 = CUBLAS_COMPUTE_32F, -1 = CUBLAS_GEMM_DEFAULT
-        cublas.gemmEx(h, 1, 0, R, T, K, _ONE.ctypes.data, A.data.ptr, 2, K, B.data.ptr, 2, K,
-                      (_ONE if accumulate else _ZERO).ctypes.data, Y.data.ptr, 0, R, 68, -1)
-    finally:
-        if mode != 0:
-            cublas.setPointerMode(h, mode)
-
-
 def hgemm(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
           check: bool = True) -> Any:
     """:func:`dense`'s ``Y = X W^T`` through cuBLAS: W as fp16 Wh + Wl (:func:`wsplit`, transient), X split into
     halves hi + lo with row scales sc (:func:`split`, or ``xs``), ``Y = (Wh hi + Wh lo + Wl hi) sc`` (three fp16 GEMMs
-    accumulating in float32, :func:`gemm16`; Q2_0 two, its Wl being zero), within about 1e-6 of float64 relative to
-    |W| |x| like :func:`dense`. ``check``: read the overflow flag back (one synchronisation) and return None when a
-    value of W does not fit fp16 (the caller takes :func:`dense`); without it the caller knows W fits (an earlier
-    checked call). Returns a new float32 [T, rows], or None. Raises StrataError as :func:`dense` does."""
+    accumulating in float32, :func:`stratatools.runtime.gpu.blas.gemm16`; Q2_0 two, its Wl being zero), within about
+    1e-6 of float64 relative to |W| |x| like :func:`dense`. ``check``: read the overflow flag back (one
+    synchronisation: not while a stream is captured) and return None when a value of W does not fit fp16 (the caller
+    takes :func:`dense`); without it the caller knows W fits (an earlier checked call). Returns a new float32
+    [T, rows], or None. Raises StrataError as :func:`dense` does."""
     import cupy as cp
+
+    from stratatools.runtime.gpu import blas
 
     f = _check_matrix(layout, w, wd, rows, cols, X)
     flag = cp.zeros(1, dtype=cp.int32) if check else cp.empty(1, dtype=cp.int32)
@@ -357,10 +329,10 @@ def hgemm(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
         return None
     hi, lo, sc = xs if xs is not None else split(X)
     Y = cp.empty((int(X.shape[0]), rows), dtype=cp.float32)
-    gemm16(wh, hi, Y, False)
-    gemm16(wh, lo, Y, True)
+    blas.gemm16(wh, hi, Y, False)
+    blas.gemm16(wh, lo, Y, True)
     if wl is not None:
-        gemm16(wl, hi, Y, True)
+        blas.gemm16(wl, hi, Y, True)
     Y *= sc.reshape(-1, 1)
     return Y
 
