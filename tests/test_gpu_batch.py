@@ -93,10 +93,12 @@ def test_gpu_batched_steps_match_the_graph_decoder(kit, kit_prompts, model, gemm
         w.close()
 
 
-@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
+@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma"),
+                                        ("quant/model-ISTA-mix.gguf", "hgemm")])
 def test_gpu_graph_steps_equal_eager_steps(kit, kit_prompts, model, gemm, monkeypatch):
     """The batched step replayed from its CUDA graph gives the eager step's tokens and routing and its logits within
-    1e-5, over steps of every place with a subset step (eager) and a re-admitted place between them."""
+    1e-5, over steps of every place with a subset step (eager) and a re-admitted place between them (hgemm: its
+    weight splits and fp16 cuBLAS GEMMs recorded in the graph)."""
     import cupy as cp
 
     if not (kit / model).exists():
