@@ -453,6 +453,8 @@ def main() -> None:
     ap.add_argument("--compare-oracle", type=int, default=8, help="decoder comparison: prompt tokens also run "
                     "through the numpy forward on the CPU, every step's logits compared with it there (0: skip)")
     ap.add_argument("--reuse", action="store_true", help="keep an already synthesized model in the workdir")
+    ap.add_argument("--gguf", default=None, help="an existing model to use (no synth; e.g. the one bench_gpu_batch.py "
+                    "made with the same --layers / --experts / --types)")
     ap.add_argument("--profile-lru", action="store_true", help="also profile the selected --slots LRU rows' steps")
     ap.add_argument("--types", default=DEFAULT_TYPES, help="routed experts' types, passed to stratatools synth --types "
                     f"(default {DEFAULT_TYPES}; issue 12's variant: gu=IQ2_XS,down=IQ4_NL; pipelined expert kernels "
@@ -485,12 +487,15 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     argv = synth_argv(mdir, a.layers, a.experts, a.types)
     stamp = wd / "model.argv.json"  # what made the model in the workdir: --reuse keeps only the same model
-    if not (a.reuse and list(mdir.glob("*.gguf")) and stamp.is_file() and json.loads(stamp.read_text()) == argv):
+    if a.gguf:
+        if not Path(a.gguf).is_file():
+            sys.exit(f"--gguf {a.gguf}: no such file")
+    elif not (a.reuse and list(mdir.glob("*.gguf")) and stamp.is_file() and json.loads(stamp.read_text()) == argv):
         p = subprocess.run([sys.executable, "-m", "stratatools", *argv], capture_output=True, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"stratatools {' '.join(argv)}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
         stamp.write_text(json.dumps(argv))
-    gguf = str(sorted(mdir.glob("*.gguf"))[0])
+    gguf = a.gguf or str(sorted(mdir.glob("*.gguf"))[0])
     res["synth_s"] = time.perf_counter() - t0
     print(f"synth {res['synth_s']:.0f} s: {gguf} ({os.path.getsize(gguf) / 1e9:.1f} GB)", flush=True)
     anchor = None
