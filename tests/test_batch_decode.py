@@ -182,19 +182,26 @@ def test_vram_plan_counts_the_places(model, monkeypatch):
         assert one.batch_step == 0 and four.batch_step == batch_step_bytes(w.model, w.cfg, 4, 64) > 0
         assert four.fixed - four.batch_step == four.dense + four.caches + four.reserve + four.prefill + four.staging
         # hgemm writes a transient fp16 pair of each matrix, the output head's too: a head larger than the trunk's
-        # matrices is planned as the largest one (8 bytes a weight, as sgemm's float32 copy); mma reads it quantized
+        # matrices is planned as the largest one (8 bytes a weight, as sgemm's float32 copy); mma reads a Q8_0 /
+        # Q2_0 head quantized, and dequantizes a head of another type (here Q6_K) every step
         from types import SimpleNamespace
 
-        big_head = SimpleNamespace(iter_tensors=lambda: list(w.model.iter_tensors()) + [
-            SimpleNamespace(name="output.weight", ne=(w.cfg.n_embd, 10 ** 6))])
+        def with_head(tname):
+            head = SimpleNamespace(name="output.weight", ne=(w.cfg.n_embd, 10 ** 6), type=SimpleNamespace(name=tname))
+            return SimpleNamespace(iter_tensors=lambda: [t for t in w.model.iter_tensors()
+                                                         if t.name != "output.weight"] + [head])
+
         sizes = {}
         for g in ("mma", "hgemm", "sgemm"):
             monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", g)
-            sizes[g] = batch_step_bytes(big_head, w.cfg, 4, 64)
+            sizes[g] = batch_step_bytes(with_head("Q8_0"), w.cfg, 4, 64)
+        monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", "mma")
+        sizes["mma Q6_K"] = batch_step_bytes(with_head("Q6_K"), w.cfg, 4, 64)
         monkeypatch.delenv("STRATATOOLS_BATCH_GEMM")
         trunk = max(int(np.prod([int(d) for d in t.ne])) for t in w.model.iter_tensors() if "_exps." not in t.name
                     and t.name not in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"))
         assert sizes["hgemm"] - sizes["mma"] == 8 * (w.cfg.n_embd * 10 ** 6 - trunk)
+        assert sizes["mma Q6_K"] == sizes["hgemm"]
         assert sizes["hgemm"] > sizes["sgemm"]  # the same head; the mma expert jobs' rows on top
         monkeypatch.setenv("STRATATOOLS_BATCH_GRAPH", "0")
         assert plan_vram(w.model, w.cfg, blob, 64, None, None, L * E, batch=4).batch_step == 0

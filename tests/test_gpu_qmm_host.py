@@ -242,17 +242,17 @@ def test_launchers_refuse_bad_shapes():
 
 
 def test_prefill_and_batch_gemm_env(monkeypatch):
-    """The prefill's switch defaults to mma, the batched step's to sgemm; each reads its own variable only and takes
+    """The prefill's switch defaults to mma, the batched step's to mma too; each reads its own variable only and takes
     sgemm, mma or hgemm (any case, spaces around)."""
     monkeypatch.delenv(Q.GEMM_ENV, raising=False)
     monkeypatch.delenv(Q.BATCH_GEMM_ENV, raising=False)
-    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("mma", "sgemm")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("mma", "mma")
     monkeypatch.setenv(Q.GEMM_ENV, "SGEMM")
-    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "sgemm")
-    monkeypatch.setenv(Q.BATCH_GEMM_ENV, " mma")
     assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "mma")
+    monkeypatch.setenv(Q.BATCH_GEMM_ENV, " sgemm")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("sgemm", "sgemm")
     monkeypatch.setenv(Q.GEMM_ENV, "HGEMM ")
-    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("hgemm", "mma")
+    assert (Q.prefill_gemm(), Q.batch_gemm()) == ("hgemm", "sgemm")
     monkeypatch.setenv(Q.BATCH_GEMM_ENV, "hgemm")
     assert (Q.prefill_gemm(), Q.batch_gemm()) == ("hgemm", "hgemm")
     for env, fn in ((Q.GEMM_ENV, Q.prefill_gemm), (Q.BATCH_GEMM_ENV, Q.batch_gemm)):

@@ -121,11 +121,11 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
     monkeypatch.delenv("STRATATOOLS_PREFETCH_EXTRA", raising=False)
     assert fetch_staging_bytes("zero-copy", 8, 1024) == 0
     assert fetch_staging_bytes("fetch", 8, 1024) == 8 * 1024
-    # prefetch: k entries for the layer computed + two parities of k + k // 2 predicted experts
+    # prefetch: k entries for the layer computed + two parities of the k predicted experts (default: no extra)
+    assert prefetch_width(8) == 8 and fetch_staging_bytes("prefetch", 8, 1024) == 24 * 1024
+    monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", "4")
     assert prefetch_width(8) == 12 and prefetch_width(8, 10) == 10 and prefetch_width(60) == 64
     assert fetch_staging_bytes("prefetch", 8, 1024) == (8 + 2 * 12) * 1024
-    monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", "0")
-    assert prefetch_width(8) == 8 and fetch_staging_bytes("prefetch", 8, 1024) == 24 * 1024
     for bad in ("-1", "two"):
         monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", bad)
         with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_EXTRA=.*whole number of experts >= 0"):

@@ -172,20 +172,23 @@ def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:
     uses, planned by :func:`prefill_bytes`): :func:`stratatools.runtime.gpu.prefill.prefill_scratch_bytes` for a
     chunk of ``batch`` tokens, the largest dense matrix taken over the trunk and, where the step's GEMMs write a
     transient copy of it (``STRATATOOLS_BATCH_GEMM=sgemm``: float32, 8 bytes a weight planned; ``hgemm``: the fp16
-    pair, 4 bytes a weight, within that), the output head. 0 for ``batch`` <= 1 or with
-    ``STRATATOOLS_BATCH_GRAPH=0``."""
+    pair, 4 bytes a weight, within that; ``mma``: a head of a type the tensor-core kernels do not read, which is
+    dequantized to float32 every step), the output head. 0 for ``batch`` <= 1 or with ``STRATATOOLS_BATCH_GRAPH=0``."""
     from stratatools.runtime.gpu.batch import graph_enabled
     from stratatools.runtime.gpu.prefill import GROUP, prefill_scratch_bytes
-    from stratatools.runtime.gpu.qmm import batch_gemm
+    from stratatools.runtime.gpu.qmm import batch_gemm, supports
 
     if batch <= 1 or not graph_enabled():
         return 0
     gemm = batch_gemm()
-    skip = ("token_embd.weight", "per_layer_token_embd.weight") + (("output.weight",) if gemm == "mma" else ())
+    skip = ("token_embd.weight", "per_layer_token_embd.weight")
     big = 0
     for t in model.iter_tensors():
         if "_exps." in t.name or t.name in skip:
             continue
+        if (t.name == "output.weight" and gemm == "mma" and t.type.name in ("Q8_0", "Q2_0")
+                and supports(t.type.name, int(t.ne[0]))):
+            continue  # read quantized by the tensor-core kernels
         n = 1
         for d in t.ne:
             n *= int(d)

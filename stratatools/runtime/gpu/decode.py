@@ -134,17 +134,19 @@ def miss_fetch_mode() -> str:
     return v
 
 
-#: Experts the ``prefetch`` mode predicts for the next layer beyond its k (default k // 2: on synthetic and kit
-#: models the top 1.5 k of the next router on this layer's input held 93-98% of the next layer's k, the top k 83-88%).
+#: Experts the ``prefetch`` mode predicts for the next layer beyond its k (default 0: on synthetic and kit models the
+#: top 1.5 k of the next router on this layer's input held 93-98% of the next layer's k, the top k 83-88%; but on the
+#: 48 x 256 model at 1,872 slots the top k alone decoded faster (static 88.8 against 82.7 tok/s, LRU 79.3 against
+#: 78.8): the extra copies cost more bus time than the late fetches they save; bench/gpu-notes.md, seventh pass).
 PREFETCH_EXTRA_ENV = "STRATATOOLS_PREFETCH_EXTRA"
 
 
 def prefetch_width(k: int, n_expert: int | None = None) -> int:
-    """Experts predicted per layer in ``prefetch`` mode: k + :data:`PREFETCH_EXTRA_ENV` (default k // 2), at most
+    """Experts predicted per layer in ``prefetch`` mode: k + :data:`PREFETCH_EXTRA_ENV` (default 0), at most
     ``n_expert`` and 64 (the routing kernel's limit). Raises StrataError for a value that is not an integer >= 0."""
     v = os.environ.get(PREFETCH_EXTRA_ENV, "").strip()
     try:
-        extra = int(v) if v else int(k) // 2
+        extra = int(v) if v else 0
     except ValueError:
         extra = -1
     if extra < 0:

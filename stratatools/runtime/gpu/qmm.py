@@ -15,8 +15,11 @@ the layout allows; 1.80x the SGEMM path on the 48 x 256 model's 512-token prefil
 ``sgemm`` (dequantize to float32, cuBLAS SGEMM) or ``hgemm`` (:func:`hgemm`: the matrix written once as two fp16
 matrices Wh + Wl = W exactly (``qmm_wsplit``), X split as for ``mma``, three cuBLAS fp16 GEMMs with float32
 accumulation into one float32 Y, then the rows' scales; same ~1e-6 precision; a matrix whose values do not fit fp16
-falls back to ``mma``). :data:`BATCH_GEMM_ENV` (``STRATATOOLS_BATCH_GEMM``) picks the batched decode step's, default
-``sgemm`` (measured faster there at 32 sequences). Importing this module needs no CuPy.
+falls back to ``mma``; measured slower than ``mma`` on that prefill, 1,446 against 1,773 tok/s: at 512 tokens each
+matrix's split and three GEMM launches cost more than the tensor-core kernels). :data:`BATCH_GEMM_ENV`
+(``STRATATOOLS_BATCH_GEMM``) picks the batched decode step's, default ``mma`` (with the step's CUDA graph the fastest
+at 1, 8 and 32 sequences: 41 / 265 / 649 tok/s against 21 / 131 / 364 for ``sgemm`` and 23 / 166 / 495 for
+``hgemm``). Importing this module needs no CuPy.
 """
 
 from __future__ import annotations
@@ -69,9 +72,9 @@ def prefill_gemm() -> str:
 
 
 def batch_gemm() -> str:
-    """The batched decode step's dense GEMM path from :data:`BATCH_GEMM_ENV`: ``sgemm`` (default), ``mma`` or
+    """The batched decode step's dense GEMM path from :data:`BATCH_GEMM_ENV`: ``mma`` (default), ``sgemm`` or
     ``hgemm``. Raises StrataError for another value."""
-    return _gemm_from(BATCH_GEMM_ENV, "sgemm")
+    return _gemm_from(BATCH_GEMM_ENV, "mma")
 
 
 def device_source() -> str:
