@@ -406,18 +406,26 @@ def test_second_writer_is_refused_with_one_line(tmp_path):
     _one_line(ei.value)
 
 
-def test_publish_dir_keeps_other_files_and_refuses_subfolders(tmp_path):
+def test_publish_dir_keeps_other_files_and_subfolders(tmp_path):
+    """Other programs' entries (files, subfolders) stay untouched (the output's files are renamed in beside
+    them); a folder where the output writes a file is refused before the build."""
     out = tmp_path / "rep"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
     (out / "report.md").write_text("old")
+    ino = os.stat(out).st_ino
     with publish_dir(out, keep=lambda n: n != "report.md") as st:
         (st / "report.md").write_text("new")
     assert (out / "mine.txt").read_text() == "keep me" and (out / "report.md").read_text() == "new"
     (out / "sub").mkdir()
-    with pytest.raises(StrataError, match="not a regular file"):
-        with publish_dir(out, keep=lambda n: True) as st:
-            pass
+    (out / "sub" / "x").write_text("theirs")
+    with publish_dir(out, keep=lambda n: n != "report.md") as st:
+        (st / "report.md").write_text("newer")
+    assert (out / "sub" / "x").read_text() == "theirs" and (out / "report.md").read_text() == "newer"
+    assert os.stat(out).st_ino == ino and _leftovers(tmp_path) == []  # filled in place, never swapped
+    with pytest.raises(StrataError, match="sub: is a folder, where this output writes a file"):
+        with publish_dir(out, keep=lambda n: n != "sub") as st:
+            raise AssertionError("the build started")
     assert (out / "sub").is_dir() and _leftovers(tmp_path) == []
     with pytest.raises(StrataError, match="not the current folder"):
         with publish_dir("."):

@@ -306,9 +306,12 @@ def plot_coverage(study) -> bytes:
 
 def write_report(study, folder: str | os.PathLike, force: bool = False,
                  inputs: "list[str | os.PathLike] | tuple" = ()) -> list[Path]:
-    """Write report.md, report.json and the PNG plots into ``folder``, published whole: built in a temp folder
-    beside it and swapped in (:func:`stratatools.core.fsutil.publish_dir`), other files already in the folder are
-    carried over, a previous report survives any failure.
+    """Write report.md, report.json and the PNG plots into ``folder`` through
+    :func:`stratatools.core.fsutil.publish_dir`: built in a temp folder beside it; a new folder, or one holding
+    only a previous report, is swapped in whole (a previous report survives any failure); a folder holding other
+    entries (files, subfolders) keeps them untouched and gets the report's files renamed in one by one, each
+    complete, report.json last (its presence means the report is complete; a kill midway leaves some files new,
+    some old, and no report.json only if there was none). The folder keeps its permissions either way.
 
     Without ``force`` the "already exists" check runs again under the folder's lock, before the build and just
     before the swap (``publish_dir``'s ``refuse``): a report another run published after this one's first check
@@ -333,7 +336,8 @@ def write_report(study, folder: str | os.PathLike, force: bool = False,
     blobs = {"report.json": study_json(study).encode(), "report.md": study_markdown(study).encode(),
              "hit_rate_vs_budget.png": plot_sweep(study), "layer_heatmap.png": plot_heatmap(study),
              "coverage.png": plot_coverage(study)}
-    with publish_dir(d, inputs=inputs, keep=lambda n: n not in FILES, refuse=None if force else refuse) as stage:
+    with publish_dir(d, inputs=inputs, keep=lambda n: n not in FILES, refuse=None if force else refuse,
+                     last=("report.json",)) as stage:
         for name in FILES:
             write_bytes_atomic(stage / name, blobs[name])
     return [d / name for name in FILES]

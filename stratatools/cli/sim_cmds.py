@@ -126,13 +126,17 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
     --force), that already holds a report (without --force), or that is an existing folder of other files and
     no report (without --force: it is not a report folder; with --force the report is added beside them).
 
-    The folder-output rule (README, "Files"): a report folder is built beside the target and swapped in whole,
-    the other files of an existing folder carried over; an input is never replaced, moved or deleted.
-    """
+    The folder-output rule (README, "Files"): a report folder is built beside the target; a new folder or a
+    previous report is swapped in whole, a folder of other entries gets the report's files one by one and keeps
+    the rest untouched (:func:`stratatools.core.fsutil.publish_dir`); an input is never replaced, moved or
+    deleted. A report file name taken by a folder is refused even with --force; leftovers of a killed run are
+    cleaned first (:func:`stratatools.core.fsutil.tidy_output`)."""
     from pathlib import Path
 
     from stratatools.cachesim.report import FILES
 
+    if not report.strip():  # (Path("") is the current folder)
+        raise StrataError(f"--report {report!r}: the path is empty; give a folder, e.g. --report sim-report")
     if report == "-":  # (Path would make a folder named "-")
         raise StrataError("--report -: a report folder (report.md, report.json, ...) is not written to stdout; give "
                           "a folder, e.g. --report sim-report (add --json for the numbers on stdout)")
@@ -151,6 +155,10 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
                               f"elsewhere (choose another --report folder)")
     if d.exists() and not d.is_dir():
         raise StrataError(f"{report}: exists and is not a folder; choose another --report folder")
+    from stratatools.core.fsutil import check_own_entries, tidy_output
+
+    tidy_output(d)  # what a killed run left beside it (its temp folder, the lock file)
+    check_own_entries(d, lambda n: n not in FILES)  # a report name taken by a folder: --force cannot help
     if not force:
         for f in FILES:
             if (d / f).exists():
@@ -454,8 +462,7 @@ def register(app: typer.Typer) -> None:
                                        upper_slots, disjoint_adapt, strata_version),
                     ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
                     cold=cold)
-        if report is not None:
-            write_report(st, report, force=force, inputs=_inputs(traces, profile))
+        paths = write_report(st, report, force=force, inputs=_inputs(traces, profile)) if report is not None else []
         _print_skipped(st)  # on stderr, with --json too
         if as_json:
             common.emit_json({"entries": st.entries, "tokens": st.tokens, "budget": st.budget,
@@ -463,3 +470,5 @@ def register(app: typer.Typer) -> None:
             return
         _print_table(_table(st))
         _print_rounds(st)
+        if paths:
+            common.note(f"wrote {', '.join(str(p) for p in paths)}")

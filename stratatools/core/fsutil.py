@@ -759,7 +759,8 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
 @contextmanager
 def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (),
                 keep: Callable[[str], bool] | None = None,
-                refuse: Callable[[Path], None] | None = None) -> Iterator[Path]:
+                refuse: Callable[[Path], None] | None = None,
+                last: Iterable[str] = (), step: Callable[[str], None] | None = None) -> Iterator[Path]:
     """Build a folder output in a unique sibling temp folder and swap it in whole on success.
 
     Yields the (empty) temp folder to write into. On success the temp folder replaces ``target`` in one step
@@ -769,8 +770,25 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     the previous ``target`` is untouched and the temp folder is removed (or, after a kill, by the next run).
     Holds :func:`output_lock` throughout (a concurrent writer is refused).
 
-    ``keep(name)``: entries of an existing ``target`` that the new output carries over (hard links, no copy);
-    other entries of the old folder go with it.
+    ``keep(name)``: True for the names of an existing ``target`` that are not this output's (other programs'
+    files). When ``target`` holds such entries at publish time (any kind: files, subfolders), the folder is not
+    swapped: the output's own files are renamed into it one by one from the temp folder (each written through
+    the write path already: temp + fsync, then a rename), the other entries are never read, moved or removed
+    (a program writing there meanwhile loses nothing), files of a previous output that the new one lacks are
+    removed, and the names in ``last`` (markers: report.json, native_experts.txt, release.json) are removed from
+    the folder first and renamed in last, so their presence means the output is complete. A kill midway leaves
+    each file either old or new, never partial, and no marker; the temp folder with the files not yet moved is
+    removed by the next run (:func:`tidy_output`). Without such entries (a new folder, or one holding only a
+    previous output) the folder is swapped whole. An existing entry with one of the output's names that is a
+    folder is refused before the build (a file cannot replace it). ``keep`` None: the whole folder is this
+    output's (always swapped).
+
+    Permissions: the published folder keeps an existing ``target``'s mode (permission bits, setgid and sticky
+    included) and, where the process may set it, its group; they are set on the temp folder (created 0700)
+    before anything is written into it, so a private folder never becomes readable to others, even for a
+    moment. A new ``target`` gets the mode a plain mkdir gives (umask, a setgid parent's group).
+
+    ``step(name)``: a test hook called before each file of an in-place publish (and with ``""`` before a swap).
 
     ``refuse(target)``: the caller's "already exists (pass --force)" check, run again under the lock, before the
     build and just before the swap (a run that checked before taking the lock cannot replace an output another
@@ -794,11 +812,14 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
         raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
     if os.path.lexists(t) and (t.is_symlink() or not t.is_dir()):
         raise StrataError(f"{t}: exists and is not a folder; choose another output folder", t)
+    check_own_entries(t, keep)
+    last = list(last)
     _DEFER["publishing"] += 1
     try:
         with output_lock(t) as lock:
             try:
                 recover(lock)
+                _clean_dead_temps(t)
             except OSError as e:
                 raise _fail(t, e, "cannot create its temp folder") from None
             tmp = _unique(t.parent, t.name)
@@ -810,17 +831,32 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                     refuse(t)
                 try:
                     lock.set_journal({"paths": [str(tmp)]})
+                    try:
+                        old = os.stat(t, follow_symlinks=False)
+                    except FileNotFoundError:
+                        old = None
                     with signals_deferred():
-                        os.mkdir(tmp)
+                        if old is None:
+                            os.mkdir(tmp)
+                        else:
+                            os.mkdir(tmp, 0o700)
                         made = True
+                    if old is not None:
+                        _copy_mode(old, tmp)
                 except OSError as e:
                     raise _fail(t, e, "cannot create its temp folder") from None
-                _carry_over(t, None, keep)  # refuse early, before the (possibly long) build
                 yield tmp
-                _carry_over(t, tmp, keep)
                 _fsync_tree(tmp)
                 if refuse is not None:
                     refuse(t)
+                if keep is not None and _others(t, keep):
+                    _publish_in_place(t, tmp, keep, last, step)
+                    _remove_tree(tmp)
+                    lock.set_journal({})
+                    return
+                if step is not None:
+                    step("")
+                _carry_over(t, tmp, keep)  # entries that appeared since the check above (a race): kept if files
                 with signals_deferred():  # the swap and commit_point are one step for SIGINT/SIGTERM
                     if os.path.lexists(t):
                         if not _renameat2_exchange(tmp, t):
@@ -861,6 +897,126 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
         _DEFER["publishing"] -= 1
 
 
+def _copy_mode(old: os.stat_result, folder: Path) -> None:
+    """Give ``folder`` the group (where allowed: owner, or a member of it) and then the mode bits of ``old``
+    (the group first: changing it may clear setgid)."""
+    if hasattr(os, "chown") and old.st_gid != os.stat(folder).st_gid:
+        try:
+            os.chown(folder, -1, old.st_gid)
+        except OSError:
+            pass  # not a member of that group: the folder keeps ours, the mode bits below still apply
+    os.chmod(folder, stat.S_IMODE(old.st_mode))
+
+
+def _others(t: Path, keep: Callable[[str], bool]) -> list[str]:
+    """Names in the existing folder ``t`` that are not this output's (``keep`` accepts them); [] when absent."""
+    try:
+        return sorted(e.name for e in os.scandir(t) if keep(e.name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def check_own_entries(target: str | os.PathLike, keep: Callable[[str], bool] | None) -> None:
+    """Refuse, before any work, an existing folder output ``target`` in which one of the output's own names
+    (``keep`` refuses it) is a folder or a special file: no output file can replace it, with or without --force.
+    Raises StrataError (one line, no --force advice)."""
+    t = Path(target)
+    if keep is None or not t.is_dir() or t.is_symlink():
+        return
+    for e in os.scandir(t):
+        if keep(e.name) or e.is_symlink() or e.is_file(follow_symlinks=False):
+            continue
+        kind = "a folder" if e.is_dir(follow_symlinks=False) else "not a regular file"
+        raise StrataError(f"{t / e.name}: is {kind}, where this output writes a file of that name; move it away "
+                          f"or choose another output folder", t / e.name)
+
+
+def _publish_in_place(t: Path, tmp: Path, keep: Callable[[str], bool], last: list[str],
+                      step: Callable[[str], None] | None) -> None:
+    """Move the finished files of the temp folder ``tmp`` into the existing folder ``t`` one by one (each a
+    rename of a synced file); never touch an entry ``keep`` accepts. Order: the previous output's ``last`` files
+    are removed first (from then on their absence says "incomplete"), then the other files are renamed in, then
+    files of the previous output that the new one lacks are removed, then the ``last`` files are renamed in.
+    :func:`commit_point` comes with the first change."""
+    names = sorted(os.listdir(tmp))
+    marks = [n for n in last if n in names]
+    order = [n for n in names if n not in marks] + marks
+    stale = [e.name for e in os.scandir(t) if not keep(e.name) and e.name not in names
+             and (e.is_symlink() or e.is_file(follow_symlinks=False))]
+    with signals_deferred():  # from the first change on, the output is being published: finish it
+        commit_point(final=_DEFER["publishing"] == 1)
+        for n in marks:
+            p = t / n
+            if p.is_symlink() or p.is_file():
+                os.unlink(p)
+        if marks:
+            fsync_dir(t)
+        for n in order:
+            if n == (marks[0] if marks else None):
+                for s_ in stale:
+                    _unlink_quiet(t / s_)
+                stale = []
+            if step is not None:
+                step(n)
+            src = tmp / n
+            if src.is_dir() and not src.is_symlink():
+                try:
+                    rename_noreplace(src, t / n)
+                except FileExistsError:
+                    raise StrataError(f"{t / n}: already exists; move it away or choose another output folder",
+                                      t / n) from None
+            else:
+                os.rename(src, t / n)
+        for s_ in stale:
+            _unlink_quiet(t / s_)
+        fsync_dir(t)
+
+
+def _dead_temps(t: Path) -> list[Path]:
+    """Temp folders/files named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-tmp``) whose process is gone."""
+    pre = f".{t.name}."
+    out: list[Path] = []
+    try:
+        entries = list(os.scandir(t.parent))
+    except OSError:
+        return out
+    for e in entries:
+        n = e.name
+        if not (n.startswith(pre) and n.endswith(_TMP_TAG)):
+            continue
+        pid_s, _, tag = n[len(pre):-len(_TMP_TAG)].partition("-")
+        if pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
+            out.append(Path(e.path))
+    return out
+
+
+def _clean_dead_temps(t: Path) -> None:
+    """Remove (under ``t``'s lock) the temp folders of dead writers of ``t``: never a live process's."""
+    for p in _dead_temps(t):
+        _remove_tree(p)
+
+
+def tidy_output(target: str | os.PathLike) -> list[str]:
+    """Clean what killed writers left beside a folder output ``target``: when the lock file or a temp folder of
+    a dead process is there, take the lock (not waiting: a live writer holds it, then nothing is done), finish
+    or undo a half-done swap (:func:`recover`), remove temp folders whose process is gone, and remove the lock
+    file. Run by every folder-output command before its checks, so a refused run cleans up too. Returns notes;
+    errors are ignored (best effort)."""
+    t = Path(target)
+    if not (os.path.lexists(lock_path(t)) or _dead_temps(t)):
+        return []  # nothing left behind: do not take the lock (a run starting now would be refused)
+    notes: list[str] = []
+    try:
+        with output_lock(t) as lock:
+            notes += recover(lock)
+            for p in _dead_temps(t):
+                _remove_tree(p)
+                notes.append(f"{p}: removed a leftover of an interrupted run")
+    except (StrataError, OSError):
+        pass
+    return notes
+
+
 def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -> None:
     """Link the entries of the old folder ``t`` that ``keep`` accepts into ``tmp`` (regular files: hard links,
     else copies; symlinks: recreated). With ``tmp`` None only check: a kept entry that is a folder or special
@@ -882,8 +1038,8 @@ def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -
                 except OSError:
                     shutil.copy2(e.path, tmp / e.name)
         else:
-            raise StrataError(f"{t}: holds {e.name!r}, which is not a regular file; the output folder is replaced "
-                              f"as a whole: move it away or choose another output folder", t)
+            raise StrataError(f"{t}: {e.name!r} appeared while the output was built and is not a regular file; "
+                              f"run again", t)
 
 
 def _kept(p: Path, folder: Path, keep: Callable[[str], bool] | None) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import publish_dir, write_text_atomic
+from stratatools.core.fsutil import publish_dir, tidy_output, write_text_atomic
 from stratatools.core.resources import packaged
 
 MARKER = ".stratatools-demo"  # a folder carrying this file is a demo output (demo --force may replace it)
@@ -99,6 +99,7 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
                 raise StrataError(f"{final}: is not a demo folder (it has no {MARKER} file); refusing to replace "
                                   f"it (choose an empty or new folder)", final)
 
+    tidy_output(final)  # what a killed run left beside it (its temp folder, the lock file)
     refuse(final)
     # built in a temp folder beside the output and swapped in whole: the previous demo survives any failure
     with publish_dir(final, refuse=refuse) as out:

@@ -79,8 +79,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, sha256_fd, store_sha256, write_json_atomic,
-                                     write_text_atomic)
+from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, sha256_fd, store_sha256, tidy_output,
+                                     write_json_atomic, write_text_atomic)
 from stratatools.model.geometry import ROLES, Geometry, LayerExperts, exps_name, read_geometry, router_name
 from stratatools.model.ggml_types import type_by_id
 from stratatools.model.gguf import Model, TensorInfo, open_model
@@ -775,6 +775,7 @@ def _guard_packdir(packdir: Path, model: Model, force: bool) -> None:
                 raise StrataError(f"{o}: output would overwrite the input {i}; choose another -o folder", o)
     if packdir.exists() and not packdir.is_dir():
         raise StrataError(f"{packdir}: exists and is not a folder; -o takes the pack folder", packdir)
+    tidy_output(packdir)  # what a killed run left beside it (its temp folder, the lock file)
     for o in outs[1:]:
         if (o.exists() or o.is_symlink()) and not o.is_file():
             raise StrataError(f"{o}: exists and is not a file; remove it or choose another -o folder", o)
@@ -845,10 +846,12 @@ def pack_model(model_path: str | os.PathLike, packdir: str | os.PathLike, expert
         copied = 0
         started = False
         try:
-            # the whole pack is built in a temp folder beside packdir and swapped in at the end (publish_dir): a
-            # kill, full disk or error at any point leaves the previous pack as it was
+            # the whole pack is built in a temp folder beside packdir and published at the end (publish_dir): a
+            # kill, full disk or error during the build leaves the previous pack as it was; in a folder that holds
+            # other files the pack's files go in one by one, native_experts.txt removed first and renamed in last
             with publish_dir(packdir, inputs=[f.path for f in model.files],
-                             keep=lambda n: n not in _PACK_FILES, refuse=None if force else _refuse_pack) as stage:
+                             keep=lambda n: n not in _PACK_FILES, refuse=None if force else _refuse_pack,
+                             last=(NATIVE_TXT,)) as stage:
                 hasher.start()
                 started = True
                 if on_start is not None:

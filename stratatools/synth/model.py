@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import publish_dir, write_text_atomic
+from stratatools.core.fsutil import publish_dir, tidy_output, write_text_atomic
 from stratatools.model.ggml_types import GGMLType, type_by_name
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
 from stratatools.model.quantize import can_quantize, quantize, random_blocks
@@ -983,6 +983,7 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise StrataError(f"{outdir}: exists and is not a folder", outdir)
+    tidy_output(outdir)  # what a killed run left beside it (its temp folder, the lock file)
     names = ["canonical"] + (["revA", "revB"] if cfg.revisions else [])
     planned = [p for n in names for p in shard_paths(outdir / f"synth-{n}", cfg.shards)]
     planned += [outdir / "release.json"] + [outdir / f"synth-{n}.rco-allocation.txt" for n in names[1:]]
@@ -995,8 +996,10 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
     if not force:
         refuse(outdir)
     planned_names = {p.name for p in planned}
-    # the release is built in a temp folder beside outdir and swapped in whole (other files there are carried over)
-    with publish_dir(outdir, keep=lambda n: n not in planned_names, refuse=None if force else refuse) as stage:
+    # the release is built in a temp folder beside outdir: swapped in whole, or, when the folder holds other
+    # entries, its files renamed in one by one (publish_dir)
+    with publish_dir(outdir, keep=lambda n: n not in planned_names, refuse=None if force else refuse,
+                     last=("release.json",)) as stage:
         info = _write_release(stage, cfg, progress, t0)
     return _rebased(info, stage, outdir)
 
