@@ -310,8 +310,9 @@ def write_report(study, folder: str | os.PathLike, force: bool = False,
     :func:`stratatools.core.fsutil.publish_dir`: built in a temp folder beside it; a new folder, or one holding
     only a previous report, is swapped in whole (a previous report survives any failure); a folder holding other
     entries (files, subfolders) keeps them untouched and gets the report's files renamed in one by one, each
-    complete, report.json last (its presence means the report is complete; a kill midway leaves some files new,
-    some old, and no report.json only if there was none). The folder keeps its permissions either way.
+    complete: the previous report.json is removed first and the new one renamed in last, so its presence means
+    the report is complete (a kill midway leaves some files new, some old, and no report.json). The folder
+    keeps its permissions either way.
 
     Without ``force`` the "already exists" check runs again under the folder's lock, before the build and just
     before the swap (``publish_dir``'s ``refuse``): a report another run published after this one's first check
