@@ -14,11 +14,11 @@ def test_simulate_refuses_a_trace_of_more_layers(kit, cli, tmp_path):
     t = _extra_layer_trace(kit, tmp_path / "l10.csv")
     p = kit / "pruned"
     code, out, err = cli("simulate", "-t", t, "--model", p / "coder-revB.gguf", "--slots", "32", "--no-sweep")
-    assert code == 2 and "routes 10 layers (0..9)" in err and "8 trunk layers" in err and "MTP" not in err, err
+    assert code == 2 and "routes layers up to 9" in err and "8 trunk layers" in err and "MTP" not in err, err
     assert len(err.strip().splitlines()) == 1
     code, out, err = cli("compare", "-t", t, "-p", p / "expected-profile-revA-remapped-to-revB.bin",
                          "--slots", "32")
-    assert code == 2 and "routes 10 layers" in err, err
+    assert code == 2 and "routes layers up to 9" in err, err
     # the same trace of the model's own layers replays with nothing left out, and says nothing about it
     code, out, err = cli("simulate", "-t", p / "coder-revB.routing.csv", "--model", p / "coder-revB.gguf",
                          "--slots", "32", "--no-sweep")
@@ -86,7 +86,7 @@ def test_mtp_block_entries_are_named_not_refused(cli, tmp_path):
     assert code == 0, err
     code, _, err = cli("simulate", "-t", t, "-p", tmp_path / "p.bin", "--slots", "6", "--no-sweep")
     one = " ".join(err.split())
-    assert code == 2 and "routes 4 layers (0..3)" in one and "entries of layer 3 " in one, err
+    assert code == 2 and "routes layers up to 3" in one and "entries of layer 3 " in one, err
     assert "if layer 3 is this model's MTP block: pass --model M.gguf" in one, err
 
 
@@ -97,12 +97,12 @@ def test_tune_refuses_a_trace_of_more_layers(kit, cli, tmp_path):
     m = kit / "pruned/coder-revB.gguf"
     for extra in ((), ("--kfold", "2", "--candidates", "3")):
         code, out, err = cli("tune", "-t", t, "--model", m, "--slots", "32", *extra)
-        assert code == 2 and "routes 10 layers (0..9)" in err and "8 trunk layers" in err, err
+        assert code == 2 and "routes layers up to 9" in err and "8 trunk layers" in err, err
         assert str(t) in err and "--kfold" not in err and len(err.strip().splitlines()) == 1, err
     # the profile alone names the geometry too
     code, out, err = cli("tune", "-t", t, "-p", kit / "pruned/expected-profile-revA-remapped-to-revB.bin",
                          "--slots", "32", "--kfold", "2", "--candidates", "3")
-    assert code == 2 and "routes 10 layers" in err, err
+    assert code == 2 and "routes layers up to 9" in err, err
     # the model's own trace tunes as before
     code, out, err = cli("tune", "-t", kit / "pruned/coder-revB.routing.csv", "--model", m, "--slots", "32",
                          "--kfold", "2", "--candidates", "3", "--json")
@@ -119,7 +119,7 @@ def test_tune_in_memory_path_refuses_a_trace_of_more_layers(kit):
 
     t = read_trace(kit / "pruned/coder-revB.routing.csv")
     t.layer[t.layer == 0] = 9
-    with pytest.raises(StrataError, match=r"routes 10 layers \(0..9\) but the model has 8 trunk layers"):
+    with pytest.raises(StrataError, match=r"routes layers up to 9 but the model has 8 trunk layers"):
         tune(t, 8, 16, slots=32, k=2, candidates=3, mapper=lambda fn, items: list(map(fn, items)), max_layers=8)
 
 

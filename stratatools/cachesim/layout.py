@@ -95,6 +95,33 @@ def _blob_arrays(n_layers: int, blob_bytes) -> tuple[np.ndarray, np.ndarray]:
     return b, rounded_blob_bytes(b)
 
 
+def require_budget_slot(budget_bytes: int, blob_bytes, option: str, needs: str,
+                        fix: str = "--budget-gib {gib} or more, or --slots N") -> None:
+    """Refuse a byte budget that holds no slot: one smaller than the smallest rounded blob (256-byte aligned,
+    cache-policy.md "The tier") of any layer, so every layout of it has 0 slots (the all-miss tier, what
+    ``--slots 0`` is). For searches and gates that a 0-slot tier makes meaningless (``tune``, the hit-rate gate
+    of ``validate-release``); ``simulate``/``run`` accept it as a measurement.
+
+    Args:
+        budget_bytes: the byte budget; blob_bytes: per-layer blob bytes [L] (pack or model).
+        option: the option as the user gave it, e.g. ``"--budget-gib 1e-06"``; needs: who needs a slot and why,
+            e.g. ``"tune needs at least 1 slot"``; fix: what to give instead, ``{gib}`` standing for the GiB of one
+            slot.
+    Raises:
+        StrataError: one line naming the option, the bytes one slot needs and the smallest budget that holds one.
+    """
+    import math
+
+    _, rb = _blob_arrays(len(np.asarray(blob_bytes).ravel()), blob_bytes)
+    one = int(rb.min())
+    if int(budget_bytes) < one:
+        gib = one / 2**30
+        k = 2 - math.floor(math.log10(gib))  # 3 significant digits, rounded up (the value given must hold a slot)
+        raise StrataError(f"{option}: {int(budget_bytes):,} bytes hold no expert slot (one slot needs {one:,} bytes "
+                          f"= {one / 2**20:.3g} MiB, this model's smallest expert rounded up to {ALIGN} bytes), "
+                          f"the same as --slots 0; {needs}: give " + fix.format(gib=f"{math.ceil(gib * 10**k) / 10**k:.3g}"))
+
+
 def per_layer_split(n_layers: int, *, slots: int | None = None, budget_bytes: int | None = None,
                     blob_bytes=None, n_expert: int | None = None) -> np.ndarray:
     """Slots per layer under per-layer admission: ``q = N // L`` each, the last layer + ``N % L``. int64 [L].

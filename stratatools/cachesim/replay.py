@@ -396,17 +396,36 @@ def as_source(t):
     return _TableSource(t) if isinstance(t, TraceTable) else t
 
 
+class LayerLimit(int):
+    """The layers a trace may route (the trunk plus the model's MTP blocks, an ``int``), knowing whether they came
+    from the model GGUF, which names its MTP blocks (``model_read``). Passed as ``max_layers``; a plain int is a
+    limit whose source named no MTP block (a pack, a profile)."""
+
+    model_read: bool
+
+    def __new__(cls, value: int, model_read: bool = False) -> "LayerLimit":
+        obj = super().__new__(cls, int(value))
+        obj.model_read = bool(model_read)
+        return obj
+
+    def __reduce__(self):
+        return LayerLimit, (int(self), self.model_read)
+
+
 def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
-    """The one-line refusal of a trace routing more layers than the model has (see ``EntryStream``)."""
+    """The one-line refusal of a trace routing more layers than the model has (see ``EntryStream``); it names the
+    trace's highest layer id (its layer ids need not be contiguous). The hint that the extra layer may be an MTP
+    block only where no model GGUF was read (``max_layers`` a :class:`LayerLimit` with ``model_read``): a read
+    model names its MTP blocks, which ``max_layers`` already covers."""
     meta = getattr(src, "meta", None) or {}
     name = meta.get("source_path") or getattr(src, "name", None) or "a trace"
     extra = f" + {max_layers - n_layers} MTP" if max_layers > n_layers else ""
     rng = f"layer {lmax}" if lmax == max_layers else f"layers {max_layers}..{lmax}"
-    return (f"{name}: the trace routes {lmax + 1} layers (0..{lmax}) but the model has {n_layers} trunk layers{extra}; "
-            f"its entries of {rng} would be left out, so it is another model's trace: give "
+    hint = lmax == max_layers == n_layers and not getattr(max_layers, "model_read", False)
+    return (f"{name}: the trace routes layers up to {lmax} but the model has {n_layers} trunk layers{extra} "
+            f"(0..{max_layers - 1}); its entries of {rng} would be left out, so it is another model's trace: give "
             f"the model (--model/--pack/--profile) the trace was recorded on, or traces of this model"
-            + (f" (if layer {lmax} is this model's MTP block: pass --model M.gguf, which names it)"
-               if lmax == max_layers == n_layers else ""))
+            + (f" (if layer {lmax} is this model's MTP block: pass --model M.gguf, which names it)" if hint else ""))
 
 
 def refuse_extra_layers(src, lmax: int, n_layers: int, max_layers: int | None) -> None:

@@ -109,6 +109,7 @@ class TuneResult:
     diff_community: tuple[float, float, float]
     cost_model: dict[str, Any] | None
     engine_flags: list[str]
+    skipped: dict[str, int] = field(default_factory=dict)  # entries left out of the replay (as simulate's)
 
     @property
     def key(self) -> str:
@@ -128,7 +129,7 @@ class TuneResult:
                 "diff_vs_community": dict(zip(("mean", "low", "high"), self.diff_community)),
                 "significant_vs_defaults": self.significant, "evaluations": self.evaluated,
                 "candidates": self.candidates, "rungs": self.rungs, "options": self.options,
-                "cost_model": self.cost_model, "engine_flags": self.engine_flags,
+                "cost_model": self.cost_model, "engine_flags": self.engine_flags, "skipped": dict(self.skipped),
                 "selection_note": "the best is selected on the folds it is reported on (slightly optimistic)"}
 
 
@@ -252,6 +253,12 @@ class _TableFolds:
     def profiles(self, f: int) -> dict[str, Profile | None]:
         return self.fold_data(f).profiles
 
+    def skipped(self) -> dict[str, int]:
+        """Entries outside the geometry, left out of every fold's replay (``layer``: MTP blocks, ``expert``)."""
+        t = self.table
+        return {"prefill": 0, "layer": int((t.layer >= self.L).sum()),
+                "expert": int(((t.layer < self.L) & (t.expert >= self.E)).sum())}
+
 
 class _StreamFolds:
     """The folds of traces read chunk by chunk (module docstring, "Streaming"): one pass counts (layer, expert)
@@ -294,6 +301,15 @@ class _StreamFolds:
 
     def profiles(self, f: int) -> dict[str, Profile | None]:
         return self._profiles[f]
+
+    def skipped(self) -> dict[str, int]:
+        """Entries left out of the replay, summed over the folds (each counts its own requests' entries; the
+        folds' summaries are made by the scoring passes)."""
+        out = {"prefill": 0, "layer": 0, "expert": 0}
+        for fs in self.folds.values():
+            for key, v in fs.skipped.items():
+                out[key] = out.get(key, 0) + int(v)
+        return out
 
     def score(self, batch: list[tuple[dict[str, Any], int]], common: dict[str, Any], progress=None) -> list[dict]:
         """:func:`score_one` of every (settings, fold) in ``batch``, in one pass over the traces."""
@@ -465,7 +481,7 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
                       {"slots": slots, "budget_bytes": budget_bytes, "eta": eta, "seed": seed, "phase": phase,
                        "profiles": choices, "space": space, "strata_version": version, "pace_unit_bytes": pace_unit},
                       paired(best, defaults), paired(best, community),
-                      cost.to_dict() if cost is not None else None, flags)
+                      cost.to_dict() if cost is not None else None, flags, folds.skipped())
 
 
 def plot_tune(res: TuneResult, top: int = 10) -> bytes:

@@ -87,20 +87,25 @@ def run_cmd(
     c.print(t)
     # a request's first new token comes from its prefill's logits: the decode figure counts only the steps' tokens
     from_prefill = res.new_tokens - res.decode_tokens
+    if res.decode_tokens:
+        decode = (f"decode: {res.decode_tokens} tokens, {res.tokens_per_s:.1f} tokens/s"
+                  + (f" aggregate over --batch {res.batch['batch']} ({res.batch.get('mean_active', 0):.1f} sequences "
+                     f"per step on average)" if res.batch.get("batch", 1) > 1 else ""))
+    else:  # -n 0 or 1: the prefill's logits gave every new token
+        decode = "decode: no decode step ran"
     c.print(f"prefill: {res.prompt_tokens} tokens, {res.prefill_tokens_per_s:.1f} tokens/s; new tokens: "
-            f"{res.new_tokens} ({from_prefill} from the prefill logits); decode: {res.decode_tokens} tokens, "
-            + (f"{res.tokens_per_s:.1f} tokens/s" if res.decode_tokens else "no decode steps")
-            + (f" aggregate over --batch {res.batch['batch']} ({res.batch.get('mean_active', 0):.1f} sequences per "
-               f"step on average)" if res.batch.get("batch", 1) > 1 else ""), markup=False, soft_wrap=True)
+            f"{res.new_tokens} ({from_prefill} from the prefill logits); {decode}", markup=False, soft_wrap=True)
     if res.tier is not None:
         tier = res.tier
         c.print(f"tier: {tier['policy']}, {tier['resident']} experts resident"
                 + (f", {tier['slots']} slots" if tier["slots"] is not None else "")
                 + (f", budget {tier['budget_bytes']} bytes" if tier["budget_bytes"] is not None else ""), markup=False)
-        lt = Table(title="expert tier per layer (decode)")
+        # the decode's counts; without a decode step the prefill's, titled so (--json has both)
+        shown = "decode" if tier["decode"]["entries"] else "prefill"
+        lt = Table(title=f"expert tier per layer ({shown})")
         for col in ("layer", "entries", "hits", "misses", "h_expert"):
             lt.add_column(col, justify="right")
-        d = tier["decode"] if tier["decode"]["entries"] else tier["all"]
+        d = tier[shown]
         for il, (e, h) in enumerate(zip(d["layer_entries"], d["layer_hits"])):
             lt.add_row(str(il), str(e), str(h), str(e - h), f"{h / e:.4f}" if e else "-")
         c.print(lt)

@@ -231,11 +231,17 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
     return st, inp
 
 
-def _geometry_layers(inp, profs) -> int | None:
+def _geometry_layers(inp, profs) -> "LayerLimit | None":
     """The layers a trace of the study's model may route: the trunk (of the model, pack or profiles) plus the
-    --model's MTP blocks. A trace routing more is another model's (refused by the study)."""
+    --model's MTP blocks (a :class:`~stratatools.cachesim.replay.LayerLimit` that knows whether --model was read).
+    A trace routing more is another model's (refused by the study)."""
+    from stratatools.cachesim.replay import LayerLimit
+
     L = inp.n_layers if inp.n_layers is not None else next((p.n_layers for p in profs if p is not None), None)
-    return None if L is None else int(L) + int(getattr(inp, "n_mtp", 0) or 0)
+    if L is None:
+        return None
+    model_read = str(getattr(inp, "blob_source", None) or "").startswith("model ")
+    return LayerLimit(int(L) + int(getattr(inp, "n_mtp", 0) or 0), model_read)
 
 
 def _table(st) -> Table:
@@ -275,14 +281,20 @@ def _print_table(t: Table) -> None:
 def _print_skipped(st) -> None:
     """Say on the console what the replay left out (MTP-block entries, --cold's prefill, out-of-range experts);
     nothing when every entry was replayed."""
-    sk = {k: int(v) for k, v in (getattr(st, "skipped", None) or {}).items() if v}
+    warn_skipped(getattr(st, "skipped", None), st.n_layers, st.n_expert)
+
+
+def warn_skipped(skipped: dict[str, int] | None, n_layers: int, n_expert: int) -> None:
+    """Warn (stderr) ``left out of the replay: ...`` for the nonzero counts of ``skipped`` (``layer``: entries of
+    layers >= ``n_layers``, the model's MTP blocks; ``expert``; ``prefill``: --cold); simulate, compare and tune."""
+    sk = {k: int(v) for k, v in (skipped or {}).items() if v}
     if not sk:
         return
     parts = []
     if sk.get("layer"):
-        parts.append(f"{sk['layer']:,} entries of layers >= {st.n_layers} (the model's MTP blocks)")
+        parts.append(f"{sk['layer']:,} entries of layers >= {n_layers} (the model's MTP blocks)")
     if sk.get("expert"):
-        parts.append(f"{sk['expert']:,} entries of experts >= {st.n_expert}")
+        parts.append(f"{sk['expert']:,} entries of experts >= {n_expert}")
     if sk.get("prefill"):
         parts.append(f"{sk['prefill']:,} prefill entries (--cold)")
     common.warn("left out of the replay: " + "; ".join(parts))

@@ -12,6 +12,8 @@ from stratatools.core.errors import StrataError
 from stratatools.cli import common
 
 GIB = 1 << 30
+_NEEDS_SLOT = ("tune needs at least 1 slot (with no slot nothing is resident, so every setting scores the same and "
+               "there is nothing to search)")
 
 
 def parse_card(text: str) -> float:
@@ -32,9 +34,8 @@ def _budget(slots: Optional[int], budget_gib: Optional[float], card: Optional[st
     if slots is not None:
         if slots < 1:
             # 0 is accepted by run/simulate (the all-miss tier, a measurement); a search over it finds nothing
-            raise StrataError(f"--slots {slots}: tune needs at least 1 slot (with no slot nothing is resident, so "
-                              f"every setting scores the same and there is nothing to search); give the card's "
-                              f"slot count, --budget-gib X or --card SIZE")
+            raise StrataError(f"--slots {slots}: {_NEEDS_SLOT}; give the card's slot count, --budget-gib X or "
+                              f"--card SIZE")
         return slots, None, f"{slots} slots"
     if card is not None:
         size = parse_card(card)
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
         profile: Optional[list[str]] = typer.Option(None, "--profile", "-p", help="STRP profile to consider; repeatable."),
         pack: Optional[str] = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer)."),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer)."),
-        slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Slot count budget (at least 1)."),
+        slots: Optional[int] = typer.Option(None, "--slots", callback=common.int_range(1, common.MAX_SLOTS), help="Slot count budget (at least 1)."),
         budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=_GIB_POS,
                                                    help="Byte budget in GiB (needs --pack/--model)."),
         card: Optional[str] = typer.Option(None, "--card", help="Card memory, e.g. 12GB: budget = card - --reserve-gib."),
@@ -149,7 +150,7 @@ def register(app: typer.Typer) -> None:
         from stratatools.cachesim.costmodel import ThreeTierModel
         from stratatools.cachesim.study import load_inputs
         from stratatools.cachesim.tune import plot_tune, tune
-        from stratatools.cli.sim_cmds import _geometry_layers
+        from stratatools.cli.sim_cmds import _geometry_layers, warn_skipped
         from stratatools.core.fsutil import guard_output, write_bytes_atomic, write_json_atomic
 
         s, b, budget_text = _budget(slots, budget_gib, card, reserve_gib)
@@ -170,6 +171,16 @@ def register(app: typer.Typer) -> None:
         # in this process the traces are read chunk by chunk (tune's streamed path); Dask tasks carry the folds'
         # entries, so --cluster reads them whole
         inp = load_inputs(traces, profile or [], pack=pack, model=model, whole=cluster is not None)
+        if b is not None and inp.blob_bytes is not None:
+            from stratatools.cachesim.layout import require_budget_slot
+
+            # a budget below one slot is --slots 0 (refused in _budget); refused here, where the slot size is known
+            option = f"--budget-gib {budget_gib:g}" if card is None else \
+                f"--card {card} (with --reserve-gib {reserve_gib:g}: {b / GIB:.3g} GiB for experts)"
+            fix = "--budget-gib {gib} or more, or --slots N" if card is None else \
+                f"a --card at least {{gib}} GiB larger than the --reserve-gib {reserve_gib:g}, a smaller " \
+                f"--reserve-gib, or --slots N"
+            require_budget_slot(b, inp.blob_bytes, option, _NEEDS_SLOT, fix)
         L, E = inp.n_layers, inp.n_expert
         if L is None:
             if inp.profiles:
@@ -196,6 +207,7 @@ def register(app: typer.Typer) -> None:
                        phase=phase, progress=bar, version=strata_version, trace_paths=list(traces),
                        profile_paths=dict(zip(inp.names, profile or [])), mapper=mapper,
                        max_layers=_geometry_layers(inp, inp.profiles or [None]))
+        warn_skipped(res.skipped, L, E)  # on stderr, with --json too (as simulate)
         d = res.to_dict()
         d["budget"] = budget_text
         if plot is not None:

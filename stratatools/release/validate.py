@@ -381,7 +381,7 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
 
 def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
     """The gate's replay: one scan pass and one replay pass of the static tier, ``bar`` advanced by 1 for each."""
-    from stratatools.cachesim.replay import EntryStream, simulate_many
+    from stratatools.cachesim.replay import EntryStream, LayerLimit, simulate_many
     from stratatools.profiles.diff import default_slots_per_layer
     from stratatools.traces.sources import open_traces
 
@@ -389,7 +389,7 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
         tables = open_traces([str(t) for t in inp.traces], None, L, E)  # files, folders, globs or datasets, read chunk by chunk
         # replayed chunk by chunk: memory independent of trace length; traces of more layers than the model's
         # trunk and MTP blocks are another model's: refused, not silently cut to the trunk
-        ent = EntryStream(tables, L, E, progress=bar, max_layers=L + len(ctx["geometry"].mtp_layers or ()))
+        ent = EntryStream(tables, L, E, progress=bar, max_layers=LayerLimit(L + len(ctx["geometry"].mtp_layers or ()), True))
     except StrataError as e:
         return FAIL, str(e), {}
     kw: dict[str, Any] = {}
@@ -428,8 +428,8 @@ def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib
     """Refuse gate options that cannot mean anything (exit 2 before any check runs).
 
     Raises:
-        StrataError: --min-hit-rate outside 0..1 or not finite, --slots < 1 (at 0 slots h_expert is 0 whatever
-            the profile: the gate would test nothing), --budget-gib not a finite
+        StrataError: --min-hit-rate outside 0..1 or not finite, --slots < 1 with --min-hit-rate (at 0 slots
+            h_expert is 0 whatever the profile: the gate would test nothing), --budget-gib not a finite
             positive number, or both --slots and --budget-gib.
     """
     import math
@@ -438,7 +438,8 @@ def check_gate_options(min_hit_rate: float | None, slots: int | None, budget_gib
         raise StrataError(f"--min-hit-rate {min_hit_rate}: give a fraction between 0 and 1")
     if slots is not None and budget_gib is not None:
         raise StrataError("give --slots N or --budget-gib X for the hit-rate gate, not both")
-    if slots is not None and slots < 1:
+    if slots is not None and slots < 1 and min_hit_rate is not None:
+        # (without a gate, check_gate_inputs says that --slots needs --min-hit-rate, whatever its value)
         # 0 is accepted by run/simulate (the all-miss tier, a measurement); a gate on it tests nothing
         raise StrataError(f"--slots {slots}: the hit-rate gate needs at least 1 slot (with no slot every entry "
                           f"misses, so h_expert is 0 whatever the profile and the gate tests nothing); give the "
@@ -536,6 +537,13 @@ def _run_model_checks(suite: CheckSuite, inp: ReleaseInputs, ctx: dict[str, Any]
     """Every check after ``shards``, in order, on the model opened by it (``ctx["model"]``)."""
     suite.run("geometry", "geometry from the routers", _check_geometry, inp, ctx)
     suite.run("packable", "native pack derivable", _check_packable, inp, ctx)
+    if min_hit_rate is not None and budget_gib is not None and ctx.get("blob_bytes"):
+        from stratatools.cachesim.layout import require_budget_slot
+
+        # a budget below one slot is --slots 0 (refused by check_gate_options): unusable input, exit 2
+        require_budget_slot(int(budget_gib * (1 << 30)), ctx["blob_bytes"], f"--budget-gib {budget_gib:g}",
+                            "the hit-rate gate needs at least 1 slot (with no slot h_expert is 0 whatever the "
+                            "profile, so the gate tests nothing)")
     if inp.alloc is not None:
         a = suite.run("allocation", "allocation parses and validates", _check_allocation, inp, ctx)
         if a.status == PASS:
