@@ -127,7 +127,9 @@ def test_tune_slots_bound_starts_at_1(kit, cli):
     t, m, _ = _kit(kit)
     for v in ("-1", "0"):
         code, _, err = cli("tune", "-t", t, "--model", m, "--slots", v)
-        assert code == 2 and f"'--slots': must be an integer from 1 to 1099511627776 (got {v})" in err, err
+        one = _one_line(err)
+        assert code == 2 and f"'--slots': must be an integer from 1 to 1099511627776 (got {v}); tune needs at " \
+            "least 1 slot (with no slot nothing is resident" in one, one
 
 
 def test_validate_release_slots_0_without_a_gate_says_no_gate(kit, cli):

@@ -158,17 +158,19 @@ MAX_EXPERTS = 1 << 16      # experts per layer a profile can address
 MAX_NEW_TOKENS = 2**20     # run --max-new-tokens: 1,048,576 (the model's context length limits it further)
 
 
-def int_range(lo: int, hi: int) -> Any:
+def int_range(lo: int, hi: int, why: str | None = None) -> Any:
     """A typer ``callback`` bounding an integer option (or each item of a repeatable one) to ``lo..hi``.
 
     Returns the value unchanged (None passes: the option was not given). Raises typer.BadParameter ("must be an
-    integer from LO to HI (got V)"), which the CLI prints as one line naming the option, exit 2. Used instead of
-    typer's ``min``/``max``, whose messages (pydantic's under typer >= 0.2x) do not name the range."""
+    integer from LO to HI (got V)", then ``; why`` when given: the reason for the bound), which the CLI prints as
+    one line naming the option, exit 2. Used instead of typer's ``min``/``max``, whose messages (pydantic's under
+    typer >= 0.2x) do not name the range."""
 
     def check(ctx: Any, param: Any, value: Any) -> Any:
         for v in (value if isinstance(value, (list, tuple)) else [value]):
             if v is not None and not lo <= v <= hi:
-                raise typer.BadParameter(f"must be an integer from {lo} to {hi} (got {v})")
+                raise typer.BadParameter(f"must be an integer from {lo} to {hi} (got {v})"
+                                         + (f"; {why}" if why else ""))
         return value
 
     check.bounds = (lo, hi)  # type: ignore[attr-defined]
