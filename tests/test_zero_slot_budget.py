@@ -144,15 +144,7 @@ def test_validate_release_slots_0_without_a_gate_says_no_gate(kit, cli):
 # ------------------------------------------------------------------ 3. console output
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from test_cli_bounds import _cli
-
-    d = tmp_path_factory.mktemp("zs")
-    code, _, err = _cli("synth", d / "rel", "--layers", 2, "--experts", 8, "--k", 2, "--no-revisions")
-    assert code == 0, err
-    (d / "p.txt").write_text("hello world\nthe cat sat\nnumbers 1 2 3\n")
-    return d / "rel" / "synth-canonical.gguf", d / "p.txt"
+from test_cli_bounds import tiny  # noqa: E402,F401  (the tiny synthetic model and prompts fixture)
 
 
 def test_run_without_decode_steps_titles_the_prefill_table_and_says_so(tiny, cli):
