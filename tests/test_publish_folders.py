@@ -269,3 +269,38 @@ def test_compare_report_says_what_it_wrote(kit, cli, tmp_path):
     assert code == 0, err
     joined = "".join(err.split())  # (the console may wrap the line)
     assert joined.startswith("wrote") and str(tmp_path / "cmp" / "report.json") in joined, err
+
+
+def test_publish_killed_midway_into_a_shared_folder_is_finished_by_the_next_run(tmp_path):
+    """A SIGKILL-like exit in the middle of an in-place publish (the previous marker removed, one new file moved):
+    the folder has no marker; the next writer's clean-up rolls the publish forward from the complete temp folder
+    (journal in the lock file): the new output whole, the marker last, the stale file gone, other files untouched."""
+    t = tmp_path / "shared"
+    t.mkdir()
+    (t / "notes.txt").write_text("mine")
+    (t / "b.txt").write_text("previous output's file the new one lacks")
+    (t / "a.txt").write_text("old A")
+    (t / "report.json").write_text("previous")
+    code = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from stratatools.core.fsutil import publish_dir, write_bytes_atomic
+OWN = ("a.txt", "b.txt", "c.txt", "report.json")
+def step(name):
+    if name == "c.txt":
+        os._exit(9)  # killed after a.txt was moved in, before c.txt and the marker
+with publish_dir({str(t)!r}, keep=lambda n: n not in OWN, last=["report.json"], step=step) as stage:
+    write_bytes_atomic(stage / "a.txt", b"new A")
+    write_bytes_atomic(stage / "c.txt", b"new C")
+    write_bytes_atomic(stage / "report.json", b"{{}}")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    assert not (t / "report.json").exists() and (t / "a.txt").read_text() == "new A"  # half done, no marker
+    assert len(_leftovers(tmp_path)) == 2  # the complete temp folder and the lock with its journal
+    notes = fsutil.tidy_output(t)
+    assert any("finished publishing" in n for n in notes), notes
+    assert sorted(os.listdir(t)) == ["a.txt", "c.txt", "notes.txt", "report.json"]
+    assert [(t / n).read_text() for n in ("a.txt", "c.txt", "notes.txt", "report.json")] == ["new A", "new C", "mine",
+                                                                                             "{}"]
+    assert _leftovers(tmp_path) == []

@@ -728,6 +728,10 @@ def recover(lock: _Lock) -> list[str]:
     notes: list[str] = []
     names = [Path(x) for x in j.get("paths", []) if isinstance(x, str)]
     names = [p for p in names if _ours(p, t)]
+    ip = j.get("in_place")
+    if isinstance(ip, str) and Path(ip) in names and Path(ip).is_dir() and t.is_dir() and not t.is_symlink():
+        _finish_in_place(t, Path(ip), j.get("last", []), j.get("stale", []))
+        notes.append(f"{t}: finished publishing the output an interrupted run left half done")
     aside = [p for p in names if p.name.endswith(_ASIDE_TAG) and p.exists()]
     if not os.path.lexists(t) and aside:
         os.rename(aside[0], t)
@@ -740,6 +744,29 @@ def recover(lock: _Lock) -> list[str]:
         lock.set_journal({})
         fsync_dir(t.parent)
     return notes
+
+
+def _finish_in_place(t: Path, tmp: Path, last: Any, stale: Any) -> None:
+    """Roll an in-place publish (:func:`_publish_in_place`) that a kill cut short forward: the files still in the
+    complete temp folder ``tmp`` are renamed into ``t``, the journal's stale files of the previous output removed,
+    its markers (``last``) renamed in last. Only plain names are used (no separators, no ``.``/``..``)."""
+    def plain(v: Any) -> bool:
+        return isinstance(v, str) and v not in ("", ".", "..") and os.sep not in v and "/" not in v
+
+    marks = [n for n in (last if isinstance(last, list) else []) if plain(n)]
+    left = sorted(n for n in os.listdir(tmp) if n not in marks)
+    for n in left:
+        if not os.path.isdir(t / n) or os.path.islink(t / n):
+            os.rename(tmp / n, t / n)
+    for n in (stale if isinstance(stale, list) else []):
+        if plain(n) and n not in marks and not (tmp / n).exists():
+            p = t / n
+            if p.is_symlink() or p.is_file():
+                _unlink_quiet(p)
+    for n in marks:
+        if os.path.lexists(tmp / n):
+            os.rename(tmp / n, t / n)
+    fsync_dir(t)
 
 
 def _remove_tree(p: Path) -> None:
@@ -850,7 +877,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                 if refuse is not None:
                     refuse(t)
                 if keep is not None and _others(t, keep):
-                    _publish_in_place(t, tmp, keep, last, step)
+                    _publish_in_place(t, tmp, keep, last, step, lock)
                     _remove_tree(tmp)
                     lock.set_journal({})
                     return
@@ -932,17 +959,20 @@ def check_own_entries(target: str | os.PathLike, keep: Callable[[str], bool] | N
 
 
 def _publish_in_place(t: Path, tmp: Path, keep: Callable[[str], bool], last: list[str],
-                      step: Callable[[str], None] | None) -> None:
+                      step: Callable[[str], None] | None, lock: Any = None) -> None:
     """Move the finished files of the temp folder ``tmp`` into the existing folder ``t`` one by one (each a
     rename of a synced file); never touch an entry ``keep`` accepts. Order: the previous output's ``last`` files
     are removed first (from then on their absence says "incomplete"), then the other files are renamed in, then
     files of the previous output that the new one lacks are removed, then the ``last`` files are renamed in.
-    :func:`commit_point` comes with the first change."""
+    :func:`commit_point` comes with the first change. Before it, the lock's journal names the temp folder, the
+    markers and the stale files, so that a run killed midway is finished by the next writer (:func:`recover`)."""
     names = sorted(os.listdir(tmp))
     marks = [n for n in last if n in names]
     order = [n for n in names if n not in marks] + marks
     stale = [e.name for e in os.scandir(t) if not keep(e.name) and e.name not in names
              and (e.is_symlink() or e.is_file(follow_symlinks=False))]
+    if lock is not None:
+        lock.set_journal({"paths": [str(tmp)], "in_place": str(tmp), "last": marks, "stale": stale})
     with signals_deferred():  # from the first change on, the output is being published: finish it
         commit_point(final=_DEFER["publishing"] == 1)
         for n in marks:
