@@ -186,7 +186,8 @@ def test_bad_synth_options(cli, tmp_path):
 
 def test_output_names_taken_by_folders_or_unwritable(cli, small, tmp_path):
     """An output name taken by a folder is refused before any byte is copied; a subfolder of another name
-    (experts.bin.tmp) is someone else's: the pack is written beside it and it is left untouched."""
+    (experts.bin.tmp) is someone else's: without --force the folder is refused as not a pack, with --force the pack
+    is written beside it and it is left untouched."""
     out = tmp_path / "p"
     (out / "experts.bin").mkdir(parents=True)
     one_line_error(*cli("pack", small.canonical, "-o", out, "--experts-bin"), "experts.bin", "not a file")
@@ -194,7 +195,10 @@ def test_output_names_taken_by_folders_or_unwritable(cli, small, tmp_path):
     out2 = tmp_path / "q"
     (out2 / "experts.bin.tmp").mkdir(parents=True)
     (out2 / "experts.bin.tmp" / "x").write_text("theirs")
-    code, _, err = cli("pack", small.canonical, "-o", out2, "--experts-bin")
+    one_line_error(*cli("pack", small.canonical, "-o", out2, "--experts-bin"), "not a pack", "experts.bin.tmp",
+                   "--force")
+    assert sorted(os.listdir(out2)) == ["experts.bin.tmp"]
+    code, _, err = cli("pack", small.canonical, "-o", out2, "--experts-bin", "--force")
     assert code == 0, err
     assert (out2 / "native_experts.txt").is_file() and (out2 / "experts.bin.tmp" / "x").read_text() == "theirs"
     assert not [n for n in os.listdir(tmp_path) if "stratatools-" in n]

@@ -304,3 +304,21 @@ with publish_dir({str(t)!r}, keep=lambda n: n not in OWN, last=["report.json"], 
     assert [(t / n).read_text() for n in ("a.txt", "c.txt", "notes.txt", "report.json")] == ["new A", "new C", "mine",
                                                                                              "{}"]
     assert _leftovers(tmp_path) == []
+
+
+def test_pack_and_synth_into_a_folder_of_other_files_need_force(kit, cli, tmp_path):
+    """A folder that holds other files (a shared folder such as /tmp) is refused without --force by pack and
+    synth, as by --report: one line naming a file there and both ways out; nothing is written. The model's own
+    folder is not such a folder for pack (a pack is written beside its GGUF)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "someone-elses.txt").write_text("theirs")
+    for argv in (("pack", kit / "pruned" / "coder-revB.gguf", "-o", shared), ("synth", shared, "--layers", "2")):
+        code, _, err = cli(*argv)
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1, err
+        assert "not a" in err and "someone-elses.txt" in err and "--force" in err, err
+        assert sorted(os.listdir(shared)) == ["someone-elses.txt"]
+    code, _, err = cli("synth", shared, "--layers", "2", "--force")
+    assert code == 0, err
+    assert (shared / "release.json").is_file() and (shared / "someone-elses.txt").read_text() == "theirs"

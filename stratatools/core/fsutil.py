@@ -943,6 +943,20 @@ def _others(t: Path, keep: Callable[[str], bool]) -> list[str]:
         return []
 
 
+def refuse_foreign_folder(target: str | os.PathLike, keep: Callable[[str], bool], what: str, option: str) -> None:
+    """Refuse (the caller's no-``--force`` check) an existing folder output ``target`` that holds entries not
+    of this output (``keep`` accepts their names), e.g. a shared folder such as /tmp: writing the output's files
+    among them needs ``--force``. Raises StrataError (one line naming a few of them and both ways out)."""
+    t = Path(target)
+    if not t.is_dir() or t.is_symlink():
+        return
+    others = sorted(e.name for e in os.scandir(t) if keep(e.name))
+    if others:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        raise StrataError(f"{t}: an existing folder that is not a {what} (it holds {others[0]}{more}); choose a new "
+                          f"{option} folder, or pass --force to add the {what} beside its files", t)
+
+
 def check_own_entries(target: str | os.PathLike, keep: Callable[[str], bool] | None) -> None:
     """Refuse, before any work, an existing folder output ``target`` in which one of the output's own names
     (``keep`` refuses it) is a folder or a special file: no output file can replace it, with or without --force.

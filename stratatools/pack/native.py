@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, sha256_fd, store_sha256, tidy_output,
+from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, refuse_foreign_folder, sha256_fd, store_sha256, tidy_output,
                                      write_json_atomic, write_text_atomic)
 from stratatools.model.geometry import ROLES, Geometry, LayerExperts, exps_name, read_geometry, router_name
 from stratatools.model.ggml_types import type_by_id
@@ -781,6 +781,9 @@ def _guard_packdir(packdir: Path, model: Model, force: bool) -> None:
             raise StrataError(f"{o}: exists and is not a file; remove it or choose another -o folder", o)
     if not force:
         _refuse_pack(packdir)
+        # other files (not the model's own shards, beside which a pack is usually written) need --force
+        own = {f.path.name for f in model.files if f.path.parent.resolve() == packdir.resolve()}
+        refuse_foreign_folder(packdir, lambda n: n not in _PACK_FILES and n not in own, "pack", "-o")
 
 
 def _refuse_pack(packdir: Path) -> None:

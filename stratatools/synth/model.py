@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.core.fsutil import publish_dir, tidy_output, write_text_atomic
+from stratatools.core.fsutil import publish_dir, refuse_foreign_folder, tidy_output, write_text_atomic
 from stratatools.model.ggml_types import GGMLType, type_by_name
 from stratatools.model.gguf_write import ARRAY, BOOL, F32 as VF32, I32, STRING, U16, U32, U64, GGUFWriterStream
 from stratatools.model.quantize import can_quantize, quantize, random_blocks
@@ -992,6 +992,7 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
         existing = [p for p in planned if p.exists()]
         if existing:
             raise StrataError(f"{existing[0]}: already exists (pass --force to replace the release)", existing[0])
+        refuse_foreign_folder(outdir, lambda n: n not in {p.name for p in planned}, "synth release", "OUT")
 
     if not force:
         refuse(outdir)
