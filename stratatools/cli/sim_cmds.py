@@ -150,9 +150,9 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
         if (d / f).resolve() in ins:
             raise StrataError(f"{d / f}: is an input; the report would overwrite it (choose another --report)")
     for r, p in ins.items():
-        if rd in r.parents:  # an input inside the folder: the swap would move it; never, even with --force
-            raise StrataError(f"{report}: holds the input {p}; the report folder is replaced whole, so write it "
-                              f"elsewhere (choose another --report folder)")
+        if rd in r.parents:  # an input inside the folder: a report is never written among its inputs, even with --force
+            raise StrataError(f"{report}: holds the input {p}; a report is not written among its own inputs, so "
+                              f"write it elsewhere (choose another --report folder)")
     if d.exists() and not d.is_dir():
         raise StrataError(f"{report}: exists and is not a folder; choose another --report folder")
     from stratatools.core.fsutil import check_own_entries, tidy_output
