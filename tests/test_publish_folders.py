@@ -322,3 +322,15 @@ def test_pack_and_synth_into_a_folder_of_other_files_need_force(kit, cli, tmp_pa
     code, _, err = cli("synth", shared, "--layers", "2", "--force")
     assert code == 0, err
     assert (shared / "release.json").is_file() and (shared / "someone-elses.txt").read_text() == "theirs"
+
+
+def test_symlinked_output_folder_is_named_as_a_link(kit, cli, tmp_path):
+    """-o naming a symbolic link to a folder is refused (no write through the link) with a message that says it is
+    a link and what to give instead, not "not a folder"."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "lnk"
+    link.symlink_to(real)
+    code, _, err = cli("pack", kit / "pruned" / "coder-revB.gguf", "-o", link, "--force")
+    assert code == 2 and "symbolic link" in err and "own path" in err, err
+    assert os.listdir(real) == []

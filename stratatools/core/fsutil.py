@@ -838,6 +838,9 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     if t.name in ("", ".", "..") or t.resolve() == Path.cwd().resolve():
         raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
     if os.path.lexists(t) and (t.is_symlink() or not t.is_dir()):
+        if t.is_symlink():
+            raise StrataError(f"{t}: is a symbolic link (to {os.readlink(t)}); an output folder is not written "
+                              f"through a link: give the folder's own path", t)
         raise StrataError(f"{t}: exists and is not a folder; choose another output folder", t)
     check_own_entries(t, keep)
     last = list(last)
