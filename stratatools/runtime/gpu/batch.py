@@ -346,7 +346,8 @@ class BatchDecoder(ChunkPrefill):
         xp, cfg, n = self.xp, self.cfg, self.n
         x0 = self._rows("token_embd.weight", toks)
         cos, sin = self.rt.rope.cos_sin(pos)
-        ple = {il: self._ple_emb_rows(r) for il, r in self._ple_rows_b(toks, pl).items()} if cfg.ple_layers else {}
+        ple = ({il: self._ple_emb(il, r, n) for il, r in self._ple_rows_b(toks, pl).items()}
+               if cfg.ple_layers else {})
         g = self._gin
         if g is None:
             g = self._gin = {"pl": xp.asarray(np.arange(n, dtype=np.int64)),
@@ -362,9 +363,6 @@ class BatchDecoder(ChunkPrefill):
             g["ple"][il][...] = e
         self._pl, self._all = pl, True
         self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
-
-    def _ple_emb_rows(self, rows: np.ndarray) -> Any:
-        return self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(int(rows.shape[0]), -1)
 
     def _ple_emb(self, il: int, rows: Any, T: int) -> Any:
         if self._in_static:
@@ -419,18 +417,16 @@ class BatchDecoder(ChunkPrefill):
         """Run the static body eagerly (this step's result; it compiles the kernels and fills the graph's own memory
         pool), then capture it (capturing runs nothing). A capture that fails leaves the eager result and makes
         later steps eager (``stats["graph_error"]``)."""
+        from stratatools.runtime.gpu.decode import begin_capture
+
         cp = self.cp
         s = self.dec._stream
         self._gpool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self._gpool.malloc), s:
             lg, nxt = self._body_static(pos)
             s.synchronize()
-            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
             try:
-                try:
-                    s.begin_capture(mode=mode) if mode is not None else s.begin_capture()
-                except TypeError:  # an older CuPy without the mode argument
-                    s.begin_capture()
+                begin_capture(cp, s)
                 try:
                     out = self._body_static(pos)
                 finally:

@@ -10,7 +10,6 @@ CuPy's ``matmul``. Importing this module needs no CuPy.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any
 
@@ -52,6 +51,15 @@ def _lib() -> Any:
     return lib
 
 
+def _on_stream() -> tuple[Any, int, int]:
+    """The library, CuPy's cuBLAS handle set to the current stream, and that call's status (0: set)."""
+    import cupy as cp
+
+    lib = _lib()
+    h = cp.cuda.device.get_cublas_handle()
+    return lib, h, lib.cublasSetStream_v2(h, cp.cuda.get_current_stream().ptr)
+
+
 def sgemm_nt(X: Any, W: Any, out: Any = None) -> Any:
     """``X @ W.T`` for float32 CuPy arrays X [T, K] and W [R, K] (made contiguous first): returns ``out`` or a new
     float32 [T, R] array, computed by cuBLAS ``cublasSgemm`` on the current stream (also while it is captured).
@@ -75,9 +83,7 @@ def sgemm_nt(X: Any, W: Any, out: Any = None) -> Any:
     if K == 0:
         out.fill(0)
         return out
-    lib = _lib()
-    h = cp.cuda.device.get_cublas_handle()
-    st = lib.cublasSetStream_v2(h, cp.cuda.get_current_stream().ptr)
+    lib, h, st = _on_stream()
     # column-major view: Y^T [R, T] = (W^T)^T [R, K] . X^T [K, T]; W^T and X^T are the row-major arrays as stored
     if st == 0:
         st = lib.cublasSgemm_v2(h, 1, 0, R, T, K, _ONE.ctypes.data, W.data.ptr, K, X.data.ptr, K, _ZERO.ctypes.data,
@@ -92,13 +98,9 @@ def gemm16(A: Any, B: Any, Y: Any, accumulate: bool) -> None:
     (uint16, C-contiguous CuPy arrays), Y float32 [T, R] C-contiguous; products and sums in float32 (cuBLAS
     ``cublasGemmEx``, CUBLAS_COMPUTE_32F, scalars from host memory as :func:`sgemm_nt`'s). The caller checks shapes
     and layout (:func:`stratatools.runtime.gpu.qmm.hgemm`). Raises StrataError for a cuBLAS error status."""
-    import cupy as cp
-
     R, K = (int(v) for v in A.shape)
     T = int(B.shape[0])
-    lib = _lib()
-    h = cp.cuda.device.get_cublas_handle()
-    st = lib.cublasSetStream_v2(h, cp.cuda.get_current_stream().ptr)
+    lib, h, st = _on_stream()
     # column-major view as in sgemm_nt; 2 = CUDA_R_16F, 0 = CUDA_R_32F, 68 = CUBLAS_COMPUTE_32F,
     # -1 = CUBLAS_GEMM_DEFAULT
     if st == 0:

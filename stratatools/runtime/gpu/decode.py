@@ -177,6 +177,16 @@ def fetch_grid(k: int, blob_bytes: int, n_sm: int) -> int:
     return max(1, min(max(1, 4 * max(1, n_sm) // max(1, k)), -(-int(blob_bytes) // per_block)))
 
 
+def begin_capture(cp: Any, stream: Any) -> None:
+    """Start capturing ``stream`` into a CUDA graph in relaxed mode (calls such as kernel attribute settings stay
+    allowed; an older CuPy without the mode argument: its default)."""
+    mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+    try:
+        stream.begin_capture(mode=mode) if mode is not None else stream.begin_capture()
+    except TypeError:
+        stream.begin_capture()
+
+
 class Q8R:
     """A Q8_0 matrix in ``dense_q8.cu``'s layout on the device (:func:`stratatools.runtime.gpu.kernels.q8_relayout`):
     ``q`` int8 codes [rows * cols], ``d`` fp16 scale bits uint16 [rows * cols / 32]. ``size``: its device bytes
@@ -1531,11 +1541,7 @@ class StaticDecoder:
             self._stream.synchronize()
             self._restore(saved)
             self._stream.synchronize()
-            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
-            try:
-                self._stream.begin_capture(mode=mode) if mode is not None else self._stream.begin_capture()
-            except TypeError:  # an older CuPy without the mode argument
-                self._stream.begin_capture()
+            begin_capture(cp, self._stream)
             try:
                 self._body()
             finally:
