@@ -6,7 +6,6 @@ Both parse options, call :func:`stratatools.cachesim.study.run_study`, and rende
 
 from __future__ import annotations
 
-import os
 
 from typing import Any, Optional
 
@@ -155,7 +154,7 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
                               f"write it elsewhere (choose another --report folder)")
     if d.exists() and not d.is_dir():
         raise StrataError(f"{report}: exists and is not a folder; choose another --report folder")
-    from stratatools.core.fsutil import check_own_entries, tidy_output
+    from stratatools.core.fsutil import check_own_entries, refuse_foreign_folder, tidy_output
 
     tidy_output(d)  # what a killed run left beside it (its temp folder, the lock file)
     check_own_entries(d, lambda n: n not in FILES)  # a report name taken by a folder: --force cannot help
@@ -163,12 +162,7 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
         for f in FILES:
             if (d / f).exists():
                 raise StrataError(f"{d / f}: already exists (pass --force to replace the report)")
-        if d.is_dir():
-            other = sorted(n for n in os.listdir(d) if not n.startswith("."))
-            if other:
-                raise StrataError(f"{report}: an existing folder that is not a report (it holds {other[0]}"
-                                  f"{f' and {len(other) - 1} more' if len(other) > 1 else ''}); choose a new "
-                                  f"--report folder, or pass --force to add the report beside its files")
+        refuse_foreign_folder(d, lambda n: not n.startswith("."), "report", "--report")
 
 
 def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: Optional[str],
