@@ -141,11 +141,14 @@ def dense_q8_bytes(dec) -> int:
 
 
 def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str,
-                   fused: bool = True, extra_env: dict | None = None) -> list:
+                   fused: bool = True, extra_env: dict | None = None, profile: str | None = None,
+                   trace_out: str | None = None) -> list:
     """Per-kernel device time of ``steps`` graph-replayed decode steps (CUPTI through torch.profiler, which
     records every CUDA kernel of the process, CuPy's included), everything under the environment ``extra_env``
-    (a config row's ``_env``). Returns rows (kernel, total ms, calls, share),
-    sorted by time, and a last row ("dense Q8_0 bytes/step", bytes, 0, 0); [] when torch's profiler is not there."""
+    (a config row's ``_env``), the tier filled from the STRP ``profile`` when given. Returns rows (kernel, total ms,
+    calls, share), sorted by time, and a last row ("dense Q8_0 bytes/step", bytes, 0, 0); [] when torch's profiler is
+    not there. With ``trace_out`` the run's Chrome trace is written there and a last row ("timeline", the
+    :func:`timeline_summary` dict, 0, 0) follows."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -163,7 +166,13 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         pol = None
         if slots is not None:
             bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
-            pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb)
+            prof_obj = None
+            if profile is not None:
+                from stratatools.profiles.strp import read_profile
+
+                prof_obj = read_profile(profile)
+            pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb,
+                            profile=prof_obj)
         grt = GPURuntime(w, policy=pol, miss_mode="host")
         rt = DecoderRuntime(grt, max_ctx=len(prompt_ids) + steps + 8, fused=fused)
         st = rt.new_state()
@@ -178,9 +187,91 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
             cp.cuda.Device().synchronize()
     rows = kernel_rows(prof, steps)
     rows.append(["dense Q8_0 bytes/step", dense_q8_bytes(rt.dec), 0, 0.0])
+    if trace_out:
+        prof.export_chrome_trace(str(trace_out))
+        with open(trace_out) as f:
+            rows.append(["timeline", timeline_summary(json.load(f).get("traceEvents", []), steps), 0, 0.0])
     del rt, grt, w
     free_device(cp)
     return rows
+
+
+def _union_ms(iv: list) -> float:
+    """Total length of the union of intervals [(start, end)] (same unit), in that unit."""
+    tot, cur_s, cur_e = 0.0, None, None
+    for a, b in sorted(iv):
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                tot += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    return tot + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
+    """Where the wall time of ``steps`` profiled decode steps goes, from a Chrome trace's events (``traceEvents`` of
+    torch.profiler's export: kernels have ``cat`` "kernel", ``ts`` / ``dur`` in us and ``args.stream``).
+
+    The main stream is the one with the most kernel time. Returns, per step in ms: ``wall`` (first kernel start to
+    last kernel end, over ``steps``), ``main_busy`` (union of the main stream's kernels), ``main_gaps`` (wall -
+    main_busy), ``gap_before`` (the main stream's idle time before each kernel, summed by kernel name, the ``top``
+    largest: a long gap before ``fetch_blobs`` is the wait for the prefetch), ``side`` (per other stream: busy ms,
+    kernels, and the ms of its kernels that overlap no main-stream kernel), ``overlap`` (ms of side-stream kernel time
+    that runs beside a main-stream kernel), and ``kernels`` per step of each stream."""
+    ks = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e and "ts" in e]
+    if not ks:
+        return {}
+    by_stream: dict = {}
+    for e in ks:
+        by_stream.setdefault((e.get("args") or {}).get("stream", -1), []).append(e)
+    main = max(by_stream, key=lambda s: sum(float(e["dur"]) for e in by_stream[s] if e.get("cat") == "kernel"))
+    n = max(1, int(steps))
+    t0 = min(float(e["ts"]) for e in ks)
+    t1 = max(float(e["ts"]) + float(e["dur"]) for e in ks)
+    mk = sorted(by_stream[main], key=lambda e: float(e["ts"]))
+    miv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in mk]
+    busy = _union_ms(miv)
+    gaps: dict = {}
+    end = None
+    for e, (a, b) in zip(mk, miv):
+        if end is not None and a > end:
+            nm = str(e.get("name", "?")).split("(")[0].replace("void ", "")[:60]
+            gaps[nm] = gaps.get(nm, 0.0) + (a - end)
+        end = b if end is None else max(end, b)
+    side = {}
+    overlap = 0.0
+    for s, evs in by_stream.items():
+        if s == main:
+            continue
+        iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
+        sb = _union_ms(iv)
+        both = sb + busy - _union_ms(iv + miv)  # |side ∩ main| = |side| + |main| - |side ∪ main|
+        overlap += both
+        names: dict = {}
+        for e in evs:
+            nm = str(e.get("name", "?")).split("(")[0].replace("void ", "")[:60]
+            names[nm] = names.get(nm, 0.0) + float(e["dur"]) / 1e3 / n
+        side[str(s)] = {"busy": sb / 1e3 / n, "kernels": len(evs) / n, "alone": (sb - both) / 1e3 / n,
+                        "by_kernel": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])}
+    gap_top = dict(sorted(((k, v / 1e3 / n) for k, v in gaps.items()), key=lambda kv: -kv[1])[:top])
+    return {"main_stream": str(main), "wall": (t1 - t0) / 1e3 / n, "main_busy": busy / 1e3 / n,
+            "main_gaps": (t1 - t0 - busy) / 1e3 / n, "gap_before": gap_top, "side": side,
+            "overlap": overlap / 1e3 / n, "main_kernels": len(mk) / n}
+
+
+def print_timeline(name: str, tl: dict) -> None:
+    """:func:`timeline_summary`'s dict as a few lines."""
+    if not tl:
+        print(f"timeline {name}: no kernels", flush=True)
+        return
+    print(f"\ntimeline of one decode step ({name}): wall {tl['wall']:.3f} ms, main stream busy {tl['main_busy']:.3f} ms "
+          f"({tl['main_kernels']:.0f} kernels), idle {tl['main_gaps']:.3f} ms; side streams beside main "
+          f"{tl['overlap']:.3f} ms")
+    print("  main-stream idle before: " + ", ".join(f"{k} {v:.3f}" for k, v in tl["gap_before"].items()))
+    for s, d in tl["side"].items():
+        print(f"  stream {s}: busy {d['busy']:.3f} ms ({d['kernels']:.0f} kernels), alone {d['alone']:.3f} ms; "
+              + ", ".join(f"{k} {v:.3f}" for k, v in d["by_kernel"].items()), flush=True)
 
 
 def kernel_rows(prof: Any, steps: int) -> list:
@@ -298,6 +389,12 @@ def config_rows(slots: int) -> list:
                  (f"lru{tag}", f"{slots} slots LRU, miss {mode}", {"slots": slots, "policy": "lru", "_env": fe}),
                  (f"vram12{tag}", f"--vram-gib 12, LRU, miss {mode}", {"vram_gib": 12.0, "policy": "lru", "_env": fe}),
                  (f"allmiss{tag}", f"0 slots, miss {mode}", {"slots": 0, "policy": "static", "_env": fe})]
+    # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
+    for nb in (64, 128):
+        fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}
+        rows += [(f"staticprofb{nb}", f"{slots} slots static on the recorded profile, prefetch on {nb} blocks",
+                  {"slots": slots, "policy": "static", "_profile": True, "_env": fe}),
+                 (f"lrub{nb}", f"{slots} slots LRU, prefetch on {nb} blocks", {"slots": slots, "policy": "lru", "_env": fe})]
     return rows
 
 
@@ -405,7 +502,7 @@ def print_profile(name: str, pr: list, top: int = 16) -> None:
     """Markdown table of :func:`kernel_profile`'s rows (the ``top`` longest kernels) and the dense Q8_0 matvecs'
     bandwidth."""
     nbytes = next((r[1] for r in pr if r[0] == "dense Q8_0 bytes/step"), 0)
-    pr = [r for r in pr if r[0] != "dense Q8_0 bytes/step"]
+    pr = [r for r in pr if r[0] not in ("dense Q8_0 bytes/step", "timeline")]
     tot = sum(r[1] for r in pr)
     print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in {sum(r[2] for r in pr)} kernels")
     dq = [r for r in pr if r[0].startswith(("mv_q8r", "mv_q8s")) or r[0].startswith("matvec_tiled_kernel<8>")]
@@ -456,6 +553,10 @@ def main() -> None:
     ap.add_argument("--gguf", default=None, help="an existing model to use (no synth; e.g. the one bench_gpu_batch.py "
                     "made with the same --layers / --experts / --types)")
     ap.add_argument("--profile-lru", action="store_true", help="also profile the selected --slots LRU rows' steps")
+    ap.add_argument("--timeline", default="", help="comma list of selected rows (e.g. staticprof,lru) whose decode "
+                    "steps are also profiled with the row's tier, profile and environment: per-kernel table plus "
+                    "where the main stream waits and what the side streams do (Chrome trace kept as "
+                    "timeline-ROW.json next to --out)")
     ap.add_argument("--types", default=DEFAULT_TYPES, help="routed experts' types, passed to stratatools synth --types "
                     f"(default {DEFAULT_TYPES}; issue 12's variant: gu=IQ2_XS,down=IQ4_NL; pipelined expert kernels "
                     "exist for Q2_0 and Q8_0 only, other types run on the staged ones)")
@@ -543,11 +644,14 @@ def main() -> None:
         configs.append(("long", f"--vram-gib 12, LRU, {ctx}-token context",
                         {"_prompts": lp, "vram_gib": 12.0, "policy": "lru"}))
     all_configs = list(configs)
-    configs = [(name, kw) for key, name, kw in configs if key in want]
+    configs = [(key, name, kw) for key, name, kw in configs if key in want]
+    timeline = {x for x in a.timeline.split(",") if x}
+    tl_dir = Path(a.out).parent if a.out else wd
     rows = []
     import stratatools.runtime.gpu.engine as engine_mod
 
-    for name, kw in configs:
+    recorded = False
+    for key, name, kw in configs:
         free_device(cp)
         t0 = time.perf_counter()
         kw = dict(kw)
@@ -555,18 +659,20 @@ def main() -> None:
         if kw.pop("_profile", False):
             # the profile comes from the routing the runtime recorded on other suite text (held out from the prompt)
             rec_trace, prof = wd / "recorded.parquet", wd / "recorded.strp"
-            try:
-                rp = wd / "prompt_record.json"
-                rp.write_text(json.dumps([{"prompt_id": "record", "token_ids": record_ids}]))
-                run_prompts(gguf, rp, max_new_tokens=a.new, device="gpu", trace_out=rec_trace, force=True)
-                subprocess.run([sys.executable, "-m", "stratatools", "--quiet", "make-profile", str(rec_trace), "--model", gguf,
-                                "--mode", "no-base", "-o", str(prof), "--force"], check=True)
-                kw["profile"] = prof
-                free_device(cp)  # the recording run's pool blocks would hide this row's own device memory
-            except Exception as e:  # noqa: BLE001 - the table shows the failure
-                print(f"{name}: recording failed: {e}", flush=True)
-                rows.append({"name": name, "error": f"recording: {e}"})
-                continue
+            if not recorded:  # (an earlier row of this run made it: the same text, the same profile)
+                try:
+                    rp = wd / "prompt_record.json"
+                    rp.write_text(json.dumps([{"prompt_id": "record", "token_ids": record_ids}]))
+                    run_prompts(gguf, rp, max_new_tokens=a.new, device="gpu", trace_out=rec_trace, force=True)
+                    subprocess.run([sys.executable, "-m", "stratatools", "--quiet", "make-profile", str(rec_trace),
+                                    "--model", gguf, "--mode", "no-base", "-o", str(prof), "--force"], check=True)
+                    recorded = True
+                    free_device(cp)  # the recording run's pool blocks would hide this row's own device memory
+                except Exception as e:  # noqa: BLE001 - the table shows the failure
+                    print(f"{name}: recording failed: {e}", flush=True)
+                    rows.append({"name": name, "error": f"recording: {e}"})
+                    continue
+            kw["profile"] = prof
         fused = kw.pop("_fused", True)
         plen = plens[str(pp)]
         orig = engine_mod.DecoderRuntime
@@ -599,6 +705,19 @@ def main() -> None:
         dec_bytes = (1.0 - h_dec) * k * a.layers * blob + tc["admit_bytes"] / (plen + steps)
         row["h2d_bytes_per_decode_token"] = dec_bytes
         row["h2d_rate_fraction"] = dec_bytes * row["decode"] / h2d if h2d else None
+        if key in timeline and a.profile_steps > 0:
+            free_device(cp)
+            try:
+                pr = kernel_profile(cp, gguf, suite_ids[:32], a.profile_steps, kw.get("slots"), kw.get("policy", "static"),
+                                    fused=fused, extra_env=extra_env, profile=kw.get("profile"),
+                                    trace_out=str(tl_dir / f"timeline-{key}.json"))
+                print_profile(f"{name} (timeline run)", pr)
+                tl = next((r[1] for r in pr if r[0] == "timeline"), {})
+                print_timeline(name, tl)
+                row["timeline"] = tl
+                row["timeline_kernels"] = [r for r in pr if r[0] != "timeline"]
+            except Exception as e:  # noqa: BLE001 - reported, the rows still run
+                print(f"timeline {name}: failed: {e}", flush=True)
         rows.append(row)
         if a.out:  # after every row, so that a run stopped by its time limit keeps the rows it made
             Path(a.out).write_text(json.dumps({**res, "rows": rows}, indent=1, default=str))

@@ -81,3 +81,28 @@ def test_types_reach_synth_and_iq_experts_fall_back_to_staged(bench, tmp_path, m
         assert E.expert_kernel_path(Jobs(10, 1), gu, dn, 2560, 640, fast=True, kernels=routed) == "staged"
         sg, sd = types[f"blk.{il}.ffn_gate_shexp.weight"], types[f"blk.{il}.ffn_down_shexp.weight"]
         assert E.expert_kernel_path(Jobs(1, 1), sg, sd, 2560, 640, fast=True, kernels=shared) == "pipe"
+
+
+def test_timeline_summary_finds_the_wait_for_the_prefetch(bench):
+    """Two steps of a made-up trace (us): the main stream runs a (0-10), waits, fetch_blobs (30-35), b (35-40), a
+    (60-70); the side stream's fetch_blobs runs 5-28 (5 us of it beside a) and a copy 50-60 beside nothing; a CPU
+    event is ignored. Halved per step: wall 70 us, main busy 30, idle 40 (20 before fetch_blobs, 20 before a),
+    side busy 33 of which 28 alone."""
+    def k(name, ts, dur, stream, cat="kernel"):
+        return {"cat": cat, "name": f"void {name}(int)", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    ev = [k("a", 0, 10, 7), k("fetch_blobs", 30, 5, 7), k("b", 35, 5, 7), k("fetch_blobs", 5, 23, 9),
+          k("Memcpy HtoD", 50, 10, 9, cat="gpu_memcpy"), {"cat": "cpu_op", "name": "x", "ts": 0, "dur": 99},
+          k("a", 60, 10, 7)]
+    tl = bench.timeline_summary(ev, steps=2)
+    assert tl["main_stream"] == "7"
+    assert tl["wall"] == pytest.approx(70 / 1e3 / 2)
+    assert tl["main_busy"] == pytest.approx(30 / 1e3 / 2)
+    assert tl["main_gaps"] == pytest.approx(40 / 1e3 / 2)
+    assert tl["gap_before"] == pytest.approx({"fetch_blobs": 20 / 1e3 / 2, "a": 20 / 1e3 / 2})
+    side = tl["side"]["9"]
+    assert side["busy"] == pytest.approx(33 / 1e3 / 2) and side["kernels"] == 1.0
+    assert side["alone"] == pytest.approx(28 / 1e3 / 2)  # 5-10 overlaps a; 10-28 and the copy do not
+    assert tl["overlap"] == pytest.approx(5 / 1e3 / 2)
+    assert side["by_kernel"] == pytest.approx({"fetch_blobs": 23 / 1e3 / 2, "Memcpy HtoD": 10 / 1e3 / 2})
+    assert bench.timeline_summary([], 2) == {}

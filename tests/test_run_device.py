@@ -131,6 +131,17 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
         with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_EXTRA=.*whole number of experts >= 0"):
             prefetch_width(8)
     monkeypatch.delenv("STRATATOOLS_PREFETCH_EXTRA")
+    from stratatools.runtime.gpu.decode import PREFETCH_BLOCKS, prefetch_blocks
+
+    monkeypatch.delenv("STRATATOOLS_PREFETCH_BLOCKS", raising=False)
+    assert prefetch_blocks() == PREFETCH_BLOCKS == 32
+    monkeypatch.setenv("STRATATOOLS_PREFETCH_BLOCKS", "96")
+    assert prefetch_blocks() == 96
+    for bad in ("0", "many"):
+        monkeypatch.setenv("STRATATOOLS_PREFETCH_BLOCKS", bad)
+        with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_BLOCKS=.*whole number of blocks >= 1"):
+            prefetch_blocks()
+    monkeypatch.delenv("STRATATOOLS_PREFETCH_BLOCKS")
     # 1.38 MB blobs, k 8, 132 SMs: 66 blocks a job (4 per SM when all 8 miss); a small blob: one block per 16 KiB
     assert fetch_grid(8, 1382400, 132) == 66 and fetch_grid(8, 20000, 132) == 2 and fetch_grid(64, 100, 4) == 1
     with open_model(kit / BF16) as m:

@@ -168,6 +168,21 @@ def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None
 #: it takes a few SMs only; 32 blocks keep about 0.5 MB of 16-byte loads in flight, several times what the bus needs
 #: to run at its rate (about 55 GB/s x 2 us of latency).
 PREFETCH_BLOCKS = 32
+#: Overrides :data:`PREFETCH_BLOCKS` (a whole number >= 1), read when the step is built or captured.
+PREFETCH_BLOCKS_ENV = "STRATATOOLS_PREFETCH_BLOCKS"
+
+
+def prefetch_blocks() -> int:
+    """Blocks of the prefetch's ``fetch_blobs`` launch: :data:`PREFETCH_BLOCKS_ENV`, default :data:`PREFETCH_BLOCKS`.
+    Raises StrataError for a value that is not an integer >= 1."""
+    v = os.environ.get(PREFETCH_BLOCKS_ENV, "").strip()
+    try:
+        n = int(v) if v else PREFETCH_BLOCKS
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise StrataError(f"{PREFETCH_BLOCKS_ENV}={v!r}: give a whole number of blocks >= 1")
+    return n
 
 
 def fetch_grid(k: int, blob_bytes: int, n_sm: int) -> int:
@@ -442,6 +457,7 @@ class StaticDecoder:
             self.pf_sg = cp.zeros(2, dtype=cp.float32)
             self.pf_stage = cp.empty(2 * kp * self._fetch_sb, dtype=cp.uint8)
             self._pf_stream = cp.cuda.Stream(non_blocking=True)
+            self._pf_blocks = prefetch_blocks()
 
     def _router_stack(self, il: int) -> Any:
         """Layer ``il``'s float32 router with the shared expert's gate row stacked under it, as :meth:`mv_many`
@@ -457,7 +473,7 @@ class StaticDecoder:
         """``prefetch`` mode, at the start of layer ``il``'s experts: on the side stream, after the work queued so far,
         layer il+1's router on X (this layer's expert input), its top :func:`prefetch_width` through
         ``route_fused_sg`` (layer il+1's slot table) and ``fetch_blobs`` of the predicted misses into the parity's
-        staging on :data:`PREFETCH_BLOCKS` blocks (beside the main stream's work); the event that layer il+1's fetch
+        staging on :func:`prefetch_blocks` blocks (beside the main stream's work); the event that layer il+1's fetch
         waits for is kept in ``_pf_events``."""
         nxt = self._router_stack(il + 1)
         if nxt is None:
@@ -484,7 +500,7 @@ class StaticDecoder:
                                           self.pf_ptrs[p, 1], self.pf_ptrs[p, 2], self.pf_sg[p:p + 1]),
                             shared_mem=E * 4)
             st = self.pf_stage[p * k * self._fetch_sb:(p + 1) * k * self._fetch_sb]
-            self.k_fetch((max(1, min(self._fetch_gx[il + 1], PREFETCH_BLOCKS // k)), k), (FETCH_THREADS,),
+            self.k_fetch((max(1, min(self._fetch_gx[il + 1], self._pf_blocks // k)), k), (FETCH_THREADS,),
                          (self.pf_ptrs[p, 0], self.pf_ids[p], np.int32(k), np.uint64(self._host_lo),
                           np.uint64(self._host_hi), np.uint64(0), np.uint64(0), np.int32(0), st,
                           np.int64(self._fetch_sb), np.int64(ly.blob_bytes), np.int64(ly.gate_bytes),
