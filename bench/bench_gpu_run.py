@@ -141,11 +141,11 @@ def dense_q8_bytes(dec) -> int:
 
 
 def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | None, policy: str,
-                   fused: bool = True, extra_env: dict | None = None, profile: str | None = None,
+                   fused: bool = True, extra_env: dict | None = None, profile_path: str | None = None,
                    trace_out: str | None = None) -> list:
     """Per-kernel device time of ``steps`` graph-replayed decode steps (CUPTI through torch.profiler, which
     records every CUDA kernel of the process, CuPy's included), everything under the environment ``extra_env``
-    (a config row's ``_env``), the tier filled from the STRP ``profile`` when given. Returns rows (kernel, total ms,
+    (a config row's ``_env``), the tier filled from the STRP ``profile_path`` when given. Returns rows (kernel, total ms,
     calls, share), sorted by time, and a last row ("dense Q8_0 bytes/step", bytes, 0, 0); [] when torch's profiler is
     not there. With ``trace_out`` the run's Chrome trace is written there and a last row ("timeline", the
     :func:`timeline_summary` dict, 0, 0) follows."""
@@ -167,10 +167,10 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         if slots is not None:
             bb = [w.experts.blob_bytes(il) for il in range(w.cfg.n_layer)]
             prof_obj = None
-            if profile is not None:
+            if profile_path is not None:
                 from stratatools.profiles.strp import read_profile
 
-                prof_obj = read_profile(profile)
+                prof_obj = read_profile(profile_path)
             pol = make_tier(policy, n_layers=w.cfg.n_layer, n_expert=max(w.cfg.n_expert), slots=slots, blob_bytes=bb,
                             profile=prof_obj)
         grt = GPURuntime(w, policy=pol, miss_mode="host")
@@ -709,7 +709,7 @@ def main() -> None:
             free_device(cp)
             try:
                 pr = kernel_profile(cp, gguf, suite_ids[:32], a.profile_steps, kw.get("slots"), kw.get("policy", "static"),
-                                    fused=fused, extra_env=extra_env, profile=kw.get("profile"),
+                                    fused=fused, extra_env=extra_env, profile_path=kw.get("profile"),
                                     trace_out=str(tl_dir / f"timeline-{key}.json"))
                 print_profile(f"{name} (timeline run)", pr)
                 tl = next((r[1] for r in pr if r[0] == "timeline"), {})
