@@ -216,7 +216,8 @@ def _bench_decoder(cp, rt, dec, cfg, prompt, n_check, steps, res):
         reps = 20
         e0.record(s)
         for _ in range(reps):
-            dec.graph.launch(stream=s)
+            for g in dec.graphs:
+                g.launch(stream=s)
         e1.record(s)
         e1.synchronize()
         res["graph_replay_device_s"] = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps

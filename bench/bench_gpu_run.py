@@ -389,6 +389,20 @@ def config_rows(slots: int) -> list:
                  (f"lru{tag}", f"{slots} slots LRU, miss {mode}", {"slots": slots, "policy": "lru", "_env": fe}),
                  (f"vram12{tag}", f"--vram-gib 12, LRU, miss {mode}", {"vram_gib": 12.0, "policy": "lru", "_env": fe}),
                  (f"allmiss{tag}", f"0 slots, miss {mode}", {"slots": 0, "policy": "static", "_env": fe})]
+    # the step as one CUDA graph (decode.GRAPH_PARTS_ENV=1; the default cuts it into pieces launched while the earlier
+    # ones run), and the next layer's prefetch started after the layer's own late fetch (decode.PREFETCH_ORDER_ENV)
+    one = {"STRATATOOLS_GRAPH_PARTS": "1"}
+    after = {"STRATATOOLS_PREFETCH_ORDER": "after"}
+    rows += [("resident1g", "all resident, one graph a step (before)", {"_env": one}),
+             ("staticprof1g", f"{slots} slots static on the recorded profile, one graph a step (before)",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": one}),
+             ("lru1g", f"{slots} slots LRU, one graph a step (before)", {"slots": slots, "policy": "lru", "_env": one}),
+             ("staticprofafter", f"{slots} slots static on the recorded profile, prefetch after the late fetch",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": after}),
+             ("lruafter", f"{slots} slots LRU, prefetch after the late fetch", {"slots": slots, "policy": "lru",
+                                                                                "_env": after}),
+             ("lruasyncafter", f"{slots} slots LRU, admissions copied alongside the next step, prefetch after the late "
+              "fetch", {"slots": slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1", **after}})]
     # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
     for nb in (64, 128):
         fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}

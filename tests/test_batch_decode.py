@@ -129,7 +129,7 @@ def test_gpu_only_settings_do_not_stop_a_cpu_batched_run(model, monkeypatch):
     base = _run(gguf, d / "p.txt", "-n", "4", "--batch", "2")
     for var in ("STRATATOOLS_PREFILL_GEMM", "STRATATOOLS_BATCH_GEMM", "STRATATOOLS_GDN_PREP", "STRATATOOLS_BATCH_ATTN",
                 "STRATATOOLS_MOE_KERNEL", "STRATATOOLS_MISS_FETCH", "STRATATOOLS_PREFETCH_EXTRA",
-                "STRATATOOLS_PREFETCH_BLOCKS"):
+                "STRATATOOLS_PREFETCH_BLOCKS", "STRATATOOLS_PREFETCH_ORDER", "STRATATOOLS_GRAPH_PARTS"):
         monkeypatch.setenv(var, "garbage")
     got = _run(gguf, d / "p.txt", "-n", "4", "--batch", "2")
     assert [r["new_ids"] for r in got["requests"]] == [r["new_ids"] for r in base["requests"]]

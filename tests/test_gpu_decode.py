@@ -254,3 +254,67 @@ def test_fused_step_q8_dense_matches_reference_step(tmp_path, monkeypatch):
         tok = int(np.argmax(a))
     print("fused step vs reference on Q8_0 dense:", worst, {k: v / total for k, v in same.items()})
     assert max(worst.values()) < 1e-4 and min(same.values()) / total >= 0.99
+
+
+def test_graph_cuts_parse_and_refuse(monkeypatch):
+    from stratatools.runtime.gpu.decode import GRAPH_PARTS_ENV, graph_cuts
+
+    monkeypatch.delenv(GRAPH_PARTS_ENV, raising=False)
+    assert graph_cuts(48) == [2, 8, 24]  # pieces of 2, 6, 16 and 24 layers
+    assert graph_cuts(8) == [1, 4] and graph_cuts(2) == [1] and graph_cuts(1) == []
+    assert graph_cuts(48, "1") == [] and graph_cuts(48, " 30, 3,3 ") == [3, 30]
+    monkeypatch.setenv(GRAPH_PARTS_ENV, "1")
+    assert graph_cuts(48) == []
+    for bad in ("0", "48", "two", ","):
+        with pytest.raises(StrataError, match="STRATATOOLS_GRAPH_PARTS=.*comma list of layers from 1 to 47"):
+            graph_cuts(48, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("fetch", ["zero-copy", "prefetch"])
+def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
+    """The fused step captured in pieces (auto, and a cut before every layer) gives the one-graph step's logits and
+    routing bit for bit, with every expert resident and (prefetch) with a partial LRU tier whose prefetch is joined at
+    the cuts."""
+    import cupy as cp
+
+    from stratatools.cachesim import make_tier
+    from stratatools.runtime.gpu.decode import StaticDecoder, graph_cuts, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.tier import HostArena
+    from stratatools.runtime.weights import load
+
+    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", fetch)
+    w = load(kit / "gguf/model-bf16.gguf", xp=cp)
+    arena = HostArena.from_expert_source(w.experts)
+    cfg = w.cfg
+    L, E = cfg.n_layer, max(cfg.n_expert)
+    n_ctx = max_full_context(cfg, "transformers")
+    every = ",".join(str(i) for i in range(1, L))
+    got = {}
+    for parts in ("1", "auto", every):
+        monkeypatch.setenv("STRATATOOLS_GRAPH_PARTS", parts)
+        pol = None
+        if fetch == "prefetch":
+            if arena.device_ptr is None:
+                pytest.skip("pinned memory is not mapped into the device here")
+            pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
+                            blob_bytes=[ly.blob_bytes for ly in arena.layers])
+        rt = GPURuntime(w, policy=pol, miss_mode="host", arena=arena)
+        dec = StaticDecoder(rt, max_ctx=n_ctx)
+        dec.load_state(rt.new_state())
+        assert dec.capture()
+        assert len(dec.graphs) == {"1": 1, "auto": len(graph_cuts(L, "auto")) + 1, every: L}[parts]
+        tok, out = _prompt(kit, 1)[0], []
+        for _ in range(n_ctx):
+            lg = dec.step(tok).get()
+            ids, _ = dec.routing()
+            out.append((lg.copy(), ids.copy()))
+            tok = dec.next_token()
+        assert dec.stats["graph_steps"] == n_ctx
+        got[parts] = out
+    for parts in ("auto", every):
+        for (a, ia), (b, ib) in zip(got["1"], got[parts]):
+            assert np.array_equal(a, b) and np.array_equal(ia, ib)

@@ -142,6 +142,16 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
         with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_BLOCKS=.*whole number of blocks >= 1"):
             prefetch_blocks()
     monkeypatch.delenv("STRATATOOLS_PREFETCH_BLOCKS")
+    from stratatools.runtime.gpu.decode import prefetch_order
+
+    monkeypatch.delenv("STRATATOOLS_PREFETCH_ORDER", raising=False)
+    assert prefetch_order() == "first"
+    monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", "after")
+    assert prefetch_order() == "after"
+    monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", "later")
+    with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_ORDER='later': use first or after"):
+        prefetch_order()
+    monkeypatch.delenv("STRATATOOLS_PREFETCH_ORDER")
     # 1.38 MB blobs, k 8, 132 SMs: 66 blocks a job (4 per SM when all 8 miss); a small blob: one block per 16 KiB
     assert fetch_grid(8, 1382400, 132) == 66 and fetch_grid(8, 20000, 132) == 2 and fetch_grid(64, 100, 4) == 1
     with open_model(kit / BF16) as m:

@@ -154,6 +154,20 @@ def prefetch_width(k: int, n_expert: int | None = None) -> int:
     return int(min(int(k) + extra, 64, n_expert if n_expert else 64))
 
 
+#: When the ``prefetch`` mode starts layer l+1's copies: ``first`` (the default: at the start of layer l's experts,
+#: beside layer l's own late fetch) or ``after`` (once layer l's late fetch is queued: the late copies, which the
+#: step waits for, do not share the bus with the prefetch).
+PREFETCH_ORDER_ENV = "STRATATOOLS_PREFETCH_ORDER"
+
+
+def prefetch_order() -> str:
+    """:data:`PREFETCH_ORDER_ENV` (``first`` or ``after``, default ``first``); raises StrataError for another value."""
+    v = os.environ.get(PREFETCH_ORDER_ENV, "").strip() or "first"
+    if v not in ("first", "after"):
+        raise StrataError(f"{PREFETCH_ORDER_ENV}={v!r}: use first or after")
+    return v
+
+
 def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None = None) -> int:
     """Device bytes of the miss fetch's staging for ``mode``: one blob entry per routed job (``k`` of them) for the
     layer being computed, and with ``prefetch`` two sets of :func:`prefetch_width` entries for the predicted next
@@ -200,6 +214,39 @@ def begin_capture(cp: Any, stream: Any) -> None:
         stream.begin_capture(mode=mode) if mode is not None else stream.begin_capture()
     except TypeError:
         stream.begin_capture()
+
+
+#: How the fast step's CUDA graph is cut into pieces replayed one after another (``auto``, the default: cuts before
+#: layers 2, 8 and 24, scaled to the model's depth; ``1``: one graph; or a comma list of the layers that start a
+#: piece). Launching a graph costs host time that grows with its nodes (about 1.4 ms for the 48-layer step on the
+#: H200, while the device waits: bench/gpu-notes.md, eighth pass); with a small first piece the device starts after
+#: that piece's launch, and each later piece is launched while the earlier ones run.
+GRAPH_PARTS_ENV = "STRATATOOLS_GRAPH_PARTS"
+
+
+def graph_cuts(n_layer: int, spec: str | None = None) -> list[int]:
+    """The layers that start a new graph piece of the fused step (sorted, each in 1..n_layer-1), from ``spec`` (default:
+    :data:`GRAPH_PARTS_ENV`, else ``auto``): ``auto`` cuts at about n_layer/24, n_layer/6 and n_layer/2 (2, 8, 24 for
+    48 layers: pieces of 2, 6, 16 and 24 layers, each launched while the ones before it run), ``1`` none, or a comma
+    list of layers. Raises StrataError for another value or a layer outside 1..n_layer-1."""
+    v = (os.environ.get(GRAPH_PARTS_ENV, "") if spec is None else spec).strip() or "auto"
+    n = int(n_layer)
+    if v == "auto":
+        return sorted({c for c in (max(1, round(n / 24)), round(n / 6), n // 2) if 0 < c < n})
+    if v == "1":
+        return []
+    try:
+        cuts = sorted({int(x) for x in v.split(",") if x.strip()})
+    except ValueError:
+        cuts = [-1]
+    if not cuts or any(not 0 < c < n for c in cuts):
+        raise StrataError(f"{GRAPH_PARTS_ENV}={v!r}: use auto, 1, or a comma list of layers from 1 to {n - 1} "
+                          f"where a new graph piece starts")
+    return cuts
+
+
+#: Marks a layer's prefetch event already waited for (at a graph cut): its fetch uses the prefetched copies.
+_JOINED = object()
 
 
 class Q8R:
@@ -339,6 +386,9 @@ class StaticDecoder:
         self.pos = 0
         self.ple_ctx = np.full(max(cfg.ple_ngram - 1, 0), cfg.eos_id, dtype=np.int64)
         self.graph = None
+        self.graphs: list = []  # the captured pieces of the step, replayed in order (graph: the first)
+        self._cut_at: set[int] = set()  # layers where capture() starts a new piece (empty outside a capture)
+        self._pieces: list = []
         self._pool = None
         self._stream = None
         self.stats = {"steps": 0, "graph_steps": 0}
@@ -458,6 +508,7 @@ class StaticDecoder:
             self.pf_stage = cp.empty(2 * kp * self._fetch_sb, dtype=cp.uint8)
             self._pf_stream = cp.cuda.Stream(non_blocking=True)
             self._pf_blocks = prefetch_blocks()
+            self._pf_after = prefetch_order() == "after"
 
     def _router_stack(self, il: int) -> Any:
         """Layer ``il``'s float32 router with the shared expert's gate row stacked under it, as :meth:`mv_many`
@@ -519,7 +570,8 @@ class StaticDecoder:
         pf_ids, pf_addr, n_pf = np.uint64(0), np.uint64(0), 0
         ev = self._pf_events.pop(il, None)
         if ev is not None:
-            cp.cuda.get_current_stream().wait_event(ev)
+            if ev is not _JOINED:
+                cp.cuda.get_current_stream().wait_event(ev)
             p = il & 1
             pf_ids, pf_addr, n_pf = self.pf_ids[p], self.pf_addr[p, 0], self.pf_k
         self.k_fetch((self._fetch_gx[il], k), (FETCH_THREADS,),
@@ -919,7 +971,8 @@ class StaticDecoder:
         w = self.weights[il]
         sg = cp.empty(1, dtype=cp.float32)
         X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
-        if self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer:
+        pf_after = self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer and self._pf_after
+        if self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer and not pf_after:
             self._prefetch_next(il, X)
         block = (min(1024, max(32, (E + 31) // 32 * 32)),)
         route = (np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
@@ -933,6 +986,8 @@ class StaticDecoder:
             self.k_dot_sig((1,), (256,), (X, sgw, np.int32(X.size), sg))
         if self.miss_fetch != "zero-copy":
             pt = self._fetch_layer(il, pt)
+        if pf_after:  # the next layer's copies start once this layer's late ones are queued (no bus contention)
+            self._prefetch_next(il, X)
         dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
         jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
@@ -952,6 +1007,8 @@ class StaticDecoder:
         hn = None
         L = cfg.n_layer
         for il in range(L):
+            if il in self._cut_at:
+                self._cut(il)
             if il in cfg.ple_layers:
                 self._ple_fused(il, H)
                 hn = None
@@ -1366,6 +1423,17 @@ class StaticDecoder:
         expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf)
         return y.reshape(-1)
 
+    def _cut(self, il: int) -> None:
+        """During :meth:`capture`, before layer ``il``: end the graph piece being captured (the prefetch of layer il,
+        forked in it, is joined first and marked :data:`_JOINED` for layer il's fetch) and start the next one."""
+        cp = self.cp
+        ev = self._pf_events.get(il)
+        if ev is not None and ev is not _JOINED:
+            self._stream.wait_event(ev)
+            self._pf_events[il] = _JOINED
+        self._pieces.append(self._stream.end_capture())
+        begin_capture(cp, self._stream)
+
     def _body(self) -> None:
         """Everything after the input upload: layers, output mixer, LM head, arg-max (no host reads)."""
         if self.fused:
@@ -1410,7 +1478,8 @@ class StaticDecoder:
             self._refresh_slots()
             self._stage(int(token))
             if self.graph is not None:
-                self.graph.launch(stream=self._stream)
+                for g in self.graphs:  # in capture order (pieces: GRAPH_PARTS_ENV)
+                    g.launch(stream=self._stream)
                 self.stats["graph_steps"] += 1
             elif self.gpu and self._pool is not None:
                 with self.cp.cuda.using_allocator(self._pool.malloc):
@@ -1557,13 +1626,17 @@ class StaticDecoder:
             self._stream.synchronize()
             self._restore(saved)
             self._stream.synchronize()
+            self._pieces = []
+            self._cut_at = set(graph_cuts(self.cfg.n_layer)) if self.fused else set()
             begin_capture(cp, self._stream)
             try:
                 self._body()
             finally:
-                graph = self._stream.end_capture()
+                self._cut_at = set()
+                self._pieces.append(self._stream.end_capture())
         cp.cuda.Device().synchronize()
-        self.graph = graph
+        self.graphs, self._pieces = self._pieces, []
+        self.graph = self.graphs[0]
         if getattr(self, "miss_fetch", "zero-copy") != "zero-copy":
             with self._stream:  # count replays only (not the eager run and the capture above)
                 self.fetch_counters.fill(0)
