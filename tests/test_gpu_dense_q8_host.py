@@ -96,6 +96,12 @@ def lib(tmp_path_factory):
     s = h.host_mv_q8s
     s.argtypes = [ctypes.c_uint, ctypes.c_uint, P, P, P, P, I, I, F, I, I, P, I, I]
     s.restype = None
+    i8 = h.host_mv_q8i
+    i8.argtypes = [ctypes.c_uint, ctypes.c_uint, P, P, P, P, I, I, F, I, I, P, I, I]
+    i8.restype = None
+    h.host_smem_poison.argtypes = [ctypes.c_longlong]
+    h.host_smem_overrun.argtypes = [ctypes.c_longlong]
+    h.host_smem_overrun.restype = ctypes.c_longlong
     return h
 
 
@@ -201,9 +207,187 @@ def test_dense_kernel_choice(monkeypatch):
     assert K.dense_kernel() == "stream"
     monkeypatch.setenv(K.DENSE_KERNEL_ENV, "rows")
     assert K.dense_kernel() == "rows"
+    monkeypatch.setenv(K.DENSE_KERNEL_ENV, " int8 ")
+    assert K.dense_kernel() == "int8"
     monkeypatch.setenv(K.DENSE_KERNEL_ENV, "fast")
-    with pytest.raises(StrataError, match="stream or rows"):
+    with pytest.raises(StrataError, match="STRATATOOLS_DENSE_KERNEL='fast': use stream, int8 or rows"):
         K.dense_kernel()
+
+
+# ---- mv_q8i: x quantized per block of 32 to 16-bit fixed point (two int8 planes), int8 dot products ---------------
+QMAX = 32639  # dense_q8.cu DQI_QMAX: 127 * 256 + 127
+TINY = 2.0 ** -100  # DQI_TINY: a block whose max |x'| is below it counts as zero
+
+
+def block_vector(rng, cols: int, kind: str) -> np.ndarray:
+    """float32 x [cols] whose blocks of 32 have very different magnitudes (``mixed``: 1e-6 .. 1e6; ``tiny``: 1e-30 ..
+    1e-20; ``huge``: 1e15 .. 1e20; ``gauss``: standard normal), block 1 all zero, and in block 0 one value at the
+    block's max and one exactly half a quantization step (a rounding tie)."""
+    nb = cols // 32
+    mags = {"mixed": [1e-6, 1e-3, 1.0, 1e3, 1e6], "tiny": [1e-30, 1e-25, 1e-20], "huge": [1e15, 1e18, 1e20],
+            "gauss": [1.0]}[kind]
+    x = rng.standard_normal((nb, 32)) * rng.choice(mags, size=(nb, 1))
+    if nb > 1:
+        x[1] = 0.0
+    x = x.astype(np.float32)
+    m = np.abs(x[0]).max()
+    x[0, 3] = m
+    x[0, 5] = np.float32(m / np.float32(QMAX)) * np.float32(100.5)
+    return x.reshape(-1)
+
+
+def stage_input(x: np.ndarray, xdiv: float) -> np.ndarray:
+    """float64 x' = x or silu(x / xdiv) (x / xdiv in float32, as the kernels divide)."""
+    if not xdiv:
+        return x.astype(np.float64)
+    a = (x / np.float32(xdiv)).astype(np.float64)
+    with np.errstate(over="ignore"):  # exp(-a) = inf for a very negative: silu(a) = -0
+        return a / (1.0 + np.exp(-a))
+
+
+def quantized_input(xs: np.ndarray) -> np.ndarray:
+    """float64 v s_b: x' (float32) quantized as mv_q8i stages it (s_b = max |x'| / QMAX, v = rint(x' (1 / s_b))
+    clamped to +-QMAX, float32 arithmetic; blocks below TINY are zero)."""
+    xb = xs.astype(np.float32).reshape(-1, 32)
+    m = np.abs(xb).max(axis=1)
+    live = m >= np.float32(TINY)
+    s = np.where(live, m / np.float32(QMAX), np.float32(0.0)).astype(np.float32)
+    inv = np.where(live, np.float32(1.0) / np.where(live, s, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
+    v = np.clip(np.rint((xb * inv[:, None]).astype(np.float32)), -QMAX, QMAX)
+    assert np.all(np.abs(v) <= QMAX)
+    hi = np.floor((v + 128) / 256)
+    assert np.all((v - 256 * hi >= -128) & (v - 256 * hi <= 127)) and np.all(np.abs(hi) <= 127)
+    return (v * s.astype(np.float64)[:, None]).reshape(-1)
+
+
+def int8_bounds(W: np.ndarray, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of W x': (the activation-rounding bound sum_j |w_j| s_b(j) / 2, the whole bound). The whole bound
+    allows x' within 0.505 s_b (the float32 rounding of 1 / s_b and of x' (1 / s_b) adds up to 0.004 s_b), the max
+    of a block below TINY for such a block, and float32 rounding of the chunk terms and their sum:
+    (cols / 16 + 16) 2^-24 sum_j |w_j| |x'_j|."""
+    m = np.abs(xs).reshape(-1, 32).max(axis=1)
+    s = m / QMAX
+    A = np.abs(W)
+    act = A @ np.repeat(s / 2, 32)
+    per = np.repeat(np.where(m >= TINY, 0.505 * s, m), 32)
+    acc = (W.shape[1] / 16 + 16) * 2.0 ** -24 * (A @ (np.abs(xs) + per))
+    return act, A @ per + acc
+
+
+def dense_w(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    return np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+
+
+INT8_RATIOS: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("rows,cols,xdiv,gx,u,kind", [
+    (37, 64, 0.0, 5, 4, "mixed"), (9, 2560, 0.0, 4, 3, "mixed"), (33, 320, 4.0, 64, 5, "gauss"),
+    (5, 10240, 0.0, 2, 7, "mixed"), (6, 4096, 0.0, 1, 3, "tiny"), (4, 96, 4.0, 3, 1, "mixed"),
+    (7, 320, 0.0, 3, 6, "huge"), (11, 10240, 2.5, 4, 6, "mixed"), (3, 2560, 0.0, 2, 5, "gauss")])
+def test_mv_q8i_matches_numpy(lib, rows, cols, xdiv, gx, u, kind):
+    """The integer matvec (any grid: fewer blocks than rows, more; windows of u chunks with a short last one, a u
+    above DQI_U): y = W x' within the activation rounding bound sum_j |w_j| s_b / 2 plus float32 rounding against
+    float64 numpy; and (x = x' only) within float32 rounding of W (v s), x quantized as the kernel does. Stays within
+    dqi_shared_bytes of shared memory and writes no output past the rows."""
+    rng = np.random.default_rng(rows * 13 + cols)
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = block_vector(rng, cols, kind)
+    xs = stage_input(x, xdiv)
+    W = dense_w(raw, rows, cols)
+    ref = W @ xs
+    y = np.full(rows + 1, np.nan, dtype=np.float32)  # one past the end: must stay untouched
+    shm = K.dqi_shared_bytes(cols)
+    lib.host_smem_poison(shm)
+    lib.host_mv_q8i(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, y.ctypes.data, rows, cols, xdiv, 1, u,
+                    None, 0, 0)
+    assert lib.host_smem_overrun(shm) == 0
+    assert np.isnan(y[-1]) and np.all(np.isfinite(y[:-1]))
+    err = np.abs(y[:-1] - ref)
+    act, bound = int8_bounds(W, xs)
+    INT8_RATIOS[f"{rows}x{cols} xdiv={xdiv} {kind}"] = float((err / act).max())
+    print(f"mv_q8i {rows}x{cols} xdiv={xdiv} {kind}: max |err| / activation bound {(err / act).max():.3f}, "
+          f"/ whole bound {(err / bound).max():.3f}")
+    assert np.all(err <= bound)
+    if not xdiv:  # exactly the quantized input: only float32 rounding is left
+        xq = quantized_input(x)
+        tight = (cols / 16 + 16) * 2.0 ** -24 * (np.abs(W) @ np.abs(xq))
+        assert np.all(np.abs(y[:-1] - W @ xq) <= tight)
+
+
+@pytest.mark.parametrize("hc,n,cols,gx,kind", [(4, 7, 320, 3, "gauss"), (3, 5, 64, 1, "mixed"),
+                                               (8, 2, 96, 5, "mixed"), (4, 3, 32, 2, "gauss")])
+def test_mv_q8i_mix_matches_numpy(lib, hc, n, cols, gx, kind):
+    """mv_q8i in mix mode: mixed[i] = sum_h sigmoid((W silu(x / hc))[h n + i]) hn[h n + i] / hc within the up
+    projection's bound through the sigmoid (slope <= 1/4) plus float32 rounding of the mix."""
+    rng = np.random.default_rng(hc * 57 + n)
+    rows = hc * n
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = block_vector(rng, cols, kind) if kind != "mixed" else block_vector(rng, cols, kind) * np.float32(1e-3)
+    hn = rng.standard_normal(rows).astype(np.float32)
+    ref = ref_mix(raw, hc, n, cols, x, hn)
+    W = dense_w(raw, rows, cols)
+    xs = stage_input(x, float(hc))
+    _, bound = int8_bounds(W, xs)
+    mbound = ((0.25 * bound + 8 * 2.0 ** -24) * np.abs(hn)).reshape(hc, n).sum(axis=0) / hc
+    mixed = np.full(n + 1, np.nan, dtype=np.float32)
+    _, lpr, uu, shm = K.dqi_launch_shape(n, cols, 132, hc=hc)
+    lib.host_smem_poison(shm)
+    lib.host_mv_q8i(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, mixed.ctypes.data, rows, cols, float(hc),
+                    lpr, uu, hn.ctypes.data, hc, n)
+    assert lib.host_smem_overrun(shm) == 0
+    assert np.isnan(mixed[-1])
+    err = np.abs(mixed[:-1] - ref)
+    print(f"mv_q8i mix hc={hc} n={n} cols={cols}: max |err| / bound {(err / mbound).max():.3f}")
+    assert np.all(err <= mbound)
+
+
+def test_mv_q8i_launch_shape():
+    """dqi_launch_shape: mv_q8s's lanes per row and windows (at most DQI_U chunks), at most DQI_BLOCKS_PER_SM blocks
+    per SM, the two int8 planes and the scales in shared memory (less than mv_q8s's 4 cols)."""
+    n_sm = 132
+    for cols, lpr, u in [(2560, 32, 5), (4096, 32, 4), (6144, 32, 6), (10240, 32, 5), (320, 4, 5), (64, 1, 4),
+                         (32, 1, 2)]:
+        blocks, lp, uu, shm = K.dqi_launch_shape(12352, cols, n_sm)
+        assert (lp, uu) == (lpr, u), cols
+        assert shm == 2 * cols + cols // 8 < 4 * cols
+        assert blocks == min(-(-12352 // (8 * (32 // lpr))), K.DQI_BLOCKS_PER_SM * n_sm)
+        nch = cols // 16
+        assert uu <= K.DQI_U and -(-(-(-nch // lp)) // uu) * uu * lp >= nch
+    assert K.dqi_launch_shape(2560, 320, n_sm, hc=4)[:3] == (160, 4, 5)
+    with pytest.raises(StrataError, match="whole Q8_0 blocks"):
+        K.dqi_launch_shape(10, 48, n_sm)
+
+
+def test_host_dp4a_is_signed_bytes():
+    """The host shim's __dp4a: 4 signed byte products plus the accumulator, as the device instruction (checked
+    through a tiny host program against numpy)."""
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    import tempfile
+    from pathlib import Path
+
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    a[0], b[0] = 0x80808080, 0x80808080  # (-128)^2 * 4
+    c = rng.integers(-2 ** 20, 2 ** 20, 64).astype(np.int32)
+    with tempfile.TemporaryDirectory() as t:
+        src = Path(t) / "dp4a.cpp"
+        src.write_text(K.cuda_source("host_kernel_shim.cuh") + 'extern "C" void dp(const int* a, const int* b, '
+                       "const int* c, int* o, int n) { for (int i = 0; i < n; ++i) o[i] = __dp4a(a[i], b[i], c[i]); }\n")
+        so = Path(t) / "dp4a.so"
+        subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
+                       capture_output=True)
+        h = ctypes.CDLL(str(so))
+        out = np.zeros(64, dtype=np.int32)
+        av, bv = a.view(np.int32), b.view(np.int32)
+        h.dp(av.ctypes.data_as(ctypes.c_void_p), bv.ctypes.data_as(ctypes.c_void_p),
+             c.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(64))
+    ref = (a.view(np.int8).reshape(64, 4).astype(np.int64) * b.view(np.int8).reshape(64, 4)).sum(axis=1) + c
+    assert np.array_equal(out, ref.astype(np.int32)) and out[0] == 4 * 128 * 128 + c[0]
 
 
 @pytest.mark.gpu
@@ -293,3 +477,29 @@ def test_mv_q8s_on_the_gpu(rows, cols, hc, xdiv):
     got = y.get()
     assert np.isnan(got[-1])
     assert np.abs(got[:-1] - ref).max() / np.abs(ref).max() <= 2e-6
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc to compile the device code")
+def test_device_build_has_no_spills(tmp_path):
+    """dense_q8.cu as the decoder loads it, compiled for sm_90 (nvcc -cubin -O3): every kernel compiles without
+    spills, and mv_q8i fits its __launch_bounds__ (DQI_MINB blocks of 256 threads: 64 registers) in fewer registers
+    than mv_q8s (register counts printed for the notes)."""
+    import re
+
+    src = tmp_path / "dense_q8.cu"
+    src.write_text(K.cuda_source("dense_q8.cu"))
+    r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
+                        str(tmp_path / "dq.cubin"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+                         r.stderr + r.stdout, flags=re.S)
+    regs = {}
+    for name, spill, nreg in entries:
+        print(f"{name}: {nreg} registers, {spill} bytes spill stores")
+        assert int(spill) == 0, name
+        regs[name] = int(nreg)
+    assert set(regs) == {"mv_q8r", "mv_q8r_mix", "mv_q8s", "mv_q8i"}
+    assert regs["mv_q8i"] <= 65536 // (256 * K.DQI_BLOCKS_PER_SM) and regs["mv_q8i"] < regs["mv_q8s"]

@@ -336,3 +336,201 @@ extern "C" __global__ void __launch_bounds__(256, DQS_MINB) mv_q8s(
         if (act && lane % G == 0) y[o] = hc > 0 ? s / (float)hc : s;
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Integer matvec (mv_q8i): mv_q8s's contract, work split and launch shapes, with the products in int8 dot products
+// (__dp4a: 4 int8 x int8 products and an int32 add per instruction) instead of one float per code (byte permute,
+// subtract, FMA: about 60 instructions per 16 bytes of codes in mv_q8s; here 8 dp4a and 5 more).
+//
+// x' (x, or silu(x / xdiv)) is quantized per 32-value block b while it is staged: s_b = max |x'| over the block /
+// DQI_QMAX, v = rint(x' / s_b) in [-DQI_QMAX, DQI_QMAX], split into two int8 planes hi = floor((v + 128) / 256) and
+// lo = v - 256 hi (in [-128, 127]). DQI_QMAX = 127 * 256 + 127 = 32639 is the largest bound for which both planes fit
+// in int8 (32767 would need hi = 128 or lo = 255). Shared memory: hi [cols] int8, lo [cols] int8, s [cols / 32]
+// float: 2 cols + cols / 8 bytes (dqi_shared_bytes; mv_q8s's 4 cols also suffices). For a 16-value chunk c of a row
+// (block c >> 1): ih = sum of 4 dp4a of the 16 codes with the 16 hi bytes, il likewise with lo, and the chunk adds
+// d[row, c >> 1] s_b (float)(256 ih + il) to the row's float sum (|256 ih + il| <= 16 * 128 * 32767 + ..., well
+// inside int32).
+//
+// Precision: W v s differs from W x' only by the rounding of x' to v s: |error| <= sum_j |w_j| s_b(j) / 2 over the
+// row (each x' within s_b / 2 = max |x'| of its block / 65278, about 1.5e-5 of that max, of its value; the product
+// 1 / s_b and x' * (1 / s_b) add about 0.004 / 0.5 of that), plus float32 rounding of the chunk terms and their sum.
+// Range: x' finite; a block whose max |x'| is below DQI_TINY (2^-100, about 7.9e-31) counts as zero (s_b = 0: it
+// adds nothing, so the error there is at most that max times the |w| of the block), which keeps s_b a normal float
+// and 1 / s_b finite. Device: blocks of a multiple of 32 threads (DQI_G lanes quantize a block of 32 values
+// together, by shuffles); the host build (one thread a block) quantizes a block in one thread (DQI_G = 1).
+#ifndef DQI_U
+#define DQI_U 6
+#endif
+#ifndef DQI_MINB
+#define DQI_MINB 4  // blocks of 256 threads per SM the register budget allows (64 registers at DQI_U 6, no spills)
+#endif
+#define DQI_QMAX 32639
+#define DQI_TINY 7.888609052210118e-31f  // 2^-100
+#ifdef STRATA_HOST
+#define DQI_G 1
+#else
+#define DQI_G 8
+#endif
+
+// IEEE half -> float: one cvt instruction on the device (dq_h2f's exact bit assembly on the host: same value).
+__device__ __forceinline__ float dqi_h2f(unsigned short h) {
+#ifdef STRATA_HOST
+    return dq_h2f(h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+// Stage x' = x (or silu(x / xdiv) when xdiv != 0) quantized as described above: xh / xl the hi / lo planes [cols],
+// xsc the block scales [cols / 32]. A warp's lanes take lanes / DQI_G consecutive blocks at a time, DQI_G lanes a
+// block, each lane 32 / DQI_G consecutive values (loop bounds uniform over the warp: every lane runs the shuffles).
+// The caller synchronises before reading the planes.
+__device__ __forceinline__ void dqi_stage_x(const float* __restrict__ x, float xdiv, signed char* xh, signed char* xl,
+                                            float* xsc, int cols) {
+    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
+    const int nw = (blockDim.x + 31) >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gpw = lanes >= DQI_G ? lanes / DQI_G : 1;  // blocks a warp quantizes at once
+    const int gl = lane % DQI_G;
+    const int nblk = cols >> 5;
+    for (int base = warp * gpw; base < nblk; base += nw * gpw) {
+        const int b = base + lane / DQI_G;
+        const bool ok = b < nblk;
+        float a[32 / DQI_G];
+        float m = 0.0f;
+        #pragma unroll
+        for (int p = 0; p < 32 / DQI_G / 4; ++p) {
+            #pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                float v = ok ? x[32 * b + 4 * (gl + p * DQI_G) + t] : 0.0f;
+                if (xdiv != 0.0f) {
+                    v = v / xdiv;
+                    v = v * (1.0f / (1.0f + expf(-v)));
+                }
+                a[4 * p + t] = v;
+                m = fmaxf(m, fabsf(v));
+            }
+        }
+        for (int o = DQI_G >> 1; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const bool live = m >= DQI_TINY;
+        const float s = live ? m / (float)DQI_QMAX : 0.0f;
+        const float inv = live ? 1.0f / s : 0.0f;
+        if (ok) {
+            #pragma unroll
+            for (int p = 0; p < 32 / DQI_G / 4; ++p) {
+                unsigned hw = 0, lw = 0;
+                #pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const float r = fminf(fmaxf(rintf(a[4 * p + t] * inv), -(float)DQI_QMAX), (float)DQI_QMAX);
+                    const int v = (int)r;
+                    const int hi = (v + 128) >> 8;  // floor: lo = v - 256 hi in [-128, 127]
+                    const int lo = v - 256 * hi;
+                    hw |= ((unsigned)hi & 0xffu) << (8 * t);
+                    lw |= ((unsigned)lo & 0xffu) << (8 * t);
+                }
+                const int j = 32 * b + 4 * (gl + p * DQI_G);
+                *reinterpret_cast<unsigned*>(xh + j) = hw;
+                *reinterpret_cast<unsigned*>(xl + j) = lw;
+            }
+            if (gl == 0) xsc[b] = s;
+        }
+    }
+}
+
+// Dynamic shared bytes of mv_q8i for rows of cols values (the planes, then the scales).
+#define DQI_SHARED_BYTES(cols) (2 * (cols) + 4 * ((cols) >> 5))
+
+// 256 ih + il over one 16-value chunk: q the 16 codes, h / l the 16 hi / lo bytes of x'.
+__device__ __forceinline__ int dqi_dot16(uint4 q, uint4 h, uint4 l) {
+    int ih = __dp4a((int)q.x, (int)h.x, 0);
+    ih = __dp4a((int)q.y, (int)h.y, ih);
+    ih = __dp4a((int)q.z, (int)h.z, ih);
+    ih = __dp4a((int)q.w, (int)h.w, ih);
+    int il = __dp4a((int)q.x, (int)l.x, 0);
+    il = __dp4a((int)q.y, (int)l.y, il);
+    il = __dp4a((int)q.z, (int)l.z, il);
+    il = __dp4a((int)q.w, (int)l.w, il);
+    return ih * 256 + il;
+}
+
+// mv_q8s with integer dot products (same arguments, same plain and mix modes, same silu(x / xdiv) input, any grid):
+// y = W x' for W [rows, cols], or in mix mode (hc > 0) y[i] = (sum over h < hc of sigmoid((W x')[h n + i])
+// hn[h n + i]) / hc for i < n. Launch shapes: kernels.dqi_launch_shape (dqs_launch_shape with u <= DQI_U and
+// DQI_MINB blocks per SM, DQI_SHARED_BYTES(cols) shared bytes); dqs_launch_shape's own shapes work too (4 cols
+// shared bytes; any u: a window above DQI_U chunks is taken as DQI_U). Block size: a multiple of 32 on the device.
+// Registers (nvcc -arch=sm_90 -cubin -O3 --std=c++17, ptxas): 64 at DQI_U 6 / DQI_MINB 4, no spills (mv_q8s: 80 at
+// DQS_U 8); unbounded the kernel takes 96 at DQI_U 6 and 120 at DQI_U 8 (the shared-memory reads of a window's x
+// planes are issued early, 8 registers a chunk); DQI_U 8 spills at 3 blocks per SM (80 registers), DQI_U 12 fits 2
+// (128), DQI_U 4 fits 5 (48): bench_dense_q8.py times those builds beside the default.
+extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
+        const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc, const float* __restrict__ x,
+        float* __restrict__ y, int rows, int cols, float xdiv, int lpr, int u, const float* __restrict__ hn, int hc,
+        int n) {
+    DQ_DYN_SHARED(signed char, xh);
+    signed char* xl = xh + cols;
+    float* xsc = reinterpret_cast<float*>(xh + 2 * cols);
+    dqi_stage_x(x, xdiv, xh, xl, xsc, cols);
+    __syncthreads();
+    const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
+    const int nw = (blockDim.x + 31) >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int L = lpr < lanes ? lpr : lanes;
+    const int uw = u < 1 ? 1 : (u > DQI_U ? DQI_U : u);
+    int nhs = 1;  // lane groups sharing one output's streams
+    if (hc > 0)
+        while (nhs * 2 <= hc && L * nhs * 2 <= lanes && hc % (nhs * 2) == 0) nhs *= 2;
+    const int G = L * nhs;  // lanes per output
+    const int gpw = lanes / G;
+    const int sub = lane / G, hs = (lane % G) / L, sl = lane % L;
+    const int nch = cols >> 4;
+    const long long nb = cols >> 5;
+    const int win = uw * L;
+    const int nout = hc > 0 ? n : rows;
+    const int nsub = hc > 0 ? hc : 1;
+    const long long stride = (long long)gridDim.x * nw * gpw;
+    const uint4* xh4 = reinterpret_cast<const uint4*>(xh);
+    const uint4* xl4 = reinterpret_cast<const uint4*>(xl);
+    // outputs spread over blocks first: block b's warps take outputs b, b + gridDim.x, ... (times gpw)
+    for (long long base = ((long long)warp * gridDim.x + blockIdx.x) * gpw; base < nout; base += stride) {
+        const long long o = base + sub;
+        const bool act = o < nout;
+        float s = 0.0f;
+        for (int h = hs; h < nsub; h += nhs) {
+            const long long row = hc > 0 ? (long long)h * n + o : o;
+            const signed char* rp = qs + row * (long long)cols;
+            const unsigned short* dp = dsc + row * nb;
+            float acc = 0.0f;
+            for (int c0 = sl; c0 < nch; c0 += win) {
+                // this lane's chunks c0, c0 + L, ... of the window: kn of them (none for a row past the end)
+                const int kn = act ? min(uw, (nch - c0 + L - 1) / L) : 0;
+                const uint4* qp = reinterpret_cast<const uint4*>(rp) + c0;
+                uint4 q[DQI_U];
+                unsigned short d[DQI_U];
+                #pragma unroll
+                for (int k = 0; k < DQI_U; ++k) {
+                    if (k < kn) {
+                        q[k] = __ldg(qp + k * L);
+                        d[k] = __ldg(dp + ((c0 + k * L) >> 1));
+                    }
+                }
+                #pragma unroll
+                for (int k = 0; k < DQI_U; ++k)
+                    if (k < kn) {
+                        const int cc = c0 + k * L;
+                        const int iv = dqi_dot16(q[k], xh4[cc], xl4[cc]);
+                        acc += (dqi_h2f(d[k]) * xsc[cc >> 1]) * (float)iv;
+                    }
+            }
+            for (int off = L >> 1; off; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            if (hc > 0) {
+                s += act ? (1.0f / (1.0f + expf(-acc))) * hn[row] : 0.0f;
+            } else {
+                s = acc;
+            }
+        }
+        for (int off = G >> 1; off >= L; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (act && lane % G == 0) y[o] = hc > 0 ? s / (float)hc : s;
+    }
+}

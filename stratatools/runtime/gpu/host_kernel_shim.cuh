@@ -32,6 +32,17 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; ++i) r |= ((b >> (8 * ((s >> (4 * i)) & 7))) & 0xffull) << (8 * i);
     return (unsigned)r;
 }
+// CUDA's __dp4a: the 4 signed (unsigned) byte products of a and b plus c, wrapping in 32 bits as the device does.
+static inline int __dp4a(int a, int b, int c) {
+    unsigned r = (unsigned)c;
+    for (int i = 0; i < 4; ++i)
+        r += (unsigned)((int)(signed char)((unsigned)a >> (8 * i)) * (int)(signed char)((unsigned)b >> (8 * i)));
+    return (int)r;
+}
+static inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
+    for (int i = 0; i < 4; ++i) c += ((a >> (8 * i)) & 0xffu) * ((b >> (8 * i)) & 0xffu);
+    return c;
+}
 #ifndef STRATA_HOST_BITCASTS  // (also in host_shim.cuh; whichever shim comes first defines them)
 #define STRATA_HOST_BITCASTS
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }

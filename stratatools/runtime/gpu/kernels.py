@@ -279,10 +279,15 @@ DQS_BLOCKS_PER_SM = 3
 #: The decoder multiplies a matrix through ``mv_q8s`` when it has at least this many rows per SM (the 2,560-row
 #: output projections and up); fewer, longer rows (the hyper-connection down projection) go to ``mv_q8r``'s row parts.
 DQS_MIN_ROWS_PER_SM = 8
+#: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).
+DQI_U = 6
+DQI_BLOCKS_PER_SM = 4
 #: Dense kernel choice of the fast step: ``stream`` (``mv_q8s`` on tall matrices and the hyper-connection mix,
-#: ``mv_q8r`` with row parts on the few-row ones) or ``rows`` (``mv_q8r`` / ``mv_q8r_mix`` only; the earlier path,
-#: kept for comparison in the benchmarks).
+#: ``mv_q8r`` with row parts on the few-row ones), ``int8`` (the same with ``mv_q8i``, ``mv_q8s`` with int8 dot
+#: products on x quantized per block of 32 to 16-bit fixed point, in place of ``mv_q8s``) or ``rows`` (``mv_q8r`` /
+#: ``mv_q8r_mix`` only; the earlier path, kept for comparison in the benchmarks).
 DENSE_KERNEL_ENV = "STRATATOOLS_DENSE_KERNEL"
+DENSE_KERNELS = ("stream", "int8", "rows")
 
 
 def dense_kernel() -> str:
@@ -291,8 +296,8 @@ def dense_kernel() -> str:
     import os
 
     v = os.environ.get(DENSE_KERNEL_ENV, "stream").strip() or "stream"
-    if v not in ("stream", "rows"):
-        raise StrataError(f"{DENSE_KERNEL_ENV}={v!r}: use stream or rows")
+    if v not in DENSE_KERNELS:
+        raise StrataError(f"{DENSE_KERNEL_ENV}={v!r}: use stream, int8 or rows")
     return v
 
 
@@ -322,6 +327,23 @@ def dqs_launch_shape(nout: int, cols: int, n_sm: int, hc: int = 0, threads: int 
     warps = max(1, (threads + 31) // 32)
     blocks = max(1, min(-(-nout // (gpw * warps)), blocks_per_sm * max(1, n_sm)))
     return blocks, lpr, u, 4 * cols
+
+
+def dqi_shared_bytes(cols: int) -> int:
+    """Dynamic shared bytes of ``mv_q8i`` for rows of ``cols`` values: x's hi and lo int8 planes (``cols`` bytes
+    each) and one float scale per block of 32 (dense_q8.cu's DQI_SHARED_BYTES)."""
+    return 2 * cols + 4 * (cols // 32)
+
+
+def dqi_launch_shape(nout: int, cols: int, n_sm: int, hc: int = 0,
+                     threads: int = DQ_THREADS) -> tuple[int, int, int, int]:
+    """(blocks, lanes per row, chunks per lane per window, dynamic shared bytes) of a ``mv_q8i`` launch: the work
+    split of :func:`dqs_launch_shape` (``mv_q8i`` keeps ``mv_q8s``'s) with windows of at most :data:`DQI_U` chunks,
+    at most :data:`DQI_BLOCKS_PER_SM` blocks per SM and :func:`dqi_shared_bytes`. (``mv_q8i`` also runs correctly
+    with :func:`dqs_launch_shape`'s own shapes.) Raises StrataError for ``cols`` not a multiple of 32."""
+    blocks, lpr, u, _ = dqs_launch_shape(nout, cols, n_sm, hc=hc, threads=threads, u_max=DQI_U,
+                                         blocks_per_sm=DQI_BLOCKS_PER_SM)
+    return blocks, lpr, u, dqi_shared_bytes(cols)
 
 
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
