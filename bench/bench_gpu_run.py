@@ -356,6 +356,8 @@ def config_rows(slots: int) -> list:
             ("before", "all resident, GGUF-block matvec + bookkeeping before launch (before)", {"_env": BEFORE_ENV}),
             ("rowsdense", "all resident, dense Q8_0 on mv_q8r (before the streaming matvec)",
              {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
+            ("int8dense", "all resident, dense Q8_0 on mv_q8i (int8 dot products, x in 16-bit fixed point)",
+             {"_env": {"STRATATOOLS_DENSE_KERNEL": "int8"}}),
             ("stagedexp", "all resident, staged expert kernels (STRATATOOLS_MOE_KERNEL=staged: before)",
              {"_env": {"STRATATOOLS_MOE_KERNEL": "staged"}}),
             ("pipeexp", "all resident, pipelined expert kernels (STRATATOOLS_MOE_KERNEL=pipe)",
@@ -519,7 +521,7 @@ def print_profile(name: str, pr: list, top: int = 16) -> None:
     pr = [r for r in pr if r[0] not in ("dense Q8_0 bytes/step", "timeline")]
     tot = sum(r[1] for r in pr)
     print(f"\nper-kernel device time of one decode step ({name}): {tot:.2f} ms in {sum(r[2] for r in pr)} kernels")
-    dq = [r for r in pr if r[0].startswith(("mv_q8r", "mv_q8s")) or r[0].startswith("matvec_tiled_kernel<8>")]
+    dq = [r for r in pr if r[0].startswith(("mv_q8r", "mv_q8s", "mv_q8i")) or r[0].startswith("matvec_tiled_kernel<8>")]
     if dq and nbytes:
         ms = sum(r[1] for r in dq)
         print(f"dense Q8_0 matvecs: {ms:.3f} ms/step in {sum(r[2] for r in dq)} launches, {nbytes / 1e6:.0f} MB: "

@@ -27,12 +27,12 @@ def bench():
 def test_every_profile_runs_under_its_rows_env(bench):
     rows = bench.config_rows(1872)
     by_key = {k: (title, kw) for k, title, kw in rows}
-    want = {"resident", "unfused", "before", "rowsdense", "stagedexp", "pipeexp", "allmisspipe", "lruasync", "static",
+    want = {"resident", "unfused", "before", "rowsdense", "int8dense", "stagedexp", "pipeexp", "allmisspipe", "lruasync", "static",
             "lrufetch", "allmissfetch"}
     plan = bench.profile_plan(rows, want, 1872, profile_lru=True)
     got = {title: (sl, pol, fused, env) for title, sl, pol, fused, env in plan}
     assert plan[0] == ("all resident (fused)", None, "static", True, {})
-    for key in ("before", "rowsdense", "stagedexp", "pipeexp"):  # all-resident rows that change the step: their env
+    for key in ("before", "rowsdense", "int8dense", "stagedexp", "pipeexp"):  # all-resident rows that change the step: their env
         title, kw = by_key[key]
         assert got[title] == (None, "static", True, kw["_env"]) and kw["_env"]
     assert got[by_key["unfused"][0]] == (None, "static", False, {})
@@ -44,7 +44,7 @@ def test_every_profile_runs_under_its_rows_env(bench):
     assert "(top k only)" in by_key["vram12pf0"][0] and "(top k only)" not in by_key["vram12pf"][0]
     for key in ("allmisspipe", "static", "allmissfetch"):  # slot rows other than --slots LRU: not profiled
         assert by_key[key][0] not in got
-    assert len(plan) == 9
+    assert len(plan) == 10
     assert [t for t, *_ in bench.profile_plan(rows, {"resident", "lru"}, 1872, False)] == ["all resident (fused)"]
 
 

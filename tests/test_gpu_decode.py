@@ -318,3 +318,47 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
     for parts in ("auto", every):
         for (a, ia), (b, ib) in zip(got["1"], got[parts]):
             assert np.array_equal(a, b) and np.array_equal(ia, ib)
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+def test_fused_step_int8_dense_matches_default(kit, monkeypatch):
+    """STRATATOOLS_DENSE_KERNEL=int8 (mv_q8i: x quantized per block of 32 to 16-bit fixed point, int8 dot products)
+    against the default streaming matvec (mv_q8s), both graph-replayed on the kit's Q8_0-dense model with every
+    re-laid-out matrix on the streaming kernel (the row threshold lowered to 0; the hyper-connection up projection
+    and mix in one launch): logits within 1e-4 relative, the same greedy token, every step."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+    from stratatools.runtime.gpu.decode import Q8R, StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    path = kit / "quant/model-ISTA-mix.gguf"
+    if not path.exists():
+        pytest.skip("quant/model-ISTA-mix.gguf not carried")
+    monkeypatch.setattr(K, "DQS_MIN_ROWS_PER_SM", 0)
+    rt = GPURuntime(load(path, xp=cp))
+    n_ctx = min(32, max_full_context(rt.cfg, "transformers"))
+    st = rt.new_state()
+    lg, _ = rt.forward(_prompt(kit, 4), st)
+    decs = {}
+    for env in ("stream", "int8"):
+        monkeypatch.setenv(K.DENSE_KERNEL_ENV, env)
+        d = StaticDecoder(rt, max_ctx=n_ctx, fast=True, fused=True)
+        assert d.dense_q8 and d.dense_int8 == (env == "int8")
+        d.load_state(st)
+        assert d.capture()
+        decs[env] = d
+    assert any(isinstance(raw, Q8R) for raw, *_ in decs["int8"]._raw.values())
+    tok = int(np.argmax(lg.get()))
+    worst = 0.0
+    for _ in range(n_ctx - 4):
+        a = decs["stream"].step(tok).get().astype(np.float64)
+        b = decs["int8"].step(tok).get().astype(np.float64)
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+        assert decs["int8"].next_token() == decs["stream"].next_token() == int(np.argmax(a))
+        tok = int(np.argmax(a))
+    print("int8 dense (mv_q8i) vs stream (mv_q8s) step logits, worst relative:", worst)
+    assert worst < 1e-4

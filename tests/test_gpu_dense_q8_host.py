@@ -503,3 +503,50 @@ def test_device_build_has_no_spills(tmp_path):
         regs[name] = int(nreg)
     assert set(regs) == {"mv_q8r", "mv_q8r_mix", "mv_q8s", "mv_q8i"}
     assert regs["mv_q8i"] <= 65536 // (256 * K.DQI_BLOCKS_PER_SM) and regs["mv_q8i"] < regs["mv_q8s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,hc,xdiv,shape", [(12352, 2560, 0, 0.0, "dqi"), (2560, 4096, 0, 0.0, "dqi"),
+                                                     (2560, 6144, 0, 4.0, "dqi"), (1000, 10240, 0, 0.0, "dqi"),
+                                                     (3001, 2560, 0, 0.0, "dqs"), (4 * 2560, 320, 4, 4.0, "dqi"),
+                                                     (3 * 50, 64, 3, 3.0, "dqi"), (4 * 2560, 320, 4, 4.0, "dqs")])
+def test_mv_q8i_on_the_gpu(rows, cols, hc, xdiv, shape):
+    """The device build of mv_q8i at the full-width model's shapes (lanes per row, windows, x quantized by the warps'
+    shuffles; in mix mode streams over lane groups), launched with dqi_launch_shape as the decoder launches it and
+    with mv_q8s's dqs_launch_shape (windows above DQI_U, 4 cols shared bytes): within the activation rounding bound
+    plus float32 rounding of the float64 reference, per output."""
+    from stratatools.runtime import gpu
+
+    if not gpu.available():
+        pytest.skip("CuPy with a CUDA GPU is not available")
+    import cupy as cp
+
+    from stratatools.runtime.gpu.kernels import _device_limits, cuda_source
+
+    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8i")
+    rng = np.random.default_rng(rows + cols + 1)
+    raw = q8_blocks(rng, rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    x = block_vector(rng, cols, "gauss" if hc else "mixed")
+    W = dense_w(raw, rows, cols)
+    xs = stage_input(x, xdiv)
+    u = W @ xs
+    _, bound = int8_bounds(W, xs)
+    hn = rng.standard_normal(rows).astype(np.float32)
+    n = rows // hc if hc else rows
+    if hc:
+        ref = (1.0 / (1.0 + np.exp(-u)) * hn).reshape(hc, n).sum(axis=0) / hc
+        bound = ((0.25 * bound + 8 * 2.0 ** -24) * np.abs(hn)).reshape(hc, n).sum(axis=0) / hc
+    else:
+        ref = u
+    fn = K.dqi_launch_shape if shape == "dqi" else K.dqs_launch_shape
+    blocks, lpr, uu, shm = fn(n, cols, _device_limits()[0], hc=hc)
+    y = cp.full(n + 1, cp.nan, dtype=cp.float32)
+    k((blocks,), (K.DQ_THREADS,), (cp.asarray(q), cp.asarray(d), cp.asarray(x), y, np.int32(rows), np.int32(cols),
+                                   np.float32(xdiv), np.int32(lpr), np.int32(uu), cp.asarray(hn), np.int32(hc),
+                                   np.int32(n)), shared_mem=shm)
+    got = y.get()
+    assert np.isnan(got[-1])
+    err = np.abs(got[:-1].astype(np.float64) - ref)
+    print(f"mv_q8i {rows}x{cols} hc={hc} ({shape} shape): max |err| / bound {(err / bound).max():.3f}")
+    assert np.all(err <= bound)

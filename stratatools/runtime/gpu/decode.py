@@ -431,8 +431,12 @@ class StaticDecoder:
             self.dqmod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
             self.k_dq = self.dqmod.get_function("mv_q8r")
             self.k_dq_mix = self.dqmod.get_function("mv_q8r_mix")
-            self.k_dqs = self.dqmod.get_function("mv_q8s")
-            self.dense_stream = dense_kernel() == "stream"
+            # STRATATOOLS_DENSE_KERNEL: stream (mv_q8s), int8 (mv_q8i in its place: same arguments, int8 dot
+            # products, its own launch shape) or rows (mv_q8r / mv_q8r_mix only)
+            choice = dense_kernel()
+            self.dense_int8 = choice == "int8"
+            self.k_dqs = self.dqmod.get_function("mv_q8i" if self.dense_int8 else "mv_q8s")
+            self.dense_stream = choice in ("stream", "int8")
             self._dq_part = cp.zeros(0, dtype=cp.float32)
             self._dq_counter = cp.zeros(4096, dtype=cp.int32)
         self._gdn_counter = None
@@ -640,16 +644,16 @@ class StaticDecoder:
                 and 4 * cols + 64 <= 48 * 1024)
 
     def _dq_launch(self, m: Q8R, x: Any, y: Any, rows: int, cols: int, silu_div: float = 0.0) -> None:
-        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix: ``mv_q8s`` for matrices of at least
+        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix: ``mv_q8s`` (``mv_q8i`` with
+        ``STRATATOOLS_DENSE_KERNEL=int8``) for matrices of at least
         :data:`~stratatools.runtime.gpu.kernels.DQS_MIN_ROWS_PER_SM` rows per SM (unless ``STRATATOOLS_DENSE_KERNEL=rows``),
         else ``mv_q8r`` (split along the rows when they are few)."""
-        from stratatools.runtime.gpu.kernels import (DQ_THREADS, DQS_MIN_ROWS_PER_SM, _device_limits, dq_launch_shape,
-                                                     dqs_launch_shape)
+        from stratatools.runtime.gpu.kernels import (DQ_THREADS, DQS_MIN_ROWS_PER_SM, _device_limits, dq_launch_shape)
 
         cp = self.cp
         n_sm = _device_limits()[0]
         if self.dense_stream and rows >= DQS_MIN_ROWS_PER_SM * n_sm:
-            blocks, lpr, u, shm = dqs_launch_shape(rows, cols, n_sm)
+            blocks, lpr, u, shm = self._dqs_shape(rows, cols, n_sm)
             self.k_dqs((blocks,), (DQ_THREADS,), (m.q, m.d, x, y, np.int32(rows), np.int32(cols), np.float32(silu_div),
                                                  np.int32(lpr), np.int32(u), np.uint64(0), np.int32(0), np.int32(0)),
                        shared_mem=shm)
@@ -662,6 +666,13 @@ class StaticDecoder:
                 self._dq_part = cp.zeros(ks * rows, dtype=cp.float32)
         self.k_dq((gx, ks), (DQ_THREADS,), (m.q, m.d, x, y, np.int32(rows), np.int32(cols), np.float32(silu_div),
                                             self._dq_part, self._dq_counter), shared_mem=shm)
+
+    def _dqs_shape(self, nout: int, cols: int, n_sm: int, hc: int = 0) -> tuple[int, int, int, int]:
+        """Launch shape of ``self.k_dqs``: :func:`~stratatools.runtime.gpu.kernels.dqi_launch_shape` for ``mv_q8i``,
+        else :func:`~stratatools.runtime.gpu.kernels.dqs_launch_shape`."""
+        from stratatools.runtime.gpu.kernels import dqi_launch_shape, dqs_launch_shape
+
+        return (dqi_launch_shape if self.dense_int8 else dqs_launch_shape)(nout, cols, n_sm, hc=hc)
 
     @contextlib.contextmanager
     def _ordered(self) -> Iterator[None]:
@@ -864,10 +875,10 @@ class StaticDecoder:
         raw, t, rows, cols = self._dense_raw(f"{prefix}_up.weight")
         d = cp.ascontiguousarray(d, dtype=cp.float32)
         if isinstance(raw, Q8R) and rows == hc * n and self.dense_stream:  # up projection + mix in one launch
-            from stratatools.runtime.gpu.kernels import DQ_THREADS, _device_limits, dqs_launch_shape
+            from stratatools.runtime.gpu.kernels import DQ_THREADS, _device_limits
 
-            mixed = cp.empty(n, dtype=cp.float32)
-            blocks, lpr, u, shm = dqs_launch_shape(n, cols, _device_limits()[0], hc=hc)
+            mixed = cp.empty(n, dtype=cp.float32)  # (mv_q8s, or mv_q8i: the same arguments)
+            blocks, lpr, u, shm = self._dqs_shape(n, cols, _device_limits()[0], hc=hc)
             self.k_dqs((blocks,), (DQ_THREADS,), (raw.q, raw.d, d, mixed, np.int32(rows), np.int32(cols),
                                                  np.float32(hc), np.int32(lpr), np.int32(u), hn, np.int32(hc),
                                                  np.int32(n)), shared_mem=shm)
