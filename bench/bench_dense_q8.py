@@ -62,10 +62,13 @@ def main() -> None:
     variants = [(f"u{u}x{b}", cp.RawModule(code=cuda_source("dense_q8.cu"),
                                            options=("--std=c++17", f"-DDQS_U={u}", f"-DDQS_MINB={b}")).get_function("mv_q8s"), u, b)
                 for u, b in ((5, 4), (8, 2))]
-    # other builds of mv_q8i (DQI_U chunks a lane per window, DQI_MINB blocks per SM; both without spills)
-    ivariants = [(f"i-u{u}x{b}", cp.RawModule(code=cuda_source("dense_q8.cu"),
-                                              options=("--std=c++17", f"-DDQI_U={u}", f"-DDQI_MINB={b}")).get_function("mv_q8i"), u, b)
-                 for u, b in ((4, 5), (12, 2))]
+    # other builds of mv_q8i (DQI_U chunks a lane per window, DQI_MINB blocks per SM, DQI_PRE: the first window's
+    # loads before x is staged; all without spills)
+    ivariants = [(f"i-u{u}x{b}" + ("" if pre else "-nopre"),
+                  cp.RawModule(code=cuda_source("dense_q8.cu"),
+                               options=("--std=c++17", f"-DDQI_U={u}", f"-DDQI_MINB={b}",
+                                        f"-DDQI_PRE={pre}")).get_function("mv_q8i"), u, b)
+                 for u, b, pre in ((6, 4, 0), (4, 5, 0), (7, 3, 1), (12, 2, 1))]
     s = cp.cuda.Stream(non_blocking=True)
     nbytes = 1 << 30
     src, dst = cp.empty(nbytes, dtype=cp.uint8), cp.empty(nbytes, dtype=cp.uint8)

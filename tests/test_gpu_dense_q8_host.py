@@ -348,7 +348,7 @@ def test_mv_q8i_launch_shape():
     """dqi_launch_shape: mv_q8s's lanes per row and windows (at most DQI_U chunks), at most DQI_BLOCKS_PER_SM blocks
     per SM, the two int8 planes and the scales in shared memory (less than mv_q8s's 4 cols)."""
     n_sm = 132
-    for cols, lpr, u in [(2560, 32, 5), (4096, 32, 4), (6144, 32, 6), (10240, 32, 5), (320, 4, 5), (64, 1, 4),
+    for cols, lpr, u in [(2560, 32, 5), (4096, 32, 4), (6144, 32, 4), (10240, 32, 5), (320, 4, 5), (64, 1, 4),
                          (32, 1, 2)]:
         blocks, lp, uu, shm = K.dqi_launch_shape(12352, cols, n_sm)
         assert (lp, uu) == (lpr, u), cols

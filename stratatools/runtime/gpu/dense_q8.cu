@@ -359,10 +359,13 @@ extern "C" __global__ void __launch_bounds__(256, DQS_MINB) mv_q8s(
 // and 1 / s_b finite. Device: blocks of a multiple of 32 threads (DQI_G lanes quantize a block of 32 values
 // together, by shuffles); the host build (one thread a block) quantizes a block in one thread (DQI_G = 1).
 #ifndef DQI_U
-#define DQI_U 6
+#define DQI_U 5
 #endif
 #ifndef DQI_MINB
-#define DQI_MINB 4  // blocks of 256 threads per SM the register budget allows (64 registers at DQI_U 6, no spills)
+#define DQI_MINB 4  // blocks of 256 threads per SM the register budget allows (64 registers at DQI_U 5, no spills)
+#endif
+#ifndef DQI_PRE
+#define DQI_PRE 1  // the first window's loads issued before x is staged (see mv_q8i)
 #endif
 #define DQI_QMAX 32639
 #define DQI_TINY 7.888609052210118e-31f  // 2^-100
@@ -460,10 +463,12 @@ __device__ __forceinline__ int dqi_dot16(uint4 q, uint4 h, uint4 l) {
 // hn[h n + i]) / hc for i < n. Launch shapes: kernels.dqi_launch_shape (dqs_launch_shape with u <= DQI_U and
 // DQI_MINB blocks per SM, DQI_SHARED_BYTES(cols) shared bytes); dqs_launch_shape's own shapes work too (4 cols
 // shared bytes; any u: a window above DQI_U chunks is taken as DQI_U). Block size: a multiple of 32 on the device.
-// Registers (nvcc -arch=sm_90 -cubin -O3 --std=c++17, ptxas): 64 at DQI_U 6 / DQI_MINB 4, no spills (mv_q8s: 80 at
-// DQS_U 8); unbounded the kernel takes 96 at DQI_U 6 and 120 at DQI_U 8 (the shared-memory reads of a window's x
-// planes are issued early, 8 registers a chunk); DQI_U 8 spills at 3 blocks per SM (80 registers), DQI_U 12 fits 2
-// (128), DQI_U 4 fits 5 (48): bench_dense_q8.py times those builds beside the default.
+// Registers (nvcc -arch=sm_90 -cubin -O3 --std=c++17, ptxas): 64 at DQI_U 5 / DQI_MINB 4 / DQI_PRE 1, no spills
+// (mv_q8s: 80 at DQS_U 8). The first window held in registers while x is staged costs some: at DQI_U 6 and 4
+// blocks per SM it spills 16 bytes with DQI_PRE 1, none with DQI_PRE 0 (64 registers); DQI_U 7 fits 3 blocks
+// (80), DQI_U 12 fits 2 (125); without DQI_PRE, DQI_U 4 fits 5 blocks (48). Unbounded, the kernel takes 85 registers
+// at DQI_U 6 (the shared-memory reads of a window's x planes are issued early, 8 registers a chunk).
+// bench_dense_q8.py times such builds beside the default.
 extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
         const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc, const float* __restrict__ x,
         float* __restrict__ y, int rows, int cols, float xdiv, int lpr, int u, const float* __restrict__ hn, int hc,
@@ -471,8 +476,6 @@ extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
     DQ_DYN_SHARED(signed char, xh);
     signed char* xl = xh + cols;
     float* xsc = reinterpret_cast<float*>(xh + 2 * cols);
-    dqi_stage_x(x, xdiv, xh, xl, xsc, cols);
-    __syncthreads();
     const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
     const int nw = (blockDim.x + 31) >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -492,8 +495,30 @@ extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
     const long long stride = (long long)gridDim.x * nw * gpw;
     const uint4* xh4 = reinterpret_cast<const uint4*>(xh);
     const uint4* xl4 = reinterpret_cast<const uint4*>(xl);
+    const long long base0 = ((long long)warp * gridDim.x + blockIdx.x) * gpw;
+    uint4 q[DQI_U];
+    unsigned short d[DQI_U];
+    // DQI_PRE: the loads of the lane's first window (output base0 + sub, stream hs, chunks sl, sl + L, ...) are
+    // issued before x is staged, so that both latencies overlap; the loop below starts with that window (pre)
+    bool pre = DQI_PRE != 0;
+    if (pre) {
+        const long long o = base0 + sub;
+        const int kn = o < nout && sl < nch ? min(uw, (nch - sl + L - 1) / L) : 0;
+        const long long row = hc > 0 ? (long long)hs * n + o : o;
+        const uint4* qp = reinterpret_cast<const uint4*>(qs + row * (long long)cols) + sl;
+        const unsigned short* dp = dsc + row * nb;
+        #pragma unroll
+        for (int k = 0; k < DQI_U; ++k) {
+            if (k < kn) {
+                q[k] = __ldg(qp + k * L);
+                d[k] = __ldg(dp + ((sl + k * L) >> 1));
+            }
+        }
+    }
+    dqi_stage_x(x, xdiv, xh, xl, xsc, cols);
+    __syncthreads();
     // outputs spread over blocks first: block b's warps take outputs b, b + gridDim.x, ... (times gpw)
-    for (long long base = ((long long)warp * gridDim.x + blockIdx.x) * gpw; base < nout; base += stride) {
+    for (long long base = base0; base < nout; base += stride) {
         const long long o = base + sub;
         const bool act = o < nout;
         float s = 0.0f;
@@ -505,16 +530,17 @@ extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
             for (int c0 = sl; c0 < nch; c0 += win) {
                 // this lane's chunks c0, c0 + L, ... of the window: kn of them (none for a row past the end)
                 const int kn = act ? min(uw, (nch - c0 + L - 1) / L) : 0;
-                const uint4* qp = reinterpret_cast<const uint4*>(rp) + c0;
-                uint4 q[DQI_U];
-                unsigned short d[DQI_U];
-                #pragma unroll
-                for (int k = 0; k < DQI_U; ++k) {
-                    if (k < kn) {
-                        q[k] = __ldg(qp + k * L);
-                        d[k] = __ldg(dp + ((c0 + k * L) >> 1));
+                if (!pre) {
+                    const uint4* qp = reinterpret_cast<const uint4*>(rp) + c0;
+                    #pragma unroll
+                    for (int k = 0; k < DQI_U; ++k) {
+                        if (k < kn) {
+                            q[k] = __ldg(qp + k * L);
+                            d[k] = __ldg(dp + ((c0 + k * L) >> 1));
+                        }
                     }
                 }
+                pre = false;
                 #pragma unroll
                 for (int k = 0; k < DQI_U; ++k)
                     if (k < kn) {

@@ -280,7 +280,7 @@ DQS_BLOCKS_PER_SM = 3
 #: output projections and up); fewer, longer rows (the hyper-connection down projection) go to ``mv_q8r``'s row parts.
 DQS_MIN_ROWS_PER_SM = 8
 #: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).
-DQI_U = 6
+DQI_U = 5
 DQI_BLOCKS_PER_SM = 4
 #: Dense kernel choice of the fast step: ``stream`` (``mv_q8s`` on tall matrices and the hyper-connection mix,
 #: ``mv_q8r`` with row parts on the few-row ones), ``int8`` (the same with ``mv_q8i``, ``mv_q8s`` with int8 dot
