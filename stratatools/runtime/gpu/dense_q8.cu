@@ -343,21 +343,23 @@ extern "C" __global__ void __launch_bounds__(256, DQS_MINB) mv_q8s(
 // subtract, FMA: about 60 instructions per 16 bytes of codes in mv_q8s; here 8 dp4a and 5 more).
 //
 // x' (x, or silu(x / xdiv)) is quantized per 32-value block b while it is staged: s_b = max |x'| over the block /
-// DQI_QMAX, v = rint(x' / s_b) in [-DQI_QMAX, DQI_QMAX], split into two int8 planes hi = floor((v + 128) / 256) and
-// lo = v - 256 hi (in [-128, 127]). DQI_QMAX = 127 * 256 + 127 = 32639 is the largest bound for which both planes fit
-// in int8 (32767 would need hi = 128 or lo = 255). Shared memory: hi [cols] int8, lo [cols] int8, s [cols / 32]
-// float: 2 cols + cols / 8 bytes (dqi_shared_bytes; mv_q8s's 4 cols also suffices). For a 16-value chunk c of a row
-// (block c >> 1): ih = sum of 4 dp4a of the 16 codes with the 16 hi bytes, il likewise with lo, and the chunk adds
-// d[row, c >> 1] s_b (float)(256 ih + il) to the row's float sum (|256 ih + il| <= 16 * 128 * 32767 + ..., well
-// inside int32).
+// DQI_QMAX, v = rint(x' * (1 / s_b)) in [-DQI_QMAX, DQI_QMAX], split into two int8 planes hi = floor((v + 128) / 256)
+// and lo = v - 256 hi (in [-128, 127]). DQI_QMAX = 127 * 256 + 127 = 32639 is the largest bound for which both planes
+// fit in int8 (v = 32767 would need hi = 128, or lo = 255). Shared memory: hi [cols] int8, lo [cols] int8, s
+// [cols / 32] float: 2 cols + cols / 8 bytes (DQI_SHARED_BYTES; mv_q8s's 4 cols also suffices). For a 16-value chunk
+// c of a row (block c >> 1): ih = sum of 4 dp4a of the 16 codes with the 16 hi bytes, il likewise with lo, and the
+// chunk adds d[row, c >> 1] s_b (float)(256 ih + il) to the row's float sum (|ih| <= 16 * 128 * 127, |il| <=
+// 16 * 128 * 128: |256 ih + il| < 2^27, an exact int32).
 //
-// Precision: W v s differs from W x' only by the rounding of x' to v s: |error| <= sum_j |w_j| s_b(j) / 2 over the
-// row (each x' within s_b / 2 = max |x'| of its block / 65278, about 1.5e-5 of that max, of its value; the product
-// 1 / s_b and x' * (1 / s_b) add about 0.004 / 0.5 of that), plus float32 rounding of the chunk terms and their sum.
+// Precision: W (v s) differs from W x' only by the rounding of x' to v s: |error| <= sum_j |w_j| s_b(j) / 2 over the
+// row (each x' within s_b / 2 = max |x'| of its block / 65278, about 1.5e-5 of that max; the float32 rounding of
+// 1 / s_b and of x' (1 / s_b) can add up to 0.004 s_b), plus float32 rounding of the chunk terms (d s_b, the int to
+// float conversion) and of their sum.
 // Range: x' finite; a block whose max |x'| is below DQI_TINY (2^-100, about 7.9e-31) counts as zero (s_b = 0: it
 // adds nothing, so the error there is at most that max times the |w| of the block), which keeps s_b a normal float
-// and 1 / s_b finite. Device: blocks of a multiple of 32 threads (DQI_G lanes quantize a block of 32 values
-// together, by shuffles); the host build (one thread a block) quantizes a block in one thread (DQI_G = 1).
+// and 1 / s_b finite; no upper limit besides float's (no x' * 32639 is formed). Device: blocks of a multiple of 32
+// threads (DQI_G = 8 lanes quantize a block of 32 values together, by shuffles); the host build (one thread a block)
+// quantizes a block in one thread (DQI_G = 1).
 #ifndef DQI_U
 #define DQI_U 5
 #endif
