@@ -358,7 +358,10 @@ def test_fused_step_int8_dense_matches_default(kit, monkeypatch):
         a = decs["stream"].step(tok).get().astype(np.float64)
         b = decs["int8"].step(tok).get().astype(np.float64)
         worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
-        assert decs["int8"].next_token() == decs["stream"].next_token() == int(np.argmax(a))
+        top2 = np.sort(a)[-2:]
+        assert decs["stream"].next_token() == int(np.argmax(a))
+        # the same greedy token (unless the default step's top two logits are within float rounding of a tie)
+        assert decs["int8"].next_token() == int(np.argmax(a)) or top2[1] - top2[0] < 1e-5 * np.abs(a).max()
         tok = int(np.argmax(a))
     print("int8 dense (mv_q8i) vs stream (mv_q8s) step logits, worst relative:", worst)
     assert worst < 1e-4

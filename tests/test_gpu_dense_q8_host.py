@@ -75,15 +75,12 @@ def test_launch_shape_splits_few_long_rows():
     assert (gx, ks) == (3, 1)
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no C++ compiler to build the host copy of the kernels")
-    d = tmp_path_factory.mktemp("dq8host")
+def host_lib(d, defines: tuple[str, ...] = ()):
+    """dense_q8.cu built as host C++ (one thread a block) with ``defines`` (-D options), its entries typed."""
     src = d / "dq8_host.cpp"
     src.write_text(K.fused_host_source("dense_q8.cu"))
     so = d / "dq8_host.so"
-    subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
+    subprocess.run([CXX, "-O1", "-std=c++17", *defines, "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
                    capture_output=True)
     h = ctypes.CDLL(str(so))
     f = h.host_mv_q8r
@@ -103,6 +100,21 @@ def lib(tmp_path_factory):
     h.host_smem_overrun.argtypes = [ctypes.c_longlong]
     h.host_smem_overrun.restype = ctypes.c_longlong
     return h
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    if CXX is None:
+        pytest.skip("no C++ compiler to build the host copy of the kernels")
+    return host_lib(tmp_path_factory.mktemp("dq8host"))
+
+
+@pytest.fixture(scope="module", params=["DQI_PRE=1", "DQI_PRE=0"])
+def lib8(request, tmp_path_factory):
+    """The host build for mv_q8i, with and without its first window's loads issued before x is staged."""
+    if CXX is None:
+        pytest.skip("no C++ compiler to build the host copy of the kernels")
+    return host_lib(tmp_path_factory.mktemp("dq8host"), (f"-D{request.param}",))
 
 
 @pytest.mark.parametrize("hc,n,cols", [(4, 7, 320), (3, 5, 64), (8, 2, 96)])
@@ -278,14 +290,11 @@ def dense_w(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
 
 
-INT8_RATIOS: dict[str, float] = {}
-
-
 @pytest.mark.parametrize("rows,cols,xdiv,gx,u,kind", [
     (37, 64, 0.0, 5, 4, "mixed"), (9, 2560, 0.0, 4, 3, "mixed"), (33, 320, 4.0, 64, 5, "gauss"),
     (5, 10240, 0.0, 2, 7, "mixed"), (6, 4096, 0.0, 1, 3, "tiny"), (4, 96, 4.0, 3, 1, "mixed"),
     (7, 320, 0.0, 3, 6, "huge"), (11, 10240, 2.5, 4, 6, "mixed"), (3, 2560, 0.0, 2, 5, "gauss")])
-def test_mv_q8i_matches_numpy(lib, rows, cols, xdiv, gx, u, kind):
+def test_mv_q8i_matches_numpy(lib8, rows, cols, xdiv, gx, u, kind):
     """The integer matvec (any grid: fewer blocks than rows, more; windows of u chunks with a short last one, a u
     above DQI_U): y = W x' within the activation rounding bound sum_j |w_j| s_b / 2 plus float32 rounding against
     float64 numpy; and (x = x' only) within float32 rounding of W (v s), x quantized as the kernel does. Stays within
@@ -299,14 +308,13 @@ def test_mv_q8i_matches_numpy(lib, rows, cols, xdiv, gx, u, kind):
     ref = W @ xs
     y = np.full(rows + 1, np.nan, dtype=np.float32)  # one past the end: must stay untouched
     shm = K.dqi_shared_bytes(cols)
-    lib.host_smem_poison(shm)
-    lib.host_mv_q8i(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, y.ctypes.data, rows, cols, xdiv, 1, u,
-                    None, 0, 0)
-    assert lib.host_smem_overrun(shm) == 0
+    lib8.host_smem_poison(shm)
+    lib8.host_mv_q8i(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, y.ctypes.data, rows, cols, xdiv, 1, u,
+                     None, 0, 0)
+    assert lib8.host_smem_overrun(shm) == 0
     assert np.isnan(y[-1]) and np.all(np.isfinite(y[:-1]))
     err = np.abs(y[:-1] - ref)
     act, bound = int8_bounds(W, xs)
-    INT8_RATIOS[f"{rows}x{cols} xdiv={xdiv} {kind}"] = float((err / act).max())
     print(f"mv_q8i {rows}x{cols} xdiv={xdiv} {kind}: max |err| / activation bound {(err / act).max():.3f}, "
           f"/ whole bound {(err / bound).max():.3f}")
     assert np.all(err <= bound)
@@ -318,7 +326,7 @@ def test_mv_q8i_matches_numpy(lib, rows, cols, xdiv, gx, u, kind):
 
 @pytest.mark.parametrize("hc,n,cols,gx,kind", [(4, 7, 320, 3, "gauss"), (3, 5, 64, 1, "mixed"),
                                                (8, 2, 96, 5, "mixed"), (4, 3, 32, 2, "gauss")])
-def test_mv_q8i_mix_matches_numpy(lib, hc, n, cols, gx, kind):
+def test_mv_q8i_mix_matches_numpy(lib8, hc, n, cols, gx, kind):
     """mv_q8i in mix mode: mixed[i] = sum_h sigmoid((W silu(x / hc))[h n + i]) hn[h n + i] / hc within the up
     projection's bound through the sigmoid (slope <= 1/4) plus float32 rounding of the mix."""
     rng = np.random.default_rng(hc * 57 + n)
@@ -334,10 +342,10 @@ def test_mv_q8i_mix_matches_numpy(lib, hc, n, cols, gx, kind):
     mbound = ((0.25 * bound + 8 * 2.0 ** -24) * np.abs(hn)).reshape(hc, n).sum(axis=0) / hc
     mixed = np.full(n + 1, np.nan, dtype=np.float32)
     _, lpr, uu, shm = K.dqi_launch_shape(n, cols, 132, hc=hc)
-    lib.host_smem_poison(shm)
-    lib.host_mv_q8i(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, mixed.ctypes.data, rows, cols, float(hc),
-                    lpr, uu, hn.ctypes.data, hc, n)
-    assert lib.host_smem_overrun(shm) == 0
+    lib8.host_smem_poison(shm)
+    lib8.host_mv_q8i(gx, 1, q.ctypes.data, d.ctypes.data, x.ctypes.data, mixed.ctypes.data, rows, cols, float(hc),
+                     lpr, uu, hn.ctypes.data, hc, n)
+    assert lib8.host_smem_overrun(shm) == 0
     assert np.isnan(mixed[-1])
     err = np.abs(mixed[:-1] - ref)
     print(f"mv_q8i mix hc={hc} n={n} cols={cols}: max |err| / bound {(err / mbound).max():.3f}")
@@ -503,18 +511,29 @@ def test_device_build_has_no_spills(tmp_path):
         regs[name] = int(nreg)
     assert set(regs) == {"mv_q8r", "mv_q8r_mix", "mv_q8s", "mv_q8i"}
     assert regs["mv_q8i"] <= 65536 // (256 * K.DQI_BLOCKS_PER_SM) and regs["mv_q8i"] < regs["mv_q8s"]
+    # the other builds bench_dense_q8.py times: no spills either
+    for u, b, pre in ((6, 4, 0), (4, 5, 0), (7, 3, 1), (12, 2, 1)):
+        r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", f"-DDQI_U={u}",
+                            f"-DDQI_MINB={b}", f"-DDQI_PRE={pre}", "-o", str(tmp_path / "dqv.cubin"), str(src)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = dict((n, (int(sp), int(rg))) for n, sp, rg in re.findall(
+            r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) registers", r.stderr + r.stdout,
+            flags=re.S))
+        print(f"mv_q8i DQI_U={u} DQI_MINB={b} DQI_PRE={pre}: {got['mv_q8i'][1]} registers")
+        assert got["mv_q8i"][0] == 0 and got["mv_q8i"][1] <= 65536 // (256 * b), (u, b, pre)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,cols,hc,xdiv,shape", [(12352, 2560, 0, 0.0, "dqi"), (2560, 4096, 0, 0.0, "dqi"),
                                                      (2560, 6144, 0, 4.0, "dqi"), (1000, 10240, 0, 0.0, "dqi"),
-                                                     (3001, 2560, 0, 0.0, "dqs"), (4 * 2560, 320, 4, 4.0, "dqi"),
+                                                     (3001, 4096, 0, 0.0, "dqs"), (4 * 2560, 320, 4, 4.0, "dqi"),
                                                      (3 * 50, 64, 3, 3.0, "dqi"), (4 * 2560, 320, 4, 4.0, "dqs")])
 def test_mv_q8i_on_the_gpu(rows, cols, hc, xdiv, shape):
     """The device build of mv_q8i at the full-width model's shapes (lanes per row, windows, x quantized by the warps'
     shuffles; in mix mode streams over lane groups), launched with dqi_launch_shape as the decoder launches it and
-    with mv_q8s's dqs_launch_shape (windows above DQI_U, 4 cols shared bytes): within the activation rounding bound
-    plus float32 rounding of the float64 reference, per output."""
+    with mv_q8s's dqs_launch_shape (4,096 columns: windows of 8 > DQI_U chunks; 4 cols shared bytes): within the
+    activation rounding bound plus float32 rounding of the float64 reference, per output."""
     from stratatools.runtime import gpu
 
     if not gpu.available():
