@@ -181,9 +181,10 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
         torch.cuda.init()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                lg, _ = rt.forward([tok], st)
-                tok = int(lg.argmax().get())
+                lg, _ = rt.forward([tok], st)  # as generate() drives it: the arg-max the step copied back
+                tok = rt.argmax(lg)
                 grt.tier.end_round()
+            rt.finish()
             cp.cuda.Device().synchronize()
     rows = kernel_rows(prof, steps)
     rows.append(["dense Q8_0 bytes/step", dense_q8_bytes(rt.dec), 0, 0.0])
@@ -255,9 +256,18 @@ def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
         side[str(s)] = {"busy": sb / 1e3 / n, "kernels": len(evs) / n, "alone": (sb - both) / 1e3 / n,
                         "by_kernel": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])}
     gap_top = dict(sorted(((k, v / 1e3 / n) for k, v in gaps.items()), key=lambda kv: -kv[1])[:top])
+    any_busy = _union_ms([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks])
+    host: dict = {}  # host time in the CUDA runtime calls that matter between steps
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            nm = str(e.get("name", "?"))
+            if nm in ("cudaGraphLaunch", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel",
+                      "cuLaunchKernel", "cudaStreamSynchronize"):
+                host[nm] = host.get(nm, 0.0) + float(e["dur"]) / 1e3 / n
     return {"main_stream": str(main), "wall": (t1 - t0) / 1e3 / n, "main_busy": busy / 1e3 / n,
             "main_gaps": (t1 - t0 - busy) / 1e3 / n, "gap_before": gap_top, "side": side,
-            "overlap": overlap / 1e3 / n, "main_kernels": len(mk) / n}
+            "overlap": overlap / 1e3 / n, "main_kernels": len(mk) / n,
+            "device_idle": (t1 - t0 - any_busy) / 1e3 / n, "host_calls": host}
 
 
 def print_timeline(name: str, tl: dict) -> None:
@@ -268,6 +278,8 @@ def print_timeline(name: str, tl: dict) -> None:
     print(f"\ntimeline of one decode step ({name}): wall {tl['wall']:.3f} ms, main stream busy {tl['main_busy']:.3f} ms "
           f"({tl['main_kernels']:.0f} kernels), idle {tl['main_gaps']:.3f} ms; side streams beside main "
           f"{tl['overlap']:.3f} ms")
+    print(f"  device idle (no kernel or copy on any stream) {tl.get('device_idle', float('nan')):.3f} ms; host in "
+          + ", ".join(f"{k} {v:.3f}" for k, v in tl.get("host_calls", {}).items()) + " ms a step")
     print("  main-stream idle before: " + ", ".join(f"{k} {v:.3f}" for k, v in tl["gap_before"].items()))
     for s, d in tl["side"].items():
         print(f"  stream {s}: busy {d['busy']:.3f} ms ({d['kernels']:.0f} kernels), alone {d['alone']:.3f} ms; "
@@ -358,6 +370,8 @@ def config_rows(slots: int) -> list:
              {"_env": {"STRATATOOLS_DENSE_KERNEL": "rows"}}),
             ("int8dense", "all resident, dense Q8_0 on mv_q8i (int8 dot products, x in 16-bit fixed point)",
              {"_env": {"STRATATOOLS_DENSE_KERNEL": "int8"}}),
+            ("staticprofint8", f"{slots} slots static on the recorded profile, dense Q8_0 on mv_q8i",
+             {"slots": slots, "policy": "static", "_profile": True, "_env": {"STRATATOOLS_DENSE_KERNEL": "int8"}}),
             ("stagedexp", "all resident, staged expert kernels (STRATATOOLS_MOE_KERNEL=staged: before)",
              {"_env": {"STRATATOOLS_MOE_KERNEL": "staged"}}),
             ("pipeexp", "all resident, pipelined expert kernels (STRATATOOLS_MOE_KERNEL=pipe)",

@@ -105,4 +105,8 @@ def test_timeline_summary_finds_the_wait_for_the_prefetch(bench):
     assert side["alone"] == pytest.approx(28 / 1e3 / 2)  # 5-10 overlaps a; 10-28 and the copy do not
     assert tl["overlap"] == pytest.approx(5 / 1e3 / 2)
     assert side["by_kernel"] == pytest.approx({"fetch_blobs": 23 / 1e3 / 2, "Memcpy HtoD": 10 / 1e3 / 2})
+    assert tl["device_idle"] == pytest.approx((70 - 30 - 28) / 1e3 / 2)  # 10-28 is the side fetch, 50-60 the copy
+    assert tl["host_calls"] == {}
+    ev.append({"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 4})
+    assert bench.timeline_summary(ev, steps=2)["host_calls"] == pytest.approx({"cudaGraphLaunch": 4 / 1e3 / 2})
     assert bench.timeline_summary([], 2) == {}
