@@ -216,13 +216,15 @@ def test_mv_q8s_mix_matches_numpy(lib, hc, n, cols, gx):
 
 def test_dense_kernel_choice(monkeypatch):
     monkeypatch.delenv(K.DENSE_KERNEL_ENV, raising=False)
+    assert K.dense_kernel() == "int8"  # the default since the eighth pass's measurement
+    monkeypatch.setenv(K.DENSE_KERNEL_ENV, "stream")
     assert K.dense_kernel() == "stream"
     monkeypatch.setenv(K.DENSE_KERNEL_ENV, "rows")
     assert K.dense_kernel() == "rows"
     monkeypatch.setenv(K.DENSE_KERNEL_ENV, " int8 ")
     assert K.dense_kernel() == "int8"
     monkeypatch.setenv(K.DENSE_KERNEL_ENV, "fast")
-    with pytest.raises(StrataError, match="STRATATOOLS_DENSE_KERNEL='fast': use stream, int8 or rows"):
+    with pytest.raises(StrataError, match="STRATATOOLS_DENSE_KERNEL='fast': use int8, stream or rows"):
         K.dense_kernel()
 
 

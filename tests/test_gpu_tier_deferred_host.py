@@ -135,3 +135,34 @@ def test_deferred_admissions_match_immediate(fake_cupy, monkeypatch, policy):
         assert tn.counters.to_dict() == td.counters.to_dict()
         assert [dict(d) for d in tn.slot_of] == [dict(d) for d in td.slot_of]
     assert promoted_any and tn.counters.admit_copies > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "static"])
+def test_access_rows_counts_as_access_and_copies_the_final_set_once(fake_cupy, monkeypatch, policy):
+    """A prompt's T positions of a layer through access_rows: the same hits per position, hit / miss counters and
+    policy residency as T access() calls; VRAM holds the same experts (each slot its expert's bytes) but only the
+    layer's final admissions are copied (an LRU tier of 3 slots a layer over 40 positions of 8 experts: fewer)."""
+    arena = _arena(monkeypatch)
+    L, E = 3, 8
+    bb = [ly.blob_bytes for ly in arena.layers]
+    mk = lambda: T.GPUExpertTier(arena, make_tier(policy, n_layers=L, n_expert=E, slots=L * 3,  # noqa: E731
+                                                  blob_bytes=bb), miss_mode="host")
+    one, rows = mk(), mk()
+    ids = np.random.default_rng(2).integers(0, E, size=(40, L, 2))
+    for l in range(L):
+        want = np.stack([one.access(l, ids[t, l]) for t in range(ids.shape[0])])
+        got = rows.access_rows(l, ids[:, l])
+        assert got.shape == (40, 2) and np.array_equal(got, want)
+    a, b = one.counters.to_dict(), rows.counters.to_dict()
+    for key in ("hits", "misses", "layer_hits", "layer_misses", "miss_host_read_bytes", "miss_copy_bytes"):
+        assert a[key] == b[key], key
+    assert a["hits"] + a["misses"] == 40 * L * 2 and a["misses"] > 0
+    assert [set(d) for d in one.slot_of] == [set(d) for d in rows.slot_of]
+    assert np.array_equal(one.policy.resident_mask(), rows.policy.resident_mask())
+    for l in range(L):
+        for e, off in rows.slot_of[l].items():
+            got = np.ctypeslib.as_array((ctypes.c_uint8 * bb[l]).from_address(rows.vram_ptr + off))
+            assert np.array_equal(got, arena.blob(l, e)), (l, e)
+    if policy != "static":
+        assert 0 < b["admit_copies"] <= L * 3 < a["admit_copies"]
+        assert b["admit_bytes"] == b["admit_copies"] * bb[0] and b["evictions"] < a["evictions"]

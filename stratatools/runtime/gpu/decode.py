@@ -431,8 +431,8 @@ class StaticDecoder:
             self.dqmod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
             self.k_dq = self.dqmod.get_function("mv_q8r")
             self.k_dq_mix = self.dqmod.get_function("mv_q8r_mix")
-            # STRATATOOLS_DENSE_KERNEL: stream (mv_q8s), int8 (mv_q8i in its place: same arguments, int8 dot
-            # products, its own launch shape) or rows (mv_q8r / mv_q8r_mix only)
+            # STRATATOOLS_DENSE_KERNEL: int8 (mv_q8i, the default: int8 dot products, its own launch shape), stream
+            # (mv_q8s in its place: float dot products) or rows (mv_q8r / mv_q8r_mix only)
             choice = dense_kernel()
             self.dense_int8 = choice == "int8"
             self.k_dqs = self.dqmod.get_function("mv_q8i" if self.dense_int8 else "mv_q8s")
@@ -644,8 +644,8 @@ class StaticDecoder:
                 and 4 * cols + 64 <= 48 * 1024)
 
     def _dq_launch(self, m: Q8R, x: Any, y: Any, rows: int, cols: int, silu_div: float = 0.0) -> None:
-        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix: ``mv_q8s`` (``mv_q8i`` with
-        ``STRATATOOLS_DENSE_KERNEL=int8``) for matrices of at least
+        """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix: ``mv_q8i`` (``mv_q8s`` with
+        ``STRATATOOLS_DENSE_KERNEL=stream``) for matrices of at least
         :data:`~stratatools.runtime.gpu.kernels.DQS_MIN_ROWS_PER_SM` rows per SM (unless ``STRATATOOLS_DENSE_KERNEL=rows``),
         else ``mv_q8r`` (split along the rows when they are few)."""
         from stratatools.runtime.gpu.kernels import (DQ_THREADS, DQS_MIN_ROWS_PER_SM, _device_limits, dq_launch_shape)
@@ -1611,7 +1611,9 @@ class StaticDecoder:
         the same hits as the CPU path's one batched prefill."""
         tier = getattr(self.rt, "tier", None)
         for il in range(self.cfg.n_layer):
-            if tier is not None:
+            if tier is not None and ids.shape[0] > 1 and hasattr(tier, "access_rows"):
+                tier.access_rows(il, ids[:, il])  # the same counts; VRAM follows once a layer, not once a position
+            elif tier is not None:
                 for t in range(ids.shape[0]):
                     tier.access(il, ids[t, il].astype(np.int64))
             for hook in self.rt.route_hooks:

@@ -282,22 +282,24 @@ DQS_MIN_ROWS_PER_SM = 8
 #: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).
 DQI_U = 5
 DQI_BLOCKS_PER_SM = 4
-#: Dense kernel choice of the fast step: ``stream`` (``mv_q8s`` on tall matrices and the hyper-connection mix,
-#: ``mv_q8r`` with row parts on the few-row ones), ``int8`` (the same with ``mv_q8i``, ``mv_q8s`` with int8 dot
-#: products on x quantized per block of 32 to 16-bit fixed point, in place of ``mv_q8s``) or ``rows`` (``mv_q8r`` /
-#: ``mv_q8r_mix`` only; the earlier path, kept for comparison in the benchmarks).
+#: Dense kernel choice of the fast step: ``int8`` (the default: ``mv_q8i``, int8 dot products on x quantized per
+#: block of 32 to 16-bit fixed point, on tall matrices and the hyper-connection mix, ``mv_q8r`` with row parts on the
+#: few-row ones; on the H200 1.4-1.5x ``mv_q8s`` on the 34 MB projections and 1.08x the decode step, logits within
+#: 1.7e-5 of the reference step at 48 layers: bench/gpu-notes.md, eighth pass), ``stream`` (the same with
+#: ``mv_q8s``, float dot products: the default before) or ``rows`` (``mv_q8r`` / ``mv_q8r_mix`` only; the earlier
+#: path, kept for comparison in the benchmarks).
 DENSE_KERNEL_ENV = "STRATATOOLS_DENSE_KERNEL"
-DENSE_KERNELS = ("stream", "int8", "rows")
+DENSE_KERNELS = ("int8", "stream", "rows")
 
 
 def dense_kernel() -> str:
-    """The fast step's dense Q8_0 kernel family, from :data:`DENSE_KERNEL_ENV` (default ``stream``); raises
+    """The fast step's dense Q8_0 kernel family, from :data:`DENSE_KERNEL_ENV` (default ``int8``); raises
     StrataError for another value."""
     import os
 
-    v = os.environ.get(DENSE_KERNEL_ENV, "stream").strip() or "stream"
+    v = os.environ.get(DENSE_KERNEL_ENV, "int8").strip() or "int8"
     if v not in DENSE_KERNELS:
-        raise StrataError(f"{DENSE_KERNEL_ENV}={v!r}: use stream, int8 or rows")
+        raise StrataError(f"{DENSE_KERNEL_ENV}={v!r}: use int8, stream or rows")
     return v
 
 

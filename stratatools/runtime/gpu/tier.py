@@ -484,6 +484,26 @@ class GPUExpertTier:
             self._sync(layers=[layer])
         return hit
 
+    def access_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """T records of one layer in order (a prompt's positions, computed elsewhere: the batched prefill): the
+        policy's access and the counters exactly as T :meth:`access` calls, but VRAM follows the policy's resident set
+        once, after the last record, so an expert admitted and evicted again within them is never copied.
+        ``rows``: expert ids [T, k]. Returns hit bool [T, k]."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+        hits = np.empty(rows.shape, dtype=bool)
+        for t in range(rows.shape[0]):
+            h = np.asarray(self.policy.access(layer, rows[t]), dtype=bool)
+            if self.on_access is not None:
+                self.on_access(layer, h)
+            hits[t] = h
+        nh = int(hits.sum())
+        self.counters.hits[layer] += nh
+        self.counters.misses[layer] += int(hits.size - nh)
+        self.counters.miss_host_read_bytes += int(hits.size - nh) * self.arena.layers[layer].blob_bytes
+        if not isinstance(self.policy, AllResident):
+            self._sync(layers=[layer])
+        return hits
+
     def slot_table(self) -> np.ndarray:
         """uint64 [L, Emax]: device address of every expert's blob: its VRAM slot when resident, else its place
         in the mapped host arena (zero-copy). Raises StrataError when an expert is not resident and the arena
