@@ -541,7 +541,11 @@ def generate(rt: Qwen4ExpRuntime, prompt_ids: list[int], max_new_tokens: int = 1
     new: list[int] = []
     dec: list[RoutingRecord] = []
     reason = "length"
-    while len(new) < max_new_tokens:
+    queued = getattr(rt, "decode_queued", None)  # the GPU decoder's queued steps (same tokens, records and counts)
+    got = queued(lg, st, max_new_tokens, stop, on_forward) if queued is not None else None
+    if got is not None:
+        new, dec, reason = got
+    while got is None and len(new) < max_new_tokens:
         nxt = int(rt.argmax(lg)) if hasattr(rt, "argmax") else int(_to_host(rt.xp.argmax(lg)))
         new.append(nxt)
         if nxt == stop:

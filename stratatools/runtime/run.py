@@ -346,6 +346,9 @@ def _device_memory(rt: Any, info: dict[str, Any], plan: Any) -> None:
     if dec is not None:
         info["decoder"] = dict(dec.stats)
         info["miss_fetch"] = dec.fetch_stats()
+        # queued decode steps (STRATATOOLS_DECODE_QUEUE): on or why not, and the steps run after a stop token
+        info["decode_queue"] = {"on": bool(getattr(rt, "queue", False)), "reason": getattr(rt, "queue_reason", ""),
+                                "discarded_steps": int(getattr(rt, "discarded_steps", 0))}
 
 
 class _TraceBuilder:

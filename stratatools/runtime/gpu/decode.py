@@ -376,8 +376,12 @@ class StaticDecoder:
             self._tok_dev = self._out[:8].view(xp.int64)
             self.ids = self._out[8:8 + 4 * L * self.k].view(xp.int32).reshape(L, self.k)
             self.weights = self._out[8 + 4 * L * self.k:].view(xp.float32).reshape(L, self.k)
-            self._out_host = cupyx.empty_pinned(nb, dtype=np.uint8)
+            # two pinned copies used in turn, so that a queued step's copy-back does not overwrite the outputs of the
+            # step before it while the host still reads them (DecoderRuntime's queued decode)
+            self._out_ring = [cupyx.empty_pinned(nb, dtype=np.uint8) for _ in range(2)]
+            self._out_host = self._out_ring[0]
             self._out_event = None
+            self._prev_out: tuple[Any, Any] | None = None  # (pinned copy, event) of the step before the last
         else:
             self.ids = xp.zeros((L, self.k), dtype=xp.int32)
             self.weights = xp.zeros((L, self.k), dtype=xp.float32)
@@ -385,6 +389,7 @@ class StaticDecoder:
         self.next_token_dev = None
         self.pos = 0
         self.ple_ctx = np.full(max(cfg.ple_ngram - 1, 0), cfg.eos_id, dtype=np.int64)
+        self._prev_out = self._prev_np = self._last_np = None
         self.graph = None
         self.graphs: list = []  # the captured pieces of the step, replayed in order (graph: the first)
         self._cut_at: set[int] = set()  # layers where capture() starts a new piece (empty outside a capture)
@@ -1096,6 +1101,7 @@ class StaticDecoder:
             self.ple_conv[il][...] = 0 if prev is None else xp.asarray(prev)
         self.ple_ctx = np.array(state.ple_ctx, dtype=np.int64, copy=True)
         self.pos = int(state.pos)
+        self._prev_out, self._prev_np, self._last_np = None, None, None  # no step of this sequence has run
 
     def _stage(self, token: int) -> None:
         cfg = self.cfg
@@ -1480,14 +1486,24 @@ class StaticDecoder:
             self.next_token_dev = xp.argmax(self.logits)
 
     # -- public ---------------------------------------------------------------------------------------
-    def step(self, token: int) -> Any:
+    def step(self, token: int | None) -> Any:
         """Run one token at the current position; returns the logits [vocab] (device array on CuPy).
+
+        ``token`` None: the previous step's arg-max, which stays on the device (its inputs are staged by a kernel:
+        ``_stage_from_device``; on numpy the host value), so that the step can be queued before the host has read
+        the previous one (:meth:`stratatools.runtime.gpu.engine.DecoderRuntime.decode_queued`); the first such step
+        takes the token :meth:`set_device_token` wrote.
 
         Raises StrataError for a token outside the vocabulary or a position past ``max_ctx``.
         """
         with self._ordered():
             self._refresh_slots()
-            self._stage(int(token))
+            if token is not None:
+                self._stage(int(token))
+            elif self.gpu:
+                self._stage_from_device()
+            else:
+                self._stage(int(self.next_token_dev))
             if self.graph is not None:
                 for g in self.graphs:  # in capture order (pieces: GRAPH_PARTS_ENV)
                     g.launch(stream=self._stream)
@@ -1499,9 +1515,15 @@ class StaticDecoder:
                 self._body()
             if self.gpu:  # one copy of the step's host-read outputs; read by next_token() / routing()
                 n = int(self._out.nbytes)
+                if self._out_event is not None:
+                    self._prev_out = (self._out_host, self._out_event)
+                self._out_host = self._out_ring[self.stats["steps"] % 2]
                 self.cp.cuda.runtime.memcpyAsync(self._out_host.ctypes.data, self._out.data.ptr, n,
                                                  self.cp.cuda.runtime.memcpyDeviceToHost, self._stream.ptr)
                 self._out_event = self._stream.record()
+            else:  # numpy: the outputs of the last two steps, as the pinned copies hold them on CuPy
+                self._prev_np = getattr(self, "_last_np", None)
+                self._last_np = (int(self.next_token_dev), _to_host(self.ids).copy(), _to_host(self.weights).copy())
         self.pos += 1
         self.stats["steps"] += 1
         return self.logits
@@ -1584,6 +1606,25 @@ class StaticDecoder:
             self._wait_out()
             return int(self._out_host[:8].view(np.int64)[0])
         return int(self.next_token_dev)
+
+    def read_step(self, back: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
+        """The outputs of the last step (``back`` 0) or of the step before it (``back`` 1): (arg-max token, routing
+        ids [L, k] int32, weights [L, k] float32), host copies; waits for that step's copy-back only. Raises
+        StrataError when that step has not run."""
+        if back not in (0, 1):
+            raise StrataError(f"read_step(back={back}): the decoder keeps the outputs of the last two steps")
+        L, k = self.cfg.n_layer, self.k
+        if not self.gpu:
+            got = getattr(self, "_last_np" if back == 0 else "_prev_np", None)
+            if got is None:
+                raise StrataError("no decode step has run yet")
+            return got[0], got[1].copy(), got[2].copy()
+        buf, ev = (self._out_host, self._out_event) if back == 0 else (self._prev_out or (None, None))
+        if ev is None:
+            raise StrataError("no decode step has run yet")
+        ev.synchronize()
+        return (int(buf[:8].view(np.int64)[0]), buf[8:8 + 4 * L * k].view(np.int32).reshape(L, k).copy(),
+                buf[8 + 4 * L * k:].view(np.float32).reshape(L, k).copy())
 
     def _wait_out(self) -> None:
         if self._out_event is None:

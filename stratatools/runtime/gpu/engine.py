@@ -21,6 +21,16 @@ is refilled only after it), and the next step reads the new table. :meth:`finish
 :func:`stratatools.runtime.model.generate` at its end) settles the last step. ``STRATATOOLS_DECODE_LAG=0`` turns it
 off (bookkeeping right after each step, before the next launch). See docs/cache-model.md.
 
+Queued decode (``queue``; ``STRATATOOLS_DECODE_QUEUE=1``, off by default until measured on a GPU): greedy decoding
+(:func:`stratatools.runtime.model.generate` calls :meth:`DecoderRuntime.decode_queued`) launches step t+1 before it
+reads step t: step t+1 takes step t's arg-max on the device (its token-dependent inputs are staged by a kernel), so
+the device never waits for the host between steps. The host then reads step t's token and routing and does its
+bookkeeping while step t+1 runs, in the order of ``lag`` (accesses of step t, end of round t, then step t+1), so the
+policy, the counted hits and the trace are the same; VRAM moves land as with ``lag``. A step launched after the one
+that produced the stop token is not counted, traced or returned: it ran on a token that ends the sequence, so the
+decoder's state is one position past the returned state's (a further forward on that state is refused) and the
+device's miss-fetch counters include it.
+
 ``async_swaps`` (with ``lag``; ``STRATATOOLS_ASYNC_SWAPS=1``, off by default until measured): the copies of the
 experts a round admits run on a stream of their own, after the step that may still read their slots, alongside the
 next step, which still reads those experts from host memory; the table points at the new slots from the step
@@ -29,6 +39,7 @@ after (:meth:`GPUExpertTier.defer_admissions`). The policy and the counted hits 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -38,6 +49,10 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, SequenceState
 
 from stratatools.runtime.gpu.decode import StaticDecoder
+
+
+#: Queued greedy decoding (module docstring): ``1`` turns it on.
+QUEUE_ENV = "STRATATOOLS_DECODE_QUEUE"
 
 
 class DecoderRuntime:
@@ -57,13 +72,17 @@ class DecoderRuntime:
         prefill: how a multi-token call runs: ``batched`` (:meth:`StaticDecoder.prefill`) or ``steps`` (one decode
             step per token); default: the environment's ``STRATATOOLS_PREFILL``, else ``batched``.
         prefill_chunk: tokens per batched forward (default :data:`stratatools.runtime.gpu.prefill.CHUNK`).
+        queue: queued greedy decoding (module docstring); None: on when the environment sets
+            ``STRATATOOLS_DECODE_QUEUE=1``. Off (``queue_reason`` says why) when the decoder cannot stage a step's
+            inputs on the device.
     Raises:
         StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types); an
             unknown ``prefill`` mode.
     """
 
     def __init__(self, rt: Any, max_ctx: int, graph: bool = True, fused: bool = True, lag: bool | None = None,
-                 async_swaps: bool | None = None, prefill: str | None = None, prefill_chunk: int | None = None):
+                 async_swaps: bool | None = None, prefill: str | None = None, prefill_chunk: int | None = None,
+                 queue: bool | None = None):
         self.rt, self.cfg, self.xp = rt, rt.cfg, rt.xp
         self.selection = rt.selection
         self.dec = StaticDecoder(rt, max_ctx=max_ctx, fused=fused)
@@ -83,6 +102,18 @@ class DecoderRuntime:
             raise StrataError(f"prefill mode {mode!r} (STRATATOOLS_PREFILL) is not one of batched, steps")
         self.prefill_mode = mode
         self.prefill_chunk = prefill_chunk
+        if queue is None:
+            queue = os.environ.get(QUEUE_ENV, "0").strip() == "1"
+        #: queued greedy decoding (module docstring): asked for, and possible (device staging of the step's inputs)
+        self.queue, self.queue_reason = bool(queue), ("" if queue else f"{QUEUE_ENV} is not 1")
+        if self.queue and self.async_swaps:
+            self.queue, self.queue_reason = False, "not with STRATATOOLS_ASYNC_SWAPS=1"
+        if self.queue and self.dec.gpu:
+            ready = getattr(self.dec, "device_stage_ready", None)
+            ok, why = ready() if ready is not None else (False, "this decoder cannot stage a step's inputs on the device")
+            if not ok:
+                self.queue, self.queue_reason = False, why
+        self.discarded_steps = 0
 
     def finish(self) -> None:
         """Feed the routing of the last step to the tier and the route hooks and close the rounds ended since (with
@@ -121,7 +152,8 @@ class DecoderRuntime:
         with its routing (no extra kernel or transfer); otherwise computed on the device."""
         if logits is self.dec.logits:
             return self.dec.next_token()
-        return int(self.xp.argmax(logits).get())
+        v = self.xp.argmax(logits)
+        return int(v.get() if hasattr(v, "get") else v)
 
     @property
     def route_hooks(self) -> list:
@@ -175,6 +207,60 @@ class DecoderRuntime:
         # follows before the next step
         dec.account(np.stack(rec.ids, axis=1), np.stack(rec.weights, axis=1), rec.positions)
         return lg, rec
+
+    def decode_queued(self, logits: Any, state: SequenceState, max_new_tokens: int, stop: int,
+                      on_forward: Any = None) -> tuple[list[int], list[RoutingRecord], str] | None:
+        """Greedy decoding after a prompt with step t+1 launched before step t is read (module docstring):
+        ``logits`` are the prompt's last logits, ``state`` the sequence this decoder holds (after the prompt).
+        Returns (new token ids, one routing record per decode step, ``"stop"`` or ``"length"``) as
+        :func:`stratatools.runtime.model.generate` builds them, or None when queued decoding is off (``queue``)
+        or ``max_new_tokens`` < 1, in which case nothing ran.
+
+        The routing of each step is fed to the tier and the route hooks, and ``on_forward("decode")`` called, in the
+        order :func:`~stratatools.runtime.model.generate` with ``lag`` uses. Raises StrataError from the decoder (a
+        context past ``max_ctx``)."""
+        if not self.queue or max_new_tokens < 1:
+            return None
+        dec = self.dec
+        self.finish()
+        if state.pos != dec.pos:
+            raise StrataError(f"sequence at position {state.pos} but the decoder holds {dec.pos}; one sequence at a time")
+        self.prepare()
+        L = self.cfg.n_layer
+        new = [int(self.argmax(logits))]
+        records: list[RoutingRecord] = []
+        if new[0] == stop:
+            return new, records, "stop"
+        if len(new) >= max_new_tokens:
+            return new, records, "length"
+        if dec.gpu:
+            dec.set_device_token(new[0])
+        else:
+            dec.next_token_dev = np.int64(new[0])
+        dec.step(None)  # step 1: the token after the prompt
+        launched = [dec.pos - 1]  # positions of the steps launched and not read yet
+        while True:
+            # the step in flight makes token len(new) + 1; one more step is needed unless that token ends the run
+            ahead = len(new) + 1 < max_new_tokens
+            if ahead:
+                dec.step(None)
+                launched.append(dec.pos - 1)
+            tok, ids, w = dec.read_step(back=1 if ahead else 0)
+            pos = np.array([launched.pop(0)], dtype=np.int64)
+            with dec._stream if dec.gpu else contextlib.nullcontext():  # slot copies follow the launched steps
+                dec.account(ids[None], w[None], pos)
+            records.append(RoutingRecord(pos, [ids[il][None] for il in range(L)], [w[il][None] for il in range(L)]))
+            if on_forward is not None:
+                on_forward("decode")
+            new.append(int(tok))
+            if tok == stop or len(new) >= max_new_tokens:
+                break
+        if launched:  # a step queued after the stop token: waited for, not counted (module docstring)
+            dec.read_step(back=0)
+            self.discarded_steps += len(launched)
+            dec.stats["discarded_steps"] = dec.stats.get("discarded_steps", 0) + len(launched)
+        state.pos = int(pos[0]) + 1
+        return new, records, "stop" if new[-1] == stop else "length"
 
     def _forward_one(self, token: int, state: SequenceState) -> tuple[Any, RoutingRecord]:
         """One decode token with ``lag``: launch the step, settle the previous step's bookkeeping while it runs
