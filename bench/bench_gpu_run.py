@@ -197,7 +197,7 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
     return rows
 
 
-def _union_ms(iv: list) -> float:
+def _union_len(iv: list) -> float:
     """Total length of the union of intervals [(start, end)] (same unit), in that unit."""
     tot, cur_s, cur_e = 0.0, None, None
     for a, b in sorted(iv):
@@ -232,7 +232,7 @@ def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
     t1 = max(float(e["ts"]) + float(e["dur"]) for e in ks)
     mk = sorted(by_stream[main], key=lambda e: float(e["ts"]))
     miv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in mk]
-    busy = _union_ms(miv)
+    busy = _union_len(miv)
     gaps: dict = {}
     end = None
     for e, (a, b) in zip(mk, miv):
@@ -246,8 +246,8 @@ def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
         if s == main:
             continue
         iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
-        sb = _union_ms(iv)
-        both = sb + busy - _union_ms(iv + miv)  # |side ∩ main| = |side| + |main| - |side ∪ main|
+        sb = _union_len(iv)
+        both = sb + busy - _union_len(iv + miv)  # |side ∩ main| = |side| + |main| - |side ∪ main|
         overlap += both
         names: dict = {}
         for e in evs:
@@ -256,7 +256,7 @@ def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
         side[str(s)] = {"busy": sb / 1e3 / n, "kernels": len(evs) / n, "alone": (sb - both) / 1e3 / n,
                         "by_kernel": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])}
     gap_top = dict(sorted(((k, v / 1e3 / n) for k, v in gaps.items()), key=lambda kv: -kv[1])[:top])
-    any_busy = _union_ms([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks])
+    any_busy = _union_len([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks])
     host: dict = {}  # host time in the CUDA runtime calls that matter between steps
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
@@ -680,6 +680,10 @@ def main() -> None:
     all_configs = list(configs)
     configs = [(key, name, kw) for key, name, kw in configs if key in want]
     timeline = {x for x in a.timeline.split(",") if x}
+    tl_keys = {key for key, _, kw in configs if "vram_gib" not in kw and "_prompts" not in kw}
+    if timeline - tl_keys:  # the timeline profiles a row's --slots tier on a short prompt: other rows would mislead
+        sys.exit(f"--timeline {','.join(sorted(timeline - tl_keys))}: give rows selected by --configs that have no "
+                 f"--vram-gib or --long prompt ({', '.join(sorted(tl_keys)) or 'none selected'})")
     tl_dir = Path(a.out).parent if a.out else wd
     rows = []
     import stratatools.runtime.gpu.engine as engine_mod

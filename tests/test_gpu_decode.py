@@ -325,7 +325,7 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 def test_fused_step_int8_dense_matches_default(kit, monkeypatch):
     """STRATATOOLS_DENSE_KERNEL=int8 (mv_q8i: x quantized per block of 32 to 16-bit fixed point, int8 dot products)
-    against the default streaming matvec (mv_q8s), both graph-replayed on the kit's Q8_0-dense model with every
+    against the float streaming matvec (mv_q8s, STRATATOOLS_DENSE_KERNEL=stream), both graph-replayed on the kit's Q8_0-dense model with every
     re-laid-out matrix on the streaming kernel (the row threshold lowered to 0; the hyper-connection up projection
     and mix in one launch): logits within 1e-4 relative, the same greedy token, every step."""
     import cupy as cp

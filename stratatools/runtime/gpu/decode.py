@@ -1,4 +1,4 @@
-"""Batch-1 decode with static buffers and no host synchronisation inside the step, capturable as one CUDA graph.
+"""Batch-1 decode with static buffers and no host synchronisation inside the step, capturable as CUDA graphs.
 
 :class:`StaticDecoder` runs one decode position of a loaded qwen4exp model (the same numerics as
 :meth:`stratatools.runtime.model.Qwen4ExpRuntime.forward` with one token) over buffers allocated once:
@@ -14,7 +14,8 @@
 * dense matrices are multiplied straight from their GGUF blocks in VRAM (:func:`stratatools.runtime.gpu.experts.matvec`'s
   kernel), experts through :func:`stratatools.runtime.gpu.experts.expert_ffn`, attention through ``attn_decode``.
 
-On CuPy the step is captured once into a CUDA graph (:meth:`StaticDecoder.capture`) and replayed per token:
+On CuPy the step is captured once into a few CUDA graphs (:meth:`StaticDecoder.capture`, pieces cut before the
+layers of :func:`graph_cuts`) and replayed per token:
 batch-1 decode is otherwise bound by kernel-launch overhead. The routing of each step stays in device buffers
 (``ids`` [L, k], ``weights`` [L, k]) that share one buffer with the arg-max token; after each step one asynchronous
 copy brings that buffer into pinned host memory, and :meth:`StaticDecoder.routing` / :meth:`StaticDecoder.next_token`
@@ -37,7 +38,7 @@ selected cells, exactly as :meth:`stratatools.runtime.model.Qwen4ExpRuntime._sel
 finds the threshold; when the tied scores at the threshold are not all taken, one thread replays the CPU's
 ``torch.topk`` / ``std::partial_sort`` on (score, index) pairs, :mod:`stratatools.runtime.topk`); then attention
 over the cell list, split over blocks with an online-softmax merge (any length). Every kernel reads the position
-on the device, so the launch sequence is the same for every position and the step stays one CUDA graph.
+on the device, so the launch sequence is the same for every position and the step stays capturable.
 
 Scope (raises :class:`StrataError` outside it): one sequence; a partial tier needs pinned host memory mapped into
 the device; ``max_ctx`` at most the model's ``context_length``; one indexer key head.
@@ -182,7 +183,7 @@ def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None
 #: it takes a few SMs only; 32 blocks keep about 0.5 MB of 16-byte loads in flight, several times what the bus needs
 #: to run at its rate (about 55 GB/s x 2 us of latency).
 PREFETCH_BLOCKS = 32
-#: Overrides :data:`PREFETCH_BLOCKS` (a whole number >= 1), read when the step is built or captured.
+#: Overrides :data:`PREFETCH_BLOCKS` (a whole number >= 1), read when a decoder with ``prefetch`` misses is built.
 PREFETCH_BLOCKS_ENV = "STRATATOOLS_PREFETCH_BLOCKS"
 
 
@@ -220,7 +221,9 @@ def begin_capture(cp: Any, stream: Any) -> None:
 #: layers 2, 8 and 24, scaled to the model's depth; ``1``: one graph; or a comma list of the layers that start a
 #: piece). Launching a graph costs host time that grows with its nodes (about 1.4 ms for the 48-layer step on the
 #: H200, while the device waits: bench/gpu-notes.md, eighth pass); with a small first piece the device starts after
-#: that piece's launch, and each later piece is launched while the earlier ones run.
+#: that piece's launch, and each later piece is launched while the earlier ones run. A cut waits for the prefetch of
+#: its layer (``prefetch`` misses) before that layer's attention instead of before its experts, so the copy overlaps
+#: less at the cuts. ``1,`` (trailing comma) is a single cut before layer 1.
 GRAPH_PARTS_ENV = "STRATATOOLS_GRAPH_PARTS"
 
 
@@ -240,8 +243,9 @@ def graph_cuts(n_layer: int, spec: str | None = None) -> list[int]:
     except ValueError:
         cuts = [-1]
     if not cuts or any(not 0 < c < n for c in cuts):
-        raise StrataError(f"{GRAPH_PARTS_ENV}={v!r}: use auto, 1, or a comma list of layers from 1 to {n - 1} "
-                          f"where a new graph piece starts")
+        where = f"a comma list of layers from 1 to {n - 1} where a new graph piece starts" if n > 1 else \
+            "nothing else (a model of one layer has no cut)"
+        raise StrataError(f"{GRAPH_PARTS_ENV}={v!r}: use auto, 1, or {where}")
     return cuts
 
 
@@ -1661,7 +1665,9 @@ class StaticDecoder:
                 hook(il, positions, ids[:, il], w[:, il])
 
     def capture(self) -> bool:
-        """Capture the step body into a CUDA graph (CuPy only); later :meth:`step` calls replay it.
+        """Capture the step body into CUDA graphs (CuPy only): ``graphs``, the pieces cut before the layers of
+        :func:`graph_cuts` (one graph with ``STRATATOOLS_GRAPH_PARTS=1``), ``graph`` the first of them (set once
+        captured); later :meth:`step` calls replay them in order.
 
         The body is run once eagerly first (compiles kernels, fills a private memory pool), with what it writes
         saved to host memory and restored around it (:meth:`_snapshot`: the recurrent states and the cache rows of
@@ -1687,7 +1693,8 @@ class StaticDecoder:
                 self._body()
             finally:
                 self._cut_at = set()
-                self._pieces.append(self._stream.end_capture())
+                if self._stream.is_capturing():  # (a failed cut may have ended it: keep the first error)
+                    self._pieces.append(self._stream.end_capture())
         cp.cuda.Device().synchronize()
         self.graphs, self._pieces = self._pieces, []
         self.graph = self.graphs[0]

@@ -1,4 +1,4 @@
-"""The GPU decode path of ``stratatools run --device gpu``: :class:`StaticDecoder` (one CUDA graph per token,
+"""The GPU decode path of ``stratatools run --device gpu``: :class:`StaticDecoder` (CUDA graphs replayed per token,
 quantized dense matvecs, experts through the tier's slot table) behind the ``forward``/``new_state`` interface
 of :class:`stratatools.runtime.model.Qwen4ExpRuntime`, so that :func:`stratatools.runtime.model.generate` and
 the run loop drive it unchanged.

@@ -276,7 +276,7 @@ def q8r_f32(xp: Any, q: Any, d: Any, row0: int, rows: int, cols: int) -> Any:
 #: dense_q8.cu's DQS_U (chunks of 16 values a lane holds per window in ``mv_q8s``) and DQS_MINB (its blocks per SM).
 DQS_U = 8
 DQS_BLOCKS_PER_SM = 3
-#: The decoder multiplies a matrix through ``mv_q8s`` when it has at least this many rows per SM (the 2,560-row
+#: The decoder multiplies a matrix through ``mv_q8i`` (or ``mv_q8s``) when it has at least this many rows per SM (the 2,560-row
 #: output projections and up); fewer, longer rows (the hyper-connection down projection) go to ``mv_q8r``'s row parts.
 DQS_MIN_ROWS_PER_SM = 8
 #: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).

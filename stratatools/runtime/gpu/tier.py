@@ -486,8 +486,9 @@ class GPUExpertTier:
 
     def access_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
         """T records of one layer in order (a prompt's positions, computed elsewhere: the batched prefill): the
-        policy's access and the counters exactly as T :meth:`access` calls, but VRAM follows the policy's resident set
-        once, after the last record, so an expert admitted and evicted again within them is never copied.
+        policy's accesses and the hit / miss counters exactly as T :meth:`access` calls, but VRAM follows the policy's
+        resident set once, after the last record, so an expert admitted and evicted again within them is never copied
+        (``admit_*``, ``evictions`` and ``bytes_moved`` count the copies and evictions made, so they are smaller).
         ``rows``: expert ids [T, k]. Returns hit bool [T, k]."""
         rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
         hits = np.empty(rows.shape, dtype=bool)
