@@ -423,6 +423,12 @@ def config_rows(slots: int) -> list:
                                                                                 "_env": after}),
              ("lruasyncafter", f"{slots} slots LRU, admissions copied alongside the next step, prefetch after the late "
               "fetch", {"slots": slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1", **after}})]
+    # queued decode steps (engine.QUEUE_ENV): step t+1 launched on the device's arg-max before step t is read
+    q = {"STRATATOOLS_DECODE_QUEUE": "1"}
+    rows += [("queue", "all resident, queued steps", {"_env": q}),
+             ("staticprofqueue", f"{slots} slots static on the recorded profile, queued steps",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": q}),
+             ("lruqueue", f"{slots} slots LRU, queued steps", {"slots": slots, "policy": "lru", "_env": q})]
     # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
     for nb in (64, 128):
         fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}
@@ -762,6 +768,9 @@ def main() -> None:
         print(f"{name}: decode {row['decode']:.1f} tok/s, prefill {row['prefill']:.1f} tok/s, h {row['h_decode']}, "
               f"moved/token {row['moved_per_token'] / 1e6:.1f} MB, device used {row['device_used'] / 2**30:.2f} GiB, "
               f"set-up {row['setup_s']} s", flush=True)
+        row["decode_queue"] = d.get("decode_queue")
+        if extra_env.get("STRATATOOLS_DECODE_QUEUE") == "1" and not (row["decode_queue"] or {}).get("on"):
+            print(f"  queued steps off: {(row['decode_queue'] or {}).get('reason')}", flush=True)
         mf = row["miss_fetch"] or {}
         if mf.get("mode", "zero-copy") != "zero-copy":
             tot = mf["fetched_jobs"] + mf["prefetch_used_jobs"]
