@@ -247,11 +247,13 @@ class DecoderRuntime:
                 launched.append(dec.pos - 1)
             tok, ids, w = dec.read_step(back=1 if ahead else 0)
             pos = np.array([launched.pop(0)], dtype=np.int64)
-            with dec._stream if dec.gpu else contextlib.nullcontext():  # slot copies follow the launched steps
+            # the accesses and the round end (the caller's on_forward) on the decoder's stream: the slot copies they
+            # make follow the steps already launched, which may still read the slots they refill
+            with dec._stream if dec.gpu else contextlib.nullcontext():
                 dec.account(ids[None], w[None], pos)
+                if on_forward is not None:
+                    on_forward("decode")
             records.append(RoutingRecord(pos, [ids[il][None] for il in range(L)], [w[il][None] for il in range(L)]))
-            if on_forward is not None:
-                on_forward("decode")
             new.append(int(tok))
             if tok == stop or len(new) >= max_new_tokens:
                 break
