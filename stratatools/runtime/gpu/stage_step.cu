@@ -1,0 +1,129 @@
+// Part of stratatools (stratatools/runtime/gpu). Loaded at run time by decode.py (cupy.RawModule, NVRTC);
+// tests/test_gpu_stage_step_host.py compiles it as host C++ (host_kernel_shim.cuh: one thread per block) and checks it
+// bit for bit against Qwen4ExpRuntime.ple_ngram_ids and stratatools.runtime.dequant.
+//
+// stage_step: a batch-1 decode step's token-dependent inputs written on the device (StaticDecoder._stage_from_device,
+// issue 17: queued decode steps), so that step t+1 can be queued behind step t without the host reading the token.
+// One block, any block size. For the token t = tok[0]:
+//  * inp[x_off, x_off + n_embd): row t of the token table (tok_tab, rows of tok_row_bytes bytes of ggml type tok_type),
+//    dequantized;
+//  * for PLE layer li < n_pl: the hashed n-gram row ids of t after the context ctx_li (keep = ngram - 1 ids: the
+//    decoder's context after li updates, i.e. the last keep ids of ctx ++ [t] * li, as StaticDecoder._stage advances
+//    its context inside the loop over the PLE layers), head j of nh = keep * hpn heads: history h = ctx_li ++ [t];
+//    for shift s the id keep - s back is used unless an EOS lies at or after it before t (then eos: segment reset);
+//    n-gram n = j / hpn + 2 mixes XOR_{s<n} h_s * mult[s] (int64, wrapping); row = (mixed mod vocab[j], made
+//    non-negative as numpy's remainder) + hoff[j]. The nh rows (each ple_ne0 values of ple_tab, dequantized) go to
+//    inp[poff[li], poff[li] + nh * ple_ne0) head after head (Qwen4ExpRuntime.ple_ngram_ids for one token);
+//  * ctx <- the last keep ids of ctx ++ [t] * n_pl (the context the next step starts from).
+// prm holds the int64 constants [mult (ngram) | vocab (nh) | hoff (nh) | poff (n_pl)]. A token outside
+// [0, tok_rows) or a PLE row outside [0, ple_rows) writes quiet NaNs in its place and sets bit 1 / bit 2 of *err
+// (sticky; err may be null). The launcher (StaticDecoder.device_stage_ready) keeps ngram <= SS_MAX_NGRAM,
+// n_pl * nh <= SS_MAX_ROWS, vocab > 0 and every offset + vocab within the table, so only a bad token can set err.
+//
+// Table types (ggml ids): 0 F32, 1 F16, 30 BF16, 8 Q8_0 (block: fp16 d, 32 int8 codes; value float32(d) * code,
+// one float32 multiply, as gguf.quants). fp16 is widened by integer arithmetic (payloads of NaNs kept, as numpy's
+// float16 -> float32 conversion), so every written float equals the numpy dequantization bit for bit (on the device
+// a NaN *product* of Q8_0, from a NaN or infinite scale, is the canonical NaN instead of x86's).
+
+#ifdef STRATA_HOST
+static inline void ss_flag(int* p, int v) { *p |= v; }
+#else
+__device__ __forceinline__ void ss_flag(int* p, int v) { atomicOr(p, v); }
+#endif
+
+#define SS_MAX_NGRAM 8
+#define SS_MAX_ROWS 512
+
+__device__ __forceinline__ unsigned ss_u16(const unsigned char* p) {
+    return (unsigned)p[0] | ((unsigned)p[1] << 8);
+}
+
+// fp16 bits -> float32, exact (subnormals, infinities, NaN payloads as numpy widens them)
+__device__ __forceinline__ float ss_half(unsigned h) {
+    const unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    if (e != 0u) return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+    const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24: exact (m < 2^10)
+    return __uint_as_float(__float_as_uint(v) | s);
+}
+
+// value k of a row of ggml type `type` (0 F32, 1 F16, 30 BF16, 8 Q8_0); other types: 0 (the launcher refuses them)
+__device__ __forceinline__ float ss_value(const unsigned char* row, int type, long long k) {
+    switch (type) {
+        case 0: {
+            const unsigned char* p = row + 4 * k;
+            return __uint_as_float((unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) |
+                                   ((unsigned)p[3] << 24));
+        }
+        case 1: return ss_half(ss_u16(row + 2 * k));
+        case 30: return __uint_as_float(ss_u16(row + 2 * k) << 16);
+        case 8: {
+            const unsigned char* b = row + (k >> 5) * 34;
+            const float d = ss_half(ss_u16(b));
+            return d * (float)(signed char)b[2 + (k & 31)];
+        }
+        default: return 0.f;
+    }
+}
+
+extern "C" __global__ void stage_step(const long long* __restrict__ tok, long long* __restrict__ ctx,
+                                      float* __restrict__ inp, const unsigned char* __restrict__ tok_tab, int tok_type,
+                                      long long tok_rows, long long tok_row_bytes, int x_off, int n_embd,
+                                      const unsigned char* __restrict__ ple_tab, int ple_type, long long ple_rows,
+                                      long long ple_row_bytes, int ple_ne0, const long long* __restrict__ prm,
+                                      int n_pl, int ngram, int hpn, long long eos, int* __restrict__ err) {
+    __shared__ long long s_rows[SS_MAX_ROWS];
+    if (blockIdx.x != 0) return;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const float qnan = __uint_as_float(0x7fc00000u);
+    const long long t = tok[0];
+    const int keep = ngram > 1 ? ngram - 1 : 0;
+    const int nh = keep * hpn;
+    const long long* mult = prm;
+    const long long* vocab = prm + ngram;
+    const long long* hoff = vocab + nh;
+    const long long* poff = hoff + nh;
+    long long h0[SS_MAX_NGRAM];  // the incoming context, read by every thread before thread 0 rewrites it
+    for (int i = 0; i < keep; ++i) h0[i] = ctx[i];
+    // the token's embedding row
+    const bool tok_ok = t >= 0 && t < tok_rows;
+    if (!tok_ok && tid == 0 && err != nullptr) ss_flag(err, 1);
+    const unsigned char* trow = tok_tab + (tok_ok ? t : 0) * tok_row_bytes;
+    for (int c = tid; c < n_embd; c += nt) inp[x_off + c] = tok_ok ? ss_value(trow, tok_type, c) : qnan;
+    // the PLE rows' ids, layer li and head j at q = li * nh + j
+    for (int q = tid; q < n_pl * nh; q += nt) {
+        const int li = q / nh, j = q % nh;
+        long long h[SS_MAX_NGRAM];  // the context after li updates, then t
+        for (int i = 0; i < keep; ++i) h[i] = i + li < keep ? h0[i + li] : t;
+        h[keep] = t;
+        int prev = -1;  // the last EOS before t
+        for (int i = 0; i < keep; ++i)
+            if (h[i] == eos) prev = i;
+        const int n = j / hpn + 2;
+        unsigned long long mixed = 0ull;
+        for (int s = 0; s < n; ++s) {
+            const int src = keep - s;
+            const long long v = src > prev ? h[src] : eos;
+            mixed ^= (unsigned long long)v * (unsigned long long)mult[s];  // int64 multiply, wrapping
+        }
+        long long r = (long long)mixed % vocab[j];
+        if (r < 0) r += vocab[j];
+        s_rows[q] = r + hoff[j];
+    }
+    __syncthreads();
+    // the PLE rows
+    const long long wl = (long long)nh * ple_ne0;
+    for (long long q = tid; q < n_pl * wl; q += nt) {
+        const int li = (int)(q / wl);
+        const long long r = q - li * wl;
+        const int j = (int)(r / ple_ne0);
+        const long long c = r - (long long)j * ple_ne0;
+        const long long row = s_rows[li * nh + j];
+        const bool ok = row >= 0 && row < ple_rows;
+        if (!ok && err != nullptr) ss_flag(err, 2);
+        inp[poff[li] + r] = ok ? ss_value(ple_tab + row * ple_row_bytes, ple_type, c) : qnan;
+    }
+    // the next step's context (every thread read h0 before the barrier above)
+    if (tid == 0)
+        for (int i = 0; i < keep; ++i) ctx[i] = i + n_pl < keep ? h0[i + n_pl] : t;
+}

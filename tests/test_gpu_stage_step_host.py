@@ -1,0 +1,170 @@
+"""The device staging of a decode step's token-dependent inputs (stratatools/runtime/gpu/stage_step.cu ``stage_step``)
+checked on the CPU: the CUDA source compiled as host C++ (host_kernel_shim.cuh), run step after step on random token
+sequences with EOS tokens in them, against what StaticDecoder._stage writes (Qwen4ExpRuntime.ple_ngram_ids with the
+context advanced once per PLE layer, rows dequantized by stratatools.runtime.dequant): every written float bit for bit,
+nothing else in the input buffer touched, the context left behind, for random tables of F32, F16, BF16 and Q8_0,
+n-grams of 2..4, 1..3 heads per n-gram and 1..3 PLE layers. Skips without a C++ compiler."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hostlib import CXX, build_host_lib
+from stratatools.model.ggml_types import TYPES
+from stratatools.runtime.dequant import dequantize
+from stratatools.runtime.model import Qwen4ExpRuntime
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the kernels")
+
+TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30, "Q8_0": 8}
+SENTINEL = np.uint32(0x7FBADBAD)
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return build_host_lib(tmp_path_factory.mktemp("stagestep"), "stage_step.cu")
+
+
+def _table(rng, type_name: str, rows: int, ne0: int) -> np.ndarray:
+    """Random table bytes [rows, row_bytes]: any bit pattern for the float types (NaNs, infinities, subnormals
+    included), finite fp16 scales (some subnormal, some zero) and any int8 codes for Q8_0."""
+    t = TYPES[TYPE_IDS[type_name]]
+    rb = t.row_bytes(ne0)
+    raw = rng.integers(0, 256, size=(rows, rb), dtype=np.uint8)
+    if type_name == "Q8_0":
+        blocks = raw.reshape(rows, ne0 // 32, 34)
+        d = (rng.standard_normal((rows, ne0 // 32)) * 0.01).astype(np.float16)
+        d.reshape(-1)[::7] = np.float16(3e-7)  # subnormal fp16
+        d.reshape(-1)[::11] = 0
+        blocks[:, :, :2] = d.view(np.uint8).reshape(rows, ne0 // 32, 2)
+    return raw
+
+
+def _deq(raw: np.ndarray, type_name: str, ne0: int, ids) -> np.ndarray:
+    return np.concatenate([dequantize(raw[int(u)], TYPE_IDS[type_name], ne0) for u in ids]).astype(np.float32)
+
+
+def _setup(rng, ngram, hpn, n_pl, tok_type, ple_type, eos, n_tok=40, n_embd=64, ple_ne0=32):
+    nh = (ngram - 1) * hpn
+    vocab = rng.integers(3, 60, size=nh).astype(np.int64)
+    hoff = np.concatenate([[0], np.cumsum(vocab)[:-1]]).astype(np.int64) + rng.integers(0, 5)
+    ple_rows = int(hoff[-1] + vocab[-1]) + 2
+    mult = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ngram, dtype=np.int64)
+    mult[0] = 4295158889766209  # one of the kit's (positive) multipliers
+    cfg = SimpleNamespace(eos_id=eos, ple_ngram=ngram, ple_heads_per_ngram=hpn, ple_multipliers=mult,
+                          ple_head_vocab=vocab, ple_head_offsets=hoff)
+    tok_tab = _table(rng, tok_type, n_tok, n_embd)
+    ple_tab = _table(rng, ple_type, ple_rows, ple_ne0)
+    # the decoder's input layout: [pos | x0 | PLE rows per layer | cos/sin tail]
+    x_off = 1
+    poff = [x_off + n_embd + li * nh * ple_ne0 for li in range(n_pl)]
+    n_in = x_off + n_embd + n_pl * nh * ple_ne0 + 8
+    return SimpleNamespace(cfg=cfg, rt=SimpleNamespace(cfg=cfg), tok_tab=tok_tab, ple_tab=ple_tab, x_off=x_off,
+                           poff=poff, n_in=n_in, nh=nh, n_tok=n_tok, n_embd=n_embd, ple_ne0=ple_ne0, ple_rows=ple_rows,
+                           tok_type=tok_type, ple_type=ple_type, n_pl=n_pl,
+                           prm=np.concatenate([mult, vocab, hoff, np.array(poff, dtype=np.int64)]).astype(np.int64))
+
+
+def _launch(lib, S, tok: np.ndarray, ctx: np.ndarray, inp: np.ndarray, err: np.ndarray) -> None:
+    p = lambda a: a.ctypes.data  # noqa: E731
+    lib.host_stage_step(1, 1, p(tok), p(ctx), p(inp), p(S.tok_tab), TYPE_IDS[S.tok_type], S.n_tok,
+                        S.tok_tab.shape[1], S.x_off, S.n_embd, p(S.ple_tab), TYPE_IDS[S.ple_type], S.ple_rows,
+                        S.ple_tab.shape[1], S.ple_ne0, p(S.prm), S.n_pl, S.cfg.ple_ngram,
+                        S.cfg.ple_heads_per_ngram, S.cfg.eos_id, p(err))
+
+
+def _reference(S, token: int, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What StaticDecoder._stage writes into x0 and the PLE slices for ``token`` (and the context it leaves)."""
+    ids = np.array([token], dtype=np.int64)
+    want = np.full(S.n_in, np.float32(0)).view(np.uint32)
+    want[:] = SENTINEL
+    want = want.view(np.float32)
+    want[S.x_off:S.x_off + S.n_embd] = _deq(S.tok_tab, S.tok_type, S.n_embd, [token])
+    keep = S.cfg.ple_ngram - 1
+    for li in range(S.n_pl):
+        rows = Qwen4ExpRuntime.ple_ngram_ids(S.rt, ids, ctx)
+        if keep > 0:
+            ctx = np.concatenate([ctx, ids])[-keep:]
+        want[S.poff[li]:S.poff[li] + S.nh * S.ple_ne0] = _deq(S.ple_tab, S.ple_type, S.ple_ne0, rows.reshape(-1))
+    return want, ctx
+
+
+CASES = [(2, 1, 1, "BF16", "BF16"), (3, 2, 1, "F16", "Q8_0"), (4, 3, 3, "Q8_0", "F32"), (3, 1, 2, "F32", "F16"),
+         (4, 2, 2, "BF16", "Q8_0"), (2, 3, 3, "F16", "BF16")]
+
+
+@pytest.mark.parametrize("ngram,hpn,n_pl,tok_type,ple_type", CASES)
+def test_stage_step_writes_what_stage_writes_step_after_step(lib, ngram, hpn, n_pl, tok_type, ple_type):
+    rng = np.random.default_rng(ngram * 100 + hpn * 10 + n_pl)
+    eos = 3
+    S = _setup(rng, ngram, hpn, n_pl, tok_type, ple_type, eos)
+    keep = ngram - 1
+    seq = rng.integers(0, S.n_tok, size=40)
+    seq[rng.random(40) < 0.25] = eos  # segment resets, some back to back
+    seq[:2] = eos
+    ctx_ref = np.full(keep, eos, dtype=np.int64)
+    ctx_dev = ctx_ref.copy()
+    inp = np.full(S.n_in, SENTINEL, dtype=np.uint32).view(np.float32)
+    tok = np.zeros(1, dtype=np.int64)
+    err = np.zeros(1, dtype=np.int32)
+    for token in seq.tolist():
+        tok[0] = token
+        _launch(lib, S, tok, ctx_dev, inp, err)
+        want, ctx_ref = _reference(S, token, ctx_ref)
+        assert np.array_equal(inp.view(np.uint32), want.view(np.uint32)), f"token {token}"
+        assert np.array_equal(ctx_dev, ctx_ref)
+        assert tok[0] == token and err[0] == 0
+    # a context shorter than keep at the start of a sequence is never there: the decoder keeps keep ids
+    assert ctx_dev.size == keep
+
+
+def test_stage_step_hash_is_int64_wrapping_and_remainder_non_negative(lib):
+    """Multipliers of both signs and large ids make the mixed value negative and overflow: the rows still agree."""
+    rng = np.random.default_rng(7)
+    S = _setup(rng, 4, 2, 1, "BF16", "BF16", eos=-1, n_tok=40)
+    S.cfg.ple_multipliers[:] = [-(2 ** 62) - 12345, 2 ** 63 - 1, -1, 3 ** 39]
+    S.prm[:4] = S.cfg.ple_multipliers
+    ctx_ref = np.array([39, 2 ** 40 + 5, -7], dtype=np.int64)  # any int64 ids may sit in a context
+    ctx_dev = ctx_ref.copy()
+    inp = np.full(S.n_in, SENTINEL, dtype=np.uint32).view(np.float32)
+    err = np.zeros(1, dtype=np.int32)
+    negative = 0
+    for token in [5, 39, 0, 17, 17, 17, 2]:
+        h = np.concatenate([ctx_ref, [token]]).astype(np.int64)
+        with np.errstate(over="ignore"):
+            negative += int(h[-1] * S.cfg.ple_multipliers[0] ^ h[-2] * S.cfg.ple_multipliers[1] < 0)
+        _launch(lib, S, np.array([token], dtype=np.int64), ctx_dev, inp, err)
+        want, ctx_ref = _reference(S, token, ctx_ref)
+        assert np.array_equal(inp.view(np.uint32), want.view(np.uint32))
+        assert np.array_equal(ctx_dev, ctx_ref)
+    assert negative > 0 and err[0] == 0
+
+
+def test_stage_step_bad_token_flags_and_writes_nan(lib):
+    rng = np.random.default_rng(3)
+    S = _setup(rng, 3, 2, 2, "Q8_0", "BF16", eos=3)
+    ctx = np.array([3, 9], dtype=np.int64)
+    inp = np.zeros(S.n_in, dtype=np.float32)
+    err = np.zeros(1, dtype=np.int32)
+    _launch(lib, S, np.array([S.n_tok], dtype=np.int64), ctx, inp, err)
+    assert err[0] == 1
+    assert np.isnan(inp[S.x_off:S.x_off + S.n_embd]).all()
+    assert ctx.tolist() == [S.n_tok, S.n_tok]  # the context still advances (two PLE layers)
+    _launch(lib, S, np.array([5], dtype=np.int64), ctx, inp, err)
+    assert err[0] == 1 and not np.isnan(inp[S.x_off:S.x_off + S.n_embd]).any()  # sticky, later steps fine
+
+
+def test_stage_step_without_ple_layers_writes_the_embedding_only(lib):
+    rng = np.random.default_rng(5)
+    S = _setup(rng, 3, 2, 0, "F16", "BF16", eos=3)
+    ctx = np.array([7, 8], dtype=np.int64)
+    inp = np.full(S.n_in, SENTINEL, dtype=np.uint32).view(np.float32)
+    err = np.zeros(1, dtype=np.int32)
+    _launch(lib, S, np.array([11], dtype=np.int64), ctx, inp, err)
+    want, ctx_ref = _reference(S, 11, np.array([7, 8], dtype=np.int64))
+    assert np.array_equal(inp.view(np.uint32), want.view(np.uint32))
+    assert ctx.tolist() == [7, 8] == ctx_ref.tolist()
