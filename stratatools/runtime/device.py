@@ -61,6 +61,9 @@ class VramPlan:
             fetch mode is set, also where every expert gets a slot (a cold LRU tier still misses while it fills).
         batch_step: ``run --batch N``: the batched step's temporaries held by its CUDA graph's own memory pool
             (:func:`batch_step_bytes`; 0 at batch 1 or with ``STRATATOOLS_BATCH_GRAPH=0``).
+        stage_tables: with ``STRATATOOLS_DECODE_QUEUE=1`` (queued decode steps), the token and PLE embedding tables
+            as stored, which the device staging of a step's inputs keeps in VRAM
+            (:func:`stratatools.runtime.gpu.decode.stage_table_bytes`; 0 otherwise).
     """
 
     dense: int
@@ -72,11 +75,12 @@ class VramPlan:
     prefill: int = 0
     staging: int = 0
     batch_step: int = 0
+    stage_tables: int = 0
 
     @property
     def fixed(self) -> int:
         """Everything but the expert slots."""
-        return self.dense + self.caches + self.reserve + self.prefill + self.staging + self.batch_step
+        return self.dense + self.caches + self.reserve + self.prefill + self.staging + self.batch_step + self.stage_tables
 
     @property
     def total(self) -> int:
@@ -86,6 +90,7 @@ class VramPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"dense_bytes": self.dense, "cache_bytes": self.caches, "reserve_bytes": self.reserve,
                 "prefill_bytes": self.prefill, "staging_bytes": self.staging, "batch_step_bytes": self.batch_step,
+                "stage_tables_bytes": self.stage_tables,
                 "slot_bytes": self.slot_bytes, "slots": self.slots, "planned_bytes": self.total,
                 "budget_bytes": self.budget}
 
@@ -226,12 +231,14 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     caches = cache_bytes(cfg, max_ctx, selection) * (1 + int(batch) if batch > 1 else 1)
     if batch > 1:  # the batched step's small float32 matrices (stratatools.runtime.gpu.batch.SMALL_F32_TOTAL at most)
         caches += 256 << 20
-    from stratatools.runtime.gpu.decode import fetch_staging_bytes, miss_fetch_mode
+    from stratatools.runtime.gpu.decode import (decode_queue_enabled, fetch_staging_bytes, miss_fetch_mode,
+                                                stage_table_bytes)
 
     plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), caches, RESERVE_BYTES,
                     sb, 0, None, prefill_bytes(model, cfg, max_ctx),
                     fetch_staging_bytes(miss_fetch_mode(), cfg.n_expert_used, sb, min(cfg.n_expert)),
-                    batch_step_bytes(model, cfg, batch, max_ctx))
+                    batch_step_bytes(model, cfg, batch, max_ctx),
+                    stage_table_bytes(model, cfg) if decode_queue_enabled() else 0)
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)
         return plan

@@ -113,6 +113,70 @@ def dense_q8_enabled() -> bool:
     return os.environ.get(DENSE_Q8_ENV, "1") != "0"
 
 
+#: ``STRATATOOLS_DECODE_QUEUE=1``: decode steps queued behind one another, their token-dependent inputs staged on the
+#: device (:meth:`StaticDecoder._stage_from_device`); :func:`stratatools.runtime.device.plan_vram` then plans the token
+#: and PLE tables' bytes (:func:`stage_table_bytes`), which the device staging keeps in VRAM.
+DECODE_QUEUE_ENV = "STRATATOOLS_DECODE_QUEUE"
+#: Table types ``stage_step.cu`` dequantizes (ggml ids: F32, F16, BF16, Q8_0).
+STAGE_TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q8_0": 8}
+#: ``stage_step.cu``'s SS_MAX_NGRAM and SS_MAX_ROWS (PLE n-gram size, PLE rows of one step over all PLE layers).
+STAGE_MAX_NGRAM = 8
+STAGE_MAX_ROWS = 512
+#: Threads of the ``stage_step`` block.
+STAGE_THREADS = 256
+
+
+def decode_queue_enabled() -> bool:
+    """Is :data:`DECODE_QUEUE_ENV` set to 1 (default off)?"""
+    return os.environ.get(DECODE_QUEUE_ENV, "").strip() == "1"
+
+
+def stage_tables(model: Any, cfg: Any) -> list[str]:
+    """The tables device staging reads: ``token_embd.weight`` and, for a model with PLE layers,
+    ``per_layer_token_embd.weight``."""
+    return ["token_embd.weight"] + (["per_layer_token_embd.weight"] if cfg.ple_layers else [])
+
+
+def stage_table_bytes(model: Any, cfg: Any) -> int:
+    """Device bytes of the tables :meth:`StaticDecoder._stage_from_device` uploads (their GGUF bytes as stored;
+    tables absent from ``model`` count 0)."""
+    return sum(int(model.tensor(n).nbytes) for n in stage_tables(model, cfg) if model.has(n))
+
+
+def device_stage_check(model: Any, cfg: Any) -> tuple[bool, str]:
+    """Whether ``stage_step.cu`` can stage this model's steps: (True, "") or (False, the reason).
+
+    Needs ``token_embd.weight`` (and ``per_layer_token_embd.weight`` with PLE layers) of a type in
+    :data:`STAGE_TYPES`, whole Q8_0 blocks per row, an n-gram of at most :data:`STAGE_MAX_NGRAM`, at most
+    :data:`STAGE_MAX_ROWS` PLE rows a step, positive head vocabularies and every head's rows
+    (offset .. offset + vocab) inside the PLE table.
+    """
+    for name in stage_tables(model, cfg):
+        if not model.has(name):
+            return False, f"tensor {name} is missing"
+        t = model.tensor(name)
+        if t.type.name not in STAGE_TYPES:
+            return False, f"tensor {name} is {t.type.name}; device staging reads {', '.join(STAGE_TYPES)}"
+        if t.type.name == "Q8_0" and int(t.ne[0]) % 32:
+            return False, f"tensor {name}: rows of {int(t.ne[0])} values are not whole Q8_0 blocks"
+    t = model.tensor("token_embd.weight")
+    if int(t.ne[0]) != cfg.n_embd:
+        return False, f"token_embd.weight rows hold {int(t.ne[0])} values, not n_embd {cfg.n_embd}"
+    if cfg.ple_layers:
+        keep = cfg.ple_ngram - 1
+        nh = keep * cfg.ple_heads_per_ngram
+        if cfg.ple_ngram > STAGE_MAX_NGRAM:
+            return False, f"PLE n-gram size {cfg.ple_ngram} is over {STAGE_MAX_NGRAM}"
+        if len(cfg.ple_layers) * nh > STAGE_MAX_ROWS:
+            return False, f"{len(cfg.ple_layers)} PLE layers x {nh} heads is over {STAGE_MAX_ROWS} rows a step"
+        rows = int(model.tensor("per_layer_token_embd.weight").ne[1])
+        vocab = np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh]
+        off = np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh]
+        if (vocab <= 0).any() or (off < 0).any() or (off + vocab > rows).any():
+            return False, f"PLE head vocabularies/offsets reach outside the table's {rows} rows"
+    return True, ""
+
+
 #: How the offloaded fused step serves missed experts (a partial tier; ignored when every expert is resident):
 #: ``zero-copy`` (the staged expert kernels read a missed blob from the mapped host arena as they compute),
 #: ``fetch`` (``miss_fetch.cu`` first copies the layer's missed blobs into device staging with every SM, one burst over
@@ -400,6 +464,7 @@ class StaticDecoder:
         self._pieces: list = []
         self._pool = None
         self._stream = None
+        self._dstage: Any = None  # device staging (_stage_from_device), made when first used
         self.stats = {"steps": 0, "graph_steps": 0}
         if self.gpu:
             self._init_gpu()
@@ -1142,6 +1207,143 @@ class StaticDecoder:
             self.inp.set(s, stream=self._stream)
         else:
             self.inp[...] = s
+
+    # -- device staging (queued steps, issue 17) -------------------------------------------------------
+    def device_stage_ready(self) -> tuple[bool, str]:
+        """Can this decoder stage a step's token-dependent inputs on the device (:meth:`_stage_from_device`)?
+
+        Returns (True, "") or (False, the reason): a CPU decoder, a missing token or PLE table, a table type outside
+        :data:`STAGE_TYPES`, or PLE constants ``stage_step.cu`` does not take (:func:`device_stage_check`). Cheap:
+        uploads and compiles nothing.
+        """
+        if not self.gpu:
+            return False, "device staging needs a CuPy decoder (this one runs on numpy)"
+        return device_stage_check(self.w.model, self.cfg)
+
+    def _dstage_init(self) -> Any:
+        """The device staging state, made on first use (on the decoder's stream): ``stage_step.cu`` compiled, the
+        token (and PLE) tables' raw bytes uploaded, the int64 constants, the device PLE context, the error word and
+        two pinned host buffers for the position part. Raises StrataError when :meth:`device_stage_ready` says no."""
+        if self._dstage is not None:
+            return self._dstage
+        ok, why = self.device_stage_ready()
+        if not ok:
+            raise StrataError(f"{self.w.model.path}: device staging is unavailable: {why}")
+        import types
+
+        import cupyx
+
+        cp, cfg, model = self.cp, self.cfg, self.w.model
+        d = types.SimpleNamespace()
+        d.kernel = cp.RawModule(code=cuda_source("stage_step.cu"), options=("--std=c++17",)).get_function("stage_step")
+        keep = max(cfg.ple_ngram - 1, 0)
+        n_pl = len(cfg.ple_layers) if keep > 0 else 0
+        nh = keep * cfg.ple_heads_per_ngram if n_pl else 0
+        with self._stream:
+            t = model.tensor("token_embd.weight")
+            tok_tab = cp.asarray(model.raw(t))
+            tok_args = (tok_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
+                        np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(self._x_sl[0]), np.int32(cfg.n_embd))
+            if n_pl:
+                t = model.tensor("per_layer_token_embd.weight")
+                ple_tab = cp.asarray(model.raw(t))
+                ple_args = (ple_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
+                            np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(int(t.ne[0])))
+                prm = np.concatenate([np.asarray(cfg.ple_multipliers, dtype=np.int64)[:cfg.ple_ngram],
+                                      np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh],
+                                      np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh],
+                                      np.array([self._ple_sl[il][0] for il in cfg.ple_layers], dtype=np.int64)])
+            else:  # no PLE rows: the kernel reads no PLE table
+                ple_tab = None
+                ple_args = (tok_tab, np.int32(0), np.int64(0), np.int64(0), np.int32(1))
+                prm = np.zeros(1, dtype=np.int64)
+            d.prm = cp.asarray(prm)
+            d.ctx = cp.full(max(keep, 1), cfg.eos_id, dtype=cp.int64)
+            d.err = cp.zeros(1, dtype=cp.int32)
+        d.tables = (tok_tab, ple_tab)
+        d.keep = keep
+        d.args = (self._tok_dev, d.ctx, self.inp) + tok_args + ple_args + (
+            d.prm, np.int32(n_pl), np.int32(cfg.ple_ngram if n_pl else 0),
+            np.int32(cfg.ple_heads_per_ngram if n_pl else 0), np.int64(cfg.eos_id), d.err)
+        d.host = [cupyx.empty_pinned(self.n_in, dtype=np.float32) for _ in range(2)]
+        d.events = [None, None]  # per pinned buffer: recorded after the copies that read it
+        d.i = 0
+        self._dstage = d
+        return d
+
+    def set_device_token(self, token: int) -> None:
+        """Make the next :meth:`_stage_from_device` stage ``token`` exactly as :meth:`_stage` would now: ``token`` into
+        the device arg-max word ``_tok_dev`` and the host's PLE context ``ple_ctx`` into the device context (on the
+        decoder's stream, ordered after the caller's stream; a context shorter than ``ple_ngram - 1`` is filled with
+        EOS in front, which hashes the same). Uploads the tables on first use.
+
+        Raises StrataError for a token outside the vocabulary or when device staging is unavailable
+        (:meth:`device_stage_ready`).
+        """
+        token = int(token)
+        if not 0 <= token < self.cfg.n_vocab:
+            raise StrataError(f"token id {token} is outside the vocabulary [0, {self.cfg.n_vocab})")
+        with self._ordered():
+            d = self._dstage_init()
+            ctx = np.full(d.ctx.size, self.cfg.eos_id, dtype=np.int64)
+            if d.keep:
+                have = np.asarray(self.ple_ctx, dtype=np.int64).reshape(-1)[-d.keep:]
+                ctx[d.keep - have.size:] = have
+            self._tok_dev.set(np.array([token], dtype=np.int64), stream=self._stream)
+            d.ctx.set(ctx, stream=self._stream)
+
+    def _stage_from_device(self) -> None:
+        """:meth:`_stage` for the token in ``_tok_dev`` (the previous step's arg-max, or :meth:`set_device_token`'s),
+        without the host reading it: the host writes the position part (pos, cos, sin, block cos/sin for ``pos``, as
+        :meth:`_stage`) into one of two pinned buffers used in turn (waiting for the copy that last read it), copies
+        it into ``inp`` on the decoder's stream, then ``stage_step`` writes x0 and the PLE rows and advances the
+        device PLE context. The host's ``ple_ctx`` is not advanced (:meth:`device_ple_ctx` reads the device's).
+
+        Raises StrataError for a position past ``max_ctx`` or when device staging is unavailable.
+        """
+        cfg = self.cfg
+        if self.pos >= self.max_ctx:
+            raise StrataError(f"position {self.pos} is past the static decoder's {self.max_ctx} positions")
+        d = self._dstage_init()
+        cp = self.cp
+        i = d.i
+        d.i ^= 1
+        if d.events[i] is not None:
+            d.events[i].synchronize()
+        s = d.host[i]
+        s[:1].view(np.int32)[0] = self.pos
+        f = np.float32(self.pos) * self.rt.rope.inv_freq
+        f = np.concatenate([f, f])
+        a, b = self._cos_sl
+        s[a:b] = np.cos(f)
+        a, b = self._sin_sl
+        s[a:b] = np.sin(f)
+        for r, (a, b) in self._bcs_sl.items():  # used by qsa_pool only when pos+1 completes a block
+            f = np.float32(max((self.pos + 1) // r - 1, 0) * r) * self.rt.rope.inv_freq
+            f = np.concatenate([f, f])
+            s[a:a + cfg.n_rot] = np.cos(f)
+            s[a + cfg.n_rot:b] = np.sin(f)
+        h2d, st = cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr
+        a = self._cos_sl[0]
+        cp.cuda.runtime.memcpyAsync(self.inp.data.ptr, s.ctypes.data, 4, h2d, st)
+        cp.cuda.runtime.memcpyAsync(self.inp.data.ptr + 4 * a, s.ctypes.data + 4 * a, 4 * (self.n_in - a), h2d, st)
+        d.events[i] = self._stream.record()
+        with self._stream:
+            d.kernel((1,), (STAGE_THREADS,), d.args)
+
+    def device_ple_ctx(self) -> np.ndarray:
+        """The device PLE context (int64 [ple_ngram - 1]) the next device-staged step starts from; waits for the
+        decoder's stream. Raises StrataError when device staging is unavailable."""
+        d = self._dstage_init()
+        self._stream.synchronize()
+        return d.ctx.get()[:d.keep]
+
+    def device_stage_errors(self) -> int:
+        """``stage_step``'s sticky error bits since device staging began: 1 a token outside the token table, 2 a PLE
+        row outside its table (0: none); waits for the decoder's stream."""
+        d = self._dstage_init()
+        self._stream.synchronize()
+        return int(d.err.get()[0])
 
     # -- the step -------------------------------------------------------------------------------------
     def _hc(self, prefix: str, H: Any, inject: bool = True):
