@@ -3,7 +3,8 @@ checked on the CPU: the CUDA source compiled as host C++ (host_kernel_shim.cuh),
 sequences with EOS tokens in them, against what StaticDecoder._stage writes (Qwen4ExpRuntime.ple_ngram_ids with the
 context advanced once per PLE layer, rows dequantized by stratatools.runtime.dequant): every written float bit for bit,
 nothing else in the input buffer touched, the context left behind, for random tables of F32, F16, BF16 and Q8_0,
-n-grams of 2..4, 1..3 heads per n-gram and 1..3 PLE layers. Skips without a C++ compiler."""
+n-grams of 2..4, 1..3 heads per n-gram and 1..3 PLE layers; and StaticDecoder's device staging code driven through a
+numpy stand-in for CuPy whose launch runs that host build (kit model). Skips without a C++ compiler."""
 
 from __future__ import annotations
 
@@ -168,3 +169,110 @@ def test_stage_step_without_ple_layers_writes_the_embedding_only(lib):
     want, ctx_ref = _reference(S, 11, np.array([7, 8], dtype=np.int64))
     assert np.array_equal(inp.view(np.uint32), want.view(np.uint32))
     assert ctx.tolist() == [7, 8] == ctx_ref.tolist()
+
+
+class _Dev(np.ndarray):
+    """A numpy array posing as a CuPy one for the decoder's staging code (``.data.ptr``, ``.set``, ``.get``)."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+    def set(self, arr, stream=None):
+        self[...] = arr
+
+    def get(self):
+        return np.array(self)
+
+
+class _Stream:
+    ptr = 0
+
+    def __init__(self, log):
+        self.log = log
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def record(self):
+        ev = SimpleNamespace(synchronize=lambda: self.log.append("wait"))
+        self.log.append("record")
+        return ev
+
+    def wait_event(self, ev):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _fake_cupy(lib, log):
+    """The few CuPy calls StaticDecoder's device staging makes, on host memory, with the kernel from the host build."""
+    dev = lambda a: np.ascontiguousarray(a).view(_Dev)  # noqa: E731
+
+    def launch(grid, block, args):
+        conv = [a.ctypes.data if isinstance(a, np.ndarray) else a.item() for a in args]
+        log.append("kernel")
+        lib.host_stage_step(grid[0], 1, *conv)
+
+    module = SimpleNamespace(get_function=lambda name: launch if name == "stage_step" else None)
+    runtime = SimpleNamespace(memcpyHostToDevice=1,
+                              memcpyAsync=lambda dst, src, n, kind, st: (log.append(("copy", n)),
+                                                                         ctypes.memmove(dst, src, n)))
+    stream = _Stream(log)
+    cp = SimpleNamespace(RawModule=lambda code, options: module, asarray=lambda a: dev(np.array(a)),
+                         full=lambda n, v, dtype: dev(np.full(n, v, dtype=dtype)),
+                         zeros=lambda n, dtype: dev(np.zeros(n, dtype=dtype)), int64=np.int64, int32=np.int32,
+                         cuda=SimpleNamespace(runtime=runtime, get_current_stream=lambda: stream))
+    return cp, stream
+
+
+@pytest.mark.kit
+def test_decoder_device_staging_glue_matches_stage_on_the_host(lib, kit, monkeypatch):
+    """StaticDecoder.set_device_token / _stage_from_device driven on the CPU (a stand-in for CuPy whose kernel launch
+    runs the host build of stage_step): the launch's arguments, the position copies and the context hand-over give,
+    step after step, the input buffer _stage writes, bit for bit, on the kit's model (BF16 tables)."""
+    import sys
+
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.weights import load
+
+    w = load(kit / "gguf/model-bf16.gguf")
+    rt = Qwen4ExpRuntime(w)
+    cfg = w.cfg
+    log: list = []
+    monkeypatch.setitem(sys.modules, "cupyx", SimpleNamespace(empty_pinned=lambda n, dtype: np.zeros(n, dtype=dtype)))
+    A = StaticDecoder(rt, max_ctx=12)
+    B = StaticDecoder(rt, max_ctx=12)
+    B.gpu = True
+    B.cp, B._stream = _fake_cupy(lib, log)
+    B.inp = np.zeros(B.n_in, dtype=np.float32).view(_Dev)
+    B._tok_dev = np.zeros(1, dtype=np.int64).view(_Dev)
+    assert B.device_stage_ready() == (True, "")
+    eos = cfg.eos_id
+    seq = [17, 5, eos, 900, 900, eos, eos, 3, 1000, 2]
+    # a context handed over from the host (shorter than ngram - 1: filled with EOS in front on the device)
+    A.ple_ctx = np.array([41], dtype=np.int64)
+    B.ple_ctx = A.ple_ctx.copy()
+    B.set_device_token(seq[0])
+    for i, tok in enumerate(seq):
+        if i == 6:  # the host takes the device context back and sets a token itself
+            B.ple_ctx = B.device_ple_ctx()
+            B.set_device_token(tok)
+        elif i:
+            B._tok_dev[0] = tok  # what the previous step's arg-max leaves
+        A._stage(tok)
+        n0 = len(log)
+        B._stage_from_device()
+        # a pinned buffer is refilled only after the copy that last read it (two buffers in turn)
+        assert log[n0:] == ["wait"] * (i >= 2) + [("copy", 4), ("copy", 4 * (B.n_in - B._cos_sl[0])), "record",
+                                                  "kernel"]
+        assert np.array_equal(np.asarray(A.inp).view(np.uint32), np.asarray(B.inp).view(np.uint32)), f"step {i}"
+        assert np.array_equal(B.device_ple_ctx(), A.ple_ctx)
+        A.pos += 1
+        B.pos += 1
+    assert B.device_stage_errors() == 0
+    assert B.pos == len(seq) and A.ple_ctx.tolist() == [1000, 2] == B.device_ple_ctx().tolist()
