@@ -4,7 +4,9 @@
 :meth:`stratatools.runtime.model.Qwen4ExpRuntime.forward` with one token) over buffers allocated once:
 
 * the per-step inputs (token embedding row, PLE table rows, RoPE cos/sin, position) are computed on the host
-  from the token id and uploaded in one copy; everything after that stays on the device;
+  from the token id and uploaded in one copy; everything after that stays on the device (for queued steps,
+  :meth:`StaticDecoder._stage_from_device` writes the token-dependent part on the device instead, from the previous
+  step's arg-max: ``stage_step.cu``);
 * GDN conv/recurrent states, PLE conv states and attention K/V caches (``max_ctx`` positions) are updated
   in place; the position is read on the device, so the same launch sequence serves every position;
 * router top-k runs on the device (``decode_step.cu`` ``route_topk``: softmax/sigmoid probabilities from the

@@ -74,7 +74,7 @@ def tables_source() -> str:
 def cuda_source(name: str) -> str:
     """Text of one CUDA source file shipped in this package (``prelude.cuh``, ``decoders.cuh``,
     ``quant_kernels.cu``, ``host_shim.cuh``, ``decode_step.cu``, ``qsa_step.cu``, ``fused_step.cu``,
-    ``moe_staged.cu``, ``host_kernel_shim.cuh``), read through importlib.resources.
+    ``moe_staged.cu``, ``host_kernel_shim.cuh``, ``stage_step.cu``, ...), read through importlib.resources.
 
     Raises StrataError when the file is missing (a broken install: reinstall the wheel)."""
     try:
