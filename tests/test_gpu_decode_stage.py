@@ -71,9 +71,8 @@ def test_device_staged_steps_equal_host_staged_steps(kit, model, use_graph):
     steps = n_ctx - P
     assert steps >= 5
     for i in range(steps):
-        if i == 2:  # force an EOS: the host takes the device context back, then sets the token
+        if i == 2:  # force an EOS: ple_ctx is read back from the device, then the token set
             tok = cfg.eos_id
-            B.ple_ctx = B.device_ple_ctx()
             assert np.array_equal(B.ple_ctx, A.ple_ctx)
             B.set_device_token(tok)
         la = A.step(tok).get()
@@ -86,5 +85,6 @@ def test_device_staged_steps_equal_host_staged_steps(kit, model, use_graph):
     assert len(snap_a) == len(snap_b) == steps
     assert B.device_stage_errors() == 0
     assert B.stats["graph_steps"] == (steps if use_graph else 0)
+    assert np.array_equal(B.ple_ctx, A.ple_ctx)  # read back from the device
     with pytest.raises(StrataError, match="past the static decoder"):
         B._stage_from_device()

@@ -259,8 +259,8 @@ def test_decoder_device_staging_glue_matches_stage_on_the_host(lib, kit, monkeyp
     B.ple_ctx = A.ple_ctx.copy()
     B.set_device_token(seq[0])
     for i, tok in enumerate(seq):
-        if i == 6:  # the host takes the device context back and sets a token itself
-            B.ple_ctx = B.device_ple_ctx()
+        if i == 6:  # the host sets a token itself: ple_ctx is read back from the device first
+            assert B._ple_ctx_on_device and np.array_equal(B.ple_ctx, A.ple_ctx) and not B._ple_ctx_on_device
             B.set_device_token(tok)
         elif i:
             B._tok_dev[0] = tok  # what the previous step's arg-max leaves
@@ -276,3 +276,11 @@ def test_decoder_device_staging_glue_matches_stage_on_the_host(lib, kit, monkeyp
         B.pos += 1
     assert B.device_stage_errors() == 0
     assert B.pos == len(seq) and A.ple_ctx.tolist() == [1000, 2] == B.device_ple_ctx().tolist()
+    # host staging after device-staged steps continues from the device's context
+    for tok in (eos, 7):
+        A._stage(tok)
+        B._stage(tok)
+        assert np.array_equal(np.asarray(A.inp).view(np.uint32), np.asarray(B.inp).view(np.uint32))
+        A.pos += 1
+        B.pos += 1
+    assert B.ple_ctx.tolist() == [eos, 7]

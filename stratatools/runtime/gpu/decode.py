@@ -362,6 +362,9 @@ class StaticDecoder:
             into the device, or an expert width that is not whole blocks.
     """
 
+    #: set by :meth:`_stage_from_device`: the device holds a newer PLE context than the host (see :attr:`ple_ctx`)
+    _ple_ctx_on_device = False
+
     def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True, fused: bool = True):
         self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
         cfg = self.cfg
@@ -1211,6 +1214,22 @@ class StaticDecoder:
             self.inp[...] = s
 
     # -- device staging (queued steps, issue 17) -------------------------------------------------------
+    @property
+    def ple_ctx(self) -> np.ndarray:
+        """The PLE n-gram context (int64 [ple_ngram - 1]) the next step starts from. After device-staged steps
+        (:meth:`_stage_from_device`, which advance the device's copy only) the first read takes it back from the
+        device (:meth:`device_ple_ctx`: waits for the decoder's stream), so host staging (:meth:`_stage`, the
+        prefill, :meth:`set_device_token`) continues from the right context."""
+        if self._ple_ctx_on_device:
+            self._ple_ctx_on_device = False
+            self._ple_ctx = self.device_ple_ctx()
+        return self._ple_ctx
+
+    @ple_ctx.setter
+    def ple_ctx(self, value: np.ndarray) -> None:
+        self._ple_ctx_on_device = False
+        self._ple_ctx = value
+
     def device_stage_ready(self) -> tuple[bool, str]:
         """Can this decoder stage a step's token-dependent inputs on the device (:meth:`_stage_from_device`)?
 
@@ -1299,7 +1318,7 @@ class StaticDecoder:
         without the host reading it: the host writes the position part (pos, cos, sin, block cos/sin for ``pos``, as
         :meth:`_stage`) into one of two pinned buffers used in turn (waiting for the copy that last read it), copies
         it into ``inp`` on the decoder's stream, then ``stage_step`` writes x0 and the PLE rows and advances the
-        device PLE context. The host's ``ple_ctx`` is not advanced (:meth:`device_ple_ctx` reads the device's).
+        device PLE context (:attr:`ple_ctx` reads it back when the host next needs it).
 
         Raises StrataError for a position past ``max_ctx`` or when device staging is unavailable.
         """
@@ -1332,6 +1351,7 @@ class StaticDecoder:
         d.events[i] = self._stream.record()
         with self._stream:
             d.kernel((1,), (STAGE_THREADS,), d.args)
+        self._ple_ctx_on_device = True
 
     def device_ple_ctx(self) -> np.ndarray:
         """The device PLE context (int64 [ple_ngram - 1]) the next device-staged step starts from; waits for the
