@@ -3,7 +3,8 @@ _stage_from_device, stage_step.cu): step after step, the input buffer a device-s
 what _stage(token) writes in a second decoder fed the same tokens, the token being the previous step's device arg-max
 (never read by the host), through an EOS token forced in the middle (the segment reset of the PLE n-grams); the logits
 and arg-max of the two decoders are equal, eager and replayed from CUDA graphs, on the kit's BF16 model and on its
-ISTA mix (Q8_0 tables). Skips without CuPy; needs the kit."""
+ISTA mix (Q8_0 tables); and the queued greedy decoding built on it (DecoderRuntime.decode_queued) against token by
+token generation. Skips without CuPy; needs the kit."""
 
 from __future__ import annotations
 
@@ -88,3 +89,41 @@ def test_device_staged_steps_equal_host_staged_steps(kit, model, use_graph):
     assert np.array_equal(B.ple_ctx, A.ple_ctx)  # read back from the device
     with pytest.raises(StrataError, match="past the static decoder"):
         B._stage_from_device()
+
+
+@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-ISTA-mix.gguf"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_queued_generate_on_the_gpu_equals_token_by_token(kit, model, graph):
+    """DecoderRuntime.decode_queued on the device (steps staged by stage_step from the device arg-max): the same new
+    tokens and routing as token by token; afterwards the decoder's PLE context (read back from the device) is the
+    token-by-token one, and a further one-token call (host staging) gives the same logits."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.decode import max_full_context
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.model import generate
+    from stratatools.runtime.weights import load
+
+    path = kit / model
+    if not path.exists():
+        pytest.skip(f"{model} not carried")
+    out = {}
+    for queue in (False, True):
+        rt = GPURuntime(load(path, xp=cp))
+        drt = DecoderRuntime(rt, max_ctx=max_full_context(rt.cfg, "transformers"), graph=graph, queue=queue)
+        assert drt.queue == queue, drt.queue_reason
+        st = drt.new_state()
+        g = generate(drt, _prompt(kit, 4), max_new_tokens=6, stop_id=-1, state=st)
+        ctx = np.array(drt.dec.ple_ctx, copy=True)
+        lg, _ = drt.forward([g.new_ids[-1]], st)
+        out[queue] = (g, ctx, np.asarray(lg.get() if hasattr(lg, "get") else lg), drt)
+    (a, ca, la, da), (b, cb, lb, db) = out[False], out[True]
+    assert b.new_ids == a.new_ids and len(a.new_ids) == 6
+    assert len(a.decode) == len(b.decode) == 5
+    for x, y in zip(a.decode, b.decode):
+        assert np.array_equal(x.positions, y.positions)
+        assert all(np.array_equal(p, q) for p, q in zip(x.ids, y.ids))
+    assert db.dec._dstage is not None and da.dec._dstage is None  # only the queued run staged on the device
+    assert np.array_equal(ca, cb)
+    np.testing.assert_allclose(lb, la, rtol=0, atol=1e-6 * float(np.abs(la).max()))
