@@ -97,6 +97,8 @@ def test_plan_vram_plans_the_stage_tables_under_decode_queue(kit, monkeypatch):
         # under a budget the tables take slots' room: 2000 slots of 1024 bytes fit without them
         budget = (base.fixed + 2000 * 1024 + 10) / GIB
         assert plan_vram(m, cfg, blob, 64, budget, None, 10 ** 6).slots == 2000 - tables // 1024
+        with pytest.raises(StrataError, match=r"token and PLE tables \(0\.00 GiB\) and reserve"):
+            plan_vram(m, cfg, blob, 64, (base.fixed + 10) / GIB, None, 10 ** 6)
         monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "0")
         assert plan_vram(m, cfg, blob, 64, budget, None, 10 ** 6).slots == 2000
 

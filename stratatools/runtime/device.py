@@ -249,7 +249,8 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     if plan.fixed > budget:
         raise StrataError(f"--vram-gib {vram_gib:g}: the dense weights ({plan.dense / GIB:.2f} GiB), caches for "
                           f"{max_ctx} positions ({plan.caches / GIB:.2f} GiB), prefill scratch ({plan.prefill / GIB:.2f} GiB) "
-                          f"{'miss staging (%.2f GiB) ' % (plan.staging / GIB) if plan.staging else ''}and reserve ({plan.reserve / GIB:.2f} GiB) "
+                          f"{'miss staging (%.2f GiB) ' % (plan.staging / GIB) if plan.staging else ''}"
+                          f"{'token and PLE tables (%.2f GiB) ' % (plan.stage_tables / GIB) if plan.stage_tables else ''}and reserve ({plan.reserve / GIB:.2f} GiB) "
                           f"need {plan.fixed / GIB:.2f} GiB before any expert slot; give at least that")
     fit = (budget - plan.fixed) // sb
     if slots is not None:
