@@ -129,3 +129,17 @@ def test_numpy_decoder_reports_device_staging_unavailable(kit):
         dec.set_device_token(1024)
     with pytest.raises(StrataError, match="device staging is unavailable"):
         dec._stage_from_device()
+
+
+def test_stage_limits_are_the_kernel_sources():
+    import re
+
+    from stratatools.runtime.gpu import decode as D
+    from stratatools.runtime.gpu.kernels import cuda_source, kernel_signatures
+
+    src = cuda_source("stage_step.cu")
+    assert int(re.search(r"#define SS_MAX_NGRAM (\d+)", src).group(1)) == D.STAGE_MAX_NGRAM
+    assert int(re.search(r"#define SS_MAX_ROWS (\d+)", src).group(1)) == D.STAGE_MAX_ROWS
+    assert len(kernel_signatures("stage_step.cu")["stage_step"]) == 20
+    for name, tid in D.STAGE_TYPES.items():
+        assert TYPES[tid].name == name and f"case {tid}:" in src
