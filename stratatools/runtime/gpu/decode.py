@@ -1177,6 +1177,22 @@ class StaticDecoder:
         self.pos = int(state.pos)
         self._prev_out, self._prev_np, self._last_np = None, None, None  # no step of this sequence has run
 
+    def _stage_position(self, s: np.ndarray) -> None:
+        """The position-dependent inputs of the step at ``self.pos`` into the staging vector ``s`` [n_in]: the rope
+        cos / sin, and per QSA compress ratio those of the block that pos+1 completes (used by qsa_pool only then)."""
+        cfg = self.cfg
+        f = np.float32(self.pos) * self.rt.rope.inv_freq
+        f = np.concatenate([f, f])
+        a, b = self._cos_sl
+        s[a:b] = np.cos(f)
+        a, b = self._sin_sl
+        s[a:b] = np.sin(f)
+        for r, (a, b) in self._bcs_sl.items():
+            f = np.float32(max((self.pos + 1) // r - 1, 0) * r) * self.rt.rope.inv_freq
+            f = np.concatenate([f, f])
+            s[a:a + cfg.n_rot] = np.cos(f)
+            s[a + cfg.n_rot:b] = np.sin(f)
+
     def _stage(self, token: int) -> None:
         cfg = self.cfg
         if not 0 <= token < cfg.n_vocab:
@@ -1197,17 +1213,7 @@ class StaticDecoder:
             a, b = self._ple_sl[il]
             s[a:b] = self._host_rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(-1)
         self.ple_ctx = ctx
-        f = np.float32(self.pos) * self.rt.rope.inv_freq
-        f = np.concatenate([f, f])
-        a, b = self._cos_sl
-        s[a:b] = np.cos(f)
-        a, b = self._sin_sl
-        s[a:b] = np.sin(f)
-        for r, (a, b) in self._bcs_sl.items():  # used by qsa_pool only when pos+1 completes a block
-            f = np.float32(max((self.pos + 1) // r - 1, 0) * r) * self.rt.rope.inv_freq
-            f = np.concatenate([f, f])
-            s[a:a + cfg.n_rot] = np.cos(f)
-            s[a + cfg.n_rot:b] = np.sin(f)
+        self._stage_position(s)
         if self.gpu:
             self.inp.set(s, stream=self._stream)
         else:
@@ -1333,17 +1339,7 @@ class StaticDecoder:
             d.events[i].synchronize()
         s = d.host[i]
         s[:1].view(np.int32)[0] = self.pos
-        f = np.float32(self.pos) * self.rt.rope.inv_freq
-        f = np.concatenate([f, f])
-        a, b = self._cos_sl
-        s[a:b] = np.cos(f)
-        a, b = self._sin_sl
-        s[a:b] = np.sin(f)
-        for r, (a, b) in self._bcs_sl.items():  # used by qsa_pool only when pos+1 completes a block
-            f = np.float32(max((self.pos + 1) // r - 1, 0) * r) * self.rt.rope.inv_freq
-            f = np.concatenate([f, f])
-            s[a:a + cfg.n_rot] = np.cos(f)
-            s[a + cfg.n_rot:b] = np.sin(f)
+        self._stage_position(s)
         h2d, st = cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr
         a = self._cos_sl[0]
         cp.cuda.runtime.memcpyAsync(self.inp.data.ptr, s.ctypes.data, 4, h2d, st)

@@ -266,6 +266,28 @@ __device__ __forceinline__ float dq_dot16_rot(uint4 q, const float* xs, int r) {
     return dq_dot4(a3, x4[(r + 3) & 3], s);
 }
 
+// The lane roles of mv_q8s's work split (mv_q8i keeps it): L lanes per matrix row (lpr clamped to the warp's lanes),
+// nhs lane groups sharing one output's hc streams in mix mode (the largest power of two dividing hc with nhs L <=
+// lanes), G = L nhs lanes per output, gpw outputs per warp; this lane's output in the warp (sub), stream group (hs)
+// and lane in its row (sl).
+struct DqSplit {
+    int L, nhs, G, gpw, sub, hs, sl;
+};
+
+__device__ __forceinline__ DqSplit dq_split(int lpr, int hc, int lanes, int lane) {
+    DqSplit p;
+    p.L = lpr < lanes ? lpr : lanes;
+    p.nhs = 1;
+    if (hc > 0)
+        while (p.nhs * 2 <= hc && p.L * p.nhs * 2 <= lanes && hc % (p.nhs * 2) == 0) p.nhs *= 2;
+    p.G = p.L * p.nhs;
+    p.gpw = lanes / p.G;
+    p.sub = lane / p.G;
+    p.hs = (lane % p.G) / p.L;
+    p.sl = lane % p.L;
+    return p;
+}
+
 // y = W x' (x' = x, or silu(x / xdiv) when xdiv != 0) for W [rows, cols] (codes qs, fp16 scales dsc as mv_q8r),
 // or in mix mode (hc > 0): y[i] = (sum over h < hc of sigmoid((W x')[h n + i]) hn[h n + i]) / hc for i < n (W has
 // hc n rows). Grid: any number of blocks (the host launches a few per SM), any block size; dynamic shared memory:
@@ -282,13 +304,8 @@ extern "C" __global__ void __launch_bounds__(256, DQS_MINB) mv_q8s(
     const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
     const int nw = (blockDim.x + 31) >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int L = lpr < lanes ? lpr : lanes;
-    int nhs = 1;  // lane groups sharing one output's streams
-    if (hc > 0)
-        while (nhs * 2 <= hc && L * nhs * 2 <= lanes && hc % (nhs * 2) == 0) nhs *= 2;
-    const int G = L * nhs;  // lanes per output
-    const int gpw = lanes / G;
-    const int sub = lane / G, hs = (lane % G) / L, sl = lane % L;
+    const DqSplit sp = dq_split(lpr, hc, lanes, lane);
+    const int L = sp.L, nhs = sp.nhs, G = sp.G, gpw = sp.gpw, sub = sp.sub, hs = sp.hs, sl = sp.sl;
     const int nch = cols >> 4;
     const long long nb = cols >> 5;
     const int win = u * L;
@@ -481,14 +498,9 @@ extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
     const int lanes = blockDim.x < 32 ? (int)blockDim.x : 32;
     const int nw = (blockDim.x + 31) >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int L = lpr < lanes ? lpr : lanes;
+    const DqSplit sp = dq_split(lpr, hc, lanes, lane);
+    const int L = sp.L, nhs = sp.nhs, G = sp.G, gpw = sp.gpw, sub = sp.sub, hs = sp.hs, sl = sp.sl;
     const int uw = u < 1 ? 1 : (u > DQI_U ? DQI_U : u);
-    int nhs = 1;  // lane groups sharing one output's streams
-    if (hc > 0)
-        while (nhs * 2 <= hc && L * nhs * 2 <= lanes && hc % (nhs * 2) == 0) nhs *= 2;
-    const int G = L * nhs;  // lanes per output
-    const int gpw = lanes / G;
-    const int sub = lane / G, hs = (lane % G) / L, sl = lane % L;
     const int nch = cols >> 4;
     const long long nb = cols >> 5;
     const int win = uw * L;

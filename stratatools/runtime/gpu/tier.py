@@ -472,17 +472,7 @@ class GPUExpertTier:
         """One record computed elsewhere (the static decoder, which read each expert through :meth:`slot_table`):
         the policy's access, the counters (a miss counts as a zero-copy read of its blob), then VRAM follows the
         policy's resident set. Returns hit bool [k]."""
-        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
-        hit = np.asarray(self.policy.access(layer, experts), dtype=bool)
-        if self.on_access is not None:
-            self.on_access(layer, hit)
-        nh = int(hit.sum())
-        self.counters.hits[layer] += nh
-        self.counters.misses[layer] += int(hit.size - nh)
-        self.counters.miss_host_read_bytes += int(hit.size - nh) * self.arena.layers[layer].blob_bytes
-        if not isinstance(self.policy, AllResident):
-            self._sync(layers=[layer])
-        return hit
+        return self.access_rows(layer, np.asarray(experts, dtype=np.int64).reshape(1, -1))[0]
 
     def access_rows(self, layer: int, rows: np.ndarray) -> np.ndarray:
         """T records of one layer in order (a prompt's positions, computed elsewhere: the batched prefill): the
