@@ -2,7 +2,7 @@
 is read, with the arg-max taken from the decoder. Checked on the CPU with the numpy decoder, where "launched" means
 computed: against the same decoder driven token by token, the same tokens, routing records, route-hook calls and
 tier counts; a step queued after the stop token is computed but not counted, traced or returned, and the state it
-leaves behind is refused. (tests/test_gpu_decode.py checks the device staging the GPU needs.)"""
+leaves behind is refused. (tests/test_gpu_decode_stage.py checks the device staging the GPU needs.)"""
 
 from __future__ import annotations
 
@@ -127,3 +127,25 @@ def test_queue_switch(monkeypatch):
     assert engine.QUEUE_ENV == "STRATATOOLS_DECODE_QUEUE"
     src = engine.DecoderRuntime.decode_queued.__doc__
     assert "None when queued decoding is off" in src
+
+
+@pytest.mark.kit
+def test_queued_decode_refuses_a_run_past_the_context_before_any_step(kit):
+    """A call whose decode steps would pass the decoder's positions is refused before it launches anything (the
+    token-by-token path would stop at the first step past them)."""
+    from stratatools.runtime.gpu.decode import max_full_context
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    w = load(kit / BF16)
+    n_ctx = max_full_context(w.cfg, "transformers")
+    drt = DecoderRuntime(Qwen4ExpRuntime(w), max_ctx=n_ctx, graph=False, queue=True)
+    st = drt.new_state()
+    lg, _ = drt.forward(_prompt(kit, 4), st)
+    steps = drt.dec.stats["steps"]
+    with pytest.raises(StrataError, match=f"position {n_ctx} is past the static decoder's {n_ctx} positions"):
+        drt.decode_queued(lg, st, n_ctx - 4 + 2, -1)
+    assert drt.dec.stats["steps"] == steps and drt.dec.pos == st.pos == 4
+    new, recs, why = drt.decode_queued(lg, st, n_ctx - 4 + 1, -1)  # the last position the decoder holds: runs
+    assert len(new) == n_ctx - 4 + 1 and len(recs) == n_ctx - 4 and why == "length" and st.pos == n_ctx

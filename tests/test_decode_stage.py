@@ -99,6 +99,11 @@ def test_plan_vram_plans_the_stage_tables_under_decode_queue(kit, monkeypatch):
         assert plan_vram(m, cfg, blob, 64, budget, None, 10 ** 6).slots == 2000 - tables // 1024
         with pytest.raises(StrataError, match=r"token and PLE tables \(0\.00 GiB\) and reserve"):
             plan_vram(m, cfg, blob, 64, (base.fixed + 10) / GIB, None, 10 ** 6)
+        # queued steps do not run with --batch or with async swaps: nothing planned for them then
+        assert plan_vram(m, cfg, blob, 64, None, None, total_e, batch=2).stage_tables == 0
+        monkeypatch.setenv("STRATATOOLS_ASYNC_SWAPS", "1")
+        assert plan_vram(m, cfg, blob, 64, None, None, total_e).stage_tables == 0
+        monkeypatch.delenv("STRATATOOLS_ASYNC_SWAPS")
         monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "0")
         assert plan_vram(m, cfg, blob, 64, budget, None, 10 ** 6).slots == 2000
 

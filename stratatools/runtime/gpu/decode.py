@@ -364,6 +364,8 @@ class StaticDecoder:
 
     #: set by :meth:`_stage_from_device`: the device holds a newer PLE context than the host (see :attr:`ple_ctx`)
     _ple_ctx_on_device = False
+    #: set by :meth:`set_device_token`, cleared when the host's PLE context moves: ``step(None)`` may stage on the device
+    _dev_token_live = False
 
     def __init__(self, rt: Any, max_ctx: int = 512, fast: bool = True, fused: bool = True):
         self.rt, self.w, self.cfg, self.xp = rt, rt.w, rt.cfg, rt.xp
@@ -463,6 +465,7 @@ class StaticDecoder:
         self.pos = 0
         self.ple_ctx = np.full(max(cfg.ple_ngram - 1, 0), cfg.eos_id, dtype=np.int64)
         self._prev_out = self._prev_np = self._last_np = None
+        self._seq_steps = 0  # steps since load_state (read_step)
         self.graph = None
         self.graphs: list = []  # the captured pieces of the step, replayed in order (graph: the first)
         self._cut_at: set[int] = set()  # layers where capture() starts a new piece (empty outside a capture)
@@ -1176,6 +1179,7 @@ class StaticDecoder:
         self.ple_ctx = np.array(state.ple_ctx, dtype=np.int64, copy=True)
         self.pos = int(state.pos)
         self._prev_out, self._prev_np, self._last_np = None, None, None  # no step of this sequence has run
+        self._seq_steps = 0
 
     def _stage_position(self, s: np.ndarray) -> None:
         """The position-dependent inputs of the step at ``self.pos`` into the staging vector ``s`` [n_in]: the rope
@@ -1234,6 +1238,7 @@ class StaticDecoder:
     @ple_ctx.setter
     def ple_ctx(self, value: np.ndarray) -> None:
         self._ple_ctx_on_device = False
+        self._dev_token_live = False  # the host moved on (host staging, prefill, a new sequence): the device is stale
         self._ple_ctx = value
 
     def device_stage_ready(self) -> tuple[bool, str]:
@@ -1318,6 +1323,7 @@ class StaticDecoder:
                 ctx[d.keep - have.size:] = have
             self._tok_dev.set(np.array([token], dtype=np.int64), stream=self._stream)
             d.ctx.set(ctx, stream=self._stream)
+        self._dev_token_live = True  # step(None) may stage from the device (each such step keeps it so)
 
     def _stage_from_device(self) -> None:
         """:meth:`_stage` for the token in ``_tok_dev`` (the previous step's arg-max, or :meth:`set_device_token`'s),
@@ -1328,7 +1334,6 @@ class StaticDecoder:
 
         Raises StrataError for a position past ``max_ctx`` or when device staging is unavailable.
         """
-        cfg = self.cfg
         if self.pos >= self.max_ctx:
             raise StrataError(f"position {self.pos} is past the static decoder's {self.max_ctx} positions")
         d = self._dstage_init()
@@ -1725,6 +1730,9 @@ class StaticDecoder:
             if token is not None:
                 self._stage(int(token))
             elif self.gpu:
+                if not self._dev_token_live:
+                    raise StrataError("step(None) needs set_device_token() first: the device holds no token and PLE "
+                                      "context of this sequence's current position")
                 self._stage_from_device()
             else:
                 self._stage(int(self.next_token_dev))
@@ -1749,6 +1757,7 @@ class StaticDecoder:
                 self._prev_np = getattr(self, "_last_np", None)
                 self._last_np = (int(self.next_token_dev), _to_host(self.ids).copy(), _to_host(self.weights).copy())
         self.pos += 1
+        self._seq_steps += 1
         self.stats["steps"] += 1
         return self.logits
 
@@ -1844,7 +1853,7 @@ class StaticDecoder:
                 raise StrataError("no decode step has run yet")
             return got[0], got[1].copy(), got[2].copy()
         buf, ev = (self._out_host, self._out_event) if back == 0 else (self._prev_out or (None, None))
-        if ev is None:
+        if ev is None or self._seq_steps <= back:  # (a step of an earlier sequence does not count)
             raise StrataError("no decode step has run yet")
         ev.synchronize()
         return (int(buf[:8].view(np.int64)[0]), buf[8:8 + 4 * L * k].view(np.int32).reshape(L, k).copy(),

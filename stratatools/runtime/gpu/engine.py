@@ -51,7 +51,7 @@ from stratatools.runtime.model import RoutingRecord, SequenceState
 from stratatools.runtime.gpu.decode import StaticDecoder
 
 
-#: Queued greedy decoding (module docstring): ``1`` turns it on.
+#: Queued greedy decoding (module docstring): ``1`` turns it on (the same variable as decode.DECODE_QUEUE_ENV).
 QUEUE_ENV = "STRATATOOLS_DECODE_QUEUE"
 
 
@@ -103,7 +103,9 @@ class DecoderRuntime:
         self.prefill_mode = mode
         self.prefill_chunk = prefill_chunk
         if queue is None:
-            queue = os.environ.get(QUEUE_ENV, "0").strip() == "1"
+            from stratatools.runtime.gpu.decode import decode_queue_enabled
+
+            queue = decode_queue_enabled()
         #: queued greedy decoding (module docstring): asked for, and possible (device staging of the step's inputs)
         self.queue, self.queue_reason = bool(queue), ("" if queue else f"{QUEUE_ENV} is not 1")
         if self.queue and self.async_swaps:
@@ -145,6 +147,10 @@ class DecoderRuntime:
             self._captured = True
         if self.prefill_mode == "batched":
             self.dec.prefiller(self.prefill_chunk).compile()
+        if self.queue and self.dec.gpu:  # the staging kernel compiled and its tables uploaded before the first prompt
+            with self.dec._ordered():
+                self.dec._dstage_init()
+            self.dec.synchronize()
         self._prepared = True
 
     def argmax(self, logits: Any) -> int:
@@ -227,6 +233,9 @@ class DecoderRuntime:
             raise StrataError(f"sequence at position {state.pos} but the decoder holds {dec.pos}; one sequence at a time")
         self.prepare()
         L = self.cfg.n_layer
+        last = dec.pos + max_new_tokens - 2  # the position of the last decode step this call may run
+        if max_new_tokens > 1 and last >= dec.max_ctx:
+            raise StrataError(f"position {last} is past the static decoder's {dec.max_ctx} positions")
         new = [int(self.argmax(logits))]
         records: list[RoutingRecord] = []
         if new[0] == stop:
@@ -254,6 +263,8 @@ class DecoderRuntime:
                 if on_forward is not None:
                     on_forward("decode")
             records.append(RoutingRecord(pos, [ids[il][None] for il in range(L)], [w[il][None] for il in range(L)]))
+            if not 0 <= tok < self.cfg.n_vocab:  # (the output head has more rows than the token table)
+                raise StrataError(f"token id {tok} is outside the vocabulary [0, {self.cfg.n_vocab})")
             new.append(int(tok))
             if tok == stop or len(new) >= max_new_tokens:
                 break
