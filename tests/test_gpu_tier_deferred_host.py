@@ -166,3 +166,15 @@ def test_access_rows_counts_as_access_and_copies_the_final_set_once(fake_cupy, m
     if policy != "static":
         assert 0 < b["admit_copies"] <= L * 3 < a["admit_copies"]
         assert b["admit_bytes"] == b["admit_copies"] * bb[0] and b["evictions"] < a["evictions"]
+
+
+def test_access_rows_all_resident_counts_without_the_policy_loop(fake_cupy, monkeypatch):
+    """Every expert resident (AllResident): a prompt's rows all hit, the policy counts every entry, nothing moves."""
+    arena = _arena(monkeypatch)
+    t = T.GPUExpertTier(arena, T.AllResident(3, 8), miss_mode="host")
+    ids = np.random.default_rng(3).integers(0, 8, size=(50, 2))
+    got = t.access_rows(1, ids)
+    assert got.shape == (50, 2) and got.all()
+    assert t.policy.entries == 100 and t.counters.hits.tolist() == [0, 100, 0] and t.counters.misses.sum() == 0
+    assert t.access(2, np.array([1, 5])).tolist() == [True, True] and t.policy.entries == 102
+    assert t.counters.to_dict()["bytes_moved"] == 0
