@@ -162,3 +162,46 @@ def test_make_tier_errors():
     t = make_tier("lru", n_layers=1, n_expert=2, slots=1)
     with pytest.raises(StrataError, match="out of range"):
         t.access(0, [5])
+
+
+@pytest.mark.parametrize("policy", ["static", "static-arrival", "adaptive", "lru", "lfu", "lfru", "belady"])
+def test_access_rows_is_access_row_by_row(policy):
+    """Tier.access_rows (a prompt's positions of one layer at once) gives every policy the same hits, residency and
+    stats as access() row by row, over rounds that mix it with single records; bad ids are refused before counting."""
+    L, E, k = 3, 12, 3
+    rng = np.random.default_rng(5)
+    seq = []  # rounds of (layer, rows [T, k])
+    for r in range(12):
+        T = 5 if r % 4 == 0 else 1
+        seq.append([(l, np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])) for l in range(L)])
+    future = None
+    if policy == "belady":
+        lay = np.concatenate([np.full(rows.size, l) for rnd in seq for l, rows in rnd])
+        ex = np.concatenate([rows.reshape(-1) for rnd in seq for _, rows in rnd])
+        future = (lay, ex)
+
+    def mk():
+        if policy in ("static", "adaptive"):
+            p = prof(L, E, [(l, e) for l in range(L) for e in range(0, E, 3)])
+            extra = {"adapt_every": 2, "copy_delay_rounds": 0} if policy == "adaptive" else {}
+            return make_tier(policy, profile=p, slots=L * 4, **extra)
+        if policy == "static-arrival":
+            return make_tier("static", n_layers=L, n_expert=E, slots=L * 4)
+        return make_tier(policy, n_layers=L, n_expert=E, slots=L * 4, future=future)
+
+    one, rows_t = mk(), mk()
+    for rnd in seq:
+        for l, rows in rnd:
+            want = np.stack([one.access(l, row) for row in rows])
+            got = rows_t.access_rows(l, rows)
+            assert np.array_equal(got, want), (policy, l)
+        one.end_round()
+        rows_t.end_round()
+    assert rows_t.stats() == one.stats() and 0 < one.stats()["hits"] < one.stats()["entries"]
+    assert np.array_equal(rows_t.resident_mask(), one.resident_mask())
+    before = rows_t.stats()
+    with pytest.raises(StrataError, match=f"layer 1: expert {E} is out of range for {E} experts"):
+        rows_t.access_rows(1, np.array([[0, 1, 2], [3, E, 4]]))
+    with pytest.raises(StrataError, match="layer 3 is out of range for a tier of 3 layers"):
+        rows_t.access_rows(3, np.array([[0, 1, 2]]))
+    assert rows_t.stats() == before

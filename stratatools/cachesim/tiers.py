@@ -151,6 +151,31 @@ class Tier:
         self.all_hit_records += int(nh == len(ex))
         return h
 
+    def access_rows(self, layer: int, rows) -> np.ndarray:
+        """T records of one layer in order (``rows``: int [T, k], each row distinct experts): the same ``_access``
+        calls in the same order and the same counters as T :meth:`access` calls, with the range checks done once
+        for all rows (the runtime feeds a prompt's positions this way). Returns bool [T, k].
+
+        Raises StrataError for a layer or expert out of range (before any of the rows is counted).
+        """
+        layer = int(layer)
+        r = np.asarray(rows, dtype=np.int64)
+        r = r.reshape(r.shape[0] if r.ndim else 1, -1)
+        if not 0 <= layer < self.n_layers:
+            raise StrataError(f"layer {layer} is out of range for a tier of {self.n_layers} layers")
+        bad = (r < 0) | (r >= self.n_expert)
+        if bad.any():
+            raise StrataError(f"layer {layer}: expert {int(r[bad][0])} is out of range for {self.n_expert} experts")
+        out = np.empty(r.shape, dtype=bool)
+        for t, ex in enumerate(r.tolist()):
+            out[t] = self._access(layer, ex)
+        nh = out.sum(axis=1)
+        self.layer_entries[layer] += int(r.size)
+        self.layer_hits[layer] += int(nh.sum())
+        self.records += int(r.shape[0])
+        self.all_hit_records += int((nh == r.shape[1]).sum())
+        return out
+
     def end_round(self) -> None:
         """Close a round (one decode position or verify window)."""
         self.rounds += 1

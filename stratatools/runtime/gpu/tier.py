@@ -484,6 +484,8 @@ class GPUExpertTier:
         if isinstance(self.policy, AllResident) and self.on_access is None:  # every access hits: no loop needed
             self.policy.entries += int(rows.size)
             hits = np.ones(rows.shape, dtype=bool)
+        elif hasattr(self.policy, "access_rows") and self.on_access is None:  # the simulator's tiers: checks once
+            hits = np.asarray(self.policy.access_rows(layer, rows), dtype=bool)
         else:
             hits = np.empty(rows.shape, dtype=bool)
             for t in range(rows.shape[0]):
