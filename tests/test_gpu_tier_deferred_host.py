@@ -148,6 +148,9 @@ def test_access_rows_counts_as_access_and_copies_the_final_set_once(fake_cupy, m
     mk = lambda: T.GPUExpertTier(arena, make_tier(policy, n_layers=L, n_expert=E, slots=L * 3,  # noqa: E731
                                                   blob_bytes=bb), miss_mode="host")
     one, rows = mk(), mk()
+    seen = {id(one): [0, 0], id(rows): [0, 0]}  # what on_access (the run's per-phase counting) was told
+    for t in (one, rows):
+        t.on_access = lambda layer, hit, c=seen[id(t)]: c.__setitem__(slice(0, 2), [c[0] + hit.size, c[1] + int(hit.sum())])
     ids = np.random.default_rng(2).integers(0, E, size=(40, L, 2))
     for l in range(L):
         want = np.stack([one.access(l, ids[t, l]) for t in range(ids.shape[0])])
@@ -157,6 +160,7 @@ def test_access_rows_counts_as_access_and_copies_the_final_set_once(fake_cupy, m
     for key in ("hits", "misses", "layer_hits", "layer_misses", "miss_host_read_bytes", "miss_copy_bytes"):
         assert a[key] == b[key], key
     assert a["hits"] + a["misses"] == 40 * L * 2 and a["misses"] > 0
+    assert seen[id(one)] == seen[id(rows)] == [40 * L * 2, a["hits"]]
     assert [set(d) for d in one.slot_of] == [set(d) for d in rows.slot_of]
     assert np.array_equal(one.policy.resident_mask(), rows.policy.resident_mask())
     for l in range(L):

@@ -304,7 +304,8 @@ class GPUExpertTier:
         #: device addresses read by expert jobs not launched yet (see :meth:`ffn`), and what launches them
         self._pending: set[int] = set()
         self._flush: Any = None
-        #: called as on_access(layer, hit bool [k]) after every policy access (per-phase counting by the caller)
+        #: called as on_access(layer, hit bool [n]) after the policy accesses of one call (one record, or a prompt's
+        #: records of one layer: :meth:`access_rows`), for per-phase counting by the caller
         self.on_access: Any = None
         #: bumped whenever an expert moves in or out of a slot (the static decoder re-uploads its slot table)
         self.version = 0
@@ -481,18 +482,13 @@ class GPUExpertTier:
         (``admit_*``, ``evictions`` and ``bytes_moved`` count the copies and evictions made, so they are smaller).
         ``rows``: expert ids [T, k]. Returns hit bool [T, k]."""
         rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
-        if isinstance(self.policy, AllResident) and self.on_access is None:  # every access hits: no loop needed
+        if isinstance(self.policy, AllResident):  # every access hits: no loop needed
             self.policy.entries += int(rows.size)
             hits = np.ones(rows.shape, dtype=bool)
-        elif hasattr(self.policy, "access_rows") and self.on_access is None:  # the simulator's tiers: checks once
+        else:  # the simulator's tiers (Tier.access_rows: the same accesses as row by row, checks once)
             hits = np.asarray(self.policy.access_rows(layer, rows), dtype=bool)
-        else:
-            hits = np.empty(rows.shape, dtype=bool)
-            for t in range(rows.shape[0]):
-                h = np.asarray(self.policy.access(layer, rows[t]), dtype=bool)
-                if self.on_access is not None:
-                    self.on_access(layer, h)
-                hits[t] = h
+        if self.on_access is not None:
+            self.on_access(layer, hits.reshape(-1))
         nh = int(hits.sum())
         self.counters.hits[layer] += nh
         self.counters.misses[layer] += int(hits.size - nh)
