@@ -203,18 +203,6 @@ def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:
                                  experts="mma" if gemm in ("mma", "hgemm") else "rows")
 
 
-def _queue_planned(model: Any, cfg: Any, batch: int) -> bool:
-    """Will the run's decoder keep the token and PLE tables on the device for queued steps? Only when
-    ``STRATATOOLS_DECODE_QUEUE=1`` asks for them, the run decodes one sequence at a time (``--batch`` runs the
-    batched step), ``STRATATOOLS_ASYNC_SWAPS`` is off (the queue is then off) and the tables' types can be staged."""
-    import os
-
-    from stratatools.runtime.gpu.decode import decode_queue_enabled, device_stage_check
-
-    return (decode_queue_enabled() and int(batch) <= 1 and os.environ.get("STRATATOOLS_ASYNC_SWAPS", "0") != "1"
-            and device_stage_check(model, cfg)[0])
-
-
 def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gib: float | None,
               slots: int | None, n_expert_total: int, selection: str = "transformers", batch: int = 1) -> VramPlan:
     """Plan the GPU path's device memory.
@@ -243,14 +231,16 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     caches = cache_bytes(cfg, max_ctx, selection) * (1 + int(batch) if batch > 1 else 1)
     if batch > 1:  # the batched step's small float32 matrices (stratatools.runtime.gpu.batch.SMALL_F32_TOTAL at most)
         caches += 256 << 20
-    from stratatools.runtime.gpu.decode import (decode_queue_enabled, fetch_staging_bytes, miss_fetch_mode,
-                                                stage_table_bytes)
+    from stratatools.runtime.gpu.decode import fetch_staging_bytes, miss_fetch_mode, queue_status, stage_table_bytes
+
+    # the token and PLE tables stay on the device when queued steps run (one sequence at a time: --batch has none)
+    queued = int(batch) <= 1 and queue_status(model, cfg)[0]
 
     plan = VramPlan(dense_device_bytes(model, cfg, indexer=long), caches, RESERVE_BYTES,
                     sb, 0, None, prefill_bytes(model, cfg, max_ctx),
                     fetch_staging_bytes(miss_fetch_mode(), cfg.n_expert_used, sb, min(cfg.n_expert)),
                     batch_step_bytes(model, cfg, batch, max_ctx),
-                    stage_table_bytes(model, cfg) if _queue_planned(model, cfg, batch) else 0)
+                    stage_table_bytes(model, cfg) if queued else 0)
     if vram_gib is None:
         plan.slots = n_expert_total if slots is None else int(slots)
         return plan

@@ -133,6 +133,19 @@ def decode_queue_enabled() -> bool:
     return os.environ.get(DECODE_QUEUE_ENV, "").strip() == "1"
 
 
+def queue_status(model: Any, cfg: Any, asked: bool | None = None, async_swaps: bool | None = None,
+                 gpu: bool = True) -> tuple[bool, str]:
+    """Whether queued decode steps run (:class:`stratatools.runtime.gpu.engine.DecoderRuntime` ``queue``) and, when
+    not, why: asked for (``asked``, None: :func:`decode_queue_enabled`), not with ``STRATATOOLS_ASYNC_SWAPS=1``
+    (``async_swaps``, None: that variable), and on a GPU decoder only where :func:`device_stage_check` passes
+    (a numpy decoder takes its tokens from the host). Returns (on, reason: "" when on)."""
+    if not (decode_queue_enabled() if asked is None else asked):
+        return False, f"{DECODE_QUEUE_ENV} is not 1"
+    if (os.environ.get("STRATATOOLS_ASYNC_SWAPS", "0") == "1") if async_swaps is None else async_swaps:
+        return False, "not with STRATATOOLS_ASYNC_SWAPS=1"
+    return device_stage_check(model, cfg) if gpu else (True, "")
+
+
 def stage_tables(model: Any, cfg: Any) -> list[str]:
     """The tables device staging reads: ``token_embd.weight`` and, for a model with PLE layers,
     ``per_layer_token_embd.weight``."""

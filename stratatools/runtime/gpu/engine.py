@@ -48,11 +48,11 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, SequenceState
 
-from stratatools.runtime.gpu.decode import StaticDecoder
+from stratatools.runtime.gpu.decode import DECODE_QUEUE_ENV, StaticDecoder, queue_status
 
 
-#: Queued greedy decoding (module docstring): ``1`` turns it on (the same variable as decode.DECODE_QUEUE_ENV).
-QUEUE_ENV = "STRATATOOLS_DECODE_QUEUE"
+#: Queued greedy decoding (module docstring): ``1`` turns it on.
+QUEUE_ENV = DECODE_QUEUE_ENV
 
 
 class DecoderRuntime:
@@ -102,19 +102,8 @@ class DecoderRuntime:
             raise StrataError(f"prefill mode {mode!r} (STRATATOOLS_PREFILL) is not one of batched, steps")
         self.prefill_mode = mode
         self.prefill_chunk = prefill_chunk
-        if queue is None:
-            from stratatools.runtime.gpu.decode import decode_queue_enabled
-
-            queue = decode_queue_enabled()
         #: queued greedy decoding (module docstring): asked for, and possible (device staging of the step's inputs)
-        self.queue, self.queue_reason = bool(queue), ("" if queue else f"{QUEUE_ENV} is not 1")
-        if self.queue and self.async_swaps:
-            self.queue, self.queue_reason = False, "not with STRATATOOLS_ASYNC_SWAPS=1"
-        if self.queue and self.dec.gpu:
-            ready = getattr(self.dec, "device_stage_ready", None)
-            ok, why = ready() if ready is not None else (False, "this decoder cannot stage a step's inputs on the device")
-            if not ok:
-                self.queue, self.queue_reason = False, why
+        self.queue, self.queue_reason = queue_status(rt.w.model, self.cfg, queue, self.async_swaps, self.dec.gpu)
         self.discarded_steps = 0
 
     def finish(self) -> None:
