@@ -469,7 +469,6 @@ class StaticDecoder:
             self._out_ring = [cupyx.empty_pinned(nb, dtype=np.uint8) for _ in range(2)]
             self._out_host = self._out_ring[0]
             self._out_event = None
-            self._prev_out: tuple[Any, Any] | None = None  # (pinned copy, event) of the step before the last
         else:
             self.ids = xp.zeros((L, self.k), dtype=xp.int32)
             self.weights = xp.zeros((L, self.k), dtype=xp.float32)
@@ -477,8 +476,10 @@ class StaticDecoder:
         self.next_token_dev = None
         self.pos = 0
         self.ple_ctx = np.full(max(cfg.ple_ngram - 1, 0), cfg.eos_id, dtype=np.int64)
+        # read_step: (pinned copy, event) of the step before the last (CuPy); the last two steps' outputs (numpy);
+        # the steps since load_state, so that a step of an earlier sequence is never read
         self._prev_out = self._prev_np = self._last_np = None
-        self._seq_steps = 0  # steps since load_state (read_step)
+        self._seq_steps = 0
         self.graph = None
         self.graphs: list = []  # the captured pieces of the step, replayed in order (graph: the first)
         self._cut_at: set[int] = set()  # layers where capture() starts a new piece (empty outside a capture)
@@ -1077,8 +1078,8 @@ class StaticDecoder:
         w = self.weights[il]
         sg = cp.empty(1, dtype=cp.float32)
         X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
-        pf_after = self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer and self._pf_after
-        if self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer and not pf_after:
+        prefetch = self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer
+        if prefetch and not self._pf_after:
             self._prefetch_next(il, X)
         block = (min(1024, max(32, (E + 31) // 32 * 32)),)
         route = (np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
@@ -1092,7 +1093,7 @@ class StaticDecoder:
             self.k_dot_sig((1,), (256,), (X, sgw, np.int32(X.size), sg))
         if self.miss_fetch != "zero-copy":
             pt = self._fetch_layer(il, pt)
-        if pf_after:  # the next layer's copies start once this layer's late ones are queued (no bus contention)
+        if prefetch and self._pf_after:  # the next layer's copies start once this layer's late ones are queued
             self._prefetch_next(il, X)
         dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
@@ -1191,8 +1192,7 @@ class StaticDecoder:
             self.ple_conv[il][...] = 0 if prev is None else xp.asarray(prev)
         self.ple_ctx = np.array(state.ple_ctx, dtype=np.int64, copy=True)
         self.pos = int(state.pos)
-        self._prev_out, self._prev_np, self._last_np = None, None, None  # no step of this sequence has run
-        self._seq_steps = 0
+        self._seq_steps = 0  # no step of this sequence has run (read_step)
 
     def _stage_position(self, s: np.ndarray) -> None:
         """The position-dependent inputs of the step at ``self.pos`` into the staging vector ``s`` [n_in]: the rope
@@ -1767,7 +1767,7 @@ class StaticDecoder:
                                                  self.cp.cuda.runtime.memcpyDeviceToHost, self._stream.ptr)
                 self._out_event = self._stream.record()
             else:  # numpy: the outputs of the last two steps, as the pinned copies hold them on CuPy
-                self._prev_np = getattr(self, "_last_np", None)
+                self._prev_np = self._last_np
                 self._last_np = (int(self.next_token_dev), _to_host(self.ids).copy(), _to_host(self.weights).copy())
         self.pos += 1
         self._seq_steps += 1
@@ -1859,15 +1859,13 @@ class StaticDecoder:
         StrataError when that step has not run."""
         if back not in (0, 1):
             raise StrataError(f"read_step(back={back}): the decoder keeps the outputs of the last two steps")
+        if self._seq_steps <= back:  # (a step of an earlier sequence does not count)
+            raise StrataError("no decode step has run yet")
         L, k = self.cfg.n_layer, self.k
         if not self.gpu:
-            got = getattr(self, "_last_np" if back == 0 else "_prev_np", None)
-            if got is None:
-                raise StrataError("no decode step has run yet")
+            got = self._last_np if back == 0 else self._prev_np
             return got[0], got[1].copy(), got[2].copy()
-        buf, ev = (self._out_host, self._out_event) if back == 0 else (self._prev_out or (None, None))
-        if ev is None or self._seq_steps <= back:  # (a step of an earlier sequence does not count)
-            raise StrataError("no decode step has run yet")
+        buf, ev = (self._out_host, self._out_event) if back == 0 else self._prev_out
         ev.synchronize()
         return (int(buf[:8].view(np.int64)[0]), buf[8:8 + 4 * L * k].view(np.int32).reshape(L, k).copy(),
                 buf[8 + 4 * L * k:].view(np.float32).reshape(L, k).copy())
@@ -1898,7 +1896,7 @@ class StaticDecoder:
         the same hits as the CPU path's one batched prefill."""
         tier = getattr(self.rt, "tier", None)
         for il in range(self.cfg.n_layer):
-            if tier is not None and ids.shape[0] > 1 and hasattr(tier, "access_rows"):
+            if tier is not None and hasattr(tier, "access_rows"):
                 tier.access_rows(il, ids[:, il])  # the same counts; VRAM follows once a layer, not once a position
             elif tier is not None:
                 for t in range(ids.shape[0]):
