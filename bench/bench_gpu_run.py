@@ -197,6 +197,13 @@ def kernel_profile(cp, gguf: str, prompt_ids: list, steps: int, slots: int | Non
     return rows
 
 
+def _kernel_name(name: str) -> str:
+    """A profiler's kernel name without its ``void `` / ``_Z`` prefix and argument list, at most 60 characters."""
+    for pre in ("void ", "_Z"):
+        name = name[len(pre):] if name.startswith(pre) else name
+    return name.split("(")[0][:60]
+
+
 def _union_len(iv: list) -> float:
     """Total length of the union of intervals [(start, end)] (same unit), in that unit."""
     tot, cur_s, cur_e = 0.0, None, None
@@ -237,7 +244,7 @@ def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
     end = None
     for e, (a, b) in zip(mk, miv):
         if end is not None and a > end:
-            nm = str(e.get("name", "?")).split("(")[0].replace("void ", "")[:60]
+            nm = _kernel_name(str(e.get("name", "?")))
             gaps[nm] = gaps.get(nm, 0.0) + (a - end)
         end = b if end is None else max(end, b)
     side = {}
@@ -251,7 +258,7 @@ def timeline_summary(events: list, steps: int, top: int = 8) -> dict:
         overlap += both
         names: dict = {}
         for e in evs:
-            nm = str(e.get("name", "?")).split("(")[0].replace("void ", "")[:60]
+            nm = _kernel_name(str(e.get("name", "?")))
             names[nm] = names.get(nm, 0.0) + float(e["dur"]) / 1e3 / n
         side[str(s)] = {"busy": sb / 1e3 / n, "kernels": len(evs) / n, "alone": (sb - both) / 1e3 / n,
                         "by_kernel": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])}
@@ -293,10 +300,7 @@ def kernel_rows(prof: Any, steps: int) -> list:
     for ev in prof.events():
         if getattr(ev, "device_type", None) is None or "CUDA" not in str(ev.device_type):
             continue
-        name = ev.name
-        for pre in ("void ", "_Z"):
-            name = name[len(pre):] if name.startswith(pre) else name
-        name = name.split("(")[0][:60]
+        name = _kernel_name(ev.name)
         t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         a = agg.setdefault(name, [0.0, 0])
         a[0] += t / 1e3
