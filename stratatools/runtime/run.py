@@ -585,6 +585,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         n_new_decoded = 0
         batch_info: dict[str, Any] = {"batch": int(batch)}
         if dev == "gpu":
+            if batch > 1 and getattr(rt, "queue", False):  # the batched step has no queued decode (nor its tables)
+                rt.queue, rt.queue_reason = False, "--batch runs the batched step"
             # graph capture and kernel compilation are one-time set-up, timed apart from the first prompt's prefill
             ts = time.perf_counter()
             rt.prepare()
@@ -621,8 +623,6 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
                 progress(1)
         if dev == "gpu":
             _device_memory(rt, dev_info, vram_plan)
-            if batch > 1 and "decode_queue" in dev_info:  # the batched step has no queued decode
-                dev_info["decode_queue"].update(on=False, reason="--batch runs the batched step")
         n_prompt = sum(len(x) for x in enc)
         n_new = sum(len(r.new_ids) for r in results)
         tstats = tier.stats() if tier is not None else None
