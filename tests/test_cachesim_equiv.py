@@ -69,8 +69,11 @@ def test_compiled_equals_online(case):
 @settings(max_examples=150, deadline=None)
 @given(cases())
 def test_belady_never_beaten(case):
+    """Belady bounds every demand policy (an expert is loaded only when it misses) under the same per-layer split:
+    static, LRU, LFU, LFRU. The adaptive tier's swaps load experts before their use, so it can beat demand Belady
+    (test_adaptive_swaps_can_beat_demand_belady)."""
     ent, prof, slots, adm, params, cap, blob, v02 = case
-    for pol, kw in [("static", {}), ("adaptive", params), ("adaptive", {**params, **v02, "upper_slots": 0})]:
+    for pol, kw in [("static", {})]:
         h, _, info = run_policy(ent, pol, profile=prof, slots=slots, admission=adm, **kw)
         hb, _, _ = run_policy(ent, "belady", cap=np.array(info["cap"]))
         assert hb.sum() >= h.sum(), pol
@@ -78,3 +81,24 @@ def test_belady_never_beaten(case):
     for pol in ("lru", "lfu", "lfru"):
         h, _, _ = run_policy(ent, pol, cap=cap)
         assert hb.sum() >= h.sum(), pol
+
+
+def test_adaptive_swaps_can_beat_demand_belady():
+    """The input on which the property test above once failed for the adaptive tier (found by hypothesis): layer 2
+    has 2 slots and records of 2 experts; the adaptive tier (Strata 0.2.x lag 2, instant copies) swaps experts in at
+    round ends, before they are used, and hits 14 of 18 entries, where demand Belady (loading only on a miss) hits
+    13. Not a defect: Belady is the optimum of demand policies only (docs/cache-model.md, Baselines)."""
+    layer = np.array([0, 0, 1, 1, 2, 2] * 9)
+    expert = np.array([2, 4, 4, 2, 2, 4, 2, 4, 5, 2, 2, 5, 5, 2, 5, 2, 5, 2, 2, 5, 5, 2, 2, 4, 4, 5, 2, 5, 4, 5, 4, 5,
+                       2, 4, 2, 1, 5, 2, 5, 2, 5, 4, 5, 2, 2, 4, 4, 2, 1, 5, 2, 5, 4, 5])
+    ent = Entries(layer=layer, expert=expert, rnd=np.repeat(np.arange(9), 6), record=np.repeat(np.arange(27), 2),
+                  request=np.zeros(54, dtype=np.int64), n_layers=3, n_expert=6, n_tokens=9, token=None, skipped={},
+                  rounds_by="positions", rounds=None, count=None)
+    prof = Profile(3, 6, np.array([[0, 0], [1, 2], [1, 0], [0, 2], [2, 2], [2, 4]]))
+    params = {"adapt_every": 1, "margin": 0.5, "usage_floor": 0.0, "copy_delay_rounds": 0, "decay": 0.5,
+              "max_moves": 1, "lag": 2, "pace_bytes": 0, "upper_slots": 0, "disjoint": 0}
+    h, _, info = run_policy(ent, "adaptive", profile=prof, slots=2, admission="per-layer", **params)
+    hb, _, _ = run_policy(ent, "belady", cap=np.array(info["cap"]))
+    assert info["cap"] == [0, 0, 2] and info["swaps"] == 5
+    assert [int(h[layer == l].sum()) for l in range(3)] == [0, 0, 14]
+    assert [int(hb[layer == l].sum()) for l in range(3)] == [0, 0, 13]
