@@ -120,12 +120,18 @@ def test_sigterm_mid_synth_leaves_no_temp_folder(tmp_path):
     import sys
     import time
 
+    # a long run that writes little (about 0.6 GiB planned): the disk check refused the 7 GiB of
+    # '--layers 1000 --experts 64' with revisions on a CI machine with less free space, before any temp folder
     out = tmp_path / "rel"
-    p = subprocess.Popen([sys.executable, "-m", "stratatools", "synth", str(out), "--layers", "1000",
-                          "--experts", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-m", "stratatools", "synth", str(out), "--layers", "2000",
+                          "--experts", "64", "--hidden", "32", "--no-revisions"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not any(x.name.endswith("stratatools-tmp") for x in tmp_path.iterdir()):
-        assert p.poll() is None and time.monotonic() < deadline
+        if p.poll() is not None:
+            pytest.fail(f"synth ended (rc {p.returncode}) before its temp folder appeared: "
+                        f"{p.stderr.read().decode(errors='replace')}")
+        assert time.monotonic() < deadline
         time.sleep(0.05)
     assert p.poll() is None
     p.send_signal(signal.SIGTERM)
