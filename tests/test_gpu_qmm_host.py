@@ -493,6 +493,44 @@ def test_prefill_qmm_and_expert_paths_on_host(hostcp):
     assert pf._experts_mma(0, _h(x), ids) == "rows path"
 
 
+def test_shared_split_splits_each_input_once_on_host(hostcp, monkeypatch):
+    """ChunkPrefill._shared_split: the GEMMs of one input array (the same object) inside the block share one
+    qmm.split of it (the batched step split its rows 16 times a layer); the results are bit for bit those of a
+    split per GEMM; another array (even with equal values) splits on its own; the memo ends with the block and
+    nested blocks restore the outer one."""
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+
+    rng = np.random.default_rng(5)
+    pf = ChunkPrefill.__new__(ChunkPrefill)
+    pf.gpu, pf.cp, pf.k, pf.gemm = True, hostcp, 3, "mma"
+    q8, q2 = type_by_name("Q8_0"), type_by_name("Q2_0")
+    cols = 256
+    ra, rb = blocks(rng, "Q8_0", 48, cols), blocks(rng, "Q2_0", 40, cols)
+    X, Y = _h(acts(rng, 9, cols)), _h(acts(rng, 9, cols))
+    calls = []
+    real = Q.split
+    monkeypatch.setattr(Q, "split", lambda a: calls.append(a.ctypes.data) or real(a))
+    ref_a, ref_b = np.asarray(pf._qmm(X, _h(ra), q8, 48, cols)), np.asarray(pf._qmm(X, _h(rb), q2, 40, cols))
+    ref_y = np.asarray(pf._qmm(Y, _h(ra), q8, 48, cols))
+    assert len(calls) == 3
+    calls.clear()
+    with pf._shared_split(X):
+        a, b = pf._qmm(X, _h(ra), q8, 48, cols), pf._qmm(X, _h(rb), q2, 40, cols)
+        assert len(calls) == 1
+        assert np.array_equal(np.asarray(pf._qmm(_h(np.array(X)), _h(ra), q8, 48, cols)), ref_a)  # equal values, not X
+        assert len(calls) == 2
+        with pf._shared_split(Y):
+            y1, y2 = pf._qmm(Y, _h(ra), q8, 48, cols), pf._qmm(Y, _h(ra), q8, 48, cols)
+            assert len(calls) == 3
+        assert np.array_equal(np.asarray(pf._qmm(X, _h(ra), q8, 48, cols)), ref_a) and len(calls) == 3
+    assert pf._xs_memo is None
+    assert np.array_equal(np.asarray(a), ref_a) and np.array_equal(np.asarray(b), ref_b)
+    assert np.array_equal(np.asarray(y1), ref_y) and np.array_equal(np.asarray(y2), ref_y)
+    pf._qmm(X, _h(ra), q8, 48, cols)
+    assert len(calls) == 4  # after the block: a split per GEMM again
+
+
 NVCC = shutil.which("nvcc")
 
 

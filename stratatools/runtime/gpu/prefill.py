@@ -49,6 +49,7 @@ against numpy decode steps there; the CUDA kernels are checked as host C++).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -471,8 +472,8 @@ class ChunkPrefill:
             if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
                 return None
             args = (t.name, raw, None, rows, cols)
+        xs = self._split(X)
         X = cp.ascontiguousarray(X, dtype=cp.float32)
-        xs = qmm.split(X)
         if self.gemm == "hgemm":
             fits = self._hgemm_fits()
             if fits.get(key) is not False:
@@ -548,17 +549,19 @@ class ChunkPrefill:
                 H = H + self._ple(il, H, ple_rows[il])
             self._tic("hc")
             mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
-            if cfg.recurrent[il]:
-                self._tic("gdn")
-                y = self._gdn(il, mixed)
-            else:
-                self._tic("attention")
-                y = self._attention(il, mixed, pos, cos, sin)
+            with self._shared_split(mixed):  # the mixer's projections read one split of its input
+                if cfg.recurrent[il]:
+                    self._tic("gdn")
+                    y = self._gdn(il, mixed)
+                else:
+                    self._tic("attention")
+                    y = self._attention(il, mixed, pos, cos, sin)
             self._tic("hc")
             H = self._inject(H, y, inject)
             mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
             self._tic("moe")
-            y, i, w = self._moe(il, mixed)
+            with self._shared_split(mixed):  # router, routed and shared experts: one split
+                y, i, w = self._moe(il, mixed)
             if i is not None:
                 ids_out[:, il] = i
                 w_out[:, il] = w
@@ -612,6 +615,12 @@ class ChunkPrefill:
         w = self._f32(f"{prefix}_norm.weight")
         hn = cp.empty_like(H)
         self.dec.k_rms((T * hc,), (256,), (H, w, hn, np.int32(n), np.int32(w.size), np.float32(cfg.eps)))
+        with self._shared_split(hn):  # down and inject read the same normed streams
+            return self._hc_gpu_mix(prefix, hn, T, inject)
+
+    def _hc_gpu_mix(self, prefix: str, hn: Any, T: int, inject: bool) -> tuple[Any, Any]:
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
         d = self._mm(hn, f"{prefix}_down.weight")
         m = self._ew("pf_silu_div", "float32 d, float32 div", "float32 m",
                      "float a = d / div; m = a * (1.0f / (1.0f + expf(-a)));")(d, np.float32(hc))
@@ -927,6 +936,33 @@ class ChunkPrefill:
 
     #: set by the batched decoder while it runs (or captures) its graph step: GEMMs through a capturable cuBLAS call
     _in_static = False
+    #: [X, its split or None] while :meth:`_shared_split` is open for X
+    _xs_memo: list[Any] | None = None
+
+    @contextlib.contextmanager
+    def _shared_split(self, X: Any) -> Any:
+        """Within the block, the tensor-core GEMMs and expert jobs given exactly the array ``X`` (the same object)
+        share one :func:`stratatools.runtime.gpu.qmm.split` of it instead of splitting it once per matrix (the
+        batched step split the same rows into fp16 halves 16 times a layer). The block must not write into ``X``.
+        The split is made at the first use, so a block whose GEMMs take another path splits nothing."""
+        prev = self._xs_memo
+        self._xs_memo = [X, None]
+        try:
+            yield
+        finally:
+            self._xs_memo = prev
+
+    def _split(self, X: Any) -> tuple[Any, Any, Any]:
+        """:func:`stratatools.runtime.gpu.qmm.split` of the rows ``X`` [T, K] (CuPy), reused while a
+        :meth:`_shared_split` of ``X`` is open."""
+        from stratatools.runtime.gpu import qmm
+
+        memo = self._xs_memo
+        if memo is not None and memo[0] is X:
+            if memo[1] is None:
+                memo[1] = qmm.split(self.cp.ascontiguousarray(X, dtype=self.cp.float32))
+            return memo[1]
+        return qmm.split(self.cp.ascontiguousarray(X, dtype=self.cp.float32))
 
     def _sgemm(self, X: Any, W: Any) -> Any:
         """X [T, K] @ W.T for W [R, K]: float32 [T, R] (xp's matmul; in the batched decoder's graph step
@@ -981,7 +1017,7 @@ class ChunkPrefill:
         ly = self.rt.tier.arena.layers[il]
         hidden, ff = ly.hidden, ly.ff
         J = int(ptr.size)
-        xs = qmm.split(cp.ascontiguousarray(x, dtype=cp.float32))
+        xs = self._split(x)
         hbuf = cp.zeros((J * JOB_TOKENS_MMA, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
         qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff)
         hs = qmm.split(hbuf)
