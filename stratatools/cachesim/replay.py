@@ -42,6 +42,7 @@ their whole-array signatures (``simulate_policy`` also takes a stream) and give 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -1110,6 +1111,9 @@ class Replay:
         self.cap = np.asarray(cap, dtype=np.int64)
         self.info = {"n_slots": int(self.cap.sum()), "fill_bytes": 0, "admission": "per-layer",
                      "cap": self.cap.tolist(), "params": p}
+        if policy in ("lfu", "lfru") and not math.isfinite(float(p["decay"])):
+            raise StrataError(f"{policy}: decay {p['decay']} must be a finite number (0.7 is the default; "
+                              f"--set {policy}.decay=X)")
         if policy == "lru":
             self.state = K.lru_state(L, E)
         elif policy == "lfu":

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from heapq import heapify, heappop, heappush, heapreplace
 from typing import Any
 
 import numpy as np
@@ -522,63 +523,116 @@ class LRUTier(Tier):
         return m
 
 
-def _lfu_victim(members: list[int], cnt: np.ndarray) -> int:
-    """The member with the smallest (count, id): the least frequently used, ties to the lowest expert id. Long lists
-    through numpy (one gather instead of a key call per member), short ones in Python; the same result either way."""
-    if len(members) <= 16:
-        return min(members, key=lambda x: (cnt[x], x))
-    m = np.fromiter(members, dtype=np.int64, count=len(members))
-    c = cnt[m]
-    return int(m[c == c.min()].min())
+def _lfu_victim(heap: list, members: set, cnt: list) -> int:
+    """Pop the member with the smallest (count, id) off a layer's lazy heap: the least frequently used, ties to the
+    lowest expert id (the same choice as a scan of every member: ``_tiers_reference.reference_lfu_victim``).
+
+    ``heap`` holds ``(count, id)`` entries with every member represented by at least one entry whose count is at most
+    its count now (counts only grow between two decays; a decay rebuilds the heap), and may hold entries of experts
+    that left. Pops entries that are no longer members, re-files entries whose count has grown since, and stops at the
+    first entry that is exact: it is the smallest key of all members. O(log n) amortised per eviction."""
+    while True:
+        c, v = heap[0]
+        if v in members:
+            cur = cnt[v]
+            if cur == c:
+                heappop(heap)
+                return v
+            heapreplace(heap, (cur, v))
+        else:
+            heappop(heap)
 
 
 class _DecayCounts:
+    """Decayed access counts, per layer a list of E Python floats (float64: every increment and decay is the same IEEE
+    operation as in the compiled kernels and the reference). A decay is applied to a layer lazily, when the layer is
+    next accessed or :attr:`counts` is read: the same multiplications in the same order, so the same values bit for
+    bit. The subclass keeps, per layer, a lazy heap of its LFU candidates (:func:`_lfu_victim`), rebuilt by
+    ``_rebuild(layer)`` after a decay."""
+
     def _init_counts(self, params: dict, defaults: dict) -> dict:
         p = _with_defaults(self.policy, params, defaults)
         self.decay = float(p["decay"])
         self.decay_every = int(p["decay_every"])
         if self.decay_every < 1:
             raise StrataError(f"{self.policy}: decay_every must be >= 1")
-        self.counts = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
+        if not math.isfinite(self.decay):
+            raise StrataError(f"{self.policy}: decay {p['decay']} must be a finite number (0.7 is the default; "
+                              f"--set {self.policy}.decay=X)")
+        self._cnt: list[list[float]] = [[0.0] * self.n_expert for _ in range(self.n_layers)]
+        self._epoch = 0  # decays so far (a decay of 1.0 changes nothing and is not counted)
+        self._lep = [0] * self.n_layers  # decays applied to each layer's counts
         return p
 
     def _decay_round(self) -> None:
-        if self.rounds % self.decay_every == 0:
-            self.counts *= self.decay
+        if self.rounds % self.decay_every == 0 and self.decay != 1.0:
+            self._epoch += 1
+
+    def _catch_up(self, layer: int) -> None:
+        """Apply the decays ``layer`` has not had yet to its counts, then rebuild its heap."""
+        n = self._epoch - self._lep[layer]
+        self._lep[layer] = self._epoch
+        cnt, d = self._cnt[layer], self.decay
+        for i in range(n):
+            cnt[:] = [x * d for x in cnt]
+            if i and d >= 0.0 and not any(cnt):  # all zero: stays zero
+                break
+        self._rebuild(layer)
+
+    def _rebuild(self, layer: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def counts(self) -> np.ndarray:
+        """float64 [L, E]: the decayed counts now (a copy)."""
+        for l in range(self.n_layers):
+            if self._lep[l] != self._epoch:
+                self._catch_up(l)
+        return np.array(self._cnt, dtype=np.float64).reshape(self.n_layers, self.n_expert)
 
 
 class LFUTier(_DecayCounts, Tier):
-    """Per-layer LFU with decayed counts; starts empty."""
+    """Per-layer LFU with decayed counts; starts empty. Residents per layer in a set, the victim from a lazy heap
+    (:func:`_lfu_victim`): O(log cap) per eviction instead of a scan of the layer's residents."""
 
     policy = "lfu"
 
     def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
         Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
         self._init_counts(params, LFU_DEFAULTS)
-        self.res = np.zeros((self.n_layers, self.n_expert), dtype=bool)
-        self.members: list[list[int]] = [[] for _ in range(self.n_layers)]
+        self.members: list[set[int]] = [set() for _ in range(self.n_layers)]
+        self._heap: list[list[tuple[float, int]]] = [[] for _ in range(self.n_layers)]  # one entry per member
+
+    def _rebuild(self, layer: int) -> None:
+        cnt, h = self._cnt[layer], self._heap[layer]
+        h[:] = [(cnt[m], m) for m in self.members[layer]]
+        heapify(h)
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
-        cnt = self.counts[layer]
-        row = self.res[layer]
+        if self._lep[layer] != self._epoch:
+            self._catch_up(layer)
+        cnt = self._cnt[layer]
         mem = self.members[layer]
+        heap = self._heap[layer]
         c = int(self.cap[layer])
         out = []
+        loads = 0
         for e in experts:
-            cnt[e] += 1.0
-            if row[e]:
+            x = cnt[e] + 1.0
+            cnt[e] = x
+            if e in mem:
                 out.append(True)
                 continue
             out.append(False)
             if c <= 0:
                 continue
             if len(mem) >= c:
-                v = _lfu_victim(mem, cnt)
-                mem.remove(v)
-                row[v] = False
-            mem.append(e)
-            row[e] = True
-            self.layer_loads[layer] += 1
+                mem.discard(_lfu_victim(heap, mem, cnt))
+            mem.add(e)
+            heappush(heap, (x, e))
+            loads += 1
+        if loads:
+            self.layer_loads[layer] += loads
         return out
 
     def end_round(self) -> None:
@@ -586,11 +640,21 @@ class LFUTier(_DecayCounts, Tier):
         self._decay_round()
 
     def resident_mask(self) -> np.ndarray:
-        return self.res.copy()
+        m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
+        for l, mem in enumerate(self.members):
+            m[l, list(mem)] = True
+        return m
+
+    def resident_row(self, layer: int) -> np.ndarray:
+        m = np.zeros(self.n_expert, dtype=bool)
+        m[list(self.members[layer])] = True
+        return m
 
 
 class LFRUTier(_DecayCounts, Tier):
-    """Per-layer LFRU: privileged LRU partition + unprivileged decayed-LFU partition; starts empty."""
+    """Per-layer LFRU: privileged LRU partition + unprivileged decayed-LFU partition; starts empty. The unprivileged
+    residents per layer in a set, the victim from a lazy heap (:func:`_lfu_victim`; entries of promoted experts are
+    dropped lazily, the heap rebuilt when they outnumber the members)."""
 
     policy = "lfru"
 
@@ -603,39 +667,48 @@ class LFRUTier(_DecayCounts, Tier):
         self.pcap = np.array([math.ceil(int(c) * frac) for c in self.cap], dtype=np.int64)
         self.ucap = self.cap - self.pcap
         self.priv: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n_layers)]
-        self.unpriv: list[list[int]] = [[] for _ in range(self.n_layers)]
+        self.unpriv: list[set[int]] = [set() for _ in range(self.n_layers)]
+        self._heap: list[list[tuple[float, int]]] = [[] for _ in range(self.n_layers)]
 
-    def _demote(self, layer: int) -> None:
-        pv, up = self.priv[layer], self.unpriv[layer]
-        if len(pv) > self.pcap[layer]:
-            d, _ = pv.popitem(last=False)
-            up.append(d)
-            if len(up) > self.ucap[layer]:
-                cnt = self.counts[layer]
-                v = _lfu_victim(up, cnt)
-                up.remove(v)
+    def _rebuild(self, layer: int) -> None:
+        cnt, h = self._cnt[layer], self._heap[layer]
+        h[:] = [(cnt[m], m) for m in self.unpriv[layer]]
+        heapify(h)
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
-        pv, up = self.priv[layer], self.unpriv[layer]
-        cnt = self.counts[layer]
+        if self._lep[layer] != self._epoch:
+            self._catch_up(layer)
+        pv, up, heap = self.priv[layer], self.unpriv[layer], self._heap[layer]
+        cnt = self._cnt[layer]
+        pc, uc, c = int(self.pcap[layer]), int(self.ucap[layer]), int(self.cap[layer])
         out = []
+        loads = 0
         for e in experts:
-            cnt[e] += 1.0
+            x = cnt[e] + 1.0
+            cnt[e] = x
             if e in pv:
                 pv.move_to_end(e)
                 out.append(True)
-            elif e in up:
+                continue
+            if e in up:  # promoted: its heap entry goes stale (dropped when popped, or at a rebuild)
                 up.remove(e)
-                pv[e] = None
-                self._demote(layer)
                 out.append(True)
+                if len(heap) > 2 * len(up) + 16:
+                    self._rebuild(layer)
             else:
                 out.append(False)
-                if self.cap[layer] <= 0:
+                if c <= 0:
                     continue
-                pv[e] = None
-                self.layer_loads[layer] += 1
-                self._demote(layer)
+                loads += 1
+            pv[e] = None
+            if len(pv) > pc:  # demote the privileged LRU expert; evict the unprivileged LFU one on overflow
+                d = pv.popitem(last=False)[0]
+                up.add(d)
+                heappush(heap, (cnt[d], d))
+                if len(up) > uc:
+                    up.discard(_lfu_victim(heap, up, cnt))
+        if loads:
+            self.layer_loads[layer] += loads
         return out
 
     def end_round(self) -> None:
@@ -645,12 +718,12 @@ class LFRUTier(_DecayCounts, Tier):
     def resident_mask(self) -> np.ndarray:
         m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
         for l in range(self.n_layers):
-            m[l, list(self.priv[l]) + self.unpriv[l]] = True
+            m[l, list(self.priv[l]) + list(self.unpriv[l])] = True
         return m
 
     def resident_row(self, layer: int) -> np.ndarray:
         m = np.zeros(self.n_expert, dtype=bool)
-        m[list(self.priv[layer]) + self.unpriv[layer]] = True
+        m[list(self.priv[layer]) + list(self.unpriv[layer])] = True
         return m
 
 
