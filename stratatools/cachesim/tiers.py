@@ -627,7 +627,12 @@ class LFUTier(_DecayCounts, Tier):
             if c <= 0:
                 continue
             if len(mem) >= c:
-                mem.discard(_lfu_victim(heap, mem, cnt))
+                v = heap[0][1]  # the heap's top is nearly always exact: no call then
+                if cnt[v] == heap[0][0]:
+                    heappop(heap)
+                else:
+                    v = _lfu_victim(heap, mem, cnt)
+                mem.discard(v)
             mem.add(e)
             heappush(heap, (x, e))
             loads += 1
@@ -706,7 +711,12 @@ class LFRUTier(_DecayCounts, Tier):
                 up.add(d)
                 heappush(heap, (cnt[d], d))
                 if len(up) > uc:
-                    up.discard(_lfu_victim(heap, up, cnt))
+                    v = heap[0][1]  # the heap's top is nearly always exact: no call then
+                    if v in up and cnt[v] == heap[0][0]:
+                        heappop(heap)
+                    else:
+                        v = _lfu_victim(heap, up, cnt)
+                    up.discard(v)
         if loads:
             self.layer_loads[layer] += loads
         return out
