@@ -35,7 +35,8 @@ Policies (``make_tier(policy, ...)``):
 * ``lru``: per-layer least-recently-used at entry granularity; starts empty; a miss always loads.
 * ``lfu``: per-layer least-frequently-used; counts of every access decay by ``decay`` (0.7) every
   ``decay_every`` (4) rounds; a miss loads and evicts the resident with the smallest count (ties: the
-  smallest expert index); starts empty.
+  smallest expert index); starts empty. (The victim comes from a lazy heap per layer, O(log cap) per eviction;
+  :mod:`._tiers_reference` is the plain scan it is tested equal to.)
 * ``lfru``: two partitions per layer: privileged (LRU, ``ceil(cap * privileged_frac)`` slots,
   ``privileged_frac`` 0.5) and unprivileged (LFU with the same decayed counts). A miss enters the
   privileged partition; the privileged LRU expert is demoted to the unprivileged one, whose smallest-count
