@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from heapq import heapify, heappop, heappush, heapreplace
+from heapq import heapify, heappop, heappush, heappushpop, heapreplace
 from typing import Any
 
 import numpy as np
@@ -545,11 +545,11 @@ def _lfu_victim(heap: list, members: set, cnt: list) -> int:
 
 
 class _DecayCounts:
-    """Decayed access counts, per layer a list of E Python floats (float64: every increment and decay is the same IEEE
-    operation as in the compiled kernels and the reference). A decay is applied to a layer lazily, when the layer is
-    next accessed or :attr:`counts` is read: the same multiplications in the same order, so the same values bit for
-    bit. The subclass keeps, per layer, a lazy heap of its LFU candidates (:func:`_lfu_victim`), rebuilt by
-    ``_rebuild(layer)`` after a decay."""
+    """Decayed access counts: :attr:`counts` float64 [L, E], decayed in place at the round end (one numpy multiply,
+    as in the reference and the compiled kernels), read and incremented entry by entry through a memoryview per layer
+    (a Python float each, without numpy's per-scalar cost; the same IEEE float64 operations). The subclass keeps, per
+    layer, a lazy heap of its LFU candidates (:func:`_lfu_victim`); a decay invalidates the heaps, and each layer's is
+    rebuilt by ``_rebuild(layer)`` when the layer is next accessed."""
 
     def _init_counts(self, params: dict, defaults: dict) -> dict:
         p = _with_defaults(self.policy, params, defaults)
@@ -560,36 +560,31 @@ class _DecayCounts:
         if not math.isfinite(self.decay):
             raise StrataError(f"{self.policy}: decay {p['decay']} must be a finite number (0.7 is the default; "
                               f"--set {self.policy}.decay=X)")
-        self._cnt: list[list[float]] = [[0.0] * self.n_expert for _ in range(self.n_layers)]
+        self.counts = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
+        self._views()
         self._epoch = 0  # decays so far (a decay of 1.0 changes nothing and is not counted)
-        self._lep = [0] * self.n_layers  # decays applied to each layer's counts
+        self._hep = [0] * self.n_layers  # the epoch each layer's heap was built in
         return p
 
-    def _decay_round(self) -> None:
-        if self.rounds % self.decay_every == 0 and self.decay != 1.0:
-            self._epoch += 1
+    def _views(self) -> None:
+        self._cnt = [memoryview(self.counts[l]) for l in range(self.n_layers)]
 
-    def _catch_up(self, layer: int) -> None:
-        """Apply the decays ``layer`` has not had yet to its counts, then rebuild its heap."""
-        n = self._epoch - self._lep[layer]
-        self._lep[layer] = self._epoch
-        cnt, d = self._cnt[layer], self.decay
-        for i in range(n):
-            cnt[:] = [x * d for x in cnt]
-            if i and d >= 0.0 and not any(cnt):  # all zero: stays zero
-                break
-        self._rebuild(layer)
+    def __getstate__(self) -> dict:  # memoryviews do not pickle: rebuilt from the counts
+        st = dict(self.__dict__)
+        del st["_cnt"]
+        return st
+
+    def __setstate__(self, st: dict) -> None:
+        self.__dict__.update(st)
+        self._views()
+
+    def _decay_round(self) -> None:
+        if self.rounds % self.decay_every == 0 and self.decay != 1.0:  # x * 1.0 == x: nothing to do
+            self.counts *= self.decay
+            self._epoch += 1
 
     def _rebuild(self, layer: int) -> None:
         raise NotImplementedError
-
-    @property
-    def counts(self) -> np.ndarray:
-        """float64 [L, E]: the decayed counts now (a copy)."""
-        for l in range(self.n_layers):
-            if self._lep[l] != self._epoch:
-                self._catch_up(l)
-        return np.array(self._cnt, dtype=np.float64).reshape(self.n_layers, self.n_expert)
 
 
 class LFUTier(_DecayCounts, Tier):
@@ -608,10 +603,11 @@ class LFUTier(_DecayCounts, Tier):
         cnt, h = self._cnt[layer], self._heap[layer]
         h[:] = [(cnt[m], m) for m in self.members[layer]]
         heapify(h)
+        self._hep[layer] = self._epoch
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
-        if self._lep[layer] != self._epoch:
-            self._catch_up(layer)
+        if self._hep[layer] != self._epoch:
+            self._rebuild(layer)
         cnt = self._cnt[layer]
         mem = self.members[layer]
         heap = self._heap[layer]
@@ -628,14 +624,17 @@ class LFUTier(_DecayCounts, Tier):
             if c <= 0:
                 continue
             if len(mem) >= c:
-                v = heap[0][1]  # the heap's top is nearly always exact: no call then
-                if cnt[v] == heap[0][0]:
-                    heappop(heap)
+                top = heap[0]
+                v = top[1]
+                if cnt[v] == top[0]:  # the heap's top is nearly always exact: evict it and file e in one step
+                    heapreplace(heap, (x, e))
                 else:
                     v = _lfu_victim(heap, mem, cnt)
+                    heappush(heap, (x, e))
                 mem.discard(v)
+            else:
+                heappush(heap, (x, e))
             mem.add(e)
-            heappush(heap, (x, e))
             loads += 1
         if loads:
             self.layer_loads[layer] += loads
@@ -659,8 +658,10 @@ class LFUTier(_DecayCounts, Tier):
 
 class LFRUTier(_DecayCounts, Tier):
     """Per-layer LFRU: privileged LRU partition + unprivileged decayed-LFU partition; starts empty. The unprivileged
-    residents per layer in a set, the victim from a lazy heap (:func:`_lfu_victim`; entries of promoted experts are
-    dropped lazily, the heap rebuilt when they outnumber the members)."""
+    residents per layer in a set, the victim from a lazy heap (:func:`_lfu_victim`). An unprivileged expert's count
+    changes only by a decay (an access promotes it first), so each has an exact entry, pushed at its demotion or at the
+    rebuild after a decay; entries of promoted experts are dropped lazily, and the heap is rebuilt when they
+    outnumber the members."""
 
     policy = "lfru"
 
@@ -680,10 +681,11 @@ class LFRUTier(_DecayCounts, Tier):
         cnt, h = self._cnt[layer], self._heap[layer]
         h[:] = [(cnt[m], m) for m in self.unpriv[layer]]
         heapify(h)
+        self._hep[layer] = self._epoch
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
-        if self._lep[layer] != self._epoch:
-            self._catch_up(layer)
+        if self._hep[layer] != self._epoch:
+            self._rebuild(layer)
         pv, up, heap = self.priv[layer], self.unpriv[layer], self._heap[layer]
         cnt = self._cnt[layer]
         pc, uc, c = int(self.pcap[layer]), int(self.ucap[layer]), int(self.cap[layer])
@@ -710,14 +712,13 @@ class LFRUTier(_DecayCounts, Tier):
             if len(pv) > pc:  # demote the privileged LRU expert; evict the unprivileged LFU one on overflow
                 d = pv.popitem(last=False)[0]
                 up.add(d)
-                heappush(heap, (cnt[d], d))
-                if len(up) > uc:
-                    v = heap[0][1]  # the heap's top is nearly always exact: no call then
-                    if v in up and cnt[v] == heap[0][0]:
-                        heappop(heap)
-                    else:
+                if len(up) > uc:  # file d and take the smallest entry in one step; nearly always the exact victim
+                    xv, v = heappushpop(heap, (cnt[d], d))
+                    if v not in up or cnt[v] != xv:  # an entry left by a promotion (every member has an exact one)
                         v = _lfu_victim(heap, up, cnt)
                     up.discard(v)
+                else:
+                    heappush(heap, (cnt[d], d))
         if loads:
             self.layer_loads[layer] += loads
         return out
