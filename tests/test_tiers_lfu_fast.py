@@ -48,9 +48,11 @@ def _heap_bounded(t) -> None:
     """Memory stays bounded: LFU keeps one heap entry per resident, LFRU at most twice the unprivileged set + 17."""
     for l in range(t.n_layers):
         if isinstance(t, LFUTier):
-            assert len(t._heap[l]) == len(t.members[l])
+            assert len(t._heap[l]) == t._n[l] == int(t.res[l].sum())
         else:
-            assert len(t._heap[l]) <= 2 * len(t.unpriv[l]) + 17
+            assert t._nu[l] == int((t.where[l] == 2).sum()) <= t.ucap[l]
+            assert len(t.priv[l]) == int((t.where[l] == 1).sum()) <= t.pcap[l]
+            assert len(t._heap[l]) <= 2 * t._nu[l] + 17
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lfru"])
@@ -138,7 +140,8 @@ def test_victim_from_a_lazy_heap_is_the_scan(data):
     import heapq
     heapq.heapify(heap)
     want = reference_lfu_victim(sorted(members), np.array(counts))
-    assert _lfu_victim(heap, members, counts) == want
+    where = [int(m in members) for m in range(n)]
+    assert _lfu_victim(heap, counts, where, 1) == want
     members.discard(want)
     for m in members:
         assert any(v == m and c <= counts[m] for c, v in heap)

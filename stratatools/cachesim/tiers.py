@@ -524,17 +524,18 @@ class LRUTier(Tier):
         return m
 
 
-def _lfu_victim(heap: list, members: set, cnt: list) -> int:
+def _lfu_victim(heap: list, cnt: memoryview, where: memoryview, tag: int) -> int:
     """Pop the member with the smallest (count, id) off a layer's lazy heap: the least frequently used, ties to the
     lowest expert id (the same choice as a scan of every member: ``_tiers_reference.reference_lfu_victim``).
 
-    ``heap`` holds ``(count, id)`` entries with every member represented by at least one entry whose count is at most
-    its count now (counts only grow between two decays; a decay rebuilds the heap), and may hold entries of experts
-    that left. Pops entries that are no longer members, re-files entries whose count has grown since, and stops at the
-    first entry that is exact: it is the smallest key of all members. O(log n) amortised per eviction."""
+    Members are the experts ``v`` with ``where[v] == tag``; ``cnt[v]`` their counts now. ``heap`` holds ``(count, id)``
+    entries with every member represented by at least one entry whose count is at most its count now (counts only grow
+    between two decays; a decay rebuilds the heap), and may hold entries of experts that left. Pops entries that are no
+    longer members, re-files entries whose count has grown since, and stops at the first entry that is exact: it is
+    the smallest key of all members. O(log n) amortised per eviction."""
     while True:
         c, v = heap[0]
-        if v in members:
+        if where[v] == tag:
             cur = cnt[v]
             if cur == c:
                 heappop(heap)
@@ -547,9 +548,12 @@ def _lfu_victim(heap: list, members: set, cnt: list) -> int:
 class _DecayCounts:
     """Decayed access counts: :attr:`counts` float64 [L, E], decayed in place at the round end (one numpy multiply,
     as in the reference and the compiled kernels), read and incremented entry by entry through a memoryview per layer
-    (a Python float each, without numpy's per-scalar cost; the same IEEE float64 operations). The subclass keeps, per
+    (a Python float each, without numpy's per-scalar cost; the same IEEE float64 operations). The residency array
+    (``res`` bool or ``where`` int8 [L, E], ``_state``) is read and written the same way. The subclass keeps, per
     layer, a lazy heap of its LFU candidates (:func:`_lfu_victim`); a decay invalidates the heaps, and each layer's is
     rebuilt by ``_rebuild(layer)`` when the layer is next accessed."""
+
+    _state = ""  # the name of the subclass's residency array
 
     def _init_counts(self, params: dict, defaults: dict) -> dict:
         p = _with_defaults(self.policy, params, defaults)
@@ -561,17 +565,19 @@ class _DecayCounts:
             raise StrataError(f"{self.policy}: decay {p['decay']} must be a finite number (0.7 is the default; "
                               f"--set {self.policy}.decay=X)")
         self.counts = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
-        self._views()
         self._epoch = 0  # decays so far (a decay of 1.0 changes nothing and is not counted)
         self._hep = [0] * self.n_layers  # the epoch each layer's heap was built in
+        self._heap: list[list[tuple[float, int]]] = [[] for _ in range(self.n_layers)]
         return p
 
     def _views(self) -> None:
+        st = getattr(self, self._state)
         self._cnt = [memoryview(self.counts[l]) for l in range(self.n_layers)]
+        self._stv = [memoryview(st[l]) for l in range(self.n_layers)]
 
-    def __getstate__(self) -> dict:  # memoryviews do not pickle: rebuilt from the counts
+    def __getstate__(self) -> dict:  # memoryviews do not pickle: rebuilt over the unpickled arrays
         st = dict(self.__dict__)
-        del st["_cnt"]
+        del st["_cnt"], st["_stv"]
         return st
 
     def __setstate__(self, st: dict) -> None:
@@ -584,58 +590,66 @@ class _DecayCounts:
             self._epoch += 1
 
     def _rebuild(self, layer: int) -> None:
+        """The layer's heap afresh: one exact entry per member (after a decay, or when stale entries pile up)."""
+        cnt, h = self._cnt[layer], self._heap[layer]
+        h[:] = [(cnt[m], m) for m in self._members(layer)]
+        heapify(h)
+        self._hep[layer] = self._epoch
+
+    def _members(self, layer: int) -> list[int]:
         raise NotImplementedError
 
 
 class LFUTier(_DecayCounts, Tier):
-    """Per-layer LFU with decayed counts; starts empty. Residents per layer in a set, the victim from a lazy heap
-    (:func:`_lfu_victim`): O(log cap) per eviction instead of a scan of the layer's residents."""
+    """Per-layer LFU with decayed counts; starts empty. Residents in ``res`` bool [L, E] (and a count per layer), the
+    victim from a lazy heap with one entry per resident (:func:`_lfu_victim`): O(log cap) per eviction instead of a
+    scan of the layer's residents."""
 
     policy = "lfu"
+    _state = "res"
 
     def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
         Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
         self._init_counts(params, LFU_DEFAULTS)
-        self.members: list[set[int]] = [set() for _ in range(self.n_layers)]
-        self._heap: list[list[tuple[float, int]]] = [[] for _ in range(self.n_layers)]  # one entry per member
+        self.res = np.zeros((self.n_layers, self.n_expert), dtype=bool)
+        self._n = [0] * self.n_layers  # residents per layer
+        self._views()
 
-    def _rebuild(self, layer: int) -> None:
-        cnt, h = self._cnt[layer], self._heap[layer]
-        h[:] = [(cnt[m], m) for m in self.members[layer]]
-        heapify(h)
-        self._hep[layer] = self._epoch
+    def _members(self, layer: int) -> list[int]:
+        return np.flatnonzero(self.res[layer]).tolist()
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
         if self._hep[layer] != self._epoch:
             self._rebuild(layer)
-        cnt = self._cnt[layer]
-        mem = self.members[layer]
-        heap = self._heap[layer]
+        cnt, row, heap = self._cnt[layer], self._stv[layer], self._heap[layer]
         c = int(self.cap[layer])
+        n = self._n[layer]
         out = []
         loads = 0
         for e in experts:
             x = cnt[e] + 1.0
             cnt[e] = x
-            if e in mem:
+            if row[e]:
                 out.append(True)
                 continue
             out.append(False)
             if c <= 0:
                 continue
-            if len(mem) >= c:
+            if n >= c:
                 top = heap[0]
                 v = top[1]
                 if cnt[v] == top[0]:  # the heap's top is nearly always exact: evict it and file e in one step
                     heapreplace(heap, (x, e))
                 else:
-                    v = _lfu_victim(heap, mem, cnt)
+                    v = _lfu_victim(heap, cnt, row, True)
                     heappush(heap, (x, e))
-                mem.discard(v)
+                row[v] = False
             else:
                 heappush(heap, (x, e))
-            mem.add(e)
+                n += 1
+            row[e] = True
             loads += 1
+        self._n[layer] = n
         if loads:
             self.layer_loads[layer] += loads
         return out
@@ -645,25 +659,19 @@ class LFUTier(_DecayCounts, Tier):
         self._decay_round()
 
     def resident_mask(self) -> np.ndarray:
-        m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
-        for l, mem in enumerate(self.members):
-            m[l, list(mem)] = True
-        return m
-
-    def resident_row(self, layer: int) -> np.ndarray:
-        m = np.zeros(self.n_expert, dtype=bool)
-        m[list(self.members[layer])] = True
-        return m
+        return self.res.copy()
 
 
 class LFRUTier(_DecayCounts, Tier):
-    """Per-layer LFRU: privileged LRU partition + unprivileged decayed-LFU partition; starts empty. The unprivileged
-    residents per layer in a set, the victim from a lazy heap (:func:`_lfu_victim`). An unprivileged expert's count
-    changes only by a decay (an access promotes it first), so each has an exact entry, pushed at its demotion or at the
-    rebuild after a decay; entries of promoted experts are dropped lazily, and the heap is rebuilt when they
-    outnumber the members."""
+    """Per-layer LFRU: privileged LRU partition + unprivileged decayed-LFU partition; starts empty. ``where`` int8
+    [L, E] says which partition holds each expert (0 none, 1 privileged, 2 unprivileged); the privileged ones in
+    recency order in an OrderedDict per layer, the unprivileged victim from a lazy heap (:func:`_lfu_victim`). An
+    unprivileged expert's count changes only by a decay (an access promotes it first), so each has an exact entry,
+    pushed at its demotion or at the rebuild after a decay; entries of promoted experts are dropped lazily, and the
+    heap is rebuilt when they outnumber the members."""
 
     policy = "lfru"
+    _state = "where"
 
     def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
         Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
@@ -674,34 +682,36 @@ class LFRUTier(_DecayCounts, Tier):
         self.pcap = np.array([math.ceil(int(c) * frac) for c in self.cap], dtype=np.int64)
         self.ucap = self.cap - self.pcap
         self.priv: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n_layers)]
-        self.unpriv: list[set[int]] = [set() for _ in range(self.n_layers)]
-        self._heap: list[list[tuple[float, int]]] = [[] for _ in range(self.n_layers)]
+        self.where = np.zeros((self.n_layers, self.n_expert), dtype=np.int8)
+        self._nu = [0] * self.n_layers  # unprivileged residents per layer
+        self._views()
 
-    def _rebuild(self, layer: int) -> None:
-        cnt, h = self._cnt[layer], self._heap[layer]
-        h[:] = [(cnt[m], m) for m in self.unpriv[layer]]
-        heapify(h)
-        self._hep[layer] = self._epoch
+    def _members(self, layer: int) -> list[int]:
+        return np.flatnonzero(self.where[layer] == 2).tolist()
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
         if self._hep[layer] != self._epoch:
             self._rebuild(layer)
-        pv, up, heap = self.priv[layer], self.unpriv[layer], self._heap[layer]
-        cnt = self._cnt[layer]
+        pv, heap = self.priv[layer], self._heap[layer]
+        cnt, wh = self._cnt[layer], self._stv[layer]
         pc, uc, c = int(self.pcap[layer]), int(self.ucap[layer]), int(self.cap[layer])
+        nu = self._nu[layer]
         out = []
         loads = 0
         for e in experts:
             x = cnt[e] + 1.0
             cnt[e] = x
-            if e in pv:
+            w = wh[e]
+            if w == 1:
                 pv.move_to_end(e)
                 out.append(True)
                 continue
-            if e in up:  # promoted: its heap entry goes stale (dropped when popped, or at a rebuild)
-                up.remove(e)
+            if w == 2:  # promoted: its heap entry goes stale (dropped when popped, or at a rebuild)
+                nu -= 1
                 out.append(True)
-                if len(heap) > 2 * len(up) + 16:
+                if len(heap) > 2 * nu + 16:
+                    wh[e] = 0
+                    self._nu[layer] = nu
                     self._rebuild(layer)
             else:
                 out.append(False)
@@ -709,16 +719,19 @@ class LFRUTier(_DecayCounts, Tier):
                     continue
                 loads += 1
             pv[e] = None
+            wh[e] = 1
             if len(pv) > pc:  # demote the privileged LRU expert; evict the unprivileged LFU one on overflow
                 d = pv.popitem(last=False)[0]
-                up.add(d)
-                if len(up) > uc:  # file d and take the smallest entry in one step; nearly always the exact victim
+                wh[d] = 2
+                if nu >= uc:  # file d and take the smallest entry in one step; nearly always the exact victim
                     xv, v = heappushpop(heap, (cnt[d], d))
-                    if v not in up or cnt[v] != xv:  # an entry left by a promotion (every member has an exact one)
-                        v = _lfu_victim(heap, up, cnt)
-                    up.discard(v)
+                    if wh[v] != 2 or cnt[v] != xv:  # an entry left by a promotion (every member has an exact one)
+                        v = _lfu_victim(heap, cnt, wh, 2)
+                    wh[v] = 0
                 else:
                     heappush(heap, (cnt[d], d))
+                    nu += 1
+        self._nu[layer] = nu
         if loads:
             self.layer_loads[layer] += loads
         return out
@@ -728,15 +741,10 @@ class LFRUTier(_DecayCounts, Tier):
         self._decay_round()
 
     def resident_mask(self) -> np.ndarray:
-        m = np.zeros((self.n_layers, self.n_expert), dtype=bool)
-        for l in range(self.n_layers):
-            m[l, list(self.priv[l]) + list(self.unpriv[l])] = True
-        return m
+        return self.where != 0
 
     def resident_row(self, layer: int) -> np.ndarray:
-        m = np.zeros(self.n_expert, dtype=bool)
-        m[list(self.priv[layer]) + list(self.unpriv[layer])] = True
-        return m
+        return self.where[layer] != 0
 
 
 def next_uses(layer: np.ndarray, expert: np.ndarray, n_expert: int) -> np.ndarray:
