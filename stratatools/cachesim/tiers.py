@@ -554,6 +554,7 @@ class _DecayCounts:
     rebuilt by ``_rebuild(layer)`` when the layer is next accessed."""
 
     _state = ""  # the name of the subclass's residency array
+    _tag: Any = None  # its value for a member of the heap's partition
 
     def _init_counts(self, params: dict, defaults: dict) -> dict:
         p = _with_defaults(self.policy, params, defaults)
@@ -590,14 +591,12 @@ class _DecayCounts:
             self._epoch += 1
 
     def _rebuild(self, layer: int) -> None:
-        """The layer's heap afresh: one exact entry per member (after a decay, or when stale entries pile up)."""
-        cnt, h = self._cnt[layer], self._heap[layer]
-        h[:] = [(cnt[m], m) for m in self._members(layer)]
+        """The layer's heap afresh: one exact entry per member (after a decay, or when stale entries pile up). The
+        members are read off the heap itself (every member has an entry), not from a scan of the layer's E experts."""
+        cnt, st, tag, h = self._cnt[layer], self._stv[layer], self._tag, self._heap[layer]
+        h[:] = [(cnt[v], v) for v in {v for _, v in h if st[v] == tag}]
         heapify(h)
         self._hep[layer] = self._epoch
-
-    def _members(self, layer: int) -> list[int]:
-        raise NotImplementedError
 
 
 class LFUTier(_DecayCounts, Tier):
@@ -606,23 +605,21 @@ class LFUTier(_DecayCounts, Tier):
     scan of the layer's residents."""
 
     policy = "lfu"
-    _state = "res"
+    _state, _tag = "res", True
 
     def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
         Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
         self._init_counts(params, LFU_DEFAULTS)
         self.res = np.zeros((self.n_layers, self.n_expert), dtype=bool)
         self._n = [0] * self.n_layers  # residents per layer
+        self._capl = self.cap.tolist()  # slots per layer as ints
         self._views()
-
-    def _members(self, layer: int) -> list[int]:
-        return np.flatnonzero(self.res[layer]).tolist()
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
         if self._hep[layer] != self._epoch:
             self._rebuild(layer)
         cnt, row, heap = self._cnt[layer], self._stv[layer], self._heap[layer]
-        c = int(self.cap[layer])
+        c = self._capl[layer]
         n = self._n[layer]
         out = []
         loads = 0
@@ -671,7 +668,7 @@ class LFRUTier(_DecayCounts, Tier):
     heap is rebuilt when they outnumber the members."""
 
     policy = "lfru"
-    _state = "where"
+    _state, _tag = "where", 2
 
     def __init__(self, n_layers: int, n_expert: int, cap, blob_bytes, **params: Any):
         Tier.__init__(self, n_layers, n_expert, cap, blob_bytes)
@@ -683,18 +680,16 @@ class LFRUTier(_DecayCounts, Tier):
         self.ucap = self.cap - self.pcap
         self.priv: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n_layers)]
         self.where = np.zeros((self.n_layers, self.n_expert), dtype=np.int8)
+        self._limits = list(zip(self.pcap.tolist(), self.ucap.tolist(), self.cap.tolist()))  # as ints, per layer
         self._nu = [0] * self.n_layers  # unprivileged residents per layer
         self._views()
-
-    def _members(self, layer: int) -> list[int]:
-        return np.flatnonzero(self.where[layer] == 2).tolist()
 
     def _access(self, layer: int, experts: list[int]) -> list[bool]:
         if self._hep[layer] != self._epoch:
             self._rebuild(layer)
         pv, heap = self.priv[layer], self._heap[layer]
         cnt, wh = self._cnt[layer], self._stv[layer]
-        pc, uc, c = int(self.pcap[layer]), int(self.ucap[layer]), int(self.cap[layer])
+        pc, uc, c = self._limits[layer]
         nu = self._nu[layer]
         out = []
         loads = 0
