@@ -622,14 +622,15 @@ class LFUTier(_DecayCounts, Tier):
         c = self._capl[layer]
         n = self._n[layer]
         out = []
+        put = out.append
         loads = 0
         for e in experts:
             x = cnt[e] + 1.0
             cnt[e] = x
             if row[e]:
-                out.append(True)
+                put(True)
                 continue
-            out.append(False)
+            put(False)
             if c <= 0:
                 continue
             if n >= c:
@@ -692,31 +693,32 @@ class LFRUTier(_DecayCounts, Tier):
         pc, uc, c = self._limits[layer]
         nu = self._nu[layer]
         out = []
+        put, recent, oldest = out.append, pv.move_to_end, pv.popitem
         loads = 0
         for e in experts:
             x = cnt[e] + 1.0
             cnt[e] = x
             w = wh[e]
             if w == 1:
-                pv.move_to_end(e)
-                out.append(True)
+                recent(e)
+                put(True)
                 continue
             if w == 2:  # promoted: its heap entry goes stale (dropped when popped, or at a rebuild)
                 nu -= 1
-                out.append(True)
+                put(True)
                 if len(heap) > 2 * nu + 16:
                     wh[e] = 0
                     self._nu[layer] = nu
                     self._rebuild(layer)
             else:
-                out.append(False)
+                put(False)
                 if c <= 0:
                     continue
                 loads += 1
             pv[e] = None
             wh[e] = 1
             if len(pv) > pc:  # demote the privileged LRU expert; evict the unprivileged LFU one on overflow
-                d = pv.popitem(last=False)[0]
+                d = oldest(False)[0]
                 wh[d] = 2
                 if nu >= uc:  # file d and take the smallest entry in one step; nearly always the exact victim
                     xv, v = heappushpop(heap, (cnt[d], d))
