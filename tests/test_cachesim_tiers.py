@@ -164,7 +164,8 @@ def test_make_tier_errors():
         t.access(0, [5])
 
 
-@pytest.mark.parametrize("policy", ["static", "static-arrival", "adaptive", "lru", "lfu", "lfru", "belady"])
+@pytest.mark.parametrize("policy", ["static", "static-arrival", "static-arrival-per-layer", "static-no-admit",
+                                    "adaptive", "lru", "lfu", "lfru", "belady"])
 def test_access_rows_is_access_row_by_row(policy):
     """Tier.access_rows (a prompt's positions of one layer at once) gives every policy the same hits, residency and
     stats as access() row by row, over rounds that mix it with single records; bad ids are refused before counting."""
@@ -185,8 +186,13 @@ def test_access_rows_is_access_row_by_row(policy):
             p = prof(L, E, [(l, e) for l in range(L) for e in range(0, E, 3)])
             extra = {"adapt_every": 2, "copy_delay_rounds": 0} if policy == "adaptive" else {}
             return make_tier(policy, profile=p, slots=L * 4, **extra)
-        if policy == "static-arrival":
+        if policy == "static-arrival":  # a global pool: rows loop while it is open, one gather once it closes
             return make_tier("static", n_layers=L, n_expert=E, slots=L * 4)
+        if policy == "static-arrival-per-layer":  # layers fill one by one: both paths in one round
+            return make_tier("static", n_layers=L, n_expert=E, slots=L * 4, admission="per-layer")
+        if policy == "static-no-admit":
+            p = prof(L, E, [(l, e) for l in range(L) for e in range(0, E, 5)])
+            return make_tier("static", profile=p, slots=L * 4, admit_on_miss=False)
         return make_tier(policy, n_layers=L, n_expert=E, slots=L * 4, future=future)
 
     one, rows_t = mk(), mk()

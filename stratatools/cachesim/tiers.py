@@ -168,14 +168,20 @@ class Tier:
         bad = (r < 0) | (r >= self.n_expert)
         if bad.any():
             raise StrataError(f"layer {layer}: expert {int(r[bad][0])} is out of range for {self.n_expert} experts")
-        out = np.empty(r.shape, dtype=bool)
-        for t, ex in enumerate(r.tolist()):
-            out[t] = self._access(layer, ex)
+        out = self._access_block(layer, r)
         nh = out.sum(axis=1)
         self.layer_entries[layer] += int(r.size)
         self.layer_hits[layer] += int(nh.sum())
         self.records += int(r.shape[0])
         self.all_hit_records += int((nh == r.shape[1]).sum())
+        return out
+
+    def _access_block(self, layer: int, r: np.ndarray) -> np.ndarray:
+        """:meth:`_access` of the checked rows ``r`` int64 [T, k] in order: hit bool [T, k] (a policy whose state
+        does not change in some case overrides it with one gather)."""
+        out = np.empty(r.shape, dtype=bool)
+        for t, ex in enumerate(r.tolist()):
+            out[t] = self._access(layer, ex)
         return out
 
     def end_round(self) -> None:
@@ -256,6 +262,22 @@ class StaticTier(Tier):
                 if not h:
                     self._admit(layer, e)
         return out
+
+    def _admits_none(self, layer: int) -> bool:
+        """True when no miss of ``layer`` can be admitted now (no admission, a full layer, a closed pool): its
+        accesses then change nothing."""
+        if not self.admit_on_miss:
+            return True
+        if self.per_layer:
+            return bool(self.occupied[layer] >= self.cap[layer])
+        return self.pool_slots == 0
+
+    def _access_block(self, layer: int, r: np.ndarray) -> np.ndarray:
+        # a full static tier (the runtime's usual case: the profile fills every slot) only looks up: one gather
+        # instead of a Python loop over the prompt's rows (same hits, no state to change)
+        if type(self)._access is StaticTier._access and self._admits_none(layer):
+            return self.res[layer][r]
+        return super()._access_block(layer, r)
 
     def resident_mask(self) -> np.ndarray:
         return self.res.copy()
