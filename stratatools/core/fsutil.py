@@ -722,12 +722,17 @@ def _ours(p: Path, target: Path) -> bool:
 def recover(lock: _Lock) -> list[str]:
     """Finish or undo a swap that a killed run left half done (under ``lock``): when the output is missing and the
     journal names an aside folder, the aside is renamed back; leftover temp/aside folders named in the journal are
-    then removed (only those, and only when their names are ours). Returns notes of what was done."""
+    then removed (only those, and only when their names are ours). When the journal names the output's own names
+    (a swap's), an entry of such a folder with another name is another program's file: it is moved into the output
+    folder, or, where that holds a different entry of that name, the folder is kept (:func:`_retire`). Returns
+    notes of what was done."""
     t = lock.target
     j = lock.journal()
     notes: list[str] = []
     names = [Path(x) for x in j.get("paths", []) if isinstance(x, str)]
     names = [p for p in names if _ours(p, t)]
+    own = j.get("own")  # a swap's journal: the output's own names (see publish_dir)
+    own_p = (lambda n, s=frozenset(x for x in own if isinstance(x, str)): n in s) if isinstance(own, list) else None
     ip = j.get("in_place")
     if isinstance(ip, str) and Path(ip) in names and Path(ip).is_dir() and t.is_dir() and not t.is_symlink():
         _finish_in_place(t, Path(ip), j.get("last", []), j.get("stale", []))
@@ -738,8 +743,8 @@ def recover(lock: _Lock) -> list[str]:
         notes.append(f"{t}: restored the previous output left aside by an interrupted run")
     for p in names:
         if os.path.lexists(p):
-            _remove_tree(p)
-            notes.append(f"{p}: removed a leftover of an interrupted run")
+            kept = _retire(p, t, own_p)  # another program's file in it is moved back into the output, not lost
+            notes.append(f"{p}: removed a leftover of an interrupted run" if kept is None else kept)
     if j:
         lock.set_journal({})
         fsync_dir(t.parent)
@@ -767,6 +772,89 @@ def _finish_in_place(t: Path, tmp: Path, last: Any, stale: Any) -> None:
         if os.path.lexists(tmp / n):
             os.rename(tmp / n, t / n)
     fsync_dir(t)
+
+
+def _own_names(t: Path, tmp: Path, keep: Callable[[str], bool] | None) -> list[str] | None:
+    """The names a swap treats as the output's own (None: all of them, ``keep`` None): every entry of the new
+    build ``tmp`` except those carried over from ``t`` (names ``keep`` accepts that ``t`` holds), and the previous
+    output's entries in ``t`` (names ``keep`` refuses). Any other name found in the previous output after the
+    swap is another program's file, written after the carry-over."""
+    if keep is None:
+        return None
+    try:
+        old = os.listdir(t)
+    except (FileNotFoundError, NotADirectoryError):
+        old = []
+    theirs = {n for n in old if keep(n)}
+    return sorted((set(os.listdir(tmp)) | set(old)) - theirs)
+
+
+def _own_pred(keep: Callable[[str], bool] | None) -> Callable[[str], bool]:
+    """``keep``'s complement: True for the output's own names (every name when ``keep`` is None)."""
+    return (lambda n: True) if keep is None else (lambda n: not keep(n))
+
+
+def _same_entry(a: Path, b: Path) -> bool:
+    """True when ``b`` holds what ``a`` holds: the same inode (a hard link), the same symlink target, or a regular
+    file of the same bytes (a copy). Not followed."""
+    import filecmp
+
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        return True
+    try:
+        if stat.S_ISLNK(sa.st_mode) and stat.S_ISLNK(sb.st_mode):
+            return os.readlink(a) == os.readlink(b)
+        if stat.S_ISREG(sa.st_mode) and stat.S_ISREG(sb.st_mode) and sa.st_size == sb.st_size:
+            return filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        pass
+    return False
+
+
+def _retire(old: Path, t: Path, own: Callable[[str], bool] | None) -> str | None:
+    """Remove ``old`` (a previous output folder after a swap, a dead run's temp or aside folder), first moving
+    back into the output folder ``t`` each entry that is not the output's own (``own(name)`` False: another
+    program's file written into the old folder after the last carry-over) and that ``t`` lacks. An entry ``t``
+    already holds (:func:`_same_entry`: carried over) needs nothing. An entry that cannot be moved back (``t``
+    holds a different entry of that name) is never deleted: ``old`` is kept with those entries only, renamed to
+    an aside name (``.<name>.<pid>-<hex>.stratatools-old``) if it had a temp name; a later publish tries again
+    (:func:`_sweep_asides`). ``own`` None, or ``t`` not a folder: ``old`` is removed whole (all of it is the
+    output's). Returns None when ``old`` is gone, else a note naming the kept folder. Raises OSError."""
+    if not os.path.lexists(old):
+        return None
+    if own is None or old.is_symlink() or not old.is_dir() or t.is_symlink() or not t.is_dir():
+        _remove_tree(old)
+        return None
+    left: list[str] = []
+    moved = False
+    for e in list(os.scandir(old)):
+        n, src = e.name, Path(e.path)
+        if own(n) or _LOCK_SUFFIX in n or _same_entry(src, t / n):
+            continue
+        try:
+            rename_noreplace(src, t / n)
+            moved = True
+        except OSError:
+            left.append(n)
+    if moved:
+        fsync_dir(t)
+    if not left:
+        _remove_tree(old)
+        return None
+    for e in list(os.scandir(old)):
+        if e.name not in left:
+            _remove_tree(Path(e.path))
+    if not old.name.endswith(_ASIDE_TAG):
+        dst = _unique(t.parent, t.name, _ASIDE_TAG)
+        os.rename(old, dst)
+        old = dst
+    fsync_dir(t.parent)
+    return (f"{old}: kept: it holds {', '.join(sorted(left))}, another program's file(s) written into the previous "
+            f"output, and {t} holds a different entry of that name; move what you need, then remove it")
 
 
 def _remove_tree(p: Path) -> None:
@@ -854,6 +942,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                 raise _fail(t, e, "cannot create its temp folder") from None
             tmp = _unique(t.parent, t.name)
             made = False  # the temp folder is ours (mkdir succeeded): only then does the guard below remove it
+            swapped = False  # tmp names the previous output (the swap is done)
             try:
                 # the guard is in place before the folder exists; the journal names it first (a SIGKILL is undone by
                 # the next run), and mkdir + "made" are one step for a SIGTERM (signals_deferred)
@@ -887,15 +976,21 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                 if step is not None:
                     step("")
                 _carry_over(t, tmp, keep)  # entries that appeared since the check above (a race): kept if files
+                # An entry another program writes into the old folder after _carry_over (the window up to the swap,
+                # or later through an open folder handle) is in the previous output's folder after the swap. It is
+                # not removed with it: _retire moves it back into the new folder. The journal names the output's
+                # own names, so that recover() does the same for a run killed between the swap and _retire.
+                own = _own_names(t, tmp, keep)
                 with signals_deferred():  # the swap and commit_point are one step for SIGINT/SIGTERM
                     if os.path.lexists(t):
+                        aside = _unique(t.parent, t.name, _ASIDE_TAG)
+                        lock.set_journal({"paths": [str(tmp), str(aside)], **({} if own is None else {"own": own})})
                         if not _renameat2_exchange(tmp, t):
-                            aside = _unique(t.parent, t.name, _ASIDE_TAG)
-                            lock.set_journal({"paths": [str(tmp), str(aside)]})
                             os.rename(t, aside)
                             os.rename(tmp, t)
                             tmp = aside
                         # tmp now holds the previous output
+                        swapped = True
                     else:
                         try:
                             rename_noreplace(tmp, t)
@@ -910,14 +1005,15 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                         if not os.path.lexists(t):
                             recover(lock)  # puts an aside folder back
                         if made and os.path.lexists(tmp):
-                            _remove_tree(tmp)  # the new build, or after the swap the previous output
+                            # the new build, or after the swap the previous output (other programs' files moved back)
+                            _retire(tmp, t, _own_pred(keep) if swapped else None)
                         lock.set_journal({})
                     except OSError:
                         pass
                 if isinstance(recover_exc, OSError):
                     raise _fail(t, recover_exc) from None
                 raise
-            _remove_tree(tmp)
+            _retire(tmp, t, _own_pred(keep))  # the previous output, less other programs' files (moved back)
             lock.set_journal({})
     finally:
         # outside the CLI's process, or for a folder inside another one (the demo's), signals are dropped only

