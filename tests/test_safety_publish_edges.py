@@ -124,3 +124,71 @@ with fsutil.publish_dir({str(t)!r}, keep=lambda n: n not in {OWN!r}) as st:
     fsutil.tidy_output(t)
     assert sorted(os.listdir(t)) == ["a.txt", "notes.txt"] and (t / "notes.txt").read_text() == "written meanwhile"
     assert _leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ 2. unnamed aside folders
+def _aside(tmp_path: Path, pid: int, tag: str = "0123abcd") -> Path:
+    a = tmp_path / f".out.{pid}-{tag}.stratatools-old"
+    a.mkdir()
+    return a
+
+
+def test_aside_no_journal_names_is_swept_by_the_next_publish(tmp_path):
+    """An aside folder of a dead run that no journal names (no lock file at all): the next publish of the output
+    removes the previous output's files in it, keeps what the output folder already holds (a hard link), moves
+    another program's file the output folder lacks into it, and removes the folder. A live process's aside,
+    and one whose file differs from the output's file of that name, are not deleted."""
+    t = tmp_path / "out"
+    t.mkdir()
+    (t / "model.gguf").write_text("the user's model")  # another program's file: an in-place publish
+    dead = _aside(tmp_path, _dead_pid())
+    (dead / "a.txt").write_text("older output's A")
+    (dead / "report.json").write_text("older")
+    os.link(t / "model.gguf", dead / "model.gguf")
+    (dead / "notes.txt").write_text("only copy")
+    clash = _aside(tmp_path, _dead_pid(), "4567cdef")
+    (clash / "model.gguf").write_text("another version of the model")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine = _aside(tmp_path, live.pid)
+        (mine / "a.txt").write_text("a live run's")
+        assert not fsutil.lock_path(t).exists()
+        with publish_dir(t, keep=_keep, last=["report.json"]) as st:
+            write_bytes_atomic(st / "a.txt", b"new A")
+            write_bytes_atomic(st / "report.json", b"{}")
+        assert sorted(os.listdir(t)) == ["a.txt", "model.gguf", "notes.txt", "report.json"]
+        assert [(t / n).read_text() for n in ("a.txt", "model.gguf", "notes.txt")] == \
+            ["new A", "the user's model", "only copy"]
+        assert not dead.exists() and (mine / "a.txt").read_text() == "a live run's"
+        assert os.listdir(clash) == ["model.gguf"] and (clash / "model.gguf").read_text() == \
+            "another version of the model"
+        assert _leftovers(tmp_path) == sorted([clash.name, mine.name])
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_aside_left_by_a_failed_removal_is_swept_by_the_next_run(tmp_path):
+    """A run whose removal of the previous output failed (here: the removal skipped) clears its journal and
+    leaves an aside no journal names; the next swap of the same output removes it (all of it is the previous
+    output's own files) and leaves nothing beside the output."""
+    t = tmp_path / "out"
+    _old_output(t)
+    code = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from stratatools.core import fsutil
+fsutil._renameat2_exchange = lambda a, b: False  # the portable swap: old aside, new in
+real = fsutil._remove_tree
+fsutil._remove_tree = lambda p: None if p.name.endswith(".stratatools-old") else real(p)
+with fsutil.publish_dir({str(t)!r}, keep=lambda n: n not in {OWN!r}) as st:
+    fsutil.write_bytes_atomic(st / "a.txt", b"A2")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    left = _leftovers(tmp_path)
+    assert len(left) == 1 and left[0].endswith(".stratatools-old") and not fsutil.lock_path(t).exists(), left
+    with publish_dir(t, keep=_keep) as st:
+        write_bytes_atomic(st / "a.txt", b"A3")
+    assert sorted(os.listdir(t)) == ["a.txt"] and (t / "a.txt").read_text() == "A3"
+    assert _leftovers(tmp_path) == []

@@ -903,6 +903,10 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     before anything is written into it, so a private folder never becomes readable to others, even for a
     moment. A new ``target`` gets the mode a plain mkdir gives (umask, a setgid parent's group).
 
+    After a swap the previous output's folder is removed less any entry another program wrote into it after the
+    carry-over (moved into the new folder; :func:`_retire`), and after any publish the aside folders of dead runs
+    that no journal names are sorted out the same way (:func:`_sweep_asides`).
+
     ``step(name)``: a test hook called before each file of an in-place publish (and with ``""`` before a swap).
 
     ``refuse(target)``: the caller's "already exists (pass --force)" check, run again under the lock, before the
@@ -972,6 +976,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                     _publish_in_place(t, tmp, keep, last, step, lock)
                     _remove_tree(tmp)
                     lock.set_journal({})
+                    _sweep_asides(t, keep)
                     return
                 if step is not None:
                     step("")
@@ -1015,6 +1020,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                 raise
             _retire(tmp, t, _own_pred(keep))  # the previous output, less other programs' files (moved back)
             lock.set_journal({})
+            _sweep_asides(t, keep)  # and older aside folders no journal names
     finally:
         # outside the CLI's process, or for a folder inside another one (the demo's), signals are dropped only
         # until this folder is out
@@ -1131,6 +1137,44 @@ def _dead_temps(t: Path) -> list[Path]:
         if pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
             out.append(Path(e.path))
     return out
+
+
+def _dead_asides(t: Path) -> list[Path]:
+    """Aside folders named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-old``, real folders) whose process is
+    gone. (The name is parsed as :func:`_dead_temps` parses a temp name.)"""
+    pre = f".{t.name}."
+    out: list[Path] = []
+    try:
+        entries = list(os.scandir(t.parent))
+    except OSError:
+        return out
+    for e in entries:
+        n = e.name
+        if not (n.startswith(pre) and n.endswith(_ASIDE_TAG)) or e.is_symlink() or not e.is_dir():
+            continue
+        pid_s, _, tag = n[len(pre):-len(_ASIDE_TAG)].partition("-")
+        if pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
+            out.append(Path(e.path))
+    return sorted(out)
+
+
+def _sweep_asides(t: Path, keep: Callable[[str], bool] | None) -> list[str]:
+    """After a publish of ``t`` (under its lock): sort out the aside folders of dead runs that no journal names
+    (left where a removal failed, or kept by :func:`_retire`). Provably safe only: their process is gone (a live
+    one's is never touched), the output folder ``t`` exists, and each entry is the previous output's own (a name
+    ``keep`` refuses; every name when ``keep`` is None), or already in ``t`` (:func:`_same_entry`), or another
+    program's file that ``t`` lacks, which is moved into ``t``. A folder holding a file that differs from ``t``'s
+    file of that name is kept (never a user's only copy deleted). Best effort; returns notes."""
+    notes: list[str] = []
+    if t.is_symlink() or not t.is_dir():
+        return notes
+    for p in _dead_asides(t):
+        try:
+            kept = _retire(p, t, _own_pred(keep))
+        except OSError:
+            continue
+        notes.append(f"{p}: removed a leftover of an interrupted run" if kept is None else kept)
+    return notes
 
 
 def _clean_dead_temps(t: Path) -> None:
