@@ -192,3 +192,65 @@ with fsutil.publish_dir({str(t)!r}, keep=lambda n: n not in {OWN!r}) as st:
         write_bytes_atomic(st / "a.txt", b"A3")
     assert sorted(os.listdir(t)) == ["a.txt"] and (t / "a.txt").read_text() == "A3"
     assert _leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ 3. a run meets a cleaner
+def _dead_runs_leftovers(tmp_path: Path) -> Path:
+    """The temp folder and lock file (journal naming the folder) of a killed run of ``out``."""
+    d = tmp_path / f".out.{_dead_pid()}-0123abcd.stratatools-tmp"
+    d.mkdir()
+    (d / "a.txt").write_text("half built")
+    fsutil.lock_path(tmp_path / "out").write_text('{"paths": ["%s"]}' % d)
+    return d
+
+
+def test_run_that_starts_while_another_cleans_leftovers_waits_for_it(tmp_path, monkeypatch):
+    """Run A cleans what a killed run left beside the output (tidy_output, holding the lock); run B starts a
+    publish of the same output meanwhile. B is not refused as "another run is writing" (nobody is): it waits for
+    the cleaner, then publishes."""
+    t = tmp_path / "out"
+    left = _dead_runs_leftovers(tmp_path)
+    cleaning, go = threading.Event(), threading.Event()
+    real_remove = fsutil._remove_tree
+
+    def slow_remove(p):  # the cleaner, mid-way through its work, until B has found the lock taken
+        if threading.current_thread().name == "cleaner":
+            cleaning.set()
+            assert go.wait(10)
+        real_remove(p)
+
+    def wait(s):  # B's poll: the first one lets the cleaner finish
+        go.set()
+        threading.Event().wait(s)
+
+    monkeypatch.setattr(fsutil, "_remove_tree", slow_remove)
+    monkeypatch.setattr(fsutil, "_lock_wait", wait)
+    notes: list[str] = []
+    a = threading.Thread(target=lambda: notes.extend(fsutil.tidy_output(t)), name="cleaner")
+    a.start()
+    try:
+        assert cleaning.wait(10)
+        with publish_dir(t) as st:
+            (st / "a.txt").write_text("B's")
+    finally:
+        go.set()
+        a.join(10)
+    assert go.is_set() and (t / "a.txt").read_text() == "B's" and not left.exists()
+    assert any("leftover" in n for n in notes) and _leftovers(tmp_path) == []
+
+
+def test_a_cleaner_that_does_not_finish_is_named_as_one(tmp_path, monkeypatch):
+    """The wait is bounded: a cleaner still at work after it is named as a cleaner (not as a writer); a run that
+    holds the lock to write is refused at once, as before."""
+    t = tmp_path / "out"
+    monkeypatch.setattr(fsutil, "_CLEAN_WAIT_S", 0.3)
+    with fsutil.output_lock(t) as lock:
+        lock.set_journal({"cleaning": os.getpid()})
+        with pytest.raises(StrataError, match="cleaning up what an interrupted run left"):
+            with fsutil.output_lock(t):
+                pass
+        lock.set_journal({"paths": [str(tmp_path / ".out.1-0123abcd.stratatools-tmp")]})
+        with pytest.raises(StrataError, match="another stratatools run is writing this output"):
+            with fsutil.output_lock(t):
+                pass
+        lock.set_journal({})

@@ -630,7 +630,9 @@ def lock_path(target: str | os.PathLike) -> Path:
 def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
     """Hold an exclusive advisory lock (``fcntl.flock``) on ``.<name>.stratatools-lock`` beside ``target`` for the
     duration of a write. A second writer of the same output does not wait: it raises StrataError at once (one
-    line: another run is writing it). The lock file also carries the swap journal of :func:`publish_dir`.
+    line: another run is writing it), except behind a run that is only cleaning up leftovers (:func:`tidy_output`),
+    which it waits for, a bounded time (:func:`_take_lock`). The lock file also carries the swap journal of
+    :func:`publish_dir`.
 
     Lock file lifetime: it is removed when the holder leaves with an empty journal (nothing for a later run to
     recover); a run killed mid-swap leaves it, journal inside, for the next writer. Removing a lock file races
@@ -658,11 +660,7 @@ def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StrataError(f"{lp}: lock file is not a regular file; remove it", lp)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise StrataError(f"{t}: another stratatools run is writing this output now ({lp.name} is "
-                                  f"locked); wait for it to finish or choose another output path", t) from None
+            _take_lock(fd, t, lp)
             locked = True
             if _names_inode(lp, st):
                 break
@@ -692,6 +690,54 @@ def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
                         os.close(fd)
                     except OSError:
                         pass
+
+
+_CLEAN_WAIT_S = 10.0   # how long a run waits for another one that only cleans leftovers (tidy_output) to finish
+_WRITER_GRACE_S = 0.5  # how long an empty journal is read again: a cleaner marks itself just after it locks
+
+
+def _lock_wait(s: float) -> None:
+    """Sleep ``s`` seconds between two tries of a lock a cleaner holds (a test hook)."""
+    import time
+
+    time.sleep(s)
+
+
+def _take_lock(fd: int, t: Path, lp: Path) -> None:
+    """``flock`` the lock file ``fd`` of output ``t`` (exclusive, never blocking). When another process holds it,
+    its journal (readable without the lock) says what it does: ``{"cleaning": pid}`` is :func:`tidy_output`
+    cleaning up what a killed run left (a short job); this run then tries again every 50 ms, up to
+    ``_CLEAN_WAIT_S`` seconds, and then says that a cleaner is still at work. Any other holder is writing the
+    output: refused at once (an empty journal is read again for ``_WRITER_GRACE_S``, the moment between a
+    cleaner's lock and its mark, or between its last step and its release). Raises StrataError (one line)."""
+    import fcntl
+    import time
+
+    start = time.monotonic()
+    seen_cleaner = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        try:
+            raw = os.pread(fd, 1 << 16, 0)
+            rec = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except (OSError, ValueError):
+            rec = None
+        pid = rec.get("cleaning") if isinstance(rec, dict) else None
+        cleaner = isinstance(pid, int) and not isinstance(pid, bool) and _pid_alive(pid)
+        seen_cleaner = seen_cleaner or cleaner
+        waited = time.monotonic() - start
+        if (cleaner or seen_cleaner) and waited >= _CLEAN_WAIT_S:
+            raise StrataError(f"{t}: another stratatools run is cleaning up what an interrupted run left beside this "
+                              f"output and has not finished in {_CLEAN_WAIT_S:g} s ({lp.name} is locked); try again "
+                              f"when it has", t)
+        if not (cleaner or (rec == {} and (seen_cleaner or waited < _WRITER_GRACE_S))):
+            raise StrataError(f"{t}: another stratatools run is writing this output now ({lp.name} is "
+                              f"locked); wait for it to finish or choose another output path", t)
+        _lock_wait(0.05)
 
 
 def _names_inode(p: Path, st: os.stat_result) -> bool:
@@ -1187,18 +1233,27 @@ def tidy_output(target: str | os.PathLike) -> list[str]:
     """Clean what killed writers left beside a folder output ``target``: when the lock file or a temp folder of
     a dead process is there, take the lock (not waiting: a live writer holds it, then nothing is done), finish
     or undo a half-done swap (:func:`recover`), remove temp folders whose process is gone, and remove the lock
-    file. Run by every folder-output command before its checks, so a refused run cleans up too. Returns notes;
-    errors are ignored (best effort)."""
+    file. Run by every folder-output command before its checks, so a refused run cleans up too. While it holds
+    the lock its journal says ``cleaning``, so a run starting meanwhile waits for it (:func:`_take_lock`).
+    Returns notes; errors are ignored (best effort)."""
     t = Path(target)
     if not (os.path.lexists(lock_path(t)) or _dead_temps(t)):
         return []  # nothing left behind: do not take the lock (a run starting now would be refused)
     notes: list[str] = []
     try:
         with output_lock(t) as lock:
-            notes += recover(lock)
-            for p in _dead_temps(t):
-                _remove_tree(p)
-                notes.append(f"{p}: removed a leftover of an interrupted run")
+            # marked as a cleaner: a run that starts meanwhile waits for this one instead of being refused as if
+            # another run were writing the output (_take_lock)
+            me = {"cleaning": os.getpid()}
+            lock.set_journal({**lock.journal(), **me})
+            try:
+                notes += recover(lock)  # (clears the journal when done)
+                lock.set_journal(me)
+                for p in _dead_temps(t):
+                    _remove_tree(p)
+                    notes.append(f"{p}: removed a leftover of an interrupted run")
+            finally:  # the mark goes; what recover could not finish stays in the journal for the next run
+                lock.set_journal({k: v for k, v in lock.journal().items() if k != "cleaning"})
     except (StrataError, OSError):
         pass
     return notes
