@@ -254,3 +254,134 @@ def test_a_cleaner_that_does_not_finish_is_named_as_one(tmp_path, monkeypatch):
             with fsutil.output_lock(t):
                 pass
         lock.set_journal({})
+
+
+# ------------------------------------------------------------------------------ 4. signals and file renames
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_between_the_renames_of_a_file_set_publishes_the_set_whole(tmp_path, monkeypatch, sig):
+    """A profile and its sidecar are one set (write_files_atomic). A signal that lands right after the first
+    rename used to stop the second: a new sidecar beside the old profile. Now the renames are one held block:
+    the set is published whole, then the command exits 128 + signal."""
+    from stratatools.cli import entry
+
+    signum = getattr(signal, sig)
+    handler = entry._interrupted if sig == "SIGINT" else entry._terminated
+    a, b = tmp_path / "p.bin.json", tmp_path / "p.bin"
+    a.write_text("old sidecar")
+    b.write_text("old profile")
+    real = os.rename
+    sent = []
+
+    def rename_then_signal(src, dst, *x, **k):
+        real(src, dst, *x, **k)
+        if not sent:
+            sent.append(dst)
+            handler(signum, None)
+
+    monkeypatch.setattr(os, "rename", rename_then_signal)
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as ei:
+        fsutil.write_files_atomic([(a, b"new sidecar"), (b, b"new profile")])
+    monkeypatch.undo()
+    assert sent == [a] and (a.read_text(), b.read_text()) == ("new sidecar", "new profile")
+    assert isinstance(ei.value, SystemExit) and ei.value.code == 128 + signum
+    assert sorted(os.listdir(tmp_path)) == ["p.bin", "p.bin.json"]
+
+
+@pytest.mark.parametrize("where", ["file", "set"])
+def test_signal_held_back_before_the_rename_publishes_nothing(tmp_path, monkeypatch, where):
+    """A signal held back before the rename stops the publication: the previous file stays, no temp is left,
+    exit 130. "file": it lands as the target is checked once more, inside the rename's held block; "set": it
+    lands while a file set is staged inside an enclosing held block (before, the set was renamed in and the
+    exit came after it)."""
+    from stratatools.cli import entry
+
+    out = tmp_path / "out.txt"
+    out.write_text("previous")
+    real = fsutil.check_target
+
+    def check_then_signal(p, inputs=()):
+        entry._interrupted(signal.SIGINT, None)
+        return real(p, inputs)
+
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as ei:
+        if where == "file":
+            fd, tmp = fsutil.create_temp(out)
+            monkeypatch.setattr(fsutil, "check_target", check_then_signal)
+            fsutil.commit_temp(fd, tmp, out)
+        else:
+            with fsutil.signals_deferred():
+                entry._interrupted(signal.SIGINT, None)
+                fsutil.write_files_atomic([(out, b"new")])
+    monkeypatch.undo()
+    assert getattr(ei.value, "code", 130) == 130 and out.read_text() == "previous"
+    assert os.listdir(tmp_path) == ["out.txt"] and fsutil._DEFER["pending"] is None
+
+
+def test_cli_names_a_file_it_published_before_an_interrupt(kit, cli, tmp_path, monkeypatch):
+    """Ctrl-C right after a command's output was renamed in: exit 130 (interrupted), and the message names the
+    output as written whole (it used to say only "interrupted", as if the output had been left as it was)."""
+    from stratatools.cli import entry
+
+    out = tmp_path / "t.bin"
+    real = os.rename
+    sent = []
+
+    def rename_then_signal(src, dst, *x, **k):
+        real(src, dst, *x, **k)
+        if Path(dst) == out and not sent:
+            sent.append(1)
+            entry._interrupted(signal.SIGINT, None)
+
+    monkeypatch.setattr(os, "rename", rename_then_signal)
+    code, _o, err = cli("trace", "convert", kit / "pruned" / "coder-revB.routing.csv", "-o", out, "--to", "strata",
+                        "--force")
+    monkeypatch.undo()
+    assert sent and code == 130, (code, err)
+    joined = "".join(err.split())
+    assert "interrupted;alreadywritten,whole,beforeit:" in joined and str(out) in joined, err
+    assert out.stat().st_size > 0 and [n for n in os.listdir(tmp_path) if "stratatools" in n] == []
+
+
+# ------------------------------------------------------------------------------ 4. the in-place SIGKILL window
+def test_finishing_a_killed_in_place_publish_removes_the_old_marker_first(tmp_path):
+    """A run killed just after its in-place publish was journalled (before it removed the previous marker), then
+    the run that finishes it (tidy_output) killed after its first rename: the folder must not show the previous
+    output's marker beside a mix of old and new files (it used to: the roll-forward renamed files in before
+    touching the marker). A third run completes the new output, marker last."""
+    t = tmp_path / "shared"
+    t.mkdir()
+    (t / "notes.txt").write_text("mine")
+    (t / "a.txt").write_text("old A")
+    (t / "b.txt").write_text("old B")
+    (t / "report.json").write_text("previous")
+    first = f"""
+import os, sys
+sys.path.insert(0, {ROOT!r})
+from stratatools.core import fsutil
+fsutil.commit_point = lambda final=True: os._exit(9)  # killed as the journalled publish starts
+with fsutil.publish_dir({str(t)!r}, keep=lambda n: n not in {OWN!r}, last=["report.json"]) as st:
+    for n in ("a.txt", "b.txt", "report.json"):
+        fsutil.write_bytes_atomic(st / n, ("new " + n).encode())
+"""
+    r = subprocess.run([sys.executable, "-c", first], capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    assert (t / "report.json").read_text() == "previous"  # nothing changed yet; the journal names the publish
+    second = f"""
+import os, sys
+sys.path.insert(0, {ROOT!r})
+from stratatools.core import fsutil
+real = os.rename
+def rename(a, b):
+    real(a, b)
+    os._exit(9)  # the finishing run killed after its first rename
+os.rename = rename
+fsutil.tidy_output({str(t)!r})
+"""
+    r = subprocess.run([sys.executable, "-c", second], capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    texts = {n: (t / n).read_text() for n in os.listdir(t)}
+    assert texts.get("report.json") != "previous", texts  # no marker claims the mix is the previous output
+    fsutil.tidy_output(t)
+    assert {n: (t / n).read_text() for n in os.listdir(t)} == {
+        "notes.txt": "mine", "a.txt": "new a.txt", "b.txt": "new b.txt", "report.json": "new report.json"}
+    assert _leftovers(tmp_path) == []

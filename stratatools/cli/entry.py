@@ -40,6 +40,7 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
 
     if argv is None:  # the real process: its handlers are ours (above); an in-process run leaves the state alone
         fsutil.cli_signals(True)
+    n_written, _ = fsutil.files_written()  # an interrupt names the files this command had already published
     try:
         # standalone_mode=False: click's own errors (unknown option, bad value, missing argument) come back to us
         # as exceptions instead of being printed by typer as multi-line boxed panels; we print them as the one line
@@ -50,6 +51,11 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         if argv is None:
             fsutil.commit_point()
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+    except SystemExit as e:  # a signal held back while a temp was created or a file renamed: exit 130/143 now
+        if e.code in (130, 143) and fsutil.files_written(n_written)[1]:
+            common.err_console.print(_written_note("interrupted" if e.code == 130 else "terminated", n_written),
+                                     markup=False, highlight=False, soft_wrap=True)
+        raise
     except _NO_ARGS as e:  # `stratatools trace`: the group's help, as before
         from typer import rich_utils
 
@@ -82,8 +88,20 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
                                  markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        common.err_console.print("interrupted", markup=False)
+        common.err_console.print(_written_note("interrupted", n_written), markup=False, highlight=False,
+                                 soft_wrap=True)
         sys.exit(130)
+
+
+def _written_note(word: str, since: int) -> str:
+    """``word`` ("interrupted"), and the files the command had published before the signal, if any: those are
+    new and whole (a signal after a file's rename cannot undo it), the others were left as they were."""
+    from stratatools.core import fsutil
+
+    paths = fsutil.files_written(since)[1]
+    if not paths:
+        return word
+    return one_line(f"{word}; already written, whole, before it: {', '.join(paths)}")
 
 
 def usage_line(e) -> str:

@@ -108,7 +108,45 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 # the temp's name. Python handlers run in the main thread only, so this holds whatever thread the kernel picks.
 # Ctrl-C (SIGINT) takes the same path: the CLI's SIGINT handler raises KeyboardInterrupt outside a creation and,
 # inside one, notes exit 130 the same way (:func:`interrupt`).
-_DEFER: dict[str, Any] = {"depth": 0, "pending": None, "committed": False, "cli": False, "publishing": 0}
+#
+# Signals and publication (where a SIGINT/SIGTERM can land once an output is new, and what each window gives):
+# * a file (:func:`commit_temp`, :func:`write_files_atomic`): the rename is the last act of a held block. A signal
+#   held back before it stops the publication (:func:`_stop_if_signalled`: the old output stays, exit 130/143 is
+#   true); one that arrives during the rename is raised as the block ends, after it. A file set is renamed whole
+#   in one block (before, a signal between two renames published half a set: a new sidecar beside the old file).
+# * after a file's rename, up to the command's return (fsync of the folder, the command's next outputs and last
+#   messages): an exit 130/143 here leaves that file new and whole. This window is not closed: a file is not known
+#   to be the command's last output (a command may write more, or work on), and holding the signal to the end
+#   would make Ctrl-C wait for that work. The file is recorded (:func:`files_written`) and the CLI's "interrupted"
+#   line names it, so the exit code and its message do not claim the output was left as it was.
+# * a folder swapped whole: the swap and :func:`commit_point` are one held block; after it signals are dropped and
+#   the command exits 0 (README "Exit codes"). A folder published in place: :func:`commit_point` comes before the
+#   first change, see :func:`_publish_in_place` for its SIGKILL window.
+# * no-replace publication (:func:`guard_output`) is recorded per process, in ``_NO_REPLACE``: two processes that
+#   both checked an absent output cannot both publish it (renameat2 RENAME_NOREPLACE), but two threads of one
+#   process share the record and the first publication drops it, so the second thread replaces the first one's
+#   file. The project publishes from the main thread only; this is not closed.
+_DEFER: dict[str, Any] = {"depth": 0, "pending": None, "committed": False, "cli": False, "publishing": 0,
+                          "written": 0, "written_paths": []}
+_WRITTEN_KEPT = 64  # the last file outputs recorded for the CLI's "interrupted" line (files_written)
+
+
+def files_written(since: int = 0) -> tuple[int, list[str]]:
+    """(the number of file outputs this process has published outside folder outputs, the paths of those
+    numbered ``since`` and after, of the last 64 kept). The CLI takes the count as a command starts, and after an
+    interrupt names the files the command had already published, new and whole."""
+    n = _DEFER["written"]
+    first = n - len(_DEFER["written_paths"])
+    return n, [p for i, p in enumerate(_DEFER["written_paths"], first) if i >= since]
+
+
+def _stop_if_signalled() -> None:
+    """Inside :func:`signals_deferred`, just before an output's rename: a SIGINT/SIGTERM held back meanwhile
+    stops the publication here (its exit is raised now; the caller's guard removes the temp), so the previous
+    output stays and the exit code says so truthfully."""
+    if _DEFER["pending"] is not None:
+        code, _DEFER["pending"] = _DEFER["pending"], None
+        raise SystemExit(code)
 
 
 @contextmanager
@@ -323,17 +361,21 @@ def _exists_error(t: Path) -> StrataError:
 def _publish_file(tmp: Path, t: Path) -> None:
     """Rename the finished temp ``tmp`` to ``t``: over it, or, when guard_output recorded ``t`` without --force,
     only if ``t`` is still absent (:func:`rename_noreplace`). Raises StrataError when ``t`` appeared meanwhile
-    (``tmp`` is removed), OSError otherwise."""
+    (``tmp`` is removed), OSError otherwise. Callers run it inside :func:`signals_deferred` after
+    :func:`_stop_if_signalled` (see "Signals and publication")."""
     k = _key(t)
     if k not in _NO_REPLACE:
         os.rename(tmp, t)
-        return
-    try:
-        rename_noreplace(tmp, t)
-    except FileExistsError:
-        _unlink_quiet(tmp)
-        raise _exists_error(t) from None
-    _NO_REPLACE.discard(k)
+    else:
+        try:
+            rename_noreplace(tmp, t)
+        except FileExistsError:
+            _unlink_quiet(tmp)
+            raise _exists_error(t) from None
+        _NO_REPLACE.discard(k)
+    if _DEFER["publishing"] == 0:  # an output of its own, not a file of a folder being built
+        _DEFER["written"] += 1
+        _DEFER["written_paths"] = (_DEFER["written_paths"] + [str(t)])[-_WRITTEN_KEPT:]
 
 
 def commit_temp(fd: int, tmp: Path, target: str | os.PathLike) -> None:
@@ -345,8 +387,10 @@ def commit_temp(fd: int, tmp: Path, target: str | os.PathLike) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        check_target(t)
-        _publish_file(tmp, t)
+        with signals_deferred():  # the rename is the last act under held signals ("Signals and publication")
+            check_target(t)
+            _stop_if_signalled()
+            _publish_file(tmp, t)
     except BaseException as e:
         _unlink_quiet(tmp)
         if isinstance(e, OSError):
@@ -518,16 +562,22 @@ def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
         raise
     for fd, _tmp, _t in staged:
         os.close(fd)
-    for i, (_fd, tmp, t) in enumerate(staged):
-        try:
-            check_target(t)
-            _publish_file(tmp, t)
-        except BaseException as e:
-            for _f, rest, _r in staged[i:]:
-                _unlink_quiet(rest)
-            if isinstance(e, OSError):
-                raise _fail(t, e) from None
-            raise
+    # the whole set is renamed in one held block: a signal held back before the first rename publishes nothing,
+    # one that arrives during the renames is raised after the last ("Signals and publication")
+    i = 0
+    try:
+        with signals_deferred():
+            _stop_if_signalled()
+            for i, (_fd, tmp, t) in enumerate(staged):
+                check_target(t)
+                _publish_file(tmp, t)
+            i = len(staged)
+    except BaseException as e:
+        for _f, rest, _r in staged[i:]:
+            _unlink_quiet(rest)
+        if isinstance(e, OSError):
+            raise _fail(staged[min(i, len(staged) - 1)][2], e) from None
+        raise
     for d in {t.parent for _f, _tmp, t in staged}:
         fsync_dir(d)
 
@@ -805,6 +855,17 @@ def _finish_in_place(t: Path, tmp: Path, last: Any, stale: Any) -> None:
         return isinstance(v, str) and v not in ("", ".", "..") and os.sep not in v and "/" not in v
 
     marks = [n for n in (last if isinstance(last, list) else []) if plain(n)]
+    # a marker still in the temp folder is not published yet: the one in t (if any) is the previous output's, and
+    # it goes before anything else moves (the killed run may have been stopped before it removed it), so that a
+    # kill of this run too never leaves the previous marker beside a mix of old and new files
+    gone = False
+    for n in marks:
+        p = t / n
+        if os.path.lexists(tmp / n) and (p.is_symlink() or p.is_file()):
+            os.unlink(p)
+            gone = True
+    if gone:
+        fsync_dir(t)
     left = sorted(n for n in os.listdir(tmp) if n not in marks)
     for n in left:
         if not os.path.isdir(t / n) or os.path.islink(t / n):
@@ -1130,7 +1191,16 @@ def _publish_in_place(t: Path, tmp: Path, keep: Callable[[str], bool], last: lis
     are removed first (from then on their absence says "incomplete"), then the other files are renamed in, then
     files of the previous output that the new one lacks are removed, then the ``last`` files are renamed in.
     :func:`commit_point` comes with the first change. Before it, the lock's journal names the temp folder, the
-    markers and the stale files, so that a run killed midway is finished by the next writer (:func:`recover`)."""
+    markers and the stale files, so that a run killed midway is finished by the next writer (:func:`recover`).
+
+    The SIGKILL window (not closed: closing it would mean swapping the folder, which moves other programs'
+    files): from the removal of the first previous marker to the rename of the last new one, the folder holds
+    some new and some old files, each whole, and no marker. A SIGKILL there leaves it so, with the complete temp
+    folder and the journal, until the next command naming the output finishes the publish (:func:`recover`,
+    :func:`_finish_in_place`, which removes a previous marker first too, so a kill of that run never shows the
+    previous marker beside a mix). A kill before the journal names the publish (or between the journal's
+    truncation and its rewrite) changes nothing in ``t``: the temp folder is then a dead run's and is removed.
+    SIGINT/SIGTERM are dropped for the whole sequence (:func:`commit_point`)."""
     names = sorted(os.listdir(tmp))
     marks = [n for n in last if n in names]
     order = [n for n in names if n not in marks] + marks
