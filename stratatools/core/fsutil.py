@@ -837,11 +837,16 @@ def recover(lock: _Lock) -> list[str]:
     if not os.path.lexists(t) and aside:
         os.rename(aside[0], t)
         notes.append(f"{t}: restored the previous output left aside by an interrupted run")
+    failed = False
     for p in names:
         if os.path.lexists(p):
-            kept = _retire(p, t, own_p)  # another program's file in it is moved back into the output, not lost
+            try:
+                kept = _retire(p, t, own_p)  # another program's file in it is moved back into the output, not lost
+            except OSError:
+                failed = True  # the journal keeps naming it: a later run tries again
+                continue
             notes.append(f"{p}: removed a leftover of an interrupted run" if kept is None else kept)
-    if j:
+    if j and not failed:
         lock.set_journal({})
         fsync_dir(t.parent)
     return notes
@@ -1125,8 +1130,12 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                 if isinstance(recover_exc, OSError):
                     raise _fail(t, recover_exc) from None
                 raise
-            _retire(tmp, t, _own_pred(keep))  # the previous output, less other programs' files (moved back)
-            lock.set_journal({})
+            try:  # the previous output, less other programs' files (moved back into the new folder)
+                _retire(tmp, t, _own_pred(keep))
+            except OSError:
+                pass  # the output is published; the journal keeps naming the old folder: the next run sorts it out
+            else:
+                lock.set_journal({})
             _sweep_asides(t, keep)  # and older aside folders no journal names
     finally:
         # outside the CLI's process, or for a folder inside another one (the demo's), signals are dropped only
