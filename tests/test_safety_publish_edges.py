@@ -385,3 +385,29 @@ fsutil.tidy_output({str(t)!r})
     assert {n: (t / n).read_text() for n in os.listdir(t)} == {
         "notes.txt": "mine", "a.txt": "new a.txt", "b.txt": "new b.txt", "report.json": "new report.json"}
     assert _leftovers(tmp_path) == []
+
+
+def test_file_written_into_the_old_folder_while_it_is_removed_is_not_swept_blindly(tmp_path, monkeypatch):
+    """After an exchange the previous output has a temp name (.stratatools-tmp), and dead runs' temp folders are
+    removed whole. A file written into the old folder while it is being removed (a program with the folder open)
+    makes the removal incomplete: what is left is renamed to an aside name, so a later run sorts it out (moves
+    the file into the output) instead of deleting it with a dead run's temp folder."""
+    t = tmp_path / "out"
+    _old_output(t)
+    real_remove = fsutil._remove_tree
+    wrote = []
+
+    def remove_while_written(p):
+        real_remove(p)
+        if p.name.endswith(".stratatools-tmp") and not wrote and p.exists() is False:
+            p.mkdir()  # the folder a program still has open: its write lands in a fresh entry of that name
+            (p / "late.txt").write_text("written during the removal")
+            wrote.append(p)
+
+    monkeypatch.setattr(fsutil, "_remove_tree", remove_while_written)
+    with publish_dir(t, keep=_keep) as st:
+        write_bytes_atomic(st / "a.txt", b"new A")
+    monkeypatch.undo()
+    left = _leftovers(tmp_path)
+    assert wrote and len(left) == 1 and left[0].endswith(".stratatools-old"), left
+    assert os.listdir(tmp_path / left[0]) == ["late.txt"]

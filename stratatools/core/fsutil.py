@@ -956,7 +956,11 @@ def _retire(old: Path, t: Path, own: Callable[[str], bool] | None) -> str | None
         fsync_dir(t)
     if not left:
         _remove_tree(old)
-        return None
+        if not os.path.lexists(old):
+            return None
+        # not all removed (an entry written into it meanwhile, through an open handle, or one that cannot be
+        # removed): what is left is kept under an aside name, which only _sweep_asides removes, with these checks
+        left = sorted(os.listdir(old))
     for e in list(os.scandir(old)):
         if e.name not in left:
             _remove_tree(Path(e.path))
