@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import signal
 import sys
 
@@ -76,6 +77,15 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
             raise
         common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
+    except RuntimeError as e:
+        # pathlib's resolve() reports a symlink loop as RuntimeError, not OSError(ELOOP), before Python 3.13
+        m = re.fullmatch(r"Symlink loop from '(.*)'", str(e))
+        if m is None or debug or os.environ.get("STRATATOOLS_DEBUG"):
+            raise
+        common.err_console.print(one_line(f"error: {m.group(1)}: symlink loop (a link that points back at itself); "
+                                          f"remove it or choose another path"),
+                                 markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
     except BrokenPipeError:  # in-process: quiet, with the status a shell reports for SIGPIPE
         _silence_stdout()
         sys.exit(141)

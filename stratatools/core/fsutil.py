@@ -469,7 +469,10 @@ class AtomicFile:
             with signals_deferred():
                 self._fd, self.tmp = create_temp(self.path)
             buf = io.BufferedWriter(_FdRaw(self._fd), 1 << 20)
-            self.fh = buf if self.mode == "wb" else io.TextIOWrapper(buf, encoding="utf-8", newline="\n")
+            # a file name that is not UTF-8 reaches text as lone surrogates (os.fsdecode): written as \udcXX escapes,
+            # so a report naming such a file stays valid UTF-8 instead of failing
+            self.fh = buf if self.mode == "wb" else io.TextIOWrapper(buf, encoding="utf-8", errors="backslashreplace",
+                                                                     newline="\n")
         except BaseException:  # __exit__ is not called when __enter__ raises
             if self.tmp is not None:
                 try:
@@ -524,7 +527,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, inputs: Iterable[st
 
 def write_text_atomic(path: str | os.PathLike, text: str, inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Write UTF-8 ``text`` (LF line ends) to ``path`` through :class:`AtomicFile`."""
-    write_bytes_atomic(path, text.encode("utf-8"), inputs)
+    write_bytes_atomic(path, text.encode("utf-8", "backslashreplace"), inputs)  # see AtomicWriter: \udcXX escapes
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, inputs: Iterable[str | os.PathLike] = ()) -> None:
@@ -697,6 +700,8 @@ def output_lock(target: str | os.PathLike) -> Iterator[_Lock]:
     lp = lock_path(t)
     try:
         lp.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a parent is a file: say so, not "File exists"
+        raise StrataError(f"{t}: a parent of this path is not a folder; choose another output path", t) from None
     except OSError as e:
         raise _fail(t, e, f"cannot create its lock file {lp.name}") from None
     fd, locked = -1, False

@@ -764,6 +764,14 @@ class PackResult:
 
 def _guard_packdir(packdir: Path, model: Model, force: bool) -> None:
     inputs = [f.path for f in model.files]
+    for i in inputs:  # the native table records the shards' names as UTF-8 text (formats.md 5)
+        try:
+            i.name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = str(i).encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            raise StrataError(f"{shown}: the file name is not valid UTF-8, and the pack records the model's file "
+                              f"names for the engine; rename the file (and its other shards) to a UTF-8 name",
+                              shown) from None
     outs = [packdir] + [packdir / n for n in (NATIVE_TXT, EXPERTS_BIN, EXPERTS_SRC, NATIVE_TXT + ".json")]
     for o in outs:
         for i in inputs:
