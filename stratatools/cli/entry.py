@@ -34,8 +34,10 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     if argv is None and hasattr(signal, "SIGTERM"):
         # kill / timeout / a CI cancel: unwind like Ctrl-C, so temp files and half-built folders are removed
         signal.signal(signal.SIGTERM, _terminated)
-    if argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        # Ctrl-C: KeyboardInterrupt as before, but held back while a temp is being created and recorded
+    sigint = signal.getsignal(signal.SIGINT)
+    if argv is None and (sigint is signal.default_int_handler or getattr(sigint, "stratatools_loading", False)):
+        # Ctrl-C: KeyboardInterrupt as before, but held back while a temp is being created and recorded (replaces
+        # Python's default or the quiet exit stratatools.__main__ installs while the modules load)
         signal.signal(signal.SIGINT, _interrupted)
     from stratatools.core import fsutil
 
