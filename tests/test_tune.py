@@ -147,7 +147,7 @@ def test_tune_on_a_dask_cluster_equals_in_process(cli, tmp_path, bursty):
     (["--slots", "8", "--card", "12GB"], "exactly one budget"),
     ([], "exactly one budget"),
     (["--card", "twelve"], "expected a memory size"),
-    (["--card", "1GB"], "leaves no room"),
+    (["--card", "1GB"], "1 GB is 1,000,000,000 bytes, less than the --reserve-gib 1.5"),
     (["--card", "12GB"], "blob sizes"),
     (["--slots", "8", "--objective", "speed"], "--objective"),
     (["--slots", "8", "-k", "1"], "'--kfold' / '-k': must be an integer from 2 to 2147483647 (got 1)"),

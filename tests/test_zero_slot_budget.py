@@ -54,9 +54,9 @@ def test_tune_refuses_a_budget_or_card_of_no_slot(kit, cli):
             "model's smallest expert rounded up to 256 bytes), the same as --slots 0; tune needs at least 1 slot"
             in one), one
     assert one.endswith("give --budget-gib 1.32e-05 or more, or --slots N"), one
-    code, out, err = cli(*base, "--card", "1.5000001GB")  # 0.1 KiB after the default 1.5 GiB reserve
+    code, out, err = cli(*base, "--card", "1.5000001GiB")  # 0.1 KiB after the default 1.5 GiB reserve
     one = _one_line(err)
-    assert code == 2 and "--card 1.5000001GB (with --reserve-gib 1.5: 9.97e-08 GiB for experts): 107 bytes hold " \
+    assert code == 2 and "--card 1.5000001GiB (with --reserve-gib 1.5: 107 bytes for experts): 107 bytes hold " \
         "no expert slot (one slot needs 14,080 bytes" in one, one
     assert "a --card at least 1.32e-05 GiB larger than the --reserve-gib 1.5" in one, one
     # the budget the message suggests tunes, and the engine gets a slot count of at least 1

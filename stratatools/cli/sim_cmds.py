@@ -12,7 +12,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import StrataError, num_text
 from stratatools.cli import common
 
 POLICY_HELP = "Policy, repeatable or comma-separated: static, adaptive, lru, lfu, lfru, belady."
@@ -98,7 +98,7 @@ def _budget(slots: Optional[int], budget_gib: Optional[float]) -> tuple[Optional
     if slots is None and budget_gib is None:
         raise StrataError("no budget: give --slots N or --budget-gib X")
     if slots is not None and budget_gib is not None:
-        raise StrataError(f"--slots {slots} and --budget-gib {budget_gib:g} both size the tier: give --slots N or "
+        raise StrataError(f"--slots {slots} and --budget-gib {num_text(budget_gib)} both size the tier: give --slots N or "
                           f"--budget-gib X, not both")
     if slots is not None and slots < 0:
         raise StrataError(f"--slots {slots}: must be >= 0")

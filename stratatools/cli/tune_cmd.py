@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import StrataError, num_text
 from stratatools.cli import common
 
 GIB = 1 << 30
@@ -16,21 +16,42 @@ _NEEDS_SLOT = ("tune needs at least 1 slot (with no slot nothing is resident, so
                "there is nothing to search)")
 
 
-def parse_card(text: str) -> float:
-    """``12GB``, ``16G``, ``24 GiB`` or ``12`` -> GiB as a float (a card's "GB" is its GiB of memory).
+# --card's units: GB/MB/TB are SI (10^9 bytes ...), GiB/MiB/TiB and the bare letters G/M/T binary (2^30 ...), as
+# GNU coreutils read them; a bare number is GiB
+_CARD_UNITS = {"": (GIB, "GiB"), "g": (GIB, "GiB"), "gi": (GIB, "GiB"), "gib": (GIB, "GiB"), "gb": (10**9, "GB"),
+               "m": (1 << 20, "MiB"), "mi": (1 << 20, "MiB"), "mib": (1 << 20, "MiB"), "mb": (10**6, "MB"),
+               "t": (1 << 40, "TiB"), "ti": (1 << 40, "TiB"), "tib": (1 << 40, "TiB"), "tb": (10**12, "TB")}
+_CARD_HELP = ("Card memory: budget = card - --reserve-gib. GB = 10^9 bytes, GiB (or G, or a bare number) = 2^30 "
+              "bytes; MB/MiB, TB/TiB alike. A card sold as 12 GB usually has 12 GiB: write 12GiB.")
 
-    Raises StrataError for anything else."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(g|gb|gib)?\s*", text, flags=re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise StrataError(f"--card {text!r}: expected a memory size such as 12GB, 16G or 24GiB")
-    return float(m.group(1))
+
+def parse_card(text: str) -> tuple[int, str]:
+    """``--card``: ``12GiB``, ``16G``, ``12`` (GiB), ``0.5GB`` (SI: 0.5 x 10^9 bytes), ``512MiB``, ``1TB`` ->
+    (bytes, the size as given with its unit spelled out, e.g. ``"0.5 GB"``). The bytes are exact (decimal
+    arithmetic on the digits given), rounded down to a whole byte.
+
+    Raises StrataError for anything else (no number, a number <= 0, an unknown unit, over
+    :data:`stratatools.cli.common.MAX_GIB`)."""
+    from decimal import Decimal
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = _CARD_UNITS.get(m.group(2).lower()) if m else None
+    nbytes = int(Decimal(m.group(1)) * unit[0]) if unit else 0
+    if unit is None or nbytes <= 0 or nbytes > common.MAX_GIB * GIB:
+        raise StrataError(f"--card {text!r}: expected a memory size such as 12GiB, 16G or 12GB (GB = 10^9 bytes, "
+                          f"GiB = 2^30 bytes), more than 0 and at most {common.MAX_GIB:.0f} GiB")
+    return nbytes, f"{m.group(1)} {unit[1]}"
 
 
 def _budget(slots: Optional[int], budget_gib: Optional[float], card: Optional[str],
             reserve_gib: float) -> tuple[Optional[int], Optional[int], str]:
+    """The budget tune searches under: (slots, budget bytes, text for the table and JSON). The card's bytes less
+    the reserve's (rounded up to a whole byte); values echoed as given (:func:`num_text`)."""
+    import math
+
     given = [x is not None for x in (slots, budget_gib, card)]
     if sum(given) != 1:
-        raise StrataError("give exactly one budget: --slots N, --budget-gib X or --card SIZE (e.g. --card 12GB)")
+        raise StrataError("give exactly one budget: --slots N, --budget-gib X or --card SIZE (e.g. --card 12GiB)")
     if slots is not None:
         if slots < 1:
             # 0 is accepted by run/simulate (the all-miss tier, a measurement); a search over it finds nothing
@@ -38,17 +59,22 @@ def _budget(slots: Optional[int], budget_gib: Optional[float], card: Optional[st
                               f"--card SIZE")
         return slots, None, f"{slots} slots"
     if card is not None:
-        size = parse_card(card)
+        size, size_text = parse_card(card)
         if not (0 <= reserve_gib < float("inf")):
             raise StrataError(f"--reserve-gib {reserve_gib}: must be a finite number >= 0")
-        budget_gib = size - reserve_gib
-        if budget_gib <= 0:
-            raise StrataError(f"--card {card}: {size:g} GiB minus the --reserve-gib {reserve_gib:g} leaves no room for experts")
-        return None, int(budget_gib * GIB), f"card {size:g} GiB - reserve {reserve_gib:g} GiB = {budget_gib:g} GiB"
+        reserve = math.ceil(reserve_gib * GIB)
+        if size <= reserve:
+            raise StrataError(f"--card {card}: {size_text} is {size:,} bytes, "
+                              f"{'less than' if size < reserve else 'no more than'} the --reserve-gib "
+                              f"{num_text(reserve_gib)} ({reserve:,} bytes): no room for experts; give a larger "
+                              f"--card (a card sold as 12 GB usually has 12 GiB: write 12GiB) or a smaller "
+                              f"--reserve-gib")
+        return None, size - reserve, (f"card {size_text} - reserve {num_text(reserve_gib)} GiB = "
+                                      f"{size - reserve:,} bytes for experts")
     assert budget_gib is not None
     if not (0 < budget_gib < float("inf")):
         raise StrataError(f"--budget-gib {budget_gib}: must be a finite number > 0")
-    return None, int(budget_gib * GIB), f"{budget_gib:g} GiB"
+    return None, int(budget_gib * GIB), f"{num_text(budget_gib)} GiB"
 
 
 def _fmt(d: dict, key: str) -> str:
@@ -119,7 +145,7 @@ def register(app: typer.Typer) -> None:
                                             help="Slot count budget (at least 1)."),
         budget_gib: Optional[float] = typer.Option(None, "--budget-gib", callback=_GIB_POS,
                                                    help="Byte budget in GiB (needs --pack/--model)."),
-        card: Optional[str] = typer.Option(None, "--card", help="Card memory, e.g. 12GB: budget = card - --reserve-gib."),
+        card: Optional[str] = typer.Option(None, "--card", help=_CARD_HELP),
         reserve_gib: float = typer.Option(1.5, "--reserve-gib", callback=_GIB,
                                          help="With --card: GiB kept for dense weights, KV cache, context."),
         objective: str = typer.Option("hit", "--objective", help="hit (held-out h_expert) or tok/s (cost model)."),
@@ -176,10 +202,10 @@ def register(app: typer.Typer) -> None:
             from stratatools.cachesim.layout import require_budget_slot
 
             # a budget below one slot is --slots 0 (refused in _budget); refused here, where the slot size is known
-            option = f"--budget-gib {budget_gib:g}" if card is None else \
-                f"--card {card} (with --reserve-gib {reserve_gib:g}: {b / GIB:.3g} GiB for experts)"
+            option = f"--budget-gib {num_text(budget_gib)}" if card is None else \
+                f"--card {card} (with --reserve-gib {num_text(reserve_gib)}: {b:,} bytes for experts)"
             fix = "--budget-gib {gib} or more, or --slots N" if card is None else \
-                f"a --card at least {{gib}} GiB larger than the --reserve-gib {reserve_gib:g}, a smaller " \
+                f"a --card at least {{gib}} GiB larger than the --reserve-gib {num_text(reserve_gib)}, a smaller " \
                 f"--reserve-gib, or --slots N"
             require_budget_slot(b, inp.blob_bytes, option, _NEEDS_SLOT, fix)
         L, E = inp.n_layers, inp.n_expert

@@ -42,3 +42,16 @@ def one_line(message: str) -> str:
         message = message[:_MAX_MESSAGE - 3] + "..."
     return message
 
+
+
+def num_text(x: float) -> str:
+    """A number for a message, in as few digits as read back as the same float: ``12`` for 12.0, ``1.5``,
+    ``1e-06``, and ``0.9999999`` (not ``1``, which ``{x:g}``'s six digits would print): an echoed option value is
+    the value the user gave, never a neighbour."""
+    x = float(x)
+    short = f"{x:g}"
+    if float(short) == x:
+        return short
+    if x.is_integer() and abs(x) < 1e16:
+        return str(int(x))  # 123456789, not 123456789.0
+    return repr(x)

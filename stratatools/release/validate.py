@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from stratatools.release.checks import FAIL, PASS, SKIP, Check, CheckSuite
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import StrataError, num_text
 
 
 @dataclass
@@ -541,7 +541,7 @@ def _run_model_checks(suite: CheckSuite, inp: ReleaseInputs, ctx: dict[str, Any]
         from stratatools.cachesim.layout import require_budget_slot
 
         # a budget below one slot is --slots 0 (refused by check_gate_options): unusable input, exit 2
-        require_budget_slot(int(budget_gib * (1 << 30)), ctx["blob_bytes"], f"--budget-gib {budget_gib:g}",
+        require_budget_slot(int(budget_gib * (1 << 30)), ctx["blob_bytes"], f"--budget-gib {num_text(budget_gib)}",
                             "the hit-rate gate needs at least 1 slot (with no slot h_expert is 0 whatever the "
                             "profile, so the gate tests nothing)")
     if inp.alloc is not None:
