@@ -123,10 +123,11 @@ def out_file(option: str, example: str, stdout_ok: bool = False, folder_ok: bool
 
 def out_folder(option: str, example: str):
     """A typer ``parser`` for an output FOLDER option or argument: refuses an empty path and ``-`` (a folder named
-    ``-`` is never what was meant: no folder output goes to stdout); returns the Path. Raises StrataError (one line,
-    exit 2) naming ``option`` and a fix with ``example``."""
-    from pathlib import Path
-
+    ``-`` is never what was meant: no folder output goes to stdout), and the folders no output can be published
+    as, each for its own reason: the file system's root or another mount point (a folder output is built in a temp
+    folder beside it, in its parent, and renamed in: :func:`stratatools.core.fsutil.publish_dir`), a path ending
+    in ``..`` (it names no folder of its own to build beside), a path under a file. Returns the Path. Raises
+    StrataError (one line, exit 2) naming ``option``, the reason and a fix with ``example``."""
     from stratatools.core.errors import StrataError
 
     eg = example if option.isupper() else f"{option} {example}"  # an argument (OUTDIR) or an option (-o)
@@ -139,9 +140,47 @@ def out_folder(option: str, example: str):
         if raw == "-":
             raise StrataError(f"{option} -: this output is a folder, not a stream on stdout; give a folder path, "
                               f"e.g. {eg}")
-        return Path(raw)
+        return folder_place(option, raw, example)
 
     return parse
+
+
+def folder_place(option: str, raw: str, example: str) -> Any:
+    """Refuse a folder output path that no folder output can be published as, each for its own reason (see
+    :func:`out_folder`): the file system's root, another mount point, a path ending in ``..``, a path under a
+    file. Returns ``Path(raw)``. Raises StrataError (one line naming ``option``, the reason and a fix)."""
+    import os
+    from pathlib import Path
+
+    from stratatools.core.errors import StrataError
+
+    eg = example if option.isupper() else f"{option} {example}"  # an argument (OUTDIR) or an option (-o)
+    opt = "" if option.isupper() else f"{option} "
+    p = Path(raw)
+    leaf = example.rsplit("/", 1)[-1]
+    if p.name == "..":
+        raise StrataError(f"{option} {raw}: ends in '..', which names no folder of its own (an output folder is "
+                          f"built beside itself under its name, then renamed in); give the folder's own path, "
+                          f"e.g. {opt}{os.path.realpath(raw)}", p)
+    try:
+        mount = os.path.ismount(p)
+    except (OSError, ValueError):
+        mount = False
+    if mount and os.path.realpath(p) == os.path.realpath(os.sep):
+        raise StrataError(f"{option} {raw}: the file system's root, which no output folder can replace or be "
+                          f"published into (it is built beside its folder, in the parent, and renamed in); "
+                          f"give a new subfolder, e.g. {opt}/{example}", p)
+    if mount:
+        raise StrataError(f"{option} {raw}: a mount point, which no output folder can replace or be published "
+                          f"into (it is built beside its folder, on the parent's file system, and renamed in); "
+                          f"give a subfolder, e.g. {opt}{raw.rstrip('/')}/{leaf}", p)
+    for a in [p, *p.parents][1:]:  # the nearest existing parent must be a folder
+        if os.path.lexists(a):
+            if not os.path.isdir(a):
+                raise StrataError(f"{option} {raw}: {a} is a file, not a folder, so nothing can be created under "
+                                  f"it; choose another folder, e.g. {eg}", p)
+            break
+    return p
 
 
 # Bounds of the CLI's numeric options. A value outside is refused while the command line is parsed (click's usage

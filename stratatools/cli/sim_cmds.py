@@ -139,7 +139,7 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
     if report == "-":  # (Path would make a folder named "-")
         raise StrataError("--report -: a report folder (report.md, report.json, ...) is not written to stdout; give "
                           "a folder, e.g. --report sim-report (add --json for the numbers on stdout)")
-    d = Path(report)
+    d = common.folder_place("--report", report, "sim-report")  # the root, a mount point, '..', under a file
     rd = d.resolve()
     given = list(inputs) + (_inputs(traces, None) if traces else [])
     ins = {Path(p).resolve(): p for p in given}
