@@ -126,7 +126,8 @@ def out_folder(option: str, example: str):
     ``-`` is never what was meant: no folder output goes to stdout), and the folders no output can be published
     as, each for its own reason: the file system's root or another mount point (a folder output is built in a temp
     folder beside it, in its parent, and renamed in: :func:`stratatools.core.fsutil.publish_dir`), a path ending
-    in ``..`` (it names no folder of its own to build beside), a path under a file. Returns the Path. Raises
+    in ``..`` (it names no folder of its own to build beside), a path under a file, a name longer than the file
+    system takes. Returns the Path. Raises
     StrataError (one line, exit 2) naming ``option``, the reason and a fix with ``example``."""
     from stratatools.core.errors import StrataError
 
@@ -148,7 +149,7 @@ def out_folder(option: str, example: str):
 def folder_place(option: str, raw: str, example: str) -> Any:
     """Refuse a folder output path that no folder output can be published as, each for its own reason (see
     :func:`out_folder`): the file system's root, another mount point, a path ending in ``..``, a path under a
-    file. Returns ``Path(raw)``. Raises StrataError (one line naming ``option``, the reason and a fix)."""
+    file, a name longer than NAME_MAX. Returns ``Path(raw)``. Raises StrataError (one line naming ``option``, the reason and a fix)."""
     import os
     from pathlib import Path
 
@@ -179,6 +180,13 @@ def folder_place(option: str, raw: str, example: str) -> Any:
             if not os.path.isdir(a):
                 raise StrataError(f"{option} {raw}: {a} is a file, not a folder, so nothing can be created under "
                                   f"it; choose another folder, e.g. {eg}", p)
+            try:
+                nm = os.pathconf(a, "PC_NAME_MAX")
+            except (OSError, ValueError):
+                nm = 255
+            if nm > 0 and len(os.fsencode(p.name)) > nm:
+                raise StrataError(f"{option} {raw}: the name is {len(os.fsencode(p.name))} bytes, and this file "
+                                  f"system takes names of at most {nm} bytes; choose a shorter name", p)
             break
     return p
 

@@ -38,7 +38,8 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 def _fail(path: str | os.PathLike, e: BaseException, what: str = "cannot write") -> StrataError:
     """A one-line StrataError for an OSError ``e`` met while writing ``path``."""
     msg = getattr(e, "strerror", None) or str(e) or type(e).__name__
-    hint = " (free some space)" if getattr(e, "errno", None) == errno.ENOSPC else ""
+    hint = {errno.ENOSPC: " (free some space)",
+            errno.ENAMETOOLONG: " (choose a shorter name or path)"}.get(getattr(e, "errno", None), "")
     return StrataError(f"{path}: {what}: {msg}{hint}; nothing was changed", path)
 
 
@@ -215,8 +216,48 @@ def commit_point(final: bool = True) -> None:
                     signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+# Names derived from an output's name (the temp ``.<name>.<pid>-<hex>.stratatools-tmp``, the aside
+# ``...stratatools-old``, the lock ``.<name>.stratatools-lock``) add up to 37 bytes to it (a pid of up to 10 digits):
+# where that would pass the file system's NAME_MAX, ``<name>`` is replaced by its stem (:func:`_stem`), the same
+# for the writer and for the clean-up code that finds a dead writer's leftovers by that prefix.
+_DERIVED_ROOM = len("..") + 10 + len("-") + 8 + max(len(_TMP_TAG), len(_ASIDE_TAG), len(_LOCK_SUFFIX))
+
+
+def _name_max(folder: Path) -> int:
+    """NAME_MAX (bytes) of the file system that holds ``folder`` or, while it does not exist, its nearest existing
+    parent (where it will be created); 255 where the system does not say."""
+    p = folder if str(folder) else Path(".")
+    for q in [p, *p.parents]:
+        try:
+            n = os.pathconf(q, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+        return n if n and n > 0 else 255
+    return 255
+
+
+def _stem(target: Path) -> str:
+    """What stands for ``target``'s name in the temp, aside and lock names derived from it: the name itself, or,
+    when the longest derived name would not fit in NAME_MAX, the name's first bytes (cut on a character boundary),
+    ``~`` and 16 hex digits of the sha256 of the whole name (so two long names sharing their first bytes differ).
+    Raises StrataError when the name itself is longer than NAME_MAX (the OS would refuse the output)."""
+    name = target.name
+    raw = os.fsencode(name)
+    nm = _name_max(target.parent)
+    if len(raw) > nm:
+        raise StrataError(f"{target}: the name is {len(raw)} bytes, and this file system takes names of at most "
+                          f"{nm} bytes; choose a shorter name", target)
+    room = nm - _DERIVED_ROOM
+    if len(raw) <= room:
+        return name
+    k = max(0, room - 17)
+    while 0 < k < len(raw) and (raw[k] & 0xC0) == 0x80:  # not inside a UTF-8 character
+        k -= 1
+    return os.fsdecode(raw[:k]) + "~" + hashlib.sha256(raw).hexdigest()[:16]
+
+
 def _unique(folder: Path, name: str, tag: str = _TMP_TAG) -> Path:
-    return folder / f".{name}.{os.getpid()}-{secrets.token_hex(4)}{tag}"
+    return folder / f".{_stem(folder / name)}.{os.getpid()}-{secrets.token_hex(4)}{tag}"
 
 
 def probe_writable(target: str | os.PathLike) -> None:
@@ -265,9 +306,9 @@ def _pid_alive(pid: int) -> bool:
 
 def _clean_stale_temps(folder: Path, name: str) -> None:
     """Remove temp files a killed writer of ``name`` left in ``folder``: only regular files (or symlinks, which
-    are removed themselves, never followed) named ``.<name>.<pid>-<hex>.stratatools-tmp`` whose process is gone.
-    Best effort."""
-    pre = f".{name}."
+    are removed themselves, never followed) named ``.<name>.<pid>-<hex>.stratatools-tmp`` (``<name>`` its
+    :func:`_stem`) whose process is gone. Best effort."""
+    pre = f".{_stem(folder / name)}."
     try:
         entries = list(os.scandir(folder))
     except OSError:
@@ -674,9 +715,9 @@ class _Lock:
 
 
 def lock_path(target: str | os.PathLike) -> Path:
-    """The advisory lock file of an output: ``.<name>.stratatools-lock`` beside it."""
+    """The advisory lock file of an output: ``.<name>.stratatools-lock`` beside it (``<name>``: :func:`_stem`)."""
     t = Path(target)
-    return t.parent / f".{t.name}{_LOCK_SUFFIX}"
+    return t.parent / f".{_stem(t)}{_LOCK_SUFFIX}"
 
 
 @contextmanager
@@ -816,7 +857,7 @@ def _journal_empty(fd: int) -> bool:
 def _ours(p: Path, target: Path) -> bool:
     """True for a temp or aside folder this module made for ``target`` (name pattern), never anything else."""
     n = p.name
-    return p.parent == target.parent and n.startswith(f".{target.name}.") and (
+    return p.parent == target.parent and n.startswith(f".{_stem(target)}.") and (
         n.endswith(_TMP_TAG) or n.endswith(_ASIDE_TAG))
 
 
@@ -1256,8 +1297,9 @@ def _publish_in_place(t: Path, tmp: Path, keep: Callable[[str], bool], last: lis
 
 
 def _dead_temps(t: Path) -> list[Path]:
-    """Temp folders/files named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-tmp``) whose process is gone."""
-    pre = f".{t.name}."
+    """Temp folders/files named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-tmp``, ``<name>`` its
+    :func:`_stem`) whose process is gone."""
+    pre = f".{_stem(t)}."
     out: list[Path] = []
     try:
         entries = list(os.scandir(t.parent))
