@@ -110,6 +110,7 @@ class TuneResult:
     cost_model: dict[str, Any] | None
     engine_flags: list[str]
     skipped: dict[str, int] = field(default_factory=dict)  # entries left out of the replay (as simulate's)
+    notes: list[str] = field(default_factory=list)  # e.g. the default k fitted to fewer requests
 
     @property
     def key(self) -> str:
@@ -130,6 +131,7 @@ class TuneResult:
                 "significant_vs_defaults": self.significant, "evaluations": self.evaluated,
                 "candidates": self.candidates, "rungs": self.rungs, "options": self.options,
                 "cost_model": self.cost_model, "engine_flags": self.engine_flags, "skipped": dict(self.skipped),
+                "notes": list(self.notes),
                 "selection_note": "the best is selected on the folds it is reported on (slightly optimistic)"}
 
 
@@ -213,6 +215,31 @@ def engine_flags(settings: dict[str, Any], *, n_slots: int, profile_names: dict[
     return lines
 
 
+DEFAULT_K = 5  # tune's folds when none are given (fewer when the traces hold fewer requests)
+
+
+def _fit_k(k: int | None, n_req: int) -> tuple[int, list[str]]:
+    """The folds to use: ``k`` as given (checked against the ``n_req`` requests, as fold_of_requests does), or for
+    None :data:`DEFAULT_K`, or ``n_req`` when fewer (with a note). Raises StrataError (k < 2, too few requests)."""
+    if k is None:
+        if n_req < 2:
+            raise StrataError(f"the traces hold only {n_req} request; held-out evaluation needs traces of at least "
+                              f"2 requests (a fold never splits a request)")
+        if n_req >= DEFAULT_K:
+            return DEFAULT_K, []
+        return n_req, [f"{n_req}-fold: the traces hold {n_req} requests (the default --kfold {DEFAULT_K} needs "
+                       f"{DEFAULT_K}); --kfold 2 to {n_req} chooses"]
+    if k < 2:
+        raise StrataError(f"--kfold {k}: need at least 2 folds")
+    if n_req < 2:
+        raise StrataError(f"--kfold {k}: the traces hold only {n_req} request; held-out evaluation needs traces "
+                          f"of at least 2 requests (a fold never splits a request)")
+    if n_req < k:
+        raise StrataError(f"--kfold {k}: the traces hold only {n_req} request(s); a fold never splits a request, "
+                          f"so use at most {n_req} folds (or traces with more requests)")
+    return k, []
+
+
 def _fold_error(f: int) -> StrataError:
     return StrataError(f"fold {f}: the held-out requests hold no usable entries; use fewer folds (-k)")
 
@@ -221,7 +248,7 @@ class _TableFolds:
     """The folds of traces held in memory (the ``mapper`` path): every fold's :class:`FoldData`, built on first
     use (its held-out entries prepared, its training profiles made by make-profile)."""
 
-    def __init__(self, tables, n_layers: int, n_expert: int, k: int, phase: str, count_phase: str,
+    def __init__(self, tables, n_layers: int, n_expert: int, k: int | None, phase: str, count_phase: str,
                  profiles: dict[str, Profile], max_layers: int | None = None):
         from stratatools.cachesim.replay import refuse_extra_layers
 
@@ -229,8 +256,9 @@ class _TableFolds:
             if len(t.layer):
                 refuse_extra_layers(t, int(t.layer.max()), n_layers, max_layers)
         self.table = tables if isinstance(tables, TraceTable) else merge_traces(list(tables))
-        self.fold = fold_of_requests(self.table.request.astype(np.int64), k)
         self.n_requests = int(len(np.unique(self.table.request)))
+        self.k, self.notes = _fit_k(k, self.n_requests)
+        self.fold = fold_of_requests(self.table.request.astype(np.int64), self.k)
         self.L, self.E, self.phase, self.count_phase, self.given = n_layers, n_expert, phase, count_phase, profiles
         self.cache: dict[int, FoldData] = {}
 
@@ -266,7 +294,7 @@ class _StreamFolds:
     :meth:`score` replays a batch of (settings, fold) in one more pass. Memory: the per-fold counts, the
     profiles and one chunk, whatever the traces' length."""
 
-    def __init__(self, tables, n_layers: int, n_expert: int, k: int, phase: str, count_phase: str,
+    def __init__(self, tables, n_layers: int, n_expert: int, k: int | None, phase: str, count_phase: str,
                  profiles: dict[str, Profile], max_layers: int | None = None):
         from stratatools.cachesim.replay import EntryStream
         from stratatools.profiles.ranking import build_profile
@@ -275,15 +303,7 @@ class _StreamFolds:
         L, E = self.L, self.E = int(n_layers), int(n_expert)
         self.main = main = EntryStream(srcs, L, E, phase=phase, max_layers=max_layers)
         n_req = self.n_requests = int(main._req_base[-1] + len(main._req_ids[-1]))
-        # fold_of_requests' checks, in its order
-        if k < 2:
-            raise StrataError(f"--kfold {k}: need at least 2 folds")
-        if n_req < 2:
-            raise StrataError(f"--kfold {k}: the traces hold only {n_req} request; held-out evaluation needs traces "
-                              f"of at least 2 requests (a fold never splits a request)")
-        if n_req < k:
-            raise StrataError(f"--kfold {k}: the traces hold only {n_req} request(s); a fold never splits a request, "
-                              f"so use at most {n_req} folds (or traces with more requests)")
+        k, self.notes = _fit_k(k, n_req)  # fold_of_requests' checks, in its order
         self.k = k
         self.folds = {f: EntryStream(None, L, E, phase=phase, fold=(k, f), parent=main) for f in range(k)}
         for fs in self.folds.values():
@@ -361,7 +381,7 @@ def _params(settings: dict[str, Any], pace_unit: int) -> dict[str, Any]:
 
 def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int, *, slots: int | None = None,
          budget_bytes: int | None = None, blob_bytes=None, profiles: dict[str, Profile] | None = None,
-         k: int = 5, candidates: int = 81, eta: int = 3, objective: str = "hit", cost: ThreeTierModel | None = None,
+         k: int | None = DEFAULT_K, candidates: int = 81, eta: int = 3, objective: str = "hit", cost: ThreeTierModel | None = None,
          seed: int = 0, phase: str = "decode", mapper: Callable | None = None,
          progress: Any = None, version: str = "0.2", trace_paths: Sequence[str] | None = None,
          profile_paths: dict[str, str] | None = None, max_layers: int | None = None) -> TuneResult:
@@ -372,7 +392,8 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
             chunk by chunk unless a ``mapper`` is given, which needs TraceTables); n_layers, n_expert: geometry.
         slots / budget_bytes (+ blob_bytes): the first tier's budget (as for ``simulate``).
         profiles: given profiles by name (searched as ``file:NAME`` and ``traces+NAME``).
-        k: folds (>= 2); candidates: settings drawn from :data:`SPACE` besides the two references; eta: the
+        k: folds (>= 2, at most the requests); None: :data:`DEFAULT_K`, or the traces' request count when they
+            hold fewer (said in the result's ``notes``); candidates: settings drawn from :data:`SPACE` besides the two references; eta: the
             halving factor (>= 2); objective: ``hit`` or ``tok/s`` (needs blob sizes); cost: the three-tier model.
         mapper: ``map``-like callable used for the (settings, fold) scores (the scaling seam; module docstring);
             None (default): the streamed path, in memory independent of the traces' length.
@@ -403,6 +424,7 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
         folds = _StreamFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles, max_layers)
     else:
         folds = _TableFolds(tables, n_layers, n_expert, k, phase, count_phase, profiles, max_layers)
+    k = folds.k
     key = "h_expert" if objective == "hit" else "tok_s"
     if cost is None and blob_bytes is not None:
         cost = ThreeTierModel()
@@ -481,7 +503,7 @@ def tune(tables: TraceTable | Sequence[TraceTable], n_layers: int, n_expert: int
                       {"slots": slots, "budget_bytes": budget_bytes, "eta": eta, "seed": seed, "phase": phase,
                        "profiles": choices, "space": space, "strata_version": version, "pace_unit_bytes": pace_unit},
                       paired(best, defaults), paired(best, community),
-                      cost.to_dict() if cost is not None else None, flags, folds.skipped())
+                      cost.to_dict() if cost is not None else None, flags, folds.skipped(), list(folds.notes))
 
 
 def plot_tune(res: TuneResult, top: int = 10) -> bytes:

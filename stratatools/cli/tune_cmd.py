@@ -149,7 +149,9 @@ def register(app: typer.Typer) -> None:
         reserve_gib: float = typer.Option(1.5, "--reserve-gib", callback=_GIB,
                                          help="With --card: GiB kept for dense weights, KV cache, context."),
         objective: str = typer.Option("hit", "--objective", help="hit (held-out h_expert) or tok/s (cost model)."),
-        kfold: int = typer.Option(5, "--kfold", "-k", callback=common.int_range(2, common.MAX_COUNT), help="Folds by request."),
+        kfold: Optional[int] = typer.Option(None, "--kfold", "-k", callback=common.int_range(2, common.MAX_COUNT),
+                                            help="Folds by request (default 5, or the traces' request count when "
+                                                 "they hold fewer, with a note; at most the request count)."),
         candidates: int = typer.Option(81, "--candidates", callback=common.int_range(0, common.MAX_COUNT),
                                         help="Settings drawn from the grid (besides the references)."),
         eta: int = typer.Option(3, "--eta", callback=common.int_range(2, common.MAX_COUNT), help="Successive halving: keep 1/eta per rung."),
@@ -235,6 +237,8 @@ def register(app: typer.Typer) -> None:
                        profile_paths=dict(zip(inp.names, profile or [])), mapper=mapper,
                        max_layers=_geometry_layers(inp, inp.profiles or [None]))
         warn_skipped(res.skipped, L, E)  # on stderr, with --json too (as simulate)
+        for n in res.notes:
+            common.note(n)
         d = res.to_dict()
         d["budget"] = budget_text
         if plot is not None:
