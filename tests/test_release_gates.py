@@ -55,7 +55,6 @@ def test_requested_gate_fails_on_a_bad_trace_or_profile(kit, tmp_path):
     shutil.copy(kit / "pruned/profile-canonical.bin", wrong_prof)
     for inp, what in ((dict(good, traces=[garbage]), "rand.bin"),
                       (dict(good, traces=[kit / "routing/llamacpp-ISTA-mix.routing.csv"]), "more experts"),
-                      (dict(good, traces=[_extra_layer_trace(kit, tmp_path / "l10.csv")]), "routes layers up to 9"),
                       (dict(good, profile=wrong_prof), "not measured")):
         s = validate_release(ReleaseInputs(**inp), min_hit_rate=0.01, slots=64)
         c = {x.name: x for x in s.checks}["hit-rate"]
@@ -63,6 +62,13 @@ def test_requested_gate_fails_on_a_bad_trace_or_profile(kit, tmp_path):
         # the reports say the same: a JUnit failure, not a skip
         assert '<failure message="' in s.to_junit().split('name="hit-rate"')[1].split("</testcase>")[0]
         assert s.to_dict()["checks"][-1]["status"] == "fail"
+    # a trace of more layers than the model's trunk and MTP blocks is another model's: unusable input (exit 2), as
+    # simulate and tune refuse it (tests/test_validate_extra_layers.py)
+    from stratatools.core.errors import StrataError
+
+    with pytest.raises(StrataError, match="routes layers up to 9"):
+        validate_release(ReleaseInputs(**dict(good, traces=[_extra_layer_trace(kit, tmp_path / "l10.csv")])),
+                         min_hit_rate=0.01, slots=64)
 
 
 def test_requested_gate_fails_when_the_model_does_not_open(kit, tmp_path):

@@ -429,6 +429,12 @@ def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
             + (f" (if layer {lmax} is this model's MTP block: pass --model M.gguf, which names it)" if hint else ""))
 
 
+class OtherModelTrace(StrataError):
+    """The refusal of :func:`refuse_extra_layers`: a trace that routes layers past the model's trunk and MTP
+    blocks (another model's). A StrataError (exit 2); its own class so that a caller that turns other trace
+    errors into a failed check (validate-release's hit-rate gate) can let this one through as unusable input."""
+
+
 def refuse_extra_layers(src, lmax: int, n_layers: int, max_layers: int | None) -> None:
     """Refuse a trace whose largest routed layer ``lmax`` is ``max_layers`` or above (another model's trace).
 
@@ -439,7 +445,7 @@ def refuse_extra_layers(src, lmax: int, n_layers: int, max_layers: int | None) -
         StrataError: the one-line refusal (:func:`_layers_error`), exit 2 in the CLI.
     """
     if max_layers is not None and lmax >= max_layers:
-        raise StrataError(_layers_error(src, lmax, n_layers, max_layers))
+        raise OtherModelTrace(_layers_error(src, lmax, n_layers, max_layers))
 
 
 class EntryStream:

@@ -381,15 +381,19 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
 
 def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
     """The gate's replay: one scan pass and one replay pass of the static tier, ``bar`` advanced by 1 for each."""
-    from stratatools.cachesim.replay import EntryStream, LayerLimit, simulate_many
+    from stratatools.cachesim.replay import EntryStream, LayerLimit, OtherModelTrace, simulate_many
     from stratatools.profiles.diff import default_slots_per_layer
     from stratatools.traces.sources import open_traces
 
+    n_mtp = len(ctx["geometry"].mtp_layers or ())
     try:
         tables = open_traces([str(t) for t in inp.traces], None, L, E)  # files, folders, globs or datasets, read chunk by chunk
-        # replayed chunk by chunk: memory independent of trace length; traces of more layers than the model's
-        # trunk and MTP blocks are another model's: refused, not silently cut to the trunk
-        ent = EntryStream(tables, L, E, progress=bar, max_layers=LayerLimit(L + len(ctx["geometry"].mtp_layers or ()), True))
+        # replayed chunk by chunk: memory independent of trace length. Entries of the model's MTP blocks (layers
+        # L..L+n_mtp-1) are left out of the gate, as make-profile leaves them out, and counted; traces of more
+        # layers are another model's: unusable input, refused (exit 2, as simulate and tune), not a failed gate
+        ent = EntryStream(tables, L, E, progress=bar, max_layers=LayerLimit(L + n_mtp, True))
+    except OtherModelTrace:
+        raise
     except StrataError as e:
         return FAIL, str(e), {}
     kw: dict[str, Any] = {}
@@ -410,9 +414,14 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
     if budget_gib is None and slots is None:
         budget += (f" (default: {default_slots_per_layer(E)} per layer, 39/256 of {E} experts; "
                    f"set --slots or --budget-gib)")
+    left = int(ent.skipped.get("layer", 0))  # within L + n_mtp (checked above): the MTP blocks' entries
     d = {"h_expert": r.h_expert, "h_layer": r.h_layer, "budget": budget, "min_hit_rate": min_hit_rate,
-         "entries": ent.n_counted, "warmup": ent.n_warmup}
+         "entries": ent.n_counted, "warmup": ent.n_warmup, "left_out_mtp": left}
     msg = f"h_expert {r.h_expert:.4f} at {budget} on {len(inp.traces)} trace(s) (gate {min_hit_rate:.4f})"
+    if left:
+        where = f"layer {L}" if n_mtp == 1 else f"layers {L}..{L + n_mtp - 1}"
+        msg += (f"; left out: {left:,} entries of the MTP block{'s' if n_mtp > 1 else ''} ({where}), as make-profile "
+                f"leaves them out")
     return (PASS if r.h_expert >= min_hit_rate else FAIL), msg, d
 
 
