@@ -3,7 +3,27 @@
 The package map, the direction data flows in and where to add things are in docs/architecture.md.
 """
 
-from stratatools.core.version import __version__
-from stratatools.core.errors import StrataError
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:
+    # Python is locating ``python -m stratatools`` (argv[0] is "-m" until the module runs): from here on a Ctrl-C
+    # while the CLI loads is a quiet exit 130, not a traceback (stratatools.__main__ has the same handler for the
+    # ``stratatools`` command, and the CLI's entry point replaces it once it runs)
+    import os as _os
+    import signal as _signal
+
+    def _interrupted_while_loading(signum, frame):
+        try:
+            _os.write(2, b"interrupted\n")
+        except OSError:
+            pass
+        _os._exit(128 + signum)
+
+    _interrupted_while_loading.stratatools_loading = True
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _interrupted_while_loading)
+
+from stratatools.core.version import __version__  # noqa: E402
+from stratatools.core.errors import StrataError  # noqa: E402
 
 __all__ = ["StrataError", "__version__"]

@@ -5,8 +5,9 @@ The command's modules (typer, rich, numpy, the command groups) take a few tenths
 own SIGINT handler would turn a Ctrl-C in that time into a KeyboardInterrupt traceback; :func:`main` installs a
 handler first that ends the process quietly with exit status 130 (128 + SIGINT) and one line, ``interrupted``, on
 stderr. Nothing has been written yet at that point, so there is nothing to clean up. Once the CLI starts
-(:func:`stratatools.cli.entry.invoke`) its own handler replaces this one. A SIGINT that Python receives before
-this module runs (the interpreter's start-up, ``site``) is outside the project's reach.
+(:func:`stratatools.cli.entry.invoke`) its own handler replaces this one. Under ``python -m stratatools`` the
+package's ``__init__`` installs the handler even earlier, before its own imports. A SIGINT that Python receives
+before that (the interpreter's start-up: ``site``, the ``.pth`` files) is outside the project's reach.
 """
 
 import os
@@ -28,7 +29,8 @@ _interrupted_while_loading.stratatools_loading = True  # recognised (and replace
 def main() -> None:
     """Run the ``stratatools`` command on ``sys.argv`` (exits through SystemExit)."""
     if hasattr(signal, "SIGINT") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        # only Python's default: a SIGINT the parent set to be ignored (a background job) stays ignored
+        # only Python's default: a SIGINT the parent set to be ignored (a background job) stays ignored, and
+        # under ``python -m`` stratatools/__init__.py has installed the same handler already
         signal.signal(signal.SIGINT, _interrupted_while_loading)
     from stratatools.cli import main as cli_main
 

@@ -40,7 +40,7 @@ def _run(tmp_path: Path, module: str, argv: list[str]) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("module", ["typer", "rich.console", "stratatools.cli.sim_cmds"])
+@pytest.mark.parametrize("module", ["stratatools.core.version", "stratatools.core.errors", "typer", "rich.console", "stratatools.cli.sim_cmds"])
 def test_sigint_during_imports_is_quiet_130(tmp_path, module):
     r = _run(tmp_path, module, ["-m", "stratatools", "--version"])
     assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
@@ -67,3 +67,11 @@ def test_sigint_hook_really_fires(tmp_path):
     imported leaves the run alone."""
     r = _run(tmp_path, "no_such_module_xyz", ["-m", "stratatools", "--version"])
     assert r.returncode == 0 and r.stdout.startswith("stratatools "), (r.returncode, r.stderr[-2000:])
+
+
+def test_importing_the_package_leaves_sigint_alone():
+    """A program that imports stratatools (not ``python -m stratatools``) keeps Python's Ctrl-C handling."""
+    code = ("import signal, stratatools, stratatools.__main__, stratatools.cli; "
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
