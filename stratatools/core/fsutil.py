@@ -217,7 +217,7 @@ def commit_point(final: bool = True) -> None:
 
 
 # Names derived from an output's name (the temp ``.<name>.<pid>-<hex>.stratatools-tmp``, the aside
-# ``...stratatools-old``, the lock ``.<name>.stratatools-lock``) add up to 37 bytes to it (a pid of up to 10 digits):
+# ``...stratatools-old``, the lock ``.<name>.stratatools-lock``) add up to 38 bytes to it (a pid of up to 10 digits):
 # where that would pass the file system's NAME_MAX, ``<name>`` is replaced by its stem (:func:`_stem`), the same
 # for the writer and for the clean-up code that finds a dead writer's leftovers by that prefix.
 _DERIVED_ROOM = len("..") + 10 + len("-") + 8 + max(len(_TMP_TAG), len(_ASIDE_TAG), len(_LOCK_SUFFIX))
