@@ -5,7 +5,9 @@ The package map, the direction data flows in and where to add things are in docs
 
 import sys as _sys
 
-if _sys.argv[:1] == ["-m"]:
+_orig = list(getattr(_sys, "orig_argv", ()))
+if _sys.argv[:1] == ["-m"] and any(a == "-mstratatools" or (a, b) == ("-m", "stratatools")
+                                   for a, b in zip(_orig, _orig[1:] + [""])):
     # Python is locating ``python -m stratatools`` (argv[0] is "-m" until the module runs): from here on a Ctrl-C
     # while the CLI loads is a quiet exit 130, not a traceback (stratatools.__main__ has the same handler for the
     # ``stratatools`` command, and the CLI's entry point replaces it once it runs)
@@ -22,6 +24,7 @@ if _sys.argv[:1] == ["-m"]:
     _interrupted_while_loading.stratatools_loading = True
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         _signal.signal(_signal.SIGINT, _interrupted_while_loading)
+del _orig
 
 from stratatools.core.version import __version__  # noqa: E402
 from stratatools.core.errors import StrataError  # noqa: E402
