@@ -101,3 +101,14 @@ def test_simulate_report_folder_takes_the_same_checks(cli, kit, tmp_path, monkey
     msg = _one(err)
     assert code == 2 and "--report ..: ends in '..'" in msg, msg
     assert os.listdir(tmp_path) == ["a"] and os.listdir(tmp_path / "a") == []
+
+
+def test_pack_under_a_broken_link_says_so(cli, model, tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for parent in (loop, tmp_path / "gone"):
+        code, out, err = cli("pack", model, "-o", parent / "sub")
+        msg = _one(err)
+        assert code == 2 and f"{parent} is a symbolic link that leads to no folder" in msg, msg
+    assert sorted(os.listdir(tmp_path)) == ["gone", "loop"]

@@ -115,6 +115,20 @@ def test_sweeps_find_dead_writers_long_temps_and_keep_live_ones(tmp_path):
         with publish_dir(tmp_path / long) as stage:
             (stage / "a").write_text("1")
         assert not dead_d.exists() and live_d.is_dir()
+        # aside folders (a previous output moved aside) of a dead run that no journal names: swept by the next
+        # publish (the previous output's own file removed); a live run's is kept
+        def aside_of(pid: int) -> Path:
+            n = fsutil._unique(tmp_path, long, fsutil._ASIDE_TAG).name
+            return tmp_path / re.sub(r"\.\d+-([0-9a-f]{8})\.stratatools-old$", rf".{pid}-\1.stratatools-old", n)
+
+        dead_a, live_a = aside_of(_dead_pid()), aside_of(live.pid)
+        for a in (dead_a, live_a):
+            a.mkdir()
+            (a / "a").write_text("old")
+        assert fsutil._dead_asides(tmp_path / long) == [dead_a]
+        with publish_dir(tmp_path / long) as stage:
+            (stage / "a").write_text("2")
+        assert not dead_a.exists() and live_a.is_dir() and (tmp_path / long / "a").read_text() == "2"
     finally:
         live.kill()
         live.wait()

@@ -127,8 +127,8 @@ def out_folder(option: str, example: str):
     as, each for its own reason: the file system's root or another mount point (a folder output is built in a temp
     folder beside it, in its parent, and renamed in: :func:`stratatools.core.fsutil.publish_dir`), a path ending
     in ``..`` (it names no folder of its own to build beside), a path under a file, a name longer than the file
-    system takes. Returns the Path. Raises
-    StrataError (one line, exit 2) naming ``option``, the reason and a fix with ``example``."""
+    system takes. Returns the Path. Raises StrataError (one line, exit 2) naming ``option``, the reason and a fix
+    with ``example``."""
     from stratatools.core.errors import StrataError
 
     eg = example if option.isupper() else f"{option} {example}"  # an argument (OUTDIR) or an option (-o)
@@ -149,7 +149,8 @@ def out_folder(option: str, example: str):
 def folder_place(option: str, raw: str, example: str) -> Any:
     """Refuse a folder output path that no folder output can be published as, each for its own reason (see
     :func:`out_folder`): the file system's root, another mount point, a path ending in ``..``, a path under a
-    file, a name longer than NAME_MAX. Returns ``Path(raw)``. Raises StrataError (one line naming ``option``, the reason and a fix)."""
+    file (or under a broken link), a name longer than NAME_MAX. Returns ``Path(raw)``. Raises StrataError (one line
+    naming ``option``, the reason and a fix)."""
     import os
     from pathlib import Path
 
@@ -178,8 +179,10 @@ def folder_place(option: str, raw: str, example: str) -> Any:
     for a in [p, *p.parents][1:]:  # the nearest existing parent must be a folder
         if os.path.lexists(a):
             if not os.path.isdir(a):
-                raise StrataError(f"{option} {raw}: {a} is a file, not a folder, so nothing can be created under "
-                                  f"it; choose another folder, e.g. {eg}", p)
+                kind = ("a file" if os.path.isfile(a) else "a symbolic link that leads to no folder (a loop or a "
+                        "missing target)" if os.path.islink(a) else "not a folder (a device, FIFO or socket)")
+                raise StrataError(f"{option} {raw}: a parent of this path is not a folder ({a} is {kind}), so "
+                                  f"nothing can be created under it; choose another folder, e.g. {eg}", p)
             try:
                 nm = os.pathconf(a, "PC_NAME_MAX")
             except (OSError, ValueError):

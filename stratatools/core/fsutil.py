@@ -1318,7 +1318,7 @@ def _dead_temps(t: Path) -> list[Path]:
 def _dead_asides(t: Path) -> list[Path]:
     """Aside folders named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-old``, real folders) whose process is
     gone. (The name is parsed as :func:`_dead_temps` parses a temp name.)"""
-    pre = f".{t.name}."
+    pre = f".{_stem(t)}."
     out: list[Path] = []
     try:
         entries = list(os.scandir(t.parent))
