@@ -66,3 +66,11 @@ def test_model_file_name_not_utf8(cli, model, tmp_path):
         text = (tmp_path / f).read_bytes().decode("utf-8")  # valid UTF-8
         assert "bad\\udcffname.gguf" in text, f
     xml.dom.minidom.parse(str(tmp_path / "j.xml"))
+
+
+def test_symlink_loop_with_a_quote_in_its_name(cli, model, tmp_path):
+    # repr() puts such a path in double quotes: the first fix matched single quotes only
+    loop = tmp_path / "it's"
+    os.symlink(loop, loop)
+    code, _, err = cli("pack", model, "-o", loop)
+    _one_line(code, err, f"{loop}: symlink loop")

@@ -411,3 +411,60 @@ def test_file_written_into_the_old_folder_while_it_is_removed_is_not_swept_blind
     left = _leftovers(tmp_path)
     assert wrote and len(left) == 1 and left[0].endswith(".stratatools-old"), left
     assert os.listdir(tmp_path / left[0]) == ["late.txt"]
+
+
+# ------------------------------------------------------------------------------ review findings
+def test_a_leftover_recover_cannot_sort_out_is_kept_not_swept(tmp_path, monkeypatch):
+    """The previous output, left by a killed swap under a temp name the journal names, holds another program's
+    file; sorting it out fails (a permission error). tidy_output must not then sweep it as a dead temp (it
+    removed it whole, the user's file with it), the journal keeps naming it, and a publish refuses in one line
+    instead of overwriting that journal."""
+    t = tmp_path / "out"
+    d = tmp_path / f".out.{_dead_pid()}-0123abcd.stratatools-tmp"
+    d.mkdir()
+    (d / "a.txt").write_text("old A")
+    (d / "notes.txt").write_text("the user's only copy")
+    _old_output(t)
+    fsutil.lock_path(t).write_text('{"own": ["a.txt", "b.txt", "report.json"], "paths": ["%s"]}' % d)
+
+    def fail(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fsutil, "_retire", fail)
+    fsutil.tidy_output(t)
+    assert (d / "notes.txt").read_text() == "the user's only copy"
+    assert str(d) in fsutil.lock_path(t).read_text()
+    with pytest.raises(StrataError, match="is left from an interrupted run and could not be sorted out"):
+        with publish_dir(t, keep=_keep) as st:
+            (st / "a.txt").write_text("new A")
+    assert (d / "notes.txt").read_text() == "the user's only copy" and (t / "a.txt").read_text() == "old A"
+    monkeypatch.undo()  # the obstacle gone: the next run sorts it out, the user's file moved into the output
+    with publish_dir(t, keep=_keep) as st:
+        (st / "a.txt").write_text("new A")
+    assert (t / "a.txt").read_text() == "new A" and not d.exists()
+    assert any((p / "notes.txt").exists() and (p / "notes.txt").read_text() == "the user's only copy"
+               for p in [t, *tmp_path.iterdir()] if p.is_dir())
+
+
+def test_a_journal_past_64_kib_is_read_whole(tmp_path):
+    """A swap's journal lists the output's own names: 1,800 shards passed 64 KiB, and the truncated journal read
+    as empty (the swap it described was then never finished or undone)."""
+    t = tmp_path / "out"
+    own = [f"synth-canonical-{i:05d}-of-01800.gguf" for i in range(1800)]
+    with fsutil.output_lock(t) as lock:
+        lock.set_journal({"paths": [str(tmp_path / ".out.1-0123abcd.stratatools-tmp")], "own": own})
+        assert len(fsutil.lock_path(t).read_bytes()) > 1 << 16
+        assert lock.journal()["own"] == own
+
+
+def test_names_with_other_digits_are_not_taken_for_a_pid(tmp_path):
+    """'²' passes str.isdigit() but not int(): a leftover named '.out.²-abcdabcd.stratatools-tmp' crashed every
+    run of 'out' with a ValueError traceback. It is not ours: left alone."""
+    t = tmp_path / "out"
+    odd = [tmp_path / ".out.\u00b2-abcdabcd.stratatools-tmp", tmp_path / ".out.\u00b2-abcdabcd.stratatools-old"]
+    for p in odd:
+        p.mkdir()
+    fsutil.tidy_output(t)
+    with publish_dir(t, keep=_keep) as st:
+        (st / "a.txt").write_text("new A")
+    assert (t / "a.txt").read_text() == "new A" and all(p.is_dir() for p in odd)

@@ -5,6 +5,7 @@ runs the CLI step by step) need not import :mod:`stratatools.cli` itself (no imp
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import os
@@ -81,10 +82,10 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except RuntimeError as e:
         # pathlib's resolve() reports a symlink loop as RuntimeError, not OSError(ELOOP), before Python 3.13
-        m = re.fullmatch(r"Symlink loop from '(.*)'", str(e))
+        m = re.fullmatch(r"Symlink loop from ('.*'|\".*\")", str(e))  # the path as repr() quotes it
         if m is None or debug or os.environ.get("STRATATOOLS_DEBUG"):
             raise
-        common.err_console.print(one_line(f"error: {m.group(1)}: symlink loop (a link that points back at itself); "
+        common.err_console.print(one_line(f"error: {ast.literal_eval(m.group(1))}: symlink loop (a link that points back at itself); "
                                           f"remove it or choose another path"),
                                  markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)

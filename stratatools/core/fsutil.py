@@ -319,7 +319,7 @@ def _clean_stale_temps(folder: Path, name: str) -> None:
             continue
         mid = n[len(pre):-len(_TMP_TAG)]
         pid_s, _, tag = mid.partition("-")
-        if not (pid_s.isdigit() and len(tag) == 8) or int(pid_s) == os.getpid() or _pid_alive(int(pid_s)):
+        if not (pid_s.isascii() and pid_s.isdigit() and len(tag) == 8) or int(pid_s) == os.getpid() or _pid_alive(int(pid_s)):
             continue
         try:
             if e.is_symlink() or e.is_file(follow_symlinks=False):
@@ -700,8 +700,12 @@ class _Lock:
 
     def journal(self) -> dict[str, Any]:
         try:
-            os.lseek(self.fd, 0, os.SEEK_SET)
-            raw = os.read(self.fd, 1 << 16)
+            raw = b""
+            while True:  # the whole file: a swap's journal lists the output's own names and may pass 64 KiB
+                chunk = os.pread(self.fd, 1 << 20, len(raw))
+                if not chunk:
+                    break
+                raw += chunk
             rec = json.loads(raw.decode("utf-8")) if raw.strip() else {}
             return rec if isinstance(rec, dict) else {}
         except (OSError, ValueError):
@@ -1103,7 +1107,11 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
         with output_lock(t) as lock:
             try:
                 recover(lock)
-                _clean_dead_temps(t)
+                left = [x for x in lock.journal().get("paths", []) if isinstance(x, str) and os.path.lexists(x)]
+                if left:  # a publish now would overwrite the journal that names it (and may hold a user's file)
+                    raise StrataError(f"{t}: {left[0]} is left from an interrupted run and could not be sorted out "
+                                      f"(check its permissions and free space); nothing was changed", t)
+                _clean_dead_temps(t, lock)
             except OSError as e:
                 raise _fail(t, e, "cannot create its temp folder") from None
             tmp = _unique(t.parent, t.name)
@@ -1310,7 +1318,7 @@ def _dead_temps(t: Path) -> list[Path]:
         if not (n.startswith(pre) and n.endswith(_TMP_TAG)):
             continue
         pid_s, _, tag = n[len(pre):-len(_TMP_TAG)].partition("-")
-        if pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
+        if pid_s.isascii() and pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
             out.append(Path(e.path))
     return out
 
@@ -1329,7 +1337,7 @@ def _dead_asides(t: Path) -> list[Path]:
         if not (n.startswith(pre) and n.endswith(_ASIDE_TAG)) or e.is_symlink() or not e.is_dir():
             continue
         pid_s, _, tag = n[len(pre):-len(_ASIDE_TAG)].partition("-")
-        if pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
+        if pid_s.isascii() and pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
             out.append(Path(e.path))
     return sorted(out)
 
@@ -1353,10 +1361,17 @@ def _sweep_asides(t: Path, keep: Callable[[str], bool] | None) -> list[str]:
     return notes
 
 
-def _clean_dead_temps(t: Path) -> None:
-    """Remove (under ``t``'s lock) the temp folders of dead writers of ``t``: never a live process's."""
+def _clean_dead_temps(t: Path, lock: _Lock) -> list[Path]:
+    """Remove (under ``t``'s ``lock``) the temp folders of dead writers of ``t``: never a live process's, never one
+    the journal still names (a previous output :func:`recover` could not sort out, which may hold another
+    program's file: it stays for a later run). Returns the removed paths."""
+    named = {Path(x).name for x in lock.journal().get("paths", []) if isinstance(x, str)}
+    gone = []
     for p in _dead_temps(t):
-        _remove_tree(p)
+        if p.name not in named:
+            _remove_tree(p)
+            gone.append(p)
+    return gone
 
 
 def tidy_output(target: str | os.PathLike) -> list[str]:
@@ -1377,10 +1392,9 @@ def tidy_output(target: str | os.PathLike) -> list[str]:
             me = {"cleaning": os.getpid()}
             lock.set_journal({**lock.journal(), **me})
             try:
-                notes += recover(lock)  # (clears the journal when done)
-                lock.set_journal(me)
-                for p in _dead_temps(t):
-                    _remove_tree(p)
+                notes += recover(lock)  # (clears the journal when done; keeps what it could not sort out)
+                lock.set_journal({**lock.journal(), **me})
+                for p in _clean_dead_temps(t, lock):
                     notes.append(f"{p}: removed a leftover of an interrupted run")
             finally:  # the mark goes; what recover could not finish stays in the journal for the next run
                 lock.set_journal({k: v for k, v in lock.journal().items() if k != "cleaning"})
