@@ -172,7 +172,7 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Replace existing output files."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         cluster: Optional[str] = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster "
-                                              "of N workers, tcp://HOST:PORT uses a running scheduler; each "
+                                              "of N workers (at most 4 x the CPU count), tcp://HOST:PORT uses a running scheduler; each "
                                               "(settings, fold) score is a task. Default: in this process."),
     ) -> None:
         """Search profile, admission and the adaptive knobs for a workload (k-fold by request, successive halving)."""

@@ -1,5 +1,6 @@
 """Dask, when one machine is not enough: ``--cluster local[:N]`` starts a ``distributed.LocalCluster`` of N worker
-processes (default: one per core), ``--cluster tcp://HOST:PORT`` connects to a running scheduler
+processes (default: one per core; N is at most ``MAX_WORKERS_PER_CPU`` x the CPU count, see ``max_local_workers``),
+``--cluster tcp://HOST:PORT`` connects to a running scheduler
 (``dask scheduler`` on one machine, ``dask worker tcp://HOST:PORT`` on the others); without ``--cluster`` every
 command runs in-process (the default). ``local-threads[:N]`` runs the workers as threads of this process (for
 tests and for machines where starting processes is slow).
@@ -15,6 +16,7 @@ Dask (``dask[distributed]``, the ``dask`` extra) is imported only when ``--clust
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,6 +24,39 @@ from stratatools.core.errors import StrataError
 
 CONNECT_TIMEOUT_S = 10.0
 RETRIES = 2
+MAX_WORKERS_PER_CPU = 4
+
+
+def max_local_workers() -> int:
+    """The largest N that ``--cluster local[:N]`` / ``local-threads[:N]`` accepts: ``MAX_WORKERS_PER_CPU`` x the
+    CPU count of this machine (``os.cpu_count()``, 1 when unknown). More workers than that only contend for the
+    cores (and each process worker holds its own interpreter's memory)."""
+    return MAX_WORKERS_PER_CPU * max(1, os.cpu_count() or 1)
+
+
+def parse_local(spec: str) -> tuple[str, int | None] | None:
+    """``("local" | "local-threads", N or None)`` for a local spec (N None: Dask's default, one per core); None
+    for any other spec. Checked before Dask is imported or any worker starts.
+
+    Raises:
+        StrataError: N not a whole number, < 1 or > ``max_local_workers()``.
+    """
+    s = spec.strip()
+    if not (s == "local" or s.startswith("local:") or s == "local-threads" or s.startswith("local-threads:")):
+        return None
+    kind, _, n = s.partition(":")
+    try:
+        workers = int(n) if n else None
+    except ValueError:
+        raise StrataError(f"--cluster {spec}: expected {kind}[:N] with N a number of workers") from None
+    if workers is not None and workers < 1:
+        raise StrataError(f"--cluster {spec}: need at least one worker")
+    top = max_local_workers()
+    if workers is not None and workers > top:
+        raise StrataError(f"--cluster {spec}: at most {top} local workers on this machine "
+                          f"({MAX_WORKERS_PER_CPU} x {top // MAX_WORKERS_PER_CPU} CPUs); use a smaller N, or "
+                          f"tcp://HOST:PORT for a multi-machine cluster")
+    return kind, workers
 
 
 def _import():
@@ -44,6 +79,7 @@ def open_cluster(spec: str | None, timeout: float | None = None) -> Iterator[Any
         yield None
         return
     timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
+    local = parse_local(spec)
     distributed = _import()
     import logging
 
@@ -52,14 +88,8 @@ def open_cluster(spec: str | None, timeout: float | None = None) -> Iterator[Any
         logging.getLogger(name).setLevel(logging.ERROR)
     s = spec.strip()
     cluster = None
-    if s == "local" or s.startswith("local:") or s == "local-threads" or s.startswith("local-threads:"):
-        kind, _, n = s.partition(":")
-        try:
-            workers = int(n) if n else None
-        except ValueError:
-            raise StrataError(f"--cluster {spec}: expected local[:N] with N a number of workers") from None
-        if workers is not None and workers < 1:
-            raise StrataError(f"--cluster {spec}: need at least one worker")
+    if local is not None:
+        kind, workers = local
         try:
             cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1,
                                                processes=(kind == "local"), dashboard_address=None,
