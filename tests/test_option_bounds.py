@@ -45,3 +45,39 @@ def test_cluster_local_huge_is_one_line_before_dask(monkeypatch):
         with C.open_cluster("local:99999"):
             pass
 
+
+# --- item: --adapt-swaps 2147483647 allocated max_moves in-flight entries (16 GiB) ---
+
+def test_adaptive_state_capped_at_layers_x_experts():
+    from stratatools.cachesim import kernels as K
+    usage, il, ie, st = K.adaptive_state(4, 8, 2**31 - 1)
+    assert usage.shape == (4, 8) and il.shape == (32,) and ie.shape == (32,)
+    assert K.adaptive_state(4, 8, 5)[1].shape == (5,)
+    assert K.adaptive_state(4, 8, 0)[1].shape == (1,)
+
+
+def test_adaptive_huge_swaps_same_result_as_all_moves():
+    """--adapt-swaps 2**31-1 gives the same hits/loads/swaps as L x E (every move an adaptation can offer)."""
+    import numpy as np
+
+    from stratatools.cachesim import kernels as K
+    rng = np.random.default_rng(3)
+    L, E, n = 3, 6, 4000
+    layer = np.tile(np.arange(L, dtype=np.int64), n // L + 1)[:n]
+    expert = rng.integers(0, E, n).astype(np.int64)
+    rnd = (np.arange(n) // (L * 2)).astype(np.int64)
+    outs = []
+    for moves in (L * E, 2**31 - 1):
+        res = np.zeros((L, E), dtype=np.bool_)
+        res[:, :2] = True
+        cap = np.full(L, 3, dtype=np.int64)
+        occ = res.sum(axis=1).astype(np.int64)
+        hits, loads, steps, swaps = K.adaptive_kernel(layer, expert, rnd, res, cap, occ, 0, -1,
+                                                      np.ones(L, dtype=np.int64), True, True, 0.5, 0.1, 1, moves,
+                                                      0.7, 1)
+        outs.append((hits.copy(), loads.copy(), steps, swaps, res.copy()))
+    a, b = outs
+    assert a[2] > 0 and a[3] > 0
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:4] == b[2:4]
+    assert np.array_equal(a[4], b[4])
+

@@ -228,8 +228,10 @@ def adaptive_chunk(layer, expert, rnd, res, cap, occupied, pool, slot_bytes, per
 
 
 def adaptive_state(n_layers, n_expert, max_moves):
-    """Fresh adaptive carry: (usage float64 [L, E], in-flight layer/expert int64 [max(max_moves, 1)], st)."""
-    m = max(int(max_moves), 1)
+    """Fresh adaptive carry: (usage float64 [L, E], in-flight layer/expert int64 [M], st) with
+    M = max(min(max_moves, L x E), 1): one adaptation offers each (layer, expert) at most once, so no more than
+    L x E copies are ever in flight, whatever ``max_moves`` (``--adapt-swaps``, up to 2**31 - 1) says."""
+    m = max(min(int(max_moves), int(n_layers) * int(n_expert)), 1)
     return (np.zeros((n_layers, n_expert), dtype=np.float64), np.empty(m, dtype=np.int64),
             np.empty(m, dtype=np.int64), np.zeros(ADAPTIVE_ST, dtype=np.int64))
 
