@@ -81,3 +81,67 @@ def test_adaptive_huge_swaps_same_result_as_all_moves():
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:4] == b[2:4]
     assert np.array_equal(a[4], b[4])
 
+
+# --- item: a SIGTERM whose SystemExit is swallowed (an llvmlite ctypes callback) still ends the run with 143 ---
+
+def _rec(layer, ids):
+    import struct
+    k = len(ids)
+    return struct.pack("<ii", layer, k) + struct.pack(f"<{k}i", *ids) + struct.pack(f"<{k}f", *([1.0 / k] * k))
+
+
+def _swallowed_sigterm():
+    """The CLI's SIGTERM handler run where its exception is dropped (as a ctypes callback drops it)."""
+    import signal
+
+    from stratatools.cli import entry
+    try:
+        entry._terminated(signal.SIGTERM, None)
+    except BaseException:  # noqa: BLE001 - what ctypes does: "Exception ignored on calling ctypes callback"
+        pass
+
+
+@pytest.fixture
+def clean_signals():
+    from stratatools.core import fsutil
+    fsutil.cli_signals(False)
+    yield
+    fsutil.cli_signals(False)
+
+
+def test_swallowed_sigterm_exits_143_and_publishes_nothing(tmp_path, monkeypatch, clean_signals):
+    from stratatools.profiles import ranking
+    t = tmp_path / "t.bin"
+    t.write_bytes(_rec(0, [1]) + _rec(0, [2]))
+    real = ranking.build_profile
+
+    def build(*a, **k):
+        _swallowed_sigterm()
+        return real(*a, **k)
+    monkeypatch.setattr(ranking, "build_profile", build)
+    out = tmp_path / "p.strp"
+    code, _, err = _cli("make-profile", t, "-o", out, "--n-layer", 1, "--n-expert", 4)
+    assert code == 143, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin"]
+    # the next command is not affected
+    monkeypatch.setattr(ranking, "build_profile", real)
+    code, _, err = _cli("make-profile", t, "-o", out, "--n-layer", 1, "--n-expert", 4)
+    assert code == 0, err and out.exists()
+
+
+def test_swallowed_sigterm_without_output_exits_143_at_the_end(kit, monkeypatch, clean_signals):
+    """A command that publishes no file: the pending exit is raised as the command returns."""
+    from stratatools.cli import common
+    seen = []
+    real = common.console.print
+
+    def printing(*a, **k):
+        if not seen:
+            seen.append(1)
+            _swallowed_sigterm()
+        return real(*a, **k)
+    monkeypatch.setattr(common.console, "print", printing)
+    code, out, err = _cli("inspect", kit / "quant" / "model-ISTA-mix.gguf")
+    assert seen and code == 143, (code, err)
+

@@ -50,6 +50,9 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         # as exceptions instead of being printed by typer as multi-line boxed panels; we print them as the one line
         # the project's errors are (naming the option and the fix), exit 2. typer then returns an Exit's code.
         rv = app(args=argv, prog_name="stratatools", standalone_mode=False)
+        # a SIGTERM whose exit was swallowed (raised inside a ctypes callback, e.g. while numba writes its
+        # cache, or caught by a library's ``except BaseException``) is still pending here: exit 130/143 now
+        fsutil._stop_if_signalled()
         # the command has finished (its outputs published, its last line printed): a Ctrl-C or SIGTERM from here
         # would only turn a done job into "interrupted" or a death by signal while the interpreter shuts down
         if argv is None:
@@ -128,11 +131,26 @@ def usage_line(e) -> str:
     return one_line(f"error: {cmd}: {msg} (run '{cmd} --help' for its options)")
 
 
+def _note_pending(code: int) -> None:
+    """Record exit ``code`` as the pending signal (unless the output is already published: then the signal is
+    dropped, :func:`stratatools.core.fsutil.commit_point`). The exception a handler raises can be swallowed: a
+    handler that runs inside a ctypes callback (llvmlite, while numba writes its cache) has its SystemExit printed
+    as "Exception ignored" and the run goes on. The pending code still stops it: the next publication
+    (fsutil's check before every rename), the end of the next held block (temp creation) and :func:`invoke` once
+    the command returns all raise it, so such a run ends with 143 and publishes nothing more."""
+    from stratatools.core import fsutil
+
+    if not fsutil._DEFER["committed"]:
+        fsutil._DEFER["pending"] = code
+
+
 def _terminated(signum: int, frame: object) -> None:
     """SIGTERM handler: raise SystemExit(143) (128 + SIGTERM) so every ``finally`` cleans up on the way out; held
-    back while a temp file or folder is being created and recorded (:func:`stratatools.core.fsutil.terminate`)."""
+    back while a temp file or folder is being created and recorded (:func:`stratatools.core.fsutil.terminate`);
+    recorded as pending first, so a swallowed SystemExit still ends the run (:func:`_note_pending`)."""
     from stratatools.core.fsutil import terminate
 
+    _note_pending(128 + signum)
     terminate(128 + signum)
 
 
