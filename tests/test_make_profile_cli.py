@@ -55,14 +55,18 @@ def test_make_profile_pack_geometry(cli, tmp_path):
         "# strata native experts v2: layer gu_type d_type offset blob_bytes (n_expert 4, total 96; x)\n"
         "0 8 8 0 8\n1 8 8 32 8\n2 8 8 64 8\n")
     t = tmp_path / "t.bin"
-    t.write_bytes(rec(0, [3]) + rec(2, [1, 3]) + rec(3, [0]))  # layer 3 = an MTP block: left out, counted
+    t.write_bytes(rec(0, [3]) + rec(2, [1, 3]))
     out = tmp_path / "p.bin"
     code, o, e = cli("make-profile", t, "-o", out, "--pack", pack, "--json", "--mode", "no-base")
     assert code == 0, e
     res = json.loads(o)
     assert (res["n_layers"], res["n_expert"]) == (3, 4)
-    assert res["skipped_layer"] == 1 and res["skipped_layers"] == {"3": 1} and "left out" in e
+    assert res["skipped_layer"] == 0
     assert read_profile(out).pairs[:3].tolist() == [[0, 3], [2, 1], [2, 3]]
+    # layer 3: a pack names no MTP block, so (as simulate does) the trace is another model's
+    t.write_bytes(rec(0, [3]) + rec(2, [1, 3]) + rec(3, [0]))
+    code, o, e = cli("make-profile", t, "-o", tmp_path / "q.bin", "--pack", pack)
+    assert code == 2 and "routes layers up to 3 but the model has 3 trunk layers" in " ".join(e.split()), e
 
 
 def test_make_profile_weights_and_warnings(cli, tmp_path):

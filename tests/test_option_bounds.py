@@ -145,3 +145,43 @@ def test_swallowed_sigterm_without_output_exits_143_at_the_end(kit, monkeypatch,
     code, out, err = _cli("inspect", kit / "quant" / "model-ISTA-mix.gguf")
     assert seen and code == 143, (code, err)
 
+
+# --- item: make-profile refuses a trace routing layers beyond the model's trunk + MTP blocks ---
+
+def test_make_profile_refuses_another_models_layers(tmp_path):
+    t = tmp_path / "t.bin"
+    t.write_bytes(_rec(0, [1]) + _rec(7, [2]) + _rec(9, [3]))  # layer 9 of an 8-layer model, no MTP block
+    out = tmp_path / "p.strp"
+    code, _, err = _cli("make-profile", t, "-o", out, "--n-layer", 8, "--n-expert", 4)
+    assert code == 2, err
+    line = " ".join(err.split())
+    assert line.startswith(f"error: {t}: the trace routes layers up to 9 but the model has 8 trunk layers (0..7); "
+                           f"its entries of layers 8..9 would be left out, so it is another model's trace"), line
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and not (tmp_path / "p.strp.json").exists()
+    # layer 8 exactly: the hint that it may be an MTP block the geometry did not name
+    t.write_bytes(_rec(0, [1]) + _rec(8, [2]))
+    code, _, err = _cli("make-profile", t, "-o", out, "--n-layer", 8, "--n-expert", 4)
+    assert code == 2 and "pass --model M.gguf, which names it" in " ".join(err.split()), err
+
+
+def test_make_profile_leaves_out_the_models_mtp_block(tmp_path):
+    """A model that declares an MTP block (nextn_predict_layers 1): its layer is left out with a warning; a layer
+    beyond it is refused."""
+    code, _, err = _cli("synth", tmp_path / "rel", "--layers", "3", "--experts", "8", "--keep", "4", "--mtp",
+                        "--no-revisions")
+    assert code == 0, err
+    m = tmp_path / "rel/synth-canonical.gguf"
+    t = tmp_path / "t.bin"
+    t.write_bytes(_rec(0, [1]) + _rec(2, [5]) + _rec(3, [0, 7]))
+    out = tmp_path / "p.strp"
+    code, o, err = _cli("make-profile", t, "-o", out, "--model", m, "--mode", "no-base", "--json")
+    assert code == 0, err
+    import json
+    res = json.loads(o)
+    assert res["skipped_layer"] == 2 and res["skipped_layers"] == {"3": 2} and "left out" in err
+    t.write_bytes(_rec(0, [1]) + _rec(4, [5]))
+    code, _, err = _cli("make-profile", t, "-o", tmp_path / "q.strp", "--model", m)
+    line = " ".join(err.split())
+    assert code == 2 and "routes layers up to 4 but the model has 3 trunk layers + 1 MTP (0..3)" in line, err
+    assert "pass --model" not in line

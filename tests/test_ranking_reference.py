@@ -134,7 +134,7 @@ def test_make_profile_matches_literal_reference(case):
             with open(base_path, "wb") as fh:
                 fh.write(ref_base_bytes(L, E, base))
         out = os.path.join(d, "p.bin")
-        res = make_profile_files([tp], out, L, E, base=base_path, mode=mode, fill=fill)
+        res = make_profile_files([tp], out, L, E, base=base_path, mode=mode, fill=fill, max_layers=None)
         with open(out, "rb") as fh:
             got = fh.read()
     assert got == expected
@@ -161,7 +161,7 @@ def test_merging_traces_equals_concatenating_them(case, parts):
                 fh.write(strata_bytes(chunk))
             paths.append(p)
         out = os.path.join(d, "p.bin")
-        make_profile_files(paths, out, L, E, mode="no-base", fill=fill)
+        make_profile_files(paths, out, L, E, mode="no-base", fill=fill, max_layers=None)
         with open(out, "rb") as fh:
             assert fh.read() == expected
 

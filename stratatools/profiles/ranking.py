@@ -369,17 +369,41 @@ def source_counts(profile: Profile, counts: np.ndarray, base: Profile | None, mo
     return nb, nt, n_all - nb - nt
 
 
+def _refuse_extra_layers(res: CountResult, files, n_layers: int, max_layers: int, model_read: bool) -> None:
+    """Refuse traces that route a layer >= ``max_layers`` (the trunk plus the model's MTP blocks): another model's
+    trace, as simulate/tune/validate-release refuse it. Names the trace (the traces with layers left out) and its highest layer; where
+    no model GGUF was read (``model_read`` False) the extra layer may be an MTP block the geometry did not name,
+    so the hint says to pass --model."""
+    if not res.skipped_layers:
+        return
+    lmax = max(int(k) for k in res.skipped_layers)
+    if lmax < max_layers:
+        return
+    which = [str(path) for (path, _part), pi in zip(files, res.per_input) if pi.get("skipped_layer")]
+    name = which[0] if len(which) == 1 else f"the traces ({', '.join(which[:3])}{', ...' if len(which) > 3 else ''})"
+    extra = f" + {max_layers - n_layers} MTP" if max_layers > n_layers else ""
+    rng = f"layer {lmax}" if lmax == max_layers else f"layers {max_layers}..{lmax}"
+    hint = (f" (if layer {lmax} is this model's MTP block: pass --model M.gguf, which names it)"
+            if lmax == max_layers == n_layers and not model_read else "")
+    raise StrataError(f"{name}: the trace routes layers up to {lmax} but the model has {n_layers} trunk "
+                      f"layers{extra} (0..{max_layers - 1}); its entries of {rng} would be left out, so it is another "
+                      f"model's trace: give the model (--model/--pack/--n-layer) the trace was recorded on, or traces "
+                      f"of this model{hint}")
+
+
 def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expert: int, *,
                        weights: Sequence[float] | None = None, base: str | None = None, mode: str = "default",
                        fill: str = "expert-major", phase: str = "all", weighting: str = "count",
                        fmt: str | None = None, force: bool = False, model_info: dict | None = None,
                        extra_inputs: Sequence[str] = (), progress=None,
-                       where: Sequence[str] | None = None, client=None) -> MakeProfileResult:
+                       where: Sequence[str] | None = None, client=None,
+                       max_layers: "int | None | str" = "model") -> MakeProfileResult:
     """Read traces, count, rank and write a STRP profile plus its provenance sidecar.
 
     With the defaults (mode ``default``, fill ``expert-major``, phase ``all``, weighting ``count``) the bytes
     equal those of Strata's ``tools/make_profile.py`` on the same traces and base (formats.md section 4), except
-    that an expert id >= ``n_expert`` below layer ``n_layers`` is refused here (Strata drops it silently).
+    that an expert id >= ``n_expert`` below layer ``n_layers`` is refused here (Strata drops it silently), and so is
+    a trace routing a layer beyond the model's trunk and MTP blocks (``max_layers``; Strata leaves it out).
 
     Args:
         traces: trace files, folders, globs or Parquet datasets (any format; sniffed unless ``fmt``;
@@ -393,9 +417,13 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
         progress: optional callable(n_done, n_total) after each trace file is counted.
         where: ``KEY=VALUE`` filters on partition keys / Parquet columns (``--where``).
         client: a ``distributed.Client``: every trace file is counted by a Dask task (same bytes out).
+        max_layers: the layers a trace may route: ``"model"`` (default) = ``n_layers`` plus ``model_info``'s
+            ``n_mtp`` (the GGUF's ``nextn_predict_layers``, formats.md; 0 when no model GGUF was read); an int;
+            None = any (Strata's ``make_profile``). Entries of layers ``n_layers .. max_layers - 1`` (MTP blocks)
+            are left out and counted (a warning); a trace routing a layer >= ``max_layers`` is another model's.
     Raises:
         StrataError: bad options, an output that is an input or exists without ``force``, a base of another
-            geometry, and every trace reader error.
+            geometry, a trace routing layers beyond ``max_layers``, and every trace reader error.
     """
     import hashlib
     from pathlib import Path
@@ -449,6 +477,11 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     del tables
     for d, pi in zip(info, res.per_input):
         d.update({k: pi[k] for k in ("entries", "used", "skipped_layer", "skipped_phase")})
+    if max_layers == "model":
+        n_mtp = int((model_info or {}).get("n_mtp") or 0)
+        max_layers = n_layers + n_mtp
+    if max_layers is not None:
+        _refuse_extra_layers(res, files, n_layers, int(max_layers), model_read="n_mtp" in (model_info or {}))
     prof = build_profile(res.counts, base=base_prof, mode=mode, fill=fill)
     nb, nt, nf = source_counts(prof, res.counts, base_prof, mode)
     if mode == "default" and base_prof is not None and base_prof.complete:
