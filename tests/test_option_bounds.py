@@ -185,3 +185,22 @@ def test_make_profile_leaves_out_the_models_mtp_block(tmp_path):
     line = " ".join(err.split())
     assert code == 2 and "routes layers up to 4 but the model has 3 trunk layers + 1 MTP (0..3)" in line, err
     assert "pass --model" not in line
+
+
+# --- item: make-profile --n-expert 65536 (README and strp.MAX_EXPERTS: 65,536; u16 ids 0..65535) ---
+
+def test_make_profile_takes_65536_experts(tmp_path):
+    from stratatools.profiles.strp import read_profile
+    t = tmp_path / "t.bin"
+    t.write_bytes(_rec(0, [65535]) + _rec(0, [65535, 7]))
+    out = tmp_path / "p.strp"
+    code, _, err = _cli("make-profile", t, "-o", out, "--n-layer", 1, "--n-expert", 65536, "--mode", "no-base")
+    assert code == 0, err
+    p = read_profile(out)
+    assert (p.n_layers, p.n_expert) == (1, 65536)
+    assert p.pairs[:2].tolist() == [[0, 65535], [0, 7]]
+    # past the pair bound: one line naming the options, before any trace is read
+    code, _, err = _cli("make-profile", t, "-o", tmp_path / "q.strp", "--n-layer", 4096, "--n-expert", 65536)
+    line = " ".join(err.split())
+    assert code == 2 and "4096 layers x 65536 experts is out of range for a profile" in line, err
+    assert "at most 16777216 pairs" in line and "--n-layer/--n-expert" in line

@@ -437,9 +437,12 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
         raise StrataError(f"unknown mode {mode!r} (use {', '.join(MODES)})")
     if fill not in ("expert-major", "layer-major"):
         raise StrataError(f"unknown fill {fill!r} (use expert-major or layer-major)")
-    if n_layers <= 0 or n_expert <= 0 or n_layers > 65535 or n_expert > 65535:
-        raise StrataError(f"model geometry {n_layers} layers x {n_expert} experts is out of range (1..65535 each, "
-                          f"STRP stores u16 pairs)")
+    from stratatools.profiles.strp import MAX_EXPERTS, MAX_LAYERS, MAX_PAIRS
+
+    if not (1 <= n_layers <= MAX_LAYERS and 1 <= n_expert <= MAX_EXPERTS and n_layers * n_expert <= MAX_PAIRS):
+        raise StrataError(f"model geometry {n_layers} layers x {n_expert} experts is out of range for a profile "
+                          f"(1..{MAX_LAYERS} layers, 1..{MAX_EXPERTS} experts, at most {MAX_PAIRS} pairs; STRP "
+                          f"stores u16 ids, formats.md 'Expert profile'): check --n-layer/--n-expert or the model")
     if not traces:
         raise StrataError("no traces given (pass one or more trace files)")
     w_arg = list(weights) if weights is not None else [1.0] * len(traces)
