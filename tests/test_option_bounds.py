@@ -204,3 +204,23 @@ def test_make_profile_takes_65536_experts(tmp_path):
     line = " ".join(err.split())
     assert code == 2 and "4096 layers x 65536 experts is out of range for a profile" in line, err
     assert "at most 16777216 pairs" in line and "--n-layer/--n-expert" in line
+
+
+# --- item: synth --types with a repeated role used the last value silently ---
+
+@pytest.mark.parametrize("spec,want", [
+    ("gu=Q8_0,gu=Q4_0", "--types: role 'gu' is given twice (gu=Q8_0,gu=Q4_0); give each role once (use gu=A/B"),
+    ("down=Q8_0, dense=Q8_0,down=Q2_0", "--types: role 'down' is given twice"),
+    ("embd=BF16,embd=BF16", "--types: role 'embd' is given twice"),
+    ("dense=Q8_0/Q4_0", "--types dense=Q8_0/Q4_0: one type for dense"),
+])
+def test_synth_types_repeated_role_refused(tmp_path, spec, want):
+    code, _, err = _cli("synth", tmp_path / "rel", "--types", spec)
+    assert code == 2 and " ".join(err.split()).startswith(f"error: {want}"), err
+    assert not (tmp_path / "rel").exists()
+
+
+def test_synth_types_parse_once_each():
+    from stratatools.cli.model_cmds import _parse_types
+    assert _parse_types("gu=Q8_0/Q4_0,down=Q2_0,dense=Q8_0") == {"gu_types": ("Q8_0", "Q4_0"),
+                                                                "down_types": ("Q2_0",), "dense_type": "Q8_0"}

@@ -143,6 +143,10 @@ def _parse_types(spec: str) -> dict[str, object]:
         k, v = (x.strip() for x in part.split("=", 1))
         if k not in keys or not v:
             raise StrataError(f"--types: unknown role '{k}' (roles: gu, down, dense, embd)")
+        if keys[k] in out:
+            raise StrataError(f"--types: role '{k}' is given twice ({spec}); give each role once (use "
+                              f"{k}=A/B to cycle types over layers)" if k in ("gu", "down") else
+                              f"--types: role '{k}' is given twice ({spec}); give each role once")
         vals = tuple(x.strip().upper() for x in v.split("/") if x.strip())
         from stratatools.synth.model import writable_types
 
@@ -150,6 +154,8 @@ def _parse_types(spec: str) -> dict[str, object]:
         for x in vals:
             if x not in ok:
                 raise StrataError(f"--types {k}={v}: unknown or unwritable type '{x}' (synth writes: {', '.join(ok)})")
+        if k not in ("gu", "down") and len(vals) > 1:
+            raise StrataError(f"--types {k}={v}: one type for {k} ('/' cycles over layers for gu and down only)")
         out[keys[k]] = vals if k in ("gu", "down") else vals[0]
     return out
 
