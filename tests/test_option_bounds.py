@@ -224,3 +224,32 @@ def test_synth_types_parse_once_each():
     from stratatools.cli.model_cmds import _parse_types
     assert _parse_types("gu=Q8_0/Q4_0,down=Q2_0,dense=Q8_0") == {"gu_types": ("Q8_0", "Q4_0"),
                                                                 "down_types": ("Q2_0",), "dense_type": "Q8_0"}
+
+
+# --- item: simulate --policy "" ran all six policies; --policy static,static printed two rows ---
+
+def test_policy_list_refuses_empty_and_dedups():
+    from stratatools.cli.sim_cmds import _policy_list
+    from stratatools.cachesim.study import DEFAULT_POLICIES
+    assert _policy_list(None, DEFAULT_POLICIES) == []
+    assert _policy_list(["static,static", "lru", "static"], DEFAULT_POLICIES) == ["static", "lru"]
+    for bad in ([""], ["static,,lru"], [" "], ["static,"]):
+        with pytest.raises(StrataError, match=r"^--policy .*: an empty policy name \(use one or more of static"):
+            _policy_list(bad, DEFAULT_POLICIES)
+    with pytest.raises(StrataError, match=r"^--policy 'bogus': unknown"):
+        _policy_list(["static,bogus"], DEFAULT_POLICIES)
+
+
+def test_simulate_policy_empty_and_repeated(tmp_path):
+    import json
+    t = tmp_path / "t.bin"
+    t.write_bytes(b"".join(_rec(layer, [(i + layer) % 4]) for i in range(20) for layer in range(2)))
+    prof = tmp_path / "p.strp"
+    code, _, err = _cli("make-profile", t, "-o", prof, "--n-layer", 2, "--n-expert", 4, "--mode", "no-base")
+    assert code == 0, err
+    base = ("simulate", "-t", t, "-p", prof, "--slots", 3, "--no-sweep", "--json")
+    code, _, err = _cli(*base, "--policy", "")
+    assert code == 2 and "--policy '': an empty policy name" in " ".join(err.split()), err
+    code, out, err = _cli(*base, "--policy", "static,static", "--policy", "static")
+    assert code == 0, err
+    assert [r["policy"] for r in json.loads(out)["results"]] == ["static"]

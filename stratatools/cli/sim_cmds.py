@@ -15,13 +15,27 @@ from rich.table import Table
 from stratatools.core.errors import StrataError, num_text
 from stratatools.cli import common
 
-POLICY_HELP = "Policy, repeatable or comma-separated: static, adaptive, lru, lfu, lfru, belady."
+POLICY_HELP = ("Policy, repeatable or comma-separated (each once): static, adaptive, lru, lfu, lfru, "
+               "belady.")
 
 
-def _split_list(values: list[str] | None) -> list[str]:
+def _policy_list(values: list[str] | None, known) -> list[str]:
+    """The ``--policy`` values (repeatable, comma-separated) in the order given, each once (a repeat is dropped);
+    [] when the option is not given (the command's default).
+
+    Raises:
+        StrataError: an empty value (``--policy ""``, ``static,,lru``) or an unknown policy."""
     out: list[str] = []
     for v in values or []:
-        out += [x.strip() for x in v.split(",") if x.strip()]
+        for x in v.split(","):
+            x = x.strip()
+            if not x:
+                raise StrataError(f"--policy {v!r}: an empty policy name (use one or more of {', '.join(known)}, "
+                                  f"comma-separated; leave --policy out for the default)")
+            if x not in known:
+                raise StrataError(f"--policy {x!r}: unknown (use {', '.join(known)})")
+            if x not in out:
+                out.append(x)
     return out
 
 
@@ -184,10 +198,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
     from stratatools.cachesim.study import DEFAULT_POLICIES, load_inputs, run_study, study_steps
 
     s, b = _budget(slots, budget_gib)
-    pols = _split_list(policies) or list(DEFAULT_POLICIES)
-    for p in pols:
-        if p not in DEFAULT_POLICIES:
-            raise StrataError(f"--policy {p!r}: unknown (use {', '.join(DEFAULT_POLICIES)})")
+    pols = _policy_list(policies, DEFAULT_POLICIES) or list(DEFAULT_POLICIES)
     if not all(0 < x < float("inf") for x in (host_gbps, pcie_gbps, vram_gbps)):
         raise StrataError("bandwidths (--host-gbps, --pcie-gbps, --vram-gbps) must be finite numbers > 0")
     if kfold is not None and kfold < 2:
