@@ -253,3 +253,26 @@ def test_simulate_policy_empty_and_repeated(tmp_path):
     code, out, err = _cli(*base, "--policy", "static,static", "--policy", "static")
     assert code == 0, err
     assert [r["policy"] for r in json.loads(out)["results"]] == ["static"]
+
+
+# --- item: the allocation parser accepted type names ggml does not know ---
+
+def test_allocation_unknown_type_refused_with_its_line(tmp_path):
+    from stratatools.alloc.allocation import format_allocation, parse_allocation
+    t = format_allocation([[0, 1], [2, 3]], 4, section1={"blk.0.ffn_gate_exps.weight": "Q2_0"},
+                          expert_types=("Q2_0", "Q4_0", "Q2_0"))
+    assert parse_allocation(t.encode()).warnings == []
+    lines = t.split("\n")
+    n = next(i for i, ln in enumerate(lines) if ln.startswith("blk.0.ffn_gate_exps.weight[1]:")) + 1
+    bad = t.replace("blk.0.ffn_gate_exps.weight[1]: Q2_0", "blk.0.ffn_gate_exps.weight[1]: Q9_9")
+    with pytest.raises(StrataError, match=rf"^<allocation>: line {n}: blk\.0\.ffn_gate_exps\.weight\[1\]: unknown "
+                                          r"type 'Q9_9' \(not a ggml type name"):
+        parse_allocation(bad.encode())
+    n1 = next(i for i, ln in enumerate(lines) if ln.startswith("blk.0.ffn_gate_exps.weight:")) + 1
+    bad1 = bad.replace("blk.0.ffn_gate_exps.weight: Q2_0", "blk.0.ffn_gate_exps.weight: Q4_X")
+    with pytest.raises(StrataError, match=rf"^<allocation>: line {min(n, n1)}: .*unknown type 'Q4_"):
+        parse_allocation(bad1.encode())
+    f = tmp_path / "rco-allocation.txt"
+    f.write_text(bad)
+    code, _, err = _cli("alloc", "check", f)
+    assert code == 2 and f"{f}: line {n}: blk.0.ffn_gate_exps.weight[1]: unknown type 'Q9_9'" in " ".join(err.split()), err

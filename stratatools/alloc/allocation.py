@@ -138,7 +138,7 @@ class Allocation:
         n_original: original experts per layer (header's count when stated, else the largest index + 1).
         kept_mask: bool [n_layers, n_original] (gate's set; validation made sure up and down agree).
         out_of_order_layers: layers whose kept entries are not listed in ascending original index.
-        warnings: non-fatal findings (header disagreements, unknown or mixed types).
+        warnings: non-fatal findings (header disagreements, mixed types).
     """
 
     path: str
@@ -258,7 +258,8 @@ def parse_allocation(data: bytes, path: str | os.PathLike | None = None) -> Allo
         StrataError, naming the line: not UTF-8; no entries at all; a line of neither shape (garbage); a Section 1 tensor
         without a type or listed twice; an (layer, role, original index) listed twice; a layer or role
         missing an original index; gate, up and down keeping different sets; layers not numbered 0..L-1;
-        a layer keeping no expert; an index not below the header's original count (or a header count above 65536).
+        a layer keeping no expert; an index not below the header's original count (or a header count above 65536);
+        a type name ggml does not know (the first such line).
     """
     p = os.fspath(path) if path is not None else "<allocation>"
     text = _decode(bytes(data), p)
@@ -456,10 +457,21 @@ def _build_section2(alloc: Allocation, s2: list, line: np.ndarray) -> None:
 
 
 def _check_types(alloc: Allocation) -> None:
-    unknown = sorted({t for t in alloc.tensor_types.values() if t not in TYPES_BY_NAME} |
-                     {t for t in alloc.type_names if t and t not in TYPES_BY_NAME})
-    if unknown:
-        alloc.warnings.append(f"type names unknown to ggml: {', '.join(unknown[:5])}")
+    # a type ggml does not know cannot be a tensor's type (formats.md section 6: TYPE is a ggml type name):
+    # refused at its first line, as a typo or another file's content
+    bad: list[tuple[int, str, str]] = [(line, name, t) for name, t in alloc.tensor_types.items()
+                                       if t not in TYPES_BY_NAME for line in (alloc.tensor_lines[name],)]
+    unknown_codes = [c for c, t in enumerate(alloc.type_names) if t and t not in TYPES_BY_NAME]
+    if unknown_codes:
+        hit = np.isin(alloc.type_code, unknown_codes)
+        i = int(np.argmax(hit))
+        g, r, o = int(alloc.layer[i]), int(alloc.role[i]), int(alloc.orig[i])
+        bad.append((int(alloc.line[i]), f"blk.{g}.ffn_{ROLES[r]}_exps.weight[{o}]",
+                    alloc.type_names[int(alloc.type_code[i])]))
+    if bad:
+        line, name, t = min(bad)
+        raise StrataError(f"{alloc.path}: line {line}: {name}: unknown type {t!r} (not a ggml type name, e.g. "
+                          f"Q4_K, Q8_0, BF16; an empty type marks a pruned expert); fix the type", alloc.path)
     if alloc.pruned:
         # one tensor has one type: the kept experts of a (layer, role) should agree with each other and with Section 1
         nt = len(alloc.type_names)
