@@ -276,3 +276,23 @@ def test_allocation_unknown_type_refused_with_its_line(tmp_path):
     f.write_text(bad)
     code, _, err = _cli("alloc", "check", f)
     assert code == 2 and f"{f}: line {n}: blk.0.ffn_gate_exps.weight[1]: unknown type 'Q9_9'" in " ".join(err.split()), err
+
+
+# --- item: a global option after the command only said "no such option" ---
+
+@pytest.mark.parametrize("opt", ["--quiet", "-q", "--debug"])
+def test_global_option_after_the_command_hints_where_it_goes(tmp_path, opt):
+    code, _, err = _cli("run", tmp_path / "m.gguf", "--prompts", tmp_path / "p.txt", opt)
+    assert code == 2
+    assert " ".join(err.split()) == (f"error: stratatools run: no such option: {opt}: {opt} is a global option; put "
+                                     f"it before the command ('stratatools {opt} run ...')"), err
+    code, _, err = _cli("trace", "stats", tmp_path / "t.bin", opt)
+    assert code == 2 and f"('stratatools {opt} trace stats ...')" in " ".join(err.split()), err
+
+
+def test_unknown_option_keeps_its_help_hint(tmp_path):
+    code, _, err = _cli("run", tmp_path / "m.gguf", "--bogus")
+    assert code == 2 and " ".join(err.split()) == ("error: stratatools run: no such option: --bogus (run "
+                                                   "'stratatools run --help' for its options)"), err
+    code, _, err = _cli("inspect", tmp_path / "m.gguf", "--version")
+    assert code == 2 and "put it before the command ('stratatools --version')" in " ".join(err.split()), err

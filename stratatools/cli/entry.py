@@ -128,7 +128,30 @@ def usage_line(e) -> str:
     msg = e.format_message().strip().rstrip(".")
     if msg[:1].isupper() and msg[1:2].islower():
         msg = msg[0].lower() + msg[1:]
+    glob = _global_option(e)
+    if glob:
+        root = e.ctx.find_root().command_path
+        sub = cmd[len(root):].strip()
+        example = f"{root} {glob}" if glob == "--version" else f"{root} {glob} {sub} ..."
+        return one_line(f"error: {cmd}: {msg}: {glob} is a global option; put it before the command "
+                        f"('{example}')")
     return one_line(f"error: {cmd}: {msg} (run '{cmd} --help' for its options)")
+
+
+def _global_option(e) -> str | None:
+    """The option of a "no such option" error when it is one of the root command's (global) options, given
+    after a subcommand (``stratatools run ... --quiet``); else None."""
+    name = getattr(e, "option_name", None)
+    ctx = getattr(e, "ctx", None)
+    if not name or ctx is None or not isinstance(e, _CX.NoSuchOption):
+        return None
+    root = ctx.find_root()
+    if root is ctx:
+        return None
+    for p in root.command.params:
+        if name in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())):
+            return name
+    return None
 
 
 def _note_pending(code: int) -> None:
