@@ -8,6 +8,7 @@ import io
 import json
 import os
 
+import numpy as np
 import pytest
 
 from stratatools.cli import run_captured
@@ -423,3 +424,37 @@ def test_unknown_trace_extension_says_which_format_was_written(demo_release, tmp
     from stratatools.traces.formats import read_trace
 
     assert read_trace(out).meta.get("source_format", "").startswith("strata")
+
+
+# --- --trace-format strata holds decode positions only ------------------------------------------------------------
+
+def test_plain_strata_run_trace_leaves_the_prefill_out_and_says_so(demo_release, tmp_path, cli):
+    """``run --trace-format strata`` wrote the prefill records as decode ones (the plain layout keeps no phase); as the
+    engine's own dump, it now holds the decode positions only and says how many prefill entries it left out; with
+    -n 1 (no decode step) it would be empty and is refused before the run."""
+    from stratatools.traces.formats import read_trace
+    from stratatools.traces.table import DECODE, PREFILL
+
+    d, gguf = demo_release
+    code, out, err = cli("run", gguf, "--prompts", d / "train.txt", "-n", "3", "--device", "cpu",
+                         "--trace-out", tmp_path / "t.bin", "--json")
+    assert code == 0, err
+    tagged = read_trace(tmp_path / "t.bin")
+    n_pre = int((np.asarray(tagged.phase) == PREFILL).sum())
+    assert n_pre > 0
+    code, out, err = cli("run", gguf, "--prompts", d / "train.txt", "-n", "3", "--device", "cpu",
+                         "--trace-out", tmp_path / "p.bin", "--trace-format", "strata", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["trace_dropped_prefill"] == n_pre
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning:") and f"left out {n_pre:,} prefill entries" in lines[0]
+    assert "strata-tagged" in lines[0]
+    plain = read_trace(tmp_path / "p.bin")
+    dec = np.asarray(tagged.phase) == DECODE
+    assert len(plain) == int(dec.sum()) and plain.expert.tolist() == np.asarray(tagged.expert)[dec].tolist()
+    assert res["trace_records"] == int((plain.rank == 0).sum())
+    line = _one_line_error(*cli("run", gguf, "--prompts", d / "train.txt", "-n", "1", "--device", "cpu",
+                                 "--trace-out", tmp_path / "one.bin", "--trace-format", "strata"))
+    assert "--max-new-tokens 1" in line and "decode positions only" in line and "strata-tagged" in line
+    assert not (tmp_path / "one.bin").exists()

@@ -137,19 +137,29 @@ def test_cold_drops_the_prefill(release, tmp_path):
     assert code == 2 and "--cold" in err and err.strip().count("\n") == 0
 
 
-def test_plain_trace_replays_the_runs_rounds(release, tmp_path):
-    """The plain Strata layout loses requests, phases and windows, yet its layer-major prefill batches come back
-    as rounds: --phase all (every entry reads as decode) equals the run's totals."""
+def test_plain_trace_holds_the_runs_decode_positions(release, tmp_path):
+    """The plain Strata layout holds decode positions only (as the engine's --dump-routing; it used to hold the
+    prefill records too, read back as decode): the run leaves the prefill out and says how many entries; the file
+    is the run's tagged trace converted to plain, byte for byte, and replays one round per decode position over the
+    run's decode entries."""
     d, gguf = release
-    trace = tmp_path / "plain.bin"
+    trace, tagged = tmp_path / "plain.bin", tmp_path / "tagged.bin"
     code, out, err = _cli("run", gguf, "--prompts", d / "p.txt", "--policy", "adaptive", "--slots", "24", "-n", "7",
                           "--trace-out", trace, "--trace-format", "strata", "--json")
     assert code == 0, err
-    tier = json.loads(out)["tier"]
+    res = json.loads(out)
+    tier = res["tier"]
+    assert res["trace_dropped_prefill"] == tier["prefill"]["entries"] > 0
+    assert f"left out {tier['prefill']['entries']:,} prefill entries" in err
+    code, out, err = _cli("run", gguf, "--prompts", d / "p.txt", "--policy", "adaptive", "--slots", "24", "-n", "7",
+                          "--trace-out", tagged, "--json")
+    assert code == 0, err
+    code, out, err = _cli("trace", "convert", tagged, "--to", "strata", "-o", tmp_path / "conv.bin")
+    assert code == 0, err
+    assert (tmp_path / "conv.bin").read_bytes() == trace.read_bytes()
     st, _ = run([str(trace)], [], pack=None, model=str(gguf), slots=24, budget_gib=None, policies=["adaptive"],
                 admission="global", kfold=None, phase="all", host_gbps=60.0, pcie_gbps=25.0, vram_gbps=900.0,
                 sets=[], sweep=False)
     r = st.results[0]
-    assert (r.hits, r.entries, r.rounds, r.rounds_by) == (tier["all"]["hits"], tier["all"]["entries"],
-                                                          tier["rounds"], "batches")
-    assert r.layer_hits == tier["all"]["layer_hits"]
+    n_prompts = len([ln for ln in (d / "p.txt").read_text().splitlines() if ln.strip()])
+    assert (r.entries, r.rounds, r.rounds_by) == (tier["decode"]["entries"], n_prompts * 6, "positions")

@@ -67,6 +67,12 @@ def run_cmd(
     fmt_note = trace_format_note(trace_out, trace_format) if trace_out is not None else None
     if fmt_note and not common.STATE.quiet:  # one line (no wrap), on stderr: stdout may be --json
         common.err_console.print(fmt_note, markup=False, highlight=False, soft_wrap=True)
+    if res.trace_dropped_prefill:  # data left out: always said, one line on stderr
+        from stratatools.traces.formats.strata import plain_prefill_note
+
+        common.err_console.print("warning: " + plain_prefill_note(res.trace_path, res.trace_dropped_prefill,
+                                                                  res.trace_dropped_prefill_records),
+                                 markup=False, highlight=False, soft_wrap=True)
     if as_json:
         common.emit_json(res.to_dict())
         return

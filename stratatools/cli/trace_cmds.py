@@ -68,6 +68,12 @@ def _convert(
     with common.progress_bar("converting", None, bytes_=False) as bar:
         res = convert_trace_stream(Path(src), out, to, from_, force, n_layer, n_expert,
                                    progress=lambda m: bar.update(advance=m))
+    if res.dropped_prefill:  # data left out: always said, one line on stderr (stdout may be --json)
+        from stratatools.traces.formats.strata import plain_prefill_note
+
+        common.err_console.print("warning: " + plain_prefill_note(res.output, res.dropped_prefill,
+                                                                  res.dropped_prefill_records),
+                                 markup=False, highlight=False, soft_wrap=True)
     if json_:
         common.emit_json(res.to_dict())
         return

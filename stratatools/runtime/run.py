@@ -21,7 +21,8 @@ both. Requests are numbered 0.. in file order; those numbers are the trace's req
 The routing trace has one record per (request, position, layer): prefill positions with phase ``prefill``,
 generated positions with phase ``decode`` (format by extension: ``.parquet``, ``.csv``, otherwise Strata's
 tagged ``--dump-routing`` layout, which keeps request ids, phases and windows; ``--trace-format strata`` writes
-the plain engine layout, which keeps none of them). Records are in the order the tier saw them, and every forward
+the plain engine layout, which keeps none of them and holds decode positions only: the prefill records are left
+out, as the engine's own dump writes none, and counted in ``trace_dropped_prefill``). Records are in the order the tier saw them, and every forward
 batch of more than one position (the prefill) is a window, written layer-major: a replay of the trace makes the
 same rounds as the run's tier (:data:`stratatools.traces.table.ROUNDS`) and feeds the entries in the same order.
 """
@@ -265,7 +266,9 @@ class RunResult:
         prefill_tokens_per_s: prompt tokens per prefill second.
         tier: the tier's stats (None without a tier); h_expert: the tier's decode-phase hit rate
             (cache-policy.md ``h_expert``; prefill and all-phase rates are in ``tier``).
-        trace_path, trace_format, trace_records: the written trace.
+        trace_path, trace_format, trace_records: the written trace (records written).
+        trace_dropped_prefill, trace_dropped_prefill_records: prefill entries and records the trace left out
+            (``--trace-format strata`` holds decode positions only); 0 otherwise.
     """
 
     model: str
@@ -288,6 +291,8 @@ class RunResult:
     device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu"})
     batch: dict[str, Any] = field(default_factory=lambda: {"batch": 1})
     decode_tokens: int = 0
+    trace_dropped_prefill: int = 0
+    trace_dropped_prefill_records: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "pack": self.pack, "expert_source": self.expert_source,
@@ -297,6 +302,8 @@ class RunResult:
                 "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "h_expert": self.h_expert, "tier": self.tier,
                 "trace_path": self.trace_path, "trace_format": self.trace_format, "trace_records": self.trace_records,
+                "trace_dropped_prefill": self.trace_dropped_prefill,
+                "trace_dropped_prefill_records": self.trace_dropped_prefill_records,
                 "options": self.options, "device": self.device, "batch": self.batch}
 
 
@@ -485,6 +492,11 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         raise StrataError(f"{trace_out}: --batch {batch} with --trace-format strata: the plain layout keeps no request ids "
                           f"or phases, so a replay cannot rebuild the batched rounds; use strata-tagged (the default), "
                           f"parquet or csv", trace_out)
+    if fmt == "strata" and max_new_tokens <= 1:
+        raise StrataError(f"{trace_out}: --trace-format strata with --max-new-tokens {max_new_tokens}: no decode step "
+                          f"runs, and a plain Strata trace holds decode positions only (as the engine's "
+                          f"--dump-routing), so it would be empty; use strata-tagged (the default), parquet or csv, "
+                          f"or --max-new-tokens 2 or more", trace_out)
     if trace_out is not None:  # a folder that cannot take the trace fails now, not after the whole workload
         probe_writable(trace_out)
     from stratatools.runtime.device import resolve_device
@@ -630,12 +642,21 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         if tstats is not None:
             h = tstats["decode"]["h_expert"] if tstats["decode"]["entries"] else tstats["all"]["h_expert"]
         n_records = builder.records
+        n_drop = r_drop = 0
         if trace_out is not None:
             names = [pr.prompt_id for pr in prompts]
             extra = {"request_names": names} if len(set(names)) == len(names) else {}  # CSV prompt_id column
             table = builder.table(source_format="stratatools-runtime", n_layers=w.cfg.n_layer,
                                   n_expert=max(w.cfg.n_expert), model=w.model.path.name,
                                   model_name=w.model.path.name, selection=selection, **extra)
+            if fmt == "strata":  # decode positions only, as the engine's dump; said by the caller
+                from stratatools.traces.formats.strata import all_prefill_error, drop_prefill
+
+                n_all = len(table)
+                table, n_drop, r_drop = drop_prefill(table)
+                if n_all and not len(table):  # every request stopped at its first token
+                    raise all_prefill_error(trace_out, n_all)
+                n_records -= r_drop
             write_trace(table, trace_out, fmt)
         return RunResult(
             model=str(w.model.path), pack=str(w.pack.path) if w.pack is not None else None,
@@ -648,6 +669,7 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
                      "budget_gib": budget_gib, "profile": str(profile) if profile else None,
                      "max_new_tokens": max_new_tokens, "output_gate": output_gate, "vram_gib": vram_gib,
                      "batch": int(batch)},
-            device=dev_info, batch=batch_info, decode_tokens=int(n_new_decoded))
+            device=dev_info, batch=batch_info, decode_tokens=int(n_new_decoded),
+            trace_dropped_prefill=n_drop, trace_dropped_prefill_records=r_drop)
     finally:
         w.close()

@@ -517,11 +517,13 @@ def convert_trace_stream(src: str | os.PathLike, out: str | os.PathLike, to: str
     the trace's length. The output reads back as ``convert_trace``'s does (the same table, windows and
     metadata but the reader's walk counts); Strata output is byte-identical. A tagged Strata output with verify
     windows is cut only where a request changes or a window closes (a commit tag), so it holds at most one such
-    stretch besides the chunk. ``progress``: callable(entries) after each chunk.
+    stretch besides the chunk. Plain Strata holds decode positions only: prefill entries are left out and counted
+    (``dropped_prefill``, ``dropped_prefill_records``; :func:`.formats.strata.drop_prefill`).
+    ``progress``: callable(entries) after each chunk.
 
     Raises:
         StrataError: as ``convert_trace`` (unknown format, output onto the input or existing without
-            ``force``, every reader and writer error).
+            ``force``, every reader and writer error; plain Strata from a trace that is all prefill).
     """
     from stratatools.core.fsutil import AtomicFile, guard_output, sha256_file
     from stratatools.traces.formats import WRITE_FORMATS, ConvertResult
@@ -552,11 +554,15 @@ def convert_trace_stream(src: str | os.PathLike, out: str | os.PathLike, to: str
                 if progress is not None:
                     progress(n)
             records += writer.end(fh)
+            if writer.dropped and entries == writer.dropped:
+                from stratatools.traces.formats.strata import all_prefill_error
+
+                raise all_prefill_error(out, entries)
         except BaseException:
             writer.abort()
             raise
-    return ConvertResult(str(src), str(out), str(meta.get("source_format")), to, entries, records,
-                         Path(out).stat().st_size, meta)
+    return ConvertResult(str(src), str(out), str(meta.get("source_format")), to, entries - writer.dropped, records,
+                         Path(out).stat().st_size, meta, writer.dropped, writer.dropped_records)
 
 
 def _has_a_window(source, rows: int) -> bool:
@@ -579,6 +585,8 @@ class _StreamWriter:
         self.state: dict = {}
         self.last = None  # (request, position, layer, phase) of the last entry counted by _records
         self.rows = 0  # entries written (CSV: the row numbers of its errors)
+        self.dropped = self.dropped_records = 0  # plain Strata: prefill entries/records left out (decode only)
+        self.last_dropped = None  # (request, position, layer, phase) of the last prefill entry left out
 
     def begin(self, fh) -> None:
         if self.to == "parquet":
@@ -631,6 +639,18 @@ class _StreamWriter:
             csv_rows(fh, t, self.meta, self.windows)
             return self._records(t)
         # Strata: whole records (and, tagged with windows, whole stretches between request changes and commits)
+        if self.to == "strata":  # plain: decode positions only, as the engine's dump (strata.drop_prefill)
+            from stratatools.traces.table import PREFILL
+
+            pre = np.asarray(c["phase"]) == PREFILL
+            if pre.any():
+                self.dropped += int(pre.sum())
+                n_rec, self.last_dropped = self._count_records(self._table({k: v[pre] for k, v in c.items()}),
+                                                               self.last_dropped)
+                self.dropped_records += n_rec
+                c = {k: v[~pre] for k, v in c.items()}
+                if not len(c["layer"]):
+                    return 0
         if self.hold is not None:
             c = {k: np.concatenate([self.hold[k], c[k]]) for k in c if k in self.hold}
         t = self._table(c)
@@ -659,14 +679,19 @@ class _StreamWriter:
     def _records(self, t: TraceTable) -> int:
         """Records starting in ``t`` (:func:`.table.record_bounds`' rule, a record continued from the previous
         chunk not counted again)."""
+        n, self.last = self._count_records(t, self.last)
+        return n
+
+    @staticmethod
+    def _count_records(t: TraceTable, last) -> tuple[int, tuple]:
+        """Records starting in ``t`` after an entry keyed ``last`` (None: none) and the key of its last entry."""
         from stratatools.traces.table import record_bounds
 
         n = len(record_bounds(t))
         keys = (t.request, t.position, t.layer, t.phase)
-        if n and self.last is not None and int(t.rank[0]) != 0 and all(int(a[0]) == b for a, b in zip(keys, self.last)):
+        if n and last is not None and int(t.rank[0]) != 0 and all(int(a[0]) == b for a, b in zip(keys, last)):
             n -= 1
-        self.last = tuple(int(a[-1]) for a in keys)
-        return int(n)
+        return int(n), tuple(int(a[-1]) for a in keys)
 
     def _cut(self, t: TraceTable) -> int:
         """The last row the entries can be cut at: a record start, the last record held back (it may go on);

@@ -120,11 +120,14 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None, n_layers: int | 
     raise StrataError(f"unknown trace format {fmt!r} (use {', '.join(READ_FORMATS)})")
 
 
-def write_trace(table: TraceTable, path: str | os.PathLike, fmt: str) -> None:
+def write_trace(table: TraceTable, path: str | os.PathLike, fmt: str) -> int:
     """Write ``table`` as ``fmt`` (one of :data:`WRITE_FORMATS`) atomically. Overwrites ``path``: callers
-    guard it (:func:`stratatools.core.fsutil.guard_output`). Raises StrataError for an unknown format or a table the
-    format cannot hold, and for a table the readers would refuse (:func:`~stratatools.traces.semantics.
-    check_semantics`: a repeated id in one record, a bad phase, weight or rank), before anything is written."""
+    guard it (:func:`stratatools.core.fsutil.guard_output`). Returns the entries the format could not hold and
+    left out: plain ``strata`` holds decode positions only and leaves prefill entries out
+    (:func:`.strata.drop_prefill`; callers say so, :func:`.strata.plain_prefill_note`); 0 otherwise. Raises
+    StrataError for an unknown format or a table the format cannot hold (plain ``strata``: one whose entries are all
+    prefill), and for a table the readers would refuse (:func:`~stratatools.traces.semantics.check_semantics`: a
+    repeated id in one record, a bad phase, weight or rank), before anything is written."""
     from stratatools.traces.semantics import check_semantics
 
     if fmt in WRITE_FORMATS:
@@ -137,10 +140,12 @@ def write_trace(table: TraceTable, path: str | os.PathLike, fmt: str) -> None:
         return write_strata(table, path, tagged=True)
     if fmt == "parquet":
         from stratatools.traces.formats.parquet import write_parquet
-        return write_parquet(table, path)
+        write_parquet(table, path)
+        return 0
     if fmt == "csv":
         from stratatools.traces.formats.text import write_csv
-        return write_csv(table, path)
+        write_csv(table, path)
+        return 0
     raise StrataError(f"unknown output format {fmt!r} (use {', '.join(WRITE_FORMATS)})")
 
 
@@ -157,7 +162,9 @@ class ConvertResult:
 
     Attributes:
         input, output: paths. from_format, to_format: format names. entries: routed entries written.
-        records: (token, layer) records. output_bytes: size of the written file. meta: the input's metadata.
+        records: (token, layer) records written. output_bytes: size of the written file. meta: the input's
+        metadata. dropped_prefill, dropped_prefill_records: prefill entries and records left out (``--to strata``
+        holds decode positions only; see :func:`.strata.drop_prefill`).
     """
 
     input: str
@@ -168,6 +175,8 @@ class ConvertResult:
     records: int
     output_bytes: int
     meta: dict[str, Any] = field(default_factory=dict)
+    dropped_prefill: int = 0
+    dropped_prefill_records: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -213,15 +222,22 @@ def convert_trace(src: str | os.PathLike, out: str | os.PathLike, to: str, fmt: 
             error. The output is written through ``<out>.tmp`` and renamed.
     """
     from stratatools.core.fsutil import guard_output
-    from stratatools.traces.formats.strata import record_bounds
+    from stratatools.traces.formats.strata import all_prefill_error, drop_prefill, record_bounds
 
     if to not in WRITE_FORMATS:
         raise StrataError(f"unknown output format {to!r} (use {', '.join(WRITE_FORMATS)})")
     guard_output(out, [src], force)
     table = read_trace(src, fmt, n_layers, n_expert)
+    dropped = dropped_recs = 0
+    if to == "strata":
+        n = len(table)
+        table, dropped, dropped_recs = drop_prefill(table)
+        if n and not len(table):
+            raise all_prefill_error(out, n)
     write_trace(table, out, to)
     return ConvertResult(str(src), str(out), str(table.meta.get("source_format")), to, len(table),
-                         int(len(record_bounds(table))), Path(out).stat().st_size, dict(table.meta))
+                         int(len(record_bounds(table))), Path(out).stat().st_size, dict(table.meta),
+                         dropped, dropped_recs)
 
 
 __all__ += ["convert_trace", "ConvertResult"]

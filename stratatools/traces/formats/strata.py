@@ -66,7 +66,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.core.fsutil import AtomicFile
-from stratatools.traces.table import DECODE, UNKNOWN, TraceTable, no_hugepages, record_bounds
+from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, TraceTable, no_hugepages, record_bounds
 from stratatools.traces.formats.strata_spec import (  # noqa: F401  (re-exported: the format's limits and tags)
     CHUNK_BYTES, MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_BOOT, TAG_COMMIT, TAG_FORMAT, TAG_NAMES, TAG_OWNED,
     TAG_PHASE, TAG_REQUEST, _PHASE_OF_VALUE, _err, _expand, _k_error, _repeat_err, _token_major_layers,
@@ -602,6 +602,39 @@ def _check_writable(table: TraceTable, path: Any) -> None:
                           path)
 
 
+PLAIN_PREFILL_FIX = ("write strata-tagged instead (it keeps prefill, request ids and phases), or parquet or csv")
+
+
+def drop_prefill(table: TraceTable) -> tuple[TraceTable, int, int]:
+    """What of ``table`` a plain Strata trace can hold: the plain ``--dump-routing`` layout holds decode positions
+    only (formats.md section 3: "batched prefill writes nothing"; every plain record reads back as decode), so
+    prefill entries are left out. Entries of phase decode or unknown are kept, in order.
+
+    Returns ``(kept table, prefill entries dropped, prefill records dropped)``; the table itself when nothing
+    is dropped."""
+    ph = np.asarray(table.phase)
+    pre = ph == PREFILL
+    n = int(pre.sum())
+    if not n:
+        return table, 0, 0
+    recs = int(len(record_bounds(table.take(pre))))
+    return table.take(~pre), n, recs
+
+
+def plain_prefill_note(path: Any, entries: int, records: int) -> str:
+    """The one-line warning for prefill entries a plain Strata output left out (:func:`drop_prefill`)."""
+    return (f"{path}: left out {entries:,} prefill entries ({records:,} records): a plain Strata trace holds decode "
+            f"positions only (as the engine's --dump-routing); strata-tagged keeps them, with their request ids and "
+            f"phases (as do parquet and csv)")
+
+
+def all_prefill_error(path: Any, entries: int) -> StrataError:
+    """A plain Strata output whose entries are all prefill would be empty (and an empty trace is refused)."""
+    return StrataError(f"{path}: all {entries:,} routed entries are prefill and a plain Strata trace holds decode "
+                       f"positions only (as the engine's --dump-routing), so it would be empty; "
+                       f"{PLAIN_PREFILL_FIX}", path)
+
+
 def _write_records(fh, table: TraceTable, lo: int, hi: int, starts: np.ndarray, ks: np.ndarray,
                    path: Any, batch_records: int = 1 << 20) -> None:
     """Write records [lo, hi) (indices into starts/ks) as Strata route records, vectorised by runs of equal k."""
@@ -683,10 +716,13 @@ def _write_tagged(fh, table: TraceTable, starts: np.ndarray, ks: np.ndarray, pat
     state["req"], state["phase"] = prev_req, prev_ph
 
 
-def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = False) -> None:
-    """Write a Strata ``--dump-routing`` file (atomically: ``<path>.tmp`` then rename).
+def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = False) -> int:
+    """Write a Strata ``--dump-routing`` file (atomically: ``<path>.tmp`` then rename). Returns the prefill
+    entries left out (plain only; 0 for tagged).
 
-    Plain: route records only (request, phase and verify windows are lost; positions are implied by order).
+    Plain: route records of the decode (and unknown-phase) entries only, as the engine's own dump: prefill entries
+    are left out (:func:`drop_prefill`; the caller says how many); request, phase and verify windows are lost;
+    positions are implied by order.
     Tagged: format tag version 1, then a request tag (-3) at every change of request and a phase tag (-5: 0
     prefill, 1 decode, 2 unknown) at every change of phase, so :func:`read_strata` gives back request and phase;
     when the table has verify windows (``table.window``), a commit tag (-1) ``[window, n_positions, 0]`` after
@@ -698,14 +734,22 @@ def write_strata(table: TraceTable, path: str | os.PathLike, tagged: bool = Fals
     Raises:
         StrataError: negative layers or ids, or k > 1024; a window that follows records outside windows in the
             same request without being a whole number of positions over their layers (no commit could close
-            exactly its records; write Parquet or CSV to keep such windows).
+            exactly its records; write Parquet or CSV to keep such windows); plain: a table whose entries are
+            all prefill (the file would be empty).
     """
     _check_writable(table, path)
+    dropped = 0
+    if not tagged:
+        n = len(table)
+        table, dropped, _ = drop_prefill(table)
+        if n and not len(table):
+            raise all_prefill_error(path, n)
     starts = record_bounds(table)
     ks = np.diff(np.r_[starts, len(table)])
     with AtomicFile(path) as fh:
         if not tagged:
             _write_records(fh, table, 0, len(starts), starts, ks, path)
-            return
+            return dropped
         fh.write(_tag(TAG_FORMAT, [1]))
         _write_tagged(fh, table, starts, ks, path, {})
+    return 0

@@ -1,0 +1,84 @@
+"""Trace handling defects found in testing: each failing input as a test (plain Strata and prefill, --where on
+partitions, NaN weights in CSV, --partition errors, Parquet page checksums, text traces cut mid-row)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stratatools.core.errors import StrataError
+from stratatools.traces.formats import convert_trace, read_trace, write_trace
+from stratatools.traces.table import DECODE, PREFILL, TraceTable
+
+
+def _table(phases: list[int], k: int = 2, layers: int = 3) -> TraceTable:
+    """One request: one position per phase entry, every layer, k experts each (ids distinct per record)."""
+    req, pos, ph, lay, rank, exp = [], [], [], [], [], []
+    for p, phase in enumerate(phases):
+        for layer in range(layers):
+            for r in range(k):
+                req.append(0), pos.append(p), ph.append(phase), lay.append(layer), rank.append(r)
+                exp.append((p + layer + 3 * r) % 16)
+    n = len(req)
+    return TraceTable(request=np.array(req, np.int32), position=np.array(pos, np.int32),
+                      phase=np.array(ph, np.int8), layer=np.array(lay, np.int16), rank=np.array(rank, np.int16),
+                      expert=np.array(exp, np.int32), weight=np.full(n, 0.5, np.float32),
+                      meta={"source_format": "test"})
+
+
+# -- 1. plain Strata holds decode positions only -------------------------------------------------------------------
+
+def test_plain_strata_writer_leaves_prefill_out(tmp_path):
+    t = _table([PREFILL, PREFILL, DECODE, DECODE, DECODE])
+    assert write_trace(t, tmp_path / "p.bin", "strata") == 2 * 3 * 2
+    back = read_trace(tmp_path / "p.bin")
+    assert len(back) == 3 * 3 * 2
+    assert set(np.asarray(back.phase).tolist()) == {DECODE}
+    dec = t.take(np.asarray(t.phase) == DECODE)
+    assert back.expert.tolist() == dec.expert.tolist()
+    assert write_trace(t, tmp_path / "t.bin", "strata-tagged") == 0
+    assert np.asarray(read_trace(tmp_path / "t.bin").phase).tolist() == np.asarray(t.phase).tolist()
+
+
+def test_plain_strata_all_prefill_is_refused(tmp_path):
+    t = _table([PREFILL, PREFILL])
+    with pytest.raises(StrataError, match=r"all 12 routed entries are prefill.*strata-tagged"):
+        write_trace(t, tmp_path / "p.bin", "strata")
+    assert not (tmp_path / "p.bin").exists()
+    write_trace(t, tmp_path / "t.parquet", "parquet")
+    with pytest.raises(StrataError, match="all 12 routed entries are prefill"):
+        convert_trace(tmp_path / "t.parquet", tmp_path / "c.bin", "strata")
+    assert not (tmp_path / "c.bin").exists()
+
+
+def test_convert_to_plain_strata_says_what_it_left_out(tmp_path, cli):
+    t = _table([PREFILL, DECODE, PREFILL, DECODE, DECODE])  # prefill records between decode ones
+    src = tmp_path / "t.parquet"
+    write_trace(t, src, "parquet")
+    code, out, err = cli("trace", "convert", src, "--to", "strata", "-o", tmp_path / "p.bin")
+    assert code == 0, err
+    assert "warning:" in err and "left out 12 prefill entries (6 records)" in err and "strata-tagged" in err
+    assert len(err.strip().splitlines()) == 1
+    assert "18 routed entries in 9 records" in out
+    back = read_trace(tmp_path / "p.bin")
+    assert len(back) == 18 and set(np.asarray(back.phase).tolist()) == {DECODE}
+    # the streamed writer, in chunks that cut records and phases: same bytes, same counts
+    from stratatools.traces.sources import convert_trace_stream
+
+    for rows in (1, 3, 5, 7):
+        r = convert_trace_stream(src, tmp_path / f"s{rows}.bin", "strata", rows=rows)
+        assert (r.entries, r.records, r.dropped_prefill, r.dropped_prefill_records) == (18, 9, 12, 6)
+        assert (tmp_path / f"s{rows}.bin").read_bytes() == (tmp_path / "p.bin").read_bytes()
+    code, out, err = cli("trace", "convert", src, "--to", "strata", "-o", tmp_path / "j.bin", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["dropped_prefill"] == 12 and d["dropped_prefill_records"] == 6 and d["entries"] == 18
+    assert "left out 12 prefill entries" in err
+    code, out, err = cli("trace", "convert", src, "--to", "strata-tagged", "-o", tmp_path / "t.bin")
+    assert code == 0 and "warning" not in err
+    write_trace(_table([PREFILL]), tmp_path / "pre.parquet", "parquet")
+    code, out, err = cli("trace", "convert", tmp_path / "pre.parquet", "--to", "strata", "-o", tmp_path / "x.bin")
+    assert code == 2 and "all 6 routed entries are prefill" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.bin").exists()
