@@ -82,3 +82,51 @@ def test_convert_to_plain_strata_says_what_it_left_out(tmp_path, cli):
     code, out, err = cli("trace", "convert", tmp_path / "pre.parquet", "--to", "strata", "-o", tmp_path / "x.bin")
     assert code == 2 and "all 6 routed entries are prefill" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.bin").exists()
+
+
+# -- 2. --where on a partition key drops the files without that partition ------------------------------------------
+
+def _fleet(tmp_path, cli, src):
+    fleet = tmp_path / "fleet"
+    for parts in (["server=a", "date=2026-12-01"], ["server=b", "date=2026-12-01"], ["server=c"]):
+        args = [x for p in parts for x in ("--partition", p)]
+        code, out, err = cli("trace", "convert", src, "--to", "parquet", "--dataset", "-o", fleet, *args)
+        assert code == 0, err
+    return fleet
+
+
+def test_where_on_a_partition_key_leaves_out_files_without_it(tmp_path, cli):
+    t = _table([PREFILL, DECODE, DECODE, DECODE])
+    src = tmp_path / "t.parquet"
+    write_trace(t, src, "parquet")
+    fleet = _fleet(tmp_path, cli, src)
+    from stratatools.traces.sources import expand_traces
+
+    got = expand_traces([str(fleet)], ["date=2026-12-01"])
+    assert sorted(k["server"] for _, k in got) == ["a", "b"]
+    code, out, err = cli("trace", "stats", fleet, "--where", "date=2026-12-01", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["entries"] == 2 * len(t) and d["meta"]["inputs"] == 2
+    code, out, err = cli("trace", "stats", fleet, "--where", "server=c", "--json")
+    assert code == 0 and json.loads(out)["entries"] == len(t)
+    # a data column is still filtered by rows in every file, a partition key beside it by folders
+    code, out, err = cli("trace", "stats", fleet, "--where", "phase=0", "--json")
+    assert code == 0 and json.loads(out)["entries"] == 3 * 6
+    code, out, err = cli("trace", "stats", fleet, "--where", "phase=1", "--where", "date=2026-12-01", "--json")
+    assert code == 0 and json.loads(out)["entries"] == 2 * 18
+
+
+def test_where_on_a_column_that_is_a_partition_key_elsewhere_filters_rows_where_it_is_not(tmp_path, cli):
+    """A data column (``phase``) that is also a partition key of some files: files with the folder are kept by
+    it, files without it by their rows (fleet-traces.md: on a data column --where keeps the Parquet rows)."""
+    t = _table([PREFILL, DECODE, DECODE])
+    src = tmp_path / "t.parquet"
+    write_trace(t, src, "parquet")
+    fleet = tmp_path / "fleet"
+    for args in (["--partition", "phase=1"], ["--partition", "server=x"]):
+        assert cli("trace", "convert", src, "--to", "parquet", "--dataset", "-o", fleet, *args)[0] == 0
+    code, out, err = cli("trace", "stats", fleet, "--where", "phase=1", "--json")
+    assert code == 0, err
+    # phase=1 folder: its rows filtered too (12 decode entries); server=x: its 12 decode rows
+    assert json.loads(out)["entries"] == 2 * 12

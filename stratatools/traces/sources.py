@@ -17,8 +17,8 @@ Arguments (:func:`expand_traces`): a file; a directory (every Parquet file under
 ``key=value/.../part-*.parquet``, else every file directly in it); a glob (``traces/*.bin``, ``**`` recurses).
 Each file is one input (request ids are made distinct per file when traces are merged). ``--where KEY=VALUE``
 (repeatable; several values of one key are alternatives) keeps the files whose partition ``KEY`` (a
-``KEY=VALUE`` folder of its path) is VALUE, and for a data column of a Parquet file the rows whose value is
-VALUE.
+``KEY=VALUE`` folder of its path) is VALUE (files without a ``KEY=`` folder are left out), and for a data column of
+a Parquet file the rows whose value is VALUE (files without a ``KEY=`` folder included).
 """
 
 from __future__ import annotations
@@ -122,7 +122,9 @@ def expand_traces(args: Sequence[str], where: Sequence[str] | None = None) -> li
                 have = ", ".join(sorted(known)) or "none"
                 raise StrataError(f"--where {key}=...: no partition key or column {key!r} (partition keys: {have}; "
                                   f"columns: {', '.join(COLUMNS)}, window)")
-        out = [(f, k) for f, k in out if all(key not in k or k[key] in vals
+        # a partition key: only files whose KEY=VALUE folder matches (a file without that folder has no such
+        # partition); a data column without a folder in some file: those files are kept, filtered by rows
+        out = [(f, k) for f, k in out if all(k[key] in vals if key in k else key in data_cols
                                                   for key, vals in wh.items() if key in known)]
         if not out:
             raise StrataError("--where " + " ".join(f"{k}={'|'.join(v)}" for k, v in wh.items())
