@@ -130,3 +130,26 @@ def test_where_on_a_column_that_is_a_partition_key_elsewhere_filters_rows_where_
     assert code == 0, err
     # phase=1 folder: its rows filtered too (12 decode entries); server=x: its 12 decode rows
     assert json.loads(out)["entries"] == 2 * 12
+
+
+# -- 3. a NaN weight in a CSV names its line ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("w", ["nan", "NaN", "-nan", "NAN", " nan", "inf", "-Infinity"])
+def test_non_finite_csv_weight_names_the_line(tmp_path, cli, w):
+    rows = ["model,prompt_id,token_pos,layer,rank,expert_id,weight"]
+    rows += [f"m,p0,{p},{layer},{r},{layer + r},0.5" for p in range(3) for layer in range(2) for r in range(2)]
+    rows[11] = f"m,p0,2,1,1,3,{w}"  # line 12
+    f = tmp_path / "bad.csv"
+    f.write_text("\n".join(rows) + "\n")
+    with pytest.raises(StrataError, match=rf"^{f}: line 12: weight .* is not finite"):
+        read_trace(f)
+    code, out, err = cli("trace", "stats", f)
+    assert code == 2 and err.count("\n") == 1 and "line 12" in err and "not finite" in err and str(f) in err
+
+
+def test_nan_weight_in_the_kit_csv_names_the_line(tmp_path, kit):
+    c = (kit / "routing" / "llamacpp-ISTA-mix.routing.csv").read_text().splitlines(keepends=True)
+    f = tmp_path / "nan.csv"
+    f.write_text("".join(c[:11] + ["llamacpp-ISTA-mix,p0,2,0,2,10,nan\n"] + c[12:]))
+    with pytest.raises(StrataError, match=r"line 12: weight nan is not finite"):
+        read_trace(f)

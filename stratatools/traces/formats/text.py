@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import re
 from pathlib import Path
@@ -180,9 +181,11 @@ def _slow_kit_scan(path: Path, text: str, has_phase: bool, has_window: bool = Fa
         for name, val in zip(KIT_COLUMNS[2:6], row[2:6]):
             _int_field(path, ln, name, val)
         try:
-            float(row[6])
+            w = float(row[6])
         except ValueError:
             raise _line_err(path, ln, f"field weight is {row[6]!r}, expected a number") from None
+        if not math.isfinite(w):  # nan, NaN, -nan: the fast parser refuses them (inf it reads, then checks)
+            raise _line_err(path, ln, f"weight {w} is not finite")
         if has_phase and row[7].strip().lower() not in _PHASE_BY_NAME:
             raise _line_err(path, ln, f"field phase is {row[7]!r}, expected prefill, decode or unknown")
         if has_window:
