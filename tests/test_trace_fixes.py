@@ -153,3 +153,24 @@ def test_nan_weight_in_the_kit_csv_names_the_line(tmp_path, kit):
     f.write_text("".join(c[:11] + ["llamacpp-ISTA-mix,p0,2,0,2,10,nan\n"] + c[12:]))
     with pytest.raises(StrataError, match=r"line 12: weight nan is not finite"):
         read_trace(f)
+
+
+# -- 4. --partition errors name --partition; a repeated key is refused ----------------------------------------------
+
+def test_partition_errors_name_partition_and_refuse_a_repeated_key(tmp_path, cli):
+    src = tmp_path / "t.parquet"
+    write_trace(_table([DECODE, DECODE]), src, "parquet")
+    out = tmp_path / "fleet"
+    for args, want in ((["--partition", "=x"], "--partition '=x': expected KEY=VALUE"),
+                       (["--partition", "server"], "--partition 'server': expected KEY=VALUE"),
+                       (["--partition", "server=a", "--partition", "server=b"],
+                        "--partition server=b: key server is given twice (server=a)")):
+        code, o, err = cli("trace", "convert", src, "--to", "parquet", "--dataset", "-o", out, *args)
+        assert code == 2 and o == "" and err.count("\n") == 1, (args, err)
+        assert want in err and "--where" not in err, err
+        assert not out.exists()
+    code, o, err = cli("trace", "stats", src, "--where", "=x")
+    assert code == 2 and "--where '=x': expected COLUMN=VALUE" in err
+    from stratatools.traces.sources import parse_where
+
+    assert parse_where(["server=a", "server=b"]) == {"server": ["a", "b"]}  # --where: alternatives

@@ -34,7 +34,8 @@ def _convert(
     dataset: bool = typer.Option(False, "--dataset", help="--to parquet: write OUT as a (hive-partitioned) "
                                                           "dataset folder, read and written chunk by chunk."),
     partition: Optional[List[str]] = typer.Option(None, "--partition", help="With --dataset: KEY=VALUE folder "
-                                                  "level, repeatable in order (e.g. server=a, date=2026-12-01)."),
+                                                  "level, repeatable in order, each key once (e.g. server=a, "
+                                                  "date=2026-12-01)."),
     where: Optional[List[str]] = _WHERE,
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -50,9 +51,9 @@ def _convert(
         if to != "parquet" or not dataset:
             raise StrataError("--partition and --where need --to parquet --dataset (a dataset folder)")
         from stratatools.traces.formats.parquet import write_parquet_dataset
-        from stratatools.traces.sources import open_traces, parse_where
+        from stratatools.traces.sources import open_traces, parse_partition
 
-        part = {k: v[-1] for k, v in parse_where(partition).items()}
+        part = parse_partition(partition)
         srcs = open_traces([src], from_, n_layer, n_expert, where)
         with common.progress_bar("writing dataset", None, bytes_=False) as bar:
             d = write_parquet_dataset(srcs, out, part, force=force, progress=lambda m: bar.update(advance=m))

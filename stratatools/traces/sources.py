@@ -38,7 +38,8 @@ GLOB_CHARS = set("*?[")
 
 
 def parse_where(items: Sequence[str] | None) -> dict[str, list[str]]:
-    """``["server=a", "date=2026-12-01", "server=b"]`` -> ``{"server": ["a", "b"], "date": [...]}``.
+    """``--where`` items: ``["server=a", "date=2026-12-01", "server=b"]`` -> ``{"server": ["a", "b"], "date":
+    [...]}`` (several values of one key are alternatives).
 
     Raises StrataError for an item without ``=`` or with an empty key."""
     out: dict[str, list[str]] = {}
@@ -47,6 +48,25 @@ def parse_where(items: Sequence[str] | None) -> dict[str, list[str]]:
             raise StrataError(f"--where {it!r}: expected COLUMN=VALUE, e.g. server=a")
         k, v = it.split("=", 1)
         out.setdefault(k.strip(), []).append(v)
+    return out
+
+
+def parse_partition(items: Sequence[str] | None) -> dict[str, str]:
+    """``--partition`` items, the folder levels of a dataset partition in order: ``["server=a", "date=2026-12-01"]``
+    -> ``{"server": "a", "date": "2026-12-01"}``.
+
+    Raises StrataError naming ``--partition`` for an item without ``=`` or with an empty key, and for a key given
+    twice (a partition has one value per key)."""
+    out: dict[str, str] = {}
+    for it in items or []:
+        if "=" not in it or not it.split("=", 1)[0].strip():
+            raise StrataError(f"--partition {it!r}: expected KEY=VALUE, e.g. server=a (one folder level)")
+        k, v = it.split("=", 1)
+        k = k.strip()
+        if k in out:
+            raise StrataError(f"--partition {it}: key {k} is given twice ({k}={out[k]}); a partition has one value per "
+                              f"key: give each key once")
+        out[k] = v
     return out
 
 
@@ -726,5 +746,5 @@ class _StreamWriter:
 
 
 
-__all__ = ["trace_stats_sources", "expand_traces", "parse_where", "open_source", "open_traces", "ParquetSource",
-           "StrataTaggedSource", "TableSource", "convert_trace_stream"]
+__all__ = ["trace_stats_sources", "expand_traces", "parse_where", "parse_partition", "open_source", "open_traces",
+           "ParquetSource", "StrataTaggedSource", "TableSource", "convert_trace_stream"]
