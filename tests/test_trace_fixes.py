@@ -174,3 +174,109 @@ def test_partition_errors_name_partition_and_refuse_a_repeated_key(tmp_path, cli
     from stratatools.traces.sources import parse_where
 
     assert parse_where(["server=a", "server=b"]) == {"server": ["a", "b"]}  # --where: alternatives
+
+
+# -- 5. Parquet page checksums: a flipped byte is an error, never other data ---------------------------------------
+
+def _flip_until_refused(path, read, lo: int, hi: int):
+    """Flip one byte at a time in [lo, hi) of ``path`` (restored after each), reading it with ``read``; every read
+    either gives the original data or raises StrataError. Returns (offsets refused, the refused errors)."""
+    orig = path.read_bytes()
+    want = read()
+    refused, errors = [], []
+    for off in range(lo, hi):
+        b = bytearray(orig)
+        b[off] ^= 0x01
+        path.write_bytes(bytes(b))
+        try:
+            got = read()
+        except StrataError as e:
+            refused.append(off)
+            errors.append(str(e))
+            continue
+        finally:
+            path.write_bytes(orig)
+        assert got == want, f"byte {off} flipped: read without error but gave other data"
+    return refused, errors
+
+
+def _data_page_span(path):
+    """Byte range of the column chunks' pages (row group 0), from the footer."""
+    import pyarrow.parquet as pq
+
+    md = pq.ParquetFile(path).metadata.row_group(0)
+    starts, ends = [], []
+    for i in range(md.num_columns):
+        c = md.column(i)
+        s = c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+        starts.append(s)
+        ends.append(s + c.total_compressed_size)
+    return min(starts), max(ends)
+
+
+def test_parquet_pages_carry_checksums_and_a_flipped_byte_is_refused(tmp_path, cli):
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(5)
+    t = _table([DECODE] * 40, k=4, layers=4)
+    t = TraceTable(**{**t.columns(), "expert": rng.permutation(64)[:4][None].repeat(len(t) // 4, 0).ravel()
+                      .astype(np.int32)}, meta=t.meta)
+    src = tmp_path / "t.parquet"
+    write_trace(t, src, "parquet")
+    conv = tmp_path / "c.parquet"
+    assert cli("trace", "convert", src, "--to", "parquet", "-o", conv)[0] == 0
+    ds = tmp_path / "ds"
+    assert cli("trace", "convert", src, "--to", "parquet", "--dataset", "-o", ds, "--partition", "s=a")[0] == 0
+    part = ds / "s=a" / "part-00000.parquet"
+    from stratatools.traces.sources import open_source
+
+    def via_table(p):
+        return lambda: read_trace(p).expert.tolist() + read_trace(p).weight.tolist()
+
+    def via_chunks(p):
+        def read():
+            out = []
+            for c in open_source(p).chunks(7):
+                out += c["expert"].tolist() + c["weight"].tolist()
+            return out
+        return read
+
+    for p in (src, conv, part):  # every writer: pages with a CRC
+        assert pq.ParquetFile(p).metadata.row_group(0).num_columns >= 7
+        lo, hi = _data_page_span(p)
+        refused, errors = _flip_until_refused(p, via_table(p), lo, hi)
+        assert refused, f"{p}: no flipped byte in the pages was refused"
+        assert all(e.startswith(f"{p}:") and "\n" not in e for e in errors)
+        assert any("checksum" in e.lower() or "crc" in e.lower() for e in errors), errors[:3]
+        refused2, _ = _flip_until_refused(p, via_chunks(p), lo, hi)
+        assert refused2
+    # the CLI: one line naming the file, exit 2
+    lo, hi = _data_page_span(src)
+    orig = src.read_bytes()
+    for off in range(lo, hi):
+        b = bytearray(orig)
+        b[off] ^= 0x01
+        src.write_bytes(bytes(b))
+        code, out, err = cli("trace", "stats", src)
+        if code:
+            break
+    assert code == 2 and err.startswith(f"error: {src}:") and err.count("\n") == 1, err
+
+
+def test_parquet_without_page_checksums_still_reads(tmp_path):
+    """Files written before the checksums (or by other tools) have none; they read as before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stratatools.traces.formats.parquet import _schema
+    from stratatools.traces.sources import open_source
+    from stratatools.traces.table import COLUMNS
+
+    t = _table([DECODE] * 5)
+    schema = _schema(t.meta)
+    arrays = [pa.array(np.asarray(getattr(t, k)), type=schema.field(k).type) for k in COLUMNS]
+    p = tmp_path / "old.parquet"
+    pq.write_table(pa.Table.from_arrays(arrays, schema=schema), p, write_page_checksum=False)
+    back = read_trace(p)
+    assert back.expert.tolist() == t.expert.tolist()
+    assert sum(len(c["layer"]) for c in open_source(p).chunks(4)) == len(t)

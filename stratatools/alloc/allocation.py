@@ -756,7 +756,7 @@ def export_allocation(alloc: Allocation, out: str | os.PathLike, fmt: str | None
                                                "stratatools.sha256": alloc.sha256 or "",
                                                "stratatools.table": what})
         with AtomicFile(out, "wb") as fh:
-            pq.write_table(table, fh)
+            pq.write_table(table, fh, write_page_checksum=True)  # a CRC in every page header
     return out
 
 

@@ -177,12 +177,13 @@ class ParquetSource:
         import pyarrow as pa
         import pyarrow.dataset as pads
 
-        from stratatools.traces.formats.parquet import UNREADABLE_FIX, WINDOW, arrow_reason, stored_meta
+        from stratatools.traces.formats.parquet import (UNREADABLE_FIX, WINDOW, arrow_reason, parquet_file_format,
+                                                        stored_meta)
 
         self.path, self.name = Path(path), str(path)
         self.n_layers, self.n_expert = n_layers, n_expert
         try:
-            self.ds = pads.dataset(str(path), format="parquet")
+            self.ds = pads.dataset(str(path), format=parquet_file_format())
             schema = self.ds.schema
             _ = schema.names  # decoded here: a column name that is not UTF-8 is the same one-line error
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -231,20 +232,25 @@ class ParquetSource:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        from stratatools.traces.formats.parquet import UNREADABLE_FIX, arrow_reason
+        from stratatools.traces.formats.parquet import UNREADABLE_FIX, arrow_reason, open_parquet_file
         from stratatools.traces.semantics import ChunkChecker
 
         check = ChunkChecker(self.path)  # phases, weights, ranks, distinct ids per record (as read_trace checks)
         def batches():  # a corrupt page or footer is a one-line error naming the file, as in read_parquet
             try:
-                pf = pq.ParquetFile(self.path)
+                pf = open_parquet_file(self.path)
+                want, got = pf.metadata.num_rows, 0
                 it = pf.iter_batches(batch_size=max(int(rows), 1),
                                      columns=cols + [k for k in self.filter_cols if k not in cols], use_threads=False)
                 for b in it:
+                    got += b.num_rows
                     yield b
             except (pa.ArrowException, OSError, ValueError) as e:
                 raise StrataError(f"{self.path}: not a readable Parquet trace ({arrow_reason(e)}); {UNREADABLE_FIX}",
                                   self.path) from None
+            if got != want:  # a damaged page header (not under the page CRC) can end the batches early
+                raise StrataError(f"{self.path}: not a readable Parquet trace (its pages hold {got:,} of the "
+                                  f"{want:,} rows its footer states); {UNREADABLE_FIX}", self.path)
 
         for b in batches():
             if self.filter_cols:
@@ -617,7 +623,9 @@ class _StreamWriter:
             from stratatools.traces.formats.parquet import _schema
 
             self.schema = _schema(self.meta, self.windows)
-            self.pw = pq.ParquetWriter(fh, self.schema, compression="zstd", write_statistics=True)
+            from stratatools.traces.formats.parquet import WRITE_OPTIONS
+
+            self.pw = pq.ParquetWriter(fh, self.schema, **WRITE_OPTIONS)
         elif self.to == "csv":
             from stratatools.traces.formats.text import csv_header
 

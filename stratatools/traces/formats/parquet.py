@@ -6,7 +6,11 @@ rank int16, expert int32, weight float32). The table's ``meta`` is stored as JSO
 ``meta["source_format"]`` there and reappears as ``meta["converted_from"]`` on reading. A table with verify
 windows (``TraceTable.window``) gets one more column, ``window`` int32 (-1 outside every window), read back into
 ``window``; files without it read as having no windows.
-Rows are written in row groups of 8M entries, zstd-compressed (constant columns cost almost nothing).
+Rows are written in row groups of 8M entries, zstd-compressed (constant columns cost almost nothing), with a CRC32
+checksum in every page header (:data:`WRITE_OPTIONS`); every reader verifies them (:func:`open_parquet_file`,
+:func:`parquet_file_format`), so a damaged page is a one-line error naming the file, never other expert ids. Files
+without checksums (older ones, other tools') read as before: a page without a CRC is not checked. Page checksums
+need pyarrow 15 or later (``write_page_checksum``, ``page_checksum_verification``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,25 @@ from stratatools.traces.table import COLUMNS, TraceTable
 META_KEY = b"stratatools.traces.table"
 FORMAT = "stratatools-trace/1"
 ROW_GROUP = 1 << 23
+# every Parquet file this project writes: zstd, column statistics, a CRC32 in every page header
+WRITE_OPTIONS = {"compression": "zstd", "write_statistics": True, "write_page_checksum": True}
+
+
+def open_parquet_file(path: str | os.PathLike):
+    """``pyarrow.parquet.ParquetFile`` of ``path`` with page checksum verification on (a page whose CRC does not
+    match raises ``OSError`` when it is read). Raises what ``ParquetFile`` raises (callers turn it into one line)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path, page_checksum_verification=True)
+
+
+def parquet_file_format():
+    """The ``pyarrow.dataset`` Parquet format with page checksum verification on, for ``pads.dataset(...,
+    format=parquet_file_format())`` (scans and row counts with a filter read the pages)."""
+    import pyarrow.dataset as pads
+
+    return pads.ParquetFileFormat(
+        default_fragment_scan_options=pads.ParquetFragmentScanOptions(page_checksum_verification=True))
 
 
 def _jsonable(meta: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +86,7 @@ def write_parquet(table: TraceTable, path: str | os.PathLike) -> None:
     schema = _schema(table.meta, windows)
     names = list(COLUMNS) + ([WINDOW] if windows else [])
     with AtomicFile(path, "wb") as fh:
-        with pq.ParquetWriter(fh, schema, compression="zstd", write_statistics=True) as w:
+        with pq.ParquetWriter(fh, schema, **WRITE_OPTIONS) as w:
             n = len(table)
             for a in range(0, max(n, 1), ROW_GROUP):
                 b = min(n, a + ROW_GROUP)
@@ -143,7 +166,7 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     if not path.exists():
         raise StrataError(f"{path}: no such file", path)
     try:
-        pf = pq.ParquetFile(path)
+        pf = open_parquet_file(path)
         t = pf.read()
     except (pa.ArrowException, OSError, ValueError) as e:
         raise StrataError(f"{path}: byte 0: not a readable Parquet trace ({arrow_reason(e)}); {UNREADABLE_FIX}",
@@ -237,7 +260,7 @@ def write_parquet_dataset(sources, out_dir: str | os.PathLike, partition: dict[s
             names = list(COLUMNS) + ([WINDOW] if windows else [])
             name = f"part-{i:05d}.parquet"
             with AtomicFile(tmp / name, "wb") as fh:
-                with pq.ParquetWriter(fh, schema, compression="zstd", write_statistics=True) as w:
+                with pq.ParquetWriter(fh, schema, **WRITE_OPTIONS) as w:
                     for c in src.chunks(rows):
                         n = len(c["layer"])
                         if not n:
