@@ -280,3 +280,42 @@ def test_parquet_without_page_checksums_still_reads(tmp_path):
     back = read_trace(p)
     assert back.expert.tolist() == t.expert.tolist()
     assert sum(len(c["layer"]) for c in open_source(p).chunks(4)) == len(t)
+
+
+# -- 6. a text trace cut mid-row (no final newline, a short last row or record) ------------------------------------
+
+def _llama_rows(n: int = 50, k: int = 4) -> list[str]:
+    return [f"{p},{layer}," + ",".join(str((p + layer + 7 * r) % 32) for r in range(k))
+            for p in range(n // 8) for layer in range(8)]
+
+
+def test_llama_csv_cut_mid_row_is_refused(tmp_path):
+    rows = _llama_rows()
+    f = tmp_path / "cut.csv"
+    f.write_text("\n".join(rows) + "\n199,7,29,13,0")  # k 4 before, 3 ids in the last, unterminated line
+    n = len(rows) + 1
+    with pytest.raises(StrataError, match=rf"^{f}: line {n}: .*3 expert ids.*4.*newline"):
+        read_trace(f)
+    # the same short row with its newline is a complete row (variable k is legal): read
+    f.write_text("\n".join(rows) + "\n199,7,29,13,0\n")
+    assert read_trace(f).meta.get("k") is None and len(read_trace(f)) == 4 * len(rows) + 3
+    # a full last row without newline: read
+    f.write_text("\n".join(rows) + "\n199,7,29,13,0,1")
+    assert len(read_trace(f)) == 4 * (len(rows) + 1)
+    # rows of mixed k before: not unambiguous, read
+    f.write_text("\n".join(rows + ["198,6,1,2,3"]) + "\n199,7,29,13,0")
+    assert len(read_trace(f)) == 4 * len(rows) + 6
+
+
+def test_kit_csv_cut_inside_the_last_record_is_refused(tmp_path):
+    head = "model,prompt_id,token_pos,layer,rank,expert_id,weight"
+    rows = [f"m,p0,{p},{layer},{r},{(p + layer + 5 * r) % 32},0.25" for p in range(3) for layer in range(4)
+            for r in range(4)]
+    f = tmp_path / "cut.csv"
+    f.write_text("\n".join([head] + rows[:-2]))  # last record: ranks 0, 1 of 4, no final newline
+    with pytest.raises(StrataError, match=rf"^{f}: line {len(rows) - 1}: .*2 entries.*4.*newline"):
+        read_trace(f)
+    f.write_text("\n".join([head] + rows[:-2]) + "\n")  # terminated: a record of 2 is a record
+    assert len(read_trace(f)) == len(rows) - 2
+    f.write_text("\n".join([head] + rows))  # whole last record, no newline: read
+    assert len(read_trace(f)) == len(rows)

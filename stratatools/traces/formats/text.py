@@ -88,6 +88,24 @@ def _check_ranges(path: Any, line_of: np.ndarray, layer: np.ndarray, expert: np.
                             f"of range for {n_expert} experts", "the trace is for a model with more experts")
 
 
+CUT_FIX = "restore the complete file, or remove the partial last line"
+
+
+def _check_cut_end(path: Any, text: str, sizes: np.ndarray, line: int, what: str) -> None:
+    """Refuse a text trace cut mid-row: the file does not end with a newline and its last row (llama-csv) or record
+    (per-entry CSV) has fewer expert ids than every one before it, all of one size; only then is the cut
+    unambiguous (a short row that ends with its newline, or rows of mixed k before, are legal and read).
+    ``sizes``: expert ids per row/record in file order; ``line``: the last line's number."""
+    if text.rstrip(" \t").endswith("\n") or len(sizes) < 2:
+        return
+    k = int(sizes[0])
+    last = int(sizes[-1])
+    if last < k and bool(np.all(sizes[:-1] == k)):
+        raise _line_err(path, line, f"the last {what} has {last} {'expert ids' if what == 'row' else 'entries'} "
+                        f"where every {what} before has {k}, and the file does not end with a newline: it was cut "
+                        f"mid-{what}", CUT_FIX)
+
+
 def _int_field(path: Any, line: int, name: str, s: str) -> int:
     if not _INT_RE.match(s):
         raise _line_err(path, line, f"field {name} is {s!r}, expected an integer")
@@ -126,6 +144,7 @@ def read_llama_csv(path: str | os.PathLike, n_layers: int | None = None, n_exper
     if not ks:
         raise StrataError(f"{path}: line 1: empty file: no routing rows", path)
     rec_k = np.array(ks, np.int64)
+    _check_cut_end(path, text, rec_k, lines[-1], "row")
     rec_pos = np.array(pos_l, np.int64)
     rec_layer = np.array(layer_l, np.int64)
     expert = np.array(ids, np.int64)
@@ -278,6 +297,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
             new[1:] |= a[1:] != a[:-1]
     starts = np.flatnonzero(new)
     check_record_lengths(starts, len(rank), path, "line", place=lambda i: line_of_rows()[i])
+    _check_cut_end(path, text, np.diff(np.r_[starts, len(rank)]), int(line_of_rows()[len(rank) - 1]), "record")
     i = first_repeat(expert, starts)
     if i >= 0:
         raise _line_err(path, int(line_of_rows()[i]), f"expert_id {int(expert[i])} appears twice in one record "
