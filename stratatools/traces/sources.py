@@ -547,7 +547,7 @@ def convert_trace_stream(src: str | os.PathLike, out: str | os.PathLike, to: str
     windows is cut only where a request changes or a window closes (a commit tag), so it holds at most one such
     stretch besides the chunk. Plain Strata holds decode positions only: prefill entries are left out and counted
     (``dropped_prefill``, ``dropped_prefill_records``; :func:`.formats.strata.drop_prefill`).
-    ``progress``: callable(entries) after each chunk.
+    ``progress``: callable(entries read) after each chunk.
 
     Raises:
         StrataError: as ``convert_trace`` (unknown format, output onto the input or existing without
