@@ -8,6 +8,7 @@ nextn_predict_layers``; an MTP block is the extra ``blk.<n_trunk>`` and may keep
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,142 @@ def read_geometry(model: Model) -> Geometry:
     used = meta_int(used, model.path, f"{arch}.expert_used_count") if used is not None else None
     ecount = meta_int(ecount, model.path, f"{arch}.expert_count") if ecount is not None else None
     return Geometry(arch, bc, n_trunk, nextn, n_embd, used, ecount, layers, mtp, full, meta)
+
+
+_FIX = "the file's metadata and tensors disagree; re-convert it"
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def _meta(model: Model, key: str) -> int | None:
+    v = model.key(key)
+    if v is None:
+        return None
+    if hasattr(v, "__len__") and not isinstance(v, str):
+        if len(v) == 0:
+            return None
+        v = v[0]
+    return meta_int(v, model.path, f"{model.arch}.{key}")
+
+
+def check_consistency(model: Model) -> None:
+    """Refuse a GGUF whose metadata does not fit its tensors, before anything reshapes them.
+
+    Checks (each only where the keys and tensors it needs are present, so a partial MoE file passes what it
+    has): no tensor belongs to a block at or above ``block_count`` (llama.cpp refuses a file with unused
+    tensors); ``expert_used_count`` in 1..E of every router; and for qwen4exp every tensor shape the forward
+    derives from metadata (llama.cpp ``create_tensor`` checks the same shapes, ``src/llama-model.cpp``):
+    attention ``attn_q`` [n_embd, 2*head_count*key_length], ``attn_k``/``attn_v`` [n_embd,
+    head_count_kv*key_length], ``attn_q_norm``/``attn_k_norm`` [key_length], ``attn_output``
+    [head_count*key_length, n_embd], ``rope.dimension_count`` <= key_length; gated DeltaNet ``attn_qkv``
+    [n_embd, 2*group_count*state_size + inner_size], ``attn_gate`` [n_embd, inner_size], ``ssm_alpha``/
+    ``ssm_beta`` [n_embd, time_step_rank], ``ssm_a``/``ssm_dt.bias`` [time_step_rank], ``ssm_conv1d``
+    [conv_kernel, qkv width], ``ssm_norm`` [inner_size/time_step_rank], ``ssm_out`` [inner_size, n_embd];
+    experts [n_embd, expert_feed_forward_length, E] (down transposed); shared expert
+    [n_embd, expert_shared_feed_forward_length]; hyper-connection norms/mixers of hyper_connection.count x
+    n_embd; the indexer ``q_proj`` a multiple of ``indexer.key_length`` wide; ``token_embd`` n_embd wide.
+
+    Raises:
+        StrataError: one line naming the file, the metadata key, the tensor and its shape, and the fix.
+    """
+    path, arch = model.path, model.arch
+    bc = _meta(model, "block_count")
+    if bc is not None:
+        for name in model.tensors:
+            m = _LAYER_RE.match(name)
+            if m and int(m.group(1)) >= bc:
+                raise StrataError(f"{path}: tensor {name} belongs to block {m.group(1)} but metadata {arch}.block_count "
+                                  f"is {bc} (llama.cpp refuses unused tensors); {_FIX}", path)
+
+    def bad(name: str, want: list[int], keys: str) -> None:
+        t = model.tensors.get(name)
+        if t is None:
+            return
+        have = [int(x) for x in t.ne]
+        if have != want:
+            raise StrataError(f"{path}: tensor {name} has shape {have} but metadata {keys} says {want}; {_FIX}", path)
+
+    n_trunk = bc - (_meta(model, "nextn_predict_layers") or 0) if bc is not None else 0
+    k = _meta(model, "expert_used_count")
+    if k is not None:
+        for il in range(n_trunk):
+            r = model.tensors.get(router_name(il))
+            if r is not None and len(r.ne) == 2 and not 1 <= k <= int(r.ne[1]):
+                raise StrataError(f"{path}: metadata {arch}.expert_used_count {k} is not in 1..{int(r.ne[1])} (the experts "
+                                  f"of {r.name} {[int(x) for x in r.ne]}); {_FIX}", path)
+    if arch != "qwen4exp" or bc is None:
+        return
+    n = _meta(model, "embedding_length")
+    if not n:
+        return
+    A = f"{arch}."
+    bad("token_embd.weight", [n, int(model.tensors["token_embd.weight"].ne[-1])] if "token_embd.weight" in model.tensors else [], A + "embedding_length")
+    nh, nkv, hd = _meta(model, "attention.head_count"), _meta(model, "attention.head_count_kv"), _meta(model, "attention.key_length")
+    n_rot = _meta(model, "rope.dimension_count")
+    hc, r = _meta(model, "hyper_connection.count"), _meta(model, "hyper_connection.low_rank")
+    nk, dk = _meta(model, "ssm.group_count"), _meta(model, "ssm.state_size")
+    nv, din, K = _meta(model, "ssm.time_step_rank"), _meta(model, "ssm.inner_size"), _meta(model, "ssm.conv_kernel")
+    ff, sff = _meta(model, "expert_feed_forward_length"), _meta(model, "expert_shared_feed_forward_length")
+    idh = _meta(model, "attention.indexer.key_length")
+    if nh is not None and nkv is not None and (nkv < 1 or nh < 1 or nh % nkv):
+        raise StrataError(f"{path}: metadata {A}attention.head_count {nh} is not a multiple of {A}attention.head_count_kv "
+                          f"{nkv}; {_FIX}", path)
+    if hd is not None and n_rot is not None and not (0 < n_rot <= hd and n_rot % 2 == 0):
+        raise StrataError(f"{path}: metadata {A}rope.dimension_count {n_rot} is not an even number in 2..{A}attention."
+                          f"key_length {hd}; {_FIX}", path)
+    if nv is not None and nk is not None and nv and (nk < 1 or nv % nk or (din is not None and din % nv)):
+        raise StrataError(f"{path}: metadata {A}ssm.time_step_rank {nv} is not a multiple of {A}ssm.group_count {nk} "
+                          f"(or {A}ssm.inner_size {din} not a multiple of it); {_FIX}", path)
+    if hc is not None:
+        W = hc * n
+        for pre in ["output_hc"] + [f"blk.{il}.hc_{s}" for il in range(n_trunk) for s in ("attn", "ffn")]:
+            keys = f"{A}hyper_connection.count {hc} x {A}embedding_length {n}"
+            bad(f"{pre}_norm.weight", [W], keys)
+            if r is not None:
+                bad(f"{pre}_down.weight", [W, r], keys + f", {A}hyper_connection.low_rank {r}")
+                bad(f"{pre}_up.weight", [r, W], keys + f", {A}hyper_connection.low_rank {r}")
+            bad(f"{pre}_inject.weight", [W, hc], keys)
+    for il in range(n_trunk):
+        p = f"blk.{il}."
+        if nh is not None and hd is not None:
+            bad(p + "attn_q.weight", [n, 2 * nh * hd], f"{A}attention.head_count {nh} x {A}attention.key_length {hd} (x2, gated)")
+            bad(p + "attn_output.weight", [nh * hd, n], f"{A}attention.head_count {nh} x {A}attention.key_length {hd}")
+        if nkv is not None and hd is not None:
+            for t in ("attn_k", "attn_v"):
+                bad(p + t + ".weight", [n, nkv * hd], f"{A}attention.head_count_kv {nkv} x {A}attention.key_length {hd}")
+        if hd is not None:
+            for t in ("attn_q_norm", "attn_k_norm"):
+                bad(p + t + ".weight", [hd], f"{A}attention.key_length {hd}")
+        if idh:
+            q = model.tensors.get(p + "indexer.q_proj.weight")
+            if q is not None and (len(q.ne) != 2 or int(q.ne[1]) % idh):
+                raise StrataError(f"{path}: tensor {q.name} has shape {[int(x) for x in q.ne]}, not a multiple of metadata "
+                                  f"{A}attention.indexer.key_length {idh} wide; {_FIX}", path)
+            bad(p + "indexer.q_norm.weight", [idh], f"{A}attention.indexer.key_length {idh}")
+            bad(p + "indexer.k_norm.weight", [idh], f"{A}attention.indexer.key_length {idh}")
+            if n_rot is not None and n_rot > idh and p + "indexer.q_proj.weight" in model.tensors:
+                raise StrataError(f"{path}: metadata {A}rope.dimension_count {n_rot} exceeds {A}attention.indexer."
+                                  f"key_length {idh}; {_FIX}", path)
+        if None not in (nk, dk, nv, din) and nv:
+            qkv = 2 * nk * dk + din
+            keys = f"{A}ssm.group_count {nk}, {A}ssm.state_size {dk}, {A}ssm.inner_size {din}"
+            bad(p + "attn_qkv.weight", [n, qkv], keys + " (2*groups*state + inner)")
+            if K is not None:
+                bad(p + "ssm_conv1d.weight", [K, qkv], keys + f", {A}ssm.conv_kernel {K}")
+            bad(p + "attn_gate.weight", [n, din], f"{A}ssm.inner_size {din}")
+            bad(p + "ssm_out.weight", [din, n], f"{A}ssm.inner_size {din}")
+            bad(p + "ssm_norm.weight", [din // nv], f"{A}ssm.inner_size {din} / {A}ssm.time_step_rank {nv}")
+            for t in ("ssm_alpha.weight", "ssm_beta.weight"):
+                bad(p + t, [n, nv], f"{A}ssm.time_step_rank {nv}")
+            for t in ("ssm_a", "ssm_dt.bias"):
+                bad(p + t, [nv], f"{A}ssm.time_step_rank {nv}")
+        rt = model.tensors.get(router_name(il))
+        E = int(rt.ne[1]) if rt is not None and len(rt.ne) == 2 else None
+        bad(router_name(il), [n, E] if E is not None else [], f"{A}embedding_length {n}")
+        if ff is not None and E is not None:
+            bad(exps_name(il, "gate"), [n, ff, E], f"{A}expert_feed_forward_length {ff}")
+            bad(exps_name(il, "up"), [n, ff, E], f"{A}expert_feed_forward_length {ff}")
+            bad(exps_name(il, "down"), [ff, n, E], f"{A}expert_feed_forward_length {ff}")
+        if sff:
+            bad(p + "ffn_gate_shexp.weight", [n, sff], f"{A}expert_shared_feed_forward_length {sff}")
+            bad(p + "ffn_up_shexp.weight", [n, sff], f"{A}expert_shared_feed_forward_length {sff}")
+            bad(p + "ffn_down_shexp.weight", [sff, n], f"{A}expert_shared_feed_forward_length {sff}")

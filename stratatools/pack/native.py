@@ -81,7 +81,7 @@ from typing import Any, Callable
 from stratatools.core.errors import StrataError
 from stratatools.core.fsutil import (cached_sha256, check_input, publish_dir, refuse_foreign_folder, sha256_fd, store_sha256, tidy_output,
                                      write_json_atomic, write_text_atomic)
-from stratatools.model.geometry import ROLES, Geometry, LayerExperts, exps_name, read_geometry, router_name
+from stratatools.model.geometry import ROLES, Geometry, LayerExperts, check_consistency, exps_name, read_geometry, router_name
 from stratatools.model.ggml_types import type_by_id
 from stratatools.model.gguf import Model, TensorInfo, open_model
 from stratatools.core.provenance import build as build_provenance
@@ -448,7 +448,8 @@ def plan_pack(model: Model) -> PackPlan:
 
     Raises:
         StrataError: not a MoE model; a trunk layer without router or with a missing role; routers disagreeing;
-            gate/up of different types; a ``*_exps`` tensor that is not 3-D with ne2 = E.
+            gate/up of different types; a ``*_exps`` tensor that is not 3-D with ne2 = E; metadata that does not
+            fit the tensors (:func:`stratatools.model.geometry.check_consistency`).
     """
     geo = read_geometry(model)
     no_router = [i for i, le in enumerate(geo.layers) if le is None]
@@ -487,6 +488,7 @@ def plan_pack(model: Model) -> PackPlan:
     if version == 4:
         notes.append("layer(s) " + ", ".join(str(x) for x in (lp.row.layer for lp in layers if lp.row.split))
                      + " have gate/up/down in different shards: native_experts.txt v4 with a per-role shard column")
+    check_consistency(model)
     return PackPlan(version, n_expert, offset, layers, text, shard1, notes, geo)
 
 

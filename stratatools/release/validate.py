@@ -121,10 +121,11 @@ def _check_shards(inp: ReleaseInputs, ctx: dict[str, Any]):
 
 
 def _check_geometry(inp: ReleaseInputs, ctx: dict[str, Any]):
-    from stratatools.model.geometry import read_geometry
+    from stratatools.model.geometry import check_consistency, read_geometry
 
     try:
         g = read_geometry(ctx["model"])
+        check_consistency(ctx["model"])
     except StrataError as e:
         return FAIL, str(e), {}
     ctx["geometry"] = g

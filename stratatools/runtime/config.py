@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
+from stratatools.model.geometry import check_consistency
 from stratatools.model.gguf import Model
 
 ARCH = "qwen4exp"
@@ -131,10 +132,13 @@ def read_config(model: Model, output_gate: str = "sigmoid") -> Qwen4ExpConfig:
             hard-codes ``sigmoid`` (kit README section 8.3); ``silu`` is transformers' default.
 
     Raises:
-        StrataError: not a qwen4exp model, a required key missing, routers of different expert counts.
+        StrataError: not a qwen4exp model, a required key missing, routers of different expert counts,
+            metadata that does not fit the tensor shapes or an ``expert_used_count`` outside 1..E, tensors of
+            blocks at or above ``block_count`` (:func:`stratatools.model.geometry.check_consistency`).
     """
     if model.arch != ARCH:
         raise StrataError(f"{model.path}: architecture is {model.arch!r}; the runtime runs {ARCH!r} models only", model.path)
+    check_consistency(model)
     if output_gate not in ("sigmoid", "silu"):
         raise StrataError(f"output gate {output_gate!r} is not sigmoid or silu")
     bc = int(_req(model, "block_count"))

@@ -82,8 +82,9 @@ class BPETokenizer:
     @classmethod
     def from_gguf(cls, model: Model) -> "BPETokenizer":
         """Build the tokenizer from a model's ``tokenizer.ggml.*`` metadata (gguf.md tokenizer keys). Raises
-        StrataError naming the model when the metadata is absent, not byte-level BPE (``gpt2``), or has an
-        unsupported pre-tokenizer.
+        StrataError naming the model when the metadata is absent, not byte-level BPE (``gpt2``), has no
+        ``tokenizer.ggml.merges`` (llama.cpp ``llama-vocab.cpp`` refuses a gpt2 vocabulary without merges: every
+        text would otherwise split byte by byte), or has an unsupported pre-tokenizer.
         """
         kv = model.kv
         kind = kv.get("tokenizer.ggml.model")
@@ -91,12 +92,15 @@ class BPETokenizer:
             raise StrataError(f"{model.path}: no tokenizer.ggml.* metadata; pass token ids instead of text", model.path)
         if kind != "gpt2":
             raise StrataError(f"{model.path}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported", model.path)
+        if "tokenizer.ggml.merges" not in kv:
+            raise StrataError(f"{model.path}: tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is missing (text would "
+                              f"split byte by byte; llama.cpp refuses such a file); re-convert it, or pass token ids", model.path)
         pre = kv.get("tokenizer.ggml.pre", "qwen2")
         if pre not in ("qwen2", "qwen35", "default"):
             raise StrataError(f"{model.path}: pre-tokenizer {pre!r} is not supported (qwen2 only)", model.path)
         types = kv.get("tokenizer.ggml.token_type")
         eos = kv.get("tokenizer.ggml.eos_token_id")
-        return cls(list(kv["tokenizer.ggml.tokens"]), list(kv.get("tokenizer.ggml.merges", [])),
+        return cls(list(kv["tokenizer.ggml.tokens"]), list(kv["tokenizer.ggml.merges"]),
                    [int(x) for x in types] if types is not None else None,
                    int(eos) if eos is not None else None, str(model.path))
 
