@@ -240,14 +240,22 @@ def test_read_profile_reads_only_what_the_header_needs(tmp_path):
 
 
 def test_summarize_many_layers_is_fast():
-    """summarize is linear in pairs + layers (it used to scan every pair once per layer)."""
+    """summarize is linear in pairs + layers (it used to scan every pair once per layer): 4M pairs over 4,096
+    layers take about as long as 4M pairs over 64 layers (the per-layer scan: 64x as long, ~15 s). A ratio in
+    the same run, not a wall-clock limit (a loaded machine made the 3 s limit fail)."""
     import time
-    L, E = 4096, 1024  # 4M pairs: the per-layer scan took ~15 s here
-    flat = np.random.default_rng(2).permutation(L * E)
-    prof = Profile(L, E, np.stack([flat // E, flat % E], axis=1))
-    t = time.perf_counter()
-    s = summarize(prof, top=2)
-    assert time.perf_counter() - t < 3.0
+
+    def timed(L, E):
+        flat = np.random.default_rng(2).permutation(L * E)
+        prof = Profile(L, E, np.stack([flat // E, flat % E], axis=1))
+        t = time.process_time()
+        s = summarize(prof, top=2)
+        return time.process_time() - t, prof, s
+
+    few, _, _ = timed(64, 65536)
+    many, prof, s = timed(4096, 1024)
+    L, E = 4096, 1024
+    assert many < 8 * few + 0.5, (many, few)
     assert sum(r["ranked"] for r in s["layers"]) == L * E
     lay = prof.pairs[:, 0]
     assert s["layers"][77]["top"] == prof.pairs[lay == 77, 1][:2].tolist()
