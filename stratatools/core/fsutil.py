@@ -1304,9 +1304,10 @@ def _publish_in_place(t: Path, tmp: Path, keep: Callable[[str], bool], last: lis
         fsync_dir(t)
 
 
-def _dead_temps(t: Path) -> list[Path]:
-    """Temp folders/files named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-tmp``, ``<name>`` its
-    :func:`_stem`) whose process is gone."""
+def _dead_leftovers(t: Path, tag_suffix: str, folders_only: bool = False) -> list[Path]:
+    """Entries beside output ``t`` named ``.<name>.<pid>-<hex8><tag_suffix>`` (``<name>`` its :func:`_stem`) whose
+    process is gone (never this one's, never a live one's; a PID of other than ASCII digits is not ours), sorted.
+    ``folders_only``: real folders only (no links)."""
     pre = f".{_stem(t)}."
     out: list[Path] = []
     try:
@@ -1315,31 +1316,26 @@ def _dead_temps(t: Path) -> list[Path]:
         return out
     for e in entries:
         n = e.name
-        if not (n.startswith(pre) and n.endswith(_TMP_TAG)):
+        if not (n.startswith(pre) and n.endswith(tag_suffix)):
             continue
-        pid_s, _, tag = n[len(pre):-len(_TMP_TAG)].partition("-")
-        if pid_s.isascii() and pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
+        if folders_only and (e.is_symlink() or not e.is_dir()):
+            continue
+        pid_s, _, tag = n[len(pre):-len(tag_suffix)].partition("-")
+        if (pid_s.isascii() and pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid()
+                and not _pid_alive(int(pid_s))):
             out.append(Path(e.path))
-    return out
+    return sorted(out)
+
+
+def _dead_temps(t: Path) -> list[Path]:
+    """Temp folders/files named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-tmp``) whose process is gone."""
+    return _dead_leftovers(t, _TMP_TAG)
 
 
 def _dead_asides(t: Path) -> list[Path]:
     """Aside folders named for output ``t`` (``.<name>.<pid>-<hex>.stratatools-old``, real folders) whose process is
-    gone. (The name is parsed as :func:`_dead_temps` parses a temp name.)"""
-    pre = f".{_stem(t)}."
-    out: list[Path] = []
-    try:
-        entries = list(os.scandir(t.parent))
-    except OSError:
-        return out
-    for e in entries:
-        n = e.name
-        if not (n.startswith(pre) and n.endswith(_ASIDE_TAG)) or e.is_symlink() or not e.is_dir():
-            continue
-        pid_s, _, tag = n[len(pre):-len(_ASIDE_TAG)].partition("-")
-        if pid_s.isascii() and pid_s.isdigit() and len(tag) == 8 and int(pid_s) != os.getpid() and not _pid_alive(int(pid_s)):
-            out.append(Path(e.path))
-    return sorted(out)
+    gone."""
+    return _dead_leftovers(t, _ASIDE_TAG, folders_only=True)
 
 
 def _sweep_asides(t: Path, keep: Callable[[str], bool] | None) -> list[str]:
