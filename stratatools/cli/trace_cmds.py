@@ -40,8 +40,8 @@ def _convert(
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     json_: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Convert a routing trace to another format (written to OUT.tmp, then renamed); ``--to parquet --dataset``
-    writes a partitioned Parquet dataset in bounded memory."""
+    """Convert a routing trace to another format (written to a temp file beside OUT, then renamed over it);
+    ``--to parquet --dataset`` writes a partitioned Parquet dataset in bounded memory."""
     from stratatools.core.fsutil import refuse_stdout
     from stratatools.traces.sources import convert_trace_stream
 
