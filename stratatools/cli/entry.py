@@ -88,8 +88,8 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
         m = re.fullmatch(r"Symlink loop from ('.*'|\".*\")", str(e))  # the path as repr() quotes it
         if m is None or debug or os.environ.get("STRATATOOLS_DEBUG"):
             raise
-        common.err_console.print(one_line(f"error: {ast.literal_eval(m.group(1))}: symlink loop (a link that points back at itself); "
-                                          f"remove it or choose another path"),
+        common.err_console.print(one_line(f"error: {ast.literal_eval(m.group(1))}: symlink loop (a link that points "
+                                          f"back at itself); remove it or choose another path"),
                                  markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except BrokenPipeError:  # in-process: quiet, with the status a shell reports for SIGPIPE
@@ -154,26 +154,12 @@ def _global_option(e) -> str | None:
     return None
 
 
-def _note_pending(code: int) -> None:
-    """Record exit ``code`` as the pending signal (unless the output is already published: then the signal is
-    dropped, :func:`stratatools.core.fsutil.commit_point`). The exception a handler raises can be swallowed: a
-    handler that runs inside a ctypes callback (llvmlite, while numba writes its cache) has its SystemExit printed
-    as "Exception ignored" and the run goes on. The pending code still stops it: the next publication
-    (fsutil's check before every rename), the end of the next held block (temp creation) and :func:`invoke` once
-    the command returns all raise it, so such a run ends with 143 and publishes nothing more."""
-    from stratatools.core import fsutil
-
-    if not fsutil._DEFER["committed"]:
-        fsutil._DEFER["pending"] = code
-
-
 def _terminated(signum: int, frame: object) -> None:
     """SIGTERM handler: raise SystemExit(143) (128 + SIGTERM) so every ``finally`` cleans up on the way out; held
-    back while a temp file or folder is being created and recorded (:func:`stratatools.core.fsutil.terminate`);
-    recorded as pending first, so a swallowed SystemExit still ends the run (:func:`_note_pending`)."""
+    back while a temp file or folder is being created and recorded, and recorded as pending so that a swallowed
+    SystemExit still ends the run (:func:`stratatools.core.fsutil.terminate`)."""
     from stratatools.core.fsutil import terminate
 
-    _note_pending(128 + signum)
     terminate(128 + signum)
 
 

@@ -178,7 +178,12 @@ def _held(code: int) -> bool:
 
 def terminate(code: int) -> None:
     """Exit through ``SystemExit(code)`` now, or, inside :func:`signals_deferred`, as that block ends (the CLI's
-    SIGTERM handler calls this)."""
+    SIGTERM handler calls this). The code is recorded as pending first (unless the output is already published,
+    :func:`commit_point`): a SystemExit raised inside a ctypes callback (llvmlite, while numba writes its cache) is
+    printed as "Exception ignored" and swallowed, and the pending code still stops the run at the next publication,
+    held block or the CLI's check once the command returns, with nothing more published."""
+    if not _DEFER["committed"]:
+        _DEFER["pending"] = code
     if not _held(code):
         raise SystemExit(code)
 
