@@ -42,7 +42,6 @@ their whole-array signatures (``simulate_policy`` also takes a stream) and give 
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -55,7 +54,7 @@ from stratatools.traces.table import Distinct as _Distinct, TraceTable
 from stratatools.cachesim import kernels as K
 from stratatools.cachesim.layout import _blob_arrays, per_layer_split, plan_tier, plan_upper
 from stratatools.cachesim.tiers import (ADAPTIVE_DEFAULTS, LFRU_DEFAULTS, LFU_DEFAULTS, POLICIES, _with_defaults,
-                                        check_adaptive_params, make_tier)
+                                        check_adaptive_params, check_decay, make_tier)
 
 
 @dataclass(frozen=True)
@@ -1117,9 +1116,8 @@ class Replay:
         self.cap = np.asarray(cap, dtype=np.int64)
         self.info = {"n_slots": int(self.cap.sum()), "fill_bytes": 0, "admission": "per-layer",
                      "cap": self.cap.tolist(), "params": p}
-        if policy in ("lfu", "lfru") and not math.isfinite(float(p["decay"])):
-            raise StrataError(f"{policy}: decay {p['decay']} must be a finite number (0.7 is the default; "
-                              f"--set {policy}.decay=X)")
+        if policy in ("lfu", "lfru"):
+            check_decay(policy, p["decay"])
         if policy == "lru":
             self.state = K.lru_state(L, E)
         elif policy == "lfu":

@@ -567,6 +567,13 @@ def _lfu_victim(heap: list, cnt: memoryview, where: memoryview, tag: int) -> int
             heappop(heap)
 
 
+def check_decay(policy: str, decay: Any) -> None:
+    """Refuse an LFU/LFRU ``decay`` that is NaN or infinite (it gave order-dependent victims). Raises StrataError."""
+    if not math.isfinite(float(decay)):
+        raise StrataError(f"{policy}: decay {decay} must be a finite number (0.7 is the default; "
+                          f"--set {policy}.decay=X)")
+
+
 class _DecayCounts:
     """Decayed access counts: :attr:`counts` float64 [L, E], decayed in place at the round end (one numpy multiply,
     as in the reference and the compiled kernels), read and incremented entry by entry through a memoryview per layer
@@ -584,9 +591,7 @@ class _DecayCounts:
         self.decay_every = int(p["decay_every"])
         if self.decay_every < 1:
             raise StrataError(f"{self.policy}: decay_every must be >= 1")
-        if not math.isfinite(self.decay):
-            raise StrataError(f"{self.policy}: decay {p['decay']} must be a finite number (0.7 is the default; "
-                              f"--set {self.policy}.decay=X)")
+        check_decay(self.policy, p["decay"])
         self.counts = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)
         self._epoch = 0  # decays so far (a decay of 1.0 changes nothing and is not counted)
         self._hep = [0] * self.n_layers  # the epoch each layer's heap was built in
