@@ -313,22 +313,10 @@ def _clean_stale_temps(folder: Path, name: str) -> None:
     """Remove temp files a killed writer of ``name`` left in ``folder``: only regular files (or symlinks, which
     are removed themselves, never followed) named ``.<name>.<pid>-<hex>.stratatools-tmp`` (``<name>`` its
     :func:`_stem`) whose process is gone. Best effort."""
-    pre = f".{_stem(folder / name)}."
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for e in entries:
-        n = e.name
-        if not (n.startswith(pre) and n.endswith(_TMP_TAG)):
-            continue
-        mid = n[len(pre):-len(_TMP_TAG)]
-        pid_s, _, tag = mid.partition("-")
-        if not (pid_s.isascii() and pid_s.isdigit() and len(tag) == 8) or int(pid_s) == os.getpid() or _pid_alive(int(pid_s)):
-            continue
+    for p in _dead_leftovers(folder / name, _TMP_TAG):
         try:
-            if e.is_symlink() or e.is_file(follow_symlinks=False):
-                os.unlink(e.path)
+            if p.is_symlink() or p.is_file():
+                os.unlink(p)
         except OSError:
             pass
 
