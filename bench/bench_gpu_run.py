@@ -127,7 +127,7 @@ def env_vars(extra: dict):
 
 
 #: The state before the faster decode step (GGUF-block Q8_0 matvecs, bookkeeping before each launch).
-BEFORE_ENV = {"STRATATOOLS_DENSE_Q8": "0", "STRATATOOLS_DECODE_LAG": "0"}
+BEFORE_ENV = {"STRATATOOLS_DENSE_Q8": "0", "STRATATOOLS_DECODE_LAG": "0", "STRATATOOLS_DECODE_QUEUE": "0"}
 
 
 def dense_q8_bytes(dec) -> int:
@@ -427,12 +427,26 @@ def config_rows(slots: int) -> list:
                                                                                 "_env": after}),
              ("lruasyncafter", f"{slots} slots LRU, admissions copied alongside the next step, prefetch after the late "
               "fetch", {"slots": slots, "policy": "lru", "_env": {"STRATATOOLS_ASYNC_SWAPS": "1", **after}})]
-    # queued decode steps (engine.QUEUE_ENV): step t+1 launched on the device's arg-max before step t is read
-    q = {"STRATATOOLS_DECODE_QUEUE": "1"}
+    # the next layer's prefetch started at the start of the layer's token mixer, on the mixer's input
+    mixer = {"STRATATOOLS_PREFETCH_ORDER": "mixer"}
+    rows += [("staticprofmixer", f"{slots} slots static on the recorded profile, prefetch from the mixer's input",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": mixer}),
+             ("lrumixer", f"{slots} slots LRU, prefetch from the mixer's input", {"slots": slots, "policy": "lru",
+                                                                                 "_env": mixer}),
+             ("vram12mixer", "--vram-gib 12, LRU, prefetch from the mixer's input", {"vram_gib": 12.0, "policy": "lru",
+                                                                                     "_env": mixer})]
+    # queued decode steps (engine.QUEUE_ENV, default auto: on here): step t+1 launched on the device's arg-max
+    # before step t is read; the *noqueue rows read each step before launching the next (the default before)
+    q, nq = {"STRATATOOLS_DECODE_QUEUE": "1"}, {"STRATATOOLS_DECODE_QUEUE": "0"}
     rows += [("queue", "all resident, queued steps", {"_env": q}),
              ("staticprofqueue", f"{slots} slots static on the recorded profile, queued steps",
               {"slots": slots, "policy": "static", "_profile": True, "_env": q}),
-             ("lruqueue", f"{slots} slots LRU, queued steps", {"slots": slots, "policy": "lru", "_env": q})]
+             ("lruqueue", f"{slots} slots LRU, queued steps", {"slots": slots, "policy": "lru", "_env": q}),
+             ("noqueue", "all resident, steps not queued (before)", {"_env": nq}),
+             ("staticprofnoqueue", f"{slots} slots static on the recorded profile, steps not queued (before)",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": nq}),
+             ("lrunoqueue", f"{slots} slots LRU, steps not queued (before)",
+              {"slots": slots, "policy": "lru", "_env": nq})]
     # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
     for nb in (64, 128):
         fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}
@@ -601,6 +615,8 @@ def main() -> None:
                     "steps are also profiled with the row's tier, profile and environment: per-kernel table plus "
                     "where the main stream waits and what the side streams do (Chrome trace kept as "
                     "timeline-ROW.json next to --out)")
+    ap.add_argument("--timeline-prompt", type=int, default=32, help="prompt tokens before the --timeline rows' "
+                    "profiled steps (default 32; --prompt profiles them at the timed rows' context)")
     ap.add_argument("--types", default=DEFAULT_TYPES, help="routed experts' types, passed to stratatools synth --types "
                     f"(default {DEFAULT_TYPES}; issue 12's variant: gu=IQ2_XS,down=IQ4_NL; pipelined expert kernels "
                     "exist for Q2_0 and Q8_0 only, other types run on the staged ones)")
@@ -662,6 +678,8 @@ def main() -> None:
     res["touched_bytes_per_token"] = touched
     long_ctx = [int(x) for x in str(a.long).split(",") if x.strip()]
     suite_ids = suite_prompt_ids(gguf, max([2 * a.prompt] + [c - a.new for c in long_ctx]))
+    if not 1 <= a.timeline_prompt <= len(suite_ids):
+        raise SystemExit(f"--timeline-prompt {a.timeline_prompt}: give 1 to {len(suite_ids)} (twice --prompt)")
     record_ids = suite_ids[a.prompt:2 * a.prompt]
     prompts = wd / "prompt.json"
     prompts.write_text(json.dumps([{"prompt_id": "suite", "token_ids": suite_ids[:a.prompt]}]))
@@ -756,7 +774,7 @@ def main() -> None:
         if key in timeline and a.profile_steps > 0:
             free_device(cp)
             try:
-                pr = kernel_profile(cp, gguf, suite_ids[:32], a.profile_steps, kw.get("slots"), kw.get("policy", "static"),
+                pr = kernel_profile(cp, gguf, suite_ids[:a.timeline_prompt], a.profile_steps, kw.get("slots"), kw.get("policy", "static"),
                                     fused=fused, extra_env=extra_env, profile_path=kw.get("profile"),
                                     trace_out=str(tl_dir / f"timeline-{key}.json"))
                 print_profile(f"{name} (timeline run)", pr)

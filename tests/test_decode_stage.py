@@ -1,6 +1,6 @@
 """Device staging of decode steps (StaticDecoder.device_stage_ready / set_device_token / _stage_from_device) on the
 CPU side: which models it takes and the reason it gives otherwise, the VRAM plan of its tables under
-STRATATOOLS_DECODE_QUEUE=1, and a numpy decoder refusing it. The GPU equality with _stage is in
+STRATATOOLS_DECODE_QUEUE (auto, 1, 0), and a numpy decoder refusing it. The GPU equality with _stage is in
 tests/test_gpu_decode_stage.py, the kernel's host build in tests/test_gpu_stage_step_host.py."""
 
 from __future__ import annotations
@@ -70,6 +70,43 @@ def test_device_stage_check_takes_the_supported_tables_and_names_what_it_refuses
     assert stage_table_bytes(no_ple, _cfg(ple_layers=[])) == 100 * 64 * 2
 
 
+def test_queue_status_auto_queues_gpu_decoders_with_small_tables(monkeypatch):
+    """STRATATOOLS_DECODE_QUEUE: auto (the default) queues a GPU decoder whose tables fit QUEUE_AUTO_TABLE_BYTES,
+    1 queues wherever staging works, 0 never; async swaps and unstageable tables turn it off; a bad value is refused."""
+    from stratatools.runtime.gpu import decode
+
+    cfg, small = _cfg(), _model()
+    big_rows = decode.QUEUE_AUTO_TABLE_BYTES // (64 * 2) + 1  # BF16 rows of 64 values: one row over the limit
+    big = _model(tok="BF16", tok_ne0=64)
+    big.tensors["token_embd.weight"].nbytes = big_rows * 64 * 2
+    monkeypatch.delenv("STRATATOOLS_ASYNC_SWAPS", raising=False)
+    for auto in (None, "", "auto", "Auto"):
+        if auto is None:
+            monkeypatch.delenv("STRATATOOLS_DECODE_QUEUE", raising=False)
+        else:
+            monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", auto)
+        assert decode.decode_queue_setting() == "auto"
+        assert decode.queue_status(small, cfg) == (True, "")
+        ok, why = decode.queue_status(big, cfg)
+        assert not ok and why == ("the token and PLE tables take 256 MiB of device memory (auto stages at most "
+                                  "256 MiB; STRATATOOLS_DECODE_QUEUE=1 queues anyway)")
+        ok, why = decode.queue_status(small, cfg, gpu=False)
+        assert not ok and why.startswith("STRATATOOLS_DECODE_QUEUE=auto queues on a GPU decoder only")
+        assert decode.queue_status(small, cfg, async_swaps=True) == (False, "not with STRATATOOLS_ASYNC_SWAPS=1")
+        assert decode.queue_status(_model("Q4_K", tok_ne0=256), _cfg(n_embd=256))[0] is False
+    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "1")
+    assert decode.queue_status(big, cfg) == (True, "") and decode.queue_status(small, cfg, gpu=False) == (True, "")
+    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "0")
+    assert decode.queue_status(small, cfg) == (False, "STRATATOOLS_DECODE_QUEUE=0")
+    # an explicit argument wins over the environment
+    assert decode.queue_status(small, cfg, asked=True) == (True, "")
+    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "auto")
+    assert decode.queue_status(small, cfg, asked=False) == (False, "off (asked for)")
+    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "yes")
+    with pytest.raises(StrataError, match=r"STRATATOOLS_DECODE_QUEUE='yes': use auto, 1 or 0"):
+        decode.queue_status(small, cfg)
+
+
 @pytest.mark.kit
 def test_plan_vram_plans_the_stage_tables_under_decode_queue(kit, monkeypatch):
     from stratatools.model.gguf import open_model
@@ -83,16 +120,18 @@ def test_plan_vram_plans_the_stage_tables_under_decode_queue(kit, monkeypatch):
         total_e = cfg.n_layer * max(cfg.n_expert)
         tables = int(m.tensor("token_embd.weight").nbytes) + int(m.tensor("per_layer_token_embd.weight").nbytes)
         assert tables == 256 * 1024 * 2 + 64 * 4096 * 2  # the kit's BF16 tables
-        for off in (None, "0", ""):
-            if off is None:
+        monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "0")
+        base = plan_vram(m, cfg, blob, 64, None, None, total_e)
+        assert base.stage_tables == 0 and base.to_dict()["stage_tables_bytes"] == 0
+        # on: asked for, or auto (unset, empty, "auto": the kit's 1 MiB of tables are under the auto limit)
+        for on in ("1", None, "", "auto", " AUTO "):
+            if on is None:
                 monkeypatch.delenv("STRATATOOLS_DECODE_QUEUE", raising=False)
             else:
-                monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", off)
-            base = plan_vram(m, cfg, blob, 64, None, None, total_e)
-            assert base.stage_tables == 0 and base.to_dict()["stage_tables_bytes"] == 0
+                monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", on)
+            plan = plan_vram(m, cfg, blob, 64, None, None, total_e)
+            assert plan.stage_tables == tables and plan.to_dict()["stage_tables_bytes"] == tables
         monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "1")
-        plan = plan_vram(m, cfg, blob, 64, None, None, total_e)
-        assert plan.stage_tables == tables and plan.to_dict()["stage_tables_bytes"] == tables
         assert plan.fixed == base.fixed + tables and plan.to_dict()["planned_bytes"] == base.total + tables
         # under a budget the tables take slots' room: 2000 slots of 1024 bytes fit without them
         budget = (base.fixed + 2000 * 1024 + 10) / GIB

@@ -323,6 +323,53 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.kit
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
+    """STRATATOOLS_PREFETCH_ORDER first / after / mixer only decide when the next layer's predicted misses are
+    copied: the same logits, routing and hit counts bit for bit under a partial LRU tier, each order prefetching."""
+    import cupy as cp
+
+    from stratatools.cachesim import make_tier
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.tier import HostArena
+    from stratatools.runtime.weights import load
+
+    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "prefetch")
+    w = load(kit / "gguf/model-bf16.gguf", xp=cp)
+    arena = HostArena.from_expert_source(w.experts)
+    if arena.device_ptr is None:
+        pytest.skip("pinned memory is not mapped into the device here")
+    cfg = w.cfg
+    L, E = cfg.n_layer, max(cfg.n_expert)
+    n_ctx = max_full_context(cfg, "transformers")
+    got, stats = {}, {}
+    for order in ("first", "after", "mixer"):
+        monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", order)
+        pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
+                        blob_bytes=[ly.blob_bytes for ly in arena.layers])
+        rt = GPURuntime(w, policy=pol, miss_mode="host", arena=arena)
+        dec = StaticDecoder(rt, max_ctx=n_ctx)
+        dec.load_state(rt.new_state())
+        assert dec.capture()
+        tok, out = _prompt(kit, 1)[0], []
+        for _ in range(n_ctx):
+            lg = dec.step(tok).get()
+            ids, _ = dec.routing()
+            out.append((lg.copy(), ids.copy()))
+            tok = dec.next_token()
+        got[order], stats[order] = out, dec.fetch_stats()
+        assert stats[order]["prefetched_jobs"] > 0 and stats[order]["prefetch_used_jobs"] > 0, (order, stats[order])
+    for order in ("after", "mixer"):
+        for (a, ia), (b, ib) in zip(got["first"], got[order]):
+            assert np.array_equal(a, b) and np.array_equal(ia, ib)
+    # the misses are the same; only how many a prediction served differs
+    tot = {o: st["fetched_jobs"] + st["prefetch_used_jobs"] for o, st in stats.items()}
+    assert tot["first"] == tot["after"] == tot["mixer"] > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 def test_fused_step_int8_dense_matches_default(kit, monkeypatch):
     """STRATATOOLS_DENSE_KERNEL=int8 (mv_q8i: x quantized per block of 32 to 16-bit fixed point, int8 dot products)
     against the float streaming matvec (mv_q8s, STRATATOOLS_DENSE_KERNEL=stream), both graph-replayed on the kit's Q8_0-dense model with every

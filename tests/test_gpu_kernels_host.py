@@ -119,7 +119,7 @@ def test_cuda_sources_are_package_files():
         assert re.search(rf"__global__ void (__launch_bounds__\(\d+(, \d+)?\) )?{k}\(", src), k
     dec = K.cuda_source("decode_step.cu")
     for k in ("route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused",
-              "route_fused_sg", "put_row", "attn_decode"):
+              "route_fused_sg", "put_row"):
         assert f'extern "C" __global__ void {k}(' in dec, k
     qsa = K.cuda_source("qsa_step.cu")
     for k in ("qsa_pool", "qsa_scores", "qsa_select", "attn_sel_partial", "attn_sel_combine"):

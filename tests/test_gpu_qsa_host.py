@@ -206,3 +206,15 @@ def test_pool_scores_and_attention_match_reference(lib):
             att = _softmax(np, np.einsum("hd,phd->hp", qa, kk) * scale, axis=-1)
             want = np.einsum("hp,phd->hd", att, vv)
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    # every position of a short context (the CuPy step's attention below the selection range): parts past the last
+    # position hold no cell and drop out of the combine; the cell list is not read (the step passes the position)
+    for p_small in (0, 1, 5, 15, 16, 17):
+        posp = np.array([p_small], dtype=np.int32)
+        out = np.full((nh, hd), np.nan, dtype=np.float32)
+        part = np.full(nh * 16 * (hd + 2), np.nan, dtype=np.float32)
+        lib.run_attn(ptr(qa), ptr(K), ptr(V), ptr(posp), ptr(posp), 0, ptr(posp), ptr(np.zeros(nh * max_ctx, np.float32)),
+                     ptr(part), ptr(out), nh, nkv, hd, ctypes.c_float(scale), max_ctx, 16)
+        kk = np.repeat(K[:p_small + 1], nh // nkv, axis=1)
+        vv = np.repeat(V[:p_small + 1], nh // nkv, axis=1)
+        att = _softmax(np, np.einsum("hd,phd->hp", qa, kk) * scale, axis=-1)
+        np.testing.assert_allclose(out, np.einsum("hp,phd->hd", att, vv), rtol=1e-5, atol=1e-6)

@@ -65,10 +65,11 @@ def test_context_longer_than_the_model_is_refused(kit, tmp_path, cli):
 
 def test_vram_plan_fits_refuses_and_says_what_it_needs(kit, monkeypatch):
     monkeypatch.setenv("STRATATOOLS_MISS_FETCH", "zero-copy")  # no staging (planned in the test below)
+    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "0")  # no token / PLE tables (tests/test_decode_stage.py plans them)
     from stratatools.model.gguf import open_model
     from stratatools.runtime.config import read_config
     from stratatools.runtime.device import GIB, RESERVE_BYTES, cache_bytes, dense_device_bytes, plan_vram, prefill_bytes
-    from stratatools.runtime.gpu.decode import qsa_cache_bytes
+    from stratatools.runtime.gpu.decode import qsa_cache_bytes, split_attention_bytes
 
     with open_model(kit / BF16) as m:
         cfg = read_config(m)
@@ -80,7 +81,8 @@ def test_vram_plan_fits_refuses_and_says_what_it_needs(kit, monkeypatch):
         assert caches > cache_bytes(cfg, 32) > cache_bytes(cfg, 11) > 0
         # past 11 positions the QSA caches and scratch are planned too
         kv_pos = sum(8 * cfg.n_head_kv * cfg.head_dim for il in range(cfg.n_layer) if not cfg.recurrent[il])
-        assert cache_bytes(cfg, 64) - cache_bytes(cfg, 11) == 53 * kv_pos + qsa_cache_bytes(cfg, 64)
+        # (11 positions: the split attention scratch alone; 64: inside the QSA bytes)
+        assert cache_bytes(cfg, 64) - cache_bytes(cfg, 11) == 53 * kv_pos + qsa_cache_bytes(cfg, 64) - split_attention_bytes(cfg, 11)
         assert qsa_cache_bytes(cfg, 64) > 64 * 4 * cfg.idx_head_dim
         # the batched prefill's temporaries (a chunk of at most 64 tokens here) are planned too
         pf = prefill_bytes(m, cfg, 64)
@@ -100,8 +102,15 @@ def test_vram_plan_fits_refuses_and_says_what_it_needs(kit, monkeypatch):
         # no budget: every expert
         assert plan_vram(m, cfg, blob, 64, None, None, total_e).slots == total_e
         # too small for the dense part
-        with pytest.raises(StrataError, match="before any expert slot"):
+        with pytest.raises(StrataError, match=r"^--vram-gib [0-9.]+: the dense weights \(0\.\d\d GiB\), caches for 64 "
+                           r"positions \(0\.\d\d GiB\), prefill scratch \(0\.\d\d GiB\) and reserve \(0\.75 GiB\) need "
+                           r"0\.\d\d GiB before any expert slot; give at least that$"):
             plan_vram(m, cfg, blob, 64, (fixed - 1) / GIB, None, total_e)
+        monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "1")  # the tables named in the list when planned
+        with pytest.raises(StrataError, match=r"prefill scratch \(0\.\d\d GiB\), token and PLE tables \(0\.00 GiB\) and "
+                           r"reserve"):
+            plan_vram(m, cfg, blob, 64, (fixed - 1) / GIB, None, total_e)
+        monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "0")
         # --slots over the budget: the message names the memory it needs
         with pytest.raises(StrataError, match=r"--slots 200 does not fit .* needs .* GiB.* at most 100 slots fit"):
             plan_vram(m, cfg, blob, 64, (fixed + 100 * 1024 + 10) / GIB, 200, total_e)
@@ -148,8 +157,10 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
     assert prefetch_order() == "first"
     monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", "after")
     assert prefetch_order() == "after"
+    monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", "mixer")
+    assert prefetch_order() == "mixer"
     monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", "later")
-    with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_ORDER='later': use first or after"):
+    with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_ORDER='later': use first, after, mixer"):
         prefetch_order()
     monkeypatch.delenv("STRATATOOLS_PREFETCH_ORDER")
     # 1.38 MB blobs, k 8, 132 SMs: 66 blocks a job (4 per SM when all 8 miss); a small blob: one block per 16 KiB

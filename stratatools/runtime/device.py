@@ -61,8 +61,9 @@ class VramPlan:
             fetch mode is set, also where every expert gets a slot (a cold LRU tier still misses while it fills).
         batch_step: ``run --batch N``: the batched step's temporaries held by its CUDA graph's own memory pool
             (:func:`batch_step_bytes`; 0 at batch 1 or with ``STRATATOOLS_BATCH_GRAPH=0``).
-        stage_tables: with ``STRATATOOLS_DECODE_QUEUE=1`` (queued decode steps), the token and PLE embedding tables
-            as stored, which the device staging of a step's inputs keeps in VRAM
+        stage_tables: where queued decode steps run (``STRATATOOLS_DECODE_QUEUE``, default ``auto``:
+            :func:`stratatools.runtime.gpu.decode.queue_status`), the token and PLE embedding tables as stored, which
+            the device staging of a step's inputs keeps in VRAM
             (:func:`stratatools.runtime.gpu.decode.stage_table_bytes`; 0 otherwise).
     """
 
@@ -120,7 +121,7 @@ def dense_device_bytes(model: Any, cfg: Any, indexer: bool = False) -> int:
 
 def long_context(cfg: Any, max_ctx: int, selection: str = "transformers") -> bool:
     """Whether the static decoder runs QSA's indexer and selection for ``max_ctx`` positions (past the range in
-    which every cell is attended, or past ``attn_decode``'s shared-memory range): see
+    which every cell is attended, or past :data:`stratatools.runtime.gpu.decode.ATTN_SHARED_CTX`): see
     :class:`stratatools.runtime.gpu.decode.StaticDecoder`."""
     from stratatools.runtime.gpu.decode import ATTN_SHARED_CTX, max_full_context
 
@@ -129,8 +130,9 @@ def long_context(cfg: Any, max_ctx: int, selection: str = "transformers") -> boo
 
 def cache_bytes(cfg: Any, max_ctx: int, selection: str = "transformers") -> int:
     """K/V caches (float32, ``max_ctx`` positions) of the attention layers, GDN conv/recurrent states, PLE conv
-    states of the static decoder; for long contexts (:func:`long_context`) also the QSA indexer caches and the
-    selection and attention scratch (:func:`stratatools.runtime.gpu.decode.qsa_cache_bytes`)."""
+    states of the static decoder, and the split attention's scratch
+    (:func:`stratatools.runtime.gpu.decode.split_attention_bytes`); for long contexts (:func:`long_context`) also
+    the QSA indexer caches and the selection scratch (:func:`stratatools.runtime.gpu.decode.qsa_cache_bytes`)."""
     n = 0
     for il in range(cfg.n_layer):
         if cfg.recurrent[il]:
@@ -140,10 +142,10 @@ def cache_bytes(cfg: Any, max_ctx: int, selection: str = "transformers") -> int:
             n += 2 * 4 * max_ctx * cfg.n_head_kv * cfg.head_dim
     span = max(cfg.ple_conv_kernel - 1, 0) * cfg.ple_ngram
     n += 4 * span * cfg.hc_count * cfg.n_embd * len(cfg.ple_layers)
-    if long_context(cfg, max_ctx, selection):
-        from stratatools.runtime.gpu.decode import qsa_cache_bytes
+    from stratatools.runtime.gpu.decode import qsa_cache_bytes, split_attention_bytes
 
-        n += qsa_cache_bytes(cfg, max_ctx)
+    # the CuPy step's split attention scratch, inside the QSA path's bytes for a long context
+    n += qsa_cache_bytes(cfg, max_ctx) if long_context(cfg, max_ctx, selection) else split_attention_bytes(cfg, max_ctx)
     return n
 
 
@@ -224,7 +226,7 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     Raises:
         StrataError: a budget that is not a finite size > 0; a budget below the dense weights and caches; a
             ``slots`` request that does not fit (the message says how much memory it needs); an unknown
-            ``STRATATOOLS_MISS_FETCH`` value.
+            ``STRATATOOLS_MISS_FETCH`` or ``STRATATOOLS_DECODE_QUEUE`` value.
     """
     sb = (max(blob_bytes) + ALIGN - 1) // ALIGN * ALIGN
     long = long_context(cfg, max_ctx, selection)
@@ -249,11 +251,12 @@ def plan_vram(model: Any, cfg: Any, blob_bytes: list[int], max_ctx: int, vram_gi
     budget = int(vram_gib * GIB)
     plan.budget = budget
     if plan.fixed > budget:
-        raise StrataError(f"--vram-gib {vram_gib:g}: the dense weights ({plan.dense / GIB:.2f} GiB), caches for "
-                          f"{max_ctx} positions ({plan.caches / GIB:.2f} GiB), prefill scratch ({plan.prefill / GIB:.2f} GiB) "
-                          f"{'miss staging (%.2f GiB) ' % (plan.staging / GIB) if plan.staging else ''}"
-                          f"{'token and PLE tables (%.2f GiB) ' % (plan.stage_tables / GIB) if plan.stage_tables else ''}and reserve ({plan.reserve / GIB:.2f} GiB) "
-                          f"need {plan.fixed / GIB:.2f} GiB before any expert slot; give at least that")
+        parts = [("the dense weights", plan.dense), (f"caches for {max_ctx} positions", plan.caches),
+                 ("prefill scratch", plan.prefill), ("miss staging", plan.staging),
+                 ("the batched step", plan.batch_step), ("token and PLE tables", plan.stage_tables)]
+        named = ", ".join(f"{what} ({n / GIB:.2f} GiB)" for what, n in parts if n or what == "the dense weights")
+        raise StrataError(f"--vram-gib {vram_gib:g}: {named} and reserve ({plan.reserve / GIB:.2f} GiB) need "
+                          f"{plan.fixed / GIB:.2f} GiB before any expert slot; give at least that")
     fit = (budget - plan.fixed) // sb
     if slots is not None:
         if slots > fit:

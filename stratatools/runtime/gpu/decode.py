@@ -14,7 +14,8 @@
   what the CPU path's stable descending sort selects); blob addresses come from a device table of the
   tier's VRAM slots, so routing never leaves the device;
 * dense matrices are multiplied straight from their GGUF blocks in VRAM (:func:`stratatools.runtime.gpu.experts.matvec`'s
-  kernel), experts through :func:`stratatools.runtime.gpu.experts.expert_ffn`, attention through ``attn_decode``.
+  kernel), experts through :func:`stratatools.runtime.gpu.experts.expert_ffn`, attention split over
+  :data:`ATTN_SPLITS` parts a head (``qsa_step.cu`` ``attn_sel_partial`` / ``attn_sel_combine``).
 
 On CuPy the step is captured once into a few CUDA graphs (:meth:`StaticDecoder.capture`, pieces cut before the
 layers of :func:`graph_cuts`) and replayed per token:
@@ -77,11 +78,20 @@ def max_full_context(cfg: Any, selection: str) -> int:
     return best
 
 
-#: Contexts up to this many positions use ``attn_decode`` (its scores live in 48 KiB of shared memory); longer ones
-#: the split attention of ``qsa_step.cu``.
+#: Contexts past this many positions run QSA's indexer and selection on CuPy even inside the full-selection range
+#: (``attn_decode``, the one-block-a-head kernel the step used before, kept its scores in 48 KiB of shared memory).
 ATTN_SHARED_CTX = 12 * 1024
-#: Parts one head's attention over the selected cells is split into (``attn_sel_partial``'s grid y).
+#: Parts one head's attention is split into (``attn_sel_partial``'s grid y): the CuPy step attends every context
+#: this way (the selected cells past the full-selection range, every position below it). ``attn_decode``, one block a
+#: head walking the positions, grew with the context: about 13 us a layer at 32 positions and over 100 at 550
+#: (the 48 x 256 model decoded 8.31 ms a step in ``run`` at positions 512-576 against 7.06 at 32; gpu-notes.md).
 ATTN_SPLITS = 16
+
+
+def split_attention_bytes(cfg: Any, max_ctx: int) -> int:
+    """Device bytes of the split attention's scratch (float32 scores [heads, max_ctx] and the parts' partials
+    [heads, :data:`ATTN_SPLITS`, head_dim + 2])."""
+    return 4 * cfg.n_head * max_ctx + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
 #: The widest indexer head the device pooling kernel holds (``qsa_pool``'s shared buffer).
 QSA_MAX_DIM = 512
 
@@ -101,7 +111,7 @@ def qsa_cache_bytes(cfg: Any, max_ctx: int) -> int:
         r = cfg.compress_ratios[il]
         if not cfg.recurrent[il] and r > 0:
             n += 4 * cfg.idx_head_dim * (max_ctx + max_ctx // r + 1)
-    n += 4 * 5 * (max_ctx + 1) + 4 * cfg.n_head * max_ctx + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
+    n += 4 * 5 * (max_ctx + 1) + split_attention_bytes(cfg, max_ctx)
     return n
 
 
@@ -115,10 +125,16 @@ def dense_q8_enabled() -> bool:
     return os.environ.get(DENSE_Q8_ENV, "1") != "0"
 
 
-#: ``STRATATOOLS_DECODE_QUEUE=1``: decode steps queued behind one another, their token-dependent inputs staged on the
-#: device (:meth:`StaticDecoder._stage_from_device`); :func:`stratatools.runtime.device.plan_vram` then plans the token
-#: and PLE tables' bytes (:func:`stage_table_bytes`), which the device staging keeps in VRAM.
+#: Queued decode steps (:data:`DECODE_QUEUE_ENV`): steps queued behind one another, their token-dependent inputs
+#: staged on the device (:meth:`StaticDecoder._stage_from_device`); :func:`stratatools.runtime.device.plan_vram` then
+#: plans the token and PLE tables' bytes (:func:`stage_table_bytes`), which the device staging keeps in VRAM. ``auto``
+#: (the default, also unset or empty): on for a GPU decoder whose tables take at most :data:`QUEUE_AUTO_TABLE_BYTES`
+#: (measured on an H200, 48 x 256 Q2_0: 120.3 against 117.9 tokens/s all resident, 95.8 against 93.8 for 1,872 slots
+#: static; bench/gpu-notes.md, tenth pass); ``1``: on wherever the decoder can stage; ``0``: off.
 DECODE_QUEUE_ENV = "STRATATOOLS_DECODE_QUEUE"
+#: ``auto`` leaves queued steps off when the token and PLE tables would take more device memory than this (the
+#: room would otherwise go to expert slots): 256 MiB.
+QUEUE_AUTO_TABLE_BYTES = 256 * 1024 * 1024
 #: Table types ``stage_step.cu`` dequantizes (ggml ids: F32, F16, BF16, Q8_0).
 STAGE_TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q8_0": 8}
 #: ``stage_step.cu``'s SS_MAX_NGRAM and SS_MAX_ROWS (PLE n-gram size, PLE rows of one step over all PLE layers).
@@ -128,21 +144,35 @@ STAGE_MAX_ROWS = 512
 STAGE_THREADS = 256
 
 
-def decode_queue_enabled() -> bool:
-    """Is :data:`DECODE_QUEUE_ENV` set to 1 (default off)?"""
-    return os.environ.get(DECODE_QUEUE_ENV, "").strip() == "1"
+def decode_queue_setting() -> str:
+    """:data:`DECODE_QUEUE_ENV` as ``auto`` (unset, empty or ``auto``), ``1`` or ``0``; raises StrataError for
+    another value."""
+    v = os.environ.get(DECODE_QUEUE_ENV, "").strip().lower() or "auto"
+    if v not in ("auto", "1", "0"):
+        raise StrataError(f"{DECODE_QUEUE_ENV}={v!r}: use auto, 1 or 0")
+    return v
 
 
 def queue_status(model: Any, cfg: Any, asked: bool | None = None, async_swaps: bool | None = None,
                  gpu: bool = True) -> tuple[bool, str]:
     """Whether queued decode steps run (:class:`stratatools.runtime.gpu.engine.DecoderRuntime` ``queue``) and, when
-    not, why: asked for (``asked``, None: :func:`decode_queue_enabled`), not with ``STRATATOOLS_ASYNC_SWAPS=1``
-    (``async_swaps``, None: that variable), and on a GPU decoder only where :func:`device_stage_check` passes
-    (a numpy decoder takes its tokens from the host). Returns (on, reason: "" when on)."""
-    if not (decode_queue_enabled() if asked is None else asked):
-        return False, f"{DECODE_QUEUE_ENV} is not 1"
+    not, why. ``asked``: True / False, or None for :func:`decode_queue_setting` (``auto``: a GPU decoder whose
+    :func:`stage_table_bytes` are at most :data:`QUEUE_AUTO_TABLE_BYTES`). Never with ``STRATATOOLS_ASYNC_SWAPS=1``
+    (``async_swaps``, None: that variable); on a GPU decoder only where :func:`device_stage_check` passes (a numpy
+    decoder takes its tokens from the host). Returns (on, reason: "" when on). Raises StrataError for a
+    :data:`DECODE_QUEUE_ENV` value other than auto, 1 or 0."""
+    setting = "1" if asked else "0" if asked is not None else decode_queue_setting()
+    if setting == "0":
+        return False, "off (asked for)" if asked is not None else f"{DECODE_QUEUE_ENV}=0"
+    if setting == "auto" and not gpu:
+        return False, f"{DECODE_QUEUE_ENV}=auto queues on a GPU decoder only (1 queues this one too)"
     if (os.environ.get("STRATATOOLS_ASYNC_SWAPS", "0") == "1") if async_swaps is None else async_swaps:
         return False, "not with STRATATOOLS_ASYNC_SWAPS=1"
+    if setting == "auto" and gpu:
+        tables = stage_table_bytes(model, cfg)
+        if tables > QUEUE_AUTO_TABLE_BYTES:
+            return False, (f"the token and PLE tables take {tables / 2 ** 20:.0f} MiB of device memory (auto stages "
+                           f"at most {QUEUE_AUTO_TABLE_BYTES // 2 ** 20} MiB; {DECODE_QUEUE_ENV}=1 queues anyway)")
     return device_stage_check(model, cfg) if gpu else (True, "")
 
 
@@ -235,16 +265,19 @@ def prefetch_width(k: int, n_expert: int | None = None) -> int:
 
 
 #: When the ``prefetch`` mode starts layer l+1's copies: ``first`` (the default: at the start of layer l's experts,
-#: beside layer l's own late fetch) or ``after`` (once layer l's late fetch is queued: the late copies, which the
-#: step waits for, do not share the bus with the prefetch).
+#: beside layer l's own late fetch), ``after`` (once layer l's late fetch is queued: the late copies, which the
+#: step waits for, do not share the bus with the prefetch) or ``mixer`` (at the start of layer l's token mixer, layer
+#: l+1's router applied to the mixer's input: a layer's mixer longer to copy beside, on a less exact prediction).
 PREFETCH_ORDER_ENV = "STRATATOOLS_PREFETCH_ORDER"
+PREFETCH_ORDERS = ("first", "after", "mixer")
 
 
 def prefetch_order() -> str:
-    """:data:`PREFETCH_ORDER_ENV` (``first`` or ``after``, default ``first``); raises StrataError for another value."""
+    """:data:`PREFETCH_ORDER_ENV` (one of :data:`PREFETCH_ORDERS`, default ``first``); raises StrataError for another
+    value."""
     v = os.environ.get(PREFETCH_ORDER_ENV, "").strip() or "first"
-    if v not in ("first", "after"):
-        raise StrataError(f"{PREFETCH_ORDER_ENV}={v!r}: use first or after")
+    if v not in PREFETCH_ORDERS:
+        raise StrataError(f"{PREFETCH_ORDER_ENV}={v!r}: use {', '.join(PREFETCH_ORDERS)}")
     return v
 
 
@@ -390,7 +423,7 @@ class StaticDecoder:
         if n_ctx_model is not None and max_ctx > n_ctx_model:
             raise StrataError(f"max_ctx {max_ctx} is over the model's context length {n_ctx_model}")
         self.max_ctx = int(max_ctx)
-        # past the full-selection range (or past what attn_decode holds in shared memory) the step runs the
+        # past the full-selection range (or past ATTN_SHARED_CTX positions on CuPy) the step runs the
         # indexer and attends the selected cells (_qsa); below it, QSA attends every cell and the indexer is skipped
         self.long = max_ctx > max_full_context(cfg, rt.selection) or (self.gpu and max_ctx > ATTN_SHARED_CTX)
         xp = self.xp
@@ -503,7 +536,6 @@ class StaticDecoder:
         self.mod = cp.RawModule(code=cuda_source("decode_step.cu"), options=("--std=c++17",))
         self.k_topk = self.mod.get_function("route_topk")
         self.k_put = self.mod.get_function("put_row")
-        self.k_attn = self.mod.get_function("attn_decode")
         self.k_rms = self.mod.get_function("rmsnorm_rows")
         self.k_silu_div = self.mod.get_function("silu_div")
         self.k_hc_mix = self.mod.get_function("hc_mix")
@@ -573,6 +605,7 @@ class StaticDecoder:
         self._raw: dict[str, tuple[Any, Any, int, int]] = {}
         self._f32_cache: dict[str, Any] = {}
         self._raw_groups: dict[tuple, tuple[Any, list[int]]] = {}
+        self._init_split_attention()
         if self.long:
             self._init_qsa()
 
@@ -608,7 +641,7 @@ class StaticDecoder:
             self.pf_stage = cp.empty(2 * kp * self._fetch_sb, dtype=cp.uint8)
             self._pf_stream = cp.cuda.Stream(non_blocking=True)
             self._pf_blocks = prefetch_blocks()
-            self._pf_after = prefetch_order() == "after"
+            self._pf_order = prefetch_order()
 
     def _router_stack(self, il: int) -> Any:
         """Layer ``il``'s float32 router with the shared expert's gate row stacked under it, as :meth:`mv_many`
@@ -694,23 +727,41 @@ class StaticDecoder:
                    prefetched_jobs=c[4], prefetch_width=getattr(self, "pf_k", 0))
         return out
 
+    def _init_split_attention(self) -> None:
+        """The split attention of every CuPy step (qsa_step.cu's ``attn_sel_partial`` over :data:`ATTN_SPLITS`
+        parts a head, ``attn_sel_combine``) and its scratch (:func:`split_attention_bytes`)."""
+        cp, cfg, mc = self.cp, self.cfg, self.max_ctx
+        self.qmod = cp.RawModule(code=cuda_source("qsa_step.cu"), options=("--std=c++17",))
+        self.k_attn_part = self.qmod.get_function("attn_sel_partial")
+        self.k_attn_comb = self.qmod.get_function("attn_sel_combine")
+        self.att_sc = cp.zeros(cfg.n_head * mc, dtype=cp.float32)
+        self.att_part = cp.zeros(cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2), dtype=cp.float32)
+
+    def _split_attention(self, il: int, q: Any, o: Any, selected: bool) -> None:
+        """``o`` [nh, hd] = attention of the step's query ``q`` [nh, hd] over layer ``il``'s cached positions (all of
+        them, or with ``selected`` the cells QSA selected: ``q_cells``), split into :data:`ATTN_SPLITS` parts a head
+        and combined."""
+        cp, cfg = self.cp, self.cfg
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        cells, ncell = (self.q_cells, self.q_ncell) if selected else (self.pos_dev, self.pos_dev)  # unread when all
+        self.k_attn_part((nh, ATTN_SPLITS), (128,), (cp.ascontiguousarray(q), self.kc[il], self.vc[il], cells, ncell,
+                                                     np.int32(bool(selected)), self.pos_dev, self.att_sc,
+                                                     self.att_part, np.int32(nh), np.int32(nkv), np.int32(hd),
+                                                     np.float32(hd ** -0.5), np.int32(self.max_ctx)))
+        self.k_attn_comb((nh,), (min(hd, 1024),), (self.att_part, o, np.int32(ATTN_SPLITS), np.int32(hd)))
+
     def _init_qsa(self) -> None:
         """Kernels and scratch of the device QSA path (qsa_step.cu), shared by the attention layers (they run one
         after another on the decoder's stream)."""
-        cp, cfg, mc = self.cp, self.cfg, self.max_ctx
-        self.qmod = cp.RawModule(code=cuda_source("qsa_step.cu"), options=("--std=c++17",))
+        cp, mc = self.cp, self.max_ctx
         self.k_qsa_pool = self.qmod.get_function("qsa_pool")
         self.k_qsa_scores = self.qmod.get_function("qsa_scores")
         self.k_qsa_select = self.qmod.get_function("qsa_select")
-        self.k_attn_part = self.qmod.get_function("attn_sel_partial")
-        self.k_attn_comb = self.qmod.get_function("attn_sel_combine")
         self.q_scores = cp.zeros(mc + 1, dtype=cp.float32)
         self.q_flags = cp.zeros(mc + 1, dtype=cp.int32)
         self.q_pairs = cp.zeros(2 * (mc + 1), dtype=cp.int32)  # (value, index) pairs of the tie replay
         self.q_cells = cp.zeros(mc + 1, dtype=cp.int32)
         self.q_ncell = cp.zeros(1, dtype=cp.int32)
-        self.att_sc = cp.zeros(cfg.n_head * mc, dtype=cp.float32)
-        self.att_part = cp.zeros(cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2), dtype=cp.float32)
 
     def _dense_raw(self, name: str):
         """(device bytes, type, rows, cols) of a matrix for the quantized matvec, or None when it cannot run."""
@@ -1079,7 +1130,7 @@ class StaticDecoder:
         sg = cp.empty(1, dtype=cp.float32)
         X = cp.ascontiguousarray(x.reshape(1, -1), dtype=cp.float32)
         prefetch = self.miss_fetch == "prefetch" and il + 1 < cfg.n_layer
-        if prefetch and not self._pf_after:
+        if prefetch and self._pf_order == "first":
             self._prefetch_next(il, X)
         block = (min(1024, max(32, (E + 31) // 32 * 32)),)
         route = (np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
@@ -1093,7 +1144,7 @@ class StaticDecoder:
             self.k_dot_sig((1,), (256,), (X, sgw, np.int32(X.size), sg))
         if self.miss_fetch != "zero-copy":
             pt = self._fetch_layer(il, pt)
-        if prefetch and self._pf_after:  # the next layer's copies start once this layer's late ones are queued
+        if prefetch and self._pf_order == "after":  # the next layer's copies start after this layer's late ones
             self._prefetch_next(il, X)
         dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
@@ -1111,6 +1162,7 @@ class StaticDecoder:
         a, b = self._x_sl
         H = cp.ascontiguousarray(cp.concatenate([self.inp[a:b]] * cfg.hc_count), dtype=cp.float32)
         self._pf_events = {}  # prefetch mode: side-stream events by layer, each joined by that layer's fetch
+        self._pf_mixer = self.miss_fetch == "prefetch" and self._pf_order == "mixer"
         hn = None
         L = cfg.n_layer
         for il in range(L):
@@ -1122,6 +1174,8 @@ class StaticDecoder:
             if hn is None:
                 hn = self._norm_inject(H, f"blk.{il}.hc_attn")
             mixed, v = self._hc_from_hn(f"blk.{il}.hc_attn", hn)
+            if self._pf_mixer and il + 1 < L:  # PREFETCH_ORDER_ENV=mixer: layer il+1's copies start here
+                self._prefetch_next(il, cp.ascontiguousarray(mixed.reshape(1, -1), dtype=cp.float32))
             y = self._gdn_fused(il, mixed) if cfg.recurrent[il] else self._attention(il, mixed)
             hn = self._norm_inject(H, f"blk.{il}.hc_ffn", y, v)
             mixed, v = self._hc_from_hn(f"blk.{il}.hc_ffn", hn)
@@ -1542,21 +1596,9 @@ class StaticDecoder:
         self._put(self.vc[il], v)
         mask = self._qsa(il, idx[0], idx[1]) if sel else None
         scale = np.float32(hd ** -0.5)
-        if self.gpu and self.long:
-            cp = self.cp
-            o = cp.empty((nh, hd), dtype=cp.float32)
-            self.k_attn_part((nh, ATTN_SPLITS), (128,), (cp.ascontiguousarray(q), self.kc[il], self.vc[il],
-                                                         self.q_cells, self.q_ncell, np.int32(sel), self.pos_dev,
-                                                         self.att_sc, self.att_part, np.int32(nh), np.int32(nkv),
-                                                         np.int32(hd), scale, np.int32(self.max_ctx)))
-            self.k_attn_comb((nh,), (min(hd, 1024),), (self.att_part, o, np.int32(ATTN_SPLITS), np.int32(hd)))
-            o = o.reshape(nh * hd)
-        elif self.gpu:
-            cp = self.cp
-            o = cp.empty((nh, hd), dtype=cp.float32)
-            self.k_attn((nh,), (256,), (cp.ascontiguousarray(q), self.kc[il], self.vc[il], self.pos_dev, o,
-                                        np.int32(nh), np.int32(nkv), np.int32(hd), scale),
-                        shared_mem=self.max_ctx * 4)
+        if self.gpu:
+            o = self.cp.empty((nh, hd), dtype=self.cp.float32)
+            self._split_attention(il, q, o, bool(sel))
             o = o.reshape(nh * hd)
         else:
             P = self.pos + 1
@@ -1591,17 +1633,8 @@ class StaticDecoder:
                                                     self.inp[a:], self.inp[c:], np.int32(cfg.n_rot), np.int32(nh),
                                                     np.int32(nkv), np.int32(hd), np.float32(cfg.eps), self.pos_dev, q,
                                                     self.kc[il], self.vc[il]), shared_mem=hd * 4)
-        scale = np.float32(hd ** -0.5)
         o = cp.empty((nh, hd), dtype=cp.float32)
-        if self.long:
-            self.k_attn_part((nh, ATTN_SPLITS), (128,), (q, self.kc[il], self.vc[il], self.q_cells, self.q_ncell,
-                                                         np.int32(0), self.pos_dev, self.att_sc, self.att_part,
-                                                         np.int32(nh), np.int32(nkv), np.int32(hd), scale,
-                                                         np.int32(self.max_ctx)))
-            self.k_attn_comb((nh,), (min(hd, 1024),), (self.att_part, o, np.int32(ATTN_SPLITS), np.int32(hd)))
-        else:
-            self.k_attn((nh,), (256,), (q, self.kc[il], self.vc[il], self.pos_dev, o, np.int32(nh), np.int32(nkv),
-                                        np.int32(hd), scale), shared_mem=self.max_ctx * 4)
+        self._split_attention(il, q, o, False)
         g = cp.empty(nh * hd, dtype=cp.float32)
         n = nh * hd
         self.k_gate_mul((min(1024, (n + 255) // 256),), (256,), (o, qraw, np.int32(nh), np.int32(hd), g))
@@ -1988,9 +2021,10 @@ class StaticDecoder:
         indexer and block-key caches and, on CuPy, the QSA selection and attention scratch): what
         :func:`stratatools.runtime.device.cache_bytes` plans for ``max_ctx`` positions."""
         n = sum(int(a.nbytes) for a in self._mutable())
+        if self.gpu:
+            n += int(self.att_sc.nbytes + self.att_part.nbytes)
         if self.gpu and self.long:
-            n += sum(int(a.nbytes) for a in (self.q_scores, self.q_flags, self.q_pairs, self.q_cells, self.att_sc,
-                                             self.att_part))
+            n += sum(int(a.nbytes) for a in (self.q_scores, self.q_flags, self.q_pairs, self.q_cells))
         return n
 
     def _mutable(self) -> list:

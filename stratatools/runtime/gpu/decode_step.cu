@@ -220,36 +220,3 @@ extern "C" __global__ void put_row(const float* __restrict__ src, float* __restr
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[base + i] = src[i];
 }
 
-// One decode query per head over cached positions 0..*posp: out[h] = softmax(q_h . K[p, kv(h)] * scale) V.
-// K, V: [max_ctx, nkv, hd]; head h reads kv head h / (nh / nkv). One block per head; shared: max_ctx floats.
-extern "C" __global__ void attn_decode(const float* __restrict__ q, const float* __restrict__ K,
-                                       const float* __restrict__ V, const int* __restrict__ posp,
-                                       float* __restrict__ out, int nh, int nkv, int hd, float scale) {
-    extern __shared__ float sc[];
-    __shared__ float red[32];
-    int h = blockIdx.x, kvh = h / (nh / nkv);
-    int P = posp[0] + 1;
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float* qh = q + (long long)h * hd;
-    for (int p = wid; p < P; p += nw) {
-        const float* kp = K + ((long long)p * nkv + kvh) * hd;
-        float s = 0.0f;
-        for (int d = lane; d < hd; d += 32) s += qh[d] * kp[d];
-        s = warp_add(s);
-        if (lane == 0) sc[p] = s * scale;
-    }
-    __syncthreads();
-    float m = NEG_INF;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) m = fmaxf(m, sc[p]);
-    m = block_reduce(m, true, red);
-    float s = 0.0f;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) { float e = expf(sc[p] - m); sc[p] = e; s += e; }
-    s = block_reduce(s, false, red);
-    float inv = 1.0f / s;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        const float* vp = V + (long long)kvh * hd + d;
-        for (int p = 0; p < P; ++p) acc += sc[p] * vp[(long long)p * nkv * hd];
-        out[(long long)h * hd + d] = acc * inv;
-    }
-}

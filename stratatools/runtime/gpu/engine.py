@@ -21,7 +21,8 @@ is refilled only after it), and the next step reads the new table. :meth:`finish
 :func:`stratatools.runtime.model.generate` at its end) settles the last step. ``STRATATOOLS_DECODE_LAG=0`` turns it
 off (bookkeeping right after each step, before the next launch). See docs/cache-model.md.
 
-Queued decode (``queue``; ``STRATATOOLS_DECODE_QUEUE=1``, off by default until measured on a GPU): greedy decoding
+Queued decode (``queue``; ``STRATATOOLS_DECODE_QUEUE``, default ``auto``: on for a GPU decoder whose token and PLE
+tables fit :data:`stratatools.runtime.gpu.decode.QUEUE_AUTO_TABLE_BYTES`; ``0`` turns it off): greedy decoding
 (:func:`stratatools.runtime.model.generate` calls :meth:`DecoderRuntime.decode_queued`) launches step t+1 before it
 reads step t: step t+1 takes step t's arg-max on the device (its token-dependent inputs are staged by a kernel), so
 the device never waits for the host between steps. The host then reads step t's token and routing and does its
@@ -51,7 +52,7 @@ from stratatools.runtime.model import RoutingRecord, SequenceState
 from stratatools.runtime.gpu.decode import DECODE_QUEUE_ENV, StaticDecoder, queue_status
 
 
-#: Queued greedy decoding (module docstring): ``1`` turns it on.
+#: Queued greedy decoding (module docstring): ``auto`` (default), ``1`` or ``0``.
 QUEUE_ENV = DECODE_QUEUE_ENV
 
 
@@ -72,9 +73,9 @@ class DecoderRuntime:
         prefill: how a multi-token call runs: ``batched`` (:meth:`StaticDecoder.prefill`) or ``steps`` (one decode
             step per token); default: the environment's ``STRATATOOLS_PREFILL``, else ``batched``.
         prefill_chunk: tokens per batched forward (default :data:`stratatools.runtime.gpu.prefill.CHUNK`).
-        queue: queued greedy decoding (module docstring); None: on when the environment sets
-            ``STRATATOOLS_DECODE_QUEUE=1``. Off (``queue_reason`` says why) when the decoder cannot stage a step's
-            inputs on the device.
+        queue: queued greedy decoding (module docstring); None: as ``STRATATOOLS_DECODE_QUEUE`` says (default
+            ``auto``, :func:`stratatools.runtime.gpu.decode.queue_status`). Off (``queue_reason`` says why) when the
+            decoder cannot stage a step's inputs on the device.
     Raises:
         StrataError: from :class:`StaticDecoder` (context over the model's context length, unsupported types); an
             unknown ``prefill`` mode.
