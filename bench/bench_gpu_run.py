@@ -26,7 +26,10 @@ runtime recorded on the next ``--prompt`` tokens of the suite), ``adaptive``, ``
 expert read from pinned host memory; its host->device rate during decode is printed as a fraction of the measured
 pinned copy rate, the bound of an all-miss run); ``before`` and ``lrubefore``: all resident and ``--slots`` LRU as
 they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATATOOLS_DENSE_Q8=0
-STRATATOOLS_DECODE_LAG=0``), the baseline measured in the same run; ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
+STRATATOOLS_DECODE_LAG=0 STRATATOOLS_DECODE_QUEUE=0``), the baseline measured in the same run; ``noqueue``,
+``staticprofnoqueue``, ``lrunoqueue``: steps not queued (``STRATATOOLS_DECODE_QUEUE=0``, the default before), ``queue``
+and the like: queued whatever the tables' size (``=1``); ``staticprofmixer``, ``lrumixer``, ``vram12mixer``: the next
+layer's prefetch started at the token mixer (``STRATATOOLS_PREFETCH_ORDER=mixer``); ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
 and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``); ``pipeexp``,
 ``allmisspipe``: all resident and 0 slots on the pipelined expert kernels (``STRATATOOLS_MOE_KERNEL=pipe``, shapes from
 ``STRATATOOLS_MOE_PIPE``), against ``resident`` / ``allmiss`` on the default kernels in the same run;
@@ -678,8 +681,9 @@ def main() -> None:
     res["touched_bytes_per_token"] = touched
     long_ctx = [int(x) for x in str(a.long).split(",") if x.strip()]
     suite_ids = suite_prompt_ids(gguf, max([2 * a.prompt] + [c - a.new for c in long_ctx]))
-    if not 1 <= a.timeline_prompt <= len(suite_ids):
-        raise SystemExit(f"--timeline-prompt {a.timeline_prompt}: give 1 to {len(suite_ids)} (twice --prompt)")
+    if a.timeline and not 1 <= a.timeline_prompt <= len(suite_ids):
+        raise SystemExit(f"--timeline-prompt {a.timeline_prompt}: give 1 to {len(suite_ids)} (the prompt suite's "
+                         "tokens this run reads)")
     record_ids = suite_ids[a.prompt:2 * a.prompt]
     prompts = wd / "prompt.json"
     prompts.write_text(json.dumps([{"prompt_id": "suite", "token_ids": suite_ids[:a.prompt]}]))

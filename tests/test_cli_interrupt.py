@@ -7,6 +7,7 @@ tenth of a second would)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,13 @@ sys.meta_path.insert(0, _SigintAt())
 '''
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT to its default, so that Python installs its own handler at start-up. A test
+    run started in the background by a shell without job control inherits SIGINT ignored, and a program started that
+    way rightly ignores Ctrl-C (these tests then saw exit 0 and no handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(tmp_path: Path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
@@ -37,7 +45,8 @@ def _run(tmp_path: Path, module: str, argv: list[str]) -> subprocess.CompletedPr
     env = dict(os.environ, SIGINT_AT_IMPORT=module,
                PYTHONPATH=os.pathsep.join([str(hook)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("STRATATOOLS_DEBUG", None)
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=_sigint_default)
 
 
 @pytest.mark.parametrize("module", ["stratatools.core.errors", "typer", "stratatools.cli.sim_cmds"])
@@ -73,5 +82,6 @@ def test_importing_the_package_leaves_sigint_alone():
     """A program that imports stratatools (not ``python -m stratatools``) keeps Python's Ctrl-C handling."""
     code = ("import signal, stratatools, stratatools.__main__, stratatools.cli; "
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       preexec_fn=_sigint_default)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr

@@ -80,6 +80,7 @@ def test_queue_status_auto_queues_gpu_decoders_with_small_tables(monkeypatch):
     big = _model(tok="BF16", tok_ne0=64)
     big.tensors["token_embd.weight"].nbytes = big_rows * 64 * 2
     monkeypatch.delenv("STRATATOOLS_ASYNC_SWAPS", raising=False)
+    monkeypatch.delenv("STRATATOOLS_DECODE_LAG", raising=False)
     for auto in (None, "", "auto", "Auto"):
         if auto is None:
             monkeypatch.delenv("STRATATOOLS_DECODE_QUEUE", raising=False)
@@ -88,11 +89,17 @@ def test_queue_status_auto_queues_gpu_decoders_with_small_tables(monkeypatch):
         assert decode.decode_queue_setting() == "auto"
         assert decode.queue_status(small, cfg) == (True, "")
         ok, why = decode.queue_status(big, cfg)
-        assert not ok and why == ("the token and PLE tables take 256 MiB of device memory (auto stages at most "
+        assert not ok and why == ("the token and PLE tables take 256.0 MiB of device memory (auto stages at most "
                                   "256 MiB; STRATATOOLS_DECODE_QUEUE=1 queues anyway)")
         ok, why = decode.queue_status(small, cfg, gpu=False)
         assert not ok and why.startswith("STRATATOOLS_DECODE_QUEUE=auto queues on a GPU decoder only")
         assert decode.queue_status(small, cfg, async_swaps=True) == (False, "not with STRATATOOLS_ASYNC_SWAPS=1")
+        # the bookkeeping before each launch (DECODE_LAG=0) and queued steps exclude each other
+        want = (False, "not with STRATATOOLS_DECODE_LAG=0 (the bookkeeping before each launch)")
+        assert decode.queue_status(small, cfg, lag=False) == want
+        monkeypatch.setenv("STRATATOOLS_DECODE_LAG", "0")
+        assert decode.queue_status(small, cfg) == want and decode.queue_status(small, cfg, lag=True) == (True, "")
+        monkeypatch.delenv("STRATATOOLS_DECODE_LAG")
         assert decode.queue_status(_model("Q4_K", tok_ne0=256), _cfg(n_embd=256))[0] is False
     monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "1")
     assert decode.queue_status(big, cfg) == (True, "") and decode.queue_status(small, cfg, gpu=False) == (True, "")
@@ -102,8 +109,8 @@ def test_queue_status_auto_queues_gpu_decoders_with_small_tables(monkeypatch):
     assert decode.queue_status(small, cfg, asked=True) == (True, "")
     monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "auto")
     assert decode.queue_status(small, cfg, asked=False) == (False, "off (asked for)")
-    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "yes")
-    with pytest.raises(StrataError, match=r"STRATATOOLS_DECODE_QUEUE='yes': use auto, 1 or 0"):
+    monkeypatch.setenv("STRATATOOLS_DECODE_QUEUE", "YES ")  # the message shows the value as given
+    with pytest.raises(StrataError, match=r"STRATATOOLS_DECODE_QUEUE='YES ': use auto, 1 or 0"):
         decode.queue_status(small, cfg)
 
 

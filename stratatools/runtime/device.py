@@ -121,11 +121,10 @@ def dense_device_bytes(model: Any, cfg: Any, indexer: bool = False) -> int:
 
 def long_context(cfg: Any, max_ctx: int, selection: str = "transformers") -> bool:
     """Whether the static decoder runs QSA's indexer and selection for ``max_ctx`` positions (past the range in
-    which every cell is attended, or past :data:`stratatools.runtime.gpu.decode.ATTN_SHARED_CTX`): see
-    :class:`stratatools.runtime.gpu.decode.StaticDecoder`."""
-    from stratatools.runtime.gpu.decode import ATTN_SHARED_CTX, max_full_context
+    which every cell is attended): see :class:`stratatools.runtime.gpu.decode.StaticDecoder`."""
+    from stratatools.runtime.gpu.decode import max_full_context
 
-    return max_ctx > max_full_context(cfg, selection) or max_ctx > ATTN_SHARED_CTX
+    return max_ctx > max_full_context(cfg, selection)
 
 
 def cache_bytes(cfg: Any, max_ctx: int, selection: str = "transformers") -> int:

@@ -78,9 +78,6 @@ def max_full_context(cfg: Any, selection: str) -> int:
     return best
 
 
-#: Contexts past this many positions run QSA's indexer and selection on CuPy even inside the full-selection range
-#: (``attn_decode``, the one-block-a-head kernel the step used before, kept its scores in 48 KiB of shared memory).
-ATTN_SHARED_CTX = 12 * 1024
 #: Parts one head's attention is split into (``attn_sel_partial``'s grid y): the CuPy step attends every context
 #: this way (the selected cells past the full-selection range, every position below it). ``attn_decode``, one block a
 #: head walking the positions, grew with the context: about 13 us a layer at 32 positions and over 100 at 550
@@ -92,6 +89,8 @@ def split_attention_bytes(cfg: Any, max_ctx: int) -> int:
     """Device bytes of the split attention's scratch (float32 scores [heads, max_ctx] and the parts' partials
     [heads, :data:`ATTN_SPLITS`, head_dim + 2])."""
     return 4 * cfg.n_head * max_ctx + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
+
+
 #: The widest indexer head the device pooling kernel holds (``qsa_pool``'s shared buffer).
 QSA_MAX_DIM = 512
 
@@ -147,32 +146,36 @@ STAGE_THREADS = 256
 def decode_queue_setting() -> str:
     """:data:`DECODE_QUEUE_ENV` as ``auto`` (unset, empty or ``auto``), ``1`` or ``0``; raises StrataError for
     another value."""
-    v = os.environ.get(DECODE_QUEUE_ENV, "").strip().lower() or "auto"
+    raw = os.environ.get(DECODE_QUEUE_ENV, "")
+    v = raw.strip().lower() or "auto"
     if v not in ("auto", "1", "0"):
-        raise StrataError(f"{DECODE_QUEUE_ENV}={v!r}: use auto, 1 or 0")
+        raise StrataError(f"{DECODE_QUEUE_ENV}={raw!r}: use auto, 1 or 0")
     return v
 
 
 def queue_status(model: Any, cfg: Any, asked: bool | None = None, async_swaps: bool | None = None,
-                 gpu: bool = True) -> tuple[bool, str]:
+                 gpu: bool = True, lag: bool | None = None) -> tuple[bool, str]:
     """Whether queued decode steps run (:class:`stratatools.runtime.gpu.engine.DecoderRuntime` ``queue``) and, when
     not, why. ``asked``: True / False, or None for :func:`decode_queue_setting` (``auto``: a GPU decoder whose
     :func:`stage_table_bytes` are at most :data:`QUEUE_AUTO_TABLE_BYTES`). Never with ``STRATATOOLS_ASYNC_SWAPS=1``
-    (``async_swaps``, None: that variable); on a GPU decoder only where :func:`device_stage_check` passes (a numpy
-    decoder takes its tokens from the host). Returns (on, reason: "" when on). Raises StrataError for a
+    (``async_swaps``, None: that variable) or with the bookkeeping before each launch (``lag`` False; None:
+    ``STRATATOOLS_DECODE_LAG=0`` asks for that); on a GPU decoder only where :func:`device_stage_check` passes (a
+    numpy decoder takes its tokens from the host). Returns (on, reason: "" when on). Raises StrataError for a
     :data:`DECODE_QUEUE_ENV` value other than auto, 1 or 0."""
     setting = "1" if asked else "0" if asked is not None else decode_queue_setting()
     if setting == "0":
         return False, "off (asked for)" if asked is not None else f"{DECODE_QUEUE_ENV}=0"
     if setting == "auto" and not gpu:
         return False, f"{DECODE_QUEUE_ENV}=auto queues on a GPU decoder only (1 queues this one too)"
+    if not ((os.environ.get("STRATATOOLS_DECODE_LAG", "1") != "0") if lag is None else lag):
+        return False, "not with STRATATOOLS_DECODE_LAG=0 (the bookkeeping before each launch)"
     if (os.environ.get("STRATATOOLS_ASYNC_SWAPS", "0") == "1") if async_swaps is None else async_swaps:
         return False, "not with STRATATOOLS_ASYNC_SWAPS=1"
     if setting == "auto" and gpu:
         tables = stage_table_bytes(model, cfg)
         if tables > QUEUE_AUTO_TABLE_BYTES:
-            return False, (f"the token and PLE tables take {tables / 2 ** 20:.0f} MiB of device memory (auto stages "
-                           f"at most {QUEUE_AUTO_TABLE_BYTES // 2 ** 20} MiB; {DECODE_QUEUE_ENV}=1 queues anyway)")
+            return False, (f"the token and PLE tables take {tables / 2 ** 20:.1f} MiB of device memory (auto stages "
+                           f"at most {QUEUE_AUTO_TABLE_BYTES / 2 ** 20:.0f} MiB; {DECODE_QUEUE_ENV}=1 queues anyway)")
     return device_stage_check(model, cfg) if gpu else (True, "")
 
 
@@ -226,8 +229,9 @@ def device_stage_check(model: Any, cfg: Any) -> tuple[bool, str]:
 #: ``zero-copy`` (the staged expert kernels read a missed blob from the mapped host arena as they compute),
 #: ``fetch`` (``miss_fetch.cu`` first copies the layer's missed blobs into device staging with every SM, one burst over
 #: the bus; the pipelined expert kernels then read device memory only) or ``prefetch`` (the default; ``fetch``, and while layer l
-#: runs, a second stream applies layer l+1's router to layer l's expert input and copies the predicted misses of
-#: layer l+1 ahead; layer l+1's fetch then copies only what the prediction missed). The policy, the hits counted and
+#: runs, a second stream applies layer l+1's router to layer l's expert input (or its token mixer's input:
+#: :data:`PREFETCH_ORDER_ENV`) and copies the predicted misses of layer l+1 ahead; layer l+1's fetch then copies only
+#: what the prediction missed). The policy, the hits counted and
 #: the results do not depend on the mode (a prediction only decides what is copied early).
 MISS_FETCH_ENV = "STRATATOOLS_MISS_FETCH"
 MISS_FETCH_MODES = ("zero-copy", "fetch", "prefetch")
@@ -386,8 +390,7 @@ class StaticDecoder:
     Args:
         rt: a :class:`stratatools.runtime.gpu.runtime.GPURuntime` (CuPy) or :class:`stratatools.runtime.model.Qwen4ExpRuntime` (numpy).
         max_ctx: positions the K/V caches hold (prompt + generated), at most the model's context length; past
-            :func:`max_full_context` (or past :data:`ATTN_SHARED_CTX` on CuPy) the step runs QSA's indexer and
-            selection (``self.long``).
+            :func:`max_full_context` the step runs QSA's indexer and selection (``self.long``).
         fast: on CuPy, the optimised step (default): dense matrices through ``matvec_tiled_kernel`` (16-byte staged
             loads, grid-stride rows), RMS norms, hyper-connection mixing/inject and the router (probabilities, top-k,
             weight normalisation) as fused kernels. ``fast=False`` keeps the reference step (one warp per row
@@ -423,9 +426,9 @@ class StaticDecoder:
         if n_ctx_model is not None and max_ctx > n_ctx_model:
             raise StrataError(f"max_ctx {max_ctx} is over the model's context length {n_ctx_model}")
         self.max_ctx = int(max_ctx)
-        # past the full-selection range (or past ATTN_SHARED_CTX positions on CuPy) the step runs the
-        # indexer and attends the selected cells (_qsa); below it, QSA attends every cell and the indexer is skipped
-        self.long = max_ctx > max_full_context(cfg, rt.selection) or (self.gpu and max_ctx > ATTN_SHARED_CTX)
+        # past the full-selection range the step runs the indexer and attends the selected cells (_qsa); below it,
+        # QSA attends every cell and the indexer is skipped
+        self.long = max_ctx > max_full_context(cfg, rt.selection)
         xp = self.xp
         n, hc = cfg.n_embd, cfg.hc_count
         self.k = cfg.n_expert_used
@@ -654,8 +657,9 @@ class StaticDecoder:
         return got
 
     def _prefetch_next(self, il: int, X: Any) -> None:
-        """``prefetch`` mode, at the start of layer ``il``'s experts: on the side stream, after the work queued so far,
-        layer il+1's router on X (this layer's expert input), its top :func:`prefetch_width` through
+        """``prefetch`` mode, at the start of layer ``il``'s experts (or of its token mixer: :data:`PREFETCH_ORDER_ENV`
+        ``mixer``): on the side stream, after the work queued so far, layer il+1's router on X (this layer's expert
+        input, or the mixer's), its top :func:`prefetch_width` through
         ``route_fused_sg`` (layer il+1's slot table) and ``fetch_blobs`` of the predicted misses into the parity's
         staging on :func:`prefetch_blocks` blocks (beside the main stream's work); the event that layer il+1's fetch
         waits for is kept in ``_pf_events``."""
@@ -2018,7 +2022,7 @@ class StaticDecoder:
 
     def state_buffer_bytes(self) -> int:
         """Bytes of the decoder's static state buffers (GDN conv/recurrent states, PLE conv states, K/V caches, QSA
-        indexer and block-key caches and, on CuPy, the QSA selection and attention scratch): what
+        indexer and block-key caches and, on CuPy, the split attention's scratch and the QSA selection scratch): what
         :func:`stratatools.runtime.device.cache_bytes` plans for ``max_ctx`` positions."""
         n = sum(int(a.nbytes) for a in self._mutable())
         if self.gpu:

@@ -1,7 +1,7 @@
 // Part of stratatools (stratatools/runtime/gpu). Loaded at run time by kernels.py / decode.py and compiled with
 // NVRTC (cupy.RawModule); tests/test_gpu_kernels_host.py compiles the decoders as host C++.
 // Kernels of the batch-1 decode step (decode.py StaticDecoder): router top-k, fused norms, hyper-connection
-// mixing, attention over the K/V cache.
+// mixing, cache rows (the step's attention is qsa_step.cu's split kernels).
 typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -19,10 +19,12 @@ of step t+1, ...), so the hits counted do not change; only the VRAM moves a roun
 are queued on the decoder's stream after the step already running (which still reads the old slot table: a slot
 is refilled only after it), and the next step reads the new table. :meth:`finish` (called by
 :func:`stratatools.runtime.model.generate` at its end) settles the last step. ``STRATATOOLS_DECODE_LAG=0`` turns it
-off (bookkeeping right after each step, before the next launch). See docs/cache-model.md.
+off (bookkeeping right after each step, before the next launch; queued decoding is then off too). See
+docs/cache-model.md.
 
 Queued decode (``queue``; ``STRATATOOLS_DECODE_QUEUE``, default ``auto``: on for a GPU decoder whose token and PLE
-tables fit :data:`stratatools.runtime.gpu.decode.QUEUE_AUTO_TABLE_BYTES`; ``0`` turns it off): greedy decoding
+tables fit :data:`stratatools.runtime.gpu.decode.QUEUE_AUTO_TABLE_BYTES`; ``0`` turns it off, and so do
+``STRATATOOLS_DECODE_LAG=0`` and ``STRATATOOLS_ASYNC_SWAPS=1``): greedy decoding
 (:func:`stratatools.runtime.model.generate` calls :meth:`DecoderRuntime.decode_queued`) launches step t+1 before it
 reads step t: step t+1 takes step t's arg-max on the device (its token-dependent inputs are staged by a kernel), so
 the device never waits for the host between steps. The host then reads step t's token and routing and does its
@@ -104,7 +106,8 @@ class DecoderRuntime:
         self.prefill_mode = mode
         self.prefill_chunk = prefill_chunk
         #: queued greedy decoding (module docstring): asked for, and possible (device staging of the step's inputs)
-        self.queue, self.queue_reason = queue_status(rt.w.model, self.cfg, queue, self.async_swaps, self.dec.gpu)
+        self.queue, self.queue_reason = queue_status(rt.w.model, self.cfg, queue, self.async_swaps, self.dec.gpu,
+                                                     lag=self.lag)
         self.discarded_steps = 0
 
     def finish(self) -> None:

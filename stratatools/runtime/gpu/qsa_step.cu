@@ -6,7 +6,8 @@
 //   qsa_pool    when pos+1 completes a block: mean of the block's raw indexer keys, k_norm, RoPE at the block start;
 //   qsa_scores  block scores sum_heads relu(q_h . bk[b]) / sqrt(d);
 //   qsa_select  the selected cells (transformers' torch.topk of blocks + the tail, or llama.cpp's top cells);
-//   attn_sel_partial / attn_sel_combine  attention over the selected cells (split over blocks, any length).
+//   attn_sel_partial / attn_sel_combine  attention over the selected cells, or (use_cells 0) over every position
+//                                        (the CuPy step's attention at any context), split over blocks, any length.
 // Block code uses shared-memory loops, no warp shuffles, so it is also correct with one thread per block.
 
 #ifndef QSA_NEG_INF
