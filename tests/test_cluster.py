@@ -105,3 +105,16 @@ def test_a_worker_process_killed_mid_task_is_retried_and_never_partial(tmp_path)
         with pytest.raises(StrataError, match=r"^killed 0 failed on the cluster after 2 retries: ") as e:
             C.run_tasks(client, always_killed, [()], name="killed")
         assert len(str(e.value).splitlines()) == 1
+
+
+def test_every_cluster_option_states_its_worker_bound(cli):
+    """Each command that takes --cluster says in its help how many local workers it allows (the bound
+    core.cluster enforces), not only the ones written first."""
+    import re
+
+    want = f"at most {C.MAX_WORKERS_PER_CPU} x the CPU count"
+    for cmd in (["trace", "stats"], ["make-profile"], ["simulate"], ["tune"]):
+        code, out, err = cli(*cmd, "--help")
+        assert code == 0, err
+        text = re.sub(r"[\s│|]+", " ", out)  # the help box wraps and frames the text
+        assert "--cluster" in text and want in text, (cmd, text[-1500:])

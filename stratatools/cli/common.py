@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import typer
 from rich.console import Console
 
+from stratatools.core.cluster import MAX_WORKERS_PER_CPU
+
 # No markup, emoji or highlighting is ever read from text: file names, tensor names, reasons and messages come from
 # user input ("[/]" would raise MarkupError, "[shard]" would vanish, ":-1:" would become an emoji). Styled words are
 # built explicitly with rich.text.Text (see styled()).
@@ -197,6 +199,10 @@ def folder_place(option: str, raw: str, example: str) -> Any:
 # Bounds of the CLI's numeric options. A value outside is refused while the command line is parsed (click's usage
 # error: one line naming the option and the range, exit 2), before it can overflow an int64 array or a numba
 # kernel's argument deep inside a command.
+#: --cluster's help, shared by every command that takes it (stratatools.core.cluster bounds local:N)
+CLUSTER_HELP = (f"Dask: local[:N] starts a local cluster of N workers (at most {MAX_WORKERS_PER_CPU} x the CPU count), "
+                "tcp://HOST:PORT uses a running scheduler; default: in-process.")
+
 MAX_SLOTS = 2**40          # expert slots (--slots, --upper-slots, --top ...): far above any real tier
 MAX_COUNT = 2**31 - 1      # counts and rounds (--adapt-every, --adapt-lag, --window, --candidates ...)
 MAX_BYTES = 2**50          # byte counts (--adapt-pace-bytes)

@@ -330,9 +330,7 @@ _TRACES = typer.Option(..., "--traces", "-t", help="Routing trace: a file (any s
                                                     "or a Parquet dataset; repeatable.")
 _WHERE = typer.Option(None, "--where", help="KEY=VALUE: keep partitions (key=value folders) or Parquet rows with "
                                             "this value; repeatable.")
-_CLUSTER = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster of N workers "
-                                                "(at most 4 x the CPU count), "
-                                                "tcp://HOST:PORT uses a running scheduler; default: in-process.")
+_CLUSTER = typer.Option(None, "--cluster", help=common.CLUSTER_HELP)
 _PROFILE = typer.Option(None, "--profile", "-p", help="STRP profile; repeatable.")
 _PACK = typer.Option(None, "--pack", help="Native pack folder (blob sizes per layer).")
 _MODEL = typer.Option(None, "--model", "-m", help="Model GGUF (blob sizes per layer).")

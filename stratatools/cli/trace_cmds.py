@@ -16,8 +16,7 @@ from stratatools.cli import common
 trace_app = typer.Typer(help="Routing traces: convert between formats, summarise.", no_args_is_help=True)
 _WHERE = typer.Option(None, "--where", help="KEY=VALUE: keep partitions (key=value folders) or Parquet rows "
                                             "with this value; repeatable.")
-_CLUSTER = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster of N workers, "
-                                                "tcp://HOST:PORT uses a running scheduler; default: in-process.")
+_CLUSTER = typer.Option(None, "--cluster", help=common.CLUSTER_HELP)
 
 
 def _convert(

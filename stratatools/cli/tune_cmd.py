@@ -171,9 +171,8 @@ def register(app: typer.Typer) -> None:
                                                 parser=common.out_file("--json-out", "tune.json")),
         force: bool = typer.Option(False, "--force", help="Replace existing output files."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-        cluster: Optional[str] = typer.Option(None, "--cluster", help="Dask: local[:N] starts a local cluster "
-                                              "of N workers (at most 4 x the CPU count), tcp://HOST:PORT uses a running scheduler; each "
-                                              "(settings, fold) score is a task. Default: in this process."),
+        cluster: Optional[str] = typer.Option(None, "--cluster", help=common.CLUSTER_HELP[:-len("default: in-process.")]
+                                              + "each (settings, fold) score is a task; default: in-process."),
     ) -> None:
         """Search profile, admission and the adaptive knobs for a workload (k-fold by request, successive halving)."""
         from stratatools.cachesim.costmodel import ThreeTierModel
