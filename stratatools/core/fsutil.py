@@ -572,8 +572,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, inputs: Iterable[str | 
 def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
                        inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Write several files as one output set: every temp file is written and fsync'ed first (a full disk or any
-    error then removes them all and changes nothing), then they are renamed in the order given (put the file
-    whose presence marks completion last: an artefact after its sidecar). Raises StrataError (one line)."""
+    error then removes them all and changes nothing), then every target is checked again (a regular file or
+    absent; absent still where :func:`guard_output` recorded it without --force), and only then are they renamed in
+    the order given (put the file whose presence marks completion last: an artefact after its sidecar). A target
+    refused there refuses the whole set: nothing is published. A rename that fails midway (an I/O error, a race
+    after the checks) puts back the files renamed before it (each previous file is kept as a hard link until the
+    set is in). Raises StrataError (one line, naming the refused file and, for a set, that none was written)."""
     staged: list[tuple[int, Path, Path]] = []
     try:
         for path, data in items:
@@ -600,23 +604,92 @@ def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
     for fd, _tmp, _t in staged:
         os.close(fd)
     # the whole set is renamed in one held block: a signal held back before the first rename publishes nothing,
-    # one that arrives during the renames is raised after the last ("Signals and publication")
+    # one that arrives during the renames is raised after the last ("Signals and publication"). Every target is
+    # checked again before the first rename (a target that became a folder, a FIFO, a link to one, or, without
+    # --force, a file another run published since the staging refuses the whole set, not its second half), and a
+    # rename that still fails midway (a race after the checks, an I/O error) puts the files renamed before it back
+    done: list[tuple[Path, Path | None, bool]] = []  # (target renamed, a hard link to its previous file, existed)
     i = 0
     try:
         with signals_deferred():
             _stop_if_signalled()
-            for i, (_fd, tmp, t) in enumerate(staged):
+            for _fd, _tmp, t in staged:
                 check_target(t)
-                _publish_file(tmp, t)
+                if _key(t) in _NO_REPLACE and os.path.lexists(t):
+                    raise _exists_error(t)
+            for i, (_fd, tmp, t) in enumerate(staged):
+                existed = os.path.lexists(t)
+                prev = _backup(t) if existed and i < len(staged) - 1 else None
+                nr = _key(t) in _NO_REPLACE
+                try:
+                    _publish_file(tmp, t)
+                except BaseException:
+                    if prev is not None:
+                        _unlink_quiet(prev)
+                    raise
+                done.append((t, prev, existed))
+                if nr:
+                    _NO_REPLACE.add(_key(t))  # (until the whole set is in: an undone file is again absent)
             i = len(staged)
     except BaseException as e:
         for _f, rest, _r in staged[i:]:
             _unlink_quiet(rest)
+        if i < len(staged):  # (a signal raised as the block ends comes after the whole set is in: it stays)
+            _undo_set(done)
+        else:
+            _drop_backups(done)
         if isinstance(e, OSError):
             raise _fail(staged[min(i, len(staged) - 1)][2], e) from None
+        if isinstance(e, StrataError) and len(staged) > 1:
+            names = ", ".join(str(t) for _fd, _tmp, t in staged)
+            raise StrataError(f"{e}; nothing of the set was written ({names} stay as they were)", e.path) from None
         raise
+    _drop_backups(done)
     for d in {t.parent for _f, _tmp, t in staged}:
         fsync_dir(d)
+
+
+def _backup(t: Path) -> Path | None:
+    """A hard link to the file ``t`` under a unique temp name beside it (what a failed set puts back), or None
+    when the file system takes no hard link (that file then cannot be put back)."""
+    for _ in range(16):
+        b = _unique(t.parent, t.name)
+        try:
+            os.link(t, b, follow_symlinks=False)
+            return b
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _drop_backups(done: "list[tuple[Path, Path | None, bool]]") -> None:
+    """The set is in: its targets are this run's own files (a rewrite replaces them), the backups go."""
+    for t, prev, _existed in done:
+        _NO_REPLACE.discard(_key(t))
+        if prev is not None:
+            _unlink_quiet(prev)
+
+
+def _undo_set(done: "list[tuple[Path, Path | None, bool]]") -> None:
+    """Put back the files of a set renamed before a later one failed, newest first: the previous file (its hard
+    link) renamed over the new one, or the new one removed where there was none. Where the previous file could not
+    be linked (no hard links) the new one stays. Best effort."""
+    for t, prev, existed in reversed(done):
+        try:
+            if prev is not None:
+                os.rename(prev, t)
+            elif not existed:
+                os.unlink(t)
+        except OSError:
+            if prev is not None:
+                _unlink_quiet(prev)
+    if done:
+        try:
+            fsync_dir(done[0][0].parent)
+        except OSError:
+            pass
 
 
 def _json_default(o: Any) -> Any:
