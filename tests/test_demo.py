@@ -26,6 +26,10 @@ def test_every_step_as_expected(demo):
     assert "all steps as expected" in index
     for st in demo.steps:
         assert st.log.exists() and st.log.read_text().startswith("$ stratatools ")
+    # the demo's own top-level names (any other entry is another program's, carried over by demo --force)
+    from stratatools.demo.walkthrough import OWN_NAMES
+
+    assert set(p.name for p in demo.out.iterdir()) == set(OWN_NAMES)
 
 
 def test_story_numbers(demo):

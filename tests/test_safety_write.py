@@ -435,7 +435,8 @@ def test_publish_dir_keeps_other_files_and_subfolders(tmp_path):
 # ----------------------------------------------------------------------------------------------- demo
 def test_demo_force_replaces_only_its_own_folder(tmp_path, monkeypatch):
     """D1: demo --force refuses a folder without the demo's marker (even one holding index.md and release/),
-    and replaces a folder that has it; the cwd is never a demo output."""
+    and replaces a folder that has it (its own entries; another program's file in it is carried over, as the
+    other folder commands keep theirs); the cwd is never a demo output."""
     from stratatools.demo.walkthrough import MARKER, run_demo
 
     victim = tmp_path / "work"
@@ -460,8 +461,10 @@ def test_demo_force_replaces_only_its_own_folder(tmp_path, monkeypatch):
     assert (out / MARKER).is_file() and (out / "index.md").is_file()
     assert all(str(out) in str(s.log) and "stratatools-tmp" not in " ".join(s.argv) for s in res.steps)
     (out / "extra").write_text("x")
+    (out / "index.md").write_text("edited")
     run_demo(out, runner, force=True)
-    assert not (out / "extra").exists() and (out / MARKER).is_file()
+    assert (out / "extra").read_text() == "x" and (out / MARKER).is_file()
+    assert (out / "index.md").read_text() != "edited"
     assert _leftovers(tmp_path) == []
 
 

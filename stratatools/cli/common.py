@@ -57,6 +57,20 @@ def note(msg: str) -> None:
         err_console.print(msg, markup=False, highlight=False)
 
 
+def write_notes() -> list[str]:
+    """What the write path did beside this command's outputs (a killed run's leftover removed, a folder kept
+    beside the output because it holds another program's file: :func:`stratatools.core.fsutil.take_notes`),
+    printed on stderr as ``note: ...`` lines (not under --quiet) and returned, for a command's JSON ``notes``.
+    The CLI prints what a command did not take itself when it ends (:func:`stratatools.cli.entry.invoke`)."""
+    from stratatools.core.fsutil import take_notes
+
+    notes = take_notes()
+    if not STATE.quiet:
+        for n in notes:
+            err_console.print(f"note: {n}", markup=False, highlight=False, soft_wrap=True)
+    return notes
+
+
 def warn(msg: str) -> None:
     """A warning on stderr (always shown)."""
     err_console.print(f"warning: {msg}", markup=False, highlight=False)

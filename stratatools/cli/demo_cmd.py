@@ -34,11 +34,13 @@ def demo_cmd(
     from stratatools.cli.entry import run_text
 
     res = run_demo(out, lambda argv: run_text(_APP, argv), force=force, progress=progress)
+    STATE.quiet = quiet  # (the steps reset it)
+    notes = common.write_notes()  # (stderr) what the publish did beside the demo folder
     if as_json:
         from stratatools.cli.common import emit_json
 
         emit_json({"ok": res.ok, "out": str(res.out), "index": str(res.out / "index.md"),
-                   "seconds": round(res.seconds, 3),
+                   "seconds": round(res.seconds, 3), "notes": notes,
                    "steps": [{"title": st.title, "exit_code": st.code, "expected": st.expect,
                               "seconds": round(st.seconds, 3)} for st in res.steps]})
         if not res.ok:

@@ -45,6 +45,23 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     if argv is None:  # the real process: its handlers are ours (above); an in-process run leaves the state alone
         fsutil.cli_signals(True)
     n_written, _ = fsutil.files_written()  # an interrupt names the files this command had already published
+    # the write path's notes are this command's from here: those of an enclosing command (the demo runs its
+    # steps in-process) are set aside and given back as this one ends, its own are printed (common.write_notes)
+    outer_notes = fsutil.take_notes()
+    try:
+        _invoke(app, argv, debug, n_written)
+    finally:
+        try:
+            common.write_notes()
+        except (OSError, ValueError):  # stderr gone: the notes are dropped, as every other line
+            pass
+        fsutil._record(outer_notes)
+
+
+def _invoke(app: typer.Typer, argv: list[str] | None, debug: bool, n_written: int) -> None:
+    """:func:`invoke`'s body: run the command and turn its end into an exit (see there)."""
+    from stratatools.core import fsutil
+
     try:
         # standalone_mode=False: click's own errors (unknown option, bad value, missing argument) come back to us
         # as exceptions instead of being printed by typer as multi-line boxed panels; we print them as the one line
@@ -81,6 +98,7 @@ def invoke(app: typer.Typer, argv: list[str] | None = None) -> None:
     except StrataError as e:
         if debug or os.environ.get("STRATATOOLS_DEBUG"):
             raise
+        common.write_notes()  # what the refused run cleaned up first, above its one-line error
         common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except RuntimeError as e:

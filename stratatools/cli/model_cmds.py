@@ -126,8 +126,9 @@ def pack_cmd(
         r = pack_model(model, out, experts_bin=experts_bin, force=force,
                        progress=lambda n: bar.update(advance=n), on_start=start, hash_inputs=not no_hash,
                        rehash=rehash)
+    notes = common.write_notes()  # (stderr) what the publish did beside the pack folder
     if json_:
-        common.emit_json(r.to_dict())
+        common.emit_json({**r.to_dict(), "notes": r.notes + notes})
     else:
         render_pack(r)
 
@@ -248,8 +249,9 @@ def synth_cmd(
     total, _ = check_footprint(cfg, outdir)  # before anything is allocated: too big for memory or disk is refused
     with common.progress_bar("writing synthetic release", total) as bar:
         r = synth_release(outdir, cfg, force=force, progress=lambda n: bar.update(advance=n))
+    notes = common.write_notes()  # (stderr) what the publish did beside the release folder
     if json_:
-        common.emit_json(r.to_dict())
+        common.emit_json({**r.to_dict(), "notes": notes})
     else:
         render_synth(r)
 

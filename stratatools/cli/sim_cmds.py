@@ -170,7 +170,8 @@ def _check_report(report: str, inputs: list[str], force: bool, traces: Optional[
         raise StrataError(f"{report}: exists and is not a folder; choose another --report folder")
     from stratatools.core.fsutil import check_own_entries, refuse_foreign_folder, tidy_output
 
-    tidy_output(d)  # what a killed run left beside it (its temp folder, the lock file)
+    # what a killed run left beside it (its temp folder, the lock file, aside folders: write_report's keep)
+    tidy_output(d, keep=lambda n: n not in FILES)
     check_own_entries(d, lambda n: n not in FILES)  # a report name taken by a folder: --force cannot help
     if not force:
         for f in FILES:
@@ -415,6 +416,7 @@ def register(app: typer.Typer) -> None:
                     ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
                     cold=cold)
         paths = write_report(st, report, force=force, inputs=_inputs(traces, profile)) if report is not None else []
+        common.write_notes()  # (stderr) what the publish did beside the report folder; --json is report.json's
         _print_skipped(st)  # on stderr, with --json too
         if as_json:
             import sys
@@ -479,10 +481,12 @@ def register(app: typer.Typer) -> None:
                     ssd_gbps=ssd_gbps, ram_experts_gb=ram_experts_gb, where=where, cluster=cluster,
                     cold=cold)
         paths = write_report(st, report, force=force, inputs=_inputs(traces, profile)) if report is not None else []
+        notes = common.write_notes()  # (stderr) what the publish did beside the report folder
         _print_skipped(st)  # on stderr, with --json too
         if as_json:
             common.emit_json({"entries": st.entries, "tokens": st.tokens, "budget": st.budget,
-                              "admission": st.admission, "profiles": st.profiles, "rows": result_rows(st)})
+                              "admission": st.admission, "profiles": st.profiles, "rows": result_rows(st),
+                              "notes": notes})
             return
         _print_table(_table(st))
         _print_rounds(st)

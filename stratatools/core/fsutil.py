@@ -132,6 +132,28 @@ _DEFER: dict[str, Any] = {"depth": 0, "pending": None, "committed": False, "cli"
 _WRITTEN_KEPT = 64  # the last file outputs recorded for the CLI's "interrupted" line (files_written)
 
 
+_NOTES: list[str] = []  # what the clean-up and the publish did, for the command to show (take_notes)
+_NOTES_KEPT = 64
+
+
+def _record(notes: Iterable[str]) -> list[str]:
+    """Add ``notes`` to what :func:`take_notes` returns (the last 64 kept; one already there is not repeated:
+    a command's clean-up and its publish may both find a folder they keep); returns them as a list."""
+    notes = list(notes)
+    _NOTES[:] = (_NOTES + [n for i, n in enumerate(notes) if n not in _NOTES and n not in notes[:i]])[-_NOTES_KEPT:]
+    return notes
+
+
+def take_notes() -> list[str]:
+    """The notes recorded since the last call, oldest first, and forget them: one line each on what the clean-up
+    of a killed run's leftovers (:func:`tidy_output`) and a folder publish (:func:`publish_dir`) did beside an
+    output ("...: removed a leftover of an interrupted run", "...: kept: it holds ..., move what you need"). The
+    CLI prints them on stderr (``note: ...``) and adds them to a command's JSON where it has a ``notes`` list."""
+    out = list(_NOTES)
+    _NOTES.clear()
+    return out
+
+
 def files_written(since: int = 0) -> tuple[int, list[str]]:
     """(the number of file outputs this process has published outside folder outputs, the paths of those
     numbered ``since`` and after, of the last 64 kept). The CLI takes the count as a command starts, and after an
@@ -716,8 +738,12 @@ def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], fo
     (:class:`AtomicFile`, :func:`write_files_atomic`) fails with "already exists (pass --force ...)" instead of
     replacing a file that another run created after this check (two runs at once).
 
+    Temp files a killed writer of ``out`` left beside it are removed first (the rules of the write's own sweep,
+    :func:`_clean_stale_temps`), so a refused run cleans up too.
+
     Returns the output as a Path. Raises StrataError with the fix.
     """
+    _clean_stale_temps(Path(out).parent, Path(out).name)
     out = check_target(out, inputs)
     if (out.exists() or out.is_symlink()) and not force:
         raise StrataError(f"{out}: already exists (pass --force to replace it)", out)
@@ -1107,7 +1133,8 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
 def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (),
                 keep: Callable[[str], bool] | None = None,
                 refuse: Callable[[Path], None] | None = None,
-                last: Iterable[str] = (), step: Callable[[str], None] | None = None) -> Iterator[Path]:
+                last: Iterable[str] = (), step: Callable[[str], None] | None = None,
+                whole: bool = False) -> Iterator[Path]:
     """Build a folder output in a unique sibling temp folder and swap it in whole on success.
 
     Yields the (empty) temp folder to write into. On success the temp folder replaces ``target`` in one step
@@ -1130,6 +1157,11 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     folder is refused before the build (a file cannot replace it). ``keep`` None: the whole folder is this
     output's (always swapped).
 
+    ``whole``: always swap the folder (an output whose own entries are folders, the demo's, cannot be published
+    file by file); the entries ``keep`` accepts are carried into the new folder (regular files as hard links,
+    symlinks recreated; a folder or special file among them is refused: the caller's ``refuse`` should name it
+    before the build), and one written into the old folder after that is moved back as in any swap.
+
     Permissions: the published folder keeps an existing ``target``'s mode (permission bits, setgid and sticky
     included) and, where the process may set it, its group; they are set on the temp folder (created 0700)
     before anything is written into it, so a private folder never becomes readable to others, even for a
@@ -1137,7 +1169,9 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
 
     After a swap the previous output's folder is removed less any entry another program wrote into it after the
     carry-over (moved into the new folder; :func:`_retire`), and after any publish the aside folders of dead runs
-    that no journal names are sorted out the same way (:func:`_sweep_asides`).
+    that no journal names are sorted out the same way (:func:`_sweep_asides`). What the clean-up did (a leftover
+    removed, a folder kept beside the output because it holds another program's file) is recorded for
+    :func:`take_notes`.
 
     ``step(name)``: a test hook called before each file of an in-place publish (and with ``""`` before a swap).
 
@@ -1166,18 +1200,19 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
             raise StrataError(f"{t}: is a symbolic link (to {os.readlink(t)}); an output folder is not written "
                               f"through a link: give the folder's own path", t)
         raise StrataError(f"{t}: exists and is not a folder; choose another output folder", t)
-    check_own_entries(t, keep)
+    if not whole:
+        check_own_entries(t, keep)
     last = list(last)
     _DEFER["publishing"] += 1
     try:
         with output_lock(t) as lock:
             try:
-                recover(lock)
+                _record(recover(lock))
                 left = [x for x in lock.journal().get("paths", []) if isinstance(x, str) and os.path.lexists(x)]
                 if left:  # a publish now would overwrite the journal that names it (and may hold a user's file)
                     raise StrataError(f"{t}: {left[0]} is left from an interrupted run and could not be sorted out "
                                       f"(check its permissions and free space); nothing was changed", t)
-                _clean_dead_temps(t, lock)
+                _record(f"{p}: removed a leftover of an interrupted run" for p in _clean_dead_temps(t, lock))
             except OSError as e:
                 raise _fail(t, e, "cannot create its temp folder") from None
             tmp = _unique(t.parent, t.name)
@@ -1208,11 +1243,11 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                 _fsync_tree(tmp)
                 if refuse is not None:
                     refuse(t)
-                if keep is not None and _others(t, keep):
+                if keep is not None and not whole and _others(t, keep):
                     _publish_in_place(t, tmp, keep, last, step, lock)
                     _remove_tree(tmp)
                     lock.set_journal({})
-                    _sweep_asides(t, keep)
+                    _record(_sweep_asides(t, keep))
                     return
                 if step is not None:
                     step("")
@@ -1247,7 +1282,7 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                             recover(lock)  # puts an aside folder back
                         if made and os.path.lexists(tmp):
                             # the new build, or after the swap the previous output (other programs' files moved back)
-                            _retire(tmp, t, _own_pred(keep) if swapped else None)
+                            _record(filter(None, [_retire(tmp, t, _own_pred(keep) if swapped else None)]))
                         lock.set_journal({})
                     except OSError:
                         pass
@@ -1255,12 +1290,12 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                     raise _fail(t, recover_exc) from None
                 raise
             try:  # the previous output, less other programs' files (moved back into the new folder)
-                _retire(tmp, t, _own_pred(keep))
+                _record(filter(None, [_retire(tmp, t, _own_pred(keep))]))
             except OSError:
                 pass  # the output is published; the journal keeps naming the old folder: the next run sorts it out
             else:
                 lock.set_journal({})
-            _sweep_asides(t, keep)  # and older aside folders no journal names
+            _record(_sweep_asides(t, keep))  # and older aside folders no journal names
     finally:
         # outside the CLI's process, or for a folder inside another one (the demo's), signals are dropped only
         # until this folder is out
@@ -1436,15 +1471,26 @@ def _clean_dead_temps(t: Path, lock: _Lock) -> list[Path]:
     return gone
 
 
-def tidy_output(target: str | os.PathLike) -> list[str]:
-    """Clean what killed writers left beside a folder output ``target``: when the lock file or a temp folder of
-    a dead process is there, take the lock (not waiting: a live writer holds it, then nothing is done), finish
-    or undo a half-done swap (:func:`recover`), remove temp folders whose process is gone, and remove the lock
-    file. Run by every folder-output command before its checks, so a refused run cleans up too. While it holds
-    the lock its journal says ``cleaning``, so a run starting meanwhile waits for it (:func:`_take_lock`).
-    Returns notes; errors are ignored (best effort)."""
+_UNKNOWN: Any = object()
+
+
+def tidy_output(target: str | os.PathLike, keep: Callable[[str], bool] | None = _UNKNOWN) -> list[str]:
+    """Clean what killed writers left beside a folder output ``target``: when the lock file, a temp folder of a
+    dead process or (``keep`` given) an aside folder of one is there, take the lock (not waiting: a live writer
+    holds it, then nothing is done), finish or undo a half-done swap (:func:`recover`), remove temp folders whose
+    process is gone, sort out the aside folders of dead runs as a publish does (:func:`_sweep_asides`), and remove
+    the lock file. Run by every folder-output command before its checks, so a refused run cleans up too.
+
+    ``keep``: the publish's own ``keep`` (names that are not the output's; None: every name is the output's).
+    Only with it are aside folders swept: an aside may hold a file another program wrote into the previous output
+    folder, the only copy of it, and only the output's names tell such a file from the output's own. Left out,
+    the asides wait for the next publish (which knows them).
+
+    While it holds the lock its journal says ``cleaning``, so a run starting meanwhile waits for it
+    (:func:`_take_lock`). Returns notes, also recorded for :func:`take_notes`; errors are ignored (best effort)."""
     t = Path(target)
-    if not (os.path.lexists(lock_path(t)) or _dead_temps(t)):
+    sweep = keep is not _UNKNOWN
+    if not (os.path.lexists(lock_path(t)) or _dead_temps(t) or (sweep and _dead_asides(t))):
         return []  # nothing left behind: do not take the lock (a run starting now would be refused)
     notes: list[str] = []
     try:
@@ -1458,11 +1504,13 @@ def tidy_output(target: str | os.PathLike) -> list[str]:
                 lock.set_journal({**lock.journal(), **me})
                 for p in _clean_dead_temps(t, lock):
                     notes.append(f"{p}: removed a leftover of an interrupted run")
+                if sweep and not lock.journal().get("paths"):  # (asides a journal names are recover's)
+                    notes += _sweep_asides(t, keep)
             finally:  # the mark goes; what recover could not finish stays in the journal for the next run
                 lock.set_journal({k: v for k, v in lock.journal().items() if k != "cleaning"})
     except (StrataError, OSError):
         pass
-    return notes
+    return _record(notes)
 
 
 def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -> None:

@@ -11,6 +11,7 @@ and output land in the output folder, with an ``index.md`` that links everything
 
 from __future__ import annotations
 
+import os
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,14 @@ from stratatools.core.fsutil import publish_dir, tidy_output, write_text_atomic
 from stratatools.core.resources import packaged
 
 MARKER = ".stratatools-demo"  # a folder carrying this file is a demo output (demo --force may replace it)
+OWN_NAMES = frozenset({MARKER, "index.md", "logs", "prompts", "traces", "profiles", "reports", "release",
+                       "pack-revB"})
+"""The entries a demo writes at the top of its folder; any other entry there is another program's (kept)."""
+
+
+def _others_keep(name: str) -> bool:
+    """True for a name in a demo folder that is not the demo's own (another program's file: carried over)."""
+    return name not in OWN_NAMES
 
 DEMO_PROMPT_SETS = ("train", "eval")
 """The demo's two prompt sets, packaged as ``data/demo/<name>.txt``: the workload the profiles are built from
@@ -98,11 +107,19 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
             if not (final / MARKER).is_file() or (final / MARKER).is_symlink():
                 raise StrataError(f"{final}: is not a demo folder (it has no {MARKER} file); refusing to replace "
                                   f"it (choose an empty or new folder)", final)
+            for e in sorted(os.scandir(final), key=lambda e: e.name):
+                if _others_keep(e.name) and not (e.is_symlink() or e.is_file(follow_symlinks=False)):
+                    kind = "a folder" if e.is_dir(follow_symlinks=False) else "a special file"
+                    raise StrataError(f"{final / e.name}: is {kind} that is not the demo's; the demo replaces its "
+                                      f"folder whole and carries only files over: move it away or choose another "
+                                      f"folder", final / e.name)
 
-    tidy_output(final)  # what a killed run left beside it (its temp folder, the lock file)
+    # what a killed run left beside it (its temp folder, the lock file, aside folders: the publish's keep)
+    tidy_output(final, keep=_others_keep)
     refuse(final)
-    # built in a temp folder beside the output and swapped in whole: the previous demo survives any failure
-    with publish_dir(final, refuse=refuse) as out:
+    # built in a temp folder beside the output and swapped in whole: the previous demo survives any failure; other
+    # programs' files in the previous folder (there before, or written meanwhile) are carried into the new one
+    with publish_dir(final, keep=_others_keep, refuse=refuse, whole=True) as out:
         res = _run_steps(out, final, runner, progress)
     return _rebased(res, out, final)
 

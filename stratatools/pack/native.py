@@ -785,7 +785,8 @@ def _guard_packdir(packdir: Path, model: Model, force: bool) -> None:
                 raise StrataError(f"{o}: output would overwrite the input {i}; choose another -o folder", o)
     if packdir.exists() and not packdir.is_dir():
         raise StrataError(f"{packdir}: exists and is not a folder; -o takes the pack folder", packdir)
-    tidy_output(packdir)  # what a killed run left beside it (its temp folder, the lock file)
+    # what a killed run left beside it (its temp folder, the lock file, aside folders: the publish's keep)
+    tidy_output(packdir, keep=lambda n: n not in _PACK_FILES)
     for o in outs[1:]:
         if (o.exists() or o.is_symlink()) and not o.is_file():
             raise StrataError(f"{o}: exists and is not a file; remove it or choose another -o folder", o)

@@ -983,10 +983,12 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise StrataError(f"{outdir}: exists and is not a folder", outdir)
-    tidy_output(outdir)  # what a killed run left beside it (its temp folder, the lock file)
     names = ["canonical"] + (["revA", "revB"] if cfg.revisions else [])
     planned = [p for n in names for p in shard_paths(outdir / f"synth-{n}", cfg.shards)]
     planned += [outdir / "release.json"] + [outdir / f"synth-{n}.rco-allocation.txt" for n in names[1:]]
+    planned_names = {p.name for p in planned}
+    # what a killed run left beside it (its temp folder, the lock file, aside folders: the publish's keep)
+    tidy_output(outdir, keep=lambda n: n not in planned_names)
 
     def refuse(_t: Path) -> None:  # also run under the output lock just before the swap (publish_dir)
         existing = [p for p in planned if p.exists()]
@@ -996,7 +998,6 @@ def synth_release(outdir: str | os.PathLike, cfg: SynthConfig | None = None, for
 
     if not force:
         refuse(outdir)
-    planned_names = {p.name for p in planned}
     # the release is built in a temp folder beside outdir: swapped in whole, or, when the folder holds other
     # entries, its files renamed in one by one (publish_dir)
     with publish_dir(outdir, keep=lambda n: n not in planned_names, refuse=None if force else refuse,
