@@ -306,3 +306,26 @@ def test_a_refused_file_output_sweeps_a_dead_writers_temp(tmp_path):
     with pytest.raises(StrataError, match="already exists"):
         guard_output(out, [], False)
     assert not dead.exists() and live.exists() and out.read_bytes() == b"previous"
+
+
+def test_a_set_that_cannot_be_put_back_says_so(tmp_path, monkeypatch):
+    """Where the previous file cannot be kept (no hard links) and the second rename fails, the error does not
+    claim that nothing changed: it names the file already replaced."""
+    a, b = tmp_path / "p.bin.json", tmp_path / "p.bin"
+    a.write_text("old sidecar")
+    b.write_text("old profile")
+    real = os.rename
+
+    def rename(src, dst, *x, **k):
+        if Path(dst) == b:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst, *x, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(fsutil, "_backup", lambda t: None)
+    with pytest.raises(StrataError) as ei:
+        fsutil.write_files_atomic([(a, b"new sidecar"), (b, b"new profile")])
+    monkeypatch.undo()
+    msg = str(ei.value)
+    assert "Input/output error" in msg and f"{a} of this set was already replaced" in msg, msg
+    assert "nothing was changed" not in msg and b.read_text() == "old profile" and _leftovers(tmp_path) == []

@@ -656,10 +656,16 @@ def write_files_atomic(items: "list[tuple[str | os.PathLike, bytes]]",
     except BaseException as e:
         for _f, rest, _r in staged[i:]:
             _unlink_quiet(rest)
+        lost: list[Path] = []
         if i < len(staged):  # (a signal raised as the block ends comes after the whole set is in: it stays)
-            _undo_set(done)
+            lost = _undo_set(done)
         else:
             _drop_backups(done)
+        if lost:  # (no hard links: the previous file could not be kept) say so rather than "nothing was changed"
+            t = staged[min(i, len(staged) - 1)][2]
+            why = _fail(t, e).args[0].rsplit("; nothing was changed", 1)[0] if isinstance(e, OSError) else str(e)
+            raise StrataError(f"{why}; {', '.join(map(str, lost))} of this set was already replaced and could not "
+                              f"be put back: run again to write the whole set", t) from None
         if isinstance(e, OSError):
             raise _fail(staged[min(i, len(staged) - 1)][2], e) from None
         if isinstance(e, StrataError) and len(staged) > 1:
@@ -694,17 +700,21 @@ def _drop_backups(done: "list[tuple[Path, Path | None, bool]]") -> None:
             _unlink_quiet(prev)
 
 
-def _undo_set(done: "list[tuple[Path, Path | None, bool]]") -> None:
+def _undo_set(done: "list[tuple[Path, Path | None, bool]]") -> list[Path]:
     """Put back the files of a set renamed before a later one failed, newest first: the previous file (its hard
     link) renamed over the new one, or the new one removed where there was none. Where the previous file could not
-    be linked (no hard links) the new one stays. Best effort."""
+    be linked (no hard links) or put back, the new one stays: returns those targets. Best effort."""
+    lost: list[Path] = []
     for t, prev, existed in reversed(done):
         try:
             if prev is not None:
                 os.rename(prev, t)
             elif not existed:
                 os.unlink(t)
+            else:
+                lost.append(t)
         except OSError:
+            lost.append(t)
             if prev is not None:
                 _unlink_quiet(prev)
     if done:
@@ -712,6 +722,7 @@ def _undo_set(done: "list[tuple[Path, Path | None, bool]]") -> None:
             fsync_dir(done[0][0].parent)
         except OSError:
             pass
+    return lost[::-1]
 
 
 def _json_default(o: Any) -> Any:
