@@ -61,6 +61,25 @@ def test_validate_release_red_then_green(demo):
     assert set(gcases) >= {"profile-stale", "survivor-map", "pack", "hit-rate"}
 
 
+@pytest.mark.parametrize("code", [130, 143])
+def test_an_interrupted_step_ends_the_demo(tmp_path, code):
+    """Ctrl-C or SIGTERM during a step (the in-process runner returns the step's 130 / 143): the demo stops with
+    that exit, runs no further step and publishes nothing; the previous demo folder stays as it was."""
+    calls = []
+
+    def runner(argv):
+        calls.append(argv[0])
+        if len(calls) == 2:
+            return code, "interrupted"
+        return run_text(argv)
+
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as ei:
+        run_demo(out, runner)
+    assert ei.value.code == code and len(calls) == 2
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_refuses_non_demo_folder(tmp_path):
     (tmp_path / "keep.txt").write_text("user data")
     with pytest.raises(StrataError, match="already exists"):

@@ -164,6 +164,11 @@ def _run_steps(out: Path, final: Path, runner: Runner, progress: Callable[[Step]
         res.steps.append(st)
         if progress:
             progress(st)
+        if st.code in (130, 143) and st.expect not in (130, 143):
+            # the step was interrupted (Ctrl-C) or terminated (SIGTERM): the in-process runner caught its exit,
+            # so the demo ends here the same way instead of counting a failed step and going on (its build is
+            # dropped, the previous demo folder stays)
+            raise SystemExit(st.code)
 
     t_start = time.perf_counter()
     s("Synthesize the release", ["synth", R, "--seed", "7"],
