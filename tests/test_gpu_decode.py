@@ -270,6 +270,25 @@ def test_graph_cuts_parse_and_refuse(monkeypatch):
             graph_cuts(48, bad)
 
 
+def _captured_steps(kit, w, arena, pol, n_ctx):
+    """A static decoder over ``w`` (the tier policy ``pol``, None: all resident; misses read from ``arena``), captured,
+    run greedily for ``n_ctx`` steps from the kit's first prompt token: (decoder, [(logits, routed ids)] a step)."""
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.gpu.runtime import GPURuntime
+
+    rt = GPURuntime(w, policy=pol, miss_mode="host", arena=arena)
+    dec = StaticDecoder(rt, max_ctx=n_ctx)
+    dec.load_state(rt.new_state())
+    assert dec.capture()
+    tok, out = _prompt(kit, 1)[0], []
+    for _ in range(n_ctx):
+        lg = dec.step(tok).get()
+        ids, _ = dec.routing()
+        out.append((lg.copy(), ids.copy()))
+        tok = dec.next_token()
+    return dec, out
+
+
 @pytest.mark.gpu
 @pytest.mark.kit
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
@@ -281,8 +300,7 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
     import cupy as cp
 
     from stratatools.cachesim import make_tier
-    from stratatools.runtime.gpu.decode import StaticDecoder, graph_cuts, max_full_context
-    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.decode import graph_cuts, max_full_context
     from stratatools.runtime.gpu.tier import HostArena
     from stratatools.runtime.weights import load
 
@@ -302,19 +320,9 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
                 pytest.skip("pinned memory is not mapped into the device here")
             pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
                             blob_bytes=[ly.blob_bytes for ly in arena.layers])
-        rt = GPURuntime(w, policy=pol, miss_mode="host", arena=arena)
-        dec = StaticDecoder(rt, max_ctx=n_ctx)
-        dec.load_state(rt.new_state())
-        assert dec.capture()
+        dec, got[parts] = _captured_steps(kit, w, arena, pol, n_ctx)
         assert len(dec.graphs) == {"1": 1, "auto": len(graph_cuts(L, "auto")) + 1, every: L}[parts]
-        tok, out = _prompt(kit, 1)[0], []
-        for _ in range(n_ctx):
-            lg = dec.step(tok).get()
-            ids, _ = dec.routing()
-            out.append((lg.copy(), ids.copy()))
-            tok = dec.next_token()
         assert dec.stats["graph_steps"] == n_ctx
-        got[parts] = out
     for parts in ("auto", every):
         for (a, ia), (b, ib) in zip(got["1"], got[parts]):
             assert np.array_equal(a, b) and np.array_equal(ia, ib)
@@ -329,8 +337,7 @@ def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
     import cupy as cp
 
     from stratatools.cachesim import make_tier
-    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
-    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.gpu.decode import max_full_context
     from stratatools.runtime.gpu.tier import HostArena
     from stratatools.runtime.weights import load
 
@@ -347,17 +354,8 @@ def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
         monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", order)
         pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
                         blob_bytes=[ly.blob_bytes for ly in arena.layers])
-        rt = GPURuntime(w, policy=pol, miss_mode="host", arena=arena)
-        dec = StaticDecoder(rt, max_ctx=n_ctx)
-        dec.load_state(rt.new_state())
-        assert dec.capture()
-        tok, out = _prompt(kit, 1)[0], []
-        for _ in range(n_ctx):
-            lg = dec.step(tok).get()
-            ids, _ = dec.routing()
-            out.append((lg.copy(), ids.copy()))
-            tok = dec.next_token()
-        got[order], stats[order] = out, dec.fetch_stats()
+        dec, got[order] = _captured_steps(kit, w, arena, pol, n_ctx)
+        stats[order] = dec.fetch_stats()
         assert stats[order]["prefetched_jobs"] > 0 and stats[order]["prefetch_used_jobs"] > 0, (order, stats[order])
     for order in ("after", "mixer"):
         for (a, ia), (b, ib) in zip(got["first"], got[order]):
