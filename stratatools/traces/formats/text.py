@@ -12,7 +12,8 @@ per routed entry; prompt ids become request numbers in order of first appearance
 ``phase``; a file with it reads back into ``window``.
 
 Bad input (StrataError with the line number, 1-based, header included):
-a non-numeric or missing field; a negative layer or one above 4096; a negative expert id; an expert id >=
+a non-numeric or missing field; an integer field (positions, layers, ranks, expert ids, windows) that is not
+written as a decimal integer (``1e3``, ``3.0``, ``0x10``: refused, never read as 1000 or 3); a negative layer or one above 4096; a negative expert id; an expert id >=
 ``n_expert`` on a layer below ``n_layers`` (same rule as the Strata reader); a rank outside 0..1023; a
 non-finite weight; an empty file or a header without rows; rows of one llama-csv line beyond 1024 ids; an
 expert id twice in one llama-csv row or one ``csv`` record (the rows of one prompt, token_pos, layer and phase,
@@ -28,7 +29,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -40,7 +41,12 @@ from stratatools.traces.semantics import REPEAT_FIX, check_record_lengths, first
 
 KIT_COLUMNS = ["model", "prompt_id", "token_pos", "layer", "rank", "expert_id", "weight"]
 _PHASE_BY_NAME = {"prefill": PREFILL, "decode": DECODE, "unknown": UNKNOWN, "0": PREFILL, "1": DECODE, "2": UNKNOWN}
-_INT_RE = re.compile(r"^\s*[+-]?\d+\s*$")
+_INT_RE = re.compile(r"^\s*[+-]?\d+\s*$", re.ASCII)
+# bytes that make an integer field a float to pandas' C parser, which then casts an integral float to int ("1e3" ->
+# 1000, "3.0" -> 3): the per-entry reader refuses them in its integer columns (see _check_int_tokens)
+_FLOAT_BYTES = np.zeros(256, dtype=bool)
+_FLOAT_BYTES[[ord("."), ord("e"), ord("E")]] = True
+_CHECK_CHUNK = 1 << 24
 
 
 def _line_err(path: Any, line: int, what: str, fix: str | None = None) -> StrataError:
@@ -51,6 +57,11 @@ def _line_err(path: Any, line: int, what: str, fix: str | None = None) -> Strata
 
 
 def _read_text(path: Path) -> str:
+    return _read_bytes_text(path)[1]
+
+
+def _read_bytes_text(path: Path) -> tuple[bytes, str]:
+    """The file's bytes and its UTF-8 text; StrataError for a missing, empty, non-UTF-8 file or a folder."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -60,7 +71,7 @@ def _read_text(path: Path) -> str:
     if not data.strip():
         raise StrataError(f"{path}: line 1: empty file: no routing rows", path)
     try:
-        return data.decode("utf-8")
+        return data, data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise _line_err(path, line, f"not UTF-8 text (byte {e.start})", "is this a binary trace? pass --from") from None
@@ -91,17 +102,18 @@ def _check_ranges(path: Any, line_of: np.ndarray, layer: np.ndarray, expert: np.
 CUT_FIX = "restore the complete file, or remove the partial last line"
 
 
-def _check_cut_end(path: Any, text: str, sizes: np.ndarray, line: int, what: str) -> None:
+def _check_cut_end(path: Any, text: str, sizes: np.ndarray, line: "int | Callable[[], int]", what: str) -> None:
     """Refuse a text trace cut mid-row: the file does not end with a newline and its last row (llama-csv) or record
     (per-entry CSV) has fewer expert ids than every one before it, all of one size; only then is the cut
     unambiguous (a short row that ends with its newline, or rows of mixed k before, are legal and read).
-    ``sizes``: expert ids per row/record in file order; ``line``: the last line's number."""
+    ``sizes``: expert ids per row/record in file order; ``line``: the last line's number (or a function giving it,
+    called only for the error)."""
     if text.rstrip(" \t").endswith("\n") or len(sizes) < 2:
         return
     k = int(sizes[0])
     last = int(sizes[-1])
     if last < k and bool(np.all(sizes[:-1] == k)):
-        raise _line_err(path, line, f"the last {what} has {last} {'expert ids' if what == 'row' else 'entries'} "
+        raise _line_err(path, line() if callable(line) else line, f"the last {what} has {last} {'expert ids' if what == 'row' else 'entries'} "
                         f"where every {what} before has {k}, and the file does not end with a newline: it was cut "
                         f"mid-{what}", CUT_FIX)
 
@@ -212,6 +224,59 @@ def _slow_kit_scan(path: Path, text: str, has_phase: bool, has_window: bool = Fa
     raise StrataError(f"{path}: could not be parsed as a routing CSV", path)
 
 
+def _scan_int_fields(path: Any, text: str, line0: int, ncol: int, int_cols: tuple[int, ...]) -> None:
+    """Check the integer fields of ``text`` (whole CSV lines; its first line is line ``line0`` of the file) row by
+    row with the csv module and raise the first that is not an integer; rows of another width are left alone."""
+    rdr = csv.reader(io.StringIO(text, newline=""))
+    for row in rdr:
+        if len(row) == ncol:
+            for c in int_cols:
+                _int_field(path, line0 - 1 + rdr.line_num, KIT_COLUMNS[c] if c < len(KIT_COLUMNS) else "window",
+                           row[c])
+
+
+def _check_int_tokens(path: Any, data: bytes, text: str, ncol: int, has_window: bool) -> None:
+    """Refuse an integer field of a per-entry CSV that pandas read as a float cast to int (``1e3``, ``3.0``,
+    ``2.``): such a field holds a ``.``, ``e`` or ``E``. Raises StrataError (line number, field, value).
+
+    Fast path (no quote character in the file): per chunk of about 16 MiB of whole lines, the positions of the
+    commas and newlines (``ncol`` a line) give each line's integer fields (columns 2..5 and ``window``), and a
+    sorted list of the chunk's ``.eE`` bytes says whether any lies inside one, in a few numpy passes. A chunk of
+    other shape (blank lines, rows of another width) or with a hit is checked again row by row with the csv module,
+    which names the line; so is a whole file with quotes (field boundaries then need the CSV grammar)."""
+    int_cols = (2, 3, 4, 5) + ((8,) if has_window else ())
+    first_nl = data.find(b"\n")
+    if first_nl < 0:
+        return
+    if b'"' in data:
+        _scan_int_fields(path, text.split("\n", 1)[1], 2, ncol, int_cols)
+        return
+    a = np.frombuffer(data, dtype=np.uint8)
+    start, line0, n = first_nl + 1, 2, len(data)
+    while start < n:
+        end = data.find(b"\n", min(start + _CHECK_CHUNK, n) - 1)
+        end = n if end < 0 else end + 1
+        chunk = a[start:end]
+        if chunk[-1] != 10:
+            chunk = np.append(chunk, np.uint8(10))
+        seps = np.flatnonzero((chunk == 44) | (chunk == 10))
+        rows = len(seps) // ncol
+        S = seps[:rows * ncol].reshape(rows, ncol)
+        regular = len(seps) == rows * ncol and bool((chunk[S[:, -1]] == 10).all())
+        hit = not regular
+        if regular:
+            cand = np.flatnonzero(_FLOAT_BYTES[chunk])
+            if len(cand):
+                inside = np.searchsorted(cand, S[:, 5]) > np.searchsorted(cand, S[:, 1])
+                if has_window:
+                    inside |= np.searchsorted(cand, S[:, 8]) > np.searchsorted(cand, S[:, 7])
+                hit = bool(inside.any())
+        if hit:
+            _scan_int_fields(path, data[start:end].decode("utf-8"), line0, ncol, int_cols)
+        line0 += data.count(b"\n", start, end)
+        start = end
+
+
 def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
     """Read a per-entry routing CSV (kit columns, optional ``phase``); see the module docstring.
 
@@ -221,7 +286,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
     import pandas as pd
 
     path = Path(path)
-    text = _read_text(path)
+    data, text = _read_bytes_text(path)
     first = text.split("\n", 1)[0].strip().lstrip("\ufeff")
     header = [h.strip() for h in first.split(",")]
     has_window = header == KIT_COLUMNS + ["phase", "window"]
@@ -244,6 +309,7 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         raise  # unreachable: the slow scan always raises
     if len(df) == 0:
         raise StrataError(f"{path}: line 2: no routing rows after the header", path)
+    _check_int_tokens(path, data, text, len(header), has_window)
     # line numbers: blank lines are skipped by the parser, so count them back only when an error needs one
     nonblank = None
 
@@ -280,13 +346,14 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         raise _line_err(path, int(line_of_rows()[i]), f"weight {weight[i]} is not finite")
     codes, names = pd.factorize(df["prompt_id"], sort=False)
     if has_phase:
-        ph_raw = df["phase"].str.strip().str.lower()
-        ph = ph_raw.map(_PHASE_BY_NAME)
-        if ph.isna().any():
-            i = int(np.flatnonzero(ph.isna().to_numpy())[0])
+        # map the few distinct spellings, not every row
+        ph_codes, ph_names = pd.factorize(df["phase"], sort=False)
+        ph_map = np.array([_PHASE_BY_NAME.get(str(x).strip().lower(), -1) for x in ph_names], dtype=np.int8)
+        phase = ph_map[ph_codes]
+        if (ph_map < 0).any():
+            i = int(np.flatnonzero(phase < 0)[0])
             raise _line_err(path, int(line_of_rows()[i]), f"field phase is {df['phase'].iloc[i]!r}, expected "
                             f"prefill, decode or unknown")
-        phase = ph.to_numpy().astype(np.int8)
     else:
         phase = np.broadcast_to(np.int8(UNKNOWN), (len(df),))
     # records: consecutive rows of one (prompt, position, layer, phase), a new one at every rank 0
@@ -297,7 +364,8 @@ def read_kit_csv(path: str | os.PathLike, n_layers: int | None = None, n_expert:
             new[1:] |= a[1:] != a[:-1]
     starts = np.flatnonzero(new)
     check_record_lengths(starts, len(rank), path, "line", place=lambda i: line_of_rows()[i])
-    _check_cut_end(path, text, np.diff(np.r_[starts, len(rank)]), int(line_of_rows()[len(rank) - 1]), "record")
+    _check_cut_end(path, text, np.diff(np.r_[starts, len(rank)]), lambda: int(line_of_rows()[len(rank) - 1]),
+                   "record")
     i = first_repeat(expert, starts)
     if i >= 0:
         raise _line_err(path, int(line_of_rows()[i]), f"expert_id {int(expert[i])} appears twice in one record "
