@@ -81,3 +81,38 @@ def test_cli_refuses_a_float_expert_id_exit_2(tmp_path, cli):
     assert code == 2, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "line 3: field expert_id is '1e3', expected an integer" in lines[0], err
+
+
+def _float_expert_parquet(tmp_path, values):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stratatools.traces.formats import write_trace
+    from stratatools.traces.table import TraceTable
+
+    n = len(values)
+    t = TraceTable(request=np.zeros(n, np.int32), position=np.arange(n) // 2, phase=np.ones(n, np.int8),
+                   layer=np.zeros(n, np.int16), rank=np.arange(n) % 2, expert=np.arange(n),
+                   weight=np.full(n, 0.5, np.float32), meta={})
+    good = tmp_path / "good.parquet"
+    write_trace(t, good, "parquet")
+    tab = pq.read_table(good)
+    i = tab.column_names.index("expert")
+    tab = tab.set_column(i, "expert", pa.array(values, pa.float64()))
+    bad = tmp_path / "float.parquet"
+    pq.write_table(tab, bad)
+    return bad
+
+
+def test_parquet_float_expert_column_is_refused_by_both_readers(tmp_path):
+    from stratatools.traces.formats import read_trace
+    from stratatools.traces.sources import open_source
+
+    p = _float_expert_parquet(tmp_path, [1000.0, 3.7, 1.0, 2.0])
+    want = rf"{p}: column expert is double, expected an integer type"
+    with pytest.raises(StrataError, match=want):
+        read_trace(p)
+    with pytest.raises(StrataError, match=want):
+        for _ in open_source(p).chunks(2):
+            pass

@@ -232,7 +232,8 @@ class ParquetSource:
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        from stratatools.traces.formats.parquet import UNREADABLE_FIX, arrow_reason, open_parquet_file
+        from stratatools.traces.formats.parquet import (UNREADABLE_FIX, arrow_reason, check_integer_column,
+                                                        open_parquet_file)
         from stratatools.traces.semantics import ChunkChecker
 
         check = ChunkChecker(self.path)  # phases, weights, ranks, distinct ids per record (as read_trace checks)
@@ -264,6 +265,7 @@ class ParquetSource:
                 c = b.column(name)
                 if c.null_count:
                     raise StrataError(f"{self.path}: column {name} has {c.null_count} null values", self.path)
+                check_integer_column(self.path, name, c.type)
                 try:
                     a = c.to_numpy(zero_copy_only=False)
                 except (pa.ArrowException, ValueError) as e:

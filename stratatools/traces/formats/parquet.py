@@ -152,6 +152,17 @@ def arrow_reason(e: BaseException) -> str:
     return cause or type(e).__name__
 
 
+def check_integer_column(path: Any, name: str, typ) -> None:
+    """Refuse an integer column of a Parquet trace (every column but ``weight``) stored with a non-integer Arrow
+    type (a float64 ``expert`` column would be cast to ints: 1000.0 read as expert 1000, 3.7 as 3).
+    Raises StrataError naming the file, the column, its type and the fix."""
+    import pyarrow as pa
+
+    if name != "weight" and not pa.types.is_integer(typ):
+        raise StrataError(f"{path}: column {name} is {typ}, expected an integer type (write integer ids, "
+                          f"positions and layers as integers, e.g. `stratatools trace convert --to parquet`)", path)
+
+
 def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert: int | None = None) -> TraceTable:
     """Read our Parquet trace. Expert ids are range-checked like the other readers (below ``n_layers``).
 
@@ -180,6 +191,7 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         col = t.column(name)
         if col.null_count:
             raise StrataError(f"{path}: column {name} has {col.null_count} null values", path)
+        check_integer_column(path, name, col.type)
         try:
             cols[name] = col.cast(pa.from_numpy_dtype(np.dtype(dt)), safe=True).to_numpy()
         except (pa.ArrowException, ValueError) as e:
@@ -190,6 +202,7 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
         col = t.column(WINDOW)
         if col.null_count:
             raise StrataError(f"{path}: column {WINDOW} has {col.null_count} null values", path)
+        check_integer_column(path, WINDOW, col.type)
         try:
             window = col.cast(pa.int32(), safe=True).to_numpy()
         except (pa.ArrowException, ValueError) as e:
