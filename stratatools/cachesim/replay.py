@@ -48,7 +48,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import OtherModelInput, StrataError
 from stratatools.profiles.strp import Profile
 from stratatools.traces.table import Distinct as _Distinct, TraceTable
 from stratatools.cachesim import kernels as K
@@ -428,7 +428,7 @@ def _layers_error(src, lmax: int, n_layers: int, max_layers: int) -> str:
             + (f" (if layer {lmax} is this model's MTP block: pass --model M.gguf, which names it)" if hint else ""))
 
 
-class OtherModelTrace(StrataError):
+class OtherModelTrace(OtherModelInput):
     """The refusal of :func:`refuse_extra_layers`: a trace that routes layers past the model's trunk and MTP
     blocks (another model's). A StrataError (exit 2); its own class so that a caller that turns other trace
     errors into a failed check (validate-release's hit-rate gate) can let this one through as unusable input."""

@@ -29,6 +29,13 @@ class StrataError(Exception):
         super().__init__(one_line(message))
 
 
+class OtherModelInput(StrataError):
+    """Input that belongs to another model: a routing trace with expert ids at or past the model's expert count,
+    or layers past its trunk and MTP blocks. A StrataError (exit 2); its own class so that a caller that turns
+    other input errors into a failed check (validate-release's hit-rate gate) lets this one through as unusable
+    input, not a failed gate."""
+
+
 _MAX_MESSAGE = 2000
 
 

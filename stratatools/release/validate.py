@@ -382,7 +382,8 @@ def _check_hit_rate(inp: ReleaseInputs, ctx: dict[str, Any], min_hit_rate: float
 
 def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
     """The gate's replay: one scan pass and one replay pass of the static tier, ``bar`` advanced by 1 for each."""
-    from stratatools.cachesim.replay import EntryStream, LayerLimit, OtherModelTrace, simulate_many
+    from stratatools.cachesim.replay import EntryStream, LayerLimit, simulate_many
+    from stratatools.core.errors import OtherModelInput
     from stratatools.profiles.diff import default_slots_per_layer
     from stratatools.traces.sources import open_traces
 
@@ -391,9 +392,10 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
         tables = open_traces([str(t) for t in inp.traces], None, L, E)  # files, folders, globs or datasets, read chunk by chunk
         # replayed chunk by chunk: memory independent of trace length. Entries of the model's MTP blocks (layers
         # L..L+n_mtp-1) are left out of the gate, as make-profile leaves them out, and counted; traces of more
-        # layers are another model's: unusable input, refused (exit 2, as simulate and tune), not a failed gate
+        # layers, or expert ids at or past the model's expert count, are another model's: unusable input, refused
+        # (exit 2, as simulate and tune), not a failed gate
         ent = EntryStream(tables, L, E, progress=bar, max_layers=LayerLimit(L + n_mtp, True))
-    except OtherModelTrace:
+    except OtherModelInput:  # layers past the model (OtherModelTrace) or expert ids past its expert count
         raise
     except StrataError as e:
         return FAIL, str(e), {}
@@ -409,6 +411,8 @@ def _hit_rate(inp, ctx, p, L, E, min_hit_rate, slots, budget_gib, bar):
             kw["blob_bytes"] = ctx["blob_bytes"]
     try:
         r = simulate_many(ent, [dict(policy="static", profile=p, **kw)], progress=bar)[0]
+    except OtherModelInput:
+        raise
     except StrataError as e:
         return FAIL, str(e), {}
     budget = f"{budget_gib} GiB" if budget_gib is not None else f"{kw['slots']} slots"

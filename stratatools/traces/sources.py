@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import OtherModelInput, StrataError
 from stratatools.core.fsutil import check_input
 from stratatools.traces.table import COLUMNS, TraceStats, TraceTable, _stats_combine, stats_partial, table_chunks
 
@@ -284,7 +284,7 @@ class ParquetSource:
                     bad &= lay < self.n_layers
                 if bad.any():
                     i = int(np.argmax(bad))
-                    raise StrataError(f"{self.path}: row {row + i}: expert id {int(exp[i])} of layer {int(lay[i])} "
+                    raise OtherModelInput(f"{self.path}: row {row + i}: expert id {int(exp[i])} of layer {int(lay[i])} "
                                       f"is out of range for {self.n_expert} experts (the trace is for a model with "
                                       f"more experts)", self.path)
             check(out)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import OtherModelInput, StrataError
 from stratatools.core.fsutil import AtomicFile, sha256_file
 from stratatools.traces.table import COLUMNS, TraceTable
 
@@ -222,8 +222,8 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
             bad &= lay < n_layers
         if bad.any():
             i = int(np.argmax(bad))
-            raise StrataError(f"{path}: row {i}: expert id {int(exp[i])} of layer {int(lay[i])} is out of range "
-                              f"for {n_expert} experts (the trace is for a model with more experts)", path)
+            raise OtherModelInput(f"{path}: row {i}: expert id {int(exp[i])} of layer {int(lay[i])} is out of "
+                                  f"range for {n_expert} experts (the trace is for a model with more experts)", path)
     if n_layers is not None:
         meta["n_layers"] = int(n_layers)
     if n_expert is not None:

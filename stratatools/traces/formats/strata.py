@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import OtherModelInput, StrataError
 from stratatools.core.fsutil import AtomicFile
 from stratatools.traces.table import DECODE, PREFILL, UNKNOWN, TraceTable, no_hugepages, record_bounds
 from stratatools.traces.formats.strata_spec import (  # noqa: F401  (re-exported: the format's limits and tags)
@@ -285,7 +285,8 @@ class _Reader:
                 o = rec_off(int(j)) + 8 + 4 * int(c)
                 errs.append((o, _err(self.path, o, f"expert id {int(ids[j, c])} of layer {int(rl[j])} is out of "
                                      f"range for {self.n_expert} experts",
-                                     "the trace is for a model with more experts; check --n-expert / --model")))
+                                     "the trace is for a model with more experts; check --n-expert / --model",
+                                     OtherModelInput)))
         rep = first_repeat_rows(out_e.reshape(nr, k))
         if rep is not None:
             j, c = rep

@@ -22,11 +22,11 @@ TAG_NAMES = {TAG_COMMIT: "commit", TAG_FORMAT: "format", TAG_REQUEST: "request",
 _PHASE_OF_VALUE = {0: PREFILL, 1: DECODE}
 
 
-def _err(path: Any, off: int, what: str, fix: str | None = None) -> StrataError:
+def _err(path: Any, off: int, what: str, fix: str | None = None, cls: type = StrataError) -> StrataError:
     msg = f"{path}: byte {off}: {what}"
     if fix:
         msg += f" ({fix})"
-    return StrataError(msg, path)
+    return cls(msg, path)
 
 
 def _repeat_err(path: Any, off: int, expert: int, layer: int) -> StrataError:

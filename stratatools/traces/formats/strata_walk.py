@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.jit import HAVE_NUMBA, njit
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import OtherModelInput, StrataError
 from stratatools.traces.table import DECODE, UNKNOWN, TraceTable
 from stratatools.traces.formats.strata_spec import (MAX_LAYER, MAX_ROUTE_K, MAX_TAG_K, TAG_FORMAT, TAG_NAMES, _err,
                                                     _expand, _k_error, _repeat_err)
@@ -362,7 +362,7 @@ def _scan_error(path: Any, st: np.ndarray, n_expert: int | None, max_route_k: in
         return _repeat_err(path, off, va, vb)
     if code == E_IDBIG:
         return _err(path, off, f"expert id {va} of layer {vb} is out of range for {n_expert} experts",
-                    "the trace is for a model with more experts; check --n-expert / --model")
+                    "the trace is for a model with more experts; check --n-expert / --model", OtherModelInput)
     w = float(np.array([va], np.int64).astype(np.int32).view(np.float32)[0])
     return _err(path, off, f"router weight {w} is not finite (layer {vb})", "the file is corrupt")
 

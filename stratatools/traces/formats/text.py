@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stratatools.core.errors import StrataError
+from stratatools.core.errors import OtherModelInput, StrataError
 from stratatools.core.fsutil import AtomicFile, sha256_file
 from stratatools.traces.table import DECODE, PHASE_NAMES, PREFILL, UNKNOWN, TraceTable
 from stratatools.traces.formats.strata import MAX_LAYER, MAX_ROUTE_K
@@ -49,11 +49,11 @@ _FLOAT_BYTES[[ord("."), ord("e"), ord("E")]] = True
 _CHECK_CHUNK = 1 << 24
 
 
-def _line_err(path: Any, line: int, what: str, fix: str | None = None) -> StrataError:
+def _line_err(path: Any, line: int, what: str, fix: str | None = None, cls: type = StrataError) -> StrataError:
     msg = f"{path}: line {line}: {what}"
     if fix:
         msg += f" ({fix})"
-    return StrataError(msg, path)
+    return cls(msg, path)
 
 
 def _read_text(path: Path) -> str:
@@ -96,7 +96,7 @@ def _check_ranges(path: Any, line_of: np.ndarray, layer: np.ndarray, expert: np.
         if len(bad):
             i = int(bad[0])
             raise _line_err(path, int(line_of[i]), f"expert id {int(expert[i])} of layer {int(layer[i])} is out "
-                            f"of range for {n_expert} experts", "the trace is for a model with more experts")
+                            f"of range for {n_expert} experts", "the trace is for a model with more experts", OtherModelInput)
 
 
 CUT_FIX = "restore the complete file, or remove the partial last line"
