@@ -56,6 +56,8 @@ def render_inspect(r: InspectReport) -> None:
     t.add_row("tensors / file bytes", f"{r.n_tensors} / {r.total_bytes:,} ({_gib(r.total_bytes)})")
     t.add_row("shards", "\n".join(f"{i + 1}: {s.name} ({_gib(s.size_bytes)}, {s.n_tensors} tensors)"
                                   for i, s in enumerate(r.shards)))
+    t.add_row("metadata vs tensors", "consistent" if not r.inconsistency else
+              "INCONSISTENT: run, pack and validate-release refuse this file (the error line says why)")
     t.add_row("native pack", "ok" if r.packable else "refused: " + "; ".join(r.problems))
     c.print(t)
     lt = Table(title="routed experts per layer", title_justify="left")
@@ -81,6 +83,9 @@ def inspect_cmd(
         common.emit_json(r.to_dict())
     else:
         render_inspect(r)
+    if r.inconsistency:
+        # shown above as far as it could be read; the file is refused as run, pack and validate-release refuse it
+        raise StrataError(r.inconsistency)
 
 
 # -------------------------------------------------------------------------------------------- pack

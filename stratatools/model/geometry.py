@@ -349,14 +349,77 @@ def check_consistency(model: Model) -> None:
                 bad(p + t, [n, nv], f"{A}ssm.time_step_rank {nv}")
             for t in ("ssm_a", "ssm_dt.bias"):
                 bad(p + t, [nv], f"{A}ssm.time_step_rank {nv}")
+    # routed and shared experts of every block, the MTP blocks (il >= n_trunk) included: they are packed into
+    # the tier and read with the trunk's expert width (runtime/config.py n_ff_exp, one width for every block)
+    for il in range(max(bc, n_trunk)):
+        p = f"blk.{il}."
+        mtp = " (MTP block)" if il >= n_trunk else ""
         rt = model.tensors.get(router_name(il))
         E = int(rt.ne[1]) if rt is not None and len(rt.ne) == 2 else None
         bad(router_name(il), [n, E] if E is not None else [], f"{A}embedding_length {n}")
         if ff is not None and E is not None:
-            bad(exps_name(il, "gate"), [n, ff, E], f"{A}expert_feed_forward_length {ff}")
-            bad(exps_name(il, "up"), [n, ff, E], f"{A}expert_feed_forward_length {ff}")
-            bad(exps_name(il, "down"), [ff, n, E], f"{A}expert_feed_forward_length {ff}")
+            bad(exps_name(il, "gate"), [n, ff, E], f"{A}expert_feed_forward_length {ff}{mtp}")
+            bad(exps_name(il, "up"), [n, ff, E], f"{A}expert_feed_forward_length {ff}{mtp}")
+            bad(exps_name(il, "down"), [ff, n, E], f"{A}expert_feed_forward_length {ff}{mtp}")
         if sff:
-            bad(p + "ffn_gate_shexp.weight", [n, sff], f"{A}expert_shared_feed_forward_length {sff}")
-            bad(p + "ffn_up_shexp.weight", [n, sff], f"{A}expert_shared_feed_forward_length {sff}")
-            bad(p + "ffn_down_shexp.weight", [sff, n], f"{A}expert_shared_feed_forward_length {sff}")
+            bad(p + "ffn_gate_shexp.weight", [n, sff], f"{A}expert_shared_feed_forward_length {sff}{mtp}")
+            bad(p + "ffn_up_shexp.weight", [n, sff], f"{A}expert_shared_feed_forward_length {sff}{mtp}")
+            bad(p + "ffn_down_shexp.weight", [sff, n], f"{A}expert_shared_feed_forward_length {sff}{mtp}")
+    _check_ple(model, bad, n, hc, n_trunk)
+
+
+def _check_ple(model: Model, bad, n: int, hc: int | None, n_trunk: int) -> None:
+    """The per-layer-embedding (PLE) tensors against the ``ple.*`` metadata, as runtime/model.py ``_ple`` and
+    ``ple_ngram_ids`` use them: ``heads = (ple.ngram_size - 1) * ple.heads_per_ngram`` hashed rows of
+    ``per_layer_token_embd`` [embedding_length_per_layer_input, rows] are concatenated to ``heads * d`` values;
+    per PLE layer ``ple_key`` [heads*d, hc*n], ``ple_value`` [heads*d, n], ``ple_norm_key``/``ple_norm_query``/
+    ``ple_norm_conv`` [hc*n], ``ple_conv1d`` [ple.conv_kernel, hc*n]; the hash constants hold ``ple.ngram_size``
+    multipliers and ``heads`` offsets and vocabulary sizes, whose rows (offset + size) fit in the table; every
+    ``ple.layers`` entry is a trunk layer. ``bad(name, want, keys)`` raises for a tensor of another shape."""
+    path, A = model.path, f"{model.arch}."
+    layers = model.key("ple.layers")
+    if layers is None:
+        return
+    layers = list(layers) if hasattr(layers, "__len__") and not isinstance(layers, str) else [layers]
+    if not layers:
+        return
+    ngram, hpn = _meta(model, "ple.ngram_size"), _meta(model, "ple.heads_per_ngram")
+    d, K = _meta(model, "embedding_length_per_layer_input"), _meta(model, "ple.conv_kernel")
+    for il in (int(x) for x in layers):
+        if not 0 <= il < n_trunk:
+            raise StrataError(f"{path}: metadata {A}ple.layers names layer {il}, not a trunk layer (0..{n_trunk - 1}); "
+                              f"{_FIX}", path)
+    heads = (ngram - 1) * hpn if ngram and hpn else None
+    table = model.tensors.get("per_layer_token_embd.weight")
+    if d and table is not None and (len(table.ne) != 2 or int(table.ne[0]) != d):
+        raise StrataError(f"{path}: tensor {table.name} has shape {[int(x) for x in table.ne]} but metadata "
+                          f"{A}embedding_length_per_layer_input says rows of {d}; {_FIX}", path)
+    if heads:
+        for key, want in (("ple.layer_multipliers", ngram), ("ple.head_offsets", heads),
+                          ("ple.head_vocab_sizes", heads)):
+            v = model.key(key)
+            if v is not None and len(v) < want:
+                raise StrataError(f"{path}: metadata {A}{key} has {len(v)} values but {A}ple.ngram_size {ngram} "
+                                  f"(x {A}ple.heads_per_ngram {hpn}) needs {want}; {_FIX}", path)
+        off, voc = model.key("ple.head_offsets"), model.key("ple.head_vocab_sizes")
+        if off is not None and voc is not None and table is not None and len(table.ne) == 2:
+            top = max(int(off[j]) + int(voc[j]) for j in range(heads))
+            if top > int(table.ne[1]):
+                raise StrataError(f"{path}: tensor {table.name} has {int(table.ne[1])} rows but metadata "
+                                  f"{A}ple.head_offsets + {A}ple.head_vocab_sizes address rows up to {top - 1}; "
+                                  f"{_FIX}", path)
+    for il in (int(x) for x in layers):
+        p = f"blk.{il}.ple_"
+        if hc is not None:
+            W = hc * n
+            keys = f"{A}hyper_connection.count {hc} x {A}embedding_length {n}"
+            for t in ("norm_key", "norm_query", "norm_conv"):
+                bad(p + t + ".weight", [W], keys)
+            if K is not None:
+                bad(p + "conv1d.weight", [K, W], keys + f", {A}ple.conv_kernel {K}")
+            if heads and d:
+                bad(p + "key.weight", [heads * d, W], keys + f", ({A}ple.ngram_size {ngram} - 1) x "
+                    f"{A}ple.heads_per_ngram {hpn} x {A}embedding_length_per_layer_input {d}")
+        if heads and d:
+            bad(p + "value.weight", [heads * d, n], f"({A}ple.ngram_size {ngram} - 1) x {A}ple.heads_per_ngram "
+                f"{hpn} x {A}embedding_length_per_layer_input {d}, {A}embedding_length {n}")

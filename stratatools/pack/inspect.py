@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.model.geometry import ROLES, read_geometry
+from stratatools.model.geometry import ROLES, check_consistency, read_geometry
 from stratatools.model.gguf import open_model
 
 
@@ -80,6 +80,9 @@ class InspectReport:
         shards: the files.
         n_tensors: all tensors.
         problems: reasons a native pack would be refused (empty when packable).
+        inconsistency: the one-line reason the metadata does not fit the tensors
+            (:func:`stratatools.model.geometry.check_consistency`, which ``run``, ``pack`` and ``validate-release``
+            refuse), None when they agree. ``inspect`` shows the report and then exits 2 with this line.
     """
 
     path: str
@@ -104,6 +107,7 @@ class InspectReport:
     total_bytes: int
     file_type: int | None
     problems: list[str] = field(default_factory=list)
+    inconsistency: str | None = None
 
     @property
     def packable(self) -> bool:
@@ -113,7 +117,8 @@ class InspectReport:
         d = {k: getattr(self, k) for k in (
             "path", "name", "architecture", "synthetic", "block_count", "n_trunk", "n_mtp", "n_embd",
             "n_expert_used", "expert_count_kv", "n_expert", "n_ff", "n_ff_shared", "full_attention_layers",
-            "layers_without_router", "expert_bytes", "n_tensors", "total_bytes", "file_type", "problems")}
+            "layers_without_router", "expert_bytes", "n_tensors", "total_bytes", "file_type", "problems",
+            "inconsistency")}
         d["packable"] = self.packable
         d["layers"] = [ln.to_dict() for ln in self.layers]
         d["shards"] = [s.to_dict() for s in self.shards]
@@ -121,7 +126,8 @@ class InspectReport:
 
 
 def inspect_model(path: str | os.PathLike) -> InspectReport:
-    """Read a model's header(s) and describe it (no tensor data is read).
+    """Read a model's header(s) and describe it (no tensor data is read). Metadata that does not fit the tensors
+    is not raised here: it is reported in ``inconsistency`` (the caller decides; the CLI exits 2 after showing).
 
     Raises:
         StrataError: unreadable or invalid GGUF, missing shards, or not a MoE model (``not a MoE model: no
@@ -143,6 +149,11 @@ def inspect_model(path: str | os.PathLike) -> InspectReport:
             plan_pack(model)
         except StrataError as e:
             problems.append(str(e))
+        inconsistency = None
+        try:
+            check_consistency(model)
+        except StrataError as e:
+            inconsistency = str(e)
         trunk = [i for i in infos if not i.is_mtp]
         expert_bytes = sum((i.blob_bytes or 0) * i.n_expert for i in trunk)
         sh = model.key("expert_shared_feed_forward_length")
@@ -162,7 +173,7 @@ def inspect_model(path: str | os.PathLike) -> InspectReport:
             layers_without_router=[i for i, le in enumerate(geo.layers) if le is None], expert_bytes=expert_bytes,
             shards=[ShardInfo(f.path.name, f.size, len(f.tensors), f.data_start) for f in model.files],
             n_tensors=len(model.tensors), total_bytes=model.total_bytes,
-            file_type=_scalar_int(ft), problems=problems)
+            file_type=_scalar_int(ft), problems=problems, inconsistency=inconsistency)
 
 
 def _scalar_int(v: Any) -> int | None:

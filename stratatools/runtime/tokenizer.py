@@ -83,7 +83,7 @@ class BPETokenizer:
     def from_gguf(cls, model: Model) -> "BPETokenizer":
         """Build the tokenizer from a model's ``tokenizer.ggml.*`` metadata (gguf.md tokenizer keys). Raises
         StrataError naming the model when the metadata is absent, not byte-level BPE (``gpt2``), has no
-        ``tokenizer.ggml.merges`` (llama.cpp ``llama-vocab.cpp`` refuses a gpt2 vocabulary without merges: every
+        ``tokenizer.ggml.merges`` or an empty one (llama.cpp ``llama-vocab.cpp`` refuses a gpt2 vocabulary without merges: every
         text would otherwise split byte by byte), or has an unsupported pre-tokenizer.
         """
         kv = model.kv
@@ -95,6 +95,10 @@ class BPETokenizer:
         if "tokenizer.ggml.merges" not in kv:
             raise StrataError(f"{model.path}: tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is missing (text would "
                               f"split byte by byte; llama.cpp refuses such a file); re-convert it, or pass token ids", model.path)
+        if len(kv["tokenizer.ggml.merges"]) == 0:
+            raise StrataError(f"{model.path}: tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is empty (text would "
+                              f"split byte by byte; llama.cpp refuses a gpt2 vocabulary without merges); re-convert it, or "
+                              f"pass token ids", model.path)
         pre = kv.get("tokenizer.ggml.pre", "qwen2")
         if pre not in ("qwen2", "qwen35", "default"):
             raise StrataError(f"{model.path}: pre-tokenizer {pre!r} is not supported (qwen2 only)", model.path)
