@@ -170,6 +170,34 @@ def match_rows(pruned: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, dict[in
     return match, cands, u[c > 1].tolist()
 
 
+def _refuse_not_full(mp: Model, mr: Model, gp, gr) -> None:
+    """Refuse a ``--full`` reference that cannot be the unpruned model of ``mp``: the pruned file itself (the same
+    file, or any shard of its set), or a model whose routers keep no more experts than the pruned one's in every
+    trunk layer (its copy, another pruned revision), or fewer in some layer (the two models given the wrong way
+    round). Raises StrataError naming the reference, the layer and the counts."""
+    ref, pruned = mr.path, mp.path
+    for fr in mr.files:
+        for fp in mp.files:
+            try:
+                same = os.path.samefile(fr.path, fp.path)
+            except OSError:
+                same = False
+            if same:
+                raise StrataError(f"{ref}: is the pruned model itself ({fp.path}); --full takes the unpruned model it "
+                                  f"was cut from (more experts per layer), or use --other for another revision", ref)
+    pairs = [(i, lp.n_expert, lr.n_expert) for i, (lp, lr) in enumerate(zip(gp.layers, gr.layers))
+             if lp is not None and lr is not None]
+    fewer = [x for x in pairs if x[2] < x[1]]
+    if fewer:
+        i, ep, er = fewer[0]
+        raise StrataError(f"{ref}: layer {i} keeps {er} experts, fewer than the {ep} of the pruned model {pruned}; "
+                          f"--full takes the unpruned model (were --pruned and --full given the wrong way round?)", ref)
+    if pairs and all(er == ep for _, ep, er in pairs):
+        raise StrataError(f"{ref}: every trunk layer keeps as many experts as the pruned model {pruned} ({pairs[0][1]} "
+                          f"in layer {pairs[0][0]}): it is not the unpruned model; --full takes the model the pruned one "
+                          f"was cut from (more experts per layer), or use --other for another revision", ref)
+
+
 def verify_survivors(pruned: str | os.PathLike | Model, *, full: str | os.PathLike | None = None,
                      other: str | os.PathLike | None = None, alloc: str | os.PathLike | Allocation | None = None,
                      other_alloc: str | os.PathLike | Allocation | None = None) -> VerifyResult:
@@ -186,7 +214,8 @@ def verify_survivors(pruned: str | os.PathLike | Model, *, full: str | os.PathLi
 
     Raises:
         StrataError: exactly one of full/other is required; layer counts or widths differ; model errors;
-            allocation kept counts that disagree with the routers.
+            allocation kept counts that disagree with the routers; a ``full`` that is the pruned file itself or
+            keeps no more experts than it in every layer (or fewer in one).
     """
     if (full is None) == (other is None):
         raise StrataError("alloc verify needs exactly one reference: --full F.gguf or --other Q.gguf")
@@ -201,6 +230,8 @@ def verify_survivors(pruned: str | os.PathLike | Model, *, full: str | os.PathLi
             raise StrataError(f"{ref_path}: {gr.n_trunk} trunk layers but {pruned} has {gp.n_trunk}; not the same model", ref_path)
         if gp.n_embd and gr.n_embd and gp.n_embd != gr.n_embd:
             raise StrataError(f"{ref_path}: width {gr.n_embd} but {pruned} has {gp.n_embd}; not the same model", ref_path)
+        if kind == "full":
+            _refuse_not_full(mp, mr, gp, gr)
         layers: list[LayerMatch] = []
         types = ("", "")
         n_ref = 0
