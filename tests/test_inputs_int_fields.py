@@ -116,3 +116,17 @@ def test_parquet_float_expert_column_is_refused_by_both_readers(tmp_path):
     with pytest.raises(StrataError, match=want):
         for _ in open_source(p).chunks(2):
             pass
+
+
+@pytest.mark.parametrize("value", ["1e3", "3.0", "0x3", "٣", "３"])
+def test_allocation_expert_index_that_is_not_a_decimal_integer_is_refused(kit, tmp_path, value):
+    """The rco-allocation reader takes ASCII decimal indices only (was: '٣', an Arabic-Indic three, read as 3)."""
+    from stratatools.alloc.allocation import read_allocation
+
+    lines = (kit / "pruned" / "coder-revA.rco-allocation.txt").read_text(encoding="utf-8").split("\n")
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("blk.0.ffn_gate_exps.weight[3]:"))
+    lines[i] = lines[i].replace("[3]", f"[{value}]")
+    p = tmp_path / "a.txt"
+    p.write_text("\n".join(lines), encoding="utf-8")
+    with pytest.raises(StrataError, match=rf"{p}: line {i + 1}: not an allocation entry"):
+        read_allocation(p)

@@ -37,14 +37,16 @@ if TYPE_CHECKING:
 ROLES = ("gate", "up", "down")
 
 # A Section 2 entry: blk.<L>.ffn_<role>_exps.weight[<I>]: <TYPE or nothing>
-_S2 = re.compile(r"[ \t]*blk\.(\d{1,6})\.ffn_(gate|up|down)_exps\.weight\[(\d{1,7})\][ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*")
+# (re.ASCII: indices are decimal ASCII digits; without it \d also takes other scripts' digits, which int() reads)
+_S2 = re.compile(r"[ \t]*blk\.(\d{1,6})\.ffn_(gate|up|down)_exps\.weight\[(\d{1,7})\][ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*",
+                 re.ASCII)
 # A Section 1 entry: <tensor name>: <TYPE>  (names have no spaces, colons, brackets or '#')
 _S2_ALL = re.compile(r"^[ \t]*blk\.(\d{1,6})\.ffn_(gate|up|down)_exps\.weight\[(\d{1,7})\][ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*$",
-                     re.MULTILINE)
+                     re.MULTILINE | re.ASCII)
 _S1 = re.compile(r"[ \t]*([A-Za-z0-9_.\-]+)[ \t]*:[ \t]*([A-Za-z0-9_]*)[ \t\r]*")
 _BLANK_OR_COMMENT = re.compile(r"[ \t\r]*(#.*)?")
-_HDR_KEPT = re.compile(r"(\d+)\s+of\s+(\d+)")
-_HDR_LAYERS = re.compile(r"(\d+)\s+layers")
+_HDR_KEPT = re.compile(r"(\d+)\s+of\s+(\d+)", re.ASCII)
+_HDR_LAYERS = re.compile(r"(\d+)\s+layers", re.ASCII)
 
 MAX_LAYERS = 4096
 MAX_EXPERTS = 1 << 16
