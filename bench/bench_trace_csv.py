@@ -30,9 +30,13 @@ import numpy as np
 L, E, K = 48, 128, 8
 
 _CHILD = r"""
-import io, json, sys, time
+import sys
+sys.path.insert(0, sys.argv[3])  # the checkout to measure (python -c puts the current folder first otherwise)
+import io, json, time
 import pandas as pd
+import stratatools
 from stratatools.traces.formats.text import read_kit_csv, read_llama_csv
+assert stratatools.__file__.startswith(sys.argv[3]), (stratatools.__file__, sys.argv[3])
 kit, llama = sys.argv[1], sys.argv[2]
 clk = time.process_time
 read_kit_csv(kit.replace('.csv', '-small.csv'))  # warm-up: imports, lazy module loads
@@ -93,8 +97,7 @@ def main() -> None:
         res: dict[str, list[dict]] = {s: [] for s in srcs}
         for _ in range(args.rounds):
             for s in srcs:
-                env = dict(os.environ, PYTHONPATH=s)
-                out = subprocess.run([sys.executable, "-c", _CHILD, kit, llama], env=env, check=True,
+                out = subprocess.run([sys.executable, "-c", _CHILD, kit, llama, s], check=True, cwd=tmp,
                                      capture_output=True, text=True).stdout
                 res[s].append(json.loads(out.strip().splitlines()[-1]))
         for s in srcs:

@@ -130,3 +130,11 @@ def test_allocation_expert_index_that_is_not_a_decimal_integer_is_refused(kit, t
     p.write_text("\n".join(lines), encoding="utf-8")
     with pytest.raises(StrataError, match=rf"{p}: line {i + 1}: not an allocation entry"):
         read_allocation(p)
+
+
+def test_kit_csv_with_bare_carriage_returns_still_checks_the_integer_fields(tmp_path):
+    """Rows ended by a bare CR (which pandas splits at) after a header ended by LF: checked row by row."""
+    p = tmp_path / "cr.csv"
+    p.write_bytes((HEADER + "\n" + "\r".join(["m,p,0,0,0,1,0.5", "m,p,0,0,1,1e1,0.5"]) + "\n").encode())
+    with pytest.raises(StrataError, match=r": line 3: field expert_id is '1e1', expected an integer"):
+        read_kit_csv(p)
