@@ -90,13 +90,14 @@ def _rec(layer, ids):
     return struct.pack("<ii", layer, k) + struct.pack(f"<{k}i", *ids) + struct.pack(f"<{k}f", *([1.0 / k] * k))
 
 
-def _swallowed_sigterm():
-    """The CLI's SIGTERM handler run where its exception is dropped (as a ctypes callback drops it)."""
+def _swallowed_sigterm(sig: str = "SIGTERM"):
+    """The CLI's SIGTERM (or SIGINT) handler run where its exception is dropped (as a ctypes callback drops it)."""
     import signal
 
     from stratatools.cli import entry
+    handler = entry._terminated if sig == "SIGTERM" else entry._interrupted
     try:
-        entry._terminated(signal.SIGTERM, None)
+        handler(getattr(signal, sig), None)
     except BaseException:  # noqa: BLE001 - what ctypes does: "Exception ignored on calling ctypes callback"
         pass
 
@@ -109,19 +110,22 @@ def clean_signals():
     fsutil.cli_signals(False)
 
 
-def test_swallowed_sigterm_exits_143_and_publishes_nothing(tmp_path, monkeypatch, clean_signals):
+@pytest.mark.parametrize("sig, want", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_swallowed_sigterm_exits_143_and_publishes_nothing(tmp_path, monkeypatch, clean_signals, sig, want):
+    """A SIGTERM or Ctrl-C whose exception a ctypes callback swallowed (numba compiling): the run still stops
+    with 143 / 130 before publishing (a swallowed Ctrl-C used to let make-profile publish and exit 0)."""
     from stratatools.profiles import ranking
     t = tmp_path / "t.bin"
     t.write_bytes(_rec(0, [1]) + _rec(0, [2]))
     real = ranking.build_profile
 
     def build(*a, **k):
-        _swallowed_sigterm()
+        _swallowed_sigterm(sig)
         return real(*a, **k)
     monkeypatch.setattr(ranking, "build_profile", build)
     out = tmp_path / "p.strp"
     code, _, err = _cli("make-profile", t, "-o", out, "--n-layer", 1, "--n-expert", 4)
-    assert code == 143, err
+    assert code == want, err
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin"]
     # the next command is not affected

@@ -329,3 +329,102 @@ def test_a_set_that_cannot_be_put_back_says_so(tmp_path, monkeypatch):
     msg = str(ei.value)
     assert "Input/output error" in msg and f"{a} of this set was already replaced" in msg, msg
     assert "nothing was changed" not in msg and b.read_text() == "old profile" and _leftovers(tmp_path) == []
+
+
+def test_remap_refuses_to_write_onto_its_input_profiles_sidecar(cli, tmp_path):
+    """remap-profile X -o X.json --force: X.json is X's sidecar, which the run reads (its provenance is carried
+    over), so it is an input and is refused like one; it used to be replaced by the binary remapped profile."""
+    from stratatools.alloc.allocation import format_allocation
+    from stratatools.profiles.strp import Profile
+
+    a = tmp_path / "a.txt"
+    a.write_text(format_allocation([[0, 2], [1, 3]], 4))
+    src = tmp_path / "shipped.strp"
+    Profile(2, 4, [(0, 1), (1, 2)]).write(src)
+    side = tmp_path / "shipped.strp.json"
+    side.write_text('{"kind": "profile"}\n')
+    code, out, err = cli("remap-profile", src, "--alloc", a, "-o", side, "--force")
+    assert code == 2 and "input" in err and err.count("\n") == 1, err
+    assert side.read_text() == '{"kind": "profile"}\n'
+
+
+def test_a_refused_make_profile_sweeps_the_sidecars_dead_temp_too(cli, tmp_path):
+    """make-profile refused because its profile exists (no --force) removes dead writers' temps of both files of
+    its set, not only the profile's."""
+    from stratatools.traces.formats import write_trace
+    from stratatools.traces.table import TraceTable
+
+    n = 8
+    tt = TraceTable(np.zeros(n), np.arange(n) // 2, np.ones(n), np.zeros(n), np.tile([0, 1], 4), np.arange(n) % 4,
+                    np.full(n, 0.5))
+    write_trace(tt, tmp_path / "t.bin", "strata")
+    out = tmp_path / "p.strp"
+    out.write_bytes(b"previous")
+    pid = _dead_pid()
+    dead = [tmp_path / f".p.strp.{pid}-0123abcd.stratatools-tmp", tmp_path / f".p.strp.json.{pid}-0123abcd.stratatools-tmp"]
+    for d in dead:
+        d.write_bytes(b"half")
+    code, _, err = cli("make-profile", tmp_path / "t.bin", "-o", out, "--n-layer", 1, "--n-expert", 4)
+    assert code == 2 and "already exists" in err, err
+    assert not any(d.exists() for d in dead) and out.read_bytes() == b"previous"
+
+
+def test_quiet_demo_interrupted_after_its_steps_began_prints_no_note(cli, tmp_path, monkeypatch):
+    """`-q demo`: the steps run the CLI in-process and reset the global flags; an interrupted demo used to print
+    the write path's notes (a dead run's leftover removed) on the way out although -q was given."""
+    from stratatools.cli import common, entry
+
+    out = tmp_path / "d"
+    leftover = tmp_path / f".d.{_dead_pid()}-0123abcd.stratatools-tmp"
+    leftover.mkdir()
+    calls = []
+    real = entry.run_text
+
+    def stub(app, argv, width=120):
+        calls.append(argv[0])
+        if len(calls) == 2:
+            common.STATE.quiet = False  # as a step's own invocation leaves it
+            return 143, "terminated"
+        return real(app, argv, width)
+
+    monkeypatch.setattr(entry, "run_text", stub)
+    code, _, err = cli("-q", "demo", out)
+    assert code == 143 and "note:" not in err and not leftover.exists() and not out.exists(), (code, err)
+
+
+def test_notes_are_dropped_when_stderr_cannot_be_written(monkeypatch):
+    """A command that published its output and has a note still ends normally when stderr is gone (2>/dev/full):
+    the note is dropped (and still returned for --json), as every other line to stderr."""
+    from stratatools.cli import common
+
+    class Full:
+        def write(self, s):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    fsutil.take_notes()
+    fsutil._record(["x: kept: it holds y"])
+    monkeypatch.setattr(common.STATE, "quiet", False)
+    monkeypatch.setattr(common.err_console, "file", Full())
+    assert common.write_notes() == ["x: kept: it holds y"]
+
+
+def test_demo_force_carries_files_inside_its_own_folders(tmp_path, cli):
+    """`demo --force` on a demo folder where the user put files inside the demo's own folders (its reports, logs):
+    they are carried into the new demo folder with a note, the demo's own files are replaced."""
+    out = tmp_path / "d"
+    code, _, err = cli("demo", out)
+    assert code == 0, err
+    (out / "reports" / "my-analysis.md").write_text("my analysis")
+    (out / "logs" / "sub").mkdir()
+    (out / "logs" / "sub" / "mine.log").write_text("mine")
+    own = sorted(p.name for p in (out / "reports").iterdir())
+    (out / "index.md").write_text("stale")
+    code, _, err = cli("demo", out, "--force")
+    assert code == 0, err
+    assert (out / "reports" / "my-analysis.md").read_text() == "my analysis"
+    assert (out / "logs" / "sub" / "mine.log").read_text() == "mine"
+    assert (out / "index.md").read_text() != "stale" and set(own) <= {p.name for p in (out / "reports").iterdir()}
+    assert "my-analysis.md: not written by the demo; carried into the new demo folder" in err, err

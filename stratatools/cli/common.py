@@ -66,8 +66,11 @@ def write_notes() -> list[str]:
 
     notes = take_notes()
     if not STATE.quiet:
-        for n in notes:
-            err_console.print(f"note: {n}", markup=False, highlight=False, soft_wrap=True)
+        try:
+            for n in notes:
+                err_console.print(f"note: {n}", markup=False, highlight=False, soft_wrap=True)
+        except (OSError, ValueError):  # stderr gone or full: the notes are dropped, the command's result stands
+            pass
     return notes
 
 

@@ -33,8 +33,10 @@ def demo_cmd(
 
     from stratatools.cli.entry import run_text
 
-    res = run_demo(out, lambda argv: run_text(_APP, argv), force=force, progress=progress)
-    STATE.quiet = quiet  # (the steps reset it)
+    try:
+        res = run_demo(out, lambda argv: run_text(_APP, argv), force=force, progress=progress)
+    finally:  # the steps reset the global flags; a refused or interrupted demo prints its notes under them too
+        STATE.quiet = quiet
     notes = common.write_notes()  # (stderr) what the publish did beside the demo folder
     if as_json:
         from stratatools.cli.common import emit_json

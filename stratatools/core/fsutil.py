@@ -212,7 +212,12 @@ def terminate(code: int) -> None:
 
 def interrupt(code: int = 130) -> None:
     """Ctrl-C: raise KeyboardInterrupt now, or, inside :func:`signals_deferred`, note exit ``code`` (130 = 128 +
-    SIGINT) for that block's end, as :func:`terminate` does (the CLI's SIGINT handler calls this)."""
+    SIGINT) for that block's end, as :func:`terminate` does (the CLI's SIGINT handler calls this). As there, the
+    code is recorded as pending first (unless the output is already published): a KeyboardInterrupt raised inside
+    a ctypes callback (llvmlite, while numba compiles) is swallowed, and the pending code still stops the run at
+    the next publication or the CLI's check once the command returns, with nothing more published."""
+    if not _DEFER["committed"]:
+        _DEFER["pending"] = code
     if not _held(code):
         raise KeyboardInterrupt
 
@@ -329,6 +334,14 @@ def _pid_alive(pid: int) -> bool:
     except (PermissionError, OverflowError, ValueError):
         return True
     return True
+
+
+def tidy_stale_temps(path: str | os.PathLike) -> None:
+    """Remove the temp files killed writers of the file output ``path`` left beside it (:func:`guard_output` does
+    this for its own output; a command writing a set calls it for the set's other files first, so a run refused
+    for the first file still cleans up beside the others). Best effort."""
+    p = Path(path)
+    _clean_stale_temps(p.parent, p.name)
 
 
 def _clean_stale_temps(folder: Path, name: str) -> None:

@@ -429,7 +429,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     from pathlib import Path
 
     from stratatools.core import provenance
-    from stratatools.core.fsutil import guard_output
+    from stratatools.core.fsutil import guard_output, tidy_stale_temps
     from stratatools.profiles.strp import read_profile
     from stratatools.traces.sources import expand_traces, open_source, parse_where
 
@@ -458,6 +458,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     paths = [str(f) for f, _ in files]
     sidecar = provenance.sidecar_path(output)
     inputs_guard = paths + ([base] if base else []) + list(extra_inputs)
+    tidy_stale_temps(sidecar)  # (guard_output cleans beside the profile; it may refuse before the sidecar's turn)
     guard_output(output, inputs_guard, force)
     guard_output(sidecar, inputs_guard, force)  # <output>.json is written too (same no-replace publication)
     warns: list[str] = []
@@ -512,7 +513,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
                "counts": {"used_entries": res.used_entries, "skipped_layer": res.skipped_layer,
                           "skipped_layers": {str(k): v for k, v in sorted(res.skipped_layers.items())},
                           "skipped_phase": res.skipped_phase, "from_base": nb, "from_traces": nt, "from_fill": nf}})
-    sc = provenance.write_with_sidecar(output, data, rec)
+    sc = provenance.write_with_sidecar(output, data, rec, inputs_guard)
     return MakeProfileResult(str(output), str(sc), n_layers, n_expert, mode, fill, phase, weighting, info,
                              res.used_entries, res.skipped_layer, dict(res.skipped_layers), res.skipped_phase,
                              int((res.counts > 0).sum()), nb, nt, nf, psha, warns)

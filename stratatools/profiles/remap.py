@@ -202,13 +202,16 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
             (exists without ``force``, would overwrite an input), and every reader/remap error.
     """
     from stratatools.core import provenance
-    from stratatools.core.fsutil import guard_output
+    from stratatools.core.fsutil import guard_output, tidy_stale_temps
 
     if (alloc is None) == (from_alloc is None and to_alloc is None):
         raise StrataError("give either --alloc A (full profile onto a pruned model) or --from-alloc OLD --to-alloc NEW")
     if alloc is None and (from_alloc is None or to_alloc is None):
         raise StrataError("--from-alloc and --to-alloc go together")
-    inputs = [p for p in (profile, alloc, from_alloc, to_alloc, model) if p is not None]
+    # the input profile's sidecar is read too (its provenance is carried over): an input as well
+    inputs = [p for p in (profile, provenance.sidecar_path(profile), alloc, from_alloc, to_alloc, model)
+              if p is not None]
+    tidy_stale_temps(provenance.sidecar_path(out))  # (guard_output cleans beside the profile only)
     out = guard_output(out, inputs, force)
     guard_output(provenance.sidecar_path(out), inputs, force)  # <out>.json is written too
     prof = read_profile(profile)
@@ -254,7 +257,7 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
         model=model_info or {"n_layers": res.profile.n_layers, "n_expert": res.profile.n_expert},
         allocation=allocation_record(target),
         extra={"remap": res.totals(), "source_profile_built_for": built_for(src_prov)})
-    provenance.write_with_sidecar(out, data, rec)
+    provenance.write_with_sidecar(out, data, rec, inputs)
     res.notes.extend(notes)
     return res
 
