@@ -134,6 +134,22 @@ def test_swallowed_sigterm_exits_143_and_publishes_nothing(tmp_path, monkeypatch
     assert code == 0, err and out.exists()
 
 
+def test_swallowed_ctrl_c_that_broke_the_compiler_exits_130_without_traceback(tmp_path, monkeypatch, clean_signals):
+    """A Ctrl-C swallowed inside numba's compiler leaves it half-built, and the next use raises RuntimeError ("no
+    compiled object yet"): the run ends as interrupted (130, one line), not with the compiler's traceback."""
+    from stratatools.profiles import ranking
+    t = tmp_path / "t.bin"
+    t.write_bytes(_rec(0, [1]) + _rec(0, [2]))
+
+    def build(*a, **k):
+        _swallowed_sigterm("SIGINT")
+        raise RuntimeError("no compiled object yet for <Library 'expand_records'>")
+    monkeypatch.setattr(ranking, "build_profile", build)
+    code, _, err = _cli("make-profile", t, "-o", tmp_path / "p.strp", "--n-layer", 1, "--n-expert", 4)
+    assert code == 130 and "Traceback" not in err and "interrupted" in err and err.count("\n") == 1, (code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin"]
+
+
 def test_swallowed_sigterm_without_output_exits_143_at_the_end(kit, monkeypatch, clean_signals):
     """A command that publishes no file: the pending exit is raised as the command returns."""
     from stratatools.cli import common

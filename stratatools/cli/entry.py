@@ -102,6 +102,13 @@ def _invoke(app: typer.Typer, argv: list[str] | None, debug: bool, n_written: in
         common.err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except RuntimeError as e:
+        code = fsutil.pending_signal()
+        if code is not None and not (debug or os.environ.get("STRATATOOLS_DEBUG")):
+            # a Ctrl-C / SIGTERM swallowed inside numba's compiler left it half-built ("no compiled object yet"):
+            # the run ends as interrupted, not with the compiler's traceback
+            common.err_console.print(_written_note("interrupted" if code == 130 else "terminated", n_written),
+                                     markup=False, highlight=False, soft_wrap=True)
+            sys.exit(code)
         # pathlib's resolve() reports a symlink loop as RuntimeError, not OSError(ELOOP), before Python 3.13
         m = re.fullmatch(r"Symlink loop from ('.*'|\".*\")", str(e))  # the path as repr() quotes it
         if m is None or debug or os.environ.get("STRATATOOLS_DEBUG"):

@@ -163,6 +163,12 @@ def files_written(since: int = 0) -> tuple[int, list[str]]:
     return n, [p for i, p in enumerate(_DEFER["written_paths"], first) if i >= since]
 
 
+def pending_signal() -> int | None:
+    """The exit code (130 / 143) of a Ctrl-C or SIGTERM recorded by :func:`interrupt` / :func:`terminate` and not
+    raised yet (its exception was swallowed), else None."""
+    return _DEFER["pending"]
+
+
 def _stop_if_signalled() -> None:
     """Inside :func:`signals_deferred`, just before an output's rename: a SIGINT/SIGTERM held back meanwhile
     stops the publication here (its exit is raised now; the caller's guard removes the temp), so the previous
