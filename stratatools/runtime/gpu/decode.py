@@ -128,8 +128,9 @@ def dense_q8_enabled() -> bool:
 #: staged on the device (:meth:`StaticDecoder._stage_from_device`); :func:`stratatools.runtime.device.plan_vram` then
 #: plans the token and PLE tables' bytes (:func:`stage_table_bytes`), which the device staging keeps in VRAM. ``auto``
 #: (the default, also unset or empty): on for a GPU decoder whose tables take at most :data:`QUEUE_AUTO_TABLE_BYTES`
-#: (measured on an H200, 48 x 256 Q2_0: 120.3 against 117.9 tokens/s all resident, 95.8 against 93.8 for 1,872 slots
-#: static; bench/gpu-notes.md, tenth pass); ``1``: on wherever the decoder can stage; ``0``: off.
+#: (measured on an H200, 48 x 256 Q2_0, 512-token prompt: 147.0 against 135.5 tokens/s all resident; 95.8 against
+#: 93.8 for 1,872 slots static before the split attention; bench/gpu-notes.md, tenth pass); ``1``: on wherever the
+#: decoder can stage; ``0``: off.
 DECODE_QUEUE_ENV = "STRATATOOLS_DECODE_QUEUE"
 #: ``auto`` leaves queued steps off when the token and PLE tables would take more device memory than this (the
 #: room would otherwise go to expert slots): 256 MiB.
