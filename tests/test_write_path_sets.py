@@ -171,7 +171,8 @@ def test_tidy_with_the_outputs_names_sweeps_dead_asides_like_a_publish(tmp_path)
     assert os.listdir(clash) == ["user.txt"] and (clash / "user.txt").read_text() == "mine"
     assert sorted(os.listdir(t)) == ["a.txt", "notes.txt", "report.json", "user.txt"]
     assert (t / "a.txt").read_text() == "current A"
-    assert any(n.startswith(f"{dead}: removed") for n in notes), notes
+    # the note says where the user's file went
+    assert f"{dead}: removed a leftover of an interrupted run; moved notes.txt (another program's) into {t}" in notes
     assert any(n.startswith(f"{clash}: kept") for n in notes), notes
     assert _leftovers(tmp_path) == [clash.name]
 

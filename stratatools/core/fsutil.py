@@ -1099,7 +1099,7 @@ def _same_entry(a: Path, b: Path) -> bool:
     return False
 
 
-def _retire(old: Path, t: Path, own: Callable[[str], bool] | None) -> str | None:
+def _retire(old: Path, t: Path, own: Callable[[str], bool] | None, moved_names: list[str] | None = None) -> str | None:
     """Remove ``old`` (a previous output folder after a swap, a dead run's temp or aside folder), first moving
     back into the output folder ``t`` each entry that is not the output's own (``own(name)`` False: another
     program's file written into the old folder after the last carry-over) and that ``t`` lacks. An entry ``t``
@@ -1107,7 +1107,8 @@ def _retire(old: Path, t: Path, own: Callable[[str], bool] | None) -> str | None
     holds a different entry of that name) is never deleted: ``old`` is kept with those entries only, renamed to
     an aside name (``.<name>.<pid>-<hex>.stratatools-old``) if it had a temp name; a later publish tries again
     (:func:`_sweep_asides`). ``own`` None, or ``t`` not a folder: ``old`` is removed whole (all of it is the
-    output's). Returns None when ``old`` is gone, else a note naming the kept folder. Raises OSError."""
+    output's). Returns None when ``old`` is gone, else a note naming the kept folder; the names moved into ``t``
+    are appended to ``moved_names`` when given. Raises OSError."""
     if not os.path.lexists(old):
         return None
     if own is None or old.is_symlink() or not old.is_dir() or t.is_symlink() or not t.is_dir():
@@ -1122,6 +1123,8 @@ def _retire(old: Path, t: Path, own: Callable[[str], bool] | None) -> str | None
         try:
             rename_noreplace(src, t / n)
             moved = True
+            if moved_names is not None:
+                moved_names.append(n)
         except OSError:
             left.append(n)
     if moved:
@@ -1480,11 +1483,13 @@ def _sweep_asides(t: Path, keep: Callable[[str], bool] | None) -> list[str]:
     if t.is_symlink() or not t.is_dir():
         return notes
     for p in _dead_asides(t):
+        moved: list[str] = []
         try:
-            kept = _retire(p, t, _own_pred(keep))
+            kept = _retire(p, t, _own_pred(keep), moved)
         except OSError:
             continue
-        notes.append(f"{p}: removed a leftover of an interrupted run" if kept is None else kept)
+        into = f"; moved {', '.join(sorted(moved))} (another program's) into {t}" if moved else ""
+        notes.append(f"{p}: removed a leftover of an interrupted run{into}" if kept is None else kept)
     return notes
 
 
