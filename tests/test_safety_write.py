@@ -553,8 +553,12 @@ def test_pack_into_the_models_own_folder_keeps_the_model(tmp_path, tiny):
     pack_model(m, d, experts_bin=True)
     pack_model(m, d, experts_bin=True, force=True)
     assert m.read_bytes() == before and (d / NATIVE_TXT).is_file() and (d / EXPERTS_BIN).is_file()
-    with pytest.raises(StrataError, match="would replace the input"):
+    with pytest.raises(StrataError, match=r"the input .*m\.gguf is inside this output folder, which is replaced whole; "
+                                           r"move the input out of it or choose another output folder"):
         with publish_dir(d, inputs=[m]) as st:  # a folder output that would not carry the model over
+            del st
+    with pytest.raises(StrataError, match="output folder would replace the input"):
+        with publish_dir(d, inputs=[d]) as st:  # the output is the input itself
             del st
 
 

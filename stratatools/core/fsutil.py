@@ -1224,8 +1224,11 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     t = Path(target)
     for i in list(inputs) + registry_input():
         ip = Path(i)
-        if _same(t, ip) or (_inside(ip, t) and not _kept(ip, t, keep)):
+        if _same(t, ip):
             raise StrataError(f"{t}: output folder would replace the input {i}; choose another output folder", t)
+        if _inside(ip, t) and not _kept(ip, t, keep):
+            raise StrataError(f"{t}: the input {i} is inside this output folder, which is replaced whole; move the "
+                              f"input out of it or choose another output folder", t)
     if t.name in ("", ".", "..") or t.resolve() == Path.cwd().resolve():
         raise StrataError(f"{t}: name a new or existing subfolder as the output, not the current folder", t)
     if os.path.lexists(t) and (t.is_symlink() or not t.is_dir()):
