@@ -428,4 +428,4 @@ def test_demo_force_carries_files_inside_its_own_folders(tmp_path, cli):
     assert (out / "reports" / "my-analysis.md").read_text() == "my analysis"
     assert (out / "logs" / "sub" / "mine.log").read_text() == "mine"
     assert (out / "index.md").read_text() != "stale" and set(own) <= {p.name for p in (out / "reports").iterdir()}
-    assert "my-analysis.md: not written by the demo; carried into the new demo folder" in err, err
+    assert "my-analysis.md: not written by this output; carried into the new folder" in err, err

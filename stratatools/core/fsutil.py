@@ -1193,7 +1193,8 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
     ``whole``: always swap the folder (an output whose own entries are folders, the demo's, cannot be published
     file by file); the entries ``keep`` accepts are carried into the new folder (regular files as hard links,
     symlinks recreated; a folder or special file among them is refused: the caller's ``refuse`` should name it
-    before the build), and one written into the old folder after that is moved back as in any swap.
+    before the build), and one written into the old folder after that is moved back as in any swap. A file put
+    inside one of the output's own folders that the new build lacks is carried to the same place (with a note).
 
     Permissions: the published folder keeps an existing ``target``'s mode (permission bits, setgid and sticky
     included) and, where the process may set it, its group; they are set on the temp folder (created 0700)
@@ -1287,7 +1288,9 @@ def publish_dir(target: str | os.PathLike, inputs: Iterable[str | os.PathLike] =
                     return
                 if step is not None:
                     step("")
-                _carry_over(t, tmp, keep)  # entries that appeared since the check above (a race): kept if files
+                # entries that appeared since the check above (a race): kept if files; with ``whole`` also the files
+                # put inside the output's own folders
+                _carry_over(t, tmp, keep, nested=whole)
                 # An entry another program writes into the old folder after _carry_over (the window up to the swap,
                 # or later through an open folder handle) is in the previous output's folder after the swap. It is
                 # not removed with it: _retire moves it back into the new folder. The journal names the output's
@@ -1551,29 +1554,60 @@ def tidy_output(target: str | os.PathLike, keep: Callable[[str], bool] | None = 
     return _record(notes)
 
 
-def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None) -> None:
-    """Link the entries of the old folder ``t`` that ``keep`` accepts into ``tmp`` (regular files: hard links,
-    else copies; symlinks: recreated). With ``tmp`` None only check: a kept entry that is a folder or special
-    file cannot be carried over, so the swap (which removes the old folder) is refused instead."""
+def _carry_entry(src: Path, dst: Path) -> None:
+    """Put the file or symlink ``src`` at ``dst`` (absent) in the new folder: a symlink recreated, a regular file
+    hard-linked, else copied."""
     import shutil
 
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _carry_over(t: Path, tmp: Path | None, keep: Callable[[str], bool] | None, nested: bool = False) -> None:
+    """Link the entries of the old folder ``t`` that ``keep`` accepts into ``tmp`` (:func:`_carry_entry`). With
+    ``tmp`` None only check: a kept entry that is a folder or special file cannot be carried over, so the swap
+    (which removes the old folder) is refused instead. ``nested`` (a folder swapped whole whose own entries are
+    folders): a file or link inside one of the output's own folders that the new build lacks was put there by
+    someone else, and is carried to the same place too, with a note (:func:`take_notes`)."""
     if not t.is_dir() or t.is_symlink():
         return
     for e in os.scandir(t):
-        if keep is None or not keep(e.name) or _LOCK_SUFFIX in e.name:
+        if keep is None or _LOCK_SUFFIX in e.name:
             continue
-        if e.is_symlink():
+        if not keep(e.name):
+            if nested and tmp is not None and e.is_dir(follow_symlinks=False):
+                _carry_nested(t, tmp, Path(e.path))
+            continue
+        if e.is_symlink() or e.is_file(follow_symlinks=False):
             if tmp is not None and not os.path.lexists(tmp / e.name):
-                os.symlink(os.readlink(e.path), tmp / e.name)
-        elif e.is_file(follow_symlinks=False):
-            if tmp is not None and not os.path.lexists(tmp / e.name):
-                try:
-                    os.link(e.path, tmp / e.name)
-                except OSError:
-                    shutil.copy2(e.path, tmp / e.name)
+                _carry_entry(Path(e.path), tmp / e.name)
         else:
             raise StrataError(f"{t}: {e.name!r} appeared while the output was built and is not a regular file; "
                               f"run again", t)
+
+
+def _carry_nested(t: Path, tmp: Path, root: Path) -> None:
+    """:func:`_carry_over`'s ``nested`` part for the output's own folder ``root`` of ``t``. Raises StrataError
+    when such a file cannot be carried (its folder is a file in the new build, or the link and copy fail)."""
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        rel = Path(dirpath).relative_to(t)
+        for name in sorted(files) + sorted(d for d in dirs if (Path(dirpath) / d).is_symlink()):
+            src, dst = Path(dirpath) / name, tmp / rel / name
+            if os.path.lexists(dst):
+                continue  # the output's own file: the new one replaces it
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                _carry_entry(src, dst)
+            except OSError as e:
+                raise StrataError(f"{src}: is not the output's and could not be carried into the new folder "
+                                  f"({e.strerror or e}); move it out of {t} and run again", src) from None
+            _record([f"{src}: not written by this output; carried into the new folder"])
 
 
 def _kept(p: Path, folder: Path, keep: Callable[[str], bool] | None) -> bool:

@@ -99,7 +99,6 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
         StrataError: ``out`` exists and is not empty, without ``force``.
     """
     final = Path(out)
-    built: list[Path] = []  # the new build, once it exists (refuse then also carries files over: see below)
 
     def refuse(_t: Path) -> None:  # also run under the output lock just before the swap (publish_dir)
         if final.exists() and final.is_dir() and any(final.iterdir()):
@@ -114,8 +113,6 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
                     raise StrataError(f"{final / e.name}: is {kind} that is not the demo's; the demo replaces its "
                                       f"folder whole and carries only files over: move it away or choose another "
                                       f"folder", final / e.name)
-            if built:
-                _carry_into_own_folders(final, built[0])
 
     # what a killed run left beside it (its temp folder, the lock file, aside folders: the publish's keep)
     tidy_output(final, keep=_others_keep)
@@ -124,48 +121,8 @@ def run_demo(out: str | Path, runner: Runner, *, force: bool = False,
     # a refusal (a demo whose steps ran and failed is published, so that its logs show why); other
     # programs' files in the previous folder (there before, or written meanwhile) are carried into the new one
     with publish_dir(final, keep=_others_keep, refuse=refuse, whole=True) as out:
-        built.append(out)
         res = _run_steps(out, final, runner, progress)
     return _rebased(res, out, final)
-
-
-def _carry_into_own_folders(final: Path, build: Path) -> None:
-    """Files (and links) inside the previous demo's own folders (``logs``, ``reports``, ...) that the new build does
-    not hold were put there by someone else: hard-link them (else copy them) into the build at the same place, so
-    that the swap does not delete them, and say so (:func:`stratatools.core.fsutil.take_notes`). A folder of that
-    name that is a file in the build is refused (one line). Raises StrataError."""
-    import shutil
-
-    from stratatools.core.fsutil import _record
-
-    for top in sorted(OWN_NAMES):
-        root = final / top
-        if not root.is_dir() or root.is_symlink():
-            continue
-        for dirpath, dirs, files in os.walk(root):
-            dirs.sort()
-            rel_dir = Path(dirpath).relative_to(final)
-            for name in sorted(files) + sorted(d for d in dirs if (Path(dirpath) / d).is_symlink()):
-                src = Path(dirpath) / name
-                dst = build / rel_dir / name
-                if os.path.lexists(dst):
-                    continue  # the demo's own file: the new one replaces it
-                if dst.parent.exists() and not dst.parent.is_dir():
-                    raise StrataError(f"{src}: is not the demo's and its folder is a file in the new demo; move it "
-                                      f"out of {final} and run again", src)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    if src.is_symlink():
-                        os.symlink(os.readlink(src), dst)
-                    else:
-                        try:
-                            os.link(src, dst, follow_symlinks=False)
-                        except OSError:
-                            shutil.copy2(src, dst, follow_symlinks=False)
-                except OSError as e:
-                    raise StrataError(f"{src}: is not the demo's and could not be carried into the new demo "
-                                      f"({e.strerror or e}); move it out of {final} and run again", src) from None
-                _record([f"{src}: not written by the demo; carried into the new demo folder"])
 
 
 def _rebased(res: DemoResult, stage: Path, final: Path) -> DemoResult:
