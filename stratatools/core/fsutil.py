@@ -342,14 +342,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def tidy_stale_temps(path: str | os.PathLike) -> None:
-    """Remove the temp files killed writers of the file output ``path`` left beside it (:func:`guard_output` does
-    this for its own output; a command writing a set calls it for the set's other files first, so a run refused
-    for the first file still cleans up beside the others). Best effort."""
-    p = Path(path)
-    _clean_stale_temps(p.parent, p.name)
-
-
 def _clean_stale_temps(folder: Path, name: str) -> None:
     """Remove temp files a killed writer of ``name`` left in ``folder``: only regular files (or symlinks, which
     are removed themselves, never followed) named ``.<name>.<pid>-<hex>.stratatools-tmp`` (``<name>`` its
@@ -773,7 +765,21 @@ def guard_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], fo
 
     Returns the output as a Path. Raises StrataError with the fix.
     """
-    _clean_stale_temps(Path(out).parent, Path(out).name)
+    return guard_outputs([out], inputs, force)[0]
+
+
+def guard_outputs(outs: Iterable[str | os.PathLike], inputs: Iterable[str | os.PathLike], force: bool) -> list[Path]:
+    """:func:`guard_output` for the files of one output set (a profile and its sidecar): the dead writers' temp
+    files of every file are removed first, so a run refused for the first file still cleans up beside the others.
+    Returns the outputs as Paths. Raises StrataError with the fix."""
+    outs, inputs = [Path(o) for o in outs], list(inputs)
+    for o in outs:
+        _clean_stale_temps(o.parent, o.name)
+    return [_guard_checked(o, inputs, force) for o in outs]
+
+
+def _guard_checked(out: Path, inputs: list, force: bool) -> Path:
+    """:func:`guard_output` after its clean-up."""
     out = check_target(out, inputs)
     if (out.exists() or out.is_symlink()) and not force:
         raise StrataError(f"{out}: already exists (pass --force to replace it)", out)

@@ -429,7 +429,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     from pathlib import Path
 
     from stratatools.core import provenance
-    from stratatools.core.fsutil import guard_output, tidy_stale_temps
+    from stratatools.core.fsutil import guard_outputs
     from stratatools.profiles.strp import read_profile
     from stratatools.traces.sources import expand_traces, open_source, parse_where
 
@@ -458,9 +458,7 @@ def make_profile_files(traces: Sequence[str], output: str, n_layers: int, n_expe
     paths = [str(f) for f, _ in files]
     sidecar = provenance.sidecar_path(output)
     inputs_guard = paths + ([base] if base else []) + list(extra_inputs)
-    tidy_stale_temps(sidecar)  # (guard_output cleans beside the profile; it may refuse before the sidecar's turn)
-    guard_output(output, inputs_guard, force)
-    guard_output(sidecar, inputs_guard, force)  # <output>.json is written too (same no-replace publication)
+    guard_outputs([output, sidecar], inputs_guard, force)  # <output>.json is written too (same no-replace publication)
     warns: list[str] = []
     base_prof = None
     if base is not None:

@@ -202,7 +202,7 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
             (exists without ``force``, would overwrite an input), and every reader/remap error.
     """
     from stratatools.core import provenance
-    from stratatools.core.fsutil import guard_output, tidy_stale_temps
+    from stratatools.core.fsutil import guard_outputs
 
     if (alloc is None) == (from_alloc is None and to_alloc is None):
         raise StrataError("give either --alloc A (full profile onto a pruned model) or --from-alloc OLD --to-alloc NEW")
@@ -211,9 +211,7 @@ def remap_profile_files(profile: str | os.PathLike, out: str | os.PathLike, *, a
     # the input profile's sidecar is read too (its provenance is carried over): an input as well
     inputs = [p for p in (profile, provenance.sidecar_path(profile), alloc, from_alloc, to_alloc, model)
               if p is not None]
-    tidy_stale_temps(provenance.sidecar_path(out))  # (guard_output cleans beside the profile only)
-    out = guard_output(out, inputs, force)
-    guard_output(provenance.sidecar_path(out), inputs, force)  # <out>.json is written too
+    out, _ = guard_outputs([out, provenance.sidecar_path(out)], inputs, force)  # <out>.json is written too
     prof = read_profile(profile)
     src_prov = provenance.read_sidecar(profile)
     notes: list[str] = []
