@@ -13,9 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +23,19 @@ from stratatools.core.errors import StrataError
 from stratatools.core.fsutil import guard_output, publish_dir, write_bytes_atomic
 
 
-def _leftovers(folder: Path) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if "stratatools-" in n)
+from test_safety_publish_edges import _dead_pid, _leftovers  # noqa: E402
 
 
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+def _rename_fails_for(monkeypatch, target: Path) -> None:
+    """os.rename onto ``target`` fails with EIO (a rename of the set failing midway)."""
+    real = os.rename
+
+    def rename(src, dst, *x, **k):
+        if Path(dst) == target:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst, *x, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
 
 
 def _after_staging(monkeypatch, n: int, act) -> None:
@@ -95,14 +97,7 @@ def test_a_rename_that_fails_midway_puts_the_set_back(tmp_path, monkeypatch, exi
     if existed:
         a.write_text("old sidecar")
         b.write_text("old profile")
-    real = os.rename
-
-    def rename(src, dst, *x, **k):
-        if Path(dst) == b:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(src, dst, *x, **k)
-
-    monkeypatch.setattr(os, "rename", rename)
+    _rename_fails_for(monkeypatch, b)
     monkeypatch.setattr(fsutil, "_renameat2", lambda *x: False)  # (no-replace falls back to link + unlink)
     with pytest.raises(StrataError, match="Input/output error") as ei:
         fsutil.write_files_atomic([(a, b"new sidecar"), (b, b"new profile")])
@@ -315,14 +310,7 @@ def test_a_set_that_cannot_be_put_back_says_so(tmp_path, monkeypatch):
     a, b = tmp_path / "p.bin.json", tmp_path / "p.bin"
     a.write_text("old sidecar")
     b.write_text("old profile")
-    real = os.rename
-
-    def rename(src, dst, *x, **k):
-        if Path(dst) == b:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(src, dst, *x, **k)
-
-    monkeypatch.setattr(os, "rename", rename)
+    _rename_fails_for(monkeypatch, b)
     monkeypatch.setattr(fsutil, "_backup", lambda t: None)
     with pytest.raises(StrataError) as ei:
         fsutil.write_files_atomic([(a, b"new sidecar"), (b, b"new profile")])
