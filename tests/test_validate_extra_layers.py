@@ -28,14 +28,20 @@ def _with_layer(src: Path, dst: Path, copy_from: int, to: int) -> int:
     return len(extra)
 
 
+def _validate_revb(cli, p, t, rep):
+    """validate-release of the kit's pruned revision B with its remapped profile on trace ``t`` (report ``rep``):
+    (exit code, stdout, stderr)."""
+    return cli("validate-release", "--model", p / "coder-revB.gguf", "--profile",
+               p / "expected-profile-revA-remapped-to-revB.bin", "-t", t, "--min-hit-rate", "0.1", "--slots", 48,
+               "--json-out", rep)
+
+
 def test_layers_past_a_model_without_mtp_are_refused_exit_2(kit, cli, tmp_path):
     p = kit / "pruned"
     t = tmp_path / "past.csv"
     assert _with_layer(p / "coder-revB.routing.csv", t, 7, 8) == 540
     rep = tmp_path / "v.json"
-    code, out, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--profile",
-                         p / "expected-profile-revA-remapped-to-revB.bin", "-t", t, "--min-hit-rate", "0.1",
-                         "--slots", 48, "--json-out", rep)
+    code, out, err = _validate_revb(cli, p, t, rep)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, (code, out, err)
     assert f"{t}: the trace routes layers up to 8 but the model has 8 trunk layers (0..7)" in lines[0], lines[0]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from test_validate_extra_layers import _validate_revb  # noqa: E402
+
 
 def _with_id(src, dst, line: int, expert: int) -> str:
     lines = src.read_text().splitlines()
@@ -26,9 +28,7 @@ def test_expert_id_past_the_model_is_refused_exit_2(kit, cli, tmp_path, fmt):
         assert code == 0, err
         t = tmp_path / "ids.parquet"
     rep = tmp_path / "v.json"
-    code, out, err = cli("validate-release", "--model", p / "coder-revB.gguf", "--profile",
-                         p / "expected-profile-revA-remapped-to-revB.bin", "-t", t, "--min-hit-rate", "0.1",
-                         "--slots", 48, "--json-out", rep)
+    code, out, err = _validate_revb(cli, p, t, rep)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, (code, out, err)
     place = "line 40" if fmt == "csv" else "row 38"
