@@ -27,7 +27,10 @@ expert read from pinned host memory; its host->device rate during decode is prin
 pinned copy rate, the bound of an all-miss run); ``before`` and ``lrubefore``: all resident and ``--slots`` LRU as
 they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATATOOLS_DENSE_Q8=0
 STRATATOOLS_DECODE_LAG=0 STRATATOOLS_DECODE_QUEUE=0``), the baseline measured in the same run; ``noqueue``,
-``staticprofnoqueue``, ``lrunoqueue``: steps not queued (``STRATATOOLS_DECODE_QUEUE=0``, the default before), ``queue``
+``staticprofnoqueue``, ``lrunoqueue``: steps not queued (``STRATATOOLS_DECODE_QUEUE=0``, the default before), ``noside``,
+``staticprofnoside``, ``vram12noside``: the shared expert after the routed ones (``STRATATOOLS_SHARED_SIDE=0``, the default
+before), ``noint8``, ``staticprofnoint8``: the Q2_0 experts on the float pipelined kernels (``STRATATOOLS_MOE_INT8=0``,
+the default before), ``queue``
 and the like: queued whatever the tables' size (``=1``); ``staticprofmixer``, ``lrumixer``, ``vram12mixer``: the next
 layer's prefetch started at the token mixer (``STRATATOOLS_PREFETCH_ORDER=mixer``); ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
 and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``); ``pipeexp``,
@@ -450,6 +453,19 @@ def config_rows(slots: int) -> list:
               {"slots": slots, "policy": "static", "_profile": True, "_env": nq}),
              ("lrunoqueue", f"{slots} slots LRU, steps not queued (before)",
               {"slots": slots, "policy": "lru", "_env": nq})]
+    # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
+    # second stream beside the routed gate/up)
+    # the routed Q2_0 experts on the float pipelined kernels (experts.MOE_INT8_ENV=0; the default quantizes their
+    # input to 16-bit fixed point and runs int8 dot products)
+    rows += [("noint8", "all resident, float expert kernels (before)", {"_env": {"STRATATOOLS_MOE_INT8": "0"}}),
+             ("staticprofnoint8", f"{slots} slots static on the recorded profile, float expert kernels (before)",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": {"STRATATOOLS_MOE_INT8": "0"}})]
+    ns = {"STRATATOOLS_SHARED_SIDE": "0"}
+    rows += [("noside", "all resident, shared expert after the routed ones (before)", {"_env": ns}),
+             ("staticprofnoside", f"{slots} slots static on the recorded profile, shared expert after the routed ones "
+              "(before)", {"slots": slots, "policy": "static", "_profile": True, "_env": ns}),
+             ("vram12noside", "--vram-gib 12, LRU, shared expert after the routed ones (before)",
+              {"vram_gib": 12.0, "policy": "lru", "_env": ns})]
     # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
     for nb in (64, 128):
         fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}

@@ -12,7 +12,9 @@ replayed, so the time per launch includes the launch gaps a step's graph has. Pr
 rate (expert bytes read / time: TB/s on the device, GB/s from host memory), its fraction of the device-to-device
 copy rate (or of the pinned host-to-device copy rate) measured in the same run, and the largest difference from the
 staged kernel's output on the same jobs relative to that output's largest magnitude. Ends with the fastest pipe
-shape per kernel and the environment that selects it.
+shape per kernel and the environment that selects it. The routed Q2_0 rows also time the integer variants
+(``pipe8``: ``moe_gate_up_pipe_i8`` / ``moe_down_pipe_i8``, input quantized to 16-bit fixed point, int8 dot products;
+``STRATATOOLS_MOE_INT8``, on by default) at their own shapes.
 
 Usage: python bench/bench_moe_kernels.py [--reps 100] [--no-zero-copy] [--out res.json]
 """
@@ -38,6 +40,10 @@ PIPE_GU = [(256, 1, 1), (256, 2, 2), (256, 3, 2), (256, 3, 3), (256, 4, 2), (256
 PIPE_DN = [(256, 1, 1), (256, 2, 2), (256, 4, 2), (256, 4, 3), (256, 8, 3), (128, 1, 1), (128, 2, 2), (128, 4, 2),
            (64, 2, 2), (64, 4, 2)]
 PIPE_ZC = [(256, 1, 1), (256, 2, 2), (256, 4, 3), (128, 1, 1), (128, 4, 4)]
+#: shapes tried for the integer variants (``pipe8``: moe_gate_up_pipe_i8 / moe_down_pipe_i8, Q2_0 only)
+PIPE8_GU = [(256, 1, 1), (256, 2, 2), (256, 3, 3), (256, 4, 2), (128, 1, 1), (128, 2, 2), (128, 4, 4), (64, 1, 1),
+            (64, 2, 2)]
+PIPE8_DN = [(256, 1, 1), (256, 2, 2), (256, 4, 2), (128, 1, 1), (128, 2, 2), (64, 1, 1), (64, 2, 2), (32, 1, 1)]
 
 
 def q2_random(rng, n_blocks: int) -> np.ndarray:
@@ -70,7 +76,7 @@ def main() -> None:
 
     # one small module with just the kernels timed here (the fast module compiles every type)
     names = [f"{k}<{t}>" for k in ("moe_gate_up_staged", "moe_down_staged", "moe_gate_up_pipe", "moe_down_pipe")
-             for t in (8, 42)]
+             for t in (8, 42)] + ["moe_gate_up_pipe_i8<42>", "moe_down_pipe_i8<42>"]
     mod = cp.RawModule(code=K.source(), options=K.FAST_OPTIONS, name_expressions=names)
     E.kernel = lambda name, tid, fast=False: mod.get_function(f"{name}<{int(tid)}>")
     q2, q8 = type_by_name("Q2_0"), type_by_name("Q8_0")
@@ -189,9 +195,13 @@ def main() -> None:
         s.synchronize()
         cp.cuda.Device().synchronize()
         href = hbuf_ref[:k * FF].copy()
-        for kname, mb, variants in (("gate/up", k * 2 * gb, [None] + shp_gu), ("down", k * HIDDEN * t_d.row_bytes(FF),
-                                                                              [None] + shp_dn)):
-            for v in variants:
+        i8ok = t_gu.id == 42 and t_d.id == 42 and not zc  # the integer variants: Q2_0, device memory
+        for kname, mb, variants in (("gate/up", k * 2 * gb, [None] + [(v, False) for v in shp_gu]
+                                     + ([(v, True) for v in PIPE8_GU] if i8ok else [])),
+                                    ("down", k * HIDDEN * t_d.row_bytes(FF), [None] + [(v, False) for v in shp_dn]
+                                     + ([(v, True) for v in PIPE8_DN] if i8ok else []))):
+            for vv in variants:
+                v, i8 = vv if vv is not None else (None, False)
                 if kname == "gate/up":
                     if v is None:
                         def fn(i, jt=jt):
@@ -199,8 +209,8 @@ def main() -> None:
                     else:
                         shape = E.PipeShape(*v)
 
-                        def fn(i, jt=jt, shape=shape):
-                            E.pipe_gate_up(X, jt[i], t_gu, HIDDEN, FF, hb, shape)
+                        def fn(i, jt=jt, shape=shape, i8=i8):
+                            E.pipe_gate_up(X, jt[i], t_gu, HIDDEN, FF, hb, shape, int8=i8)
                     got, ref = hb, href
                 else:
                     if v is None:
@@ -209,25 +219,24 @@ def main() -> None:
                     else:
                         shape = E.PipeShape(*v)
 
-                        def fn(i, jt=jt, shape=shape):
-                            E.pipe_down(jt[i], t_d, HIDDEN, FF, href, Y, False, shape)
+                        def fn(i, jt=jt, shape=shape, i8=i8):
+                            E.pipe_down(jt[i], t_d, HIDDEN, FF, href, Y, False, shape, int8=i8)
                     got, ref = Y, yref
+                vname = "staged" if v is None else ("pipe8 %dx%dx%d" if i8 else "pipe %dx%dx%d") % v
                 try:
                     dt = timed(fn, nt, reps)
                 except Exception as ex:  # a shape over the shared-memory limit: say so, go on
-                    print(f"| {gname} | {kname} | {'staged' if v is None else 'pipe %dx%dx%d' % v} | | | | | "
-                          f"{type(ex).__name__}: {str(ex)[:60]} |")
+                    print(f"| {gname} | {kname} | {vname} | | | | | {type(ex).__name__}: {str(ex)[:60]} |")
                     continue
                 diff = float(cp.abs(got.reshape(-1) - ref.reshape(-1)).max() / cp.abs(ref).max())
                 rate = mb / dt
-                vname = "staged" if v is None else "pipe %dx%dx%d" % v
                 row = {"shape": gname, "kernel": kname, "variant": vname, "bytes": int(mb), "s": dt, "Bps": rate,
                        "of_copy": rate / ceiling, "max_rel_diff": diff}
                 res["rows"].append(row)
                 unit = f"{rate / 1e9:.1f} GB/s" if zc else f"{rate / 1e12:.2f} TB/s"
                 print(f"| {gname} | {kname} | {vname} | {mb / 1e6:.2f} | {dt * 1e6:.1f} | {unit} | {rate / ceiling:.2f} | "
                       f"{diff:.1e} |", flush=True)
-                key = (gname, kname)
+                key = (gname, kname) if not i8 else (gname + " int8", kname)
                 if v is not None and diff < 1e-4 and (key not in best or dt < best[key][1]):
                     best[key] = (v, dt)
                 if v is None:
@@ -252,9 +261,16 @@ def main() -> None:
               ("gu1", ("shared Q8_0", "gate/up")), ("down1", ("shared Q8_0", "down")))
              for v in [best.get((gname, kname), (None,))[0]] if v is not None]
     if parts:
-        env = f"STRATATOOLS_MOE_KERNEL=pipe STRATATOOLS_MOE_PIPE={','.join(parts)}"
+        env = f"STRATATOOLS_MOE_KERNEL=pipe STRATATOOLS_MOE_INT8=0 STRATATOOLS_MOE_PIPE={','.join(parts)}"
         res["best_env"] = env
-        print(f"  decode step with the best shapes (gu/down: routed, gu1/down1: the one-job shared expert): {env}")
+        print(f"  decode step with the best float shapes (gu/down: routed, gu1/down1: the one-job shared expert): {env}")
+    i8 = [best.get(("routed Q2_0 int8", kn)) for kn in ("gate/up", "down")]
+    fl = [best.get(("routed Q2_0", kn)) for kn in ("gate/up", "down")]
+    if all(i8) and all(fl):
+        res["routed_int8_s"] = i8[0][1] + i8[1][1]
+        print(f"  routed Q2_0 gate/up + down: integer variants {(i8[0][1] + i8[1][1]) * 1e6:.1f} us against float "
+              f"{(fl[0][1] + fl[1][1]) * 1e6:.1f} us ({(fl[0][1] + fl[1][1]) / (i8[0][1] + i8[1][1]):.2f}x); "
+              f"STRATATOOLS_MOE_PIPE=gu={'x'.join(map(str, i8[0][0]))},down={'x'.join(map(str, i8[1][0]))}")
     save(res)
 
 

@@ -97,7 +97,7 @@ def test_static_decoder_gpu_eager_and_graph(kit, model):
 @pytest.mark.gpu
 @pytest.mark.kit
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
-@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-ISTA-mix.gguf"])
+@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-ISTA-mix.gguf", "quant/model-Q2_0.gguf"])
 def test_static_decoder_fast_matches_reference_step(kit, model):
     """The fast step (tiled matvec, fused norms/hyper-connections/router), unfused and with the fused_step.cu kernels
     (GDN step, PLE, inject + norm, FMA expert kernels), against the reference step, all replayed from graphs on the
@@ -363,6 +363,103 @@ def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
     # the misses are the same; only how many a prediction served differs
     tot = {o: st["fetched_jobs"] + st["prefetch_used_jobs"] for o, st in stats.items()}
     assert tot["first"] == tot["after"] == tot["mixer"] > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("fetch", ["zero-copy", "prefetch"])
+def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, fetch, monkeypatch):
+    """STRATATOOLS_SHARED_SIDE=1 (the shared expert on a second stream beside the routed gate/up, the routed down
+    adding to its result) against 0 (the shared expert after the routed ones): the same logits and routing bit for
+    bit, every expert resident and (prefetch) under a partial LRU tier, graph-replayed in pieces."""
+    import cupy as cp
+
+    from stratatools.cachesim import make_tier
+    from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV, max_full_context
+    from stratatools.runtime.gpu.tier import HostArena
+    from stratatools.runtime.weights import load
+
+    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", fetch)
+    w = load(kit / "gguf/model-bf16.gguf", xp=cp)
+    arena = HostArena.from_expert_source(w.experts)
+    cfg = w.cfg
+    L, E = cfg.n_layer, max(cfg.n_expert)
+    n_ctx = max_full_context(cfg, "transformers")
+    got = {}
+    for side in ("0", "1"):
+        monkeypatch.setenv(SHARED_SIDE_ENV, side)
+        pol = None
+        if fetch == "prefetch":
+            if arena.device_ptr is None:
+                pytest.skip("pinned memory is not mapped into the device here")
+            pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
+                            blob_bytes=[ly.blob_bytes for ly in arena.layers])
+        dec, got[side] = _captured_steps(kit, w, arena, pol, n_ctx)
+        assert (dec._shared_side is not None) == (side == "1") and dec.fused
+    for (a, ia), (b, ib) in zip(got["0"], got["1"]):
+        assert np.array_equal(a, b) and np.array_equal(ia, ib)
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+def test_fused_step_int8_experts_match_float_experts(kit, monkeypatch):
+    """STRATATOOLS_MOE_INT8=1 (the default: moe_gate_up_pipe_i8 / moe_down_pipe_i8 for the Q2_0 routed and shared
+    experts) against =0 (the float pipelined kernels), graph-replayed on the kit's Q2_0 model: logits within 1e-4
+    relative and the same greedy token every step, the same routed experts in at least 99% of the layers."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import experts as E
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    path = kit / "quant/model-Q2_0.gguf"
+    if not path.exists():
+        pytest.skip("quant/model-Q2_0.gguf not carried")
+    monkeypatch.setenv(E.MOE_KERNEL_ENV, "pipe")
+    rt = GPURuntime(load(path, xp=cp))
+    n_ctx = min(32, max_full_context(rt.cfg, "transformers"))
+    st = rt.new_state()
+    lg, _ = rt.forward(_prompt(kit, 4), st)
+    decs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(E.MOE_INT8_ENV, flag)
+        d = StaticDecoder(rt, max_ctx=n_ctx, fast=True, fused=True)
+        d.load_state(st)
+        assert d.capture()
+        decs[flag] = d
+    tok = int(np.argmax(lg.get()))
+    worst, same, total, differs = 0.0, 0, 0, False
+    for _ in range(n_ctx - 4):
+        a = decs["0"].step(tok).get().astype(np.float64)
+        b = decs["1"].step(tok).get().astype(np.float64)
+        ia, _w = decs["0"].routing()
+        ib, _w = decs["1"].routing()
+        differs |= not np.array_equal(a, b)
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+        same += sum(set(ia[l].tolist()) == set(ib[l].tolist()) for l in range(ia.shape[0]))
+        total += ia.shape[0]
+        top2 = np.sort(a)[-2:]
+        assert decs["1"].next_token() == int(np.argmax(a)) or top2[1] - top2[0] < 1e-5 * np.abs(a).max()
+        tok = int(np.argmax(a))
+    print("int8 experts vs float experts, worst relative logit difference:", worst, "routing", same / total)
+    assert differs  # the integer kernels ran (their rounding differs from the float kernels')
+    assert worst < 1e-4 and same / total >= 0.99
+
+
+def test_shared_side_flag_refuses_other_values(monkeypatch):
+    from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV, shared_side
+
+    monkeypatch.delenv(SHARED_SIDE_ENV, raising=False)
+    assert shared_side() is True
+    monkeypatch.setenv(SHARED_SIDE_ENV, "0")
+    assert shared_side() is False
+    for bad in ("yes", "2", "off"):
+        monkeypatch.setenv(SHARED_SIDE_ENV, bad)
+        with pytest.raises(StrataError, match="STRATATOOLS_SHARED_SIDE=.*use 1"):
+            shared_side()
 
 
 @pytest.mark.gpu

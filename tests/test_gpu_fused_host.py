@@ -187,6 +187,12 @@ def experts_lib(tmp_path_factory):
         if tid in K.PIPE_TYPES:
             getattr(h, f"host_moe_gate_up_pipe_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I]
             getattr(h, f"host_moe_down_pipe_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I, I, I]
+        if tid in K.PIPE_I8_TYPES:
+            getattr(h, f"host_moe_gate_up_pipe_i8_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I]
+            getattr(h, f"host_moe_down_pipe_i8_{tid}").argtypes = [U, U, P, P, P, P, P, I, I, I, I, I]
+    h.host_smem_poison.argtypes = [ctypes.c_longlong]
+    h.host_smem_overrun.argtypes = [ctypes.c_longlong]
+    h.host_smem_overrun.restype = ctypes.c_longlong
     return h
 
 
@@ -311,6 +317,99 @@ def test_pipe_expert_kernels_match_reference(experts_lib, gu, dn, hidden, ff, tk
     getattr(experts_lib, f"host_moe_down_pipe_{td.id}")(gx2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y),
                                                         hidden, ff, 1, nstage, k)
     assert close(Y, 2 * Y0, 1e-6)
+
+
+# (hidden, ff, jobs of each token, max_jobs of the down launch, blocks a token for gate/up, for down, stages)
+PIPE_I8_CASES = [
+    (512, 128, (3, 3), 3, 1, 2, 2),     # one block a token for gate/up
+    (512, 192, (1,), 1, 5, 3, 3),       # 1 job, uneven items
+    (320, 64, (2, 1), 3, 2, 4, 4),      # a token with fewer jobs than max_jobs (the layout sized for max_jobs)
+    (2560, 576, (10,), 10, 24, 40, 2),  # the full-width decode step's routed shape
+]
+
+
+@pytest.mark.parametrize("hidden,ff,jobs,max_jobs,gx1,gx2,nstage", PIPE_I8_CASES)
+def test_pipe_i8_expert_kernels_match_reference(experts_lib, hidden, ff, jobs, max_jobs, gx1, gx2, nstage):
+    """moe_gate_up_pipe_i8 + moe_down_pipe_i8 (inputs quantized per block of 32 to 16-bit fixed point in two int8
+    planes, int8 dot products on the 2-bit codes) = expert_ffn_reference within 1e-4 of the output's largest value,
+    and the float pipelined kernels within the same, for Q2_0 experts at odd offsets of a buffer that ends at the last
+    blob; inputs with an all-zero block and a block below the quantizer's floor (2^-100) give finite rows; neither
+    kernel writes shared memory past the bytes experts.pipe_*_shared(int8=True) asks for; accumulate adds onto Y."""
+    from stratatools.runtime.gpu import experts as E
+    from stratatools.runtime.gpu.experts import expert_ffn_reference
+
+    T, k = len(jobs), max(jobs)
+    n_exp = k + 1
+    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", hidden, ff, n_exp, [3] + [7, 10, 19] * n_exp)
+    rng = np.random.default_rng(hidden + ff + k)
+    routes = [[n_exp - 1] + list(rng.choice(n_exp - 1, size=nj - 1, replace=False)) for nj in jobs]
+    w = [rng.uniform(0.1, 1.0, len(r)).astype(np.float32) for r in routes]
+    X = (rng.standard_normal((T, hidden)) * 0.5).astype(np.float32)
+    X[0, 32:64] = 0.0  # an all-zero block
+    X[-1, 64:96] = 1e-35  # a block under MI8_TINY: counted as zero
+    base = arena.ctypes.data
+    ptr = np.array([base + offs[e] for r in routes for e in r], dtype=np.uint64)
+    gate, up, down = ptr, ptr + np.uint64(gb), ptr + np.uint64(2 * gb)
+    tstart = np.concatenate([[0], np.cumsum(jobs)]).astype(np.int32)
+    wf = np.concatenate(w).astype(np.float32)
+    J = int(tstart[-1])
+    hbuf = np.full(J * ff, np.nan, dtype=np.float32)
+    Y = np.full((T, hidden), np.nan, dtype=np.float32)
+    shm_gu = E.pipe_gu_shared(tg, hidden, 32, nstage, int8=True)  # the host build runs one warp of one lane a block
+    experts_lib.host_smem_poison(shm_gu)
+    experts_lib.host_moe_gate_up_pipe_i8_42(gx1, T, _p(gate), _p(up), _p(tstart), _p(X), _p(hbuf), hidden, ff, nstage)
+    assert experts_lib.host_smem_overrun(shm_gu) == 0
+    shm_dn = E.pipe_down_shared(td, ff, max_jobs, 32, nstage, int8=True)
+    experts_lib.host_smem_poison(shm_dn)
+    experts_lib.host_moe_down_pipe_i8_42(gx2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), hidden, ff, 0, nstage,
+                                         max_jobs)
+    assert experts_lib.host_smem_overrun(shm_dn) == 0
+    assert np.isfinite(Y).all()
+    for t in range(T):
+        ref = expert_ffn_reference(X[t], [blobs[e] for e in routes[t]], w[t], tg, td, hidden, ff)
+        assert close(Y[t], ref, 1e-4), t
+    hf, Yf = np.zeros_like(hbuf), np.zeros_like(Y)
+    experts_lib.host_moe_gate_up_pipe_42(gx1, T, _p(gate), _p(up), _p(tstart), _p(X), _p(hf), hidden, ff, nstage)
+    experts_lib.host_moe_down_pipe_42(gx2, T, _p(down), _p(wf), _p(tstart), _p(hf), _p(Yf), hidden, ff, 0, nstage,
+                                      max_jobs)
+    assert close(hbuf, hf, 1e-4) and close(Y, Yf, 1e-4)
+    assert not np.array_equal(Y, Yf)  # (the integer path did run: its rounding differs)
+    Y0 = Y.copy()
+    experts_lib.host_moe_down_pipe_i8_42(gx2, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), hidden, ff, 1, nstage,
+                                         max_jobs)
+    assert close(Y, 2 * Y0, 1e-6)
+
+
+def test_pipe_i8_down_marks_tokens_over_the_job_bound(experts_lib):
+    """moe_down_pipe_i8: a token with more jobs than max_jobs gets NaN rows; one within the bound is computed."""
+    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 128, 64, 3, [0, 2, 2])
+    ptr = np.array([arena.ctypes.data + o for o in (offs[0], offs[1], offs[2])], dtype=np.uint64)
+    down = ptr + np.uint64(2 * gb)
+    tstart = np.array([0, 1, 3], dtype=np.int32)
+    wf = np.ones(3, dtype=np.float32)
+    hbuf = np.ones(3 * 64, dtype=np.float32)
+    Y = np.zeros((2, 128), dtype=np.float32)
+    experts_lib.host_moe_down_pipe_i8_42(2, 2, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), 128, 64, 0, 2, 1)
+    assert np.isfinite(Y[0]).all() and np.abs(Y[0]).max() > 0 and np.isnan(Y[1]).all()
+
+
+def test_moe_int8_flag(monkeypatch):
+    from stratatools.core.errors import StrataError
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.gpu import experts as E
+
+    q2, q8 = type_by_name("Q2_0"), type_by_name("Q8_0")
+    monkeypatch.delenv(E.MOE_INT8_ENV, raising=False)
+    assert E.moe_int8() and E.pipe_int8(q2) and not E.pipe_int8(q8) and not E.pipe_int8(q2, False)
+    monkeypatch.setenv(E.MOE_INT8_ENV, "0")
+    assert not E.pipe_int8(q2) and E.pipe_int8(q2, True)
+    monkeypatch.setenv(E.MOE_INT8_ENV, "on")
+    with pytest.raises(StrataError, match="STRATATOOLS_MOE_INT8='on': use 1"):
+        E.moe_int8()
+    # the integer kernels' shared memory: the quantized layout in place of the floats (2560: 2 x 2560 planes,
+    # 80 scales, 160 sums)
+    assert E.pipe_gu_shared(q2, 2560, 256, 2, int8=True) == 2 * 2560 + 320 + 640 + 8 * 2 * 2 * 736 + 16
+    assert E.pipe_down_shared(q2, 576, 10, 256, 1, int8=True) == (2 * 5760 + 720 + 1440 + 80 + 8 * 10 * 192 + 16)
 
 
 def test_pipe_down_marks_tokens_over_the_job_bound(experts_lib):

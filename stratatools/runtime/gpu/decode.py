@@ -286,6 +286,20 @@ def prefetch_order() -> str:
     return v
 
 
+#: Whether the fused decode step runs the shared expert on a second stream beside the routed experts' gate/up
+#: (``1``, the default) or after the routed experts on the step's stream (``0``); the logits are the same bit for
+#: bit (the routed down adds its sum to the shared expert's, a sum of two floats in either order).
+SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
+
+
+def shared_side() -> bool:
+    """:data:`SHARED_SIDE_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    v = os.environ.get(SHARED_SIDE_ENV, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise StrataError(f"{SHARED_SIDE_ENV}={v!r}: use 1 (the shared expert beside the routed ones) or 0")
+    return v == "1"
+
+
 def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None = None) -> int:
     """Device bytes of the miss fetch's staging for ``mode``: one blob entry per routed job (``k`` of them) for the
     layer being computed, and with ``prefetch`` two sets of :func:`prefetch_width` entries for the predicted next
@@ -587,6 +601,13 @@ class StaticDecoder:
         self.hbuf = cp.empty(self.k * max(ly.ff for ly in tier.arena.layers), dtype=cp.float32)
         self.shared_tok = cp.zeros(1, dtype=cp.int32)
         self.shared_tstart = cp.asarray(np.array([0, 1], dtype=np.int32))
+        # the fused step's shared expert on a stream of its own, beside the routed gate/up (SHARED_SIDE_ENV)
+        self._shared_side = cp.cuda.Stream(non_blocking=True) if self.fused and shared_side() else None
+        self.hbuf_shared = None
+        if self._shared_side is not None:  # its own gate/up scratch: the routed gate/up fills hbuf meanwhile
+            m = self.rt.w.model
+            self.hbuf_shared = cp.empty(max(int(m.tensor(f"blk.{il}.ffn_gate_shexp.weight").ne[1])
+                                            for il in range(cfg.n_layer)), dtype=cp.float32)
         # expert kernels of the fused step (experts.decoder_expert_kernels: $STRATATOOLS_MOE_KERNEL, else pipelined
         # for the shared expert and for the routed ones when every blob is read from device memory); a call whose
         # types have no pipelined kernels (IQ2_XS, IQ4_NL, ...) runs on the staged ones (experts.expert_kernel_path)
@@ -1154,11 +1175,26 @@ class StaticDecoder:
         dev, sptrs, gu_t, d_t, hidden, ff = self.rt._shared_expert(il)
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
         jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
-        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True,
-                   kernels=self.kernels_routed)
         sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg, self.shared_tstart)
-        expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True,
-                   kernels=self.kernels_shared)
+        if self._shared_side is None:
+            expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True,
+                       kernels=self.kernels_routed)
+            expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True,
+                       kernels=self.kernels_shared)
+            return y.reshape(-1)
+        # the shared expert on the side stream (its own scratch) beside the routed gate/up; the routed down adds
+        # to its result: y = shared + routed, the same float sum as routed + shared
+        main, side = cp.cuda.get_current_stream(), self._shared_side
+        fork = cp.cuda.Event(disable_timing=True)
+        fork.record(main)
+        side.wait_event(fork)
+        with side:
+            expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, hbuf=self.hbuf_shared, fast=True,
+                       kernels=self.kernels_shared)
+        join = cp.cuda.Event(disable_timing=True)
+        join.record(side)
+        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, accumulate=True, hbuf=self.hbuf,
+                   fast=True, kernels=self.kernels_routed, before_down=lambda: main.wait_event(join))
         return y.reshape(-1)
 
     def _body_fused(self) -> None:

@@ -31,7 +31,7 @@ from stratatools.core.errors import StrataError
 from stratatools.model.ggml_types import GGMLType
 
 from stratatools.runtime.gpu import require_cupy
-from stratatools.runtime.gpu.kernels import (MOE_ROW_BUF, MOE_ROW_MAX, PIPE_TYPES, UNIT, launch_big_shared,
+from stratatools.runtime.gpu.kernels import (MOE_ROW_BUF, MOE_ROW_MAX, PIPE_I8_TYPES, PIPE_TYPES, UNIT, launch_big_shared,
                                              kernel)
 
 WARPS_PER_BLOCK = 8
@@ -199,21 +199,53 @@ def pipe_shapes(value: str | None = None) -> dict[str, PipeShape]:
     return out
 
 
+#: Whether the pipelined kernels run their integer variants (``moe_gate_up_pipe_i8`` / ``moe_down_pipe_i8``: the
+#: input quantized per block of 32 to 16-bit fixed point, int8 dot products) for the types that have them
+#: (:data:`PIPE_I8_TYPES`: Q2_0): ``1`` (the default) or ``0`` (the float variants).
+MOE_INT8_ENV = "STRATATOOLS_MOE_INT8"
+
+
+def moe_int8() -> bool:
+    """:data:`MOE_INT8_ENV` as a flag (default on). Raises StrataError for a value other than 0 or 1."""
+    v = os.environ.get(MOE_INT8_ENV, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise StrataError(f"{MOE_INT8_ENV}={v!r}: use 1 (integer dot products for Q2_0 experts) or 0")
+    return v == "1"
+
+
+def pipe_int8(t: GGMLType, int8: bool | None = None) -> bool:
+    """Whether a pipelined launch for type ``t`` runs the integer variant: ``int8`` (None: :func:`moe_int8`) and
+    ``t`` one of :data:`PIPE_I8_TYPES`."""
+    return (moe_int8() if int8 is None else int8) and t.id in PIPE_I8_TYPES
+
+
+def _i8_layout(n: int) -> int:
+    """Bytes of moe_staged.cu's quantized-input layout of ``n`` values (mi8_end): two int8 planes, 16-byte aligned,
+    a float scale per 32 values, an int sum per 16, the end aligned to 16."""
+    def a16(v: int) -> int:
+        return (v + 15) // 16 * 16
+    return a16(a16(2 * n) + 4 * (n // 32) + 4 * (n // 16))
+
+
 def _slot_stride(t: GGMLType, ncols: int) -> int:
     return ((t.row_bytes(ncols) + 30) // 16) * 16
 
 
-def pipe_gu_shared(gu_type: GGMLType, hidden: int, threads: int, stages: int) -> int:
-    """Dynamic shared bytes of ``moe_gate_up_pipe``: x (hidden floats) + a ring of ``stages`` slots of a gate and an
-    up row per warp + MOE_PIPE_PAD."""
-    return hidden * 4 + (threads // 32) * stages * 2 * _slot_stride(gu_type, hidden) + MOE_PIPE_PAD
+def pipe_gu_shared(gu_type: GGMLType, hidden: int, threads: int, stages: int, int8: bool = False) -> int:
+    """Dynamic shared bytes of ``moe_gate_up_pipe``: x (hidden floats; with ``int8``, ``moe_gate_up_pipe_i8``'s
+    quantized layout) + a ring of ``stages`` slots of a gate and an up row per warp + MOE_PIPE_PAD."""
+    x = _i8_layout(hidden) if int8 else hidden * 4
+    return x + (threads // 32) * stages * 2 * _slot_stride(gu_type, hidden) + MOE_PIPE_PAD
 
 
-def pipe_down_shared(d_type: GGMLType, ff: int, max_jobs: int, threads: int, stages: int) -> int:
+def pipe_down_shared(d_type: GGMLType, ff: int, max_jobs: int, threads: int, stages: int, int8: bool = False) -> int:
     """Dynamic shared bytes of ``moe_down_pipe``: the token's h rows (max_jobs * ff floats), weights, addresses, a
-    ring of ``stages`` slots of max_jobs down rows per warp + MOE_PIPE_PAD."""
-    return (max_jobs * ff * 4 + 16 * ((max_jobs + 3) // 4) + 16 * ((max_jobs + 1) // 2)
-            + (threads // 32) * stages * max_jobs * _slot_stride(d_type, ff) + MOE_PIPE_PAD)
+    ring of ``stages`` slots of max_jobs down rows per warp + MOE_PIPE_PAD; with ``int8`` (``moe_down_pipe_i8``) the
+    h rows' quantized layout, the addresses (16-byte aligned) and the same ring."""
+    ring = (threads // 32) * stages * max_jobs * _slot_stride(d_type, ff) + MOE_PIPE_PAD
+    if int8:
+        return _i8_layout(max_jobs * ff) + (8 * max_jobs + 15) // 16 * 16 + ring
+    return max_jobs * ff * 4 + 16 * ((max_jobs + 3) // 4) + 16 * ((max_jobs + 1) // 2) + ring
 
 
 def _pipe_grid(rows_total: int, shape: PipeShape) -> tuple[int, int]:
@@ -246,16 +278,19 @@ def staged_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: 
 
 
 def pipe_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any,
-                 shape: PipeShape) -> None:
+                 shape: PipeShape, int8: bool | None = None) -> None:
     """Launch ``moe_gate_up_pipe`` with ``shape`` (same result as :func:`staged_gate_up`; Q2_0 / Q8_0; no alignment
     asked of X or hbuf): blocks of one token each, over the token's (job, row) pairs (:func:`pipe_max_jobs` * ff;
-    the blocks of a token with fewer jobs find nothing to do). Raises StrataError when the shape's shared memory
+    the blocks of a token with fewer jobs find nothing to do); ``moe_gate_up_pipe_i8`` instead when
+    :func:`pipe_int8` (``int8``; None: :data:`MOE_INT8_ENV`). Raises StrataError when the shape's shared memory
     exceeds PIPE_MAX_SHARED."""
     gx, st = _pipe_grid(pipe_max_jobs(jobs) * ff, shape)
-    shm = pipe_gu_shared(gu_type, hidden, shape.threads, st)
+    i8 = pipe_int8(gu_type, int8)
+    shm = pipe_gu_shared(gu_type, hidden, shape.threads, st, i8)
     if shm > PIPE_MAX_SHARED:
         raise StrataError(f"moe_gate_up_pipe: {shape} needs {shm} bytes of shared memory, over {PIPE_MAX_SHARED}")
-    launch_big_shared(kernel("moe_gate_up_pipe", gu_type.id), (gx, jobs.n_tokens), (shape.threads,),
+    launch_big_shared(kernel("moe_gate_up_pipe_i8" if i8 else "moe_gate_up_pipe", gu_type.id), (gx, jobs.n_tokens),
+                      (shape.threads,),
                       (jobs.gate_ptr, jobs.up_ptr, jobs.tstart, X, hbuf, np.int32(hidden), np.int32(ff),
                        np.int32(st)), shm)
 
@@ -269,16 +304,19 @@ def pipe_max_jobs(jobs: ExpertJobs) -> int:
 
 
 def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: Any, out: Any, accumulate: bool,
-              shape: PipeShape) -> None:
-    """Launch ``moe_down_pipe`` with ``shape`` (same result as :func:`staged_down`; Q2_0 / Q8_0). Raises StrataError
-    when the shape's shared memory exceeds PIPE_MAX_SHARED."""
+              shape: PipeShape, int8: bool | None = None) -> None:
+    """Launch ``moe_down_pipe`` with ``shape`` (same result as :func:`staged_down`; Q2_0 / Q8_0), or
+    ``moe_down_pipe_i8`` when :func:`pipe_int8` (``int8``; None: :data:`MOE_INT8_ENV`). Raises StrataError when the
+    shape's shared memory exceeds PIPE_MAX_SHARED."""
     mj = pipe_max_jobs(jobs)
     gx, st = _pipe_grid(hidden, shape)
-    shm = pipe_down_shared(d_type, ff, mj, shape.threads, st)
+    i8 = pipe_int8(d_type, int8)
+    shm = pipe_down_shared(d_type, ff, mj, shape.threads, st, i8)
     if shm > PIPE_MAX_SHARED:
         raise StrataError(f"moe_down_pipe: {shape} for {mj} jobs a token needs {shm} bytes of shared memory, over "
                           f"{PIPE_MAX_SHARED}")
-    launch_big_shared(kernel("moe_down_pipe", d_type.id), (gx, jobs.n_tokens), (shape.threads,),
+    launch_big_shared(kernel("moe_down_pipe_i8" if i8 else "moe_down_pipe", d_type.id), (gx, jobs.n_tokens),
+                      (shape.threads,),
                       (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
                        np.int32(1 if accumulate else 0), np.int32(st), np.int32(mj)), shm)
 
@@ -290,10 +328,11 @@ def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int
     if gu_type.id not in PIPE_TYPES or d_type.id not in PIPE_TYPES:
         return False
     gx, st = _pipe_grid(pipe_max_jobs(jobs) * ff, shapes["gu"])
-    if pipe_gu_shared(gu_type, hidden, shapes["gu"].threads, st) > PIPE_MAX_SHARED:
+    if pipe_gu_shared(gu_type, hidden, shapes["gu"].threads, st, pipe_int8(gu_type)) > PIPE_MAX_SHARED:
         return False
     gx, st = _pipe_grid(hidden, shapes["down"])
-    return pipe_down_shared(d_type, ff, pipe_max_jobs(jobs), shapes["down"].threads, st) <= PIPE_MAX_SHARED
+    return pipe_down_shared(d_type, ff, pipe_max_jobs(jobs), shapes["down"].threads, st,
+                            pipe_int8(d_type)) <= PIPE_MAX_SHARED
 
 
 def decoder_expert_kernels(from_device: bool) -> tuple[str, str]:
@@ -337,7 +376,7 @@ def expert_kernel_path(jobs: Any, gu_type: GGMLType, d_type: GGMLType, hidden: i
 
 def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
                out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False,
-               kernels: str | None = None) -> Any:
+               kernels: str | None = None, before_down: Any = None) -> Any:
     """Routed-expert FFN for T tokens: ``Y[t] (+)= sum_j w_j * down_j(silu(gate_j x_t) * up_j x_t)``.
 
     Args:
@@ -355,6 +394,9 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
             the FMA build of the others.
         kernels: ``staged`` or ``pipe`` (:func:`expert_kernel_choice`; None: ``$STRATATOOLS_MOE_KERNEL``, default
             ``staged``); only read with ``fast``.
+        before_down: optional callable run after the gate/up launch is queued and before the down launch (the
+            decode step makes the down launch wait there for the shared expert's side stream, whose result it adds
+            to).
     Returns:
         CuPy float32 ``[T, hidden]``.
     Raises:
@@ -370,6 +412,8 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         out = cp.empty((T, hidden), dtype=cp.float32)
         accumulate = False
     if J == 0:
+        if before_down is not None:
+            before_down()
         if not accumulate:
             out.fill(0)
         return out
@@ -382,17 +426,23 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         sh = pipe_shapes()
         one = "1" if J == 1 else ""
         pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one])
+        if before_down is not None:
+            before_down()
         pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one])
         return out
     if path == "staged":
         # staged rows (moe_staged.cu): a warp's rows copied to shared memory, then decoded from there
         staged_gate_up(X, jobs, gu_type, hidden, ff, hbuf)
+        if before_down is not None:
+            before_down()
         staged_down(jobs, d_type, hidden, ff, hbuf, out, accumulate)
         return out
     grid1 = ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, J)
     kernel("moe_gate_up_kernel", gu_type.id, fast)(
         grid1, (THREADS,), (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
         shared_mem=hidden * 4)
+    if before_down is not None:
+        before_down()
     grid2 = ((hidden + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, T)
     kernel("moe_down_kernel", d_type.id, fast)(
         grid2, (THREADS,), (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),

@@ -133,6 +133,10 @@ FAST_TEMPLATES = ("matvec_tiled_kernel", "moe_gate_up_staged", "moe_down_staged"
 PIPE_TEMPLATES = ("moe_gate_up_pipe", "moe_down_pipe")
 #: ggml type ids the pipelined expert kernels decode (Q8_0, Q2_0).
 PIPE_TYPES = (8, 42)
+#: The pipelined kernels' integer variants (moe_staged.cu: input quantized to 16-bit fixed point, int8 dot
+#: products), instantiated for :data:`PIPE_I8_TYPES` only.
+PIPE_I8_TEMPLATES = ("moe_gate_up_pipe_i8", "moe_down_pipe_i8")
+PIPE_I8_TYPES = (42,)
 #: Reference kernels of which the fast module also holds an FMA build (``kernel(..., fast=True)``).
 FAST_ALSO = ("moe_gate_up_kernel", "moe_down_kernel")
 FAST_OPTIONS = ("--std=c++17",)
@@ -154,7 +158,7 @@ def module() -> Any:
 def kernel(name: str, type_id: int, fast: bool = False) -> Any:
     """The compiled kernel ``name<type_id>`` (a ``cupy.RawKernel``): from the bit-exact reference module, or with
     ``fast`` (for :data:`FAST_ALSO`; always for :data:`FAST_TEMPLATES`) from the FMA build of the same source."""
-    if name in FAST_TEMPLATES or name in PIPE_TEMPLATES or (fast and name in FAST_ALSO):
+    if name in FAST_TEMPLATES or name in PIPE_TEMPLATES + PIPE_I8_TEMPLATES or (fast and name in FAST_ALSO):
         return fast_module().get_function(f"{name}<{int(type_id)}>")
     return module().get_function(f"{name}<{int(type_id)}>")
 
@@ -162,11 +166,13 @@ def kernel(name: str, type_id: int, fast: bool = False) -> Any:
 @functools.lru_cache(maxsize=1)
 def fast_module() -> Any:
     """Compile (once) the :data:`FAST_TEMPLATES` and :data:`FAST_ALSO` kernels for every type, and the
-    :data:`PIPE_TEMPLATES` for :data:`PIPE_TYPES`, with multiply-add fusion allowed (``cupy.RawModule``)."""
+    :data:`PIPE_TEMPLATES` for :data:`PIPE_TYPES` and :data:`PIPE_I8_TEMPLATES` for :data:`PIPE_I8_TYPES`, with
+    multiply-add fusion allowed (``cupy.RawModule``)."""
     import cupy
 
     names = [f"{k}<{tid}>" for k in FAST_TEMPLATES + FAST_ALSO for tid in sorted(UNIT)]
     names += [f"{k}<{tid}>" for k in PIPE_TEMPLATES for tid in PIPE_TYPES]
+    names += [f"{k}<{tid}>" for k in PIPE_I8_TEMPLATES for tid in PIPE_I8_TYPES]
     return cupy.RawModule(code=source(), options=FAST_OPTIONS, name_expressions=names)
 
 
@@ -367,7 +373,8 @@ def experts_host_source(type_ids: tuple[int, ...]) -> str:
     """The staged expert kernels (``moe_staged.cu``) with the decoders and ``quant_kernels.cu`` as host C++17, with
     entries ``host_moe_gate_up_staged_<T>(gx, gy, ...)`` / ``host_moe_down_staged_<T>(gx, gy, ...)`` (the kernels'
     parameters; one thread per block) for each ggml type id in ``type_ids``, and ``host_moe_gate_up_pipe_<T>`` /
-    ``host_moe_down_pipe_<T>`` for those of :data:`PIPE_TYPES` (tests/test_gpu_fused_host.py)."""
+    ``host_moe_down_pipe_<T>`` for those of :data:`PIPE_TYPES` (``host_moe_gate_up_pipe_i8_<T>`` /
+    ``host_moe_down_pipe_i8_<T>`` for :data:`PIPE_I8_TYPES`; tests/test_gpu_fused_host.py)."""
     gu = ("const u64* gate_ptr, const u64* up_ptr, const int* tok, const float* X, float* Hbuf, int H, int F",
           "gate_ptr, up_ptr, tok, X, Hbuf, H, F")
     dn = ("const u64* down_ptr, const float* w, const int* tstart, const float* Hbuf, float* Y, int H, int F, "
@@ -378,8 +385,10 @@ def experts_host_source(type_ids: tuple[int, ...]) -> str:
     kinds = [("moe_gate_up_staged", gu), ("moe_down_staged", dn)]
     entries = []
     for tid in type_ids:
-        for name, (decl, call) in kinds + ([("moe_gate_up_pipe", gup), ("moe_down_pipe", dnp)]
-                                           if int(tid) in PIPE_TYPES else []):
+        for name, (decl, call) in (kinds + ([("moe_gate_up_pipe", gup), ("moe_down_pipe", dnp)]
+                                            if int(tid) in PIPE_TYPES else [])
+                                   + ([("moe_gate_up_pipe_i8", gup), ("moe_down_pipe_i8", dnp)]
+                                      if int(tid) in PIPE_I8_TYPES else [])):
             entries.append(f'extern "C" void host_{name}_{int(tid)}(unsigned gx, unsigned gy, {decl}) {{\n'
                            f"    host_run_grid(gx, gy, [&]() {{ {name}<{int(tid)}>({call}); }});\n}}\n")
     return (cuda_source("host_kernel_shim.cuh") + cuda_source("host_shim.cuh") + cuda_source("prelude.cuh")

@@ -475,3 +475,241 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
         cp_async_commit();
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Integer variants of the pipelined kernels for Q2_0 (moe_gate_up_pipe_i8 / moe_down_pipe_i8; experts.py runs them
+// for Q2_0 unless STRATATOOLS_MOE_INT8=0). Same job tables, grids, rings and item order as moe_gate_up_pipe /
+// moe_down_pipe; what differs is the input and the dot product, as mv_q8i (dense_q8.cu) does for Q8_0:
+// * The input (x, or the token's h rows) is quantized per block of 32 values while it is staged: s_b = max |x| /
+//   MI8_QMAX, v = rint(x / s_b) in [-MI8_QMAX, MI8_QMAX], split into two int8 planes hi = floor((v + 128) / 256) and
+//   lo = v - 256 hi (16-bit fixed point, about 1.5e-5 of the block's largest value). A 16-value unit's bytes are
+//   stored permuted: word k (bytes 4k .. 4k+3) holds values k, 4+k, 8+k, 12+k of the unit, the order in which
+//   (w >> 2k) & 0x03030303 lays out the 2-bit codes of a Q2_0 code word w. The per-unit sum of v is kept too.
+// * A unit's sum is then sum_t (c_t - 1) v_t = 256 (sum c hi) + (sum c lo) - sum v: 8 dp4a (4 int8 products and an
+//   add each) and 4 masks for 16 values against about 3 float instructions a value in dot16w; the unit adds
+//   d s_b (float)(that sum) to the row (|sum| < 2^22: exact in int32 and in float). The down kernel folds the job's
+//   routing weight into s_b.
+// Precision as mv_q8i's: W (v s) differs from W x by the rounding of x to v s (each value within s_b / 2), plus
+// float rounding of the units' terms and their sum. A block whose max |x| is below MI8_TINY counts as zero.
+#define MI8_QMAX 32639
+#define MI8_TINY 7.888609052210118e-31f  // 2^-100
+__device__ __forceinline__ int mi8_align16(int v) { return (v + 15) & ~15; }
+// Shared layout of the quantized input of n values (n a multiple of 32): hi plane [n] at 0, lo plane [n] at n,
+// scales [n / 32] at mi8_sc(n), unit sums [n / 16] at mi8_sum(n); mi8_end(n) bytes, 16-byte aligned.
+__device__ __forceinline__ int mi8_sc(int n) { return mi8_align16(2 * n); }
+__device__ __forceinline__ int mi8_sum(int n) { return mi8_sc(n) + 4 * (n >> 5); }
+__device__ __forceinline__ int mi8_end(int n) { return mi8_align16(mi8_sum(n) + 4 * (n >> 4)); }
+// Quantize x[0 .. cnt) (cnt a multiple of 32, at most n) into the layout of n values at base: one thread a block of
+// 32 (the block's threads striding over blocks), its values read twice (the maximum, then the planes; the second
+// pass hits the cache) so that no 32-value array lives in registers. wj: when given, block b's scale is multiplied
+// by wj[b / bpj].
+__device__ __forceinline__ void mi8_stage(const float* __restrict__ x, int cnt, u8* base, int n,
+                                          const float* __restrict__ wj, int bpj) {
+    float* xsc = reinterpret_cast<float*>(base + mi8_sc(n));
+    int* xsum = reinterpret_cast<int*>(base + mi8_sum(n));
+    const int nb = cnt >> 5;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        const float* p = x + 32LL * b;
+        float m = 0.0f;
+        #pragma unroll
+        for (int t = 0; t < 32; ++t) m = fmaxf(m, fabsf(p[t]));
+        const bool live = m >= MI8_TINY;
+        const float s = live ? m / (float)MI8_QMAX : 0.0f;
+        const float inv = live ? 1.0f / s : 0.0f;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 hw[4] = {0u, 0u, 0u, 0u}, lw[4] = {0u, 0u, 0u, 0u};
+            int sum = 0;
+            #pragma unroll
+            for (int t = 0; t < 16; ++t) {
+                const float r = fminf(fmaxf(rintf(p[16 * h + t] * inv), -(float)MI8_QMAX), (float)MI8_QMAX);
+                const int v = (int)r;
+                const int hi = (v + 128) >> 8;  // floor: lo = v - 256 hi in [-128, 127]
+                const int lo = v - 256 * hi;
+                sum += v;
+                hw[t & 3] |= ((u32)hi & 0xffu) << (8 * (t >> 2));
+                lw[t & 3] |= ((u32)lo & 0xffu) << (8 * (t >> 2));
+            }
+            const int u = 2 * b + h;
+            reinterpret_cast<uint4*>(base)[u] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+            reinterpret_cast<uint4*>(base + n)[u] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+            xsum[u] = sum;
+        }
+        xsc[b] = wj != nullptr ? s * wj[b / bpj] : s;
+    }
+}
+// 256 (sum c hi) + (sum c lo) over the 16 2-bit codes of word w (value 4i + k at bits 8i + 2k) and a unit's planes.
+__device__ __forceinline__ int mi8_dot(u32 w, uint4 h, uint4 l) {
+    const int c0 = (int)(w & 0x03030303u), c1 = (int)((w >> 2) & 0x03030303u);
+    const int c2 = (int)((w >> 4) & 0x03030303u), c3 = (int)((w >> 6) & 0x03030303u);
+    int ih = __dp4a(c0, (int)h.x, 0);
+    ih = __dp4a(c1, (int)h.y, ih);
+    ih = __dp4a(c2, (int)h.z, ih);
+    ih = __dp4a(c3, (int)h.w, ih);
+    int il = __dp4a(c0, (int)l.x, 0);
+    il = __dp4a(c1, (int)l.y, il);
+    il = __dp4a(c2, (int)l.z, il);
+    il = __dp4a(c3, (int)l.w, il);
+    return 256 * ih + il;
+}
+
+// moe_gate_up_pipe for Q2_0 with the quantized input. Shared memory (experts.pipe_gu_shared, int8): mi8_end(H) +
+// warps * nstage * 2 * stride bytes + MOE_PIPE_PAD.
+template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe_i8(
+        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
+        const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
+    static_assert(TG == 42, "the integer expert kernels decode Q2_0");
+    MOE_DYN_SHARED(smem);
+    const int t = blockIdx.y;
+    const int j0 = tstart[t], nf = (tstart[t + 1] - j0) * F;
+    constexpr int nl = MOE_PIPE_LANES;
+    const int warps = blockDim.x / nl;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    constexpr int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
+    constexpr int wstep = (32 / upb) * ts / 4;
+    const int rb = (H / bs) * ts, units = H / 16;
+    const int stride = ((rb + 30) / 16) * 16;
+    const long long mbytes = (long long)F * rb;
+    const uint4* xh = reinterpret_cast<const uint4*>(smem);
+    const uint4* xl = reinterpret_cast<const uint4*>(smem + H);
+    const float* xsc = reinterpret_cast<const float*>(smem + mi8_sc(H));
+    const int* xsum = reinterpret_cast<const int*>(smem + mi8_sum(H));
+    u8* ring = smem + mi8_end(H) + (long long)warp * nstage * 2 * stride;
+    const int f0 = blockIdx.x * warps + warp, fstep = gridDim.x * warps;
+    const int nit = f0 < nf ? (nf - f0 + fstep - 1) / fstep : 0;
+    auto issue = [=](int i) {
+        const int f = f0 + i * fstep, q = f / F;
+        const u8* G = reinterpret_cast<const u8*>(gate_ptr[j0 + q]);
+        const u8* U = reinterpret_cast<const u8*>(up_ptr[j0 + q]);
+        const long long off = (long long)(f - q * F) * rb;
+        moe_issue_rows(2, rb, stride, ring + (i % nstage) * 2 * stride, lane, nl,
+                       [=](int k, const u8*& s, const u8*& end) { s = (k ? U : G) + off; end = (k ? U : G) + mbytes; });
+    };
+    for (int i = 0; i < nstage; ++i) {
+        if (i < nit) issue(i);
+        cp_async_commit();
+    }
+    mi8_stage(X + (long long)t * H, H, smem, H, nullptr, 1);
+    __syncthreads();
+    for (int i = 0; i < nit; ++i) {
+        moe_cp_wait_ring(nstage);
+        __syncwarp();
+        const int f = f0 + i * fstep, q = f / F, r = f - q * F;
+        const long long off = (long long)r * rb;
+        const u8* slot = ring + (i % nstage) * 2 * stride;
+        const u8* gp = slot + ((gate_ptr[j0 + q] + (u64)off) & 15);
+        const u8* up = slot + stride + ((up_ptr[j0 + q] + (u64)off) & 15);
+        float ga = 0.0f, ua = 0.0f;
+        for (int v = lane; v < 32; v += nl) {  // lane v's units u = v + 32 m (see moe_gate_up_pipe)
+            const int s = v % upb, b0 = v / upb;
+            u32 gss, gcs, uss, ucs;
+            const u32* gsw = moe_words(gp + b0 * ts, gss);
+            const u32* gcw = moe_words(gp + b0 * ts + 2 + 4 * s, gcs);
+            const u32* usw = moe_words(up + b0 * ts, uss);
+            const u32* ucw = moe_words(up + b0 * ts + 2 + 4 * s, ucs);
+            for (int u = v; u < units; u += 32) {
+                const uint4 hh = xh[u], ll = xl[u];
+                const float sb = xsc[u >> 1];
+                const int su = xsum[u];
+                const float dg = moe_h2f(MOE_FUNNEL(gsw[0], gsw[1], gss));
+                const float du = moe_h2f(MOE_FUNNEL(usw[0], usw[1], uss));
+                const int ig = mi8_dot(MOE_FUNNEL(gcw[0], gcw[1], gcs), hh, ll) - su;
+                const int iu = mi8_dot(MOE_FUNNEL(ucw[0], ucw[1], ucs), hh, ll) - su;
+                ga = fmaf(dg * sb, (float)ig, ga);
+                ua = fmaf(du * sb, (float)iu, ua);
+                gsw += wstep; gcw += wstep; usw += wstep; ucw += wstep;
+            }
+        }
+        ga = warp_sum(ga);
+        ua = warp_sum(ua);
+        if (lane == 0) Hbuf[(long long)(j0 + q) * F + r] = ga / (1.0f + expf(-ga)) * ua;
+        __syncwarp();
+        if (i + nstage < nit) issue(i + nstage);
+        cp_async_commit();
+    }
+}
+
+// moe_down_pipe for Q2_0 with the token's h rows quantized (each job's routing weight folded into its blocks'
+// scales). Shared memory (experts.pipe_down_shared, int8): mi8_end(max_jobs F), then max_jobs addresses (8 bytes
+// each, 16-byte aligned), then warps * nstage * max_jobs * stride bytes + MOE_PIPE_PAD. A token with more than
+// max_jobs jobs gets NaN rows.
+template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
+        const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
+        const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
+        int max_jobs) {
+    static_assert(TD == 42, "the integer expert kernels decode Q2_0");
+    MOE_DYN_SHARED(smem);
+    const int t = blockIdx.y;
+    const int j0 = tstart[t], nj = tstart[t + 1] - j0;
+    if (nj > max_jobs) {
+        for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < H; r += gridDim.x * blockDim.x)
+            Y[(long long)t * H + r] = __uint_as_float(0x7fc00000u);
+        return;
+    }
+    const int n = max_jobs * F;  // (the layout's size; the token's nj * F values are staged)
+    const int np = nj * (F / 16);
+    const uint4* xh = reinterpret_cast<const uint4*>(smem);
+    const uint4* xl = reinterpret_cast<const uint4*>(smem + n);
+    const float* xsc = reinterpret_cast<const float*>(smem + mi8_sc(n));
+    const int* xsum = reinterpret_cast<const int*>(smem + mi8_sum(n));
+    u64* ps = reinterpret_cast<u64*>(smem + mi8_end(n));
+    u8* rings = smem + mi8_end(n) + mi8_align16(8 * max_jobs);
+    constexpr int nl = MOE_PIPE_LANES;
+    const int warps = blockDim.x / nl;
+    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
+    constexpr int bs = Unit<TD>::bs, ts = Unit<TD>::ts, upb = bs / 16;
+    const int fu = F / 16;
+    const int rb = (F / bs) * ts;
+    const int stride = ((rb + 30) / 16) * 16;
+    const long long sbytes = (long long)nj * stride;
+    u8* ring = rings + (long long)warp * nstage * max_jobs * stride;
+    const long long mbytes = (long long)H * rb;
+    const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
+    const int nit = r0 < H ? (H - r0 + rstep - 1) / rstep : 0;
+    const u64* dp = down_ptr + j0;
+    auto issue = [=](int i) {
+        const long long off = (long long)(r0 + i * rstep) * rb;
+        moe_issue_rows(nj, rb, stride, ring + (i % nstage) * sbytes, lane, nl, [=](int q, const u8*& s, const u8*& end) {
+            const u8* D = reinterpret_cast<const u8*>(dp[q]);
+            s = D + off;
+            end = D + mbytes;
+        });
+    };
+    for (int i = 0; i < nstage; ++i) {
+        if (i < nit) issue(i);
+        cp_async_commit();
+    }
+    mi8_stage(Hbuf + (long long)j0 * F, nj * F, smem, n, w + j0, F >> 5);  // (layout of max_jobs * F values)
+    for (int q = threadIdx.x; q < nj; q += blockDim.x) ps[q] = dp[q];
+    __syncthreads();
+    for (int i = 0; i < nit; ++i) {
+        moe_cp_wait_ring(nstage);
+        __syncwarp();
+        const int r = r0 + i * rstep;
+        const long long off = (long long)r * rb;
+        const u8* slot = ring + (i % nstage) * sbytes;
+        float acc = 0.0f;
+        int q = 0, u = lane;
+        while (u >= fu) { u -= fu; ++q; }
+        for (int p = lane; p < np; p += nl) {
+            const int blk = u / upb, s = u - blk * upb;
+            const u8* rp = slot + (long long)q * stride + ((ps[q] + (u64)off) & 15) + blk * ts;
+            u32 ssh, csh;
+            const u32* sw = moe_words(rp, ssh);
+            const u32* cw = moe_words(rp + 2 + 4 * s, csh);
+            const float d = moe_h2f(MOE_FUNNEL(sw[0], sw[1], ssh));
+            const int iv = mi8_dot(MOE_FUNNEL(cw[0], cw[1], csh), xh[p], xl[p]) - xsum[p];
+            acc = fmaf(d * xsc[p >> 1], (float)iv, acc);
+            u += nl;
+            while (u >= fu) { u -= fu; ++q; }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            const long long o = (long long)t * H + r;
+            Y[o] = accumulate ? Y[o] + acc : acc;
+        }
+        __syncwarp();
+        if (i + nstage < nit) issue(i + nstage);
+        cp_async_commit();
+    }
+}
