@@ -168,3 +168,48 @@ def test_gpu_run_batch_equals_batch1_and_simulate(kit, kit_prompts, cli, tmp_pat
     tier = got["tier"]
     assert (r["entries"], r["hits"], r["rounds"]) == (tier["decode"]["entries"], tier["decode"]["hits"], tier["rounds"])
     assert r["layer_hits"] == tier["decode"]["layer_hits"]
+
+
+@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
+def test_gpu_batched_shared_expert_beside_the_routed_ones_gives_the_same_steps(kit, kit_prompts, model, gemm,
+                                                                               monkeypatch):
+    """STRATATOOLS_SHARED_SIDE=1 (the batched step's shared expert on a second stream beside the routed experts)
+    against =0: the same logits, tokens and routing bit for bit over graph-replayed steps of three places."""
+    import cupy as cp
+
+    if not (kit / model).exists():
+        pytest.skip(f"{model} not carried")
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
+    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
+    from stratatools.runtime.gpu.batch import BatchDecoder
+    from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    ids = [t for _, p in kit_prompts for t in p]
+    prompts = [ids[0:2], ids[2:3], ids[3:5]]
+    w = load(kit / model, xp=cp)
+    try:
+        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
+        dec = rt.dec
+        bds = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv(SHARED_SIDE_ENV, flag)
+            bds.append(BatchDecoder(dec, 3))
+        assert bds[0]._shared_side is None and bds[1]._shared_side is not None
+        toks = []
+        for i, p in enumerate(prompts):
+            dec.load_state(rt.new_state())
+            lg, _, _ = dec.prefill(p)
+            for bd in bds:
+                bd.admit(i)
+            toks.append(int(cp.asnumpy(cp.argmax(lg))))
+        for s in range(6):
+            got = [bd.step([0, 1, 2], toks) for bd in bds]
+            assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
+            assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][2], got[1][2]), s
+            toks = [int(t) for t in got[0][1]]
+        assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
+    finally:
+        w.close()

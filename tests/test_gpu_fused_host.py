@@ -380,6 +380,39 @@ def test_pipe_i8_expert_kernels_match_reference(experts_lib, hidden, ff, jobs, m
     assert close(Y, 2 * Y0, 1e-6)
 
 
+@pytest.mark.parametrize("i8", [False, True])
+def test_pipe_staging_of_unaligned_inputs_gives_the_same_rows(experts_lib, i8):
+    """The pipelined kernels stage x and h rows with float4 loads when they are 16-byte aligned and value by value
+    otherwise: the same hbuf and Y bit for bit with X and hbuf 4 bytes off alignment (float and integer variants)."""
+    hidden, ff, T, k = 512, 128, 2, 3
+    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", hidden, ff, k + 1, [3, 7, 10, 19])
+    rng = np.random.default_rng(7)
+    ptr = np.array([arena.ctypes.data + offs[e] for r in ([0, 1, 2], [3, 1, 0]) for e in r], dtype=np.uint64)
+    gate, up, down = ptr, ptr + np.uint64(gb), ptr + np.uint64(2 * gb)
+    tstart = np.array([0, 3, 6], dtype=np.int32)
+    wf = rng.uniform(0.1, 1.0, T * k).astype(np.float32)
+    x = (rng.standard_normal((T, hidden)) * 0.5).astype(np.float32)
+    sfx = "pipe_i8_42" if i8 else "pipe_42"
+    got = []
+    for shift in (0, 1):
+        buf = np.zeros(T * hidden + 8, dtype=np.float32)
+        o = (-(buf.ctypes.data // 4) % 4) + shift  # 16-byte aligned, or one float past it
+        X = buf[o:o + T * hidden].reshape(T, hidden)
+        X[:] = x
+        hb = np.zeros(T * k * ff + 8, dtype=np.float32)
+        oh = (-(hb.ctypes.data // 4) % 4) + shift
+        hbuf = hb[oh:oh + T * k * ff]
+        assert (X.ctypes.data % 16 == 0) == (shift == 0) and (hbuf.ctypes.data % 16 == 0) == (shift == 0)
+        Y = np.zeros((T, hidden), dtype=np.float32)
+        getattr(experts_lib, f"host_moe_gate_up_{sfx}")(2, T, _p(gate), _p(up), _p(tstart), _p(X), _p(hbuf), hidden,
+                                                       ff, 2)
+        getattr(experts_lib, f"host_moe_down_{sfx}")(3, T, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), hidden, ff,
+                                                    0, 2, k)
+        got.append((hbuf.copy(), Y))
+    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+    assert np.abs(got[0][1]).max() > 0
+
+
 def test_pipe_i8_down_marks_tokens_over_the_job_bound(experts_lib):
     """moe_down_pipe_i8: a token with more jobs than max_jobs gets NaN rows; one within the bound is computed."""
     tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 128, 64, 3, [0, 2, 2])
@@ -400,9 +433,9 @@ def test_moe_int8_flag(monkeypatch):
 
     q2, q8 = type_by_name("Q2_0"), type_by_name("Q8_0")
     monkeypatch.delenv(E.MOE_INT8_ENV, raising=False)
-    assert E.moe_int8() and E.pipe_int8(q2) and not E.pipe_int8(q8) and not E.pipe_int8(q2, False)
-    monkeypatch.setenv(E.MOE_INT8_ENV, "0")
-    assert not E.pipe_int8(q2) and E.pipe_int8(q2, True)
+    assert not E.moe_int8() and not E.pipe_int8(q2) and E.pipe_int8(q2, True) and not E.pipe_int8(q8, True)
+    monkeypatch.setenv(E.MOE_INT8_ENV, "1")
+    assert E.pipe_int8(q2) and not E.pipe_int8(q8) and not E.pipe_int8(q2, False)
     monkeypatch.setenv(E.MOE_INT8_ENV, "on")
     with pytest.raises(StrataError, match="STRATATOOLS_MOE_INT8='on': use 1"):
         E.moe_int8()

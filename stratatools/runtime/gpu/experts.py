@@ -201,13 +201,14 @@ def pipe_shapes(value: str | None = None) -> dict[str, PipeShape]:
 
 #: Whether the pipelined kernels run their integer variants (``moe_gate_up_pipe_i8`` / ``moe_down_pipe_i8``: the
 #: input quantized per block of 32 to 16-bit fixed point, int8 dot products) for the types that have them
-#: (:data:`PIPE_I8_TYPES`: Q2_0): ``1`` (the default) or ``0`` (the float variants).
+#: (:data:`PIPE_I8_TYPES`: Q2_0): ``1`` or ``0`` (the default: the float variants, faster on the H200 in the decode
+#: step: the launches are bound by latency and staging, not by their arithmetic; bench/gpu-notes.md, eleventh pass).
 MOE_INT8_ENV = "STRATATOOLS_MOE_INT8"
 
 
 def moe_int8() -> bool:
-    """:data:`MOE_INT8_ENV` as a flag (default on). Raises StrataError for a value other than 0 or 1."""
-    v = os.environ.get(MOE_INT8_ENV, "").strip() or "1"
+    """:data:`MOE_INT8_ENV` as a flag (default off). Raises StrataError for a value other than 0 or 1."""
+    v = os.environ.get(MOE_INT8_ENV, "").strip() or "0"
     if v not in ("0", "1"):
         raise StrataError(f"{MOE_INT8_ENV}={v!r}: use 1 (integer dot products for Q2_0 experts) or 0")
     return v == "1"

@@ -187,6 +187,7 @@ extern "C" __global__ void ple_fused(float* __restrict__ H, const float* __restr
 // ---- hyper-connections ----------------------------------------------------------------------------------------
 // RMS norm of each of the hc streams of H (n values each): hn = H_h / sqrt(mean(H_h^2) + eps) * w[flat % wl];
 // when y is given, first the residual H_h += y * 2 sigmoid(v[h] / hc) (in place). Grid: hc blocks.
+#define HCI_R 4  // values a thread of hc_inject_rms keeps in registers between its two passes
 extern "C" __global__ void hc_inject_rms(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
                                          int hc, int n, const float* __restrict__ w, int wl, float eps,
                                          float* __restrict__ hn) {
@@ -194,15 +195,37 @@ extern "C" __global__ void hc_inject_rms(float* __restrict__ H, const float* __r
     const int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const long long base = (long long)h * n;
     const float iw = y ? 2.0f * step_sigm(v[h] / (float)hc) : 0.0f;
+    // a thread's first HCI_R values and their norm weights stay in registers for the second pass (no second
+    // round trip to memory after the block sum); values past HCI_R * blockDim.x are read again. The sums and
+    // products are those of one loop over i = tid, tid + nt, ... (the same result).
+    float xr[HCI_R], wr[HCI_R];
     float ss = 0.0f;
-    for (int i = tid; i < n; i += nt) {
+    #pragma unroll
+    for (int k = 0; k < HCI_R; ++k) {
+        const int i = tid + k * nt;
+        xr[k] = 0.0f;
+        wr[k] = 0.0f;
+        if (i < n) {
+            float x = H[base + i];
+            if (y) { x = x + y[i] * iw; H[base + i] = x; }
+            xr[k] = x;
+            wr[k] = w[(base + i) % wl];
+            ss += x * x;
+        }
+    }
+    for (int i = tid + HCI_R * nt; i < n; i += nt) {
         float x = H[base + i];
         if (y) { x = x + y[i] * iw; H[base + i] = x; }
         ss += x * x;
     }
     ss = step_block_sum(ss, red);
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = tid; i < n; i += nt) hn[base + i] = (H[base + i] * r) * w[(base + i) % wl];
+    #pragma unroll
+    for (int k = 0; k < HCI_R; ++k) {
+        const int i = tid + k * nt;
+        if (i < n) hn[base + i] = (xr[k] * r) * wr[k];
+    }
+    for (int i = tid + HCI_R * nt; i < n; i += nt) hn[base + i] = (H[base + i] * r) * w[(base + i) % wl];
 }
 
 // y[r] = W[r, :] . x for a float32 matrix W (rows x cols, row-major; the router with the shared gate's row), one

@@ -252,9 +252,44 @@ template <class RowF> __device__ __forceinline__ void moe_issue_rows(int nr, int
     }
 }
 // Stage v = x[i] (i < n, the values of consecutive units of 16) into the interleaved layout at xs4 (units = n / 16
-// float4 per chunk index), pre-scaled by 4^-(i mod 8) for Q2_0; all threads of the block stride over i.
+// float4 per chunk index), pre-scaled by 4^-(i mod 8) for Q2_0; all threads of the block stride over i. With x
+// 16-byte aligned (the decode step's X and h rows are) a thread takes float4 chunks (4 values of one unit and one
+// chunk index: one float4 store), MOE_STAGE_U of them loaded before any is stored, so that the block's loads are in
+// flight together rather than one round trip per value (this staging bounded the launches: about 22 dependent loads
+// a thread for the 10 jobs' h rows of the down kernel).
+#define MOE_STAGE_U 8
 template <int T> __device__ __forceinline__ void moe_stage_x(const float* x, int n, float* xs) {
     const int units = n >> 4;
+    if ((reinterpret_cast<u64>(x) & 15) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        float4* xs4 = reinterpret_cast<float4*>(xs);
+        const int n4 = n >> 2;
+        for (int base = threadIdx.x; base < n4; base += MOE_STAGE_U * blockDim.x) {
+            float4 v[MOE_STAGE_U];
+            #pragma unroll
+            for (int k = 0; k < MOE_STAGE_U; ++k) {
+                const int c = base + k * blockDim.x;
+                if (c < n4) v[k] = x4[c];
+            }
+            #pragma unroll
+            for (int k = 0; k < MOE_STAGE_U; ++k) {
+                const int c = base + k * blockDim.x;
+                if (c < n4) {
+                    const int u = c >> 2, q = c & 3;  // unit, chunk index (values 4q .. 4q+3 of the unit)
+                    float4 w = v[k];
+                    if constexpr (T == 42) {  // 4^-(t mod 8) for t = 4q .. 4q+3: exact powers of two
+                        const int t0 = (4 * q) & 7;
+                        w.x *= __uint_as_float((u32)(127 - 2 * t0) << 23);
+                        w.y *= __uint_as_float((u32)(125 - 2 * t0) << 23);
+                        w.z *= __uint_as_float((u32)(123 - 2 * t0) << 23);
+                        w.w *= __uint_as_float((u32)(121 - 2 * t0) << 23);
+                    }
+                    xs4[q * units + u] = w;
+                }
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int u = i >> 4, t = i & 15;
         float v = x[i];
@@ -510,9 +545,19 @@ __device__ __forceinline__ void mi8_stage(const float* __restrict__ x, int cnt, 
     const int nb = cnt >> 5;
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         const float* p = x + 32LL * b;
+        const bool vec = (reinterpret_cast<u64>(p) & 15) == 0;  // float4 loads (all 8 in flight) when aligned
         float m = 0.0f;
-        #pragma unroll
-        for (int t = 0; t < 32; ++t) m = fmaxf(m, fabsf(p[t]));
+        if (vec) {
+            float4 v[8];
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = reinterpret_cast<const float4*>(p)[k];
+            #pragma unroll
+            for (int k = 0; k < 8; ++k)
+                m = fmaxf(fmaxf(m, fmaxf(fabsf(v[k].x), fabsf(v[k].y))), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
+        } else {
+            #pragma unroll
+            for (int t = 0; t < 32; ++t) m = fmaxf(m, fabsf(p[t]));
+        }
         const bool live = m >= MI8_TINY;
         const float s = live ? m / (float)MI8_QMAX : 0.0f;
         const float inv = live ? 1.0f / s : 0.0f;
@@ -520,9 +565,20 @@ __device__ __forceinline__ void mi8_stage(const float* __restrict__ x, int cnt, 
         for (int h = 0; h < 2; ++h) {
             u32 hw[4] = {0u, 0u, 0u, 0u}, lw[4] = {0u, 0u, 0u, 0u};
             int sum = 0;
+            float xv[16];  // (the second read of the block: from the cache)
+            if (vec) {
+                #pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float4 f = reinterpret_cast<const float4*>(p + 16 * h)[k];
+                    xv[4 * k] = f.x; xv[4 * k + 1] = f.y; xv[4 * k + 2] = f.z; xv[4 * k + 3] = f.w;
+                }
+            } else {
+                #pragma unroll
+                for (int t = 0; t < 16; ++t) xv[t] = p[16 * h + t];
+            }
             #pragma unroll
             for (int t = 0; t < 16; ++t) {
-                const float r = fminf(fmaxf(rintf(p[16 * h + t] * inv), -(float)MI8_QMAX), (float)MI8_QMAX);
+                const float r = fminf(fmaxf(rintf(xv[t] * inv), -(float)MI8_QMAX), (float)MI8_QMAX);
                 const int v = (int)r;
                 const int hi = (v + 128) >> 8;  // floor: lo = v - 256 hi in [-128, 127]
                 const int lo = v - 256 * hi;
