@@ -29,8 +29,8 @@ they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATA
 STRATATOOLS_DECODE_LAG=0 STRATATOOLS_DECODE_QUEUE=0``), the baseline measured in the same run; ``noqueue``,
 ``staticprofnoqueue``, ``lrunoqueue``: steps not queued (``STRATATOOLS_DECODE_QUEUE=0``, the default before), ``noside``,
 ``staticprofnoside``, ``vram12noside``: the shared expert after the routed ones (``STRATATOOLS_SHARED_SIDE=0``, the default
-before), ``int8``, ``staticprofint8``: the Q2_0 experts on the integer pipelined kernels (``STRATATOOLS_MOE_INT8=1``),
-``queue``
+before), ``int8``, ``staticprofint8``: the Q2_0 experts' integer pipelined kernels for gate/up and down
+(``STRATATOOLS_MOE_INT8=1``; the default: gate/up only), ``float``, ``staticproffloat``: neither (``=0``, before), ``queue``
 and the like: queued whatever the tables' size (``=1``); ``staticprofmixer``, ``lrumixer``, ``vram12mixer``: the next
 layer's prefetch started at the token mixer (``STRATATOOLS_PREFETCH_ORDER=mixer``); ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
 and adaptive with the admitted experts copied alongside the next step (``STRATATOOLS_ASYNC_SWAPS=1``); ``pipeexp``,
@@ -455,12 +455,15 @@ def config_rows(slots: int) -> list:
               {"slots": slots, "policy": "lru", "_env": nq})]
     # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
     # second stream beside the routed gate/up)
-    # the Q2_0 experts on the integer pipelined kernels (experts.MOE_INT8_ENV=1: their input quantized to 16-bit
-    # fixed point, int8 dot products; the default runs the float ones)
-    i8 = {"STRATATOOLS_MOE_INT8": "1"}
-    rows += [("int8", "all resident, integer expert kernels", {"_env": i8}),
-             ("staticprofint8", f"{slots} slots static on the recorded profile, integer expert kernels",
-              {"slots": slots, "policy": "static", "_profile": True, "_env": i8})]
+    # the Q2_0 experts' integer pipelined kernels (experts.MOE_INT8_ENV: their input quantized to 16-bit fixed point,
+    # int8 dot products): both launches (1) or neither (0); the default runs the integer gate/up and the float down
+    i8, f32 = {"STRATATOOLS_MOE_INT8": "1"}, {"STRATATOOLS_MOE_INT8": "0"}
+    rows += [("int8", "all resident, integer expert gate/up and down", {"_env": i8}),
+             ("float", "all resident, float expert kernels (before)", {"_env": f32}),
+             ("staticprofint8", f"{slots} slots static on the recorded profile, integer expert gate/up and down",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": i8}),
+             ("staticproffloat", f"{slots} slots static on the recorded profile, float expert kernels (before)",
+              {"slots": slots, "policy": "static", "_profile": True, "_env": f32})]
     ns = {"STRATATOOLS_SHARED_SIDE": "0"}
     rows += [("noside", "all resident, shared expert after the routed ones (before)", {"_env": ns}),
              ("staticprofnoside", f"{slots} slots static on the recorded profile, shared expert after the routed ones "

@@ -14,7 +14,7 @@ copy rate (or of the pinned host-to-device copy rate) measured in the same run, 
 staged kernel's output on the same jobs relative to that output's largest magnitude. Ends with the fastest pipe
 shape per kernel and the environment that selects it. The routed Q2_0 rows also time the integer variants
 (``pipe8``: ``moe_gate_up_pipe_i8`` / ``moe_down_pipe_i8``, input quantized to 16-bit fixed point, int8 dot products;
-``STRATATOOLS_MOE_INT8``, on by default) at their own shapes.
+``STRATATOOLS_MOE_INT8``: gate/up by default) at their own shapes.
 
 Usage: python bench/bench_moe_kernels.py [--reps 100] [--no-zero-copy] [--out res.json]
 """

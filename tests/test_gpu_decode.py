@@ -406,7 +406,7 @@ def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, fetch, mo
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 def test_fused_step_int8_experts_match_float_experts(kit, monkeypatch):
     """STRATATOOLS_MOE_INT8=1 (moe_gate_up_pipe_i8 / moe_down_pipe_i8 for the Q2_0 routed and shared experts)
-    against =0 (the default: the float pipelined kernels), graph-replayed on the kit's Q2_0 model: logits within 1e-4
+    against =0 (the float pipelined kernels), graph-replayed on the kit's Q2_0 model: logits within 1e-4
     relative and the same greedy token every step, the same routed experts in at least 99% of the layers."""
     import cupy as cp
 

@@ -433,12 +433,16 @@ def test_moe_int8_flag(monkeypatch):
 
     q2, q8 = type_by_name("Q2_0"), type_by_name("Q8_0")
     monkeypatch.delenv(E.MOE_INT8_ENV, raising=False)
-    assert not E.moe_int8() and not E.pipe_int8(q2) and E.pipe_int8(q2, True) and not E.pipe_int8(q8, True)
+    assert E.moe_int8() == "gu" and E.pipe_int8(q2) and not E.pipe_int8(q2, part="down")
+    assert not E.pipe_int8(q8) and E.pipe_int8(q2, True, "down") and not E.pipe_int8(q8, True)
     monkeypatch.setenv(E.MOE_INT8_ENV, "1")
-    assert E.pipe_int8(q2) and not E.pipe_int8(q8) and not E.pipe_int8(q2, False)
-    monkeypatch.setenv(E.MOE_INT8_ENV, "on")
-    with pytest.raises(StrataError, match="STRATATOOLS_MOE_INT8='on': use 1"):
-        E.moe_int8()
+    assert E.pipe_int8(q2) and E.pipe_int8(q2, part="down") and not E.pipe_int8(q8) and not E.pipe_int8(q2, False)
+    monkeypatch.setenv(E.MOE_INT8_ENV, "0")
+    assert not E.pipe_int8(q2) and not E.pipe_int8(q2, part="down")
+    for bad in ("on", "2", "down"):
+        monkeypatch.setenv(E.MOE_INT8_ENV, bad)
+        with pytest.raises(StrataError, match=f"STRATATOOLS_MOE_INT8='{bad}': use gu"):
+            E.moe_int8()
     # the integer kernels' shared memory: the quantized layout in place of the floats (2560: 2 x 2560 planes,
     # 80 scales, 160 sums)
     assert E.pipe_gu_shared(q2, 2560, 256, 2, int8=True) == 2 * 2560 + 320 + 640 + 8 * 2 * 2 * 736 + 16

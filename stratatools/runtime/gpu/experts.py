@@ -199,25 +199,31 @@ def pipe_shapes(value: str | None = None) -> dict[str, PipeShape]:
     return out
 
 
-#: Whether the pipelined kernels run their integer variants (``moe_gate_up_pipe_i8`` / ``moe_down_pipe_i8``: the
+#: Which of the pipelined kernels run their integer variants (``moe_gate_up_pipe_i8`` / ``moe_down_pipe_i8``: the
 #: input quantized per block of 32 to 16-bit fixed point, int8 dot products) for the types that have them
-#: (:data:`PIPE_I8_TYPES`: Q2_0): ``1`` or ``0`` (the default: the float variants, faster on the H200 in the decode
-#: step: the launches are bound by latency and staging, not by their arithmetic; bench/gpu-notes.md, eleventh pass).
+#: (:data:`PIPE_I8_TYPES`: Q2_0): ``gu`` (the default: the gate/up launch; the down launch stays float), ``1`` (both)
+#: or ``0`` (neither). On the H200 the integer gate/up is the faster one and the integer down the slower one: the
+#: down launch is bound by staging the 10 jobs' h rows, which the quantization makes longer (bench/gpu-notes.md,
+#: eleventh pass).
 MOE_INT8_ENV = "STRATATOOLS_MOE_INT8"
+MOE_INT8_MODES = ("gu", "1", "0")
 
 
-def moe_int8() -> bool:
-    """:data:`MOE_INT8_ENV` as a flag (default off). Raises StrataError for a value other than 0 or 1."""
-    v = os.environ.get(MOE_INT8_ENV, "").strip() or "0"
-    if v not in ("0", "1"):
-        raise StrataError(f"{MOE_INT8_ENV}={v!r}: use 1 (integer dot products for Q2_0 experts) or 0")
-    return v == "1"
+def moe_int8() -> str:
+    """:data:`MOE_INT8_ENV`: one of :data:`MOE_INT8_MODES` (default ``gu``). Raises StrataError for another value."""
+    v = os.environ.get(MOE_INT8_ENV, "").strip() or "gu"
+    if v not in MOE_INT8_MODES:
+        raise StrataError(f"{MOE_INT8_ENV}={v!r}: use gu (integer gate/up kernel), 1 (integer gate/up and down) or 0")
+    return v
 
 
-def pipe_int8(t: GGMLType, int8: bool | None = None) -> bool:
-    """Whether a pipelined launch for type ``t`` runs the integer variant: ``int8`` (None: :func:`moe_int8`) and
-    ``t`` one of :data:`PIPE_I8_TYPES`."""
-    return (moe_int8() if int8 is None else int8) and t.id in PIPE_I8_TYPES
+def pipe_int8(t: GGMLType, int8: bool | None = None, part: str = "gu") -> bool:
+    """Whether the pipelined ``part`` launch (``gu`` or ``down``) for type ``t`` runs the integer variant: ``int8``
+    (None: as :func:`moe_int8` says for ``part``) and ``t`` one of :data:`PIPE_I8_TYPES`."""
+    if int8 is None:
+        mode = moe_int8()
+        int8 = mode == "1" or (mode == "gu" and part == "gu")
+    return int8 and t.id in PIPE_I8_TYPES
 
 
 def _i8_layout(n: int) -> int:
@@ -311,7 +317,7 @@ def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: An
     shape's shared memory exceeds PIPE_MAX_SHARED."""
     mj = pipe_max_jobs(jobs)
     gx, st = _pipe_grid(hidden, shape)
-    i8 = pipe_int8(d_type, int8)
+    i8 = pipe_int8(d_type, int8, "down")
     shm = pipe_down_shared(d_type, ff, mj, shape.threads, st, i8)
     if shm > PIPE_MAX_SHARED:
         raise StrataError(f"moe_down_pipe: {shape} for {mj} jobs a token needs {shm} bytes of shared memory, over "
@@ -333,7 +339,7 @@ def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int
         return False
     gx, st = _pipe_grid(hidden, shapes["down"])
     return pipe_down_shared(d_type, ff, pipe_max_jobs(jobs), shapes["down"].threads, st,
-                            pipe_int8(d_type)) <= PIPE_MAX_SHARED
+                            pipe_int8(d_type, part="down")) <= PIPE_MAX_SHARED
 
 
 def decoder_expert_kernels(from_device: bool) -> tuple[str, str]:

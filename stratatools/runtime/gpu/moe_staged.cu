@@ -513,7 +513,7 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
 
 // ---------------------------------------------------------------------------------------------------------------
 // Integer variants of the pipelined kernels for Q2_0 (moe_gate_up_pipe_i8 / moe_down_pipe_i8; experts.py runs them
-// for Q2_0 unless STRATATOOLS_MOE_INT8=0). Same job tables, grids, rings and item order as moe_gate_up_pipe /
+// for Q2_0 as STRATATOOLS_MOE_INT8 says: gate/up by default). Same job tables, grids, rings and item order as moe_gate_up_pipe /
 // moe_down_pipe; what differs is the input and the dot product, as mv_q8i (dense_q8.cu) does for Q8_0:
 // * The input (x, or the token's h rows) is quantized per block of 32 values while it is staged: s_b = max |x| /
 //   MI8_QMAX, v = rint(x / s_b) in [-MI8_QMAX, MI8_QMAX], split into two int8 planes hi = floor((v + 128) / 256) and
