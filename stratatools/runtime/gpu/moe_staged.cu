@@ -353,168 +353,11 @@ __device__ __forceinline__ void moe_load_x16(const float* xs, int units, int u, 
     }
 }
 
-// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for every job j of token t = blockIdx.y (jobs tstart[t] ..
-// tstart[t+1]-1), x = X[t, :H]. The block's items are the token's (job, row) pairs f = q * F + r (q: the job's place
-// among the token's), so that x is staged once per block and any number of jobs spreads over the whole grid; a warp's
-// items are f = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (gate row and up row) into a slot of its
-// ring of nstage slots. Shared memory (experts.pipe_gu_shared): H floats (x, interleaved) + warps * nstage * 2 * stride
-// bytes + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16, rb = H / bs * ts.
-template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
-        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
-        const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
-    MOE_DYN_SHARED(smem);
-    float* xs = reinterpret_cast<float*>(smem);
-    const int t = blockIdx.y;
-    const int j0 = tstart[t], nf = (tstart[t + 1] - j0) * F;
-    constexpr int nl = MOE_PIPE_LANES;
-    const int warps = blockDim.x / nl;
-    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
-    constexpr int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
-    constexpr int wstep = (32 / upb) * ts / 4;  // words a lane's unit pointers advance by (see the compute loop)
-    static_assert(32 % upb == 0 && ((32 / upb) * ts) % 4 == 0, "a lane's units keep their byte alignment");
-    const int rb = (H / bs) * ts, units = H / 16;
-    const int stride = ((rb + 30) / 16) * 16;
-    const long long mbytes = (long long)F * rb;
-    u8* ring = smem + (long long)H * 4 + (long long)warp * nstage * 2 * stride;
-    const int f0 = blockIdx.x * warps + warp, fstep = gridDim.x * warps;
-    const int nit = f0 < nf ? (nf - f0 + fstep - 1) / fstep : 0;
-    auto issue = [=](int i) {
-        const int f = f0 + i * fstep, q = f / F;
-        const u8* G = reinterpret_cast<const u8*>(gate_ptr[j0 + q]);
-        const u8* U = reinterpret_cast<const u8*>(up_ptr[j0 + q]);
-        const long long off = (long long)(f - q * F) * rb;
-        moe_issue_rows(2, rb, stride, ring + (i % nstage) * 2 * stride, lane, nl,
-                       [=](int k, const u8*& s, const u8*& end) { s = (k ? U : G) + off; end = (k ? U : G) + mbytes; });
-    };
-    // the first nstage items' copies go out before x is staged (they do not need it): the two overlap
-    for (int i = 0; i < nstage; ++i) {
-        if (i < nit) issue(i);
-        cp_async_commit();
-    }
-    moe_stage_x<TG>(X + (long long)t * H, H, xs);
-    __syncthreads();
-    for (int i = 0; i < nit; ++i) {
-        moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
-        __syncwarp();
-        const int f = f0 + i * fstep, q = f / F, r = f - q * F;
-        const long long off = (long long)r * rb;
-        const u8* slot = ring + (i % nstage) * 2 * stride;
-        const u8* gp = slot + ((gate_ptr[j0 + q] + (u64)off) & 15);
-        const u8* up = slot + stride + ((up_ptr[j0 + q] + (u64)off) & 15);
-        // Units are dealt to 32 lanes (in the host build one thread plays the 32 in turn): lane v takes u = v + 32 m,
-        // so its place in a block (v mod upb) and the alignment of its scale and codes are the same for every m (a
-        // step is 32 / upb blocks: 144 bytes for Q2_0, 544 for Q8_0, multiples of 4); word pointers and funnel shifts
-        // are set once per row and advance by a constant.
-        float ga = 0.0f, ua = 0.0f;
-        for (int v = lane; v < 32; v += nl) {
-            const int s = v % upb, b0 = v / upb;
-            u32 gss, gcs, uss, ucs;
-            const u32* gsw = moe_words(gp + b0 * ts, gss);
-            const u32* gcw = moe_words(gp + b0 * ts + 2 + MoeUnit<TG>::cb * s, gcs);
-            const u32* usw = moe_words(up + b0 * ts, uss);
-            const u32* ucw = moe_words(up + b0 * ts + 2 + MoeUnit<TG>::cb * s, ucs);
-            for (int u = v; u < units; u += 32) {
-                float xv[16];
-                moe_load_x16(xs, units, u, xv);
-                ga += dot16w<TG>(gsw, gss, gcw, gcs, xv);
-                ua += dot16w<TG>(usw, uss, ucw, ucs, xv);
-                gsw += wstep; gcw += wstep; usw += wstep; ucw += wstep;
-            }
-        }
-        ga = warp_sum(ga);
-        ua = warp_sum(ua);
-        if (lane == 0) Hbuf[(long long)(j0 + q) * F + r] = ga / (1.0f + expf(-ga)) * ua;
-        __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
-        if (i + nstage < nit) issue(i + nstage);
-        cp_async_commit();
-    }
-}
-
-// Y[t, r] (+)= sum over token t's jobs j of w[j] (down_j[r] . Hbuf[j]) for t = blockIdx.y; a warp's items are the
-// output rows r = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (the row r of every job's down
-// matrix) into a slot of its ring of nstage slots. The block first stages the token's Hbuf rows (interleaved over the
-// (job, unit) pairs p = q * F / 16 + u, pre-scaled for Q2_0), its weights and its down addresses. Shared memory
-// (experts.pipe_down_shared): max_jobs F floats + 16 ceil(max_jobs / 4) bytes (w) + 16 ceil(max_jobs / 2) bytes
-// (addresses) + warps * nstage * max_jobs * stride bytes + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16,
-// rb = F / bs * ts. A token with more than max_jobs jobs gets NaN rows.
-template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
-        const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
-        const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
-        int max_jobs) {
-    MOE_DYN_SHARED(smem);
-    const int t = blockIdx.y;
-    const int j0 = tstart[t], nj = tstart[t + 1] - j0;
-    if (nj > max_jobs) {  // the launch's bound broken: NaN rows rather than writes past the shared buffers
-        for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < H; r += gridDim.x * blockDim.x)
-            Y[(long long)t * H + r] = __uint_as_float(0x7fc00000u);
-        return;
-    }
-    const int np = nj * (F / 16);  // (job, unit) pairs
-    float* hs = reinterpret_cast<float*>(smem);
-    float* ws = hs + (long long)max_jobs * F;
-    u64* ps = reinterpret_cast<u64*>(ws + 4 * ((max_jobs + 3) / 4));
-    u8* rings = reinterpret_cast<u8*>(ps + 2 * ((max_jobs + 1) / 2));
-    constexpr int nl = MOE_PIPE_LANES;
-    const int warps = blockDim.x / nl;
-    const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
-    const int bs = Unit<TD>::bs, ts = Unit<TD>::ts, upb = bs / 16, fu = F / 16;
-    const int rb = (F / bs) * ts;
-    const int stride = ((rb + 30) / 16) * 16;
-    const long long sbytes = (long long)nj * stride;
-    u8* ring = rings + (long long)warp * nstage * max_jobs * stride;
-    const long long mbytes = (long long)H * rb;
-    const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
-    const int nit = r0 < H ? (H - r0 + rstep - 1) / rstep : 0;
-    const u64* dp = down_ptr + j0;  // (read from global memory: ps is not staged yet)
-    auto issue = [=](int i) {
-        const long long off = (long long)(r0 + i * rstep) * rb;
-        moe_issue_rows(nj, rb, stride, ring + (i % nstage) * sbytes, lane, nl, [=](int q, const u8*& s, const u8*& end) {
-            const u8* D = reinterpret_cast<const u8*>(dp[q]);
-            s = D + off;
-            end = D + mbytes;
-        });
-    };
-    // the first nstage items' copies go out before h is staged (they do not need it): the two overlap
-    for (int i = 0; i < nstage; ++i) {
-        if (i < nit) issue(i);
-        cp_async_commit();
-    }
-    moe_stage_x<TD>(Hbuf + (long long)j0 * F, nj * F, hs);
-    for (int q = threadIdx.x; q < nj; q += blockDim.x) { ws[q] = w[j0 + q]; ps[q] = dp[q]; }
-    __syncthreads();
-    for (int i = 0; i < nit; ++i) {
-        moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
-        __syncwarp();
-        const int r = r0 + i * rstep;
-        const long long off = (long long)r * rb;
-        const u8* slot = ring + (i % nstage) * sbytes;
-        float acc = 0.0f;
-        int q = 0, u = lane;
-        while (u >= fu) { u -= fu; ++q; }
-        for (int p = lane; p < np; p += nl) {
-            float xv[16];
-            moe_load_x16(hs, np, p, xv);
-            const int blk = u / upb, s = u - blk * upb;
-            const u8* rp = slot + (long long)q * stride + ((ps[q] + (u64)off) & 15);
-            acc = fmaf(ws[q], dot16p<TD>(rp + blk * ts, s, xv), acc);
-            u += nl;
-            while (u >= fu) { u -= fu; ++q; }
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) {
-            const long long o = (long long)t * H + r;
-            Y[o] = accumulate ? Y[o] + acc : acc;
-        }
-        __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
-        if (i + nstage < nit) issue(i + nstage);
-        cp_async_commit();
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
-// Integer variants of the pipelined kernels for Q2_0 (moe_gate_up_pipe_i8 / moe_down_pipe_i8; experts.py runs them
-// for Q2_0 as STRATATOOLS_MOE_INT8 says: gate/up by default). Same job tables, grids, rings and item order as moe_gate_up_pipe /
-// moe_down_pipe; what differs is the input and the dot product, as mv_q8i (dense_q8.cu) does for Q8_0:
+// Integer variants of the pipelined kernels for Q2_0 (moe_gate_up_pipe_i8 / moe_down_pipe_i8: the bodies below with
+// I8; experts.py runs them for Q2_0 as STRATATOOLS_MOE_INT8 says: gate/up by default). Same job tables, grids, rings
+// and item order as moe_gate_up_pipe / moe_down_pipe; what differs is the input and the dot product, as mv_q8i
+// (dense_q8.cu) does for Q8_0:
 // * The input (x, or the token's h rows) is quantized per block of 32 values while it is staged: s_b = max |x| /
 //   MI8_QMAX, v = rint(x / s_b) in [-MI8_QMAX, MI8_QMAX], split into two int8 planes hi = floor((v + 128) / 256) and
 //   lo = v - 256 hi (16-bit fixed point, about 1.5e-5 of the block's largest value). A 16-value unit's bytes are
@@ -609,28 +452,30 @@ __device__ __forceinline__ int mi8_dot(u32 w, uint4 h, uint4 l) {
     return 256 * ih + il;
 }
 
-// moe_gate_up_pipe for Q2_0 with the quantized input. Shared memory (experts.pipe_gu_shared, int8): mi8_end(H) +
-// warps * nstage * 2 * stride bytes + MOE_PIPE_PAD.
-template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe_i8(
+// Hbuf[j, r] = silu(gate_j[r] . x) * (up_j[r] . x) for every job j of token t = blockIdx.y (jobs tstart[t] ..
+// tstart[t+1]-1), x = X[t, :H]. The block's items are the token's (job, row) pairs f = q * F + r (q: the job's place
+// among the token's), so that x is staged once per block and any number of jobs spreads over the whole grid; a warp's
+// items are f = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (gate row and up row) into a slot of its
+// ring of nstage slots. Shared memory (experts.pipe_gu_shared): H floats (x, interleaved) + warps * nstage * 2 * stride
+// bytes + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16, rb = H / bs * ts. With I8 (moe_gate_up_pipe_i8, Q2_0) x is
+// staged quantized (mi8_stage: mi8_end(H) bytes in place of the H floats) and a unit's sums are integer (mi8_dot).
+template <int TG, bool I8> __device__ __forceinline__ void moe_gate_up_pipe_body(
         const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
-    static_assert(TG == 42, "the integer expert kernels decode Q2_0");
     MOE_DYN_SHARED(smem);
+    float* xs = reinterpret_cast<float*>(smem);
     const int t = blockIdx.y;
     const int j0 = tstart[t], nf = (tstart[t + 1] - j0) * F;
     constexpr int nl = MOE_PIPE_LANES;
     const int warps = blockDim.x / nl;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
     constexpr int bs = Unit<TG>::bs, ts = Unit<TG>::ts, upb = bs / 16;
-    constexpr int wstep = (32 / upb) * ts / 4;
+    constexpr int wstep = (32 / upb) * ts / 4;  // words a lane's unit pointers advance by (see the compute loop)
+    static_assert(32 % upb == 0 && ((32 / upb) * ts) % 4 == 0, "a lane's units keep their byte alignment");
     const int rb = (H / bs) * ts, units = H / 16;
     const int stride = ((rb + 30) / 16) * 16;
     const long long mbytes = (long long)F * rb;
-    const uint4* xh = reinterpret_cast<const uint4*>(smem);
-    const uint4* xl = reinterpret_cast<const uint4*>(smem + H);
-    const float* xsc = reinterpret_cast<const float*>(smem + mi8_sc(H));
-    const int* xsum = reinterpret_cast<const int*>(smem + mi8_sum(H));
-    u8* ring = smem + mi8_end(H) + (long long)warp * nstage * 2 * stride;
+    u8* ring = smem + (long long)(I8 ? mi8_end(H) : H * 4) + (long long)warp * nstage * 2 * stride;
     const int f0 = blockIdx.x * warps + warp, fstep = gridDim.x * warps;
     const int nit = f0 < nf ? (nf - f0 + fstep - 1) / fstep : 0;
     auto issue = [=](int i) {
@@ -641,80 +486,106 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe_i8(
         moe_issue_rows(2, rb, stride, ring + (i % nstage) * 2 * stride, lane, nl,
                        [=](int k, const u8*& s, const u8*& end) { s = (k ? U : G) + off; end = (k ? U : G) + mbytes; });
     };
+    // the first nstage items' copies go out before x is staged (they do not need it): the two overlap
     for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
         cp_async_commit();
     }
-    mi8_stage(X + (long long)t * H, H, smem, H, nullptr, 1);
+    if constexpr (I8) mi8_stage(X + (long long)t * H, H, smem, H, nullptr, 1);
+    else moe_stage_x<TG>(X + (long long)t * H, H, xs);
     __syncthreads();
     for (int i = 0; i < nit; ++i) {
-        moe_cp_wait_ring(nstage);
+        moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
         __syncwarp();
         const int f = f0 + i * fstep, q = f / F, r = f - q * F;
         const long long off = (long long)r * rb;
         const u8* slot = ring + (i % nstage) * 2 * stride;
         const u8* gp = slot + ((gate_ptr[j0 + q] + (u64)off) & 15);
         const u8* up = slot + stride + ((up_ptr[j0 + q] + (u64)off) & 15);
+        // Units are dealt to 32 lanes (in the host build one thread plays the 32 in turn): lane v takes u = v + 32 m,
+        // so its place in a block (v mod upb) and the alignment of its scale and codes are the same for every m (a
+        // step is 32 / upb blocks: 144 bytes for Q2_0, 544 for Q8_0, multiples of 4); word pointers and funnel shifts
+        // are set once per row and advance by a constant.
         float ga = 0.0f, ua = 0.0f;
-        for (int v = lane; v < 32; v += nl) {  // lane v's units u = v + 32 m (see moe_gate_up_pipe)
+        for (int v = lane; v < 32; v += nl) {
             const int s = v % upb, b0 = v / upb;
             u32 gss, gcs, uss, ucs;
             const u32* gsw = moe_words(gp + b0 * ts, gss);
-            const u32* gcw = moe_words(gp + b0 * ts + 2 + 4 * s, gcs);
+            const u32* gcw = moe_words(gp + b0 * ts + 2 + MoeUnit<TG>::cb * s, gcs);
             const u32* usw = moe_words(up + b0 * ts, uss);
-            const u32* ucw = moe_words(up + b0 * ts + 2 + 4 * s, ucs);
+            const u32* ucw = moe_words(up + b0 * ts + 2 + MoeUnit<TG>::cb * s, ucs);
             for (int u = v; u < units; u += 32) {
-                const uint4 hh = xh[u], ll = xl[u];
-                const float sb = xsc[u >> 1];
-                const int su = xsum[u];
-                const float dg = moe_h2f(MOE_FUNNEL(gsw[0], gsw[1], gss));
-                const float du = moe_h2f(MOE_FUNNEL(usw[0], usw[1], uss));
-                const int ig = mi8_dot(MOE_FUNNEL(gcw[0], gcw[1], gcs), hh, ll) - su;
-                const int iu = mi8_dot(MOE_FUNNEL(ucw[0], ucw[1], ucs), hh, ll) - su;
-                ga = fmaf(dg * sb, (float)ig, ga);
-                ua = fmaf(du * sb, (float)iu, ua);
+                if constexpr (I8) {
+                    const uint4 hh = reinterpret_cast<const uint4*>(smem)[u];
+                    const uint4 ll = reinterpret_cast<const uint4*>(smem + H)[u];
+                    const float sb = reinterpret_cast<const float*>(smem + mi8_sc(H))[u >> 1];
+                    const int su = reinterpret_cast<const int*>(smem + mi8_sum(H))[u];
+                    const float dg = moe_h2f(MOE_FUNNEL(gsw[0], gsw[1], gss));
+                    const float du = moe_h2f(MOE_FUNNEL(usw[0], usw[1], uss));
+                    const int ig = mi8_dot(MOE_FUNNEL(gcw[0], gcw[1], gcs), hh, ll) - su;
+                    const int iu = mi8_dot(MOE_FUNNEL(ucw[0], ucw[1], ucs), hh, ll) - su;
+                    ga = fmaf(dg * sb, (float)ig, ga);
+                    ua = fmaf(du * sb, (float)iu, ua);
+                } else {
+                    float xv[16];
+                    moe_load_x16(xs, units, u, xv);
+                    ga += dot16w<TG>(gsw, gss, gcw, gcs, xv);
+                    ua += dot16w<TG>(usw, uss, ucw, ucs, xv);
+                }
                 gsw += wstep; gcw += wstep; usw += wstep; ucw += wstep;
             }
         }
         ga = warp_sum(ga);
         ua = warp_sum(ua);
         if (lane == 0) Hbuf[(long long)(j0 + q) * F + r] = ga / (1.0f + expf(-ga)) * ua;
-        __syncwarp();
+        __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
         if (i + nstage < nit) issue(i + nstage);
         cp_async_commit();
     }
 }
+template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
+        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
+        const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
+    moe_gate_up_pipe_body<TG, false>(gate_ptr, up_ptr, tstart, X, Hbuf, H, F, nstage);
+}
+template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe_i8(
+        const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
+        const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
+    static_assert(TG == 42, "the integer expert kernels decode Q2_0");
+    moe_gate_up_pipe_body<TG, true>(gate_ptr, up_ptr, tstart, X, Hbuf, H, F, nstage);
+}
 
-// moe_down_pipe for Q2_0 with the token's h rows quantized (each job's routing weight folded into its blocks'
-// scales). Shared memory (experts.pipe_down_shared, int8): mi8_end(max_jobs F), then max_jobs addresses (8 bytes
-// each, 16-byte aligned), then warps * nstage * max_jobs * stride bytes + MOE_PIPE_PAD. A token with more than
-// max_jobs jobs gets NaN rows.
-template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
+// Y[t, r] (+)= sum over token t's jobs j of w[j] (down_j[r] . Hbuf[j]) for t = blockIdx.y; a warp's items are the
+// output rows r = blockIdx.x * warps + warp + i * gridDim.x * warps, each staged (the row r of every job's down
+// matrix) into a slot of its ring of nstage slots. The block first stages the token's Hbuf rows (interleaved over the
+// (job, unit) pairs p = q * F / 16 + u, pre-scaled for Q2_0), its weights and its down addresses. Shared memory
+// (experts.pipe_down_shared): max_jobs F floats + 16 ceil(max_jobs / 4) bytes (w) + 16 ceil(max_jobs / 2) bytes
+// (addresses) + warps * nstage * max_jobs * stride bytes + MOE_PIPE_PAD, stride = ((rb + 30) / 16) * 16,
+// rb = F / bs * ts. A token with more than max_jobs jobs gets NaN rows. With I8 (moe_down_pipe_i8, Q2_0) the h rows
+// are staged quantized (mi8_stage over the layout of max_jobs F values, each job's weight folded into its blocks'
+// scales: mi8_end(max_jobs F) bytes in place of the floats and the weights) and a unit's sum is integer (mi8_dot).
+template <int TD, bool I8> __device__ __forceinline__ void moe_down_pipe_body(
         const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
         const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
         int max_jobs) {
-    static_assert(TD == 42, "the integer expert kernels decode Q2_0");
     MOE_DYN_SHARED(smem);
     const int t = blockIdx.y;
     const int j0 = tstart[t], nj = tstart[t + 1] - j0;
-    if (nj > max_jobs) {
+    if (nj > max_jobs) {  // the launch's bound broken: NaN rows rather than writes past the shared buffers
         for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < H; r += gridDim.x * blockDim.x)
             Y[(long long)t * H + r] = __uint_as_float(0x7fc00000u);
         return;
     }
+    const int np = nj * (F / 16);  // (job, unit) pairs
     const int n = max_jobs * F;  // (the layout's size; the token's nj * F values are staged)
-    const int np = nj * (F / 16);
-    const uint4* xh = reinterpret_cast<const uint4*>(smem);
-    const uint4* xl = reinterpret_cast<const uint4*>(smem + n);
-    const float* xsc = reinterpret_cast<const float*>(smem + mi8_sc(n));
-    const int* xsum = reinterpret_cast<const int*>(smem + mi8_sum(n));
-    u64* ps = reinterpret_cast<u64*>(smem + mi8_end(n));
-    u8* rings = smem + mi8_end(n) + mi8_align16(8 * max_jobs);
+    float* hs = reinterpret_cast<float*>(smem);
+    float* ws = hs + (long long)n;
+    u64* ps = I8 ? reinterpret_cast<u64*>(smem + mi8_end(n)) : reinterpret_cast<u64*>(ws + 4 * ((max_jobs + 3) / 4));
+    u8* rings = reinterpret_cast<u8*>(ps + 2 * ((max_jobs + 1) / 2));
     constexpr int nl = MOE_PIPE_LANES;
     const int warps = blockDim.x / nl;
     const int warp = threadIdx.x / nl, lane = threadIdx.x % nl;
-    constexpr int bs = Unit<TD>::bs, ts = Unit<TD>::ts, upb = bs / 16;
-    const int fu = F / 16;
+    const int bs = Unit<TD>::bs, ts = Unit<TD>::ts, upb = bs / 16, fu = F / 16;
     const int rb = (F / bs) * ts;
     const int stride = ((rb + 30) / 16) * 16;
     const long long sbytes = (long long)nj * stride;
@@ -722,7 +593,7 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
     const long long mbytes = (long long)H * rb;
     const int r0 = blockIdx.x * warps + warp, rstep = gridDim.x * warps;
     const int nit = r0 < H ? (H - r0 + rstep - 1) / rstep : 0;
-    const u64* dp = down_ptr + j0;
+    const u64* dp = down_ptr + j0;  // (read from global memory: ps is not staged yet)
     auto issue = [=](int i) {
         const long long off = (long long)(r0 + i * rstep) * rb;
         moe_issue_rows(nj, rb, stride, ring + (i % nstage) * sbytes, lane, nl, [=](int q, const u8*& s, const u8*& end) {
@@ -731,15 +602,20 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
             end = D + mbytes;
         });
     };
+    // the first nstage items' copies go out before h is staged (they do not need it): the two overlap
     for (int i = 0; i < nstage; ++i) {
         if (i < nit) issue(i);
         cp_async_commit();
     }
-    mi8_stage(Hbuf + (long long)j0 * F, nj * F, smem, n, w + j0, F >> 5);  // (layout of max_jobs * F values)
-    for (int q = threadIdx.x; q < nj; q += blockDim.x) ps[q] = dp[q];
+    if constexpr (I8) mi8_stage(Hbuf + (long long)j0 * F, nj * F, smem, n, w + j0, F >> 5);
+    else moe_stage_x<TD>(Hbuf + (long long)j0 * F, nj * F, hs);
+    for (int q = threadIdx.x; q < nj; q += blockDim.x) {
+        if constexpr (!I8) ws[q] = w[j0 + q];
+        ps[q] = dp[q];
+    }
     __syncthreads();
     for (int i = 0; i < nit; ++i) {
-        moe_cp_wait_ring(nstage);
+        moe_cp_wait_ring(nstage);  // item i landed (items i+1 .. i+nstage-1 may be in flight)
         __syncwarp();
         const int r = r0 + i * rstep;
         const long long off = (long long)r * rb;
@@ -750,12 +626,20 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
         for (int p = lane; p < np; p += nl) {
             const int blk = u / upb, s = u - blk * upb;
             const u8* rp = slot + (long long)q * stride + ((ps[q] + (u64)off) & 15) + blk * ts;
-            u32 ssh, csh;
-            const u32* sw = moe_words(rp, ssh);
-            const u32* cw = moe_words(rp + 2 + 4 * s, csh);
-            const float d = moe_h2f(MOE_FUNNEL(sw[0], sw[1], ssh));
-            const int iv = mi8_dot(MOE_FUNNEL(cw[0], cw[1], csh), xh[p], xl[p]) - xsum[p];
-            acc = fmaf(d * xsc[p >> 1], (float)iv, acc);
+            if constexpr (I8) {
+                u32 ssh, csh;
+                const u32* sw = moe_words(rp, ssh);
+                const u32* cw = moe_words(rp + 2 + 4 * s, csh);
+                const float dd = moe_h2f(MOE_FUNNEL(sw[0], sw[1], ssh));
+                const int iv = mi8_dot(MOE_FUNNEL(cw[0], cw[1], csh), reinterpret_cast<const uint4*>(smem)[p],
+                                       reinterpret_cast<const uint4*>(smem + n)[p])
+                               - reinterpret_cast<const int*>(smem + mi8_sum(n))[p];
+                acc = fmaf(dd * reinterpret_cast<const float*>(smem + mi8_sc(n))[p >> 1], (float)iv, acc);
+            } else {
+                float xv[16];
+                moe_load_x16(hs, np, p, xv);
+                acc = fmaf(ws[q], dot16p<TD>(rp, s, xv), acc);
+            }
             u += nl;
             while (u >= fu) { u -= fu; ++q; }
         }
@@ -764,8 +648,21 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
             const long long o = (long long)t * H + r;
             Y[o] = accumulate ? Y[o] + acc : acc;
         }
-        __syncwarp();
+        __syncwarp();  // slot i % nstage is free again: item i + nstage goes there
         if (i + nstage < nit) issue(i + nstage);
         cp_async_commit();
     }
+}
+template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
+        const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
+        const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
+        int max_jobs) {
+    moe_down_pipe_body<TD, false>(down_ptr, w, tstart, Hbuf, Y, H, F, accumulate, nstage, max_jobs);
+}
+template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
+        const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
+        const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
+        int max_jobs) {
+    static_assert(TD == 42, "the integer expert kernels decode Q2_0");
+    moe_down_pipe_body<TD, true>(down_ptr, w, tstart, Hbuf, Y, H, F, accumulate, nstage, max_jobs);
 }
