@@ -401,6 +401,33 @@ def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, fetch, mo
         assert np.array_equal(a, b) and np.array_equal(ia, ib)
 
 
+def _fused_decoders(kit, model, env, values, monkeypatch):
+    """One captured fused fast StaticDecoder per value of environment variable ``env``, over a GPURuntime on the kit's
+    ``model`` (skips when it is not carried), each loaded with the state after the kit's 4-token prompt: ({value:
+    decoder}, the prompt's greedy next token, the decoders' context)."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    path = kit / model
+    if not path.exists():
+        pytest.skip(f"{model} not carried")
+    rt = GPURuntime(load(path, xp=cp))
+    n_ctx = min(32, max_full_context(rt.cfg, "transformers"))
+    st = rt.new_state()
+    lg, _ = rt.forward(_prompt(kit, 4), st)
+    decs = {}
+    for v in values:
+        monkeypatch.setenv(env, v)
+        d = StaticDecoder(rt, max_ctx=n_ctx, fast=True, fused=True)
+        d.load_state(st)
+        assert d.capture()
+        decs[v] = d
+    return decs, int(np.argmax(lg.get())), n_ctx
+
+
 @pytest.mark.gpu
 @pytest.mark.kit
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
@@ -408,29 +435,10 @@ def test_fused_step_int8_experts_match_float_experts(kit, monkeypatch):
     """STRATATOOLS_MOE_INT8=1 (moe_gate_up_pipe_i8 / moe_down_pipe_i8 for the Q2_0 routed and shared experts)
     against =0 (the float pipelined kernels), graph-replayed on the kit's Q2_0 model: logits within 1e-4
     relative and the same greedy token every step, the same routed experts in at least 99% of the layers."""
-    import cupy as cp
-
     from stratatools.runtime.gpu import experts as E
-    from stratatools.runtime.gpu.decode import StaticDecoder, max_full_context
-    from stratatools.runtime.gpu.runtime import GPURuntime
-    from stratatools.runtime.weights import load
 
-    path = kit / "quant/model-Q2_0.gguf"
-    if not path.exists():
-        pytest.skip("quant/model-Q2_0.gguf not carried")
     monkeypatch.setenv(E.MOE_KERNEL_ENV, "pipe")
-    rt = GPURuntime(load(path, xp=cp))
-    n_ctx = min(32, max_full_context(rt.cfg, "transformers"))
-    st = rt.new_state()
-    lg, _ = rt.forward(_prompt(kit, 4), st)
-    decs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv(E.MOE_INT8_ENV, flag)
-        d = StaticDecoder(rt, max_ctx=n_ctx, fast=True, fused=True)
-        d.load_state(st)
-        assert d.capture()
-        decs[flag] = d
-    tok = int(np.argmax(lg.get()))
+    decs, tok, n_ctx = _fused_decoders(kit, "quant/model-Q2_0.gguf", E.MOE_INT8_ENV, ("0", "1"), monkeypatch)
     worst, same, total, differs = 0.0, 0, 0, False
     for _ in range(n_ctx - 4):
         a = decs["0"].step(tok).get().astype(np.float64)
@@ -470,31 +478,15 @@ def test_fused_step_int8_dense_matches_default(kit, monkeypatch):
     against the float streaming matvec (mv_q8s, STRATATOOLS_DENSE_KERNEL=stream), both graph-replayed on the kit's Q8_0-dense model with every
     re-laid-out matrix on the streaming kernel (the row threshold lowered to 0; the hyper-connection up projection
     and mix in one launch): logits within 1e-4 relative, the same greedy token, every step."""
-    import cupy as cp
-
     from stratatools.runtime.gpu import kernels as K
-    from stratatools.runtime.gpu.decode import Q8R, StaticDecoder, max_full_context
-    from stratatools.runtime.gpu.runtime import GPURuntime
-    from stratatools.runtime.weights import load
+    from stratatools.runtime.gpu.decode import Q8R
 
-    path = kit / "quant/model-ISTA-mix.gguf"
-    if not path.exists():
-        pytest.skip("quant/model-ISTA-mix.gguf not carried")
     monkeypatch.setattr(K, "DQS_MIN_ROWS_PER_SM", 0)
-    rt = GPURuntime(load(path, xp=cp))
-    n_ctx = min(32, max_full_context(rt.cfg, "transformers"))
-    st = rt.new_state()
-    lg, _ = rt.forward(_prompt(kit, 4), st)
-    decs = {}
-    for env in ("stream", "int8"):
-        monkeypatch.setenv(K.DENSE_KERNEL_ENV, env)
-        d = StaticDecoder(rt, max_ctx=n_ctx, fast=True, fused=True)
+    decs, tok, n_ctx = _fused_decoders(kit, "quant/model-ISTA-mix.gguf", K.DENSE_KERNEL_ENV, ("stream", "int8"),
+                                       monkeypatch)
+    for env, d in decs.items():
         assert d.dense_q8 and d.dense_int8 == (env == "int8")
-        d.load_state(st)
-        assert d.capture()
-        decs[env] = d
     assert any(isinstance(raw, Q8R) for raw, *_ in decs["int8"]._raw.values())
-    tok = int(np.argmax(lg.get()))
     worst = 0.0
     for _ in range(n_ctx - 4):
         a = decs["stream"].step(tok).get().astype(np.float64)
