@@ -453,8 +453,6 @@ def config_rows(slots: int) -> list:
               {"slots": slots, "policy": "static", "_profile": True, "_env": nq}),
              ("lrunoqueue", f"{slots} slots LRU, steps not queued (before)",
               {"slots": slots, "policy": "lru", "_env": nq})]
-    # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
-    # second stream beside the routed gate/up)
     # the Q2_0 experts' integer pipelined kernels (experts.MOE_INT8_ENV: their input quantized to 16-bit fixed point,
     # int8 dot products): both launches (1) or neither (0); the default runs the integer gate/up and the float down
     i8, f32 = {"STRATATOOLS_MOE_INT8": "1"}, {"STRATATOOLS_MOE_INT8": "0"}
@@ -464,6 +462,8 @@ def config_rows(slots: int) -> list:
               {"slots": slots, "policy": "static", "_profile": True, "_env": i8}),
              ("staticproffloat", f"{slots} slots static on the recorded profile, float expert kernels (before)",
               {"slots": slots, "policy": "static", "_profile": True, "_env": f32})]
+    # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
+    # second stream beside the routed gate/up)
     ns = {"STRATATOOLS_SHARED_SIDE": "0"}
     rows += [("noside", "all resident, shared expert after the routed ones (before)", {"_env": ns}),
              ("staticprofnoside", f"{slots} slots static on the recorded profile, shared expert after the routed ones "

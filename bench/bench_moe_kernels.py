@@ -268,9 +268,14 @@ def main() -> None:
     fl = [best.get(("routed Q2_0", kn)) for kn in ("gate/up", "down")]
     if all(i8) and all(fl):
         res["routed_int8_s"] = i8[0][1] + i8[1][1]
-        print(f"  routed Q2_0 gate/up + down: integer variants {(i8[0][1] + i8[1][1]) * 1e6:.1f} us against float "
-              f"{(fl[0][1] + fl[1][1]) * 1e6:.1f} us ({(fl[0][1] + fl[1][1]) / (i8[0][1] + i8[1][1]):.2f}x); "
-              f"STRATATOOLS_MOE_PIPE=gu={'x'.join(map(str, i8[0][0]))},down={'x'.join(map(str, i8[1][0]))}")
+        mixed = i8[0][1] + fl[1][1]  # the default: integer gate/up, float down
+        res["routed_int8_gu_s"] = mixed
+        shared = [best.get(("shared Q8_0", kn), (None,))[0] for kn in ("gate/up", "down")]
+        one = "".join(f",{k}={'x'.join(map(str, v))}" for k, v in zip(("gu1", "down1"), shared) if v is not None)
+        print(f"  routed Q2_0 gate/up + down: float {(fl[0][1] + fl[1][1]) * 1e6:.1f} us, integer gate/up + float "
+              f"down {mixed * 1e6:.1f} us, both integer {(i8[0][1] + i8[1][1]) * 1e6:.1f} us; the first with the best "
+              f"shapes: STRATATOOLS_MOE_KERNEL=pipe STRATATOOLS_MOE_INT8=gu STRATATOOLS_MOE_PIPE="
+              f"gu={'x'.join(map(str, i8[0][0]))},down={'x'.join(map(str, fl[1][0]))}{one}")
     save(res)
 
 

@@ -136,9 +136,10 @@ def test_ple_fused_matches_numpy(lib, hc, n, Kc, d, per_stream):
 
 
 @pytest.mark.parametrize("inject", [True, False])
-def test_hc_inject_rms_matches_numpy(lib, inject):
+@pytest.mark.parametrize("n", [40, 3, 5])  # (3: fewer values than a thread keeps in registers)
+def test_hc_inject_rms_matches_numpy(lib, inject, n):
     rng = np.random.default_rng(7)
-    hc, n = 4, 40
+    hc = 4
     H, y, v, w = _rand(rng, hc * n), _rand(rng, n), _rand(rng, hc), _rand(rng, hc * n)
     H1 = H + (y[None, :] * (2.0 * _sigmoid(np, v / np.float32(hc)))[:, None]).reshape(-1) if inject else H
     ref = _rmsnorm(np, H1, w, 1e-6, group=n)
@@ -413,6 +414,32 @@ def test_pipe_staging_of_unaligned_inputs_gives_the_same_rows(experts_lib, i8):
     assert np.abs(got[0][1]).max() > 0
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_pipe_i8_non_finite_input_gives_nan_rows_as_the_float_kernels_do(experts_lib, bad):
+    """A NaN or an infinity in x (or in the h rows) makes the integer kernels' outputs NaN, as the float kernels'
+    outputs are not finite: the quantizer marks the block's scale NaN instead of clamping the value into range."""
+    hidden, ff = 128, 64
+    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", hidden, ff, 2, [0, 2])
+    ptr = np.array([arena.ctypes.data + o for o in offs], dtype=np.uint64)
+    gate, up, down = ptr, ptr + np.uint64(gb), ptr + np.uint64(2 * gb)
+    tstart = np.array([0, 2], dtype=np.int32)
+    X = np.ones((1, hidden), dtype=np.float32)
+    X[0, 5] = bad
+    got = {}
+    for sfx in ("pipe_42", "pipe_i8_42"):
+        hbuf = np.zeros(2 * ff, dtype=np.float32)
+        getattr(experts_lib, f"host_moe_gate_up_{sfx}")(1, 1, _p(gate), _p(up), _p(tstart), _p(X), _p(hbuf), hidden,
+                                                       ff, 1)
+        got[sfx] = hbuf
+    assert not np.isfinite(got["pipe_42"]).any() and np.isnan(got["pipe_i8_42"]).all()
+    hbuf = np.ones(2 * ff, dtype=np.float32)
+    hbuf[ff + 3] = bad
+    wf = np.ones(2, dtype=np.float32)
+    Y = np.zeros((1, hidden), dtype=np.float32)
+    experts_lib.host_moe_down_pipe_i8_42(2, 1, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), hidden, ff, 0, 1, 2)
+    assert np.isnan(Y).all()
+
+
 def test_pipe_i8_down_marks_tokens_over_the_job_bound(experts_lib):
     """moe_down_pipe_i8: a token with more jobs than max_jobs gets NaN rows; one within the bound is computed."""
     tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 128, 64, 3, [0, 2, 2])
@@ -439,6 +466,10 @@ def test_moe_int8_flag(monkeypatch):
     assert E.pipe_int8(q2) and E.pipe_int8(q2, part="down") and not E.pipe_int8(q8) and not E.pipe_int8(q2, False)
     monkeypatch.setenv(E.MOE_INT8_ENV, "0")
     assert not E.pipe_int8(q2) and not E.pipe_int8(q2, part="down")
+    # a mode given with the call wins over the environment (the decoders read it once when built)
+    assert E.pipe_int8(q2, "gu") and not E.pipe_int8(q2, "gu", "down") and E.pipe_int8(q2, "1", "down")
+    with pytest.raises(StrataError, match="integer expert kernels 'x'"):
+        E.pipe_int8(q2, "x")
     for bad in ("on", "2", "down"):
         monkeypatch.setenv(E.MOE_INT8_ENV, bad)
         with pytest.raises(StrataError, match=f"STRATATOOLS_MOE_INT8='{bad}': use gu"):

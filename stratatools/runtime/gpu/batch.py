@@ -173,6 +173,9 @@ class BatchDecoder(ChunkPrefill):
             # hgemm, whose fp16 cuBLAS GEMMs would share one cuBLAS handle (and its workspace) across the streams
             self._shared_side = (cp.cuda.Stream(non_blocking=True)
                                  if shared_side() and self.gemm != "hgemm" else None)
+            from stratatools.runtime.gpu.experts import moe_int8
+
+            self._moe_int8 = moe_int8()  # read once: the captured step and the eager steps run the same kernels
 
     def _weight(self, name: str) -> Any:
         """Matrix ``name`` as float32 [rows, cols]: the prefill's (dequantized now, transient), except that on CuPy
@@ -678,7 +681,6 @@ class BatchDecoder(ChunkPrefill):
         """Router for T tokens (``pf_route``, on the device), routed experts through the job kernels with blob
         addresses from the tier's slot table, the shared expert by SGEMM (on a second stream beside the routed
         experts: :data:`stratatools.runtime.gpu.decode.SHARED_SIDE_ENV`); ids/weights kept on the device."""
-        from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
         from stratatools.runtime.gpu.prefill import ROUTE_THREADS
 
         cp, cfg, k = self.cp, self.cfg, self.k
@@ -695,21 +697,41 @@ class BatchDecoder(ChunkPrefill):
                      (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
                       np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
                       np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
-        side = self._shared_side
+        # the shared expert beside the routed ones (not while the breakdown is timed: its stream would not be
+        # synchronised by the timer)
+        side = self._shared_side if self.timing is None else None
         if side is not None:
-            # the shared expert beside the routed ones: its gate (a cuBLAS matvec) and the split of x that both
-            # branches' tensor-core GEMMs read are made here first, so the side stream only reads them
+            # its gate and the split of x that both branches' tensor-core GEMMs read are made here first, so the
+            # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
             sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
             if self.gemm == "mma":
                 self._split(x)
             main = cp.cuda.get_current_stream()
-            fork = cp.cuda.Event(disable_timing=True)
+            fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
             fork.record(main)
             side.wait_event(fork)
-            with side:
-                ys = sg * self._shared_mm(il, _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1), 2)
-            join = cp.cuda.Event(disable_timing=True)
-            join.record(side)
+            try:
+                with side:
+                    ys = sg * self._shared_mm(il, _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1), 2)
+            finally:
+                join.record(side)
+        try:
+            y = self._routed_gpu(il, x, ids, w, T, n)
+        finally:
+            if side is not None:
+                main.wait_event(join)
+        self._tic("shared")
+        if side is not None:
+            return (y + ys).astype(cp.float32, copy=False)
+        sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+        hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
+        return (y + sg * self._shared_mm(il, hs, 2)).astype(cp.float32, copy=False)
+
+    def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
+        """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] (ids / w: their routing on the device)."""
+        from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
+
+        cp, k = self.cp, self.k
         self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
         if self.experts == "mma" and self._mma_experts_ok(il):
@@ -724,14 +746,8 @@ class BatchDecoder(ChunkPrefill):
             jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
                               per_token=k)
             y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
-                           kernels=self._kernels_routed)
-        self._tic("shared")
-        if side is not None:
-            main.wait_event(join)
-            return (y + ys).astype(cp.float32, copy=False)
-        sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-        hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
-        return (y + sg * self._shared_mm(il, hs, 2)).astype(cp.float32, copy=False)
+                           kernels=self._kernels_routed, int8=self._moe_int8)
+        return y
 
 
 @dataclass

@@ -288,7 +288,8 @@ def prefetch_order() -> str:
 
 #: Whether the fused decode step runs the shared expert on a second stream beside the routed experts' gate/up
 #: (``1``, the default) or after the routed experts on the step's stream (``0``); the logits are the same bit for
-#: bit (the routed down adds its sum to the shared expert's, a sum of two floats in either order).
+#: bit (the routed down adds its sum to the shared expert's, a sum of two floats in either order). The batched step
+#: (:mod:`stratatools.runtime.gpu.batch`) follows it too, except with ``STRATATOOLS_BATCH_GEMM=hgemm``.
 SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
 
 
@@ -623,6 +624,10 @@ class StaticDecoder:
         # every routed blob read from device memory: all resident, or misses fetched into device staging
         self.kernels_routed, self.kernels_shared = decoder_expert_kernels(
             not partial or self.miss_fetch != "zero-copy")
+        from stratatools.runtime.gpu.experts import moe_int8
+
+        # the pipelined kernels' integer mode, read once: a captured graph and the eager steps run the same kernels
+        self.moe_int8 = moe_int8()
         for ly in tier.arena.layers:
             _check_type(ly.gu_type, ly.hidden, "expert gate/up")
             _check_type(ly.d_type, ly.ff, "expert down")
@@ -1176,25 +1181,37 @@ class StaticDecoder:
         y = cp.empty((1, cfg.n_embd), dtype=cp.float32)
         jobs = ExpertJobs(pt[0], pt[1], pt[2], self.tok0, w, self.tstart)
         sj = ExpertJobs(sptrs[0], sptrs[1], sptrs[2], self.shared_tok, sg, self.shared_tstart)
+        i8 = self.moe_int8
         if self._shared_side is None:
             expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True,
-                       kernels=self.kernels_routed)
+                       kernels=self.kernels_routed, int8=i8)
             expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True,
-                       kernels=self.kernels_shared)
+                       kernels=self.kernels_shared, int8=i8)
             return y.reshape(-1)
         # the shared expert on the side stream (its own scratch) beside the routed gate/up; the routed down adds
-        # to its result: y = shared + routed, the same float sum as routed + shared
+        # to its result: y = shared + routed, the same float sum as routed + shared. The side stream is joined
+        # back whatever raises (a capture left with an unjoined stream would hide the first error).
         main, side = cp.cuda.get_current_stream(), self._shared_side
-        fork = cp.cuda.Event(disable_timing=True)
+        fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         fork.record(main)
         side.wait_event(fork)
-        with side:
-            expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, hbuf=self.hbuf_shared, fast=True,
-                       kernels=self.kernels_shared)
-        join = cp.cuda.Event(disable_timing=True)
-        join.record(side)
-        expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, accumulate=True, hbuf=self.hbuf,
-                   fast=True, kernels=self.kernels_routed, before_down=lambda: main.wait_event(join))
+        try:
+            with side:
+                expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, hbuf=self.hbuf_shared, fast=True,
+                           kernels=self.kernels_shared, int8=i8)
+        finally:
+            join.record(side)
+        joined: list[bool] = []
+
+        def wait_shared() -> None:
+            main.wait_event(join)
+            joined.append(True)
+        try:
+            expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, accumulate=True, hbuf=self.hbuf,
+                       fast=True, kernels=self.kernels_routed, before_down=wait_shared, int8=i8)
+        finally:
+            if not joined:
+                main.wait_event(join)
         return y.reshape(-1)
 
     def _body_fused(self) -> None:

@@ -13,10 +13,13 @@ its expert's gate/up/down matrices at device addresses ``gate_ptr[j]``, ``up_ptr
 
 Addresses may point at VRAM slots or at mapped pinned host memory (zero-copy reads of a miss).
 
-The fast path (``fast=True``, the decode step's) runs ``moe_staged.cu``: its staged-row kernels by default, or with
-``STRATATOOLS_MOE_KERNEL=pipe`` its pipelined kernels (rows copied to shared memory by cp.async into a ring of slots per
-warp, decoded 16 values a lane-step; launch shapes from ``STRATATOOLS_MOE_PIPE``). ``bench/bench_moe_kernels.py``
-times both per shape; the default changes only on its numbers.
+The fast path (``fast=True``, the decode step's) runs ``moe_staged.cu``: its staged-row kernels, or its pipelined
+kernels (rows copied to shared memory by cp.async into a ring of slots per warp, decoded 16 values a lane-step;
+launch shapes from ``STRATATOOLS_MOE_PIPE``), which the decode step takes for the shared expert and, when every routed
+blob is read from device memory, for the routed ones (:func:`decoder_expert_kernels`; ``STRATATOOLS_MOE_KERNEL``
+overrides). For Q2_0 the pipelined gate/up launch runs its integer variant by default (input rounded per block of 32
+to 16-bit fixed point, int8 dot products: :data:`MOE_INT8_ENV`). ``bench/bench_moe_kernels.py`` times them per shape;
+the defaults change only on its numbers and the decode step's.
 """
 
 from __future__ import annotations
@@ -217,13 +220,16 @@ def moe_int8() -> str:
     return v
 
 
-def pipe_int8(t: GGMLType, int8: bool | None = None, part: str = "gu") -> bool:
+def pipe_int8(t: GGMLType, int8: bool | str | None = None, part: str = "gu") -> bool:
     """Whether the pipelined ``part`` launch (``gu`` or ``down``) for type ``t`` runs the integer variant: ``int8``
-    (None: as :func:`moe_int8` says for ``part``) and ``t`` one of :data:`PIPE_I8_TYPES`."""
-    if int8 is None:
-        mode = moe_int8()
+    (a flag; or a mode of :data:`MOE_INT8_MODES`, read for ``part``; None: :func:`moe_int8`'s mode) and ``t`` one of
+    :data:`PIPE_I8_TYPES`."""
+    if int8 is None or isinstance(int8, str):
+        mode = moe_int8() if int8 is None else int8
+        if mode not in MOE_INT8_MODES:
+            raise StrataError(f"integer expert kernels {mode!r}: use one of {', '.join(MOE_INT8_MODES)}")
         int8 = mode == "1" or (mode == "gu" and part == "gu")
-    return int8 and t.id in PIPE_I8_TYPES
+    return bool(int8) and t.id in PIPE_I8_TYPES
 
 
 def _i8_layout(n: int) -> int:
@@ -285,8 +291,9 @@ def staged_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: 
 
 
 def pipe_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any,
-                 shape: PipeShape, int8: bool | None = None) -> None:
-    """Launch ``moe_gate_up_pipe`` with ``shape`` (same result as :func:`staged_gate_up`; Q2_0 / Q8_0; no alignment
+                 shape: PipeShape, int8: bool | str | None = None) -> None:
+    """Launch ``moe_gate_up_pipe`` with ``shape`` (:func:`staged_gate_up`'s result up to float rounding, or with the
+    integer variant up to the input's 16-bit rounding; Q2_0 / Q8_0; no alignment
     asked of X or hbuf): blocks of one token each, over the token's (job, row) pairs (:func:`pipe_max_jobs` * ff;
     the blocks of a token with fewer jobs find nothing to do); ``moe_gate_up_pipe_i8`` instead when
     :func:`pipe_int8` (``int8``; None: :data:`MOE_INT8_ENV`). Raises StrataError when the shape's shared memory
@@ -311,8 +318,8 @@ def pipe_max_jobs(jobs: ExpertJobs) -> int:
 
 
 def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: Any, out: Any, accumulate: bool,
-              shape: PipeShape, int8: bool | None = None) -> None:
-    """Launch ``moe_down_pipe`` with ``shape`` (same result as :func:`staged_down`; Q2_0 / Q8_0), or
+              shape: PipeShape, int8: bool | str | None = None) -> None:
+    """Launch ``moe_down_pipe`` with ``shape`` (:func:`staged_down`'s result up to float rounding; Q2_0 / Q8_0), or
     ``moe_down_pipe_i8`` when :func:`pipe_int8` (``int8``; None: :data:`MOE_INT8_ENV`). Raises StrataError when the
     shape's shared memory exceeds PIPE_MAX_SHARED."""
     mj = pipe_max_jobs(jobs)
@@ -329,17 +336,17 @@ def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: An
 
 
 def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
-              shapes: dict[str, PipeShape]) -> bool:
+              shapes: dict[str, PipeShape], int8: str | None = None) -> bool:
     """Whether the pipelined kernels take this call: both types Q2_0 / Q8_0 and both launches' shared memory
     (shapes ``gu`` and ``down``) within PIPE_MAX_SHARED."""
     if gu_type.id not in PIPE_TYPES or d_type.id not in PIPE_TYPES:
         return False
     gx, st = _pipe_grid(pipe_max_jobs(jobs) * ff, shapes["gu"])
-    if pipe_gu_shared(gu_type, hidden, shapes["gu"].threads, st, pipe_int8(gu_type)) > PIPE_MAX_SHARED:
+    if pipe_gu_shared(gu_type, hidden, shapes["gu"].threads, st, pipe_int8(gu_type, int8)) > PIPE_MAX_SHARED:
         return False
     gx, st = _pipe_grid(hidden, shapes["down"])
     return pipe_down_shared(d_type, ff, pipe_max_jobs(jobs), shapes["down"].threads, st,
-                            pipe_int8(d_type, part="down")) <= PIPE_MAX_SHARED
+                            pipe_int8(d_type, int8, "down")) <= PIPE_MAX_SHARED
 
 
 def decoder_expert_kernels(from_device: bool) -> tuple[str, str]:
@@ -360,10 +367,11 @@ def decoder_expert_kernels(from_device: bool) -> tuple[str, str]:
 
 
 def expert_kernel_path(jobs: Any, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int, *, fast: bool,
-                       kernels: str | None = None, aligned: bool = True) -> str:
+                       kernels: str | None = None, aligned: bool = True, int8: str | None = None) -> str:
     """Which kernels :func:`expert_ffn` runs for a call: ``pipe`` (moe_staged.cu's pipelined kernels: ``fast``,
     the ``kernels`` choice ``pipe`` (:func:`expert_kernel_choice`) and :func:`pipe_fits` with :func:`pipe_shapes`,
-    ``gu1`` / ``down1`` for one job), else ``staged`` (its staged-row kernels: ``fast``, a gate/up row and a down
+    ``gu1`` / ``down1`` for one job, ``int8`` the integer kernels' mode: :func:`pipe_int8`), else ``staged`` (its
+    staged-row kernels: ``fast``, a gate/up row and a down
     row each at most MOE_ROW_MAX bytes, and the x / h buffers 16-byte ``aligned``), else ``warp`` (the
     warp-per-row kernels). ``jobs``: anything with ``n_jobs``, ``n_tokens`` and ``per_token`` (:class:`ExpertJobs`).
     Needs no GPU.
@@ -374,7 +382,7 @@ def expert_kernel_path(jobs: Any, gu_type: GGMLType, d_type: GGMLType, hidden: i
     if fast and expert_kernel_choice(kernels) == "pipe":
         sh = pipe_shapes()
         one = "1" if jobs.n_jobs == 1 else ""
-        if pipe_fits(jobs, gu_type, d_type, hidden, ff, {"gu": sh["gu" + one], "down": sh["down" + one]}):
+        if pipe_fits(jobs, gu_type, d_type, hidden, ff, {"gu": sh["gu" + one], "down": sh["down" + one]}, int8):
             return "pipe"
     if fast and aligned and gu_type.row_bytes(hidden) <= MOE_ROW_MAX and d_type.row_bytes(ff) <= MOE_ROW_MAX:
         return "staged"
@@ -383,7 +391,7 @@ def expert_kernel_path(jobs: Any, gu_type: GGMLType, d_type: GGMLType, hidden: i
 
 def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
                out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False,
-               kernels: str | None = None, before_down: Any = None) -> Any:
+               kernels: str | None = None, before_down: Any = None, int8: str | None = None) -> Any:
     """Routed-expert FFN for T tokens: ``Y[t] (+)= sum_j w_j * down_j(silu(gate_j x_t) * up_j x_t)``.
 
     Args:
@@ -394,7 +402,8 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         out: optional CuPy float32 ``[T, hidden]`` to write (or add to, with ``accumulate``).
         hbuf: optional CuPy float32 scratch of at least ``J * ff`` values (reused across calls).
         fast: use the kernels' multiply-add-fused build (:func:`stratatools.runtime.gpu.kernels.fast_module`;
-            float rounding differs from the bit-exact default; :func:`expert_kernel_path` picks): with ``kernels``
+            float rounding differs from the bit-exact default, and the integer variants (``int8``) also round their
+            input to 16-bit fixed point; :func:`expert_kernel_path` picks): with ``kernels``
             ``pipe`` the pipelined kernels of ``moe_staged.cu`` (Q2_0 / Q8_0 whose shared memory fits, launch shapes
             from :func:`pipe_shapes`: ``gu1`` / ``down1`` for a call of one job; other types fall back), else
             its staged-row kernels when a gate/up row and a down row are each at most ``MOE_ROW_MAX`` bytes, else
@@ -404,6 +413,8 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
         before_down: optional callable run after the gate/up launch is queued and before the down launch (the
             decode step makes the down launch wait there for the shared expert's side stream, whose result it adds
             to).
+        int8: the pipelined kernels' integer mode (:data:`MOE_INT8_MODES`; None: :data:`MOE_INT8_ENV` now; the
+            decoders read it once when they are built, so that a captured graph and its eager steps agree).
     Returns:
         CuPy float32 ``[T, hidden]``.
     Raises:
@@ -427,15 +438,18 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if hbuf is None or hbuf.size < J * ff:
         hbuf = cp.empty(J * ff, dtype=cp.float32)
     X = cp.ascontiguousarray(X, dtype=cp.float32)
+    mode = moe_int8() if int8 is None else int8
     path = expert_kernel_path(jobs, gu_type, d_type, hidden, ff, fast=fast, kernels=kernels,
-                              aligned=int(X.data.ptr) % 16 == 0 and int(hbuf.data.ptr) % 16 == 0)  # (float4 reads)
+                              aligned=int(X.data.ptr) % 16 == 0 and int(hbuf.data.ptr) % 16 == 0,  # (float4 reads)
+                              int8=mode)
     if path == "pipe":
         sh = pipe_shapes()
         one = "1" if J == 1 else ""
-        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one])
+        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one], int8=pipe_int8(gu_type, mode, "gu"))
         if before_down is not None:
             before_down()
-        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one])
+        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one],
+                  int8=pipe_int8(d_type, mode, "down"))
         return out
     if path == "staged":
         # staged rows (moe_staged.cu): a warp's rows copied to shared memory, then decoded from there

@@ -173,7 +173,8 @@ template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Pipelined variants (moe_gate_up_pipe / moe_down_pipe; experts.py selects them with STRATATOOLS_MOE_KERNEL=pipe).
+// Pipelined variants (moe_gate_up_pipe / moe_down_pipe: the decode step runs them when every routed expert is read from
+// device memory, and for the shared expert; STRATATOOLS_MOE_KERNEL=staged|pipe overrides: experts.decoder_expert_kernels).
 // Same job table and results (up to float rounding) as the staged kernels above; what differs:
 // * Rows reach shared memory by cp.async (16-byte global -> shared copies that need no register and no wait per
 //   copy). moe_stage's loop (16-byte load, then its store to shared) waits for each load before the next one is
@@ -368,7 +369,8 @@ __device__ __forceinline__ void moe_load_x16(const float* xs, int units, int u, 
 //   d s_b (float)(that sum) to the row (|sum| < 2^22: exact in int32 and in float). The down kernel folds the job's
 //   routing weight into s_b.
 // Precision as mv_q8i's: W (v s) differs from W x by the rounding of x to v s (each value within s_b / 2), plus
-// float rounding of the units' terms and their sum. A block whose max |x| is below MI8_TINY counts as zero.
+// float rounding of the units' terms and their sum. A block whose max |x| is below MI8_TINY counts as zero; a block
+// holding a NaN or an infinity gets a NaN scale (every output it feeds is NaN, as the float kernels' are not finite).
 #define MI8_QMAX 32639
 #define MI8_TINY 7.888609052210118e-31f  // 2^-100
 __device__ __forceinline__ int mi8_align16(int v) { return (v + 15) & ~15; }
@@ -389,17 +391,24 @@ __device__ __forceinline__ void mi8_stage(const float* __restrict__ x, int cnt, 
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         const float* p = x + 32LL * b;
         const bool vec = (reinterpret_cast<u64>(p) & 15) == 0;  // float4 loads (all 8 in flight) when aligned
-        float m = 0.0f;
+        // m: the largest |x| (fmaxf drops NaN, so a sum tells whether a value is not finite: the block's scale is
+        // then NaN and so is every output that reads it, as with the float kernels, instead of a clamped value)
+        float m = 0.0f, all = 0.0f;
         if (vec) {
             float4 v[8];
             #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = reinterpret_cast<const float4*>(p)[k];
             #pragma unroll
-            for (int k = 0; k < 8; ++k)
+            for (int k = 0; k < 8; ++k) {
                 m = fmaxf(fmaxf(m, fmaxf(fabsf(v[k].x), fabsf(v[k].y))), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
+                all += (v[k].x * 0.0f + v[k].y * 0.0f) + (v[k].z * 0.0f + v[k].w * 0.0f);
+            }
         } else {
             #pragma unroll
-            for (int t = 0; t < 32; ++t) m = fmaxf(m, fabsf(p[t]));
+            for (int t = 0; t < 32; ++t) {
+                m = fmaxf(m, fabsf(p[t]));
+                all += p[t] * 0.0f;
+            }
         }
         const bool live = m >= MI8_TINY;
         const float s = live ? m / (float)MI8_QMAX : 0.0f;
@@ -434,7 +443,7 @@ __device__ __forceinline__ void mi8_stage(const float* __restrict__ x, int cnt, 
             reinterpret_cast<uint4*>(base + n)[u] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
             xsum[u] = sum;
         }
-        xsc[b] = wj != nullptr ? s * wj[b / bpj] : s;
+        xsc[b] = (wj != nullptr ? s * wj[b / bpj] : s) + all;  // (all: 0, or NaN for a value not finite)
     }
 }
 // 256 (sum c hi) + (sum c lo) over the 16 2-bit codes of word w (value 4i + k at bits 8i + 2k) and a unit's planes.
