@@ -29,7 +29,8 @@ they ran before the re-laid-out Q8_0 matvec and the lagged bookkeeping (``STRATA
 STRATATOOLS_DECODE_LAG=0 STRATATOOLS_DECODE_QUEUE=0``), the baseline measured in the same run; ``noqueue``,
 ``staticprofnoqueue``, ``lrunoqueue``: steps not queued (``STRATATOOLS_DECODE_QUEUE=0``, the default before), ``noside``,
 ``staticprofnoside``, ``vram12noside``: the shared expert after the routed ones (``STRATATOOLS_SHARED_SIDE=0``, the default
-before), ``int8``, ``staticprofint8``: the Q2_0 experts' integer pipelined kernels for gate/up and down
+before), ``hcq8i``: every re-laid-out Q8_0 matrix on ``mv_q8i``, the hyper-connection down projections included
+(``STRATATOOLS_DENSE_MIN_ROWS=0``), ``int8``, ``staticprofint8``: the Q2_0 experts' integer pipelined kernels for gate/up and down
 (``STRATATOOLS_MOE_INT8=1``; the default: gate/up only), ``float``, ``staticproffloat``: neither (``=0``, before), ``queue``
 and the like: queued whatever the tables' size (``=1``); ``staticprofmixer``, ``lrumixer``, ``vram12mixer``: the next
 layer's prefetch started at the token mixer (``STRATATOOLS_PREFETCH_ORDER=mixer``); ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
@@ -462,6 +463,10 @@ def config_rows(slots: int) -> list:
               {"slots": slots, "policy": "static", "_profile": True, "_env": i8}),
              ("staticproffloat", f"{slots} slots static on the recorded profile, float expert kernels (before)",
               {"slots": slots, "policy": "static", "_profile": True, "_env": f32})]
+    # every re-laid-out Q8_0 matrix through mv_q8i, the hyper-connection down projections (324 rows) included
+    # (kernels.DENSE_MIN_ROWS_ENV=0; by default they take mv_q8r's row parts)
+    rows += [("hcq8i", "all resident, the hyper-connection down projections on mv_q8i",
+              {"_env": {"STRATATOOLS_DENSE_MIN_ROWS": "0"}})]
     # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
     # second stream beside the routed gate/up)
     ns = {"STRATATOOLS_SHARED_SIDE": "0"}

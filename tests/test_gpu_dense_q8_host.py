@@ -571,3 +571,20 @@ def test_mv_q8i_on_the_gpu(rows, cols, hc, xdiv, shape):
     err = np.abs(got[:-1].astype(np.float64) - ref)
     print(f"mv_q8i {rows}x{cols} hc={hc} ({shape} shape): max |err| / bound {(err / bound).max():.3f}")
     assert np.all(err <= bound)
+
+
+def test_dense_min_rows_override(monkeypatch):
+    """STRATATOOLS_DENSE_MIN_ROWS overrides the rows per SM from which the decoder's Q8_0 matvec leaves mv_q8r."""
+    from stratatools.core.errors import StrataError
+    from stratatools.runtime.gpu import kernels as K
+
+    monkeypatch.delenv(K.DENSE_MIN_ROWS_ENV, raising=False)
+    assert K.dense_min_rows_per_sm() == K.DQS_MIN_ROWS_PER_SM == 8
+    monkeypatch.setattr(K, "DQS_MIN_ROWS_PER_SM", 3)
+    assert K.dense_min_rows_per_sm() == 3
+    monkeypatch.setenv(K.DENSE_MIN_ROWS_ENV, " 0 ")
+    assert K.dense_min_rows_per_sm() == 0
+    for bad in ("-1", "2.5", "eight", "٣"):
+        monkeypatch.setenv(K.DENSE_MIN_ROWS_ENV, bad)
+        with pytest.raises(StrataError, match="STRATATOOLS_DENSE_MIN_ROWS=.*whole number"):
+            K.dense_min_rows_per_sm()

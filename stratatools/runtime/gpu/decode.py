@@ -824,13 +824,13 @@ class StaticDecoder:
     def _dq_launch(self, m: Q8R, x: Any, y: Any, rows: int, cols: int, silu_div: float = 0.0) -> None:
         """``y = W x`` (or ``W silu(x / silu_div)``) for a :class:`Q8R` matrix: ``mv_q8i`` (``mv_q8s`` with
         ``STRATATOOLS_DENSE_KERNEL=stream``) for matrices of at least
-        :data:`~stratatools.runtime.gpu.kernels.DQS_MIN_ROWS_PER_SM` rows per SM (unless ``STRATATOOLS_DENSE_KERNEL=rows``),
-        else ``mv_q8r`` (split along the rows when they are few)."""
-        from stratatools.runtime.gpu.kernels import (DQ_THREADS, DQS_MIN_ROWS_PER_SM, _device_limits, dq_launch_shape)
+        :func:`~stratatools.runtime.gpu.kernels.dense_min_rows_per_sm` rows per SM (unless
+        ``STRATATOOLS_DENSE_KERNEL=rows``), else ``mv_q8r`` (split along the rows when they are few)."""
+        from stratatools.runtime.gpu.kernels import DQ_THREADS, _device_limits, dense_min_rows_per_sm, dq_launch_shape
 
         cp = self.cp
         n_sm = _device_limits()[0]
-        if self.dense_stream and rows >= DQS_MIN_ROWS_PER_SM * n_sm:
+        if self.dense_stream and rows >= dense_min_rows_per_sm() * n_sm:
             blocks, lpr, u, shm = self._dqs_shape(rows, cols, n_sm)
             self.k_dqs((blocks,), (DQ_THREADS,), (m.q, m.d, x, y, np.int32(rows), np.int32(cols), np.float32(silu_div),
                                                  np.int32(lpr), np.int32(u), np.uint64(0), np.int32(0), np.int32(0)),

@@ -285,6 +285,23 @@ DQS_BLOCKS_PER_SM = 3
 #: The decoder multiplies a matrix through ``mv_q8i`` (or ``mv_q8s``) when it has at least this many rows per SM (the 2,560-row
 #: output projections and up); fewer, longer rows (the hyper-connection down projection) go to ``mv_q8r``'s row parts.
 DQS_MIN_ROWS_PER_SM = 8
+#: Environment variable overriding :data:`DQS_MIN_ROWS_PER_SM` (a whole number; 0 sends every re-laid-out matrix,
+#: the hyper-connection down projections included, to ``mv_q8i``), for measuring the split on a device.
+DENSE_MIN_ROWS_ENV = "STRATATOOLS_DENSE_MIN_ROWS"
+
+
+def dense_min_rows_per_sm() -> int:
+    """Rows per SM from which the decoder's Q8_0 matvec runs ``mv_q8i`` / ``mv_q8s`` rather than ``mv_q8r``:
+    :data:`DENSE_MIN_ROWS_ENV`, else :data:`DQS_MIN_ROWS_PER_SM`. Raises StrataError for a value that is not a
+    whole number of at least 0."""
+    import os
+
+    v = os.environ.get(DENSE_MIN_ROWS_ENV, "").strip()
+    if not v:
+        return DQS_MIN_ROWS_PER_SM
+    if not (v.isascii() and v.isdigit()):
+        raise StrataError(f"{DENSE_MIN_ROWS_ENV}={v!r}: use a whole number of rows per SM (0 or more)")
+    return int(v)
 #: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).
 DQI_U = 5
 DQI_BLOCKS_PER_SM = 4
