@@ -189,7 +189,11 @@ def test_json_output_is_strict_json(cli, files, tmp_path):
                                        (("--admission", "foo", "--policy", "lru"), "admission"),
                                        (("--budget-gib", "nan"), "--budget-gib"),
                                        (("--budget-gib", "inf"), "--budget-gib"),
-                                       (("--host-gbps", "nan"), "'--host-gbps' / '--ram-gbps': must be a finite number")])
+                                       (("--host-gbps", "nan"), "'--host-gbps' / '--ram-gbps': must be a finite number"),
+                                       (("--ram-experts-gb", "nan"),
+                                        "'--ram-experts-gib' / '--ram-experts-gb': must be a finite number"),
+                                       (("--ram-experts-gib", "-1"),
+                                        "'--ram-experts-gib' / '--ram-experts-gb': must be a finite number")])
 def test_bad_options_are_one_line_errors(cli, files, tmp_path, args, msg):
     t, tp, pp = files
     code, out, err = cli("simulate", "-t", tp, "-p", pp, "--slots", 6, "--no-sweep", *args, "--report", tmp_path / "r")

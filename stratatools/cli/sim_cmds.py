@@ -213,7 +213,7 @@ def run(traces: list[str], profiles: list[str], *, pack: Optional[str], model: O
     from stratatools.cachesim.costmodel import ThreeTierModel
 
     if ram_experts_gb is not None and not (0 <= ram_experts_gb < float("inf")):
-        raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
+        raise StrataError(f"--ram-experts-gib {ram_experts_gb}: must be a finite number >= 0")
     cost = ThreeTierModel(vram_gbps, pcie_gbps, host_gbps, ssd_gbps,
                           None if ram_experts_gb is None else int(ram_experts_gb * 2**30))
     if phase not in ("decode", "all"):
@@ -340,7 +340,9 @@ _BUDGET_GIB = common.float_range(0.0, common.MAX_GIB, lo_open=True)
 _SLOTS = typer.Option(None, "--slots", callback=common.int_range(0, common.MAX_SLOTS), help="Slot count budget.")
 _HOST_GBPS = typer.Option(60.0, "--host-gbps", "--ram-gbps", callback=_GBPS, help="Host-memory (RAM) bandwidth, GB/s.")
 _SSD_GBPS = typer.Option(6.0, "--ssd-gbps", callback=_GBPS, help="SSD read bandwidth, GB/s (three-tier cost model).")
-_RAM_EXPERTS = typer.Option(None, "--ram-experts-gb", callback=common.float_range(0.0, common.MAX_GIB), help="RAM tier size in GiB, the rest on SSD (three-tier cost model; default: all in RAM).")
+_RAM_EXPERTS = typer.Option(None, "--ram-experts-gib", "--ram-experts-gb", callback=common.float_range(0.0, common.MAX_GIB),
+                            help="RAM tier size in GiB, the rest on SSD (three-tier cost model; default: all in RAM). "
+                                 "(--ram-experts-gb: the same, in GiB too.)")
 _PCIE_GBPS = typer.Option(25.0, "--pcie-gbps", callback=_GBPS, help="PCIe host->VRAM bandwidth, GB/s.")
 _VRAM_GBPS = typer.Option(900.0, "--vram-gbps", callback=_GBPS, help="VRAM bandwidth, GB/s.")
 _SETS = typer.Option(None, "--set", help="Policy parameter POLICY.KEY=VALUE, repeatable.")

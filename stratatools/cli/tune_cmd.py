@@ -162,8 +162,9 @@ def register(app: typer.Typer) -> None:
         pcie_gbps: float = typer.Option(25.0, "--pcie-gbps", callback=_GBPS, help="PCIe host->VRAM bandwidth, GB/s."),
         ram_gbps: float = typer.Option(60.0, "--ram-gbps", callback=_GBPS, help="Host RAM bandwidth, GB/s."),
         ssd_gbps: float = typer.Option(6.0, "--ssd-gbps", callback=_GBPS, help="SSD read bandwidth, GB/s."),
-        ram_experts_gb: Optional[float] = typer.Option(None, "--ram-experts-gb", callback=_GIB,
-                                                       help="RAM tier size in GiB (the rest on SSD); default: all in RAM."),
+        ram_experts_gb: Optional[float] = typer.Option(None, "--ram-experts-gib", "--ram-experts-gb", callback=_GIB,
+                                                       help="RAM tier size in GiB (the rest on SSD); default: all in "
+                                                            "RAM. (--ram-experts-gb: the same, in GiB too.)"),
         dense_gib: float = typer.Option(0.0, "--dense-gib", callback=_GIB, help="Non-expert weights read per token, GiB (cost model)."),
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the held-out scores.",
                                             parser=common.out_file("--plot", "tune.png")),
@@ -191,7 +192,7 @@ def register(app: typer.Typer) -> None:
             if out is not None:
                 guard_output(out, inputs, force)
         if ram_experts_gb is not None and not (0 <= ram_experts_gb < float("inf")):
-            raise StrataError(f"--ram-experts-gb {ram_experts_gb}: must be a finite number >= 0")
+            raise StrataError(f"--ram-experts-gib {ram_experts_gb}: must be a finite number >= 0")
         if not (0 <= dense_gib < float("inf")):
             raise StrataError(f"--dense-gib {dense_gib}: must be a finite number >= 0")
         cost = ThreeTierModel(vram_gbps, pcie_gbps, ram_gbps, ssd_gbps,
