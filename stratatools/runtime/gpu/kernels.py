@@ -371,16 +371,35 @@ def dqi_launch_shape(nout: int, cols: int, n_sm: int, hc: int = 0,
     return blocks, lpr, u, dqi_shared_bytes(cols)
 
 
+#: Blocks per SM a ``mv_q8r`` launch of few row blocks aims at by splitting its rows (:func:`dq_launch_shape`), and
+#: the environment variable that overrides it (a whole number from 1), for measuring the split on a device.
+DQ_SPLIT_BLOCKS_PER_SM = 4
+DQ_SPLIT_ENV = "STRATATOOLS_DQ_SPLIT_BLOCKS"
+
+
+def dq_split_blocks_per_sm() -> int:
+    """:data:`DQ_SPLIT_ENV`, else :data:`DQ_SPLIT_BLOCKS_PER_SM`. Raises StrataError for a value that is not a whole
+    number of at least 1."""
+    import os
+
+    v = os.environ.get(DQ_SPLIT_ENV, "").strip()
+    if not v:
+        return DQ_SPLIT_BLOCKS_PER_SM
+    if not (v.isascii() and v.isdigit()) or int(v) < 1:
+        raise StrataError(f"{DQ_SPLIT_ENV}={v!r}: use a whole number of blocks per SM (1 or more)")
+    return int(v)
+
+
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
     """(row blocks, row parts, dynamic shared bytes) of a ``mv_q8r`` launch: rows in blocks of DQ_RW rows per warp;
-    a matrix with fewer row blocks than twice the SMs (about 4 blocks per SM wanted) is split along its rows into parts of
-    at least :data:`DQ_MIN_SPLIT_CHUNKS` chunks of 16 values."""
+    a matrix with fewer row blocks than twice the SMs (about :func:`dq_split_blocks_per_sm` blocks per SM wanted, 4 by
+    default) is split along its rows into parts of at least :data:`DQ_MIN_SPLIT_CHUNKS` chunks of 16 values."""
     rpb = DQ_RW * max(1, (threads + 31) // 32)
     gx = (rows + rpb - 1) // rpb
     nch = cols // 16
     ks = 1
     if gx < 2 * max(1, n_sm):  # too few row blocks to keep every SM busy: aim at about 4 blocks per SM
-        ks = max(1, min(nch // DQ_MIN_SPLIT_CHUNKS, -(-4 * max(1, n_sm) // gx)))
+        ks = max(1, min(nch // DQ_MIN_SPLIT_CHUNKS, -(-dq_split_blocks_per_sm() * max(1, n_sm) // gx)))
     cps = -(-nch // ks)
     ks = -(-nch // cps)  # no empty part
     return gx, ks, 64 * cps
