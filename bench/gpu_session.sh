@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call that measures the GPU runtime against llama.cpp in the same call (bench/gpu-notes.md): builds
+# llama-bench and llama-batched-bench from the anchor tarball on cores 6-15 in the background, synthesizes the
+# 48 x 256 full-width model on cores 0-3, runs the GPU tests on cores 4-5, then bench_moe_kernels.py and
+# bench_gpu_run.py with the rows asked for, then llama-bench on the same GGUF once the build is done.
+#
+# Usage (on the GPU machine, from the repository root; carried folders: WHL wheels, KIT the kit with its README.md,
+# ANCHORS a copy of ../shared/anchors):
+#   OUT=/tmp/out WHL=.whl KIT=.kitgpu ANCHORS=.anchors bash bench/gpu_session.sh [ROWS] [TESTS]
+# ROWS: bench_gpu_run.py --configs (default resident,hcq8i,hcsplit2,float,staticprof,vram12)
+# TESTS: pytest arguments (default the GPU decoder tests; "none" skips them)
+# Every result lands in $OUT (synth.json, moe.txt, run.txt / run.json, llama-bench.md, build logs).
+set -u
+ROWS=${1:-resident,hcq8i,hcsplit2,float,staticprof,vram12}
+TESTS=${2:-tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_gpu_run.py}
+: "${OUT:?set OUT to the folder that comes back}"
+WHL=${WHL:-.whl} KIT=${KIT:-.kitgpu} ANCHORS=${ANCHORS:-.anchors} TYPES=${TYPES:-gu=Q2_0,down=Q2_0}
+mkdir -p "$OUT" /tmp/lc /tmp/fw
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATATOOLS_KIT=$PWD/$KIT
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+rm -f /tmp/lcb.done
+( tar -xzf "$ANCHORS"/llama.cpp-*-src.tar.gz -C /tmp/lc && cd /tmp/lc/llama.cpp \
+  && taskset -c 6-15 cmake -S . -B /tmp/lcb -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF > "$OUT"/llama-cmake.log 2>&1 \
+  && taskset -c 6-15 nice ninja -C /tmp/lcb -j10 llama-bench llama-batched-bench > "$OUT"/llama-build.log 2>&1
+  echo "build rc=$?" > /tmp/lcb.done ) &
+( taskset -c 0-3 python3 -m stratatools synth /tmp/fw/model48x256 --full-width --no-revisions --layers 48 \
+    --experts 256 --types "$TYPES" --force --json > "$OUT"/synth.json 2> "$OUT"/synth.err; echo done > /tmp/synth.done ) &
+if [ "$TESTS" != none ]; then
+  el tests
+  # shellcheck disable=SC2086
+  taskset -c 4-5 timeout 240 python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -8
+fi
+el moe kernels
+timeout 60 python3 bench/bench_moe_kernels.py --reps 100 --no-zero-copy --out "$OUT"/moe.json > "$OUT"/moe.txt 2>&1
+grep -E "fastest|  routed|  shared|  one decode" "$OUT"/moe.txt
+el wait synth; while [ ! -f /tmp/synth.done ]; do sleep 2; done
+GG=$(find /tmp/fw/model48x256 -name "*.gguf" | sort | head -1); echo "model: $GG"
+el run rows
+timeout 240 python3 bench/bench_gpu_run.py --gguf "$GG" --workdir /tmp/fw --prompt 512 --new 64 --slots 1872 \
+  --types "$TYPES" --configs "$ROWS" --compare-steps 0 --profile-steps 4 --out "$OUT"/run.json > "$OUT"/run.txt 2>&1
+grep -E "decode [0-9]|per-kernel|^\| (mv_|moe|hc_|gdn|route|attn)" "$OUT"/run.txt | head -40
+el wait build; while [ ! -f /tmp/lcb.done ]; do sleep 3; done; cat /tmp/lcb.done
+el llama-bench
+timeout 100 /tmp/lcb/bin/llama-bench -m "$GG" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench.err \
+  | tee "$OUT"/llama-bench.md
+el done
