@@ -270,6 +270,18 @@ def test_graph_cuts_parse_and_refuse(monkeypatch):
             graph_cuts(48, bad)
 
 
+def _partial_lru(arena, cfg):
+    """A partial LRU tier over ``arena``'s experts (k + 2 slots a layer); skips the test where pinned host memory is
+    not mapped into the device."""
+    from stratatools.cachesim import make_tier
+
+    if arena.device_ptr is None:
+        pytest.skip("pinned memory is not mapped into the device here")
+    L = cfg.n_layer
+    return make_tier("lru", n_layers=L, n_expert=max(cfg.n_expert), slots=L * (cfg.n_expert_used + 2),
+                     blob_bytes=[ly.blob_bytes for ly in arena.layers])
+
+
 def _captured_steps(kit, w, arena, pol, n_ctx):
     """A static decoder over ``w`` (the tier policy ``pol``, None: all resident; misses read from ``arena``), captured,
     run greedily for ``n_ctx`` steps from the kit's first prompt token: (decoder, [(logits, routed ids)] a step)."""
@@ -299,7 +311,6 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
     the cuts."""
     import cupy as cp
 
-    from stratatools.cachesim import make_tier
     from stratatools.runtime.gpu.decode import graph_cuts, max_full_context
     from stratatools.runtime.gpu.tier import HostArena
     from stratatools.runtime.weights import load
@@ -308,18 +319,13 @@ def test_graph_pieces_replay_the_one_graph_bit_for_bit(kit, fetch, monkeypatch):
     w = load(kit / "gguf/model-bf16.gguf", xp=cp)
     arena = HostArena.from_expert_source(w.experts)
     cfg = w.cfg
-    L, E = cfg.n_layer, max(cfg.n_expert)
+    L = cfg.n_layer
     n_ctx = max_full_context(cfg, "transformers")
     every = ",".join(str(i) for i in range(1, L))
     got = {}
     for parts in ("1", "auto", every):
         monkeypatch.setenv("STRATATOOLS_GRAPH_PARTS", parts)
-        pol = None
-        if fetch == "prefetch":
-            if arena.device_ptr is None:
-                pytest.skip("pinned memory is not mapped into the device here")
-            pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
-                            blob_bytes=[ly.blob_bytes for ly in arena.layers])
+        pol = _partial_lru(arena, cfg) if fetch == "prefetch" else None
         dec, got[parts] = _captured_steps(kit, w, arena, pol, n_ctx)
         assert len(dec.graphs) == {"1": 1, "auto": len(graph_cuts(L, "auto")) + 1, every: L}[parts]
         assert dec.stats["graph_steps"] == n_ctx
@@ -336,7 +342,6 @@ def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
     copied: the same logits, routing and hit counts bit for bit under a partial LRU tier, each order prefetching."""
     import cupy as cp
 
-    from stratatools.cachesim import make_tier
     from stratatools.runtime.gpu.decode import max_full_context
     from stratatools.runtime.gpu.tier import HostArena
     from stratatools.runtime.weights import load
@@ -347,14 +352,11 @@ def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
     if arena.device_ptr is None:
         pytest.skip("pinned memory is not mapped into the device here")
     cfg = w.cfg
-    L, E = cfg.n_layer, max(cfg.n_expert)
     n_ctx = max_full_context(cfg, "transformers")
     got, stats = {}, {}
     for order in ("first", "after", "mixer"):
         monkeypatch.setenv("STRATATOOLS_PREFETCH_ORDER", order)
-        pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
-                        blob_bytes=[ly.blob_bytes for ly in arena.layers])
-        dec, got[order] = _captured_steps(kit, w, arena, pol, n_ctx)
+        dec, got[order] = _captured_steps(kit, w, arena, _partial_lru(arena, cfg), n_ctx)
         stats[order] = dec.fetch_stats()
         assert stats[order]["prefetched_jobs"] > 0 and stats[order]["prefetch_used_jobs"] > 0, (order, stats[order])
     for order in ("after", "mixer"):
@@ -378,7 +380,6 @@ def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, model, fe
     Q2_0 release)."""
     import cupy as cp
 
-    from stratatools.cachesim import make_tier
     from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV, max_full_context
     from stratatools.runtime.gpu.tier import HostArena
     from stratatools.runtime.weights import load
@@ -389,17 +390,11 @@ def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, model, fe
     w = load(kit / model, xp=cp)
     arena = HostArena.from_expert_source(w.experts)
     cfg = w.cfg
-    L, E = cfg.n_layer, max(cfg.n_expert)
     n_ctx = max_full_context(cfg, "transformers")
     got = {}
     for side in ("0", "1"):
         monkeypatch.setenv(SHARED_SIDE_ENV, side)
-        pol = None
-        if fetch == "prefetch":
-            if arena.device_ptr is None:
-                pytest.skip("pinned memory is not mapped into the device here")
-            pol = make_tier("lru", n_layers=L, n_expert=E, slots=L * (cfg.n_expert_used + 2),
-                            blob_bytes=[ly.blob_bytes for ly in arena.layers])
+        pol = _partial_lru(arena, cfg) if fetch == "prefetch" else None
         dec, got[side] = _captured_steps(kit, w, arena, pol, n_ctx)
         assert (dec._shared_side is not None) == (side == "1") and dec.fused
     for (a, ia), (b, ib) in zip(got["0"], got["1"]):

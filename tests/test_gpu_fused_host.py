@@ -440,19 +440,6 @@ def test_pipe_i8_non_finite_input_gives_nan_rows_as_the_float_kernels_do(experts
     assert np.isnan(Y).all()
 
 
-def test_pipe_i8_down_marks_tokens_over_the_job_bound(experts_lib):
-    """moe_down_pipe_i8: a token with more jobs than max_jobs gets NaN rows; one within the bound is computed."""
-    tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 128, 64, 3, [0, 2, 2])
-    ptr = np.array([arena.ctypes.data + o for o in (offs[0], offs[1], offs[2])], dtype=np.uint64)
-    down = ptr + np.uint64(2 * gb)
-    tstart = np.array([0, 1, 3], dtype=np.int32)
-    wf = np.ones(3, dtype=np.float32)
-    hbuf = np.ones(3 * 64, dtype=np.float32)
-    Y = np.zeros((2, 128), dtype=np.float32)
-    experts_lib.host_moe_down_pipe_i8_42(2, 2, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), 128, 64, 0, 2, 1)
-    assert np.isfinite(Y[0]).all() and np.abs(Y[0]).max() > 0 and np.isnan(Y[1]).all()
-
-
 def test_moe_int8_flag(monkeypatch):
     from stratatools.core.errors import StrataError
     from stratatools.model.ggml_types import type_by_name
@@ -480,9 +467,10 @@ def test_moe_int8_flag(monkeypatch):
     assert E.pipe_down_shared(q2, 576, 10, 256, 1, int8=True) == (2 * 5760 + 720 + 1440 + 80 + 8 * 10 * 192 + 16)
 
 
-def test_pipe_down_marks_tokens_over_the_job_bound(experts_lib):
+@pytest.mark.parametrize("kernel", ["host_moe_down_pipe_42", "host_moe_down_pipe_i8_42"])
+def test_pipe_down_marks_tokens_over_the_job_bound(experts_lib, kernel):
     """A token with more jobs than the launch's max_jobs gets NaN rows (no write past the shared buffers); a token
-    within the bound is computed."""
+    within the bound is computed (float and integer down kernels)."""
     tg, td, gb, blobs, offs, arena = _expert_arena("Q2_0", "Q2_0", 128, 64, 3, [0, 2, 2])
     ptr = np.array([arena.ctypes.data + o for o in (offs[0], offs[1], offs[2])], dtype=np.uint64)
     down = ptr + np.uint64(2 * gb)
@@ -490,7 +478,7 @@ def test_pipe_down_marks_tokens_over_the_job_bound(experts_lib):
     wf = np.ones(3, dtype=np.float32)
     hbuf = np.ones(3 * 64, dtype=np.float32)
     Y = np.zeros((2, 128), dtype=np.float32)
-    experts_lib.host_moe_down_pipe_42(2, 2, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), 128, 64, 0, 2, 1)
+    getattr(experts_lib, kernel)(2, 2, _p(down), _p(wf), _p(tstart), _p(hbuf), _p(Y), 128, 64, 0, 2, 1)
     assert np.isfinite(Y[0]).all() and np.abs(Y[0]).max() > 0 and np.isnan(Y[1]).all()
 
 

@@ -34,8 +34,8 @@ from stratatools.core.errors import StrataError
 from stratatools.model.ggml_types import GGMLType
 
 from stratatools.runtime.gpu import require_cupy
-from stratatools.runtime.gpu.kernels import (MOE_ROW_BUF, MOE_ROW_MAX, PIPE_I8_TYPES, PIPE_TYPES, UNIT, launch_big_shared,
-                                             kernel)
+from stratatools.runtime.gpu.kernels import (MOE_ROW_BUF, MOE_ROW_MAX, PIPE_I8_TYPES, PIPE_TYPES, UNIT, kernel,
+                                             launch_big_shared)
 
 WARPS_PER_BLOCK = 8
 THREADS = 32 * WARPS_PER_BLOCK
@@ -445,11 +445,10 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if path == "pipe":
         sh = pipe_shapes()
         one = "1" if J == 1 else ""
-        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one], int8=pipe_int8(gu_type, mode, "gu"))
+        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one], int8=mode)
         if before_down is not None:
             before_down()
-        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one],
-                  int8=pipe_int8(d_type, mode, "down"))
+        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one], int8=mode)
         return out
     if path == "staged":
         # staged rows (moe_staged.cu): a warp's rows copied to shared memory, then decoded from there

@@ -290,18 +290,24 @@ DQS_MIN_ROWS_PER_SM = 8
 DENSE_MIN_ROWS_ENV = "STRATATOOLS_DENSE_MIN_ROWS"
 
 
+def _env_count(name: str, default: int, minimum: int, unit: str) -> int:
+    """The whole number (ASCII digits) in environment variable ``name``, else ``default``. Raises StrataError
+    naming the variable for another value or one below ``minimum``."""
+    import os
+
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not (v.isascii() and v.isdigit()) or int(v) < minimum:
+        raise StrataError(f"{name}={v!r}: use a whole number of {unit} ({minimum} or more)")
+    return int(v)
+
+
 def dense_min_rows_per_sm() -> int:
     """Rows per SM from which the decoder's Q8_0 matvec runs ``mv_q8i`` / ``mv_q8s`` rather than ``mv_q8r``:
     :data:`DENSE_MIN_ROWS_ENV`, else :data:`DQS_MIN_ROWS_PER_SM`. Raises StrataError for a value that is not a
     whole number of at least 0."""
-    import os
-
-    v = os.environ.get(DENSE_MIN_ROWS_ENV, "").strip()
-    if not v:
-        return DQS_MIN_ROWS_PER_SM
-    if not (v.isascii() and v.isdigit()):
-        raise StrataError(f"{DENSE_MIN_ROWS_ENV}={v!r}: use a whole number of rows per SM (0 or more)")
-    return int(v)
+    return _env_count(DENSE_MIN_ROWS_ENV, DQS_MIN_ROWS_PER_SM, 0, "rows per SM")
 #: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).
 DQI_U = 5
 DQI_BLOCKS_PER_SM = 4
@@ -380,14 +386,7 @@ DQ_SPLIT_ENV = "STRATATOOLS_DQ_SPLIT_BLOCKS"
 def dq_split_blocks_per_sm() -> int:
     """:data:`DQ_SPLIT_ENV`, else :data:`DQ_SPLIT_BLOCKS_PER_SM`. Raises StrataError for a value that is not a whole
     number of at least 1."""
-    import os
-
-    v = os.environ.get(DQ_SPLIT_ENV, "").strip()
-    if not v:
-        return DQ_SPLIT_BLOCKS_PER_SM
-    if not (v.isascii() and v.isdigit()) or int(v) < 1:
-        raise StrataError(f"{DQ_SPLIT_ENV}={v!r}: use a whole number of blocks per SM (1 or more)")
-    return int(v)
+    return _env_count(DQ_SPLIT_ENV, DQ_SPLIT_BLOCKS_PER_SM, 1, "blocks per SM")
 
 
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
