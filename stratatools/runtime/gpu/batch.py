@@ -704,8 +704,8 @@ class BatchDecoder(ChunkPrefill):
             # its gate and the split of x that both branches' tensor-core GEMMs read are made here first, so the
             # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
             sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-            if self.gemm == "mma":
-                self._split(x)
+            if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
+                self._split(x)  # (a split not kept for x would be made by each GEMM that reads it, on its stream)
             main = cp.cuda.get_current_stream()
             fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
             fork.record(main)
