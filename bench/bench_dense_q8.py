@@ -50,22 +50,22 @@ def main() -> None:
     a = ap.parse_args()
     import cupy as cp
 
-    from stratatools.runtime.gpu.kernels import (DQ_THREADS, _device_limits, cuda_source, dq_launch_shape,
+    from stratatools.runtime.gpu.kernels import (DQ_THREADS, _device_limits, cuda_unit, dq_launch_shape,
                                                  dqi_launch_shape, dqi_shared_bytes, dqs_launch_shape,
                                                  matvec_tiled_launch, q8_relayout)
 
     n_sm = _device_limits()[0]
-    mod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
+    mod = cp.RawModule(code=cuda_unit("dense_q8.cu"), options=("--std=c++17",))
     k_dq, k_dqs, k_mix = mod.get_function("mv_q8r"), mod.get_function("mv_q8s"), mod.get_function("mv_q8r_mix")
     k_dqi = mod.get_function("mv_q8i")
     # other builds of mv_q8s (window of DQS_U chunks a lane, DQS_MINB blocks per SM), timed beside the default
-    variants = [(f"u{u}x{b}", cp.RawModule(code=cuda_source("dense_q8.cu"),
+    variants = [(f"u{u}x{b}", cp.RawModule(code=cuda_unit("dense_q8.cu"),
                                            options=("--std=c++17", f"-DDQS_U={u}", f"-DDQS_MINB={b}")).get_function("mv_q8s"), u, b)
                 for u, b in ((5, 4), (8, 2))]
     # other builds of mv_q8i (DQI_U chunks a lane per window, DQI_MINB blocks per SM, DQI_PRE: the first window's
     # loads before x is staged; all without spills)
     ivariants = [(f"i-u{u}x{b}" + ("" if pre else "-nopre"),
-                  cp.RawModule(code=cuda_source("dense_q8.cu"),
+                  cp.RawModule(code=cuda_unit("dense_q8.cu"),
                                options=("--std=c++17", f"-DDQI_U={u}", f"-DDQI_MINB={b}",
                                         f"-DDQI_PRE={pre}")).get_function("mv_q8i"), u, b)
                  for u, b, pre in ((6, 4, 0), (4, 5, 0), (7, 3, 1), (12, 2, 1))]

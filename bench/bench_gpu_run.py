@@ -31,7 +31,8 @@ STRATATOOLS_DECODE_LAG=0 STRATATOOLS_DECODE_QUEUE=0``), the baseline measured in
 ``staticprofnoside``, ``vram12noside``: the shared expert after the routed ones (``STRATATOOLS_SHARED_SIDE=0``, the default
 before), ``hcq8i``: every re-laid-out Q8_0 matrix on ``mv_q8i``, the hyper-connection down projections included
 (``STRATATOOLS_DENSE_MIN_ROWS=0``), ``hcsplit1``, ``hcsplit2``: ``mv_q8r``'s row split aiming at 1 or 2 blocks per SM
-(``STRATATOOLS_DQ_SPLIT_BLOCKS``, default 4), ``int8``, ``staticprofint8``: the Q2_0 experts' integer pipelined kernels for gate/up and down
+(``STRATATOOLS_DQ_SPLIT_BLOCKS``, default 4), ``nopdl``, ``staticprofnopdl``, ``vram12nopdl``: the step's kernels launched
+without programmatic dependent launch inside its graphs (``STRATATOOLS_PDL=0``, before), ``int8``, ``staticprofint8``: the Q2_0 experts' integer pipelined kernels for gate/up and down
 (``STRATATOOLS_MOE_INT8=1``; the default: gate/up only), ``float``, ``staticproffloat``: neither (``=0``, before), ``queue``
 and the like: queued whatever the tables' size (``=1``); ``staticprofmixer``, ``lrumixer``, ``vram12mixer``: the next
 layer's prefetch started at the token mixer (``STRATATOOLS_PREFETCH_ORDER=mixer``); ``lruasync``, ``adaptiveasync``: ``--slots`` LRU
@@ -479,6 +480,13 @@ def config_rows(slots: int) -> list:
               "(before)", {"slots": slots, "policy": "static", "_profile": True, "_env": ns}),
              ("vram12noside", "--vram-gib 12, LRU, shared expert after the routed ones (before)",
               {"vram_gib": 12.0, "policy": "lru", "_env": ns})]
+    # the step's kernels launched without programmatic dependent launch inside its graphs (launch.PDL_ENV=0, before)
+    npdl = {"STRATATOOLS_PDL": "0"}
+    rows += [("nopdl", "all resident, no programmatic dependent launch (before)", {"_env": npdl}),
+             ("staticprofnopdl", f"{slots} slots static on the recorded profile, no programmatic dependent launch "
+              "(before)", {"slots": slots, "policy": "static", "_profile": True, "_env": npdl}),
+             ("vram12nopdl", "--vram-gib 12, LRU, no programmatic dependent launch (before)",
+              {"vram_gib": 12.0, "policy": "lru", "_env": npdl})]
     # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
     for nb in (64, 128):
         fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}

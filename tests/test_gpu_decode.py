@@ -499,3 +499,82 @@ def test_fused_step_int8_dense_matches_default(kit, monkeypatch):
         tok = int(np.argmax(a))
     print("int8 dense (mv_q8i) vs stream (mv_q8s) step logits, worst relative:", worst)
     assert worst < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("fetch", ["zero-copy", "prefetch"])
+@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-Q2_0.gguf"])
+def test_programmatic_dependent_launch_gives_the_same_step(kit, model, fetch, monkeypatch):
+    """STRATATOOLS_PDL=1 (the step's kernels launched by programmatic dependent launch inside its graphs: each may
+    start before the one before it ends and waits in griddepcontrol.wait) against =0: the same logits and routing bit
+    for bit, every expert resident and (prefetch) under a partial LRU tier, graph-replayed in pieces, on the kit's
+    BF16 model (staged expert kernels) and its Q2_0 model (the pipelined ones); with 1 the captures made such
+    launches."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.decode import max_full_context
+    from stratatools.runtime.gpu.launch import PDL_ENV, PdlKernel
+    from stratatools.runtime.gpu.tier import HostArena
+    from stratatools.runtime.weights import load
+
+    if not (kit / model).exists():
+        pytest.skip(f"{model} not carried")
+    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", fetch)
+    w = load(kit / model, xp=cp)
+    arena = HostArena.from_expert_source(w.experts)
+    cfg = w.cfg
+    n_ctx = max_full_context(cfg, "transformers")
+    got = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv(PDL_ENV, v)
+        pol = _partial_lru(arena, cfg) if fetch == "prefetch" else None
+        dec, got[v] = _captured_steps(kit, w, arena, pol, n_ctx)
+        assert dec.pdl == (v == "1") and dec.fused
+        assert isinstance(dec.k_inject_rms, PdlKernel) == (v == "1")
+        if v == "1":
+            n = sum(k.pdl_launches for k in vars(dec).values() if isinstance(k, PdlKernel))
+            assert dec.k_inject_rms.pdl_launches > 0 and n > cfg.n_layer, n
+    for (a, ia), (b, ib) in zip(got["0"], got["1"]):
+        assert np.array_equal(a, b) and np.array_equal(ia, ib)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("E", [8, 33, 200, 256, 512])
+@pytest.mark.parametrize("gating, norm", [("softmax", 1), ("softmax", 0), ("sigmoid", 1)])
+def test_route_warp_matches_route_block_bit_for_bit(E, gating, norm):
+    """route_warp_sg (one warp, the probabilities in registers) against route_fused_sg (one block): the same ids,
+    weights, blob addresses and shared gate bit for bit, on random logits, on logits with ties (rounded to a coarse
+    grid) and with NaN entries, for k of 1, 8 and 10."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.kernels import cuda_unit
+
+    mod = cp.RawModule(code=cuda_unit("decode_step.cu"), options=("--std=c++17",))
+    kb, kw = mod.get_function("route_fused_sg"), mod.get_function("route_warp_sg")
+    rng = np.random.default_rng(E)
+    slot = cp.asarray(rng.integers(1, 2 ** 40, size=E, dtype=np.int64).astype(np.uint64) * 16)
+    for trial in range(6):
+        lg = rng.standard_normal(E + 1).astype(np.float32) * 3
+        if trial % 3 == 1:
+            lg = np.round(lg * 2) / 2  # many ties
+        if trial % 3 == 2:
+            lg[rng.integers(0, E, size=max(1, E // 8))] = np.nan
+        for k in (1, 8, 10):
+            if k > E:
+                continue
+            outs = []
+            for kern, block, shm in ((kb, (min(1024, (E + 31) // 32 * 32),), E * 4), (kw, (32,), 0)):
+                ids, w = cp.full(k, -1, cp.int32), cp.full(k, -1, cp.float32)
+                gp, up, dp = (cp.zeros(k, cp.uint64) for _ in range(3))
+                sg = cp.zeros(1, cp.float32)
+                kern((1,), block, (cp.asarray(lg), np.int32(E), np.int32(k), np.int32(gating == "sigmoid"),
+                                   np.int32(norm), np.float32(1.5), slot, np.uint64(4096), ids, w, gp, up, dp, sg),
+                     shared_mem=shm)
+                outs.append([a.get() for a in (ids, w, gp, up, dp, sg)])
+            for a, b in zip(*outs):
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (E, gating, norm, trial, k, a, b)
+            if trial % 3 != 2:  # (with NaN entries fewer than k may be selectable: both repeat the same ids)
+                assert len(set(outs[1][0].tolist())) == k

@@ -422,9 +422,9 @@ def test_mv_q8r_on_the_gpu(rows, cols, xdiv):
         pytest.skip("CuPy with a CUDA GPU is not available")
     import cupy as cp
 
-    from stratatools.runtime.gpu.kernels import _device_limits, cuda_source
+    from stratatools.runtime.gpu.kernels import _device_limits, cuda_unit
 
-    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8r")
+    k = cp.RawModule(code=cuda_unit("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8r")
     rng = np.random.default_rng(rows)
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)
@@ -450,9 +450,9 @@ def test_mv_q8r_mix_on_the_gpu():
         pytest.skip("CuPy with a CUDA GPU is not available")
     import cupy as cp
 
-    from stratatools.runtime.gpu.kernels import cuda_source
+    from stratatools.runtime.gpu.kernels import cuda_unit
 
-    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8r_mix")
+    k = cp.RawModule(code=cuda_unit("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8r_mix")
     hc, n, cols = 4, 2560, 320
     rng = np.random.default_rng(7)
     raw = q8_blocks(rng, hc * n, cols)
@@ -479,9 +479,9 @@ def test_mv_q8s_on_the_gpu(rows, cols, hc, xdiv):
         pytest.skip("CuPy with a CUDA GPU is not available")
     import cupy as cp
 
-    from stratatools.runtime.gpu.kernels import _device_limits, cuda_source
+    from stratatools.runtime.gpu.kernels import _device_limits, cuda_unit
 
-    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8s")
+    k = cp.RawModule(code=cuda_unit("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8s")
     rng = np.random.default_rng(rows + cols)
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)
@@ -511,7 +511,7 @@ def test_device_build_has_no_spills(tmp_path):
     import re
 
     src = tmp_path / "dense_q8.cu"
-    src.write_text(K.cuda_source("dense_q8.cu"))
+    src.write_text(K.cuda_unit("dense_q8.cu"))
     r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
                         str(tmp_path / "dq.cubin"), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -553,9 +553,9 @@ def test_mv_q8i_on_the_gpu(rows, cols, hc, xdiv, shape):
         pytest.skip("CuPy with a CUDA GPU is not available")
     import cupy as cp
 
-    from stratatools.runtime.gpu.kernels import _device_limits, cuda_source
+    from stratatools.runtime.gpu.kernels import _device_limits, cuda_unit
 
-    k = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8i")
+    k = cp.RawModule(code=cuda_unit("dense_q8.cu"), options=("--std=c++17",)).get_function("mv_q8i")
     rng = np.random.default_rng(rows + cols + 1)
     raw = q8_blocks(rng, rows, cols)
     q, d = K.q8_relayout(raw, rows, cols)

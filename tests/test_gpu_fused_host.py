@@ -162,12 +162,12 @@ def test_matvec_f32_rows_matches_numpy(lib, rows, cols, shift):
 
 def test_decode_step_compiles_as_host_cpp(tmp_path):
     """decode_step.cu (router with the shared expert's gate, attention, norms) parses as host C++17 with the shims."""
-    src = K.cuda_source("decode_step.cu")
+    src = K.cuda_unit("decode_step.cu")
     shim = K.cuda_source("host_kernel_shim.cuh") + "\n"
     (tmp_path / "d.cpp").write_text(shim + src)
     r = subprocess.run([CXX, "-std=c++17", "-fsyntax-only", str(tmp_path / "d.cpp")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert 'extern "C" __global__ void route_fused_sg(' in K.cuda_source("decode_step.cu")
+    assert 'extern "C" __global__ void route_fused_sg(' in K.cuda_unit("decode_step.cu")
 
 
 @pytest.fixture(scope="module")

@@ -110,18 +110,18 @@ def test_cuda_sources_are_package_files():
     here = Path(g.__file__).parent
     for name in ("prelude.cuh", "decoders.cuh", "quant_kernels.cu", "host_shim.cuh", "decode_step.cu", "qsa_step.cu",
                  "fused_step.cu", "moe_staged.cu", "host_kernel_shim.cuh", "step_common.cuh", "attn_step.cu",
-                 "cp_async.cuh"):
+                 "cp_async.cuh", "pdl.cuh"):
         assert (here / name).is_file(), name
         assert K.cuda_source(name) == (here / name).read_text(encoding="utf-8")
     src = K.source()
     assert not re.search(r'^\s*#include "', src, re.M)  # package includes put in place (cuda_unit): NVRTC has no path
     for k in K.KERNEL_TEMPLATES + K.FAST_TEMPLATES + K.PIPE_TEMPLATES:
         assert re.search(rf"__global__ void (__launch_bounds__\(\d+(, \d+)?\) )?{k}\(", src), k
-    dec = K.cuda_source("decode_step.cu")
+    dec = K.cuda_unit("decode_step.cu")
     for k in ("route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused",
               "route_fused_sg", "put_row"):
         assert f'extern "C" __global__ void {k}(' in dec, k
-    qsa = K.cuda_source("qsa_step.cu")
+    qsa = K.cuda_unit("qsa_step.cu")
     for k in ("qsa_pool", "qsa_scores", "qsa_select", "attn_sel_partial", "attn_sel_combine"):
         assert f'extern "C" __global__ void {k}(' in qsa, k
     for py in ("kernels.py", "decode.py"):
@@ -152,5 +152,5 @@ def test_step_helpers_are_written_once_and_put_in_place():
               and re.search(r"\bstep_(sigm|softplus|block_sum)\b", f.read_text()) and
               '#include "step_common.cuh"' not in f.read_text()]
     assert others == []
-    for name in ("quant_kernels.cu", "dense_q8.cu"):  # files without includes are unchanged
+    for name in ("quant_kernels.cu", "miss_fetch.cu"):  # files without includes are unchanged
         assert K.cuda_unit(name) == K.cuda_source(name)

@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from stratatools.runtime.gpu.kernels import cuda_source
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit
 from stratatools.runtime.model import Rope, _rmsnorm, _softmax
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
 
@@ -62,7 +62,7 @@ def lib(tmp_path_factory):
         pytest.skip("no C++ compiler to build the host copy of the QSA kernels")
     d = tmp_path_factory.mktemp("qsahost")
     src = d / "qsa_host.cpp"
-    src.write_text(cuda_source("host_kernel_shim.cuh") + cuda_source("qsa_step.cu") + DRIVER)
+    src.write_text(cuda_source("host_kernel_shim.cuh") + cuda_unit("qsa_step.cu") + DRIVER)
     so = d / "qsa_host.so"
     subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-o", str(so), str(src)],
                    check=True, capture_output=True)

@@ -9,6 +9,7 @@
 // key/value rows written into the caches (one launch instead of the ~25 small array operations of the unfused
 // step); after them, the output times sigmoid of the gate half of the query projection (one launch instead of 5).
 // Written for any block size, as fused_step.cu.
+#include "pdl.cuh"  // pdl_wait, pdl_trigger, PDL_ENTRY (programmatic dependent launch)
 
 #include "step_common.cuh"  // step_sigm, step_rms_rope_row, STEP_DYN_SHARED
 
@@ -25,6 +26,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qraw, const float
                                      const float* __restrict__ sinv, int n_rot, int nh, int nkv, int hd, float eps,
                                      const int* __restrict__ posp, float* __restrict__ qout, float* __restrict__ Kc,
                                      float* __restrict__ Vc) {
+    PDL_ENTRY();
     STEP_DYN_SHARED(float, t);
     __shared__ float red[32];
     const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
@@ -44,6 +46,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qraw, const float
 // gate: the second half of each head's query projection row). Any grid (grid-stride).
 extern "C" __global__ void attn_gate_mul(const float* __restrict__ o, const float* __restrict__ qraw, int nh, int hd,
                                          float* __restrict__ out) {
+    PDL_ENTRY();
     const long long n = (long long)nh * hd;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
         const long long h = e / hd, i = e - h * hd;

@@ -59,6 +59,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 
 from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel
+from stratatools.runtime.gpu.launch import pdl, pdl_enabled
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
 from stratatools.runtime.topk import qsa_selects_all as _selects_all
@@ -91,6 +92,9 @@ def split_attention_bytes(cfg: Any, max_ctx: int) -> int:
     return 4 * cfg.n_head * max_ctx + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
 
 
+#: The most experts a layer may have for ``route_warp_sg`` (decode_step.cu: 32 lanes x ROUTE_NV probabilities held in
+#: registers); wider routers take ``route_fused_sg``'s block.
+ROUTE_WARP_MAX = 32 * 16
 #: The widest indexer head the device pooling kernel holds (``qsa_pool``'s shared buffer).
 QSA_MAX_DIM = 512
 
@@ -544,6 +548,20 @@ class StaticDecoder:
             self._init_gpu()
 
     # -- GPU resources ------------------------------------------------------------------------------
+    def _fn(self, mod: Any, name: str) -> Any:
+        """Kernel ``name`` of CuPy module ``mod``, launched by programmatic dependent launch inside the step's
+        graphs when this decoder's ``pdl`` is on (:func:`stratatools.runtime.gpu.launch.pdl`)."""
+        return pdl(mod.get_function(name), name, getattr(self, "pdl", False))
+
+    def _route_sg(self, E: int, args: tuple) -> None:
+        """Route one token from its stacked router logits (``args``: route_fused_sg's): ``route_warp_sg`` (one warp,
+        the probabilities in registers) for at most :data:`ROUTE_WARP_MAX` experts, else ``route_fused_sg`` (one
+        block of roundup32(E) threads, E floats of shared memory). Both give the same ids and weights bit for bit."""
+        if E <= ROUTE_WARP_MAX:
+            self.k_route_wsg((1,), (32,), args)
+        else:
+            self.k_route_sg((1,), (min(1024, max(32, (E + 31) // 32 * 32)),), args, shared_mem=E * 4)
+
     def _init_gpu(self) -> None:
         import cupy as cp
 
@@ -551,38 +569,40 @@ class StaticDecoder:
 
         rt, cfg = self.rt, self.cfg
         self.cp = cp
+        self.pdl = pdl_enabled()  # STRATATOOLS_PDL, read once: a captured graph and its eager steps agree
         self._stream = cp.cuda.Stream(non_blocking=True)
-        self.mod = cp.RawModule(code=cuda_source("decode_step.cu"), options=("--std=c++17",))
-        self.k_topk = self.mod.get_function("route_topk")
-        self.k_put = self.mod.get_function("put_row")
-        self.k_rms = self.mod.get_function("rmsnorm_rows")
-        self.k_silu_div = self.mod.get_function("silu_div")
-        self.k_hc_mix = self.mod.get_function("hc_mix")
-        self.k_hc_inject = self.mod.get_function("hc_inject")
-        self.k_dot_sig = self.mod.get_function("dot_sigmoid")
-        self.k_route = self.mod.get_function("route_fused")
-        self.k_route_sg = self.mod.get_function("route_fused_sg")
+        self.mod = cp.RawModule(code=cuda_unit("decode_step.cu"), options=("--std=c++17",))
+        self.k_topk = self._fn(self.mod, "route_topk")
+        self.k_put = self._fn(self.mod, "put_row")
+        self.k_rms = self._fn(self.mod, "rmsnorm_rows")
+        self.k_silu_div = self._fn(self.mod, "silu_div")
+        self.k_hc_mix = self._fn(self.mod, "hc_mix")
+        self.k_hc_inject = self._fn(self.mod, "hc_inject")
+        self.k_dot_sig = self._fn(self.mod, "dot_sigmoid")
+        self.k_route = self._fn(self.mod, "route_fused")
+        self.k_route_sg = self._fn(self.mod, "route_fused_sg")
+        self.k_route_wsg = self._fn(self.mod, "route_warp_sg")
         if self.fused:
             self.fmod = cp.RawModule(code=cuda_unit("fused_step.cu"), options=("--std=c++17",))
-            self.k_gdn_conv = self.fmod.get_function("gdn_conv")
-            self.k_gdn_recur = self.fmod.get_function("gdn_recur")
-            self.k_ple = self.fmod.get_function("ple_fused")
-            self.k_inject_rms = self.fmod.get_function("hc_inject_rms")
-            self.k_mv_f32 = self.fmod.get_function("matvec_f32_rows")
+            self.k_gdn_conv = self._fn(self.fmod, "gdn_conv")
+            self.k_gdn_recur = self._fn(self.fmod, "gdn_recur")
+            self.k_ple = self._fn(self.fmod, "ple_fused")
+            self.k_inject_rms = self._fn(self.fmod, "hc_inject_rms")
+            self.k_mv_f32 = self._fn(self.fmod, "matvec_f32_rows")
             self.amod = cp.RawModule(code=cuda_unit("attn_step.cu"), options=("--std=c++17",))
-            self.k_attn_prep = self.amod.get_function("attn_prep")
-            self.k_gate_mul = self.amod.get_function("attn_gate_mul")
+            self.k_attn_prep = self._fn(self.amod, "attn_prep")
+            self.k_gate_mul = self._fn(self.amod, "attn_gate_mul")
         # fused step: Q8_0 matrices re-laid out at load time for dense_q8.cu's matvec (row parts: scratch + counters)
         self.dense_q8 = self.fused and dense_q8_enabled()
         if self.dense_q8:
-            self.dqmod = cp.RawModule(code=cuda_source("dense_q8.cu"), options=("--std=c++17",))
-            self.k_dq = self.dqmod.get_function("mv_q8r")
-            self.k_dq_mix = self.dqmod.get_function("mv_q8r_mix")
+            self.dqmod = cp.RawModule(code=cuda_unit("dense_q8.cu"), options=("--std=c++17",))
+            self.k_dq = self._fn(self.dqmod, "mv_q8r")
+            self.k_dq_mix = self._fn(self.dqmod, "mv_q8r_mix")
             # STRATATOOLS_DENSE_KERNEL: int8 (mv_q8i, the default: int8 dot products, its own launch shape), stream
             # (mv_q8s in its place: float dot products) or rows (mv_q8r / mv_q8r_mix only)
             choice = dense_kernel()
             self.dense_int8 = choice == "int8"
-            self.k_dqs = self.dqmod.get_function("mv_q8i" if self.dense_int8 else "mv_q8s")
+            self.k_dqs = self._fn(self.dqmod, "mv_q8i" if self.dense_int8 else "mv_q8s")
             self.dense_stream = choice in ("stream", "int8")
             self._dq_part = cp.zeros(0, dtype=cp.float32)
             self._dq_counter = cp.zeros(4096, dtype=cp.int32)
@@ -707,13 +727,10 @@ class StaticDecoder:
         with side:
             self.k_mv_f32((min(rows, 4096),), (256,), (raw, self.pf_x[p], self.pf_logits[p], np.int32(rows),
                                                       np.int32(cols)))
-            block = (min(1024, max(32, (E + 31) // 32 * 32)),)
-            self.k_route_sg((1,), block, (self.pf_logits[p], np.int32(E), np.int32(k),
-                                          np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
-                                          np.float32(cfg.expert_weights_scale), self.slot[il + 1],
-                                          np.uint64(ly.gate_bytes), self.pf_ids[p], self.pf_w[p], self.pf_ptrs[p, 0],
-                                          self.pf_ptrs[p, 1], self.pf_ptrs[p, 2], self.pf_sg[p:p + 1]),
-                            shared_mem=E * 4)
+            self._route_sg(E, (self.pf_logits[p], np.int32(E), np.int32(k), np.int32(cfg.gating == "sigmoid"),
+                               np.int32(bool(cfg.norm_topk)), np.float32(cfg.expert_weights_scale),
+                               self.slot[il + 1], np.uint64(ly.gate_bytes), self.pf_ids[p], self.pf_w[p],
+                               self.pf_ptrs[p, 0], self.pf_ptrs[p, 1], self.pf_ptrs[p, 2], self.pf_sg[p:p + 1]))
             st = self.pf_stage[p * k * self._fetch_sb:(p + 1) * k * self._fetch_sb]
             self.k_fetch((max(1, min(self._fetch_gx[il + 1], self._pf_blocks // k)), k), (FETCH_THREADS,),
                          (self.pf_ptrs[p, 0], self.pf_ids[p], np.int32(k), np.uint64(self._host_lo),
@@ -762,9 +779,9 @@ class StaticDecoder:
         """The split attention of every CuPy step (qsa_step.cu's ``attn_sel_partial`` over :data:`ATTN_SPLITS`
         parts a head, ``attn_sel_combine``) and its scratch (:func:`split_attention_bytes`)."""
         cp, cfg, mc = self.cp, self.cfg, self.max_ctx
-        self.qmod = cp.RawModule(code=cuda_source("qsa_step.cu"), options=("--std=c++17",))
-        self.k_attn_part = self.qmod.get_function("attn_sel_partial")
-        self.k_attn_comb = self.qmod.get_function("attn_sel_combine")
+        self.qmod = cp.RawModule(code=cuda_unit("qsa_step.cu"), options=("--std=c++17",))
+        self.k_attn_part = self._fn(self.qmod, "attn_sel_partial")
+        self.k_attn_comb = self._fn(self.qmod, "attn_sel_combine")
         self.att_sc = cp.zeros(cfg.n_head * mc, dtype=cp.float32)
         self.att_part = cp.zeros(cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2), dtype=cp.float32)
 
@@ -785,9 +802,9 @@ class StaticDecoder:
         """Kernels and scratch of the device QSA path (qsa_step.cu), shared by the attention layers (they run one
         after another on the decoder's stream)."""
         cp, mc = self.cp, self.max_ctx
-        self.k_qsa_pool = self.qmod.get_function("qsa_pool")
-        self.k_qsa_scores = self.qmod.get_function("qsa_scores")
-        self.k_qsa_select = self.qmod.get_function("qsa_select")
+        self.k_qsa_pool = self._fn(self.qmod, "qsa_pool")
+        self.k_qsa_scores = self._fn(self.qmod, "qsa_scores")
+        self.k_qsa_select = self._fn(self.qmod, "qsa_select")
         self.q_scores = cp.zeros(mc + 1, dtype=cp.float32)
         self.q_flags = cp.zeros(mc + 1, dtype=cp.int32)
         self.q_pairs = cp.zeros(2 * (mc + 1), dtype=cp.int32)  # (value, index) pairs of the tie replay
@@ -1168,7 +1185,7 @@ class StaticDecoder:
                  np.float32(cfg.expert_weights_scale), self.slot[il], np.uint64(ly.gate_bytes), self.ids[il], w,
                  pt[0], pt[1], pt[2])
         if int(sgl.size) == 1 and int(sgl.data.ptr) == int(logits.data.ptr) + 4 * E:  # stacked: logits[E] is the gate
-            self.k_route_sg((1,), block, (logits,) + route + (sg,), shared_mem=E * 4)
+            self._route_sg(E, (logits,) + route + (sg,))
         else:
             self.k_route((1,), block, (cp.ascontiguousarray(logits),) + route, shared_mem=E * 4)
             sgw = self._f32(p + "ffn_gate_inp_shexp.weight").reshape(-1)
@@ -1184,9 +1201,9 @@ class StaticDecoder:
         i8 = self.moe_int8
         if self._shared_side is None:
             expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, hbuf=self.hbuf, fast=True,
-                       kernels=self.kernels_routed, int8=i8)
+                       kernels=self.kernels_routed, int8=i8, pdl=self.pdl)
             expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, accumulate=True, hbuf=self.hbuf, fast=True,
-                       kernels=self.kernels_shared, int8=i8)
+                       kernels=self.kernels_shared, int8=i8, pdl=self.pdl)
             return y.reshape(-1)
         # the shared expert on the side stream (its own scratch) beside the routed gate/up; the routed down adds
         # to its result: y = shared + routed, the same float sum as routed + shared. The side stream is joined
@@ -1198,7 +1215,7 @@ class StaticDecoder:
         try:
             with side:
                 expert_ffn(X, sj, gu_t, d_t, hidden, ff, out=y, hbuf=self.hbuf_shared, fast=True,
-                           kernels=self.kernels_shared, int8=i8)
+                           kernels=self.kernels_shared, int8=i8, pdl=self.pdl)
         finally:
             join.record(side)
         joined: list[bool] = []
@@ -1208,7 +1225,8 @@ class StaticDecoder:
             joined.append(True)
         try:
             expert_ffn(X, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, out=y, accumulate=True, hbuf=self.hbuf,
-                       fast=True, kernels=self.kernels_routed, before_down=wait_shared, int8=i8)
+                       fast=True, kernels=self.kernels_routed, before_down=wait_shared, int8=i8,
+                       pdl=self.pdl)
         finally:
             if not joined:
                 main.wait_event(join)

@@ -2,6 +2,7 @@
 // NVRTC (cupy.RawModule); tests/test_gpu_kernels_host.py compiles the decoders as host C++.
 // Kernels of the batch-1 decode step (decode.py StaticDecoder): router top-k, fused norms, hyper-connection
 // mixing, cache rows (the step's attention is qsa_step.cu's split kernels).
+#include "pdl.cuh"  // pdl_wait, pdl_trigger, PDL_ENTRY (programmatic dependent launch)
 typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -99,6 +100,7 @@ __device__ void select_topk_warp(float* p, int E, int k, const u64* __restrict__
 // (+ gate_bytes for up, + 2 gate_bytes for down). One block; shared: E floats.
 extern "C" __global__ void route_topk(const float* __restrict__ probs, int E, int k, const u64* __restrict__ slot,
                                       u64 gate_bytes, int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    PDL_ENTRY();
     extern __shared__ float p[];
     for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] = probs[i];
     __syncthreads();
@@ -112,6 +114,7 @@ __device__ __forceinline__ float sigm(float a) { return 1.0f / (1.0f + expf(-a))
 // (stratatools.runtime.model._rmsnorm). One block per row.
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
                                         int group, int wlen, float eps) {
+    PDL_ENTRY();
     __shared__ float red[32];
     long long base = (long long)blockIdx.x * group;
     float s = 0.0f;
@@ -127,6 +130,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float
 
 // out[i] = silu(v[i] / div)
 extern "C" __global__ void silu_div(const float* __restrict__ v, float* __restrict__ out, int n, float div) {
+    PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) { float a = v[i] / div; out[i] = a * sigm(a); }
 }
@@ -134,6 +138,7 @@ extern "C" __global__ void silu_div(const float* __restrict__ v, float* __restri
 // Hyper-connection mix: out[i] = (sum over h < hc of sigmoid(u[h*n+i]) * hn[h*n+i]) / hc.
 extern "C" __global__ void hc_mix(const float* __restrict__ u, const float* __restrict__ hn, float* __restrict__ out,
                                   int hc, int n) {
+    PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float s = 0.0f;
@@ -144,6 +149,7 @@ extern "C" __global__ void hc_mix(const float* __restrict__ u, const float* __re
 // Residual with the inject weights: H[h*n+i] += y[i] * (2 sigmoid(v[h] / hc)).
 extern "C" __global__ void hc_inject(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
                                      int hc, int n) {
+    PDL_ENTRY();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= hc * n) return;
     int h = idx / n, i = idx - h * n;
@@ -153,6 +159,7 @@ extern "C" __global__ void hc_inject(float* __restrict__ H, const float* __restr
 
 // out[0] = sigmoid(sum_i x[i] * w[i]) (the shared expert's gate). One block.
 extern "C" __global__ void dot_sigmoid(const float* __restrict__ x, const float* __restrict__ w, int n, float* __restrict__ out) {
+    PDL_ENTRY();
     __shared__ float red[32];
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * w[i];
@@ -200,6 +207,7 @@ __device__ void route_body(float* p, const float* __restrict__ logits, int E, in
 extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
                                        float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
                                        u64* gate_ptr, u64* up_ptr, u64* down_ptr) {
+    PDL_ENTRY();
     extern __shared__ float p[];
     route_body<false>(p, logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
 }
@@ -209,13 +217,105 @@ extern "C" __global__ void route_fused(const float* __restrict__ logits, int E, 
 extern "C" __global__ void route_fused_sg(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
                                           float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
                                           u64* gate_ptr, u64* up_ptr, u64* down_ptr, float* __restrict__ sg) {
+    PDL_ENTRY();
     extern __shared__ float p[];
     if (threadIdx.x == 0) sg[0] = sigm(logits[E]);
     route_body<true>(p, logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
 }
 
+// route_fused_sg by one warp with the probabilities in registers (E <= 32 * ROUTE_NV; launch 32 threads, no dynamic
+// shared memory; same arguments): lane l holds entries l, l + 32, ... The results are route_fused_sg's bit for bit
+// (tests/test_gpu_decode.py): the softmax max and sum are reduced in the order of route_body's block of
+// roundup32(E) threads (a butterfly per 32 entries, then one over those sums with zeros past them), the selection
+// compares as select_topk_warp does (ties to the lower index, NaN never chosen) and the weights' sum is taken in
+// round order. No block barrier, no shared-memory round trip per round.
+#ifndef ROUTE_NV
+#define ROUTE_NV 16
+#endif
+extern "C" __global__ void route_warp_sg(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                         float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                         u64* gate_ptr, u64* up_ptr, u64* down_ptr, float* __restrict__ sg) {
+    PDL_ENTRY();
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x >= 32) return;
+    const float NaN = __int_as_float(0x7fffffff);
+    const int nv = (E + 31) >> 5;  // entries a lane holds (the block path's warps)
+    float v[ROUTE_NV];
+    if (sigmoid_gating) {
+        #pragma unroll
+        for (int j = 0; j < ROUTE_NV; ++j) {
+            const int i = lane + 32 * j;
+            v[j] = i < E ? sigm(logits[i]) : NaN;
+        }
+    } else {
+        float lg[ROUTE_NV];
+        float m = NEG_INF;
+        #pragma unroll
+        for (int j = 0; j < ROUTE_NV; ++j) {
+            const int i = lane + 32 * j;
+            lg[j] = i < E ? logits[i] : NEG_INF;
+            m = fmaxf(m, lg[j]);
+        }
+        m = warp_max(m);
+        float tot = 0.0f;  // the block path's sum: per 32 entries, then across those sums in lane order
+        #pragma unroll
+        for (int j = 0; j < ROUTE_NV; ++j) {
+            const int i = lane + 32 * j;
+            v[j] = i < E ? expf(lg[j] - m) : 0.0f;
+            const float sj = warp_add(v[j]);
+            if (j == lane) tot = sj;
+        }
+        tot = warp_add(lane < nv ? tot : 0.0f);
+        #pragma unroll
+        for (int j = 0; j < ROUTE_NV; ++j) {
+            const int i = lane + 32 * j;
+            v[j] = i < E ? v[j] / tot : NaN;
+        }
+    }
+    if (lane == 0) sg[0] = sigm(logits[E]);
+    int id0 = 0, id1 = 0;
+    float c0 = 0.0f, c1 = 0.0f, s = 0.0f;
+    for (int r = 0; r < k; ++r) {
+        float bv = NEG_INF; int bi = 0x7fffffff;
+        #pragma unroll
+        for (int j = 0; j < ROUTE_NV; ++j) {
+            const int i = lane + 32 * j;
+            if (v[j] > bv || (v[j] == bv && i < bi)) { bv = v[j]; bi = i; }
+        }
+        for (int o = 16; o; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (bi < 0 || bi >= E) bi = 0;  // only if every value is NaN
+        // the chosen probability as select_topk_warp reads it (p[bi]), then taken (-inf) by its lane
+        float pv = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < ROUTE_NV; ++j)
+            if (lane + 32 * j == bi) { pv = v[j]; v[j] = NEG_INF; }
+        pv = __shfl_sync(0xffffffffu, pv, bi & 31);
+        s += pv;
+        if (lane == (r & 31)) {
+            if (r < 32) { id0 = bi; c0 = pv; } else { id1 = bi; c1 = pv; }
+        }
+    }
+    // lane r writes round r's expert (and r + 32's): id, weight, blob addresses, the k table reads in flight together
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = lane + 32 * h;
+        if (r < k) {
+            const int id = h ? id1 : id0;
+            const float c = h ? c1 : c0;
+            const u64 ptr = slot[id];
+            ids[r] = id;
+            w[r] = (norm ? c / s : c) * scale;
+            gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
+        }
+    }
+}
+
 // dst[pos * n + i] = src[i] for the position held in *posp.
 extern "C" __global__ void put_row(const float* __restrict__ src, float* __restrict__ dst, const int* __restrict__ posp, int n) {
+    PDL_ENTRY();
     long long base = (long long)posp[0] * n;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[base + i] = src[i];
 }

@@ -18,6 +18,7 @@
 // gridDim.y parts: each part writes its partial sums, and the last block of a row group to finish (a counter per
 // row group, reset by that block) adds the parts in order, so the result does not depend on timing.
 // Written for any block size (host build: blocks of one thread).
+#include "pdl.cuh"  // pdl_wait, pdl_trigger, PDL_ENTRY (programmatic dependent launch)
 
 #ifndef DQ_RW
 #define DQ_RW 2
@@ -128,6 +129,7 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
     }
     int c = c0 + lane;
     if (active && c < c1) { DQ_LOAD(c) }  // issued before x is staged: the two latencies overlap
+    PDL_ENTRY();  // after the weight loads: they overlap the previous kernel's end (pdl.cuh)
     const int nx = c1 > c0 ? 16 * (c1 - c0) : 0;
     dq_stage_x(x + 16 * c0, xdiv, xs, nx);
     __syncthreads();
@@ -190,6 +192,7 @@ extern "C" __global__ void mv_q8r(const signed char* __restrict__ qs, const unsi
 extern "C" __global__ void mv_q8r_mix(const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc,
                                       const float* __restrict__ x, float xdiv, const float* __restrict__ hn,
                                       float* __restrict__ mixed, int hc, int n, int cols) {
+    PDL_ENTRY();
     DQ_DYN_SHARED(float, xs);
     dq_stage_x(x, xdiv, xs, cols);
     __syncthreads();
@@ -298,6 +301,7 @@ extern "C" __global__ void __launch_bounds__(256, DQS_MINB) mv_q8s(
         const signed char* __restrict__ qs, const unsigned short* __restrict__ dsc, const float* __restrict__ x,
         float* __restrict__ y, int rows, int cols, float xdiv, int lpr, int u, const float* __restrict__ hn, int hc,
         int n) {
+    PDL_ENTRY();
     DQ_DYN_SHARED(float, xs);
     dq_stage_x(x, xdiv, xs, cols);
     __syncthreads();
@@ -529,6 +533,7 @@ extern "C" __global__ void __launch_bounds__(256, DQI_MINB) mv_q8i(
             }
         }
     }
+    PDL_ENTRY();  // after the first window's weight loads (pdl.cuh)
     dqi_stage_x(x, xdiv, xh, xl, xsc, cols);
     __syncthreads();
     // outputs spread over blocks first: block b's warps take outputs b, b + gridDim.x, ... (times gpw)

@@ -270,7 +270,8 @@ def _pipe_grid(rows_total: int, shape: PipeShape) -> tuple[int, int]:
     return gx, max(1, min(shape.stages, items))
 
 
-def staged_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any) -> None:
+def staged_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any,
+                   pdl: bool = False) -> None:
     """Launch ``moe_gate_up_staged`` (hbuf[j, :ff] = silu(gate_j x) * up_j x); a row of at most MOE_ROW_MAX bytes,
     X and hbuf 16-byte aligned (the caller checks)."""
     bufs = WARPS_PER_BLOCK * 2 * MOE_ROW_BUF
@@ -278,20 +279,20 @@ def staged_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff:
     g1 = ((ff + WARPS_PER_BLOCK * per - 1) // (WARPS_PER_BLOCK * per), jobs.n_jobs)
     launch_big_shared(kernel("moe_gate_up_staged", gu_type.id), g1, (THREADS,),
                       (jobs.gate_ptr, jobs.up_ptr, jobs.tok, X, hbuf, np.int32(hidden), np.int32(ff)),
-                      hidden * 4 + bufs)
+                      hidden * 4 + bufs, "moe_gate_up_staged", pdl)
 
 
 def staged_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: Any, out: Any,
-                accumulate: bool) -> None:
+                accumulate: bool, pdl: bool = False) -> None:
     """Launch ``moe_down_staged`` (out[t] (+)= sum_j w_j down_j hbuf[j]); a row of at most MOE_ROW_MAX bytes."""
     g2 = ((hidden + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, jobs.n_tokens)
     launch_big_shared(kernel("moe_down_staged", d_type.id), g2, (THREADS,),
                       (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
-                       np.int32(1 if accumulate else 0)), WARPS_PER_BLOCK * 2 * MOE_ROW_BUF)
+                       np.int32(1 if accumulate else 0)), WARPS_PER_BLOCK * 2 * MOE_ROW_BUF, "moe_down_staged", pdl)
 
 
 def pipe_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: int, hbuf: Any,
-                 shape: PipeShape, int8: bool | str | None = None) -> None:
+                 shape: PipeShape, int8: bool | str | None = None, pdl: bool = False) -> None:
     """Launch ``moe_gate_up_pipe`` with ``shape`` (:func:`staged_gate_up`'s result up to float rounding, or with the
     integer variant up to the input's 16-bit rounding; Q2_0 / Q8_0; no alignment
     asked of X or hbuf): blocks of one token each, over the token's (job, row) pairs (:func:`pipe_max_jobs` * ff;
@@ -303,10 +304,11 @@ def pipe_gate_up(X: Any, jobs: ExpertJobs, gu_type: GGMLType, hidden: int, ff: i
     shm = pipe_gu_shared(gu_type, hidden, shape.threads, st, i8)
     if shm > PIPE_MAX_SHARED:
         raise StrataError(f"moe_gate_up_pipe: {shape} needs {shm} bytes of shared memory, over {PIPE_MAX_SHARED}")
-    launch_big_shared(kernel("moe_gate_up_pipe_i8" if i8 else "moe_gate_up_pipe", gu_type.id), (gx, jobs.n_tokens),
+    name = "moe_gate_up_pipe_i8" if i8 else "moe_gate_up_pipe"
+    launch_big_shared(kernel(name, gu_type.id), (gx, jobs.n_tokens),
                       (shape.threads,),
                       (jobs.gate_ptr, jobs.up_ptr, jobs.tstart, X, hbuf, np.int32(hidden), np.int32(ff),
-                       np.int32(st)), shm)
+                       np.int32(st)), shm, name, pdl)
 
 
 def pipe_max_jobs(jobs: ExpertJobs) -> int:
@@ -318,7 +320,7 @@ def pipe_max_jobs(jobs: ExpertJobs) -> int:
 
 
 def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: Any, out: Any, accumulate: bool,
-              shape: PipeShape, int8: bool | str | None = None) -> None:
+              shape: PipeShape, int8: bool | str | None = None, pdl: bool = False) -> None:
     """Launch ``moe_down_pipe`` with ``shape`` (:func:`staged_down`'s result up to float rounding; Q2_0 / Q8_0), or
     ``moe_down_pipe_i8`` when :func:`pipe_int8` (``int8``; None: :data:`MOE_INT8_ENV`). Raises StrataError when the
     shape's shared memory exceeds PIPE_MAX_SHARED."""
@@ -329,10 +331,11 @@ def pipe_down(jobs: ExpertJobs, d_type: GGMLType, hidden: int, ff: int, hbuf: An
     if shm > PIPE_MAX_SHARED:
         raise StrataError(f"moe_down_pipe: {shape} for {mj} jobs a token needs {shm} bytes of shared memory, over "
                           f"{PIPE_MAX_SHARED}")
-    launch_big_shared(kernel("moe_down_pipe_i8" if i8 else "moe_down_pipe", d_type.id), (gx, jobs.n_tokens),
+    name = "moe_down_pipe_i8" if i8 else "moe_down_pipe"
+    launch_big_shared(kernel(name, d_type.id), (gx, jobs.n_tokens),
                       (shape.threads,),
                       (jobs.down_ptr, jobs.weight, jobs.tstart, hbuf, out, np.int32(hidden), np.int32(ff),
-                       np.int32(1 if accumulate else 0), np.int32(st), np.int32(mj)), shm)
+                       np.int32(1 if accumulate else 0), np.int32(st), np.int32(mj)), shm, name, pdl)
 
 
 def pipe_fits(jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
@@ -391,7 +394,8 @@ def expert_kernel_path(jobs: Any, gu_type: GGMLType, d_type: GGMLType, hidden: i
 
 def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hidden: int, ff: int,
                out: Any = None, accumulate: bool = False, hbuf: Any = None, fast: bool = False,
-               kernels: str | None = None, before_down: Any = None, int8: str | None = None) -> Any:
+               kernels: str | None = None, before_down: Any = None, int8: str | None = None,
+               pdl: bool = False) -> Any:
     """Routed-expert FFN for T tokens: ``Y[t] (+)= sum_j w_j * down_j(silu(gate_j x_t) * up_j x_t)``.
 
     Args:
@@ -415,6 +419,8 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
             to).
         int8: the pipelined kernels' integer mode (:data:`MOE_INT8_MODES`; None: :data:`MOE_INT8_ENV` now; the
             decoders read it once when they are built, so that a captured graph and its eager steps agree).
+        pdl: launch the staged and pipelined kernels by programmatic dependent launch while a graph is captured
+            (:mod:`stratatools.runtime.gpu.launch`; the decoders pass their ``STRATATOOLS_PDL``).
     Returns:
         CuPy float32 ``[T, hidden]``.
     Raises:
@@ -445,17 +451,17 @@ def expert_ffn(X: Any, jobs: ExpertJobs, gu_type: GGMLType, d_type: GGMLType, hi
     if path == "pipe":
         sh = pipe_shapes()
         one = "1" if J == 1 else ""
-        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one], int8=mode)
+        pipe_gate_up(X, jobs, gu_type, hidden, ff, hbuf, sh["gu" + one], int8=mode, pdl=pdl)
         if before_down is not None:
             before_down()
-        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one], int8=mode)
+        pipe_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, sh["down" + one], int8=mode, pdl=pdl)
         return out
     if path == "staged":
         # staged rows (moe_staged.cu): a warp's rows copied to shared memory, then decoded from there
-        staged_gate_up(X, jobs, gu_type, hidden, ff, hbuf)
+        staged_gate_up(X, jobs, gu_type, hidden, ff, hbuf, pdl)
         if before_down is not None:
             before_down()
-        staged_down(jobs, d_type, hidden, ff, hbuf, out, accumulate)
+        staged_down(jobs, d_type, hidden, ff, hbuf, out, accumulate, pdl)
         return out
     grid1 = ((ff + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, J)
     kernel("moe_gate_up_kernel", gu_type.id, fast)(

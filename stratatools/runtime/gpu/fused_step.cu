@@ -8,6 +8,7 @@
 //
 // Every kernel is written for any block size (threads stride over their items; reductions through step_block_sum),
 // so that the host build, which runs blocks of one thread, executes the same code.
+#include "pdl.cuh"  // pdl_wait, pdl_trigger, PDL_ENTRY (programmatic dependent launch)
 
 #include "step_common.cuh"  // step_sigm, step_softplus, step_block_sum, STEP_DYN_SHARED
 
@@ -19,6 +20,7 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ qkv, float* __rest
                                     int C, int K, const float* __restrict__ b, const float* __restrict__ a,
                                     const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int nv,
                                     float* __restrict__ out, float* __restrict__ beta, float* __restrict__ decay) {
+    PDL_ENTRY();
     const int stride = gridDim.x * blockDim.x;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < C; i += stride) {
         const float xn = qkv[i];
@@ -50,6 +52,7 @@ extern "C" __global__ void gdn_recur(const float* __restrict__ conv, const float
                                      const float* __restrict__ norm_w, int wlen, int nk, int dk, int dv, float eps,
                                      int sigmoid_gate, float* __restrict__ obuf, float* __restrict__ sspart,
                                      int* __restrict__ counter, float* __restrict__ out) {
+    PDL_ENTRY();
     STEP_DYN_SHARED(float, sh);
     __shared__ float red[32];
     __shared__ int last;
@@ -143,6 +146,7 @@ extern "C" __global__ void ple_fused(float* __restrict__ H, const float* __restr
                                      const float* __restrict__ wk, int wkl, const float* __restrict__ wq, int wql,
                                      const float* __restrict__ wcn, int wcl, float* __restrict__ buf,
                                      const float* __restrict__ wconv, int K, int d, int n, int hc, float eps) {
+    PDL_ENTRY();
     __shared__ float red[32];
     const int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const long long base = (long long)h * n, C = (long long)hc * n;
@@ -191,6 +195,7 @@ extern "C" __global__ void ple_fused(float* __restrict__ H, const float* __restr
 extern "C" __global__ void hc_inject_rms(float* __restrict__ H, const float* __restrict__ y, const float* __restrict__ v,
                                          int hc, int n, const float* __restrict__ w, int wl, float eps,
                                          float* __restrict__ hn) {
+    PDL_ENTRY();
     __shared__ float red[32];
     const int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const long long base = (long long)h * n;
@@ -232,6 +237,7 @@ extern "C" __global__ void hc_inject_rms(float* __restrict__ H, const float* __r
 // block per row (grid-stride): float4 loads when W and x are 16-byte aligned and cols a multiple of 4.
 extern "C" __global__ void matvec_f32_rows(const float* __restrict__ W, const float* __restrict__ x,
                                            float* __restrict__ y, int rows, int cols) {
+    PDL_ENTRY();
     __shared__ float red[32];
     const bool vec = (((unsigned long long)W | (unsigned long long)x) & 15ull) == 0 && (cols & 3) == 0;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {

@@ -181,8 +181,14 @@ MOE_ROW_BUF = 3104
 MOE_ROW_MAX = MOE_ROW_BUF - 32
 
 
-def launch_big_shared(k: Any, grid: tuple, block: tuple, args: tuple, shm: int) -> None:
-    """Launch ``k`` with ``shm`` bytes of dynamic shared memory, opting in past the default 48 KiB when needed."""
+def launch_big_shared(k: Any, grid: tuple, block: tuple, args: tuple, shm: int, name: str = "",
+                      pdl: bool = False) -> None:
+    """Launch ``k`` with ``shm`` bytes of dynamic shared memory, opting in past the default 48 KiB when needed; with
+    ``pdl``, kernel ``name`` by programmatic dependent launch inside a graph (:func:`launch.pdl`)."""
+    if pdl:
+        from stratatools.runtime.gpu.launch import pdl as _pdl
+
+        k = _pdl(k, name, True)
     if shm > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < shm:
         k.max_dynamic_shared_size_bytes = shm
     k(grid, block, args, shared_mem=shm)

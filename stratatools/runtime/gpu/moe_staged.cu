@@ -6,6 +6,7 @@
 // loads of the 16-byte-aligned span that covers them (every load of the warp in flight at once; bytes past a
 // matrix's end are read one by one, never beyond it), then decodes groups from shared memory. Written for any
 // block size (lanes = min(32, blockDim.x), warps = max(1, blockDim.x / 32)), so the host build runs the same code.
+#include "pdl.cuh"  // pdl_wait, pdl_trigger, PDL_ENTRY (programmatic dependent launch)
 #ifndef STRATA_HOST
 #define MOE_DYN_SHARED(name) extern __shared__ __align__(16) u8 name[]
 #define MOE_LDG16(p) __ldg(reinterpret_cast<const uint4*>(p))
@@ -80,6 +81,7 @@ __device__ __forceinline__ void moe_stage(const u8* s, int n, const u8* end, u8*
 template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_staged(
         const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tok,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F) {
+    PDL_ENTRY();
     MOE_DYN_SHARED(smem);
     float* xs = reinterpret_cast<float*>(smem);
     const int j = blockIdx.y;
@@ -131,6 +133,7 @@ template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_staged(
 template <int TD> __global__ void __launch_bounds__(256) moe_down_staged(
         const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
         const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate) {
+    PDL_ENTRY();
     MOE_DYN_SHARED(smem);
     const int t = blockIdx.y;
     const int nl = blockDim.x < 32 ? blockDim.x : 32;
@@ -555,11 +558,13 @@ template <int TG, bool I8> __device__ __forceinline__ void moe_gate_up_pipe_body
 template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe(
         const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
+    PDL_ENTRY();
     moe_gate_up_pipe_body<TG, false>(gate_ptr, up_ptr, tstart, X, Hbuf, H, F, nstage);
 }
 template <int TG> __global__ void __launch_bounds__(256) moe_gate_up_pipe_i8(
         const u64* __restrict__ gate_ptr, const u64* __restrict__ up_ptr, const int* __restrict__ tstart,
         const float* __restrict__ X, float* __restrict__ Hbuf, int H, int F, int nstage) {
+    PDL_ENTRY();
     static_assert(TG == 42, "the integer expert kernels decode Q2_0");
     moe_gate_up_pipe_body<TG, true>(gate_ptr, up_ptr, tstart, X, Hbuf, H, F, nstage);
 }
@@ -666,12 +671,14 @@ template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe(
         const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
         const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
         int max_jobs) {
+    PDL_ENTRY();
     moe_down_pipe_body<TD, false>(down_ptr, w, tstart, Hbuf, Y, H, F, accumulate, nstage, max_jobs);
 }
 template <int TD> __global__ void __launch_bounds__(256, 4) moe_down_pipe_i8(
         const u64* __restrict__ down_ptr, const float* __restrict__ w, const int* __restrict__ tstart,
         const float* __restrict__ Hbuf, float* __restrict__ Y, int H, int F, int accumulate, int nstage,
         int max_jobs) {
+    PDL_ENTRY();
     static_assert(TD == 42, "the integer expert kernels decode Q2_0");
     moe_down_pipe_body<TD, true>(down_ptr, w, tstart, Hbuf, Y, H, F, accumulate, nstage, max_jobs);
 }

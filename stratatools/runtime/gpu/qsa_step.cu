@@ -9,6 +9,7 @@
 //   attn_sel_partial / attn_sel_combine  attention over the selected cells, or (use_cells 0) over every position
 //                                        (the CuPy step's attention at any context), split over blocks, any length.
 // Block code uses shared-memory loops, no warp shuffles, so it is also correct with one thread per block.
+#include "pdl.cuh"  // pdl_wait, pdl_trigger, PDL_ENTRY (programmatic dependent launch)
 
 #ifndef QSA_NEG_INF
 #define QSA_NEG_INF __int_as_float(0xff800000)
@@ -183,6 +184,7 @@ __device__ int qsa_block_scan(int f, int* scan, int* total) {
 extern "C" __global__ void qsa_pool(const float* __restrict__ ik, float* __restrict__ bk, const float* __restrict__ knw,
                                     const float* __restrict__ bcos, const float* __restrict__ bsin,
                                     const int* __restrict__ posp, int ratio, int dih, int n_rot, float eps) {
+    PDL_ENTRY();
     __shared__ float x[512];
     __shared__ float red[QSA_MAX_THREADS];
     int P = posp[0] + 1;
@@ -216,6 +218,7 @@ extern "C" __global__ void qsa_pool(const float* __restrict__ ik, float* __restr
 extern "C" __global__ void qsa_scores(const float* __restrict__ q, const float* __restrict__ bk,
                                       const int* __restrict__ posp, float* __restrict__ scores, int ratio, int nih,
                                       int dih, float sq) {
+    PDL_ENTRY();
     int nb = (posp[0] + 1) / ratio;
     int lane = threadIdx.x % QSA_WARP, nwb = blockDim.x / QSA_WARP;
     for (int b = blockIdx.x * nwb + threadIdx.x / QSA_WARP; b < nb; b += gridDim.x * nwb) {
@@ -281,6 +284,7 @@ __device__ float qsa_kth_largest(const float* __restrict__ v, int n, int k, int*
 extern "C" __global__ void qsa_select(const float* __restrict__ scores, const int* __restrict__ posp, int ratio,
                                       int budget, int rule, int* __restrict__ flags, QsaPair* __restrict__ pairs,
                                       int* __restrict__ cells, int* __restrict__ ncell) {
+    PDL_ENTRY();
     __shared__ int hist[256];
     __shared__ int suf[514];
     __shared__ int shr[4];
@@ -357,6 +361,7 @@ extern "C" __global__ void attn_sel_partial(const float* __restrict__ q, const f
                                             const int* __restrict__ ncell, int use_cells, const int* __restrict__ posp,
                                             float* __restrict__ sc, float* __restrict__ part, int nh, int nkv, int hd,
                                             float scale, int max_ctx) {
+    PDL_ENTRY();
     __shared__ float red[QSA_MAX_THREADS];
     int h = blockIdx.x, s = blockIdx.y, S = gridDim.y, kvh = h / (nh / nkv);
     int n = use_cells ? ncell[0] : posp[0] + 1;
@@ -399,6 +404,7 @@ extern "C" __global__ void attn_sel_partial(const float* __restrict__ q, const f
 
 // out[h, d] = sum_s exp(m_s - M) acc_s[d] / sum_s exp(m_s - M) l_s, M = max_s m_s (parts without cells: m = -inf).
 extern "C" __global__ void attn_sel_combine(const float* __restrict__ part, float* __restrict__ out, int S, int hd) {
+    PDL_ENTRY();
     int h = blockIdx.x;
     const float* ph = part + (long long)h * S * (hd + 2);
     float M = QSA_NEG_INF;

@@ -1,0 +1,168 @@
+"""Programmatic dependent launch (PDL) of the batch-1 decode step's kernels (issue 12: the step is ~800 short
+launches bound by launch latency, not bytes).
+
+A kernel launched with the driver's launch attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+(value 6 of ``CUlaunchAttributeID``, CUDA driver API reference, "Data types used by CUDA driver") may be scheduled
+while the kernel before it on the stream still runs, as soon as every block of that kernel has executed
+``griddepcontrol.launch_dependents``; it then waits in ``griddepcontrol.wait`` until that kernel has finished. The
+kernels of :data:`PDL_KERNELS` begin with ``PDL_ENTRY()`` (``pdl.cuh``): both instructions, after nothing but the
+loads of their constant weights, so the launch, the block scheduling and those loads overlap the previous kernel's
+end. Stream capture keeps the attribute as a programmatic edge of the CUDA graph.
+
+CuPy's kernel call cannot set launch attributes, so :class:`PdlKernel` calls ``cuLaunchKernelEx`` through ctypes
+with the CuPy function's own handle; only while the current stream is being captured (the step's graphs), since a
+ctypes launch costs the host more than CuPy's and eager launches gain nothing from it. ``STRATATOOLS_PDL``: ``1``
+(default) or ``0``; read when a decoder is built (:func:`pdl_enabled`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from stratatools.core.errors import StrataError
+
+#: Environment variable: 1 (default) launches :data:`PDL_KERNELS` with programmatic dependent launch inside graphs.
+PDL_ENV = "STRATATOOLS_PDL"
+
+#: The kernels that begin with PDL_ENTRY() (tests/test_gpu_launch_host.py checks each body), by the name their module
+#: exports (templates without their arguments).
+PDL_KERNELS = frozenset({
+    # decode_step.cu
+    "route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused", "route_fused_sg",
+    "route_warp_sg", "put_row",
+    # fused_step.cu
+    "gdn_conv", "gdn_recur", "ple_fused", "hc_inject_rms", "matvec_f32_rows",
+    # attn_step.cu, qsa_step.cu
+    "attn_prep", "attn_gate_mul", "qsa_pool", "qsa_scores", "qsa_select", "attn_sel_partial", "attn_sel_combine",
+    # dense_q8.cu (mv_q8r and mv_q8i after their first weight loads)
+    "mv_q8r", "mv_q8r_mix", "mv_q8s", "mv_q8i",
+    # moe_staged.cu
+    "moe_gate_up_staged", "moe_down_staged", "moe_gate_up_pipe", "moe_down_pipe", "moe_gate_up_pipe_i8",
+    "moe_down_pipe_i8",
+})
+
+#: CUlaunchAttributeID's CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def pdl_enabled(value: str | None = None) -> bool:
+    """Is programmatic dependent launch on (``value``, else :data:`PDL_ENV`; unset: on)? Raises StrataError for a
+    value other than 0 or 1."""
+    v = (os.environ.get(PDL_ENV, "1") if value is None else value).strip()
+    if v not in ("0", "1"):
+        raise StrataError(f"{PDL_ENV}={v!r}: use 1 (programmatic dependent launch inside the step's graphs) or 0")
+    return v == "1"
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): a 4-byte id, 4 bytes of padding, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_NP_C = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int64): ctypes.c_int64,
+         np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
+         np.dtype(np.float64): ctypes.c_double, np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
+         np.dtype(np.int16): ctypes.c_int16, np.dtype(np.uint16): ctypes.c_uint16, np.dtype(np.bool_): ctypes.c_bool}
+
+
+def kernel_param(a: Any) -> ctypes._SimpleCData:
+    """One kernel argument as the C value the kernel receives, as CuPy passes it: an array (anything with
+    ``.data.ptr``) or a memory pointer (``.ptr``) as its device address, a numpy scalar by its dtype, a Python int
+    as a 64-bit integer, a float as a double, a bool as a bool. Raises TypeError for anything else."""
+    if isinstance(a, np.generic):
+        c = _NP_C.get(a.dtype)
+        if c is None:
+            raise TypeError(f"kernel argument of dtype {a.dtype} has no launch type")
+        return c(a.item())
+    if isinstance(a, bool):
+        return ctypes.c_bool(a)
+    if isinstance(a, int):
+        return ctypes.c_int64(a)
+    if isinstance(a, float):
+        return ctypes.c_double(a)
+    data = getattr(a, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return ctypes.c_uint64(int(data.ptr))
+    if hasattr(a, "ptr"):
+        return ctypes.c_uint64(int(a.ptr))
+    raise TypeError(f"kernel argument of type {type(a).__name__} has no launch type")
+
+
+def launch_config(grid: tuple, block: tuple, shared_mem: int, stream: int,
+                  attr: _LaunchAttribute) -> _LaunchConfig:
+    """The CUlaunchConfig of one launch with the one attribute ``attr`` (grid and block: 1 to 3 dimensions)."""
+    g = tuple(int(v) for v in grid) + (1,) * (3 - len(grid))
+    b = tuple(int(v) for v in block) + (1,) * (3 - len(block))
+    return _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), ctypes.c_void_p(int(stream)),
+                         ctypes.pointer(attr), 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> Any:
+    """libcuda with cuLaunchKernelEx typed (the library CuPy already loaded)."""
+    lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    f = lib.cuLaunchKernelEx
+    f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return lib
+
+
+class PdlKernel:
+    """A CuPy kernel (``RawModule.get_function``) called as CuPy calls it, ``k(grid, block, args, shared_mem=...)``,
+    that launches with programmatic dependent launch while the current stream is being captured and as plain
+    CuPy otherwise. Attributes (``max_dynamic_shared_size_bytes``, ...) are the wrapped function's."""
+
+    def __init__(self, fn: Any, name: str) -> None:
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "pdl_launches", 0)  # launches made with the attribute (tests, notes)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.fn, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self.fn, attr, value)
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
+        import cupy as cp
+
+        st = cp.cuda.get_current_stream() if stream is None else stream
+        try:
+            capturing = st.is_capturing()
+        except cp.cuda.runtime.CUDARuntimeError:  # (the legacy stream while another captures): not ours to capture
+            capturing = False
+        if not capturing:  # eager: CuPy's own launch (griddepcontrol.wait returns at once)
+            self.fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+            return
+        params = [kernel_param(a) for a in args]
+        ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
+        attr = _LaunchAttribute(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        cfg = launch_config(grid, block, shared_mem, st.ptr, attr)
+        rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(int(self.fn.ptr)), ptrs, None)
+        object.__setattr__(self, "pdl_launches", self.pdl_launches + 1)
+        if rc != 0:
+            raise StrataError(f"{self.name}: cuLaunchKernelEx failed with CUDA error {rc}; set {PDL_ENV}=0 to launch "
+                              f"without programmatic dependent launch")
+
+
+def pdl(fn: Any, name: str, enabled: bool) -> Any:
+    """``fn`` wrapped in :class:`PdlKernel` when ``enabled``, ``name`` (template arguments dropped) is one of
+    :data:`PDL_KERNELS` and ``fn`` has a driver handle (``ptr``: a CuPy function); else ``fn`` itself."""
+    if (not enabled or name.split("<", 1)[0] not in PDL_KERNELS or isinstance(fn, PdlKernel)
+            or not hasattr(fn, "ptr")):
+        return fn
+    return PdlKernel(fn, name)
