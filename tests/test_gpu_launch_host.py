@@ -115,7 +115,21 @@ def test_pdl_wraps_only_step_kernels_with_a_handle():
     assert L.pdl(w, "moe_gate_up_pipe_i8<42>", True) is w
     w.max_dynamic_shared_size_bytes = 99 * 1024  # kernels.launch_big_shared opts in through the wrapper
     assert f.max_dynamic_shared_size_bytes == 99 * 1024 and w.max_dynamic_shared_size_bytes == 99 * 1024
-    assert w.ptr == 0x1234 and w.pdl_launches == 0
+    assert w.ptr == 0x1234 and w.pdl_launches == 0 and L.driver_handle(w.fn) == 0x1234
+
+
+class _RawKernel:
+    """Stands in for cupy.RawKernel: the handle is its current device's Function's (a property)."""
+
+    @property
+    def kernel(self):
+        return types.SimpleNamespace(ptr=0x5678)
+
+
+def test_pdl_takes_the_handle_of_a_raw_kernel():
+    rk = _RawKernel()
+    w = L.pdl(rk, "mv_q8i", True)
+    assert isinstance(w, L.PdlKernel) and L.driver_handle(rk) == 0x5678
 
 
 def test_pdl_env(monkeypatch):

@@ -10,7 +10,7 @@ loads of their constant weights, so the launch, the block scheduling and those l
 end. Stream capture keeps the attribute as a programmatic edge of the CUDA graph.
 
 CuPy's kernel call cannot set launch attributes, so :class:`PdlKernel` calls ``cuLaunchKernelEx`` through ctypes
-with the CuPy function's own handle; only while the current stream is being captured (the step's graphs), since a
+with the CuPy kernel's own driver handle (:func:`driver_handle`); only while the current stream is being captured (the step's graphs), since a
 ctypes launch costs the host more than CuPy's and eager launches gain nothing from it. ``STRATATOOLS_PDL``: ``1``
 (default) or ``0``; read when a decoder is built (:func:`pdl_enabled`).
 """
@@ -152,17 +152,28 @@ class PdlKernel:
         ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
         attr = _LaunchAttribute(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
         cfg = launch_config(grid, block, shared_mem, st.ptr, attr)
-        rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(int(self.fn.ptr)), ptrs, None)
+        rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(driver_handle(self.fn)), ptrs, None)
         object.__setattr__(self, "pdl_launches", self.pdl_launches + 1)
         if rc != 0:
             raise StrataError(f"{self.name}: cuLaunchKernelEx failed with CUDA error {rc}; set {PDL_ENV}=0 to launch "
                               f"without programmatic dependent launch")
 
 
+def _has_handle(fn: Any) -> bool:
+    return hasattr(type(fn), "kernel") or hasattr(fn, "ptr")
+
+
+def driver_handle(fn: Any) -> int:
+    """The CUfunction of a CuPy kernel: ``RawKernel.kernel.ptr`` (what ``RawModule.get_function`` returns: the
+    current device's ``cupy.cuda.function.Function``) or a ``Function``'s own ``ptr``."""
+    return int(fn.kernel.ptr) if hasattr(type(fn), "kernel") else int(fn.ptr)
+
+
 def pdl(fn: Any, name: str, enabled: bool) -> Any:
     """``fn`` wrapped in :class:`PdlKernel` when ``enabled``, ``name`` (template arguments dropped) is one of
-    :data:`PDL_KERNELS` and ``fn`` has a driver handle (``ptr``: a CuPy function); else ``fn`` itself."""
+    :data:`PDL_KERNELS` and ``fn`` has a driver handle (a CuPy ``RawKernel`` or ``Function``); else ``fn``
+    itself."""
     if (not enabled or name.split("<", 1)[0] not in PDL_KERNELS or isinstance(fn, PdlKernel)
-            or not hasattr(fn, "ptr")):
+            or not _has_handle(fn)):
         return fn
     return PdlKernel(fn, name)
