@@ -30,8 +30,9 @@ STRATATOOLS_DECODE_LAG=0 STRATATOOLS_DECODE_QUEUE=0``), the baseline measured in
 ``staticprofnoqueue``, ``lrunoqueue``: steps not queued (``STRATATOOLS_DECODE_QUEUE=0``, the default before), ``noside``,
 ``staticprofnoside``, ``vram12noside``: the shared expert after the routed ones (``STRATATOOLS_SHARED_SIDE=0``, the default
 before), ``hcq8i``: every re-laid-out Q8_0 matrix on ``mv_q8i``, the hyper-connection down projections included
-(``STRATATOOLS_DENSE_MIN_ROWS=0``), ``hcsplit1``, ``hcsplit2``: ``mv_q8r``'s row split aiming at 1 or 2 blocks per SM
-(``STRATATOOLS_DQ_SPLIT_BLOCKS``, default 4), ``nopdl``, ``staticprofnopdl``, ``vram12nopdl``: the step's kernels launched
+(``STRATATOOLS_DENSE_MIN_ROWS=0``), ``hcsplit1``, ``hcsplit2``, ``hcsplit4``: ``mv_q8r``'s row split aiming at 1, 2 or 4 blocks per SM
+(``STRATATOOLS_DQ_SPLIT_BLOCKS``, default 1; 4 before), ``routeblock``: the router's top-k by one block
+(``STRATATOOLS_ROUTE_WARP=0``, before), ``nopdl``, ``staticprofnopdl``, ``vram12nopdl``: the step's kernels launched
 without programmatic dependent launch inside its graphs (``STRATATOOLS_PDL=0``, before), ``int8``, ``staticprofint8``: the Q2_0 experts' integer pipelined kernels for gate/up and down
 (``STRATATOOLS_MOE_INT8=1``; the default: gate/up only), ``float``, ``staticproffloat``: neither (``=0``, before), ``queue``
 and the like: queued whatever the tables' size (``=1``); ``staticprofmixer``, ``lrumixer``, ``vram12mixer``: the next
@@ -471,7 +472,9 @@ def config_rows(slots: int) -> list:
               {"_env": {"STRATATOOLS_DENSE_MIN_ROWS": "0"}})]
     # mv_q8r's row split aiming at 1 or 2 blocks per SM instead of 4 (kernels.DQ_SPLIT_ENV): fewer, longer parts
     rows += [(f"hcsplit{b}", f"all resident, mv_q8r's row parts for {b} block(s) per SM",
-              {"_env": {"STRATATOOLS_DQ_SPLIT_BLOCKS": str(b)}}) for b in (1, 2)]
+              {"_env": {"STRATATOOLS_DQ_SPLIT_BLOCKS": str(b)}}) for b in (1, 2, 4)]
+    # the router's top-k by route_fused_sg's block (decode.ROUTE_WARP_ENV=0, before) instead of one warp
+    rows += [("routeblock", "all resident, router by one block (before)", {"_env": {"STRATATOOLS_ROUTE_WARP": "0"}})]
     # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
     # second stream beside the routed gate/up)
     ns = {"STRATATOOLS_SHARED_SIDE": "0"}

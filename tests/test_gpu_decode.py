@@ -542,18 +542,19 @@ def test_programmatic_dependent_launch_gives_the_same_step(kit, model, fetch, mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
-@pytest.mark.parametrize("E", [8, 33, 200, 256, 512])
+@pytest.mark.parametrize("E", [8, 33, 200, 256, 300, 512])
 @pytest.mark.parametrize("gating, norm", [("softmax", 1), ("softmax", 0), ("sigmoid", 1)])
 def test_route_warp_matches_route_block_bit_for_bit(E, gating, norm):
-    """route_warp_sg (one warp, the probabilities in registers) against route_fused_sg (one block): the same ids,
-    weights, blob addresses and shared gate bit for bit, on random logits, on logits with ties (rounded to a coarse
-    grid) and with NaN entries, for k of 1, 8 and 10."""
+    """route_warp_sg8 (E <= 256) and route_warp_sg16 (one warp, the probabilities in registers) against
+    route_fused_sg (one block): the same ids, weights, blob addresses and shared gate bit for bit, on random logits, on
+    logits with ties (rounded to a coarse grid) and with NaN entries, for k of 1, 8 and 10."""
     import cupy as cp
 
     from stratatools.runtime.gpu.kernels import cuda_unit
 
     mod = cp.RawModule(code=cuda_unit("decode_step.cu"), options=("--std=c++17",))
-    kb, kw = mod.get_function("route_fused_sg"), mod.get_function("route_warp_sg")
+    kb = mod.get_function("route_fused_sg")
+    kws = [mod.get_function(f"route_warp_sg{nv}") for nv in (8, 16) if E <= 32 * nv]
     rng = np.random.default_rng(E)
     slot = cp.asarray(rng.integers(1, 2 ** 40, size=E, dtype=np.int64).astype(np.uint64) * 16)
     for trial in range(6):
@@ -566,7 +567,7 @@ def test_route_warp_matches_route_block_bit_for_bit(E, gating, norm):
             if k > E:
                 continue
             outs = []
-            for kern, block, shm in ((kb, (min(1024, (E + 31) // 32 * 32),), E * 4), (kw, (32,), 0)):
+            for kern, block, shm in [(kb, (min(1024, (E + 31) // 32 * 32),), E * 4)] + [(kw, (32,), 0) for kw in kws]:
                 ids, w = cp.full(k, -1, cp.int32), cp.full(k, -1, cp.float32)
                 gp, up, dp = (cp.zeros(k, cp.uint64) for _ in range(3))
                 sg = cp.zeros(1, cp.float32)
@@ -574,7 +575,8 @@ def test_route_warp_matches_route_block_bit_for_bit(E, gating, norm):
                                    np.int32(norm), np.float32(1.5), slot, np.uint64(4096), ids, w, gp, up, dp, sg),
                      shared_mem=shm)
                 outs.append([a.get() for a in (ids, w, gp, up, dp, sg)])
-            for a, b in zip(*outs):
-                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (E, gating, norm, trial, k, a, b)
+            for got in outs[1:]:
+                for a, b in zip(outs[0], got):
+                    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (E, gating, norm, trial, k, a, b)
             if trial % 3 != 2:  # (with NaN entries fewer than k may be selectable: both repeat the same ids)
                 assert len(set(outs[1][0].tolist())) == k

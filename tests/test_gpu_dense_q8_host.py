@@ -67,12 +67,12 @@ def test_launch_shape_splits_few_long_rows(monkeypatch):
     # the hyper-connection down projection (320 + 4 stacked rows of 10,240 values) is split along its rows
     monkeypatch.delenv(K.DQ_SPLIT_ENV, raising=False)
     gx, ks, shm = K.dq_launch_shape(324, 10240, n_sm=132)
-    assert gx == 21 and ks == 20 and shm == 64 * 32
-    # STRATATOOLS_DQ_SPLIT_BLOCKS: fewer blocks per SM wanted, fewer and longer parts (2: 13 parts of 50 chunks)
+    assert gx == 21 and ks == 7 and shm == 64 * 92  # about 1 block per SM: 7 parts of 92 chunks
+    # STRATATOOLS_DQ_SPLIT_BLOCKS: more blocks per SM wanted, more and shorter parts (2: 13 parts of 50 chunks)
     monkeypatch.setenv(K.DQ_SPLIT_ENV, "2")
     assert K.dq_launch_shape(324, 10240, n_sm=132) == (21, 13, 64 * 50)
-    monkeypatch.setenv(K.DQ_SPLIT_ENV, "1")
-    assert K.dq_launch_shape(324, 10240, n_sm=132)[:2] == (21, 7)
+    monkeypatch.setenv(K.DQ_SPLIT_ENV, "4")
+    assert K.dq_launch_shape(324, 10240, n_sm=132) == (21, 20, 64 * 32)
     for bad in ("0", "-2", "x", "1.5"):
         monkeypatch.setenv(K.DQ_SPLIT_ENV, bad)
         with pytest.raises(StrataError, match="STRATATOOLS_DQ_SPLIT_BLOCKS=.*1 or more"):

@@ -144,8 +144,22 @@ def test_pdl_env(monkeypatch):
 
 
 def test_route_warp_bound_matches_the_kernel():
-    """decode.ROUTE_WARP_MAX is 32 lanes times route_warp_sg's ROUTE_NV registers."""
+    """decode.ROUTE_WARP_MAX is 32 lanes times the widest one-warp router's registers (route_warp_sg16), and the
+    narrower one holds 8 a lane (the decoder's 256-expert threshold)."""
     from stratatools.runtime.gpu import decode as D
 
-    m = re.search(r"#define ROUTE_NV (\d+)", K.cuda_source("decode_step.cu"))
-    assert m and D.ROUTE_WARP_MAX == 32 * int(m.group(1))
+    src = K.cuda_source("decode_step.cu")
+    got = dict(re.findall(r"void route_warp_sg(\d+)\(.*?route_warp_body<(\d+)>", src, flags=re.S))
+    assert got == {"8": "8", "16": "16"} and D.ROUTE_WARP_MAX == 32 * 16
+
+
+def test_route_warp_env(monkeypatch):
+    from stratatools.runtime.gpu import decode as D
+
+    monkeypatch.delenv(D.ROUTE_WARP_ENV, raising=False)
+    assert D.route_warp() is True
+    monkeypatch.setenv(D.ROUTE_WARP_ENV, "0")
+    assert D.route_warp() is False
+    monkeypatch.setenv(D.ROUTE_WARP_ENV, "2")
+    with pytest.raises(StrataError, match="STRATATOOLS_ROUTE_WARP='2'"):
+        D.route_warp()

@@ -140,7 +140,8 @@ class _FakeEvent:
 def _check_args(name: str, args: tuple) -> None:
     """The launch's arguments against the kernel's parameters: count, and numpy scalar types of the right width."""
     params = K.kernel_signatures({"fetch_blobs": "miss_fetch.cu", "matvec_f32_rows": "fused_step.cu",
-                                  "route_fused_sg": "decode_step.cu", "route_warp_sg": "decode_step.cu"}[name])[name]
+                                  "route_fused_sg": "decode_step.cu", "route_warp_sg8": "decode_step.cu",
+                                  "route_warp_sg16": "decode_step.cu"}[name])[name]
     assert len(args) == len(params), (name, len(args), len(params))
     want = {"int": np.int32, "float": np.float32, "long long": np.int64, "unsigned long long": np.uint64,
             "u64": np.uint64}
@@ -167,7 +168,7 @@ class _FakeKernel:
         elif self.name == "matvec_f32_rows":
             W, x, y, rows, cols = args
             y[:int(rows)] = W.view(np.float32).reshape(int(rows), int(cols)) @ x[:int(cols)]
-        else:  # route_fused_sg, route_warp_sg (same arguments, same result)
+        else:  # route_fused_sg, route_warp_sg8 / 16 (same arguments, same result)
             lg, E, k, sig, norm, scale, slot, gate_b, ids, w, gp, up, dp, sg = args
             E, k = int(E), int(k)
             z = lg[:E].astype(np.float64)
@@ -247,7 +248,8 @@ def test_decoder_fetch_wiring_points_every_job_at_its_expert(lib, monkeypatch, m
     routers = [rng.standard_normal((E + 1, n)).astype(np.float32) for _ in range(L)]
     d._router_stack = lambda il: (routers[il].reshape(-1), E + 1, 0, n)
     d.k_mv_f32, d.k_route_sg = _FakeKernel("matvec_f32_rows", lib), _FakeKernel("route_fused_sg", lib)
-    d.k_route_wsg = _FakeKernel("route_warp_sg", lib)  # the same routing, by one warp (E <= ROUTE_WARP_MAX)
+    d.route_warp = True  # the same routing by one warp (E <= ROUTE_WARP_MAX)
+    d.k_route_w8, d.k_route_w16 = _FakeKernel("route_warp_sg8", lib), _FakeKernel("route_warp_sg16", lib)
     # each layer's expert input: the previous layer's plus noise (the prediction sees the previous one)
     xr = [rng.standard_normal(n).astype(np.float32)]
     for _ in range(L - 1):

@@ -92,9 +92,12 @@ def split_attention_bytes(cfg: Any, max_ctx: int) -> int:
     return 4 * cfg.n_head * max_ctx + 4 * cfg.n_head * ATTN_SPLITS * (cfg.head_dim + 2)
 
 
-#: The most experts a layer may have for ``route_warp_sg`` (decode_step.cu: 32 lanes x ROUTE_NV probabilities held in
-#: registers); wider routers take ``route_fused_sg``'s block.
+#: The most experts a layer may have for the one-warp router (decode_step.cu: ``route_warp_sg8`` holds 8 probabilities
+#: a lane, up to 256 experts, ``route_warp_sg16`` 16, up to this); wider routers take ``route_fused_sg``'s block.
 ROUTE_WARP_MAX = 32 * 16
+#: ``STRATATOOLS_ROUTE_WARP``: 1 (default) routes the fused step's tokens by one warp from registers
+#: (``route_warp_sg8`` / ``16``), 0 by ``route_fused_sg``'s block (before); the same ids and weights bit for bit.
+ROUTE_WARP_ENV = "STRATATOOLS_ROUTE_WARP"
 #: The widest indexer head the device pooling kernel holds (``qsa_pool``'s shared buffer).
 QSA_MAX_DIM = 512
 
@@ -297,12 +300,23 @@ def prefetch_order() -> str:
 SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
 
 
+def _env_on(name: str, meaning: str) -> bool:
+    """Environment flag ``name`` (unset or empty: on); raises StrataError for a value other than 0 or 1, saying that
+    1 means ``meaning``."""
+    v = os.environ.get(name, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise StrataError(f"{name}={v!r}: use 1 ({meaning}) or 0")
+    return v == "1"
+
+
 def shared_side() -> bool:
     """:data:`SHARED_SIDE_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
-    v = os.environ.get(SHARED_SIDE_ENV, "").strip() or "1"
-    if v not in ("0", "1"):
-        raise StrataError(f"{SHARED_SIDE_ENV}={v!r}: use 1 (the shared expert beside the routed ones) or 0")
-    return v == "1"
+    return _env_on(SHARED_SIDE_ENV, "the shared expert beside the routed ones")
+
+
+def route_warp() -> bool:
+    """:data:`ROUTE_WARP_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    return _env_on(ROUTE_WARP_ENV, "the router by one warp from registers")
 
 
 def fetch_staging_bytes(mode: str, k: int, slot_bytes: int, n_expert: int | None = None) -> int:
@@ -554,11 +568,12 @@ class StaticDecoder:
         return pdl(mod.get_function(name), name, getattr(self, "pdl", False))
 
     def _route_sg(self, E: int, args: tuple) -> None:
-        """Route one token from its stacked router logits (``args``: route_fused_sg's): ``route_warp_sg`` (one warp,
-        the probabilities in registers) for at most :data:`ROUTE_WARP_MAX` experts, else ``route_fused_sg`` (one
-        block of roundup32(E) threads, E floats of shared memory). Both give the same ids and weights bit for bit."""
-        if E <= ROUTE_WARP_MAX:
-            self.k_route_wsg((1,), (32,), args)
+        """Route one token from its stacked router logits (``args``: route_fused_sg's): with ``route_warp``
+        (:data:`ROUTE_WARP_ENV`) ``route_warp_sg8`` / ``route_warp_sg16`` (one warp, the probabilities in registers)
+        for at most 256 / :data:`ROUTE_WARP_MAX` experts, else ``route_fused_sg`` (one block of roundup32(E) threads,
+        E floats of shared memory). All give the same ids and weights bit for bit."""
+        if self.route_warp and E <= ROUTE_WARP_MAX:
+            (self.k_route_w8 if E <= 256 else self.k_route_w16)((1,), (32,), args)
         else:
             self.k_route_sg((1,), (min(1024, max(32, (E + 31) // 32 * 32)),), args, shared_mem=E * 4)
 
@@ -581,7 +596,9 @@ class StaticDecoder:
         self.k_dot_sig = self._fn(self.mod, "dot_sigmoid")
         self.k_route = self._fn(self.mod, "route_fused")
         self.k_route_sg = self._fn(self.mod, "route_fused_sg")
-        self.k_route_wsg = self._fn(self.mod, "route_warp_sg")
+        self.k_route_w8 = self._fn(self.mod, "route_warp_sg8")
+        self.k_route_w16 = self._fn(self.mod, "route_warp_sg16")
+        self.route_warp = route_warp()  # ROUTE_WARP_ENV, read once
         if self.fused:
             self.fmod = cp.RawModule(code=cuda_unit("fused_step.cu"), options=("--std=c++17",))
             self.k_gdn_conv = self._fn(self.fmod, "gdn_conv")

@@ -223,75 +223,76 @@ extern "C" __global__ void route_fused_sg(const float* __restrict__ logits, int 
     route_body<true>(p, logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr);
 }
 
-// route_fused_sg by one warp with the probabilities in registers (E <= 32 * ROUTE_NV; launch 32 threads, no dynamic
-// shared memory; same arguments): lane l holds entries l, l + 32, ... The results are route_fused_sg's bit for bit
+// route_fused_sg by one warp with the probabilities in registers (E <= 32 * NV; launch 32 threads, no dynamic shared
+// memory; same arguments): lane l holds entries l, l + 32, ... The results are route_fused_sg's bit for bit
 // (tests/test_gpu_decode.py): the softmax max and sum are reduced in the order of route_body's block of
-// roundup32(E) threads (a butterfly per 32 entries, then one over those sums with zeros past them), the selection
-// compares as select_topk_warp does (ties to the lower index, NaN never chosen) and the weights' sum is taken in
-// round order. No block barrier, no shared-memory round trip per round.
-#ifndef ROUTE_NV
-#define ROUTE_NV 16
-#endif
-extern "C" __global__ void route_warp_sg(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
-                                         float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
-                                         u64* gate_ptr, u64* up_ptr, u64* down_ptr, float* __restrict__ sg) {
-    PDL_ENTRY();
+// roundup32(E) threads (a butterfly per 32 entries, then one over those sums with zeros past them); each round of the
+// selection takes the largest key, then the lowest index holding it, by two warp reductions (sm_80 redux), the keys
+// ordering as select_topk_warp compares: 0 for NaN (never chosen while anything else is left), 1 for a taken entry
+// (its value -inf), 2 + the order-preserving bits of the value otherwise; the weights' sum is taken in round order.
+// No block barrier, no shared-memory round trip.
+template <int NV>
+__device__ __forceinline__ void route_warp_body(const float* __restrict__ logits, int E, int k, int sigmoid_gating,
+                                                int norm, float scale, const u64* __restrict__ slot, u64 gate_bytes,
+                                                int* ids, float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr,
+                                                float* __restrict__ sg) {
     const int lane = threadIdx.x & 31;
     if (threadIdx.x >= 32) return;
-    const float NaN = __int_as_float(0x7fffffff);
     const int nv = (E + 31) >> 5;  // entries a lane holds (the block path's warps)
-    float v[ROUTE_NV];
+    float v[NV];
     if (sigmoid_gating) {
         #pragma unroll
-        for (int j = 0; j < ROUTE_NV; ++j) {
+        for (int j = 0; j < NV; ++j) {
             const int i = lane + 32 * j;
-            v[j] = i < E ? sigm(logits[i]) : NaN;
+            v[j] = i < E ? sigm(logits[i]) : 0.0f;
         }
     } else {
-        float lg[ROUTE_NV];
         float m = NEG_INF;
         #pragma unroll
-        for (int j = 0; j < ROUTE_NV; ++j) {
+        for (int j = 0; j < NV; ++j) {
             const int i = lane + 32 * j;
-            lg[j] = i < E ? logits[i] : NEG_INF;
-            m = fmaxf(m, lg[j]);
+            v[j] = i < E ? logits[i] : NEG_INF;
+            m = fmaxf(m, v[j]);
         }
         m = warp_max(m);
         float tot = 0.0f;  // the block path's sum: per 32 entries, then across those sums in lane order
         #pragma unroll
-        for (int j = 0; j < ROUTE_NV; ++j) {
+        for (int j = 0; j < NV; ++j) {
             const int i = lane + 32 * j;
-            v[j] = i < E ? expf(lg[j] - m) : 0.0f;
+            v[j] = i < E ? expf(v[j] - m) : 0.0f;
             const float sj = warp_add(v[j]);
             if (j == lane) tot = sj;
         }
         tot = warp_add(lane < nv ? tot : 0.0f);
         #pragma unroll
-        for (int j = 0; j < ROUTE_NV; ++j) {
-            const int i = lane + 32 * j;
-            v[j] = i < E ? v[j] / tot : NaN;
-        }
+        for (int j = 0; j < NV; ++j) v[j] = v[j] / tot;
+    }
+    unsigned key[NV];
+    #pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const unsigned b = __float_as_uint(v[j]);
+        const unsigned o = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // -inf -> 0x007fffff, +inf -> 0xff800000
+        key[j] = (lane + 32 * j >= E || v[j] != v[j]) ? 0u : o + 2u;
     }
     if (lane == 0) sg[0] = sigm(logits[E]);
     int id0 = 0, id1 = 0;
     float c0 = 0.0f, c1 = 0.0f, s = 0.0f;
     for (int r = 0; r < k; ++r) {
-        float bv = NEG_INF; int bi = 0x7fffffff;
+        unsigned mk = 0u;
         #pragma unroll
-        for (int j = 0; j < ROUTE_NV; ++j) {
-            const int i = lane + 32 * j;
-            if (v[j] > bv || (v[j] == bv && i < bi)) { bv = v[j]; bi = i; }
-        }
-        for (int o = 16; o; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (bi < 0 || bi >= E) bi = 0;  // only if every value is NaN
-        // the chosen probability as select_topk_warp reads it (p[bi]), then taken (-inf) by its lane
+        for (int j = 0; j < NV; ++j) mk = max(mk, key[j]);
+        mk = __reduce_max_sync(0xffffffffu, mk);
+        int cand = 0x7fffffff;
+        #pragma unroll
+        for (int j = NV - 1; j >= 0; --j)
+            if (key[j] == mk) cand = lane + 32 * j;
+        int bi = __reduce_min_sync(0xffffffffu, cand);
+        if (bi < 0 || bi >= E) bi = 0;  // (not reached: index 0 holds the largest key when every key is 0)
+        // the chosen probability as select_topk_warp reads it (p[bi]), then taken (-inf, key 1) by its lane
         float pv = 0.0f;
         #pragma unroll
-        for (int j = 0; j < ROUTE_NV; ++j)
-            if (lane + 32 * j == bi) { pv = v[j]; v[j] = NEG_INF; }
+        for (int j = 0; j < NV; ++j)
+            if (lane + 32 * j == bi) { pv = v[j]; v[j] = NEG_INF; key[j] = 1u; }
         pv = __shfl_sync(0xffffffffu, pv, bi & 31);
         s += pv;
         if (lane == (r & 31)) {
@@ -311,6 +312,23 @@ extern "C" __global__ void route_warp_sg(const float* __restrict__ logits, int E
             gate_ptr[r] = ptr; up_ptr[r] = ptr + gate_bytes; down_ptr[r] = ptr + 2 * gate_bytes;
         }
     }
+}
+
+// route_warp_body for E <= 256 (8 entries a lane) and for E <= 512 (16).
+extern "C" __global__ void route_warp_sg8(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                          float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids, float* w,
+                                          u64* gate_ptr, u64* up_ptr, u64* down_ptr, float* __restrict__ sg) {
+    PDL_ENTRY();
+    route_warp_body<8>(logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr, down_ptr,
+                       sg);
+}
+extern "C" __global__ void route_warp_sg16(const float* __restrict__ logits, int E, int k, int sigmoid_gating, int norm,
+                                           float scale, const u64* __restrict__ slot, u64 gate_bytes, int* ids,
+                                           float* w, u64* gate_ptr, u64* up_ptr, u64* down_ptr,
+                                           float* __restrict__ sg) {
+    PDL_ENTRY();
+    route_warp_body<16>(logits, E, k, sigmoid_gating, norm, scale, slot, gate_bytes, ids, w, gate_ptr, up_ptr,
+                        down_ptr, sg);
 }
 
 // dst[pos * n + i] = src[i] for the position held in *posp.

@@ -24,6 +24,9 @@ static inline void __syncwarp() {}
 template <class T> static inline T __shfl_xor_sync(unsigned, T, int) { return T(0); }
 // ... and a broadcast from any lane reads the one lane there is.
 template <class T> static inline T __shfl_sync(unsigned, T v, int) { return v; }
+// ... and a warp reduction (sm_80 redux) is the lane's own value.
+static inline unsigned __reduce_max_sync(unsigned, unsigned v) { return v; }
+static inline int __reduce_min_sync(unsigned, int v) { return v; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() {}

@@ -384,8 +384,11 @@ def dqi_launch_shape(nout: int, cols: int, n_sm: int, hc: int = 0,
 
 
 #: Blocks per SM a ``mv_q8r`` launch of few row blocks aims at by splitting its rows (:func:`dq_launch_shape`), and
-#: the environment variable that overrides it (a whole number from 1), for measuring the split on a device.
-DQ_SPLIT_BLOCKS_PER_SM = 4
+#: the environment variable that overrides it (a whole number from 1), for measuring the split on a device. 1: the
+#: 48 x 256 model's hyper-connection down projections in 7 parts instead of 20 (4, before) decoded 166.5 against
+#: 164.4 tokens/s and 169.2 against 167.2 in two calls on an H200 (mv_q8r 0.74 against 0.79 ms a step;
+#: bench/gpu-notes.md, twelfth pass).
+DQ_SPLIT_BLOCKS_PER_SM = 1
 DQ_SPLIT_ENV = "STRATATOOLS_DQ_SPLIT_BLOCKS"
 
 
@@ -397,13 +400,13 @@ def dq_split_blocks_per_sm() -> int:
 
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
     """(row blocks, row parts, dynamic shared bytes) of a ``mv_q8r`` launch: rows in blocks of DQ_RW rows per warp;
-    a matrix with fewer row blocks than twice the SMs (about :func:`dq_split_blocks_per_sm` blocks per SM wanted, 4 by
+    a matrix with fewer row blocks than twice the SMs (about :func:`dq_split_blocks_per_sm` blocks per SM wanted, 1 by
     default) is split along its rows into parts of at least :data:`DQ_MIN_SPLIT_CHUNKS` chunks of 16 values."""
     rpb = DQ_RW * max(1, (threads + 31) // 32)
     gx = (rows + rpb - 1) // rpb
     nch = cols // 16
     ks = 1
-    if gx < 2 * max(1, n_sm):  # too few row blocks to keep every SM busy: aim at about 4 blocks per SM
+    if gx < 2 * max(1, n_sm):  # too few row blocks to keep every SM busy: split the rows
         ks = max(1, min(nch // DQ_MIN_SPLIT_CHUNKS, -(-dq_split_blocks_per_sm() * max(1, n_sm) // gx)))
     cps = -(-nch // ks)
     ks = -(-nch // cps)  # no empty part

@@ -35,7 +35,7 @@ PDL_ENV = "STRATATOOLS_PDL"
 PDL_KERNELS = frozenset({
     # decode_step.cu
     "route_topk", "rmsnorm_rows", "silu_div", "hc_mix", "hc_inject", "dot_sigmoid", "route_fused", "route_fused_sg",
-    "route_warp_sg", "put_row",
+    "route_warp_sg8", "route_warp_sg16", "put_row",
     # fused_step.cu
     "gdn_conv", "gdn_recur", "ple_fused", "hc_inject_rms", "matvec_f32_rows",
     # attn_step.cu, qsa_step.cu
