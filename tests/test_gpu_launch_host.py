@@ -73,6 +73,8 @@ def test_launch_structures_have_the_driver_layout():
     attr = L._LaunchAttribute(L._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
     raw = bytes(attr)
     assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
+    assert L.launch_config((0,), (0, 2), 0, 0, attr).gridDimX == 1  # at least 1 a dimension, as CuPy launches
+    assert L.launch_config((0,), (0, 2), 0, 0, attr).blockDimY == 2
     cfg = L.launch_config((7, 3), (256,), 4096, 0xABC0, attr)
     assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ) == (7, 3, 1, 256, 1, 1)
     assert cfg.sharedMemBytes == 4096 and cfg.hStream == 0xABC0 and cfg.numAttrs == 1
@@ -84,14 +86,15 @@ def test_kernel_params_are_the_values_cupy_passes():
     mem = types.SimpleNamespace(ptr=0x7F0000002000)
     cases = [(np.int32(-5), ctypes.c_int32, -5), (np.float32(1.5), ctypes.c_float, 1.5),
              (np.uint64(2 ** 63 + 7), ctypes.c_uint64, 2 ** 63 + 7), (np.int64(-2 ** 40), ctypes.c_int64, -2 ** 40),
-             (3, ctypes.c_int64, 3), (0.25, ctypes.c_double, 0.25), (True, ctypes.c_bool, True),
-             (arr, ctypes.c_uint64, 0x7F0000001000), (mem, ctypes.c_uint64, 0x7F0000002000)]
+             (np.bool_(True), ctypes.c_bool, True), (arr, ctypes.c_uint64, 0x7F0000001000),
+             (mem, ctypes.c_uint64, 0x7F0000002000)]
     for a, ctype, want in cases:
         p = L.kernel_param(a)
         assert type(p) is ctype and p.value == want, (a, p)
     assert bytes(L.kernel_param(np.float32(1.5))) == np.float32(1.5).tobytes()
-    with pytest.raises(TypeError):
-        L.kernel_param("x")
+    for bad in ("x", 3, 0.25, True, None):  # Python scalars: their C width would be a guess
+        with pytest.raises(TypeError):
+            L.kernel_param(bad)
     with pytest.raises(TypeError):
         L.kernel_param(np.complex64(1))
 
@@ -138,6 +141,10 @@ def test_pdl_env(monkeypatch):
     monkeypatch.setenv(L.PDL_ENV, "0")
     assert L.pdl_enabled() is False
     assert L.pdl_enabled(" 1 ") is True
+    monkeypatch.setenv(L.PDL_ENV, " ")
+    assert L.pdl_enabled() is True  # empty: the default, as the other step flags
+    assert [L.pdl_supported(c) for c in ("90", "100", "120", "89", "80", "")] == [True, True, True, False, False,
+                                                                                    False]
     monkeypatch.setenv(L.PDL_ENV, "yes")
     with pytest.raises(StrataError, match="STRATATOOLS_PDL='yes'"):
         L.pdl_enabled()

@@ -59,7 +59,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 
 from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel
-from stratatools.runtime.gpu.launch import pdl, pdl_enabled
+from stratatools.runtime.gpu.launch import pdl, pdl_enabled, pdl_supported
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
 from stratatools.runtime.topk import qsa_selects_all as _selects_all
@@ -584,7 +584,8 @@ class StaticDecoder:
 
         rt, cfg = self.rt, self.cfg
         self.cp = cp
-        self.pdl = pdl_enabled()  # STRATATOOLS_PDL, read once: a captured graph and its eager steps agree
+        # STRATATOOLS_PDL, read once (a captured graph and its eager steps agree); sm_90 and later only
+        self.pdl = pdl_enabled() and pdl_supported(cp.cuda.Device().compute_capability)
         self._stream = cp.cuda.Stream(non_blocking=True)
         self.mod = cp.RawModule(code=cuda_unit("decode_step.cu"), options=("--std=c++17",))
         self.k_topk = self._fn(self.mod, "route_topk")

@@ -12,7 +12,8 @@ end. Stream capture keeps the attribute as a programmatic edge of the CUDA graph
 CuPy's kernel call cannot set launch attributes, so :class:`PdlKernel` calls ``cuLaunchKernelEx`` through ctypes
 with the CuPy kernel's own driver handle (:func:`driver_handle`); only while the current stream is being captured (the step's graphs), since a
 ctypes launch costs the host more than CuPy's and eager launches gain nothing from it. ``STRATATOOLS_PDL``: ``1``
-(default) or ``0``; read when a decoder is built (:func:`pdl_enabled`).
+(default) or ``0``; read when a decoder is built (:func:`pdl_enabled`), which uses it on sm_90 and later devices
+only (:func:`pdl_supported`).
 """
 
 from __future__ import annotations
@@ -52,12 +53,22 @@ _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 def pdl_enabled(value: str | None = None) -> bool:
-    """Is programmatic dependent launch on (``value``, else :data:`PDL_ENV`; unset: on)? Raises StrataError for a
-    value other than 0 or 1."""
-    v = (os.environ.get(PDL_ENV, "1") if value is None else value).strip()
+    """Is programmatic dependent launch on (``value``, else :data:`PDL_ENV`; unset or empty: on)? Raises StrataError
+    for a value other than 0 or 1."""
+    v = (os.environ.get(PDL_ENV, "") if value is None else value).strip() or "1"
     if v not in ("0", "1"):
         raise StrataError(f"{PDL_ENV}={v!r}: use 1 (programmatic dependent launch inside the step's graphs) or 0")
     return v == "1"
+
+
+def pdl_supported(compute_capability: str) -> bool:
+    """Can a device of ``compute_capability`` (CuPy's ``Device.compute_capability``, e.g. ``"90"``) take these
+    launches? sm_90 and later only: pdl.cuh compiles griddepcontrol for those alone, so on an older device a kernel
+    launched early would not wait for the one before it."""
+    try:
+        return int(compute_capability) >= 90
+    except ValueError:
+        return False
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -81,19 +92,16 @@ _NP_C = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint3
 
 def kernel_param(a: Any) -> ctypes._SimpleCData:
     """One kernel argument as the C value the kernel receives, as CuPy passes it: an array (anything with
-    ``.data.ptr``) or a memory pointer (``.ptr``) as its device address, a numpy scalar by its dtype, a Python int
-    as a 64-bit integer, a float as a double, a bool as a bool. Raises TypeError for anything else."""
+    ``.data.ptr``) or a memory pointer (``.ptr``) as its device address, a numpy scalar by its dtype. Raises
+    TypeError for anything else, Python scalars included: the step's launches pass numpy scalars of the kernel's C
+    types, and a Python number's width would be a guess."""
     if isinstance(a, np.generic):
         c = _NP_C.get(a.dtype)
         if c is None:
             raise TypeError(f"kernel argument of dtype {a.dtype} has no launch type")
         return c(a.item())
-    if isinstance(a, bool):
-        return ctypes.c_bool(a)
-    if isinstance(a, int):
-        return ctypes.c_int64(a)
-    if isinstance(a, float):
-        return ctypes.c_double(a)
+    if isinstance(a, (bool, int, float)):
+        raise TypeError(f"kernel argument {a!r}: pass a numpy scalar of the kernel's C type")
     data = getattr(a, "data", None)
     if data is not None and hasattr(data, "ptr"):
         return ctypes.c_uint64(int(data.ptr))
@@ -105,8 +113,8 @@ def kernel_param(a: Any) -> ctypes._SimpleCData:
 def launch_config(grid: tuple, block: tuple, shared_mem: int, stream: int,
                   attr: _LaunchAttribute) -> _LaunchConfig:
     """The CUlaunchConfig of one launch with the one attribute ``attr`` (grid and block: 1 to 3 dimensions)."""
-    g = tuple(int(v) for v in grid) + (1,) * (3 - len(grid))
-    b = tuple(int(v) for v in block) + (1,) * (3 - len(block))
+    g = tuple(max(1, int(v)) for v in grid) + (1,) * (3 - len(grid))  # (CuPy launches at least 1 per dimension)
+    b = tuple(max(1, int(v)) for v in block) + (1,) * (3 - len(block))
     return _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), ctypes.c_void_p(int(stream)),
                          ctypes.pointer(attr), 1)
 
