@@ -367,20 +367,13 @@ def test_prefetch_orders_give_the_same_step(kit, monkeypatch):
     assert tot["first"] == tot["after"] == tot["mixer"] > 0, stats
 
 
-@pytest.mark.gpu
-@pytest.mark.kit
-@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
-@pytest.mark.parametrize("fetch", ["zero-copy", "prefetch"])
-@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-Q2_0.gguf"])
-def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, model, fetch, monkeypatch):
-    """STRATATOOLS_SHARED_SIDE=1 (the shared expert on a second stream beside the routed gate/up, the routed down
-    adding to its result) against 0 (the shared expert after the routed ones): the same logits and routing bit for
-    bit, every expert resident and (prefetch) under a partial LRU tier, graph-replayed in pieces; on the kit's BF16
-    model (staged expert kernels) and its Q2_0 model (the pipelined ones, integer gate/up: the default path of a
-    Q2_0 release)."""
+def _same_steps_under_flag(kit, model, fetch, env, check, monkeypatch):
+    """The kit's ``model`` decoded by :func:`_captured_steps` with environment flag ``env`` at 0 and at 1 (misses
+    served by ``fetch``; a partial LRU tier with ``prefetch``, all resident otherwise; skips when the model is not
+    carried): ``check(decoder, value, cfg)`` after each, then the same logits and routing bit for bit."""
     import cupy as cp
 
-    from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV, max_full_context
+    from stratatools.runtime.gpu.decode import max_full_context
     from stratatools.runtime.gpu.tier import HostArena
     from stratatools.runtime.weights import load
 
@@ -392,13 +385,31 @@ def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, model, fe
     cfg = w.cfg
     n_ctx = max_full_context(cfg, "transformers")
     got = {}
-    for side in ("0", "1"):
-        monkeypatch.setenv(SHARED_SIDE_ENV, side)
+    for v in ("0", "1"):
+        monkeypatch.setenv(env, v)
         pol = _partial_lru(arena, cfg) if fetch == "prefetch" else None
-        dec, got[side] = _captured_steps(kit, w, arena, pol, n_ctx)
-        assert (dec._shared_side is not None) == (side == "1") and dec.fused
+        dec, got[v] = _captured_steps(kit, w, arena, pol, n_ctx)
+        check(dec, v, cfg)
     for (a, ia), (b, ib) in zip(got["0"], got["1"]):
         assert np.array_equal(a, b) and np.array_equal(ia, ib)
+
+
+@pytest.mark.gpu
+@pytest.mark.kit
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("fetch", ["zero-copy", "prefetch"])
+@pytest.mark.parametrize("model", ["gguf/model-bf16.gguf", "quant/model-Q2_0.gguf"])
+def test_shared_expert_beside_the_routed_ones_gives_the_same_step(kit, model, fetch, monkeypatch):
+    """STRATATOOLS_SHARED_SIDE=1 (the shared expert on a second stream beside the routed gate/up, the routed down
+    adding to its result) against 0 (the shared expert after the routed ones): the same logits and routing bit for
+    bit, every expert resident and (prefetch) under a partial LRU tier, graph-replayed in pieces; on the kit's BF16
+    model (staged expert kernels) and its Q2_0 model (the pipelined ones, integer gate/up: the default path of a
+    Q2_0 release)."""
+    from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV
+
+    def check(dec, side, cfg):
+        assert (dec._shared_side is not None) == (side == "1") and dec.fused
+    _same_steps_under_flag(kit, model, fetch, SHARED_SIDE_ENV, check, monkeypatch)
 
 
 def _fused_decoders(kit, model, env, values, monkeypatch):
@@ -512,32 +523,15 @@ def test_programmatic_dependent_launch_gives_the_same_step(kit, model, fetch, mo
     for bit, every expert resident and (prefetch) under a partial LRU tier, graph-replayed in pieces, on the kit's
     BF16 model (staged expert kernels) and its Q2_0 model (the pipelined ones); with 1 the captures made such
     launches."""
-    import cupy as cp
-
-    from stratatools.runtime.gpu.decode import max_full_context
     from stratatools.runtime.gpu.launch import PDL_ENV, PdlKernel
-    from stratatools.runtime.gpu.tier import HostArena
-    from stratatools.runtime.weights import load
 
-    if not (kit / model).exists():
-        pytest.skip(f"{model} not carried")
-    monkeypatch.setenv("STRATATOOLS_MISS_FETCH", fetch)
-    w = load(kit / model, xp=cp)
-    arena = HostArena.from_expert_source(w.experts)
-    cfg = w.cfg
-    n_ctx = max_full_context(cfg, "transformers")
-    got = {}
-    for v in ("0", "1"):
-        monkeypatch.setenv(PDL_ENV, v)
-        pol = _partial_lru(arena, cfg) if fetch == "prefetch" else None
-        dec, got[v] = _captured_steps(kit, w, arena, pol, n_ctx)
+    def check(dec, v, cfg):
         assert dec.pdl == (v == "1") and dec.fused
         assert isinstance(dec.k_inject_rms, PdlKernel) == (v == "1")
         if v == "1":
             n = sum(k.pdl_launches for k in vars(dec).values() if isinstance(k, PdlKernel))
             assert dec.k_inject_rms.pdl_launches > 0 and n > cfg.n_layer, n
-    for (a, ia), (b, ib) in zip(got["0"], got["1"]):
-        assert np.array_equal(a, b) and np.array_equal(ia, ib)
+    _same_steps_under_flag(kit, model, fetch, PDL_ENV, check, monkeypatch)
 
 
 @pytest.mark.gpu
