@@ -135,9 +135,9 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
     monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", "4")
     assert prefetch_width(8) == 12 and prefetch_width(8, 10) == 10 and prefetch_width(60) == 64
     assert fetch_staging_bytes("prefetch", 8, 1024) == (8 + 2 * 12) * 1024
-    for bad in ("-1", "two"):
+    for bad in ("-1", "two", "\u0663", "+4", "1_0"):  # (non-ASCII digits, signs and underscores were taken by int())
         monkeypatch.setenv("STRATATOOLS_PREFETCH_EXTRA", bad)
-        with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_EXTRA=.*whole number of experts >= 0"):
+        with pytest.raises(StrataError, match=r"STRATATOOLS_PREFETCH_EXTRA=.*whole number of experts \(0 or more\)"):
             prefetch_width(8)
     monkeypatch.delenv("STRATATOOLS_PREFETCH_EXTRA")
     from stratatools.runtime.gpu.decode import PREFETCH_BLOCKS, prefetch_blocks
@@ -146,9 +146,9 @@ def test_miss_fetch_staging_is_planned_and_a_bad_mode_refused(kit, monkeypatch):
     assert prefetch_blocks() == PREFETCH_BLOCKS == 32
     monkeypatch.setenv("STRATATOOLS_PREFETCH_BLOCKS", "96")
     assert prefetch_blocks() == 96
-    for bad in ("0", "many"):
+    for bad in ("0", "many", "\u0669\u0666", "+96", "9_6"):
         monkeypatch.setenv("STRATATOOLS_PREFETCH_BLOCKS", bad)
-        with pytest.raises(StrataError, match="STRATATOOLS_PREFETCH_BLOCKS=.*whole number of blocks >= 1"):
+        with pytest.raises(StrataError, match=r"STRATATOOLS_PREFETCH_BLOCKS=.*whole number of blocks \(1 or more\)"):
             prefetch_blocks()
     monkeypatch.delenv("STRATATOOLS_PREFETCH_BLOCKS")
     from stratatools.runtime.gpu.decode import prefetch_order

@@ -58,7 +58,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 
-from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel, env_count
 from stratatools.runtime.gpu.launch import pdl, pdl_enabled, pdl_supported
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
@@ -265,14 +265,9 @@ PREFETCH_EXTRA_ENV = "STRATATOOLS_PREFETCH_EXTRA"
 
 def prefetch_width(k: int, n_expert: int | None = None) -> int:
     """Experts predicted per layer in ``prefetch`` mode: k + :data:`PREFETCH_EXTRA_ENV` (default 0), at most
-    ``n_expert`` and 64 (the routing kernel's limit). Raises StrataError for a value that is not an integer >= 0."""
-    v = os.environ.get(PREFETCH_EXTRA_ENV, "").strip()
-    try:
-        extra = int(v) if v else 0
-    except ValueError:
-        extra = -1
-    if extra < 0:
-        raise StrataError(f"{PREFETCH_EXTRA_ENV}={v!r}: give a whole number of experts >= 0")
+    ``n_expert`` and 64 (the routing kernel's limit). Raises StrataError for a value that is not a whole number
+    (ASCII digits)."""
+    extra = env_count(PREFETCH_EXTRA_ENV, 0, 0, "experts")
     return int(min(int(k) + extra, 64, n_expert if n_expert else 64))
 
 
@@ -339,15 +334,8 @@ PREFETCH_BLOCKS_ENV = "STRATATOOLS_PREFETCH_BLOCKS"
 
 def prefetch_blocks() -> int:
     """Blocks of the prefetch's ``fetch_blobs`` launch: :data:`PREFETCH_BLOCKS_ENV`, default :data:`PREFETCH_BLOCKS`.
-    Raises StrataError for a value that is not an integer >= 1."""
-    v = os.environ.get(PREFETCH_BLOCKS_ENV, "").strip()
-    try:
-        n = int(v) if v else PREFETCH_BLOCKS
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise StrataError(f"{PREFETCH_BLOCKS_ENV}={v!r}: give a whole number of blocks >= 1")
-    return n
+    Raises StrataError for a value that is not a whole number (ASCII digits) of at least 1."""
+    return env_count(PREFETCH_BLOCKS_ENV, PREFETCH_BLOCKS, 1, "blocks")
 
 
 def fetch_grid(k: int, blob_bytes: int, n_sm: int) -> int:

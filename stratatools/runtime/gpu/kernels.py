@@ -296,7 +296,7 @@ DQS_MIN_ROWS_PER_SM = 8
 DENSE_MIN_ROWS_ENV = "STRATATOOLS_DENSE_MIN_ROWS"
 
 
-def _env_count(name: str, default: int, minimum: int, unit: str) -> int:
+def env_count(name: str, default: int, minimum: int, unit: str) -> int:
     """The whole number (ASCII digits) in environment variable ``name``, else ``default``. Raises StrataError
     naming the variable for another value or one below ``minimum``."""
     import os
@@ -313,7 +313,7 @@ def dense_min_rows_per_sm() -> int:
     """Rows per SM from which the decoder's Q8_0 matvec runs ``mv_q8i`` / ``mv_q8s`` rather than ``mv_q8r``:
     :data:`DENSE_MIN_ROWS_ENV`, else :data:`DQS_MIN_ROWS_PER_SM`. Raises StrataError for a value that is not a
     whole number of at least 0."""
-    return _env_count(DENSE_MIN_ROWS_ENV, DQS_MIN_ROWS_PER_SM, 0, "rows per SM")
+    return env_count(DENSE_MIN_ROWS_ENV, DQS_MIN_ROWS_PER_SM, 0, "rows per SM")
 #: dense_q8.cu's DQI_U (chunks a lane holds per window in ``mv_q8i``) and DQI_MINB (its blocks per SM).
 DQI_U = 5
 DQI_BLOCKS_PER_SM = 4
@@ -395,7 +395,7 @@ DQ_SPLIT_ENV = "STRATATOOLS_DQ_SPLIT_BLOCKS"
 def dq_split_blocks_per_sm() -> int:
     """:data:`DQ_SPLIT_ENV`, else :data:`DQ_SPLIT_BLOCKS_PER_SM`. Raises StrataError for a value that is not a whole
     number of at least 1."""
-    return _env_count(DQ_SPLIT_ENV, DQ_SPLIT_BLOCKS_PER_SM, 1, "blocks per SM")
+    return env_count(DQ_SPLIT_ENV, DQ_SPLIT_BLOCKS_PER_SM, 1, "blocks per SM")
 
 
 def dq_launch_shape(rows: int, cols: int, n_sm: int, threads: int = DQ_THREADS) -> tuple[int, int, int]:
