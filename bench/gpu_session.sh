@@ -7,11 +7,11 @@
 # Usage (on the GPU machine, from the repository root; carried folders: WHL wheels, KIT the kit with its README.md,
 # ANCHORS a copy of ../shared/anchors):
 #   OUT=/tmp/out WHL=.whl KIT=.kitgpu ANCHORS=.anchors bash bench/gpu_session.sh [ROWS] [TESTS]
-# ROWS: bench_gpu_run.py --configs (default resident,hcq8i,hcsplit2,float,staticprof,vram12)
+# ROWS: bench_gpu_run.py --configs (default resident,routeblock,nopdl,hcsplit4,staticprof,vram12)
 # TESTS: pytest arguments (default the GPU decoder tests; "none" skips them)
-# Every result lands in $OUT (synth.json, moe.txt, run.txt / run.json, llama-bench.md, build logs).
+# Every result lands in $OUT (tests.txt, synth.json, moe.txt, run.txt / run.json, llama-bench.md, build logs).
 set -u
-ROWS=${1:-resident,hcq8i,hcsplit2,float,staticprof,vram12}
+ROWS=${1:-resident,routeblock,nopdl,hcsplit4,staticprof,vram12}
 TESTS=${2:-tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_gpu_run.py}
 : "${OUT:?set OUT to the folder that comes back}"
 WHL=${WHL:-.whl} KIT=${KIT:-.kitgpu} ANCHORS=${ANCHORS:-.anchors} TYPES=${TYPES:-gu=Q2_0,down=Q2_0}
@@ -32,7 +32,8 @@ rm -f /tmp/lcb.done
 if [ "$TESTS" != none ]; then
   el tests
   # shellcheck disable=SC2086
-  taskset -c 4-5 timeout 240 python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -8
+  taskset -c 4-5 timeout 240 python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT"/tests.txt 2>&1
+  echo "tests rc=$?"; tail -8 "$OUT"/tests.txt  # (the file comes back whole; the call's output keeps only its tail)
 fi
 el moe kernels
 timeout 60 python3 bench/bench_moe_kernels.py --reps 100 --no-zero-copy --out "$OUT"/moe.json > "$OUT"/moe.txt 2>&1
