@@ -477,19 +477,15 @@ def config_rows(slots: int) -> list:
     rows += [("routeblock", "all resident, router by one block (before)", {"_env": {"STRATATOOLS_ROUTE_WARP": "0"}})]
     # the shared expert after the routed ones on the step's stream (decode.SHARED_SIDE_ENV=0; the default runs it on a
     # second stream beside the routed gate/up)
-    ns = {"STRATATOOLS_SHARED_SIDE": "0"}
-    rows += [("noside", "all resident, shared expert after the routed ones (before)", {"_env": ns}),
-             ("staticprofnoside", f"{slots} slots static on the recorded profile, shared expert after the routed ones "
-              "(before)", {"slots": slots, "policy": "static", "_profile": True, "_env": ns}),
-             ("vram12noside", "--vram-gib 12, LRU, shared expert after the routed ones (before)",
-              {"vram_gib": 12.0, "policy": "lru", "_env": ns})]
+    def before_rows(tag: str, what: str, env: dict) -> list:
+        """All resident, static on the recorded profile and --vram-gib 12 LRU, each under ``env`` (the earlier way)."""
+        return [(f"{tag}", f"all resident, {what} (before)", {"_env": env}),
+                (f"staticprof{tag}", f"{slots} slots static on the recorded profile, {what} (before)",
+                 {"slots": slots, "policy": "static", "_profile": True, "_env": env}),
+                (f"vram12{tag}", f"--vram-gib 12, LRU, {what} (before)", {"vram_gib": 12.0, "policy": "lru", "_env": env})]
+    rows += before_rows("noside", "shared expert after the routed ones", {"STRATATOOLS_SHARED_SIDE": "0"})
     # the step's kernels launched without programmatic dependent launch inside its graphs (launch.PDL_ENV=0, before)
-    npdl = {"STRATATOOLS_PDL": "0"}
-    rows += [("nopdl", "all resident, no programmatic dependent launch (before)", {"_env": npdl}),
-             ("staticprofnopdl", f"{slots} slots static on the recorded profile, no programmatic dependent launch "
-              "(before)", {"slots": slots, "policy": "static", "_profile": True, "_env": npdl}),
-             ("vram12nopdl", "--vram-gib 12, LRU, no programmatic dependent launch (before)",
-              {"vram_gib": 12.0, "policy": "lru", "_env": npdl})]
+    rows += before_rows("nopdl", "no programmatic dependent launch", {"STRATATOOLS_PDL": "0"})
     # blocks of the prefetch's copy launch beside the main stream (decode.PREFETCH_BLOCKS_ENV, default 32)
     for nb in (64, 128):
         fe = {"STRATATOOLS_PREFETCH_BLOCKS": str(nb)}

@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.model import RoutingRecord, _rmsnorm, _sigmoid, _silu, _softmax, _to_host
+from stratatools.runtime.model import RoutingRecord, _rmsnorm, _sigmoid, _softmax, _to_host
 
 from stratatools.runtime.gpu.prefill import ChunkPrefill, gdn_chunk_shared
 
@@ -712,7 +712,7 @@ class BatchDecoder(ChunkPrefill):
             side.wait_event(fork)
             try:
                 with side:
-                    ys = sg * self._shared_mm(il, _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1), 2)
+                    ys = self._shared_ffn(il, x, sg)
             finally:
                 join.record(side)
         try:
@@ -724,8 +724,7 @@ class BatchDecoder(ChunkPrefill):
         if side is not None:
             return (y + ys).astype(cp.float32, copy=False)
         sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-        hs = _silu(cp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
-        return (y + sg * self._shared_mm(il, hs, 2)).astype(cp.float32, copy=False)
+        return (y + self._shared_ffn(il, x, sg)).astype(cp.float32, copy=False)
 
     def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
         """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] (ids / w: their routing on the device)."""

@@ -84,10 +84,8 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-_NP_C = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int64): ctypes.c_int64,
-         np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
-         np.dtype(np.float64): ctypes.c_double, np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
-         np.dtype(np.int16): ctypes.c_int16, np.dtype(np.uint16): ctypes.c_uint16, np.dtype(np.bool_): ctypes.c_bool}
+#: The one attribute of every PdlKernel launch (read by the driver at the launch, never written).
+_PDL_ATTR = _LaunchAttribute(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
 
 
 def kernel_param(a: Any) -> ctypes._SimpleCData:
@@ -96,10 +94,10 @@ def kernel_param(a: Any) -> ctypes._SimpleCData:
     TypeError for anything else, Python scalars included: the step's launches pass numpy scalars of the kernel's C
     types, and a Python number's width would be a guess."""
     if isinstance(a, np.generic):
-        c = _NP_C.get(a.dtype)
-        if c is None:
-            raise TypeError(f"kernel argument of dtype {a.dtype} has no launch type")
-        return c(a.item())
+        try:
+            return np.ctypeslib.as_ctypes_type(a.dtype)(a.item())
+        except NotImplementedError:
+            raise TypeError(f"kernel argument of dtype {a.dtype} has no launch type") from None
     if isinstance(a, (bool, int, float)):
         raise TypeError(f"kernel argument {a!r}: pass a numpy scalar of the kernel's C type")
     data = getattr(a, "data", None)
@@ -158,8 +156,7 @@ class PdlKernel:
             return
         params = [kernel_param(a) for a in args]
         ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
-        attr = _LaunchAttribute(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
-        cfg = launch_config(grid, block, shared_mem, st.ptr, attr)
+        cfg = launch_config(grid, block, shared_mem, st.ptr, _PDL_ATTR)
         rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(driver_handle(self.fn)), ptrs, None)
         object.__setattr__(self, "pdl_launches", self.pdl_launches + 1)
         if rc != 0:

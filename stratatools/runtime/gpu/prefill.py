@@ -915,9 +915,13 @@ class ChunkPrefill:
         y = xp.sum(ya.reshape(T, k, n) * xp.asarray(wd).reshape(T, k, 1), axis=1)
         self._tic("shared")
         sg = _sigmoid(xp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-        hs = _silu(xp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
-        y = y + sg * self._shared_mm(il, hs, 2)
+        y = y + self._shared_ffn(il, x, sg)
         return y.astype(xp.float32, copy=False), ids, w
+
+    def _shared_ffn(self, il: int, x: Any, sg: Any) -> Any:
+        """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x)."""
+        hs = _silu(self.xp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
+        return sg * self._shared_mm(il, hs, 2)
 
     def _shared_mm(self, il: int, X: Any, which: int) -> Any:
         """X @ W.T for the shared expert's gate (0), up (1) or down (2) matrix."""
