@@ -56,6 +56,48 @@ def cuda_ms(cp, fn, reps: int) -> float:
     return cp.cuda.get_elapsed_time(s, e) / reps
 
 
+#: Prefill settings (environment of the decoder's prefill): the dense GEMM path (``sgemm``, ``mma``, ``hgemm``), and
+#: the tensor-core kernels' chunk of k (``*-kc256``: dense; ``*-moekc256``: the expert jobs), the shared expert after
+#: the routed ones instead of beside them (``mma-noside``).
+PREFILL_VARIANTS = {
+    "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
+    "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm"},
+    "mma-noside": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_SHARED_SIDE": "0"},
+    "mma-moekc256": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_MOE_KC": "256"},
+    "mma-kc256": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "256"},
+    "mma-kc64": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "64", "STRATATOOLS_QMM_MOE_KC": "64"},
+    "hgemm-moekc256": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_QMM_MOE_KC": "256"},
+}
+
+
+def prefill_profile(cp, run, gemm: str, tokens: int) -> dict:
+    """Per-kernel device time of one prefill ``run()`` (CUPTI through torch.profiler, as bench_gpu_batch's step
+    profile); prints the 16 longest kernels. Returns {"wall_ms", "device_ms", "launches", "rows"} ({} without
+    torch)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:  # noqa: BLE001
+        return {}
+    from bench_gpu_run import kernel_rows
+
+    torch.cuda.init()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        cp.cuda.Device().synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    rows = kernel_rows(prof, 1)
+    dev = sum(r[1] for r in rows)
+    nl = sum(r[2] for r in rows)
+    print(f"\nkernels of one {gemm} prefill of {tokens} tokens (profiled): {dev:.1f} ms of device time in {nl} "
+          f"launches, wall {wall:.1f} ms\n| kernel | ms | launches | share |\n|---|---:|---:|---:|", flush=True)
+    for r in rows[:16]:
+        print(f"| {r[0]} | {r[1]:.2f} | {r[2]} | {r[3]:.3f} |", flush=True)
+    return {"wall_ms": wall, "device_ms": dev, "launches": nl, "rows": rows}
+
+
 def dense_names(model, cfg) -> list[str]:
     """Dense matrices (quantized, two or more rows) of the first recurrent and the first attention layer and of the
     first layer's shared expert and router."""
@@ -85,6 +127,11 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="parts to skip: dense, experts, prefill (comma-separated)")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--gguf", default=None, help="a full-width model made elsewhere (skips the synthesis)")
+    ap.add_argument("--prefill-variants", default="mma,hgemm",
+                    help=f"prefill settings timed after sgemm (comma-separated; {', '.join(PREFILL_VARIANTS)})")
+    ap.add_argument("--prefill-reps", type=int, default=3, help="prefills timed per setting (the best counts)")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="per-kernel device time of one mma and one hgemm prefill (torch.profiler)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -98,7 +145,6 @@ def main() -> None:
     import cupy as cp
 
     from bench_gpu_run import env_vars, free_device, print_breakdown, suite_prompt_ids
-    from stratatools.runtime.gpu import qmm
     from stratatools.runtime.gpu.engine import DecoderRuntime
     from stratatools.runtime.gpu.prefill import ChunkPrefill
     from stratatools.runtime.gpu.runtime import GPURuntime
@@ -200,19 +246,27 @@ def main() -> None:
     # 3. the prefill with both settings -------------------------------------------------------------------------
     if "prefill" not in skip:
         out = {}
-        for gemm in ("sgemm", "mma", "hgemm"):
-            with env_vars({qmm.GEMM_ENV: gemm}):
+        names = ["sgemm"] + [v for v in a.prefill_variants.split(",") if v and v != "sgemm"]
+        for name in names:
+            if name not in PREFILL_VARIANTS:
+                raise SystemExit(f"--prefill-variants: {name!r} is not one of {', '.join(PREFILL_VARIANTS)}")
+        for name in names:
+            with env_vars(PREFILL_VARIANTS[name]):
                 dec.load_state(rt.new_state())
                 dec.prefill(warm)  # builds this setting's prefiller, compiles its kernels
-                dec.load_state(rt.new_state())
-                cp.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                lg, tids, _ = dec.prefill(prompt)
-                lg_h = cp.asnumpy(lg).astype(np.float64)
-                dt = time.perf_counter() - t0
-                out[gemm] = (dt, lg_h, tids)
-                print(f"prefill {a.prompt} tokens, {gemm:5s}: {a.prompt / dt:9.1f} tok/s ({dt:.3f} s)", flush=True)
-                if gemm in ("mma", "hgemm"):
+                best = None
+                for _ in range(a.prefill_reps):  # the best of the repetitions (the first of a row is the slowest)
+                    dec.load_state(rt.new_state())
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    lg, tids, _ = dec.prefill(prompt)
+                    lg_h = cp.asnumpy(lg).astype(np.float64)
+                    dt = time.perf_counter() - t0
+                    best = dt if best is None else min(best, dt)
+                out[name] = (best, lg_h, tids)
+                print(f"prefill {a.prompt} tokens, {name:12s}: {a.prompt / best:9.1f} tok/s ({best:.3f} s, best of "
+                      f"{a.prefill_reps})", flush=True)
+                if name != "sgemm":
                     p2 = dec.prefiller()
                     dec.load_state(rt.new_state())
                     p2.timing, p2._tlast = {}, None
@@ -222,24 +276,24 @@ def main() -> None:
                     cp.cuda.Device().synchronize()
                     tot = time.perf_counter() - t0
                     p2.timing.pop("end", None)
-                    res[f"{gemm}_breakdown_s"] = dict(p2.timing)
-                    print_breakdown(f"one {gemm} prefill", p2.timing, tot)
+                    res[f"{name}_breakdown_s"] = dict(p2.timing)
+                    print_breakdown(f"one {name} prefill", p2.timing, tot)
                     p2.timing = None
+                    if a.kernel_profile:
+                        dec.load_state(rt.new_state())
+                        res[f"{name}_kernels"] = prefill_profile(cp, lambda: dec.prefill(prompt), name, a.prompt)
         ds, ls, is_ = out["sgemm"]
         total = is_.shape[0] * is_.shape[1]
         res["prefill"] = {"sgemm_tok_s": a.prompt / ds}
-        for gemm in ("mma", "hgemm"):
-            dm, lm, im = out[gemm]
+        for name in names[1:]:
+            dm, lm, im = out[name]
             rel = float(np.abs(lm - ls).max() / np.abs(ls).max())
             same = int(sum(set(is_[t, l].tolist()) == set(im[t, l].tolist())
                            for t in range(is_.shape[0]) for l in range(is_.shape[1])))
-            res["prefill"].update({f"{gemm}_tok_s": a.prompt / dm, f"{gemm}_ratio": ds / dm,
-                                   f"{gemm}_logits_rel": rel, f"{gemm}_topk_agree": same / total})
-            print(f"prefill {gemm}/sgemm {ds / dm:.2f}x; last logits rel. error {rel:.2e}; router top-k agreement "
-                  f"{same}/{total} = {same / total:.4%}", flush=True)
-        dm, dh = out["mma"][0], out["hgemm"][0]
-        res["prefill"]["hgemm_over_mma"] = dm / dh
-        print(f"prefill hgemm/mma {dm / dh:.2f}x", flush=True)
+            res["prefill"].update({f"{name}_tok_s": a.prompt / dm, f"{name}_ratio": ds / dm,
+                                   f"{name}_logits_rel": rel, f"{name}_topk_agree": same / total})
+            print(f"prefill {name}/sgemm {ds / dm:.2f}x ({a.prompt / dm:.1f} tok/s); last logits rel. error {rel:.2e}; "
+                  f"router top-k agreement {same}/{total} = {same / total:.4%}", flush=True)
     if a.out:
         from stratatools.core.fsutil import write_json_atomic
 

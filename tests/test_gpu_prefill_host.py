@@ -54,7 +54,7 @@ def _p(a):
 
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
-    assert set(sig) == {"pf_route", "pf_gdn_chunk"}
+    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -79,10 +79,14 @@ def test_pf_route_matches_stable_sort(lib, gating, norm, E, k):
     assert np.allclose(w, rw * 1.5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4)])
+@pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4),
+                                                # one column a block: the host thread's one (row slice, column)
+                                                # pair takes the register path the device's launches take
+                                                (9, 2, 32, 4, 24, 24), (4, 1, 16, 3, 10, 10)])
 def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb):
     """pf_gdn_chunk over T tokens (columns split over ncb blocks, uneven split included; v read with a row stride)
-    = T delta-rule steps of the decoder's numpy _gdn; the state is written back."""
+    = T delta-rule steps of the decoder's numpy _gdn; the state is written back. Both the shared-memory state and
+    the register state (a block of one column) are checked."""
     rng = np.random.default_rng(T * dv)
     q = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
     kk = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32))
@@ -110,6 +114,31 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb):
                               _p(out), T, nk, nv, dk, dv)
     assert np.abs(out.reshape(T, nv, dv) - ref).max() <= 1e-5 * np.abs(ref).max()
     assert np.abs(S - St).max() <= 1e-5 * np.abs(St).max()
+
+
+@pytest.mark.parametrize("T,k,n,grid", [(5, 3, 7, 1), (9, 10, 40, 3), (1, 1, 1, 1)])
+def test_pf_moe_sum_weights_in_rank_order(lib, T, k, n, grid):
+    """pf_moe_sum = the k routed rows of each token times its weights, summed in rank order in float32 with every
+    product rounded first (the same bits as that loop in numpy), for any grid (grid stride)."""
+    rng = np.random.default_rng(T * k + n)
+    ya = rng.standard_normal((T * k, n)).astype(np.float32)
+    w = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    y = np.full((T, n), np.nan, np.float32)
+    lib.host_pf_moe_sum(grid, 1, _p(ya), _p(w), T, k, n, _p(y))
+    want = np.zeros((T, n), np.float32)
+    for r in range(k):
+        want = want + w[:, r:r + 1] * ya.reshape(T, k, n)[:, r]
+    assert np.array_equal(y, want)
+
+
+def test_gdn_chunk_threads_keep_the_state_in_registers():
+    """The launch's row slices give each thread at most one (row slice, column) pair of at most GDN_REG state values
+    (the kernel's register path) for the model shapes, with 256 threads where that suffices."""
+    assert PF.gdn_chunk_threads(128, 32) == (256, 8)  # the 48 x 256 model: 32 value heads, 4 column blocks
+    for dk, cw in ((128, 32), (128, 128), (128, 1), (256, 64), (64, 16), (8, 3), (128, 24)):
+        threads, rs = PF.gdn_chunk_threads(dk, cw)
+        assert threads % 32 == 0 and threads <= 1024 and rs == max(1, threads // cw)
+        assert rs * cw <= threads and -(-dk // rs) <= PF.GDN_REG
 
 
 @pytest.mark.parametrize("tname", TYPES)

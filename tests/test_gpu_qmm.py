@@ -91,6 +91,29 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
 
 
+@pytest.mark.parametrize("T,k,E,seed", [(32, 10, 256, 1), (512, 10, 256, 2), (1, 4, 300, 3), (40, 2, 3, 4),
+                                        (33, 7, 12288, 5), (1000, 8, 64, 6)])
+def test_gpu_device_job_table_matches_expert_jobs(T, k, E, seed):
+    """qmm.moe_jobs on the device (one block of 1,024 threads: the threads' scan of the experts' counts and the
+    bitonic sort, which the host build runs with one thread) = expert_jobs' table, the spare jobs empty."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.prefill import expert_jobs
+
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(E)[:k] if k <= E else rng.integers(0, E, k) for _ in range(T)]).astype(np.int32)
+    if T > 16:
+        ids[:, 0] = 1  # an expert with pairs of every token: several jobs
+    ptr_row = (np.arange(E, dtype=np.uint64) * 4096 + 0x1000).astype(np.uint64)
+    jp, jt, jd = (cp.asnumpy(a) for a in qmm.moe_jobs(cp.asarray(ids.reshape(-1)), k, E, cp.asarray(ptr_row)))
+    je, rt, rd = expert_jobs(ids, qmm.JOB_TOKENS)
+    n = je.size
+    assert jp.size == qmm.job_capacity(ids.size, E) >= n
+    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(jt[:n * 16], rt) and np.array_equal(jd[:n * 16], rd)
+    assert np.all(jp[n:] == ptr_row[0]) and np.all(jt[n * 16:] == -1) and np.all(jd[n * 16:] == -1)
+
+
 @pytest.mark.parametrize("layout,rows,cols", [("Q8R", 2560, 2560), ("Q8R", 300, 1056), ("Q8_0", 520, 640),
                                               ("Q2_0", 264, 1024)])
 @pytest.mark.parametrize("T", [1, 7, 32, 512])

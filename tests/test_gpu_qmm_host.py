@@ -42,7 +42,7 @@ def lib(tmp_path_factory):
     h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
-            getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I]
+            getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
@@ -157,19 +157,29 @@ def test_split_keeps_22_bits(lib):
 
 
 def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None, nz: int = 1) -> np.ndarray:
-    """The host build's qmm_dense; with ``nz`` > 1 k split into nz slices, their partial results [nz, T, rows]
-    added here (every slice's every element written: an empty slice writes zeros)."""
+    """The host build's qmm_dense; with ``nz`` > 1 k split into nz slices whose partial results [nz, T, rows] the
+    kernel's last slice of each tile adds into Y (every slice's every element written: an empty slice writes zeros;
+    the tile counters are left zero)."""
     f = Q.LAYOUTS[layout]
     T = X.shape[0]
     nt = nt or Q.token_tile(T)
     hi, lo, sc = split_host(lib, X)
-    Y = np.full((nz, T, rows), np.nan, dtype=np.float32)
+    Y = np.full((T, rows), np.nan, dtype=np.float32)
+    P = np.full((nz, T, rows), np.nan, dtype=np.float32)
     rb = cols if f == 0 else cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
     gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz  # host blocks: one warp, 16 rows
+    cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
     getattr(lib, f"host_qmm_dense_{f}_{nt}")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb, _p(hi), _p(lo),
-                                             _p(sc), _p(Y), rows, T, rows, cols, nz)
-    assert np.all(np.isfinite(Y))
-    return Y.sum(axis=0, dtype=np.float32) if nz > 1 else Y[0]
+                                             _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P), _p(cnt))
+    assert np.all(np.isfinite(Y)) and not np.any(cnt)
+    if nz > 1:
+        assert np.all(np.isfinite(P))
+        # the kernel's sum is the slices' in order z = 0 .. nz - 1, in float32
+        want = P[0].copy()
+        for z in range(1, nz):
+            want = want + P[z]
+        assert np.array_equal(Y, want)
+    return Y
 
 
 def check(Y, W, X, tol=2e-6):
@@ -206,6 +216,28 @@ def test_dense_matches_float64(lib, layout, rows, cols, T, nt, nz):
     check(Y, W, X)
 
 
+def test_chunk_values_from_the_environment(monkeypatch):
+    """The chunk knobs take 64, 128 or 256 (ASCII digits), the default when empty or unset."""
+    for env, moe in ((Q.KC_ENV, False), (Q.MOE_KC_ENV, True)):
+        monkeypatch.delenv(env, raising=False)
+        assert Q.chunk_values(moe) == Q.KC
+        monkeypatch.setenv(env, " 256 ")
+        assert Q.chunk_values(moe) == 256
+        monkeypatch.setenv(env, "")
+        assert Q.chunk_values(moe) == Q.KC
+        for bad in ("96", "２５６", "+128", "1e2", "x"):
+            monkeypatch.setenv(env, bad)
+            with pytest.raises(StrataError, match=env):
+                Q.chunk_values(moe)
+        monkeypatch.delenv(env)
+    assert Q.chunk_values(True, "Q2_0") == 256 and Q.chunk_values(True, 8) == Q.KC and Q.chunk_values() == Q.KC
+    monkeypatch.setenv(Q.MOE_KC_ENV, "64")
+    assert Q.chunk_values(True, "Q2_0") == 64 and Q.chunk_values() == Q.KC
+    monkeypatch.delenv(Q.MOE_KC_ENV)
+    assert Q.smem_bytes("Q2_0", 2, 256) == 2 * 2 * 16 * (256 + 40) * 2
+    assert Q.dense_launch(512, 320, 10240, "Q8R", 132, 256) == (8, 5, 48, 6)  # 40 chunks of 256: still 6 slices
+
+
 def test_dense_launch_splits_k_for_few_tokens():
     """Up to 32 tokens: one token tile and k split while the row blocks leave SMs idle (about 2 blocks a SM, at
     most one slice a chunk); longer X keeps token_tile's tiles and no split."""
@@ -214,7 +246,12 @@ def test_dense_launch_splits_k_for_few_tokens():
     assert Q.dense_launch(1, 2560, 2560, "Q8R", 132) == (2, 40, 6, 6)
     assert Q.dense_launch(16, 64, 256, "Q8_0", 132) == (2, 1, 2, 2)  # 2 chunks: at most 2 slices
     assert Q.dense_launch(32, 12288, 2560, "Q8R", 132) == (4, 192, 1, 1)  # rows fill the device
-    assert Q.dense_launch(512, 2560, 2560, "Q8R", 132) == (Q.token_tile(512, 2560, 132), 40, 512 // (8 * Q.token_tile(512, 2560, 132)), 1)
+    assert Q.dense_launch(512, 2560, 2560, "Q8R", 132) == (8, 40, 8, 1)
+    # longer X: k split where row blocks x token tiles leave SMs idle (the prefill's 320 x 10,240 hyper-connection
+    # down projection: 5 x 8 tiles, 80 chunks -> 6 slices; the 4-row inject: 1 x 8 tiles -> 33, at most SPLIT_MAX)
+    assert Q.dense_launch(512, 320, 10240, "Q8R", 132) == (8, 5, 48, 6)
+    assert Q.dense_launch(512, 4, 10240, "Q8R", 132) == (8, 1, 8 * Q.SPLIT_MAX, Q.SPLIT_MAX)
+    assert Q.dense_launch(512, 32, 256, "Q8R", 132) == (8, 1, 16, 2)  # 2 chunks: at most 2 slices
 
 
 def test_dense_large_rows_precision(lib):
@@ -307,7 +344,8 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
             assert np.all(np.abs(out[t * k + r] - ref) <= 2e-6 * (np.abs(dn) @ np.abs(hv)) + 1e-30)
 
 
-@pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4)])
+@pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4),
+                                        (512, 10, 256, 5), (1, 1, 1, 6), (33, 7, 12288, 7)])
 def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed):
     """The device-built job table (qmm_jobs) = expert_jobs' for the first J jobs, blob addresses from the layer's
     row; the spare jobs up to job_capacity are empty with expert 0's address. An expert with more than 16 pairs and
@@ -323,7 +361,8 @@ def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed):
     jp = np.zeros(J, np.uint64)
     jt = np.full(J * 16, 7777, np.int32)
     jd = np.full(J * 16, 7777, np.int32)
-    with shared_within(lib, 8 * E):
+    assert Q.device_jobs_ok(N, E)
+    with shared_within(lib, Q.jobs_shared(N, E)):
         lib.host_qmm_jobs(1, 1, _p(ids.reshape(-1)), N, k, E, _p(ptr_row), J, _p(jp), _p(jt), _p(jd))
     je, rt, rd = expert_jobs(ids, Q.JOB_TOKENS)
     n = je.size
@@ -386,7 +425,8 @@ def _fake_cupy():
         ascontiguousarray=lambda a, dtype=None: _h(a, dtype),
         empty=lambda shape, dtype=np.float32: _h(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0xAB, dtype)),
         zeros=lambda shape, dtype=np.float32: _h(np.zeros(shape, dtype)),
-        sum=lambda a, axis=None, out=None: np.sum(a, axis=axis, out=out))
+        sum=lambda a, axis=None, out=None: np.sum(a, axis=axis, out=out),
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0), get_current_stream=lambda: SimpleNamespace(ptr=0)))
 
 
 @pytest.fixture
@@ -395,7 +435,8 @@ def hostcp(lib, monkeypatch):
     CuPy replaced by numpy arrays with ``.data.ptr``."""
     import sys
 
-    def fn(name):
+    def fn(name, kc=Q.KC):
+        assert kc == Q.KC  # (the host build is made with the default chunk)
         base, _, targs = name.partition("<")
         entry = "host_" + base + "".join("_" + p.strip() for p in targs.rstrip(">").split(",") if p.strip())
         f = getattr(lib, entry)
@@ -412,6 +453,8 @@ def hostcp(lib, monkeypatch):
         return launch
 
     fake = _fake_cupy()
+    monkeypatch.setenv(Q.MOE_KC_ENV, str(Q.KC))  # the host build's chunk (Q2_0 jobs default to 256 on the device)
+    monkeypatch.delenv(Q.KC_ENV, raising=False)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(Q, "_fn", fn)
     monkeypatch.setattr(K, "_device_limits", lambda: (132, 228 * 1024))
@@ -547,7 +590,7 @@ def test_device_build_has_no_spills(tmp_path):
             continue
         if base == "qmm_dense":
             sig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, "
-                   "int, int")
+                   "int, int, float*, int*")
         elif base == "qmm_wsplit":
             sig = "const u8*, const u16*, long long, int, int, u16*, u16*, int*"
         elif base == "qmm_moe_gu":

@@ -674,79 +674,29 @@ class BatchDecoder(ChunkPrefill):
         """The MoE of the places' tokens: on CuPy :meth:`_moe_gpu` (the routing stays on the device and is read back
         once per step: (y, None, None)); on numpy the prefill's."""
         if self.gpu:
-            return self._moe_gpu(il, x), None, None
+            T = int(x.shape[0])
+            return self._moe_gpu(il, x, self._ids_dev[il, :T], self._w_all[il, :T]), None, None
         return super()._moe(il, x)
 
-    def _moe_gpu(self, il: int, x: Any) -> Any:
-        """Router for T tokens (``pf_route``, on the device), routed experts through the job kernels with blob
-        addresses from the tier's slot table, the shared expert by SGEMM (on a second stream beside the routed
-        experts: :data:`stratatools.runtime.gpu.decode.SHARED_SIDE_ENV`); ids/weights kept on the device."""
-        from stratatools.runtime.gpu.prefill import ROUTE_THREADS
-
-        cp, cfg, k = self.cp, self.cfg, self.k
-        p = f"blk.{il}."
-        T, n = x.shape
-        x = cp.ascontiguousarray(x, dtype=cp.float32)
-        logits = self._mm(x, p + "ffn_gate_inp.weight")  # [T, E]
-        E = int(logits.shape[1])
-        if k > E:
-            raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
-        ids = self._ids_dev[il, :T]
-        w = self._w_all[il, :T]
-        self.k_route((min(T, 65535),), (ROUTE_THREADS,),
-                     (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
-                      np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
-                      np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
-        # the shared expert beside the routed ones (not while the breakdown is timed: its stream would not be
-        # synchronised by the timer)
-        side = self._shared_side if self.timing is None else None
-        if side is not None:
-            # its gate and the split of x that both branches' tensor-core GEMMs read are made here first, so the
-            # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
-            sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-            if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
-                self._split(x)  # (a split not kept for x would be made by each GEMM that reads it, on its stream)
-            main = cp.cuda.get_current_stream()
-            fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
-            fork.record(main)
-            side.wait_event(fork)
-            try:
-                with side:
-                    ys = self._shared_ffn(il, x, sg)
-            finally:
-                join.record(side)
-        try:
-            y = self._routed_gpu(il, x, ids, w, T, n)
-        finally:
-            if side is not None:
-                main.wait_event(join)
-        self._tic("shared")
-        if side is not None:
-            return (y + ys).astype(cp.float32, copy=False)
-        sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-        return (y + self._shared_ffn(il, x, sg)).astype(cp.float32, copy=False)
-
     def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
-        """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] (ids / w: their routing on the device)."""
+        """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] (ids / w: their routing on the device):
+        the prefill's tensor-core jobs where the layer has them, else the batch-1 decoder's expert kernels."""
         from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
 
         cp, k = self.cp, self.k
-        self._tic("experts")
         ly = self.rt.tier.arena.layers[il]
         if self.experts == "mma" and self._mma_experts_ok(il):
             # STRATATOOLS_BATCH_GEMM=mma / hgemm: the prefill's tensor-core jobs (an expert, its tokens), the job table
             # built on the device from the routing (nothing read back)
-            ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
-            y = cp.sum(ya.reshape(T, k, n) * w.reshape(T, k, 1), axis=1)
-        else:
-            base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
-            gb = np.uint64(ly.gate_bytes)
-            tok, tstart = self._jobs_layout(T)
-            jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
-                              per_token=k)
-            y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
-                           kernels=self._kernels_routed, int8=self._moe_int8)
-        return y
+            return super()._routed_gpu(il, x, ids, w, T, n)
+        self._tic("experts")
+        base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
+        gb = np.uint64(ly.gate_bytes)
+        tok, tstart = self._jobs_layout(T)
+        jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
+                          per_token=k)
+        return expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
+                          kernels=self._kernels_routed, int8=self._moe_int8)
 
 
 @dataclass

@@ -1898,8 +1898,8 @@ class StaticDecoder:
         return self._out_event if self.gpu else None
 
     def prefiller(self, chunk: int | None = None, group: int | None = None, experts: str = "rows") -> Any:
-        """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options and the
-        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM`` (made once and kept while they stay the same; its kernels are
+        """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options, the
+        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM`` and the shared expert's stream (:data:`SHARED_SIDE_ENV`) (made once and kept while they stay the same; its kernels are
         compiled as it is made and by its ``compile()``)."""
         from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
         from stratatools.runtime.gpu.qmm import prefill_gemm
@@ -1907,7 +1907,9 @@ class StaticDecoder:
         c, g = int(chunk or CHUNK), int(group or GROUP)
         pf = getattr(self, "_prefiller", None)
         gemm = prefill_gemm() if self.gpu else "sgemm"  # (a CPU decoder ignores the GPU switch: ChunkPrefill)
-        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm) != (c, g, experts, gemm):
+        side = bool(self.gpu and shared_side() and gemm != "hgemm")  # the shared expert's stream (SHARED_SIDE_ENV)
+        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm, pf._shared_side is not None) != (
+                c, g, experts, gemm, side):
             pf = self._prefiller = ChunkPrefill(self, c, g, experts)
         return pf
 

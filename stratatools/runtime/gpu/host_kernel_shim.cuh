@@ -30,6 +30,9 @@ static inline int __reduce_min_sync(unsigned, int v) { return v; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() {}
+// Round-to-nearest products and sums that the device compiler may not fuse (the host build does not contract).
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
 // CUDA's byte permute: byte i of the result is byte (s >> 4i) & 7 of the 8 bytes {x, y} (x the low four).
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {

@@ -99,6 +99,24 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     }
 }
 
+// ---- the routed experts' outputs of a token, weighted -----------------------------------------------------------
+// y[t, c] = w[t, 0] ya[t k, c] + w[t, 1] ya[t k + 1, c] + ... (k terms, summed in rank order from 0, every product
+// rounded before its sum: no multiply-add fusion, as the array code's multiply then sum). ya: [T k, n] (each pair's
+// unweighted output row), w: [T, k], y: [T, n]. Grid stride over the T n outputs (one pass over ya; the array code's
+// product and sum over the rank axis took two, the sum strided).
+extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float* __restrict__ w, int T, int k, int n,
+                                      float* __restrict__ y) {
+    const long long total = (long long)T * n;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / n;
+        const long long c = i - t * n;
+        float acc = 0.0f;
+        for (int r = 0; r < k; ++r) acc = __fadd_rn(acc, __fmul_rn(w[t * k + r], ya[(t * k + r) * n + c]));
+        y[i] = acc;
+    }
+}
+
 // ---- gated DeltaNet recurrence over a chunk of T tokens ----------------------------------------------------------
 // q, kk: [T, nk, dk] (L2-normalised; q scaled by dk^-1/2); v: [T, ldv] with value head j at v + j dv; beta, decay:
 // [T, nv]. Value head j = blockIdx.x uses key group j % nk. Block (j, b) owns columns [b cw, (b+1) cw) of head j
@@ -109,8 +127,14 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 // and stored into the other half of double-buffered shared arrays after it (up to PF_GDN_PER values a thread; any
 // further ones are read then), so the token loop does not wait on global memory.
 // Shared (gdn_chunk_shared in prefill.py): (dk cw + 4 dk + (rs + 3) cw + 4) floats, rs = max(1, blockDim / cw).
+// Where each thread has at most one (row slice, column) pair and its ceil(dk / rs) state values fit PF_GDN_REG (the
+// device's launches: rs cw <= blockDim), the thread keeps them in registers for the whole chunk instead (the shared
+// state slice is then unused): the per-token passes read q / k from shared memory only.
 #ifndef PF_GDN_PER
 #define PF_GDN_PER 4
+#endif
+#ifndef PF_GDN_REG
+#define PF_GDN_REG 32
 #endif
 extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float* __restrict__ kk,
                                         const float* __restrict__ v, int ldv, const float* __restrict__ beta,
@@ -130,10 +154,21 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
     float* part = dl + cw;         // [rs, cw]
     float* sc = part + rs * cw;    // [2, 2]: decay, beta
     float* Sj = S + (long long)j * dk * dv;
-    for (int idx = tid; idx < dk * nc; idx += nt) {
-        int r = idx / nc, cl = idx - r * nc;
-        Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
+    // the register path (uniform over the block): thread tid < rs nc owns row slice rs_s = tid / nc, column rc
+    const bool reg = rs * nc <= nt && (dk + rs - 1) / rs <= PF_GDN_REG;
+    const bool own = reg && tid < rs * nc;
+    const int rs_s = own ? tid / nc : 0, rc = own ? tid - rs_s * nc : 0;
+    float st[PF_GDN_REG];
+    #pragma unroll
+    for (int m = 0; m < PF_GDN_REG; ++m) {
+        const int r = rs_s + m * rs;
+        st[m] = own && r < dk ? Sj[(long long)r * dv + c0 + rc] : 0.0f;
     }
+    if (!reg)
+        for (int idx = tid; idx < dk * nc; idx += nt) {
+            int r = idx / nc, cl = idx - r * nc;
+            Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
+        }
     // token 0's inputs into half 0
     for (int r = tid; r < dk; r += nt) { qs[r] = q[(long long)g * dk + r]; ks[r] = kk[(long long)g * dk + r]; }
     for (int cl = tid; cl < nc; cl += nt) vs[cl] = v[(long long)j * dv + c0 + cl];
@@ -160,12 +195,22 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
         const float* kb = ks + h * dk;
         const float* vb = vs + h * cw;
         const float dec = sc[2 * h], bj = sc[2 * h + 1];
-        for (int idx = tid; idx < rs * nc; idx += nt) {
-            int cl = idx % nc, s = idx / nc;
+        if (own) {
             float acc = 0.0f;
-            for (int r = s; r < dk; r += rs) acc += kb[r] * (Ss[r * cw + cl] * dec);
-            part[s * cw + cl] = acc;
+            #pragma unroll
+            for (int m = 0; m < PF_GDN_REG; ++m) {
+                const int r = rs_s + m * rs;
+                if (r < dk) acc += kb[r] * (st[m] * dec);
+            }
+            part[rs_s * cw + rc] = acc;
         }
+        if (!reg)
+            for (int idx = tid; idx < rs * nc; idx += nt) {
+                int cl = idx % nc, s = idx / nc;
+                float acc = 0.0f;
+                for (int r = s; r < dk; r += rs) acc += kb[r] * (Ss[r * cw + cl] * dec);
+                part[s * cw + cl] = acc;
+            }
         __syncthreads();
         for (int cl = tid; cl < nc; cl += nt) {
             float kv = 0.0f;
@@ -173,16 +218,31 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
             dl[cl] = (vb[cl] - kv) * bj;
         }
         __syncthreads();
-        for (int idx = tid; idx < rs * nc; idx += nt) {
-            int cl = idx % nc, s = idx / nc;
-            float d = dl[cl], acc = 0.0f;
-            for (int r = s; r < dk; r += rs) {
-                float sn = Ss[r * cw + cl] * dec + kb[r] * d;
-                Ss[r * cw + cl] = sn;
-                acc += qb[r] * sn;
+        if (own) {
+            const float d = dl[rc];
+            float acc = 0.0f;
+            #pragma unroll
+            for (int m = 0; m < PF_GDN_REG; ++m) {
+                const int r = rs_s + m * rs;
+                if (r < dk) {
+                    const float sn = st[m] * dec + kb[r] * d;
+                    st[m] = sn;
+                    acc += qb[r] * sn;
+                }
             }
-            part[s * cw + cl] = acc;
+            part[rs_s * cw + rc] = acc;
         }
+        if (!reg)
+            for (int idx = tid; idx < rs * nc; idx += nt) {
+                int cl = idx % nc, s = idx / nc;
+                float d = dl[cl], acc = 0.0f;
+                for (int r = s; r < dk; r += rs) {
+                    float sn = Ss[r * cw + cl] * dec + kb[r] * d;
+                    Ss[r * cw + cl] = sn;
+                    acc += qb[r] * sn;
+                }
+                part[s * cw + cl] = acc;
+            }
         __syncthreads();
         float* ot = out + (long long)t * nv * dv + (long long)j * dv + c0;
         for (int cl = tid; cl < nc; cl += nt) {
@@ -203,10 +263,18 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
         }
         __syncthreads();
     }
-    for (int idx = tid; idx < dk * nc; idx += nt) {
-        int r = idx / nc, cl = idx - r * nc;
-        Sj[(long long)r * dv + c0 + cl] = Ss[r * cw + cl];
+    if (own) {
+        #pragma unroll
+        for (int m = 0; m < PF_GDN_REG; ++m) {
+            const int r = rs_s + m * rs;
+            if (r < dk) Sj[(long long)r * dv + c0 + rc] = st[m];
+        }
     }
+    if (!reg)
+        for (int idx = tid; idx < dk * nc; idx += nt) {
+            int r = idx / nc, cl = idx - r * nc;
+            Sj[(long long)r * dv + c0 + cl] = Ss[r * cw + cl];
+        }
 }
 
 // ---- dequantize blobs through a pointer table ----------------------------------------------------------------------

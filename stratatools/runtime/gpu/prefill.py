@@ -109,6 +109,23 @@ GDN_PREP_ENV = "STRATATOOLS_GDN_PREP"
 GDN_PREP_THREADS = 256
 
 
+#: State values of one (row slice, column) pair ``pf_gdn_chunk`` keeps in a thread's registers (prefill.cu PF_GDN_REG).
+GDN_REG = 32
+
+
+def gdn_chunk_threads(dk: int, cw: int) -> tuple[int, int]:
+    """Threads of a ``pf_gdn_chunk`` block for keys of ``dk`` and ``cw`` value columns a block, and its row slices
+    rs = threads // cw: 256 (128 below 32 columns), more (up to 1,024) where ceil(dk / rs) would not fit
+    :data:`GDN_REG` registers, so that the kernel keeps its state in registers (its faster path: the 48 x 256 model's
+    512-token chunk took 1.1 ms a layer with the state in shared memory)."""
+    threads = 256 if cw >= 32 else 128
+    rs = max(1, threads // cw)
+    if -(-dk // rs) > GDN_REG:
+        threads = min(1024, 32 * -(-(cw * -(-dk // GDN_REG)) // 32))
+        rs = max(1, threads // cw)
+    return threads, rs
+
+
 def gdn_chunk_shared(dk: int, cw: int, rs: int) -> int:
     """Dynamic shared bytes of ``pf_gdn_chunk`` (prefill.cu) for keys of ``dk``, ``cw`` value columns a block and ``rs``
     row slices: the state slice [dk, cw], double-buffered q and k [2, dk] each and v columns [2, cw], the delta
@@ -307,6 +324,19 @@ class ChunkPrefill:
             mod = _module(False, self._tids[False])
             self.k_route = mod.get_function("pf_route")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
+            self.k_moe_sum = mod.get_function("pf_moe_sum")
+            from stratatools.runtime.gpu.decode import shared_side
+
+            # the shared expert on a second stream beside the routed experts (decode.SHARED_SIDE_ENV); not with
+            # hgemm, whose fp16 cuBLAS GEMMs would share one cuBLAS handle (and its workspace) across the streams
+            self._shared_side = (cp.cuda.Stream(non_blocking=True)
+                                 if shared_side() and self.gemm != "hgemm" else None)
+        #: (ids [L, T, k] int32, weights [L, T, k] float32) on the device while a chunk runs on CuPy: the layers whose
+        #: MoE routes on the device (:meth:`_moe_on_device`, listed in ``_dev_layers``) leave their routing there,
+        #: read back once at the chunk's end
+        self._dev_route: tuple[Any, Any] | None = None
+
+        self._dev_layers: list[int] = []
 
     # -- public -----------------------------------------------------------------------------------------
     def compile(self) -> None:
@@ -526,7 +556,18 @@ class ChunkPrefill:
         ple_rows = self._ple_rows(toks) if cfg.ple_layers else {}
         ids_out = np.zeros((T, L, k), dtype=np.int32)
         w_out = np.zeros((T, L, k), dtype=np.float32)
-        H = self._layers(H, ple_rows, ids_out, w_out, pos0, cos, sin)
+        if self.gpu:
+            cp = self.cp
+            self._dev_route = (cp.empty((L, T, k), dtype=cp.int32), cp.empty((L, T, k), dtype=cp.float32))
+            self._dev_layers = []
+        try:
+            H = self._layers(H, ple_rows, ids_out, w_out, pos0, cos, sin)
+            if self._dev_layers:  # the routing the device kept: one copy back for the chunk
+                lay = self._dev_layers
+                ids_out[:, lay] = np.transpose(self.cp.asnumpy(self._dev_route[0][lay]), (1, 0, 2))
+                w_out[:, lay] = np.transpose(self.cp.asnumpy(self._dev_route[1][lay]), (1, 0, 2))
+        finally:
+            self._dev_route, self._dev_layers = None, []
         dec.pos = pos0 + T
         lg = None
         if last:
@@ -763,8 +804,7 @@ class ChunkPrefill:
             out = cp.empty((T, nv * dv), dtype=cp.float32)
             ncb = max(1, min(dv, -(-128 // max(nv, 1))))  # about one block per SM in all
             cw = -(-dv // ncb)
-            threads = 256 if cw >= 32 else 128
-            rs = max(1, threads // cw)
+            threads, rs = gdn_chunk_threads(dk, cw)
             shm = gdn_chunk_shared(dk, cw, rs)
             if shm > 96 * 1024:
                 raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the prefill kernel's shared memory")
@@ -902,10 +942,25 @@ class ChunkPrefill:
         self._w_dev = w
         return ids.astype(np.int32), w
 
-    def _moe(self, il: int, x: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+    def _moe_on_device(self, il: int, T: int) -> bool:
+        """Does layer ``il``'s MoE of T tokens run with its routing left on the device (CuPy, a chunk's routing
+        buffers set, the tensor-core expert jobs, a job table :func:`stratatools.runtime.gpu.qmm.device_jobs_ok`
+        builds)?"""
+        from stratatools.runtime.gpu import qmm
+
+        return bool(self.gpu and self._dev_route is not None and self.experts == "mma" and self._mma_experts_ok(il)
+                    and qmm.device_jobs_ok(T * self.k, self.rt.tier.arena.layers[il].n_expert))
+
+    def _moe(self, il: int, x: Any) -> tuple[Any, np.ndarray | None, np.ndarray | None]:
+        """Layer ``il``'s MoE of the rows x [T, n]: (y [T, n], routing ids [T, k], weights [T, k]); the routing is
+        None where it stays on the device (:meth:`_moe_on_device`: the chunk reads it back at its end)."""
         xp, k = self.xp, self.k
         p = f"blk.{il}."
         T, n = x.shape
+        if self._moe_on_device(il, int(T)):
+            y = self._moe_gpu(il, x, self._dev_route[0][il], self._dev_route[1][il])
+            self._dev_layers.append(il)
+            return y, None, None
         x = xp.ascontiguousarray(x, dtype=xp.float32)
         ids, w = self._route(il, x)
         self._tic("experts")
@@ -917,6 +972,72 @@ class ChunkPrefill:
         sg = _sigmoid(xp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         y = y + self._shared_ffn(il, x, sg)
         return y.astype(xp.float32, copy=False), ids, w
+
+    def _moe_gpu(self, il: int, x: Any, ids: Any, w: Any) -> Any:
+        """Layer ``il``'s MoE of the rows x [T, n] on CuPy with its routing left on the device: the router for T
+        tokens (``pf_route``) into ``ids`` int32 [T, k] / ``w`` float32 [T, k] (device views the caller reads later),
+        the routed experts (:meth:`_routed_gpu`: blob addresses from the decoder's slot table) and the shared expert,
+        on a second stream beside the routed experts where ``_shared_side`` is set
+        (:data:`stratatools.runtime.gpu.decode.SHARED_SIDE_ENV`). Returns y [T, n] float32. Raises StrataError when
+        k exceeds the layer's experts."""
+        cp, cfg, k = self.cp, self.cfg, self.k
+        p = f"blk.{il}."
+        T, n = x.shape
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        logits = self._mm(x, p + "ffn_gate_inp.weight")  # [T, E]
+        E = int(logits.shape[1])
+        if k > E:
+            raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
+        self.k_route((min(T, 65535),), (ROUTE_THREADS,),
+                     (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
+                      np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
+                      np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
+        # the shared expert beside the routed ones (not while the breakdown is timed: its stream would not be
+        # synchronised by the timer)
+        side = self._shared_side if self.timing is None else None
+        if side is not None:
+            # its gate and the split of x that both branches' tensor-core GEMMs read are made here first, so the
+            # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
+            sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+            if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
+                self._split(x)  # (a split not kept for x would be made by each GEMM that reads it, on its stream)
+            main = cp.cuda.get_current_stream()
+            fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+            fork.record(main)
+            side.wait_event(fork)
+            try:
+                with side:
+                    ys = self._shared_ffn(il, x, sg)
+            finally:
+                join.record(side)
+        try:
+            y = self._routed_gpu(il, x, ids, w, int(T), int(n))
+        finally:
+            if side is not None:
+                main.wait_event(join)
+        self._tic("shared")
+        if side is not None:
+            return (y + ys).astype(cp.float32, copy=False)
+        sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+        return (y + self._shared_ffn(il, x, sg)).astype(cp.float32, copy=False)
+
+    def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
+        """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] with their routing ids / w [T, k] on the
+        device: the tensor-core jobs, their table built there (:meth:`_experts_mma_dev`), the k outputs of a token
+        summed with its weights in rank order. Returns [T, n] float32."""
+        self._tic("experts")
+        ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
+        return self._moe_sum(ya, w, T, n)
+
+    def _moe_sum(self, ya: Any, w: Any, T: int, n: int) -> Any:
+        """The routed outputs ya [T k, n] of T tokens weighted by their router weights w [T, k] and summed in rank
+        order (``pf_moe_sum``, CuPy): [T, n] float32."""
+        cp = self.cp
+        y = cp.empty((T, n), dtype=cp.float32)
+        self.k_moe_sum((max(1, min(-(-T * n // 256), 8192)),), (256,),
+                       (cp.ascontiguousarray(ya, dtype=cp.float32), cp.ascontiguousarray(w, dtype=cp.float32),
+                        np.int32(T), np.int32(self.k), np.int32(n), y))
+        return y
 
     def _shared_ffn(self, il: int, x: Any, sg: Any) -> Any:
         """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x)."""
@@ -940,6 +1061,10 @@ class ChunkPrefill:
 
     #: set by the batched decoder while it runs (or captures) its graph step: GEMMs through a capturable cuBLAS call
     _in_static = False
+    #: the shared expert's stream beside the routed experts (CuPy, :meth:`_moe_gpu`); None: after them
+    _shared_side: Any = None
+    _dev_route: tuple[Any, Any] | None = None
+    _dev_layers: list[int] = []
     #: [X, its split or None] while :meth:`_shared_split` is open for X
     _xs_memo: list[Any] | None = None
 
@@ -985,8 +1110,6 @@ class ChunkPrefill:
         the same jobs with float32 matrices."""
         if not self.gpu:
             return self._experts_rows(il, x, ids, JOB_TOKENS_MMA)
-        from stratatools.runtime.gpu import qmm
-
         cp = self.cp
         if not self._mma_experts_ok(il):
             return self._experts_rows(il, x, ids)

@@ -310,27 +310,80 @@ extern "C" __global__ void qmm_split(const float* __restrict__ X, long long ldx,
     }
 }
 
+// Y[t, r] = P[0, t, r] + P[1, t, r] + ... + P[nz - 1, t, r] (float32, in that order) for the tile's rows
+// [r0, r0 + nr) and tokens [t0, t0 + nt); P [nz, T, R] (read through L2: other blocks wrote it), Y [T, ldy]. Each
+// thread sums up to 4 runs of 4 values (float4 loads where R is a multiple of 4), the slice loop unrolled so that
+// the loads of several slices are in flight together (one value at a time, the last block of a tile with 6 slices
+// took about 10 us).
+__device__ __forceinline__ void qmm_add_slices(const float* __restrict__ P, float* __restrict__ Y, long long ldy,
+                                               int T, int R, int nz, int r0, int nr, int t0, int nt) {
+    const long long zs = (long long)T * R;
+    if ((R & 3) == 0 && (nr & 3) == 0) {
+        const int n4 = nr >> 2, ng = n4 * nt;
+        for (int g0 = threadIdx.x; g0 < ng; g0 += 4 * blockDim.x) {
+            float4 a[4];
+            long long o[4];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int g = min(g0 + j * (int)blockDim.x, ng - 1), tt = g / n4;
+                o[j] = (long long)(t0 + tt) * R + r0 + 4 * (g - tt * n4);
+                a[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            #pragma unroll 4
+            for (int zz = 0; zz < nz; ++zz) {
+                float4 v[4];
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) v[j] = __ldcg(reinterpret_cast<const float4*>(P + zz * zs + o[j]));
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    a[j].x += v[j].x; a[j].y += v[j].y; a[j].z += v[j].z; a[j].w += v[j].w;
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int g = g0 + j * (int)blockDim.x;
+                if (g >= ng) break;
+                const int tt = g / n4, rr = 4 * (g - tt * n4);
+                float* y = Y + (long long)(t0 + tt) * ldy + r0 + rr;
+                y[0] = a[j].x; y[1] = a[j].y; y[2] = a[j].z; y[3] = a[j].w;
+            }
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < nr * nt; i += blockDim.x) {
+        const int tt = i / nr, rr = i - tt * nr;
+        const long long o = (long long)(t0 + tt) * R + r0 + rr;
+        float v = 0.0f;
+        for (int zz = 0; zz < nz; ++zz) v += __ldcg(P + zz * zs + o);
+        Y[(long long)(t0 + tt) * ldy + r0 + rr] = v;
+    }
+}
+
 // ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------
 // W: layout F (w: codes or blocks; wd: Q8R scales, F = 0 only; rb: bytes a row); X given as qmm_split's hi / lo [T, K]
 // and sc [T]; Y [T, ldy] float32 (columns 0 .. R-1 written). K a multiple of the block (32, Q2_0 64).
-// Split of k over nz slices (few tokens: more blocks than the rows give): slice z sums chunks [z p, (z + 1) p) of
-// QMM_KC values, p = ceil(chunks / nz), into its own Y + z T ldy (the caller adds the nz partial results; nz = 1:
-// Y itself, the whole sum).
+// Split of k over nz slices (more blocks than the rows and token tiles give): slice z sums chunks [z p, (z + 1) p) of
+// QMM_KC values, p = ceil(chunks / nz), into its own partial result P + z T R ([nz, T, R] float32); the last of a
+// tile's nz slices to finish (counted in cnt[tile], tile = blockIdx.x + gridDim.x (blockIdx.y / nz), which it sets
+// back to 0) adds the slices in the order z = 0 .. nz - 1 into Y, so the result does not depend on which slice
+// finished last. nz = 1: Y directly (P and cnt unused).
 // Grid: (ceil(R / (16 nw)), ceil(T / (8 NT)) nz), blockIdx.y = token tile nz + slice; nw = blockDim / 32 warps (host
 // build: 1). Dynamic shared memory: QmmSmem<F, NT>::bytes.
 template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
-        int R, int K, int nz) {
+        int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
     QMM_DYN_SHARED(xs);
     __shared__ int tokrow[8 * NT];
+    __shared__ int last;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
-    const int z = (int)blockIdx.y % nz;
-    const int t0 = ((int)blockIdx.y / nz) * 8 * NT;
+    const int z = (int)blockIdx.y % nz, tile = (int)blockIdx.y / nz;
+    const int t0 = tile * 8 * NT;
     const int nch = qmm_chunks<F>(K), per = (nch + nz - 1) / nz;
     const int c0 = min(nch, z * per), c1 = min(nch, c0 + per);
-    Y += (long long)z * T * ldy;
+    float* dst = nz == 1 ? Y : P + (long long)z * T * R;
+    const long long ldd = nz == 1 ? ldy : (long long)R;
     for (int s = threadIdx.x; s < 8 * NT; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
     __syncthreads();
     const int r0 = (blockIdx.x * nw + warp) * 16;
@@ -340,8 +393,21 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
     qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc, c0, c1);
     qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
         const int t = tokrow[s];
-        if (row < R && t >= 0) Y[(long long)t * ldy + row] = acc[0][n].x[l][i] * xsc[t];
+        if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[0][n].x[l][i] * xsc[t];
     });
+    if (nz == 1) return;
+    __threadfence();  // this slice's partial sums are visible before it counts
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int c = (int)blockIdx.x + (int)gridDim.x * tile;
+        last = atomicAdd(cnt + c, 1) == nz - 1;
+        if (last) cnt[c] = 0;  // every slice has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    qmm_add_slices(P, Y, ldy, T, R, nz, (int)blockIdx.x * nw * 16, min(nw * 16, R - (int)blockIdx.x * nw * 16), t0,
+                   min(8 * NT, T - t0));
 }
 
 // ---- routed experts: jobs of one expert and up to QMM_JOB tokens (prefill.py expert_jobs) ---------------------------
@@ -459,50 +525,86 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
     if (inf) *flag = 1;
 }
 
-// ---- the job table on the device (the batched decode step: its routing is not read back) -----------------------------
+// ---- the job table on the device (the batched decode step and the prefill: the routing is not read back) -----------
 // ids [N]: the expert of pair i = t k + r (0 <= id < E); ptr_row [E]: the layer's blob addresses (the decoder's slot
 // table row). Writes the jobs of prefill.py expert_jobs (experts in increasing id, each expert's pairs in increasing
 // pair index, QMM_JOB slots a job): job_ptr [jmax], job_tok / job_dst [jmax QMM_JOB] (token t and pair i of each slot,
 // -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the job
-// kernels return at once on them). jmax >= ceil(N / QMM_JOB) + min(E, N) holds every routing. One block (grid 1 x 1);
-// dynamic shared memory: 2 E ints. Thread e walks the pairs in order for experts e, e + nt, ... (deterministic).
+// kernels return at once on them). jmax >= ceil(N / QMM_JOB) + min(E, N) holds every routing. One block (grid 1 x 1),
+// any block size nt <= qmm.py JOBS_THREADS (the host build: one thread). Dynamic shared memory (qmm.py jobs_shared):
+// 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
+// The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
+// M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
+// expert's first position, and the table comes out the same for any block size (no atomics decide an order).
 extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row,
                                     int jmax, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
                                     int* __restrict__ job_dst) {
     int* cnt = reinterpret_cast<int*>(QMM_SMEM_BASE);
-    int* js = cnt + E;
+    int* js = cnt + E;       // first job of expert e
+    int* first = js + E;     // first sorted position of expert e's pairs
+    int* jused = first + E;  // jobs the routing fills
     const int tid = threadIdx.x, nt = blockDim.x;
-    for (int e = tid; e < E; e += nt) {
-        int c = 0;
-        for (int i = 0; i < N; ++i) c += ids[i] == e;
-        cnt[e] = c;
-    }
+    int* tj = jused + 1;     // [nt] the threads' job sums, then their inclusive scan
+    int* tp = tj + nt;       // [nt] the same of pairs
+    u32* key = reinterpret_cast<u32*>(tp + nt);
+    int M = 1, lm = 0;
+    while (M < N) { M <<= 1; ++lm; }
+    for (int e = tid; e < E; e += nt) cnt[e] = 0;
+    for (int i = tid; i < M; i += nt) key[i] = i < N ? (u32)ids[i] * (u32)N + (u32)i : 0xffffffffu;
     __syncthreads();
-    if (tid == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; ++e) {
-            js[e] = acc;
-            acc += (cnt[e] + QMM_JOB - 1) / QMM_JOB;
+    for (int i = tid; i < N; i += nt) atomicAdd(&cnt[ids[i]], 1);
+    __syncthreads();
+    // exclusive prefix sums of the experts' jobs and pairs: thread t sums its run of experts [t seg, (t + 1) seg),
+    // the runs' sums are scanned across the threads (Hillis-Steele), then each thread writes its experts' prefixes
+    const int seg = (E + nt - 1) / nt, e0 = min(E, tid * seg), e1 = min(E, e0 + seg);
+    int sj = 0, sp = 0;
+    for (int e = e0; e < e1; ++e) { sj += (cnt[e] + QMM_JOB - 1) / QMM_JOB; sp += cnt[e]; }
+    tj[tid] = sj;
+    tp[tid] = sp;
+    __syncthreads();
+    for (int off = 1; off < nt; off <<= 1) {
+        const int aj = tid >= off ? tj[tid - off] : 0, ap = tid >= off ? tp[tid - off] : 0;
+        __syncthreads();
+        tj[tid] += aj;
+        tp[tid] += ap;
+        __syncthreads();
+    }
+    int bj = tj[tid] - sj, bp = tp[tid] - sp;
+    for (int e = e0; e < e1; ++e) {
+        js[e] = bj;
+        first[e] = bp;
+        bj += (cnt[e] + QMM_JOB - 1) / QMM_JOB;
+        bp += cnt[e];
+    }
+    if (tid == nt - 1) *jused = tj[tid];
+    // bitonic sort of the keys (M a power of two; stride too: shifts and masks, no division)
+    for (int ls = 1; ls <= lm; ++ls)
+        for (int lt = ls - 1; lt >= 0; --lt) {
+            __syncthreads();
+            const int stride = 1 << lt;
+            for (int t = tid; t < M / 2; t += nt) {
+                const int lo = ((t >> lt) << (lt + 1)) | (t & (stride - 1)), hi = lo + stride;
+                const u32 a = key[lo], b = key[hi];
+                if ((a > b) == (((lo >> ls) & 1) == 0)) { key[lo] = b; key[hi] = a; }
+            }
         }
-    }
     __syncthreads();
+    for (int p = tid; p < N; p += nt) {
+        const u32 kv = key[p];
+        const int e = (int)(kv / (u32)N), i = (int)(kv - (u32)e * (u32)N);
+        const int slot = js[e] * QMM_JOB + (p - first[e]);
+        job_tok[slot] = i / k;
+        job_dst[slot] = i;
+    }
     for (int e = tid; e < E; e += nt) {
         const int n = cnt[e];
         if (n == 0) continue;
         const int j0 = js[e], nj = (n + QMM_JOB - 1) / QMM_JOB;
         for (int j = j0; j < j0 + nj; ++j) job_ptr[j] = ptr_row[e];
-        int r = 0;
-        for (int i = 0; i < N; ++i)
-            if (ids[i] == e) {
-                job_tok[j0 * QMM_JOB + r] = i / k;
-                job_dst[j0 * QMM_JOB + r] = i;
-                ++r;
-            }
-        for (; r < nj * QMM_JOB; ++r) job_tok[j0 * QMM_JOB + r] = job_dst[j0 * QMM_JOB + r] = -1;
+        for (int r = n; r < nj * QMM_JOB; ++r) job_tok[j0 * QMM_JOB + r] = job_dst[j0 * QMM_JOB + r] = -1;
     }
-    const int jused = js[E - 1] + (cnt[E - 1] + QMM_JOB - 1) / QMM_JOB;
-    for (int j = jused + tid; j < jmax; j += nt) {
-        job_ptr[j] = ptr_row[0];
-        for (int s = 0; s < QMM_JOB; ++s) job_tok[j * QMM_JOB + s] = job_dst[j * QMM_JOB + s] = -1;
-    }
+    const int ju = *jused;
+    for (int j = ju + tid; j < jmax; j += nt) job_ptr[j] = ptr_row[0];
+    for (long long s = (long long)ju * QMM_JOB + tid; s < (long long)jmax * QMM_JOB; s += nt)
+        job_tok[s] = job_dst[s] = -1;
 }

@@ -49,6 +49,11 @@ JOB_TOKENS = 16
 SPLIT_THREADS = 256
 #: qmm.cu QMM_KC: values of k a chunk of staged activations holds.
 KC = 128
+#: Environment knobs of the chunk of k (values; 64, 128 or 256) the dense kernels and the expert job kernels stage at a
+#: time (``qmm.cu`` QMM_KC; each family from a module built with its own): a larger chunk keeps more weight bytes in
+#: flight a lane, a smaller one more blocks a SM (shared memory). Default :data:`KC` for both.
+KC_ENV, MOE_KC_ENV = "STRATATOOLS_QMM_KC", "STRATATOOLS_QMM_MOE_KC"
+KCS = (64, 128, 256)
 #: Environment switch of the prefill's dense GEMMs.
 GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 #: Environment switch of the batched decode step's dense GEMMs (and, with ``mma``, its routed-expert jobs).
@@ -91,17 +96,37 @@ def kernel_names() -> list[str]:
     return names
 
 
-@functools.lru_cache(maxsize=1)
-def module() -> Any:
-    """Compile (once) the qmm kernels with multiply-add fusion allowed (``cupy.RawModule``; needs sm_80 or newer for
-    ``mma.m16n8k16`` with f32 accumulation)."""
+#: The expert job kernels' default chunk per layout id: Q2_0 256 (its job kernels keep more weight bytes in flight:
+#: the 48 x 256 model's gate/up jobs took 33.5 against 37.0 ms a 512-token prefill, 9.5 against 12.3 ms a 32-sequence
+#: step, H200, bench/gpu-notes.md), else :data:`KC` (Q8_0's gate/up kernel would spill at 256).
+MOE_KC_DEFAULT: dict[int, int] = {42: 256}
+
+
+def chunk_values(moe: bool = False, layout: Any = None) -> int:
+    """The chunk of k (values) of the dense kernels, or with ``moe`` of the expert job kernels of ``layout`` (name or
+    id): :data:`KC_ENV` / :data:`MOE_KC_ENV`, default :data:`KC` (experts: :data:`MOE_KC_DEFAULT`). Raises
+    StrataError for a value not in :data:`KCS`."""
+    env = MOE_KC_ENV if moe else KC_ENV
+    v = os.environ.get(env, "").strip()
+    if not v:
+        return MOE_KC_DEFAULT.get(_layout_id(layout), KC) if moe and layout is not None else KC
+    if not (v.isascii() and v.isdigit()) or int(v) not in KCS:
+        raise StrataError(f"{env}={v!r}: use one of {', '.join(map(str, KCS))}")
+    return int(v)
+
+
+@functools.lru_cache(maxsize=None)
+def module(kc: int = KC) -> Any:
+    """Compile (once per chunk size ``kc``, :func:`chunk_values`) the qmm kernels with multiply-add fusion allowed
+    (``cupy.RawModule``; needs sm_80 or newer for ``mma.m16n8k16`` with f32 accumulation)."""
     import cupy
 
-    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=kernel_names())
+    opts = ("--std=c++17",) + (() if kc == KC else (f"-DQMM_KC={int(kc)}",))
+    return cupy.RawModule(code=device_source(), options=opts, name_expressions=kernel_names())
 
 
-def _fn(name: str) -> Any:
-    return module().get_function(name)
+def _fn(name: str, kc: int = KC) -> Any:
+    return module(kc).get_function(name)
 
 
 #: ``qmm_wsplit``'s parameters (declaration, call).
@@ -116,7 +141,8 @@ def host_source() -> str:
     wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
     D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
-             "long long ldy, int T, int R, int K, int nz", "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K, nz")
+             "long long ldy, int T, int R, int K, int nz, float* P, int* cnt",
+             "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K, nz, P, cnt")
     gu = ("const u64* job_ptr, const int* job_tok, const u16* xhi, const u16* xlo, const float* xsc, float* Hbuf, "
           "int H, int Fd", "job_ptr, job_tok, xhi, xlo, xsc, Hbuf, H, Fd")
     dn = ("const u64* job_ptr, long long doff, const int* job_dst, const u16* hhi, const u16* hlo, const float* hsc, "
@@ -184,11 +210,11 @@ def supports(layout: Any, cols: int) -> bool:
     return cols > 0 and cols % BLOCK_VALUES[f] == 0
 
 
-def smem_bytes(layout: Any, nt: int) -> int:
+def smem_bytes(layout: Any, nt: int, kc: int = KC) -> int:
     """Dynamic shared memory of a qmm kernel with ``nt`` column tiles of 8 tokens (qmm.cu QmmSmem): two stage buffers
     of the tokens' hi and lo halves, rows of QMM_KC values plus the layout's bank padding."""
     f = _layout_id(layout)
-    xs = KC + (40 if f == 42 else 32)
+    xs = int(kc) + (40 if f == 42 else 32)
     return 2 * 2 * 8 * int(nt) * xs * 2
 
 
@@ -221,20 +247,39 @@ def token_tile(T: int, rows: int | None = None, n_sm: int | None = None) -> int:
     return nt
 
 
-def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int) -> tuple[int, int, int, int]:
+def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC) -> tuple[int, int, int, int]:
     """The launch of :func:`dense` for T tokens and a [rows, cols] matrix on a device of ``n_sm`` SMs: (NT, grid x,
-    grid y, nz). Up to 32 tokens (the batched decode step's GEMMs) the tokens share one tile and k is split into nz
-    slices (chunks of :data:`KC` values) while the row blocks alone would leave SMs idle: about two blocks a SM
-    (the kernel's occupancy), each slice's partial sums added by the caller. Longer X: :func:`token_tile`, nz 1."""
+    grid y, nz). NT from :func:`token_tile` (by T alone); while the row blocks times the token tiles would leave SMs
+    idle (fewer than ``n_sm``, or, up to 32 tokens, row blocks fewer than ``n_sm``), k is split into nz slices
+    (chunks of :data:`KC` values, at most :data:`SPLIT_MAX`) for about two blocks a SM (the kernel's occupancy), the
+    slices' partial sums added by the kernel's last slice of each tile. The 512-token prefill's few-row matrices (hyper-connection down
+    projections, GDN gates) ran as 160 blocks that each walked 80 chunks of k before this split."""
     f = _layout_id(layout)
     gx = -(-int(rows) // ROWS_PER_BLOCK)
-    if T > 8 * TILES[1]:
-        nt = token_tile(T, rows, n_sm)
-        return nt, gx, -(-T // (8 * nt)), 1
     nt = token_tile(T)
-    chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (KC // BLOCK_VALUES[f]))
-    nz = max(1, min(chunks, (2 * int(n_sm)) // gx)) if gx < n_sm else 1
-    return nt, gx, nz, nz
+    ty = -(-int(T) // (8 * nt))
+    chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (int(kc) // BLOCK_VALUES[f]))
+    few = gx < n_sm if T <= 8 * TILES[1] else gx * ty < n_sm
+    nz = max(1, min(chunks, SPLIT_MAX, (2 * int(n_sm)) // (gx * ty))) if few else 1
+    return nt, gx, ty * nz, nz
+
+
+#: Most k slices of one :func:`dense` launch (each tile's last slice adds them all).
+SPLIT_MAX = 16
+#: Tile counters one stream's split-k launches of :func:`dense` share (each launch's last slices set theirs back to 0)
+SPLIT_COUNTERS = 1 << 15
+_counters: dict[tuple[int, int, int], Any] = {}
+
+
+def split_counters(cp: Any) -> Any:
+    """The zeroed int32 tile counters [:data:`SPLIT_COUNTERS`] of the current device and stream (made once; the
+    kernels leave them zero, so launches on one stream may share them: they run one after another; another stream
+    gets its own; ``cp`` is part of the key, so that the tests' host stand-in for CuPy never meets a device array)."""
+    key = (id(cp), int(cp.cuda.Device().id), int(cp.cuda.get_current_stream().ptr))
+    got = _counters.get(key)
+    if got is None:
+        got = _counters[key] = cp.zeros(SPLIT_COUNTERS, dtype=cp.int32)
+    return got
 
 
 def _check_matrix(layout: Any, w: Any, wd: Any, rows: int, cols: int, X: Any = None) -> int:
@@ -278,15 +323,16 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
         out = cp.empty((T, rows), dtype=cp.float32)
     from stratatools.runtime.gpu.kernels import _device_limits
 
-    nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0])
+    kc = chunk_values()
+    nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0], kc)
+    if nz > 1 and gx * (gy // nz) > SPLIT_COUNTERS:  # (not on any shape of the models here)
+        nt, gy, nz = token_tile(T), -(-T // (8 * token_tile(T))), 1
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
-    dst = out if nz == 1 else cp.empty((nz, T, rows), dtype=cp.float32)  # each k slice's partial sums
-    launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>"), (gx, gy), (THREADS,),
-                      (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, dst,
-                       np.int64(out.shape[1] if nz == 1 else rows), np.int32(T), np.int32(rows), np.int32(cols),
-                       np.int32(nz)), smem_bytes(f, nt))
-    if nz > 1:
-        cp.sum(dst, axis=0, out=out)
+    part = cp.empty((nz, T, rows), dtype=cp.float32) if nz > 1 else out  # each k slice's partial sums
+    cnt = split_counters(cp) if nz > 1 else out
+    launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>", kc), (gx, gy), (THREADS,),
+                      (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
+                       np.int32(T), np.int32(rows), np.int32(cols), np.int32(nz), part, cnt), smem_bytes(f, nt, kc))
     return out
 
 
@@ -346,24 +392,49 @@ def job_capacity(n_pairs: int, n_expert: int) -> int:
     return -(-int(n_pairs) // JOB_TOKENS) + min(int(n_expert), int(n_pairs))
 
 
+#: Threads of the ``qmm_jobs`` block.
+JOBS_THREADS = 1024
+#: Dynamic shared memory one ``qmm_jobs`` block may take (of the 227 KiB an H100 / H200 block may opt into).
+JOBS_SHARED_MAX = 160 * 1024
+
+
+def jobs_shared(n_pairs: int, n_expert: int) -> int:
+    """Dynamic shared memory of ``qmm_jobs`` for ``n_pairs`` pairs over ``n_expert`` experts: 3 E + 1 ints (counts,
+    first jobs, first sorted positions, jobs used), 2 :data:`JOBS_THREADS` ints (the threads' sums and their scan)
+    and M sort keys, M the power of two >= the pairs."""
+    m = 1
+    while m < int(n_pairs):
+        m <<= 1
+    return 4 * (3 * int(n_expert) + 1 + 2 * JOBS_THREADS + m)
+
+
+def device_jobs_ok(n_pairs: int, n_expert: int) -> bool:
+    """Can :func:`moe_jobs` build the table of ``n_pairs`` pairs over ``n_expert`` experts on the device (one block's
+    shared memory holds the sort; its keys e N + i fit 32 bits)?"""
+    N, E = int(n_pairs), int(n_expert)
+    return N >= 1 and E >= 1 and E * N < 2 ** 32 and jobs_shared(N, E) <= JOBS_SHARED_MAX
+
+
 def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any) -> tuple[Any, Any, Any]:
     """The job table of :func:`stratatools.runtime.gpu.prefill.expert_jobs` built on the device (``qmm_jobs``, one
-    block), so that the batched step need not read its routing back: ``ids`` int32 [N] (pair t k + r's expert, on the
-    device), ``ptr_row`` uint64 [>= n_expert] the layer's blob addresses. Returns (job_ptr uint64 [J], job_tok int32
-    [J 16], job_dst int32 [J 16]) with J = :func:`job_capacity`; the jobs after the routing's are empty (-1 slots),
-    and :func:`moe_gate_up` / :func:`moe_down` skip them. Raises StrataError for an empty routing or more experts
-    than one block's shared memory counts (12,288)."""
+    block sorting the pairs by expert), so that the batched step and the prefill need not read their routing back:
+    ``ids`` int32 [N] (pair t k + r's expert, on the device), ``ptr_row`` uint64 [>= n_expert] the layer's blob
+    addresses. Returns (job_ptr uint64 [J], job_tok int32 [J 16], job_dst int32 [J 16]) with J =
+    :func:`job_capacity`; the jobs after the routing's are empty (-1 slots), and :func:`moe_gate_up` /
+    :func:`moe_down` skip them. Raises StrataError for a routing :func:`device_jobs_ok` refuses (an empty one, or one
+    whose sort outgrows a block's shared memory: 38,000 pairs at 256 experts)."""
     import cupy as cp
 
     N, E = int(ids.size), int(n_expert)
-    if N == 0 or E < 1 or E > 12288:
+    if not device_jobs_ok(N, E):
         raise StrataError(f"qmm: a device job table for {N} pairs over {E} experts is not supported")
     J = job_capacity(N, E)
     job_ptr = cp.empty(J, dtype=cp.uint64)
     job_tok = cp.empty(J * JOB_TOKENS, dtype=cp.int32)
     job_dst = cp.empty(J * JOB_TOKENS, dtype=cp.int32)
-    _fn("qmm_jobs")((1,), (256,), (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E),
-                                    ptr_row, np.int32(J), job_ptr, job_tok, job_dst), shared_mem=8 * E)
+    launch_big_shared(_fn("qmm_jobs"), (1,), (JOBS_THREADS,),
+                      (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E), ptr_row,
+                       np.int32(J), job_ptr, job_tok, job_dst), jobs_shared(N, E))
     return job_ptr, job_tok, job_dst
 
 
@@ -386,8 +457,10 @@ def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: An
     f = _expert_layout(layout, hidden)
     J = int(job_ptr.size)
     hi, lo, sc = xs
-    launch_big_shared(_fn(f"qmm_moe_gu<{f}>"), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
-                      (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)), smem_bytes(f, JOB_TOKENS // 8))
+    kc = chunk_values(moe=True, layout=f)
+    launch_big_shared(_fn(f"qmm_moe_gu<{f}>", kc), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)),
+                      smem_bytes(f, JOB_TOKENS // 8, kc))
 
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
@@ -399,6 +472,7 @@ def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], la
     f = _expert_layout(layout, ff)
     J = int(job_ptr.size)
     hi, lo, sc = hs
-    launch_big_shared(_fn(f"qmm_moe_down<{f}>"), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+    kc = chunk_values(moe=True, layout=f)
+    launch_big_shared(_fn(f"qmm_moe_down<{f}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, np.int64(doff), job_dst, hi, lo, sc, out, np.int32(hidden), np.int32(ff)),
-                      smem_bytes(f, JOB_TOKENS // 8))
+                      smem_bytes(f, JOB_TOKENS // 8, kc))
