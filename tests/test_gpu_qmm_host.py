@@ -156,10 +156,12 @@ def test_split_keeps_22_bits(lib):
     assert not np.any(hi[3] & 0x7fff) and not np.any(lo[3] & 0x7fff) and sc[3] == 1.0  # the zero row (signed zeros)
 
 
-def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None, nz: int = 1) -> np.ndarray:
+def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None, nz: int = 1,
+               add: bool = True) -> np.ndarray:
     """The host build's qmm_dense; with ``nz`` > 1 k split into nz slices whose partial results [nz, T, rows] the
     kernel's last slice of each tile adds into Y (every slice's every element written: an empty slice writes zeros;
-    the tile counters are left zero)."""
+    the tile counters are left zero); without ``add`` (null counters) Y is left alone and the slices are added
+    here."""
     f = Q.LAYOUTS[layout]
     T = X.shape[0]
     nt = nt or Q.token_tile(T)
@@ -170,7 +172,10 @@ def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None
     gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz  # host blocks: one warp, 16 rows
     cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
     getattr(lib, f"host_qmm_dense_{f}_{nt}")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb, _p(hi), _p(lo),
-                                             _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P), _p(cnt))
+                                             _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P), _p(cnt) if add else None)
+    if not add:
+        assert nz > 1 and np.all(np.isnan(Y)) and np.all(np.isfinite(P))
+        return P.sum(axis=0, dtype=np.float32)
     assert np.all(np.isfinite(Y)) and not np.any(cnt)
     if nz > 1:
         assert np.all(np.isfinite(P))
@@ -214,6 +219,21 @@ def test_dense_matches_float64(lib, layout, rows, cols, T, nt, nz):
     X = acts(rng, T, cols)
     Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nt, nz)
     check(Y, W, X)
+
+
+@pytest.mark.parametrize("layout,rows,cols,T,nz", [("Q8R", 37, 640, 5, 2), ("Q8R", 16, 640, 32, 7),
+                                                   ("Q2_0", 40, 640, 1, 4)])
+def test_dense_slices_added_by_the_caller(lib, layout, rows, cols, T, nz):
+    """With null tile counters (dense's launch up to 32 tokens) the kernel leaves Y alone and writes every slice's
+    partial result; their sum is the product."""
+    rng = np.random.default_rng(rows + cols + T + nz)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    W8, Wd = (raw, None) if layout != "Q8R" else (K.q8_relayout(raw, rows, cols)[0].view(np.uint8),
+                                                  K.q8_relayout(raw, rows, cols)[1])
+    X = acts(rng, T, cols)
+    check(dense_host(lib, layout, W8, Wd, X, rows, cols, None, nz, add=False), W, X)
 
 
 def test_chunk_values_from_the_environment(monkeypatch):

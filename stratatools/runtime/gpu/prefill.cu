@@ -127,14 +127,8 @@ extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float*
 // and stored into the other half of double-buffered shared arrays after it (up to PF_GDN_PER values a thread; any
 // further ones are read then), so the token loop does not wait on global memory.
 // Shared (gdn_chunk_shared in prefill.py): (dk cw + 4 dk + (rs + 3) cw + 4) floats, rs = max(1, blockDim / cw).
-// Where each thread has at most one (row slice, column) pair and its ceil(dk / rs) state values fit PF_GDN_REG (the
-// device's launches: rs cw <= blockDim), the thread keeps them in registers for the whole chunk instead (the shared
-// state slice is then unused): the per-token passes read q / k from shared memory only.
 #ifndef PF_GDN_PER
 #define PF_GDN_PER 4
-#endif
-#ifndef PF_GDN_REG
-#define PF_GDN_REG 32
 #endif
 extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float* __restrict__ kk,
                                         const float* __restrict__ v, int ldv, const float* __restrict__ beta,
@@ -154,21 +148,10 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
     float* part = dl + cw;         // [rs, cw]
     float* sc = part + rs * cw;    // [2, 2]: decay, beta
     float* Sj = S + (long long)j * dk * dv;
-    // the register path (uniform over the block): thread tid < rs nc owns row slice rs_s = tid / nc, column rc
-    const bool reg = rs * nc <= nt && (dk + rs - 1) / rs <= PF_GDN_REG;
-    const bool own = reg && tid < rs * nc;
-    const int rs_s = own ? tid / nc : 0, rc = own ? tid - rs_s * nc : 0;
-    float st[PF_GDN_REG];
-    #pragma unroll
-    for (int m = 0; m < PF_GDN_REG; ++m) {
-        const int r = rs_s + m * rs;
-        st[m] = own && r < dk ? Sj[(long long)r * dv + c0 + rc] : 0.0f;
+    for (int idx = tid; idx < dk * nc; idx += nt) {
+        int r = idx / nc, cl = idx - r * nc;
+        Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
     }
-    if (!reg)
-        for (int idx = tid; idx < dk * nc; idx += nt) {
-            int r = idx / nc, cl = idx - r * nc;
-            Ss[r * cw + cl] = Sj[(long long)r * dv + c0 + cl];
-        }
     // token 0's inputs into half 0
     for (int r = tid; r < dk; r += nt) { qs[r] = q[(long long)g * dk + r]; ks[r] = kk[(long long)g * dk + r]; }
     for (int cl = tid; cl < nc; cl += nt) vs[cl] = v[(long long)j * dv + c0 + cl];
@@ -195,22 +178,12 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
         const float* kb = ks + h * dk;
         const float* vb = vs + h * cw;
         const float dec = sc[2 * h], bj = sc[2 * h + 1];
-        if (own) {
+        for (int idx = tid; idx < rs * nc; idx += nt) {
+            int cl = idx % nc, s = idx / nc;
             float acc = 0.0f;
-            #pragma unroll
-            for (int m = 0; m < PF_GDN_REG; ++m) {
-                const int r = rs_s + m * rs;
-                if (r < dk) acc += kb[r] * (st[m] * dec);
-            }
-            part[rs_s * cw + rc] = acc;
+            for (int r = s; r < dk; r += rs) acc += kb[r] * (Ss[r * cw + cl] * dec);
+            part[s * cw + cl] = acc;
         }
-        if (!reg)
-            for (int idx = tid; idx < rs * nc; idx += nt) {
-                int cl = idx % nc, s = idx / nc;
-                float acc = 0.0f;
-                for (int r = s; r < dk; r += rs) acc += kb[r] * (Ss[r * cw + cl] * dec);
-                part[s * cw + cl] = acc;
-            }
         __syncthreads();
         for (int cl = tid; cl < nc; cl += nt) {
             float kv = 0.0f;
@@ -218,31 +191,16 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
             dl[cl] = (vb[cl] - kv) * bj;
         }
         __syncthreads();
-        if (own) {
-            const float d = dl[rc];
-            float acc = 0.0f;
-            #pragma unroll
-            for (int m = 0; m < PF_GDN_REG; ++m) {
-                const int r = rs_s + m * rs;
-                if (r < dk) {
-                    const float sn = st[m] * dec + kb[r] * d;
-                    st[m] = sn;
-                    acc += qb[r] * sn;
-                }
+        for (int idx = tid; idx < rs * nc; idx += nt) {
+            int cl = idx % nc, s = idx / nc;
+            float d = dl[cl], acc = 0.0f;
+            for (int r = s; r < dk; r += rs) {
+                float sn = Ss[r * cw + cl] * dec + kb[r] * d;
+                Ss[r * cw + cl] = sn;
+                acc += qb[r] * sn;
             }
-            part[rs_s * cw + rc] = acc;
+            part[s * cw + cl] = acc;
         }
-        if (!reg)
-            for (int idx = tid; idx < rs * nc; idx += nt) {
-                int cl = idx % nc, s = idx / nc;
-                float d = dl[cl], acc = 0.0f;
-                for (int r = s; r < dk; r += rs) {
-                    float sn = Ss[r * cw + cl] * dec + kb[r] * d;
-                    Ss[r * cw + cl] = sn;
-                    acc += qb[r] * sn;
-                }
-                part[s * cw + cl] = acc;
-            }
         __syncthreads();
         float* ot = out + (long long)t * nv * dv + (long long)j * dv + c0;
         for (int cl = tid; cl < nc; cl += nt) {
@@ -263,18 +221,10 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
         }
         __syncthreads();
     }
-    if (own) {
-        #pragma unroll
-        for (int m = 0; m < PF_GDN_REG; ++m) {
-            const int r = rs_s + m * rs;
-            if (r < dk) Sj[(long long)r * dv + c0 + rc] = st[m];
-        }
+    for (int idx = tid; idx < dk * nc; idx += nt) {
+        int r = idx / nc, cl = idx - r * nc;
+        Sj[(long long)r * dv + c0 + cl] = Ss[r * cw + cl];
     }
-    if (!reg)
-        for (int idx = tid; idx < dk * nc; idx += nt) {
-            int r = idx / nc, cl = idx - r * nc;
-            Sj[(long long)r * dv + c0 + cl] = Ss[r * cw + cl];
-        }
 }
 
 // ---- dequantize blobs through a pointer table ----------------------------------------------------------------------

@@ -109,23 +109,6 @@ GDN_PREP_ENV = "STRATATOOLS_GDN_PREP"
 GDN_PREP_THREADS = 256
 
 
-#: State values of one (row slice, column) pair ``pf_gdn_chunk`` keeps in a thread's registers (prefill.cu PF_GDN_REG).
-GDN_REG = 32
-
-
-def gdn_chunk_threads(dk: int, cw: int) -> tuple[int, int]:
-    """Threads of a ``pf_gdn_chunk`` block for keys of ``dk`` and ``cw`` value columns a block, and its row slices
-    rs = threads // cw: 256 (128 below 32 columns), more (up to 1,024) where ceil(dk / rs) would not fit
-    :data:`GDN_REG` registers, so that the kernel keeps its state in registers (its faster path: the 48 x 256 model's
-    512-token chunk took 1.1 ms a layer with the state in shared memory)."""
-    threads = 256 if cw >= 32 else 128
-    rs = max(1, threads // cw)
-    if -(-dk // rs) > GDN_REG:
-        threads = min(1024, 32 * -(-(cw * -(-dk // GDN_REG)) // 32))
-        rs = max(1, threads // cw)
-    return threads, rs
-
-
 def gdn_chunk_shared(dk: int, cw: int, rs: int) -> int:
     """Dynamic shared bytes of ``pf_gdn_chunk`` (prefill.cu) for keys of ``dk``, ``cw`` value columns a block and ``rs``
     row slices: the state slice [dk, cw], double-buffered q and k [2, dk] each and v columns [2, cw], the delta
@@ -804,7 +787,8 @@ class ChunkPrefill:
             out = cp.empty((T, nv * dv), dtype=cp.float32)
             ncb = max(1, min(dv, -(-128 // max(nv, 1))))  # about one block per SM in all
             cw = -(-dv // ncb)
-            threads, rs = gdn_chunk_threads(dk, cw)
+            threads = 256 if cw >= 32 else 128
+            rs = max(1, threads // cw)
             shm = gdn_chunk_shared(dk, cw, rs)
             if shm > 96 * 1024:
                 raise StrataError(f"layer {il}: GDN heads of {dk} x {dv} exceed the prefill kernel's shared memory")

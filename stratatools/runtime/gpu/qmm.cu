@@ -366,7 +366,7 @@ __device__ __forceinline__ void qmm_add_slices(const float* __restrict__ P, floa
 // QMM_KC values, p = ceil(chunks / nz), into its own partial result P + z T R ([nz, T, R] float32); the last of a
 // tile's nz slices to finish (counted in cnt[tile], tile = blockIdx.x + gridDim.x (blockIdx.y / nz), which it sets
 // back to 0) adds the slices in the order z = 0 .. nz - 1 into Y, so the result does not depend on which slice
-// finished last. nz = 1: Y directly (P and cnt unused).
+// finished last; with cnt null the caller adds them. nz = 1: Y directly (P and cnt unused).
 // Grid: (ceil(R / (16 nw)), ceil(T / (8 NT)) nz), blockIdx.y = token tile nz + slice; nw = blockDim / 32 warps (host
 // build: 1). Dynamic shared memory: QmmSmem<F, NT>::bytes.
 template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
@@ -395,7 +395,7 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
         const int t = tokrow[s];
         if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[0][n].x[l][i] * xsc[t];
     });
-    if (nz == 1) return;
+    if (nz == 1 || cnt == nullptr) return;  // (no counters: the caller adds the slices)
     __threadfence();  // this slice's partial sums are visible before it counts
     __syncthreads();
     if (threadIdx.x == 0) {

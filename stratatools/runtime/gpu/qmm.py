@@ -252,7 +252,8 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     grid y, nz). NT from :func:`token_tile` (by T alone); while the row blocks times the token tiles would leave SMs
     idle (fewer than ``n_sm``, or, up to 32 tokens, row blocks fewer than ``n_sm``), k is split into nz slices
     (chunks of :data:`KC` values, at most :data:`SPLIT_MAX`) for about two blocks a SM (the kernel's occupancy), the
-    slices' partial sums added by the kernel's last slice of each tile. The 512-token prefill's few-row matrices (hyper-connection down
+    slices' partial sums added by the kernel's last slice of each tile (up to 32 tokens by :func:`dense` after it).
+    The 512-token prefill's few-row matrices (hyper-connection down
     projections, GDN gates) ran as 160 blocks that each walked 80 chunks of k before this split."""
     f = _layout_id(layout)
     gx = -(-int(rows) // ROWS_PER_BLOCK)
@@ -329,10 +330,15 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
         nt, gy, nz = token_tile(T), -(-T // (8 * token_tile(T))), 1
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
     part = cp.empty((nz, T, rows), dtype=cp.float32) if nz > 1 else out  # each k slice's partial sums
-    cnt = split_counters(cp) if nz > 1 else out
+    # the kernel's last slice of a tile adds the slices for longer X; up to 32 tokens (the batched step) one sum
+    # launch measured faster than the last slices' adds (H200, bench/gpu-notes.md)
+    in_kernel = nz > 1 and T > 8 * TILES[1]
+    cnt = split_counters(cp) if in_kernel else np.uint64(0)
     launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>", kc), (gx, gy), (THREADS,),
                       (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
                        np.int32(T), np.int32(rows), np.int32(cols), np.int32(nz), part, cnt), smem_bytes(f, nt, kc))
+    if nz > 1 and not in_kernel:
+        cp.sum(part, axis=0, out=out)
     return out
 
 
