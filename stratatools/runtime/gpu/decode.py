@@ -58,6 +58,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 
+from stratatools.runtime.gpu.kernels import SHARED_SIDE_ENV, _env_on, shared_side  # noqa: F401
 from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel, env_count
 from stratatools.runtime.gpu.launch import pdl, pdl_enabled, pdl_supported
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
@@ -288,27 +289,8 @@ def prefetch_order() -> str:
     return v
 
 
-#: Whether the fused decode step runs the shared expert on a second stream beside the routed experts' gate/up
-#: (``1``, the default) or after the routed experts on the step's stream (``0``); the logits are the same bit for
-#: bit (the routed down adds its sum to the shared expert's, a sum of two floats in either order). The batched step
-#: (:mod:`stratatools.runtime.gpu.batch`) follows it too, except with ``STRATATOOLS_BATCH_GEMM=hgemm``.
-SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
-
-
-def _env_on(name: str, meaning: str) -> bool:
-    """Environment flag ``name`` (unset or empty: on); raises StrataError for a value other than 0 or 1, saying that
-    1 means ``meaning``."""
-    v = os.environ.get(name, "").strip() or "1"
-    if v not in ("0", "1"):
-        raise StrataError(f"{name}={v!r}: use 1 ({meaning}) or 0")
-    return v == "1"
-
-
-def shared_side() -> bool:
-    """:data:`SHARED_SIDE_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
-    return _env_on(SHARED_SIDE_ENV, "the shared expert beside the routed ones")
-
-
+# SHARED_SIDE_ENV, shared_side and the flag reader live in kernels.py (the prefill reads them too, and must not
+# import this module).
 def route_warp() -> bool:
     """:data:`ROUTE_WARP_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
     return _env_on(ROUTE_WARP_ENV, "the router by one warp from registers")
@@ -1899,8 +1881,9 @@ class StaticDecoder:
 
     def prefiller(self, chunk: int | None = None, group: int | None = None, experts: str = "rows") -> Any:
         """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options, the
-        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM`` and the shared expert's stream (:data:`SHARED_SIDE_ENV`) (made once and kept while they stay the same; its kernels are
-        compiled as it is made and by its ``compile()``)."""
+        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM`` and the shared expert's stream (:data:`SHARED_SIDE_ENV`)
+        (made once and kept while they stay the same; its kernels are compiled as it is made and by its
+        ``compile()``)."""
         from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
         from stratatools.runtime.gpu.qmm import prefill_gemm
 

@@ -309,6 +309,29 @@ def env_count(name: str, default: int, minimum: int, unit: str) -> int:
     return int(v)
 
 
+#: Whether the fused decode step runs the shared expert on a second stream beside the routed experts' gate/up
+#: (``1``, the default) or after the routed experts on the step's stream (``0``); the logits are the same bit for
+#: bit (the routed down adds its sum to the shared expert's, a sum of two floats in either order). The batched step
+#: (:mod:`stratatools.runtime.gpu.batch`) follows it too, except with ``STRATATOOLS_BATCH_GEMM=hgemm``.
+SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
+
+
+def _env_on(name: str, meaning: str) -> bool:
+    """Environment flag ``name`` (unset or empty: on); raises StrataError for a value other than 0 or 1, saying that
+    1 means ``meaning``."""
+    import os
+
+    v = os.environ.get(name, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise StrataError(f"{name}={v!r}: use 1 ({meaning}) or 0")
+    return v == "1"
+
+
+def shared_side() -> bool:
+    """:data:`SHARED_SIDE_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    return _env_on(SHARED_SIDE_ENV, "the shared expert beside the routed ones")
+
+
 def dense_min_rows_per_sm() -> int:
     """Rows per SM from which the decoder's Q8_0 matvec runs ``mv_q8i`` / ``mv_q8s`` rather than ``mv_q8r``:
     :data:`DENSE_MIN_ROWS_ENV`, else :data:`DQS_MIN_ROWS_PER_SM`. Raises StrataError for a value that is not a

@@ -308,7 +308,7 @@ class ChunkPrefill:
             self.k_route = mod.get_function("pf_route")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
-            from stratatools.runtime.gpu.decode import shared_side
+            from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (decode.SHARED_SIDE_ENV); not with
             # hgemm, whose fp16 cuBLAS GEMMs would share one cuBLAS handle (and its workspace) across the streams
@@ -962,7 +962,7 @@ class ChunkPrefill:
         tokens (``pf_route``) into ``ids`` int32 [T, k] / ``w`` float32 [T, k] (device views the caller reads later),
         the routed experts (:meth:`_routed_gpu`: blob addresses from the decoder's slot table) and the shared expert,
         on a second stream beside the routed experts where ``_shared_side`` is set
-        (:data:`stratatools.runtime.gpu.decode.SHARED_SIDE_ENV`). Returns y [T, n] float32. Raises StrataError when
+        (:data:`stratatools.runtime.gpu.kernels.SHARED_SIDE_ENV`). Returns y [T, n] float32. Raises StrataError when
         k exceeds the layer's experts."""
         cp, cfg, k = self.cp, self.cfg, self.k
         p = f"blk.{il}."
