@@ -277,3 +277,52 @@ def test_gpu_prefill_hgemm_matches_sgemm(kit, model, monkeypatch):
     assert len(fits) >= 5 * dec.cfg.n_layer and all(fits.values())
     assert same == 1.0
     assert rel_h <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10)])
+def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
+    """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default) and
+    pf_gdn_chunk on the device, the full-width shapes included: outputs and final states within 1e-5 of the float64
+    delta rule (the host build checks both kernels with one-lane warps)."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import prefill as PF
+    from stratatools.runtime.model import _l2norm, _sigmoid
+
+    rng = np.random.default_rng(T + dk)
+    q = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
+    kk = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32))
+    v = rng.standard_normal((T, nv * dv)).astype(np.float32)
+    beta = _sigmoid(np, rng.standard_normal((T, nv)).astype(np.float32))
+    decay = np.exp(-rng.uniform(0, 2, (T, nv))).astype(np.float32)
+    S0 = (rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32)
+    rep = nv // nk
+    St = S0.astype(np.float64)
+    ref = np.empty((T, nv, dv))
+    for t in range(T):
+        qt, kt = np.tile(q[t], (rep, 1)), np.tile(kk[t], (rep, 1))
+        St = St * decay[t][:, None, None]
+        delta = (v[t].reshape(nv, dv) - np.sum(kt[:, :, None] * St, axis=1)) * beta[t][:, None]
+        St = St + kt[:, :, None] * delta[:, None, :]
+        ref[t] = np.sum(qt[:, :, None] * St, axis=1)
+    mod = PF._module(False, ())
+    args = [cp.asarray(a) for a in (q, kk, v)]
+    for name in ("pf_gdn_warp", "pf_gdn_chunk"):
+        S = cp.asarray(S0)
+        out = cp.full((T, nv * dv), cp.nan, dtype=cp.float32)
+        common = (args[0], args[1], args[2], np.int32(nv * dv), cp.asarray(beta), cp.asarray(decay), S, out,
+                  np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
+        if name == "pf_gdn_warp":
+            per = PF.GDN_WARP_COLUMNS * PF.GDN_WARP_WARPS
+            mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common)
+        else:
+            ncb = max(1, min(dv, -(-128 // nv)))
+            cw = -(-dv // ncb)
+            threads = 256 if cw >= 32 else 128
+            rs = max(1, threads // cw)
+            mod.get_function(name)((nv, ncb), (threads,), common, shared_mem=PF.gdn_chunk_shared(dk, cw, rs))
+        o = cp.asnumpy(out).reshape(T, nv, dv)
+        assert np.abs(o - ref).max() <= 1e-5 * np.abs(ref).max(), name
+        assert np.abs(cp.asnumpy(S) - St).max() <= 1e-5 * np.abs(St).max(), name

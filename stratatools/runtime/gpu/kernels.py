@@ -316,7 +316,7 @@ def env_count(name: str, default: int, minimum: int, unit: str) -> int:
 SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
 
 
-def _env_on(name: str, meaning: str) -> bool:
+def env_on(name: str, meaning: str) -> bool:
     """Environment flag ``name`` (unset or empty: on); raises StrataError for a value other than 0 or 1, saying that
     1 means ``meaning``."""
     import os
@@ -329,7 +329,10 @@ def _env_on(name: str, meaning: str) -> bool:
 
 def shared_side() -> bool:
     """:data:`SHARED_SIDE_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
-    return _env_on(SHARED_SIDE_ENV, "the shared expert beside the routed ones")
+    return env_on(SHARED_SIDE_ENV, "the shared expert beside the routed ones")
+
+
+_env_on = env_on  # (the name decode.py's flags use)
 
 
 def dense_min_rows_per_sm() -> int:

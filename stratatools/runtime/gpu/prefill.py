@@ -109,6 +109,24 @@ GDN_PREP_ENV = "STRATATOOLS_GDN_PREP"
 GDN_PREP_THREADS = 256
 
 
+#: ``0``: the prefill's delta-rule recurrence by ``pf_gdn_chunk`` (a block per head and column slice, the state in
+#: shared memory, three barriers a token); default ``pf_gdn_warp`` (a warp per :data:`GDN_WARP_COLUMNS` columns, the
+#: state in registers, no barrier) where the keys have at most :data:`GDN_WARP_MAX_DK` values.
+GDN_WARP_ENV = "STRATATOOLS_GDN_WARP"
+#: prefill.cu PF_GDN_CPW (value columns a warp) and 32 PF_GDN_RPL (key rows of the warp's registers)
+GDN_WARP_COLUMNS = 4
+GDN_WARP_MAX_DK = 128
+#: Warps of a ``pf_gdn_warp`` block.
+GDN_WARP_WARPS = 4
+
+
+def gdn_warp() -> bool:
+    """:data:`GDN_WARP_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(GDN_WARP_ENV, "the recurrence by one warp per value columns")
+
+
 def gdn_chunk_shared(dk: int, cw: int, rs: int) -> int:
     """Dynamic shared bytes of ``pf_gdn_chunk`` (prefill.cu) for keys of ``dk``, ``cw`` value columns a block and ``rs``
     row slices: the state slice [dk, cw], double-buffered q and k [2, dk] each and v columns [2, cw], the delta
@@ -308,6 +326,7 @@ class ChunkPrefill:
             self.k_route = mod.get_function("pf_route")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
+            self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (decode.SHARED_SIDE_ENV); not with
@@ -785,6 +804,13 @@ class ChunkPrefill:
             cp = self.cp
             v = cp.ascontiguousarray(conv)
             out = cp.empty((T, nv * dv), dtype=cp.float32)
+            if dk <= GDN_WARP_MAX_DK and gdn_warp():
+                per = GDN_WARP_COLUMNS * GDN_WARP_WARPS
+                self.k_gdn_warp((nv, -(-dv // per)), (32 * GDN_WARP_WARPS,),
+                                (cp.ascontiguousarray(q), cp.ascontiguousarray(kn), np.uint64(int(v.data.ptr) + 4 * voff),
+                                 np.int32(v.shape[1]), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out,
+                                 np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv)))
+                return out
             ncb = max(1, min(dv, -(-128 // max(nv, 1))))  # about one block per SM in all
             cw = -(-dv // ncb)
             threads = 256 if cw >= 32 else 128
