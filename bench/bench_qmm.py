@@ -58,7 +58,8 @@ def cuda_ms(cp, fn, reps: int) -> float:
 
 #: Prefill settings (environment of the decoder's prefill): the dense GEMM path (``sgemm``, ``mma``, ``hgemm``), and
 #: the tensor-core kernels' chunk of k (``*-kc256``: dense; ``*-moekc256`` / ``*-moekc128``: the expert jobs), the shared expert after
-#: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``).
+#: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``) or the warp kernel
+#: without staging (``mma-gdnwarp``).
 PREFILL_VARIANTS = {
     "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
     "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm"},
@@ -66,6 +67,7 @@ PREFILL_VARIANTS = {
     "mma-moekc256": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_MOE_KC": "256"},
     "mma-moekc128": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_MOE_KC": "128"},
     "mma-gdnchunk": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "0"},
+    "mma-gdnwarp": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "1"},
     "mma-kc256": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "256"},
     "mma-kc64": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "64", "STRATATOOLS_QMM_MOE_KC": "64"},
     "hgemm-moekc256": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_QMM_MOE_KC": "256"},

@@ -66,7 +66,7 @@ def _modules():
     fast_names = [f"{k}<{t}>" for k in K.FAST_TEMPLATES + K.FAST_ALSO for t in sorted(K.UNIT)]
     fast_names += [f"{k}<{t}>" for k in K.PIPE_TEMPLATES for t in K.PIPE_TYPES]
     fast_names += [f"{k}<{t}>" for k in K.PIPE_I8_TEMPLATES for t in K.PIPE_I8_TYPES]
-    pf = cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_source("prefill.cu")
+    pf = cuda_source("prelude.cuh") + tables_source() + cuda_source("decoders.cuh") + cuda_unit("prefill.cu")
     return [
         ("reference", K.source(), K.OPTIONS, ref_names),
         ("fast", K.source(), K.FAST_OPTIONS, fast_names),

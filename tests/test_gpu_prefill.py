@@ -281,11 +281,13 @@ def test_gpu_prefill_hgemm_matches_sgemm(kit, model, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
-@pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10)])
+@pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10),
+                                           (37, 2, 16, 4, 12)])
 def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
-    """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default) and
-    pf_gdn_chunk on the device, the full-width shapes included: outputs and final states within 1e-5 of the float64
-    delta rule (the host build checks both kernels with one-lane warps)."""
+    """pf_gdn_warp_staged (a warp per 4 value columns, lanes over the key rows, shuffle sums, inputs staged 16 tokens
+    at a time: the prefill's default), pf_gdn_warp (inputs read per token) and pf_gdn_chunk on the device, the
+    full-width shapes included: outputs and final states within 1e-5 of the float64 delta rule (the host build checks
+    the kernels with one-lane warps); the staged kernel only where dk and dv are multiples of 4."""
     import cupy as cp
 
     from stratatools.runtime.gpu import prefill as PF
@@ -309,14 +311,17 @@ def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
         ref[t] = np.sum(qt[:, :, None] * St, axis=1)
     mod = PF._module(False, ())
     args = [cp.asarray(a) for a in (q, kk, v)]
-    for name in ("pf_gdn_warp", "pf_gdn_chunk"):
+    for name in ("pf_gdn_warp_staged", "pf_gdn_warp", "pf_gdn_chunk"):
+        if name == "pf_gdn_warp_staged" and (dk % 4 or dv % 4):
+            continue
         S = cp.asarray(S0)
         out = cp.full((T, nv * dv), cp.nan, dtype=cp.float32)
         common = (args[0], args[1], args[2], np.int32(nv * dv), cp.asarray(beta), cp.asarray(decay), S, out,
                   np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
-        if name == "pf_gdn_warp":
+        if name != "pf_gdn_chunk":
             per = PF.GDN_WARP_COLUMNS * PF.GDN_WARP_WARPS
-            mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common)
+            shm = PF.gdn_warp_shared(dk) if name == "pf_gdn_warp_staged" else 0
+            mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common, shared_mem=shm)
         else:
             ncb = max(1, min(dv, -(-128 // nv)))
             cw = -(-dv // ncb)
