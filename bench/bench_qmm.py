@@ -59,7 +59,8 @@ def cuda_ms(cp, fn, reps: int) -> float:
 #: Prefill settings (environment of the decoder's prefill): the dense GEMM path (``sgemm``, ``mma``, ``hgemm``), and
 #: the tensor-core kernels' chunk of k (``*-kc256``: dense; ``*-moekc256`` / ``*-moekc128``: the expert jobs), the shared expert after
 #: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``) or the warp kernel
-#: without staging (``mma-gdnwarp``).
+#: without staging (``mma-gdnwarp``), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
+#: ``mma-big8m``: STRATATOOLS_PREFILL_BIG).
 PREFILL_VARIANTS = {
     "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
     "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm"},
@@ -68,6 +69,8 @@ PREFILL_VARIANTS = {
     "mma-moekc128": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_MOE_KC": "128"},
     "mma-gdnchunk": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "0"},
     "mma-gdnwarp": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "1"},
+    "mma-big2m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 21)},
+    "mma-big8m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 23)},
     "mma-kc256": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "256"},
     "mma-kc64": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "64", "STRATATOOLS_QMM_MOE_KC": "64"},
     "hgemm-moekc256": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_QMM_MOE_KC": "256"},

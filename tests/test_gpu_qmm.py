@@ -170,3 +170,31 @@ def test_gpu_hgemm_overflow_check():
     Y = cp.asnumpy(qmm.hgemm(X, "Q8_0", cp.asarray(raw.reshape(-1)), None, rows, cols)).astype(np.float64)
     Xh = cp.asnumpy(X).astype(np.float64)
     assert np.all(np.abs(Y - Xh @ W.T) <= 1e-5 * (np.abs(Xh) @ np.abs(W.T)))
+
+
+@pytest.mark.parametrize("T,big,taken", [(256, 1 << 16, True), (64, 1 << 16, False), (256, 1 << 30, False)])
+def test_gpu_prefill_big_matrices_through_cublas(T, big, taken, monkeypatch):
+    """STRATATOOLS_PREFILL_BIG on the mma prefill path: a matrix of at least that many weights times at least 128
+    rows goes through qmm.hgemm (its transient fp16 split shows in the fp16 check's record), else the tensor-core
+    kernel; both within 1e-5 of float64 relative to |W| |x|."""
+    import cupy as cp
+
+    from stratatools.model.ggml_types import type_by_name
+    from stratatools.runtime.dequant import dequantize
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+
+    monkeypatch.setenv(qmm.BIG_ENV, str(big))
+    rng = np.random.default_rng(T)
+    rows, cols = 384, 512
+    raw = _blocks(rng, "Q8_0", rows, cols)
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    pf = ChunkPrefill.__new__(ChunkPrefill)
+    pf.gpu, pf.cp, pf.gemm = True, cp, "mma"
+    assert pf._big_hgemm(rows, cols, T) is taken
+    Y = cp.asnumpy(pf._qmm(cp.asarray(X), cp.asarray(raw), type_by_name("Q8_0"), rows, cols, "w")).astype(np.float64)
+    assert ("w" in pf._hgemm_fits()) is taken
+    ref = X.astype(np.float64) @ W.T
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W).T
+    assert np.all(np.abs(Y - ref) <= 1e-5 * bound)

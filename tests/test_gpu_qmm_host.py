@@ -258,6 +258,39 @@ def test_chunk_values_from_the_environment(monkeypatch):
     assert Q.dense_launch(512, 320, 10240, "Q8R", 132, 256) == (8, 5, 48, 6)  # 40 chunks of 256: still 6 slices
 
 
+def test_big_matrices_take_cublas_only_where_asked(monkeypatch):
+    """STRATATOOLS_PREFILL_BIG: off by default; on the mma path a matrix of at least that many weights times at
+    least BIG_MIN_TOKENS rows takes hgemm, never on another GEMM path, in the captured batched step or on the shared
+    expert's stream; a value that is not a whole number is refused, naming the variable."""
+    from types import SimpleNamespace
+
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+
+    monkeypatch.delenv(Q.BIG_ENV, raising=False)
+    assert Q.big_matrix_values() == Q.BIG_DEFAULT == 0
+    cur = SimpleNamespace(ptr=5)
+    pf = ChunkPrefill.__new__(ChunkPrefill)
+    pf.gemm = "mma"
+    pf.cp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: cur))
+    assert not pf._big_hgemm(8192, 2560, 512)
+    monkeypatch.setenv(Q.BIG_ENV, str(1 << 21))
+    assert pf._big_hgemm(8192, 2560, 512) and pf._big_hgemm(2048, 1024, Q.BIG_MIN_TOKENS)
+    assert not pf._big_hgemm(640, 2560, 512)  # 1.6M weights: the tensor-core kernel
+    assert not pf._big_hgemm(8192, 2560, Q.BIG_MIN_TOKENS - 1)
+    pf._shared_side = SimpleNamespace(ptr=5)  # called on the shared expert's stream
+    assert not pf._big_hgemm(8192, 2560, 512)
+    pf._shared_side = SimpleNamespace(ptr=6)
+    assert pf._big_hgemm(8192, 2560, 512)
+    pf._in_static = True
+    assert not pf._big_hgemm(8192, 2560, 512)
+    pf._in_static, pf.gemm = False, "sgemm"
+    assert not pf._big_hgemm(8192, 2560, 512)
+    for bad in ("2M", "-1", "1.5"):
+        monkeypatch.setenv(Q.BIG_ENV, bad)
+        with pytest.raises(StrataError, match=Q.BIG_ENV):
+            Q.big_matrix_values()
+
+
 def test_dense_launch_splits_k_for_few_tokens():
     """Up to 32 tokens: one token tile and k split while the row blocks leave SMs idle (about 2 blocks a SM, at
     most one slice a chunk); longer X keeps token_tile's tiles and no split."""

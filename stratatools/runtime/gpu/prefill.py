@@ -528,7 +528,7 @@ class ChunkPrefill:
             args = (t.name, raw, None, rows, cols)
         xs = self._split(X)
         X = cp.ascontiguousarray(X, dtype=cp.float32)
-        if self.gemm == "hgemm":
+        if self.gemm == "hgemm" or self._big_hgemm(rows, cols, int(X.shape[0])):
             fits = self._hgemm_fits()
             if fits.get(key) is not False:
                 out = qmm.hgemm(X, *args, xs=xs, check=key is None or key not in fits)
@@ -537,6 +537,20 @@ class ChunkPrefill:
                 if out is not None:
                     return out
         return qmm.dense(X, *args, xs=xs)
+
+    def _big_hgemm(self, rows: int, cols: int, T: int) -> bool:
+        """On the ``mma`` path: does this [rows, cols] matrix times T rows go through the hgemm path's cuBLAS GEMMs
+        (:data:`stratatools.runtime.gpu.qmm.BIG_ENV`: a large matrix, a long chunk; never in the batched step's
+        captured graph, nor on the shared expert's stream, whose cuBLAS calls could meet the main stream's)?"""
+        from stratatools.runtime.gpu import qmm
+
+        if self.gemm != "mma" or self._in_static or T < qmm.BIG_MIN_TOKENS:
+            return False
+        big = qmm.big_matrix_values()
+        if not big or rows * cols < big:
+            return False
+        side = self._shared_side
+        return side is None or int(self.cp.cuda.get_current_stream().ptr) != int(side.ptr)
 
     def _hgemm_fits(self) -> dict[str, bool]:
         """Matrix name -> do its values fit fp16 (the ``hgemm`` path's check, made once): kept on the decoder, so that

@@ -59,6 +59,13 @@ GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 #: Environment switch of the batched decode step's dense GEMMs (and, with ``mma``, its routed-expert jobs).
 BATCH_GEMM_ENV = "STRATATOOLS_BATCH_GEMM"
 GEMMS = ("sgemm", "mma", "hgemm")
+#: On the ``mma`` prefill path, dense matrices of at least this many weights (``STRATATOOLS_PREFILL_BIG``, a whole
+#: number; 0: none) multiplied with at least :data:`BIG_MIN_TOKENS` rows go through :func:`hgemm` (cuBLAS fp16 GEMMs,
+#: the same ~1e-6 precision) instead of the tensor-core kernel: cuBLAS is faster on the large shapes, the tensor-core
+#: kernels on the small ones and without the per-matrix split of W (bench/gpu-notes.md).
+BIG_ENV = "STRATATOOLS_PREFILL_BIG"
+BIG_DEFAULT = 0
+BIG_MIN_TOKENS = 128
 #: Threads of a ``qmm_wsplit`` block.
 WSPLIT_THREADS = 256
 
@@ -74,6 +81,14 @@ def prefill_gemm() -> str:
     """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``mma`` (default), ``sgemm`` or ``hgemm``.
     Raises StrataError for another value."""
     return _gemm_from(GEMM_ENV, "mma")
+
+
+def big_matrix_values() -> int:
+    """:data:`BIG_ENV`: the weights from which the ``mma`` prefill's dense matrices take :func:`hgemm` (0: none;
+    default :data:`BIG_DEFAULT`). Raises StrataError for a value that is not a whole number."""
+    from stratatools.runtime.gpu.kernels import env_count
+
+    return env_count(BIG_ENV, BIG_DEFAULT, 0, "weights")
 
 
 def batch_gemm() -> str:
