@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
 # One device call that measures the GPU runtime against llama.cpp in the same call (bench/gpu-notes.md): builds
 # llama-bench and llama-batched-bench from the anchor tarball on cores 6-15 in the background, synthesizes the
-# 48 x 256 full-width model on cores 0-3, runs the GPU tests on cores 4-5, then bench_moe_kernels.py and
-# bench_gpu_run.py with the rows asked for, then llama-bench on the same GGUF once the build is done.
+# 48 x 256 full-width model on cores 0-3, runs the GPU tests on cores 4-5, then the prefill (bench_qmm.py), the
+# batched decode (bench_gpu_batch.py) and the batch-1 rows (bench_gpu_run.py), then llama-bench and
+# llama-batched-bench on the same GGUF once the build is done.
 #
 # Usage (on the GPU machine, from the repository root; carried folders: WHL wheels, KIT the kit with its README.md,
 # ANCHORS a copy of ../shared/anchors):
 #   OUT=/tmp/out WHL=.whl KIT=.kitgpu ANCHORS=.anchors bash bench/gpu_session.sh [ROWS] [TESTS]
-# ROWS: bench_gpu_run.py --configs (default resident,routeblock,nopdl,hcsplit4,staticprof,vram12)
-# TESTS: pytest arguments (default the GPU decoder tests; "none" skips them)
-# Every result lands in $OUT (tests.txt, synth.json, moe.txt, run.txt / run.json, llama-bench.md, build logs).
+# ROWS: bench_gpu_run.py --configs (default resident,nopdl,vram12; "none" skips the rows)
+# TESTS: pytest arguments (default the GPU decoder, prefill, GEMM and batch tests; "none" skips them)
+# PV: bench_qmm.py --prefill-variants (default mma; "none" skips the prefill); BN: bench_gpu_batch.py --n (default
+# 1,8,32; "none" skips it); BV: its --variants (default default).
+# Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
+# llama-bench.md, llama-batched.txt, build logs). The call's output keeps only its last 12,000 characters: read $OUT.
 set -u
-ROWS=${1:-resident,routeblock,nopdl,hcsplit4,staticprof,vram12}
-TESTS=${2:-tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_gpu_run.py}
+ROWS=${1:-resident,nopdl,vram12}
+TESTS=${2:-tests/test_gpu_prefill.py tests/test_gpu_qmm.py tests/test_gpu_batch.py tests/test_gpu_run.py tests/test_gpu_decode.py}
 : "${OUT:?set OUT to the folder that comes back}"
 WHL=${WHL:-.whl} KIT=${KIT:-.kitgpu} ANCHORS=${ANCHORS:-.anchors} TYPES=${TYPES:-gu=Q2_0,down=Q2_0}
+PV=${PV:-mma} BN=${BN:-1,8,32} BV=${BV:-default}
 mkdir -p "$OUT" /tmp/lc /tmp/fw
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATATOOLS_KIT=$PWD/$KIT
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-rm -f /tmp/lcb.done
+rm -f /tmp/lcb.done /tmp/synth.done
 ( tar -xzf "$ANCHORS"/llama.cpp-*-src.tar.gz -C /tmp/lc && cd /tmp/lc/llama.cpp \
   && taskset -c 6-15 cmake -S . -B /tmp/lcb -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
@@ -32,20 +37,35 @@ rm -f /tmp/lcb.done
 if [ "$TESTS" != none ]; then
   el tests
   # shellcheck disable=SC2086
-  taskset -c 4-5 timeout 240 python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT"/tests.txt 2>&1
-  echo "tests rc=$?"; tail -8 "$OUT"/tests.txt  # (the file comes back whole; the call's output keeps only its tail)
+  taskset -c 4-5 timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT"/tests.txt 2>&1
+  echo "tests rc=$?"; tail -4 "$OUT"/tests.txt  # (the file comes back whole)
 fi
-el moe kernels
-timeout 60 python3 bench/bench_moe_kernels.py --reps 100 --no-zero-copy --out "$OUT"/moe.json > "$OUT"/moe.txt 2>&1
-grep -E "fastest|  routed|  shared|  one decode" "$OUT"/moe.txt
 el wait synth; while [ ! -f /tmp/synth.done ]; do sleep 2; done
 GG=$(find /tmp/fw/model48x256 -name "*.gguf" | sort | head -1); echo "model: $GG"
-el run rows
-timeout 240 python3 bench/bench_gpu_run.py --gguf "$GG" --workdir /tmp/fw --prompt 512 --new 64 --slots 1872 \
-  --types "$TYPES" --configs "$ROWS" --compare-steps 0 --profile-steps 4 --out "$OUT"/run.json > "$OUT"/run.txt 2>&1
-grep -E "decode [0-9]|per-kernel|^\| (mv_|moe|hc_|gdn|route|attn)" "$OUT"/run.txt | head -40
+if [ "$PV" != none ]; then
+  el prefill
+  timeout 240 python3 bench/bench_qmm.py --gguf "$GG" --layers 48 --prompt 512 --skip dense,experts \
+    --prefill-variants "$PV" --kernel-profile --out "$OUT"/qmm.json > "$OUT"/qmm.txt 2>&1
+  grep -E "^prefill" "$OUT"/qmm.txt
+fi
+if [ "$BN" != none ]; then
+  el batched
+  timeout 200 python3 bench/bench_gpu_batch.py --gguf "$GG" --layers 48 --n "$BN" --steps 8 --no-e2e \
+    --variants "$BV" --kernel-profile 2 --out "$OUT"/batch.json > "$OUT"/batch.txt 2>&1
+  grep -E "tok/s" "$OUT"/batch.txt
+fi
+if [ "$ROWS" != none ]; then
+  el run rows
+  timeout 240 python3 bench/bench_gpu_run.py --gguf "$GG" --workdir /tmp/fw --prompt 512 --new 64 --slots 1872 \
+    --types "$TYPES" --configs "$ROWS" --compare-steps 0 --profile-steps 0 --out "$OUT"/run.json > "$OUT"/run.txt 2>&1
+  grep -E "decode [0-9]" "$OUT"/run.txt | head -20
+fi
 el wait build; while [ ! -f /tmp/lcb.done ]; do sleep 3; done; cat /tmp/lcb.done
 el llama-bench
 timeout 100 /tmp/lcb/bin/llama-bench -m "$GG" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench.err \
   | tee "$OUT"/llama-bench.md
+el llama-batched-bench
+timeout 120 /tmp/lcb/bin/llama-batched-bench -m "$GG" -ngl 99 -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 \
+  -npl 1,8,32 > "$OUT"/llama-batched.txt 2>&1
+grep -E "^\|" "$OUT"/llama-batched.txt | tail -5
 el done
