@@ -136,14 +136,14 @@ def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
     assert prefill_gemm() == "hgemm" and dec.prefiller(experts="gemm").gemm == "sgemm"  # the CPU decoder's own
     with pytest.raises(StrataError, match="GEMM path 'x'"):
         ChunkPrefill(dec, gemm="x")
-    from stratatools.runtime.gpu.prefill import JOB_TOKENS, JOB_TOKENS_MMA, prefill_scratch_bytes
+    from stratatools.runtime.gpu.prefill import JOB_TOKENS, JOB_TOKENS_MMA_MAX, prefill_scratch_bytes
 
     # the dense share: one matrix as float32 twice (8 bytes a weight), which covers hgemm's fp16 pair (4)
     assert prefill_scratch_bytes(cpu_rt.cfg, 0, max_dense_values=1000) - prefill_scratch_bytes(cpu_rt.cfg, 0) == 8000
-    cfg = cpu_rt.cfg  # the mma jobs' hidden rows (16-token jobs) and their halves take more than the rows path's
+    cfg = cpu_rt.cfg  # the mma jobs' hidden rows (jobs up to 32 tokens) and their halves take more than the rows path's
     extra = prefill_scratch_bytes(cfg, 0, experts="mma") - prefill_scratch_bytes(cfg, 0, experts="rows")
     E, ff, k = max(cfg.n_expert), cfg.n_ff_exp, cfg.n_expert_used
-    assert extra == (2 * (512 * k + E * (JOB_TOKENS_MMA - 1)) - (512 * k + E * (JOB_TOKENS - 1))) * ff * 4 \
+    assert extra == (2 * (512 * k + E * (JOB_TOKENS_MMA_MAX - 1)) - (512 * k + E * (JOB_TOKENS - 1))) * ff * 4 \
         + 512 * cfg.n_embd * 4
 
 

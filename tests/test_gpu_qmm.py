@@ -57,7 +57,8 @@ def test_gpu_dense_matches_float64_and_sgemm(layout, rows, cols, T):
 
 
 @pytest.mark.parametrize("tname,hidden,ff", [("Q2_0", 1024, 512), ("Q8_0", 512, 256)])
-def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
+@pytest.mark.parametrize("jt", [16, 32])
+def test_gpu_moe_jobs_match_float64(tname, hidden, ff, jt):
     import cupy as cp
 
     from stratatools.runtime.gpu import qmm
@@ -72,14 +73,15 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
         mats.append([np.asarray(dequantize(a, tname, r * c)).reshape(r, c).astype(np.float64)
                      for a, r, c in ((g, ff, hidden), (u, ff, hidden), (dn, hidden, ff))])
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
-    je, jt, jd = expert_jobs(ids, qmm.JOB_TOKENS)
+    tt = jt
+    je, jt, jd = expert_jobs(ids, tt)
     ptr = cp.asarray(np.array([int(blobs[e].data.ptr) for e in je], dtype=np.uint64))
     X = rng.standard_normal((T, hidden)).astype(np.float32)
-    hbuf = cp.zeros((je.size * qmm.JOB_TOKENS, ff), dtype=cp.float32)
-    qmm.moe_gate_up(ptr, cp.asarray(jt), qmm.split(cp.asarray(X)), tname, hbuf, hidden, ff)
+    hbuf = cp.zeros((je.size * tt, ff), dtype=cp.float32)
+    qmm.moe_gate_up(ptr, cp.asarray(jt), qmm.split(cp.asarray(X)), tname, hbuf, hidden, ff, tt)
     out = cp.full((T * k, hidden), cp.nan, dtype=cp.float32)
     bv, bb = qmm.BLOCK_VALUES[qmm.LAYOUTS[tname]], qmm.BLOCK_BYTES[qmm.LAYOUTS[tname]]
-    qmm.moe_down(ptr, 2 * ff * hidden // bv * bb, cp.asarray(jd), qmm.split(hbuf), tname, out, hidden, ff)
+    qmm.moe_down(ptr, 2 * ff * hidden // bv * bb, cp.asarray(jd), qmm.split(hbuf), tname, out, hidden, ff, tt)
     out = cp.asnumpy(out).astype(np.float64)
     ref = np.empty_like(out)
     for t in range(T):
@@ -93,7 +95,8 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff):
 
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 256, 1), (512, 10, 256, 2), (1, 4, 300, 3), (40, 2, 3, 4),
                                         (33, 7, 12288, 5), (1000, 8, 64, 6)])
-def test_gpu_device_job_table_matches_expert_jobs(T, k, E, seed):
+@pytest.mark.parametrize("jt", [16, 32])
+def test_gpu_device_job_table_matches_expert_jobs(T, k, E, seed, jt):
     """qmm.moe_jobs on the device (one block of 1,024 threads: the threads' scan of the experts' counts and the
     bitonic sort, which the host build runs with one thread) = expert_jobs' table, the spare jobs empty."""
     import cupy as cp
@@ -106,12 +109,12 @@ def test_gpu_device_job_table_matches_expert_jobs(T, k, E, seed):
     if T > 16:
         ids[:, 0] = 1  # an expert with pairs of every token: several jobs
     ptr_row = (np.arange(E, dtype=np.uint64) * 4096 + 0x1000).astype(np.uint64)
-    jp, jt, jd = (cp.asnumpy(a) for a in qmm.moe_jobs(cp.asarray(ids.reshape(-1)), k, E, cp.asarray(ptr_row)))
-    je, rt, rd = expert_jobs(ids, qmm.JOB_TOKENS)
+    jp, tok, dst = (cp.asnumpy(a) for a in qmm.moe_jobs(cp.asarray(ids.reshape(-1)), k, E, cp.asarray(ptr_row), jt))
+    je, rt, rd = expert_jobs(ids, jt)
     n = je.size
-    assert jp.size == qmm.job_capacity(ids.size, E) >= n
-    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(jt[:n * 16], rt) and np.array_equal(jd[:n * 16], rd)
-    assert np.all(jp[n:] == ptr_row[0]) and np.all(jt[n * 16:] == -1) and np.all(jd[n * 16:] == -1)
+    assert jp.size == qmm.job_capacity(ids.size, E, jt) >= n
+    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(tok[:n * jt], rt) and np.array_equal(dst[:n * jt], rd)
+    assert np.all(jp[n:] == ptr_row[0]) and np.all(tok[n * jt:] == -1) and np.all(dst[n * jt:] == -1)
 
 
 @pytest.mark.parametrize("layout,rows,cols", [("Q8R", 2560, 2560), ("Q8R", 300, 1056), ("Q8_0", 520, 640),

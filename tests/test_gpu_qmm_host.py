@@ -39,15 +39,16 @@ def lib(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     h = ctypes.CDLL(str(so))
     h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
-    h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, P, P, P]
+    h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
-        getattr(h, f"host_qmm_moe_gu_{f}").argtypes = [U, U, P, P, P, P, P, P, I, I]
-        getattr(h, f"host_qmm_moe_down_{f}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
+        for jt in Q.JOB_SIZES:
+            getattr(h, f"host_qmm_moe_gu_{f}_{jt}").argtypes = [U, U, P, P, P, P, P, P, I, I]
+            getattr(h, f"host_qmm_moe_down_{f}_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
     h.host_h2f.argtypes = [P, P, LL]
@@ -352,11 +353,12 @@ def test_prefill_and_batch_gemm_env(monkeypatch):
         monkeypatch.setenv(env, "mma")
 
 
-@pytest.mark.parametrize("tname,hidden,ff,T,E,k", [("Q2_0", 192, 128, 21, 5, 3), ("Q8_0", 96, 64, 19, 3, 2)])
-def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
-    """Routed experts as jobs of one expert and up to 16 tokens: gate/up with the silu epilogue into hbuf, then down
-    into the pair's own row, against float64 per pair (blobs read through host addresses, as through the slot
-    table's device addresses)."""
+@pytest.mark.parametrize("tname,hidden,ff,T,E,k,jt", [("Q2_0", 192, 128, 21, 5, 3, 16), ("Q8_0", 96, 64, 19, 3, 2, 16),
+                                                     ("Q2_0", 192, 128, 41, 5, 3, 32), ("Q8_0", 96, 64, 37, 3, 2, 32)])
+def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k, jt):
+    """Routed experts as jobs of one expert and up to jt (16 or 32) tokens: gate/up with the silu epilogue into hbuf,
+    then down into the pair's own row, against float64 per pair (blobs read through host addresses, as through the
+    slot table's device addresses)."""
     rng = np.random.default_rng(hidden + T)
     blobs, mats = [], []
     for _ in range(E):
@@ -365,23 +367,27 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
         mats.append((wmat(g, tname, ff, hidden), wmat(u, tname, ff, hidden), wmat(dn, tname, hidden, ff)))
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     ids[:, 0] = 0  # expert 0 gets every token: more than one job
-    je, jt, jd = expert_jobs(ids, Q.JOB_TOKENS)
+    tt = jt
+    je, jt, jd = expert_jobs(ids, tt)
     J = je.size
     ptr = np.array([blobs[e].ctypes.data for e in je], dtype=np.uint64)
     X = rng.standard_normal((T, hidden)).astype(np.float32)
     X[1] *= np.float32(1e4)
     xh, xl, xs = split_host(lib, X)
-    hbuf = np.full((J * 16, ff), np.nan, dtype=np.float32)
+    hbuf = np.full((J * tt, ff), np.nan, dtype=np.float32)
     f = Q.LAYOUTS[tname]
-    getattr(lib, f"host_qmm_moe_gu_{f}")(-(-ff // 16), J, _p(ptr), _p(jt), _p(xh), _p(xl), _p(xs), _p(hbuf), hidden, ff)
+    with shared_within(lib, Q.smem_bytes(f, tt // 8)):
+        getattr(lib, f"host_qmm_moe_gu_{f}_{tt}")(-(-ff // 16), J, _p(ptr), _p(jt), _p(xh), _p(xl), _p(xs), _p(hbuf),
+                                                  hidden, ff)
     used = jt >= 0
     assert np.all(np.isfinite(hbuf[used])) and np.all(np.isnan(hbuf[~used]))
     hbuf[~used] = 0.0
     hh, hl, hs = split_host(lib, hbuf)
     out = np.full((T * k, hidden), np.nan, dtype=np.float32)
     doff = 2 * (ff * hidden // Q.BLOCK_VALUES[f]) * Q.BLOCK_BYTES[f]
-    getattr(lib, f"host_qmm_moe_down_{f}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), _p(hh), _p(hl), _p(hs),
-                                           _p(out), hidden, ff)
+    with shared_within(lib, Q.smem_bytes(f, tt // 8)):
+        getattr(lib, f"host_qmm_moe_down_{f}_{tt}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), _p(hh), _p(hl), _p(hs),
+                                                    _p(out), hidden, ff)
     for t in range(T):
         x = X[t].astype(np.float64)
         for r in range(k):
@@ -399,29 +405,44 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k):
 
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4),
                                         (512, 10, 256, 5), (1, 1, 1, 6), (33, 7, 12288, 7)])
-def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed):
-    """The device-built job table (qmm_jobs) = expert_jobs' for the first J jobs, blob addresses from the layer's
-    row; the spare jobs up to job_capacity are empty with expert 0's address. An expert with more than 16 pairs and
-    experts with none are in every case but one."""
+@pytest.mark.parametrize("jt", [16, 32])
+def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed, jt):
+    """The device-built job table (qmm_jobs) = expert_jobs' for the first J jobs (jobs of jt tokens), blob addresses
+    from the layer's row; the spare jobs up to job_capacity are empty with expert 0's address. An expert with more
+    than one job's pairs and experts with none are in every case but one."""
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.permutation(E)[:k] if k <= E else rng.integers(0, E, k) for _ in range(T)]).astype(np.int32)
     if T > 16:
         ids[:, 0] = 1  # 1 gets a pair of every token: two jobs or more
     N = ids.size
     ptr_row = (np.arange(E, dtype=np.uint64) * 4096 + 0x1000).astype(np.uint64)
-    J = Q.job_capacity(N, E)
-    assert J == -(-N // 16) + min(E, N)
+    J = Q.job_capacity(N, E, jt)
+    assert J == -(-N // jt) + min(E, N)
     jp = np.zeros(J, np.uint64)
-    jt = np.full(J * 16, 7777, np.int32)
-    jd = np.full(J * 16, 7777, np.int32)
+    tok = np.full(J * jt, 7777, np.int32)
+    dst = np.full(J * jt, 7777, np.int32)
     assert Q.device_jobs_ok(N, E)
     with shared_within(lib, Q.jobs_shared(N, E)):
-        lib.host_qmm_jobs(1, 1, _p(ids.reshape(-1)), N, k, E, _p(ptr_row), J, _p(jp), _p(jt), _p(jd))
-    je, rt, rd = expert_jobs(ids, Q.JOB_TOKENS)
+        lib.host_qmm_jobs(1, 1, _p(ids.reshape(-1)), N, k, E, _p(ptr_row), J, jt, _p(jp), _p(tok), _p(dst))
+    je, rt, rd = expert_jobs(ids, jt)
     n = je.size
     assert n <= J
-    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(jt[:n * 16], rt) and np.array_equal(jd[:n * 16], rd)
-    assert np.all(jp[n:] == ptr_row[0]) and np.all(jt[n * 16:] == -1) and np.all(jd[n * 16:] == -1)
+    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(tok[:n * jt], rt) and np.array_equal(dst[:n * jt], rd)
+    assert np.all(jp[n:] == ptr_row[0]) and np.all(tok[n * jt:] == -1) and np.all(dst[n * jt:] == -1)
+
+
+def test_job_sizes_from_the_environment(monkeypatch):
+    """STRATATOOLS_PREFILL_JOB: 16 or 32 (default 16); another value, or another size asked for, is refused."""
+    monkeypatch.delenv(Q.JOB_ENV, raising=False)
+    assert Q.job_tokens() == Q.JOB_DEFAULT == 16 and Q.job_tokens(32) == 32
+    monkeypatch.setenv(Q.JOB_ENV, "32")
+    assert Q.job_tokens() == 32 and Q.job_tokens(16) == 16
+    for bad in ("24", "３２", "x"):
+        monkeypatch.setenv(Q.JOB_ENV, bad)
+        with pytest.raises(StrataError, match=Q.JOB_ENV):
+            Q.job_tokens()
+    with pytest.raises(StrataError, match="8 tokens"):
+        Q.job_tokens(8)
 
 
 def test_moe_job_kernels_skip_empty_jobs(lib):
@@ -443,12 +464,13 @@ def test_moe_job_kernels_skip_empty_jobs(lib):
         t2 = np.concatenate([jt, np.full(spare * 16, -1, np.int32)])
         d2 = np.concatenate([jd, np.full(spare * 16, -1, np.int32)])
         hbuf = np.zeros((J * 16, ff), dtype=np.float32)
-        getattr(lib, f"host_qmm_moe_gu_{f}")(-(-ff // 16), J, _p(ptr), _p(t2), _p(xh), _p(xl), _p(xs), _p(hbuf), hidden, ff)
+        getattr(lib, f"host_qmm_moe_gu_{f}_16")(-(-ff // 16), J, _p(ptr), _p(t2), _p(xh), _p(xl), _p(xs), _p(hbuf),
+                                               hidden, ff)
         hh, hl, hs = split_host(lib, hbuf)
         out = np.full((T * k, hidden), np.nan, dtype=np.float32)
         doff = 2 * (ff * hidden // Q.BLOCK_VALUES[f]) * Q.BLOCK_BYTES[f]
-        getattr(lib, f"host_qmm_moe_down_{f}")(-(-hidden // 16), J, _p(ptr), doff, _p(d2), _p(hh), _p(hl), _p(hs),
-                                               _p(out), hidden, ff)
+        getattr(lib, f"host_qmm_moe_down_{f}_16")(-(-hidden // 16), J, _p(ptr), doff, _p(d2), _p(hh), _p(hl), _p(hs),
+                                                  _p(out), hidden, ff)
         assert np.all(np.isfinite(out))
         outs.append(out)
     assert np.array_equal(outs[0], outs[1])

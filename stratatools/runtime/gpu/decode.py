@@ -1881,18 +1881,19 @@ class StaticDecoder:
 
     def prefiller(self, chunk: int | None = None, group: int | None = None, experts: str = "rows") -> Any:
         """The :class:`stratatools.runtime.gpu.prefill.ChunkPrefill` :meth:`prefill` uses with these options, the
-        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM`` and the shared expert's stream (:data:`SHARED_SIDE_ENV`)
-        (made once and kept while they stay the same; its kernels are compiled as it is made and by its
+        dense GEMM path of ``STRATATOOLS_PREFILL_GEMM``, the shared expert's stream (:data:`SHARED_SIDE_ENV`) and the
+        expert jobs' size (``STRATATOOLS_PREFILL_JOB``) (made once and kept while they stay the same; its kernels are compiled as it is made and by its
         ``compile()``)."""
         from stratatools.runtime.gpu.prefill import CHUNK, GROUP, ChunkPrefill
-        from stratatools.runtime.gpu.qmm import prefill_gemm
+        from stratatools.runtime.gpu.qmm import job_tokens, prefill_gemm
 
         c, g = int(chunk or CHUNK), int(group or GROUP)
         pf = getattr(self, "_prefiller", None)
         gemm = prefill_gemm() if self.gpu else "sgemm"  # (a CPU decoder ignores the GPU switch: ChunkPrefill)
         side = bool(self.gpu and shared_side() and gemm != "hgemm")  # the shared expert's stream (SHARED_SIDE_ENV)
-        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm, pf._shared_side is not None) != (
-                c, g, experts, gemm, side):
+        jt = job_tokens() if self.gpu else getattr(pf, "_jt", None)  # the expert jobs' size (qmm.JOB_ENV)
+        if pf is None or (pf.chunk, pf.group, pf.asked[0], pf.gemm, pf._shared_side is not None, pf._jt) != (
+                c, g, experts, gemm, side, jt):
             pf = self._prefiller = ChunkPrefill(self, c, g, experts)
         return pf
 

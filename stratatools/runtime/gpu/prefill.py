@@ -74,6 +74,8 @@ ROUTE_THREADS = 128
 JOB_TOKENS = 8
 #: Tokens of one expert job of the ``mma`` expert path (``qmm.cu`` QMM_JOB).
 JOB_TOKENS_MMA = 16
+#: The largest job of the ``mma`` path (``STRATATOOLS_PREFILL_JOB``: qmm.JOB_SIZES), which the VRAM plan provides for.
+JOB_TOKENS_MMA_MAX = 32
 #: Expert paths: ``rows`` (``pf_moe_gu``/``pf_moe_down``: quantized rows decoded once per job of up to
 #: :data:`JOB_TOKENS` tokens), ``gemm`` (blobs dequantized to float32 ``group`` at a time, batched SGEMMs) or ``mma``
 #: (tensor-core jobs of up to :data:`JOB_TOKENS_MMA` tokens, :mod:`stratatools.runtime.gpu.qmm`).
@@ -277,7 +279,7 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
     if experts == "rows":
         experts_b += (chunk * k + E * (JOB_TOKENS - 1)) * ff * 4
     elif experts == "mma":  # the jobs' hidden rows and their hi/lo halves, the input's halves
-        experts_b += 2 * (chunk * k + E * (JOB_TOKENS_MMA - 1)) * ff * 4 + chunk * n * 4
+        experts_b += 2 * (chunk * k + E * (JOB_TOKENS_MMA_MAX - 1)) * ff * 4 + chunk * n * 4
     else:
         experts_b += group * blob_bytes_f32 + group * chunk * (n + 3 * ff) * 4 * 2
     attn = min(ATTN_SCORE_BYTES, 4 * 4 * cfg.n_head * chunk * max(1, min(max_ctx, 1 << 30)))
@@ -333,6 +335,9 @@ class ChunkPrefill:
         self.gpu = dec.gpu
         self.chunk, self.group = int(chunk), int(group)
         self.k = self.cfg.n_expert_used
+        from stratatools.runtime.gpu.qmm import job_tokens
+
+        self._jt = job_tokens() if self.gpu else JOB_TOKENS_MMA  # tokens of a tensor-core expert job (qmm.JOB_ENV)
         self._small: dict[str, Any] = {}
         self.timing: dict[str, float] | None = None  # set to {} to collect per-part host-side timings (synchronises)
         if self.gpu:
@@ -1164,9 +1169,10 @@ class ChunkPrefill:
         cp = self.cp
         if not self._mma_experts_ok(il):
             return self._experts_rows(il, x, ids)
-        je, jt, jd = expert_jobs(ids, JOB_TOKENS_MMA)
+        tt = self._job_tokens()
+        je, jt, jd = expert_jobs(ids, tt)
         return self._mma_jobs(il, x, cp.asarray(self._slots[il][je].astype(np.uint64)), cp.asarray(jt),
-                              cp.asarray(jd), int(ids.size))
+                              cp.asarray(jd), int(ids.size), tt)
 
     def _mma_experts_ok(self, il: int) -> bool:
         """Do layer ``il``'s routed experts have tensor-core job kernels (Q8_0 / Q2_0 rows of whole blocks)?"""
@@ -1183,12 +1189,23 @@ class ChunkPrefill:
         from stratatools.runtime.gpu import qmm
 
         ly = self.rt.tier.arena.layers[il]
-        ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il])
-        return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size))
+        tt = self._job_tokens()
+        ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
+        return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size), tt)
 
-    def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int) -> Any:
-        """Run the tensor-core expert jobs (blob addresses ``ptr`` [J], slots ``jt`` / ``jd`` [J 16] on the device)
-        of layer ``il`` over the rows ``x``: the N pairs' unweighted outputs [N, n]."""
+    def _job_tokens(self) -> int:
+        """Tokens of one tensor-core expert job: the prefill's (:data:`stratatools.runtime.gpu.qmm.JOB_ENV`, read
+        once); the batched step sets :data:`stratatools.runtime.gpu.qmm.JOB_TOKENS`."""
+        from stratatools.runtime.gpu import qmm
+
+        jt = getattr(self, "_jt", None)
+        if jt is None:
+            jt = self._jt = qmm.job_tokens()
+        return jt
+
+    def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int, tt: int = JOB_TOKENS_MMA) -> Any:
+        """Run the tensor-core expert jobs (blob addresses ``ptr`` [J], slots ``jt`` / ``jd`` [J tt] on the device,
+        ``tt`` tokens a job) of layer ``il`` over the rows ``x``: the N pairs' unweighted outputs [N, n]."""
         from stratatools.runtime.gpu import qmm
 
         cp = self.cp
@@ -1196,11 +1213,11 @@ class ChunkPrefill:
         hidden, ff = ly.hidden, ly.ff
         J = int(ptr.size)
         xs = self._split(x)
-        hbuf = cp.zeros((J * JOB_TOKENS_MMA, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
-        qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff)
+        hbuf = cp.zeros((J * tt, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
+        qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff, tt)
         hs = qmm.split(hbuf)
         out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
-        qmm.moe_down(ptr, 2 * ly.gate_bytes, jd, hs, ly.d_type.id, out, hidden, ff)
+        qmm.moe_down(ptr, 2 * ly.gate_bytes, jd, hs, ly.d_type.id, out, hidden, ff, tt)
         return out
 
     def _experts_rows(self, il: int, x: Any, ids: np.ndarray, tt: int = JOB_TOKENS) -> Any:

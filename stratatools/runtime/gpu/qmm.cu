@@ -40,8 +40,7 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 // The kernels' launch bounds name a minimum of resident blocks (dense 2, expert jobs 3): without one, ptxas (CUDA
 // 13.0, sm_90) spilled 8 bytes of Q2_0 instances at 72 registers; with 3 the Q8_0 gate/up job kernel keeps about 165
 // registers (3 blocks an SM) instead of about 198 (nvcc -Xptxas -v: no instance spills).
-//: tokens of one expert job of the mma expert path (prefill.py JOB_TOKENS_MMA)
-#define QMM_JOB 16
+// Expert job kernels are instantiated for jobs of JT = 16 and 32 tokens (qmm.py JOB_SIZES; 2 blocks an SM at 32).
 
 // Asynchronous 16-byte copies global -> shared (cp_async.cuh; the host build copies at once), and the dynamic shared
 // memory that holds the staged activations (two chunks: the next one lands while the current one is computed).
@@ -410,20 +409,20 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
                    min(8 * NT, T - t0));
 }
 
-// ---- routed experts: jobs of one expert and up to QMM_JOB tokens (prefill.py expert_jobs) ---------------------------
-// gate/up: Hbuf[j QMM_JOB + s, r] = silu(g) u, g = gate_j[r] . x, u = up_j[r] . x, x = X[job_tok[j QMM_JOB + s]], for
+// ---- routed experts: jobs of one expert and up to JT tokens (JT 16 or 32; prefill.py expert_jobs) -----------------
+// gate/up: Hbuf[j JT + s, r] = silu(g) u, g = gate_j[r] . x, u = up_j[r] . x, x = X[job_tok[j JT + s]], for
 // job j = blockIdx.y and rows r < Fd (16 nw a block, blockIdx.x); gate_j at job_ptr[j] (a VRAM slot or mapped pinned
 // host memory), up_j = gate_j + Fd rb, rb = H / BV * ts. X as qmm_split's hi / lo [T, H] and sc [T]. Slots with
-// job_tok < 0 are left as they are. Grid: (ceil(Fd / (16 nw)), jobs); dynamic shared memory: QmmSmem<F, 2>::bytes.
-template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
+// job_tok < 0 are left as they are. Grid: (ceil(Fd / (16 nw)), jobs); dynamic shared memory: QmmSmem<F, JT / 8>::bytes.
+template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Hbuf, int H, int Fd) {
     QMM_DYN_SHARED(xs);
-    __shared__ int tokrow[QMM_JOB];
+    __shared__ int tokrow[JT];
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
-    for (int s = threadIdx.x; s < QMM_JOB; s += blockDim.x) tokrow[s] = job_tok[j * QMM_JOB + s];
+    for (int s = threadIdx.x; s < JT; s += blockDim.x) tokrow[s] = job_tok[j * JT + s];
     __syncthreads();
     if (tokrow[0] < 0) return;  // an empty job (qmm_jobs' spare jobs; slots fill from 0): nothing to read
     const int r0 = (blockIdx.x * nw + warp) * 16;
@@ -431,33 +430,33 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_gu(
     const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     const u16* dm[2] = {nullptr, nullptr};
-    mma_c acc[2][QMM_JOB / 8];
-    qmm_tile<F, QMM_JOB / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs, acc, 0, qmm_chunks<F>(H));
-    qmm_each_out<QMM_JOB / 8>(r0, [&](int l, int n, int i, int row, int s) {
+    mma_c acc[2][JT / 8];
+    qmm_tile<F, JT / 8, 2>(wm, dm, rb, Fd, H, r0, xhi, xlo, (long long)H, tokrow, xs, acc, 0, qmm_chunks<F>(H));
+    qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         const int t = tokrow[s];
         if (row < Fd && t >= 0) {
             const float gs = acc[0][n].x[l][i] * xsc[t], us = acc[1][n].x[l][i] * xsc[t];
-            Hbuf[((long long)j * QMM_JOB + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
+            Hbuf[((long long)j * JT + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
         }
     });
 }
 
-// down: out[job_dst[j QMM_JOB + s], r] = down_j[r] . h for job j = blockIdx.y, rows r < H, h = row j QMM_JOB + s of
-// Hbuf given as qmm_split's hi / lo [J QMM_JOB, Fd] and sc; down_j = job_ptr[j] + doff, rows of Fd values. Slots with
+// down: out[job_dst[j JT + s], r] = down_j[r] . h for job j = blockIdx.y, rows r < H, h = row j JT + s of
+// Hbuf given as qmm_split's hi / lo [J JT, Fd] and sc; down_j = job_ptr[j] + doff, rows of Fd values. Slots with
 // job_dst < 0 are skipped (their Hbuf rows are not read). Grid: (ceil(H / (16 nw)), jobs); dynamic shared memory:
-// QmmSmem<F, 2>::bytes.
-template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
+// QmmSmem<F, JT / 8>::bytes.
+template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u16* __restrict__ hhi,
         const u16* __restrict__ hlo, const float* __restrict__ hsc, float* __restrict__ out, int H, int Fd) {
     QMM_DYN_SHARED(xs);
-    __shared__ int tokrow[QMM_JOB];
-    __shared__ int dst[QMM_JOB];
+    __shared__ int tokrow[JT];
+    __shared__ int dst[JT];
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
-    for (int s = threadIdx.x; s < QMM_JOB; s += blockDim.x) {
-        dst[s] = job_dst[j * QMM_JOB + s];
-        tokrow[s] = dst[s] >= 0 ? j * QMM_JOB + s : -1;
+    for (int s = threadIdx.x; s < JT; s += blockDim.x) {
+        dst[s] = job_dst[j * JT + s];
+        tokrow[s] = dst[s] >= 0 ? j * JT + s : -1;
     }
     __syncthreads();
     if (dst[0] < 0) return;  // an empty job
@@ -465,9 +464,9 @@ template <int F> __global__ void __launch_bounds__(QMM_THREADS, 3) qmm_moe_down(
     const long long rb = (long long)(Fd / QFmt<F>::bv) * QFmt<F>::ts;
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     const u16* dm[1] = {nullptr};
-    mma_c acc[1][QMM_JOB / 8];
-    qmm_tile<F, QMM_JOB / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs, acc, 0, qmm_chunks<F>(Fd));
-    qmm_each_out<QMM_JOB / 8>(r0, [&](int l, int n, int i, int row, int s) {
+    mma_c acc[1][JT / 8];
+    qmm_tile<F, JT / 8, 1>(wm, dm, rb, H, Fd, r0, hhi, hlo, (long long)Fd, tokrow, xs, acc, 0, qmm_chunks<F>(Fd));
+    qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         const int t = tokrow[s];
         if (row < H && t >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i] * hsc[t];
     });
@@ -528,16 +527,16 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // ---- the job table on the device (the batched decode step and the prefill: the routing is not read back) -----------
 // ids [N]: the expert of pair i = t k + r (0 <= id < E); ptr_row [E]: the layer's blob addresses (the decoder's slot
 // table row). Writes the jobs of prefill.py expert_jobs (experts in increasing id, each expert's pairs in increasing
-// pair index, QMM_JOB slots a job): job_ptr [jmax], job_tok / job_dst [jmax QMM_JOB] (token t and pair i of each slot,
+// pair index, jt slots a job: 16 or 32): job_ptr [jmax], job_tok / job_dst [jmax jt] (token t and pair i of each slot,
 // -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the job
-// kernels return at once on them). jmax >= ceil(N / QMM_JOB) + min(E, N) holds every routing. One block (grid 1 x 1),
+// kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
 // any block size nt <= qmm.py JOBS_THREADS (the host build: one thread). Dynamic shared memory (qmm.py jobs_shared):
 // 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
 // M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
 // expert's first position, and the table comes out the same for any block size (no atomics decide an order).
 extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row,
-                                    int jmax, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
+                                    int jmax, int jt, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
                                     int* __restrict__ job_dst) {
     int* cnt = reinterpret_cast<int*>(QMM_SMEM_BASE);
     int* js = cnt + E;       // first job of expert e
@@ -558,7 +557,7 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     // the runs' sums are scanned across the threads (Hillis-Steele), then each thread writes its experts' prefixes
     const int seg = (E + nt - 1) / nt, e0 = min(E, tid * seg), e1 = min(E, e0 + seg);
     int sj = 0, sp = 0;
-    for (int e = e0; e < e1; ++e) { sj += (cnt[e] + QMM_JOB - 1) / QMM_JOB; sp += cnt[e]; }
+    for (int e = e0; e < e1; ++e) { sj += (cnt[e] + jt - 1) / jt; sp += cnt[e]; }
     tj[tid] = sj;
     tp[tid] = sp;
     __syncthreads();
@@ -573,7 +572,7 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     for (int e = e0; e < e1; ++e) {
         js[e] = bj;
         first[e] = bp;
-        bj += (cnt[e] + QMM_JOB - 1) / QMM_JOB;
+        bj += (cnt[e] + jt - 1) / jt;
         bp += cnt[e];
     }
     if (tid == nt - 1) *jused = tj[tid];
@@ -592,19 +591,19 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     for (int p = tid; p < N; p += nt) {
         const u32 kv = key[p];
         const int e = (int)(kv / (u32)N), i = (int)(kv - (u32)e * (u32)N);
-        const int slot = js[e] * QMM_JOB + (p - first[e]);
+        const int slot = js[e] * jt + (p - first[e]);
         job_tok[slot] = i / k;
         job_dst[slot] = i;
     }
     for (int e = tid; e < E; e += nt) {
         const int n = cnt[e];
         if (n == 0) continue;
-        const int j0 = js[e], nj = (n + QMM_JOB - 1) / QMM_JOB;
+        const int j0 = js[e], nj = (n + jt - 1) / jt;
         for (int j = j0; j < j0 + nj; ++j) job_ptr[j] = ptr_row[e];
-        for (int r = n; r < nj * QMM_JOB; ++r) job_tok[j0 * QMM_JOB + r] = job_dst[j0 * QMM_JOB + r] = -1;
+        for (int r = n; r < nj * jt; ++r) job_tok[j0 * jt + r] = job_dst[j0 * jt + r] = -1;
     }
     const int ju = *jused;
     for (int j = ju + tid; j < jmax; j += nt) job_ptr[j] = ptr_row[0];
-    for (long long s = (long long)ju * QMM_JOB + tid; s < (long long)jmax * QMM_JOB; s += nt)
+    for (long long s = (long long)ju * jt + tid; s < (long long)jmax * jt; s += nt)
         job_tok[s] = job_dst[s] = -1;
 }

@@ -44,8 +44,13 @@ TILES = (2, 4, 8)
 #: Threads a block (qmm.cu QMM_THREADS: 4 warps, 16 weight rows each).
 THREADS = 128
 ROWS_PER_BLOCK = 16 * (THREADS // 32)
-#: Tokens of one expert job (qmm.cu QMM_JOB).
+#: Tokens of one expert job (qmm.cu's JT): the default, and the sizes the job kernels are instantiated for.
 JOB_TOKENS = 16
+JOB_SIZES = (16, 32)
+#: The prefill's job size (``STRATATOOLS_PREFILL_JOB``, one of :data:`JOB_SIZES`); the batched step keeps
+#: :data:`JOB_TOKENS` (one or two tokens an expert).
+JOB_ENV = "STRATATOOLS_PREFILL_JOB"
+JOB_DEFAULT = 16
 SPLIT_THREADS = 256
 #: qmm.cu QMM_KC: values of k a chunk of staged activations holds.
 KC = 128
@@ -106,7 +111,7 @@ def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
     names = ["qmm_split", "qmm_jobs"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
-    names += [f"{k}<{f}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42)]
+    names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
     return names
 
@@ -152,7 +157,7 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
 def host_source() -> str:
     """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
     lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)``,
-    ``host_qmm_moe_gu_<F>`` / ``host_qmm_moe_down_<F>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
+    ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
     wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
     D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
@@ -165,8 +170,8 @@ def host_source() -> str:
     ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
            "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n",
            'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
-           "const u64* ptr_row, int jmax, u64* job_ptr, int* job_tok, int* job_dst) {\n    host_run_grid(gx, gy, [&]() { "
-           "qmm_jobs(ids, N, k, E, ptr_row, jmax, job_ptr, job_tok, job_dst); });\n}\n"]
+           "const u64* ptr_row, int jmax, int jt, u64* job_ptr, int* job_tok, int* job_dst) {\n    host_run_grid(gx, gy, "
+           "[&]() { qmm_jobs(ids, N, k, E, ptr_row, jmax, jt, job_ptr, job_tok, job_dst); });\n}\n"]
     for f in sorted(set(LAYOUTS.values())):
         for nt in TILES:
             ent.append(f'extern "C" void host_qmm_dense_{f}_{nt}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
@@ -175,9 +180,10 @@ def host_source() -> str:
         ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
     for f in (8, 42):
-        for name, (decl, call) in (("qmm_moe_gu", gu), ("qmm_moe_down", dn)):
-            ent.append(f'extern "C" void host_{name}_{f}(unsigned gx, unsigned gy, {decl}) {{\n'
-                       f"    host_run_grid(gx, gy, [&]() {{ {name}<{f}>({call}); }});\n}}\n")
+        for jt in JOB_SIZES:
+            for name, (decl, call) in (("qmm_moe_gu", gu), ("qmm_moe_down", dn)):
+                ent.append(f'extern "C" void host_{name}_{f}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
+                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{f}, {jt}>({call}); }});\n}}\n")
     ent.append(
         'extern "C" void host_mma_tile(const u16* A, const u16* B, const float* C, float* D) {\n'
         "    mma_a a; mma_b b; mma_c c;\n"
@@ -407,10 +413,25 @@ def hgemm(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     return Y
 
 
-def job_capacity(n_pairs: int, n_expert: int) -> int:
-    """Jobs :func:`moe_jobs` provides for ``n_pairs`` (token, expert) pairs over ``n_expert`` experts: enough for any
-    routing (each expert with pairs has at most one job that is not full)."""
-    return -(-int(n_pairs) // JOB_TOKENS) + min(int(n_expert), int(n_pairs))
+def job_capacity(n_pairs: int, n_expert: int, jt: int = JOB_TOKENS) -> int:
+    """Jobs :func:`moe_jobs` provides for ``n_pairs`` (token, expert) pairs over ``n_expert`` experts in jobs of
+    ``jt`` tokens: enough for any routing (each expert with pairs has at most one job that is not full)."""
+    return -(-int(n_pairs) // int(jt)) + min(int(n_expert), int(n_pairs))
+
+
+def job_tokens(jt: Any = None) -> int:
+    """A job size: ``jt`` when given, else the prefill's (:data:`JOB_ENV`, default :data:`JOB_DEFAULT`). Raises
+    StrataError for one that is not in :data:`JOB_SIZES`."""
+    if jt is None:
+        v = os.environ.get(JOB_ENV, "").strip()
+        if not v:
+            return JOB_DEFAULT
+        if not (v.isascii() and v.isdigit()) or int(v) not in JOB_SIZES:
+            raise StrataError(f"{JOB_ENV}={v!r}: use one of {', '.join(map(str, JOB_SIZES))}")
+        return int(v)
+    if int(jt) not in JOB_SIZES:
+        raise StrataError(f"qmm: expert jobs of {jt} tokens: use one of {', '.join(map(str, JOB_SIZES))}")
+    return int(jt)
 
 
 #: Threads of the ``qmm_jobs`` block.
@@ -436,12 +457,12 @@ def device_jobs_ok(n_pairs: int, n_expert: int) -> bool:
     return N >= 1 and E >= 1 and E * N < 2 ** 32 and jobs_shared(N, E) <= JOBS_SHARED_MAX
 
 
-def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any) -> tuple[Any, Any, Any]:
+def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any, jt: int = JOB_TOKENS) -> tuple[Any, Any, Any]:
     """The job table of :func:`stratatools.runtime.gpu.prefill.expert_jobs` built on the device (``qmm_jobs``, one
     block sorting the pairs by expert), so that the batched step and the prefill need not read their routing back:
     ``ids`` int32 [N] (pair t k + r's expert, on the device), ``ptr_row`` uint64 [>= n_expert] the layer's blob
-    addresses. Returns (job_ptr uint64 [J], job_tok int32 [J 16], job_dst int32 [J 16]) with J =
-    :func:`job_capacity`; the jobs after the routing's are empty (-1 slots), and :func:`moe_gate_up` /
+    addresses; ``jt`` the tokens a job (:data:`JOB_SIZES`). Returns (job_ptr uint64 [J], job_tok int32 [J jt], job_dst
+    int32 [J jt]) with J = :func:`job_capacity`; the jobs after the routing's are empty (-1 slots), and :func:`moe_gate_up` /
     :func:`moe_down` skip them. Raises StrataError for a routing :func:`device_jobs_ok` refuses (an empty one, or one
     whose sort outgrows a block's shared memory: 38,000 pairs at 256 experts)."""
     import cupy as cp
@@ -449,13 +470,14 @@ def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any) -> tuple[Any, Any, A
     N, E = int(ids.size), int(n_expert)
     if not device_jobs_ok(N, E):
         raise StrataError(f"qmm: a device job table for {N} pairs over {E} experts is not supported")
-    J = job_capacity(N, E)
+    jt = job_tokens(jt)
+    J = job_capacity(N, E, jt)
     job_ptr = cp.empty(J, dtype=cp.uint64)
-    job_tok = cp.empty(J * JOB_TOKENS, dtype=cp.int32)
-    job_dst = cp.empty(J * JOB_TOKENS, dtype=cp.int32)
+    job_tok = cp.empty(J * jt, dtype=cp.int32)
+    job_dst = cp.empty(J * jt, dtype=cp.int32)
     launch_big_shared(_fn("qmm_jobs"), (1,), (JOBS_THREADS,),
                       (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E), ptr_row,
-                       np.int32(J), job_ptr, job_tok, job_dst), jobs_shared(N, E))
+                       np.int32(J), np.int32(jt), job_ptr, job_tok, job_dst), jobs_shared(N, E))
     return job_ptr, job_tok, job_dst
 
 
@@ -469,31 +491,31 @@ def _expert_layout(layout: Any, cols: int) -> int:
 
 
 def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: Any, hbuf: Any, hidden: int,
-                ff: int) -> None:
+                ff: int, jt: int = JOB_TOKENS) -> None:
     """Gate/up of the routed-expert jobs: ``hbuf[j 16 + s] = silu(gate_j x) * (up_j x)`` for x the row
     ``job_tok[j 16 + s]`` of the split activations ``xs`` (:func:`split` of X [T, hidden]); ``job_ptr`` uint64 [J]
     device addresses of the experts' blobs (gate [ff, hidden] then up, GGUF ``layout`` Q8_0 or Q2_0 blocks);
-    ``job_tok`` int32 [J 16] (-1: empty slot, its row left as it is); ``hbuf`` float32 [J 16, ff].
+    ``job_tok`` int32 [J jt] (-1: empty slot, its row left as it is); ``hbuf`` float32 [J jt, ff]; ``jt`` the tokens a
+    job (:data:`JOB_SIZES`).
     Raises StrataError for another layout or rows that are not whole blocks."""
     f = _expert_layout(layout, hidden)
     J = int(job_ptr.size)
     hi, lo, sc = xs
-    kc = chunk_values(moe=True, layout=f)
-    launch_big_shared(_fn(f"qmm_moe_gu<{f}>", kc), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
-                      (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)),
-                      smem_bytes(f, JOB_TOKENS // 8, kc))
+    kc, jt = chunk_values(moe=True, layout=f), job_tokens(jt)
+    launch_big_shared(_fn(f"qmm_moe_gu<{f}, {jt}>", kc), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)), smem_bytes(f, jt // 8, kc))
 
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
-             ff: int) -> None:
+             ff: int, jt: int = JOB_TOKENS) -> None:
     """Down of the routed-expert jobs: ``out[job_dst[j 16 + s]] = down_j h`` for h the row ``j 16 + s`` of the split
-    hidden activations ``hs`` (:func:`split` of hbuf [J 16, ff]); ``down_j`` at ``job_ptr[j] + doff`` ([hidden, ff],
-    GGUF ``layout`` Q8_0 or Q2_0 blocks); ``job_dst`` int32 [J 16] (-1: skipped); ``out`` float32 [N, hidden].
+    hidden activations ``hs`` (:func:`split` of hbuf [J jt, ff]); ``down_j`` at ``job_ptr[j] + doff`` ([hidden, ff],
+    GGUF ``layout`` Q8_0 or Q2_0 blocks); ``job_dst`` int32 [J jt] (-1: skipped); ``out`` float32 [N, hidden].
     Raises StrataError for another layout or rows that are not whole blocks."""
     f = _expert_layout(layout, ff)
     J = int(job_ptr.size)
     hi, lo, sc = hs
-    kc = chunk_values(moe=True, layout=f)
-    launch_big_shared(_fn(f"qmm_moe_down<{f}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+    kc, jt = chunk_values(moe=True, layout=f), job_tokens(jt)
+    launch_big_shared(_fn(f"qmm_moe_down<{f}, {jt}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, np.int64(doff), job_dst, hi, lo, sc, out, np.int32(hidden), np.int32(ff)),
-                      smem_bytes(f, JOB_TOKENS // 8, kc))
+                      smem_bytes(f, jt // 8, kc))
