@@ -354,9 +354,10 @@ def test_prefill_and_batch_gemm_env(monkeypatch):
 
 
 @pytest.mark.parametrize("tname,hidden,ff,T,E,k,jt", [("Q2_0", 192, 128, 21, 5, 3, 16), ("Q8_0", 96, 64, 19, 3, 2, 16),
-                                                     ("Q2_0", 192, 128, 41, 5, 3, 32), ("Q8_0", 96, 64, 37, 3, 2, 32)])
+                                                     ("Q2_0", 192, 128, 41, 5, 3, 32), ("Q8_0", 96, 64, 37, 3, 2, 32),
+                                                     ("Q2_0", 192, 128, 13, 5, 3, 8)])
 def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k, jt):
-    """Routed experts as jobs of one expert and up to jt (16 or 32) tokens: gate/up with the silu epilogue into hbuf,
+    """Routed experts as jobs of one expert and up to jt (8, 16 or 32) tokens: gate/up with the silu epilogue into hbuf,
     then down into the pair's own row, against float64 per pair (blobs read through host addresses, as through the
     slot table's device addresses)."""
     rng = np.random.default_rng(hidden + T)
@@ -405,7 +406,7 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k, jt):
 
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4),
                                         (512, 10, 256, 5), (1, 1, 1, 6), (33, 7, 12288, 7)])
-@pytest.mark.parametrize("jt", [16, 32])
+@pytest.mark.parametrize("jt", [8, 16, 32])
 def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed, jt):
     """The device-built job table (qmm_jobs) = expert_jobs' for the first J jobs (jobs of jt tokens), blob addresses
     from the layer's row; the spare jobs up to job_capacity are empty with expert 0's address. An expert with more
@@ -432,7 +433,8 @@ def test_qmm_jobs_match_expert_jobs(lib, T, k, E, seed, jt):
 
 
 def test_job_sizes_from_the_environment(monkeypatch):
-    """STRATATOOLS_PREFILL_JOB: 16 or 32 (default 16); another value, or another size asked for, is refused."""
+    """STRATATOOLS_PREFILL_JOB / STRATATOOLS_BATCH_JOB: 8, 16 or 32 (default 16); another value, or another size asked
+    for, is refused."""
     monkeypatch.delenv(Q.JOB_ENV, raising=False)
     assert Q.job_tokens() == Q.JOB_DEFAULT == 16 and Q.job_tokens(32) == 32
     monkeypatch.setenv(Q.JOB_ENV, "32")
@@ -441,8 +443,13 @@ def test_job_sizes_from_the_environment(monkeypatch):
         monkeypatch.setenv(Q.JOB_ENV, bad)
         with pytest.raises(StrataError, match=Q.JOB_ENV):
             Q.job_tokens()
-    with pytest.raises(StrataError, match="8 tokens"):
-        Q.job_tokens(8)
+    with pytest.raises(StrataError, match="12 tokens"):
+        Q.job_tokens(12)
+    monkeypatch.delenv(Q.JOB_ENV)
+    monkeypatch.setenv(Q.BATCH_JOB_ENV, "8")
+    assert Q.job_tokens(batch=True) == 8 and Q.job_tokens() == 16
+    monkeypatch.delenv(Q.BATCH_JOB_ENV)
+    assert Q.job_tokens(batch=True) == Q.BATCH_JOB_DEFAULT == 16
 
 
 def test_moe_job_kernels_skip_empty_jobs(lib):

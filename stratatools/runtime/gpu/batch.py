@@ -176,9 +176,9 @@ class BatchDecoder(ChunkPrefill):
             from stratatools.runtime.gpu.experts import moe_int8
 
             self._moe_int8 = moe_int8()  # read once: the captured step and the eager steps run the same kernels
-            from stratatools.runtime.gpu.qmm import JOB_TOKENS
+            from stratatools.runtime.gpu.qmm import job_tokens
 
-            self._jt = JOB_TOKENS  # one or two tokens an expert: the prefill's larger jobs would be mostly empty
+            self._jt = job_tokens(batch=True)  # one or two tokens an expert: the prefill's jobs would be mostly empty
 
     def _weight(self, name: str) -> Any:
         """Matrix ``name`` as float32 [rows, cols]: the prefill's (dequantized now, transient), except that on CuPy

@@ -72,7 +72,7 @@ ATTN_SCORE_BYTES = 128 << 20
 ROUTE_THREADS = 128
 #: Tokens of one expert job (``prefill.cu`` PF_TT): each weight row is decoded once per job.
 JOB_TOKENS = 8
-#: Tokens of one expert job of the ``mma`` expert path (``qmm.cu`` QMM_JOB).
+#: Tokens of one expert job of the ``mma`` expert path by default (``qmm.cu``'s JT; qmm.JOB_SIZES).
 JOB_TOKENS_MMA = 16
 #: The largest job of the ``mma`` path (``STRATATOOLS_PREFILL_JOB``: qmm.JOB_SIZES), which the VRAM plan provides for.
 JOB_TOKENS_MMA_MAX = 32
@@ -1195,7 +1195,7 @@ class ChunkPrefill:
 
     def _job_tokens(self) -> int:
         """Tokens of one tensor-core expert job: the prefill's (:data:`stratatools.runtime.gpu.qmm.JOB_ENV`, read
-        once); the batched step sets :data:`stratatools.runtime.gpu.qmm.JOB_TOKENS`."""
+        once); the batched step's (:data:`stratatools.runtime.gpu.qmm.BATCH_JOB_ENV`)."""
         from stratatools.runtime.gpu import qmm
 
         jt = getattr(self, "_jt", None)

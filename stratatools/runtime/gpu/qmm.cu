@@ -40,7 +40,7 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 // The kernels' launch bounds name a minimum of resident blocks (dense 2, expert jobs 3): without one, ptxas (CUDA
 // 13.0, sm_90) spilled 8 bytes of Q2_0 instances at 72 registers; with 3 the Q8_0 gate/up job kernel keeps about 165
 // registers (3 blocks an SM) instead of about 198 (nvcc -Xptxas -v: no instance spills).
-// Expert job kernels are instantiated for jobs of JT = 16 and 32 tokens (qmm.py JOB_SIZES; 2 blocks an SM at 32).
+// Expert job kernels are instantiated for jobs of JT = 8, 16 and 32 tokens (qmm.py JOB_SIZES; 2 blocks an SM at 32).
 
 // Asynchronous 16-byte copies global -> shared (cp_async.cuh; the host build copies at once), and the dynamic shared
 // memory that holds the staged activations (two chunks: the next one lands while the current one is computed).

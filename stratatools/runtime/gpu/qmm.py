@@ -46,11 +46,13 @@ THREADS = 128
 ROWS_PER_BLOCK = 16 * (THREADS // 32)
 #: Tokens of one expert job (qmm.cu's JT): the default, and the sizes the job kernels are instantiated for.
 JOB_TOKENS = 16
-JOB_SIZES = (16, 32)
-#: The prefill's job size (``STRATATOOLS_PREFILL_JOB``, one of :data:`JOB_SIZES`); the batched step keeps
-#: :data:`JOB_TOKENS` (one or two tokens an expert).
+JOB_SIZES = (8, 16, 32)
+#: The prefill's job size (``STRATATOOLS_PREFILL_JOB``, one of :data:`JOB_SIZES`) and the batched step's
+#: (``STRATATOOLS_BATCH_JOB``: one or two tokens an expert at 32 sequences).
 JOB_ENV = "STRATATOOLS_PREFILL_JOB"
 JOB_DEFAULT = 16
+BATCH_JOB_ENV = "STRATATOOLS_BATCH_JOB"
+BATCH_JOB_DEFAULT = 16
 SPLIT_THREADS = 256
 #: qmm.cu QMM_KC: values of k a chunk of staged activations holds.
 KC = 128
@@ -419,15 +421,17 @@ def job_capacity(n_pairs: int, n_expert: int, jt: int = JOB_TOKENS) -> int:
     return -(-int(n_pairs) // int(jt)) + min(int(n_expert), int(n_pairs))
 
 
-def job_tokens(jt: Any = None) -> int:
-    """A job size: ``jt`` when given, else the prefill's (:data:`JOB_ENV`, default :data:`JOB_DEFAULT`). Raises
-    StrataError for one that is not in :data:`JOB_SIZES`."""
+def job_tokens(jt: Any = None, batch: bool = False) -> int:
+    """A job size: ``jt`` when given, else the prefill's (:data:`JOB_ENV`, default :data:`JOB_DEFAULT`) or with
+    ``batch`` the batched step's (:data:`BATCH_JOB_ENV`, default :data:`BATCH_JOB_DEFAULT`). Raises StrataError for
+    one that is not in :data:`JOB_SIZES`."""
     if jt is None:
-        v = os.environ.get(JOB_ENV, "").strip()
+        env, default = (BATCH_JOB_ENV, BATCH_JOB_DEFAULT) if batch else (JOB_ENV, JOB_DEFAULT)
+        v = os.environ.get(env, "").strip()
         if not v:
-            return JOB_DEFAULT
+            return default
         if not (v.isascii() and v.isdigit()) or int(v) not in JOB_SIZES:
-            raise StrataError(f"{JOB_ENV}={v!r}: use one of {', '.join(map(str, JOB_SIZES))}")
+            raise StrataError(f"{env}={v!r}: use one of {', '.join(map(str, JOB_SIZES))}")
         return int(v)
     if int(jt) not in JOB_SIZES:
         raise StrataError(f"qmm: expert jobs of {jt} tokens: use one of {', '.join(map(str, JOB_SIZES))}")
