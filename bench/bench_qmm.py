@@ -59,7 +59,7 @@ def cuda_ms(cp, fn, reps: int) -> float:
 #: Prefill settings (environment of the decoder's prefill): the dense GEMM path (``sgemm``, ``mma``, ``hgemm``), and
 #: the tensor-core kernels' chunk of k (``*-kc256``: dense; ``*-moekc256`` / ``*-moekc128``: the expert jobs), the shared expert after
 #: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``) or the warp kernel
-#: without staging (``mma-gdnwarp``), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
+#: without / with staging (``mma-gdnwarp``, ``mma-gdnstaged``), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
 #: ``mma-big8m``: STRATATOOLS_PREFILL_BIG), the routed experts in jobs of 32 tokens (``mma-job32``).
 PREFILL_VARIANTS = {
     "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
@@ -69,6 +69,7 @@ PREFILL_VARIANTS = {
     "mma-moekc128": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_MOE_KC": "128"},
     "mma-gdnchunk": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "0"},
     "mma-gdnwarp": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "1"},
+    "mma-gdnstaged": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "2"},
     "mma-job32": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_JOB": "32"},
     "mma-big2m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 21)},
     "mma-big8m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 23)},

@@ -284,8 +284,8 @@ def test_gpu_prefill_hgemm_matches_sgemm(kit, model, monkeypatch):
 @pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10),
                                            (37, 2, 16, 4, 12)])
 def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
-    """pf_gdn_warp_staged (a warp per 4 value columns, lanes over the key rows, shuffle sums, inputs staged 16 tokens
-    at a time: the prefill's default), pf_gdn_warp (inputs read per token) and pf_gdn_chunk on the device, the
+    """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default),
+    pf_gdn_warp_staged (its inputs staged 16 tokens at a time) and pf_gdn_chunk on the device, the
     full-width shapes included: outputs and final states within 1e-5 of the float64 delta rule (the host build checks
     the kernels with one-lane warps); the staged kernel only where dk and dv are multiples of 4."""
     import cupy as cp

@@ -12,6 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from stratatools.core.errors import StrataError
 from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.gpu import prefill as PF
 from stratatools.runtime.model import _l2norm, _sigmoid, _softmax
@@ -215,3 +216,16 @@ def test_pf_moe_kernels_match_reference(lib, gu, dn, hidden, ff):
             got = out[t * k + r]
             assert np.abs(got - ref).max() <= 1e-4 * max(np.abs(ref).max(), 1e-6), (t, r)
     assert np.all(out[T * k] == 7.0)
+
+
+def test_gdn_kernel_from_the_environment(monkeypatch):
+    """STRATATOOLS_GDN_WARP names the prefill's recurrence kernel: 1 (default) the warp kernel, 2 the staged one, 0
+    the block kernel; another value is refused, naming the variable."""
+    monkeypatch.delenv(PF.GDN_WARP_ENV, raising=False)
+    assert PF.gdn_kernel() == "warp"
+    for v, want in (("0", "chunk"), ("1", "warp"), (" 2 ", "staged"), ("", "warp")):
+        monkeypatch.setenv(PF.GDN_WARP_ENV, v)
+        assert PF.gdn_kernel() == want
+    monkeypatch.setenv(PF.GDN_WARP_ENV, "3")
+    with pytest.raises(StrataError, match=PF.GDN_WARP_ENV):
+        PF.gdn_kernel()

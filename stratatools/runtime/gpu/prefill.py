@@ -112,9 +112,10 @@ GDN_PREP_THREADS = 256
 
 
 #: The prefill's delta-rule recurrence: ``0`` ``pf_gdn_chunk`` (a block per head and column slice, the state in shared
-#: memory, three barriers a token), ``1`` ``pf_gdn_warp`` (a warp per :data:`GDN_WARP_COLUMNS` value columns, the
-#: state in registers, no barrier, each token's inputs read from global memory), ``2`` (default)
+#: memory, three barriers a token), ``1`` (default) ``pf_gdn_warp`` (a warp per :data:`GDN_WARP_COLUMNS` value
+#: columns, the state in registers, no barrier, each token's inputs read from global memory), ``2``
 #: ``pf_gdn_warp_staged`` (the same, the inputs staged in shared memory :data:`GDN_STAGE_TOKENS` tokens at a time).
+#: H200, 48 x 256 model, 512-token prefill: 29.4 / 31.3 / 40.9 ms for warp / staged / block (bench/gpu-notes.md).
 #: The warp kernels need keys of at most :data:`GDN_WARP_MAX_DK` values (the staged one also 16-byte rows:
 #: :func:`gdn_staged_ok`); else the block kernel runs.
 GDN_WARP_ENV = "STRATATOOLS_GDN_WARP"
@@ -127,14 +128,14 @@ GDN_WARP_WARPS = 4
 
 
 def gdn_kernel() -> str:
-    """:data:`GDN_WARP_ENV` as the kernel it names: ``chunk`` (0), ``warp`` (1) or ``staged`` (2, the default when
-    unset or empty). Raises StrataError for another value."""
+    """:data:`GDN_WARP_ENV` as the kernel it names: ``chunk`` (0), ``warp`` (1, the default when unset or empty) or
+    ``staged`` (2). Raises StrataError for another value."""
     import os
 
-    v = os.environ.get(GDN_WARP_ENV, "").strip() or "2"
+    v = os.environ.get(GDN_WARP_ENV, "").strip() or "1"
     if v not in ("0", "1", "2"):
-        raise StrataError(f"{GDN_WARP_ENV}={v!r}: use 2 (a warp per value columns, inputs staged), 1 (the same, "
-                          f"inputs read per token) or 0 (a block per head and column slice)")
+        raise StrataError(f"{GDN_WARP_ENV}={v!r}: use 1 (a warp per value columns), 2 (the same, inputs staged in "
+                          f"shared memory) or 0 (a block per head and column slice)")
     return ("chunk", "warp", "staged")[int(v)]
 
 
