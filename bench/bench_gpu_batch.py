@@ -69,23 +69,18 @@ def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict
     """Per-kernel device time of ``steps`` batched steps (CUPTI through torch.profiler, as bench_gpu_run's decode
     profile) and the steps' wall time: the share of the wall the device is busy says whether kernels or the host's
     launches bound the step. Prints the 14 longest kernels; returns {"wall_ms", "device_ms", "launches", "rows"}."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except Exception:  # noqa: BLE001
-        return {}
-    from bench_gpu_run import kernel_rows
+    from bench_gpu_run import profile_run
 
-    torch.cuda.init()
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            _, nxt, _, _ = bd.step(places, toks)
-            toks = [int(v) for v in nxt]
-        cp.cuda.Device().synchronize()
-    wall = (time.perf_counter() - t0) / steps * 1e3
-    rows = kernel_rows(prof, steps)
+    state = {"toks": toks}
+
+    def one() -> None:
+        _, nxt, _, _ = bd.step(places, state["toks"])
+        state["toks"] = [int(v) for v in nxt]
+
+    got = profile_run(cp, one, steps)
+    if got is None:
+        return {}
+    rows, wall = got
     dev = sum(r[1] for r in rows)
     nl = sum(r[2] for r in rows)
     print(f"\nkernels of one {var} step at N={len(places)} (profiled): {dev:.2f} ms of device time in {nl} launches, "

@@ -303,6 +303,27 @@ def print_timeline(name: str, tl: dict) -> None:
               + ", ".join(f"{k} {v:.3f}" for k, v in d["by_kernel"].items()), flush=True)
 
 
+def profile_run(cp: Any, run: Any, steps: int = 1) -> tuple[list, float] | None:
+    """Run ``run()`` ``steps`` times under torch.profiler (CUPTI) after a device synchronisation: (:func:`kernel_rows`
+    per run, wall milliseconds per run), or None without torch."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:  # noqa: BLE001
+        return None
+    import time
+
+    torch.cuda.init()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        cp.cuda.Device().synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    return kernel_rows(prof, steps), wall
+
+
 def kernel_rows(prof: Any, steps: int) -> list:
     """A torch.profiler run's CUDA kernels as rows (kernel, ms a step, launches a step, share of the device time),
     longest first, over ``steps`` steps."""

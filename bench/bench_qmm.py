@@ -59,7 +59,7 @@ def cuda_ms(cp, fn, reps: int) -> float:
 #: Prefill settings (environment of the decoder's prefill): the dense GEMM path (``sgemm``, ``mma``, ``hgemm``), and
 #: the tensor-core kernels' chunk of k (``*-kc256``: dense; ``*-moekc256`` / ``*-moekc128``: the expert jobs), the shared expert after
 #: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``) or the warp kernel
-#: without / with staging (``mma-gdnwarp``, ``mma-gdnstaged``), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
+#: (``mma-gdnwarp``, the default's setting), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
 #: ``mma-big8m``: STRATATOOLS_PREFILL_BIG), the routed experts in jobs of 32 tokens (``mma-job32``).
 PREFILL_VARIANTS = {
     "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
@@ -69,7 +69,6 @@ PREFILL_VARIANTS = {
     "mma-moekc128": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_MOE_KC": "128"},
     "mma-gdnchunk": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "0"},
     "mma-gdnwarp": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "1"},
-    "mma-gdnstaged": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "2"},
     "mma-job32": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_JOB": "32"},
     "mma-big2m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 21)},
     "mma-big8m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 23)},
@@ -80,24 +79,15 @@ PREFILL_VARIANTS = {
 
 
 def prefill_profile(cp, run, gemm: str, tokens: int) -> dict:
-    """Per-kernel device time of one prefill ``run()`` (CUPTI through torch.profiler, as bench_gpu_batch's step
+    """Per-kernel device time of one prefill ``run()`` (:func:`bench_gpu_run.profile_run`, as bench_gpu_batch's step
     profile); prints the 16 longest kernels. Returns {"wall_ms", "device_ms", "launches", "rows"} ({} without
     torch)."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except Exception:  # noqa: BLE001
-        return {}
-    from bench_gpu_run import kernel_rows
+    from bench_gpu_run import profile_run
 
-    torch.cuda.init()
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        cp.cuda.Device().synchronize()
-    wall = (time.perf_counter() - t0) * 1e3
-    rows = kernel_rows(prof, 1)
+    got = profile_run(cp, run)
+    if got is None:
+        return {}
+    rows, wall = got
     dev = sum(r[1] for r in rows)
     nl = sum(r[2] for r in rows)
     print(f"\nkernels of one {gemm} prefill of {tokens} tokens (profiled): {dev:.1f} ms of device time in {nl} "

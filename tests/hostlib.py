@@ -52,3 +52,21 @@ def rand32(rng, *shape, scale: float = 1.0):
     import numpy as np
 
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def gdn_reference(q, kk, v, beta, decay, S0):
+    """The gated delta rule in float64 over T tokens: q, kk [T, nk, dk], v [T, nv, dv], beta, decay [T, nv], S0 [nv,
+    dk, dv] (value head j reads key group j % nk, as the kernels do). Returns (outputs [T, nv, dv], final state)."""
+    import numpy as np
+
+    T, nv = beta.shape
+    rep = nv // q.shape[1]
+    St = S0.astype(np.float64)
+    ref = np.empty((T, nv, v.shape[-1]))
+    for t in range(T):
+        qt, kt = np.tile(q[t], (rep, 1)), np.tile(kk[t], (rep, 1))
+        St = St * decay[t][:, None, None]
+        delta = (v[t] - np.sum(kt[:, :, None] * St, axis=1)) * beta[t][:, None]
+        St = St + kt[:, :, None] * delta[:, None, :]
+        ref[t] = np.sum(qt[:, :, None] * St, axis=1)
+    return ref, St

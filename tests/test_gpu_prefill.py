@@ -284,8 +284,8 @@ def test_gpu_prefill_hgemm_matches_sgemm(kit, model, monkeypatch):
 @pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10),
                                            (37, 2, 16, 4, 12)])
 def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
-    """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default),
-    pf_gdn_warp_staged (its inputs staged 16 tokens at a time) and pf_gdn_chunk on the device, the
+    """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default) and
+    pf_gdn_chunk on the device, the
     full-width shapes included: outputs and final states within 1e-5 of the float64 delta rule (the host build checks
     the kernels with one-lane warps); the staged kernel only where dk and dv are multiples of 4."""
     import cupy as cp
@@ -300,28 +300,19 @@ def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
     beta = _sigmoid(np, rng.standard_normal((T, nv)).astype(np.float32))
     decay = np.exp(-rng.uniform(0, 2, (T, nv))).astype(np.float32)
     S0 = (rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32)
-    rep = nv // nk
-    St = S0.astype(np.float64)
-    ref = np.empty((T, nv, dv))
-    for t in range(T):
-        qt, kt = np.tile(q[t], (rep, 1)), np.tile(kk[t], (rep, 1))
-        St = St * decay[t][:, None, None]
-        delta = (v[t].reshape(nv, dv) - np.sum(kt[:, :, None] * St, axis=1)) * beta[t][:, None]
-        St = St + kt[:, :, None] * delta[:, None, :]
-        ref[t] = np.sum(qt[:, :, None] * St, axis=1)
+    from hostlib import gdn_reference
+
+    ref, St = gdn_reference(q, kk, v.reshape(T, nv, dv), beta, decay, S0)
     mod = PF._module(False, ())
     args = [cp.asarray(a) for a in (q, kk, v)]
-    for name in ("pf_gdn_warp_staged", "pf_gdn_warp", "pf_gdn_chunk"):
-        if name == "pf_gdn_warp_staged" and (dk % 4 or dv % 4):
-            continue
+    for name in ("pf_gdn_warp", "pf_gdn_chunk"):
         S = cp.asarray(S0)
         out = cp.full((T, nv * dv), cp.nan, dtype=cp.float32)
         common = (args[0], args[1], args[2], np.int32(nv * dv), cp.asarray(beta), cp.asarray(decay), S, out,
                   np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
         if name != "pf_gdn_chunk":
             per = PF.GDN_WARP_COLUMNS * PF.GDN_WARP_WARPS
-            shm = PF.gdn_warp_shared(dk) if name == "pf_gdn_warp_staged" else 0
-            mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common, shared_mem=shm)
+            mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common)
         else:
             ncb = max(1, min(dv, -(-128 // nv)))
             cw = -(-dv // ncb)

@@ -17,7 +17,7 @@ from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.gpu import prefill as PF
 from stratatools.runtime.model import _l2norm, _sigmoid, _softmax
 
-from hostlib import shared_within
+from hostlib import gdn_reference, shared_within
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the prefill kernels")
@@ -55,7 +55,7 @@ def _p(a):
 
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
-    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_warp_staged"}
+    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -83,13 +83,11 @@ def test_pf_route_matches_stable_sort(lib, gating, norm, E, k):
 @pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4),
                                                 (9, 2, 32, 4, 24, 24), (6, 2, 128, 4, 9, 0),
                                                 (37, 2, 16, 4, 12, 0)])
-@pytest.mark.parametrize("kernel", ["pf_gdn_chunk", "pf_gdn_warp", "pf_gdn_warp_staged"])
+@pytest.mark.parametrize("kernel", ["pf_gdn_chunk", "pf_gdn_warp"])
 def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kernel):
     """pf_gdn_chunk over T tokens (columns split over ncb blocks, uneven split included; v read with a row stride)
     = T delta-rule steps of the decoder's numpy _gdn; the state is written back. pf_gdn_warp likewise (the host's
-    one-lane warps take 4 columns each: the last warp of a head fewer where dv is not a multiple of 4), and
-    pf_gdn_warp_staged (its inputs staged 16 tokens at a time: 37 tokens end in a short run) where dk and dv are
-    multiples of 4."""
+    one-lane warps take 4 columns each: the last warp of a head fewer where dv is not a multiple of 4)."""
     rng = np.random.default_rng(T * dv)
     q = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
     kk = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32))
@@ -99,28 +97,10 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kern
     beta = _sigmoid(np, rng.standard_normal((T, nv)).astype(np.float32))
     decay = np.exp(-rng.uniform(0, 2, (T, nv))).astype(np.float32)
     S0 = (rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32)
-    rep = nv // nk
-    St = S0.astype(np.float64)
-    ref = np.empty((T, nv, dv))
-    for t in range(T):
-        qt, kt = np.tile(q[t], (rep, 1)), np.tile(kk[t], (rep, 1))
-        St = St * decay[t][:, None, None]
-        kv = np.sum(kt[:, :, None] * St, axis=1)
-        delta = (v[t] - kv) * beta[t][:, None]
-        St = St + kt[:, :, None] * delta[:, None, :]
-        ref[t] = np.sum(qt[:, :, None] * St, axis=1)
+    ref, St = gdn_reference(q, kk, v, beta, decay, S0)
     S = S0.copy()
     out = np.full((T, nv * dv), np.nan, np.float32)
-    if kernel == "pf_gdn_warp_staged":
-        if dk % 4 or dv % 4:
-            assert not PF.gdn_staged_ok(dk, dv, ldv, (0, 0, 0))
-            return
-        vb = np.zeros((T, nv * dv), np.float32)  # 16-byte rows: the value columns copied to a stride of nv dv
-        vb[...] = v.reshape(T, nv * dv)
-        with shared_within(lib, PF.gdn_warp_shared(dk, 1)):  # the host block: one warp of one lane
-            lib.host_pf_gdn_warp_staged(nv, -(-dv // PF.GDN_WARP_COLUMNS), _p(q), _p(kk), _p(vb), nv * dv,
-                                        _p(beta), _p(decay), _p(S), _p(out), T, nk, nv, dk, dv)
-    elif kernel == "pf_gdn_warp":
+    if kernel == "pf_gdn_warp":
         with shared_within(lib, 0):  # no shared memory
             lib.host_pf_gdn_warp(nv, -(-dv // PF.GDN_WARP_COLUMNS), _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv,
                                  _p(beta), _p(decay), _p(S), _p(out), T, nk, nv, dk, dv)
@@ -219,13 +199,13 @@ def test_pf_moe_kernels_match_reference(lib, gu, dn, hidden, ff):
 
 
 def test_gdn_kernel_from_the_environment(monkeypatch):
-    """STRATATOOLS_GDN_WARP names the prefill's recurrence kernel: 1 (default) the warp kernel, 2 the staged one, 0
-    the block kernel; another value is refused, naming the variable."""
+    """STRATATOOLS_GDN_WARP names the prefill's recurrence kernel: 1 (default, also empty) the warp kernel, 0 the block
+    kernel; another value is refused, naming the variable."""
     monkeypatch.delenv(PF.GDN_WARP_ENV, raising=False)
     assert PF.gdn_kernel() == "warp"
-    for v, want in (("0", "chunk"), ("1", "warp"), (" 2 ", "staged"), ("", "warp")):
+    for v, want in (("0", "chunk"), ("1", "warp"), (" 0 ", "chunk"), ("", "warp")):
         monkeypatch.setenv(PF.GDN_WARP_ENV, v)
         assert PF.gdn_kernel() == want
-    monkeypatch.setenv(PF.GDN_WARP_ENV, "3")
+    monkeypatch.setenv(PF.GDN_WARP_ENV, "2")
     with pytest.raises(StrataError, match=PF.GDN_WARP_ENV):
         PF.gdn_kernel()

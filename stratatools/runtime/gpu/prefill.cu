@@ -236,7 +236,6 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
 // S <- decay S + k delta; o = q^T S, summed likewise; lane 0 writes o. No shared memory and no block barrier (the
 // chunk kernel's three a token bounded it: 1.1 ms a layer for 512 tokens): the warps walk the tokens independently,
 // token t+1's inputs loaded while token t is computed.
-#include "cp_async.cuh"  // cp_async16, cp_async_commit, cp_async_wait
 #define PF_GDN_CPW 4
 #ifdef STRATA_HOST
 #define PF_GDN_RPL 128  // the host's one lane holds every row
@@ -320,115 +319,6 @@ extern "C" __global__ void pf_gdn_warp(const float* __restrict__ q, const float*
         for (int c = 0; c < PF_GDN_CPW; ++c) vv[c] = vn[c];
         bt = btn;
         dc = dcn;
-    }
-    #pragma unroll
-    for (int i = 0; i < PF_GDN_RPL; ++i)
-        #pragma unroll
-        for (int c = 0; c < PF_GDN_CPW; ++c)
-            if (i < nr && c < ncol) Sj[(long long)(lane + i * nl) * dv + c] = st[i][c];
-}
-
-// ---- the same recurrence with the block's inputs staged in shared memory (STRATATOOLS_GDN_WARP=2) -----------------
-// pf_gdn_warp's work split, with the block's inputs (q and k of its key group, its value columns, beta and decay)
-// copied into shared memory PF_GDN_TS tokens at a time by cp.async, the next run in flight while the current one is
-// walked, so that a token reads its inputs from shared memory. Measured slower than pf_gdn_warp (31.3 against 29.4 ms
-// a 512-token prefill of the 48 x 256 model, H200): the per-token chain is the shuffles and FMAs, not the loads. Every thread takes part in the copies and the barriers (a warp past dv computes nothing).
-// Needs dk and dv multiples of 4 and 16-byte aligned q, kk, v rows (prefill.py gdn_staged_ok; else pf_gdn_warp).
-// Dynamic shared memory: 2 PF_GDN_TS (2 dk + PF_GDN_CPW wpb + 4) floats (prefill.py gdn_warp_shared).
-#define PF_GDN_TS 16
-extern "C" __global__ void pf_gdn_warp_staged(const float* __restrict__ q, const float* __restrict__ kk,
-                                              const float* __restrict__ v, int ldv, const float* __restrict__ beta,
-                                              const float* __restrict__ decay, float* __restrict__ S,
-                                              float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
-    PF_DYN_SHARED(float, sh);
-    const int nl = blockDim.x >= 32 ? 32 : 1, wpb = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
-    const int lane = (int)threadIdx.x & (nl - 1), warp = (int)threadIdx.x / nl;
-    const int j = blockIdx.x, g = j % nk;
-    const int cb = PF_GDN_CPW * wpb, cb0 = (int)blockIdx.y * cb, nb = min(cb, dv - cb0);  // the block's columns
-    const int c0 = cb0 + PF_GDN_CPW * warp;
-    const bool active = c0 < dv;
-    const int ncol = active ? min(PF_GDN_CPW, dv - c0) : 0;
-    const int nr = active && lane < dk ? (dk - lane + nl - 1) / nl : 0;
-    const int RW = 2 * dk + cb + 4;  // a staged token: q [dk], k [dk], v [cb], beta, decay, 2 pad
-    float* bufs[2] = {sh, sh + PF_GDN_TS * RW};
-    auto stage = [&](int run, float* dst) {
-        const int t0 = run * PF_GDN_TS, ntk = min(PF_GDN_TS, T - t0);
-        const int pq = dk / 4, per = 2 * pq + nb / 4;
-        for (int i = (int)threadIdx.x; i < ntk * per; i += (int)blockDim.x) {
-            const int tt = i / per, p = i - tt * per;
-            const long long t = t0 + tt;
-            float* d = dst + tt * RW;
-            if (p < pq) cp_async16(d + 4 * p, q + (t * nk + g) * dk + 4 * p);
-            else if (p < 2 * pq) cp_async16(d + dk + 4 * (p - pq), kk + (t * nk + g) * dk + 4 * (p - pq));
-            else cp_async16(d + 2 * dk + 4 * (p - 2 * pq), v + t * ldv + (long long)j * dv + cb0 + 4 * (p - 2 * pq));
-        }
-        for (int tt = (int)threadIdx.x; tt < ntk; tt += (int)blockDim.x) {
-            dst[tt * RW + 2 * dk + cb] = beta[(long long)(t0 + tt) * nv + j];
-            dst[tt * RW + 2 * dk + cb + 1] = decay[(long long)(t0 + tt) * nv + j];
-        }
-        cp_async_commit();
-    };
-    float* Sj = S + (long long)j * dk * dv + c0;
-    float st[PF_GDN_RPL][PF_GDN_CPW];
-    #pragma unroll
-    for (int i = 0; i < PF_GDN_RPL; ++i)
-        #pragma unroll
-        for (int c = 0; c < PF_GDN_CPW; ++c)
-            st[i][c] = i < nr && c < ncol ? Sj[(long long)(lane + i * nl) * dv + c] : 0.0f;
-    const int runs = (T + PF_GDN_TS - 1) / PF_GDN_TS;
-    if (runs > 0) stage(0, bufs[0]);
-    for (int run = 0; run < runs; ++run) {
-        if (run + 1 < runs) {
-            stage(run + 1, bufs[(run + 1) & 1]);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const float* b = bufs[run & 1];
-        const int t0 = run * PF_GDN_TS, ntk = min(PF_GDN_TS, T - t0);
-        if (active) {
-            for (int tt = 0; tt < ntk; ++tt) {
-                const float* r = b + tt * RW;
-                float kq[PF_GDN_RPL], qq[PF_GDN_RPL], kv[PF_GDN_CPW], o[PF_GDN_CPW];
-                #pragma unroll
-                for (int i = 0; i < PF_GDN_RPL; ++i) {
-                    qq[i] = i < nr ? r[lane + i * nl] : 0.0f;
-                    kq[i] = i < nr ? r[dk + lane + i * nl] : 0.0f;
-                }
-                const float bt = r[2 * dk + cb], dc = r[2 * dk + cb + 1];
-                #pragma unroll
-                for (int c = 0; c < PF_GDN_CPW; ++c) { kv[c] = 0.0f; o[c] = 0.0f; }
-                #pragma unroll
-                for (int i = 0; i < PF_GDN_RPL; ++i)
-                    #pragma unroll
-                    for (int c = 0; c < PF_GDN_CPW; ++c) kv[c] += kq[i] * (st[i][c] * dc);
-                #pragma unroll
-                for (int c = 0; c < PF_GDN_CPW; ++c)
-                    for (int m = nl >> 1; m > 0; m >>= 1) kv[c] += __shfl_xor_sync(0xffffffffu, kv[c], m);
-                #pragma unroll
-                for (int c = 0; c < PF_GDN_CPW; ++c)
-                    kv[c] = ((c < ncol ? r[2 * dk + (c0 - cb0) + c] : 0.0f) - kv[c]) * bt;  // delta
-                #pragma unroll
-                for (int i = 0; i < PF_GDN_RPL; ++i)
-                    #pragma unroll
-                    for (int c = 0; c < PF_GDN_CPW; ++c) {
-                        const float sn = st[i][c] * dc + kq[i] * kv[c];
-                        st[i][c] = sn;
-                        o[c] += qq[i] * sn;
-                    }
-                #pragma unroll
-                for (int c = 0; c < PF_GDN_CPW; ++c)
-                    for (int m = nl >> 1; m > 0; m >>= 1) o[c] += __shfl_xor_sync(0xffffffffu, o[c], m);
-                if (lane == 0) {
-                    float* ot = out + (long long)(t0 + tt) * nv * dv + (long long)j * dv + c0;
-                    #pragma unroll
-                    for (int c = 0; c < PF_GDN_CPW; ++c)
-                        if (c < ncol) ot[c] = o[c];
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with this buffer: the copies of run + 2 may go there
     }
     #pragma unroll
     for (int i = 0; i < PF_GDN_RPL; ++i)

@@ -113,42 +113,22 @@ GDN_PREP_THREADS = 256
 
 #: The prefill's delta-rule recurrence: ``0`` ``pf_gdn_chunk`` (a block per head and column slice, the state in shared
 #: memory, three barriers a token), ``1`` (default) ``pf_gdn_warp`` (a warp per :data:`GDN_WARP_COLUMNS` value
-#: columns, the state in registers, no barrier, each token's inputs read from global memory), ``2``
-#: ``pf_gdn_warp_staged`` (the same, the inputs staged in shared memory :data:`GDN_STAGE_TOKENS` tokens at a time).
-#: H200, 48 x 256 model, 512-token prefill: 29.4 / 31.3 / 40.9 ms for warp / staged / block (bench/gpu-notes.md).
-#: The warp kernels need keys of at most :data:`GDN_WARP_MAX_DK` values (the staged one also 16-byte rows:
-#: :func:`gdn_staged_ok`); else the block kernel runs.
+#: columns, the state in registers, no barrier) where the keys have at most :data:`GDN_WARP_MAX_DK` values (else the
+#: block kernel). H200, 48 x 256 model, 512-token prefill: 29.2 against 40.9 ms (bench/gpu-notes.md).
 GDN_WARP_ENV = "STRATATOOLS_GDN_WARP"
-#: prefill.cu PF_GDN_CPW (value columns a warp), 32 PF_GDN_RPL (key rows of the warp's registers), PF_GDN_TS
+#: prefill.cu PF_GDN_CPW (value columns a warp) and 32 PF_GDN_RPL (key rows of the warp's registers)
 GDN_WARP_COLUMNS = 4
 GDN_WARP_MAX_DK = 128
-GDN_STAGE_TOKENS = 16
-#: Warps of a ``pf_gdn_warp`` / ``pf_gdn_warp_staged`` block.
+#: Warps of a ``pf_gdn_warp`` block.
 GDN_WARP_WARPS = 4
 
 
 def gdn_kernel() -> str:
-    """:data:`GDN_WARP_ENV` as the kernel it names: ``chunk`` (0), ``warp`` (1, the default when unset or empty) or
-    ``staged`` (2). Raises StrataError for another value."""
-    import os
+    """:data:`GDN_WARP_ENV` as the kernel it names: ``chunk`` (0) or ``warp`` (1, the default when unset or empty).
+    Raises StrataError for another value."""
+    from stratatools.runtime.gpu.kernels import env_on
 
-    v = os.environ.get(GDN_WARP_ENV, "").strip() or "1"
-    if v not in ("0", "1", "2"):
-        raise StrataError(f"{GDN_WARP_ENV}={v!r}: use 1 (a warp per value columns), 2 (the same, inputs staged in "
-                          f"shared memory) or 0 (a block per head and column slice)")
-    return ("chunk", "warp", "staged")[int(v)]
-
-
-def gdn_warp_shared(dk: int, warps: int = GDN_WARP_WARPS) -> int:
-    """Dynamic shared bytes of ``pf_gdn_warp_staged``: two runs of :data:`GDN_STAGE_TOKENS` staged tokens of q and k
-    [dk] each, the block's value columns, beta and decay (and 2 floats of padding)."""
-    return 2 * GDN_STAGE_TOKENS * (2 * dk + GDN_WARP_COLUMNS * warps + 4) * 4
-
-
-def gdn_staged_ok(dk: int, dv: int, ldv: int, ptrs: tuple[int, ...]) -> bool:
-    """Can ``pf_gdn_warp_staged`` copy these rows in 16-byte pieces: dk, dv and the value row stride ``ldv``
-    multiples of 4 floats and the q, k and v base addresses ``ptrs`` 16-byte aligned?"""
-    return dk % 4 == 0 and dv % 4 == 0 and ldv % 4 == 0 and all(int(p) % 16 == 0 for p in ptrs)
+    return "warp" if env_on(GDN_WARP_ENV, "a warp per value columns; 0: a block per head and column slice") else "chunk"
 
 
 def gdn_chunk_shared(dk: int, cw: int, rs: int) -> int:
@@ -354,7 +334,6 @@ class ChunkPrefill:
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
-            self.k_gdn_staged = mod.get_function("pf_gdn_warp_staged")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (decode.SHARED_SIDE_ENV); not with
@@ -846,17 +825,11 @@ class ChunkPrefill:
             cp = self.cp
             v = cp.ascontiguousarray(conv)
             out = cp.empty((T, nv * dv), dtype=cp.float32)
-            kind = gdn_kernel()
-            if dk <= GDN_WARP_MAX_DK and kind != "chunk":
-                qc, kc = cp.ascontiguousarray(q), cp.ascontiguousarray(kn)
-                vp, ldv = int(v.data.ptr) + 4 * voff, int(v.shape[1])
-                args = (qc, kc, np.uint64(vp), np.int32(ldv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay),
-                        S, out, np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
-                grid = (nv, -(-dv // (GDN_WARP_COLUMNS * GDN_WARP_WARPS)))
-                if kind == "staged" and gdn_staged_ok(dk, dv, ldv, (qc.data.ptr, kc.data.ptr, vp)):
-                    self.k_gdn_staged(grid, (32 * GDN_WARP_WARPS,), args, shared_mem=gdn_warp_shared(dk))
-                else:
-                    self.k_gdn_warp(grid, (32 * GDN_WARP_WARPS,), args)
+            if dk <= GDN_WARP_MAX_DK and gdn_kernel() == "warp":
+                self.k_gdn_warp((nv, -(-dv // (GDN_WARP_COLUMNS * GDN_WARP_WARPS))), (32 * GDN_WARP_WARPS,),
+                                (cp.ascontiguousarray(q), cp.ascontiguousarray(kn), np.uint64(int(v.data.ptr) + 4 * voff),
+                                 np.int32(v.shape[1]), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out,
+                                 np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv)))
                 return out
             ncb = max(1, min(dv, -(-128 // max(nv, 1))))  # about one block per SM in all
             cw = -(-dv // ncb)
