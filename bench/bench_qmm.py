@@ -18,14 +18,16 @@ re-lays out its Q8_0 matrices: ``Q8R``), then:
 2. routed experts of one ``--prompt``-token chunk (layer 0's router on the hidden states of random activations):
    the ``mma`` job path (``_experts_mma``, 16-token jobs) against the ``rows`` path (``_experts_rows``: CUDA-core
    jobs of 8 tokens), ms each, ratio, relative difference;
-3. the prefill of a ``--prompt``-token prompt (the prompt suite's text) with ``STRATATOOLS_PREFILL_GEMM=sgemm``,
-   ``=mma`` and ``=hgemm`` (each after a warm-up prefill that compiles its kernels): tok/s of each, the ratios mma /
-   sgemm, hgemm / sgemm and hgemm / mma, the last token's logits relative error of mma and hgemm against sgemm
-   (issue 12 item 4: <= 1e-3) and their router top-k agreement over (token, layer) (>= 99.5%), then a per-part
-   breakdown of one mma and one hgemm prefill (host-timed with a device synchronisation between parts).
+3. the prefill of a ``--prompt``-token prompt (the prompt suite's text) with ``STRATATOOLS_PREFILL_GEMM=sgemm`` and
+   then each ``--prefill-variants`` setting (:data:`PREFILL_VARIANTS`; default ``mma,hgemm``; each after a warm-up
+   prefill that compiles its kernels, the best of ``--prefill-reps``): tok/s of each, its ratio to sgemm, the last
+   token's logits relative error against sgemm (issue 12 item 4: <= 1e-3) and the router top-k agreement over
+   (token, layer) (>= 99.5%), then a per-part breakdown of one prefill of each variant (host-timed with a device
+   synchronisation between parts) and, with ``--kernel-profile``, its per-kernel device time (torch.profiler).
 
 Usage: python bench/bench_qmm.py --workdir /tmp/qmm [--layers 8 --experts 256 --prompt 512 --tokens 1,8,32,128,512
-       --reps 20 --reuse | --gguf model.gguf] [--skip dense,experts,prefill] [--out res.json]
+       --reps 20 --reuse | --gguf model.gguf] [--skip dense,experts,prefill] [--prefill-variants mma,hgemm]
+       [--prefill-reps 3] [--kernel-profile] [--out res.json]
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def main() -> None:
                     help=f"prefill settings timed after sgemm (comma-separated; {', '.join(PREFILL_VARIANTS)})")
     ap.add_argument("--prefill-reps", type=int, default=3, help="prefills timed per setting (the best counts)")
     ap.add_argument("--kernel-profile", action="store_true",
-                    help="per-kernel device time of one mma and one hgemm prefill (torch.profiler)")
+                    help="per-kernel device time of one prefill of each variant (torch.profiler)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))

@@ -143,7 +143,8 @@ def test_prefill_gemm_switch(kit, cpu_rt, monkeypatch):
     cfg = cpu_rt.cfg  # the mma jobs' hidden rows (jobs up to 32 tokens) and their halves take more than the rows path's
     extra = prefill_scratch_bytes(cfg, 0, experts="mma") - prefill_scratch_bytes(cfg, 0, experts="rows")
     E, ff, k = max(cfg.n_expert), cfg.n_ff_exp, cfg.n_expert_used
-    assert extra == (2 * (512 * k + E * (JOB_TOKENS_MMA_MAX - 1)) - (512 * k + E * (JOB_TOKENS - 1))) * ff * 4 \
+    assert extra == (2 * (512 * k + JOB_TOKENS_MMA_MAX - 1 + E * JOB_TOKENS_MMA_MAX)
+                     - (512 * k + E * (JOB_TOKENS - 1))) * ff * 4 \
         + 512 * cfg.n_embd * 4
 
 
@@ -287,7 +288,7 @@ def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
     """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default) and
     pf_gdn_chunk on the device, the
     full-width shapes included: outputs and final states within 1e-5 of the float64 delta rule (the host build checks
-    the kernels with one-lane warps); the staged kernel only where dk and dv are multiples of 4."""
+    the kernels with one-lane warps)."""
     import cupy as cp
 
     from stratatools.runtime.gpu import prefill as PF

@@ -56,6 +56,36 @@ def test_gpu_dense_matches_float64_and_sgemm(layout, rows, cols, T):
     assert rel_q < 1e-5
 
 
+@pytest.mark.parametrize("layout,rows,cols,T", [("Q8_0", 37, 640, 100), ("Q8R", 4, 10240, 512), ("Q8_0", 6, 10240, 40),
+                                                ("Q8R", 36, 2560, 64), ("Q8R", 320, 10240, 512)])
+def test_gpu_dense_split_k_shapes(layout, rows, cols, T):
+    """Dense launches whose k is split and added by each tile's last slice (T > 32, few row blocks): rows that are not
+    a multiple of 4 (the slices' scalar adds), a last tile of fewer rows than the block's 64 (4, 6, 36), and the
+    prefill's hyper-connection down projection shape; every element within 1e-5 of float64 relative to |W| |x|,
+    and two launches on the same stream (the tile counters left zero) give the same bits."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+    from stratatools.runtime.gpu import qmm
+
+    rng = np.random.default_rng(rows * 7 + T)
+    raw = _blocks(rng, "Q8_0", rows, cols)
+    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    assert qmm.dense_launch(T, rows, cols, layout, 132)[3] > 1  # (on a 132-SM device: split)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        args = ("Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
+    else:
+        args = ("Q8_0", cp.asarray(raw), None, rows, cols)
+    Y1 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
+    Y2 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
+    assert np.array_equal(Y1, Y2)
+    ref = X.astype(np.float64) @ W.T
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W).T
+    assert np.all(np.abs(Y1 - ref) <= 1e-5 * bound + 1e-30)
+
+
 @pytest.mark.parametrize("tname,hidden,ff", [("Q2_0", 1024, 512), ("Q8_0", 512, 256)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
 def test_gpu_moe_jobs_match_float64(tname, hidden, ff, jt):

@@ -119,6 +119,9 @@ class BatchDecoder(ChunkPrefill):
         StrataError: ``n_places`` below 1; a decoder whose context reaches past QSA's full-selection range.
     """
 
+    #: the step's expert jobs hold one or two tokens an expert: their size from STRATATOOLS_BATCH_JOB
+    _batch_step = True
+
     def __init__(self, dec: Any, n_places: int):
         if n_places < 1:
             raise StrataError(f"--batch {n_places}: the batch size must be at least 1")
@@ -176,9 +179,6 @@ class BatchDecoder(ChunkPrefill):
             from stratatools.runtime.gpu.experts import moe_int8
 
             self._moe_int8 = moe_int8()  # read once: the captured step and the eager steps run the same kernels
-            from stratatools.runtime.gpu.qmm import job_tokens
-
-            self._jt = job_tokens(batch=True)  # one or two tokens an expert: the prefill's jobs would be mostly empty
 
     def _weight(self, name: str) -> Any:
         """Matrix ``name`` as float32 [rows, cols]: the prefill's (dequantized now, transient), except that on CuPy

@@ -19,7 +19,7 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   change during the prompt); every pair's output lands in its own row and the k rows of a token are summed with the
   router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
   blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
-  through two batched SGEMMs. ``experts="mma"``: jobs of one expert and up to :data:`JOB_TOKENS_MMA` tokens on the
+  through two batched SGEMMs. ``experts="mma"``: jobs of one expert and up to :data:`JOB_TOKENS_MMA` tokens (``STRATATOOLS_PREFILL_JOB``: 8, 16 or 32) on the
   tensor cores (:mod:`stratatools.runtime.gpu.qmm`: codes exact in fp16, the block scale applied once per block,
   activations split into two halves), Q8_0 and Q2_0 experts (other types take the ``rows`` path);
 * the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] with SiLU, the q/k L2 norms and
@@ -260,7 +260,8 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
     if experts == "rows":
         experts_b += (chunk * k + E * (JOB_TOKENS - 1)) * ff * 4
     elif experts == "mma":  # the jobs' hidden rows and their hi/lo halves, the input's halves
-        experts_b += 2 * (chunk * k + E * (JOB_TOKENS_MMA_MAX - 1)) * ff * 4 + chunk * n * 4
+        # (the device table's capacity: ceil(chunk k / jt) + E jobs of jt rows, jt up to JOB_TOKENS_MMA_MAX)
+        experts_b += 2 * (chunk * k + JOB_TOKENS_MMA_MAX - 1 + E * JOB_TOKENS_MMA_MAX) * ff * 4 + chunk * n * 4
     else:
         experts_b += group * blob_bytes_f32 + group * chunk * (n + 3 * ff) * 4 * 2
     attn = min(ATTN_SCORE_BYTES, 4 * 4 * cfg.n_head * chunk * max(1, min(max_ctx, 1 << 30)))
@@ -318,7 +319,8 @@ class ChunkPrefill:
         self.k = self.cfg.n_expert_used
         from stratatools.runtime.gpu.qmm import job_tokens
 
-        self._jt = job_tokens() if self.gpu else JOB_TOKENS_MMA  # tokens of a tensor-core expert job (qmm.JOB_ENV)
+        # tokens of a tensor-core expert job (qmm.JOB_ENV; the batched step's qmm.BATCH_JOB_ENV)
+        self._jt = job_tokens(batch=self._batch_step) if self.gpu else JOB_TOKENS_MMA
         self._small: dict[str, Any] = {}
         self.timing: dict[str, float] | None = None  # set to {} to collect per-part host-side timings (synchronises)
         if self.gpu:
@@ -1093,6 +1095,8 @@ class ChunkPrefill:
     _in_static = False
     #: the shared expert's stream beside the routed experts (CuPy, :meth:`_moe_gpu`); None: after them
     _shared_side: Any = None
+    #: set on the batched decoder: its step's settings (expert job size) rather than the prefill's
+    _batch_step = False
     _dev_route: tuple[Any, Any] | None = None
     _dev_layers: list[int] = []
     #: [X, its split or None] while :meth:`_shared_split` is open for X

@@ -409,7 +409,7 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
                    min(8 * NT, T - t0));
 }
 
-// ---- routed experts: jobs of one expert and up to JT tokens (JT 16 or 32; prefill.py expert_jobs) -----------------
+// ---- routed experts: jobs of one expert and up to JT tokens (JT 8, 16 or 32; prefill.py expert_jobs) --------------
 // gate/up: Hbuf[j JT + s, r] = silu(g) u, g = gate_j[r] . x, u = up_j[r] . x, x = X[job_tok[j JT + s]], for
 // job j = blockIdx.y and rows r < Fd (16 nw a block, blockIdx.x); gate_j at job_ptr[j] (a VRAM slot or mapped pinned
 // host memory), up_j = gate_j + Fd rb, rb = H / BV * ts. X as qmm_split's hi / lo [T, H] and sc [T]. Slots with
@@ -527,9 +527,9 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // ---- the job table on the device (the batched decode step and the prefill: the routing is not read back) -----------
 // ids [N]: the expert of pair i = t k + r (0 <= id < E); ptr_row [E]: the layer's blob addresses (the decoder's slot
 // table row). Writes the jobs of prefill.py expert_jobs (experts in increasing id, each expert's pairs in increasing
-// pair index, jt slots a job: 16 or 32): job_ptr [jmax], job_tok / job_dst [jmax jt] (token t and pair i of each slot,
-// -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the job
-// kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
+// pair index, jt slots a job: 8, 16 or 32): job_ptr [jmax], job_tok / job_dst [jmax jt] (token t and pair i of each
+// slot, -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the
+// job kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
 // any block size nt <= qmm.py JOBS_THREADS (the host build: one thread). Dynamic shared memory (qmm.py jobs_shared):
 // 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of

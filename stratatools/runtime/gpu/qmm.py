@@ -58,7 +58,9 @@ SPLIT_THREADS = 256
 KC = 128
 #: Environment knobs of the chunk of k (values; 64, 128 or 256) the dense kernels and the expert job kernels stage at a
 #: time (``qmm.cu`` QMM_KC; each family from a module built with its own): a larger chunk keeps more weight bytes in
-#: flight a lane, a smaller one more blocks a SM (shared memory). Default :data:`KC` for both.
+#: flight a lane, a smaller one more blocks a SM (shared memory). Default :data:`KC` for both (Q2_0 expert jobs:
+#: :data:`MOE_KC_DEFAULT`). ``STRATATOOLS_QMM_MOE_KC=256`` applies to Q8_0 expert jobs too, whose gate/up kernel then
+#: spills registers (nvcc sm_90: 640 bytes; slower, the same results).
 KC_ENV, MOE_KC_ENV = "STRATATOOLS_QMM_KC", "STRATATOOLS_QMM_MOE_KC"
 KCS = (64, 128, 256)
 #: Environment switch of the prefill's dense GEMMs.
@@ -258,16 +260,10 @@ def split(X: Any) -> tuple[Any, Any, Any]:
     return hi, lo, sc
 
 
-def token_tile(T: int, rows: int | None = None, n_sm: int | None = None) -> int:
-    """NT (8 NT tokens a block) of a dense launch for T tokens: 2 up to 16 tokens, 4 up to 32, else 8; with ``rows``
-    and ``n_sm`` (the device's SMs), the tile shrinks (to 4, then 2) while the grid would have fewer blocks than SMs
-    (few-row matrices over a long chunk: more blocks at the price of reading the matrix more often, from L2)."""
-    nt = 2 if T <= 16 else (4 if T <= 32 else 8)
-    if rows is not None and n_sm:
-        tiles = -(-int(rows) // ROWS_PER_BLOCK)
-        while nt > 2 and tiles * -(-T // (8 * nt)) < n_sm:
-            nt //= 2
-    return nt
+def token_tile(T: int) -> int:
+    """NT (8 NT tokens a block) of a dense launch for T tokens: 2 up to 16 tokens, 4 up to 32, else 8 (a few-row matrix
+    over a long chunk gets its blocks from a split of k, :func:`dense_launch`, no longer from smaller token tiles)."""
+    return 2 if T <= 16 else (4 if T <= 32 else 8)
 
 
 def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC) -> tuple[int, int, int, int]:
@@ -288,21 +284,44 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     return nt, gx, ty * nz, nz
 
 
-#: Most k slices of one :func:`dense` launch (each tile's last slice adds them all).
+#: Most k slices of one :func:`dense` launch (the kernel's last slice of a tile, or the sum launch up to 32 tokens,
+#: adds them; every measurement since the thirteenth pass's call C has it).
 SPLIT_MAX = 16
 #: Tile counters one stream's split-k launches of :func:`dense` share (each launch's last slices set theirs back to 0)
 SPLIT_COUNTERS = 1 << 15
 _counters: dict[tuple[int, int, int], Any] = {}
 
 
+def _new_counters(cp: Any, n: int) -> Any:
+    """n zeroed int32 counters in device memory of their own (``cupy.cuda.Memory``: cudaMalloc, outside every memory
+    pool, so that neither a CUDA graph's private pool nor its release can take them back while the module keeps them),
+    zeroed on the current stream."""
+    mem = cp.cuda.Memory(4 * int(n))
+    arr = cp.ndarray((int(n),), dtype=cp.int32, memptr=cp.cuda.MemoryPointer(mem, 0))
+    arr.fill(0)
+    return arr
+
+
+def _capturing(cp: Any) -> bool:
+    """Is the current stream being captured into a CUDA graph?"""
+    rt = getattr(cp.cuda, "runtime", None)
+    if rt is None or not hasattr(rt, "streamIsCapturing"):
+        return False
+    return bool(rt.streamIsCapturing(int(cp.cuda.get_current_stream().ptr)))
+
+
 def split_counters(cp: Any) -> Any:
-    """The zeroed int32 tile counters [:data:`SPLIT_COUNTERS`] of the current device and stream (made once; the
-    kernels leave them zero, so launches on one stream may share them: they run one after another; another stream
-    gets its own; ``cp`` is part of the key, so that the tests' host stand-in for CuPy never meets a device array)."""
+    """The zeroed int32 tile counters [:data:`SPLIT_COUNTERS`] of the current device and stream, or None when there
+    are none yet and the stream is being captured (the caller then adds the slices itself). Made once a stream, in
+    memory of their own (:func:`_new_counters`); the kernels leave them zero, so launches on one stream may share
+    them (they run one after another); another stream gets its own. ``cp`` is part of the key, so that the tests' host
+    stand-in for CuPy never meets a device array."""
     key = (id(cp), int(cp.cuda.Device().id), int(cp.cuda.get_current_stream().ptr))
     got = _counters.get(key)
     if got is None:
-        got = _counters[key] = cp.zeros(SPLIT_COUNTERS, dtype=cp.int32)
+        if _capturing(cp):
+            return None
+        got = _counters[key] = _new_counters(cp, SPLIT_COUNTERS)
     return got
 
 
@@ -349,14 +368,14 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
 
     kc = chunk_values()
     nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0], kc)
-    if nz > 1 and gx * (gy // nz) > SPLIT_COUNTERS:  # (not on any shape of the models here)
-        nt, gy, nz = token_tile(T), -(-T // (8 * token_tile(T))), 1
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
     part = cp.empty((nz, T, rows), dtype=cp.float32) if nz > 1 else out  # each k slice's partial sums
-    # the kernel's last slice of a tile adds the slices for longer X; up to 32 tokens (the batched step) one sum
-    # launch measured faster than the last slices' adds (H200, bench/gpu-notes.md)
-    in_kernel = nz > 1 and T > 8 * TILES[1]
-    cnt = split_counters(cp) if in_kernel else np.uint64(0)
+    # the kernel's last slice of a tile adds the slices for longer X (a split leaves gx * tiles < n_sm, far below
+    # SPLIT_COUNTERS); up to 32 tokens (the batched step) one sum launch measured faster than the last slices' adds
+    # (H200, bench/gpu-notes.md), and so it is where a captured stream has no counters yet
+    cnt = split_counters(cp) if nz > 1 and T > 8 * TILES[1] else None
+    in_kernel = cnt is not None
+    cnt = cnt if in_kernel else np.uint64(0)
     launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>", kc), (gx, gy), (THREADS,),
                       (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
                        np.int32(T), np.int32(rows), np.int32(cols), np.int32(nz), part, cnt), smem_bytes(f, nt, kc))
@@ -468,7 +487,7 @@ def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any, jt: int = JOB_TOKENS
     addresses; ``jt`` the tokens a job (:data:`JOB_SIZES`). Returns (job_ptr uint64 [J], job_tok int32 [J jt], job_dst
     int32 [J jt]) with J = :func:`job_capacity`; the jobs after the routing's are empty (-1 slots), and :func:`moe_gate_up` /
     :func:`moe_down` skip them. Raises StrataError for a routing :func:`device_jobs_ok` refuses (an empty one, or one
-    whose sort outgrows a block's shared memory: 38,000 pairs at 256 experts)."""
+    whose sort outgrows a block's shared memory: more than 32,768 pairs at 256 experts)."""
     import cupy as cp
 
     N, E = int(ids.size), int(n_expert)
@@ -496,8 +515,8 @@ def _expert_layout(layout: Any, cols: int) -> int:
 
 def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: Any, hbuf: Any, hidden: int,
                 ff: int, jt: int = JOB_TOKENS) -> None:
-    """Gate/up of the routed-expert jobs: ``hbuf[j 16 + s] = silu(gate_j x) * (up_j x)`` for x the row
-    ``job_tok[j 16 + s]`` of the split activations ``xs`` (:func:`split` of X [T, hidden]); ``job_ptr`` uint64 [J]
+    """Gate/up of the routed-expert jobs: ``hbuf[j jt + s] = silu(gate_j x) * (up_j x)`` for x the row
+    ``job_tok[j jt + s]`` of the split activations ``xs`` (:func:`split` of X [T, hidden]); ``job_ptr`` uint64 [J]
     device addresses of the experts' blobs (gate [ff, hidden] then up, GGUF ``layout`` Q8_0 or Q2_0 blocks);
     ``job_tok`` int32 [J jt] (-1: empty slot, its row left as it is); ``hbuf`` float32 [J jt, ff]; ``jt`` the tokens a
     job (:data:`JOB_SIZES`).
@@ -512,7 +531,7 @@ def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: An
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
              ff: int, jt: int = JOB_TOKENS) -> None:
-    """Down of the routed-expert jobs: ``out[job_dst[j 16 + s]] = down_j h`` for h the row ``j 16 + s`` of the split
+    """Down of the routed-expert jobs: ``out[job_dst[j jt + s]] = down_j h`` for h the row ``j jt + s`` of the split
     hidden activations ``hs`` (:func:`split` of hbuf [J jt, ff]); ``down_j`` at ``job_ptr[j] + doff`` ([hidden, ff],
     GGUF ``layout`` Q8_0 or Q2_0 blocks); ``job_dst`` int32 [J jt] (-1: skipped); ``out`` float32 [N, hidden].
     Raises StrataError for another layout or rows that are not whole blocks."""
