@@ -565,6 +565,33 @@ def test_dense_launcher_on_host(hostcp, layout, T):
         Q.dense(_h(X[:, :64]), "Q8_0", _h(raw), None, rows, cols)
 
 
+def test_split_counters_never_made_while_capturing(hostcp):
+    """A stream without tile counters that is being captured gets none (making and zeroing them there would be
+    recorded into the graph): dense() then adds the k slices by a sum launch, with the same result; a stream that is
+    not captured gets its own zeroed counters, kept for the next launch."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(3)
+    rows, cols, T = 70, 192, 70  # 2 row blocks x 2 token tiles, 2 chunks: k split in two
+    assert Q.dense_launch(T, rows, cols, "Q8_0", 132)[3] == 2
+    raw = blocks(rng, "Q8_0", rows, cols)
+    W = wmat(raw, "Q8_0", rows, cols)
+    X = acts(rng, T, cols)
+    cap = SimpleNamespace(ptr=991, is_capturing=lambda: True)
+    hostcp.cuda.get_current_stream = lambda: cap
+    assert Q.split_counters(hostcp) is None
+    Y = np.asarray(Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols))
+    check(Y, W, X)
+    assert Q.split_counters(hostcp) is None  # (still none made for the captured stream)
+    eager = SimpleNamespace(ptr=992, is_capturing=lambda: False)
+    hostcp.cuda.get_current_stream = lambda: eager
+    c = Q.split_counters(hostcp)
+    assert c is not None and not np.any(c) and Q.split_counters(hostcp) is c
+    Y2 = np.asarray(Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols))
+    check(Y2, W, X)
+    assert not np.any(c)  # the kernel's last slices left them zero
+
+
 def test_prefill_qmm_and_expert_paths_on_host(hostcp):
     """ChunkPrefill._qmm on a decoder's stacked Q8R group (the second matrix's rows) and on GGUF blocks; the mma
     expert path (_experts_mma: jobs, slot-table addresses, split, gate/up, down) against float64; another expert type

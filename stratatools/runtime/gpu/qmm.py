@@ -303,11 +303,12 @@ def _new_counters(cp: Any, n: int) -> Any:
 
 
 def _capturing(cp: Any) -> bool:
-    """Is the current stream being captured into a CUDA graph?"""
-    rt = getattr(cp.cuda, "runtime", None)
-    if rt is None or not hasattr(rt, "streamIsCapturing"):
+    """Is the current stream being captured into a CUDA graph (``Stream.is_capturing``, as launch.py asks it)?"""
+    st = cp.cuda.get_current_stream()
+    try:
+        return bool(st.is_capturing())
+    except Exception:  # noqa: BLE001  (a stand-in stream without the call, or a driver that cannot say: not capturing)
         return False
-    return bool(rt.streamIsCapturing(int(cp.cuda.get_current_stream().ptr)))
 
 
 def split_counters(cp: Any) -> Any:
