@@ -19,8 +19,8 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   change during the prompt); every pair's output lands in its own row and the k rows of a token are summed with the
   router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
   blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
-  through two batched SGEMMs. ``experts="mma"``: jobs of one expert and up to :data:`JOB_TOKENS_MMA` tokens (``STRATATOOLS_PREFILL_JOB``: 8, 16 or 32) on the
-  tensor cores (:mod:`stratatools.runtime.gpu.qmm`: codes exact in fp16, the block scale applied once per block,
+  through two batched SGEMMs. ``experts="mma"``: jobs of one expert and up to :data:`JOB_TOKENS_MMA` tokens
+  (``STRATATOOLS_PREFILL_JOB``: 8, 16 or 32) on the tensor cores (:mod:`stratatools.runtime.gpu.qmm`: codes exact in fp16, the block scale applied once per block,
   activations split into two halves), Q8_0 and Q2_0 experts (other types take the ``rows`` path);
 * the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] with SiLU, the q/k L2 norms and
   the per-head beta/decay in one launch, and the output's RMS norm and gate in another (``gdn_prep.cu``; array code
@@ -346,7 +346,6 @@ class ChunkPrefill:
         #: MoE routes on the device (:meth:`_moe_on_device`, listed in ``_dev_layers``) leave their routing there,
         #: read back once at the chunk's end
         self._dev_route: tuple[Any, Any] | None = None
-
         self._dev_layers: list[int] = []
 
     # -- public -----------------------------------------------------------------------------------------
