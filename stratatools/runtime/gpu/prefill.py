@@ -20,12 +20,15 @@ Per chunk of T tokens (same numerics as :meth:`stratatools.runtime.model.Qwen4Ex
   router weights in rank order. ``experts="gemm"``: experts (most tokens first) taken ``group`` at a time, their
   blobs dequantized to float32 through the same pointer table (``pf_dequant_blobs``) and each expert's tokens put
   through two batched SGEMMs. ``experts="mma"``: jobs of one expert and up to :data:`JOB_TOKENS_MMA` tokens
-  (``STRATATOOLS_PREFILL_JOB``: 8, 16 or 32) on the tensor cores (:mod:`stratatools.runtime.gpu.qmm`: codes exact in fp16, the block scale applied once per block,
-  activations split into two halves), Q8_0 and Q2_0 experts (other types take the ``rows`` path);
+  (``STRATATOOLS_PREFILL_JOB``: 8, 16 or 32) on the tensor cores (:mod:`stratatools.runtime.gpu.qmm`: codes exact in
+  fp16, the block scale applied once per block, activations split into two halves), Q8_0 and Q2_0 experts (other types
+  take the ``rows`` path); on CuPy the routing then stays on the device (the jobs' table is built there, the routing
+  comes back once a chunk) and the shared expert runs on a second stream beside the routed ones;
 * the gated DeltaNet: projections batched; the causal conv over [conv state; chunk] with SiLU, the q/k L2 norms and
   the per-head beta/decay in one launch, and the output's RMS norm and gate in another (``gdn_prep.cu``; array code
-  with ``STRATATOOLS_GDN_PREP=0``); the delta-rule recurrence by ``pf_gdn_chunk`` (one block per value head and column slice, the state resident in shared memory
-  while the block walks the chunk's tokens in order);
+  with ``STRATATOOLS_GDN_PREP=0``); the delta-rule recurrence on CuPy by ``pf_gdn_warp`` (one warp per 4 value
+  columns, the state in registers while the warp walks the chunk's tokens in order; :data:`GDN_WARP_ENV` ``0``:
+  ``pf_gdn_chunk``, one block per value head and column slice, the state in shared memory);
 * attention: the chunk's keys/values (and, on a long-context decoder, its raw indexer keys and newly completed pooled
   block keys) are written into the static caches, then causal attention of the chunk's queries over positions
   ``0 .. pos0+T-1``; where QSA selects (a query past :func:`stratatools.runtime.gpu.decode.max_full_context`'s range)
