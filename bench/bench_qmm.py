@@ -62,7 +62,8 @@ def cuda_ms(cp, fn, reps: int) -> float:
 #: the tensor-core kernels' chunk of k (``*-kc256``: dense; ``*-moekc256`` / ``*-moekc128``: the expert jobs), the shared expert after
 #: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``) or the warp kernel
 #: (``mma-gdnwarp``, the default's setting), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
-#: ``mma-big8m``: STRATATOOLS_PREFILL_BIG), the routed experts in jobs of 32 tokens (``mma-job32``).
+#: ``mma-big8m``: STRATATOOLS_PREFILL_BIG), the routed experts in jobs of 32 tokens (``mma-job32``), the dense kernel with two
+#: 16-row tiles a warp (``mma-dense2``: STRATATOOLS_QMM_DENSE2).
 PREFILL_VARIANTS = {
     "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
     "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm"},
@@ -72,6 +73,7 @@ PREFILL_VARIANTS = {
     "mma-gdnchunk": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "0"},
     "mma-gdnwarp": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_GDN_WARP": "1"},
     "mma-job32": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_JOB": "32"},
+    "mma-dense2": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_DENSE2": "1"},
     "mma-big2m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 21)},
     "mma-big8m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 23)},
     "mma-kc256": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_KC": "256"},

@@ -43,6 +43,7 @@ def lib(tmp_path_factory):
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
+        getattr(h, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
@@ -235,6 +236,50 @@ def test_dense_slices_added_by_the_caller(lib, layout, rows, cols, T, nz):
                                                   K.q8_relayout(raw, rows, cols)[1])
     X = acts(rng, T, cols)
     check(dense_host(lib, layout, W8, Wd, X, rows, cols, None, nz, add=False), W, X)
+
+
+@pytest.mark.parametrize("layout,rows,cols,T", [("Q8R", 64, 256, 40), ("Q8_0", 32, 160, 70), ("Q2_0", 96, 192, 33),
+                                                ("Q8R", 128, 96, 100)])
+def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T):
+    """qmm_dense<F, 4, 2> (two 16-row tiles a warp: the host's one-warp blocks take 32 rows) against float64, rows a
+    multiple of 32 as the launcher asks (of 128 on the device: 4 warps); the same values as the one-tile kernel up to
+    float summation order."""
+    rng = np.random.default_rng(rows + cols + T)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    f = Q.LAYOUTS[layout]
+    raw = blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        W8, Wd = q.view(np.uint8), d
+    else:
+        W8, Wd = raw, None
+    X = acts(rng, T, cols)
+    hi, lo, sc = split_host(lib, X)
+    Y = np.full((T, rows), np.nan, dtype=np.float32)
+    rb = cols if f == 0 else cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
+    gx, gy = rows // 32, -(-T // (8 * Q.DENSE2_NT))
+    with shared_within(lib, Q.smem_bytes(f, Q.DENSE2_NT)):
+        getattr(lib, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb,
+                                                            _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, 1,
+                                                            None, None)
+    check(Y, W, X)
+    Y1 = dense_host(lib, layout, W8, Wd, X, rows, cols, Q.DENSE2_NT)
+    assert np.allclose(Y, Y1, rtol=1e-6, atol=1e-6 * float(np.abs(Y1).max()))
+
+
+def test_dense2_switch_and_launch(monkeypatch):
+    """STRATATOOLS_QMM_DENSE2: off by default, 1 on, another value refused; the two-tile launch takes more than 32
+    tokens over rows of a multiple of 128 only."""
+    monkeypatch.delenv(Q.DENSE2_ENV, raising=False)
+    assert not Q.dense2()
+    monkeypatch.setenv(Q.DENSE2_ENV, "1")
+    assert Q.dense2()
+    monkeypatch.setenv(Q.DENSE2_ENV, "yes")
+    with pytest.raises(StrataError, match=Q.DENSE2_ENV):
+        Q.dense2()
+    assert Q.dense2_launch(512, 8192) == (4, 64, 16) and Q.dense2_launch(33, 2560) == (4, 20, 2)
+    assert Q.dense2_launch(32, 8192) is None and Q.dense2_launch(512, 320) is None
 
 
 def test_chunk_values_from_the_environment(monkeypatch):
@@ -543,12 +588,17 @@ def hostcp(lib, monkeypatch):
     return fake
 
 
-@pytest.mark.parametrize("layout,T", [("Q8R", 1), ("Q8R", 70), ("Q8_0", 20), ("Q2_0", 33)])
-def test_dense_launcher_on_host(hostcp, layout, T):
+@pytest.mark.parametrize("layout,T,two", [("Q8R", 1, "0"), ("Q8R", 70, "0"), ("Q8_0", 20, "0"), ("Q2_0", 33, "0"),
+                                         ("Q8R", 70, "1"), ("Q2_0", 33, "1")])
+def test_dense_launcher_on_host(hostcp, layout, T, two, monkeypatch):
     """qmm.dense / qmm.split: argument order and grid as the device launch has them (rows of 4 warps), against
-    float64."""
+    float64; with STRATATOOLS_QMM_DENSE2=1 and 128 rows the two-tile kernel runs (its name asked for)."""
+    monkeypatch.setenv(Q.DENSE2_ENV, two)
+    asked = []
+    fn = Q._fn
+    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
     rng = np.random.default_rng(T)
-    rows, cols = 70, 192
+    rows, cols = (128 if two == "1" else 70), 192
     tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
     raw = blocks(rng, tname, rows, cols)
     W = wmat(raw, tname, rows, cols)
@@ -559,6 +609,7 @@ def test_dense_launcher_on_host(hostcp, layout, T):
     else:
         Y = Q.dense(_h(X), tname, _h(raw), None, rows, cols)
     check(np.asarray(Y), W, X)
+    assert any(n.startswith("qmm_dense<") and n.count(",") == 2 for n in asked) == (two == "1")
     with pytest.raises(StrataError, match="weight bytes"):
         Q.dense(_h(X), tname if layout != "Q8R" else "Q8_0", _h(raw[:-2]), None, rows, cols)
     with pytest.raises(StrataError, match="do not match"):

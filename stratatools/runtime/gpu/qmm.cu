@@ -366,9 +366,12 @@ __device__ __forceinline__ void qmm_add_slices(const float* __restrict__ P, floa
 // tile's nz slices to finish (counted in cnt[tile], tile = blockIdx.x + gridDim.x (blockIdx.y / nz), which it sets
 // back to 0) adds the slices in the order z = 0 .. nz - 1 into Y, so the result does not depend on which slice
 // finished last; with cnt null the caller adds them. nz = 1: Y directly (P and cnt unused).
-// Grid: (ceil(R / (16 nw)), ceil(T / (8 NT)) nz), blockIdx.y = token tile nz + slice; nw = blockDim / 32 warps (host
-// build: 1). Dynamic shared memory: QmmSmem<F, NT>::bytes.
-template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
+// Grid: (ceil(R / (16 nw MT)), ceil(T / (8 NT)) nz), blockIdx.y = token tile nz + slice; nw = blockDim / 32 warps
+// (host build: 1). Dynamic shared memory: QmmSmem<F, NT>::bytes.
+// MT: 16-row tiles a warp (1, or 2 for the longer X: every activation fragment a warp reads from shared memory then
+// serves 32 rows, and a block stages its tokens once for 128 rows). With MT 2 the rows are a multiple of 16 nw MT
+// (no warp past R: its second tile's rows are not clamped).
+template <int F, int NT, int MT = 1> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_dense(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
         int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
@@ -385,15 +388,22 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
     const long long ldd = nz == 1 ? ldy : (long long)R;
     for (int s = threadIdx.x; s < 8 * NT; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
     __syncthreads();
-    const int r0 = (blockIdx.x * nw + warp) * 16;
-    const u8* wm[1] = {w};
-    const u16* dm[1] = {wd};
-    mma_c acc[1][NT];
-    qmm_tile<F, NT, 1>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc, c0, c1);
-    qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
-        const int t = tokrow[s];
-        if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[0][n].x[l][i] * xsc[t];
-    });
+    const int r0 = (blockIdx.x * nw + warp) * 16 * MT;
+    const u8* wm[MT];
+    const u16* dm[MT];
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {  // tile m: the rows r0 + 16 m .. + 15 (MT 2: R a multiple of 16 nw MT, qmm.py)
+        wm[m] = w + (long long)(16 * m) * rb;
+        dm[m] = F == 0 ? wd + (long long)(16 * m) * (K / 32) : wd;
+    }
+    mma_c acc[MT][NT];
+    qmm_tile<F, NT, MT>(wm, dm, rb, R, K, r0, xhi, xlo, (long long)K, tokrow, xs, acc, c0, c1);
+    #pragma unroll
+    for (int m = 0; m < MT; ++m)
+        qmm_each_out<NT>(r0 + 16 * m, [&](int l, int n, int i, int row, int s) {
+            const int t = tokrow[s];
+            if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[m][n].x[l][i] * xsc[t];
+        });
     if (nz == 1 || cnt == nullptr) return;  // (no counters: the caller adds the slices)
     __threadfence();  // this slice's partial sums are visible before it counts
     __syncthreads();
@@ -405,7 +415,8 @@ template <int F, int NT> __global__ void __launch_bounds__(QMM_THREADS, 2) qmm_d
     __syncthreads();
     if (!last) return;
     __threadfence();
-    qmm_add_slices(P, Y, ldy, T, R, nz, (int)blockIdx.x * nw * 16, min(nw * 16, R - (int)blockIdx.x * nw * 16), t0,
+    const int rows_b = nw * 16 * MT;
+    qmm_add_slices(P, Y, ldy, T, R, nz, (int)blockIdx.x * rows_b, min(rows_b, R - (int)blockIdx.x * rows_b), t0,
                    min(8 * NT, T - t0));
 }
 

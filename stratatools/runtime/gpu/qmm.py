@@ -68,6 +68,12 @@ GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 #: Environment switch of the batched decode step's dense GEMMs (and, with ``mma``, its routed-expert jobs).
 BATCH_GEMM_ENV = "STRATATOOLS_BATCH_GEMM"
 GEMMS = ("sgemm", "mma", "hgemm")
+#: ``STRATATOOLS_QMM_DENSE2=1``: dense launches of more than 32 tokens over a matrix of a multiple of 128 rows take
+#: two 16-row tiles a warp (``qmm_dense<F, DENSE2_NT, 2>``: half the shared-memory reads of activation fragments a
+#: product, the block's tokens staged once for 128 rows) and no k split; default 0 (built, not yet measured).
+DENSE2_ENV = "STRATATOOLS_QMM_DENSE2"
+DENSE2_NT = 4
+DENSE2_ROWS = 2 * ROWS_PER_BLOCK  # rows of one block (4 warps of 32 rows)
 #: On the ``mma`` prefill path, dense matrices of at least this many weights (``STRATATOOLS_PREFILL_BIG``, a whole
 #: number; 0: none) multiplied with at least :data:`BIG_MIN_TOKENS` rows go through :func:`hgemm` (cuBLAS fp16 GEMMs,
 #: the same ~1e-6 precision) instead of the tensor-core kernel: cuBLAS is faster on the large shapes, the tensor-core
@@ -90,6 +96,22 @@ def prefill_gemm() -> str:
     """The batched prefill's dense GEMM path from :data:`GEMM_ENV`: ``mma`` (default), ``sgemm`` or ``hgemm``.
     Raises StrataError for another value."""
     return _gemm_from(GEMM_ENV, "mma")
+
+
+def dense2() -> bool:
+    """:data:`DENSE2_ENV` as a flag (unset or empty: off). Raises StrataError for a value other than 0 or 1."""
+    v = os.environ.get(DENSE2_ENV, "").strip() or "0"
+    if v not in ("0", "1"):
+        raise StrataError(f"{DENSE2_ENV}={v!r}: use 1 (two 16-row tiles a warp for longer X) or 0")
+    return v == "1"
+
+
+def dense2_launch(T: int, rows: int) -> tuple[int, int, int] | None:
+    """The launch of the two-tile dense kernel for T tokens and ``rows`` weight rows: (NT, grid x, grid y), or None
+    where it does not apply (T up to 32, rows not a multiple of :data:`DENSE2_ROWS`)."""
+    if T <= 8 * TILES[1] or rows % DENSE2_ROWS:
+        return None
+    return DENSE2_NT, rows // DENSE2_ROWS, -(-int(T) // (8 * DENSE2_NT))
 
 
 def big_matrix_values() -> int:
@@ -115,6 +137,7 @@ def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
     names = ["qmm_split", "qmm_jobs"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
+    names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
     return names
@@ -160,7 +183,8 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
 
 def host_source() -> str:
     """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
-    lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)``,
+    lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and
+    ``host_qmm_dense_<F>_4_2``, two row tiles a warp),
     ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
     wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
     D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
@@ -180,6 +204,8 @@ def host_source() -> str:
         for nt in TILES:
             ent.append(f'extern "C" void host_qmm_dense_{f}_{nt}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {nt}>({dense[1]}); }});\n}}\n")
+        ent.append(f'extern "C" void host_qmm_dense_{f}_{DENSE2_NT}_2(unsigned gx, unsigned gy, {dense[0]}) {{\n'
+                   f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {DENSE2_NT}, 2>({dense[1]}); }});\n}}\n")
     for f in sorted(set(LAYOUTS.values())):
         ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
@@ -369,6 +395,10 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
 
     kc = chunk_values()
     nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0], kc)
+    two = dense2_launch(T, rows) if dense2() else None
+    if two is not None:  # (no k split: the rows a multiple of 128 give the grid its blocks)
+        nt, gx, gy = two
+        nz = 1
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
     part = cp.empty((nz, T, rows), dtype=cp.float32) if nz > 1 else out  # each k slice's partial sums
     # the kernel's last slice of a tile adds the slices for longer X (a split leaves gx * tiles < n_sm, far below
@@ -377,7 +407,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     cnt = split_counters(cp) if nz > 1 and T > 8 * TILES[1] else None
     in_kernel = cnt is not None
     cnt = cnt if in_kernel else np.uint64(0)
-    launch_big_shared(_fn(f"qmm_dense<{f}, {nt}>", kc), (gx, gy), (THREADS,),
+    name = f"qmm_dense<{f}, {nt}, 2>" if two is not None else f"qmm_dense<{f}, {nt}>"
+    launch_big_shared(_fn(name, kc), (gx, gy), (THREADS,),
                       (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
                        np.int32(T), np.int32(rows), np.int32(cols), np.int32(nz), part, cnt), smem_bytes(f, nt, kc))
     if nz > 1 and not in_kernel:
