@@ -86,6 +86,34 @@ def test_gpu_dense_split_k_shapes(layout, rows, cols, T):
     assert np.all(np.abs(Y1 - ref) <= 1e-5 * bound + 1e-30)
 
 
+@pytest.mark.parametrize("layout,rows,cols,T", [("Q8R", 2560, 2560, 512), ("Q8_0", 128, 640, 40),
+                                                ("Q2_0", 256, 1024, 100), ("Q8R", 8192, 2560, 33)])
+def test_gpu_dense_two_row_tiles(layout, rows, cols, T, monkeypatch):
+    """STRATATOOLS_QMM_DENSE2=1: the two-tile dense kernel (rows a multiple of 128, more than 32 tokens) within 1e-5
+    of float64 relative to |W| |x| element by element."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+    from stratatools.runtime.gpu import qmm
+
+    monkeypatch.setenv(qmm.DENSE2_ENV, "1")
+    assert qmm.dense2_launch(T, rows) is not None
+    rng = np.random.default_rng(rows + T + 1)
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = _blocks(rng, tname, rows, cols)
+    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        Y = qmm.dense(cp.asarray(X), "Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
+    else:
+        Y = qmm.dense(cp.asarray(X), tname, cp.asarray(raw), None, rows, cols)
+    Y = cp.asnumpy(Y).astype(np.float64)
+    ref = X.astype(np.float64) @ W.T
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W).T
+    assert np.all(np.abs(Y - ref) <= 1e-5 * bound + 1e-30)
+
+
 @pytest.mark.parametrize("tname,hidden,ff", [("Q2_0", 1024, 512), ("Q8_0", 512, 256)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
 def test_gpu_moe_jobs_match_float64(tname, hidden, ff, jt):
