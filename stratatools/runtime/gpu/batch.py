@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.model import RoutingRecord, _rmsnorm, _sigmoid, _softmax, _to_host
+from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
 from stratatools.runtime.gpu.prefill import ChunkPrefill, gdn_chunk_shared
 
@@ -574,7 +574,7 @@ class BatchDecoder(ChunkPrefill):
         sc = xp.where(mask[:, None, None, :], sc, xp.float32(-np.inf))
         att = _softmax(xp, sc, axis=-1)
         o = xp.matmul(att, Vt).reshape(T, nh * hd)  # [T, nkv, grp, hd]
-        o = o * _sigmoid(xp, gate)
+        o = o * self._sigmoid_x(gate)
         return self._mm(xp.ascontiguousarray(o, dtype=xp.float32), p + "attn_output.weight")
 
     def _attention_kernels(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> Any:

@@ -645,6 +645,24 @@ class ChunkPrefill:
             k = self._kernels[name] = self.cp.ElementwiseKernel(params, out, body, name)
         return k
 
+    def _sigmoid_x(self, x: Any) -> Any:
+        """sigmoid(x) in float32 (the array code's ``_sigmoid``); on CuPy one element-wise launch with the same
+        operations and roundings (the array code's negation, exp, sum and quotient are four launches)."""
+        if not self.gpu:
+            return _sigmoid(self.xp, x)
+        return self._ew("pf_sigmoid", "float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x));")(x)
+
+    def _silu_x(self, x: Any, u: Any = None) -> Any:
+        """silu(x) in float32 (``_silu``), times ``u`` when given (``silu(x) * u``, the product rounded after the
+        silu's); on CuPy one element-wise launch with the array code's operations and roundings."""
+        if not self.gpu:
+            y = _silu(self.xp, x)
+            return y if u is None else y * u
+        if u is None:
+            return self._ew("pf_silu", "float32 x", "float32 y", "y = x * (1.0f / (1.0f + expf(-x)));")(x)
+        return self._ew("pf_silu_mul", "float32 x, float32 u", "float32 y",
+                        "y = (x * (1.0f / (1.0f + expf(-x)))) * u;")(x, u)
+
     def _inject(self, H: Any, y: Any, iw: Any) -> Any:
         """H + y [T, n] injected into every stream with the weights iw [T, hc] (in place on CuPy)."""
         xp, cfg = self.xp, self.cfg
@@ -701,7 +719,7 @@ class ChunkPrefill:
                                                                                        np.int32(n), mixed)
         if not inject:
             return mixed, None
-        iw = 2.0 * _sigmoid(cp, self._mm(hn, f"{prefix}_inject.weight") / cp.float32(hc))
+        iw = 2.0 * self._sigmoid_x(self._mm(hn, f"{prefix}_inject.weight") / cp.float32(hc))
         return mixed, iw.astype(cp.float32)
 
     # -- PLE ----------------------------------------------------------------------------------------------
@@ -744,10 +762,10 @@ class ChunkPrefill:
         q = _rmsnorm(xp, H, self._f32(p + "norm_query.weight"), cfg.eps, group=n)
         gate = xp.sum(key.reshape(T, hc, n) * q.reshape(T, hc, n), axis=-1, keepdims=True) / xp.float32(math.sqrt(n))
         gate = xp.sqrt(xp.maximum(xp.abs(gate), xp.float32(1e-6))) * xp.sign(gate)
-        gv = (_sigmoid(xp, gate) * value[:, None, :]).reshape(T, hc * n)
+        gv = (self._sigmoid_x(gate) * value[:, None, :]).reshape(T, hc * n)
         gvn = _rmsnorm(xp, gv, self._f32(p + "norm_conv.weight"), cfg.eps, group=n)
         out = self._causal_conv("ple", il, gvn, self._f32(p + "conv1d.weight"), cfg.ple_ngram)
-        return gv + _silu(xp, out)
+        return gv + self._silu_x(out)
 
     # -- the causal convolutions' states (a subclass with several sequences overrides the two accessors) ---------
     def _conv_state(self, which: str, il: int) -> Any:
@@ -909,7 +927,7 @@ class ChunkPrefill:
             att = _softmax(xp, sc, axis=-1)
             o[:, :, a:b] = xp.matmul(att, Vc[:, None])
         o = xp.transpose(o, (2, 0, 1, 3)).reshape(T, nh * hd)
-        o = o * _sigmoid(xp, gate)
+        o = o * self._sigmoid_x(gate)
         return self._mm(xp.ascontiguousarray(o, dtype=xp.float32), p + "attn_output.weight")
 
     def _allowed(self, il: int, x: Any, pos0: int, T: int, cos: Any, sin: Any) -> np.ndarray | None:
@@ -1003,7 +1021,7 @@ class ChunkPrefill:
         wd = self._w_dev
         y = xp.sum(ya.reshape(T, k, n) * xp.asarray(wd).reshape(T, k, 1), axis=1)
         self._tic("shared")
-        sg = _sigmoid(xp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+        sg = self._sigmoid_x(self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         y = y + self._shared_ffn(il, x, sg)
         return y.astype(xp.float32, copy=False), ids, w
 
@@ -1032,7 +1050,7 @@ class ChunkPrefill:
         if side is not None:
             # its gate and the split of x that both branches' tensor-core GEMMs read are made here first, so the
             # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
-            sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+            sg = self._sigmoid_x(self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
             if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
                 self._split(x)  # (a split not kept for x would be made by each GEMM that reads it, on its stream)
             main = cp.cuda.get_current_stream()
@@ -1052,7 +1070,7 @@ class ChunkPrefill:
         self._tic("shared")
         if side is not None:
             return (y + ys).astype(cp.float32, copy=False)
-        sg = _sigmoid(cp, self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+        sg = self._sigmoid_x(self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
         return (y + self._shared_ffn(il, x, sg)).astype(cp.float32, copy=False)
 
     def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
@@ -1075,7 +1093,7 @@ class ChunkPrefill:
 
     def _shared_ffn(self, il: int, x: Any, sg: Any) -> Any:
         """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x)."""
-        hs = _silu(self.xp, self._shared_mm(il, x, 0)) * self._shared_mm(il, x, 1)
+        hs = self._silu_x(self._shared_mm(il, x, 0), self._shared_mm(il, x, 1))
         return sg * self._shared_mm(il, hs, 2)
 
     def _shared_mm(self, il: int, X: Any, which: int) -> Any:
