@@ -25,31 +25,39 @@ def _blocks(rng, tname, rows, cols):
     return b.reshape(-1)
 
 
+def _matrix(rng, layout: str, rows: int, cols: int) -> tuple[tuple, np.ndarray]:
+    """Random [rows, cols] weights as qmm.dense / qmm.hgemm take them on the device for ``layout`` (Q8R: the
+    re-laid-out Q8_0 codes and scales; Q8_0 / Q2_0: GGUF blocks): (the calls' arguments after X, W float64)."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = _blocks(rng, tname, rows, cols)
+    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        return ("Q8R", cp.asarray(q), cp.asarray(d), rows, cols), W
+    return (tname, cp.asarray(raw), None, rows, cols), W
+
+
 @pytest.mark.parametrize("layout,rows,cols", [("Q8R", 2560, 2560), ("Q8R", 300, 1056), ("Q8_0", 520, 640),
                                               ("Q2_0", 264, 1024)])
 @pytest.mark.parametrize("T", [1, 15, 16, 33, 512])
 def test_gpu_dense_matches_float64_and_sgemm(layout, rows, cols, T):
     import cupy as cp
 
-    from stratatools.runtime.gpu import kernels as K
     from stratatools.runtime.gpu import qmm
 
     rng = np.random.default_rng(rows + T)
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    raw = _blocks(rng, tname, rows, cols)
-    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols)
+    args, W = _matrix(rng, layout, rows, cols)
     X = rng.standard_normal((T, cols)).astype(np.float32)
     X[0] *= np.float32(1e4)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        Y = qmm.dense(cp.asarray(X), "Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
-    else:
-        Y = qmm.dense(cp.asarray(X), tname, cp.asarray(raw), None, rows, cols)
-    Y = cp.asnumpy(Y).astype(np.float64)
+    Y = cp.asnumpy(qmm.dense(cp.asarray(X), *args)).astype(np.float64)
     ref = X.astype(np.float64) @ W.T.astype(np.float64)
     bound = np.abs(X.astype(np.float64)) @ np.abs(W.T.astype(np.float64))
     assert np.all(np.abs(Y - ref) <= 1e-5 * bound + 1e-30)
-    sg = cp.asnumpy(cp.asarray(X) @ cp.asarray(W).T).astype(np.float64)  # the SGEMM path's product
+    sg = cp.asnumpy(cp.asarray(X) @ cp.asarray(W.astype(np.float32)).T).astype(np.float64)  # the SGEMM path's
     rel_q = np.abs(Y - ref).max() / np.abs(ref).max()
     rel_s = np.abs(sg - ref).max() / np.abs(ref).max()
     print(f"{layout} {rows}x{cols} T={T}: qmm rel {rel_q:.2e}, sgemm rel {rel_s:.2e}")
@@ -65,19 +73,12 @@ def test_gpu_dense_split_k_shapes(layout, rows, cols, T):
     and two launches on the same stream (the tile counters left zero) give the same bits."""
     import cupy as cp
 
-    from stratatools.runtime.gpu import kernels as K
     from stratatools.runtime.gpu import qmm
 
     rng = np.random.default_rng(rows * 7 + T)
-    raw = _blocks(rng, "Q8_0", rows, cols)
-    W = np.asarray(dequantize(raw, "Q8_0", rows * cols)).reshape(rows, cols).astype(np.float64)
+    args, W = _matrix(rng, layout, rows, cols)
     X = rng.standard_normal((T, cols)).astype(np.float32)
     assert qmm.dense_launch(T, rows, cols, layout, 132)[3] > 1  # (on a 132-SM device: split)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        args = ("Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
-    else:
-        args = ("Q8_0", cp.asarray(raw), None, rows, cols)
     Y1 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
     Y2 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
     assert np.array_equal(Y1, Y2)
@@ -93,22 +94,14 @@ def test_gpu_dense_two_row_tiles(layout, rows, cols, T, monkeypatch):
     of float64 relative to |W| |x| element by element."""
     import cupy as cp
 
-    from stratatools.runtime.gpu import kernels as K
     from stratatools.runtime.gpu import qmm
 
     monkeypatch.setenv(qmm.DENSE2_ENV, "1")
     assert qmm.dense2_launch(T, rows) is not None
     rng = np.random.default_rng(rows + T + 1)
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    raw = _blocks(rng, tname, rows, cols)
-    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
+    args, W = _matrix(rng, layout, rows, cols)
     X = rng.standard_normal((T, cols)).astype(np.float32)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        Y = qmm.dense(cp.asarray(X), "Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
-    else:
-        Y = qmm.dense(cp.asarray(X), tname, cp.asarray(raw), None, rows, cols)
-    Y = cp.asnumpy(Y).astype(np.float64)
+    Y = cp.asnumpy(qmm.dense(cp.asarray(X), *args)).astype(np.float64)
     ref = X.astype(np.float64) @ W.T
     bound = np.abs(X.astype(np.float64)) @ np.abs(W).T
     assert np.all(np.abs(Y - ref) <= 1e-5 * bound + 1e-30)
@@ -184,22 +177,14 @@ def test_gpu_hgemm_matches_float64(layout, rows, cols, T):
     ~2e-4); the worst errors of both printed (expected about 1e-6)."""
     import cupy as cp
 
-    from stratatools.runtime.gpu import kernels as K
     from stratatools.runtime.gpu import qmm
 
     rng = np.random.default_rng(rows + T + 1)
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    raw = _blocks(rng, tname, rows, cols)
-    W = np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
+    args, W = _matrix(rng, layout, rows, cols)
     X = rng.standard_normal((T, cols)).astype(np.float32)
     X[0] *= np.float32(1e4)
     if T > 2:
         X[1] *= np.float32(1e-20)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        args = ("Q8R", cp.asarray(q), cp.asarray(d), rows, cols)
-    else:
-        args = (tname, cp.asarray(raw), None, rows, cols)
     Y = qmm.hgemm(cp.asarray(X), *args)
     assert Y is not None and Y.shape == (T, rows) and Y.dtype == cp.float32
     Y = cp.asnumpy(Y).astype(np.float64)

@@ -158,23 +158,37 @@ def test_split_keeps_22_bits(lib):
     assert not np.any(hi[3] & 0x7fff) and not np.any(lo[3] & 0x7fff) and sc[3] == 1.0  # the zero row (signed zeros)
 
 
+def dense_case(rng, layout: str, rows: int, cols: int) -> tuple:
+    """Random [rows, cols] weights as a dense kernel of ``layout`` reads them: (W8 codes or blocks, Wd Q8R scales or
+    None, W the float64 matrix)."""
+    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
+    raw = blocks(rng, tname, rows, cols)
+    W = wmat(raw, tname, rows, cols)
+    if layout == "Q8R":
+        q, d = K.q8_relayout(raw, rows, cols)
+        return q.view(np.uint8), d, W
+    return raw, None, W
+
+
 def dense_host(lib, layout: str, W8, Wd, X, rows: int, cols: int, nt: int | None = None, nz: int = 1,
-               add: bool = True) -> np.ndarray:
+               add: bool = True, mt: int = 1) -> np.ndarray:
     """The host build's qmm_dense; with ``nz`` > 1 k split into nz slices whose partial results [nz, T, rows] the
     kernel's last slice of each tile adds into Y (every slice's every element written: an empty slice writes zeros;
     the tile counters are left zero); without ``add`` (null counters) Y is left alone and the slices are added
-    here."""
+    here. ``mt`` 2: the two-tile kernel (``qmm_dense<F, 4, 2>``: 32 rows a host block, rows a multiple of 32)."""
     f = Q.LAYOUTS[layout]
     T = X.shape[0]
-    nt = nt or Q.token_tile(T)
+    nt = Q.DENSE2_NT if mt == 2 else (nt or Q.token_tile(T))
     hi, lo, sc = split_host(lib, X)
     Y = np.full((T, rows), np.nan, dtype=np.float32)
     P = np.full((nz, T, rows), np.nan, dtype=np.float32)
     rb = cols if f == 0 else cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
-    gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz  # host blocks: one warp, 16 rows
+    gx, gy = -(-rows // (16 * mt)), -(-T // (8 * nt)) * nz  # host blocks: one warp, 16 mt rows
     cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
-    getattr(lib, f"host_qmm_dense_{f}_{nt}")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb, _p(hi), _p(lo),
-                                             _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P), _p(cnt) if add else None)
+    entry = f"host_qmm_dense_{f}_{nt}" + ("_2" if mt == 2 else "")
+    with shared_within(lib, Q.smem_bytes(f, nt)):
+        getattr(lib, entry)(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb, _p(hi), _p(lo), _p(sc), _p(Y), rows,
+                            T, rows, cols, nz, _p(P), _p(cnt) if add else None)
     if not add:
         assert nz > 1 and np.all(np.isnan(Y)) and np.all(np.isfinite(P))
         return P.sum(axis=0, dtype=np.float32)
@@ -210,14 +224,7 @@ def check(Y, W, X, tol=2e-6):
     ("Q8_0", 21, 384, 17, None, 3), ("Q2_0", 18, 320, 9, None, 2), ("Q2_0", 40, 640, 1, None, 4)])
 def test_dense_matches_float64(lib, layout, rows, cols, T, nt, nz):
     rng = np.random.default_rng(rows * 1000 + cols + T + 7 * (nz - 1))
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    raw = blocks(rng, tname, rows, cols)
-    W = wmat(raw, tname, rows, cols)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        W8, Wd = q.view(np.uint8), d
-    else:
-        W8, Wd = raw, None
+    W8, Wd, W = dense_case(rng, layout, rows, cols)
     X = acts(rng, T, cols)
     Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nt, nz)
     check(Y, W, X)
@@ -229,11 +236,7 @@ def test_dense_slices_added_by_the_caller(lib, layout, rows, cols, T, nz):
     """With null tile counters (dense's launch up to 32 tokens) the kernel leaves Y alone and writes every slice's
     partial result; their sum is the product."""
     rng = np.random.default_rng(rows + cols + T + nz)
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    raw = blocks(rng, tname, rows, cols)
-    W = wmat(raw, tname, rows, cols)
-    W8, Wd = (raw, None) if layout != "Q8R" else (K.q8_relayout(raw, rows, cols)[0].view(np.uint8),
-                                                  K.q8_relayout(raw, rows, cols)[1])
+    W8, Wd, W = dense_case(rng, layout, rows, cols)
     X = acts(rng, T, cols)
     check(dense_host(lib, layout, W8, Wd, X, rows, cols, None, nz, add=False), W, X)
 
@@ -245,24 +248,9 @@ def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T):
     multiple of 32 as the launcher asks (of 128 on the device: 4 warps); the same values as the one-tile kernel up to
     float summation order."""
     rng = np.random.default_rng(rows + cols + T)
-    tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
-    f = Q.LAYOUTS[layout]
-    raw = blocks(rng, tname, rows, cols)
-    W = wmat(raw, tname, rows, cols)
-    if layout == "Q8R":
-        q, d = K.q8_relayout(raw, rows, cols)
-        W8, Wd = q.view(np.uint8), d
-    else:
-        W8, Wd = raw, None
+    W8, Wd, W = dense_case(rng, layout, rows, cols)
     X = acts(rng, T, cols)
-    hi, lo, sc = split_host(lib, X)
-    Y = np.full((T, rows), np.nan, dtype=np.float32)
-    rb = cols if f == 0 else cols // Q.BLOCK_VALUES[f] * Q.BLOCK_BYTES[f]
-    gx, gy = rows // 32, -(-T // (8 * Q.DENSE2_NT))
-    with shared_within(lib, Q.smem_bytes(f, Q.DENSE2_NT)):
-        getattr(lib, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2")(gx, gy, _p(W8), _p(Wd if Wd is not None else W8), rb,
-                                                            _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, 1,
-                                                            None, None)
+    Y = dense_host(lib, layout, W8, Wd, X, rows, cols, mt=2)
     check(Y, W, X)
     Y1 = dense_host(lib, layout, W8, Wd, X, rows, cols, Q.DENSE2_NT)
     assert np.allclose(Y, Y1, rtol=1e-6, atol=1e-6 * float(np.abs(Y1).max()))
