@@ -170,12 +170,6 @@ class BatchDecoder(ChunkPrefill):
             # expert, staged when misses are read over the bus (experts.decoder_expert_kernels)
             full = getattr(self.rt.tier.policy, "policy", None) == "all-resident"
             self._kernels_routed = decoder_expert_kernels(full)[0]
-            from stratatools.runtime.gpu.kernels import shared_side
-
-            # the shared expert on a second stream beside the routed experts (decode.SHARED_SIDE_ENV); not with
-            # hgemm, whose fp16 cuBLAS GEMMs would share one cuBLAS handle (and its workspace) across the streams
-            self._shared_side = (cp.cuda.Stream(non_blocking=True)
-                                 if shared_side() and self.gemm != "hgemm" else None)
             from stratatools.runtime.gpu.experts import moe_int8
 
             self._moe_int8 = moe_int8()  # read once: the captured step and the eager steps run the same kernels

@@ -316,12 +316,12 @@ def env_count(name: str, default: int, minimum: int, unit: str) -> int:
 SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
 
 
-def env_on(name: str, meaning: str) -> bool:
-    """Environment flag ``name`` (unset or empty: on); raises StrataError for a value other than 0 or 1, saying that
-    1 means ``meaning``."""
+def env_on(name: str, meaning: str, default: bool = True) -> bool:
+    """Environment flag ``name`` (unset or empty: ``default``); raises StrataError for a value other than 0 or 1,
+    saying that 1 means ``meaning``."""
     import os
 
-    v = os.environ.get(name, "").strip() or "1"
+    v = os.environ.get(name, "").strip() or ("1" if default else "0")
     if v not in ("0", "1"):
         raise StrataError(f"{name}={v!r}: use 1 ({meaning}) or 0")
     return v == "1"
@@ -333,6 +333,19 @@ def shared_side() -> bool:
 
 
 _env_on = env_on  # (the name decode.py's flags use)
+
+
+def env_choice(name: str, choices: tuple[int, ...], default: int) -> int:
+    """The whole number (ASCII digits) in environment variable ``name`` when it is one of ``choices``, ``default``
+    when unset or empty. Raises StrataError naming the variable and the choices for another value."""
+    import os
+
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not (v.isascii() and v.isdigit()) or int(v) not in choices:
+        raise StrataError(f"{name}={v!r}: use one of {', '.join(map(str, choices))}")
+    return int(v)
 
 
 def dense_min_rows_per_sm() -> int:

@@ -341,8 +341,9 @@ class ChunkPrefill:
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             from stratatools.runtime.gpu.kernels import shared_side
 
-            # the shared expert on a second stream beside the routed experts (decode.SHARED_SIDE_ENV); not with
-            # hgemm, whose fp16 cuBLAS GEMMs would share one cuBLAS handle (and its workspace) across the streams
+            # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched
+            # step's too); not with hgemm, whose fp16 cuBLAS GEMMs would share one cuBLAS handle (and its workspace)
+            # across the streams
             self._shared_side = (cp.cuda.Stream(non_blocking=True)
                                  if shared_side() and self.gemm != "hgemm" else None)
         #: (ids [L, T, k] int32, weights [L, T, k] float32) on the device while a chunk runs on CuPy: the layers whose
@@ -1117,6 +1118,8 @@ class ChunkPrefill:
     _shared_side: Any = None
     #: set on the batched decoder: its step's settings (expert job size) rather than the prefill's
     _batch_step = False
+    #: tokens of a tensor-core expert job (set from the environment in __init__ on CuPy)
+    _jt = JOB_TOKENS_MMA
     _dev_route: tuple[Any, Any] | None = None
     _dev_layers: list[int] = []
     #: [X, its split or None] while :meth:`_shared_split` is open for X
@@ -1167,7 +1170,7 @@ class ChunkPrefill:
         cp = self.cp
         if not self._mma_experts_ok(il):
             return self._experts_rows(il, x, ids)
-        tt = self._job_tokens()
+        tt = self._jt
         je, jt, jd = expert_jobs(ids, tt)
         return self._mma_jobs(il, x, cp.asarray(self._slots[il][je].astype(np.uint64)), cp.asarray(jt),
                               cp.asarray(jd), int(ids.size), tt)
@@ -1187,19 +1190,9 @@ class ChunkPrefill:
         from stratatools.runtime.gpu import qmm
 
         ly = self.rt.tier.arena.layers[il]
-        tt = self._job_tokens()
+        tt = self._jt
         ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
         return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size), tt)
-
-    def _job_tokens(self) -> int:
-        """Tokens of one tensor-core expert job: the prefill's (:data:`stratatools.runtime.gpu.qmm.JOB_ENV`, read
-        once); the batched step's (:data:`stratatools.runtime.gpu.qmm.BATCH_JOB_ENV`)."""
-        from stratatools.runtime.gpu import qmm
-
-        jt = getattr(self, "_jt", None)
-        if jt is None:
-            jt = self._jt = qmm.job_tokens()
-        return jt
 
     def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int, tt: int = JOB_TOKENS_MMA) -> Any:
         """Run the tensor-core expert jobs (blob addresses ``ptr`` [J], slots ``jt`` / ``jd`` [J tt] on the device,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, launch_big_shared
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, env_choice, env_count, env_on, launch_big_shared
 
 #: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
 LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
@@ -100,10 +100,7 @@ def prefill_gemm() -> str:
 
 def dense2() -> bool:
     """:data:`DENSE2_ENV` as a flag (unset or empty: off). Raises StrataError for a value other than 0 or 1."""
-    v = os.environ.get(DENSE2_ENV, "").strip() or "0"
-    if v not in ("0", "1"):
-        raise StrataError(f"{DENSE2_ENV}={v!r}: use 1 (two 16-row tiles a warp for longer X) or 0")
-    return v == "1"
+    return env_on(DENSE2_ENV, "two 16-row tiles a warp for longer X", default=False)
 
 
 def dense2_launch(T: int, rows: int) -> tuple[int, int, int] | None:
@@ -117,8 +114,6 @@ def dense2_launch(T: int, rows: int) -> tuple[int, int, int] | None:
 def big_matrix_values() -> int:
     """:data:`BIG_ENV`: the weights from which the ``mma`` prefill's dense matrices take :func:`hgemm` (0: none;
     default :data:`BIG_DEFAULT`). Raises StrataError for a value that is not a whole number."""
-    from stratatools.runtime.gpu.kernels import env_count
-
     return env_count(BIG_ENV, BIG_DEFAULT, 0, "weights")
 
 
@@ -153,13 +148,8 @@ def chunk_values(moe: bool = False, layout: Any = None) -> int:
     """The chunk of k (values) of the dense kernels, or with ``moe`` of the expert job kernels of ``layout`` (name or
     id): :data:`KC_ENV` / :data:`MOE_KC_ENV`, default :data:`KC` (experts: :data:`MOE_KC_DEFAULT`). Raises
     StrataError for a value not in :data:`KCS`."""
-    env = MOE_KC_ENV if moe else KC_ENV
-    v = os.environ.get(env, "").strip()
-    if not v:
-        return MOE_KC_DEFAULT.get(_layout_id(layout), KC) if moe and layout is not None else KC
-    if not (v.isascii() and v.isdigit()) or int(v) not in KCS:
-        raise StrataError(f"{env}={v!r}: use one of {', '.join(map(str, KCS))}")
-    return int(v)
+    default = MOE_KC_DEFAULT.get(_layout_id(layout), KC) if moe and layout is not None else KC
+    return env_choice(MOE_KC_ENV if moe else KC_ENV, KCS, default)
 
 
 @functools.lru_cache(maxsize=None)
@@ -477,13 +467,7 @@ def job_tokens(jt: Any = None, batch: bool = False) -> int:
     ``batch`` the batched step's (:data:`BATCH_JOB_ENV`, default :data:`BATCH_JOB_DEFAULT`). Raises StrataError for
     one that is not in :data:`JOB_SIZES`."""
     if jt is None:
-        env, default = (BATCH_JOB_ENV, BATCH_JOB_DEFAULT) if batch else (JOB_ENV, JOB_DEFAULT)
-        v = os.environ.get(env, "").strip()
-        if not v:
-            return default
-        if not (v.isascii() and v.isdigit()) or int(v) not in JOB_SIZES:
-            raise StrataError(f"{env}={v!r}: use one of {', '.join(map(str, JOB_SIZES))}")
-        return int(v)
+            return env_choice(*((BATCH_JOB_ENV, JOB_SIZES, BATCH_JOB_DEFAULT) if batch else (JOB_ENV, JOB_SIZES, JOB_DEFAULT)))
     if int(jt) not in JOB_SIZES:
         raise StrataError(f"qmm: expert jobs of {jt} tokens: use one of {', '.join(map(str, JOB_SIZES))}")
     return int(jt)
