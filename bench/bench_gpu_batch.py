@@ -78,17 +78,14 @@ def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict
         state["toks"] = [int(v) for v in nxt]
 
     got = profile_run(cp, one, steps)
-    if got is None:
-        return {}
-    rows, wall = got
-    dev = sum(r[1] for r in rows)
-    nl = sum(r[2] for r in rows)
-    print(f"\nkernels of one {var} step at N={len(places)} (profiled): {dev:.2f} ms of device time in {nl} launches, "
-          f"wall {wall:.2f} ms (device busy {dev / wall:.0%})\n| kernel | ms/step | launches/step | share |\n"
-          f"|---|---:|---:|---:|", flush=True)
-    for r in rows[:14]:
-        print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |", flush=True)
-    return {"wall_ms": wall, "device_ms": dev, "launches": nl, "rows": rows}
+    if got:
+        dev, wall = got["device_ms"], got["wall_ms"]
+        print(f"\nkernels of one {var} step at N={len(places)} (profiled): {dev:.2f} ms of device time in "
+              f"{got['launches']} launches, wall {wall:.2f} ms (device busy {dev / wall:.0%})\n| kernel | ms/step | "
+              f"launches/step | share |\n|---|---:|---:|---:|", flush=True)
+        for r in got["rows"][:14]:
+            print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |", flush=True)
+    return got
 
 
 def main() -> None:

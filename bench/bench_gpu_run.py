@@ -303,14 +303,14 @@ def print_timeline(name: str, tl: dict) -> None:
               + ", ".join(f"{k} {v:.3f}" for k, v in d["by_kernel"].items()), flush=True)
 
 
-def profile_run(cp: Any, run: Any, steps: int = 1) -> tuple[list, float] | None:
-    """Run ``run()`` ``steps`` times under torch.profiler (CUPTI) after a device synchronisation: (:func:`kernel_rows`
-    per run, wall milliseconds per run), or None without torch."""
+def profile_run(cp: Any, run: Any, steps: int = 1) -> dict:
+    """Run ``run()`` ``steps`` times under torch.profiler (CUPTI) after a device synchronisation: {"rows":
+    :func:`kernel_rows` per run, "wall_ms", "device_ms", "launches" per run}, or {} without torch."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
     except Exception:  # noqa: BLE001
-        return None
+        return {}
     import time
 
     torch.cuda.init()
@@ -321,7 +321,8 @@ def profile_run(cp: Any, run: Any, steps: int = 1) -> tuple[list, float] | None:
             run()
         cp.cuda.Device().synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e3
-    return kernel_rows(prof, steps), wall
+    rows = kernel_rows(prof, steps)
+    return {"wall_ms": wall, "device_ms": sum(r[1] for r in rows), "launches": sum(r[2] for r in rows), "rows": rows}
 
 
 def kernel_rows(prof: Any, steps: int) -> list:

@@ -89,16 +89,13 @@ def prefill_profile(cp, run, gemm: str, tokens: int) -> dict:
     from bench_gpu_run import profile_run
 
     got = profile_run(cp, run)
-    if got is None:
-        return {}
-    rows, wall = got
-    dev = sum(r[1] for r in rows)
-    nl = sum(r[2] for r in rows)
-    print(f"\nkernels of one {gemm} prefill of {tokens} tokens (profiled): {dev:.1f} ms of device time in {nl} "
-          f"launches, wall {wall:.1f} ms\n| kernel | ms | launches | share |\n|---|---:|---:|---:|", flush=True)
-    for r in rows[:16]:
-        print(f"| {r[0]} | {r[1]:.2f} | {r[2]} | {r[3]:.3f} |", flush=True)
-    return {"wall_ms": wall, "device_ms": dev, "launches": nl, "rows": rows}
+    if got:
+        print(f"\nkernels of one {gemm} prefill of {tokens} tokens (profiled): {got['device_ms']:.1f} ms of device "
+              f"time in {got['launches']} launches, wall {got['wall_ms']:.1f} ms\n| kernel | ms | launches | share |\n"
+              f"|---|---:|---:|---:|", flush=True)
+        for r in got["rows"][:16]:
+            print(f"| {r[0]} | {r[1]:.2f} | {r[2]} | {r[3]:.3f} |", flush=True)
+    return got
 
 
 def dense_names(model, cfg) -> list[str]:
