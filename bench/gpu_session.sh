@@ -11,7 +11,7 @@
 # ROWS: bench_gpu_run.py --configs (default resident,nopdl,vram12; "none" skips the rows)
 # TESTS: pytest arguments (default the GPU decoder, prefill, GEMM and batch tests; "none" skips them)
 # PV: bench_qmm.py --prefill-variants (default mma; "none" skips the prefill); BN: bench_gpu_batch.py --n (default
-# 1,8,32; "none" skips it); BV: its --variants (default default).
+# 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches.
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
 # llama-bench.md, llama-batched.txt, build logs). The call's output keeps only its last 12,000 characters: read $OUT.
 set -u
@@ -19,14 +19,14 @@ ROWS=${1:-resident,nopdl,vram12}
 TESTS=${2:-tests/test_gpu_prefill.py tests/test_gpu_qmm.py tests/test_gpu_batch.py tests/test_gpu_run.py tests/test_gpu_decode.py}
 : "${OUT:?set OUT to the folder that comes back}"
 WHL=${WHL:-.whl} KIT=${KIT:-.kitgpu} ANCHORS=${ANCHORS:-.anchors} TYPES=${TYPES:-gu=Q2_0,down=Q2_0}
-PV=${PV:-mma} BN=${BN:-1,8,32} BV=${BV:-default}
+PV=${PV:-mma} BN=${BN:-1,8,32} BV=${BV:-default} LLAMA=${LLAMA:-1}
 mkdir -p "$OUT" /tmp/lc /tmp/fw
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATATOOLS_KIT=$PWD/$KIT
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 rm -f /tmp/lcb.done /tmp/synth.done
-( tar -xzf "$ANCHORS"/llama.cpp-*-src.tar.gz -C /tmp/lc && cd /tmp/lc/llama.cpp \
+[ "$LLAMA" = 0 ] || ( tar -xzf "$ANCHORS"/llama.cpp-*-src.tar.gz -C /tmp/lc && cd /tmp/lc/llama.cpp \
   && taskset -c 6-15 cmake -S . -B /tmp/lcb -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF > "$OUT"/llama-cmake.log 2>&1 \
@@ -45,7 +45,7 @@ GG=$(find /tmp/fw/model48x256 -name "*.gguf" | sort | head -1); echo "model: $GG
 if [ "$PV" != none ]; then
   el prefill
   timeout 240 python3 bench/bench_qmm.py --gguf "$GG" --layers 48 --prompt 512 --skip dense,experts \
-    --prefill-variants "$PV" --kernel-profile --out "$OUT"/qmm.json > "$OUT"/qmm.txt 2>&1
+    --prefill-variants "$PV" --prefill-reps 4 --kernel-profile --out "$OUT"/qmm.json > "$OUT"/qmm.txt 2>&1
   grep -E "^prefill" "$OUT"/qmm.txt
 fi
 if [ "$BN" != none ]; then
@@ -60,6 +60,7 @@ if [ "$ROWS" != none ]; then
     --types "$TYPES" --configs "$ROWS" --compare-steps 0 --profile-steps 0 --out "$OUT"/run.json > "$OUT"/run.txt 2>&1
   grep -E "decode [0-9]" "$OUT"/run.txt | head -20
 fi
+if [ "$LLAMA" = 0 ]; then el done; exit 0; fi
 el wait build; while [ ! -f /tmp/lcb.done ]; do sleep 3; done; cat /tmp/lcb.done
 el llama-bench
 timeout 100 /tmp/lcb/bin/llama-bench -m "$GG" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench.err \

@@ -364,3 +364,55 @@ def test_static_input_steps_equal_the_eager_steps(model):
         assert all(bd.stats["graph_steps"] == 0 for bd in bds)  # no capture on numpy
     finally:
         w.close()
+
+
+def test_prefill_graph_conditions_and_plan(model, monkeypatch):
+    """STRATATOOLS_PREFILL_GRAPH: a chunk takes the prefill's graph only on CuPy, with the full chunk of tokens
+    ending within max_ctx and GRAPH_MAX_POS, without a timed breakdown or an earlier failed capture, where the layers
+    allow it (asked once); a bad value is refused naming the variable. The VRAM plan provides for the graph's own
+    pool: twice the prefill's temporaries where a full chunk fits max_ctx, once with the graph off."""
+    from stratatools.core.errors import StrataError
+    from stratatools.runtime.device import prefill_bytes
+    from stratatools.runtime.gpu import prefill as PF
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        dec = StaticDecoder(Qwen4ExpRuntime(w), max_ctx=64)
+        pf = dec.prefiller(8)
+        monkeypatch.delenv(PF.GRAPH_ENV, raising=False)
+        assert not pf._graph_ok(8)  # numpy: never
+        asked = []
+        monkeypatch.setattr(pf, "gpu", True)
+        monkeypatch.setattr(pf, "_graph_layers", lambda T: asked.append(T) or True)
+        assert pf._graph_ok(8) and pf._graph_ok(8) and asked == [8]
+        assert not pf._graph_ok(7)  # a partial chunk
+        dec.pos = 57
+        assert not pf._graph_ok(8)  # past max_ctx
+        dec.pos = 56
+        assert pf._graph_ok(8)
+        monkeypatch.setattr(PF, "GRAPH_MAX_POS", 63)
+        assert not pf._graph_ok(8)
+        monkeypatch.setattr(PF, "GRAPH_MAX_POS", 64)
+        dec.pos = 0
+        pf.timing = {}
+        assert not pf._graph_ok(8)
+        pf.timing = None
+        pf._graph_error = "capture failed"
+        assert not pf._graph_ok(8)
+        pf._graph_error = None
+        monkeypatch.setenv(PF.GRAPH_ENV, "0")
+        assert not pf._graph_ok(8)
+        monkeypatch.setenv(PF.GRAPH_ENV, "on")
+        with pytest.raises(StrataError, match=PF.GRAPH_ENV):
+            pf._graph_ok(8)
+        monkeypatch.setenv(PF.GRAPH_ENV, "0")
+        off = prefill_bytes(w.model, w.cfg, 512)
+        monkeypatch.delenv(PF.GRAPH_ENV)
+        assert prefill_bytes(w.model, w.cfg, 512) == 2 * off
+        assert off > prefill_bytes(w.model, w.cfg, 511) > 0  # below a full chunk: no graph, a shorter chunk
+    finally:
+        w.close()

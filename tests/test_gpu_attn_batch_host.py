@@ -138,3 +138,56 @@ def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, 
         assert not np.array_equal(results[1][1][2, 6], kc0[2, 6]) and np.array_equal(results[1][1][1], kc0[1])
     finally:
         w.close()
+
+
+def test_prefill_graph_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, monkeypatch):
+    """ChunkPrefill._attention_graph (the prefill graph's attention: the decoder's caches as those of one place, each
+    row at its position from the graph's position buffer) on a stand-in for CuPy against the eager chunk's array
+    attention (_attention at pos0) for a chunk after earlier positions: the same outputs and caches; the chunk's rows
+    written, the rest of the caches untouched."""
+    from stratatools.cli import run_captured
+    from stratatools.runtime.gpu import prefill as PF
+    from stratatools.runtime.gpu.decode import StaticDecoder
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    out, err = io.StringIO(), io.StringIO()
+    assert run_captured(["synth", str(tmp_path / "rel"), "--layers", "4", "--experts", "8", "--k", "2",
+                         "--no-revisions", "--json"], out, err) == 0, err.getvalue()
+    w = load(tmp_path / "rel" / "synth-canonical.gguf", None)
+    try:
+        rt = Qwen4ExpRuntime(w)
+        cfg = w.cfg
+        il = next(i for i in range(cfg.n_layer) if not cfg.recurrent[i])
+        dec = StaticDecoder(rt, max_ctx=10)
+        pf = dec.prefiller(4)
+        rng = np.random.default_rng(12)
+        kc0, vc0 = _f(rng, *dec.kc[il].shape), _f(rng, *dec.vc[il].shape)
+        T, pos0 = 4, 3
+        x = _f(rng, T, cfg.n_embd)
+        pos = np.arange(pos0, pos0 + T)
+        cos, sin = rt.rope.cos_sin(pos)
+        results = []
+        for kernels in (False, True):
+            dec.kc[il][...], dec.vc[il][...] = kc0, vc0
+            with monkeypatch.context() as m:
+                if kernels:
+                    mod = types.SimpleNamespace(get_function=lambda name: _HostKernel(lib, name))
+                    m.setattr(PF, "attn_module", lambda: mod)
+                    m.setattr(pf, "cp", types.SimpleNamespace(ascontiguousarray=np.ascontiguousarray, asarray=np.asarray,
+                                                              float32=np.float32, empty=np.empty), raising=False)
+                    m.setattr(pf, "_weight", lambda name: w.get(name).reshape(w.get(name).shape[0], -1))
+                    m.setattr(pf, "gpu", True)
+                    m.setattr(pf, "_pgraph", {"pl": np.zeros(T, dtype=np.int32), "pos": pos.astype(np.int32)})
+                    assert pf._attn_kernels_ok(il, dec.max_ctx) and not pf._attn_kernels_ok(il, PF.ATTN_B_MAX_SHARED)
+                    y = pf._attention_graph(il, x, cos, sin)
+                else:
+                    y = pf._attention(il, x, pos0, cos, sin)
+            results.append((np.array(y), dec.kc[il].copy(), dec.vc[il].copy()))
+        for a, b in zip(*results):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6 * float(np.abs(a).max()))
+        kc = results[1][1]
+        assert np.array_equal(kc[:pos0], kc0[:pos0]) and np.array_equal(kc[pos0 + T:], kc0[pos0 + T:])
+        assert not np.array_equal(kc[pos0:pos0 + T], kc0[pos0:pos0 + T])
+    finally:
+        w.close()

@@ -257,17 +257,23 @@ def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T):
 
 
 def test_dense2_switch_and_launch(monkeypatch):
-    """STRATATOOLS_QMM_DENSE2: off by default, 1 on, another value refused; the two-tile launch takes more than 32
-    tokens over rows of a multiple of 128 only."""
+    """STRATATOOLS_QMM_DENSE2: auto by default (where the two-tile blocks alone fill the SMs), 1 wherever it applies,
+    0 never, another value refused; the two-tile launch takes more than 32 tokens over rows of a multiple of 128
+    only, and with a count of SMs only where its blocks fill them."""
     monkeypatch.delenv(Q.DENSE2_ENV, raising=False)
-    assert not Q.dense2()
-    monkeypatch.setenv(Q.DENSE2_ENV, "1")
-    assert Q.dense2()
-    monkeypatch.setenv(Q.DENSE2_ENV, "yes")
-    with pytest.raises(StrataError, match=Q.DENSE2_ENV):
-        Q.dense2()
+    assert Q.dense2() == "auto"
+    for v in ("1", "0", "auto"):
+        monkeypatch.setenv(Q.DENSE2_ENV, f" {v} ")
+        assert Q.dense2() == v
+    for bad in ("yes", "2", "AUTO"):
+        monkeypatch.setenv(Q.DENSE2_ENV, bad)
+        with pytest.raises(StrataError, match=Q.DENSE2_ENV):
+            Q.dense2()
     assert Q.dense2_launch(512, 8192) == (4, 64, 16) and Q.dense2_launch(33, 2560) == (4, 20, 2)
     assert Q.dense2_launch(32, 8192) is None and Q.dense2_launch(512, 320) is None
+    # 64 x 16 blocks fill 132 SMs; the shared expert's 512 rows over 512 tokens (4 x 16 = 64 blocks) do not
+    assert Q.dense2_launch(512, 8192, 132) == (4, 64, 16) and Q.dense2_launch(512, 512, 132) is None
+    assert Q.dense2_launch(512, 1024, 128) == (4, 8, 16) and Q.dense2_launch(512, 1024, 129) is None
 
 
 def test_chunk_values_from_the_environment(monkeypatch):
@@ -302,11 +308,18 @@ def test_big_matrices_take_cublas_only_where_asked(monkeypatch):
 
     monkeypatch.delenv(Q.BIG_ENV, raising=False)
     assert Q.big_matrix_values() == Q.BIG_DEFAULT == 0
+    assert Q.big_matrix_values(graph=True) == Q.BIG_GRAPH_DEFAULT == 1 << 21
     cur = SimpleNamespace(ptr=5)
     pf = ChunkPrefill.__new__(ChunkPrefill)
     pf.gemm = "mma"
     pf.cp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: cur))
     assert not pf._big_hgemm(8192, 2560, 512)
+    pf._in_graph = True  # the prefill's graph body: 2M weights and more by default
+    assert pf._big_hgemm(8192, 2560, 512) and not pf._big_hgemm(640, 2560, 512)
+    monkeypatch.setenv(Q.BIG_ENV, "0")
+    assert not pf._big_hgemm(8192, 2560, 512)
+    monkeypatch.delenv(Q.BIG_ENV)
+    pf._in_graph = False
     monkeypatch.setenv(Q.BIG_ENV, str(1 << 21))
     assert pf._big_hgemm(8192, 2560, 512) and pf._big_hgemm(2048, 1024, Q.BIG_MIN_TOKENS)
     assert not pf._big_hgemm(640, 2560, 512)  # 1.6M weights: the tensor-core kernel
@@ -478,10 +491,10 @@ def test_job_sizes_from_the_environment(monkeypatch):
     with pytest.raises(StrataError, match="12 tokens"):
         Q.job_tokens(12)
     monkeypatch.delenv(Q.JOB_ENV)
-    monkeypatch.setenv(Q.BATCH_JOB_ENV, "8")
-    assert Q.job_tokens(batch=True) == 8 and Q.job_tokens() == 16
+    monkeypatch.setenv(Q.BATCH_JOB_ENV, "32")
+    assert Q.job_tokens(batch=True) == 32 and Q.job_tokens() == 16
     monkeypatch.delenv(Q.BATCH_JOB_ENV)
-    assert Q.job_tokens(batch=True) == Q.BATCH_JOB_DEFAULT == 16
+    assert Q.job_tokens(batch=True) == Q.BATCH_JOB_DEFAULT == 8
 
 
 def test_moe_job_kernels_skip_empty_jobs(lib):

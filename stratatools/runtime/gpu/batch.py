@@ -54,7 +54,6 @@ the timed breakdown, ``STRATATOOLS_BATCH_GRAPH=0``, or a capture that failed (``
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -65,14 +64,12 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
-from stratatools.runtime.gpu.prefill import ChunkPrefill, gdn_chunk_shared
+from stratatools.runtime.gpu.prefill import ChunkPrefill, attn_module, gdn_chunk_shared
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
 #: comparisons); default: ``attn_batch.cu``'s kernels where QSA does not select cells.
 ATTN_KERNELS_ENV = "STRATATOOLS_BATCH_ATTN"
-#: Most dynamic shared bytes of ``attn_decode_b`` (its scores: 4 bytes a position of the longest place).
-ATTN_B_MAX_SHARED = 200 * 1024
 
 
 def attn_kernels_enabled() -> bool:
@@ -82,14 +79,10 @@ def attn_kernels_enabled() -> bool:
     return os.environ.get(ATTN_KERNELS_ENV, "1") != "0"
 
 
-@functools.lru_cache(maxsize=None)
 def _attn_module() -> Any:
-    """``attn_batch.cu`` compiled once (multiply-add fusion allowed)."""
-    import cupy
-
-    from stratatools.runtime.gpu.kernels import cuda_unit
-
-    return cupy.RawModule(code=cuda_unit("attn_batch.cu"), options=("--std=c++17",))
+    """``attn_batch.cu`` (:func:`stratatools.runtime.gpu.prefill.attn_module`; a name of this module, which the host
+    tests replace by the host build)."""
+    return attn_module()
 
 
 #: ``0`` runs every batched step eagerly; default: a step of all N places replays a CUDA graph (module docstring).
@@ -333,17 +326,8 @@ class BatchDecoder(ChunkPrefill):
             return False
         if not self.gpu:
             return True
-        hd = cfg.head_dim
-        if not attn_kernels_enabled() or hd > 1024 or cfg.n_rot > hd or 4 * dec.max_ctx > ATTN_B_MAX_SHARED:
-            return False
-        for il in range(cfg.n_layer):
-            if cfg.recurrent[il]:
-                continue
-            p = f"blk.{il}."
-            if (self._f32(p + "attn_q_norm.weight").size not in (hd, cfg.n_head * hd)
-                    or self._f32(p + "attn_k_norm.weight").size not in (hd, cfg.n_head_kv * hd)):
-                return False
-        return True
+        return attn_kernels_enabled() and all(self._attn_kernels_ok(il, dec.max_ctx) for il in range(cfg.n_layer)
+                                              if not cfg.recurrent[il])
 
     def _stage_static(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
         """Fill the static input buffers for a step of all places (host work and uploads, before a replay): places
@@ -423,7 +407,7 @@ class BatchDecoder(ChunkPrefill):
         """Run the static body eagerly (this step's result; it compiles the kernels and fills the graph's own memory
         pool), then capture it (capturing runs nothing). A capture that fails leaves the eager result and makes
         later steps eager (``stats["graph_error"]``)."""
-        from stratatools.runtime.gpu.decode import begin_capture
+        from stratatools.runtime.gpu.kernels import begin_capture
 
         cp = self.cp
         s = self.dec._stream
@@ -579,39 +563,16 @@ class BatchDecoder(ChunkPrefill):
         exceed :data:`ATTN_B_MAX_SHARED`."""
         from stratatools.runtime.topk import qsa_selects_all
 
-        cp, cfg, dec = self.cp, self.cfg, self.dec
-        T = int(x.shape[0])
-        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        p = f"blk.{il}."
+        cfg, dec = self.cfg, self.dec
         P = dec.max_ctx if self._in_static else int(pos.max()) + 1  # (the graph serves every position)
         if dec._qsa_layer(il) and not all(qsa_selects_all(self.rt.selection, cfg.compress_ratios[il], cfg.idx_budget,
                                                           int(pp)) for pp in pos):
             return None
-        wq, wk = self._f32(p + "attn_q_norm.weight"), self._f32(p + "attn_k_norm.weight")
-        if (wq.size not in (hd, nh * hd) or wk.size not in (hd, nkv * hd) or hd > 1024 or cfg.n_rot > hd
-                or 4 * P > ATTN_B_MAX_SHARED):
+        if not self._attn_kernels_ok(il, P):
             return None
-        c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
-        qraw = c32(self._mm(x, p + "attn_q.weight"))  # [T, nh 2 hd]
-        kraw = c32(self._mm(x, p + "attn_k.weight"))  # [T, nkv hd]
-        vraw = c32(self._mm(x, p + "attn_v.weight"))
-        pl_d, pos_d = self._pl_i32, self._pos_i32
-        mc = int(self.kc[il].shape[1])
-        mod = _attn_module()
-        q = cp.empty((T, nh, hd), dtype=cp.float32)
-        threads = min(1024, (hd + 31) // 32 * 32)
-        mod.get_function("attn_prep_b")((nh + nkv, T), (threads,), (
-            qraw, kraw, vraw, wq, np.int32(wq.size), wk, np.int32(wk.size), c32(cos), c32(sin), np.int32(cfg.n_rot),
-            np.int32(nh), np.int32(nkv), np.int32(hd), np.float32(cfg.eps), pl_d, pos_d, np.int32(mc), q, self.kc[il],
-            self.vc[il]), shared_mem=hd * 4)
-        self._allowed_b(il, x, pos, cos, sin)  # the indexer caches of a long-context decoder (no selection here)
-        o = cp.empty((T, nh * hd), dtype=cp.float32)
-        k = mod.get_function("attn_decode_b")
-        if 4 * P > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < 4 * P:
-            k.max_dynamic_shared_size_bytes = 4 * P
-        k((nh, T), (128,), (q, self.kc[il], self.vc[il], pl_d, pos_d, np.int32(mc), qraw, o, np.int32(nh),
-                            np.int32(nkv), np.int32(hd), np.float32(hd ** -0.5)), shared_mem=4 * P)
-        return self._mm(o, p + "attn_output.weight")
+        # the indexer caches of a long-context decoder between the two launches (no selection here)
+        return self._attn_kernels(il, x, cos, sin, self.kc[il], self.vc[il], self._pl_i32, self._pos_i32, P,
+                                  _attn_module(), lambda: self._allowed_b(il, x, pos, cos, sin))
 
     def _allowed_b(self, il: int, x: Any, pos: np.ndarray, cos: Any, sin: Any) -> np.ndarray | None:
         """QSA for one position of each place (the prefill's ``_allowed`` per place): on a long-context decoder,

@@ -59,7 +59,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 
 from stratatools.runtime.gpu.kernels import SHARED_SIDE_ENV, _env_on, shared_side  # noqa: F401
-from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, dense_kernel, env_count
+from stratatools.runtime.gpu.kernels import begin_capture, cuda_source, cuda_unit, dense_kernel, env_count
 from stratatools.runtime.gpu.launch import pdl, pdl_enabled, pdl_supported
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
@@ -325,16 +325,6 @@ def fetch_grid(k: int, blob_bytes: int, n_sm: int) -> int:
     more than the blob has parts of FETCH_THREADS x 4 loads of 16 bytes."""
     per_block = 16 * FETCH_THREADS * 4
     return max(1, min(max(1, 4 * max(1, n_sm) // max(1, k)), -(-int(blob_bytes) // per_block)))
-
-
-def begin_capture(cp: Any, stream: Any) -> None:
-    """Start capturing ``stream`` into a CUDA graph in relaxed mode (calls such as kernel attribute settings stay
-    allowed; an older CuPy without the mode argument: its default)."""
-    mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
-    try:
-        stream.begin_capture(mode=mode) if mode is not None else stream.begin_capture()
-    except TypeError:
-        stream.begin_capture()
 
 
 #: How the fast step's CUDA graph is cut into pieces replayed one after another (``auto``, the default: cuts before

@@ -316,6 +316,16 @@ def env_count(name: str, default: int, minimum: int, unit: str) -> int:
 SHARED_SIDE_ENV = "STRATATOOLS_SHARED_SIDE"
 
 
+def begin_capture(cp: Any, stream: Any) -> None:
+    """Start capturing ``stream`` into a CUDA graph in relaxed mode (calls such as kernel attribute settings stay
+    allowed, and so is a first allocation of a memory pool; an older CuPy without the mode argument: its default)."""
+    mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+    try:
+        stream.begin_capture(mode=mode) if mode is not None else stream.begin_capture()
+    except TypeError:
+        stream.begin_capture()
+
+
 def env_on(name: str, meaning: str, default: bool = True) -> bool:
     """Environment flag ``name`` (unset or empty: ``default``); raises StrataError for a value other than 0 or 1,
     saying that 1 means ``meaning``."""

@@ -85,6 +85,39 @@ JOB_TOKENS_MMA_MAX = 32
 EXPERT_PATHS = ("rows", "gemm", "mma")
 
 
+#: ``0`` runs every prefill chunk eagerly; default: on CuPy a chunk of the prefiller's full ``chunk`` tokens replays
+#: one CUDA graph (captured after the first such chunk ran eagerly), its inputs staged into buffers the graph reads
+#: and the chunk's positions read on the device, so that one graph serves every full chunk of every prompt up to
+#: :data:`GRAPH_MAX_POS` (:meth:`ChunkPrefill._graph_ok` lists the other conditions). The graph removes the host's
+#: launches (about 3,600 a 512-token chunk of the 48-layer model, as long as its device time) and lets the large
+#: dense matrices take cuBLAS (:func:`stratatools.runtime.gpu.qmm.big_matrix_values`).
+GRAPH_ENV = "STRATATOOLS_PREFILL_GRAPH"
+#: The graph serves chunks ending at most at this position: its attention (``attn_batch.cu``: each query over its
+#: positions on the CUDA cores, the scores of :data:`GRAPH_MAX_POS` positions in shared memory) grows with the
+#: position faster than the eager chunk's batched products.
+GRAPH_MAX_POS = 4096
+#: Most dynamic shared bytes of ``attn_batch.cu``'s ``attn_decode_b`` (its scores: 4 bytes a position of the longest
+#: query).
+ATTN_B_MAX_SHARED = 200 * 1024
+
+
+def graph_enabled() -> bool:
+    """May a full prefill chunk replay a CUDA graph (:data:`GRAPH_ENV`, default yes)? Raises StrataError for a
+    value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(GRAPH_ENV, "full chunks through a CUDA graph")
+
+
+@functools.lru_cache(maxsize=None)
+def attn_module() -> Any:
+    """``attn_batch.cu`` compiled once (multiply-add fusion allowed): the batched step's attention, and the prefill
+    graph's."""
+    import cupy
+
+    return cupy.RawModule(code=cuda_unit("attn_batch.cu"), options=("--std=c++17",))
+
+
 def expert_jobs(ids: np.ndarray, tt: int = JOB_TOKENS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the (token, expert) pairs of a routing ``ids`` [T, k] into jobs of one expert and up to ``tt`` of its
     tokens (experts in increasing id, tokens in increasing order). Returns (expert of each job [J] int64, token of
@@ -351,6 +384,10 @@ class ChunkPrefill:
         #: read back once at the chunk's end
         self._dev_route: tuple[Any, Any] | None = None
         self._dev_layers: list[int] = []
+        #: the CUDA graph of a full chunk (:data:`GRAPH_ENV`): its input and output buffers, the graph, its memory pool
+        self._pgraph: dict[str, Any] | None = None
+        self._graph_error: str | None = None  # why the capture failed (full chunks then stay eager)
+        self._graph_layers_ok: bool | None = None  # (:meth:`_graph_layers`, asked once)
 
     # -- public -----------------------------------------------------------------------------------------
     def compile(self) -> None:
@@ -530,13 +567,14 @@ class ChunkPrefill:
 
     def _big_hgemm(self, rows: int, cols: int, T: int) -> bool:
         """On the ``mma`` path: does this [rows, cols] matrix times T rows go through the hgemm path's cuBLAS GEMMs
-        (:data:`stratatools.runtime.gpu.qmm.BIG_ENV`: a large matrix, a long chunk; never in the batched step's
-        captured graph, nor on the shared expert's stream, whose cuBLAS calls could meet the main stream's)?"""
+        (:func:`stratatools.runtime.gpu.qmm.big_matrix_values`: a large matrix, a long chunk; by default only in the
+        prefill's graph, whose replay has no host cost for cuBLAS's extra launches; never in the batched step, nor on
+        the shared expert's stream, whose cuBLAS calls could meet the main stream's)?"""
         from stratatools.runtime.gpu import qmm
 
         if self.gemm != "mma" or self._in_static or T < qmm.BIG_MIN_TOKENS:
             return False
-        big = qmm.big_matrix_values()
+        big = qmm.big_matrix_values(graph=self._in_graph)
         if not big or rows * cols < big:
             return False
         side = self._shared_side
@@ -574,6 +612,8 @@ class ChunkPrefill:
     def _chunk(self, toks: np.ndarray, last: bool) -> tuple[Any, np.ndarray, np.ndarray]:
         dec, cfg, xp = self.dec, self.cfg, self.xp
         T = int(toks.size)
+        if self._graph_ok(T):
+            return self._chunk_graph(toks, last)
         pos0 = dec.pos
         L, k = cfg.n_layer, self.k
         self._tic("embed")
@@ -604,6 +644,127 @@ class ChunkPrefill:
             lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
         self._tic("end")
         return lg, ids_out, w_out
+
+    # -- the chunk's CUDA graph (GRAPH_ENV) -----------------------------------------------------------------
+    def _graph_ok(self, T: int) -> bool:
+        """Does this chunk of T tokens run through the prefill's CUDA graph (:data:`GRAPH_ENV`)? On CuPy, a chunk of
+        the full ``chunk`` tokens ending at most at :data:`GRAPH_MAX_POS` (and ``max_ctx``), no timed breakdown, no
+        earlier failed capture, and layers the graph can hold (:meth:`_graph_layers`)."""
+        dec = self.dec
+        if not self.gpu or self._batch_step or self.timing is not None or self._graph_error is not None:
+            return False
+        if T != self.chunk or dec.pos + T > min(dec.max_ctx, GRAPH_MAX_POS) or not graph_enabled():
+            return False
+        if self._graph_layers_ok is None:
+            self._graph_layers_ok = self._graph_layers(T)
+        return self._graph_layers_ok
+
+    def _graph_layers(self, T: int) -> bool:
+        """The position-independent part of :meth:`_graph_ok`: a decoder without the QSA indexer caches (no
+        selection on the host), every layer's routed experts on the tensor-core jobs with their table built on the
+        device (the routing stays there), every attention layer within ``attn_batch.cu``'s limits for the positions
+        the graph serves (:meth:`_attn_kernels_ok`)."""
+        from stratatools.runtime.gpu import qmm
+
+        dec, cfg = self.dec, self.cfg
+        if getattr(dec, "long", False) or self.experts != "mma":
+            return False
+        P = min(dec.max_ctx, GRAPH_MAX_POS)
+        for il in range(cfg.n_layer):
+            if not (self._mma_experts_ok(il)
+                    and qmm.device_jobs_ok(T * self.k, self.rt.tier.arena.layers[il].n_expert)):
+                return False
+            if not cfg.recurrent[il] and not self._attn_kernels_ok(il, P):
+                return False
+        return True
+
+    def _chunk_graph(self, toks: np.ndarray, last: bool) -> tuple[Any, np.ndarray, np.ndarray]:
+        """:meth:`_chunk` through the prefill's CUDA graph: the chunk's token rows, PLE rows, rope tables and positions
+        are staged into the buffers the graph reads; the first full chunk runs eagerly (its result) and is then
+        captured (:meth:`_graph_capture`), later ones replay the graph. The routing comes back once, and the last
+        chunk's output head runs after the graph."""
+        dec, cfg, xp, cp = self.dec, self.cfg, self.xp, self.cp
+        T, pos0 = int(toks.size), dec.pos
+        L, k = cfg.n_layer, self.k
+        positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        x0 = self._rows("token_embd.weight", toks)
+        cos, sin = self.rt.rope.cos_sin(positions)
+        ple = {il: self._ple_emb(il, r, T) for il, r in (self._ple_rows(toks) if cfg.ple_layers else {}).items()}
+        g = self._pgraph
+        if g is None:
+            g = self._pgraph = {
+                "x0": xp.empty_like(x0), "cos": xp.empty_like(cos), "sin": xp.empty_like(sin),
+                "pos": xp.zeros(T, dtype=xp.int32), "pl": xp.zeros(T, dtype=xp.int32),
+                "ple": {il: xp.empty_like(e) for il, e in ple.items()},
+                "ids": xp.empty((L, T, k), dtype=xp.int32), "w": xp.empty((L, T, k), dtype=xp.float32),
+                "graph": None, "pool": None, "H": None, "layers": None}
+        g["x0"][...] = x0
+        g["cos"][...] = cos
+        g["sin"][...] = sin
+        g["pos"][...] = xp.asarray(positions.astype(np.int32))
+        for il, e in ple.items():
+            g["ple"][il][...] = e
+        ids_out = np.zeros((T, L, k), dtype=np.int32)
+        w_out = np.zeros((T, L, k), dtype=np.float32)
+        st = dec.stats
+        if g["graph"] is None:
+            H, lay = self._graph_capture(g, ids_out, w_out)
+        else:
+            g["graph"].launch(stream=cp.cuda.get_current_stream())
+            H, lay = g["H"], g["layers"]
+            st["prefill_graph_replays"] = st.get("prefill_graph_replays", 0) + 1
+        if lay:  # the routing the graph left on the device: one copy back for the chunk
+            ids_out[:, lay] = np.transpose(cp.asnumpy(g["ids"][lay]), (1, 0, 2))
+            w_out[:, lay] = np.transpose(cp.asnumpy(g["w"][lay]), (1, 0, 2))
+        dec.pos = pos0 + T
+        lg = None
+        if last:
+            out_in, _ = self._hc("output_hc", H[-1:], inject=False)
+            lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
+        return lg, ids_out, w_out
+
+    def _graph_capture(self, g: dict, ids_out: np.ndarray, w_out: np.ndarray) -> tuple[Any, list[int]]:
+        """Run the graph body eagerly (this chunk's result; the device copies its first run makes stay in the
+        default pool, which outlives the graph), then capture it into a graph whose temporaries come from a memory
+        pool of its own (capturing runs nothing). A capture that fails leaves the eager result and keeps later full
+        chunks eager (the reason in ``dec.stats["prefill_graph_error"]``). Returns (H, layers routed on the
+        device)."""
+        from stratatools.runtime.gpu.kernels import begin_capture
+
+        cp, st = self.cp, self.dec.stats
+        s = cp.cuda.get_current_stream()
+        H, lay = self._graph_body(g, ids_out, w_out)
+        s.synchronize()
+        pool = cp.cuda.MemoryPool()
+        try:
+            with cp.cuda.using_allocator(pool.malloc):
+                begin_capture(cp, s)
+                try:
+                    out = self._graph_body(g, np.zeros_like(ids_out), np.zeros_like(w_out))
+                finally:
+                    graph = s.end_capture()
+        except Exception as e:  # noqa: BLE001 - any capture failure: stay eager, say why in the stats
+            self._graph_error = st["prefill_graph_error"] = f"{type(e).__name__}: {e}"[:300]
+            return H, lay
+        g.update(graph=graph, pool=pool, H=out[0], layers=out[1])
+        st["prefill_graph_captures"] = st.get("prefill_graph_captures", 0) + 1
+        return H, lay
+
+    def _graph_body(self, g: dict, ids_out: np.ndarray, w_out: np.ndarray) -> tuple[Any, list[int]]:
+        """The chunk from the graph's buffers (what the graph holds): the trunk over the staged token rows with the
+        positions on the device (:meth:`_attention_graph`), the routing into the graph's routing buffers. Returns
+        (H [T, hc n], the layers whose routing stayed on the device; the others' went into ``ids_out`` /
+        ``w_out``)."""
+        xp, cfg = self.xp, self.cfg
+        self._in_graph = True
+        self._dev_route, self._dev_layers = (g["ids"], g["w"]), []
+        try:
+            H = xp.concatenate([g["x0"]] * cfg.hc_count, axis=-1)
+            H = self._layers(H, {il: None for il in cfg.ple_layers}, ids_out, w_out, None, g["cos"], g["sin"])
+            return H, list(self._dev_layers)
+        finally:
+            self._in_graph = False
+            self._dev_route, self._dev_layers = None, []
 
     def _layers(self, H: Any, ple_rows: dict, ids_out: np.ndarray, w_out: np.ndarray, pos: Any, cos: Any,
                 sin: Any) -> Any:
@@ -749,7 +910,10 @@ class ChunkPrefill:
 
     def _ple_emb(self, il: int, rows: np.ndarray, T: int) -> Any:
         """The PLE table rows ``rows`` [T, heads] of layer ``il`` as [T, heads ne0] float32 on xp (the batched
-        decoder's graph step reads them from a buffer filled before its replay instead)."""
+        decoder's graph step reads them from a buffer filled before its replay instead, and so does the prefill's graph
+        body)."""
+        if self._in_graph:
+            return self._pgraph["ple"][il]
         return self._rows("per_layer_token_embd.weight", rows.reshape(-1)).reshape(T, -1)
 
     def _ple(self, il: int, H: Any, rows: np.ndarray) -> Any:
@@ -901,6 +1065,8 @@ class ChunkPrefill:
         return self.rt.rope.apply(q, cos, sin), self.rt.rope.apply(kk, cos, sin), v, gate
 
     def _attention(self, il: int, x: Any, pos0: int, cos: Any, sin: Any) -> Any:
+        if self._in_graph:
+            return self._attention_graph(il, x, cos, sin)
         xp, cfg, dec = self.xp, self.cfg, self.dec
         T = x.shape[0]
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -930,6 +1096,57 @@ class ChunkPrefill:
         o = xp.transpose(o, (2, 0, 1, 3)).reshape(T, nh * hd)
         o = o * self._sigmoid_x(gate)
         return self._mm(xp.ascontiguousarray(o, dtype=xp.float32), p + "attn_output.weight")
+
+    def _attention_graph(self, il: int, x: Any, cos: Any, sin: Any) -> Any:
+        """:meth:`_attention` in the prefill's graph body: ``attn_batch.cu``'s kernels (:meth:`_attn_kernels`) over
+        the decoder's caches as those of one place, each row at its position in the graph's position buffer (so the
+        graph serves chunks at any position; the decoder has no QSA indexer caches, :meth:`_graph_layers`)."""
+        g, dec = self._pgraph, self.dec
+        return self._attn_kernels(il, x, cos, sin, dec.kc[il][None], dec.vc[il][None], g["pl"], g["pos"],
+                                  min(dec.max_ctx, GRAPH_MAX_POS), attn_module())
+
+    def _attn_kernels_ok(self, il: int, P: int) -> bool:
+        """Can ``attn_batch.cu`` run attention layer ``il`` for queries up to P positions long: norm weights per head
+        or per tensor, heads of at most 1,024 values, the scores of P positions within :data:`ATTN_B_MAX_SHARED`?"""
+        cfg = self.cfg
+        hd, p = cfg.head_dim, f"blk.{il}."
+        return bool(hd <= 1024 and cfg.n_rot <= hd and 4 * int(P) <= ATTN_B_MAX_SHARED
+                    and self._f32(p + "attn_q_norm.weight").size in (hd, cfg.n_head * hd)
+                    and self._f32(p + "attn_k_norm.weight").size in (hd, cfg.n_head_kv * hd))
+
+    def _attn_kernels(self, il: int, x: Any, cos: Any, sin: Any, kc: Any, vc: Any, pl_d: Any, pos_d: Any, P: int,
+                      mod: Any, between: Any = None) -> Any:
+        """Attention layer ``il`` of the rows x [T, n] on ``attn_batch.cu`` (``mod``; the caller checked
+        :meth:`_attn_kernels_ok` for P): the q / k / v projections, ``attn_prep_b`` (q and k RMS norms, rope with the
+        rows' cos / sin [T, n_rot], row r's key and value into the caches kc / vc [places, max_ctx, nkv, hd] at place
+        ``pl_d[r]``, position ``pos_d[r]``: int32 device arrays [T]), then ``between()`` when given, ``attn_decode_b``
+        (each query over its place's positions 0 .. ``pos_d[r]``, scores for P > every ``pos_d[r]`` positions in
+        shared memory, the output gate) and the output projection. Returns [T, n] float32."""
+        cp, cfg = self.cp, self.cfg
+        T = int(x.shape[0])
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        p = f"blk.{il}."
+        wq, wk = self._f32(p + "attn_q_norm.weight"), self._f32(p + "attn_k_norm.weight")
+        c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
+        qraw = c32(self._mm(x, p + "attn_q.weight"))  # [T, nh 2 hd]
+        kraw = c32(self._mm(x, p + "attn_k.weight"))  # [T, nkv hd]
+        vraw = c32(self._mm(x, p + "attn_v.weight"))
+        mc = int(kc.shape[1])
+        q = cp.empty((T, nh, hd), dtype=cp.float32)
+        threads = min(1024, (hd + 31) // 32 * 32)
+        mod.get_function("attn_prep_b")((nh + nkv, T), (threads,), (
+            qraw, kraw, vraw, wq, np.int32(wq.size), wk, np.int32(wk.size), c32(cos), c32(sin), np.int32(cfg.n_rot),
+            np.int32(nh), np.int32(nkv), np.int32(hd), np.float32(cfg.eps), pl_d, pos_d, np.int32(mc), q, kc, vc),
+            shared_mem=hd * 4)
+        if between is not None:
+            between()
+        o = cp.empty((T, nh * hd), dtype=cp.float32)
+        k = mod.get_function("attn_decode_b")
+        if 4 * P > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < 4 * P:
+            k.max_dynamic_shared_size_bytes = 4 * P
+        k((nh, T), (128,), (q, kc, vc, pl_d, pos_d, np.int32(mc), qraw, o, np.int32(nh), np.int32(nkv), np.int32(hd),
+                            np.float32(hd ** -0.5)), shared_mem=4 * int(P))
+        return self._mm(o, p + "attn_output.weight")
 
     def _allowed(self, il: int, x: Any, pos0: int, T: int, cos: Any, sin: Any) -> np.ndarray | None:
         """QSA: on a long-context decoder, cache the chunk's raw indexer keys and pool the blocks it completes (the
@@ -1114,6 +1331,10 @@ class ChunkPrefill:
 
     #: set by the batched decoder while it runs (or captures) its graph step: GEMMs through a capturable cuBLAS call
     _in_static = False
+    #: set while the prefill's graph body runs or is captured (:meth:`_graph_body`): inputs from the graph's buffers,
+    #: positions on the device, GEMMs through capturable calls
+    _in_graph = False
+    _pgraph: dict[str, Any] | None = None
     #: the shared expert's stream beside the routed experts (CuPy, :meth:`_moe_gpu`); None: after them
     _shared_side: Any = None
     #: set on the batched decoder: its step's settings (expert job size) rather than the prefill's
@@ -1152,8 +1373,9 @@ class ChunkPrefill:
 
     def _sgemm(self, X: Any, W: Any) -> Any:
         """X [T, K] @ W.T for W [R, K]: float32 [T, R] (xp's matmul; in the batched decoder's graph step
-        :func:`stratatools.runtime.gpu.blas.sgemm_nt`, which a stream capture may record)."""
-        if self.gpu and self._in_static:
+        and the prefill's graph body :func:`stratatools.runtime.gpu.blas.sgemm_nt`, which a stream capture may
+        record)."""
+        if self.gpu and (self._in_static or self._in_graph):
             from stratatools.runtime.gpu.blas import sgemm_nt
 
             return sgemm_nt(X, W)

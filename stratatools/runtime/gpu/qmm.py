@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, env_choice, env_count, env_on, launch_big_shared
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, env_choice, env_count, launch_big_shared
 
 #: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
 LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
@@ -48,11 +48,12 @@ ROWS_PER_BLOCK = 16 * (THREADS // 32)
 JOB_TOKENS = 16
 JOB_SIZES = (8, 16, 32)
 #: The prefill's job size (``STRATATOOLS_PREFILL_JOB``, one of :data:`JOB_SIZES`) and the batched step's
-#: (``STRATATOOLS_BATCH_JOB``: one or two tokens an expert at 32 sequences).
+#: (``STRATATOOLS_BATCH_JOB``: one or two tokens an expert at 32 sequences; jobs of 8 measured 828 against 794
+#: tok/s of 16 at 32 sequences on the H200, bench/gpu-notes.md, fourteenth pass).
 JOB_ENV = "STRATATOOLS_PREFILL_JOB"
 JOB_DEFAULT = 16
 BATCH_JOB_ENV = "STRATATOOLS_BATCH_JOB"
-BATCH_JOB_DEFAULT = 16
+BATCH_JOB_DEFAULT = 8
 SPLIT_THREADS = 256
 #: qmm.cu QMM_KC: values of k a chunk of staged activations holds.
 KC = 128
@@ -68,9 +69,12 @@ GEMM_ENV = "STRATATOOLS_PREFILL_GEMM"
 #: Environment switch of the batched decode step's dense GEMMs (and, with ``mma``, its routed-expert jobs).
 BATCH_GEMM_ENV = "STRATATOOLS_BATCH_GEMM"
 GEMMS = ("sgemm", "mma", "hgemm")
-#: ``STRATATOOLS_QMM_DENSE2=1``: dense launches of more than 32 tokens over a matrix of a multiple of 128 rows take
+#: ``STRATATOOLS_QMM_DENSE2``: dense launches of more than 32 tokens over a matrix of a multiple of 128 rows take
 #: two 16-row tiles a warp (``qmm_dense<F, DENSE2_NT, 2>``: half the shared-memory reads of activation fragments a
-#: product, the block's tokens staged once for 128 rows) and no k split; default 0 (built, not yet measured).
+#: product, the block's tokens staged once for 128 rows) and no k split: unset or empty (``auto``) where those blocks
+#: alone fill the SMs (H200, 512-token prefill: the large Q8R matrices 59 -> 42 ms; the shared expert's few rows,
+#: which need the k split, 7.9 -> 11.6 ms with it: bench/gpu-notes.md, fourteenth pass), ``1`` wherever it applies,
+#: ``0`` never.
 DENSE2_ENV = "STRATATOOLS_QMM_DENSE2"
 DENSE2_NT = 4
 DENSE2_ROWS = 2 * ROWS_PER_BLOCK  # rows of one block (4 warps of 32 rows)
@@ -79,7 +83,11 @@ DENSE2_ROWS = 2 * ROWS_PER_BLOCK  # rows of one block (4 warps of 32 rows)
 #: the same ~1e-6 precision) instead of the tensor-core kernel: cuBLAS is faster on the large shapes, the tensor-core
 #: kernels on the small ones and without the per-matrix split of W (bench/gpu-notes.md).
 BIG_ENV = "STRATATOOLS_PREFILL_BIG"
+#: Eager chunks: none (cuBLAS's extra launches cost more host time than they save device time there).
 BIG_DEFAULT = 0
+#: The prefill's CUDA graph (no host cost a launch): matrices of 2M weights and more (H200, 512-token prefill:
+#: 149 against 177 ms of device time, bench/gpu-notes.md).
+BIG_GRAPH_DEFAULT = 1 << 21
 BIG_MIN_TOKENS = 128
 #: Threads of a ``qmm_wsplit`` block.
 WSPLIT_THREADS = 256
@@ -98,23 +106,31 @@ def prefill_gemm() -> str:
     return _gemm_from(GEMM_ENV, "mma")
 
 
-def dense2() -> bool:
-    """:data:`DENSE2_ENV` as a flag (unset or empty: off). Raises StrataError for a value other than 0 or 1."""
-    return env_on(DENSE2_ENV, "two 16-row tiles a warp for longer X", default=False)
+def dense2() -> str:
+    """:data:`DENSE2_ENV`: ``auto`` (unset or empty), ``1`` or ``0``. Raises StrataError for another value."""
+    import os
+
+    v = os.environ.get(DENSE2_ENV, "").strip() or "auto"
+    if v not in ("auto", "0", "1"):
+        raise StrataError(f"{DENSE2_ENV}={v!r}: use 1 (two 16-row tiles a warp for longer X), 0, or leave it unset "
+                          "(where the blocks fill the SMs)")
+    return v
 
 
-def dense2_launch(T: int, rows: int) -> tuple[int, int, int] | None:
+def dense2_launch(T: int, rows: int, n_sm: int = 0) -> tuple[int, int, int] | None:
     """The launch of the two-tile dense kernel for T tokens and ``rows`` weight rows: (NT, grid x, grid y), or None
-    where it does not apply (T up to 32, rows not a multiple of :data:`DENSE2_ROWS`)."""
+    where it does not apply (T up to 32, rows not a multiple of :data:`DENSE2_ROWS`, fewer blocks than ``n_sm``)."""
     if T <= 8 * TILES[1] or rows % DENSE2_ROWS:
         return None
-    return DENSE2_NT, rows // DENSE2_ROWS, -(-int(T) // (8 * DENSE2_NT))
+    gx, gy = rows // DENSE2_ROWS, -(-int(T) // (8 * DENSE2_NT))
+    return None if gx * gy < int(n_sm) else (DENSE2_NT, gx, gy)
 
 
-def big_matrix_values() -> int:
-    """:data:`BIG_ENV`: the weights from which the ``mma`` prefill's dense matrices take :func:`hgemm` (0: none;
-    default :data:`BIG_DEFAULT`). Raises StrataError for a value that is not a whole number."""
-    return env_count(BIG_ENV, BIG_DEFAULT, 0, "weights")
+def big_matrix_values(graph: bool = False) -> int:
+    """:data:`BIG_ENV`: the weights from which the ``mma`` prefill's dense matrices take :func:`hgemm` (0: none);
+    unset or empty: :data:`BIG_GRAPH_DEFAULT` in the prefill's CUDA graph (``graph``), :data:`BIG_DEFAULT` in an
+    eager chunk. Raises StrataError for a value that is not a whole number."""
+    return env_count(BIG_ENV, BIG_GRAPH_DEFAULT if graph else BIG_DEFAULT, 0, "weights")
 
 
 def batch_gemm() -> str:
@@ -385,7 +401,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
 
     kc = chunk_values()
     nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0], kc)
-    two = dense2_launch(T, rows) if dense2() else None
+    mode = dense2()
+    two = None if mode == "0" else dense2_launch(T, rows, _device_limits()[0] if mode == "auto" else 0)
     if two is not None:  # (no k split: the rows a multiple of 128 give the grid its blocks)
         nt, gx, gy = two
         nz = 1
