@@ -11,7 +11,9 @@
 # ROWS: bench_gpu_run.py --configs (default resident,nopdl,vram12; "none" skips the rows)
 # TESTS: pytest arguments (default the GPU decoder, prefill, GEMM and batch tests; "none" skips them)
 # PV: bench_qmm.py --prefill-variants (default mma; "none" skips the prefill); BN: bench_gpu_batch.py --n (default
-# 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches.
+# 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches;
+# TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
+# batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md).
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
 # llama-bench.md, llama-batched.txt, build logs). The call's output keeps only its last 12,000 characters: read $OUT.
 set -u
@@ -25,7 +27,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATATOOLS_KIT=$PWD/$KIT
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-rm -f /tmp/lcb.done /tmp/synth.done
+rm -f /tmp/lcb.done /tmp/synth.done /tmp/synth2.done
 [ "$LLAMA" = 0 ] || ( tar -xzf "$ANCHORS"/llama.cpp-*-src.tar.gz -C /tmp/lc && cd /tmp/lc/llama.cpp \
   && taskset -c 6-15 cmake -S . -B /tmp/lcb -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
@@ -33,7 +35,11 @@ rm -f /tmp/lcb.done /tmp/synth.done
   && taskset -c 6-15 nice ninja -C /tmp/lcb -j10 llama-bench llama-batched-bench > "$OUT"/llama-build.log 2>&1
   echo "build rc=$?" > /tmp/lcb.done ) &
 ( taskset -c 0-3 python3 -m stratatools synth /tmp/fw/model48x256 --full-width --no-revisions --layers 48 \
-    --experts 256 --types "$TYPES" --force --json > "$OUT"/synth.json 2> "$OUT"/synth.err; echo done > /tmp/synth.done ) &
+    --experts 256 --types "$TYPES" --force --json > "$OUT"/synth.json 2> "$OUT"/synth.err; echo done > /tmp/synth.done
+  if [ -n "${TYPES2:-}" ]; then
+    taskset -c 0-3 python3 -m stratatools synth /tmp/fw2/model48x256 --full-width --no-revisions --layers 48 \
+      --experts 256 --types "$TYPES2" --force --json > "$OUT"/synth2.json 2> "$OUT"/synth2.err
+  fi; echo done > /tmp/synth2.done ) &
 if [ "$TESTS" != none ]; then
   el tests
   # shellcheck disable=SC2086
@@ -60,7 +66,17 @@ if [ "$ROWS" != none ]; then
     --types "$TYPES" --configs "$ROWS" --compare-steps 0 --profile-steps 0 --out "$OUT"/run.json > "$OUT"/run.txt 2>&1
   grep -E "decode [0-9]" "$OUT"/run.txt | head -20
 fi
-if [ "$LLAMA" = 0 ]; then el done; exit 0; fi
+second() {  # the TYPES2 model: the resident batch-1 row (and llama-bench where built)
+  [ -n "${TYPES2:-}" ] || return 0
+  el second model; while [ ! -f /tmp/synth2.done ]; do sleep 2; done
+  G2=$(find /tmp/fw2/model48x256 -name "*.gguf" | sort | head -1); echo "model 2: $G2"
+  timeout 150 python3 bench/bench_gpu_run.py --gguf "$G2" --workdir /tmp/fw2 --prompt 512 --new 64 --slots 1872 \
+    --types "$TYPES2" --configs resident --compare-steps 0 --profile-steps 0 --out "$OUT"/run2.json > "$OUT"/run2.txt 2>&1
+  grep -E "decode [0-9]|prefill" "$OUT"/run2.txt | head -6
+  [ "$LLAMA" = 0 ] || timeout 100 /tmp/lcb/bin/llama-bench -m "$G2" -ngl 99 -p 512 -n 128 -r 3 -o md \
+    2> "$OUT"/llama-bench2.err | tee "$OUT"/llama-bench2.md
+}
+if [ "$LLAMA" = 0 ]; then second; el done; exit 0; fi
 el wait build; while [ ! -f /tmp/lcb.done ]; do sleep 3; done; cat /tmp/lcb.done
 el llama-bench
 timeout 100 /tmp/lcb/bin/llama-bench -m "$GG" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench.err \
@@ -69,4 +85,5 @@ el llama-batched-bench
 timeout 120 /tmp/lcb/bin/llama-batched-bench -m "$GG" -ngl 99 -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 \
   -npl 1,8,32 > "$OUT"/llama-batched.txt 2>&1
 grep -E "^\|" "$OUT"/llama-batched.txt | tail -5
+second
 el done
