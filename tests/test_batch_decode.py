@@ -384,6 +384,11 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
         dec = StaticDecoder(Qwen4ExpRuntime(w), max_ctx=64)
         pf = dec.prefiller(8)
         monkeypatch.delenv(PF.GRAPH_ENV, raising=False)
+        monkeypatch.setattr(pf, "gpu", True)
+        monkeypatch.setattr(pf, "_graph_layers", lambda T: True)
+        assert not pf._graph_ok(8)  # off by default
+        monkeypatch.setenv(PF.GRAPH_ENV, "1")
+        monkeypatch.setattr(pf, "gpu", False)
         assert not pf._graph_ok(8)  # numpy: never
         asked = []
         monkeypatch.setattr(pf, "gpu", True)
@@ -412,6 +417,8 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
         monkeypatch.setenv(PF.GRAPH_ENV, "0")
         off = prefill_bytes(w.model, w.cfg, 512)
         monkeypatch.delenv(PF.GRAPH_ENV)
+        assert prefill_bytes(w.model, w.cfg, 512) == off  # off by default
+        monkeypatch.setenv(PF.GRAPH_ENV, "1")
         assert prefill_bytes(w.model, w.cfg, 512) == 2 * off
         assert off > prefill_bytes(w.model, w.cfg, 511) > 0  # below a full chunk: no graph, a shorter chunk
     finally:
