@@ -370,7 +370,7 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
     """STRATATOOLS_PREFILL_GRAPH: a chunk takes the prefill's graph only on CuPy, with the full chunk of tokens
     ending within max_ctx and GRAPH_MAX_POS, without a timed breakdown or an earlier failed capture, where the layers
     allow it (asked once); a bad value is refused naming the variable. The VRAM plan provides for the graph's own
-    pool: twice the prefill's temporaries where a full chunk fits max_ctx, once with the graph off."""
+    pool: twice the prefill's temporaries with the graph on, once with it off."""
     from stratatools.core.errors import StrataError
     from stratatools.runtime.device import prefill_bytes
     from stratatools.runtime.gpu import prefill as PF
@@ -420,6 +420,6 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
         assert prefill_bytes(w.model, w.cfg, 512) == off  # off by default
         monkeypatch.setenv(PF.GRAPH_ENV, "1")
         assert prefill_bytes(w.model, w.cfg, 512) == 2 * off
-        assert off > prefill_bytes(w.model, w.cfg, 511) > 0  # below a full chunk: no graph, a shorter chunk
+        assert 2 * off > prefill_bytes(w.model, w.cfg, 511) > off  # (a prefiller's chunk may be shorter than 512)
     finally:
         w.close()

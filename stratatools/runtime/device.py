@@ -155,7 +155,7 @@ def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
     matrices other than the embedding tables and the output head (which runs as a matvec); the routed experts' share
     of the path ``STRATATOOLS_PREFILL_GEMM`` selects (``mma`` and ``hgemm``: the tensor-core jobs; the dense share,
     twice the largest matrix as float32, also covers ``hgemm``'s transient fp16 pair of 4 bytes a weight); twice that
-    where a full chunk fits ``max_ctx`` and the prefill's CUDA graph is on
+    where the prefill's CUDA graph is on
     (:data:`stratatools.runtime.gpu.prefill.GRAPH_ENV`: the graph keeps a chunk's temporaries in a memory pool of its
     own)."""
     from stratatools.runtime.gpu.prefill import CHUNK, GROUP, graph_enabled, prefill_scratch_bytes
@@ -173,7 +173,7 @@ def prefill_bytes(model: Any, cfg: Any, max_ctx: int) -> int:
     ff, n = int(cfg.n_ff_exp), int(cfg.n_embd)
     one = prefill_scratch_bytes(cfg, 3 * ff * n * 4, min(CHUNK, max(1, int(max_ctx))), GROUP, big, int(max_ctx),
                                 experts="mma" if prefill_gemm() in ("mma", "hgemm") else "rows")
-    return 2 * one if int(max_ctx) >= CHUNK and graph_enabled() else one
+    return 2 * one if graph_enabled() else one
 
 
 def batch_step_bytes(model: Any, cfg: Any, batch: int, max_ctx: int) -> int:

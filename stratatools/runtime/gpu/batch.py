@@ -320,7 +320,7 @@ class BatchDecoder(ChunkPrefill):
     def _static_layers(self) -> bool:
         """The position-independent part of :meth:`_static_ok`: no long-context decoder, and every attention layer
         on ``attn_batch.cu`` (kernels on, norm weights per head or per tensor, heads of at most 1,024 values, the
-        scores of ``max_ctx`` positions within :data:`ATTN_B_MAX_SHARED`); on numpy only the first."""
+        scores of ``max_ctx`` positions within :data:`stratatools.runtime.gpu.prefill.ATTN_B_MAX_SHARED`); on numpy only the first."""
         cfg, dec = self.cfg, self.dec
         if dec.long:
             return False
@@ -560,7 +560,7 @@ class BatchDecoder(ChunkPrefill):
         value rows into its place's caches), ``attn_decode_b`` (each query over its place's positions, output gate),
         the output projection. None (the caller runs the array code) where QSA selects cells in this layer, a norm
         weight is neither per head nor per tensor, a head exceeds 1,024 values or the scores of the longest place
-        exceed :data:`ATTN_B_MAX_SHARED`."""
+        exceed :data:`stratatools.runtime.gpu.prefill.ATTN_B_MAX_SHARED`."""
         from stratatools.runtime.topk import qsa_selects_all
 
         cfg, dec = self.cfg, self.dec

@@ -482,7 +482,18 @@ class ChunkPrefill:
                     if nm == name:
                         return buf[off:off + nb], t.type, rows, cols
                     off += nb
+        self._no_upload_in_capture(name)
         return cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(t))).reshape(-1)), t.type, rows, cols
+
+    def _no_upload_in_capture(self, what: str) -> None:
+        """Raise StrataError where the prefill's graph is being captured: a host upload (a transient matrix, a pointer
+        table) would be recorded as a copy from host memory, so the capture fails here instead (and full chunks stay
+        eager, :meth:`_graph_capture`)."""
+        if self._in_graph:
+            from stratatools.runtime.gpu.qmm import _capturing
+
+            if _capturing(self.cp):
+                raise StrataError(f"{what}: a host upload inside the prefill's graph capture")
 
     def _fn(self, exact: bool, kind: str, tid: int) -> Any:
         """Kernel ``kind<tid>`` of :func:`_module` (a type the model did not list gets a module of its own)."""
@@ -505,6 +516,7 @@ class ChunkPrefill:
             raise StrataError(f"{t.name} matrix of {rows} x {cols} values: {int(raw.size)} bytes are not whole rows")
         out = cp.empty((rows, cols), dtype=cp.float32)
         ng = rows * cols // 8
+        self._no_upload_in_capture(f"{t.name} matrix of {rows} x {cols} values")
         ptr = cp.asarray(np.array([int(raw.data.ptr)], dtype=np.uint64))
         self._fn(True, "pf_dequant_blobs", t.id)((max(1, min(-(-ng // 256), 8192)), 1), (256,),
                                                  (ptr, np.int64(0), np.int64(ng), out))
@@ -664,18 +676,26 @@ class ChunkPrefill:
         """The position-independent part of :meth:`_graph_ok`: a decoder without the QSA indexer caches (no
         selection on the host), every layer's routed experts on the tensor-core jobs with their table built on the
         device (the routing stays there), every attention layer within ``attn_batch.cu``'s limits for the positions
-        the graph serves (:meth:`_attn_kernels_ok`)."""
+        the graph serves (:meth:`_attn_kernels_ok`) and, where QSA could select, within its full-selection range; the
+        tensor-core dense path (a matrix the other paths dequantize would be uploaded inside the capture, which
+        refuses it: :meth:`_no_upload_in_capture`)."""
         from stratatools.runtime.gpu import qmm
 
         dec, cfg = self.dec, self.cfg
-        if getattr(dec, "long", False) or self.experts != "mma":
+        if getattr(dec, "long", False) or self.experts != "mma" or self.gemm not in ("mma", "hgemm"):
             return False
         P = min(dec.max_ctx, GRAPH_MAX_POS)
         for il in range(cfg.n_layer):
             if not (self._mma_experts_ok(il)
                     and qmm.device_jobs_ok(T * self.k, self.rt.tier.arena.layers[il].n_expert)):
                 return False
-            if not cfg.recurrent[il] and not self._attn_kernels_ok(il, P):
+            if cfg.recurrent[il]:
+                continue
+            if not self._attn_kernels_ok(il, P):
+                return False
+            # (the eager chunk refuses a position past QSA's full-selection range on a decoder without its caches)
+            if dec._qsa_layer(il) and not qsa_selects_all(self.rt.selection, cfg.compress_ratios[il], cfg.idx_budget,
+                                                          P - 1):
                 return False
         return True
 
