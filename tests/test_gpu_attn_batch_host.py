@@ -94,9 +94,10 @@ class _HostKernel:
             getattr(self.lib, f"host_{self.name}")(grid[0], grid[1], *conv)
 
 
-def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, monkeypatch):
+def _synth_decoder(tmp_path):
+    """The 4-layer, 8-expert synthetic release on numpy: (weights, runtime, a static decoder of 10 positions, its
+    first attention layer). The caller closes the weights."""
     from stratatools.cli import run_captured
-    from stratatools.runtime.gpu import batch as B
     from stratatools.runtime.gpu.decode import StaticDecoder
     from stratatools.runtime.model import Qwen4ExpRuntime
     from stratatools.runtime.weights import load
@@ -105,11 +106,28 @@ def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, 
     assert run_captured(["synth", str(tmp_path / "rel"), "--layers", "4", "--experts", "8", "--k", "2",
                          "--no-revisions", "--json"], out, err) == 0, err.getvalue()
     w = load(tmp_path / "rel" / "synth-canonical.gguf", None)
+    rt = Qwen4ExpRuntime(w)
+    il = next(i for i in range(w.cfg.n_layer) if not w.cfg.recurrent[i])
+    return w, rt, StaticDecoder(rt, max_ctx=10), il
+
+
+def _on_host_kernels(m, lib, module, name, obj, w):
+    """Within the monkeypatch context ``m``: ``module.name`` gives the host build of attn_batch.cu, and ``obj`` (a
+    prefiller or batched decoder on numpy) takes the GPU path with a stand-in for CuPy and float32 matrices."""
+    mod = types.SimpleNamespace(get_function=lambda kname: _HostKernel(lib, kname))
+    m.setattr(module, name, lambda: mod)
+    m.setattr(obj, "cp", types.SimpleNamespace(ascontiguousarray=np.ascontiguousarray, asarray=np.asarray,
+                                               float32=np.float32, empty=np.empty), raising=False)
+    m.setattr(obj, "_weight", lambda wname: w.get(wname).reshape(w.get(wname).shape[0], -1))
+    m.setattr(obj, "gpu", True)
+
+
+def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, monkeypatch):
+    from stratatools.runtime.gpu import batch as B
+
+    w, rt, dec, il = _synth_decoder(tmp_path)
+    cfg = w.cfg
     try:
-        rt = Qwen4ExpRuntime(w)
-        cfg = w.cfg
-        il = next(i for i in range(cfg.n_layer) if not cfg.recurrent[i])
-        dec = StaticDecoder(rt, max_ctx=10)
         bd = B.BatchDecoder(dec, 3)
         rng = np.random.default_rng(11)
         kc0, vc0 = _f(rng, *bd.kc[il].shape), _f(rng, *bd.vc[il].shape)
@@ -122,12 +140,7 @@ def test_batched_attention_on_the_kernels_matches_the_array_code(lib, tmp_path, 
             bd._places(np.array([2, 0]), pos)
             with monkeypatch.context() as m:
                 if kernels:
-                    mod = types.SimpleNamespace(get_function=lambda name: _HostKernel(lib, name))
-                    m.setattr(B, "_attn_module", lambda: mod)
-                    m.setattr(bd, "cp", types.SimpleNamespace(ascontiguousarray=np.ascontiguousarray, asarray=np.asarray,
-                                                              float32=np.float32, empty=np.empty), raising=False)
-                    m.setattr(bd, "_weight", lambda name: w.get(name).reshape(w.get(name).shape[0], -1))
-                    m.setattr(bd, "gpu", True)
+                    _on_host_kernels(m, lib, B, "_attn_module", bd, w)
                     y = bd._attention_kernels(il, x, pos, cos, sin)
                     assert y is not None
                 else:
@@ -145,21 +158,11 @@ def test_prefill_graph_attention_on_the_kernels_matches_the_array_code(lib, tmp_
     row at its position from the graph's position buffer) on a stand-in for CuPy against the eager chunk's array
     attention (_attention at pos0) for a chunk after earlier positions: the same outputs and caches; the chunk's rows
     written, the rest of the caches untouched."""
-    from stratatools.cli import run_captured
     from stratatools.runtime.gpu import prefill as PF
-    from stratatools.runtime.gpu.decode import StaticDecoder
-    from stratatools.runtime.model import Qwen4ExpRuntime
-    from stratatools.runtime.weights import load
 
-    out, err = io.StringIO(), io.StringIO()
-    assert run_captured(["synth", str(tmp_path / "rel"), "--layers", "4", "--experts", "8", "--k", "2",
-                         "--no-revisions", "--json"], out, err) == 0, err.getvalue()
-    w = load(tmp_path / "rel" / "synth-canonical.gguf", None)
+    w, rt, dec, il = _synth_decoder(tmp_path)
+    cfg = w.cfg
     try:
-        rt = Qwen4ExpRuntime(w)
-        cfg = w.cfg
-        il = next(i for i in range(cfg.n_layer) if not cfg.recurrent[i])
-        dec = StaticDecoder(rt, max_ctx=10)
         pf = dec.prefiller(4)
         rng = np.random.default_rng(12)
         kc0, vc0 = _f(rng, *dec.kc[il].shape), _f(rng, *dec.vc[il].shape)
@@ -172,12 +175,7 @@ def test_prefill_graph_attention_on_the_kernels_matches_the_array_code(lib, tmp_
             dec.kc[il][...], dec.vc[il][...] = kc0, vc0
             with monkeypatch.context() as m:
                 if kernels:
-                    mod = types.SimpleNamespace(get_function=lambda name: _HostKernel(lib, name))
-                    m.setattr(PF, "attn_module", lambda: mod)
-                    m.setattr(pf, "cp", types.SimpleNamespace(ascontiguousarray=np.ascontiguousarray, asarray=np.asarray,
-                                                              float32=np.float32, empty=np.empty), raising=False)
-                    m.setattr(pf, "_weight", lambda name: w.get(name).reshape(w.get(name).shape[0], -1))
-                    m.setattr(pf, "gpu", True)
+                    _on_host_kernels(m, lib, PF, "attn_module", pf, w)
                     m.setattr(pf, "_pgraph", {"pl": np.zeros(T, dtype=np.int32), "pos": pos.astype(np.int32)})
                     assert pf._attn_kernels_ok(il, dec.max_ctx) and not pf._attn_kernels_ok(il, PF.ATTN_B_MAX_SHARED)
                     y = pf._attention_graph(il, x, cos, sin)

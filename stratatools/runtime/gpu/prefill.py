@@ -643,20 +643,27 @@ class ChunkPrefill:
             self._dev_layers = []
         try:
             H = self._layers(H, ple_rows, ids_out, w_out, pos0, cos, sin)
-            if self._dev_layers:  # the routing the device kept: one copy back for the chunk
-                lay = self._dev_layers
-                ids_out[:, lay] = np.transpose(self.cp.asnumpy(self._dev_route[0][lay]), (1, 0, 2))
-                w_out[:, lay] = np.transpose(self.cp.asnumpy(self._dev_route[1][lay]), (1, 0, 2))
+            if self._dev_layers:
+                self._routing_back(self._dev_route, self._dev_layers, ids_out, w_out)
         finally:
             self._dev_route, self._dev_layers = None, []
         dec.pos = pos0 + T
-        lg = None
-        if last:
-            self._tic("head")
-            out_in, _ = self._hc("output_hc", H[-1:], inject=False)
-            lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
+        lg = self._head(H) if last else None
         self._tic("end")
         return lg, ids_out, w_out
+
+    def _routing_back(self, route: tuple[Any, Any], lay: list[int], ids_out: np.ndarray, w_out: np.ndarray) -> None:
+        """The routing the device kept for the layers ``lay`` (``route``: ids / weights [L, T, k]) into the host's
+        ``ids_out`` / ``w_out`` [T, L, k]: one copy back a chunk."""
+        ids_out[:, lay] = np.transpose(self.cp.asnumpy(route[0][lay]), (1, 0, 2))
+        w_out[:, lay] = np.transpose(self.cp.asnumpy(route[1][lay]), (1, 0, 2))
+
+    def _head(self, H: Any) -> Any:
+        """The last row's logits [vocab] from the streams H [T, hc n]: the output hyper-connection, then the decoder's
+        quantized matvec of the output head."""
+        self._tic("head")
+        out_in, _ = self._hc("output_hc", H[-1:], inject=False)
+        return self.dec.mv("output.weight", self.xp.ascontiguousarray(out_in[0]))
 
     # -- the chunk's CUDA graph (GRAPH_ENV) -----------------------------------------------------------------
     def _graph_ok(self, T: int) -> bool:
@@ -666,11 +673,15 @@ class ChunkPrefill:
         dec = self.dec
         if not self.gpu or self._batch_step or self.timing is not None or self._graph_error is not None:
             return False
-        if T != self.chunk or dec.pos + T > min(dec.max_ctx, GRAPH_MAX_POS) or not graph_enabled():
+        if T != self.chunk or dec.pos + T > self._graph_span() or not graph_enabled():
             return False
         if self._graph_layers_ok is None:
             self._graph_layers_ok = self._graph_layers(T)
         return self._graph_layers_ok
+
+    def _graph_span(self) -> int:
+        """Positions the prefill's graph serves: a chunk ends at most here (``max_ctx``, :data:`GRAPH_MAX_POS`)."""
+        return min(self.dec.max_ctx, GRAPH_MAX_POS)
 
     def _graph_layers(self, T: int) -> bool:
         """The position-independent part of :meth:`_graph_ok`: a decoder without the QSA indexer caches (no
@@ -684,7 +695,7 @@ class ChunkPrefill:
         dec, cfg = self.dec, self.cfg
         if getattr(dec, "long", False) or self.experts != "mma" or self.gemm not in ("mma", "hgemm"):
             return False
-        P = min(dec.max_ctx, GRAPH_MAX_POS)
+        P = self._graph_span()
         for il in range(cfg.n_layer):
             if not (self._mma_experts_ok(il)
                     and qmm.device_jobs_ok(T * self.k, self.rt.tier.arena.layers[il].n_expert)):
@@ -734,15 +745,10 @@ class ChunkPrefill:
             g["graph"].launch(stream=cp.cuda.get_current_stream())
             H, lay = g["H"], g["layers"]
             st["prefill_graph_replays"] = st.get("prefill_graph_replays", 0) + 1
-        if lay:  # the routing the graph left on the device: one copy back for the chunk
-            ids_out[:, lay] = np.transpose(cp.asnumpy(g["ids"][lay]), (1, 0, 2))
-            w_out[:, lay] = np.transpose(cp.asnumpy(g["w"][lay]), (1, 0, 2))
+        if lay:
+            self._routing_back((g["ids"], g["w"]), lay, ids_out, w_out)
         dec.pos = pos0 + T
-        lg = None
-        if last:
-            out_in, _ = self._hc("output_hc", H[-1:], inject=False)
-            lg = dec.mv("output.weight", xp.ascontiguousarray(out_in[0]))
-        return lg, ids_out, w_out
+        return (self._head(H) if last else None), ids_out, w_out
 
     def _graph_capture(self, g: dict, ids_out: np.ndarray, w_out: np.ndarray) -> tuple[Any, list[int]]:
         """Run the graph body eagerly (this chunk's result; the device copies its first run makes stay in the
@@ -1124,7 +1130,7 @@ class ChunkPrefill:
         graph serves chunks at any position; the decoder has no QSA indexer caches, :meth:`_graph_layers`)."""
         g, dec = self._pgraph, self.dec
         return self._attn_kernels(il, x, cos, sin, dec.kc[il][None], dec.vc[il][None], g["pl"], g["pos"],
-                                  min(dec.max_ctx, GRAPH_MAX_POS), attn_module())
+                                  self._graph_span(), attn_module())
 
     def _attn_kernels_ok(self, il: int, P: int) -> bool:
         """Can ``attn_batch.cu`` run attention layer ``il`` for queries up to P positions long: norm weights per head

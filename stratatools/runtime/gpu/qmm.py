@@ -400,9 +400,10 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     from stratatools.runtime.gpu.kernels import _device_limits
 
     kc = chunk_values()
-    nt, gx, gy, nz = dense_launch(T, rows, cols, f, _device_limits()[0], kc)
+    n_sm = _device_limits()[0]
+    nt, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, kc)
     mode = dense2()
-    two = None if mode == "0" else dense2_launch(T, rows, _device_limits()[0] if mode == "auto" else 0)
+    two = None if mode == "0" else dense2_launch(T, rows, n_sm if mode == "auto" else 0)
     if two is not None:  # (no k split: the rows a multiple of 128 give the grid its blocks)
         nt, gx, gy = two
         nz = 1
