@@ -383,12 +383,7 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
     try:
         dec = StaticDecoder(Qwen4ExpRuntime(w), max_ctx=64)
         pf = dec.prefiller(8)
-        monkeypatch.delenv(PF.GRAPH_ENV, raising=False)
-        monkeypatch.setattr(pf, "gpu", True)
-        monkeypatch.setattr(pf, "_graph_layers", lambda T: True)
-        assert not pf._graph_ok(8)  # off by default
-        monkeypatch.setenv(PF.GRAPH_ENV, "1")
-        monkeypatch.setattr(pf, "gpu", False)
+        monkeypatch.delenv(PF.GRAPH_ENV, raising=False)  # on by default
         assert not pf._graph_ok(8)  # numpy: never
         asked = []
         monkeypatch.setattr(pf, "gpu", True)
@@ -417,8 +412,6 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
         monkeypatch.setenv(PF.GRAPH_ENV, "0")
         off = prefill_bytes(w.model, w.cfg, 512)
         monkeypatch.delenv(PF.GRAPH_ENV)
-        assert prefill_bytes(w.model, w.cfg, 512) == off  # off by default
-        monkeypatch.setenv(PF.GRAPH_ENV, "1")
         assert prefill_bytes(w.model, w.cfg, 512) == 2 * off
         assert 2 * off > prefill_bytes(w.model, w.cfg, 511) > off  # (a prefiller's chunk may be shorter than 512)
     finally:

@@ -85,13 +85,13 @@ JOB_TOKENS_MMA_MAX = 32
 EXPERT_PATHS = ("rows", "gemm", "mma")
 
 
-#: ``1``: on CuPy a chunk of the prefiller's full ``chunk`` tokens replays
+#: ``0`` runs every prefill chunk eagerly; default: on CuPy a chunk of the prefiller's full ``chunk`` tokens replays
 #: one CUDA graph (captured after the first such chunk ran eagerly), its inputs staged into buffers the graph reads
 #: and the chunk's positions read on the device, so that one graph serves every full chunk of every prompt up to
 #: :data:`GRAPH_MAX_POS` (:meth:`ChunkPrefill._graph_ok` lists the other conditions). The graph removes the host's
 #: launches (about 3,600 a 512-token chunk of the 48-layer model, as long as its device time) and lets the large
-#: dense matrices take cuBLAS (:func:`stratatools.runtime.gpu.qmm.big_matrix_values`). Default ``0`` (every chunk
-#: eagerly) until it has run on a GPU: host-tested only (bench/gpu-notes.md, fourteenth pass).
+#: dense matrices take cuBLAS (:func:`stratatools.runtime.gpu.qmm.big_matrix_values`). H200, 48 x 256 model,
+#: 512-token prompt: 3,301 against 2,915 tokens/s eagerly (bench/gpu-notes.md, fourteenth pass).
 GRAPH_ENV = "STRATATOOLS_PREFILL_GRAPH"
 #: The graph serves chunks ending at most at this position: its attention (``attn_batch.cu``: each query over its
 #: positions on the CUDA cores, the scores of :data:`GRAPH_MAX_POS` positions in shared memory) grows with the
@@ -103,11 +103,11 @@ ATTN_B_MAX_SHARED = 200 * 1024
 
 
 def graph_enabled() -> bool:
-    """May a full prefill chunk replay a CUDA graph (:data:`GRAPH_ENV`, default no)? Raises StrataError for a
+    """May a full prefill chunk replay a CUDA graph (:data:`GRAPH_ENV`, default yes)? Raises StrataError for a
     value other than 0 or 1."""
     from stratatools.runtime.gpu.kernels import env_on
 
-    return env_on(GRAPH_ENV, "full chunks through a CUDA graph", default=False)
+    return env_on(GRAPH_ENV, "full chunks through a CUDA graph")
 
 
 @functools.lru_cache(maxsize=None)
