@@ -13,7 +13,8 @@
 # PV: bench_qmm.py --prefill-variants (default mma; "none" skips the prefill); BN: bench_gpu_batch.py --n (default
 # 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches;
 # TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
-# batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md).
+# batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md); PV2: prefill variants measured again after the
+# llama.cpp benches (qmm2.txt / .json), when the build no longer slows them.
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
 # llama-bench.md, llama-batched.txt, build logs). The call's output keeps only its last 12,000 characters: read $OUT.
 set -u
@@ -85,5 +86,11 @@ el llama-batched-bench
 timeout 120 /tmp/lcb/bin/llama-batched-bench -m "$GG" -ngl 99 -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 \
   -npl 1,8,32 > "$OUT"/llama-batched.txt 2>&1
 grep -E "^\|" "$OUT"/llama-batched.txt | tail -5
+if [ -n "${PV2:-}" ]; then  # the prefill again, now that the build no longer shares the machine
+  el prefill after the build
+  timeout 150 python3 bench/bench_qmm.py --gguf "$GG" --layers 48 --prompt 512 --skip dense,experts \
+    --prefill-variants "$PV2" --prefill-reps 4 --out "$OUT"/qmm2.json > "$OUT"/qmm2.txt 2>&1
+  grep -E "^prefill" "$OUT"/qmm2.txt
+fi
 second
 el done
