@@ -65,6 +65,11 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm", "STRATATOOLS_BATCH_GEMM": "sgemm"}}
 
 
+def rows_last(rows: dict) -> dict:
+    """The row added last."""
+    return rows[next(reversed(rows))]
+
+
 def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict:
     """Per-kernel device time of ``steps`` batched steps (CUPTI through torch.profiler, as bench_gpu_run's decode
     profile) and the steps' wall time: the share of the wall the device is busy says whether kernels or the host's
@@ -77,7 +82,7 @@ def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict
         _, nxt, _, _ = bd.step(places, state["toks"])
         state["toks"] = [int(v) for v in nxt]
 
-    got = profile_run(cp, one, steps)
+    got = profile_run(cp, one, steps, shapes=True)
     if got:
         dev, wall = got["device_ms"], got["wall_ms"]
         print(f"\nkernels of one {var} step at N={len(places)} (profiled): {dev:.2f} ms of device time in "
@@ -85,6 +90,13 @@ def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict
               f"launches/step | share |\n|---|---:|---:|---:|", flush=True)
         for r in got["rows"][:14]:
             print(f"| {r[0]} | {r[1]:.3f} | {r[2]} | {r[3]:.3f} |", flush=True)
+        print("\nby launch grid (kernel, grid, block: ms/step, launches/step, us a launch):", flush=True)
+        for r in got.get("grids", [])[:40]:
+            print(f"  {r[0]} {r[1]} {r[2]}: {r[3]:.3f} ms, {r[4]:.0f}, {r[5]:.1f} us", flush=True)
+        tl = got.get("timeline") or {}
+        if tl:
+            print(f"timeline: wall {tl['wall']:.2f} ms, main stream busy {tl['main_busy']:.2f} ms "
+                  f"({tl['main_kernels']:.0f} kernels), device idle {tl.get('device_idle', 0.0):.2f} ms", flush=True)
     return got
 
 
@@ -178,6 +190,7 @@ def main() -> None:
                 if s == 2:
                     cp.cuda.Device().synchronize()
                     t0 = time.perf_counter()
+                    bd.stats["stage_s"] = bd.stats["wait_s"] = 0.0
                 lgb, nxt, _, _ = bd.step(places, toks)
                 if s == 0:
                     lg0 = cp.asnumpy(lgb[0]).astype(np.float64)
@@ -192,12 +205,15 @@ def main() -> None:
                 "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same, "state_bytes": bd.state_bytes(),
                 "pool_bytes": int(cp.get_default_memory_pool().total_bytes()),
                 "graph_steps": int(bd.stats["graph_steps"]), "graph_error": bd.stats.get("graph_error"),
-                "graph_pool_bytes": int(bd._gpool.total_bytes()) if bd._gpool is not None else 0}
+                "graph_pool_bytes": int(bd._gpool.total_bytes()) if bd._gpool is not None else 0,
+                "host_stage_ms": bd.stats.get("stage_s", 0.0) / a.steps * 1e3,
+                "wait_ms": bd.stats.get("wait_s", 0.0) / a.steps * 1e3}
             how = (f"graph ({bd.stats['graph_steps']} replays)" if bd.stats["graph_steps"]
                    else "eager" + (f": {bd.stats['graph_error']}" if bd.stats.get("graph_error") else ""))
             print(f"{var:9s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
                   f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
-                  f"{'equal' if same else 'DIFFER'}; {how}", flush=True)
+                  f"{'equal' if same else 'DIFFER'}; {how}; host staging {rows_last(rows)['host_stage_ms']:.2f} ms, "
+                  f"wait for the replay {rows_last(rows)['wait_ms']:.2f} ms a step", flush=True)
             if a.kernel_profile > 0 and n == nmax:
                 res.setdefault("kernel_profile", {})[var] = step_profile(cp, bd, places, toks, a.kernel_profile, var)
     res["rows"] = rows

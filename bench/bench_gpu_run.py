@@ -303,9 +303,11 @@ def print_timeline(name: str, tl: dict) -> None:
               + ", ".join(f"{k} {v:.3f}" for k, v in d["by_kernel"].items()), flush=True)
 
 
-def profile_run(cp: Any, run: Any, steps: int = 1) -> dict:
+def profile_run(cp: Any, run: Any, steps: int = 1, shapes: bool = False) -> dict:
     """Run ``run()`` ``steps`` times under torch.profiler (CUPTI) after a device synchronisation: {"rows":
-    :func:`kernel_rows` per run, "wall_ms", "device_ms", "launches" per run}, or {} without torch."""
+    :func:`kernel_rows` per run, "wall_ms", "device_ms", "launches" per run}, or {} without torch. ``shapes``: also
+    "grids" (:func:`grid_rows`: kernel time by launch grid, from the Chrome trace) and "timeline"
+    (:func:`timeline_summary`)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -322,7 +324,35 @@ def profile_run(cp: Any, run: Any, steps: int = 1) -> dict:
         cp.cuda.Device().synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e3
     rows = kernel_rows(prof, steps)
-    return {"wall_ms": wall, "device_ms": sum(r[1] for r in rows), "launches": sum(r[2] for r in rows), "rows": rows}
+    got = {"wall_ms": wall, "device_ms": sum(r[1] for r in rows), "launches": sum(r[2] for r in rows), "rows": rows}
+    if shapes:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as td:
+            prof.export_chrome_trace(str(Path(td) / "t.json"))
+            with open(Path(td) / "t.json") as f:
+                ev = json.load(f).get("traceEvents", [])
+        got["grids"] = grid_rows(ev, steps)
+        got["timeline"] = timeline_summary(ev, steps)
+    return got
+
+
+def grid_rows(events: list, steps: int) -> list:
+    """Kernel time by (kernel, grid, block) from a Chrome trace's events: rows [kernel, grid, block, ms a step,
+    launches a step, mean us a launch], longest first (the same kernel's launches on matrices of different shapes
+    apart)."""
+    agg: dict = {}
+    for e in events:
+        if e.get("cat") != "kernel" or "dur" not in e:
+            continue
+        a = e.get("args") or {}
+        key = (_kernel_name(str(e.get("name", "?"))), str(a.get("grid", "?")), str(a.get("block", "?")))
+        v = agg.setdefault(key, [0.0, 0])
+        v[0] += float(e["dur"])
+        v[1] += 1
+    n = max(1, int(steps))
+    return sorted(([k[0], k[1], k[2], v[0] / 1e3 / n, v[1] / n, v[0] / v[1]] for k, v in agg.items()),
+                  key=lambda r: -r[3])
 
 
 def kernel_rows(prof: Any, steps: int) -> list:

@@ -28,13 +28,16 @@ def _p(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-@pytest.mark.parametrize("nseq,length,Kc,nk,dk,nv,dv,blocks", [
-    (1, 9, 4, 2, 8, 4, 6, 3),     # prefill: one sequence, more rows than K - 1
-    (1, 2, 4, 2, 8, 4, 6, 7),     # prefill chunk shorter than the conv state
-    (5, 1, 4, 1, 16, 2, 8, 2),    # batched decode: five places of one row
-    (3, 4, 1, 2, 4, 2, 4, 5),     # no conv history (K = 1)
+@pytest.mark.parametrize("nseq,length,Kc,nk,dk,nv,dv,blocks,parts", [
+    (1, 9, 4, 2, 8, 4, 6, 3, 1),     # prefill: one sequence, more rows than K - 1
+    (1, 2, 4, 2, 8, 4, 6, 7, 1),     # prefill chunk shorter than the conv state
+    (5, 1, 4, 1, 16, 2, 8, 2, 1),    # batched decode: five places of one row
+    (3, 4, 1, 2, 4, 2, 4, 5, 1),     # no conv history (K = 1)
+    (5, 1, 4, 2, 8, 4, 6, 3, 3),     # rows in parts: 7 units of 8 channels in parts of 3, 3, 1 (q / k / v mixed)
+    (4, 1, 4, 1, 16, 2, 8, 4, 3),    # 3 units in 3 parts: one q head, one k head, the v channels
+    (2, 1, 2, 2, 8, 3, 8, 1, 9),     # more parts than the 7 units: the last parts have none
 ])
-def test_pf_gdn_prep_matches_numpy(lib, nseq, length, Kc, nk, dk, nv, dv, blocks):
+def test_pf_gdn_prep_matches_numpy(lib, nseq, length, Kc, nk, dk, nv, dv, blocks, parts):
     rng = np.random.default_rng(nseq * 100 + length * 10 + Kc)
     C = 2 * nk * dk + nv * dv
     R = nseq * length
@@ -49,7 +52,7 @@ def test_pf_gdn_prep_matches_numpy(lib, nseq, length, Kc, nk, dk, nv, dv, blocks
     from stratatools.runtime.gpu.prefill import gdn_prep_shared
 
     with shared_within(lib, gdn_prep_shared(nk, dk)):
-        lib.host_pf_gdn_prep(blocks, 1, _p(qkv), _p(state), _p(st_out), _p(wc), C, Kc, nseq, length, _p(b), _p(a),
+        lib.host_pf_gdn_prep(blocks, parts, _p(qkv), _p(state), _p(st_out), _p(wc), C, Kc, nseq, length, _p(b), _p(a),
                              _p(ssm_a), _p(dt_bias), nk, dk, nv, qscale, _p(qn), _p(kn), _p(v), _p(beta), _p(decay))
     # numpy: the prefill's _gdn per sequence
     for s in range(nseq):
@@ -70,13 +73,15 @@ def test_pf_gdn_prep_matches_numpy(lib, nseq, length, Kc, nk, dk, nv, dv, blocks
     np.testing.assert_allclose(decay, want, rtol=2e-6)
 
 
-@pytest.mark.parametrize("R,nv,dv,wlen,gate,blocks", [(6, 4, 8, 8, 1, 4), (3, 2, 16, 32, 0, 1), (1, 3, 5, 5, 1, 2)])
-def test_pf_gdn_out_matches_numpy(lib, R, nv, dv, wlen, gate, blocks):
+@pytest.mark.parametrize("R,nv,dv,wlen,gate,blocks,parts", [(6, 4, 8, 8, 1, 4, 1), (3, 2, 16, 32, 0, 1, 1),
+                                                           (1, 3, 5, 5, 1, 2, 1), (4, 5, 8, 8, 1, 2, 2),
+                                                           (2, 3, 4, 12, 0, 1, 5)])
+def test_pf_gdn_out_matches_numpy(lib, R, nv, dv, wlen, gate, blocks, parts):
     rng = np.random.default_rng(R * nv + dv)
     o, z, w = _f(rng, R, nv * dv, scale=2.0), _f(rng, R, nv * dv), _f(rng, wlen) + 1
     y = np.full((R, nv * dv), np.nan, dtype=np.float32)
     eps = 1e-6
-    lib.host_pf_gdn_out(blocks, 1, _p(o), _p(z), _p(w), wlen, eps, gate, R, nv, dv, _p(y))
+    lib.host_pf_gdn_out(blocks, parts, _p(o), _p(z), _p(w), wlen, eps, gate, R, nv, dv, _p(y))
     on = _rmsnorm(np, o.reshape(R, nv, dv), w if wlen == dv else w.reshape(nv, dv), eps)
     act = _sigmoid(np, z) if gate else _silu(np, z)
     np.testing.assert_allclose(y, (on.reshape(R, nv * dv) * act), rtol=2e-6, atol=1e-7)

@@ -141,9 +141,12 @@ def split_host(lib, X: np.ndarray):
     return hi, lo, sc
 
 
-def test_split_keeps_22_bits(lib):
+@pytest.mark.parametrize("K", [96, 8, 640])
+def test_split_keeps_22_bits(lib, K):
+    """qmm_split: the row scale a power of two that puts the row's maximum below 2^15, hi + lo within 2^-22 of each
+    value; rows of fewer (8) and more (640, the host's one thread) values than the thread keeps in registers (16)."""
     rng = np.random.default_rng(2)
-    X = acts(rng, 9, 96)
+    X = acts(rng, 9, K)
     hi, lo, sc = split_host(lib, X)
     m = np.frexp(np.abs(X).max(axis=1))[1]
     e = np.where(np.abs(X).max(axis=1) > 0, np.clip(m - 15, -126, 127), 0)
@@ -156,6 +159,12 @@ def test_split_keeps_22_bits(lib):
     # each value to 2^-22 of itself, or (far below its row's maximum: lo subnormal) to 2^-39 of the row's maximum
     assert np.all(err <= np.maximum(2.0 ** -22 * np.abs(X), 2.0 ** -38 * rowmax))
     assert not np.any(hi[3] & 0x7fff) and not np.any(lo[3] & 0x7fff) and sc[3] == 1.0  # the zero row (signed zeros)
+
+
+def test_split_threads():
+    """qmm_split's block: about 4 values a thread in whole warps, 32 to 256 threads (the batched step's rows of 640
+    values: 160; of 2,560: 256)."""
+    assert [Q.split_threads(k) for k in (8, 128, 640, 2560, 10240)] == [32, 32, 160, 256, 256]
 
 
 def dense_case(rng, layout: str, rows: int, cols: int) -> tuple:

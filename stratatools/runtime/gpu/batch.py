@@ -385,7 +385,9 @@ class BatchDecoder(ChunkPrefill):
         """A step of all places through the static buffers: on CuPy the graph's replay (the first such step runs
         eagerly and is then captured, :meth:`_capture`); on numpy the same body eagerly. :meth:`_step`'s returns
         (the logits a copy, not the graph's buffer)."""
+        t0 = time.perf_counter()
         self._stage_static(pl, toks, pos)
+        self.stats["stage_s"] = self.stats.get("stage_s", 0.0) + (time.perf_counter() - t0)
         self.stats["static_steps"] += 1
         if not self.gpu:
             lg, nxt = self._body_static(pos)
@@ -399,9 +401,12 @@ class BatchDecoder(ChunkPrefill):
             self.stats["graph_steps"] += 1
         lg = lg.copy()  # the graph's buffer is the next replay's output
         n = self.n
+        t0 = time.perf_counter()  # (the copies wait for the replay: the step's device time and its host tail)
         ids_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._ids_dev[:, :n]), (1, 0, 2)))
         w_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._w_all[:, :n]), (1, 0, 2)))
-        return lg, np.asarray(self.cp.asnumpy(nxt), dtype=np.int64).reshape(-1), ids_out, w_out
+        nxt = np.asarray(self.cp.asnumpy(nxt), dtype=np.int64).reshape(-1)
+        self.stats["wait_s"] = self.stats.get("wait_s", 0.0) + (time.perf_counter() - t0)
+        return lg, nxt, ids_out, w_out
 
     def _capture(self, pos: np.ndarray) -> tuple[Any, Any]:
         """Run the static body eagerly (this step's result; it compiles the kernels and fills the graph's own memory

@@ -196,6 +196,17 @@ def gdn_prep_shared(nk: int, dk: int) -> int:
     return 2 * nk * dk * 4
 
 
+#: Blocks the GDN element-wise kernels aim for: a launch of few rows (the batched step: one a place) splits each row's
+#: channels or heads over this many blocks in all (``pf_gdn_prep`` / ``pf_gdn_out`` parts).
+GDN_PREP_BLOCKS = 512
+
+
+def gdn_parts(rows: int, units: int) -> int:
+    """Parts a row of ``units`` channel units (or head groups) is split into for a launch over ``rows`` rows: about
+    :data:`GDN_PREP_BLOCKS` blocks in all, at least 1, at most ``units``."""
+    return max(1, min(int(units), -(-GDN_PREP_BLOCKS // max(1, int(rows)))))
+
+
 def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,
                     nk: int, dk: int, nv: int, dv: int) -> tuple[Any, Any, Any, Any, Any, Any]:
     """``pf_gdn_prep`` over ``nseq`` sequences of R / nseq rows each: qkv [R, C], state [nseq, K-1, C] (each
@@ -213,8 +224,9 @@ def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_
     v = xp.empty((R, nv * dv), dtype=f32)
     beta, decay = xp.empty((R, nv), dtype=f32), xp.empty((R, nv), dtype=f32)
     st_out = xp.empty((nseq, K - 1, C), dtype=f32)
+    units = 2 * nk + -(-(nv * dv) // dk)
     _gdn_module().get_function("pf_gdn_prep")(
-        (max(1, min(R, 65535)),), (GDN_PREP_THREADS,),
+        (max(1, min(R, 65535)), gdn_parts(R, units)), (GDN_PREP_THREADS,),
         (qkv, state, st_out, wc, np.int32(C), np.int32(K), np.int32(nseq), np.int32(R // nseq), b, a, ssm_a, dt_bias,
          np.int32(nk), np.int32(dk), np.int32(nv), np.float32(dk ** -0.5), qn, kn, v, beta, decay),
         shared_mem=gdn_prep_shared(nk, dk))
@@ -227,7 +239,7 @@ def gdn_out_launch(xp: Any, o: Any, z: Any, norm_w: Any, eps: float, sigmoid_gat
     R = int(o.shape[0])
     y = xp.empty((R, nv * dv), dtype=xp.float32)
     _gdn_module().get_function("pf_gdn_out")(
-        (max(1, min(R, 65535)),), (GDN_PREP_THREADS,),
+        (max(1, min(R, 65535)), gdn_parts(R, -(-nv // (GDN_PREP_THREADS // 32)))), (GDN_PREP_THREADS,),
         (o, z, norm_w, np.int32(norm_w.size), np.float32(eps), np.int32(bool(sigmoid_gate)), np.int32(R),
          np.int32(nv), np.int32(dv), y))
     return y

@@ -275,6 +275,13 @@ def smem_bytes(layout: Any, nt: int, kc: int = KC) -> int:
     return 2 * 2 * 8 * int(nt) * xs * 2
 
 
+def split_threads(K: int) -> int:
+    """Threads of a ``qmm_split`` block for rows of K values: about 4 values a thread, whole warps, at most
+    :data:`SPLIT_THREADS` (the batched step's expert rows of 640 values took 17.9 us a launch of 2,368 rows with 256
+    threads, H200, bench/gpu-notes.md)."""
+    return max(32, min(SPLIT_THREADS, 32 * -(-int(K) // 128)))
+
+
 def split(X: Any) -> tuple[Any, Any, Any]:
     """Split float32 activations X [T, K] (CuPy; K a multiple of 8) into (hi, lo) fp16 bits uint16 [T, K] and the
     row scales sc float32 [T] (powers of two) with X ~= (hi + lo) sc (``qmm_split``). Raises StrataError for another
@@ -288,7 +295,7 @@ def split(X: Any) -> tuple[Any, Any, Any]:
     hi = cp.empty((T, K), dtype=cp.uint16)
     lo = cp.empty((T, K), dtype=cp.uint16)
     sc = cp.empty(T, dtype=cp.float32)
-    _fn("qmm_split")((min(T, 65535),), (SPLIT_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), hi, lo, sc))
+    _fn("qmm_split")((min(T, 65535),), (split_threads(K),), (X, np.int64(K), np.int32(T), np.int32(K), hi, lo, sc))
     return hi, lo, sc
 
 
