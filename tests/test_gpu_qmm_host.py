@@ -356,6 +356,10 @@ def test_dense_launch_splits_k_for_few_tokens():
     assert Q.dense_launch(1, 2560, 2560, "Q8R", 132) == (2, 40, 6, 6)
     assert Q.dense_launch(16, 64, 256, "Q8_0", 132) == (2, 1, 2, 2)  # 2 chunks: at most 2 slices
     assert Q.dense_launch(32, 12288, 2560, "Q8R", 132) == (4, 192, 1, 1)  # rows fill the device
+    # the batched step's few-row matrices: slices of one or two chunks (up to SPLIT_MAX_SHORT, 64)
+    assert Q.dense_launch(32, 4, 10240, "Q8R", 132) == (4, 1, 64, 64)  # 80 chunks
+    assert Q.dense_launch(32, 320, 10240, "Q8R", 132) == (4, 5, 52, 52)  # 264 // 5 slices
+    assert Q.dense_launch(32, 32, 2560, "Q8R", 132) == (4, 1, 20, 20)  # one slice a chunk
     assert Q.dense_launch(512, 2560, 2560, "Q8R", 132) == (8, 40, 8, 1)
     # longer X: k split where row blocks x token tiles leave SMs idle (the prefill's 320 x 10,240 hyper-connection
     # down projection: 5 x 8 tiles, 80 chunks -> 6 slices; the 4-row inject: 1 x 8 tiles -> 33, at most SPLIT_MAX)

@@ -64,7 +64,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
-from stratatools.runtime.gpu.prefill import ChunkPrefill, attn_module, gdn_chunk_shared
+from stratatools.runtime.gpu.prefill import GDN_STEP_MAX_DK, GDN_STEP_THREADS, ChunkPrefill, attn_module, gdn_chunk_shared
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
@@ -500,6 +500,15 @@ class BatchDecoder(ChunkPrefill):
             S = cp.ascontiguousarray(S)
             out = cp.empty((T, nv * dv), dtype=cp.float32)
             H = T * nv  # places folded into the head axis: head s nv + h is place s's head h, key head the same
+            if dk <= GDN_STEP_MAX_DK:  # two threads a value column, the state in registers (prefill.cu pf_gdn_step)
+                th = min(GDN_STEP_THREADS, 32 * -(-dv // 16))
+                self.k_gdn_step((H, -(-dv // (th // 2))), (th,), (
+                    cp.ascontiguousarray(qt, dtype=cp.float32), cp.ascontiguousarray(kt, dtype=cp.float32), v,
+                    np.int32(H * dv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out, np.int32(1),
+                    np.int32(H), np.int32(H), np.int32(dk), np.int32(dv)))
+                if not self._all:
+                    self._put(self.ssm[il], S)
+                return out
             cw = dv
             threads = 256 if cw >= 32 else 128
             rs = max(1, threads // cw)

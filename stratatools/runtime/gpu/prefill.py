@@ -158,6 +158,10 @@ GDN_WARP_COLUMNS = 4
 GDN_WARP_MAX_DK = 128
 #: Warps of a ``pf_gdn_warp`` block.
 GDN_WARP_WARPS = 4
+#: ``pf_gdn_step`` (the batched decode step's recurrence, a thread per value column): its threads a block and the
+#: largest key head it holds in registers (prefill.cu PF_GDN_STEP_DK).
+GDN_STEP_THREADS = 128
+GDN_STEP_MAX_DK = 128
 
 
 def gdn_kernel() -> str:
@@ -385,6 +389,7 @@ class ChunkPrefill:
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
+            self.k_gdn_step = mod.get_function("pf_gdn_step")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched

@@ -20,6 +20,10 @@
 // so that each lane reads its weights as one run of VPL = BV / 4 consecutive values: lane c (= lane & 3) takes the
 // block's values [VPL c, VPL c + VPL), step s its values VPL c + 4 s + {0, 1, 2, 3} as the fragment columns
 // {2c, 2c+1, 2c+8, 2c+9} (B's rows likewise), so Q8R is one 8-byte load per row and block, Q2_0 one 4-byte word.
+// Q2_0 pairs its values differently: step s takes VPL c + {2s, 2s+8, 2s+1, 2s+9}, so that one mask of the word shifted
+// by 4 s puts two codes in the two halves of a register (3 instructions a pair of weights instead of 6; the pairing
+// of byte-adjacent codes bounded the batched step's expert jobs), and B's pairs are put together from the lane's two
+// 16-byte loads by byte permutes (2 a step and n-tile, shared by the block's rows and matrices).
 //
 // Work split: a warp computes 16 weight rows (rows r0 + g and r0 + g + 8 of its lanes) for the block's 8 NT tokens
 // (NT mma column tiles of 8); a block has nw = blockDim / 32 warps (the host build: one) and stages the tokens' hi/lo
@@ -83,12 +87,13 @@ template <int F> __device__ __forceinline__ void qmm_load_raw(const u8* rowp, co
     }
 }
 
-// The codes of k-step s as two f16x2 registers: values VPL c + 4 s + {0, 1} and + {2, 3} (exact integers).
+// The codes of k-step s as two f16x2 registers (exact integers): values VPL c + 4 s + {0, 1} and + {2, 3}; Q2_0
+// VPL c + {2s, 2s+8} and {2s+1, 2s+9}.
 template <int F> __device__ __forceinline__ void qmm_codes(const u32* w, int s, u32& p01, u32& p23) {
     if constexpr (F == 42) {  // 2^10 + code in the mantissa of 1024 (0x6400), minus 1025: code - 1
-        const u32 b = (w[0] >> (8 * s)) & 0xffu;
-        p01 = mma_hsub2(0x64006400u | (b & 3u) | (((b >> 2) & 3u) << 16), 0x64016401u);
-        p23 = mma_hsub2(0x64006400u | ((b >> 4) & 3u) | (((b >> 6) & 3u) << 16), 0x64016401u);
+        const u32 x = w[0] >> (4 * s);  // code 2s at bits 0-1, code 2s+8 at bits 16-17
+        p01 = mma_hsub2((x & 0x00030003u) | 0x64006400u, 0x64016401u);
+        p23 = mma_hsub2(((x >> 2) & 0x00030003u) | 0x64006400u, 0x64016401u);
     } else {  // int8 q: byte q + 128 in the mantissa of 1024, minus 1152
         const u32 v = w[s] ^ 0x80808080u;
         p01 = mma_hsub2(__byte_perm(v, 0x64646464u, 0x4140), 0x64806480u);
@@ -230,13 +235,26 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
                     const int o = (8 * n + g) * XS + b * BV + VPL * c;
                     const uint4* ph = reinterpret_cast<const uint4*>(xs_hi + o);
                     const uint4* pl = reinterpret_cast<const uint4*>(xs_lo + o);
-                    #pragma unroll
-                    for (int q = 0; q < S / 2; ++q) {
-                        const uint4 vh = ph[q], vl = pl[q];
-                        Bh[2 * q].x[l][0] = vh.x; Bh[2 * q].x[l][1] = vh.y;
-                        Bh[2 * q + 1].x[l][0] = vh.z; Bh[2 * q + 1].x[l][1] = vh.w;
-                        Bl[2 * q].x[l][0] = vl.x; Bl[2 * q].x[l][1] = vl.y;
-                        Bl[2 * q + 1].x[l][0] = vl.z; Bl[2 * q + 1].x[l][1] = vl.w;
+                    if constexpr (F == 42) {  // values 2s, 2s+8 and 2s+1, 2s+9 from halves 0-7 (u) and 8-15 (v)
+                        const uint4 uh = ph[0], vh = ph[1], ul = pl[0], vl = pl[1];
+                        const u32 UH[4] = {uh.x, uh.y, uh.z, uh.w}, VH[4] = {vh.x, vh.y, vh.z, vh.w};
+                        const u32 UL[4] = {ul.x, ul.y, ul.z, ul.w}, VL[4] = {vl.x, vl.y, vl.z, vl.w};
+                        #pragma unroll
+                        for (int t = 0; t < S; ++t) {
+                            Bh[t].x[l][0] = __byte_perm(UH[t], VH[t], 0x5410);
+                            Bh[t].x[l][1] = __byte_perm(UH[t], VH[t], 0x7632);
+                            Bl[t].x[l][0] = __byte_perm(UL[t], VL[t], 0x5410);
+                            Bl[t].x[l][1] = __byte_perm(UL[t], VL[t], 0x7632);
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int q = 0; q < S / 2; ++q) {
+                            const uint4 vh = ph[q], vl = pl[q];
+                            Bh[2 * q].x[l][0] = vh.x; Bh[2 * q].x[l][1] = vh.y;
+                            Bh[2 * q + 1].x[l][0] = vh.z; Bh[2 * q + 1].x[l][1] = vh.w;
+                            Bl[2 * q].x[l][0] = vl.x; Bl[2 * q].x[l][1] = vl.y;
+                            Bl[2 * q + 1].x[l][0] = vl.z; Bl[2 * q + 1].x[l][1] = vl.w;
+                        }
                     }
                 }
                 #pragma unroll

@@ -309,7 +309,8 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     """The launch of :func:`dense` for T tokens and a [rows, cols] matrix on a device of ``n_sm`` SMs: (NT, grid x,
     grid y, nz). NT from :func:`token_tile` (by T alone); while the row blocks times the token tiles would leave SMs
     idle (fewer than ``n_sm``, or, up to 32 tokens, row blocks fewer than ``n_sm``), k is split into nz slices
-    (chunks of :data:`KC` values, at most :data:`SPLIT_MAX`) for about two blocks a SM (the kernel's occupancy), the
+    (chunks of :data:`KC` values, at most :data:`SPLIT_MAX`, up to 32 tokens :data:`SPLIT_MAX_SHORT`) for about two
+    blocks a SM (the kernel's occupancy), the
     slices' partial sums added by the kernel's last slice of each tile (up to 32 tokens by :func:`dense` after it).
     The 512-token prefill's few-row matrices (hyper-connection down
     projections, GDN gates) ran as 160 blocks that each walked 80 chunks of k before this split."""
@@ -318,14 +319,20 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     nt = token_tile(T)
     ty = -(-int(T) // (8 * nt))
     chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (int(kc) // BLOCK_VALUES[f]))
-    few = gx < n_sm if T <= 8 * TILES[1] else gx * ty < n_sm
-    nz = max(1, min(chunks, SPLIT_MAX, (2 * int(n_sm)) // (gx * ty))) if few else 1
+    short = T <= 8 * TILES[1]
+    few = gx < n_sm if short else gx * ty < n_sm
+    cap = SPLIT_MAX_SHORT if short else SPLIT_MAX
+    nz = max(1, min(chunks, cap, (2 * int(n_sm)) // (gx * ty))) if few else 1
     return nt, gx, ty * nz, nz
 
 
 #: Most k slices of one :func:`dense` launch (the kernel's last slice of a tile, or the sum launch up to 32 tokens,
 #: adds them; every measurement since the thirteenth pass's call C has it).
 SPLIT_MAX = 16
+#: ... and up to 32 tokens, whose slices one sum launch adds: the batched step's few-row matrices (the 4-row
+#: hyper-connection inject over 10,240 values, the 320-row down projection) ran 16 slices of 5 chunks each at 10.8 and
+#: 15.2 us a launch (H200, bench/gpu-notes.md); a slice of one or two chunks waits on fewer loads in turn.
+SPLIT_MAX_SHORT = 64
 #: Tile counters one stream's split-k launches of :func:`dense` share (each launch's last slices set theirs back to 0)
 SPLIT_COUNTERS = 1 << 15
 _counters: dict[tuple[int, int, int], Any] = {}
