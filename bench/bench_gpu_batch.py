@@ -50,15 +50,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: ``mma-eager`` and ``hgemm-eager``: those steps launched from Python every time (STRATATOOLS_BATCH_GRAPH=0, no
 #: CUDA graph); ``moekc256`` / ``kc256`` / ``kc256all``: the expert job / dense / both tensor-core kernels staging 256
 #: values of k at a time (STRATATOOLS_QMM_MOE_KC, STRATATOOLS_QMM_KC); ``noside``: the shared expert after the routed
-#: ones (STRATATOOLS_SHARED_SIDE=0); ``job8``: the routed-expert jobs of 8 tokens (STRATATOOLS_BATCH_JOB=8);
-#: ``dense2short``: the two-tile dense kernel at the step's 32 tokens (STRATATOOLS_QMM_DENSE2_SHORT=1).
+#: ones (STRATATOOLS_SHARED_SIDE=0); ``job8``: the routed-expert jobs of 8 tokens (STRATATOOLS_BATCH_JOB=8).
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
             "moekc256": {"STRATATOOLS_QMM_MOE_KC": "256"}, "kc256": {"STRATATOOLS_QMM_KC": "256"},
             "kc256all": {"STRATATOOLS_QMM_MOE_KC": "256", "STRATATOOLS_QMM_KC": "256"},
             "noside": {"STRATATOOLS_SHARED_SIDE": "0"}, "job8": {"STRATATOOLS_BATCH_JOB": "8"},
-            "dense2short": {"STRATATOOLS_QMM_DENSE2_SHORT": "1"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},
             "eager": {"STRATATOOLS_BATCH_GRAPH": "0"},
             "mma-eager": {"STRATATOOLS_BATCH_GEMM": "mma", "STRATATOOLS_BATCH_GRAPH": "0"},

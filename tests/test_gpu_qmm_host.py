@@ -250,17 +250,16 @@ def test_dense_slices_added_by_the_caller(lib, layout, rows, cols, T, nz):
     check(dense_host(lib, layout, W8, Wd, X, rows, cols, None, nz, add=False), W, X)
 
 
-@pytest.mark.parametrize("layout,rows,cols,T,nz", [("Q8R", 64, 256, 40, 1), ("Q8_0", 32, 160, 70, 1),
-                                                   ("Q2_0", 96, 192, 33, 1), ("Q8R", 128, 96, 100, 1),
-                                                   ("Q8R", 64, 640, 32, 3), ("Q2_0", 32, 512, 9, 2)])
-def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T, nz):
+@pytest.mark.parametrize("layout,rows,cols,T", [("Q8R", 64, 256, 40), ("Q8_0", 32, 160, 70), ("Q2_0", 96, 192, 33),
+                                                ("Q8R", 128, 96, 100)])
+def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T):
     """qmm_dense<F, 4, 2> (two 16-row tiles a warp: the host's one-warp blocks take 32 rows) against float64, rows a
     multiple of 32 as the launcher asks (of 128 on the device: 4 warps); the same values as the one-tile kernel up to
     float summation order."""
     rng = np.random.default_rng(rows + cols + T)
     W8, Wd, W = dense_case(rng, layout, rows, cols)
     X = acts(rng, T, cols)
-    Y = dense_host(lib, layout, W8, Wd, X, rows, cols, nz=nz, mt=2)  # (nz > 1: k split, the batched step's use)
+    Y = dense_host(lib, layout, W8, Wd, X, rows, cols, mt=2)
     check(Y, W, X)
     Y1 = dense_host(lib, layout, W8, Wd, X, rows, cols, Q.DENSE2_NT)
     assert np.allclose(Y, Y1, rtol=1e-6, atol=1e-6 * float(np.abs(Y1).max()))
@@ -604,19 +603,16 @@ def hostcp(lib, monkeypatch):
 
 
 @pytest.mark.parametrize("layout,T,two", [("Q8R", 1, "0"), ("Q8R", 70, "0"), ("Q8_0", 20, "0"), ("Q2_0", 33, "0"),
-                                         ("Q8R", 70, "1"), ("Q2_0", 33, "1"), ("Q8R", 32, "short"),
-                                         ("Q2_0", 7, "short")])
+                                         ("Q8R", 70, "1"), ("Q2_0", 33, "1")])
 def test_dense_launcher_on_host(hostcp, layout, T, two, monkeypatch):
     """qmm.dense / qmm.split: argument order and grid as the device launch has them (rows of 4 warps), against
-    float64; with STRATATOOLS_QMM_DENSE2=1 and 128 rows the two-tile kernel runs (its name asked for), and so it does
-    up to 32 tokens with STRATATOOLS_QMM_DENSE2_SHORT=1 (k split over slices)."""
-    monkeypatch.setenv(Q.DENSE2_ENV, "1" if two == "short" else two)
-    monkeypatch.setenv(Q.DENSE2_SHORT_ENV, "1" if two == "short" else "0")
+    float64; with STRATATOOLS_QMM_DENSE2=1 and 128 rows the two-tile kernel runs (its name asked for)."""
+    monkeypatch.setenv(Q.DENSE2_ENV, two)
     asked = []
     fn = Q._fn
     monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
     rng = np.random.default_rng(T)
-    rows, cols = (128 if two in ("1", "short") else 70), 192
+    rows, cols = (128 if two == "1" else 70), 192
     tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
     raw = blocks(rng, tname, rows, cols)
     W = wmat(raw, tname, rows, cols)
@@ -627,7 +623,7 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, monkeypatch):
     else:
         Y = Q.dense(_h(X), tname, _h(raw), None, rows, cols)
     check(np.asarray(Y), W, X)
-    assert any(n.startswith("qmm_dense<") and n.count(",") == 2 for n in asked) == (two in ("1", "short"))
+    assert any(n.startswith("qmm_dense<") and n.count(",") == 2 for n in asked) == (two == "1")
     with pytest.raises(StrataError, match="weight bytes"):
         Q.dense(_h(X), tname if layout != "Q8R" else "Q8_0", _h(raw[:-2]), None, rows, cols)
     with pytest.raises(StrataError, match="do not match"):

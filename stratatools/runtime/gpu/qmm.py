@@ -76,11 +76,6 @@ GEMMS = ("sgemm", "mma", "hgemm")
 #: which need the k split, 7.9 -> 11.6 ms with it: bench/gpu-notes.md, fourteenth pass), ``1`` wherever it applies,
 #: ``0`` never.
 DENSE2_ENV = "STRATATOOLS_QMM_DENSE2"
-#: ``STRATATOOLS_QMM_DENSE2_SHORT``: ``1`` takes the two-tile kernel for up to 32 tokens too (the batched step) where
-#: the rows are a multiple of 128, k split as for the one-tile kernel: a block stages its tokens' halves once for 128
-#: rows instead of 64 (at 32 tokens the halves a block stages are twice the bytes of its 64 rows' weights); unset or
-#: ``0``: not.
-DENSE2_SHORT_ENV = "STRATATOOLS_QMM_DENSE2_SHORT"
 DENSE2_NT = 4
 DENSE2_ROWS = 2 * ROWS_PER_BLOCK  # rows of one block (4 warps of 32 rows)
 #: On the ``mma`` prefill path, dense matrices of at least this many weights (``STRATATOOLS_PREFILL_BIG``, a whole
@@ -120,14 +115,6 @@ def dense2() -> str:
         raise StrataError(f"{DENSE2_ENV}={v!r}: use 1 (two 16-row tiles a warp for longer X), 0, or leave it unset "
                           "(where the blocks fill the SMs)")
     return v
-
-
-def dense2_short() -> bool:
-    """:data:`DENSE2_SHORT_ENV`: ``1`` on; unset, empty or ``0`` off. Raises StrataError for another value."""
-    v = os.environ.get(DENSE2_SHORT_ENV, "").strip() or "0"
-    if v not in ("0", "1"):
-        raise StrataError(f"{DENSE2_SHORT_ENV}={v!r}: use 1 (the two-tile kernel up to 32 tokens) or 0")
-    return v == "1"
 
 
 def dense2_launch(T: int, rows: int, n_sm: int = 0) -> tuple[int, int, int] | None:
@@ -318,18 +305,17 @@ def token_tile(T: int) -> int:
     return 2 if T <= 16 else (4 if T <= 32 else 8)
 
 
-def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC,
-                 rows_per_block: int = ROWS_PER_BLOCK) -> tuple[int, int, int, int]:
+def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC) -> tuple[int, int, int, int]:
     """The launch of :func:`dense` for T tokens and a [rows, cols] matrix on a device of ``n_sm`` SMs: (NT, grid x,
     grid y, nz). NT from :func:`token_tile` (by T alone); while the row blocks times the token tiles would leave SMs
     idle (fewer than ``n_sm``, or, up to 32 tokens, row blocks fewer than ``n_sm``), k is split into nz slices
     (chunks of :data:`KC` values, at most :data:`SPLIT_MAX`, up to 32 tokens :data:`SPLIT_MAX_SHORT`) for about two
-    blocks a SM (the kernel's occupancy), the slices' partial sums added by the kernel's last slice of each tile (up
-    to 32 tokens by :func:`dense` after it). ``rows_per_block``: 128 for the two-tile kernel.
+    blocks a SM (the kernel's occupancy), the
+    slices' partial sums added by the kernel's last slice of each tile (up to 32 tokens by :func:`dense` after it).
     The 512-token prefill's few-row matrices (hyper-connection down
     projections, GDN gates) ran as 160 blocks that each walked 80 chunks of k before this split."""
     f = _layout_id(layout)
-    gx = -(-int(rows) // int(rows_per_block))
+    gx = -(-int(rows) // ROWS_PER_BLOCK)
     nt = token_tile(T)
     ty = -(-int(T) // (8 * nt))
     chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (int(kc) // BLOCK_VALUES[f]))
@@ -435,9 +421,6 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     if two is not None:  # (no k split: the rows a multiple of 128 give the grid its blocks)
         nt, gx, gy = two
         nz = 1
-    elif T <= 8 * TILES[1] and rows % DENSE2_ROWS == 0 and dense2_short():
-        _, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, kc, DENSE2_ROWS)  # (one token tile: gy = nz)
-        nt, two = DENSE2_NT, (DENSE2_NT, gx, gy)
     rb = cols if f == 0 else (cols // bv) * BLOCK_BYTES[f]
     part = cp.empty((nz, T, rows), dtype=cp.float32) if nz > 1 else out  # each k slice's partial sums
     # the kernel's last slice of a tile adds the slices for longer X (a split leaves gx * tiles < n_sm, far below
