@@ -230,7 +230,6 @@ class ParquetSource:
         # pyarrow.parquet's row-group reader, not the dataset scanner: the scanner's read-ahead and row-group
         # caching took 721 MB on a 1e8-entry dataset where iter_batches takes 326 MB (measured here)
         import pyarrow.compute as pc
-        import pyarrow.parquet as pq
 
         from stratatools.traces.formats.parquet import (UNREADABLE_FIX, arrow_reason, check_integer_column,
                                                         open_parquet_file)

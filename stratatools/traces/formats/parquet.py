@@ -171,7 +171,6 @@ def read_parquet(path: str | os.PathLike, n_layers: int | None = None, n_expert:
             layers or expert ids, an expert id >= n_expert below layer n_layers.
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.exists():
