@@ -416,3 +416,33 @@ def test_prefill_graph_conditions_and_plan(model, monkeypatch):
         assert 2 * off > prefill_bytes(w.model, w.cfg, 511) > off  # (a prefiller's chunk may be shorter than 512)
     finally:
         w.close()
+
+
+def test_ple_ngram_ids_rows_equal_one_sequence_at_a_time(model):
+    """The batched step's PLE row ids of all places at once equal ple_ngram_ids per place: contexts of every length
+    from empty to full, EOS in the context (which cuts the n-grams that reach past it) and as the new token."""
+    from stratatools.runtime.model import Qwen4ExpRuntime
+    from stratatools.runtime.weights import load
+
+    _, gguf = model
+    w = load(gguf, None)
+    try:
+        rt = Qwen4ExpRuntime(w)
+        cfg = w.cfg
+        K = cfg.ple_ngram - 1
+        assert K >= 2  # (the synthetic model's n-grams reach two tokens back: every case below means something)
+        rng = np.random.default_rng(5)
+        P = 40
+        ids = rng.integers(0, cfg.n_vocab, P)
+        ids[3] = cfg.eos_id
+        ctx = rng.integers(0, cfg.n_vocab, (P, K))
+        lens = rng.integers(0, K + 1, P)
+        lens[:K + 1] = np.arange(K + 1)
+        eos_at = rng.random((P, K)) < 0.25
+        ctx[eos_at] = cfg.eos_id
+        got = rt.ple_ngram_ids_rows(ids, ctx, lens)
+        for p in range(P):
+            want = rt.ple_ngram_ids(ids[p:p + 1], ctx[p, K - lens[p]:])
+            assert np.array_equal(got[p:p + 1], want), p
+    finally:
+        w.close()

@@ -311,6 +311,45 @@ class Qwen4ExpRuntime:
                     cols.append(np.remainder(mixed, cfg.ple_head_vocab[j]) + cfg.ple_head_offsets[j])
         return np.stack(cols, axis=1)
 
+    def ple_ngram_ids_rows(self, ids: np.ndarray, ctx: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """:meth:`ple_ngram_ids` of one new token for each of P sequences at once (the batched decode step): row p
+        equals ``ple_ngram_ids(ids[p:p+1], ctx[p, K - lens[p]:])``.
+
+        ids: [P] int; ctx: [P, K] int, each sequence's context right-aligned (its last ``lens[p]`` columns; the rest
+        is ignored), K = ``ple_ngram - 1``; lens: [P] int in 0..K. Returns [P, n_heads] int64. The per-sequence loop
+        called :meth:`ple_ngram_ids` 32 times a step at 32 places (about 2 ms of host time before each replay).
+        """
+        cfg = self.cfg
+        eos = np.int64(cfg.eos_id)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        P, K = int(ids.size), int(ctx.shape[1]) if np.ndim(ctx) == 2 else 0
+        lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+        h = np.concatenate([np.asarray(ctx, dtype=np.int64).reshape(P, K), ids[:, None]], axis=1)  # [P, K + 1]
+        exists = np.arange(K + 1)[None, :] >= (K - lens)[:, None]
+        is_eos = (h == eos) & exists
+        # an EOS at one of the columns K - s .. K - 1 (strictly before the new token) cuts shift s off
+        cut = np.zeros((P, K + 1), dtype=bool)  # cut[:, s]
+        for s in range(1, K + 1):
+            cut[:, s] = cut[:, s - 1] | is_eos[:, K - s]
+        shifted = []
+        for s in range(cfg.ple_ngram):
+            if s > K:
+                shifted.append(np.full(P, eos, dtype=np.int64))
+                continue
+            ok = exists[:, K - s] & ~cut[:, s]
+            shifted.append(np.where(ok, h[:, K - s], eos).astype(np.int64))
+        mult = cfg.ple_multipliers
+        hpn = cfg.ple_heads_per_ngram
+        cols = []
+        with np.errstate(over="ignore"):
+            for n in range(2, cfg.ple_ngram + 1):
+                mixed = shifted[0] * mult[0]
+                for s in range(1, n):
+                    mixed = np.bitwise_xor(mixed, shifted[s] * mult[s])
+                for j in range((n - 2) * hpn, (n - 1) * hpn):
+                    cols.append(np.remainder(mixed, cfg.ple_head_vocab[j]) + cfg.ple_head_offsets[j])
+        return np.stack(cols, axis=1)
+
     def _ple(self, il: int, H: Any, ids: np.ndarray, state: SequenceState) -> Any:
         xp = self.xp
         cfg = self.cfg

@@ -457,20 +457,30 @@ class BatchDecoder(ChunkPrefill):
 
     # -- PLE -------------------------------------------------------------------------------------------
     def _ple_rows_b(self, toks: np.ndarray, pl: np.ndarray) -> dict[int, np.ndarray]:
-        """PLE row ids [n, heads] per PLE layer, each place's context advanced as one decode step advances it."""
+        """PLE row ids [n, heads] per PLE layer, each place's context advanced as one decode step advances it (after
+        every PLE layer, as the token-by-token step does): all places at once
+        (:meth:`~stratatools.runtime.model.Qwen4ExpRuntime.ple_ngram_ids_rows`)."""
         cfg, rt = self.cfg, self.rt
         keep = cfg.ple_ngram - 1
-        layers = list(cfg.ple_layers)
-        per: dict[int, list[np.ndarray]] = {il: [] for il in layers}
-        for t, p in zip(toks.tolist(), pl.tolist()):
-            ctx = self.ple_ctx[p]
-            one = np.array([t], dtype=np.int64)
-            for il in layers:
-                per[il].append(rt.ple_ngram_ids(one, ctx))
-                if keep > 0:
-                    ctx = np.concatenate([ctx, one])[-keep:]
-            self.ple_ctx[p] = ctx
-        return {il: np.concatenate(v, axis=0) for il, v in per.items()}
+        toks = np.asarray(toks, dtype=np.int64).reshape(-1)
+        P = int(toks.size)
+        ctx = np.zeros((P, keep), dtype=np.int64)  # each place's context, right-aligned
+        lens = np.zeros(P, dtype=np.int64)
+        for r, p in enumerate(pl.tolist()):
+            c = np.asarray(self.ple_ctx[p], dtype=np.int64).reshape(-1)[-keep:] if keep > 0 else ()
+            lens[r] = len(c)
+            if len(c):
+                ctx[r, keep - len(c):] = c
+        rows: dict[int, np.ndarray] = {}
+        for il in cfg.ple_layers:
+            rows[il] = rt.ple_ngram_ids_rows(toks, ctx, lens)
+            if keep > 0:
+                ctx = np.concatenate([ctx[:, 1:], toks[:, None]], axis=1)
+                lens = np.minimum(lens + 1, keep)
+        if keep > 0 and cfg.ple_layers:
+            for r, p in enumerate(pl.tolist()):
+                self.ple_ctx[p] = ctx[r, keep - int(lens[r]):].copy()
+        return rows
 
     # -- per-place states of the prefill's GDN and PLE code -----------------------------------------------------
     def _conv_state(self, which: str, il: int) -> Any:
