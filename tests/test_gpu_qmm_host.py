@@ -161,6 +161,21 @@ def test_split_keeps_22_bits(lib, K):
     assert not np.any(hi[3] & 0x7fff) and not np.any(lo[3] & 0x7fff) and sc[3] == 1.0  # the zero row (signed zeros)
 
 
+def test_gdn_launch_shapes():
+    """pf_gdn_step's grid covers every value column with two threads (whole warps, at most 128 a block); the GDN
+    element-wise kernels' parts leave none without units."""
+    from stratatools.runtime.gpu.prefill import gdn_parts, gdn_step_launch
+
+    for dv, want in ((8, (1, 32)), (24, (1, 64)), (100, (2, 128)), (128, (2, 128)), (200, (4, 128))):
+        gy, th = gdn_step_launch(dv)
+        assert (gy, th) == want and gy * th // 2 >= dv > (gy - 1) * th // 2
+    assert gdn_parts(32, 48) == 16 and gdn_parts(512, 48) == 1
+    for rows, units in ((32, 10), (50, 7), (1, 100), (3, 13)):
+        p = gdn_parts(rows, units)
+        per = -(-units // p)
+        assert (p - 1) * per < units <= p * per  # every part has units
+
+
 def test_split_threads():
     """qmm_split's block: about 4 values a thread in whole warps, 32 to 256 threads (the batched step's rows of 640
     values: 160; of 2,560: 256)."""
@@ -351,14 +366,15 @@ def test_dense_launch_splits_k_for_few_tokens():
     """Up to 32 tokens: one token tile and k split while the row blocks leave SMs idle (about 2 blocks a SM, at
     most one slice a chunk, at most SPLIT_MAX); longer X: token_tile's tiles, and k split while the row blocks times
     the token tiles leave SMs idle."""
-    # 2,560 x 2,560 Q8R (the full-width hidden), 132 SMs: 40 row blocks, 20 chunks of 128 -> 6 slices (240 blocks)
-    assert Q.dense_launch(32, 2560, 2560, "Q8R", 132) == (4, 40, 6, 6)
-    assert Q.dense_launch(1, 2560, 2560, "Q8R", 132) == (2, 40, 6, 6)
+    # 2,560 x 2,560 Q8R (the full-width hidden), 132 SMs: 40 row blocks, 20 chunks of 128 -> 6 slices would be 4
+    # chunks each with the sixth empty: 5 slices (200 blocks)
+    assert Q.dense_launch(32, 2560, 2560, "Q8R", 132) == (4, 40, 5, 5)
+    assert Q.dense_launch(1, 2560, 2560, "Q8R", 132) == (2, 40, 5, 5)
     assert Q.dense_launch(16, 64, 256, "Q8_0", 132) == (2, 1, 2, 2)  # 2 chunks: at most 2 slices
     assert Q.dense_launch(32, 12288, 2560, "Q8R", 132) == (4, 192, 1, 1)  # rows fill the device
     # the batched step's few-row matrices: slices of one or two chunks (up to SPLIT_MAX_SHORT, 64)
-    assert Q.dense_launch(32, 4, 10240, "Q8R", 132) == (4, 1, 64, 64)  # 80 chunks
-    assert Q.dense_launch(32, 320, 10240, "Q8R", 132) == (4, 5, 52, 52)  # 264 // 5 slices
+    assert Q.dense_launch(32, 4, 10240, "Q8R", 132) == (4, 1, 40, 40)  # 80 chunks: 64 slices of 2 leave 24 empty
+    assert Q.dense_launch(32, 320, 10240, "Q8R", 132) == (4, 5, 40, 40)  # 264 // 5 = 52 slices of 2: 40 with chunks
     assert Q.dense_launch(32, 32, 2560, "Q8R", 132) == (4, 1, 20, 20)  # one slice a chunk
     assert Q.dense_launch(512, 2560, 2560, "Q8R", 132) == (8, 40, 8, 1)
     # longer X: k split where row blocks x token tiles leave SMs idle (the prefill's 320 x 10,240 hyper-connection

@@ -64,7 +64,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
-from stratatools.runtime.gpu.prefill import GDN_STEP_MAX_DK, GDN_STEP_THREADS, ChunkPrefill, attn_module, gdn_chunk_shared
+from stratatools.runtime.gpu.prefill import GDN_STEP_MAX_DK, ChunkPrefill, attn_module, gdn_chunk_shared, gdn_step_launch
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
@@ -511,8 +511,8 @@ class BatchDecoder(ChunkPrefill):
             out = cp.empty((T, nv * dv), dtype=cp.float32)
             H = T * nv  # places folded into the head axis: head s nv + h is place s's head h, key head the same
             if dk <= GDN_STEP_MAX_DK:  # two threads a value column, the state in registers (prefill.cu pf_gdn_step)
-                th = min(GDN_STEP_THREADS, 32 * -(-dv // 16))
-                self.k_gdn_step((H, -(-dv // (th // 2))), (th,), (
+                gy, th = gdn_step_launch(dv)
+                self.k_gdn_step((H, gy), (th,), (
                     cp.ascontiguousarray(qt, dtype=cp.float32), cp.ascontiguousarray(kt, dtype=cp.float32), v,
                     np.int32(H * dv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out, np.int32(1),
                     np.int32(H), np.int32(H), np.int32(dk), np.int32(dv)))

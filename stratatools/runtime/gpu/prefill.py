@@ -158,10 +158,17 @@ GDN_WARP_COLUMNS = 4
 GDN_WARP_MAX_DK = 128
 #: Warps of a ``pf_gdn_warp`` block.
 GDN_WARP_WARPS = 4
-#: ``pf_gdn_step`` (the batched decode step's recurrence, a thread per value column): its threads a block and the
-#: largest key head it holds in registers (prefill.cu PF_GDN_STEP_DK).
+#: ``pf_gdn_step`` (the batched decode step's recurrence, two threads a value column): its most threads a block and
+#: the largest key head it holds in registers (prefill.cu PF_GDN_STEP_DK).
 GDN_STEP_THREADS = 128
 GDN_STEP_MAX_DK = 128
+
+
+def gdn_step_launch(dv: int) -> tuple[int, int]:
+    """``pf_gdn_step``'s (blocks along the value columns, threads a block) for heads of ``dv`` value columns: two
+    threads a column, whole warps, at most :data:`GDN_STEP_THREADS`."""
+    th = min(GDN_STEP_THREADS, 32 * -(-int(dv) // 16))
+    return -(-int(dv) // (th // 2)), th
 
 
 def gdn_kernel() -> str:
@@ -207,8 +214,10 @@ GDN_PREP_BLOCKS = 512
 
 def gdn_parts(rows: int, units: int) -> int:
     """Parts a row of ``units`` channel units (or head groups) is split into for a launch over ``rows`` rows: about
-    :data:`GDN_PREP_BLOCKS` blocks in all, at least 1, at most ``units``."""
-    return max(1, min(int(units), -(-GDN_PREP_BLOCKS // max(1, int(rows)))))
+    :data:`GDN_PREP_BLOCKS` blocks in all, at least 1, at most ``units``, and none without units (the kernels give a
+    part ceil(units / parts) of them)."""
+    p = max(1, min(int(units), -(-GDN_PREP_BLOCKS // max(1, int(rows)))))
+    return -(-int(units) // -(-int(units) // p))
 
 
 def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,

@@ -323,6 +323,7 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     few = gx < n_sm if short else gx * ty < n_sm
     cap = SPLIT_MAX_SHORT if short else SPLIT_MAX
     nz = max(1, min(chunks, cap, (2 * int(n_sm)) // (gx * ty))) if few else 1
+    nz = -(-chunks // -(-chunks // nz))  # (slices get ceil(chunks / nz) chunks each: no slice left without any)
     return nt, gx, ty * nz, nz
 
 
