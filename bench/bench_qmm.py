@@ -256,6 +256,10 @@ def main() -> None:
         for name in names:
             with env_vars(PREFILL_VARIANTS[name]):
                 dec.load_state(rt.new_state())
+                # a new prefiller a variant: the decoder keeps one while chunk, GEMM path, stream and job size stay
+                # the same, and its CUDA graph holds the kernels the first variant chose (a later variant that only
+                # changed another switch replayed it)
+                dec._prefiller = None
                 dec.prefill(warm)  # builds this setting's prefiller, compiles its kernels
                 times = []
                 g0 = {k: dec.stats.get(k, 0) for k in ("prefill_graph_captures", "prefill_graph_replays")}

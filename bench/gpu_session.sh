@@ -9,7 +9,7 @@
 # ANCHORS a copy of ../shared/anchors):
 #   OUT=/tmp/out WHL=.whl KIT=.kitgpu ANCHORS=.anchors bash bench/gpu_session.sh [ROWS] [TESTS]
 # ROWS: bench_gpu_run.py --configs (default resident,nopdl,vram12; "none" skips the rows)
-# TESTS: pytest arguments (default the GPU decoder, prefill, GEMM and batch tests; "none" skips them)
+# TESTS: pytest arguments, quotes honoured (default the GPU decoder, prefill, GEMM and batch tests; "none" skips them)
 # PV: bench_qmm.py --prefill-variants (default mma; "none" skips the prefill); BN: bench_gpu_batch.py --n (default
 # 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches;
 # TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
@@ -43,8 +43,8 @@ rm -f /tmp/lcb.done /tmp/synth.done /tmp/synth2.done
   fi; echo done > /tmp/synth2.done ) &
 if [ "$TESTS" != none ]; then
   el tests
-  # shellcheck disable=SC2086
-  taskset -c 4-5 timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT"/tests.txt 2>&1
+  # (eval: TESTS may quote a -k expression, e.g. "tests/test_gpu_qmm.py -k 'split or jobs'")
+  eval "taskset -c 4-5 timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS" > "$OUT"/tests.txt 2>&1
   echo "tests rc=$?"; tail -4 "$OUT"/tests.txt  # (the file comes back whole)
 fi
 el wait synth; while [ ! -f /tmp/synth.done ]; do sleep 2; done
