@@ -65,11 +65,6 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm", "STRATATOOLS_BATCH_GEMM": "sgemm"}}
 
 
-def rows_last(rows: dict) -> dict:
-    """The row added last."""
-    return rows[next(reversed(rows))]
-
-
 def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict:
     """Per-kernel device time of ``steps`` batched steps (CUPTI through torch.profiler, as bench_gpu_run's decode
     profile) and the steps' wall time: the share of the wall the device is busy says whether kernels or the host's
@@ -200,7 +195,7 @@ def main() -> None:
             agg = n * a.steps / dt
             rel = float(np.abs(lg0 - ref_lg[0]).max() / np.abs(ref_lg[0]).max())
             same = got0[:a.steps] == ref_tok[:a.steps] if a.steps <= len(got0) else None
-            rows[n if var == "default" else f"{var}:{n}"] = {
+            row = rows[n if var == "default" else f"{var}:{n}"] = {
                 "aggregate_tok_s": agg, "step_ms": dt / a.steps * 1e3, "ratio_to_batch1": agg / b1,
                 "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same, "state_bytes": bd.state_bytes(),
                 "pool_bytes": int(cp.get_default_memory_pool().total_bytes()),
@@ -212,8 +207,8 @@ def main() -> None:
                    else "eager" + (f": {bd.stats['graph_error']}" if bd.stats.get("graph_error") else ""))
             print(f"{var:9s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
                   f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
-                  f"{'equal' if same else 'DIFFER'}; {how}; host staging {rows_last(rows)['host_stage_ms']:.2f} ms, "
-                  f"wait for the replay {rows_last(rows)['wait_ms']:.2f} ms a step", flush=True)
+                  f"{'equal' if same else 'DIFFER'}; {how}; host staging {row['host_stage_ms']:.2f} ms, "
+                  f"wait for the replay {row['wait_ms']:.2f} ms a step", flush=True)
             if a.kernel_profile > 0 and n == nmax:
                 res.setdefault("kernel_profile", {})[var] = step_profile(cp, bd, places, toks, a.kernel_profile, var)
     res["rows"] = rows

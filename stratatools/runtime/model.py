@@ -171,6 +171,24 @@ ExpertFn = Callable[[int, int], tuple[Any, Any, Any]]
 RouteHook = Callable[[int, np.ndarray, np.ndarray, np.ndarray], None]
 
 
+
+def _ple_mix(cfg: Any, shifted: list[np.ndarray]) -> np.ndarray:
+    """The PLE row ids [rows, n_heads] from the shifted histories ``shifted[s]`` [rows] int64 (the token s back,
+    or EOS): n-gram n mixes shifts 0..n-1 as ``XOR_s h[s] * mult[s]`` (int64, wrapping), head j of it takes
+    ``mixed mod vocab[j] + offset[j]`` (:meth:`Qwen4ExpRuntime.ple_ngram_ids`; ``cfg`` its model config)."""
+    mult = cfg.ple_multipliers
+    hpn = cfg.ple_heads_per_ngram
+    cols = []
+    with np.errstate(over="ignore"):
+        for n in range(2, cfg.ple_ngram + 1):
+            mixed = shifted[0] * mult[0]
+            for s in range(1, n):
+                mixed = np.bitwise_xor(mixed, shifted[s] * mult[s])
+            for j in range((n - 2) * hpn, (n - 1) * hpn):
+                cols.append(np.remainder(mixed, cfg.ple_head_vocab[j]) + cfg.ple_head_offsets[j])
+    return np.stack(cols, axis=1)
+
+
 class Qwen4ExpRuntime:
     """Runs a loaded qwen4exp model (:class:`stratatools.runtime.weights.Weights`).
 
@@ -299,17 +317,7 @@ class Qwen4ExpRuntime:
             src = idx - s
             ok = (src > prev_eos) & (src >= 0)
             shifted.append(np.where(ok, h[np.maximum(src, 0)], eos).astype(np.int64))
-        mult = cfg.ple_multipliers
-        hpn = cfg.ple_heads_per_ngram
-        cols = []
-        with np.errstate(over="ignore"):
-            for n in range(2, cfg.ple_ngram + 1):
-                mixed = shifted[0] * mult[0]
-                for s in range(1, n):
-                    mixed = np.bitwise_xor(mixed, shifted[s] * mult[s])
-                for j in range((n - 2) * hpn, (n - 1) * hpn):
-                    cols.append(np.remainder(mixed, cfg.ple_head_vocab[j]) + cfg.ple_head_offsets[j])
-        return np.stack(cols, axis=1)
+        return _ple_mix(self.cfg, shifted)
 
     def ple_ngram_ids_rows(self, ids: np.ndarray, ctx: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """:meth:`ple_ngram_ids` of one new token for each of P sequences at once (the batched decode step): row p
@@ -322,7 +330,7 @@ class Qwen4ExpRuntime:
         cfg = self.cfg
         eos = np.int64(cfg.eos_id)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        P, K = int(ids.size), int(ctx.shape[1]) if np.ndim(ctx) == 2 else 0
+        P, K = int(ids.size), cfg.ple_ngram - 1
         lens = np.asarray(lens, dtype=np.int64).reshape(-1)
         h = np.concatenate([np.asarray(ctx, dtype=np.int64).reshape(P, K), ids[:, None]], axis=1)  # [P, K + 1]
         exists = np.arange(K + 1)[None, :] >= (K - lens)[:, None]
@@ -331,24 +339,8 @@ class Qwen4ExpRuntime:
         cut = np.zeros((P, K + 1), dtype=bool)  # cut[:, s]
         for s in range(1, K + 1):
             cut[:, s] = cut[:, s - 1] | is_eos[:, K - s]
-        shifted = []
-        for s in range(cfg.ple_ngram):
-            if s > K:
-                shifted.append(np.full(P, eos, dtype=np.int64))
-                continue
-            ok = exists[:, K - s] & ~cut[:, s]
-            shifted.append(np.where(ok, h[:, K - s], eos).astype(np.int64))
-        mult = cfg.ple_multipliers
-        hpn = cfg.ple_heads_per_ngram
-        cols = []
-        with np.errstate(over="ignore"):
-            for n in range(2, cfg.ple_ngram + 1):
-                mixed = shifted[0] * mult[0]
-                for s in range(1, n):
-                    mixed = np.bitwise_xor(mixed, shifted[s] * mult[s])
-                for j in range((n - 2) * hpn, (n - 1) * hpn):
-                    cols.append(np.remainder(mixed, cfg.ple_head_vocab[j]) + cfg.ple_head_offsets[j])
-        return np.stack(cols, axis=1)
+        shifted = [np.where(exists[:, K - s] & ~cut[:, s], h[:, K - s], eos).astype(np.int64) for s in range(K + 1)]
+        return _ple_mix(self.cfg, shifted)
 
     def _ple(self, il: int, H: Any, ids: np.ndarray, state: SequenceState) -> Any:
         xp = self.xp
