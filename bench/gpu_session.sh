@@ -14,7 +14,8 @@
 # 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches;
 # TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
 # batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md); PV2: prefill variants measured again after the
-# llama.cpp benches (qmm2.txt / .json), when the build no longer slows them.
+# llama.cpp benches (qmm2.txt / .json), when the build no longer slows them. PRE: shell commands run after the tests,
+# while the model is synthesized (e.g. bench/bench_qmm_jobs.py, which needs no model).
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
 # llama-bench.md, llama-batched.txt, build logs). The call's output keeps only its last 12,000 characters: read $OUT.
 set -u
@@ -47,6 +48,7 @@ if [ "$TESTS" != none ]; then
   eval "taskset -c 4-5 timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS" > "$OUT"/tests.txt 2>&1
   echo "tests rc=$?"; tail -4 "$OUT"/tests.txt  # (the file comes back whole)
 fi
+if [ -n "${PRE:-}" ]; then el pre; eval "$PRE"; fi  # PRE: commands run while the model is synthesized
 el wait synth; while [ ! -f /tmp/synth.done ]; do sleep 2; done
 GG=$(find /tmp/fw/model48x256 -name "*.gguf" | sort | head -1); echo "model: $GG"
 if [ "$PV" != none ]; then

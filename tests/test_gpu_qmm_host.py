@@ -50,6 +50,10 @@ def lib(tmp_path_factory):
         for jt in Q.JOB_SIZES:
             getattr(h, f"host_qmm_moe_gu_{f}_{jt}").argtypes = [U, U, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_{f}_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
+    for jt in Q.JOB_SIZES:
+        getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
+        getattr(h, f"host_qmm_moe_down_i8_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
+    h.host_qmm_split_i8.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
     h.host_h2f.argtypes = [P, P, LL]
@@ -478,6 +482,163 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k, jt):
             assert np.all(np.abs(out[t * k + r] - ref) <= 2e-6 * (np.abs(dn) @ np.abs(hv)) + 1e-30)
 
 
+def split_i8_host(lib, X: np.ndarray, rowok=None):
+    """The host build's qmm_split_i8 of X [T, K]: (hi, lo) byte planes [T, K] (poisoned 0xAB first), block scales and
+    sums [T, K / 64] (poisoned)."""
+    T, Kc = X.shape
+    hi = np.full((T, Kc), 0xAB, np.uint8)
+    lo = np.full((T, Kc), 0xAB, np.uint8)
+    sc = np.full((T, Kc // 64), -7.0, np.float32)
+    qs = np.full((T, Kc // 64), 7777, np.int32)
+    ok = None if rowok is None else np.ascontiguousarray(rowok, dtype=np.int32)
+    lib.host_qmm_split_i8(T * (Kc // 64), 1, _p(X), Kc, T, Kc, None if ok is None else _p(ok), _p(hi), _p(lo), _p(sc),
+                          _p(qs))
+    return hi, lo, sc, qs
+
+
+def i8_values(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """q [T, K] (int) from the byte planes, undoing the word order (word w of a block: bytes i = values 16 (w >> 2) +
+    4 i + (w & 3))."""
+    q = hi.view(np.int8).astype(np.int64) * 256 + lo.astype(np.int64)
+    T, Kc = q.shape
+    w = q.reshape(T, Kc // 64, 4, 4, 4)  # [t, block, G, r, i]: value 16 G + 4 i + r
+    return w.transpose(0, 1, 2, 4, 3).reshape(T, Kc)
+
+
+def test_split_i8_is_16_bit_fixed_point_per_block(lib):
+    """qmm_split_i8: q within 1/2 (plus float rounding) of x / s for s = max |block| / 32767, |q| <= 32767 and the
+    block's largest value at +-32767, the block sums exact; an all-zero block gets s = 0, a block with inf or NaN
+    s = NaN and q = 0; rows with rowok < 0 are not written."""
+    rng = np.random.default_rng(11)
+    T, Kc = 7, 320
+    X = acts(rng, T, Kc)
+    X[2] = 0.0
+    X[2, 70] = 1e-38  # one tiny value in a block of zeros (subnormal range of the scale)
+    X[4, 130] = np.inf
+    X[5, 10] = np.nan
+    hi, lo, sc, qs = split_i8_host(lib, X)
+    q = i8_values(hi, lo)
+    nb = Kc // 64
+    for t in range(T):
+        for b in range(nb):
+            xb = X[t, 64 * b:64 * b + 64].astype(np.float64)
+            qb = q[t, 64 * b:64 * b + 64]
+            if not np.all(np.isfinite(xb)):
+                assert np.isnan(sc[t, b]) and np.all(qb == 0) and qs[t, b] == 0
+                continue
+            m = np.abs(xb).max()
+            assert sc[t, b] == np.float32(np.float32(m) / np.float32(32767.0))
+            assert qs[t, b] == qb.sum() and np.abs(qb).max() <= 32767
+            if m == 0:
+                assert np.all(qb == 0)
+                continue
+            assert np.abs(qb[np.argmax(np.abs(xb))]) == 32767
+            assert np.all(np.abs(qb - xb / (m / 32767.0)) <= 0.5 + 1e-3)
+    ok = np.array([0, -1, 3, -1, 0, 0, 0], np.int32)
+    hi2, lo2, sc2, qs2 = split_i8_host(lib, X, ok)
+    keep = ok >= 0
+    assert np.all(hi2[~keep] == 0xAB) and np.all(sc2[~keep] == -7.0) and np.all(qs2[~keep] == 7777)
+    assert np.array_equal(hi2[keep], hi[keep]) and np.array_equal(lo2[keep], lo[keep])
+    assert np.array_equal(qs2[keep], qs[keep])
+
+
+def test_mma_i8_fragments_on_host(lib):
+    """The integer jobs on inputs whose products name their place: one expert, one token, one row of weights with a
+    single code 2 (weight 1) at value k and 1 (weight 0) elsewhere, and x = e_k' scaled: the output is nonzero only
+    when k = k' (a wrong pairing of A's and B's k-slots fails)."""
+    hidden, ff = 128, 16
+    f = 42
+    rng = np.random.default_rng(3)
+    for k in (0, 5, 17, 38, 63, 64, 100, 127):
+        g = np.zeros((ff * hidden // 64, 18), np.uint8)
+        g[:, :2] = np.array([1.0], np.float16).view(np.uint8)
+        g[:, 2:] = 0x55  # every code 1: weight 0
+        blk, j = divmod(k, 64)
+        qsb = int(g[blk, 2 + j // 4])  # row 0 of gate: code 2 at value k
+        g[blk, 2 + j // 4] = (qsb & (0xFF ^ (3 << (2 * (j % 4))))) | (2 << (2 * (j % 4)))
+        u = g.copy()
+        dn = np.zeros((hidden * ff // 64, 18), np.uint8)
+        dn[:, :2] = np.array([1.0], np.float16).view(np.uint8)
+        dn[:, 2:] = 0xAA  # every code 2: weight 1
+        blob = np.concatenate([g.reshape(-1), u.reshape(-1), dn.reshape(-1)])
+        ptr = np.array([blob.ctypes.data], np.uint64)
+        for kk in (k, (k + 1) % hidden, k ^ 4, k ^ 16):
+            X = np.zeros((1, hidden), np.float32)
+            X[0, kk] = 3.0
+            xq = split_i8_host(lib, X)
+            tok = np.array([0] + [-1] * 7, np.int32)
+            hbuf = np.zeros((8, ff), np.float32)
+            with shared_within(lib, Q.smem_bytes_i8(1, hidden)):
+                lib.host_qmm_moe_gu_i8_8(1, 1, _p(ptr), _p(tok), *(_p(a) for a in xq), _p(hbuf), hidden, ff)
+            want = 3.0 / (1.0 + np.exp(-3.0)) * 3.0 if kk == k else 0.0
+            assert abs(hbuf[0, 0] - want) <= 1e-4 * max(1.0, want), (k, kk, hbuf[0, 0])
+            assert np.all(hbuf[0, 1:] == 0.0)
+    del rng
+
+
+@pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 16), (192, 128, 13, 5, 3, 8),
+                                                (320, 192, 41, 5, 3, 32), (640, 320, 9, 4, 2, 8)])
+def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
+    """The integer Q2_0 expert jobs against float64 per pair, within the bound of 16-bit fixed point per block of 64
+    (each value off by at most s / 2) plus float32 sums: gate/up with the silu epilogue, then down from the hidden
+    rows' own split (the empty slots' rows, NaN here, left out by rowok)."""
+    rng = np.random.default_rng(hidden + T + jt)
+    tname = "Q2_0"
+    blobs, mats = [], []
+    for _ in range(E):
+        g, u, dn = blocks(rng, tname, ff, hidden), blocks(rng, tname, ff, hidden), blocks(rng, tname, hidden, ff)
+        blobs.append(np.concatenate([g, u, dn]))
+        mats.append((wmat(g, tname, ff, hidden), wmat(u, tname, ff, hidden), wmat(dn, tname, hidden, ff)))
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    ids[:, 0] = 0
+    tt = jt
+    je, jt_, jd = expert_jobs(ids, tt)
+    J = je.size
+    ptr = np.array([blobs[e].ctypes.data for e in je], dtype=np.uint64)
+    X = rng.standard_normal((T, hidden)).astype(np.float32)
+    X[1] *= np.float32(1e4)
+    X[2, 5] = 300.0  # an outlier: its block's other values keep fewer bits
+    xq = split_i8_host(lib, X)
+    hbuf = np.full((J * tt, ff), np.nan, dtype=np.float32)
+    with shared_within(lib, Q.smem_bytes_i8(tt // 8, hidden)):
+        getattr(lib, f"host_qmm_moe_gu_i8_{tt}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq), _p(hbuf),
+                                                 hidden, ff)
+    used = jt_ >= 0
+    assert np.all(np.isfinite(hbuf[used])) and np.all(np.isnan(hbuf[~used]))
+    hq = split_i8_host(lib, hbuf, jd)
+    out = np.full((T * k, hidden), np.nan, dtype=np.float32)
+    doff = 2 * (ff * hidden // 64) * 18
+    with shared_within(lib, Q.smem_bytes_i8(tt // 8, ff)):
+        getattr(lib, f"host_qmm_moe_down_i8_{tt}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), *(_p(a) for a in hq),
+                                                   _p(out), hidden, ff)
+
+    def err(x):  # per value: half a step of its block's fixed point, plus float rounding
+        s = np.abs(x.reshape(-1, 64)).max(axis=1, keepdims=True) / 32767.0
+        return (np.broadcast_to(s * 0.5, (s.shape[0], 64)).reshape(-1) * (1 + 1e-5) + np.abs(x) * 1e-7)
+
+    for t in range(T):
+        x = X[t].astype(np.float64)
+        ex = err(x)
+        for r in range(k):
+            g, u, dn = mats[ids[t, r]]
+            hg, hu = g @ x, u @ x
+            h = _silu_np(hg) * hu
+            slot = int(np.nonzero(jd == t * k + r)[0][0])
+            eg = np.abs(g) @ ex + 2e-6 * (np.abs(g) @ np.abs(x))
+            eu = np.abs(u) @ ex + 2e-6 * (np.abs(u) @ np.abs(x))
+            bound_h = eg * (np.abs(hu) + eu) * 1.2 + np.abs(_silu_np(hg)) * eu + 1e-30
+            assert np.all(np.abs(hbuf[slot] - h) <= bound_h)
+            hv = hbuf[slot].astype(np.float64)
+            ref = dn @ hv
+            bound = np.abs(dn) @ err(hv) + 2e-6 * (np.abs(dn) @ np.abs(hv)) + 1e-30
+            assert np.all(np.abs(out[t * k + r] - ref) <= bound)
+    # and the fixed point's error is what it says: the jobs differ from float64 by about 1e-5 of the row's scale
+    x = X[0].astype(np.float64)
+    g = mats[ids[0, 0]][0]
+    slot = int(np.nonzero(jd == 0)[0][0])
+    assert np.max(np.abs(hbuf[slot] - _silu_np(g @ x) * (mats[ids[0, 0]][1] @ x))) > 0
+
+
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4),
                                         (512, 10, 256, 5), (1, 1, 1, 6), (33, 7, 12288, 7)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
@@ -785,6 +946,10 @@ def test_device_build_has_no_spills(tmp_path):
             sig = "const u8*, const u16*, long long, int, int, u16*, u16*, int*"
         elif base == "qmm_moe_gu":
             sig = "const u64*, const int*, const u16*, const u16*, const float*, float*, int, int"
+        elif base == "qmm_moe_gu_i8":
+            sig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
+        elif base == "qmm_moe_down_i8":
+            sig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
         else:
             sig = "const u64*, long long, const int*, const u16*, const u16*, const float*, float*, int, int"
         inst.append(f"template __global__ void {base}<{targs}({sig});\n")
@@ -801,8 +966,8 @@ def test_device_build_has_no_spills(tmp_path):
         assert int(spill) == 0, name
     # the Q2_0 expert jobs' default chunk (MOE_KC_DEFAULT: 256 values; Q8_0's gate/up spills there, so it keeps 128)
     assert Q.MOE_KC_DEFAULT == {42: 256}
-    moe = [i for i in inst if "qmm_moe" in i and "<42," in i]
-    assert len(moe) == 2 * len(Q.JOB_SIZES)
+    moe = [i for i in inst if "qmm_moe" in i and ("<42," in i or "_i8<" in i)]
+    assert len(moe) == 4 * len(Q.JOB_SIZES)
     src.write_text("#define QMM_KC 256\n" + Q.device_source() + "".join(moe))
     r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
                         str(tmp_path / "qmm256.cubin"), str(src)], capture_output=True, text=True)

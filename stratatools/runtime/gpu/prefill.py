@@ -1478,6 +1478,12 @@ class ChunkPrefill:
         ly = self.rt.tier.arena.layers[il]
         hidden, ff = ly.hidden, ly.ff
         J = int(ptr.size)
+        if qmm.jobs_i8(ly.gu_type.id, ly.d_type.id):  # integer Q2_0 jobs: empty slots are neither written nor split
+            hbuf = cp.empty((J * tt, ff), dtype=cp.float32)
+            qmm.moe_gate_up_i8(ptr, jt, qmm.split_i8(x), hbuf, hidden, ff, tt)
+            out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
+            qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, hidden, ff, tt)
+            return out
         xs = self._split(x)
         hbuf = cp.zeros((J * tt, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
         qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff, tt)

@@ -662,3 +662,293 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     for (long long s = (long long)ju * jt + tid; s < (long long)jmax * jt; s += nt)
         job_tok[s] = job_dst[s] = -1;
 }
+
+// ---- integer expert jobs (Q2_0 gate/up and down; STRATATOOLS_QMM_JOBS_I8, qmm.py jobs_i8) ----------------------
+// The step's jobs hold 1-2 tokens an expert on average: their time goes to the instructions a weight (the 2-bit
+// decode into fp16, the hi and lo products, B's byte permutes), not to the products. The integer form feeds the codes
+// 0..3 to mma.m16n8k32 as unsigned bytes: one shift and one mask give a register of 4 weights (fp16: 3 instructions a
+// pair), and one k-step covers 32 values.
+//
+// Activations (qmm_split_i8): per row t and block b of 64 values (the Q2_0 block), q = rint(x 32767 / m) with m the
+// block's max |x| (|q| <= 32767), as two byte planes q = 256 hi + lo (hi signed, lo unsigned), the block's scale
+// s_tb = m / 32767 and Q_tb = sum of its q. A block's integer sum sum_k (code_k - 1) q_k = 256 (codes . hi) +
+// (codes . lo) - Q is exact in int32, so y = sum_b d_b s_tb I_tb carries only the rounding of q (at most s_tb / 2 a
+// value: about 1.5e-5 of the block's largest value) and float32 sums. A block holding a non-finite value gets
+// q = 0 and s = NaN (the result is NaN, as the float path's).
+//
+// Plane layout: the 4-byte word w of a block (16 words) holds, in bytes i = 0..3, the values 16 (w >> 2) + 4 i + (w & 3):
+// lane c's 16-byte piece at 16 c is, in words r = 0..3, B's registers of k-slots 4 c + i: word 0 (shift 0 of the
+// codes), word 1 (shift 2) for k-step 0, words 2 and 3 (shifts 4 and 6) for k-step 1, against A's registers
+// (w >> 2 r) & 0x03030303 of the lane's code word (values 16 c + 4 i + r in byte i).
+#ifdef STRATA_HOST
+#define QI8_GROUP 1    // threads a block of 64 values (the host build: one thread does its 16 words)
+#else
+#define QI8_GROUP 16
+#endif
+#define QI8_XS (QMM_KC + 64)  // bytes a staged token row (rows 64 mod 128 bytes apart: a quarter warp's 16-byte loads
+                              // fall on distinct banks)
+
+// xh, xl [T, K] bytes (as words [T, K / 4]), xs [T, K / 64] float, xq [T, K / 64] int; K a multiple of 64. Rows t with
+// rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim) blocks, blockDim a multiple
+// of 32 (the host build: T K / 64 blocks of one thread).
+extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long ldx, int T, int K,
+                                        const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
+                                        float* __restrict__ xs, int* __restrict__ xq) {
+    constexpr int WPT = 16 / QI8_GROUP;  // words a thread
+    const int nb = K >> 6;
+    const long long units = (long long)T * nb;
+    const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
+    const int gl = (int)(threadIdx.x % QI8_GROUP);
+    const long long uc = u < units ? u : units - 1;
+    const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
+    const bool live = u < units && (rowok == nullptr || rowok[t] >= 0);  // (every lane stays for the shuffles)
+    const float* x = X + (long long)t * ldx + 64 * b;
+    float v[WPT][4];
+    float m = 0.0f;
+    int bad = 0;
+    #pragma unroll
+    for (int p = 0; p < WPT; ++p) {
+        const int wd = gl * WPT + p, G = wd >> 2, r = wd & 3;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[p][i] = live ? x[16 * G + 4 * i + r] : 0.0f;
+            const float a = fabsf(v[p][i]);
+            bad |= !(a <= 3.4028234663852886e38f);
+            m = fmaxf(m, a);
+        }
+    }
+    for (int o = QI8_GROUP / 2; o; o >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+    }
+    // (a block below 2^-64 is scaled up first: 32767 / m overflows for m under about 1e-34)
+    const float up = m < 5.421010862427522e-20f ? 18446744073709551616.0f : 1.0f;
+    const float inv = (m > 0.0f && !bad) ? 32767.0f / (m * up) : 0.0f;
+    int qs = 0;
+    #pragma unroll
+    for (int p = 0; p < WPT; ++p) {
+        const int wd = gl * WPT + p;
+        u32 h = 0, l = 0;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int q = bad ? 0 : (int)rintf(v[p][i] * up * inv);
+            q = min(32767, max(-32767, q));
+            qs += q;
+            h |= (u32)((q >> 8) & 0xff) << (8 * i);
+            l |= (u32)(q & 0xff) << (8 * i);
+        }
+        if (live) {
+            const long long o = (long long)t * (K >> 2) + 16 * b + wd;
+            xh[o] = h;
+            xl[o] = l;
+        }
+    }
+    for (int o = QI8_GROUP / 2; o; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
+    if (live && gl == 0) {
+        xs[(long long)t * nb + b] = bad ? __int_as_float(0x7fc00000) : m / 32767.0f;
+        xq[(long long)t * nb + b] = qs;
+    }
+}
+
+// Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of QI8_XS
+// bytes, then lo); a slot without a token gets zeros.
+template <int NT>
+__device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
+                                          const int* tokrow, int chunk, u8* xs) {
+    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT;
+    const int nb = K >> 6, b0 = chunk * BPC;
+    const int pieces = min(BPC, nb - b0) * 4;
+    for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
+        const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
+        const int slot = rem / pieces, p = rem - slot * pieces;
+        const int row = tokrow[slot];
+        u8* dst = xs + (lohi * TOK + slot) * QI8_XS + 16 * p;
+        if (row >= 0) cp_async16(dst, (lohi ? xl : xh) + (long long)row * K + 64LL * b0 + 16 * p);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Dynamic shared memory of the integer job kernels (qmm.py smem_bytes_i8): two stage buffers of both planes, then the
+// job's tokens' block scales ssc [nb][TOK] (float) and sums sq [nb][TOK] (int).
+template <int NT> struct QmmSmemI8 { static constexpr int stage = 2 * 2 * 8 * NT * QI8_XS; };
+
+// Load the job's tokens' block scales and sums into shared memory (zeros for an empty slot). The tile's first
+// barrier orders these writes before their reads.
+template <int NT>
+__device__ __forceinline__ void qi8_scales(const float* __restrict__ gs, const int* __restrict__ gq, int nb,
+                                           const int* tokrow, float* ssc, int* sq) {
+    constexpr int TOK = 8 * NT;
+    for (int i = threadIdx.x; i < nb * TOK; i += blockDim.x) {
+        const int b = i / TOK, slot = i - b * TOK, row = tokrow[slot];
+        ssc[i] = row >= 0 ? gs[(long long)row * nb + b] : 0.0f;
+        sq[i] = row >= 0 ? gq[(long long)row * nb + b] : 0;
+    }
+}
+
+// The integer tile: acc[m][n] = the 16 rows r0.. of the NM Q2_0 matrices (w[m], rb bytes a row, R rows of K values)
+// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb). All threads of the block call it.
+template <int NT, int NM>
+__device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R, int K, int r0,
+                                         const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
+                                         const float* ssc, const int* sq, u8* xs, mma_c (*acc)[NT]) {
+    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT;
+    const int nb = K >> 6, nch = (nb + BPC - 1) / BPC;
+    #pragma unroll
+    for (int m = 0; m < NM; ++m)
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
+    u32 wr[MMA_LANES][NM][BPC][2][1];
+    u16 dr[MMA_LANES][NM][BPC][2];
+    qi8_stage<NT>(xh, xl, K, tokrow, 0, xs);
+    cp_async_commit();
+    qmm_fetch<42, NM>(w, nullptr, rb, R, K, r0, 0, wr, dr);
+    for (int chunk = 0; chunk < nch; ++chunk) {
+        const int b0 = chunk * BPC, nbc = min(BPC, nb - b0), buf = chunk & 1;
+        if (chunk + 1 < nch) {
+            qi8_stage<NT>(xh, xl, K, tokrow, chunk + 1, xs + (buf ^ 1) * 2 * TOK * QI8_XS);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u8* xs_hi = xs + buf * 2 * TOK * QI8_XS;
+        const u8* xs_lo = xs_hi + TOK * QI8_XS;
+        u32 wc[MMA_LANES][NM][BPC][2];
+        u16 dc[MMA_LANES][NM][BPC][2];
+        for (int l = 0; l < MMA_LANES; ++l)
+            #pragma unroll
+            for (int m = 0; m < NM; ++m)
+                #pragma unroll
+                for (int b = 0; b < BPC; ++b)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        wc[l][m][b][h] = wr[l][m][b][h][0];
+                        dc[l][m][b][h] = dr[l][m][b][h];
+                    }
+        if (chunk + 1 < nch) qmm_fetch<42, NM>(w, nullptr, rb, R, K, r0, chunk + 1, wr, dr);
+        #pragma unroll
+        for (int b = 0; b < BPC; ++b) {
+            if (b >= nbc) break;
+            mma_a A[NM][2];  // k-steps 0 and 1 of the block: registers h (row g / g + 8) and 2 + h
+            float d0[MMA_LANES][NM], d1[MMA_LANES][NM];
+            for (int l = 0; l < MMA_LANES; ++l) {
+                #pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 x = wc[l][m][b][h];
+                        A[m][0].x[l][h] = x & 0x03030303u;
+                        A[m][0].x[l][2 + h] = (x >> 2) & 0x03030303u;
+                        A[m][1].x[l][h] = (x >> 4) & 0x03030303u;
+                        A[m][1].x[l][2 + h] = (x >> 6) & 0x03030303u;
+                    }
+                    d0[l][m] = mma_h2f(dc[l][m][b][0]);
+                    d1[l][m] = mma_h2f(dc[l][m][b][1]);
+                }
+            }
+            const int bg = b0 + b;
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                mma_b Bh[2], Bl[2];
+                float s0[MMA_LANES], s1[MMA_LANES];
+                int q0[MMA_LANES], q1[MMA_LANES];
+                for (int l = 0; l < MMA_LANES; ++l) {
+                    const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+                    const int o = (8 * n + g) * QI8_XS + b * 64 + 16 * c;
+                    const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
+                    const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
+                    Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
+                    Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
+                    const int so = bg * TOK + 8 * n + 2 * c;
+                    s0[l] = ssc[so];
+                    s1[l] = ssc[so + 1];
+                    q0[l] = sq[so];
+                    q1[l] = sq[so + 1];
+                }
+                #pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    mma_ci Ph, Pl;
+                    for (int l = 0; l < MMA_LANES; ++l) {
+                        Ph.x[l][0] = Ph.x[l][1] = Ph.x[l][2] = Ph.x[l][3] = 0;
+                        Pl.x[l][0] = Pl.x[l][2] = -q0[l];
+                        Pl.x[l][1] = Pl.x[l][3] = -q1[l];
+                    }
+                    mma_sync_i8s(Ph, A[m][0], Bh[0]);
+                    mma_sync_i8s(Ph, A[m][1], Bh[1]);
+                    mma_sync_i8u(Pl, A[m][0], Bl[0]);
+                    mma_sync_i8u(Pl, A[m][1], Bl[1]);
+                    for (int l = 0; l < MMA_LANES; ++l) {
+                        acc[m][n].x[l][0] += d0[l][m] * s0[l] * (float)(256 * Ph.x[l][0] + Pl.x[l][0]);
+                        acc[m][n].x[l][1] += d0[l][m] * s1[l] * (float)(256 * Ph.x[l][1] + Pl.x[l][1]);
+                        acc[m][n].x[l][2] += d1[l][m] * s0[l] * (float)(256 * Ph.x[l][2] + Pl.x[l][2]);
+                        acc[m][n].x[l][3] += d1[l][m] * s1[l] * (float)(256 * Ph.x[l][3] + Pl.x[l][3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
+// Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes.
+template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
+        const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
+        const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
+        int H, int Fd) {
+    u8* stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
+    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8>::stage);
+    int* sq = reinterpret_cast<int*>(ssc + (H >> 6) * JT);
+    __shared__ int tokrow[JT];
+    const int j = blockIdx.y;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    for (int s = threadIdx.x; s < JT; s += blockDim.x) tokrow[s] = job_tok[j * JT + s];
+    __syncthreads();
+    if (tokrow[0] < 0) return;
+    qi8_scales<JT / 8>(xs, xq, H >> 6, tokrow, ssc, sq);
+    const int r0 = (blockIdx.x * nw + warp) * 16;
+    const long long rb = (long long)(H / 64) * 18;
+    const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
+    const u8* wm[2] = {G, G + (long long)Fd * rb};
+    mma_c acc[2][JT / 8];
+    qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
+    qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
+        if (row < Fd && tokrow[s] >= 0) {
+            const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
+            Hbuf[((long long)j * JT + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
+        }
+    });
+}
+
+// down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be
+// split). Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (Fd / 64) JT bytes.
+template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
+        const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u8* __restrict__ hh,
+        const u8* __restrict__ hl, const float* __restrict__ hs, const int* __restrict__ hq, float* __restrict__ out,
+        int H, int Fd) {
+    u8* stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
+    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8>::stage);
+    int* sq = reinterpret_cast<int*>(ssc + (Fd >> 6) * JT);
+    __shared__ int tokrow[JT];
+    __shared__ int dst[JT];
+    const int j = blockIdx.y;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    for (int s = threadIdx.x; s < JT; s += blockDim.x) {
+        dst[s] = job_dst[j * JT + s];
+        tokrow[s] = dst[s] >= 0 ? j * JT + s : -1;
+    }
+    __syncthreads();
+    if (dst[0] < 0) return;
+    qi8_scales<JT / 8>(hs, hq, Fd >> 6, tokrow, ssc, sq);
+    const int r0 = (blockIdx.x * nw + warp) * 16;
+    const long long rb = (long long)(Fd / 64) * 18;
+    const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
+    mma_c acc[1][JT / 8];
+    qi8_tile<JT / 8, 1>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
+    qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
+        if (row < H && tokrow[s] >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i];
+    });
+}

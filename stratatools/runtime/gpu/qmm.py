@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, env_choice, env_count, launch_big_shared
+from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, env_choice, env_count, env_on, launch_big_shared
 
 #: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
 LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
@@ -151,6 +151,7 @@ def kernel_names() -> list[str]:
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
+    names += ["qmm_split_i8"] + [f"{k}<{jt}>" for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8") for jt in JOB_SIZES]
     return names
 
 
@@ -220,6 +221,17 @@ def host_source() -> str:
             for name, (decl, call) in (("qmm_moe_gu", gu), ("qmm_moe_down", dn)):
                 ent.append(f'extern "C" void host_{name}_{f}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
                            f"    host_run_grid(gx, gy, [&]() {{ {name}<{f}, {jt}>({call}); }});\n}}\n")
+    gi = ("const u64* job_ptr, const int* job_tok, const u8* xh, const u8* xl, const float* xs, const int* xq, "
+          "float* Hbuf, int H, int Fd", "job_ptr, job_tok, xh, xl, xs, xq, Hbuf, H, Fd")
+    di = ("const u64* job_ptr, long long doff, const int* job_dst, const u8* hh, const u8* hl, const float* hs, "
+          "const int* hq, float* out, int H, int Fd", "job_ptr, doff, job_dst, hh, hl, hs, hq, out, H, Fd")
+    for jt in JOB_SIZES:
+        for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
+            ent.append(f'extern "C" void host_{name}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
+                       f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}>({call}); }});\n}}\n")
+    ent.append('extern "C" void host_qmm_split_i8(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
+               "const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { "
+               "qmm_split_i8(X, ldx, T, K, rowok, xh, xl, xs, xq); });\n}\n")
     ent.append(
         'extern "C" void host_mma_tile(const u16* A, const u16* B, const float* C, float* D) {\n'
         "    mma_a a; mma_b b; mma_c c;\n"
@@ -576,6 +588,71 @@ def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: An
     kc, jt = chunk_values(moe=True, layout=f), job_tokens(jt)
     launch_big_shared(_fn(f"qmm_moe_gu<{f}, {jt}>", kc), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, job_tok, hi, lo, sc, hbuf, np.int32(hidden), np.int32(ff)), smem_bytes(f, jt // 8, kc))
+
+
+#: ``STRATATOOLS_QMM_JOBS_I8``: Q2_0 expert jobs (gate/up and down both Q2_0) on the integer kernels
+#: (``qmm_moe_gu_i8`` / ``qmm_moe_down_i8``: codes as unsigned bytes into mma.m16n8k32, activations as 16-bit fixed
+#: point per block of 64 values in two byte planes, :func:`split_i8`); 0: the fp16 hi / lo kernels.
+JOBS_I8_ENV = "STRATATOOLS_QMM_JOBS_I8"
+JOBS_I8_DEFAULT = False
+#: Threads of a ``qmm_split_i8`` block (16 a block of 64 values).
+SPLIT_I8_THREADS = 256
+
+
+def jobs_i8(gu_layout: Any, down_layout: Any) -> bool:
+    """Do the expert jobs of these layouts take the integer kernels (:data:`JOBS_I8_ENV`, both Q2_0)? Raises
+    StrataError for a switch value other than 0 or 1."""
+    on = env_on(JOBS_I8_ENV, "Q2_0 expert jobs on the integer kernels", JOBS_I8_DEFAULT)
+    return on and _layout_id(gu_layout) == 42 and _layout_id(down_layout) == 42
+
+
+def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Quantize float32 activations X [T, K] (CuPy; K a multiple of 64) per block of 64 values to 16-bit fixed point
+    (``qmm_split_i8``): (hi, lo) byte planes uint8 [T, K] in the kernels' word order, block scales float32 [T, K / 64]
+    and block sums of q int32 [T, K / 64], X[t, k] ~= q s (|error| <= s / 2, s = max |block| / 32767). Rows t with
+    ``rowok[t] < 0`` (int32 [T] on the device, optional) are left unwritten. Raises StrataError for another shape."""
+    import cupy as cp
+
+    if X.ndim != 2 or X.shape[1] % 64 or X.shape[0] < 1:
+        raise StrataError(f"qmm: activations of shape {tuple(X.shape)} are not [T >= 1, K] with K a multiple of 64")
+    X = cp.ascontiguousarray(X, dtype=cp.float32)
+    T, K = (int(s) for s in X.shape)
+    nb = K // 64
+    hi = cp.empty((T, K), dtype=cp.uint8)
+    lo = cp.empty((T, K), dtype=cp.uint8)
+    sc = cp.empty((T, nb), dtype=cp.float32)
+    qs = cp.empty((T, nb), dtype=cp.int32)
+    grid = -(-(T * nb * 16) // SPLIT_I8_THREADS)
+    ok = cp.ascontiguousarray(rowok, dtype=cp.int32) if rowok is not None else None
+    _fn("qmm_split_i8")((grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
+    return hi, lo, sc, qs
+
+
+def smem_bytes_i8(nt: int, cols: int, kc: int = KC) -> int:
+    """Dynamic shared memory of an integer job kernel (qmm.cu QmmSmemI8) with ``nt`` column tiles over rows of ``cols``
+    values: two stage buffers of both byte planes (rows of QMM_KC + 64 bytes), then the 8 nt tokens' block scales and
+    sums."""
+    return 2 * 2 * 8 * int(nt) * (int(kc) + 64) + 8 * (int(cols) // 64) * 8 * int(nt)
+
+
+def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any, hidden: int, ff: int,
+                   jt: int = JOB_TOKENS) -> None:
+    """:func:`moe_gate_up` for Q2_0 experts on the integer kernel, ``xq`` :func:`split_i8` of X [T, hidden]."""
+    J = int(job_ptr.size)
+    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
+    launch_big_shared(_fn(f"qmm_moe_gu_i8<{jt}>", kc), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff)), smem_bytes_i8(jt // 8, hidden, kc))
+
+
+def moe_down_i8(job_ptr: Any, doff: int, job_dst: Any, hq: tuple[Any, Any, Any, Any], out: Any, hidden: int, ff: int,
+                jt: int = JOB_TOKENS) -> None:
+    """:func:`moe_down` for Q2_0 experts on the integer kernel, ``hq`` :func:`split_i8` of hbuf [J jt, ff] (the
+    rows of empty slots may be left out: ``rowok`` = ``job_dst``)."""
+    J = int(job_ptr.size)
+    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
+    launch_big_shared(_fn(f"qmm_moe_down_i8<{jt}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, np.int64(doff), job_dst, *hq, out, np.int32(hidden), np.int32(ff)),
+                      smem_bytes_i8(jt // 8, ff, kc))
 
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
