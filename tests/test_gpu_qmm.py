@@ -144,9 +144,10 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff, jt):
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
 
 
-@pytest.mark.parametrize("hidden,ff", [(2560, 640), (1024, 512), (640, 192)])
+@pytest.mark.parametrize("hidden,ff", [(2560, 640), (1024, 512), (640, 192), (640, 704)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
-def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):
+@pytest.mark.parametrize("dkc", ["256", "640"])
+def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt, dkc, monkeypatch):
     """The integer Q2_0 job kernels (mma.m16n8k32 on the codes, 16-bit fixed-point activations per block of 64) with
     blobs in VRAM against float64 per pair: within 1e-4 of the largest output (the fixed point's half step of each
     block's largest value: about 1.5e-5), and the hidden rows of empty slots neither written nor split (NaN there)."""
@@ -155,6 +156,7 @@ def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):
     from stratatools.runtime.gpu import qmm
     from stratatools.runtime.gpu.prefill import expert_jobs
 
+    monkeypatch.setenv(qmm.DOWN_KC_ENV, dkc)
     rng = np.random.default_rng(hidden + jt)
     E, T, k = 6, 77, 4
     blobs, mats = [], []

@@ -52,7 +52,8 @@ def lib(tmp_path_factory):
             getattr(h, f"host_qmm_moe_down_{f}_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
     for jt in Q.JOB_SIZES:
         getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
-        getattr(h, f"host_qmm_moe_down_i8_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
+        for kc in Q.DOWN_I8_KCS:
+            getattr(h, f"host_qmm_moe_down_i8_{jt}_{kc}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
     h.host_qmm_split_i8.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
@@ -576,12 +577,14 @@ def test_mma_i8_fragments_on_host(lib):
     del rng
 
 
-@pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 16), (192, 128, 13, 5, 3, 8),
-                                                (320, 192, 41, 5, 3, 32), (640, 320, 9, 4, 2, 8)])
-def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
+@pytest.mark.parametrize("hidden,ff,T,E,k,jt,dkc", [(192, 128, 21, 5, 3, 16, 640), (192, 128, 13, 5, 3, 8, 256),
+                                                    (320, 192, 41, 5, 3, 32, 256), (640, 320, 9, 4, 2, 8, 640),
+                                                    (640, 704, 9, 4, 2, 8, 640)])
+def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt, dkc):
     """The integer Q2_0 expert jobs against float64 per pair, within the bound of 16-bit fixed point per block of 64
     (each value off by at most s / 2) plus float32 sums: gate/up with the silu epilogue, then down from the hidden
-    rows' own split (the empty slots' rows, NaN here, left out by rowok)."""
+    rows' own split (the empty slots' rows, NaN here, left out by rowok), its k in chunks of 256 or 640 values (one
+    chunk, several, a partial last one)."""
     rng = np.random.default_rng(hidden + T + jt)
     tname = "Q2_0"
     blobs, mats = [], []
@@ -608,8 +611,8 @@ def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
     hq = split_i8_host(lib, hbuf, jd)
     out = np.full((T * k, hidden), np.nan, dtype=np.float32)
     doff = 2 * (ff * hidden // 64) * 18
-    with shared_within(lib, Q.smem_bytes_i8(tt // 8, ff)):
-        getattr(lib, f"host_qmm_moe_down_i8_{tt}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), *(_p(a) for a in hq),
+    with shared_within(lib, Q.smem_bytes_i8(tt // 8, ff, dkc)):
+        getattr(lib, f"host_qmm_moe_down_i8_{tt}_{dkc}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), *(_p(a) for a in hq),
                                                    _p(out), hidden, ff)
 
     def err(x):  # per value: half a step of its block's fixed point, plus float rounding
@@ -967,7 +970,7 @@ def test_device_build_has_no_spills(tmp_path):
     # the Q2_0 expert jobs' default chunk (MOE_KC_DEFAULT: 256 values; Q8_0's gate/up spills there, so it keeps 128)
     assert Q.MOE_KC_DEFAULT == {42: 256}
     moe = [i for i in inst if "qmm_moe" in i and ("<42," in i or "_i8<" in i)]
-    assert len(moe) == 4 * len(Q.JOB_SIZES)
+    assert len(moe) == (3 + len(Q.DOWN_I8_KCS)) * len(Q.JOB_SIZES)
     src.write_text("#define QMM_KC 256\n" + Q.device_source() + "".join(moe))
     r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
                         str(tmp_path / "qmm256.cubin"), str(src)], capture_output=True, text=True)

@@ -103,11 +103,11 @@ template <int F> __device__ __forceinline__ void qmm_codes(const u32* w, int s, 
 
 // Issue the loads of this lane's raw weights of chunk `chunk` (QMM_KC values) of its two rows r0 + g, r0 + g + 8
 // (clamped to R - 1) of each of the NM matrices: wr[lane][m][block][row][word], dr[lane][m][block][row].
-template <int F, int NM>
+template <int F, int NM, int KC = QMM_KC>
 __device__ __forceinline__ void qmm_fetch(const u8* const* w, const u16* const* wd, long long rb, int R, int K, int r0,
-                                          int chunk, u32 (*wr)[NM][QMM_KC / QFmt<F>::bv][2][QFmt<F>::wpb],
-                                          u16 (*dr)[NM][QMM_KC / QFmt<F>::bv][2]) {
-    constexpr int BV = QFmt<F>::bv, BPC = QMM_KC / BV;
+                                          int chunk, u32 (*wr)[NM][KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                          u16 (*dr)[NM][KC / QFmt<F>::bv][2]) {
+    constexpr int BV = QFmt<F>::bv, BPC = KC / BV;
     const int nb = K / BV, b0 = chunk * BPC;
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
@@ -685,8 +685,9 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
 #else
 #define QI8_GROUP 16
 #endif
-#define QI8_XS (QMM_KC + 64)  // bytes a staged token row (rows 64 mod 128 bytes apart: a quarter warp's 16-byte loads
-                              // fall on distinct banks)
+// Bytes a staged token row for chunks of KC values (rows 64 mod 128 bytes apart: a quarter warp's 16-byte loads
+// fall on distinct banks).
+template <int KC> struct QI8 { static constexpr int xs = KC + 64; };
 
 // xh, xl [T, K] bytes (as words [T, K / 4]), xs [T, K / 64] float, xq [T, K / 64] int; K a multiple of 64. Rows t with
 // rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim) blocks, blockDim a multiple
@@ -750,19 +751,19 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
     }
 }
 
-// Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of QI8_XS
+// Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of QI8<KC>::xs
 // bytes, then lo); a slot without a token gets zeros.
-template <int NT>
+template <int NT, int KC>
 __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
                                           const int* tokrow, int chunk, u8* xs) {
-    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT;
+    constexpr int BPC = KC / 64, TOK = 8 * NT, XS = QI8<KC>::xs;
     const int nb = K >> 6, b0 = chunk * BPC;
     const int pieces = min(BPC, nb - b0) * 4;
     for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
         const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
         const int slot = rem / pieces, p = rem - slot * pieces;
         const int row = tokrow[slot];
-        u8* dst = xs + (lohi * TOK + slot) * QI8_XS + 16 * p;
+        u8* dst = xs + (lohi * TOK + slot) * XS + 16 * p;
         if (row >= 0) cp_async16(dst, (lohi ? xl : xh) + (long long)row * K + 64LL * b0 + 16 * p);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
@@ -770,7 +771,7 @@ __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* _
 
 // Dynamic shared memory of the integer job kernels (qmm.py smem_bytes_i8): two stage buffers of both planes, then the
 // job's tokens' block scales ssc [nb][TOK] (float) and sums sq [nb][TOK] (int).
-template <int NT> struct QmmSmemI8 { static constexpr int stage = 2 * 2 * 8 * NT * QI8_XS; };
+template <int NT, int KC> struct QmmSmemI8 { static constexpr int stage = 2 * 2 * 8 * NT * QI8<KC>::xs; };
 
 // Load the job's tokens' block scales and sums into shared memory (zeros for an empty slot). The tile's first
 // barrier orders these writes before their reads.
@@ -786,12 +787,13 @@ __device__ __forceinline__ void qi8_scales(const float* __restrict__ gs, const i
 }
 
 // The integer tile: acc[m][n] = the 16 rows r0.. of the NM Q2_0 matrices (w[m], rb bytes a row, R rows of K values)
-// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb). All threads of the block call it.
-template <int NT, int NM>
+// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb), k staged KC values at a time (a chunk of the
+// whole row issues every weight load of the row at once). All threads of the block call it.
+template <int NT, int NM, int KC>
 __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R, int K, int r0,
                                          const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
                                          const float* ssc, const int* sq, u8* xs, mma_c (*acc)[NT]) {
-    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT;
+    constexpr int BPC = KC / 64, TOK = 8 * NT, XS = QI8<KC>::xs;
     const int nb = K >> 6, nch = (nb + BPC - 1) / BPC;
     #pragma unroll
     for (int m = 0; m < NM; ++m)
@@ -799,21 +801,21 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
         for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
     u32 wr[MMA_LANES][NM][BPC][2][1];
     u16 dr[MMA_LANES][NM][BPC][2];
-    qi8_stage<NT>(xh, xl, K, tokrow, 0, xs);
+    qi8_stage<NT, KC>(xh, xl, K, tokrow, 0, xs);
     cp_async_commit();
-    qmm_fetch<42, NM>(w, nullptr, rb, R, K, r0, 0, wr, dr);
+    qmm_fetch<42, NM, KC>(w, nullptr, rb, R, K, r0, 0, wr, dr);
     for (int chunk = 0; chunk < nch; ++chunk) {
         const int b0 = chunk * BPC, nbc = min(BPC, nb - b0), buf = chunk & 1;
         if (chunk + 1 < nch) {
-            qi8_stage<NT>(xh, xl, K, tokrow, chunk + 1, xs + (buf ^ 1) * 2 * TOK * QI8_XS);
+            qi8_stage<NT, KC>(xh, xl, K, tokrow, chunk + 1, xs + (buf ^ 1) * 2 * TOK * XS);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const u8* xs_hi = xs + buf * 2 * TOK * QI8_XS;
-        const u8* xs_lo = xs_hi + TOK * QI8_XS;
+        const u8* xs_hi = xs + buf * 2 * TOK * XS;
+        const u8* xs_lo = xs_hi + TOK * XS;
         u32 wc[MMA_LANES][NM][BPC][2];
         u16 dc[MMA_LANES][NM][BPC][2];
         for (int l = 0; l < MMA_LANES; ++l)
@@ -826,7 +828,7 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
                         wc[l][m][b][h] = wr[l][m][b][h][0];
                         dc[l][m][b][h] = dr[l][m][b][h];
                     }
-        if (chunk + 1 < nch) qmm_fetch<42, NM>(w, nullptr, rb, R, K, r0, chunk + 1, wr, dr);
+        if (chunk + 1 < nch) qmm_fetch<42, NM, KC>(w, nullptr, rb, R, K, r0, chunk + 1, wr, dr);
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
             if (b >= nbc) break;
@@ -855,7 +857,7 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
                 int q0[MMA_LANES], q1[MMA_LANES];
                 for (int l = 0; l < MMA_LANES; ++l) {
                     const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                    const int o = (8 * n + g) * QI8_XS + b * 64 + 16 * c;
+                    const int o = (8 * n + g) * XS + b * 64 + 16 * c;
                     const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
                     const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
                     Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
@@ -892,13 +894,13 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
 }
 
 // gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
-// Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes.
-template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
+// Dynamic shared memory: QmmSmemI8<JT / 8, KC>::stage + 8 (H / 64) JT bytes.
+template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
         int H, int Fd) {
     u8* stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
-    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8>::stage);
+    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8, KC>::stage);
     int* sq = reinterpret_cast<int*>(ssc + (H >> 6) * JT);
     __shared__ int tokrow[JT];
     const int j = blockIdx.y;
@@ -913,7 +915,7 @@ template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3
     const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     mma_c acc[2][JT / 8];
-    qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
+    qi8_tile<JT / 8, 2, KC>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < Fd && tokrow[s] >= 0) {
             const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
@@ -923,13 +925,13 @@ template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3
 }
 
 // down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be
-// split). Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (Fd / 64) JT bytes.
-template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
+// split). Dynamic shared memory: QmmSmemI8<JT / 8, KC>::stage + 8 (Fd / 64) JT bytes.
+template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u8* __restrict__ hh,
         const u8* __restrict__ hl, const float* __restrict__ hs, const int* __restrict__ hq, float* __restrict__ out,
         int H, int Fd) {
     u8* stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
-    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8>::stage);
+    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8, KC>::stage);
     int* sq = reinterpret_cast<int*>(ssc + (Fd >> 6) * JT);
     __shared__ int tokrow[JT];
     __shared__ int dst[JT];
@@ -947,7 +949,7 @@ template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3
     const long long rb = (long long)(Fd / 64) * 18;
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     mma_c acc[1][JT / 8];
-    qi8_tile<JT / 8, 1>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
+    qi8_tile<JT / 8, 1, KC>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < H && tokrow[s] >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i];
     });
