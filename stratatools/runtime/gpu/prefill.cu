@@ -283,6 +283,80 @@ extern "C" __global__ void __launch_bounds__(128) pf_gdn_step(
         if (ok && r0 + i < dk) Sj[(long long)(r0 + i) * dv] = s[i];
 }
 
+// ---- gated DeltaNet recurrence, rows over warps (the batched decode step, STRATATOOLS_GDN_STEP_RW) ---------------
+// The contract of pf_gdn_step, another split: block (j, b) holds the columns c = b nl + lane (nl = 32 lanes; the host
+// build: one column) of head j, and its warp w the state rows [PF_GDN_RW_ROWS w, + PF_GDN_RW_ROWS) of them in
+// registers (16 a thread: about 40 registers, so 2,048 threads an SM keep the state's loads in flight; pf_gdn_step
+// holds 64 rows a thread at 246 registers, 8 warps an SM). A warp reads and writes its rows' 32 columns as 128
+// contiguous bytes. The warps' partial sums k^T S and q^T S meet in shared memory (added in warp order: the result does
+// not depend on timing), two barriers a token. Grid: (nv, ceil(dv / 32)), blockDim 32 ceil(dk / PF_GDN_RW_ROWS) (the
+// host build: grid y = dv, one thread).
+#ifdef STRATA_HOST
+#define PF_GDN_RW_ROWS 128
+#else
+#define PF_GDN_RW_ROWS 16
+#endif
+#define PF_GDN_RW_WARPS 8  // the most row parts (dk <= 128 on the device)
+extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
+        const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
+        const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
+    __shared__ float red[2][PF_GDN_RW_WARPS][32];
+    const int nl = blockDim.x >= 32 ? 32 : 1, nw = (int)blockDim.x / nl;
+    const int lane = (int)threadIdx.x % nl, w = (int)threadIdx.x / nl;
+    const int j = blockIdx.x, g = j % nk, c = (int)blockIdx.y * nl + lane;
+    if (nw > PF_GDN_RW_WARPS || nw * PF_GDN_RW_ROWS < dk) return;  // (uniform: the launcher's shapes never do this)
+    const bool ok = c < dv;
+    const int r0 = w * PF_GDN_RW_ROWS;
+    const int nr = ok ? max(0, min(PF_GDN_RW_ROWS, dk - r0)) : 0;  // rows of this thread
+    float* Sj = S + (long long)j * dk * dv + (long long)r0 * dv + c;
+    float s[PF_GDN_RW_ROWS];
+    {
+        const float* p = Sj;  // (one running address: 16 precomputed 64-bit addresses spilled at 80 registers)
+        #pragma unroll
+        for (int i = 0; i < PF_GDN_RW_ROWS; ++i) {
+            s[i] = i < nr ? *p : 0.0f;
+            p += dv;
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        const float* qt = q + ((long long)t * nk + g) * dk + r0;
+        const float* kt = kk + ((long long)t * nk + g) * dk + r0;
+        const float dec = decay[(long long)t * nv + j], bj = beta[(long long)t * nv + j];
+        float kv = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < PF_GDN_RW_ROWS; ++i)
+            if (r0 + i < dk) kv += kt[i] * (s[i] * dec);
+        if (nw > 1) {
+            red[0][w][lane] = kv;
+            __syncthreads();
+            kv = red[0][0][lane];
+            for (int u = 1; u < nw; ++u) kv += red[0][u][lane];
+        }
+        const float d = ok ? (v[(long long)t * ldv + (long long)j * dv + c] - kv) * bj : 0.0f;
+        float o = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < PF_GDN_RW_ROWS; ++i)
+            if (r0 + i < dk) {
+                s[i] = s[i] * dec + kt[i] * d;
+                o += qt[i] * s[i];
+            }
+        if (nw > 1) {
+            red[1][w][lane] = o;
+            __syncthreads();  // (also: every warp has read red[0] before the next token writes it)
+            o = red[1][0][lane];
+            for (int u = 1; u < nw; ++u) o += red[1][u][lane];
+        }
+        if (ok && w == 0) out[(long long)t * nv * dv + (long long)j * dv + c] = o;
+    }
+    float* p = Sj;
+    #pragma unroll
+    for (int i = 0; i < PF_GDN_RW_ROWS; ++i) {
+        if (i < nr) *p = s[i];
+        p += dv;
+    }
+}
+
 // ---- gated DeltaNet recurrence, one warp per PF_GDN_CPW value columns (the prefill's default) ----------------------
 // The contract of pf_gdn_chunk (q, kk [T, nk, dk]; v [T, ldv], value head j at v + j dv; beta, decay [T, nv]; S
 // [nv, dk, dv] updated in place; out [T, nv dv]), another work split: warp w of block (j, b) owns the columns
