@@ -589,7 +589,12 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
 // M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
-// expert's first position, and the table comes out the same for any block size (no atomics decide an order).
+// expert's first position, and the table comes out the same for any block size (no atomics decide an order). Up to
+// QMM_JOBS_RANK_MAX pairs the rank is counted directly instead (the 45 barriers of the sort of 320 pairs took most of
+// the 16.8 us a launch of the 32-sequence step, H200, bench/gpu-notes.md).
+#ifndef QMM_JOBS_RANK_MAX
+#define QMM_JOBS_RANK_MAX 1024
+#endif
 extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row,
                                     int jmax, int jt, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
                                     int* __restrict__ job_dst) {
@@ -631,24 +636,38 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
         bp += cnt[e];
     }
     if (tid == nt - 1) *jused = tj[tid];
-    // bitonic sort of the keys (M a power of two; stride too: shifts and masks, no division)
-    for (int ls = 1; ls <= lm; ++ls)
-        for (int lt = ls - 1; lt >= 0; --lt) {
-            __syncthreads();
-            const int stride = 1 << lt;
-            for (int t = tid; t < M / 2; t += nt) {
-                const int lo = ((t >> lt) << (lt + 1)) | (t & (stride - 1)), hi = lo + stride;
-                const u32 a = key[lo], b = key[hi];
-                if ((a > b) == (((lo >> ls) & 1) == 0)) { key[lo] = b; key[hi] = a; }
-            }
+    if (N <= QMM_JOBS_RANK_MAX) {
+        // few pairs (the batched step: 320): a pair's rank within its expert is the count of the earlier pairs of the
+        // same expert (at most N compares a thread, the warp's reads of key[q] one broadcast), no sort
+        __syncthreads();
+        for (int p = tid; p < N; p += nt) {
+            const u32 e = key[p] / (u32)N, lo = e * (u32)N;  // (pair q is expert e's when key[q] - lo < N)
+            int r = 0;
+            for (int q = 0; q < p; ++q) r += key[q] - lo < (u32)N;
+            const int slot = js[e] * jt + r;
+            job_tok[slot] = p / k;
+            job_dst[slot] = p;
         }
-    __syncthreads();
-    for (int p = tid; p < N; p += nt) {
-        const u32 kv = key[p];
-        const int e = (int)(kv / (u32)N), i = (int)(kv - (u32)e * (u32)N);
-        const int slot = js[e] * jt + (p - first[e]);
-        job_tok[slot] = i / k;
-        job_dst[slot] = i;
+    } else {
+        // bitonic sort of the keys (M a power of two; stride too: shifts and masks, no division)
+        for (int ls = 1; ls <= lm; ++ls)
+            for (int lt = ls - 1; lt >= 0; --lt) {
+                __syncthreads();
+                const int stride = 1 << lt;
+                for (int t = tid; t < M / 2; t += nt) {
+                    const int lo = ((t >> lt) << (lt + 1)) | (t & (stride - 1)), hi = lo + stride;
+                    const u32 a = key[lo], b = key[hi];
+                    if ((a > b) == (((lo >> ls) & 1) == 0)) { key[lo] = b; key[hi] = a; }
+                }
+            }
+        __syncthreads();
+        for (int p = tid; p < N; p += nt) {
+            const u32 kv = key[p];
+            const int e = (int)(kv / (u32)N), i = (int)(kv - (u32)e * (u32)N);
+            const int slot = js[e] * jt + (p - first[e]);
+            job_tok[slot] = i / k;
+            job_dst[slot] = i;
+        }
     }
     for (int e = tid; e < E; e += nt) {
         const int n = cnt[e];
