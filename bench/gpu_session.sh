@@ -45,8 +45,8 @@ rm -f /tmp/lcb.done /tmp/synth.done /tmp/synth2.done
 if [ "$TESTS" != none ]; then
   el tests
   # (eval: TESTS may quote a -k expression, e.g. "tests/test_gpu_qmm.py -k 'split or jobs'")
-  eval "taskset -c 4-5 timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS" > "$OUT"/tests.txt 2>&1
-  echo "tests rc=$?"; tail -4 "$OUT"/tests.txt  # (the file comes back whole)
+  eval "taskset -c 4-5 timeout 300 python3 -m pytest -rf -p no:cacheprovider $TESTS" > "$OUT"/tests.txt 2>&1
+  echo "tests rc=$?"; grep -E "^FAILED|^E  .{0,100}|[0-9]+ (passed|failed)" "$OUT"/tests.txt | cut -c1-200 | tail -24
 fi
 if [ -n "${PRE:-}" ]; then el pre; eval "$PRE"; fi  # PRE: commands run while the model is synthesized
 el wait synth; while [ ! -f /tmp/synth.done ]; do sleep 2; done

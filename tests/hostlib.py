@@ -70,3 +70,16 @@ def gdn_reference(q, kk, v, beta, decay, S0):
         St = St + kt[:, :, None] * delta[:, None, :]
         ref[t] = np.sum(qt[:, :, None] * St, axis=1)
     return ref, St
+
+
+def i8_bound(W, x):
+    """The largest error of W x (W [R, K] float64, x [K]) computed by the integer expert jobs: each value of x off by at
+    most half a step of its block's 16-bit fixed point (s / 2, s = max |block of 64| / 32767; float rounding of q
+    included), float32 sums (2e-6 of |W| |x|). Returns [R] float64."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    s = np.abs(x.reshape(-1, 64)).max(axis=1, keepdims=True) / 32767.0
+    e = np.broadcast_to(s * 0.5, (s.shape[0], 64)).reshape(-1) * (1 + 1e-5) + np.abs(x) * 1e-7
+    aw = np.abs(W)
+    return aw @ e + 2e-6 * (aw @ np.abs(x)) + 1e-30

@@ -165,9 +165,10 @@ GDN_STEP_MAX_DK = 128
 
 
 #: ``STRATATOOLS_GDN_STEP_RW``: the batched step's recurrence on ``pf_gdn_step_rw`` (the state's rows over the warps of
-#: a block, 16 a thread; 1) or on ``pf_gdn_step`` (two threads a column, 64 rows each; 0).
+#: a block, 16 a thread; 1, the default: 49.3 against 70.2 us a layer at 32 places x 32 heads of 128 x 128, H200,
+#: bench/gpu-notes.md) or on ``pf_gdn_step`` (two threads a column, 64 rows each; 0).
 GDN_STEP_RW_ENV = "STRATATOOLS_GDN_STEP_RW"
-GDN_STEP_RW_DEFAULT = False
+GDN_STEP_RW_DEFAULT = True
 #: prefill.cu PF_GDN_RW_ROWS: the state rows a thread of ``pf_gdn_step_rw`` holds.
 GDN_STEP_RW_ROWS = 16
 

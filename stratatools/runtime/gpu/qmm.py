@@ -152,7 +152,7 @@ def kernel_names() -> list[str]:
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
     names += ["qmm_split_i8"] + [f"qmm_moe_gu_i8<{jt}>" for jt in JOB_SIZES]
-    names += [f"qmm_moe_down_i8<{jt}, {kc}>" for jt in JOB_SIZES for kc in DOWN_I8_KCS]
+    names += [f"qmm_moe_down_i8<{jt}>" for jt in JOB_SIZES]
     return names
 
 
@@ -227,11 +227,9 @@ def host_source() -> str:
     di = ("const u64* job_ptr, long long doff, const int* job_dst, const u8* hh, const u8* hl, const float* hs, "
           "const int* hq, float* out, int H, int Fd", "job_ptr, doff, job_dst, hh, hl, hs, hq, out, H, Fd")
     for jt in JOB_SIZES:
-        ent.append(f'extern "C" void host_qmm_moe_gu_i8_{jt}(unsigned gx, unsigned gy, {gi[0]}) {{\n'
-                   f"    host_run_grid(gx, gy, [&]() {{ qmm_moe_gu_i8<{jt}>({gi[1]}); }});\n}}\n")
-        for kc in DOWN_I8_KCS:
-            ent.append(f'extern "C" void host_qmm_moe_down_i8_{jt}_{kc}(unsigned gx, unsigned gy, {di[0]}) {{\n'
-                       f"    host_run_grid(gx, gy, [&]() {{ qmm_moe_down_i8<{jt}, {kc}>({di[1]}); }});\n}}\n")
+        for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
+            ent.append(f'extern "C" void host_{name}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
+                       f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}>({call}); }});\n}}\n")
     ent.append('extern "C" void host_qmm_split_i8(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
                "const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { "
                "qmm_split_i8(X, ldx, T, K, rowok, xh, xl, xs, xq); });\n}\n")
@@ -595,14 +593,11 @@ def moe_gate_up(job_ptr: Any, job_tok: Any, xs: tuple[Any, Any, Any], layout: An
 
 #: ``STRATATOOLS_QMM_JOBS_I8``: Q2_0 expert jobs (gate/up and down both Q2_0) on the integer kernels
 #: (``qmm_moe_gu_i8`` / ``qmm_moe_down_i8``: codes as unsigned bytes into mma.m16n8k32, activations as 16-bit fixed
-#: point per block of 64 values in two byte planes, :func:`split_i8`); 0: the fp16 hi / lo kernels.
+#: point per block of 64 values in two byte planes, :func:`split_i8`; 1, the default: the 32-sequence step's gate/up
+#: 107.9 against 151.9 us a layer, the 512-token prefill 3,538 against 3,271 tok/s, logits 6.6e-6 from SGEMM, H200,
+#: bench/gpu-notes.md); 0: the fp16 hi / lo kernels.
 JOBS_I8_ENV = "STRATATOOLS_QMM_JOBS_I8"
-JOBS_I8_DEFAULT = False
-#: ``STRATATOOLS_QMM_DOWN_KC``: the chunk of k (values) the integer down jobs stage at a time, one of
-#: :data:`DOWN_I8_KCS`: 640 holds the release's whole expert row (every weight load of a row issued at once).
-DOWN_KC_ENV = "STRATATOOLS_QMM_DOWN_KC"
-DOWN_I8_KCS = (256, 640)
-DOWN_KC_DEFAULT = 640
+JOBS_I8_DEFAULT = True
 #: Threads of a ``qmm_split_i8`` block (16 a block of 64 values).
 SPLIT_I8_THREADS = 256
 
@@ -643,12 +638,6 @@ def smem_bytes_i8(nt: int, cols: int, kc: int = KC) -> int:
     return 2 * 2 * 8 * int(nt) * (int(kc) + 64) + 8 * (int(cols) // 64) * 8 * int(nt)
 
 
-def down_chunk() -> int:
-    """:data:`DOWN_KC_ENV` (one of :data:`DOWN_I8_KCS`, default :data:`DOWN_KC_DEFAULT`); raises StrataError for
-    another value."""
-    return env_choice(DOWN_KC_ENV, DOWN_I8_KCS, DOWN_KC_DEFAULT)
-
-
 def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any, hidden: int, ff: int,
                    jt: int = JOB_TOKENS) -> None:
     """:func:`moe_gate_up` for Q2_0 experts on the integer kernel, ``xq`` :func:`split_i8` of X [T, hidden]."""
@@ -663,10 +652,10 @@ def moe_down_i8(job_ptr: Any, doff: int, job_dst: Any, hq: tuple[Any, Any, Any, 
     """:func:`moe_down` for Q2_0 experts on the integer kernel, ``hq`` :func:`split_i8` of hbuf [J jt, ff] (the
     rows of empty slots may be left out: ``rowok`` = ``job_dst``)."""
     J = int(job_ptr.size)
-    kc, dkc, jt = chunk_values(moe=True, layout=42), down_chunk(), job_tokens(jt)
-    launch_big_shared(_fn(f"qmm_moe_down_i8<{jt}, {dkc}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
+    launch_big_shared(_fn(f"qmm_moe_down_i8<{jt}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, np.int64(doff), job_dst, *hq, out, np.int32(hidden), np.int32(ff)),
-                      smem_bytes_i8(jt // 8, ff, dkc))
+                      smem_bytes_i8(jt // 8, ff, kc))
 
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
