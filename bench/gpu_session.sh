@@ -15,7 +15,8 @@
 # TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
 # batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md); PV2: prefill variants measured again after the
 # llama.cpp benches (qmm2.txt / .json), when the build no longer slows them. PRE: shell commands run after the tests,
-# while the model is synthesized (e.g. bench/bench_qmm_jobs.py, which needs no model).
+# while the model is synthesized (e.g. bench/bench_qmm_jobs.py, which needs no model); POST: after the batched bench
+# (the model's path in $GG).
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
 # llama-bench.md, llama-batched.txt, build logs). The call's output keeps only its last 12,000 characters: read $OUT.
 set -u
@@ -63,6 +64,7 @@ if [ "$BN" != none ]; then
     --variants "$BV" --kernel-profile 2 --out "$OUT"/batch.json > "$OUT"/batch.txt 2>&1
   grep -E "tok/s" "$OUT"/batch.txt
 fi
+if [ -n "${POST:-}" ]; then el post; eval "$POST"; fi  # POST: commands run after the batched bench ($GG: the model)
 if [ "$ROWS" != none ]; then
   el run rows
   timeout 240 python3 bench/bench_gpu_run.py --gguf "$GG" --workdir /tmp/fw --prompt 512 --new 64 --slots 1872 \

@@ -366,6 +366,21 @@ def test_big_matrices_take_cublas_only_where_asked(monkeypatch):
             Q.big_matrix_values()
 
 
+def test_dense_launch_short_fill(monkeypatch):
+    """STRATATOOLS_QMM_SHORT_FILL=3 up to 32 tokens: the 12,288-row attention matrix (192 row blocks, one wave and a
+    half at 132 SMs) splits k in two (384 blocks, within 3 a SM); 2,560 rows (40 blocks) into 9 slices (360 blocks)
+    of 20 chunks -> 7 (each slice 3 chunks, none empty); longer X keeps the default's split; 5 is refused."""
+    monkeypatch.setenv(Q.SHORT_FILL_ENV, "3")
+    assert Q.dense_launch(32, 12288, 2560, "Q8R", 132) == (4, 192, 2, 2)
+    assert Q.dense_launch(32, 10240, 320, "Q8R", 132) == (4, 160, 2, 2)
+    assert Q.dense_launch(32, 2560, 2560, "Q8R", 132) == (4, 40, 7, 7)
+    assert Q.dense_launch(32, 40000, 2560, "Q8R", 132) == (4, 625, 1, 1)
+    assert Q.dense_launch(512, 320, 10240, "Q8R", 132) == (8, 5, 48, 6)
+    monkeypatch.setenv(Q.SHORT_FILL_ENV, "5")
+    with pytest.raises(StrataError, match=Q.SHORT_FILL_ENV):
+        Q.dense_launch(32, 12288, 2560, "Q8R", 132)
+
+
 def test_dense_launch_splits_k_for_few_tokens():
     """Up to 32 tokens: one token tile and k split while the row blocks leave SMs idle (about 2 blocks a SM, at
     most one slice a chunk, at most SPLIT_MAX); longer X: token_tile's tiles, and k split while the row blocks times

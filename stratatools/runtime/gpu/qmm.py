@@ -318,6 +318,18 @@ def token_tile(T: int) -> int:
     return 2 if T <= 16 else (4 if T <= 32 else 8)
 
 
+#: ``STRATATOOLS_QMM_SHORT_FILL``: up to 32 tokens, the blocks a SM that :func:`dense_launch`'s split of k aims at (2,
+#: 3 or 4; the kernel keeps 3 blocks of 4 warps a SM resident at 32 tokens): k is split while the row blocks are
+#: fewer than fill / 2 SMs' worth, into at most fill SMs' worth of blocks.
+SHORT_FILL_ENV = "STRATATOOLS_QMM_SHORT_FILL"
+SHORT_FILL_DEFAULT = 2
+
+
+def short_fill() -> int:
+    """:data:`SHORT_FILL_ENV` (2, 3 or 4; default :data:`SHORT_FILL_DEFAULT`); raises StrataError for another value."""
+    return env_choice(SHORT_FILL_ENV, (2, 3, 4), SHORT_FILL_DEFAULT)
+
+
 def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC) -> tuple[int, int, int, int]:
     """The launch of :func:`dense` for T tokens and a [rows, cols] matrix on a device of ``n_sm`` SMs: (NT, grid x,
     grid y, nz). NT from :func:`token_tile` (by T alone); while the row blocks times the token tiles would leave SMs
@@ -333,9 +345,10 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     ty = -(-int(T) // (8 * nt))
     chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (int(kc) // BLOCK_VALUES[f]))
     short = T <= 8 * TILES[1]
-    few = gx < n_sm if short else gx * ty < n_sm
+    fill = short_fill() if short else 2  # blocks a SM the split aims at
+    few = 2 * gx * ty < fill * n_sm
     cap = SPLIT_MAX_SHORT if short else SPLIT_MAX
-    nz = max(1, min(chunks, cap, (2 * int(n_sm)) // (gx * ty))) if few else 1
+    nz = max(1, min(chunks, cap, (fill * int(n_sm)) // (gx * ty))) if few else 1
     nz = -(-chunks // -(-chunks // nz))  # (slices get ceil(chunks / nz) chunks each: no slice left without any)
     return nt, gx, ty * nz, nz
 
