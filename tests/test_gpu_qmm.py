@@ -144,6 +144,28 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff, jt):
     assert np.abs(out - ref).max() / np.abs(ref).max() < 1e-5
 
 
+@pytest.mark.parametrize("layout,rows,cols,T", [("Q8R", 4, 10240, 32), ("Q8R", 320, 10240, 32), ("Q8R", 2560, 2560, 1),
+                                              ("Q8_0", 6, 640, 7), ("Q2_0", 66, 1024, 20)])
+@pytest.mark.parametrize("sm", ["0", "1"])
+def test_gpu_dense_short_split_sums(layout, rows, cols, T, sm, monkeypatch):
+    """Up to 32 tokens the split of k's slices is added by a launch of its own: qmm_sum_slices (STRATATOOLS_QMM_SUM=1;
+    eight threads a run of 4 values, shuffles) or the CuPy reduction (0); within 1e-5 of float64 relative to |W| |x|
+    (rows x T a multiple of 4 and not: 6 x 7), the same bits twice."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+
+    monkeypatch.setenv(qmm.SUM_ENV, sm)
+    rng = np.random.default_rng(rows + T)
+    args, W = _matrix(rng, layout, rows, cols)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    Y1 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
+    Y2 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
+    assert np.array_equal(Y1, Y2)
+    ref = X.astype(np.float64) @ W.T
+    assert np.all(np.abs(Y1 - ref) <= 1e-5 * (np.abs(X.astype(np.float64)) @ np.abs(W).T) + 1e-30)
+
+
 @pytest.mark.parametrize("hidden,ff", [(2560, 640), (1024, 512), (640, 192), (640, 704)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
 def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):

@@ -39,6 +39,7 @@ def lib(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     h = ctypes.CDLL(str(so))
     h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
+    h.host_qmm_sum_slices.argtypes = [U, U, P, P, LL, I]
     h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
@@ -777,6 +778,8 @@ def hostcp(lib, monkeypatch):
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
             if base == "qmm_split_i8":
                 gx *= block[0] // 16  # a block of 64 values: 16 threads on the device, one host block
+            elif base == "qmm_sum_slices":
+                gx *= block[0] // Q.SUM_GROUP  # a run of 4 values: SUM_GROUP threads on the device
             elif base not in ("qmm_split", "qmm_jobs"):
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
             with shared_within(lib, shared_mem):  # the bytes the launcher asks the device for
@@ -794,12 +797,15 @@ def hostcp(lib, monkeypatch):
     return fake
 
 
-@pytest.mark.parametrize("layout,T,two", [("Q8R", 1, "0"), ("Q8R", 70, "0"), ("Q8_0", 20, "0"), ("Q2_0", 33, "0"),
-                                         ("Q8R", 70, "1"), ("Q2_0", 33, "1")])
-def test_dense_launcher_on_host(hostcp, layout, T, two, monkeypatch):
+@pytest.mark.parametrize("layout,T,two,sm", [("Q8R", 1, "0", "0"), ("Q8R", 70, "0", "0"), ("Q8_0", 20, "0", "0"),
+                                            ("Q2_0", 33, "0", "0"), ("Q8R", 70, "1", "0"), ("Q2_0", 33, "1", "0"),
+                                            ("Q8R", 1, "0", "1"), ("Q8_0", 20, "0", "1"), ("Q2_0", 7, "0", "1")])
+def test_dense_launcher_on_host(hostcp, layout, T, two, sm, monkeypatch):
     """qmm.dense / qmm.split: argument order and grid as the device launch has them (rows of 4 warps), against
-    float64; with STRATATOOLS_QMM_DENSE2=1 and 128 rows the two-tile kernel runs (its name asked for)."""
+    float64; with STRATATOOLS_QMM_DENSE2=1 and 128 rows the two-tile kernel runs (its name asked for); with
+    STRATATOOLS_QMM_SUM=1 the split of k's slices (up to 32 tokens) is added by qmm_sum_slices (asked for)."""
     monkeypatch.setenv(Q.DENSE2_ENV, two)
+    monkeypatch.setenv(Q.SUM_ENV, sm)
     asked = []
     fn = Q._fn
     monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
@@ -816,10 +822,29 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, monkeypatch):
         Y = Q.dense(_h(X), tname, _h(raw), None, rows, cols)
     check(np.asarray(Y), W, X)
     assert any(n.startswith("qmm_dense<") and n.count(",") == 2 for n in asked) == (two == "1")
+    nz = Q.dense_launch(T, rows, cols, tname if layout != "Q8R" else "Q8R", 132)[3]
+    assert ("qmm_sum_slices" in asked) == (sm == "1" and nz > 1 and T <= 32)
+    assert sm == "0" or T > 32 or nz > 1  # (every SUM case splits k)
     with pytest.raises(StrataError, match="weight bytes"):
         Q.dense(_h(X), tname if layout != "Q8R" else "Q8_0", _h(raw[:-2]), None, rows, cols)
     with pytest.raises(StrataError, match="do not match"):
         Q.dense(_h(X[:, :64]), "Q8_0", _h(raw), None, rows, cols)
+
+
+@pytest.mark.parametrize("n,nz", [(4 * 320, 40), (4 * 7, 1), (130, 9), (4 * 33, 64)])
+def test_sum_slices_adds_in_slice_order(lib, n, nz):
+    """qmm_sum_slices: Y = the nz slices of P added in order z = 0 .. nz - 1 (the host build's one thread a run: the
+    same float32 sums as that loop in numpy, bit for bit), for runs of 4 values and for n not a multiple of 4; values
+    past n untouched."""
+    rng = np.random.default_rng(n + nz)
+    P = rng.standard_normal((nz, n)).astype(np.float32)
+    Y = np.full(n + 3, 7.0, np.float32)
+    runs = n // 4 if n % 4 == 0 else n
+    lib.host_qmm_sum_slices(runs + 2, 1, _p(P), _p(Y), n, nz)  # (two spare blocks: past the runs, nothing written)
+    ref = np.zeros(n, np.float32)
+    for z in range(nz):
+        ref = ref + P[z]
+    assert np.array_equal(Y[:n], ref) and np.all(Y[n:] == 7.0)
 
 
 def test_split_counters_never_made_while_capturing(hostcp):

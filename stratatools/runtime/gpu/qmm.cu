@@ -402,6 +402,43 @@ __device__ __forceinline__ void qmm_add_slices(const float* __restrict__ P, floa
     }
 }
 
+// ---- the split of k's slices added by a launch of their own (up to 32 tokens; STRATATOOLS_QMM_SUM) ---------------
+// Y[i] = sum over z of P[z, i] for i < n (P [nz, n] float32, Y [n] contiguous), a run of 4 values (a float4; n a
+// multiple of 4, else one value) shared by QSUM_G threads: thread g adds the slices z = g, g + G, ... in order, then
+// the G partial sums meet by shuffles (xor 4, 2, 1: the same order for every value and launch). The CuPy reduction
+// this replaces took 1.9-5.9 us a launch, 554 launches a 32-sequence step (H200, bench/gpu-notes.md). Grid: ceil(runs
+// QSUM_G / blockDim) blocks, blockDim a multiple of 32 (the host build: a block of one thread a run).
+#ifdef STRATA_HOST
+#define QSUM_G 1
+#else
+#define QSUM_G 8
+#endif
+extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz) {
+    const bool v4 = (n & 3) == 0;
+    const long long runs = v4 ? n >> 2 : n;
+    const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QSUM_G;
+    const int g = (int)(threadIdx.x % QSUM_G);
+    const long long uc = u < runs ? u : runs - 1;  // (every lane stays for the shuffles)
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (v4) {
+        const float4* p = reinterpret_cast<const float4*>(P) + uc;
+        #pragma unroll 4
+        for (int z = g; z < nz; z += QSUM_G) {
+            const float4 v = __ldcg(p + (long long)z * runs);
+            a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
+        }
+    } else {
+        for (int z = g; z < nz; z += QSUM_G) a[0] += __ldcg(P + (long long)z * n + uc);
+    }
+    #pragma unroll
+    for (int o = QSUM_G / 2; o; o >>= 1)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
+    if (u >= runs || g != 0) return;
+    if (v4) reinterpret_cast<float4*>(Y)[u] = make_float4(a[0], a[1], a[2], a[3]);
+    else Y[u] = a[0];
+}
+
 // ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------
 // W: layout F (w: codes or blocks; wd: Q8R scales, F = 0 only; rb: bytes a row); X given as qmm_split's hi / lo [T, K]
 // and sc [T]; Y [T, ldy] float32 (columns 0 .. R-1 written). K a multiple of the block (32, Q2_0 64).

@@ -146,7 +146,7 @@ def device_source() -> str:
 
 def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
-    names = ["qmm_split", "qmm_jobs"]
+    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
@@ -205,6 +205,8 @@ def host_source() -> str:
           "float* out, int H, int Fd", "job_ptr, doff, job_dst, hhi, hlo, hsc, out, H, Fd")
     ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
            "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n",
+           'extern "C" void host_qmm_sum_slices(unsigned gx, unsigned gy, const float* P, float* Y, long long n, int nz) '
+           "{\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz); });\n}\n",
            'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
            "const u64* ptr_row, int jmax, int jt, u64* job_ptr, int* job_tok, int* job_dst) {\n    host_run_grid(gx, gy, "
            "[&]() { qmm_jobs(ids, N, k, E, ptr_row, jmax, jt, job_ptr, job_tok, job_dst); });\n}\n"]
@@ -421,6 +423,19 @@ def _check_matrix(layout: Any, w: Any, wd: Any, rows: int, cols: int, X: Any = N
     return f
 
 
+#: ``STRATATOOLS_QMM_SUM``: up to 32 tokens, the split of k's slices added by ``qmm_sum_slices`` (1) or by a CuPy
+#: reduction (0); threads a block and threads a run of 4 values (qmm.cu QSUM_G).
+SUM_ENV = "STRATATOOLS_QMM_SUM"
+SUM_DEFAULT = False
+SUM_THREADS = 256
+SUM_GROUP = 8
+
+
+def sum_kernel() -> bool:
+    """:data:`SUM_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
+    return env_on(SUM_ENV, "the slices of k added by qmm_sum_slices", SUM_DEFAULT)
+
+
 def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
           out: Any = None) -> Any:
     """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
@@ -461,7 +476,13 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
                       (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
                        np.int32(T), np.int32(rows), np.int32(cols), np.int32(nz), part, cnt), smem_bytes(f, nt, kc))
     if nz > 1 and not in_kernel:
-        cp.sum(part, axis=0, out=out)
+        if sum_kernel() and out.flags.c_contiguous:
+            n = T * int(rows)
+            runs = n // 4 if n % 4 == 0 else n
+            _fn("qmm_sum_slices")((-(-runs * SUM_GROUP // SUM_THREADS),), (SUM_THREADS,),
+                                  (part, out, np.int64(n), np.int32(nz)))
+        else:
+            cp.sum(part, axis=0, out=out)
     return out
 
 
