@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: ``fp16jobs``: the Q2_0 expert jobs on the integer / the fp16 hi-lo kernels (STRATATOOLS_QMM_JOBS_I8=1 / 0);
 #: ``gdnstep``: the GDN step on ``pf_gdn_step`` (two threads a column; STRATATOOLS_GDN_STEP_RW=0); ``fill3`` /
 #: ``fill4``: the dense launches' split of k aiming at 3 / 4 blocks a SM (STRATATOOLS_QMM_SHORT_FILL); ``sum`` /
-#: ``cpsum``: the split of k's slices added by ``qmm_sum_slices`` / by CuPy (STRATATOOLS_QMM_SUM=1 / 0).
+#: ``cpsum``: the split of k's slices added by ``qmm_sum_slices`` / by CuPy (STRATATOOLS_QMM_SUM=1 / 0); ``rwarp``:
+#: the router a warp a token (STRATATOOLS_ROUTE_WARP=1); ``new``: both.
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
@@ -65,6 +66,8 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "gdnstep": {"STRATATOOLS_GDN_STEP_RW": "0"},
             "fill3": {"STRATATOOLS_QMM_SHORT_FILL": "3"}, "fill4": {"STRATATOOLS_QMM_SHORT_FILL": "4"},
             "sum": {"STRATATOOLS_QMM_SUM": "1"}, "cpsum": {"STRATATOOLS_QMM_SUM": "0"},
+            "rwarp": {"STRATATOOLS_ROUTE_WARP": "1"},
+            "new": {"STRATATOOLS_QMM_SUM": "1", "STRATATOOLS_ROUTE_WARP": "1"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},
             "eager": {"STRATATOOLS_BATCH_GRAPH": "0"},
             "mma-eager": {"STRATATOOLS_BATCH_GEMM": "mma", "STRATATOOLS_BATCH_GRAPH": "0"},

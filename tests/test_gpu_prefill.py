@@ -338,6 +338,38 @@ def test_gpu_prefill_graph_equals_eager_chunks(chunk, big, tmp_path, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
+@pytest.mark.parametrize("gating,norm,E,k", [("sigmoid", True, 256, 10), ("softmax", True, 128, 8),
+                                             ("softmax", False, 250, 10), ("sigmoid", False, 7, 7)])
+def test_gpu_route_warp_matches_pf_route(gating, norm, E, k):
+    """pf_route_warp (a warp a token, 4 a block: the launcher's shape) = pf_route on the device: the same experts in
+    the same order (ties to the lower index: repeated logits), weights within 1e-6."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import prefill as PF
+
+    rng = np.random.default_rng(E + k)
+    T = 77
+    lg = rng.standard_normal((T, E)).astype(np.float32)
+    lg[:, 3] = lg[:, 1]
+    lg[5, :] = 0.25
+    mod = PF._module(False, ())
+    got = []
+    for name in ("pf_route", "pf_route_warp"):
+        ids = cp.full((T, k), -1, dtype=cp.int32)
+        w = cp.zeros((T, k), dtype=cp.float32)
+        args = (cp.asarray(lg), np.int32(T), np.int32(E), np.int32(E), np.int32(k), np.int32(gating == "sigmoid"),
+                np.int32(norm), np.float32(1.5), ids, w)
+        if name == "pf_route":
+            mod.get_function(name)((T,), (PF.ROUTE_THREADS,), args, shared_mem=(E + 2 * PF.ROUTE_THREADS) * 4)
+        else:
+            mod.get_function(name)((-(-T // (PF.ROUTE_THREADS // 32)),), (PF.ROUTE_THREADS,), args)
+        got.append((cp.asnumpy(ids), cp.asnumpy(w)))
+    assert np.array_equal(got[0][0], got[1][0])
+    assert np.allclose(got[0][1], got[1][1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 @pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10),
                                            (37, 2, 16, 4, 12), (1, 64, 128, 64, 128), (2, 3, 100, 6, 200),
                                            (1, 2, 16, 4, 8), (3, 2, 128, 4, 100)])

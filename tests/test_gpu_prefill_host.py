@@ -55,14 +55,18 @@ def _p(a):
 
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
-    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step", "pf_gdn_step_rw"}
+    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step", "pf_gdn_step_rw",
+                        "pf_route_warp"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
-@pytest.mark.parametrize("gating,norm,E,k", [("softmax", True, 32, 4), ("sigmoid", False, 256, 10)])
-def test_pf_route_matches_stable_sort(lib, gating, norm, E, k):
+@pytest.mark.parametrize("gating,norm,E,k", [("softmax", True, 32, 4), ("sigmoid", False, 256, 10),
+                                             ("softmax", False, 250, 10), ("sigmoid", True, 7, 7)])
+@pytest.mark.parametrize("kernel", ["pf_route", "pf_route_warp"])
+def test_pf_route_matches_stable_sort(lib, gating, norm, E, k, kernel):
     """Ids = the first k of a stable descending sort of the probabilities (ties to the lower index: some logits are
-    repeated), weights = chosen probabilities (normalised), times the scale; the rows past E (ld > E) are ignored."""
+    repeated), weights = chosen probabilities (normalised), times the scale; the rows past E (ld > E) are ignored.
+    pf_route (a block a token, grid stride) and pf_route_warp (a warp a token; the host's one-thread warp)."""
     rng = np.random.default_rng(E)
     T, ld = 7, E + 1
     lg = rng.standard_normal((T, ld)).astype(np.float32)
@@ -70,7 +74,9 @@ def test_pf_route_matches_stable_sort(lib, gating, norm, E, k):
     lg[2, :E] = 0.5  # all tied
     ids = np.full((T, k), -1, np.int32)
     w = np.zeros((T, k), np.float32)
-    lib.host_pf_route(3, 1, _p(lg), T, ld, E, k, int(gating == "sigmoid"), int(norm), 1.5, _p(ids), _p(w))
+    grid = 3 if kernel == "pf_route" else T
+    getattr(lib, f"host_{kernel}")(grid, 1, _p(lg), T, ld, E, k, int(gating == "sigmoid"), int(norm), 1.5, _p(ids),
+                                   _p(w))
     pr = _sigmoid(np, lg[:, :E]) if gating == "sigmoid" else _softmax(np, lg[:, :E], axis=-1)
     ref = np.argsort(-pr, axis=-1, kind="stable")[:, :k]
     assert np.array_equal(ids, ref)

@@ -99,6 +99,92 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     }
 }
 
+// pf_route's contract with one warp a token (E <= 32 PF_RW_VPL; STRATATOOLS_ROUTE_WARP): a lane holds the
+// probabilities i = lane + 32 j in registers, each of the k rounds takes the lane's best (the same predicate as
+// pf_route: larger, ties to the lower index; NaN never wins) and the warp's by five shuffles, with no barrier
+// (pf_route's block takes a tree of 7 barriers a round: 13.5 us a launch for 32 tokens x 256 experts, H200,
+// bench/gpu-notes.md). The softmax's sum is added in another order than pf_route's (the same values to float
+// rounding). Grid: ceil(T / warps a block), the host build: T blocks of one thread (which holds every value).
+#ifdef STRATA_HOST
+#define PF_RW_LANES 1
+#define PF_RW_VPL 512
+#else
+#define PF_RW_LANES 32
+#define PF_RW_VPL 8
+#endif
+extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T, int ld, int E, int k,
+                                         int sigmoid_gating, int norm, float scale, int* __restrict__ ids,
+                                         float* __restrict__ w) {
+    const int lane = (int)threadIdx.x % PF_RW_LANES, wpb = (int)blockDim.x / PF_RW_LANES;
+    const int t = (int)blockIdx.x * wpb + (int)threadIdx.x / PF_RW_LANES;
+    if (t >= T || E > PF_RW_LANES * PF_RW_VPL) return;  // (a whole warp: t is the warp's)
+    const float* lg = logits + (long long)t * ld;
+    float v[PF_RW_VPL];
+    if (sigmoid_gating) {
+        #pragma unroll
+        for (int j = 0; j < PF_RW_VPL; ++j) {
+            const int i = lane + PF_RW_LANES * j;
+            v[j] = i < E ? pf_sigm(lg[i]) : PF_NEG_INF;
+        }
+    } else {
+        float m = PF_NEG_INF;
+        #pragma unroll
+        for (int j = 0; j < PF_RW_VPL; ++j) {
+            const int i = lane + PF_RW_LANES * j;
+            v[j] = i < E ? lg[i] : PF_NEG_INF;
+            m = fmaxf(m, v[j]);
+        }
+        for (int o = PF_RW_LANES / 2; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float sm = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < PF_RW_VPL; ++j) {
+            const int i = lane + PF_RW_LANES * j;
+            if (i < E) {
+                v[j] = expf(v[j] - m);
+                sm += v[j];
+            }
+        }
+        for (int o = PF_RW_LANES / 2; o; o >>= 1) sm += __shfl_xor_sync(0xffffffffu, sm, o);
+        #pragma unroll
+        for (int j = 0; j < PF_RW_VPL; ++j)
+            if (lane + PF_RW_LANES * j < E) v[j] = v[j] / sm;
+    }
+    float tot = 0.0f;
+    for (int r = 0; r < k; ++r) {
+        float bv = PF_NEG_INF;
+        int bi = 0x7fffffff;
+        #pragma unroll
+        for (int j = 0; j < PF_RW_VPL; ++j) {
+            const int i = lane + PF_RW_LANES * j;
+            if (i < E && (v[j] > bv || (v[j] == bv && i < bi))) { bv = v[j]; bi = i; }
+        }
+        for (int o = PF_RW_LANES / 2; o; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        int ii = bi;
+        float val = bv;
+        if (ii < 0 || ii >= E) {  // only if every value is NaN: pf_route's p[0]
+            ii = 0;
+            val = __shfl_sync(0xffffffffu, v[0], 0);
+        }
+        tot += val;
+        #pragma unroll
+        for (int j = 0; j < PF_RW_VPL; ++j)
+            if (lane + PF_RW_LANES * j == ii) v[j] = PF_NEG_INF;
+        if (lane == 0) {
+            ids[(long long)t * k + r] = ii;
+            w[(long long)t * k + r] = val;
+        }
+    }
+    if (lane == 0)
+        for (int r = 0; r < k; ++r) {
+            const long long o = (long long)t * k + r;
+            w[o] = (norm ? w[o] / tot : w[o]) * scale;
+        }
+}
+
 // ---- the routed experts' outputs of a token, weighted -----------------------------------------------------------
 // y[t, c] = w[t, 0] ya[t k, c] + w[t, 1] ya[t k + 1, c] + ... (k terms, summed in rank order from 0, every product
 // rounded before its sum: no multiply-add fusion, as the array code's multiply then sum). ya: [T k, n] (each pair's

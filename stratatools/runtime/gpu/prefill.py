@@ -73,6 +73,18 @@ GROUP = 8
 #: score array [heads, queries, positions] takes at most a quarter of it).
 ATTN_SCORE_BYTES = 128 << 20
 ROUTE_THREADS = 128
+#: ``STRATATOOLS_ROUTE_WARP``: the router on ``pf_route_warp`` (a warp a token, no barrier; 1) for up to
+#: :data:`ROUTE_WARP_MAX_E` experts (prefill.cu 32 PF_RW_VPL), or on ``pf_route`` (a block a token; 0).
+ROUTE_WARP_ENV = "STRATATOOLS_ROUTE_WARP"
+ROUTE_WARP_DEFAULT = False
+ROUTE_WARP_MAX_E = 256
+
+
+def route_warp() -> bool:
+    """:data:`ROUTE_WARP_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(ROUTE_WARP_ENV, "the router a warp a token", ROUTE_WARP_DEFAULT)
 #: Tokens of one expert job (``prefill.cu`` PF_TT): each weight row is decoded once per job.
 JOB_TOKENS = 8
 #: Tokens of one expert job of the ``mma`` expert path by default (``qmm.cu``'s JT; qmm.JOB_SIZES).
@@ -417,6 +429,7 @@ class ChunkPrefill:
             self._tids = {True: tuple(sorted(ex | dense)), False: tuple(sorted(ex))}
             mod = _module(False, self._tids[False])
             self.k_route = mod.get_function("pf_route")
+            self.k_route_warp = mod.get_function("pf_route_warp")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
@@ -1271,11 +1284,7 @@ class ChunkPrefill:
                 raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
             ids = cp.empty((T, k), dtype=cp.int32)
             w = cp.empty((T, k), dtype=cp.float32)
-            shm = (E + 2 * ROUTE_THREADS) * 4
-            self.k_route((min(T, 65535),), (ROUTE_THREADS,),
-                         (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
-                          np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
-                          np.float32(cfg.expert_weights_scale), ids, w), shared_mem=shm)
+            self._route_launch(logits, ids, w)
             self._w_dev = w
             return cp.asnumpy(ids), cp.asnumpy(w)
         probs = _sigmoid(xp, logits) if cfg.gating == "sigmoid" else _softmax(xp, logits, axis=-1)
@@ -1319,14 +1328,28 @@ class ChunkPrefill:
         y = y + self._shared_ffn(il, x, sg)
         return y.astype(xp.float32, copy=False), ids, w
 
+    def _route_launch(self, logits: Any, ids: Any, w: Any) -> None:
+        """The router of the rows ``logits`` [T, E] (CuPy float32) into ``ids`` int32 [T, k] and ``w`` float32 [T, k]
+        on the device: ``pf_route_warp`` (a warp a token) where :data:`ROUTE_WARP_ENV` is on and E <=
+        :data:`ROUTE_WARP_MAX_E`, else ``pf_route`` (a block a token)."""
+        cp, cfg, k = self.cp, self.cfg, self.k
+        T, E = (int(v) for v in logits.shape)
+        args = (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
+                np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)), np.float32(cfg.expert_weights_scale),
+                ids, w)
+        if E <= ROUTE_WARP_MAX_E and route_warp():
+            self.k_route_warp((-(-T // (ROUTE_THREADS // 32)),), (ROUTE_THREADS,), args)
+        else:
+            self.k_route((min(T, 65535),), (ROUTE_THREADS,), args, shared_mem=(E + 2 * ROUTE_THREADS) * 4)
+
     def _moe_gpu(self, il: int, x: Any, ids: Any, w: Any) -> Any:
         """Layer ``il``'s MoE of the rows x [T, n] on CuPy with its routing left on the device: the router for T
-        tokens (``pf_route``) into ``ids`` int32 [T, k] / ``w`` float32 [T, k] (device views the caller reads later),
+        tokens (:meth:`_route_launch`) into ``ids`` int32 [T, k] / ``w`` float32 [T, k] (device views the caller reads later),
         the routed experts (:meth:`_routed_gpu`: blob addresses from the decoder's slot table) and the shared expert,
         on a second stream beside the routed experts where ``_shared_side`` is set
         (:data:`stratatools.runtime.gpu.kernels.SHARED_SIDE_ENV`). Returns y [T, n] float32. Raises StrataError when
         k exceeds the layer's experts."""
-        cp, cfg, k = self.cp, self.cfg, self.k
+        cp, k = self.cp, self.k
         p = f"blk.{il}."
         T, n = x.shape
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -1334,10 +1357,7 @@ class ChunkPrefill:
         E = int(logits.shape[1])
         if k > E:
             raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
-        self.k_route((min(T, 65535),), (ROUTE_THREADS,),
-                     (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
-                      np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)),
-                      np.float32(cfg.expert_weights_scale), ids, w), shared_mem=(E + 2 * ROUTE_THREADS) * 4)
+        self._route_launch(logits, ids, w)
         # the shared expert beside the routed ones (not while the breakdown is timed: its stream would not be
         # synchronised by the timer)
         side = self._shared_side if self.timing is None else None
