@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: ``gdnstep``: the GDN step on ``pf_gdn_step`` (two threads a column; STRATATOOLS_GDN_STEP_RW=0); ``fill3`` /
 #: ``fill4``: the dense launches' split of k aiming at 3 / 4 blocks a SM (STRATATOOLS_QMM_SHORT_FILL); ``sum`` /
 #: ``cpsum``: the split of k's slices added by ``qmm_sum_slices`` / by CuPy (STRATATOOLS_QMM_SUM=1 / 0); ``rwarp``:
-#: the router a warp a token (STRATATOOLS_ROUTE_WARP=1); ``new``: both.
+#: the router a warp a token (STRATATOOLS_ROUTE_WARP=1); ``new`` / ``old``: both on / off.
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
@@ -68,6 +68,7 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "sum": {"STRATATOOLS_QMM_SUM": "1"}, "cpsum": {"STRATATOOLS_QMM_SUM": "0"},
             "rwarp": {"STRATATOOLS_ROUTE_WARP": "1"},
             "new": {"STRATATOOLS_QMM_SUM": "1", "STRATATOOLS_ROUTE_WARP": "1"},
+            "old": {"STRATATOOLS_QMM_SUM": "0", "STRATATOOLS_ROUTE_WARP": "0"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},
             "eager": {"STRATATOOLS_BATCH_GRAPH": "0"},
             "mma-eager": {"STRATATOOLS_BATCH_GEMM": "mma", "STRATATOOLS_BATCH_GRAPH": "0"},

@@ -22,6 +22,8 @@ static inline void __syncwarp() {}
 // A warp of one lane: a butterfly reduction's partner contributes nothing (sums only; the fused kernels and the
 // staged expert kernels reduce by sums).
 template <class T> static inline T __shfl_xor_sync(unsigned, T, int) { return T(0); }
+// ... and a scan's read of a lower lane is never taken (lane 0 has none).
+template <class T> static inline T __shfl_up_sync(unsigned, T v, int) { return v; }
 // ... and a broadcast from any lane reads the one lane there is.
 template <class T> static inline T __shfl_sync(unsigned, T v, int) { return v; }
 // ... and a warp reduction (sm_80 redux) is the lane's own value.

@@ -622,8 +622,8 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // pair index, jt slots a job: 8, 16 or 32): job_ptr [jmax], job_tok / job_dst [jmax jt] (token t and pair i of each
 // slot, -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the
 // job kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
-// any block size nt <= qmm.py JOBS_THREADS (the host build: one thread). Dynamic shared memory (qmm.py jobs_shared):
-// 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
+// any block size nt <= qmm.py JOBS_THREADS, a multiple of 32 (the host build: one thread). Dynamic shared memory
+// (qmm.py jobs_shared): 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
 // M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
 // expert's first position, and the table comes out the same for any block size (no atomics decide an order). Up to
@@ -655,24 +655,33 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     const int seg = (E + nt - 1) / nt, e0 = min(E, tid * seg), e1 = min(E, e0 + seg);
     int sj = 0, sp = 0;
     for (int e = e0; e < e1; ++e) { sj += (cnt[e] + jt - 1) / jt; sp += cnt[e]; }
-    tj[tid] = sj;
-    tp[tid] = sp;
-    __syncthreads();
-    for (int off = 1; off < nt; off <<= 1) {
-        const int aj = tid >= off ? tj[tid - off] : 0, ap = tid >= off ? tp[tid - off] : 0;
-        __syncthreads();
-        tj[tid] += aj;
-        tp[tid] += ap;
-        __syncthreads();
+    // (inclusive scans within each warp by shuffles, the warps' totals scanned by one thread, two barriers; a
+    // Hillis-Steele scan over the threads took 20 barriers at 1,024 threads)
+    int ij = sj, ip = sp;
+    const int lane = tid & 31, wid = tid >> 5, nwarps = (nt + 31) >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int aj = __shfl_up_sync(0xffffffffu, ij, o), ap = __shfl_up_sync(0xffffffffu, ip, o);
+        if (lane >= o) { ij += aj; ip += ap; }
     }
-    int bj = tj[tid] - sj, bp = tp[tid] - sp;
+    if (lane == 31 || tid == nt - 1) { tj[wid] = ij; tp[wid] = ip; }
+    __syncthreads();
+    if (tid == 0) {  // the warps' totals -> their exclusive prefixes; the jobs the routing fills
+        int aj = 0, ap = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            const int vj = tj[w], vp = tp[w];
+            tj[w] = aj; tp[w] = ap;
+            aj += vj; ap += vp;
+        }
+        *jused = aj;
+    }
+    __syncthreads();
+    int bj = tj[wid] + ij - sj, bp = tp[wid] + ip - sp;
     for (int e = e0; e < e1; ++e) {
         js[e] = bj;
         first[e] = bp;
         bj += (cnt[e] + jt - 1) / jt;
         bp += cnt[e];
     }
-    if (tid == nt - 1) *jused = tj[tid];
     if (N <= QMM_JOBS_RANK_MAX) {
         // few pairs (the batched step: 320): a pair's rank within its expert is the count of the earlier pairs of the
         // same expert (at most N compares a thread, the warp's reads of key[q] one broadcast), no sort
