@@ -73,10 +73,11 @@ GROUP = 8
 #: score array [heads, queries, positions] takes at most a quarter of it).
 ATTN_SCORE_BYTES = 128 << 20
 ROUTE_THREADS = 128
-#: ``STRATATOOLS_ROUTE_WARP``: the router on ``pf_route_warp`` (a warp a token, no barrier; 1) for up to
-#: :data:`ROUTE_WARP_MAX_E` experts (prefill.cu 32 PF_RW_VPL), or on ``pf_route`` (a block a token; 0).
+#: ``STRATATOOLS_ROUTE_WARP``: the router on ``pf_route_warp`` (a warp a token, no barrier; 1, the default: 7.1
+#: against 13.5 us a launch of 32 tokens x 256 experts, H200, bench/gpu-notes.md) for up to :data:`ROUTE_WARP_MAX_E`
+#: experts (prefill.cu 32 PF_RW_VPL), or on ``pf_route`` (a block a token; 0).
 ROUTE_WARP_ENV = "STRATATOOLS_ROUTE_WARP"
-ROUTE_WARP_DEFAULT = False
+ROUTE_WARP_DEFAULT = True
 ROUTE_WARP_MAX_E = 256
 
 

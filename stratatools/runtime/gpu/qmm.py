@@ -423,10 +423,11 @@ def _check_matrix(layout: Any, w: Any, wd: Any, rows: int, cols: int, X: Any = N
     return f
 
 
-#: ``STRATATOOLS_QMM_SUM``: up to 32 tokens, the split of k's slices added by ``qmm_sum_slices`` (1) or by a CuPy
-#: reduction (0); threads a block and threads a run of 4 values (qmm.cu QSUM_G).
+#: ``STRATATOOLS_QMM_SUM``: up to 32 tokens, the split of k's slices added by ``qmm_sum_slices`` (1, the default: 1.33
+#: against 1.79 ms of the 32-sequence step's 554 sums, H200, bench/gpu-notes.md) or by a CuPy reduction (0); threads a
+#: block and threads a run of 4 values (qmm.cu QSUM_G).
 SUM_ENV = "STRATATOOLS_QMM_SUM"
-SUM_DEFAULT = False
+SUM_DEFAULT = True
 SUM_THREADS = 256
 SUM_GROUP = 8
 
@@ -555,9 +556,6 @@ def job_tokens(jt: Any = None, batch: bool = False) -> int:
 
 #: Threads of the ``qmm_jobs`` block.
 JOBS_THREADS = 1024
-#: ... up to ``JOBS_RANK_MAX`` pairs (qmm.cu QMM_JOBS_RANK_MAX: ranks counted, no sort; the batched step's 320 pairs).
-JOBS_THREADS_FEW = 256
-JOBS_RANK_MAX = 1024
 #: Dynamic shared memory one ``qmm_jobs`` block may take (of the 227 KiB an H100 / H200 block may opt into).
 JOBS_SHARED_MAX = 160 * 1024
 
@@ -597,7 +595,7 @@ def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any, jt: int = JOB_TOKENS
     job_ptr = cp.empty(J, dtype=cp.uint64)
     job_tok = cp.empty(J * jt, dtype=cp.int32)
     job_dst = cp.empty(J * jt, dtype=cp.int32)
-    launch_big_shared(_fn("qmm_jobs"), (1,), (JOBS_THREADS if N > JOBS_RANK_MAX else JOBS_THREADS_FEW,),
+    launch_big_shared(_fn("qmm_jobs"), (1,), (JOBS_THREADS,),
                       (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E), ptr_row,
                        np.int32(J), np.int32(jt), job_ptr, job_tok, job_dst), jobs_shared(N, E))
     return job_ptr, job_tok, job_dst
