@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: values of k at a time (STRATATOOLS_QMM_MOE_KC, STRATATOOLS_QMM_KC); ``noside``: the shared expert after the routed
 #: ones (STRATATOOLS_SHARED_SIDE=0); ``job8``: the routed-expert jobs of 8 tokens (STRATATOOLS_BATCH_JOB=8); ``i8`` /
 #: ``fp16jobs``: the Q2_0 expert jobs on the integer / the fp16 hi-lo kernels (STRATATOOLS_QMM_JOBS_I8=1 / 0);
-#: ``gdnstep``: the GDN step on ``pf_gdn_step`` (two threads a column; STRATATOOLS_GDN_STEP_RW=0); ``fill3`` /
+#: ``fill3`` /
 #: ``fill4``: the dense launches' split of k aiming at 3 / 4 blocks a SM (STRATATOOLS_QMM_SHORT_FILL); ``sum`` /
 #: ``cpsum``: the split of k's slices added by ``qmm_sum_slices`` / by CuPy (STRATATOOLS_QMM_SUM=1 / 0); ``rwarp``:
 #: the router a warp a token (STRATATOOLS_ROUTE_WARP=1); ``new`` / ``old``: both on / off.
@@ -63,7 +63,6 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "kc256all": {"STRATATOOLS_QMM_MOE_KC": "256", "STRATATOOLS_QMM_KC": "256"},
             "noside": {"STRATATOOLS_SHARED_SIDE": "0"}, "job8": {"STRATATOOLS_BATCH_JOB": "8"},
             "i8": {"STRATATOOLS_QMM_JOBS_I8": "1"}, "fp16jobs": {"STRATATOOLS_QMM_JOBS_I8": "0"},
-            "gdnstep": {"STRATATOOLS_GDN_STEP_RW": "0"},
             "fill3": {"STRATATOOLS_QMM_SHORT_FILL": "3"}, "fill4": {"STRATATOOLS_QMM_SHORT_FILL": "4"},
             "sum": {"STRATATOOLS_QMM_SUM": "1"}, "cpsum": {"STRATATOOLS_QMM_SUM": "0"},
             "rwarp": {"STRATATOOLS_ROUTE_WARP": "1"},

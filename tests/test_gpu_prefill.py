@@ -375,8 +375,8 @@ def test_gpu_route_warp_matches_pf_route(gating, norm, E, k):
                                            (1, 2, 16, 4, 8), (3, 2, 128, 4, 100)])
 def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
     """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default) and
-    pf_gdn_chunk on the device, and pf_gdn_step (two lanes a value column) and pf_gdn_step_rw (the state's rows over
-    warps: the batched step's two) with their launchers' grids, the full-width shapes included (the batched step's one token of 32 places x 32 heads as 64 heads here): outputs and final states within 1e-5 of the float64 delta rule (the host build checks
+    pf_gdn_chunk on the device, and pf_gdn_step_rw (the state's rows over warps: the batched step's) with its
+    launcher's grid, the full-width shapes included (the batched step's one token of 32 places x 32 heads as 64 heads here): outputs and final states within 1e-5 of the float64 delta rule (the host build checks
     the kernels with one-lane warps)."""
     import cupy as cp
 
@@ -395,15 +395,12 @@ def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
     ref, St = gdn_reference(q, kk, v.reshape(T, nv, dv), beta, decay, S0)
     mod = PF._module(False, ())
     args = [cp.asarray(a) for a in (q, kk, v)]
-    for name in ("pf_gdn_warp", "pf_gdn_chunk", "pf_gdn_step", "pf_gdn_step_rw"):
+    for name in ("pf_gdn_warp", "pf_gdn_chunk", "pf_gdn_step_rw"):
         S = cp.asarray(S0)
         out = cp.full((T, nv * dv), cp.nan, dtype=cp.float32)
         common = (args[0], args[1], args[2], np.int32(nv * dv), cp.asarray(beta), cp.asarray(decay), S, out,
                   np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
-        if name == "pf_gdn_step":
-            gy, th = PF.gdn_step_launch(dv)
-            mod.get_function(name)((nv, gy), (th,), common)
-        elif name == "pf_gdn_step_rw":
+        if name == "pf_gdn_step_rw":
             gy, th = PF.gdn_step_rw_launch(dk, dv)
             mod.get_function(name)((nv, gy), (th,), common)
         elif name != "pf_gdn_chunk":

@@ -55,8 +55,7 @@ def _p(a):
 
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
-    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step", "pf_gdn_step_rw",
-                        "pf_route_warp"}
+    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -89,12 +88,12 @@ def test_pf_route_matches_stable_sort(lib, gating, norm, E, k, kernel):
 @pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4),
                                                 (9, 2, 32, 4, 24, 24), (6, 2, 128, 4, 9, 0),
                                                 (37, 2, 16, 4, 12, 0)])
-@pytest.mark.parametrize("kernel", ["pf_gdn_chunk", "pf_gdn_warp", "pf_gdn_step", "pf_gdn_step_rw"])
+@pytest.mark.parametrize("kernel", ["pf_gdn_chunk", "pf_gdn_warp", "pf_gdn_step_rw"])
 def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kernel):
     """pf_gdn_chunk over T tokens (columns split over ncb blocks, uneven split included; v read with a row stride)
     = T delta-rule steps of the decoder's numpy _gdn; the state is written back. pf_gdn_warp likewise (the host's
     one-lane warps take 4 columns each: the last warp of a head fewer where dv is not a multiple of 4), and
-    pf_gdn_step and pf_gdn_step_rw (a thread per column: the batched step's kernels, used there for one token)."""
+    pf_gdn_step_rw (a thread per column: the batched step's kernel, used there for one token)."""
     rng = np.random.default_rng(T * dv)
     q = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
     kk = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32))
@@ -107,7 +106,7 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kern
     ref, St = gdn_reference(q, kk, v, beta, decay, S0)
     S = S0.copy()
     out = np.full((T, nv * dv), np.nan, np.float32)
-    if kernel in ("pf_gdn_step", "pf_gdn_step_rw"):  # (the host's blocks of one thread: a block a column)
+    if kernel == "pf_gdn_step_rw":  # (the host's blocks of one thread: a block a column)
         with shared_within(lib, 0):
             getattr(lib, f"host_{kernel}")(nv, dv, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay), _p(S),
                                  _p(out), T, nk, nv, dk, dv)

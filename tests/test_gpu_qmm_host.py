@@ -167,13 +167,14 @@ def test_split_keeps_22_bits(lib, K):
 
 
 def test_gdn_launch_shapes():
-    """pf_gdn_step's grid covers every value column with two threads (whole warps, at most 128 a block); the GDN
-    element-wise kernels' parts leave none without units."""
-    from stratatools.runtime.gpu.prefill import gdn_parts, gdn_step_launch
+    """pf_gdn_step_rw's grid covers every value column (32 a block) and its warps every state row (16 a warp, at most
+    8 warps); the GDN element-wise kernels' parts leave none without units."""
+    from stratatools.runtime.gpu.prefill import GDN_STEP_MAX_DK, gdn_parts, gdn_step_rw_launch
 
-    for dv, want in ((8, (1, 32)), (24, (1, 64)), (100, (2, 128)), (128, (2, 128)), (200, (4, 128))):
-        gy, th = gdn_step_launch(dv)
-        assert (gy, th) == want and gy * th // 2 >= dv > (gy - 1) * th // 2
+    for dk, dv, want in ((128, 128, (4, 256)), (16, 8, (1, 32)), (100, 200, (7, 224)), (17, 33, (2, 64))):
+        gy, th = gdn_step_rw_launch(dk, dv)
+        assert (gy, th) == want and gy * 32 >= dv > (gy - 1) * 32 and (th // 32) * 16 >= dk > (th // 32 - 1) * 16
+    assert gdn_step_rw_launch(GDN_STEP_MAX_DK, 1)[1] == 256
     assert gdn_parts(32, 48) == 16 and gdn_parts(512, 48) == 1
     for rows, units in ((32, 10), (50, 7), (1, 100), (3, 13)):
         p = gdn_parts(rows, units)

@@ -64,8 +64,8 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
-from stratatools.runtime.gpu.prefill import (GDN_STEP_MAX_DK, ChunkPrefill, attn_module, gdn_chunk_shared, gdn_step_launch,
-                                             gdn_step_rw, gdn_step_rw_launch)
+from stratatools.runtime.gpu.prefill import (GDN_STEP_MAX_DK, ChunkPrefill, attn_module, gdn_chunk_shared,
+                                             gdn_step_rw_launch)
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
@@ -511,10 +511,9 @@ class BatchDecoder(ChunkPrefill):
             S = cp.ascontiguousarray(S)
             out = cp.empty((T, nv * dv), dtype=cp.float32)
             H = T * nv  # places folded into the head axis: head s nv + h is place s's head h, key head the same
-            if dk <= GDN_STEP_MAX_DK:  # the state in registers (prefill.cu pf_gdn_step_rw / pf_gdn_step)
-                rw = gdn_step_rw()
-                gy, th = gdn_step_rw_launch(dk, dv) if rw else gdn_step_launch(dv)
-                (self.k_gdn_step_rw if rw else self.k_gdn_step)((H, gy), (th,), (
+            if dk <= GDN_STEP_MAX_DK:  # the state's rows in registers over a block's warps (prefill.cu pf_gdn_step_rw)
+                gy, th = gdn_step_rw_launch(dk, dv)
+                self.k_gdn_step_rw((H, gy), (th,), (
                     cp.ascontiguousarray(qt, dtype=cp.float32), cp.ascontiguousarray(kt, dtype=cp.float32), v,
                     np.int32(H * dv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out, np.int32(1),
                     np.int32(H), np.int32(H), np.int32(dk), np.int32(dv)))

@@ -313,70 +313,15 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
     }
 }
 
-// ---- gated DeltaNet recurrence, two threads per value column (the batched decode step: one token a place) ---------
-// The contract of pf_gdn_chunk; column c of head j = blockIdx.x belongs to lanes l and l + 16 of a warp (c =
-// blockIdx.y (blockDim / 2) + 16 warp + (l & 15)), which hold rows [64 h, 64 h + 64) (h = l >> 4; dk <=
-// PF_GDN_STEP_DK) in registers for the whole call: read once and written once, 16 columns of a row 64 contiguous
-// bytes. The two halves' sums (k^T S and q^T S) meet by one shuffle. q and k are read by the lanes of a half at one
-// address (a broadcast load); no shared memory, no barrier. The batched step (T = 1, places x heads as the heads)
-// ran on pf_gdn_chunk, which staged each head's 64 KB state in shared memory first: 85.6 us a layer at 32 places x 32
-// heads of 128 x 128 (H200, bench/gpu-notes.md). Grid: (nv, ceil(dv / (blockDim / 2))); the host build (blocks of
-// one thread, which holds the whole column): grid y = dv.
-#define PF_GDN_STEP_DK 128
-#ifdef STRATA_HOST
-#define PF_GDN_STEP_SPLIT 1
-#else
-#define PF_GDN_STEP_SPLIT 2
-#endif
-extern "C" __global__ void __launch_bounds__(128) pf_gdn_step(
-        const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
-        const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
-        float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
-    constexpr int RPT = PF_GDN_STEP_DK / PF_GDN_STEP_SPLIT;  // rows a thread
-    const int j = blockIdx.x, g = j % nk, lane = (int)(threadIdx.x & 31);
-    const int h = PF_GDN_STEP_SPLIT == 2 ? lane >> 4 : 0;
-    const int c = PF_GDN_STEP_SPLIT == 2 ? (int)(blockIdx.y * (blockDim.x / 2) + (threadIdx.x >> 5) * 16 + (lane & 15))
-                                         : (int)(blockIdx.y * blockDim.x + threadIdx.x);
-    if (dk > PF_GDN_STEP_DK) return;  // (uniform: the launcher does not take this kernel then)
-    const bool ok = c < dv;           // (a lane past dv still takes part in the shuffles)
-    const int r0 = h * RPT;
-    float* Sj = S + (long long)j * dk * dv + c;
-    float s[RPT];
-    #pragma unroll
-    for (int i = 0; i < RPT; ++i) s[i] = ok && r0 + i < dk ? Sj[(long long)(r0 + i) * dv] : 0.0f;
-    for (int t = 0; t < T; ++t) {
-        const float* qt = q + ((long long)t * nk + g) * dk + r0;
-        const float* kt = kk + ((long long)t * nk + g) * dk + r0;
-        const float dec = decay[(long long)t * nv + j], bj = beta[(long long)t * nv + j];
-        float kv = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < RPT; ++i)
-            if (r0 + i < dk) kv += kt[i] * (s[i] * dec);
-        if (PF_GDN_STEP_SPLIT == 2) kv += __shfl_xor_sync(0xffffffffu, kv, 16);
-        const float d = ok ? (v[(long long)t * ldv + (long long)j * dv + c] - kv) * bj : 0.0f;
-        float o = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < RPT; ++i)
-            if (r0 + i < dk) {
-                s[i] = s[i] * dec + kt[i] * d;
-                o += qt[i] * s[i];
-            }
-        if (PF_GDN_STEP_SPLIT == 2) o += __shfl_xor_sync(0xffffffffu, o, 16);
-        if (ok && h == 0) out[(long long)t * nv * dv + (long long)j * dv + c] = o;
-    }
-    #pragma unroll
-    for (int i = 0; i < RPT; ++i)
-        if (ok && r0 + i < dk) Sj[(long long)(r0 + i) * dv] = s[i];
-}
-
-// ---- gated DeltaNet recurrence, rows over warps (the batched decode step, STRATATOOLS_GDN_STEP_RW) ---------------
-// The contract of pf_gdn_step, another split: block (j, b) holds the columns c = b nl + lane (nl = 32 lanes; the host
-// build: one column) of head j, and its warp w the state rows [PF_GDN_RW_ROWS w, + PF_GDN_RW_ROWS) of them in
-// registers (16 a thread: about 40 registers, so 2,048 threads an SM keep the state's loads in flight; pf_gdn_step
-// holds 64 rows a thread at 246 registers, 8 warps an SM). A warp reads and writes its rows' 32 columns as 128
-// contiguous bytes. The warps' partial sums k^T S and q^T S meet in shared memory (added in warp order: the result does
-// not depend on timing), two barriers a token. Grid: (nv, ceil(dv / 32)), blockDim 32 ceil(dk / PF_GDN_RW_ROWS) (the
-// host build: grid y = dv, one thread).
+// ---- gated DeltaNet recurrence, rows over warps (the batched decode step: one token a place) -----------------------
+// The contract of pf_gdn_chunk; block (j, b) holds the columns c = b nl + lane (nl = 32 lanes; the host build: one
+// column) of head j, and its warp w the state rows [PF_GDN_RW_ROWS w, + PF_GDN_RW_ROWS) of them in registers (16 a
+// thread, 56 registers: 2,048 threads an SM keep the state's loads in flight). A warp reads and writes its rows' 32
+// columns as 128 contiguous bytes. The warps' partial sums k^T S and q^T S meet in shared memory (added in warp order:
+// the result does not depend on timing), two barriers a token. The batched step (T = 1, places x heads as the heads)
+// took 49.3 us a layer at 32 places x 32 heads of 128 x 128; two threads a column holding 64 rows each (246 registers,
+// 8 warps an SM) took 70.2 (H200, bench/gpu-notes.md, sixteenth pass). Grid: (nv, ceil(dv / 32)), blockDim
+// 32 ceil(dk / PF_GDN_RW_ROWS) (the host build: grid y = dv, one thread).
 #ifdef STRATA_HOST
 #define PF_GDN_RW_ROWS 128
 #else

@@ -171,39 +171,16 @@ GDN_WARP_COLUMNS = 4
 GDN_WARP_MAX_DK = 128
 #: Warps of a ``pf_gdn_warp`` block.
 GDN_WARP_WARPS = 4
-#: ``pf_gdn_step`` (the batched decode step's recurrence, two threads a value column): its most threads a block and
-#: the largest key head it holds in registers (prefill.cu PF_GDN_STEP_DK).
-GDN_STEP_THREADS = 128
+#: ``pf_gdn_step_rw`` (the batched decode step's recurrence): the largest key head it holds (8 warps of
+#: :data:`GDN_STEP_RW_ROWS` rows) and the state rows a thread holds (prefill.cu PF_GDN_RW_ROWS).
 GDN_STEP_MAX_DK = 128
-
-
-#: ``STRATATOOLS_GDN_STEP_RW``: the batched step's recurrence on ``pf_gdn_step_rw`` (the state's rows over the warps of
-#: a block, 16 a thread; 1, the default: 49.3 against 70.2 us a layer at 32 places x 32 heads of 128 x 128, H200,
-#: bench/gpu-notes.md) or on ``pf_gdn_step`` (two threads a column, 64 rows each; 0).
-GDN_STEP_RW_ENV = "STRATATOOLS_GDN_STEP_RW"
-GDN_STEP_RW_DEFAULT = True
-#: prefill.cu PF_GDN_RW_ROWS: the state rows a thread of ``pf_gdn_step_rw`` holds.
 GDN_STEP_RW_ROWS = 16
-
-
-def gdn_step_rw() -> bool:
-    """:data:`GDN_STEP_RW_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
-    from stratatools.runtime.gpu.kernels import env_on
-
-    return env_on(GDN_STEP_RW_ENV, "the GDN step's state rows over warps", GDN_STEP_RW_DEFAULT)
 
 
 def gdn_step_rw_launch(dk: int, dv: int) -> tuple[int, int]:
     """``pf_gdn_step_rw``'s (blocks along the value columns, threads a block) for heads of ``dk`` x ``dv``: 32
     columns a block, a warp a :data:`GDN_STEP_RW_ROWS` state rows (dk <= :data:`GDN_STEP_MAX_DK`)."""
     return -(-int(dv) // 32), 32 * -(-int(dk) // GDN_STEP_RW_ROWS)
-
-
-def gdn_step_launch(dv: int) -> tuple[int, int]:
-    """``pf_gdn_step``'s (blocks along the value columns, threads a block) for heads of ``dv`` value columns: two
-    threads a column, whole warps, at most :data:`GDN_STEP_THREADS`."""
-    th = min(GDN_STEP_THREADS, 32 * -(-int(dv) // 16))
-    return -(-int(dv) // (th // 2)), th
 
 
 def gdn_kernel() -> str:
@@ -434,7 +411,6 @@ class ChunkPrefill:
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
-            self.k_gdn_step = mod.get_function("pf_gdn_step")
             self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
             from stratatools.runtime.gpu.kernels import shared_side
 
