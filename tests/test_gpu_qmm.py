@@ -25,6 +25,20 @@ def _blocks(rng, tname, rows, cols):
     return b.reshape(-1)
 
 
+def _experts(rng, tname: str, E: int, hidden: int, ff: int):
+    """E random experts of ``tname`` blocks: (blobs [gate | up | down] on the device, float64 matrices (gate [ff,
+    hidden], up, down [hidden, ff]) per expert)."""
+    import cupy as cp
+
+    blobs, mats = [], []
+    for _ in range(E):
+        g, u, dn = _blocks(rng, tname, ff, hidden), _blocks(rng, tname, ff, hidden), _blocks(rng, tname, hidden, ff)
+        blobs.append(cp.asarray(np.concatenate([g, u, dn])))
+        mats.append([np.asarray(dequantize(a, tname, r * c)).reshape(r, c).astype(np.float64)
+                     for a, r, c in ((g, ff, hidden), (u, ff, hidden), (dn, hidden, ff))])
+    return blobs, mats
+
+
 def _matrix(rng, layout: str, rows: int, cols: int) -> tuple[tuple, np.ndarray]:
     """Random [rows, cols] weights as qmm.dense / qmm.hgemm take them on the device for ``layout`` (Q8R: the
     re-laid-out Q8_0 codes and scales; Q8_0 / Q2_0: GGUF blocks): (the calls' arguments after X, W float64)."""
@@ -117,12 +131,7 @@ def test_gpu_moe_jobs_match_float64(tname, hidden, ff, jt):
 
     rng = np.random.default_rng(hidden)
     E, T, k = 6, 77, 4
-    blobs, mats = [], []
-    for _ in range(E):
-        g, u, dn = _blocks(rng, tname, ff, hidden), _blocks(rng, tname, ff, hidden), _blocks(rng, tname, hidden, ff)
-        blobs.append(cp.asarray(np.concatenate([g, u, dn])))
-        mats.append([np.asarray(dequantize(a, tname, r * c)).reshape(r, c).astype(np.float64)
-                     for a, r, c in ((g, ff, hidden), (u, ff, hidden), (dn, hidden, ff))])
+    blobs, mats = _experts(rng, tname, E, hidden, ff)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     tt = jt
     je, jt, jd = expert_jobs(ids, tt)
@@ -180,12 +189,7 @@ def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):
 
     rng = np.random.default_rng(hidden + jt)
     E, T, k = 6, 77, 4
-    blobs, mats = [], []
-    for _ in range(E):
-        g, u, dn = _blocks(rng, "Q2_0", ff, hidden), _blocks(rng, "Q2_0", ff, hidden), _blocks(rng, "Q2_0", hidden, ff)
-        blobs.append(cp.asarray(np.concatenate([g, u, dn])))
-        mats.append([np.asarray(dequantize(a, "Q2_0", r * c)).reshape(r, c).astype(np.float64)
-                     for a, r, c in ((g, ff, hidden), (u, ff, hidden), (dn, hidden, ff))])
+    blobs, mats = _experts(rng, "Q2_0", E, hidden, ff)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     tt = jt
     je, jt, jd = expert_jobs(ids, tt)

@@ -86,6 +86,17 @@ def wmat(raw: np.ndarray, tname: str, rows: int, cols: int) -> np.ndarray:
     return np.asarray(dequantize(raw, tname, rows * cols)).reshape(rows, cols).astype(np.float64)
 
 
+def experts(rng, tname: str, E: int, hidden: int, ff: int, wrap=lambda a: a):
+    """E random experts of ``tname`` blocks: (blobs [gate | up | down] passed through ``wrap``, float64 matrices
+    (gate [ff, hidden], up, down [hidden, ff]) per expert)."""
+    blobs, mats = [], []
+    for _ in range(E):
+        g, u, dn = blocks(rng, tname, ff, hidden), blocks(rng, tname, ff, hidden), blocks(rng, tname, hidden, ff)
+        blobs.append(wrap(np.concatenate([g, u, dn])))
+        mats.append((wmat(g, tname, ff, hidden), wmat(u, tname, ff, hidden), wmat(dn, tname, hidden, ff)))
+    return blobs, mats
+
+
 def acts(rng, T: int, K: int) -> np.ndarray:
     """Activations with rows of very different magnitude (1e-30 .. 1e30, a zero row, a row with one outlier)."""
     X = rng.standard_normal((T, K)).astype(np.float32)
@@ -456,11 +467,7 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k, jt):
     then down into the pair's own row, against float64 per pair (blobs read through host addresses, as through the
     slot table's device addresses)."""
     rng = np.random.default_rng(hidden + T)
-    blobs, mats = [], []
-    for _ in range(E):
-        g, u, dn = blocks(rng, tname, ff, hidden), blocks(rng, tname, ff, hidden), blocks(rng, tname, hidden, ff)
-        blobs.append(np.concatenate([g, u, dn]))
-        mats.append((wmat(g, tname, ff, hidden), wmat(u, tname, ff, hidden), wmat(dn, tname, hidden, ff)))
+    blobs, mats = experts(rng, tname, E, hidden, ff)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     ids[:, 0] = 0  # expert 0 gets every token: more than one job
     tt = jt
@@ -575,8 +582,6 @@ def test_mma_i8_fragments_on_host(lib):
     single code 2 (weight 1) at value k and 1 (weight 0) elsewhere, and x = e_k' scaled: the output is nonzero only
     when k = k' (a wrong pairing of A's and B's k-slots fails)."""
     hidden, ff = 128, 16
-    f = 42
-    rng = np.random.default_rng(3)
     for k in (0, 5, 17, 38, 63, 64, 100, 127):
         g = np.zeros((ff * hidden // 64, 18), np.uint8)
         g[:, :2] = np.array([1.0], np.float16).view(np.uint8)
@@ -601,7 +606,6 @@ def test_mma_i8_fragments_on_host(lib):
             want = 3.0 / (1.0 + np.exp(-3.0)) * 3.0 if kk == k else 0.0
             assert abs(hbuf[0, 0] - want) <= 1e-4 * max(1.0, want), (k, kk, hbuf[0, 0])
             assert np.all(hbuf[0, 1:] == 0.0)
-    del rng
 
 
 @pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 16), (192, 128, 13, 5, 3, 8),
@@ -613,11 +617,7 @@ def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
     rows' own split (the empty slots' rows, NaN here, left out by rowok); k in one chunk, several, a partial last."""
     rng = np.random.default_rng(hidden + T + jt)
     tname = "Q2_0"
-    blobs, mats = [], []
-    for _ in range(E):
-        g, u, dn = blocks(rng, tname, ff, hidden), blocks(rng, tname, ff, hidden), blocks(rng, tname, hidden, ff)
-        blobs.append(np.concatenate([g, u, dn]))
-        mats.append((wmat(g, tname, ff, hidden), wmat(u, tname, ff, hidden), wmat(dn, tname, hidden, ff)))
+    blobs, mats = experts(rng, tname, E, hidden, ff)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     ids[:, 0] = 0
     tt = jt
@@ -902,11 +902,7 @@ def test_prefill_qmm_and_expert_paths_on_host(hostcp, i8, monkeypatch):
 
     hidden, ff, E, T = 128, 64, 4, 23
     q2 = type_by_name("Q2_0")
-    blobs, mats = [], []
-    for _ in range(E):
-        g, u, dn = blocks(rng, "Q2_0", ff, hidden), blocks(rng, "Q2_0", ff, hidden), blocks(rng, "Q2_0", hidden, ff)
-        blobs.append(_h(np.concatenate([g, u, dn])))
-        mats.append((wmat(g, "Q2_0", ff, hidden), wmat(u, "Q2_0", ff, hidden), wmat(dn, "Q2_0", hidden, ff)))
+    blobs, mats = experts(rng, "Q2_0", E, hidden, ff, _h)
     ly = SimpleNamespace(hidden=hidden, ff=ff, gu_type=q2, d_type=q2, gate_bytes=ff * hidden // 64 * 18)
     pf.rt = SimpleNamespace(tier=SimpleNamespace(arena=SimpleNamespace(layers=[ly])))
     pf._slots = [np.array([b.ctypes.data for b in blobs], dtype=np.uint64)]

@@ -126,6 +126,26 @@ __device__ __forceinline__ void qmm_fetch(const u8* const* w, const u16* const* 
     }
 }
 
+// The chunk in flight's raw weights (qmm_fetch's wr / dr) taken into the registers the chunk is computed from (wc /
+// dc), so that the next chunk's loads may go out into wr / dr meanwhile.
+template <int F, int NM, int KC = QMM_KC>
+__device__ __forceinline__ void qmm_take(u32 (*wr)[NM][KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                         u16 (*dr)[NM][KC / QFmt<F>::bv][2],
+                                         u32 (*wc)[NM][KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                         u16 (*dc)[NM][KC / QFmt<F>::bv][2]) {
+    for (int l = 0; l < MMA_LANES; ++l)
+        #pragma unroll
+        for (int m = 0; m < NM; ++m)
+            #pragma unroll
+            for (int b = 0; b < KC / QFmt<F>::bv; ++b)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    dc[l][m][b][h] = dr[l][m][b][h];
+                    #pragma unroll
+                    for (int q = 0; q < QFmt<F>::wpb; ++q) wc[l][m][b][h][q] = wr[l][m][b][h][q];
+                }
+}
+
 // Issue the copies of chunk `chunk` of the block's tokens' hi / lo halves into stage buffer xs (hi: TOK rows of XS
 // halves, then lo), 16-byte pieces, all threads striding; a slot without a token (tokrow -1) gets zeros.
 template <int F, int NT>
@@ -195,17 +215,7 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
         const u16* xs_lo = xs_hi + TOK * XS;
         u32 wc[MMA_LANES][NM][BPC][2][WPB];
         u16 dc[MMA_LANES][NM][BPC][2];
-        for (int l = 0; l < MMA_LANES; ++l)
-            #pragma unroll
-            for (int m = 0; m < NM; ++m)
-                #pragma unroll
-                for (int b = 0; b < BPC; ++b)
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        dc[l][m][b][h] = dr[l][m][b][h];
-                        #pragma unroll
-                        for (int q = 0; q < WPB; ++q) wc[l][m][b][h][q] = wr[l][m][b][h][q];
-                    }
+        qmm_take<F, NM>(wr, dr, wc, dc);
         if (chunk + 1 < c1) qmm_fetch<F, NM>(w, wd, rb, R, K, r0, chunk + 1, wr, dr);  // in flight while this chunk is computed
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
@@ -501,6 +511,19 @@ template <int F, int NT, int MT = 1> __global__ void __launch_bounds__(QMM_THREA
                    min(8 * NT, T - t0));
 }
 
+// The slots of a down job j (all threads of the block call it; ends with a barrier): dst[s] = job_dst[j JT + s] (the
+// pair's output row, -1 for an empty slot) and tokrow[s] = its hidden row j JT + s (-1 for an empty slot). Returns
+// whether the job has work (an empty job's first slot is empty: qmm_jobs' spares).
+template <int JT> __device__ __forceinline__ bool qmm_down_slots(const int* __restrict__ job_dst, int j, int* dst,
+                                                                 int* tokrow) {
+    for (int s = threadIdx.x; s < JT; s += blockDim.x) {
+        dst[s] = job_dst[j * JT + s];
+        tokrow[s] = dst[s] >= 0 ? j * JT + s : -1;
+    }
+    __syncthreads();
+    return dst[0] >= 0;
+}
+
 // ---- routed experts: jobs of one expert and up to JT tokens (JT 8, 16 or 32; prefill.py expert_jobs) --------------
 // gate/up: Hbuf[j JT + s, r] = silu(g) u, g = gate_j[r] . x, u = up_j[r] . x, x = X[job_tok[j JT + s]], for
 // job j = blockIdx.y and rows r < Fd (16 nw a block, blockIdx.x); gate_j at job_ptr[j] (a VRAM slot or mapped pinned
@@ -546,12 +569,7 @@ template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
-    for (int s = threadIdx.x; s < JT; s += blockDim.x) {
-        dst[s] = job_dst[j * JT + s];
-        tokrow[s] = dst[s] >= 0 ? j * JT + s : -1;
-    }
-    __syncthreads();
-    if (dst[0] < 0) return;  // an empty job
+    if (!qmm_down_slots<JT>(job_dst, j, dst, tokrow)) return;  // an empty job
     const int r0 = (blockIdx.x * nw + warp) * 16;
     const long long rb = (long long)(Fd / QFmt<F>::bv) * QFmt<F>::ts;
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
@@ -881,18 +899,9 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
         __syncthreads();
         const u8* xs_hi = xs + buf * 2 * TOK * XS;
         const u8* xs_lo = xs_hi + TOK * XS;
-        u32 wc[MMA_LANES][NM][BPC][2];
+        u32 wc[MMA_LANES][NM][BPC][2][1];
         u16 dc[MMA_LANES][NM][BPC][2];
-        for (int l = 0; l < MMA_LANES; ++l)
-            #pragma unroll
-            for (int m = 0; m < NM; ++m)
-                #pragma unroll
-                for (int b = 0; b < BPC; ++b)
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        wc[l][m][b][h] = wr[l][m][b][h][0];
-                        dc[l][m][b][h] = dr[l][m][b][h];
-                    }
+        qmm_take<42, NM, KC>(wr, dr, wc, dc);
         if (chunk + 1 < nch) qmm_fetch<42, NM, KC>(w, nullptr, rb, R, K, r0, chunk + 1, wr, dr);
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
@@ -904,7 +913,7 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
                 for (int m = 0; m < NM; ++m) {
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const u32 x = wc[l][m][b][h];
+                        const u32 x = wc[l][m][b][h][0];
                         A[m][0].x[l][h] = x & 0x03030303u;
                         A[m][0].x[l][2 + h] = (x >> 2) & 0x03030303u;
                         A[m][1].x[l][h] = (x >> 4) & 0x03030303u;
@@ -1003,12 +1012,7 @@ template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
-    for (int s = threadIdx.x; s < JT; s += blockDim.x) {
-        dst[s] = job_dst[j * JT + s];
-        tokrow[s] = dst[s] >= 0 ? j * JT + s : -1;
-    }
-    __syncthreads();
-    if (dst[0] < 0) return;
+    if (!qmm_down_slots<JT>(job_dst, j, dst, tokrow)) return;
     qi8_scales<JT / 8>(hs, hq, Fd >> 6, tokrow, ssc, sq);
     const int r0 = (blockIdx.x * nw + warp) * 16;
     const long long rb = (long long)(Fd / 64) * 18;
