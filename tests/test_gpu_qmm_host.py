@@ -31,8 +31,18 @@ P, I, U, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
+    return _host_lib(tmp_path_factory, Q.KC)
+
+
+@pytest.fixture(scope="module")
+def lib256(tmp_path_factory):
+    """The host build with the chunk of the device's Q2_0 expert jobs (QMM_KC 256: MOE_KC_DEFAULT)."""
+    return _host_lib(tmp_path_factory, 256)
+
+
+def _host_lib(tmp_path_factory, kc: int):
     d = tmp_path_factory.mktemp("qmmhost")
-    (d / "qmm.cpp").write_text(Q.host_source())
+    (d / "qmm.cpp").write_text(("" if kc == Q.KC else f"#define QMM_KC {kc}\n") + Q.host_source())
     so = d / "qmm.so"
     r = subprocess.run([CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(d / "qmm.cpp")],
                        capture_output=True, text=True)
@@ -610,11 +620,14 @@ def test_mma_i8_fragments_on_host(lib):
 
 @pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 16), (192, 128, 13, 5, 3, 8),
                                                 (320, 192, 41, 5, 3, 32), (640, 320, 9, 4, 2, 8),
-                                                (640, 704, 9, 4, 2, 16)])
-def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
+                                                (640, 704, 9, 4, 2, 16), (640, 192, 11, 4, 2, 32)])
+@pytest.mark.parametrize("kc", [Q.KC, 256])
+def test_moe_jobs_i8_match_float64(request, hidden, ff, T, E, k, jt, kc):
     """The integer Q2_0 expert jobs against float64 per pair, within the bound of 16-bit fixed point per block of 64
     (each value off by at most s / 2) plus float32 sums: gate/up with the silu epilogue, then down from the hidden
-    rows' own split (the empty slots' rows, NaN here, left out by rowok); k in one chunk, several, a partial last."""
+    rows' own split (the empty slots' rows, NaN here, left out by rowok); k in one chunk, several, a partial last; the
+    host build's chunk (128 values) and the device's default for these jobs (256)."""
+    lib = request.getfixturevalue("lib" if kc == Q.KC else "lib256")
     rng = np.random.default_rng(hidden + T + jt)
     tname = "Q2_0"
     blobs, mats = experts(rng, tname, E, hidden, ff)
@@ -629,7 +642,7 @@ def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
     X[2, 5] = 300.0  # an outlier: its block's other values keep fewer bits
     xq = split_i8_host(lib, X)
     hbuf = np.full((J * tt, ff), np.nan, dtype=np.float32)
-    with shared_within(lib, Q.smem_bytes_i8(tt // 8, hidden)):
+    with shared_within(lib, Q.smem_bytes_i8(tt // 8, hidden, kc)):
         getattr(lib, f"host_qmm_moe_gu_i8_{tt}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq), _p(hbuf),
                                                  hidden, ff)
     used = jt_ >= 0
@@ -637,7 +650,7 @@ def test_moe_jobs_i8_match_float64(lib, hidden, ff, T, E, k, jt):
     hq = split_i8_host(lib, hbuf, jd)
     out = np.full((T * k, hidden), np.nan, dtype=np.float32)
     doff = 2 * (ff * hidden // 64) * 18
-    with shared_within(lib, Q.smem_bytes_i8(tt // 8, ff)):
+    with shared_within(lib, Q.smem_bytes_i8(tt // 8, ff, kc)):
         getattr(lib, f"host_qmm_moe_down_i8_{tt}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd), *(_p(a) for a in hq),
                                                    _p(out), hidden, ff)
 
@@ -846,6 +859,28 @@ def test_sum_slices_adds_in_slice_order(lib, n, nz):
     for z in range(nz):
         ref = ref + P[z]
     assert np.array_equal(Y[:n], ref) and np.all(Y[n:] == 7.0)
+
+
+def test_dense_sum_kernel_only_for_aligned_outputs(hostcp, monkeypatch):
+    """qmm_sum_slices stores float4s: an ``out`` that is not 16-byte aligned (a row view one value in) takes the CuPy
+    sum instead, with the same product."""
+    monkeypatch.setenv(Q.SUM_ENV, "1")
+    asked = []
+    fn = Q._fn
+    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    rng = np.random.default_rng(4)
+    rows, cols, T = 8, 2560, 4
+    raw = blocks(rng, "Q8_0", rows, cols)
+    X = acts(rng, T, cols)
+    assert Q.dense_launch(T, rows, cols, "Q8_0", 132)[3] > 1
+    buf = _h(np.zeros(T * rows + 1, np.float32))
+    out = buf[1:].reshape(T, rows)
+    assert out.ctypes.data % 16 and out.flags.c_contiguous
+    Y = Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols, out=out)
+    assert "qmm_sum_slices" not in asked
+    check(np.asarray(Y), wmat(raw, "Q8_0", rows, cols), X)
+    Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols)
+    assert "qmm_sum_slices" in asked
 
 
 def test_split_counters_never_made_while_capturing(hostcp):

@@ -641,7 +641,8 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // slot, -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the
 // job kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
 // any block size nt <= qmm.py JOBS_THREADS, a multiple of 32 (the host build: one thread). Dynamic shared memory
-// (qmm.py jobs_shared): 3 E + 1 + 2 JOBS_THREADS ints and M keys, M the power of two >= N; E N < 2^32.
+// (qmm.py jobs_shared): 3 E + 1 + 2 JOBS_THREADS ints (of the last, the scan uses 2 (nt / 32)) and M keys, M the power
+// of two >= N; E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
 // M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
 // expert's first position, and the table comes out the same for any block size (no atomics decide an order). Up to
@@ -669,7 +670,7 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     for (int i = tid; i < N; i += nt) atomicAdd(&cnt[ids[i]], 1);
     __syncthreads();
     // exclusive prefix sums of the experts' jobs and pairs: thread t sums its run of experts [t seg, (t + 1) seg),
-    // the runs' sums are scanned across the threads (Hillis-Steele), then each thread writes its experts' prefixes
+    // the runs' sums are scanned across the threads, then each thread writes its experts' prefixes
     const int seg = (E + nt - 1) / nt, e0 = min(E, tid * seg), e1 = min(E, e0 + seg);
     int sj = 0, sp = 0;
     for (int e = e0; e < e1; ++e) { sj += (cnt[e] + jt - 1) / jt; sp += cnt[e]; }

@@ -477,10 +477,11 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
                       (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]),
                        np.int32(T), np.int32(rows), np.int32(cols), np.int32(nz), part, cnt), smem_bytes(f, nt, kc))
     if nz > 1 and not in_kernel:
-        if sum_kernel() and out.flags.c_contiguous:
+        if (sum_kernel() and out.flags.c_contiguous and tuple(out.shape) == (T, int(rows))
+                and int(out.data.ptr) % 16 == 0):  # (the kernel's float4 stores)
             n = T * int(rows)
             runs = n // 4 if n % 4 == 0 else n
-            _fn("qmm_sum_slices")((-(-runs * SUM_GROUP // SUM_THREADS),), (SUM_THREADS,),
+            _fn("qmm_sum_slices", kc)((-(-runs * SUM_GROUP // SUM_THREADS),), (SUM_THREADS,),
                                   (part, out, np.int64(n), np.int32(nz)))
         else:
             cp.sum(part, axis=0, out=out)
@@ -662,7 +663,7 @@ def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
     qs = cp.empty((T, nb), dtype=cp.int32)
     grid = -(-(T * nb * 16) // SPLIT_I8_THREADS)
     ok = cp.ascontiguousarray(rowok, dtype=cp.int32) if rowok is not None else None
-    _fn("qmm_split_i8")((grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
+    _fn("qmm_split_i8", chunk_values(moe=True, layout=42))((grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
     return hi, lo, sc, qs
 
 
