@@ -376,8 +376,9 @@ def test_gpu_route_warp_matches_pf_route(gating, norm, E, k):
 def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
     """pf_gdn_warp (a warp per 4 value columns, lanes over the key rows, shuffle sums: the prefill's default) and
     pf_gdn_chunk on the device, and pf_gdn_step_rw (the state's rows over warps: the batched step's) with its
-    launcher's grid, the full-width shapes included (the batched step's one token of 32 places x 32 heads as 64 heads here): outputs and final states within 1e-5 of the float64 delta rule (the host build checks
-    the kernels with one-lane warps)."""
+    launcher's grid, the full-width shapes included (the batched step's one token of 32 places x 32 heads as 64 heads
+    here): outputs and final states within 1e-5 of the float64 delta rule (the host build checks the kernels with
+    one-lane warps)."""
     import cupy as cp
 
     from stratatools.runtime.gpu import prefill as PF

@@ -108,8 +108,8 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kern
     out = np.full((T, nv * dv), np.nan, np.float32)
     if kernel == "pf_gdn_step_rw":  # (the host's blocks of one thread: a block a column)
         with shared_within(lib, 0):
-            getattr(lib, f"host_{kernel}")(nv, dv, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay), _p(S),
-                                 _p(out), T, nk, nv, dk, dv)
+            getattr(lib, f"host_{kernel}")(nv, dv, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay),
+                                           _p(S), _p(out), T, nk, nv, dk, dv)
     elif kernel == "pf_gdn_warp":
         with shared_within(lib, 0):  # no shared memory
             lib.host_pf_gdn_warp(nv, -(-dv // PF.GDN_WARP_COLUMNS), _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv,

@@ -105,7 +105,8 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 // (pf_route's block takes a tree of 7 barriers a round: 13.5 us a launch for 32 tokens x 256 experts, H200,
 // bench/gpu-notes.md). The softmax's sum is added in another order than pf_route's (the same values to float
 // rounding: two probabilities an ulp apart may tie after one kernel's division and not after the other's, so a
-// softmax router may order them differently; the sigmoid gating divides by nothing and picks as pf_route does). Grid: ceil(T / warps a block), the host build: T blocks of one thread (which holds every value).
+// softmax router may order them differently; the sigmoid gating divides by nothing and picks as pf_route does).
+// Grid: ceil(T / warps a block), the host build: T blocks of one thread (which holds every value).
 #ifdef STRATA_HOST
 #define PF_RW_LANES 1
 #define PF_RW_VPL 512

@@ -760,8 +760,8 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
 // value: about 1.5e-5 of the block's largest value) and float32 sums. A block holding a non-finite value gets
 // q = 0 and s = NaN (the result is NaN, as the float path's).
 //
-// Plane layout: the 4-byte word w of a block (16 words) holds, in bytes i = 0..3, the values 16 (w >> 2) + 4 i + (w & 3):
-// lane c's 16-byte piece at 16 c is, in words r = 0..3, B's registers of k-slots 4 c + i: word 0 (shift 0 of the
+// Plane layout: the 4-byte word w of a block (16 words) holds, in bytes i = 0..3, the values
+// 16 (w >> 2) + 4 i + (w & 3): lane c's 16-byte piece at 16 c is, in words r = 0..3, B's registers of k-slots 4 c + i: word 0 (shift 0 of the
 // codes), word 1 (shift 2) for k-step 0, words 2 and 3 (shifts 4 and 6) for k-step 1, against A's registers
 // (w >> 2 r) & 0x03030303 of the lane's code word (values 16 c + 4 i + r in byte i).
 #ifdef STRATA_HOST
@@ -835,8 +835,8 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
     }
 }
 
-// Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of QI8<KC>::xs
-// bytes, then lo); a slot without a token gets zeros.
+// Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of
+// QI8<KC>::xs bytes, then lo); a slot without a token gets zeros.
 template <int NT, int KC>
 __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
                                           const int* tokrow, int chunk, u8* xs) {

@@ -205,8 +205,8 @@ def host_source() -> str:
           "float* out, int H, int Fd", "job_ptr, doff, job_dst, hhi, hlo, hsc, out, H, Fd")
     ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
            "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n",
-           'extern "C" void host_qmm_sum_slices(unsigned gx, unsigned gy, const float* P, float* Y, long long n, int nz) '
-           "{\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz); });\n}\n",
+           'extern "C" void host_qmm_sum_slices(unsigned gx, unsigned gy, const float* P, float* Y, long long n, '
+           "int nz) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz); });\n}\n",
            'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
            "const u64* ptr_row, int jmax, int jt, u64* job_ptr, int* job_tok, int* job_dst) {\n    host_run_grid(gx, gy, "
            "[&]() { qmm_jobs(ids, N, k, E, ptr_row, jmax, jt, job_ptr, job_tok, job_dst); });\n}\n"]
@@ -232,8 +232,8 @@ def host_source() -> str:
         for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
             ent.append(f'extern "C" void host_{name}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}>({call}); }});\n}}\n")
-    ent.append('extern "C" void host_qmm_split_i8(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
-               "const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { "
+    ent.append('extern "C" void host_qmm_split_i8(unsigned gx, unsigned gy, const float* X, long long ldx, int T, '
+               "int K, const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { "
                "qmm_split_i8(X, ldx, T, K, rowok, xh, xl, xs, xq); });\n}\n")
     ent.append(
         'extern "C" void host_mma_tile(const u16* A, const u16* B, const float* C, float* D) {\n'
@@ -663,7 +663,8 @@ def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
     qs = cp.empty((T, nb), dtype=cp.int32)
     grid = -(-(T * nb * 16) // SPLIT_I8_THREADS)
     ok = cp.ascontiguousarray(rowok, dtype=cp.int32) if rowok is not None else None
-    _fn("qmm_split_i8", chunk_values(moe=True, layout=42))((grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
+    _fn("qmm_split_i8", chunk_values(moe=True, layout=42))(
+        (grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
     return hi, lo, sc, qs
 
 
