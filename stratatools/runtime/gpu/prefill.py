@@ -1322,8 +1322,8 @@ class ChunkPrefill:
     def _moe_gpu(self, il: int, x: Any, ids: Any, w: Any) -> Any:
         """Layer ``il``'s MoE of the rows x [T, n] on CuPy with its routing left on the device: the router for T
         tokens (:meth:`_route_launch`) into ``ids`` int32 [T, k] / ``w`` float32 [T, k] (device views the caller reads
-        later), the routed experts (:meth:`_routed_gpu`: blob addresses from the decoder's slot table) and the shared expert,
-        on a second stream beside the routed experts where ``_shared_side`` is set
+        later), the routed experts (:meth:`_routed_gpu`: blob addresses from the decoder's slot table) and the shared
+        expert, on a second stream beside the routed experts where ``_shared_side`` is set
         (:data:`stratatools.runtime.gpu.kernels.SHARED_SIDE_ENV`). Returns y [T, n] float32. Raises StrataError when
         k exceeds the layer's experts."""
         cp, k = self.cp, self.k

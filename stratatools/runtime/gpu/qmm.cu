@@ -761,9 +761,9 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
 // q = 0 and s = NaN (the result is NaN, as the float path's).
 //
 // Plane layout: the 4-byte word w of a block (16 words) holds, in bytes i = 0..3, the values
-// 16 (w >> 2) + 4 i + (w & 3): lane c's 16-byte piece at 16 c is, in words r = 0..3, B's registers of k-slots 4 c + i: word 0 (shift 0 of the
-// codes), word 1 (shift 2) for k-step 0, words 2 and 3 (shifts 4 and 6) for k-step 1, against A's registers
-// (w >> 2 r) & 0x03030303 of the lane's code word (values 16 c + 4 i + r in byte i).
+// 16 (w >> 2) + 4 i + (w & 3): lane c's 16-byte piece at 16 c is, in words r = 0..3, B's registers of k-slots
+// 4 c + i: word 0 (shift 0 of the codes), word 1 (shift 2) for k-step 0, words 2 and 3 (shifts 4 and 6) for k-step 1,
+// against A's registers (w >> 2 r) & 0x03030303 of the lane's code word (values 16 c + 4 i + r in byte i).
 #ifdef STRATA_HOST
 #define QI8_GROUP 1    // threads a block of 64 values (the host build: one thread does its 16 words)
 #else
