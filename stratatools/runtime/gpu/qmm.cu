@@ -103,11 +103,11 @@ template <int F> __device__ __forceinline__ void qmm_codes(const u32* w, int s, 
 
 // Issue the loads of this lane's raw weights of chunk `chunk` (QMM_KC values) of its two rows r0 + g, r0 + g + 8
 // (clamped to R - 1) of each of the NM matrices: wr[lane][m][block][row][word], dr[lane][m][block][row].
-template <int F, int NM, int KC = QMM_KC>
+template <int F, int NM>
 __device__ __forceinline__ void qmm_fetch(const u8* const* w, const u16* const* wd, long long rb, int R, int K, int r0,
-                                          int chunk, u32 (*wr)[NM][KC / QFmt<F>::bv][2][QFmt<F>::wpb],
-                                          u16 (*dr)[NM][KC / QFmt<F>::bv][2]) {
-    constexpr int BV = QFmt<F>::bv, BPC = KC / BV;
+                                          int chunk, u32 (*wr)[NM][QMM_KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                          u16 (*dr)[NM][QMM_KC / QFmt<F>::bv][2]) {
+    constexpr int BV = QFmt<F>::bv, BPC = QMM_KC / BV;
     const int nb = K / BV, b0 = chunk * BPC;
     for (int l = 0; l < MMA_LANES; ++l) {
         const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
@@ -128,16 +128,16 @@ __device__ __forceinline__ void qmm_fetch(const u8* const* w, const u16* const* 
 
 // The chunk in flight's raw weights (qmm_fetch's wr / dr) taken into the registers the chunk is computed from (wc /
 // dc), so that the next chunk's loads may go out into wr / dr meanwhile.
-template <int F, int NM, int KC = QMM_KC>
-__device__ __forceinline__ void qmm_take(u32 (*wr)[NM][KC / QFmt<F>::bv][2][QFmt<F>::wpb],
-                                         u16 (*dr)[NM][KC / QFmt<F>::bv][2],
-                                         u32 (*wc)[NM][KC / QFmt<F>::bv][2][QFmt<F>::wpb],
-                                         u16 (*dc)[NM][KC / QFmt<F>::bv][2]) {
+template <int F, int NM>
+__device__ __forceinline__ void qmm_take(u32 (*wr)[NM][QMM_KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                         u16 (*dr)[NM][QMM_KC / QFmt<F>::bv][2],
+                                         u32 (*wc)[NM][QMM_KC / QFmt<F>::bv][2][QFmt<F>::wpb],
+                                         u16 (*dc)[NM][QMM_KC / QFmt<F>::bv][2]) {
     for (int l = 0; l < MMA_LANES; ++l)
         #pragma unroll
         for (int m = 0; m < NM; ++m)
             #pragma unroll
-            for (int b = 0; b < KC / QFmt<F>::bv; ++b)
+            for (int b = 0; b < QMM_KC / QFmt<F>::bv; ++b)
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     dc[l][m][b][h] = dr[l][m][b][h];
@@ -769,9 +769,8 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
 #else
 #define QI8_GROUP 16
 #endif
-// Bytes a staged token row for chunks of KC values (rows 64 mod 128 bytes apart: a quarter warp's 16-byte loads
-// fall on distinct banks).
-template <int KC> struct QI8 { static constexpr int xs = KC + 64; };
+// Bytes a staged token row (rows 64 mod 128 bytes apart: a quarter warp's 16-byte loads fall on distinct banks).
+#define QI8_XS (QMM_KC + 64)
 
 // xh, xl [T, K] bytes (as words [T, K / 4]), xs [T, K / 64] float, xq [T, K / 64] int; K a multiple of 64. Rows t with
 // rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim) blocks, blockDim a multiple
@@ -836,11 +835,11 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
 }
 
 // Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of
-// QI8<KC>::xs bytes, then lo); a slot without a token gets zeros.
-template <int NT, int KC>
+// QI8_XS bytes, then lo); a slot without a token gets zeros.
+template <int NT>
 __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
                                           const int* tokrow, int chunk, u8* xs) {
-    constexpr int BPC = KC / 64, TOK = 8 * NT, XS = QI8<KC>::xs;
+    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT, XS = QI8_XS;
     const int nb = K >> 6, b0 = chunk * BPC;
     const int pieces = min(BPC, nb - b0) * 4;
     for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
@@ -855,7 +854,14 @@ __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* _
 
 // Dynamic shared memory of the integer job kernels (qmm.py smem_bytes_i8): two stage buffers of both planes, then the
 // job's tokens' block scales ssc [nb][TOK] (float) and sums sq [nb][TOK] (int).
-template <int NT, int KC> struct QmmSmemI8 { static constexpr int stage = 2 * 2 * 8 * NT * QI8<KC>::xs; };
+template <int NT> struct QmmSmemI8 { static constexpr int stage = 2 * 2 * 8 * NT * QI8_XS; };
+
+// The pointers into that memory of a kernel of JT-token jobs over rows of K values (its first nb = K / 64 blocks).
+template <int JT> __device__ __forceinline__ void qi8_smem(int K, u8*& stage, float*& ssc, int*& sq) {
+    stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
+    ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8>::stage);
+    sq = reinterpret_cast<int*>(ssc + (K >> 6) * JT);
+}
 
 // Load the job's tokens' block scales and sums into shared memory (zeros for an empty slot). The tile's first
 // barrier orders these writes before their reads.
@@ -871,13 +877,13 @@ __device__ __forceinline__ void qi8_scales(const float* __restrict__ gs, const i
 }
 
 // The integer tile: acc[m][n] = the 16 rows r0.. of the NM Q2_0 matrices (w[m], rb bytes a row, R rows of K values)
-// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb), k staged KC values at a time (a chunk of the
-// whole row issues every weight load of the row at once). All threads of the block call it.
-template <int NT, int NM, int KC>
+// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb), k staged QMM_KC values at a time. All threads of
+// the block call it.
+template <int NT, int NM>
 __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R, int K, int r0,
                                          const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
                                          const float* ssc, const int* sq, u8* xs, mma_c (*acc)[NT]) {
-    constexpr int BPC = KC / 64, TOK = 8 * NT, XS = QI8<KC>::xs;
+    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT, XS = QI8_XS;
     const int nb = K >> 6, nch = (nb + BPC - 1) / BPC;
     #pragma unroll
     for (int m = 0; m < NM; ++m)
@@ -885,13 +891,13 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
         for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
     u32 wr[MMA_LANES][NM][BPC][2][1];
     u16 dr[MMA_LANES][NM][BPC][2];
-    qi8_stage<NT, KC>(xh, xl, K, tokrow, 0, xs);
+    qi8_stage<NT>(xh, xl, K, tokrow, 0, xs);
     cp_async_commit();
-    qmm_fetch<42, NM, KC>(w, nullptr, rb, R, K, r0, 0, wr, dr);
+    qmm_fetch<42, NM>(w, nullptr, rb, R, K, r0, 0, wr, dr);
     for (int chunk = 0; chunk < nch; ++chunk) {
         const int b0 = chunk * BPC, nbc = min(BPC, nb - b0), buf = chunk & 1;
         if (chunk + 1 < nch) {
-            qi8_stage<NT, KC>(xh, xl, K, tokrow, chunk + 1, xs + (buf ^ 1) * 2 * TOK * XS);
+            qi8_stage<NT>(xh, xl, K, tokrow, chunk + 1, xs + (buf ^ 1) * 2 * TOK * XS);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -902,8 +908,8 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
         const u8* xs_lo = xs_hi + TOK * XS;
         u32 wc[MMA_LANES][NM][BPC][2][1];
         u16 dc[MMA_LANES][NM][BPC][2];
-        qmm_take<42, NM, KC>(wr, dr, wc, dc);
-        if (chunk + 1 < nch) qmm_fetch<42, NM, KC>(w, nullptr, rb, R, K, r0, chunk + 1, wr, dr);
+        qmm_take<42, NM>(wr, dr, wc, dc);
+        if (chunk + 1 < nch) qmm_fetch<42, NM>(w, nullptr, rb, R, K, r0, chunk + 1, wr, dr);
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
             if (b >= nbc) break;
@@ -969,14 +975,15 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
 }
 
 // gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
-// Dynamic shared memory: QmmSmemI8<JT / 8, KC>::stage + 8 (H / 64) JT bytes.
-template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
+// Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes.
+template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
         int H, int Fd) {
-    u8* stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
-    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8, KC>::stage);
-    int* sq = reinterpret_cast<int*>(ssc + (H >> 6) * JT);
+    u8* stage;
+    float* ssc;
+    int* sq;
+    qi8_smem<JT>(H, stage, ssc, sq);
     __shared__ int tokrow[JT];
     const int j = blockIdx.y;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
@@ -990,7 +997,7 @@ template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS
     const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     mma_c acc[2][JT / 8];
-    qi8_tile<JT / 8, 2, KC>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
+    qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < Fd && tokrow[s] >= 0) {
             const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
@@ -1000,14 +1007,15 @@ template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS
 }
 
 // down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be
-// split). Dynamic shared memory: QmmSmemI8<JT / 8, KC>::stage + 8 (Fd / 64) JT bytes.
-template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
+// split). Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (Fd / 64) JT bytes.
+template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u8* __restrict__ hh,
         const u8* __restrict__ hl, const float* __restrict__ hs, const int* __restrict__ hq, float* __restrict__ out,
         int H, int Fd) {
-    u8* stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
-    float* ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8, KC>::stage);
-    int* sq = reinterpret_cast<int*>(ssc + (Fd >> 6) * JT);
+    u8* stage;
+    float* ssc;
+    int* sq;
+    qi8_smem<JT>(Fd, stage, ssc, sq);
     __shared__ int tokrow[JT];
     __shared__ int dst[JT];
     const int j = blockIdx.y;
@@ -1019,7 +1027,7 @@ template <int JT, int KC = QMM_KC> __global__ void __launch_bounds__(QMM_THREADS
     const long long rb = (long long)(Fd / 64) * 18;
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     mma_c acc[1][JT / 8];
-    qi8_tile<JT / 8, 1, KC>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
+    qi8_tile<JT / 8, 1>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < H && tokrow[s] >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i];
     });
