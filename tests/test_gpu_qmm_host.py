@@ -107,6 +107,21 @@ def experts(rng, tname: str, E: int, hidden: int, ff: int, wrap=lambda a: a):
     return blobs, mats
 
 
+def job_case(rng, tname: str, E: int, hidden: int, ff: int, T: int, k: int, jt: int):
+    """A routed-expert case: E random experts (:func:`experts`), T tokens routed to k distinct experts each (expert 0
+    gets every token: more than one job), their jobs of jt tokens (expert_jobs), the jobs' blob addresses and the
+    activations X [T, hidden] (row 1 1e4 times the rest). Returns (blobs, mats, ids, ptr, (je, job_tok, job_dst), X):
+    the caller keeps ``blobs``, which own the memory ``ptr`` points at."""
+    blobs, mats = experts(rng, tname, E, hidden, ff)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    ids[:, 0] = 0
+    jobs = expert_jobs(ids, jt)
+    ptr = np.array([blobs[e].ctypes.data for e in jobs[0]], dtype=np.uint64)
+    X = rng.standard_normal((T, hidden)).astype(np.float32)
+    X[1] *= np.float32(1e4)
+    return blobs, mats, ids, ptr, jobs, X
+
+
 def acts(rng, T: int, K: int) -> np.ndarray:
     """Activations with rows of very different magnitude (1e-30 .. 1e30, a zero row, a row with one outlier)."""
     X = rng.standard_normal((T, K)).astype(np.float32)
@@ -476,16 +491,10 @@ def test_moe_jobs_match_float64(lib, tname, hidden, ff, T, E, k, jt):
     """Routed experts as jobs of one expert and up to jt (8, 16 or 32) tokens: gate/up with the silu epilogue into hbuf,
     then down into the pair's own row, against float64 per pair (blobs read through host addresses, as through the
     slot table's device addresses)."""
-    rng = np.random.default_rng(hidden + T)
-    blobs, mats = experts(rng, tname, E, hidden, ff)
-    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
-    ids[:, 0] = 0  # expert 0 gets every token: more than one job
     tt = jt
-    je, jt, jd = expert_jobs(ids, tt)
+    blobs, mats, ids, ptr, (je, jt, jd), X = job_case(np.random.default_rng(hidden + T), tname, E, hidden, ff, T, k,
+                                                      tt)
     J = je.size
-    ptr = np.array([blobs[e].ctypes.data for e in je], dtype=np.uint64)
-    X = rng.standard_normal((T, hidden)).astype(np.float32)
-    X[1] *= np.float32(1e4)
     xh, xl, xs = split_host(lib, X)
     hbuf = np.full((J * tt, ff), np.nan, dtype=np.float32)
     f = Q.LAYOUTS[tname]
@@ -628,17 +637,10 @@ def test_moe_jobs_i8_match_float64(request, hidden, ff, T, E, k, jt, kc):
     rows' own split (the empty slots' rows, NaN here, left out by rowok); k in one chunk, several, a partial last; the
     host build's chunk (128 values) and the device's default for these jobs (256)."""
     lib = request.getfixturevalue("lib" if kc == Q.KC else "lib256")
-    rng = np.random.default_rng(hidden + T + jt)
-    tname = "Q2_0"
-    blobs, mats = experts(rng, tname, E, hidden, ff)
-    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
-    ids[:, 0] = 0
     tt = jt
-    je, jt_, jd = expert_jobs(ids, tt)
+    blobs, mats, ids, ptr, (je, jt_, jd), X = job_case(np.random.default_rng(hidden + T + jt), "Q2_0", E, hidden, ff,
+                                                       T, k, tt)
     J = je.size
-    ptr = np.array([blobs[e].ctypes.data for e in je], dtype=np.uint64)
-    X = rng.standard_normal((T, hidden)).astype(np.float32)
-    X[1] *= np.float32(1e4)
     X[2, 5] = 300.0  # an outlier: its block's other values keep fewer bits
     xq = split_i8_host(lib, X)
     hbuf = np.full((J * tt, ff), np.nan, dtype=np.float32)
