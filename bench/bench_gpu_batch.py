@@ -50,23 +50,20 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: ``mma-eager`` and ``hgemm-eager``: those steps launched from Python every time (STRATATOOLS_BATCH_GRAPH=0, no
 #: CUDA graph); ``moekc256`` / ``kc256`` / ``kc256all``: the expert job / dense / both tensor-core kernels staging 256
 #: values of k at a time (STRATATOOLS_QMM_MOE_KC, STRATATOOLS_QMM_KC); ``noside``: the shared expert after the routed
-#: ones (STRATATOOLS_SHARED_SIDE=0); ``job8``: the routed-expert jobs of 8 tokens (STRATATOOLS_BATCH_JOB=8); ``i8`` /
-#: ``fp16jobs``: the Q2_0 expert jobs on the integer / the fp16 hi-lo kernels (STRATATOOLS_QMM_JOBS_I8=1 / 0);
-#: ``fill3`` /
-#: ``fill4``: the dense launches' split of k aiming at 3 / 4 blocks a SM (STRATATOOLS_QMM_SHORT_FILL); ``sum`` /
-#: ``cpsum``: the split of k's slices added by ``qmm_sum_slices`` / by CuPy (STRATATOOLS_QMM_SUM=1 / 0); ``rwarp``:
-#: the router a warp a token (STRATATOOLS_ROUTE_WARP=1); ``new`` / ``old``: both on / off.
+#: ones (STRATATOOLS_SHARED_SIDE=0); ``job8``: the routed-expert jobs of 8 tokens (STRATATOOLS_BATCH_JOB=8);
+#: ``fp16jobs``: the Q2_0 expert jobs on the fp16 hi-lo kernels (STRATATOOLS_QMM_JOBS_I8=0); ``fill3`` / ``fill4``: the
+#: dense launches' split of k aiming at 3 / 4 blocks a SM (STRATATOOLS_QMM_SHORT_FILL); ``cpsum``: the split of k's
+#: slices added by CuPy (STRATATOOLS_QMM_SUM=0); ``blockroute``: the router a block a token (STRATATOOLS_ROUTE_WARP=0);
+#: ``old``: both of the last two.
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
             "moekc256": {"STRATATOOLS_QMM_MOE_KC": "256"}, "kc256": {"STRATATOOLS_QMM_KC": "256"},
             "kc256all": {"STRATATOOLS_QMM_MOE_KC": "256", "STRATATOOLS_QMM_KC": "256"},
             "noside": {"STRATATOOLS_SHARED_SIDE": "0"}, "job8": {"STRATATOOLS_BATCH_JOB": "8"},
-            "i8": {"STRATATOOLS_QMM_JOBS_I8": "1"}, "fp16jobs": {"STRATATOOLS_QMM_JOBS_I8": "0"},
+            "fp16jobs": {"STRATATOOLS_QMM_JOBS_I8": "0"},
             "fill3": {"STRATATOOLS_QMM_SHORT_FILL": "3"}, "fill4": {"STRATATOOLS_QMM_SHORT_FILL": "4"},
-            "sum": {"STRATATOOLS_QMM_SUM": "1"}, "cpsum": {"STRATATOOLS_QMM_SUM": "0"},
-            "rwarp": {"STRATATOOLS_ROUTE_WARP": "1"},
-            "new": {"STRATATOOLS_QMM_SUM": "1", "STRATATOOLS_ROUTE_WARP": "1"},
+            "cpsum": {"STRATATOOLS_QMM_SUM": "0"}, "blockroute": {"STRATATOOLS_ROUTE_WARP": "0"},
             "old": {"STRATATOOLS_QMM_SUM": "0", "STRATATOOLS_ROUTE_WARP": "0"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},
             "eager": {"STRATATOOLS_BATCH_GRAPH": "0"},

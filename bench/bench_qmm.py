@@ -63,7 +63,8 @@ def cuda_ms(cp, fn, reps: int) -> float:
 #: the routed ones instead of beside them (``mma-noside``), the GDN recurrence by the block kernel (``mma-gdnchunk``) or the warp kernel
 #: (``mma-gdnwarp``, the default's setting), the dense matrices of at least 2M / 8M weights through cuBLAS (``mma-big2m``,
 #: ``mma-big8m``: STRATATOOLS_PREFILL_BIG), the routed experts in jobs of 32 tokens (``mma-job32``), the dense kernel with two
-#: 16-row tiles a warp (``mma-dense2``: STRATATOOLS_QMM_DENSE2).
+#: 16-row tiles a warp (``mma-dense2``: STRATATOOLS_QMM_DENSE2), the chunks eagerly (``mma-eager``), the Q2_0 expert jobs
+#: on the fp16 hi-lo kernels (``mma-fp16jobs``: STRATATOOLS_QMM_JOBS_I8=0).
 PREFILL_VARIANTS = {
     "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm"}, "mma": {"STRATATOOLS_PREFILL_GEMM": "mma"},
     "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm"},
@@ -77,7 +78,6 @@ PREFILL_VARIANTS = {
     "mma-big2m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 21)},
     "mma-big8m": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_BIG": str(1 << 23)},
     "mma-eager": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_GRAPH": "0"},
-    "mma-i8": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_JOBS_I8": "1"},
     "mma-fp16jobs": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_JOBS_I8": "0"},
     "mma-graph-nobig": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_PREFILL_GRAPH": "1", "STRATATOOLS_PREFILL_BIG": "0"},
     "mma-nodense2": {"STRATATOOLS_PREFILL_GEMM": "mma", "STRATATOOLS_QMM_DENSE2": "0"},
