@@ -2,7 +2,8 @@
 // compiles as host C++17 after host_kernel_shim.cuh (tests/test_gpu_qmm_host.py).
 //
 // A thin warp-level wrapper of the tensor-core instruction mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32:
-// D[16 x 8] = A[16 x 16] B[16 x 8] + C, A and B half precision, C and D float32.
+// D[16 x 8] = A[16 x 16] B[16 x 8] + C, A and B half precision, C and D float32; and (at the end) of the integer
+// m16n8k32 products the Q2_0 expert jobs take.
 //
 // Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; g = lane >> 2, c = lane & 3):
 //   A: 4 registers of two halves (low half = first element): a0..a7; element ai sits at
