@@ -54,7 +54,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: ``fp16jobs``: the Q2_0 expert jobs on the fp16 hi-lo kernels (STRATATOOLS_QMM_JOBS_I8=0); ``fill3`` / ``fill4``: the
 #: dense launches' split of k aiming at 3 / 4 blocks a SM (STRATATOOLS_QMM_SHORT_FILL); ``cpsum``: the split of k's
 #: slices added by CuPy (STRATATOOLS_QMM_SUM=0); ``blockroute``: the router a block a token (STRATATOOLS_ROUTE_WARP=0);
-#: ``old``: both of the last two.
+#: ``old``: both of the last two; ``noring``: the dense Q8R launches up to 32 tokens on ``qmm_dense`` instead of
+#: ``qmm_dense_ring`` (STRATATOOLS_QMM_RING=0); ``ring4`` / ``ring8`` / ``ring128``: rings of 4 or 8 stages of 64
+#: values, 3 of 128.
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
@@ -63,6 +65,8 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "noside": {"STRATATOOLS_SHARED_SIDE": "0"}, "job8": {"STRATATOOLS_BATCH_JOB": "8"},
             "fp16jobs": {"STRATATOOLS_QMM_JOBS_I8": "0"},
             "fill3": {"STRATATOOLS_QMM_SHORT_FILL": "3"}, "fill4": {"STRATATOOLS_QMM_SHORT_FILL": "4"},
+            "noring": {"STRATATOOLS_QMM_RING": "0"}, "ring4": {"STRATATOOLS_QMM_RING": "4:64"},
+            "ring8": {"STRATATOOLS_QMM_RING": "8:64"}, "ring128": {"STRATATOOLS_QMM_RING": "3:128"},
             "cpsum": {"STRATATOOLS_QMM_SUM": "0"}, "blockroute": {"STRATATOOLS_ROUTE_WARP": "0"},
             "old": {"STRATATOOLS_QMM_SUM": "0", "STRATATOOLS_ROUTE_WARP": "0"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},

@@ -175,6 +175,39 @@ def test_gpu_dense_short_split_sums(layout, rows, cols, T, sm, monkeypatch):
     assert np.all(np.abs(Y1 - ref) <= 1e-5 * (np.abs(X.astype(np.float64)) @ np.abs(W).T) + 1e-30)
 
 
+@pytest.mark.parametrize("rows,cols,T", [(2560, 2560, 32), (12288, 2560, 32), (4, 10240, 32), (320, 10240, 17),
+                                         (300, 1024, 1), (520, 640, 8), (37, 128, 16)])
+@pytest.mark.parametrize("rg", ["4:64", "6:64", "8:64", "3:128", "4:128"])
+def test_gpu_dense_ring_matches_qmm_dense(rows, cols, T, rg, monkeypatch):
+    """qmm_dense_ring (STRATATOOLS_QMM_RING, up to 32 tokens): without a split of k the same bits as qmm_dense (the same
+    products in the same order); with one (other slice bounds than qmm_dense's chunks) within 1e-5 of float64 relative
+    to |W| |x|; the same bits twice."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import kernels as K
+    from stratatools.runtime.gpu import qmm
+
+    rkc = int(rg.split(":")[1])
+    if cols % rkc:
+        pytest.skip("K is not whole chunks of the ring: qmm.dense takes qmm_dense")
+    rng = np.random.default_rng(rows + cols + T)
+    args, W = _matrix(rng, "Q8R", rows, cols)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    X[0] *= 1e3
+    monkeypatch.setenv(qmm.RING_ENV, rg)
+    Y1 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
+    assert np.array_equal(Y1, cp.asnumpy(qmm.dense(cp.asarray(X), *args)))
+    ref = X.astype(np.float64) @ W.T
+    assert np.all(np.abs(Y1 - ref) <= 1e-5 * (np.abs(X.astype(np.float64)) @ np.abs(W).T) + 1e-30)
+    nz = qmm.dense_launch(T, rows, cols, "Q8R", K._device_limits()[0], rkc)[3]
+    if nz == 1:
+        monkeypatch.setenv(qmm.RING_ENV, "0")
+        monkeypatch.setenv(qmm.DENSE2_ENV, "0")
+        # qmm_dense without its own split of k (a grid that fills the SMs: the same single slice)
+        if qmm.dense_launch(T, rows, cols, "Q8R", K._device_limits()[0])[3] == 1:
+            assert np.array_equal(Y1, cp.asnumpy(qmm.dense(cp.asarray(X), *args)))
+
+
 @pytest.mark.parametrize("hidden,ff", [(2560, 640), (1024, 512), (640, 192), (640, 704)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
 def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):

@@ -511,6 +511,157 @@ template <int F, int NT, int MT = 1> __global__ void __launch_bounds__(QMM_THREA
                    min(8 * NT, T - t0));
 }
 
+// ---- dense Q8R through a ring of stages (up to 32 tokens: the batched step; qmm.py RING_ENV) -----------------------
+// The products of qmm_dense<0, NT> in the same order (nz = 1: bit for bit its Y), the weights waiting elsewhere.
+// qmm_dense loads a lane's weights into registers one chunk ahead, so a block has one chunk of weights in flight: at 32
+// tokens the large matrices streamed at 0.5-0.7 TB/s (H200: the 12,288-row attention matrix 61 us in 192 blocks),
+// bounded by the loads' latency. Here the block copies its 16 nw rows' codes and scales, with its tokens' hi / lo
+// halves, into a ring of S stages of shared memory (cp.async), S - 1 chunks of RKC values ahead of the chunk computed;
+// one barrier a chunk (the stage refilled after it is the one every warp finished computing before it).
+// A stage (bytes): codes [16 nw][RKC + 32] (the padding puts lanes g = 0..7's 8-byte reads of their rows on distinct
+// banks), scales [16 nw][RKC / 32] fp16, then hi [8 NT][RKC + 32] and lo halves (as QmmXS<0>). K is a multiple of RKC
+// (qmm.py takes qmm_dense for other K). Grid, split of k (chunks of RKC), P and cnt as qmm_dense.
+template <int NT, int RKC> struct QmmRing {
+    static constexpr int BPC = RKC / 32, WS = RKC + 32, XS = RKC + 32, DB = RKC / 16, TOK = 8 * NT;
+    // bytes of one stage for nw warps (qmm.py ring_smem_bytes)
+    static __device__ __forceinline__ int stage(int nw) { return 16 * nw * (WS + DB) + 2 * TOK * XS * 2; }
+};
+
+// Issue the copies of chunk `chunk` into stage st: rows rbase .. rbase + nrows - 1 (clamped to R - 1), the block's
+// tokens (tokrow; a slot without a token gets zeros).
+template <int NT, int RKC>
+__device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
+                                              int rbase, int nrows, const u16* __restrict__ xhi,
+                                              const u16* __restrict__ xlo, const int* tokrow, int chunk, u8* st) {
+    using G = QmmRing<NT, RKC>;
+    constexpr int WP = RKC / 16, XP = RKC / 8;  // 16-byte pieces of a row's codes, of a token's halves
+    u8* sw = st;
+    u8* sd = st + nrows * G::WS;
+    u16* sx = reinterpret_cast<u16*>(sd + nrows * G::DB);
+    const long long k0 = (long long)chunk * RKC;
+    for (int i = threadIdx.x; i < nrows * WP; i += blockDim.x) {
+        const int r = i / WP, p = i - r * WP;
+        const long long row = min(rbase + r, R - 1);
+        cp_async16(sw + r * G::WS + 16 * p, w + row * K + k0 + 16 * p);
+    }
+    for (int r = threadIdx.x; r < nrows; r += blockDim.x) {
+        const long long row = min(rbase + r, R - 1);
+        const u16* src = wd + row * (long long)(K / 32) + k0 / 32;
+        if constexpr (G::DB == 16) cp_async16(sd + r * G::DB, src);
+        else cp_async_small<G::DB>(sd + r * G::DB, src);
+    }
+    for (int i = threadIdx.x; i < 2 * G::TOK * XP; i += blockDim.x) {
+        const int lohi = i / (G::TOK * XP), rem = i - lohi * G::TOK * XP, slot = rem / XP, p = rem - slot * XP;
+        const int row = tokrow[slot];
+        u16* dst = sx + (lohi * G::TOK + slot) * G::XS + 8 * p;
+        if (row >= 0) cp_async16(dst, (lohi ? xlo : xhi) + (long long)row * K + k0 + 8 * p);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+template <int NT, int S, int RKC> __global__ void __launch_bounds__(QMM_THREADS) qmm_dense_ring(
+        const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
+        const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
+        int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
+    using G = QmmRing<NT, RKC>;
+    static_assert(S >= 2, "a ring of at least two stages");
+    (void)rb;  // (Q8R: K bytes a row)
+    u8* ring = reinterpret_cast<u8*>(QMM_SMEM_BASE);
+    __shared__ int tokrow[G::TOK];
+    __shared__ int last;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    const int nrows = 16 * nw, stage = G::stage(nw);
+    const int z = (int)blockIdx.y % nz, tile = (int)blockIdx.y / nz;
+    const int t0 = tile * G::TOK;
+    const int nch = K / RKC, per = (nch + nz - 1) / nz;
+    const int c0 = min(nch, z * per), c1 = min(nch, c0 + per);
+    float* dst = nz == 1 ? Y : P + (long long)z * T * R;
+    const long long ldd = nz == 1 ? ldy : (long long)R;
+    for (int s = threadIdx.x; s < G::TOK; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
+    __syncthreads();
+    const int rbase = (int)blockIdx.x * nrows, wrow = 16 * warp;  // the warp's rows: rbase + wrow + 0 .. 15
+    const int r0 = rbase + wrow;
+    mma_c acc[NT];
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) mma_zero(acc[n]);
+    #pragma unroll 1
+    for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
+        if (c0 + s < c1) qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, c0 + s, ring + s * stage);
+        cp_async_commit();
+    }
+    for (int chunk = c0; chunk < c1; ++chunk) {
+        cp_async_wait<S - 2>();  // this chunk's group has landed (groups committed: S - 1 + (chunk - c0))
+        __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
+        const int nx = chunk + S - 1;
+        if (nx < c1)
+            qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, nx, ring + ((nx - c0) % S) * stage);
+        cp_async_commit();
+        const u8* st = ring + ((chunk - c0) % S) * stage;
+        const u16* sd = reinterpret_cast<const u16*>(st + nrows * G::WS);
+        const u16* xs_hi = reinterpret_cast<const u16*>(st + nrows * (G::WS + G::DB));
+        const u16* xs_lo = xs_hi + G::TOK * G::XS;
+        #pragma unroll
+        for (int b = 0; b < G::BPC; ++b) {
+            mma_a A[2];
+            float d0[MMA_LANES], d1[MMA_LANES];
+            for (int l = 0; l < MMA_LANES; ++l) {
+                const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32* p = reinterpret_cast<const u32*>(st + (wrow + g + 8 * h) * G::WS + 32 * b + 8 * c);
+                    const u32 wv[2] = {p[0], p[1]};
+                    qmm_codes<0>(wv, 0, A[0].x[l][h], A[0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
+                    qmm_codes<0>(wv, 1, A[1].x[l][h], A[1].x[l][2 + h]);
+                }
+                d0[l] = mma_h2f(sd[(wrow + g) * G::BPC + b]);
+                d1[l] = mma_h2f(sd[(wrow + g + 8) * G::BPC + b]);
+            }
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                mma_b Bh[2], Bl[2];
+                for (int l = 0; l < MMA_LANES; ++l) {
+                    const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+                    const int o = (8 * n + g) * G::XS + b * 32 + 8 * c;
+                    const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
+                    const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
+                    Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
+                    Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
+                }
+                mma_c Pp;
+                mma_zero(Pp);
+                #pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    mma_sync(Pp, A[s], Bh[s]);
+                    mma_sync(Pp, A[s], Bl[s]);
+                }
+                for (int l = 0; l < MMA_LANES; ++l) {
+                    acc[n].x[l][0] += d0[l] * Pp.x[l][0];
+                    acc[n].x[l][1] += d0[l] * Pp.x[l][1];
+                    acc[n].x[l][2] += d1[l] * Pp.x[l][2];
+                    acc[n].x[l][3] += d1[l] * Pp.x[l][3];
+                }
+            }
+        }
+    }
+    qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
+        const int t = tokrow[s];
+        if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[n].x[l][i] * xsc[t];
+    });
+    if (nz == 1 || cnt == nullptr) return;  // (no counters: the caller adds the slices)
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int c = (int)blockIdx.x + (int)gridDim.x * tile;
+        last = atomicAdd(cnt + c, 1) == nz - 1;
+        if (last) cnt[c] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    qmm_add_slices(P, Y, ldy, T, R, nz, rbase, min(nrows, R - rbase), t0, min(G::TOK, T - t0));
+}
+
 // The slots of a down job j (all threads of the block call it; ends with a barrier): dst[s] = job_dst[j JT + s] (the
 // pair's output row, -1 for an empty slot) and tokrow[s] = its hidden row j JT + s (-1 for an empty slot). Returns
 // whether the job has work (an empty job's first slot is empty: qmm_jobs' spares).
