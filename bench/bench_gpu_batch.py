@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: slices added by CuPy (STRATATOOLS_QMM_SUM=0); ``blockroute``: the router a block a token (STRATATOOLS_ROUTE_WARP=0);
 #: ``old``: both of the last two; ``noring``: the dense Q8R launches up to 32 tokens on ``qmm_dense`` instead of
 #: ``qmm_dense_ring`` (STRATATOOLS_QMM_RING=0); ``ring4`` / ``ring8`` / ``ring128``: rings of 4 or 8 stages of 64
-#: values, 3 of 128.
+#: values, 3 of 128; ``nojring``: the integer expert jobs' weights in registers (STRATATOOLS_QMM_JOBS_RING=0);
+#: ``jring4`` / ``jring128`` / ``jring6``: their rings of 4 x 256, 4 x 128, 6 x 128 values; ``norings``: neither ring.
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
@@ -67,6 +68,9 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "fill3": {"STRATATOOLS_QMM_SHORT_FILL": "3"}, "fill4": {"STRATATOOLS_QMM_SHORT_FILL": "4"},
             "noring": {"STRATATOOLS_QMM_RING": "0"}, "ring4": {"STRATATOOLS_QMM_RING": "4:64"},
             "ring8": {"STRATATOOLS_QMM_RING": "8:64"}, "ring128": {"STRATATOOLS_QMM_RING": "3:128"},
+            "nojring": {"STRATATOOLS_QMM_JOBS_RING": "0"}, "jring4": {"STRATATOOLS_QMM_JOBS_RING": "4:256"},
+            "jring128": {"STRATATOOLS_QMM_JOBS_RING": "4:128"}, "jring6": {"STRATATOOLS_QMM_JOBS_RING": "6:128"},
+            "norings": {"STRATATOOLS_QMM_JOBS_RING": "0", "STRATATOOLS_QMM_RING": "0"},
             "cpsum": {"STRATATOOLS_QMM_SUM": "0"}, "blockroute": {"STRATATOOLS_ROUTE_WARP": "0"},
             "old": {"STRATATOOLS_QMM_SUM": "0", "STRATATOOLS_ROUTE_WARP": "0"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},

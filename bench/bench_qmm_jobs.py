@@ -9,9 +9,12 @@ For each token count T (``--tokens``, default 32 and 512) and job size: the devi
 then each path's gate/up and down launches (splits included) timed with CUDA events over ``--reps`` routings (a new
 layer each), printed as ms a layer, the bytes of the touched experts a second (each touched expert's blob read once),
 and the ratio fp16 / integer (> 1: the integer path faster), and the largest difference of the integer path's output
-from the fp16 path's, relative to the largest output.
+from the fp16 path's, relative to the largest output. ``--rings`` times the integer path once per
+``STRATATOOLS_QMM_JOBS_RING`` value (``0``: each lane's weights in registers; ``S:RKC``: through a ring of shared-memory
+stages) and says whether each gives the first one's bits.
 
-Usage: python bench/bench_qmm_jobs.py [--tokens 32,512] [--jobs 8,16] [--layers 8] [--reps 16] [--out res.json]
+Usage: python bench/bench_qmm_jobs.py [--tokens 32,512] [--jobs 8,16] [--layers 8] [--reps 16] [--rings 0,3:256]
+       [--out res.json]
 Under Nsight Compute: ``ncu --clock-control none -k regex:qmm_moe -c 4 python bench/bench_qmm_jobs.py --reps 1``.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,8 +41,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rings", default="0,3:256",
+                    help="integer paths timed: STRATATOOLS_QMM_JOBS_RING values (0: the weights in registers)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    rings = [r.strip() for r in a.rings.split(",") if r.strip()]
     import cupy as cp
 
     from stratatools.runtime.gpu import qmm
@@ -86,7 +93,10 @@ def main() -> int:
                 return out
 
             res = {}
-            for name, fn in (("fp16", fp16), ("int8", int8)):
+            paths = [("fp16", fp16, None)] + [("int8" if r == "0" else f"int8r{r}", int8, r) for r in rings]
+            for name, fn, rg in paths:
+                if rg is not None:
+                    os.environ[qmm.JOBS_RING_ENV] = rg
                 fn(tables[0])  # compile and warm
                 cp.cuda.Device().synchronize()
                 s, e = cp.cuda.Event(), cp.cuda.Event()
@@ -96,15 +106,22 @@ def main() -> int:
                 e.record()
                 e.synchronize()
                 res[name] = cp.cuda.get_elapsed_time(s, e) / a.reps
-            o16, o8 = fp16(tables[0]), int8(tables[0])
-            rel = float(cp.abs(o8 - o16).max() / cp.abs(o16).max())
-            row = {"tokens": T, "job": jt, "fp16_ms": res["fp16"], "int8_ms": res["int8"],
-                   "fp16_tbs": touched / a.reps / res["fp16"] / 1e9, "int8_tbs": touched / a.reps / res["int8"] / 1e9,
-                   "ratio": res["fp16"] / res["int8"], "rel_diff": rel}
+            o16 = fp16(tables[0])
+            outs = {}
+            for name, fn, rg in paths[1:]:
+                os.environ[qmm.JOBS_RING_ENV] = rg
+                outs[name] = fn(tables[0])
+            os.environ.pop(qmm.JOBS_RING_ENV, None)
+            first = paths[1][0]
+            rel = float(cp.abs(outs[first] - o16).max() / cp.abs(o16).max())
+            same = {n: bool(cp.array_equal(o, outs[first])) for n, o in outs.items()}
+            row = {"tokens": T, "job": jt, "ms": res, "tbs": {n: touched / a.reps / v / 1e9 for n, v in res.items()},
+                   "fp16_ms": res["fp16"], "int8_ms": res[first], "ratio": res["fp16"] / res[first], "rel_diff": rel,
+                   "same_bits_as_first_int8": same}
             rows.append(row)
-            print(f"T {T:4d} job {jt:2d}: fp16 {res['fp16']:.3f} ms ({row['fp16_tbs']:.2f} TB/s)  int8 "
-                  f"{res['int8']:.3f} ms ({row['int8_tbs']:.2f} TB/s)  fp16/int8 {row['ratio']:.2f}x  "
-                  f"rel diff {rel:.2e}", flush=True)
+            print(f"T {T:4d} job {jt:2d}: " + "  ".join(f"{n} {v:.3f} ms ({row['tbs'][n]:.2f} TB/s)"
+                                                      for n, v in res.items())
+                  + f"  fp16/{first} {row['ratio']:.2f}x  rel diff {rel:.2e}  same bits {same}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0

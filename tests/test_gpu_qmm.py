@@ -252,6 +252,39 @@ def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):
             assert np.all(np.abs(out[t * k + r] - dn @ hv) <= i8_bound(dn, hv)), (t, r)
 
 
+@pytest.mark.parametrize("hidden,ff", [(2560, 640), (640, 704), (1024, 192)])
+@pytest.mark.parametrize("jt", [8, 16, 32])
+def test_gpu_moe_jobs_i8_ring_is_qi8_tile(hidden, ff, jt, monkeypatch):
+    """The integer jobs with their weights through the ring of shared-memory stages (STRATATOOLS_QMM_JOBS_RING, every
+    ring of JOBS_RINGS) give the same bits as the register-prefetch tile (0), gate/up and down, blobs in VRAM at
+    row offsets of every even value mod 16."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.prefill import expert_jobs
+
+    rng = np.random.default_rng(hidden + 3 * jt)
+    E, T, k = 6, 50, 4
+    blobs, _ = _experts(rng, "Q2_0", E, hidden, ff)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    je, jtok, jd = expert_jobs(ids, jt)
+    ptr = cp.asarray(np.array([int(blobs[e].data.ptr) for e in je], dtype=np.uint64))
+    X = cp.asarray(rng.standard_normal((T, hidden)).astype(np.float32))
+    djt, djd = cp.asarray(jtok), cp.asarray(jd)
+    got = {}
+    for rg in ["0"] + [f"{a}:{b}" for a, b in qmm.JOBS_RINGS]:
+        monkeypatch.setenv(qmm.JOBS_RING_ENV, rg)
+        hbuf = cp.full((je.size * jt, ff), cp.nan, dtype=cp.float32)
+        qmm.moe_gate_up_i8(ptr, djt, qmm.split_i8(X), hbuf, hidden, ff, jt)
+        out = cp.full((T * k, hidden), cp.nan, dtype=cp.float32)
+        qmm.moe_down_i8(ptr, 2 * ff * hidden // 64 * 18, djd, qmm.split_i8(hbuf, djd), out, hidden, ff, jt)
+        got[rg] = (cp.asnumpy(hbuf), cp.asnumpy(out))
+    h0, o0 = got["0"]
+    assert np.all(np.isfinite(o0))
+    for rg, (h, o) in got.items():
+        assert np.array_equal(h[jtok >= 0], h0[jtok >= 0]) and np.array_equal(o, o0), rg
+
+
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 256, 1), (512, 10, 256, 2), (1, 4, 300, 3), (40, 2, 3, 4),
                                         (33, 7, 12288, 5), (1000, 8, 64, 6)])
 @pytest.mark.parametrize("jt", [8, 16, 32])

@@ -66,6 +66,10 @@ def _host_lib(tmp_path_factory, kc: int):
     for jt in Q.JOB_SIZES:
         getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
         getattr(h, f"host_qmm_moe_down_i8_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
+    for st, rkc in Q.JOBS_RING_HOST:
+        for jt in Q.JOB_SIZES:
+            getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
+            getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
     h.host_qmm_split_i8.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
@@ -745,6 +749,57 @@ def test_moe_jobs_i8_match_float64(request, hidden, ff, T, E, k, jt, kc):
     assert np.max(np.abs(hbuf[slot] - _silu_np(g @ x) * (mats[ids[0, 0]][1] @ x))) > 0
 
 
+@pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 16), (320, 192, 41, 5, 3, 32),
+                                                (640, 320, 9, 4, 2, 8), (640, 704, 9, 4, 2, 16)])
+@pytest.mark.parametrize("st,rkc", Q.JOBS_RING_HOST)
+def test_moe_jobs_i8_ring_is_qi8_tile_bit_for_bit(lib, hidden, ff, T, E, k, jt, st, rkc):
+    """The integer jobs with their weights through the ring (qi8r_tile: each row's chunk copied as the 16-byte pieces
+    that cover it from any even offset) compute qi8_tile's products in its order: the same float32 bits, gate/up and
+    down, for rows whose chunks start at every even offset mod 16 (rows of 54, 90, 180 or 198 bytes), a partial last
+    chunk (704 / 64 = 11 blocks), rows that do not fill a block's warps; the ring's shared memory as the launcher
+    asks."""
+    blobs, mats, ids, ptr, (je, jt_, jd), X = job_case(np.random.default_rng(hidden + T + 3 * jt), "Q2_0", E, hidden,
+                                                       ff, T, k, jt)
+    assert all(b.ctypes.data % 16 == 0 for b in blobs)  # (the pieces' aligned starts lie in the blob's own granules)
+    J = je.size
+    xq = split_i8_host(lib, X)
+    doff = 2 * (ff * hidden // 64) * 18
+    got = []
+    for ring in (None, (st, rkc)):
+        sfx = "" if ring is None else f"_{st}_{rkc}"
+        hbuf = np.full((J * jt, ff), np.nan, dtype=np.float32)
+        with shared_within(lib, Q.smem_bytes_i8(jt // 8, hidden, Q.KC, ring, 2, warps=1)):
+            getattr(lib, f"host_qmm_moe_gu_i8_{jt}{sfx}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq),
+                                                          _p(hbuf), hidden, ff)
+        hq = split_i8_host(lib, hbuf, jd)
+        out = np.full((T * k, hidden), np.nan, dtype=np.float32)
+        with shared_within(lib, Q.smem_bytes_i8(jt // 8, ff, Q.KC, ring, 1, warps=1)):
+            getattr(lib, f"host_qmm_moe_down_i8_{jt}{sfx}")(-(-hidden // 16), J, _p(ptr), doff, _p(jd),
+                                                            *(_p(a) for a in hq), _p(out), hidden, ff)
+        got.append((hbuf, out))
+    used = jt_ >= 0
+    assert np.all(np.isfinite(got[0][0][used])) and np.all(np.isfinite(got[0][1]))
+    assert np.array_equal(got[0][0][used], got[1][0][used]) and np.all(np.isnan(got[1][0][~used]))
+    assert np.array_equal(got[0][1], got[1][1])
+
+
+def test_jobs_ring_switch(monkeypatch):
+    """STRATATOOLS_QMM_JOBS_RING: the default ring unless 0, S:RKC from JOBS_RINGS, other values refused; the stage's
+    bytes as qmm.cu's QI8Ring (rows of 16-byte pieces covering 4 blocks of 18 bytes from any even offset: 6 pieces)."""
+    monkeypatch.delenv(Q.JOBS_RING_ENV, raising=False)
+    assert Q.jobs_ring() == Q.JOBS_RING_DEFAULT
+    monkeypatch.setenv(Q.JOBS_RING_ENV, "0")
+    assert Q.jobs_ring() is None
+    monkeypatch.setenv(Q.JOBS_RING_ENV, "4:128")
+    assert Q.jobs_ring() == (4, 128)
+    for bad in ("3:64", "3", "a:b", "-3:256"):
+        monkeypatch.setenv(Q.JOBS_RING_ENV, bad)
+        with pytest.raises(StrataError, match=Q.JOBS_RING_ENV):
+            Q.jobs_ring()
+    assert Q.jobs_ring_stage_bytes(1, 2, 256) == 2 * 64 * (6 * 16 + 16) + 2 * 8 * 320
+    assert Q.smem_bytes_i8(1, 2560, 256, (3, 256), 2) == 3 * Q.jobs_ring_stage_bytes(1, 2, 256) + 8 * 40 * 8
+
+
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4),
                                         (512, 10, 256, 5), (1, 1, 1, 6), (33, 7, 12288, 7)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
@@ -887,6 +942,8 @@ def hostcp(lib, monkeypatch):
     monkeypatch.setattr(Q, "_fn", fn)
     monkeypatch.setattr(Q, "_ring_fn", lambda name, cfg: Q._fn(name))  # (read at call time: the tests' wrappers see it)
     monkeypatch.setenv(Q.RING_ENV, "4:64")  # a ring the host build has (RING_HOST)
+    monkeypatch.setattr(Q, "_jobs_ring_fn", lambda name, cfg: Q._fn(name))
+    monkeypatch.setenv(Q.JOBS_RING_ENV, "3:256")  # (JOBS_RING_HOST)
     monkeypatch.setattr(K, "_device_limits", lambda: (132, 228 * 1024))
     return fake
 
@@ -1127,6 +1184,10 @@ def test_device_build_has_no_spills(tmp_path):
             "int, float*, int*")
     rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}>({dsig});\n" for s, kc in Q.RINGS
              for nt in Q.TILES[:2]]  # (ring_module's instances)
+    gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
+    dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
+    rings += [f"template __global__ void {k}<{jt}, {s}, {kc}>({sig});\n" for s, kc in Q.JOBS_RINGS
+              for jt in Q.JOB_SIZES for k, sig in (("qmm_moe_gu_i8", gsig), ("qmm_moe_down_i8", dnsig))]
     src = tmp_path / "qmm_dev.cu"
     src.write_text(Q.device_source() + "".join(inst) + "".join(rings))
     r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",

@@ -985,12 +985,12 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
     }
 }
 
-// Issue the copies of chunk `chunk` of the block's tokens' byte planes into stage buffer xs (hi: TOK rows of
-// QI8_XS bytes, then lo); a slot without a token gets zeros.
-template <int NT>
+// Issue the copies of chunk `chunk` (RKC values) of the block's tokens' byte planes into stage buffer xs (hi: TOK rows
+// of XS bytes, then lo); a slot without a token gets zeros.
+template <int NT, int RKC = QMM_KC, int XS = QI8_XS>
 __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
                                           const int* tokrow, int chunk, u8* xs) {
-    constexpr int BPC = QMM_KC / 64, TOK = 8 * NT, XS = QI8_XS;
+    constexpr int BPC = RKC / 64, TOK = 8 * NT;
     const int nb = K >> 6, b0 = chunk * BPC;
     const int pieces = min(BPC, nb - b0) * 4;
     for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
@@ -1007,10 +1007,11 @@ __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* _
 // job's tokens' block scales ssc [nb][TOK] (float) and sums sq [nb][TOK] (int).
 template <int NT> struct QmmSmemI8 { static constexpr int stage = 2 * 2 * 8 * NT * QI8_XS; };
 
-// The pointers into that memory of a kernel of JT-token jobs over rows of K values (its first nb = K / 64 blocks).
-template <int JT> __device__ __forceinline__ void qi8_smem(int K, u8*& stage, float*& ssc, int*& sq) {
+// The pointers into that memory of a kernel of JT-token jobs over rows of K values (its first nb = K / 64 blocks), the
+// scales after `lead` bytes of stages.
+template <int JT> __device__ __forceinline__ void qi8_smem(int K, int lead, u8*& stage, float*& ssc, int*& sq) {
     stage = reinterpret_cast<u8*>(QMM_SMEM_BASE);
-    ssc = reinterpret_cast<float*>(stage + QmmSmemI8<JT / 8>::stage);
+    ssc = reinterpret_cast<float*>(stage + lead);
     sq = reinterpret_cast<int*>(ssc + (K >> 6) * JT);
 }
 
@@ -1027,9 +1028,74 @@ __device__ __forceinline__ void qi8_scales(const float* __restrict__ gs, const i
     }
 }
 
+// One block of 64 values of k (block bg of the row; b of the staged chunk, whose planes are xs_hi / xs_lo, rows of XS
+// bytes): acc[m][n] += the 16 rows' codes (wc[l][m][h]: the lane's code word of row g + 8 h; dc: the rows' fp16 scale
+// bits) times the block's 8 NT tokens, scaled by d_b s_tb.
+template <int NT, int NM, int XS>
+__device__ __forceinline__ void qi8_block(const u32 (*wc)[NM][2], const u16 (*dc)[NM][2], int bg, int b,
+                                          const u8* xs_hi, const u8* xs_lo, const float* ssc, const int* sq,
+                                          mma_c (*acc)[NT]) {
+    constexpr int TOK = 8 * NT;
+    mma_a A[NM][2];  // k-steps 0 and 1 of the block: registers h (row g / g + 8) and 2 + h
+    float d0[MMA_LANES][NM], d1[MMA_LANES][NM];
+    for (int l = 0; l < MMA_LANES; ++l) {
+        #pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 x = wc[l][m][h];
+                A[m][0].x[l][h] = x & 0x03030303u;
+                A[m][0].x[l][2 + h] = (x >> 2) & 0x03030303u;
+                A[m][1].x[l][h] = (x >> 4) & 0x03030303u;
+                A[m][1].x[l][2 + h] = (x >> 6) & 0x03030303u;
+            }
+            d0[l][m] = mma_h2f(dc[l][m][0]);
+            d1[l][m] = mma_h2f(dc[l][m][1]);
+        }
+    }
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        mma_b Bh[2], Bl[2];
+        float s0[MMA_LANES], s1[MMA_LANES];
+        int q0[MMA_LANES], q1[MMA_LANES];
+        for (int l = 0; l < MMA_LANES; ++l) {
+            const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+            const int o = (8 * n + g) * XS + b * 64 + 16 * c;
+            const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
+            const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
+            Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
+            Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
+            const int so = bg * TOK + 8 * n + 2 * c;
+            s0[l] = ssc[so];
+            s1[l] = ssc[so + 1];
+            q0[l] = sq[so];
+            q1[l] = sq[so + 1];
+        }
+        #pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            mma_ci Ph, Pl;
+            for (int l = 0; l < MMA_LANES; ++l) {
+                Ph.x[l][0] = Ph.x[l][1] = Ph.x[l][2] = Ph.x[l][3] = 0;
+                Pl.x[l][0] = Pl.x[l][2] = -q0[l];
+                Pl.x[l][1] = Pl.x[l][3] = -q1[l];
+            }
+            mma_sync_i8s(Ph, A[m][0], Bh[0]);
+            mma_sync_i8s(Ph, A[m][1], Bh[1]);
+            mma_sync_i8u(Pl, A[m][0], Bl[0]);
+            mma_sync_i8u(Pl, A[m][1], Bl[1]);
+            for (int l = 0; l < MMA_LANES; ++l) {
+                acc[m][n].x[l][0] += d0[l][m] * s0[l] * (float)(256 * Ph.x[l][0] + Pl.x[l][0]);
+                acc[m][n].x[l][1] += d0[l][m] * s1[l] * (float)(256 * Ph.x[l][1] + Pl.x[l][1]);
+                acc[m][n].x[l][2] += d1[l][m] * s0[l] * (float)(256 * Ph.x[l][2] + Pl.x[l][2]);
+                acc[m][n].x[l][3] += d1[l][m] * s1[l] * (float)(256 * Ph.x[l][3] + Pl.x[l][3]);
+            }
+        }
+    }
+}
+
 // The integer tile: acc[m][n] = the 16 rows r0.. of the NM Q2_0 matrices (w[m], rb bytes a row, R rows of K values)
-// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb), k staged QMM_KC values at a time. All threads of
-// the block call it.
+// times the block's 8 NT tokens, float32, fully scaled (d_b s_tb), k staged QMM_KC values at a time, each lane's
+// weights loaded into registers one chunk ahead. All threads of the block call it.
 template <int NT, int NM>
 __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R, int K, int r0,
                                          const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
@@ -1064,80 +1130,137 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
         #pragma unroll
         for (int b = 0; b < BPC; ++b) {
             if (b >= nbc) break;
-            mma_a A[NM][2];  // k-steps 0 and 1 of the block: registers h (row g / g + 8) and 2 + h
-            float d0[MMA_LANES][NM], d1[MMA_LANES][NM];
-            for (int l = 0; l < MMA_LANES; ++l) {
+            u32 wb[MMA_LANES][NM][2];
+            u16 db[MMA_LANES][NM][2];
+            for (int l = 0; l < MMA_LANES; ++l)
                 #pragma unroll
-                for (int m = 0; m < NM; ++m) {
+                for (int m = 0; m < NM; ++m)
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const u32 x = wc[l][m][b][h][0];
-                        A[m][0].x[l][h] = x & 0x03030303u;
-                        A[m][0].x[l][2 + h] = (x >> 2) & 0x03030303u;
-                        A[m][1].x[l][h] = (x >> 4) & 0x03030303u;
-                        A[m][1].x[l][2 + h] = (x >> 6) & 0x03030303u;
+                        wb[l][m][h] = wc[l][m][b][h][0];
+                        db[l][m][h] = dc[l][m][b][h];
                     }
-                    d0[l][m] = mma_h2f(dc[l][m][b][0]);
-                    d1[l][m] = mma_h2f(dc[l][m][b][1]);
-                }
-            }
-            const int bg = b0 + b;
-            #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                mma_b Bh[2], Bl[2];
-                float s0[MMA_LANES], s1[MMA_LANES];
-                int q0[MMA_LANES], q1[MMA_LANES];
-                for (int l = 0; l < MMA_LANES; ++l) {
-                    const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                    const int o = (8 * n + g) * XS + b * 64 + 16 * c;
-                    const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
-                    const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
-                    Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
-                    Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
-                    const int so = bg * TOK + 8 * n + 2 * c;
-                    s0[l] = ssc[so];
-                    s1[l] = ssc[so + 1];
-                    q0[l] = sq[so];
-                    q1[l] = sq[so + 1];
-                }
-                #pragma unroll
-                for (int m = 0; m < NM; ++m) {
-                    mma_ci Ph, Pl;
-                    for (int l = 0; l < MMA_LANES; ++l) {
-                        Ph.x[l][0] = Ph.x[l][1] = Ph.x[l][2] = Ph.x[l][3] = 0;
-                        Pl.x[l][0] = Pl.x[l][2] = -q0[l];
-                        Pl.x[l][1] = Pl.x[l][3] = -q1[l];
-                    }
-                    mma_sync_i8s(Ph, A[m][0], Bh[0]);
-                    mma_sync_i8s(Ph, A[m][1], Bh[1]);
-                    mma_sync_i8u(Pl, A[m][0], Bl[0]);
-                    mma_sync_i8u(Pl, A[m][1], Bl[1]);
-                    for (int l = 0; l < MMA_LANES; ++l) {
-                        acc[m][n].x[l][0] += d0[l][m] * s0[l] * (float)(256 * Ph.x[l][0] + Pl.x[l][0]);
-                        acc[m][n].x[l][1] += d0[l][m] * s1[l] * (float)(256 * Ph.x[l][1] + Pl.x[l][1]);
-                        acc[m][n].x[l][2] += d1[l][m] * s0[l] * (float)(256 * Ph.x[l][2] + Pl.x[l][2]);
-                        acc[m][n].x[l][3] += d1[l][m] * s1[l] * (float)(256 * Ph.x[l][3] + Pl.x[l][3]);
-                    }
-                }
-            }
+            qi8_block<NT, NM, XS>(wb, db, b0 + b, b, xs_hi, xs_lo, ssc, sq, acc);
         }
         __syncthreads();
     }
 }
 
+// ---- the integer tile through a ring of stages (qmm.py JOBS_RING_ENV) ----------------------------------------------
+// As qi8_tile, but the block copies its rows' weights (cp.async) with the tokens' planes into a ring of S stages of
+// shared memory, S - 1 chunks of RKC values ahead of the chunk computed (qi8_tile keeps one chunk of a lane's weights
+// in flight in registers: the batched step's job kernels waited on those loads, long-scoreboard stalls first, Nsight
+// Compute). A GGUF Q2_0 row's chunk (18-byte blocks, 2-byte aligned) is copied as the 16-byte pieces that cover it,
+// from the aligned address at or below its first byte (the extra bytes lie in the same 16-byte granules as the row's
+// own, never on another page, and are not read). Stage (bytes): weights [NM][16 nw rows][WS], then the tokens' planes
+// hi [TOK][XS], lo [TOK][XS].
+template <int NT, int NM, int RKC> struct QI8Ring {
+    static constexpr int BPC = RKC / 64, TOK = 8 * NT;
+    static constexpr int WP = (14 + 18 * BPC + 15) / 16;  // pieces that cover a chunk's blocks from any even offset
+    static constexpr int WS = 16 * WP + 16;               // a staged row (16 bytes of padding: rows' banks apart)
+    static constexpr int XS = RKC + 64;                   // a staged token row of one plane (as QI8_XS)
+    static __device__ __forceinline__ int stage(int nw) { return NM * 16 * nw * WS + 2 * TOK * XS; }
+};
+
+template <int NT, int NM, int RKC>
+__device__ __forceinline__ void qi8r_copy(const u8* const* w, long long rb, int R, int K, int rbase, int nrows,
+                                          const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
+                                          int chunk, u8* st) {
+    using G = QI8Ring<NT, NM, RKC>;
+    const int nb = K >> 6, b0 = chunk * G::BPC, nbc = min(G::BPC, nb - b0);
+    for (int i = threadIdx.x; i < NM * nrows * G::WP; i += blockDim.x) {
+        const int u = i / G::WP, p = i - u * G::WP, m = u / nrows, r = u - m * nrows;
+        const long long row = min(rbase + r, R - 1);
+        const unsigned long long a = reinterpret_cast<unsigned long long>(w[m] + row * rb + 18LL * b0);
+        const unsigned long long a16 = a & ~15ull;
+        if (16 * p < (int)(a - a16) + 18 * nbc)
+            cp_async16(st + u * G::WS + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
+    }
+    qi8_stage<NT, RKC, G::XS>(xh, xl, K, tokrow, chunk, st + NM * nrows * G::WS);
+}
+
+template <int NT, int NM, int S, int RKC>
+__device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int R, int K, int rbase,
+                                          const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
+                                          const float* ssc, const int* sq, u8* ring, mma_c (*acc)[NT]) {
+    using G = QI8Ring<NT, NM, RKC>;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int nrows = 16 * nw, wrow = 16 * (int)(threadIdx.x >> 5), stage = G::stage(nw);
+    const int nb = K >> 6, nch = (nb + G::BPC - 1) / G::BPC;
+    #pragma unroll
+    for (int m = 0; m < NM; ++m)
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
+    #pragma unroll 1
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nch) qi8r_copy<NT, NM, RKC>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, s, ring + s * stage);
+        cp_async_commit();
+    }
+    for (int chunk = 0; chunk < nch; ++chunk) {
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        const int nx = chunk + S - 1;
+        if (nx < nch) qi8r_copy<NT, NM, RKC>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, nx, ring + (nx % S) * stage);
+        cp_async_commit();
+        const u8* st = ring + (chunk % S) * stage;
+        const u8* xs_hi = st + NM * nrows * G::WS;
+        const u8* xs_lo = xs_hi + G::TOK * G::XS;
+        const int b0 = chunk * G::BPC, nbc = min(G::BPC, nb - b0);
+        int sh[MMA_LANES][NM][2];  // where the lane's rows' chunk starts in their staged pieces
+        for (int l = 0; l < MMA_LANES; ++l) {
+            const int g = mma_lane(l) >> 2;
+            #pragma unroll
+            for (int m = 0; m < NM; ++m)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const long long row = min(rbase + wrow + g + 8 * h, R - 1);
+                    const int u = m * nrows + wrow + g + 8 * h;
+                    sh[l][m][h] = u * G::WS
+                        + (int)(reinterpret_cast<unsigned long long>(w[m] + row * rb + 18LL * b0) & 15ull);
+                }
+        }
+        #pragma unroll
+        for (int b = 0; b < G::BPC; ++b) {
+            if (b >= nbc) break;
+            u32 wb[MMA_LANES][NM][2];
+            u16 db[MMA_LANES][NM][2];
+            for (int l = 0; l < MMA_LANES; ++l) {
+                const int c = mma_lane(l) & 3;
+                #pragma unroll
+                for (int m = 0; m < NM; ++m)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u16* q = reinterpret_cast<const u16*>(st + sh[l][m][h] + 18 * b);
+                        db[l][m][h] = q[0];
+                        wb[l][m][h] = (u32)q[1 + 2 * c] | ((u32)q[2 + 2 * c] << 16);
+                    }
+            }
+            qi8_block<NT, NM, G::XS>(wb, db, b0 + b, b, xs_hi, xs_lo, ssc, sq, acc);
+        }
+    }
+}
+
+// The bytes of stages before the scales in an integer job kernel's shared memory: QmmSmemI8's two buffers (S = 0:
+// qi8_tile), or the ring's S stages (qi8r_tile, RKC values a stage, NM matrices, nw warps).
+template <int JT, int NM, int S, int RKC> __device__ __forceinline__ int qi8_lead(int nw) {
+    if constexpr (S == 0) return QmmSmemI8<JT / 8>::stage;
+    else return S * QI8Ring<JT / 8, NM, RKC>::stage(nw);
+}
+
 // gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
-// Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes.
-template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
+// S = 0: qi8_tile, dynamic shared memory QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes; else qi8r_tile (a ring of S
+// stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
+template <int JT, int S = 0, int RKC = 0> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
         int H, int Fd) {
     u8* stage;
     float* ssc;
     int* sq;
-    qi8_smem<JT>(H, stage, ssc, sq);
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    qi8_smem<JT>(H, qi8_lead<JT, 2, S, RKC>(nw), stage, ssc, sq);
     __shared__ int tokrow[JT];
     const int j = blockIdx.y;
-    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
     for (int s = threadIdx.x; s < JT; s += blockDim.x) tokrow[s] = job_tok[j * JT + s];
     __syncthreads();
@@ -1148,7 +1271,8 @@ template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3
     const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     mma_c acc[2][JT / 8];
-    qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
+    if constexpr (S == 0) qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
+    else qi8r_tile<JT / 8, 2, S, RKC>(wm, rb, Fd, H, r0 - 16 * warp, xh, xl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < Fd && tokrow[s] >= 0) {
             const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
@@ -1158,19 +1282,20 @@ template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3
 }
 
 // down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be
-// split). Dynamic shared memory: QmmSmemI8<JT / 8>::stage + 8 (Fd / 64) JT bytes.
-template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
+// split). Dynamic shared memory as qmm_moe_gu_i8's over rows of Fd values, one matrix.
+template <int JT, int S = 0, int RKC = 0>
+__global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u8* __restrict__ hh,
         const u8* __restrict__ hl, const float* __restrict__ hs, const int* __restrict__ hq, float* __restrict__ out,
         int H, int Fd) {
     u8* stage;
     float* ssc;
     int* sq;
-    qi8_smem<JT>(Fd, stage, ssc, sq);
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    qi8_smem<JT>(Fd, qi8_lead<JT, 1, S, RKC>(nw), stage, ssc, sq);
     __shared__ int tokrow[JT];
     __shared__ int dst[JT];
     const int j = blockIdx.y;
-    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
     if (!qmm_down_slots<JT>(job_dst, j, dst, tokrow)) return;
     qi8_scales<JT / 8>(hs, hq, Fd >> 6, tokrow, ssc, sq);
@@ -1178,7 +1303,8 @@ template <int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3
     const long long rb = (long long)(Fd / 64) * 18;
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     mma_c acc[1][JT / 8];
-    qi8_tile<JT / 8, 1>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
+    if constexpr (S == 0) qi8_tile<JT / 8, 1>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
+    else qi8r_tile<JT / 8, 1, S, RKC>(wm, rb, H, Fd, r0 - 16 * warp, hh, hl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < H && tokrow[s] >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i];
     });

@@ -235,6 +235,11 @@ def host_source() -> str:
         for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
             ent.append(f'extern "C" void host_{name}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}>({call}); }});\n}}\n")
+    for st, rkc in JOBS_RING_HOST:
+        for jt in JOB_SIZES:
+            for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
+                ent.append(f'extern "C" void host_{name}_{jt}_{st}_{rkc}(unsigned gx, unsigned gy, {decl}) {{\n'
+                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}, {st}, {rkc}>({call}); }});\n}}\n")
     ent.append('extern "C" void host_qmm_split_i8(unsigned gx, unsigned gy, const float* X, long long ldx, int T, '
                "int K, const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { "
                "qmm_split_i8(X, ldx, T, K, rowok, xh, xl, xs, xq); });\n}\n")
@@ -730,31 +735,91 @@ def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
     return hi, lo, sc, qs
 
 
-def smem_bytes_i8(nt: int, cols: int, kc: int = KC) -> int:
+#: ``STRATATOOLS_QMM_JOBS_RING``: the integer expert jobs' weights through a ring of shared-memory stages
+#: (qmm.cu ``qi8r_tile``: several chunks of weights in flight a block instead of one chunk of a lane's in registers):
+#: ``S:RKC`` (stages : values of k a stage, one of :data:`JOBS_RINGS`), ``0`` never (``qi8_tile``). Unset or empty:
+#: :data:`JOBS_RING_DEFAULT`. The same products in the same order either way (the same bits).
+JOBS_RING_ENV = "STRATATOOLS_QMM_JOBS_RING"
+JOBS_RINGS: tuple[tuple[int, int], ...] = ((3, 256), (4, 256), (4, 128), (6, 128))
+JOBS_RING_DEFAULT: tuple[int, int] | None = (3, 256)
+#: The expert ring instances the host build compiles: (S, RKC).
+JOBS_RING_HOST = ((3, 256), (2, 128))
+
+
+def jobs_ring() -> tuple[int, int] | None:
+    """:data:`JOBS_RING_ENV` as (stages, values of k a stage), or None (``0``). Raises StrataError for another value."""
+    v = os.environ.get(JOBS_RING_ENV, "").strip()
+    if not v:
+        return JOBS_RING_DEFAULT
+    if v == "0":
+        return None
+    parts = v.split(":")
+    got = tuple(int(x) for x in parts) if len(parts) == 2 and all(x.isascii() and x.isdigit() for x in parts) else ()
+    if got not in JOBS_RINGS:
+        raise StrataError(f"{JOBS_RING_ENV}={v!r}: use 0 or one of {', '.join(f'{a}:{b}' for a, b in JOBS_RINGS)} "
+                          "(stages:values of k a stage)")
+    return got  # type: ignore[return-value]
+
+
+def jobs_ring_stage_bytes(nt: int, nm: int, rkc: int, warps: int = THREADS // 32) -> int:
+    """Bytes of one stage of the integer jobs' ring (qmm.cu QI8Ring::stage): ``nm`` matrices' rows of 16 a warp (the
+    16-byte pieces that cover a chunk of Q2_0 blocks from any even offset, plus 16 bytes), the 8 ``nt`` tokens' two
+    byte planes (rows of RKC + 64 bytes)."""
+    wp = (14 + 18 * (int(rkc) // 64) + 15) // 16
+    return int(nm) * 16 * int(warps) * (16 * wp + 16) + 2 * 8 * int(nt) * (int(rkc) + 64)
+
+
+@functools.lru_cache(maxsize=None)
+def jobs_ring_module(stages: int, rkc: int) -> Any:
+    """Compile (once per ring) the integer job kernels' ring instances (every job size of :data:`JOB_SIZES`)."""
+    import cupy
+
+    names = [f"{k}<{jt}, {int(stages)}, {int(rkc)}>" for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8") for jt in JOB_SIZES]
+    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=names)
+
+
+def _jobs_ring_fn(name: str, cfg: tuple[int, int]) -> Any:
+    return jobs_ring_module(*cfg).get_function(name)
+
+
+def smem_bytes_i8(nt: int, cols: int, kc: int = KC, ring_cfg: tuple[int, int] | None = None, nm: int = 1,
+                  warps: int = THREADS // 32) -> int:
     """Dynamic shared memory of an integer job kernel (qmm.cu QmmSmemI8) with ``nt`` column tiles over rows of ``cols``
-    values: two stage buffers of both byte planes (rows of QMM_KC + 64 bytes), then the 8 nt tokens' block scales and
-    sums."""
-    return 2 * 2 * 8 * int(nt) * (int(kc) + 64) + 8 * (int(cols) // 64) * 8 * int(nt)
+    values: two stage buffers of both byte planes (rows of QMM_KC + 64 bytes), or with ``ring_cfg`` (S, RKC) the
+    ring's S stages (:func:`jobs_ring_stage_bytes` of ``nm`` matrices, ``warps`` warps), then the 8 nt tokens' block
+    scales and sums."""
+    lead = 2 * 2 * 8 * int(nt) * (int(kc) + 64) if ring_cfg is None else \
+        ring_cfg[0] * jobs_ring_stage_bytes(nt, nm, ring_cfg[1], warps)
+    return lead + 8 * (int(cols) // 64) * 8 * int(nt)
+
+
+def _job_kernel(base: str, jt: int, kc: int, cfg: tuple[int, int] | None) -> Any:
+    if cfg is None:
+        return _fn(f"{base}<{jt}>", kc)
+    return _jobs_ring_fn(f"{base}<{jt}, {cfg[0]}, {cfg[1]}>", cfg)
 
 
 def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any, hidden: int, ff: int,
                    jt: int = JOB_TOKENS) -> None:
-    """:func:`moe_gate_up` for Q2_0 experts on the integer kernel, ``xq`` :func:`split_i8` of X [T, hidden]."""
+    """:func:`moe_gate_up` for Q2_0 experts on the integer kernel, ``xq`` :func:`split_i8` of X [T, hidden]; the
+    weights through the ring of :func:`jobs_ring` where set."""
     J = int(job_ptr.size)
-    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
-    launch_big_shared(_fn(f"qmm_moe_gu_i8<{jt}>", kc), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
-                      (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff)), smem_bytes_i8(jt // 8, hidden, kc))
+    kc, jt, cfg = chunk_values(moe=True, layout=42), job_tokens(jt), jobs_ring()
+    launch_big_shared(_job_kernel("qmm_moe_gu_i8", jt, kc, cfg), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
+                      (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff)),
+                      smem_bytes_i8(jt // 8, hidden, kc, cfg, 2))
 
 
 def moe_down_i8(job_ptr: Any, doff: int, job_dst: Any, hq: tuple[Any, Any, Any, Any], out: Any, hidden: int, ff: int,
                 jt: int = JOB_TOKENS) -> None:
     """:func:`moe_down` for Q2_0 experts on the integer kernel, ``hq`` :func:`split_i8` of hbuf [J jt, ff] (the
-    rows of empty slots may be left out: ``rowok`` = ``job_dst``)."""
+    rows of empty slots may be left out: ``rowok`` = ``job_dst``); the weights through the ring of :func:`jobs_ring`
+    where set."""
     J = int(job_ptr.size)
-    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
-    launch_big_shared(_fn(f"qmm_moe_down_i8<{jt}>", kc), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
+    kc, jt, cfg = chunk_values(moe=True, layout=42), job_tokens(jt), jobs_ring()
+    launch_big_shared(_job_kernel("qmm_moe_down_i8", jt, kc, cfg), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, np.int64(doff), job_dst, *hq, out, np.int32(hidden), np.int32(ff)),
-                      smem_bytes_i8(jt // 8, ff, kc))
+                      smem_bytes_i8(jt // 8, ff, kc, cfg, 1))
 
 
 def moe_down(job_ptr: Any, doff: int, job_dst: Any, hs: tuple[Any, Any, Any], layout: Any, out: Any, hidden: int,
