@@ -445,7 +445,7 @@ SUM_GROUP = 8
 #: products as ``qmm_dense``): ``S:RKC`` (stages : values of k a stage, one of :data:`RINGS`), ``0`` never. Unset or
 #: empty: :data:`RING_DEFAULT`.
 RING_ENV = "STRATATOOLS_QMM_RING"
-RINGS: tuple[tuple[int, int], ...] = ((4, 64), (6, 64), (8, 64), (3, 128), (4, 128))
+RINGS: tuple[tuple[int, int], ...] = ((2, 64), (3, 64), (4, 64), (6, 64), (8, 64), (3, 128), (4, 128))
 RING_DEFAULT: tuple[int, int] | None = (6, 64)
 #: The ring instances the host build (tests) compiles: (NT, S, RKC).
 RING_HOST = tuple((nt, s, rkc) for nt in TILES[:2] for s, rkc in ((2, 64), (4, 64), (3, 128)))
