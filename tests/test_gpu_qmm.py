@@ -178,7 +178,7 @@ def test_gpu_dense_short_split_sums(layout, rows, cols, T, sm, monkeypatch):
 
 @pytest.mark.parametrize("rows,cols,T", [(2560, 2560, 32), (12288, 2560, 32), (4, 10240, 32), (320, 10240, 17),
                                          (300, 1024, 1), (520, 640, 8), (37, 128, 16)])
-@pytest.mark.parametrize("rg", [f"{a}:{b}" for a, b in qmm_host.RINGS])
+@pytest.mark.parametrize("rg", [qmm_host._ring_name(r) for r in qmm_host.RINGS])
 def test_gpu_dense_ring_matches_qmm_dense(rows, cols, T, rg, monkeypatch):
     """qmm_dense_ring (STRATATOOLS_QMM_RING, up to 32 tokens): without a split of k the same bits as qmm_dense (the same
     products in the same order); with one (other slice bounds than qmm_dense's chunks) within 1e-5 of float64 relative

@@ -55,8 +55,9 @@ def _host_lib(tmp_path_factory, kc: int):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
         getattr(h, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
-    for nt, st, rkc in Q.RING_HOST:
-        getattr(h, f"host_qmm_dense_ring_{nt}_{st}_{rkc}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
+    for nt, st, rkc, kg in Q.RING_HOST:
+        getattr(h, f"host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I,
+                                                                            P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
@@ -328,11 +329,11 @@ def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T):
     assert np.allclose(Y, Y1, rtol=1e-6, atol=1e-6 * float(np.abs(Y1).max()))
 
 
-def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: int, nz: int = 1,
+def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: int, kg: int, nz: int = 1,
               add: bool = True) -> np.ndarray:
-    """The host build's qmm_dense_ring<nt, stages, rkc> (one-warp blocks of 16 rows) on Q8R weights, X split by the
-    host qmm_split; k split into nz slices of chunks of rkc values as :func:`dense_host` does, the slices added by the
-    kernel's last slice (``add``) or here."""
+    """The host build's qmm_dense_ring<nt, stages, rkc, kg> (one-warp blocks of 16 rows, the warp playing the kg
+    groups) on Q8R weights, X split by the host qmm_split; k split into nz slices of chunks of rkc values as
+    :func:`dense_host` does, the slices added by the kernel's last slice (``add``) or here."""
     T = X.shape[0]
     hi, lo, sc = split_host(lib, X)
     Y = np.full((T, rows), np.nan, dtype=np.float32)
@@ -340,7 +341,7 @@ def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: i
     gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz
     cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
     with shared_within(lib, stages * Q.ring_stage_bytes(nt, rkc, warps=1)):
-        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}")(
+        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}")(
             gx, gy, _p(W8), _p(Wd), cols, _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P),
             _p(cnt) if add else None)
     if not add:
@@ -350,25 +351,30 @@ def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: i
     return Y
 
 
-@pytest.mark.parametrize("nt,stages,rkc", Q.RING_HOST)
+@pytest.mark.parametrize("nt,stages,rkc,kg", Q.RING_HOST)
 @pytest.mark.parametrize("rows,cols,T", [(37, 640, 5), (16, 128, 16), (21, 384, 9), (40, 1280, 32)])
-def test_dense_ring_is_qmm_dense_bit_for_bit(lib, nt, stages, rkc, rows, cols, T):
-    """qmm_dense_ring (the weights through a ring of shared-memory stages) computes qmm_dense's products in its order:
-    without a split of k the same float32 bits, for rows that do not fill a warp, ranges shorter than the ring, token
-    tiles not filled; and the result within float64's bound."""
+def test_dense_ring_is_qmm_dense_bit_for_bit(lib, nt, stages, rkc, kg, rows, cols, T):
+    """qmm_dense_ring (the weights through a ring of shared-memory stages) computes qmm_dense's products in its order
+    with one group of warps: without a split of k the same float32 bits, for rows that do not fill a warp, ranges
+    shorter than the ring, token tiles not filled; with kg groups (each a share of every stage's blocks, their sums
+    added in group order: another order than qmm_dense's) the same bits on a second run and within float64's
+    bound."""
     if cols % rkc or T > 8 * nt:
         pytest.skip("the launcher does not take the ring for this shape")
     rng = np.random.default_rng(rows * 7 + cols + T + nt)
     W8, Wd, W = dense_case(rng, "Q8R", rows, cols)
     X = acts(rng, T, cols)
-    Y = ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc)
-    assert np.array_equal(Y, dense_host(lib, "Q8R", W8, Wd, X, rows, cols, nt))
+    Y = ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg)
+    if kg == 1:
+        assert np.array_equal(Y, dense_host(lib, "Q8R", W8, Wd, X, rows, cols, nt))
+    else:
+        assert np.array_equal(Y, ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg))
     check(Y, W, X)
 
 
-@pytest.mark.parametrize("nt,stages,rkc", Q.RING_HOST)
+@pytest.mark.parametrize("nt,stages,rkc,kg", Q.RING_HOST)
 @pytest.mark.parametrize("rows,cols,T,nz", [(37, 640, 5, 2), (16, 1280, 32, 7), (18, 384, 16, 3)])
-def test_dense_ring_split_k_matches_float64(lib, nt, stages, rkc, rows, cols, T, nz):
+def test_dense_ring_split_k_matches_float64(lib, nt, stages, rkc, kg, rows, cols, T, nz):
     """The ring's split of k (slices of whole chunks of rkc values; the last slices empty where the chunks run out):
     the kernel's last slice adds them in slice order, or the caller does; both within float64's bound."""
     if cols % rkc or T > 8 * nt:
@@ -376,8 +382,8 @@ def test_dense_ring_split_k_matches_float64(lib, nt, stages, rkc, rows, cols, T,
     rng = np.random.default_rng(rows + cols * 3 + T + nz)
     W8, Wd, W = dense_case(rng, "Q8R", rows, cols)
     X = acts(rng, T, cols)
-    check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, nz), W, X)
-    check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, nz, add=False), W, X)
+    check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz), W, X)
+    check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, add=False), W, X)
 
 
 def test_ring_switch(monkeypatch):
@@ -388,16 +394,22 @@ def test_ring_switch(monkeypatch):
     monkeypatch.setenv(Q.RING_ENV, "0")
     assert Q.ring() is None
     monkeypatch.setenv(Q.RING_ENV, "3:128")
-    assert Q.ring() == (3, 128)
-    for bad in ("5:64", "6", "x:64", "6:64:1", "-1"):
+    assert Q.ring() == (3, 128, 1)
+    monkeypatch.setenv(Q.RING_ENV, "3:128:4")
+    assert Q.ring() == (3, 128, 4)
+    for bad in ("5:64", "6", "x:64", "6:64:3", "3:64:2", "-1", "6:64:1:1"):
         monkeypatch.setenv(Q.RING_ENV, bad)
         with pytest.raises(StrataError, match=Q.RING_ENV):
             Q.ring()
-    assert Q.ring_applies(0, 32, 2560, (6, 64)) and Q.ring_applies(0, 1, 320, (6, 64))
-    assert not Q.ring_applies(0, 33, 2560, (6, 64))       # longer X: qmm_dense
-    assert not Q.ring_applies(0, 32, 320, (3, 128))       # K not whole chunks
-    assert not Q.ring_applies(8, 32, 2560, (6, 64))       # GGUF Q8_0 blocks
+    assert Q.ring_applies(0, 32, 2560, (6, 64, 1)) and Q.ring_applies(0, 1, 320, (6, 64, 1))
+    assert not Q.ring_applies(0, 33, 2560, (6, 64, 1))       # longer X: qmm_dense
+    assert not Q.ring_applies(0, 32, 320, (3, 128, 2))       # K not whole chunks
+    assert not Q.ring_applies(8, 32, 2560, (6, 64, 1))       # GGUF Q8_0 blocks
     assert not Q.ring_applies(0, 32, 2560, None)
+    assert all(rkc // 32 % kg == 0 for _, rkc, kg in Q.RINGS)  # (a stage's blocks split evenly between groups)
+    # the groups' sums meet in the ring's memory: (KG - 1) groups x 4 warps x 32 lanes x NT x 4 floats
+    assert all((kg - 1) * 4 * 32 * nt * 4 * 4 <= s * Q.ring_stage_bytes(nt, rkc) for s, rkc, kg in Q.RINGS
+               for nt in Q.TILES[:2])
     # the device's stage at 4 warps, NT 4, 64 values: codes and scales 64 x (96 + 4), halves 2 x 32 x 96 x 2
     assert Q.ring_stage_bytes(4, 64) == 64 * 100 + 12288
 
@@ -927,6 +939,8 @@ def hostcp(lib, monkeypatch):
                 gx *= block[0] // 16  # a block of 64 values: 16 threads on the device, one host block
             elif base == "qmm_sum_slices":
                 gx *= block[0] // Q.SUM_GROUP  # a run of 4 values: SUM_GROUP threads on the device
+            elif base == "qmm_dense_ring":  # 16 rows a warp of one of the KG groups (the host's warp plays all)
+                gx *= block[0] // 32 // int(targs.rstrip(">").split(",")[3])
             elif base not in ("qmm_split", "qmm_jobs"):
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
             with shared_within(lib, shared_mem):  # the bytes the launcher asks the device for
@@ -952,7 +966,8 @@ def hostcp(lib, monkeypatch):
     ("Q8R", 1, "0", "0", "0"), ("Q8R", 70, "0", "0", "4:64"), ("Q8_0", 20, "0", "0", "4:64"),
     ("Q2_0", 33, "0", "0", "4:64"), ("Q8R", 70, "1", "0", "4:64"), ("Q2_0", 33, "1", "0", "4:64"),
     ("Q8R", 1, "0", "1", "0"), ("Q8_0", 20, "0", "1", "4:64"), ("Q2_0", 7, "0", "1", "4:64"),
-    ("Q8R", 1, "0", "1", "4:64"), ("Q8R", 20, "0", "0", "3:128"), ("Q8R", 32, "0", "1", "2:64")])
+    ("Q8R", 1, "0", "1", "4:64"), ("Q8R", 20, "0", "0", "3:128"), ("Q8R", 32, "0", "1", "2:64"),
+    ("Q8R", 32, "0", "1", "2:64:2"), ("Q8R", 9, "0", "0", "2:64:2")])
 def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
     """qmm.dense / qmm.split: argument order and grid as the device launch has them (rows of 4 warps), against
     float64; with STRATATOOLS_QMM_DENSE2=1 and 128 rows the two-tile kernel runs (its name asked for); with
@@ -960,8 +975,6 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
     32 tokens takes the ring (STRATATOOLS_QMM_RING) where K is whole chunks of it (192: not of 128)."""
     monkeypatch.setenv(Q.DENSE2_ENV, two)
     monkeypatch.setenv(Q.SUM_ENV, sm)
-    if rg == "2:64":  # (a ring only the host build has: its two stages are the smallest)
-        monkeypatch.setattr(Q, "RINGS", Q.RINGS + ((2, 64),))
     monkeypatch.setenv(Q.RING_ENV, rg)
     asked = []
     fn = Q._fn
@@ -981,7 +994,8 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
     assert any(n.startswith("qmm_dense<") and n.count(",") == 2 for n in asked) == (two == "1")
     rung = layout == "Q8R" and rg != "0" and T <= 32 and cols % int(rg.split(":")[1]) == 0
     assert any(n.startswith("qmm_dense_ring<") for n in asked) == rung
-    assert (f"qmm_dense_ring<{Q.token_tile(T)}, {rg.replace(':', ', ')}>" in asked) == rung
+    cfg = tuple(int(v) for v in rg.split(":")) + ((1,) if rg.count(":") == 1 else ())
+    assert (f"qmm_dense_ring<{Q.token_tile(T)}, {', '.join(map(str, cfg))}>" in asked) == rung
     kc = int(rg.split(":")[1]) if rung else Q.KC
     nz = Q.dense_launch(T, rows, cols, tname if layout != "Q8R" else "Q8R", 132, kc)[3]
     assert ("qmm_sum_slices" in asked) == (sm == "1" and nz > 1 and T <= 32)
@@ -1182,7 +1196,7 @@ def test_device_build_has_no_spills(tmp_path):
         inst.append(f"template __global__ void {base}<{targs}({sig});\n")
     dsig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, int, "
             "int, float*, int*")
-    rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}>({dsig});\n" for s, kc in Q.RINGS
+    rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}>({dsig});\n" for s, kc, kg in Q.RINGS
              for nt in Q.TILES[:2]]  # (ring_module's instances)
     gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"

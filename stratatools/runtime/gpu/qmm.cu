@@ -559,19 +559,34 @@ __device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u1
     }
 }
 
-template <int NT, int S, int RKC> __global__ void __launch_bounds__(QMM_THREADS) qmm_dense_ring(
+// KG groups of warps share the block's rows and split each stage's blocks of k between them (group g takes blocks
+// [g BPC / KG, (g + 1) BPC / KG)): KG times the warps a block (128 KG threads) for the same rows and stages, so more
+// warps hide each other's latencies (at 32 tokens one group of 4 warps kept the SMs' issue slots 30% busy, dependency
+// waits first: Nsight Compute, bench/gpu-notes.md). At the end the groups' sums meet in shared memory, added in
+// group order 0 .. KG - 1 (the host build's one thread plays every group's part and adds in the same order). KG = 1:
+// qmm_dense's order exactly.
+template <int NT, int S, int RKC, int KG = 1> __global__ void __launch_bounds__(QMM_THREADS * KG) qmm_dense_ring(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
         int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
     using G = QmmRing<NT, RKC>;
     static_assert(S >= 2, "a ring of at least two stages");
+    static_assert(G::BPC % KG == 0, "a stage's blocks split evenly between the groups");
+    constexpr int BPG = G::BPC / KG;  // blocks of a stage a group computes
+#ifdef STRATA_HOST
+    constexpr int NG = KG;  // (the host's one warp plays every group)
+#else
+    constexpr int NG = 1;
+#endif
     (void)rb;  // (Q8R: K bytes a row)
     u8* ring = reinterpret_cast<u8*>(QMM_SMEM_BASE);
     __shared__ int tokrow[G::TOK];
     __shared__ int last;
-    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
-    const int warp = (int)(threadIdx.x >> 5);
-    const int nrows = 16 * nw, stage = G::stage(nw);
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : KG;  // (host: one warp standing for KG)
+    const int rw = nw / KG;                                          // warps of one group: 16 rows each
+    const int warp = blockDim.x >= 32 ? (int)(threadIdx.x >> 5) : 0;
+    const int grp = warp / rw, wr = warp - grp * rw;
+    const int nrows = 16 * rw, stage = G::stage(rw);
     const int z = (int)blockIdx.y % nz, tile = (int)blockIdx.y / nz;
     const int t0 = tile * G::TOK;
     const int nch = K / RKC, per = (nch + nz - 1) / nz;
@@ -580,11 +595,13 @@ template <int NT, int S, int RKC> __global__ void __launch_bounds__(QMM_THREADS)
     const long long ldd = nz == 1 ? ldy : (long long)R;
     for (int s = threadIdx.x; s < G::TOK; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
     __syncthreads();
-    const int rbase = (int)blockIdx.x * nrows, wrow = 16 * warp;  // the warp's rows: rbase + wrow + 0 .. 15
+    const int rbase = (int)blockIdx.x * nrows, wrow = 16 * wr;  // the warp's rows: rbase + wrow + 0 .. 15
     const int r0 = rbase + wrow;
-    mma_c acc[NT];
+    mma_c acc[NG][NT];
     #pragma unroll
-    for (int n = 0; n < NT; ++n) mma_zero(acc[n]);
+    for (int q = 0; q < NG; ++q)
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) mma_zero(acc[q][n]);
     #pragma unroll 1
     for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
         if (c0 + s < c1) qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, c0 + s, ring + s * stage);
@@ -602,52 +619,88 @@ template <int NT, int S, int RKC> __global__ void __launch_bounds__(QMM_THREADS)
         const u16* xs_hi = reinterpret_cast<const u16*>(st + nrows * (G::WS + G::DB));
         const u16* xs_lo = xs_hi + G::TOK * G::XS;
         #pragma unroll
-        for (int b = 0; b < G::BPC; ++b) {
-            mma_a A[2];
-            float d0[MMA_LANES], d1[MMA_LANES];
-            for (int l = 0; l < MMA_LANES; ++l) {
-                const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32* p = reinterpret_cast<const u32*>(st + (wrow + g + 8 * h) * G::WS + 32 * b + 8 * c);
-                    const u32 wv[2] = {p[0], p[1]};
-                    qmm_codes<0>(wv, 0, A[0].x[l][h], A[0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
-                    qmm_codes<0>(wv, 1, A[1].x[l][h], A[1].x[l][2 + h]);
-                }
-                d0[l] = mma_h2f(sd[(wrow + g) * G::BPC + b]);
-                d1[l] = mma_h2f(sd[(wrow + g + 8) * G::BPC + b]);
-            }
+        for (int q = 0; q < NG; ++q) {
             #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                mma_b Bh[2], Bl[2];
+            for (int bb = 0; bb < BPG; ++bb) {
+                const int b = (NG == 1 ? grp : q) * BPG + bb;
+                mma_a A[2];
+                float d0[MMA_LANES], d1[MMA_LANES];
                 for (int l = 0; l < MMA_LANES; ++l) {
                     const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                    const int o = (8 * n + g) * G::XS + b * 32 + 8 * c;
-                    const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
-                    const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
-                    Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
-                    Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32* p = reinterpret_cast<const u32*>(st + (wrow + g + 8 * h) * G::WS + 32 * b + 8 * c);
+                        const u32 wv[2] = {p[0], p[1]};
+                        qmm_codes<0>(wv, 0, A[0].x[l][h], A[0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
+                        qmm_codes<0>(wv, 1, A[1].x[l][h], A[1].x[l][2 + h]);
+                    }
+                    d0[l] = mma_h2f(sd[(wrow + g) * G::BPC + b]);
+                    d1[l] = mma_h2f(sd[(wrow + g + 8) * G::BPC + b]);
                 }
-                mma_c Pp;
-                mma_zero(Pp);
                 #pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    mma_sync(Pp, A[s], Bh[s]);
-                    mma_sync(Pp, A[s], Bl[s]);
-                }
-                for (int l = 0; l < MMA_LANES; ++l) {
-                    acc[n].x[l][0] += d0[l] * Pp.x[l][0];
-                    acc[n].x[l][1] += d0[l] * Pp.x[l][1];
-                    acc[n].x[l][2] += d1[l] * Pp.x[l][2];
-                    acc[n].x[l][3] += d1[l] * Pp.x[l][3];
+                for (int n = 0; n < NT; ++n) {
+                    mma_b Bh[2], Bl[2];
+                    for (int l = 0; l < MMA_LANES; ++l) {
+                        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+                        const int o = (8 * n + g) * G::XS + b * 32 + 8 * c;
+                        const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
+                        const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
+                        Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
+                        Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
+                    }
+                    mma_c Pp;
+                    mma_zero(Pp);
+                    #pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        mma_sync(Pp, A[s], Bh[s]);
+                        mma_sync(Pp, A[s], Bl[s]);
+                    }
+                    for (int l = 0; l < MMA_LANES; ++l) {
+                        acc[q][n].x[l][0] += d0[l] * Pp.x[l][0];
+                        acc[q][n].x[l][1] += d0[l] * Pp.x[l][1];
+                        acc[q][n].x[l][2] += d1[l] * Pp.x[l][2];
+                        acc[q][n].x[l][3] += d1[l] * Pp.x[l][3];
+                    }
                 }
             }
         }
     }
-    qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
-        const int t = tokrow[s];
-        if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[n].x[l][i] * xsc[t];
-    });
+    if constexpr (KG > 1) {  // the groups' sums added in group order into group 0's (host: its own accumulators)
+#ifdef STRATA_HOST
+        for (int q = 1; q < KG; ++q)
+            for (int n = 0; n < NT; ++n)
+                for (int l = 0; l < MMA_LANES; ++l)
+                    for (int i = 0; i < 4; ++i) acc[0][n].x[l][i] += acc[q][n].x[l][i];
+#else
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the ring: its memory holds the groups' sums now
+        float* red = reinterpret_cast<float*>(ring);  // [KG - 1][rw][32 lanes][NT][4]
+        const int lane = (int)(threadIdx.x & 31);
+        if (grp > 0) {
+            float* r = red + (((grp - 1) * rw + wr) * 32 + lane) * NT * 4;
+            #pragma unroll
+            for (int n = 0; n < NT; ++n)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) r[n * 4 + i] = acc[0][n].x[0][i];
+        }
+        __syncthreads();
+        if (grp == 0) {
+            #pragma unroll 1
+            for (int q = 1; q < KG; ++q) {
+                const float* r = red + (((q - 1) * rw + wr) * 32 + lane) * NT * 4;
+                #pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[0][n].x[0][i] += r[n * 4 + i];
+            }
+        }
+#endif
+    }
+    if (grp == 0)  // (the other groups stay for the barriers below)
+        qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
+            const int t = tokrow[s];
+            if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[0][n].x[l][i] * xsc[t];
+        });
     if (nz == 1 || cnt == nullptr) return;  // (no counters: the caller adds the slices)
     __threadfence();
     __syncthreads();

@@ -192,7 +192,7 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
 def host_source() -> str:
     """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
     lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and
-    ``host_qmm_dense_<F>_4_2``, two row tiles a warp; ``host_qmm_dense_ring_<NT>_<S>_<RKC>`` for :data:`RING_HOST`),
+    ``host_qmm_dense_<F>_4_2``, two row tiles a warp; ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>``, :data:`RING_HOST`),
     ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
     wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
     D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
@@ -216,9 +216,9 @@ def host_source() -> str:
                        f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {nt}>({dense[1]}); }});\n}}\n")
         ent.append(f'extern "C" void host_qmm_dense_{f}_{DENSE2_NT}_2(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {DENSE2_NT}, 2>({dense[1]}); }});\n}}\n")
-    for nt, st, rkc in RING_HOST:
-        ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
-                   f"    host_run_grid(gx, gy, [&]() {{ qmm_dense_ring<{nt}, {st}, {rkc}>({dense[1]}); }});\n}}\n")
+    for nt, st, rkc, kg in RING_HOST:
+        ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
+                   f"    host_run_grid(gx, gy, [&]() {{ qmm_dense_ring<{nt}, {st}, {rkc}, {kg}>({dense[1]}); }});\n}}\n")
     for f in sorted(set(LAYOUTS.values())):
         ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
@@ -442,28 +442,36 @@ SUM_GROUP = 8
 
 #: ``STRATATOOLS_QMM_RING``: up to 32 tokens, Q8R matrices whose K is a multiple of the ring's chunk go through
 #: ``qmm_dense_ring`` (qmm.cu: the weights copied into a ring of shared-memory stages, several chunks ahead; the same
-#: products as ``qmm_dense``): ``S:RKC`` (stages : values of k a stage, one of :data:`RINGS`), ``0`` never. Unset or
+#: products as ``qmm_dense``): ``S:RKC`` or ``S:RKC:KG`` (stages : values of k a stage : groups of 4 warps that share
+#: a block's rows and split each stage's k, 128 KG threads a block; one of :data:`RINGS`), ``0`` never. Unset or
 #: empty: :data:`RING_DEFAULT`.
 RING_ENV = "STRATATOOLS_QMM_RING"
-RINGS: tuple[tuple[int, int], ...] = ((2, 64), (3, 64), (4, 64), (6, 64), (8, 64), (3, 128), (4, 128))
-RING_DEFAULT: tuple[int, int] | None = (6, 64)
-#: The ring instances the host build (tests) compiles: (NT, S, RKC).
-RING_HOST = tuple((nt, s, rkc) for nt in TILES[:2] for s, rkc in ((2, 64), (4, 64), (3, 128)))
+RINGS: tuple[tuple[int, int, int], ...] = ((2, 64, 1), (3, 64, 1), (4, 64, 1), (6, 64, 1), (8, 64, 1), (3, 128, 1),
+                                           (4, 128, 1), (2, 64, 2), (4, 64, 2), (2, 128, 2), (3, 128, 4))
+RING_DEFAULT: tuple[int, int, int] | None = (6, 64, 1)
+#: The ring instances the host build (tests) compiles: (NT, S, RKC, KG).
+RING_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2] for s, rkc, kg in ((2, 64, 1), (4, 64, 1), (3, 128, 1),
+                                                                           (2, 64, 2), (3, 128, 4)))
 
 
-def ring() -> tuple[int, int] | None:
-    """:data:`RING_ENV` as (stages, values of k a stage), or None (``0``: the ring is not used). Raises StrataError for
-    another value."""
+def _ring_name(cfg: tuple[int, ...]) -> str:
+    return ":".join(str(v) for v in (cfg if cfg[2] != 1 else cfg[:2]))
+
+
+def ring() -> tuple[int, int, int] | None:
+    """:data:`RING_ENV` as (stages, values of k a stage, groups of warps), or None (``0``: the ring is not used).
+    Raises StrataError for another value."""
     v = os.environ.get(RING_ENV, "").strip()
     if not v:
         return RING_DEFAULT
     if v == "0":
         return None
     parts = v.split(":")
-    got = tuple(int(x) for x in parts) if len(parts) == 2 and all(x.isascii() and x.isdigit() for x in parts) else ()
+    ok = len(parts) in (2, 3) and all(x.isascii() and x.isdigit() for x in parts)
+    got = tuple(int(x) for x in parts) + ((1,) if len(parts) == 2 else ()) if ok else ()
     if got not in RINGS:
-        raise StrataError(f"{RING_ENV}={v!r}: use 0 or one of {', '.join(f'{a}:{b}' for a, b in RINGS)} "
-                          "(stages:values of k a stage)")
+        raise StrataError(f"{RING_ENV}={v!r}: use 0 or one of {', '.join(_ring_name(r) for r in RINGS)} "
+                          "(stages:values of k a stage[:groups of warps])")
     return got  # type: ignore[return-value]
 
 
@@ -475,19 +483,20 @@ def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def ring_module(stages: int, rkc: int) -> Any:
-    """Compile (once per ring) the ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values (NT 2 and 4)."""
+def ring_module(stages: int, rkc: int, kg: int = 1) -> Any:
+    """Compile (once per ring) the ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values and ``kg``
+    groups of warps (NT 2 and 4)."""
     import cupy
 
-    names = [f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}>" for nt in TILES[:2]]
+    names = [f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}, {int(kg)}>" for nt in TILES[:2]]
     return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=names)
 
 
-def _ring_fn(name: str, cfg: tuple[int, int]) -> Any:
+def _ring_fn(name: str, cfg: tuple[int, int, int]) -> Any:
     return ring_module(*cfg).get_function(name)
 
 
-def ring_applies(layout_id: int, T: int, cols: int, cfg: tuple[int, int] | None) -> bool:
+def ring_applies(layout_id: int, T: int, cols: int, cfg: tuple[int, int, int] | None) -> bool:
     """Does :func:`dense` take ``qmm_dense_ring`` (ring ``cfg``, :func:`ring`) for T tokens over a matrix of layout id
     ``layout_id`` with rows of ``cols`` values: Q8R, up to 32 tokens, cols a multiple of the ring's chunk?"""
     return cfg is not None and layout_id == 0 and 0 < T <= 8 * TILES[1] and cols % cfg[1] == 0
@@ -538,8 +547,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     args = (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]), np.int32(T),
             np.int32(rows), np.int32(cols), np.int32(nz), part, cnt)
     if rung and cfg:
-        fn = _ring_fn(f"qmm_dense_ring<{nt}, {cfg[0]}, {cfg[1]}>", cfg)
-        launch_big_shared(fn, (gx, gy), (THREADS,), args, cfg[0] * ring_stage_bytes(nt, cfg[1]))
+        fn = _ring_fn(f"qmm_dense_ring<{nt}, {cfg[0]}, {cfg[1]}, {cfg[2]}>", cfg)
+        launch_big_shared(fn, (gx, gy), (THREADS * cfg[2],), args, cfg[0] * ring_stage_bytes(nt, cfg[1]))
     else:
         name = f"qmm_dense<{f}, {nt}, 2>" if two is not None else f"qmm_dense<{f}, {nt}>"
         launch_big_shared(_fn(name, kc), (gx, gy), (THREADS,), args, smem_bytes(f, nt, kc))
