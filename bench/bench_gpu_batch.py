@@ -59,8 +59,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: values, 3 of 128; ``nojring``: the integer expert jobs' weights in registers (STRATATOOLS_QMM_JOBS_RING=0);
 #: ``jring4`` / ``jring128`` / ``jring6``: their rings of 4 x 256, 4 x 128, 6 x 128 values; ``norings``: neither ring;
 #: ``ring3f4`` / ``ring2f4`` / ``ring4f3``: dense rings of 3, 2, 4 stages of 64 values (4, 5, 3 blocks a SM) with the
-#: split of k aimed at 4, 4, 3 blocks a SM; ``kg2`` / ``kg2b`` / ``kg2c`` / ``kg4``: dense rings whose blocks hold 2 or 4
-#: groups of 4 warps sharing the rows (2 x 64, 4 x 64, 2 x 128 values with 2 groups; 3 x 128 with 4).
+#: split of k aimed at 4, 4, 3 blocks a SM; ``kg2`` / ``kg2b`` / ``kg2c`` / ``kg4``: dense rings whose blocks hold 2
+#: or 4 groups of 4 warps sharing the rows (2 x 64, 4 x 64, 2 x 128 values with 2 groups; 3 x 128 with 4).
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},

@@ -217,8 +217,9 @@ def host_source() -> str:
         ent.append(f'extern "C" void host_qmm_dense_{f}_{DENSE2_NT}_2(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {DENSE2_NT}, 2>({dense[1]}); }});\n}}\n")
     for nt, st, rkc, kg in RING_HOST:
-        ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
-                   f"    host_run_grid(gx, gy, [&]() {{ qmm_dense_ring<{nt}, {st}, {rkc}, {kg}>({dense[1]}); }});\n}}\n")
+        inst = f"qmm_dense_ring<{nt}, {st}, {rkc}, {kg}>"
+        ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}(unsigned gx, unsigned gy, '
+                   f"{dense[0]}) {{\n    host_run_grid(gx, gy, [&]() {{ {inst}({dense[1]}); }});\n}}\n")
     for f in sorted(set(LAYOUTS.values())):
         ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
