@@ -449,7 +449,7 @@ SUM_GROUP = 8
 RING_ENV = "STRATATOOLS_QMM_RING"
 RINGS: tuple[tuple[int, int, int], ...] = ((2, 64, 1), (3, 64, 1), (4, 64, 1), (6, 64, 1), (8, 64, 1), (3, 128, 1),
                                            (4, 128, 1), (2, 64, 2), (4, 64, 2), (2, 128, 2), (3, 128, 4))
-RING_DEFAULT: tuple[int, int, int] | None = (6, 64, 1)
+RING_DEFAULT: tuple[int, int, int] | None = (4, 64, 2)
 #: The ring instances the host build (tests) compiles: (NT, S, RKC, KG).
 RING_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2] for s, rkc, kg in ((2, 64, 1), (4, 64, 1), (3, 128, 1),
                                                                            (2, 64, 2), (3, 128, 4)))
@@ -752,6 +752,10 @@ def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
 JOBS_RING_ENV = "STRATATOOLS_QMM_JOBS_RING"
 JOBS_RINGS: tuple[tuple[int, int], ...] = ((3, 256), (4, 256), (4, 128), (6, 128))
 JOBS_RING_DEFAULT: tuple[int, int] | None = (3, 256)
+#: The largest job (tokens) that takes the ring: jobs of 8 (the batched step) ran faster through it, jobs of 16 (the
+#: prefill) slower (H200, bench_qmm_jobs.py: 0.260 -> 0.235 ms a layer at 32 tokens in jobs of 8, 0.825 -> 0.902 at 512
+#: in jobs of 16; bench/gpu-notes.md).
+JOBS_RING_MAX_JT = 8
 #: The expert ring instances the host build compiles: (S, RKC).
 JOBS_RING_HOST = ((3, 256), (2, 128))
 
@@ -812,9 +816,10 @@ def _job_kernel(base: str, jt: int, kc: int, cfg: tuple[int, int] | None) -> Any
 def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any, hidden: int, ff: int,
                    jt: int = JOB_TOKENS) -> None:
     """:func:`moe_gate_up` for Q2_0 experts on the integer kernel, ``xq`` :func:`split_i8` of X [T, hidden]; the
-    weights through the ring of :func:`jobs_ring` where set."""
+    weights through the ring of :func:`jobs_ring` where set, for jobs of up to :data:`JOBS_RING_MAX_JT` tokens."""
     J = int(job_ptr.size)
-    kc, jt, cfg = chunk_values(moe=True, layout=42), job_tokens(jt), jobs_ring()
+    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
+    cfg = jobs_ring() if jt <= JOBS_RING_MAX_JT else None
     launch_big_shared(_job_kernel("qmm_moe_gu_i8", jt, kc, cfg), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff)),
                       smem_bytes_i8(jt // 8, hidden, kc, cfg, 2))
@@ -824,9 +829,10 @@ def moe_down_i8(job_ptr: Any, doff: int, job_dst: Any, hq: tuple[Any, Any, Any, 
                 jt: int = JOB_TOKENS) -> None:
     """:func:`moe_down` for Q2_0 experts on the integer kernel, ``hq`` :func:`split_i8` of hbuf [J jt, ff] (the
     rows of empty slots may be left out: ``rowok`` = ``job_dst``); the weights through the ring of :func:`jobs_ring`
-    where set."""
+    where set, for jobs of up to :data:`JOBS_RING_MAX_JT` tokens."""
     J = int(job_ptr.size)
-    kc, jt, cfg = chunk_values(moe=True, layout=42), job_tokens(jt), jobs_ring()
+    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
+    cfg = jobs_ring() if jt <= JOBS_RING_MAX_JT else None
     launch_big_shared(_job_kernel("qmm_moe_down_i8", jt, kc, cfg), (-(-hidden // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, np.int64(doff), job_dst, *hq, out, np.int32(hidden), np.int32(ff)),
                       smem_bytes_i8(jt // 8, ff, kc, cfg, 1))
