@@ -5,11 +5,13 @@ dense shapes (hidden 2560; enough copies of each that successive launches do not
 benchmark, not a timed test: every ring runs in the same process on the same matrices and activations.
 
 For each token count (``--tokens``) and shape (``--shapes``, rows x cols): ``qmm.dense`` with X already split (the
-split of k's sum launch included), timed with CUDA events over ``--reps`` launches on successive copies, for each ring
-in ``--rings`` (``0``: ``qmm_dense``); printed as us a launch, the weights' bytes a second (codes and scales), the ratio
-to the first ring named (> 1: faster), and the largest difference from its output relative to its largest value.
+split of k's sum launch included), ``--reps`` launches on successive copies captured into a CUDA graph and one replay
+timed with CUDA events (launched from Python one by one, the small matrices measured Python's 40 us a launch), for each
+ring in ``--rings`` (``0``: ``qmm_dense``; ``S:RKC[:KG]``); printed as us a launch, the weights' bytes a second (codes
+and scales), the ratio to the first ring named (> 1: faster), and the largest difference from its output relative to
+its largest value.
 
-Usage: python bench/bench_dense_ring.py [--tokens 32] [--rings 0,6:64,4:64] [--shapes 12288x2560,...] [--reps 40]
+Usage: python bench/bench_dense_ring.py [--tokens 32] [--rings 0,6:64,4:64:2] [--shapes 12288x2560,...] [--reps 40]
        [--out res.json]
 Under Nsight Compute: ``ncu --clock-control none -k regex:qmm_dense -c 8 python bench/bench_dense_ring.py --reps 2``.
 """
@@ -36,7 +38,7 @@ SHAPES = "12288x2560,8192x2560,4096x2560,2560x4096,2560x6144,512x2560,320x10240,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32")
-    ap.add_argument("--rings", default="0,6:64,4:64,8:64,3:128")
+    ap.add_argument("--rings", default="0,6:64,4:64:2,2:128:2")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--bytes", type=float, default=256.0, help="MB of copies a shape (default 256: past L2)")
@@ -46,6 +48,7 @@ def main() -> int:
     import cupy as cp
 
     from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.kernels import begin_capture
 
     rng = np.random.default_rng(a.seed)
     rings = [r.strip() for r in a.rings.split(",") if r.strip()]
@@ -66,16 +69,26 @@ def main() -> int:
             for rg in rings:
                 os.environ[qmm.RING_ENV] = rg
                 out = cp.empty((T, R), dtype=cp.float32)
-                qmm.dense(X, "Q8R", mats[0][0], mats[0][1], R, K, xs=xs, out=out)  # compile and warm
-                outs[rg] = out.copy()
-                cp.cuda.Device().synchronize()
-                s, e = cp.cuda.Event(), cp.cuda.Event()
-                s.record()
-                for i in range(a.reps):
-                    qm, dm = mats[i % n]
-                    qmm.dense(X, "Q8R", qm, dm, R, K, xs=xs, out=out)
-                e.record()
-                e.synchronize()
+                st = cp.cuda.Stream(non_blocking=True)
+                pool = cp.cuda.MemoryPool()
+                with cp.cuda.using_allocator(pool.malloc), st:
+                    qmm.dense(X, "Q8R", mats[0][0], mats[0][1], R, K, xs=xs, out=out)  # compile, warm, counters
+                    outs[rg] = out.copy()
+                    st.synchronize()
+                    # the launches captured into a CUDA graph: one replay times the device, not Python's launches
+                    begin_capture(cp, st)
+                    try:
+                        for i in range(a.reps):
+                            qm, dm = mats[i % n]
+                            qmm.dense(X, "Q8R", qm, dm, R, K, xs=xs, out=out)
+                    finally:
+                        graph = st.end_capture()
+                    graph.launch(st)
+                    s, e = cp.cuda.Event(), cp.cuda.Event()
+                    s.record(st)
+                    graph.launch(st)
+                    e.record(st)
+                    e.synchronize()
                 res[rg] = cp.cuda.get_elapsed_time(s, e) / a.reps * 1e3
             base = rings[0]
             ref = outs[base]
