@@ -406,6 +406,9 @@ def test_ring_switch(monkeypatch):
     assert not Q.ring_applies(0, 32, 320, (3, 128, 2))       # K not whole chunks
     assert not Q.ring_applies(8, 32, 2560, (6, 64, 1))       # GGUF Q8_0 blocks
     assert not Q.ring_applies(0, 32, 2560, None)
+    assert not Q.ring_applies(0, 32, 2560, (6, 64, 1), 8, 0)     # codes not 16-byte aligned (dense checks 8)
+    assert not Q.ring_applies(0, 32, 2560, (3, 128, 1), 0, 4)    # scales not 8-byte aligned for chunks of 128
+    assert Q.ring_applies(0, 32, 2560, (6, 64, 1), 32, 4)
     assert all(rkc // 32 % kg == 0 for _, rkc, kg in Q.RINGS)  # (a stage's blocks split evenly between groups)
     # the groups' sums meet in the ring's memory: (KG - 1) groups x 4 warps x 32 lanes x NT x 4 floats
     assert all((kg - 1) * 4 * 32 * nt * 4 * 4 <= s * Q.ring_stage_bytes(nt, rkc) for s, rkc, kg in Q.RINGS
@@ -1004,6 +1007,31 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
         Q.dense(_h(X), tname if layout != "Q8R" else "Q8_0", _h(raw[:-2]), None, rows, cols)
     with pytest.raises(StrataError, match="do not match"):
         Q.dense(_h(X[:, :64]), "Q8_0", _h(raw), None, rows, cols)
+
+
+def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
+    """Q8R codes at an address 8 mod 16 (dense accepts 8-byte alignment) do not go through the ring's 16-byte copies:
+    qmm_dense takes them, with the same result."""
+    asked = []
+    fn = Q._fn
+    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    rng = np.random.default_rng(5)
+    rows, cols, T = 40, 192, 9
+    raw = blocks(rng, "Q8_0", rows, cols)
+    W = wmat(raw, "Q8_0", rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    X = acts(rng, T, cols)
+    buf = _h(np.zeros(rows * cols + 16, dtype=np.int8))
+    off = (8 - buf.ctypes.data % 16) % 16
+    w8 = buf[off:off + rows * cols]
+    w8[:] = q.reshape(-1)
+    assert w8.ctypes.data % 16 == 8
+    Y = Q.dense(_h(X), "Q8R", w8, _h(d), rows, cols)
+    check(np.asarray(Y), W, X)
+    assert not any(n.startswith("qmm_dense_ring") for n in asked) and "qmm_dense<0, 2>" in asked
+    asked.clear()
+    check(np.asarray(Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols)), W, X)
+    assert any(n.startswith("qmm_dense_ring") for n in asked)
 
 
 @pytest.mark.parametrize("n,nz", [(4 * 320, 40), (4 * 7, 1), (130, 9), (4 * 33, 64)])

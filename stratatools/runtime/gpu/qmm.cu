@@ -523,7 +523,7 @@ template <int F, int NT, int MT = 1> __global__ void __launch_bounds__(QMM_THREA
 // (qmm.py takes qmm_dense for other K). Grid, split of k (chunks of RKC), P and cnt as qmm_dense.
 template <int NT, int RKC> struct QmmRing {
     static constexpr int BPC = RKC / 32, WS = RKC + 32, XS = RKC + 32, DB = RKC / 16, TOK = 8 * NT;
-    // bytes of one stage for nw warps (qmm.py ring_smem_bytes)
+    // bytes of one stage for nw warps (qmm.py ring_stage_bytes)
     static __device__ __forceinline__ int stage(int nw) { return 16 * nw * (WS + DB) + 2 * TOK * XS * 2; }
 };
 

@@ -497,10 +497,14 @@ def _ring_fn(name: str, cfg: tuple[int, int, int]) -> Any:
     return ring_module(*cfg).get_function(name)
 
 
-def ring_applies(layout_id: int, T: int, cols: int, cfg: tuple[int, int, int] | None) -> bool:
+def ring_applies(layout_id: int, T: int, cols: int, cfg: tuple[int, int, int] | None, w_ptr: int = 0,
+                 wd_ptr: int = 0) -> bool:
     """Does :func:`dense` take ``qmm_dense_ring`` (ring ``cfg``, :func:`ring`) for T tokens over a matrix of layout id
-    ``layout_id`` with rows of ``cols`` values: Q8R, up to 32 tokens, cols a multiple of the ring's chunk?"""
-    return cfg is not None and layout_id == 0 and 0 < T <= 8 * TILES[1] and cols % cfg[1] == 0
+    ``layout_id`` with rows of ``cols`` values, codes at ``w_ptr`` and scales at ``wd_ptr``: Q8R, up to 32 tokens, cols
+    a multiple of the ring's chunk, the codes 16-byte aligned and the scales aligned to a row's chunk of them (RKC / 16
+    bytes: the ring's cp.async copies)?"""
+    return (cfg is not None and layout_id == 0 and 0 < T <= 8 * TILES[1] and cols % cfg[1] == 0
+            and int(w_ptr) % 16 == 0 and int(wd_ptr) % (cfg[1] // 16) == 0)
 
 
 def sum_kernel() -> bool:
@@ -530,7 +534,7 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     kc = chunk_values()
     n_sm = _device_limits()[0]
     cfg = ring()
-    rung = ring_applies(f, T, cols, cfg)
+    rung = ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
     nt, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, cfg[1] if rung and cfg else kc)
     mode = dense2()
     two = None if mode == "0" or rung else dense2_launch(T, rows, n_sm if mode == "auto" else 0)
