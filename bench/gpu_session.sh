@@ -14,7 +14,8 @@
 # 1,8,32; "none" skips it); BV: its --variants (default default); LLAMA=0 skips the llama.cpp build and its benches;
 # TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
 # batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md); PV2: prefill variants measured again after the
-# llama.cpp benches (qmm2.txt / .json), when the build no longer slows them. PRE: shell commands run after the tests,
+# llama.cpp benches (qmm2.txt / .json), when the build no longer slows them; NPL: llama-batched-bench's -npl (default
+# 1,8,32). PRE: shell commands run after the tests,
 # while the model is synthesized (e.g. bench/bench_qmm_jobs.py, which needs no model); POST: after the batched bench
 # (the model's path in $GG).
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
@@ -88,7 +89,7 @@ timeout 100 /tmp/lcb/bin/llama-bench -m "$GG" -ngl 99 -p 512 -n 128 -r 3 -o md 2
   | tee "$OUT"/llama-bench.md
 el llama-batched-bench
 timeout 120 /tmp/lcb/bin/llama-batched-bench -m "$GG" -ngl 99 -c 16384 -b 2048 -ub 512 -npp 128 -ntg 128 \
-  -npl 1,8,32 > "$OUT"/llama-batched.txt 2>&1
+  -npl "${NPL:-1,8,32}" > "$OUT"/llama-batched.txt 2>&1
 grep -E "^\|" "$OUT"/llama-batched.txt | tail -5
 if [ -n "${PV2:-}" ]; then  # the prefill again, now that the build no longer shares the machine
   el prefill after the build
