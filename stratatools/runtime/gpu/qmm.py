@@ -456,24 +456,29 @@ RING_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2] for s, rkc, kg in ((2, 64
 
 
 def _ring_name(cfg: tuple[int, ...]) -> str:
-    return ":".join(str(v) for v in (cfg if cfg[2] != 1 else cfg[:2]))
+    return ":".join(str(v) for v in (cfg[:2] if len(cfg) == 3 and cfg[2] == 1 else cfg))
+
+
+def _env_ring(name: str, choices: tuple[tuple[int, ...], ...], default: Any, pad: tuple[int, ...], what: str) -> Any:
+    """Environment variable ``name`` as a ring: ``0`` -> None, unset or empty -> ``default``, ``a:b[:c]`` -> the tuple
+    (shorter forms padded from ``pad``'s tail) when it is one of ``choices``. Raises StrataError for another value."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if v == "0":
+        return None
+    parts = v.split(":")
+    ok = 2 <= len(parts) <= len(pad) and all(x.isascii() and x.isdigit() for x in parts)
+    got = tuple(int(x) for x in parts) + tuple(pad[len(parts):]) if ok else ()
+    if got not in choices:
+        raise StrataError(f"{name}={v!r}: use 0 or one of {', '.join(_ring_name(r) for r in choices)} ({what})")
+    return got
 
 
 def ring() -> tuple[int, int, int] | None:
     """:data:`RING_ENV` as (stages, values of k a stage, groups of warps), or None (``0``: the ring is not used).
     Raises StrataError for another value."""
-    v = os.environ.get(RING_ENV, "").strip()
-    if not v:
-        return RING_DEFAULT
-    if v == "0":
-        return None
-    parts = v.split(":")
-    ok = len(parts) in (2, 3) and all(x.isascii() and x.isdigit() for x in parts)
-    got = tuple(int(x) for x in parts) + ((1,) if len(parts) == 2 else ()) if ok else ()
-    if got not in RINGS:
-        raise StrataError(f"{RING_ENV}={v!r}: use 0 or one of {', '.join(_ring_name(r) for r in RINGS)} "
-                          "(stages:values of k a stage[:groups of warps])")
-    return got  # type: ignore[return-value]
+    return _env_ring(RING_ENV, RINGS, RING_DEFAULT, (0, 0, 1), "stages:values of k a stage[:groups of warps]")
 
 
 def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32) -> int:
@@ -766,17 +771,7 @@ JOBS_RING_HOST = ((3, 256), (2, 128))
 
 def jobs_ring() -> tuple[int, int] | None:
     """:data:`JOBS_RING_ENV` as (stages, values of k a stage), or None (``0``). Raises StrataError for another value."""
-    v = os.environ.get(JOBS_RING_ENV, "").strip()
-    if not v:
-        return JOBS_RING_DEFAULT
-    if v == "0":
-        return None
-    parts = v.split(":")
-    got = tuple(int(x) for x in parts) if len(parts) == 2 and all(x.isascii() and x.isdigit() for x in parts) else ()
-    if got not in JOBS_RINGS:
-        raise StrataError(f"{JOBS_RING_ENV}={v!r}: use 0 or one of {', '.join(f'{a}:{b}' for a, b in JOBS_RINGS)} "
-                          "(stages:values of k a stage)")
-    return got  # type: ignore[return-value]
+    return _env_ring(JOBS_RING_ENV, JOBS_RINGS, JOBS_RING_DEFAULT, (0, 0), "stages:values of k a stage")
 
 
 def jobs_ring_stage_bytes(nt: int, nm: int, rkc: int, warps: int = THREADS // 32) -> int:
