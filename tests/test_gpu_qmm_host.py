@@ -1034,6 +1034,32 @@ def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
     assert any(n.startswith("qmm_dense_ring") for n in asked)
 
 
+@pytest.mark.parametrize("jt,rg,ringed", [(8, "3:256", True), (16, "3:256", False), (8, "0", False)])
+def test_job_launchers_take_the_ring_for_small_jobs_on_host(hostcp, jt, rg, ringed, monkeypatch):
+    """qmm.moe_gate_up_i8 / moe_down_i8: jobs of up to JOBS_RING_MAX_JT tokens take the ring's instances (the names
+    asked for, the shared memory the ring needs), longer jobs and STRATATOOLS_QMM_JOBS_RING=0 the register path; the
+    outputs the same bits either way."""
+    asked = []
+    fn = Q._fn
+    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    hidden, ff, T, E, k = 192, 128, 13, 5, 3
+    blobs, _, _, ptr, (je, jtok, jd), X = job_case(np.random.default_rng(jt), "Q2_0", E, hidden, ff, T, k, jt)
+    outs = []
+    for env in (rg, "0"):
+        monkeypatch.setenv(Q.JOBS_RING_ENV, env)
+        hbuf = _h(np.full((je.size * jt, ff), np.nan, dtype=np.float32))
+        Q.moe_gate_up_i8(_h(ptr), _h(jtok), Q.split_i8(_h(X)), hbuf, hidden, ff, jt)
+        out = _h(np.full((T * k, hidden), np.nan, dtype=np.float32))
+        Q.moe_down_i8(_h(ptr), 2 * (ff * hidden // 64) * 18, _h(jd), Q.split_i8(hbuf, _h(jd)), out, hidden, ff, jt)
+        outs.append((np.asarray(hbuf)[jtok >= 0], np.asarray(out)))
+    assert np.all(np.isfinite(outs[0][1]))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    names = [n for n in asked if n.startswith("qmm_moe")]
+    assert (f"qmm_moe_gu_i8<{jt}, 3, 256>" in names and f"qmm_moe_down_i8<{jt}, 3, 256>" in names) == ringed
+    assert f"qmm_moe_gu_i8<{jt}>" in names and f"qmm_moe_down_i8<{jt}>" in names
+    del blobs
+
+
 @pytest.mark.parametrize("n,nz", [(4 * 320, 40), (4 * 7, 1), (130, 9), (4 * 33, 64)])
 def test_sum_slices_adds_in_slice_order(lib, n, nz):
     """qmm_sum_slices: Y = the nz slices of P added in order z = 0 .. nz - 1 (the host build's one thread a run: the
