@@ -442,10 +442,11 @@ SUM_GROUP = 8
 
 
 #: ``STRATATOOLS_QMM_RING``: up to 32 tokens, Q8R matrices whose K is a multiple of the ring's chunk go through
-#: ``qmm_dense_ring`` (qmm.cu: the weights copied into a ring of shared-memory stages, several chunks ahead; the same
-#: products as ``qmm_dense``): ``S:RKC`` or ``S:RKC:KG`` (stages : values of k a stage : groups of 4 warps that share
-#: a block's rows and split each stage's k, 128 KG threads a block; one of :data:`RINGS`), ``0`` never. Unset or
-#: empty: :data:`RING_DEFAULT`.
+#: ``qmm_dense_ring`` (qmm.cu: the weights copied into a ring of shared-memory stages, several chunks ahead; with one
+#: group of warps ``qmm_dense``'s products in its order, with more the groups' sums added in group order): ``S:RKC``
+#: or ``S:RKC:KG`` (stages : values of k a stage : groups of 4 warps that share a block's rows and split each stage's
+#: k, 128 KG threads a block; one of :data:`RINGS`), ``0`` never. Unset or empty: :data:`RING_DEFAULT` (H200, 32
+#: sequences: the step's dense Q8R products 6.80 -> 5.10 ms; 6 x 64 values with one group 5.66, bench/gpu-notes.md).
 RING_ENV = "STRATATOOLS_QMM_RING"
 RINGS: tuple[tuple[int, int, int], ...] = ((2, 64, 1), (3, 64, 1), (4, 64, 1), (6, 64, 1), (8, 64, 1), (3, 128, 1),
                                            (4, 128, 1), (2, 64, 2), (4, 64, 2), (2, 128, 2), (3, 128, 4))
