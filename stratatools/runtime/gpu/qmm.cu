@@ -146,14 +146,15 @@ __device__ __forceinline__ void qmm_take(u32 (*wr)[NM][QMM_KC / QFmt<F>::bv][2][
                 }
 }
 
-// Issue the copies of chunk `chunk` of the block's tokens' hi / lo halves into stage buffer xs (hi: TOK rows of XS
-// halves, then lo), 16-byte pieces, all threads striding; a slot without a token (tokrow -1) gets zeros.
-template <int F, int NT>
+// Issue the copies of chunk `chunk` (KCV values) of the block's tokens' hi / lo halves into stage buffer xs (hi: TOK
+// rows of XS halves, then lo), 16-byte pieces, all threads striding; a slot without a token (tokrow -1) gets zeros.
+// WHOLE: every chunk is whole (K a multiple of KCV; the index arithmetic by constants).
+template <int F, int NT, int KCV = QMM_KC, int XS = QmmXS<F>::v, bool WHOLE = false>
 __device__ __forceinline__ void qmm_stage(const u16* __restrict__ xhi, const u16* __restrict__ xlo, long long ldx,
                                           const int* tokrow, int K, int chunk, u16* xs) {
-    constexpr int BV = QFmt<F>::bv, BPC = QMM_KC / BV, XS = QmmXS<F>::v, TOK = 8 * NT;
+    constexpr int BV = QFmt<F>::bv, BPC = KCV / BV, TOK = 8 * NT;
     const int nb = K / BV, b0 = chunk * BPC;
-    const int pieces = min(BPC, nb - b0) * BV / 8;
+    const int pieces = WHOLE ? KCV / 8 : min(BPC, nb - b0) * BV / 8;
     for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
         const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
         const int slot = rem / pieces, p = rem - slot * pieces;
@@ -161,6 +162,65 @@ __device__ __forceinline__ void qmm_stage(const u16* __restrict__ xhi, const u16
         u16* dst = xs + (lohi * TOK + slot) * XS + 8 * p;
         if (row >= 0) cp_async16(dst, (lohi ? xlo : xhi) + row * ldx + (long long)b0 * BV + 8 * p);
         else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// One quantization block (block b of the staged chunk xs_hi / xs_lo, rows of XS halves) of the tile: acc[m][n] += d
+// (A[m] . the block's 8 NT tokens' hi + lo halves), the block's weights given as fragments A[m][k-step] (exact codes)
+// and the rows' scales d0 (row g) / d1 (row g + 8). qmm_tile's and qmm_dense_ring's products.
+template <int F, int NT, int NM, int XS>
+__device__ __forceinline__ void qmm_block(const mma_a (*A)[QFmt<F>::steps], const float (*d0)[NM],
+                                          const float (*d1)[NM], const u16* xs_hi, const u16* xs_lo, int b,
+                                          mma_c (*acc)[NT]) {
+    constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, S = QFmt<F>::steps;
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        // the column tile's hi / lo fragments of every k-step: a lane's VPL staged values are 16-byte loads
+        // (two k-steps each; with the row padding, a quarter warp's loads fall on distinct banks)
+        mma_b Bh[S], Bl[S];
+        for (int l = 0; l < MMA_LANES; ++l) {
+            const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+            const int o = (8 * n + g) * XS + b * BV + VPL * c;
+            const uint4* ph = reinterpret_cast<const uint4*>(xs_hi + o);
+            const uint4* pl = reinterpret_cast<const uint4*>(xs_lo + o);
+            if constexpr (F == 42) {  // values 2s, 2s+8 and 2s+1, 2s+9 from halves 0-7 (u) and 8-15 (v)
+                const uint4 uh = ph[0], vh = ph[1], ul = pl[0], vl = pl[1];
+                const u32 UH[4] = {uh.x, uh.y, uh.z, uh.w}, VH[4] = {vh.x, vh.y, vh.z, vh.w};
+                const u32 UL[4] = {ul.x, ul.y, ul.z, ul.w}, VL[4] = {vl.x, vl.y, vl.z, vl.w};
+                #pragma unroll
+                for (int t = 0; t < S; ++t) {
+                    Bh[t].x[l][0] = __byte_perm(UH[t], VH[t], 0x5410);
+                    Bh[t].x[l][1] = __byte_perm(UH[t], VH[t], 0x7632);
+                    Bl[t].x[l][0] = __byte_perm(UL[t], VL[t], 0x5410);
+                    Bl[t].x[l][1] = __byte_perm(UL[t], VL[t], 0x7632);
+                }
+            } else {
+                #pragma unroll
+                for (int q = 0; q < S / 2; ++q) {
+                    const uint4 vh = ph[q], vl = pl[q];
+                    Bh[2 * q].x[l][0] = vh.x; Bh[2 * q].x[l][1] = vh.y;
+                    Bh[2 * q + 1].x[l][0] = vh.z; Bh[2 * q + 1].x[l][1] = vh.w;
+                    Bl[2 * q].x[l][0] = vl.x; Bl[2 * q].x[l][1] = vl.y;
+                    Bl[2 * q + 1].x[l][0] = vl.z; Bl[2 * q + 1].x[l][1] = vl.w;
+                }
+            }
+        }
+        #pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            mma_c P;  // the block's partial sums (unscaled), then scaled once into acc
+            mma_zero(P);
+            #pragma unroll
+            for (int s = 0; s < S; ++s) {
+                mma_sync(P, A[m][s], Bh[s]);
+                mma_sync(P, A[m][s], Bl[s]);
+            }
+            for (int l = 0; l < MMA_LANES; ++l) {
+                acc[m][n].x[l][0] += d0[l][m] * P.x[l][0];
+                acc[m][n].x[l][1] += d0[l][m] * P.x[l][1];
+                acc[m][n].x[l][2] += d1[l][m] * P.x[l][2];
+                acc[m][n].x[l][3] += d1[l][m] * P.x[l][3];
+            }
+        }
     }
 }
 
@@ -235,55 +295,7 @@ __device__ __forceinline__ void qmm_tile(const u8* const* w, const u16* const* w
                     d1[l][m] = mma_h2f(dc[l][m][b][1]);
                 }
             }
-            #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                // the column tile's hi / lo fragments of every k-step: a lane's VPL staged values are 16-byte loads
-                // (two k-steps each; with the row padding, a quarter warp's loads fall on distinct banks)
-                mma_b Bh[S], Bl[S];
-                for (int l = 0; l < MMA_LANES; ++l) {
-                    const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                    const int o = (8 * n + g) * XS + b * BV + VPL * c;
-                    const uint4* ph = reinterpret_cast<const uint4*>(xs_hi + o);
-                    const uint4* pl = reinterpret_cast<const uint4*>(xs_lo + o);
-                    if constexpr (F == 42) {  // values 2s, 2s+8 and 2s+1, 2s+9 from halves 0-7 (u) and 8-15 (v)
-                        const uint4 uh = ph[0], vh = ph[1], ul = pl[0], vl = pl[1];
-                        const u32 UH[4] = {uh.x, uh.y, uh.z, uh.w}, VH[4] = {vh.x, vh.y, vh.z, vh.w};
-                        const u32 UL[4] = {ul.x, ul.y, ul.z, ul.w}, VL[4] = {vl.x, vl.y, vl.z, vl.w};
-                        #pragma unroll
-                        for (int t = 0; t < S; ++t) {
-                            Bh[t].x[l][0] = __byte_perm(UH[t], VH[t], 0x5410);
-                            Bh[t].x[l][1] = __byte_perm(UH[t], VH[t], 0x7632);
-                            Bl[t].x[l][0] = __byte_perm(UL[t], VL[t], 0x5410);
-                            Bl[t].x[l][1] = __byte_perm(UL[t], VL[t], 0x7632);
-                        }
-                    } else {
-                        #pragma unroll
-                        for (int q = 0; q < S / 2; ++q) {
-                            const uint4 vh = ph[q], vl = pl[q];
-                            Bh[2 * q].x[l][0] = vh.x; Bh[2 * q].x[l][1] = vh.y;
-                            Bh[2 * q + 1].x[l][0] = vh.z; Bh[2 * q + 1].x[l][1] = vh.w;
-                            Bl[2 * q].x[l][0] = vl.x; Bl[2 * q].x[l][1] = vl.y;
-                            Bl[2 * q + 1].x[l][0] = vl.z; Bl[2 * q + 1].x[l][1] = vl.w;
-                        }
-                    }
-                }
-                #pragma unroll
-                for (int m = 0; m < NM; ++m) {
-                    mma_c P;  // the block's partial sums (unscaled), then scaled once into acc
-                    mma_zero(P);
-                    #pragma unroll
-                    for (int s = 0; s < S; ++s) {
-                        mma_sync(P, A[m][s], Bh[s]);
-                        mma_sync(P, A[m][s], Bl[s]);
-                    }
-                    for (int l = 0; l < MMA_LANES; ++l) {
-                        acc[m][n].x[l][0] += d0[l][m] * P.x[l][0];
-                        acc[m][n].x[l][1] += d0[l][m] * P.x[l][1];
-                        acc[m][n].x[l][2] += d1[l][m] * P.x[l][2];
-                        acc[m][n].x[l][3] += d1[l][m] * P.x[l][3];
-                    }
-                }
-            }
+            qmm_block<F, NT, NM, XS>(A, d0, d1, xs_hi, xs_lo, b, acc);
         }
         __syncthreads();  // every warp is done with this buffer: the copies of chunk + 2 may go there
     }
@@ -534,7 +546,7 @@ __device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u1
                                               int rbase, int nrows, const u16* __restrict__ xhi,
                                               const u16* __restrict__ xlo, const int* tokrow, int chunk, u8* st) {
     using G = QmmRing<NT, RKC>;
-    constexpr int WP = RKC / 16, XP = RKC / 8;  // 16-byte pieces of a row's codes, of a token's halves
+    constexpr int WP = RKC / 16;  // 16-byte pieces of a row's codes
     u8* sw = st;
     u8* sd = st + nrows * G::WS;
     u16* sx = reinterpret_cast<u16*>(sd + nrows * G::DB);
@@ -550,13 +562,7 @@ __device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u1
         if constexpr (G::DB == 16) cp_async16(sd + r * G::DB, src);
         else cp_async_small<G::DB>(sd + r * G::DB, src);
     }
-    for (int i = threadIdx.x; i < 2 * G::TOK * XP; i += blockDim.x) {
-        const int lohi = i / (G::TOK * XP), rem = i - lohi * G::TOK * XP, slot = rem / XP, p = rem - slot * XP;
-        const int row = tokrow[slot];
-        u16* dst = sx + (lohi * G::TOK + slot) * G::XS + 8 * p;
-        if (row >= 0) cp_async16(dst, (lohi ? xlo : xhi) + (long long)row * K + k0 + 8 * p);
-        else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-    }
+    qmm_stage<0, NT, RKC, G::XS, true>(xhi, xlo, (long long)K, tokrow, K, chunk, sx);
 }
 
 // KG groups of warps share the block's rows and split each stage's blocks of k between them (group g takes blocks
@@ -623,45 +629,21 @@ template <int NT, int S, int RKC, int KG = 1> __global__ void __launch_bounds__(
             #pragma unroll
             for (int bb = 0; bb < BPG; ++bb) {
                 const int b = (NG == 1 ? grp : q) * BPG + bb;
-                mma_a A[2];
-                float d0[MMA_LANES], d1[MMA_LANES];
+                mma_a A[1][2];
+                float d0[MMA_LANES][1], d1[MMA_LANES][1];
                 for (int l = 0; l < MMA_LANES; ++l) {
                     const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const u32* p = reinterpret_cast<const u32*>(st + (wrow + g + 8 * h) * G::WS + 32 * b + 8 * c);
                         const u32 wv[2] = {p[0], p[1]};
-                        qmm_codes<0>(wv, 0, A[0].x[l][h], A[0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
-                        qmm_codes<0>(wv, 1, A[1].x[l][h], A[1].x[l][2 + h]);
+                        qmm_codes<0>(wv, 0, A[0][0].x[l][h], A[0][0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
+                        qmm_codes<0>(wv, 1, A[0][1].x[l][h], A[0][1].x[l][2 + h]);
                     }
-                    d0[l] = mma_h2f(sd[(wrow + g) * G::BPC + b]);
-                    d1[l] = mma_h2f(sd[(wrow + g + 8) * G::BPC + b]);
+                    d0[l][0] = mma_h2f(sd[(wrow + g) * G::BPC + b]);
+                    d1[l][0] = mma_h2f(sd[(wrow + g + 8) * G::BPC + b]);
                 }
-                #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    mma_b Bh[2], Bl[2];
-                    for (int l = 0; l < MMA_LANES; ++l) {
-                        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                        const int o = (8 * n + g) * G::XS + b * 32 + 8 * c;
-                        const uint4 vh = *reinterpret_cast<const uint4*>(xs_hi + o);
-                        const uint4 vl = *reinterpret_cast<const uint4*>(xs_lo + o);
-                        Bh[0].x[l][0] = vh.x; Bh[0].x[l][1] = vh.y; Bh[1].x[l][0] = vh.z; Bh[1].x[l][1] = vh.w;
-                        Bl[0].x[l][0] = vl.x; Bl[0].x[l][1] = vl.y; Bl[1].x[l][0] = vl.z; Bl[1].x[l][1] = vl.w;
-                    }
-                    mma_c Pp;
-                    mma_zero(Pp);
-                    #pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        mma_sync(Pp, A[s], Bh[s]);
-                        mma_sync(Pp, A[s], Bl[s]);
-                    }
-                    for (int l = 0; l < MMA_LANES; ++l) {
-                        acc[q][n].x[l][0] += d0[l] * Pp.x[l][0];
-                        acc[q][n].x[l][1] += d0[l] * Pp.x[l][1];
-                        acc[q][n].x[l][2] += d1[l] * Pp.x[l][2];
-                        acc[q][n].x[l][3] += d1[l] * Pp.x[l][3];
-                    }
-                }
+                qmm_block<0, NT, 1, G::XS>(A, d0, d1, xs_hi, xs_lo, b, &acc[q]);
             }
         }
     }
