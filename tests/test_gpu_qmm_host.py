@@ -965,6 +965,14 @@ def hostcp(lib, monkeypatch):
     return fake
 
 
+def kernels_asked(monkeypatch) -> list:
+    """The names of the kernels qmm's launchers look up from now on (through the ``hostcp`` stand-in), in order."""
+    asked: list = []
+    fn = Q._fn
+    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    return asked
+
+
 @pytest.mark.parametrize("layout,T,two,sm,rg", [
     ("Q8R", 1, "0", "0", "0"), ("Q8R", 70, "0", "0", "4:64"), ("Q8_0", 20, "0", "0", "4:64"),
     ("Q2_0", 33, "0", "0", "4:64"), ("Q8R", 70, "1", "0", "4:64"), ("Q2_0", 33, "1", "0", "4:64"),
@@ -979,9 +987,7 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
     monkeypatch.setenv(Q.DENSE2_ENV, two)
     monkeypatch.setenv(Q.SUM_ENV, sm)
     monkeypatch.setenv(Q.RING_ENV, rg)
-    asked = []
-    fn = Q._fn
-    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    asked = kernels_asked(monkeypatch)
     rng = np.random.default_rng(T)
     rows, cols = (128 if two == "1" else 70), 192
     tname = "Q2_0" if layout == "Q2_0" else "Q8_0"
@@ -1012,9 +1018,7 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
 def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
     """Q8R codes at an address 8 mod 16 (dense accepts 8-byte alignment) do not go through the ring's 16-byte copies:
     qmm_dense takes them, with the same result."""
-    asked = []
-    fn = Q._fn
-    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    asked = kernels_asked(monkeypatch)
     rng = np.random.default_rng(5)
     rows, cols, T = 40, 192, 9
     raw = blocks(rng, "Q8_0", rows, cols)
@@ -1039,9 +1043,7 @@ def test_job_launchers_take_the_ring_for_small_jobs_on_host(hostcp, jt, rg, ring
     """qmm.moe_gate_up_i8 / moe_down_i8: jobs of up to JOBS_RING_MAX_JT tokens take the ring's instances (the names
     asked for, the shared memory the ring needs), longer jobs and STRATATOOLS_QMM_JOBS_RING=0 the register path; the
     outputs the same bits either way."""
-    asked = []
-    fn = Q._fn
-    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    asked = kernels_asked(monkeypatch)
     hidden, ff, T, E, k = 192, 128, 13, 5, 3
     blobs, _, _, ptr, (je, jtok, jd), X = job_case(np.random.default_rng(jt), "Q2_0", E, hidden, ff, T, k, jt)
     outs = []
@@ -1080,9 +1082,7 @@ def test_dense_sum_kernel_only_for_aligned_outputs(hostcp, monkeypatch):
     """qmm_sum_slices stores float4s: an ``out`` that is not 16-byte aligned (a row view one value in) takes the CuPy
     sum instead, with the same product."""
     monkeypatch.setenv(Q.SUM_ENV, "1")
-    asked = []
-    fn = Q._fn
-    monkeypatch.setattr(Q, "_fn", lambda name, kc=Q.KC: asked.append(name) or fn(name, kc))
+    asked = kernels_asked(monkeypatch)
     rng = np.random.default_rng(4)
     rows, cols, T = 8, 2560, 4
     raw = blocks(rng, "Q8_0", rows, cols)

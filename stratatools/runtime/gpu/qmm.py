@@ -490,13 +490,18 @@ def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def ring_module(stages: int, rkc: int, kg: int = 1) -> Any:
-    """Compile (once per ring) the ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values and ``kg``
-    groups of warps (NT 2 and 4)."""
+def instances_module(names: tuple[str, ...]) -> Any:
+    """Compile (once per set) the qmm source with only the template instances ``names`` (the rings' kernels: each
+    ring's instances in a module of their own, so that the main module does not compile every ring)."""
     import cupy
 
-    names = [f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}, {int(kg)}>" for nt in TILES[:2]]
-    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=names)
+    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=list(names))
+
+
+def ring_module(stages: int, rkc: int, kg: int = 1) -> Any:
+    """The ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values and ``kg`` groups of warps (NT 2 and
+    4), compiled once."""
+    return instances_module(tuple(f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}, {int(kg)}>" for nt in TILES[:2]))
 
 
 def _ring_fn(name: str, cfg: tuple[int, int, int]) -> Any:
@@ -783,13 +788,11 @@ def jobs_ring_stage_bytes(nt: int, nm: int, rkc: int, warps: int = THREADS // 32
     return int(nm) * 16 * int(warps) * (16 * wp + 16) + 2 * 8 * int(nt) * (int(rkc) + 64)
 
 
-@functools.lru_cache(maxsize=None)
 def jobs_ring_module(stages: int, rkc: int) -> Any:
-    """Compile (once per ring) the integer job kernels' ring instances (every job size of :data:`JOB_SIZES`)."""
-    import cupy
-
-    names = [f"{k}<{jt}, {int(stages)}, {int(rkc)}>" for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8") for jt in JOB_SIZES]
-    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=names)
+    """The integer job kernels' ring instances of jobs of up to :data:`JOBS_RING_MAX_JT` tokens (the sizes of
+    :data:`JOB_SIZES` the launchers send there), compiled once."""
+    return instances_module(tuple(f"{k}<{jt}, {int(stages)}, {int(rkc)}>" for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8")
+                                  for jt in JOB_SIZES if jt <= JOBS_RING_MAX_JT))
 
 
 def _jobs_ring_fn(name: str, cfg: tuple[int, int]) -> Any:
