@@ -1,17 +1,19 @@
 """The dense tensor-core kernels of the batched step alone (``stratatools/runtime/gpu/qmm.py``, up to 32 tokens):
 ``qmm_dense`` (each lane's weights in registers, one chunk ahead) against ``qmm_dense_ring`` (the weights through a
-ring of shared-memory stages, several chunks ahead; ``STRATATOOLS_QMM_RING``) on random Q8R matrices of the release's
-dense shapes (hidden 2560; enough copies of each that successive launches do not find their weights in L2). A
-benchmark, not a timed test: every ring runs in the same process on the same matrices and activations.
+ring of shared-memory stages, several chunks ahead; ``STRATATOOLS_QMM_RING``) and the integer ring (the same ring on
+16-bit fixed-point activations, ``mma.m16n8k32`` on the codes; ``STRATATOOLS_QMM_DENSE_I8``) on random Q8R matrices
+of the release's dense shapes (hidden 2560; enough copies of each that successive launches do not find their weights
+in L2). A benchmark, not a timed test: every ring runs in the same process on the same matrices and activations.
 
 For each token count (``--tokens``) and shape (``--shapes``, rows x cols): ``qmm.dense`` with X already split (the
 split of k's sum launch included), ``--reps`` launches on successive copies captured into a CUDA graph and one replay
 timed with CUDA events (launched from Python one by one, the small matrices measured Python's 40 us a launch), for each
-ring in ``--rings`` (``0``: ``qmm_dense``; ``S:RKC[:KG]``); printed as us a launch, the weights' bytes a second (codes
+ring in ``--rings`` (``0``: ``qmm_dense``; ``S:RKC[:KG]``: the fp16 ring; ``i8:S:RKC[:KG]``: the integer ring, X
+split its way beforehand too); printed as us a launch, the weights' bytes a second (codes
 and scales), the ratio to the first ring named (> 1: faster), and the largest difference from its output relative to
 its largest value.
 
-Usage: python bench/bench_dense_ring.py [--tokens 32] [--rings 0,6:64,4:64:2] [--shapes 12288x2560,...] [--reps 40]
+Usage: python bench/bench_dense_ring.py [--tokens 32] [--rings 0,4:64:2,i8:4:64:2] [--shapes 12288x2560,...] [--reps 40]
        [--out res.json]
 Under Nsight Compute: ``ncu --clock-control none -k regex:qmm_dense -c 8 python bench/bench_dense_ring.py --reps 2``.
 """
@@ -38,7 +40,7 @@ SHAPES = "12288x2560,8192x2560,4096x2560,2560x4096,2560x6144,512x2560,320x10240,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32")
-    ap.add_argument("--rings", default="0,6:64,4:64:2,2:128:2")
+    ap.add_argument("--rings", default="0,4:64:2,i8:4:64:2,i8:6:64:2,i8:3:128:2,i8:4:128:2,i8:6:128:2,i8:3:256")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--bytes", type=float, default=256.0, help="MB of copies a shape (default 256: past L2)")
@@ -64,15 +66,18 @@ def main() -> int:
         nbytes = R * K * (1 + 2 / 32)
         for T in [int(t) for t in a.tokens.split(",") if t]:
             X = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
-            xs = qmm.split(X)
+            xs, xq = qmm.split(X), qmm.split_i8(X, dense=True)
             res, outs = {}, {}
             for rg in rings:
-                os.environ[qmm.RING_ENV] = rg
+                i8 = rg.startswith("i8:")
+                os.environ[qmm.DENSE_I8_ENV] = rg[3:] if i8 else "0"
+                os.environ[qmm.RING_ENV] = "0" if i8 else rg
+                xa = xq if i8 else xs
                 out = cp.empty((T, R), dtype=cp.float32)
                 st = cp.cuda.Stream(non_blocking=True)
                 pool = cp.cuda.MemoryPool()
                 with cp.cuda.using_allocator(pool.malloc), st:
-                    qmm.dense(X, "Q8R", mats[0][0], mats[0][1], R, K, xs=xs, out=out)  # compile, warm, counters
+                    qmm.dense(X, "Q8R", mats[0][0], mats[0][1], R, K, xs=xa, out=out)  # compile, warm, counters
                     outs[rg] = out.copy()
                     st.synchronize()
                     # the launches captured into a CUDA graph: one replay times the device, not Python's launches
@@ -80,7 +85,7 @@ def main() -> int:
                     try:
                         for i in range(a.reps):
                             qm, dm = mats[i % n]
-                            qmm.dense(X, "Q8R", qm, dm, R, K, xs=xs, out=out)
+                            qmm.dense(X, "Q8R", qm, dm, R, K, xs=xa, out=out)
                     finally:
                         graph = st.end_capture()
                     graph.launch(st)
@@ -102,6 +107,7 @@ def main() -> int:
                 f"{rg} {res[rg]:7.1f} us {row['tbs'][rg]:.2f} TB/s x{row['ratio'][rg]:.2f} d{row['rel_diff'][rg]:.0e}"
                 for rg in rings), flush=True)
     os.environ.pop(qmm.RING_ENV, None)
+    os.environ.pop(qmm.DENSE_I8_ENV, None)
     tot = {rg: sum(r["us"][rg] for r in rows_out) for rg in rings}
     print("sum over shapes (us): " + "  ".join(f"{rg} {tot[rg]:.1f}" for rg in rings))
     if a.out:

@@ -59,8 +59,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: values, 3 of 128; ``nojring``: the integer expert jobs' weights in registers (STRATATOOLS_QMM_JOBS_RING=0);
 #: ``jring4`` / ``jring128`` / ``jring6``: their rings of 4 x 256, 4 x 128, 6 x 128 values; ``norings``: neither ring;
 #: ``ring3f4`` / ``ring2f4`` / ``ring4f3``: dense rings of 3, 2, 4 stages of 64 values (4, 5, 3 blocks a SM) with the
-#: split of k aimed at 4, 4, 3 blocks a SM; ``kg2`` / ``kg2b`` / ``kg2c`` / ``kg4``: dense rings whose blocks hold 2
-#: or 4 groups of 4 warps sharing the rows (2 x 64, 4 x 64, 2 x 128 values with 2 groups; 3 x 128 with 4).
+#: split of k aimed at 4, 4, 3 blocks a SM; ``kg2`` / ``kg2b`` / ``kg4``: dense rings whose blocks hold 2 or 4 groups
+#: of 4 warps sharing the rows (2 x 64, 4 x 64 values with 2 groups; 3 x 128 with 4). Every fp16-ring variant sets
+#: the integer dense ring off (STRATATOOLS_QMM_DENSE_I8=0; ``noi8``: only that); ``i8r2`` / ``i8r4`` / ``i8r6``: the
+#: integer ring of 2, 4, 6 stages of 64 values with one group; ``i8kg2`` / ``i8r6b``: 4 / 6 x 64 with 2 groups;
+#: ``i8r4k`` / ``i8r6k``: 4 / 6 x 128 with 2 groups; ``i8kg4``: 3 x 128 with 4; ``i8x256``: 3 x 256 with one (the
+#: default: 3 x 128 with 2).
+_F16 = {"STRATATOOLS_QMM_DENSE_I8": "0"}  # (the fp16 ring variants: the integer dense ring off)
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
             "mma": {"STRATATOOLS_BATCH_GEMM": "mma"},
@@ -69,16 +74,22 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "noside": {"STRATATOOLS_SHARED_SIDE": "0"}, "job8": {"STRATATOOLS_BATCH_JOB": "8"},
             "fp16jobs": {"STRATATOOLS_QMM_JOBS_I8": "0"},
             "fill3": {"STRATATOOLS_QMM_SHORT_FILL": "3"}, "fill4": {"STRATATOOLS_QMM_SHORT_FILL": "4"},
-            "noring": {"STRATATOOLS_QMM_RING": "0"}, "ring4": {"STRATATOOLS_QMM_RING": "4:64"},
-            "ring8": {"STRATATOOLS_QMM_RING": "8:64"}, "ring128": {"STRATATOOLS_QMM_RING": "3:128"},
+            "noi8": {"STRATATOOLS_QMM_DENSE_I8": "0"},
+            "i8r2": {"STRATATOOLS_QMM_DENSE_I8": "2:64"}, "i8r4": {"STRATATOOLS_QMM_DENSE_I8": "4:64"},
+            "i8r6": {"STRATATOOLS_QMM_DENSE_I8": "6:64"}, "i8kg2": {"STRATATOOLS_QMM_DENSE_I8": "4:64:2"},
+            "i8r6b": {"STRATATOOLS_QMM_DENSE_I8": "6:64:2"}, "i8r4k": {"STRATATOOLS_QMM_DENSE_I8": "4:128:2"},
+            "i8r6k": {"STRATATOOLS_QMM_DENSE_I8": "6:128:2"}, "i8kg4": {"STRATATOOLS_QMM_DENSE_I8": "3:128:4"},
+            "i8x256": {"STRATATOOLS_QMM_DENSE_I8": "3:256"},
+            "noring": {**_F16, "STRATATOOLS_QMM_RING": "0"}, "ring4": {**_F16, "STRATATOOLS_QMM_RING": "4:64"},
+            "ring8": {**_F16, "STRATATOOLS_QMM_RING": "8:64"}, "ring128": {**_F16, "STRATATOOLS_QMM_RING": "3:128"},
             "nojring": {"STRATATOOLS_QMM_JOBS_RING": "0"}, "jring4": {"STRATATOOLS_QMM_JOBS_RING": "4:256"},
             "jring128": {"STRATATOOLS_QMM_JOBS_RING": "4:128"}, "jring6": {"STRATATOOLS_QMM_JOBS_RING": "6:128"},
-            "ring3f4": {"STRATATOOLS_QMM_RING": "3:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
-            "ring2f4": {"STRATATOOLS_QMM_RING": "2:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
-            "ring4f3": {"STRATATOOLS_QMM_RING": "4:64", "STRATATOOLS_QMM_SHORT_FILL": "3"},
-            "kg2": {"STRATATOOLS_QMM_RING": "2:64:2"}, "kg2b": {"STRATATOOLS_QMM_RING": "4:64:2"},
-            "kg2c": {"STRATATOOLS_QMM_RING": "2:128:2"}, "kg4": {"STRATATOOLS_QMM_RING": "3:128:4"},
-            "norings": {"STRATATOOLS_QMM_JOBS_RING": "0", "STRATATOOLS_QMM_RING": "0"},
+            "ring3f4": {**_F16, "STRATATOOLS_QMM_RING": "3:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
+            "ring2f4": {**_F16, "STRATATOOLS_QMM_RING": "2:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
+            "ring4f3": {**_F16, "STRATATOOLS_QMM_RING": "4:64", "STRATATOOLS_QMM_SHORT_FILL": "3"},
+            "kg2": {**_F16, "STRATATOOLS_QMM_RING": "2:64:2"}, "kg2b": {**_F16, "STRATATOOLS_QMM_RING": "4:64:2"},
+            "kg4": {**_F16, "STRATATOOLS_QMM_RING": "3:128:4"},
+            "norings": {**_F16, "STRATATOOLS_QMM_JOBS_RING": "0", "STRATATOOLS_QMM_RING": "0"},
             "cpsum": {"STRATATOOLS_QMM_SUM": "0"}, "blockroute": {"STRATATOOLS_ROUTE_WARP": "0"},
             "old": {"STRATATOOLS_QMM_SUM": "0", "STRATATOOLS_ROUTE_WARP": "0"},
             "hgemm": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm"},

@@ -196,6 +196,7 @@ def test_gpu_dense_ring_matches_qmm_dense(rows, cols, T, rg, monkeypatch):
     X = rng.standard_normal((T, cols)).astype(np.float32)
     X[0] *= 1e3
     monkeypatch.setenv(qmm.RING_ENV, rg)
+    monkeypatch.setenv(qmm.DENSE_I8_ENV, "0")  # (the fp16 ring; the integer ring's test is below)
     Y1 = cp.asnumpy(qmm.dense(cp.asarray(X), *args))
     assert np.array_equal(Y1, cp.asnumpy(qmm.dense(cp.asarray(X), *args)))
     ref = X.astype(np.float64) @ W.T
@@ -207,6 +208,42 @@ def test_gpu_dense_ring_matches_qmm_dense(rows, cols, T, rg, monkeypatch):
         # qmm_dense without its own split of k (a grid that fills the SMs: the same single slice)
         if qmm.dense_launch(T, rows, cols, "Q8R", K._device_limits()[0])[3] == 1:
             assert np.array_equal(Y1, cp.asnumpy(qmm.dense(cp.asarray(X), *args)))
+
+
+@pytest.mark.parametrize("rows,cols,T", [(2560, 2560, 32), (12288, 2560, 32), (4, 10240, 32), (320, 10240, 17),
+                                         (300, 1024, 1), (520, 640, 8), (37, 128, 16)])
+@pytest.mark.parametrize("rg", [qmm_host._ring_name(r) for r in qmm_host.DENSE_I8_RINGS])
+def test_gpu_dense_i8_ring_matches_float64(rows, cols, T, rg, monkeypatch):
+    """The integer dense ring (STRATATOOLS_QMM_DENSE_I8, up to 32 tokens: Q8R codes as signed bytes of mma.m16n8k32,
+    activations as qmm_split_i8d's 16-bit fixed point per block of 64): every element within the fixed point's bound
+    of float64 (hostlib.i8_bound), the same bits twice, a split made beforehand (split_kind "i8d") giving the same
+    bits as the one dense makes, and within 1e-4 of the fp16 ring relative to the largest output."""
+    import cupy as cp
+
+    from hostlib import i8_bound
+
+    from stratatools.runtime.gpu import qmm
+
+    rkc = int(rg.split(":")[1])
+    if cols % rkc:
+        pytest.skip("K is not whole chunks of the ring: qmm.dense takes the fp16 path")
+    rng = np.random.default_rng(rows + cols + T + 5)
+    args, W = _matrix(rng, "Q8R", rows, cols)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    X[0] *= 1e3
+    X[-1, 7] = 300.0  # an outlier: its block's other values keep fewer bits
+    monkeypatch.setenv(qmm.DENSE_I8_ENV, rg)
+    Xd = cp.asarray(X)
+    assert qmm.split_kind(args[0], T, cols, args[1], args[2]) == "i8d"
+    Y1 = cp.asnumpy(qmm.dense(Xd, *args))
+    assert np.array_equal(Y1, cp.asnumpy(qmm.dense(Xd, *args)))
+    assert np.array_equal(Y1, cp.asnumpy(qmm.dense(Xd, *args, xs=qmm.split_i8(Xd, dense=True))))
+    ref = X.astype(np.float64) @ W.T
+    for t in range(T):
+        assert np.all(np.abs(Y1[t] - ref[t]) <= i8_bound(W, X[t].astype(np.float64))), t
+    monkeypatch.setenv(qmm.DENSE_I8_ENV, "0")
+    Y0 = cp.asnumpy(qmm.dense(Xd, *args))
+    assert np.abs(Y1 - Y0).max() <= 1e-4 * np.abs(Y0).max()
 
 
 @pytest.mark.parametrize("hidden,ff", [(2560, 640), (1024, 512), (640, 192), (640, 704)])

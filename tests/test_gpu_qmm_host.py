@@ -55,9 +55,10 @@ def _host_lib(tmp_path_factory, kc: int):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
         getattr(h, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
-    for nt, st, rkc, kg in Q.RING_HOST:
-        getattr(h, f"host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I,
-                                                                            P, P]
+    for i8, cfgs in ((0, Q.RING_HOST), (1, Q.DENSE_I8_HOST)):
+        for nt, st, rkc, kg in cfgs:
+            getattr(h, f"host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}_{i8}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I,
+                                                                                     I, I, I, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
@@ -71,7 +72,7 @@ def _host_lib(tmp_path_factory, kc: int):
         for jt in Q.JOB_SIZES:
             getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
-    h.host_qmm_split_i8.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
+    h.host_qmm_split_i8.argtypes = h.host_qmm_split_i8d.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
     h.host_h2f.argtypes = [P, P, LL]
@@ -341,7 +342,7 @@ def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: i
     gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz
     cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
     with shared_within(lib, stages * Q.ring_stage_bytes(nt, rkc, warps=1)):
-        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}")(
+        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}_0")(
             gx, gy, _p(W8), _p(Wd), cols, _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P),
             _p(cnt) if add else None)
     if not add:
@@ -384,6 +385,95 @@ def test_dense_ring_split_k_matches_float64(lib, nt, stages, rkc, kg, rows, cols
     X = acts(rng, T, cols)
     check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz), W, X)
     check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, add=False), W, X)
+
+
+def split_i8d_host(lib, X: np.ndarray):
+    """The host build's qmm_split_i8d of X [T, K]: planes in the values' order (poisoned 0xAB first), block scales
+    and sums [T, K / 64]."""
+    T, Kc = X.shape
+    hi, lo = np.full((T, Kc), 0xAB, np.uint8), np.full((T, Kc), 0xAB, np.uint8)
+    sc, qs = np.full((T, Kc // 64), -7.0, np.float32), np.full((T, Kc // 64), 7777, np.int32)
+    lib.host_qmm_split_i8d(T * (Kc // 64), 1, _p(X), Kc, T, Kc, None, _p(hi), _p(lo), _p(sc), _p(qs))
+    return hi, lo, sc, qs
+
+
+def test_split_i8d_is_split_i8_in_the_values_order(lib):
+    """qmm_split_i8d: the same fixed point as qmm_split_i8 (q, block scales and sums), its planes holding value k at
+    byte k of the row (the integer dense ring's order)."""
+    rng = np.random.default_rng(23)
+    X = acts(rng, 7, 384)
+    hi, lo, sc, qs = split_i8_host(lib, X)
+    hd, ld, sd, qd = split_i8d_host(lib, X)
+    assert np.array_equal(hd.view(np.int8).astype(np.int64) * 256 + ld, i8_values(hi, lo))
+    assert np.array_equal(sd, sc) and np.array_equal(qd, qs)
+
+
+def ring_i8_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: int, kg: int, nz: int = 1,
+                 add: bool = True) -> np.ndarray:
+    """The host build's integer ring qmm_dense_ring<nt, stages, rkc, kg, 1> on Q8R weights, X split by the host
+    qmm_split_i8d; the split of k and its sums as :func:`ring_host`."""
+    T = X.shape[0]
+    hi, lo, sc, _ = split_i8d_host(lib, X)
+    Y = np.full((T, rows), np.nan, dtype=np.float32)
+    P = np.full((nz, T, rows), np.nan, dtype=np.float32)
+    gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz
+    cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
+    with shared_within(lib, stages * Q.ring_stage_bytes(nt, rkc, warps=1, i8=True)):
+        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}_1")(
+            gx, gy, _p(W8), _p(Wd), cols, _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P),
+            _p(cnt) if add else None)
+    if not add:
+        assert np.all(np.isnan(Y)) and np.all(np.isfinite(P))
+        return P.sum(axis=0, dtype=np.float32)
+    assert np.all(np.isfinite(Y)) and not np.any(cnt)
+    return Y
+
+
+def check_i8(Y, W, X):
+    """Every element of Y [T, R] within the integer products' bound of float64 (hostlib.i8_bound: each value of x off
+    by at most half a step of its block's fixed point, float32 sums)."""
+    ref = X.astype(np.float64) @ W.T
+    for t in range(X.shape[0]):
+        b = i8_bound(W, X[t].astype(np.float64))
+        assert np.all(np.abs(Y[t] - ref[t]) <= b), (t, float(np.max(np.abs(Y[t] - ref[t]) / b)))
+
+
+@pytest.mark.parametrize("nt,stages,rkc,kg", Q.DENSE_I8_HOST)
+@pytest.mark.parametrize("rows,cols,T,nz", [(37, 640, 5, 1), (16, 128, 16, 1), (21, 384, 9, 1), (40, 1280, 32, 1),
+                                            (37, 640, 5, 2), (16, 1280, 32, 7), (18, 384, 16, 3)])
+def test_dense_i8_ring_matches_float64(lib, nt, stages, rkc, kg, rows, cols, T, nz):
+    """The integer dense ring (Q8R codes as signed bytes of mma.m16n8k32, activations as qmm_split_i8d's 16-bit
+    fixed point per block of 64) within the fixed point's bound of float64 for rows that do not fill a warp, ranges
+    shorter than the ring, token tiles not filled, a split of k added by the kernel's last slice or by the caller;
+    the same bits on a second run."""
+    if cols % rkc or T > 8 * nt:
+        pytest.skip("the launcher does not take the ring for this shape")
+    rng = np.random.default_rng(rows * 5 + cols + T + nt + nz)
+    W8, Wd, W = dense_case(rng, "Q8R", rows, cols)
+    X = acts(rng, T, cols)
+    Y = ring_i8_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz)
+    check_i8(Y, W, X)
+    assert np.array_equal(Y, ring_i8_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz))
+    if nz > 1:
+        check_i8(ring_i8_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, add=False), W, X)
+
+
+def test_dense_i8_ring_fragments_on_host(lib):
+    """The integer ring on inputs whose products name their place: row r of W holds one code 1 (scale 1) at value k
+    and zeros elsewhere, x = 3 e_k' for token t: Y[t, r] = 3 only when k = k', and every other output 0 (a wrong
+    pairing of A's and B's k-slots, rows or tokens fails)."""
+    rows, cols, T = 16, 128, 16
+    for r, k, t in ((0, 0, 0), (9, 5, 3), (3, 38, 12), (15, 127, 15), (8, 64, 7), (1, 100, 9)):
+        for kk in (k, k ^ 4, k ^ 16, k ^ 32, (k + 1) % cols):
+            W8 = np.zeros((rows, cols), np.int8)
+            W8[r, k] = 1
+            Wd = np.full(rows * cols // 32, np.float16(1.0)).view(np.uint16)
+            X = np.zeros((T, cols), np.float32)
+            X[t, kk] = 3.0
+            Y = ring_i8_host(lib, W8.view(np.uint8), Wd, X, rows, cols, 2, 2, 64, 1)
+            want = np.zeros((T, rows), np.float32)
+            want[t, r] = 3.0 if kk == k else 0.0
+            assert np.array_equal(Y, want), (r, k, t, kk)
 
 
 def test_ring_switch(monkeypatch):
@@ -938,7 +1028,7 @@ def hostcp(lib, monkeypatch):
             assert shared_mem <= 228 * 1024 and shared_mem <= getattr(launch, "max_dynamic_shared_size_bytes",
                                                                        48 * 1024)
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
-            if base == "qmm_split_i8":
+            if base in ("qmm_split_i8", "qmm_split_i8d"):
                 gx *= block[0] // 16  # a block of 64 values: 16 threads on the device, one host block
             elif base == "qmm_sum_slices":
                 gx *= block[0] // Q.SUM_GROUP  # a run of 4 values: SUM_GROUP threads on the device
@@ -959,6 +1049,7 @@ def hostcp(lib, monkeypatch):
     monkeypatch.setattr(Q, "_fn", fn)
     monkeypatch.setattr(Q, "_ring_fn", lambda name, cfg: Q._fn(name))  # (read at call time: the tests' wrappers see it)
     monkeypatch.setenv(Q.RING_ENV, "4:64")  # a ring the host build has (RING_HOST)
+    monkeypatch.setenv(Q.DENSE_I8_ENV, "0")  # (the fp16 ring; the tests of the integer ring set theirs)
     monkeypatch.setattr(Q, "_jobs_ring_fn", lambda name, cfg: Q._fn(name))
     monkeypatch.setenv(Q.JOBS_RING_ENV, "3:256")  # (JOBS_RING_HOST)
     monkeypatch.setattr(K, "_device_limits", lambda: (132, 228 * 1024))
@@ -1004,7 +1095,7 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
     rung = layout == "Q8R" and rg != "0" and T <= 32 and cols % int(rg.split(":")[1]) == 0
     assert any(n.startswith("qmm_dense_ring<") for n in asked) == rung
     cfg = tuple(int(v) for v in rg.split(":")) + ((1,) if rg.count(":") == 1 else ())
-    assert (f"qmm_dense_ring<{Q.token_tile(T)}, {', '.join(map(str, cfg))}>" in asked) == rung
+    assert (f"qmm_dense_ring<{Q.token_tile(T)}, {', '.join(map(str, cfg))}, 0>" in asked) == rung
     kc = int(rg.split(":")[1]) if rung else Q.KC
     nz = Q.dense_launch(T, rows, cols, tname if layout != "Q8R" else "Q8R", 132, kc)[3]
     assert ("qmm_sum_slices" in asked) == (sm == "1" and nz > 1 and T <= 32)
@@ -1013,6 +1104,69 @@ def test_dense_launcher_on_host(hostcp, layout, T, two, sm, rg, monkeypatch):
         Q.dense(_h(X), tname if layout != "Q8R" else "Q8_0", _h(raw[:-2]), None, rows, cols)
     with pytest.raises(StrataError, match="do not match"):
         Q.dense(_h(X[:, :64]), "Q8_0", _h(raw), None, rows, cols)
+
+
+def test_dense_i8_switch(monkeypatch):
+    """STRATATOOLS_QMM_DENSE_I8: the default integer ring unless 0; S:RKC[:KG] from DENSE_I8_RINGS (chunks of whole
+    blocks of 64, groups that split a stage's Q8R blocks evenly, the groups' sums within the ring's memory); other
+    values refused naming the variable."""
+    monkeypatch.delenv(Q.DENSE_I8_ENV, raising=False)
+    assert Q.dense_i8() == Q.DENSE_I8_DEFAULT
+    monkeypatch.setenv(Q.DENSE_I8_ENV, "0")
+    assert Q.dense_i8() is None
+    monkeypatch.setenv(Q.DENSE_I8_ENV, "3:128:4")
+    assert Q.dense_i8() == (3, 128, 4) and Q.dense_i8(2560) == (3, 128, 4)
+    assert Q.dense_i8(320) == Q.DENSE_I8_SMALL  # (K = 320: whole blocks of 64, not chunks of 128)
+    monkeypatch.setenv(Q.DENSE_I8_ENV, "0")
+    assert Q.dense_i8(320) is None
+    assert Q.DENSE_I8_SMALL in Q.DENSE_I8_RINGS and Q.DENSE_I8_SMALL[1] == 64
+    for bad in ("5:64", "2:256:2", "x", "4:64:3", "4:32"):
+        monkeypatch.setenv(Q.DENSE_I8_ENV, bad)
+        with pytest.raises(StrataError, match=Q.DENSE_I8_ENV):
+            Q.dense_i8()
+    assert all(rkc % 64 == 0 and rkc // 32 % kg == 0 for _, rkc, kg in Q.DENSE_I8_RINGS)
+    assert all((kg - 1) * 4 * 32 * nt * 4 * 4 <= s * Q.ring_stage_bytes(nt, rkc, i8=True)
+               for s, rkc, kg in Q.DENSE_I8_RINGS for nt in Q.TILES[:2])
+    # the device's stage at 4 warps, NT 4, 64 values: codes and scales 64 x (96 + 4), block scales 32 x 4, planes
+    # 2 x 32 x 96
+    assert Q.ring_stage_bytes(4, 64, i8=True) == 64 * 100 + 128 + 6144
+
+
+@pytest.mark.parametrize("T,i8,cols,ringed", [(32, "4:64:2", 640, "4, 64, 2"), (9, "4:64:2", 640, "4, 64, 2"),
+                                              (32, "3:128:2", 640, "3, 128, 2"), (20, "3:128:2", 320, "4, 64, 2"),
+                                              (33, "4:64:2", 640, ""), (32, "0", 640, "")])
+def test_dense_launcher_takes_the_integer_ring_on_host(hostcp, T, i8, cols, ringed, monkeypatch):
+    """qmm.dense for Q8R up to 32 tokens with STRATATOOLS_QMM_DENSE_I8 set: the integer ring's instance (for K not
+    whole chunks of the ring, DENSE_I8_SMALL's) and qmm_split_i8d asked for (within the fixed point's bound of
+    float64; a split_kind "i8d" split passed in is used, not made again); with 0 or longer X the fp16 path
+    (qmm_split), within 2e-6."""
+    monkeypatch.setenv(Q.DENSE_I8_ENV, i8)
+    asked = kernels_asked(monkeypatch)
+    rng = np.random.default_rng(T + 3)
+    rows = 70
+    raw = blocks(rng, "Q8_0", rows, cols)
+    W = wmat(raw, "Q8_0", rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    X = acts(rng, T, cols)
+    Y = np.asarray(Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols))
+    name = f"qmm_dense_ring<{Q.token_tile(T)}, {ringed}, 1>"
+    ringed = bool(ringed)
+    assert (name in asked) == ringed and ("qmm_split_i8d" in asked) == ringed and ("qmm_split" in asked) != ringed
+    assert sum(n.startswith("qmm_dense") for n in asked) == 1
+    if ringed:
+        check_i8(Y, W, X)
+        assert Q.split_kind("Q8R", T, cols, _h(q), _h(d)) == "i8d"
+        xs = Q.split_i8(_h(X), dense=True)
+        assert isinstance(xs, Q.DensePlanes)
+        asked.clear()
+        assert np.array_equal(np.asarray(Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols, xs=xs)), Y)
+        assert name in asked and not any(n.startswith("qmm_split") for n in asked)
+        asked.clear()  # an fp16 split given to the integer ring is not used: X is split again, its own way
+        Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols, xs=Q.split(_h(X)))
+        assert [n for n in asked if n.startswith("qmm_split")] == ["qmm_split", "qmm_split_i8d"] and name in asked
+    else:
+        check(Y, W, X)
+        assert Q.split_kind("Q8R", T, cols, _h(q), _h(d)) == "f16"
 
 
 def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
@@ -1250,7 +1404,8 @@ def test_device_build_has_no_spills(tmp_path):
         inst.append(f"template __global__ void {base}<{targs}({sig});\n")
     dsig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, int, "
             "int, float*, int*")
-    rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}>({dsig});\n" for s, kc, kg in Q.RINGS
+    rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}>({dsig});\n"
+             for i8, cfgs in ((0, Q.RINGS), (1, Q.DENSE_I8_RINGS)) for s, kc, kg in cfgs
              for nt in Q.TILES[:2]]  # (ring_module's instances)
     gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"

@@ -61,6 +61,8 @@ static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f
 #endif
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct float2 { float x, y; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 using std::min;

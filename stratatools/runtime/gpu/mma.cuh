@@ -139,10 +139,11 @@ __device__ __forceinline__ void mma_sync(mma_c& d, const mma_a& a, const mma_b& 
 #endif
 }
 
-// ---- integer products: mma.sync.aligned.m16n8k32.row.col.s32.u8.{s8,u8}.s32 ------------------------------------
-// D[16 x 8] = A[16 x 32] B[32 x 8] + C, A unsigned bytes, B signed (mma_sync_i8s) or unsigned (mma_sync_i8u)
-// bytes, C and D int32 (exact; sums wrap modulo 2^32 as the device's do). Fragments (PTX ISA, "Matrix Fragments
-// for mma.m16n8k32" with .u8 / .s8 types; g = lane >> 2, c = lane & 3):
+// ---- integer products: mma.sync.aligned.m16n8k32.row.col.s32.{u8,s8}.{s8,u8}.s32 ----------------------------------
+// D[16 x 8] = A[16 x 32] B[32 x 8] + C, A and B bytes, signed or not (mma_sync_i8<SA, SB>; the Q2_0 jobs' codes are
+// unsigned A: mma_sync_i8s / mma_sync_i8u; the Q8R dense codes signed A), C and D int32 (exact; sums wrap modulo 2^32
+// as the device's do). Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k32" with .u8 / .s8 types; g = lane >> 2,
+// c = lane & 3):
 //   A: 4 registers of 4 bytes (byte 0 = first element): register m holds row g + 8 [m odd], columns
 //      4 c + {0, 1, 2, 3} + 16 [m >= 2].
 //   B: 2 registers of 4 bytes: register m holds rows (k) 4 c + {0, 1, 2, 3} + 16 [m = 1], column (n) g.
@@ -150,17 +151,19 @@ __device__ __forceinline__ void mma_sync(mma_c& d, const mma_a& a, const mma_b& 
 struct mma_ci { int x[MMA_LANES][4]; };
 
 #ifdef STRATA_HOST
-template <bool SIGNED_B> inline void mma_host_i8(mma_ci& d, const mma_a& a, const mma_b& b) {
+template <bool SA, bool SB> inline void mma_host_i8(mma_ci& d, const mma_a& a, const mma_b& b) {
     int A[16][32], B[32][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, c = l & 3;
         for (int m = 0; m < 4; ++m)
-            for (int i = 0; i < 4; ++i)
-                A[g + 8 * (m & 1)][4 * c + i + 16 * (m >> 1)] = (int)((a.x[l][m] >> (8 * i)) & 0xffu);
+            for (int i = 0; i < 4; ++i) {
+                const u32 v = (a.x[l][m] >> (8 * i)) & 0xffu;
+                A[g + 8 * (m & 1)][4 * c + i + 16 * (m >> 1)] = SA ? (int)(signed char)v : (int)v;
+            }
         for (int m = 0; m < 2; ++m)
             for (int i = 0; i < 4; ++i) {
                 const u32 v = (b.x[l][m] >> (8 * i)) & 0xffu;
-                B[4 * c + i + 16 * m][g] = SIGNED_B ? (int)(signed char)v : (int)v;
+                B[4 * c + i + 16 * m][g] = SB ? (int)(signed char)v : (int)v;
             }
     }
     for (int l = 0; l < 32; ++l) {
@@ -173,32 +176,35 @@ template <bool SIGNED_B> inline void mma_host_i8(mma_ci& d, const mma_a& a, cons
         }
     }
 }
+#else
+// (one asm template for the four type pairs: the instruction differs only in its two type names)
+#define MMA_I8_ASM(TA, TB, d, a, b)                                                                                \
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "    \
+                 "{%8, %9}, {%0, %1, %2, %3};\n"                                                                   \
+                 : "+r"(d.x[0][0]), "+r"(d.x[0][1]), "+r"(d.x[0][2]), "+r"(d.x[0][3])                              \
+                 : "r"(a.x[0][0]), "r"(a.x[0][1]), "r"(a.x[0][2]), "r"(a.x[0][3]), "r"(b.x[0][0]), "r"(b.x[0][1]))
 #endif
+
+// d += a b, a signed bytes when SA, b when SB (else unsigned).
+template <bool SA, bool SB> __device__ __forceinline__ void mma_sync_i8(mma_ci& d, const mma_a& a, const mma_b& b) {
+#ifdef STRATA_HOST
+    mma_host_i8<SA, SB>(d, a, b);
+#else
+    if constexpr (SA && SB) MMA_I8_ASM("s8", "s8", d, a, b);
+    else if constexpr (SA) MMA_I8_ASM("s8", "u8", d, a, b);
+    else if constexpr (SB) MMA_I8_ASM("u8", "s8", d, a, b);
+    else MMA_I8_ASM("u8", "u8", d, a, b);
+#endif
+}
 
 // d += a b, a unsigned and b signed bytes.
 __device__ __forceinline__ void mma_sync_i8s(mma_ci& d, const mma_a& a, const mma_b& b) {
-#ifdef STRATA_HOST
-    mma_host_i8<true>(d, a, b);
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+r"(d.x[0][0]), "+r"(d.x[0][1]), "+r"(d.x[0][2]), "+r"(d.x[0][3])
-        : "r"(a.x[0][0]), "r"(a.x[0][1]), "r"(a.x[0][2]), "r"(a.x[0][3]), "r"(b.x[0][0]), "r"(b.x[0][1]));
-#endif
+    mma_sync_i8<false, true>(d, a, b);
 }
 
 // d += a b, a and b unsigned bytes.
 __device__ __forceinline__ void mma_sync_i8u(mma_ci& d, const mma_a& a, const mma_b& b) {
-#ifdef STRATA_HOST
-    mma_host_i8<false>(d, a, b);
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+r"(d.x[0][0]), "+r"(d.x[0][1]), "+r"(d.x[0][2]), "+r"(d.x[0][3])
-        : "r"(a.x[0][0]), "r"(a.x[0][1]), "r"(a.x[0][2]), "r"(a.x[0][3]), "r"(b.x[0][0]), "r"(b.x[0][1]));
-#endif
+    mma_sync_i8<false, false>(d, a, b);
 }
 
 #endif  // STRATA_MMA_CUH

@@ -605,9 +605,10 @@ class ChunkPrefill:
             if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
                 return None
             args = (t.name, raw, None, rows, cols)
-        xs = self._split(X)
+        big = self.gemm == "hgemm" or self._big_hgemm(rows, cols, int(X.shape[0]))
+        xs = self._split(X, "f16" if big else qmm.split_kind(args[0], int(X.shape[0]), cols, args[1], args[2]))
         X = cp.ascontiguousarray(X, dtype=cp.float32)
-        if self.gemm == "hgemm" or self._big_hgemm(rows, cols, int(X.shape[0])):
+        if big:
             fits = self._hgemm_fits()
             if fits.get(key) is not False:
                 out = qmm.hgemm(X, *args, xs=xs, check=key is None or key not in fits)
@@ -1416,7 +1417,7 @@ class ChunkPrefill:
     _jt = JOB_TOKENS_MMA
     _dev_route: tuple[Any, Any] | None = None
     _dev_layers: list[int] = []
-    #: [X, its split or None] while :meth:`_shared_split` is open for X
+    #: [X, its splits by kind] while :meth:`_shared_split` is open for X
     _xs_memo: list[Any] | None = None
 
     @contextlib.contextmanager
@@ -1426,23 +1427,28 @@ class ChunkPrefill:
         batched step split the same rows into fp16 halves 16 times a layer). The block must not write into ``X``.
         The split is made at the first use, so a block whose GEMMs take another path splits nothing."""
         prev = self._xs_memo
-        self._xs_memo = [X, None]
+        self._xs_memo = [X, {}]
         try:
             yield
         finally:
             self._xs_memo = prev
 
-    def _split(self, X: Any) -> tuple[Any, Any, Any]:
-        """:func:`stratatools.runtime.gpu.qmm.split` of the rows ``X`` [T, K] (CuPy), reused while a
-        :meth:`_shared_split` of ``X`` is open."""
+    def _split(self, X: Any, kind: str = "f16") -> tuple[Any, ...]:
+        """The split of the rows ``X`` [T, K] (CuPy) of ``kind`` (:func:`stratatools.runtime.gpu.qmm.split_kind`):
+        ``"f16"`` :func:`stratatools.runtime.gpu.qmm.split`, ``"i8d"`` its ``split_i8`` with ``dense=True``; reused
+        while a :meth:`_shared_split` of ``X`` is open."""
         from stratatools.runtime.gpu import qmm
+
+        def make() -> tuple[Any, ...]:
+            Xc = self.cp.ascontiguousarray(X, dtype=self.cp.float32)
+            return qmm.split_i8(Xc, dense=True) if kind == "i8d" else qmm.split(Xc)
 
         memo = self._xs_memo
         if memo is not None and memo[0] is X:
-            if memo[1] is None:
-                memo[1] = qmm.split(self.cp.ascontiguousarray(X, dtype=self.cp.float32))
-            return memo[1]
-        return qmm.split(self.cp.ascontiguousarray(X, dtype=self.cp.float32))
+            if kind not in memo[1]:
+                memo[1][kind] = make()
+            return memo[1][kind]
+        return make()
 
     def _sgemm(self, X: Any, W: Any) -> Any:
         """X [T, K] @ W.T for W [R, K]: float32 [T, R] (xp's matmul; in the batched decoder's graph step

@@ -523,180 +523,6 @@ template <int F, int NT, int MT = 1> __global__ void __launch_bounds__(QMM_THREA
                    min(8 * NT, T - t0));
 }
 
-// ---- dense Q8R through a ring of stages (up to 32 tokens: the batched step; qmm.py RING_ENV) -----------------------
-// The products of qmm_dense<0, NT> in the same order (nz = 1: bit for bit its Y), the weights waiting elsewhere.
-// qmm_dense loads a lane's weights into registers one chunk ahead, so a block has one chunk of weights in flight: at 32
-// tokens the large matrices streamed at 0.5-0.7 TB/s (H200: the 12,288-row attention matrix 61 us in 192 blocks),
-// bounded by the loads' latency. Here the block copies its 16 nw rows' codes and scales, with its tokens' hi / lo
-// halves, into a ring of S stages of shared memory (cp.async), S - 1 chunks of RKC values ahead of the chunk computed;
-// one barrier a chunk (the stage refilled after it is the one every warp finished computing before it).
-// A stage (bytes): codes [16 nw][RKC + 32] (the padding puts lanes g = 0..7's 8-byte reads of their rows on distinct
-// banks), scales [16 nw][RKC / 32] fp16, then hi [8 NT][RKC + 32] and lo halves (as QmmXS<0>). K is a multiple of RKC
-// (qmm.py takes qmm_dense for other K). Grid, split of k (chunks of RKC), P and cnt as qmm_dense.
-template <int NT, int RKC> struct QmmRing {
-    static constexpr int BPC = RKC / 32, WS = RKC + 32, XS = RKC + 32, DB = RKC / 16, TOK = 8 * NT;
-    // bytes of one stage for nw warps (qmm.py ring_stage_bytes)
-    static __device__ __forceinline__ int stage(int nw) { return 16 * nw * (WS + DB) + 2 * TOK * XS * 2; }
-};
-
-// Issue the copies of chunk `chunk` into stage st: rows rbase .. rbase + nrows - 1 (clamped to R - 1), the block's
-// tokens (tokrow; a slot without a token gets zeros).
-template <int NT, int RKC>
-__device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
-                                              int rbase, int nrows, const u16* __restrict__ xhi,
-                                              const u16* __restrict__ xlo, const int* tokrow, int chunk, u8* st) {
-    using G = QmmRing<NT, RKC>;
-    constexpr int WP = RKC / 16;  // 16-byte pieces of a row's codes
-    u8* sw = st;
-    u8* sd = st + nrows * G::WS;
-    u16* sx = reinterpret_cast<u16*>(sd + nrows * G::DB);
-    const long long k0 = (long long)chunk * RKC;
-    for (int i = threadIdx.x; i < nrows * WP; i += blockDim.x) {
-        const int r = i / WP, p = i - r * WP;
-        const long long row = min(rbase + r, R - 1);
-        cp_async16(sw + r * G::WS + 16 * p, w + row * K + k0 + 16 * p);
-    }
-    for (int r = threadIdx.x; r < nrows; r += blockDim.x) {
-        const long long row = min(rbase + r, R - 1);
-        const u16* src = wd + row * (long long)(K / 32) + k0 / 32;
-        if constexpr (G::DB == 16) cp_async16(sd + r * G::DB, src);
-        else cp_async_small<G::DB>(sd + r * G::DB, src);
-    }
-    qmm_stage<0, NT, RKC, G::XS, true>(xhi, xlo, (long long)K, tokrow, K, chunk, sx);
-}
-
-// KG groups of warps share the block's rows and split each stage's blocks of k between them (group g takes blocks
-// [g BPC / KG, (g + 1) BPC / KG)): KG times the warps a block (128 KG threads) for the same rows and stages, so more
-// warps hide each other's latencies (at 32 tokens one group of 4 warps kept the SMs' issue slots 30% busy, dependency
-// waits first: Nsight Compute, bench/gpu-notes.md). At the end the groups' sums meet in shared memory, added in
-// group order 0 .. KG - 1 (the host build's one thread plays every group's part and adds in the same order). KG = 1:
-// qmm_dense's order exactly.
-template <int NT, int S, int RKC, int KG = 1> __global__ void __launch_bounds__(QMM_THREADS * KG) qmm_dense_ring(
-        const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
-        const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
-        int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
-    using G = QmmRing<NT, RKC>;
-    static_assert(S >= 2, "a ring of at least two stages");
-    static_assert(G::BPC % KG == 0, "a stage's blocks split evenly between the groups");
-    constexpr int BPG = G::BPC / KG;  // blocks of a stage a group computes
-#ifdef STRATA_HOST
-    constexpr int NG = KG;  // (the host's one warp plays every group)
-#else
-    constexpr int NG = 1;
-#endif
-    (void)rb;  // (Q8R: K bytes a row)
-    u8* ring = reinterpret_cast<u8*>(QMM_SMEM_BASE);
-    __shared__ int tokrow[G::TOK];
-    __shared__ int last;
-    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : KG;  // (host: one warp standing for KG)
-    const int rw = nw / KG;                                          // warps of one group: 16 rows each
-    const int warp = blockDim.x >= 32 ? (int)(threadIdx.x >> 5) : 0;
-    const int grp = warp / rw, wr = warp - grp * rw;
-    const int nrows = 16 * rw, stage = G::stage(rw);
-    const int z = (int)blockIdx.y % nz, tile = (int)blockIdx.y / nz;
-    const int t0 = tile * G::TOK;
-    const int nch = K / RKC, per = (nch + nz - 1) / nz;
-    const int c0 = min(nch, z * per), c1 = min(nch, c0 + per);
-    float* dst = nz == 1 ? Y : P + (long long)z * T * R;
-    const long long ldd = nz == 1 ? ldy : (long long)R;
-    for (int s = threadIdx.x; s < G::TOK; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
-    __syncthreads();
-    const int rbase = (int)blockIdx.x * nrows, wrow = 16 * wr;  // the warp's rows: rbase + wrow + 0 .. 15
-    const int r0 = rbase + wrow;
-    mma_c acc[NG][NT];
-    #pragma unroll
-    for (int q = 0; q < NG; ++q)
-        #pragma unroll
-        for (int n = 0; n < NT; ++n) mma_zero(acc[q][n]);
-    #pragma unroll 1
-    for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
-        if (c0 + s < c1) qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, c0 + s, ring + s * stage);
-        cp_async_commit();
-    }
-    for (int chunk = c0; chunk < c1; ++chunk) {
-        cp_async_wait<S - 2>();  // this chunk's group has landed (groups committed: S - 1 + (chunk - c0))
-        __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
-        const int nx = chunk + S - 1;
-        if (nx < c1)
-            qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, nx, ring + ((nx - c0) % S) * stage);
-        cp_async_commit();
-        const u8* st = ring + ((chunk - c0) % S) * stage;
-        const u16* sd = reinterpret_cast<const u16*>(st + nrows * G::WS);
-        const u16* xs_hi = reinterpret_cast<const u16*>(st + nrows * (G::WS + G::DB));
-        const u16* xs_lo = xs_hi + G::TOK * G::XS;
-        #pragma unroll
-        for (int q = 0; q < NG; ++q) {
-            #pragma unroll
-            for (int bb = 0; bb < BPG; ++bb) {
-                const int b = (NG == 1 ? grp : q) * BPG + bb;
-                mma_a A[1][2];
-                float d0[MMA_LANES][1], d1[MMA_LANES][1];
-                for (int l = 0; l < MMA_LANES; ++l) {
-                    const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const u32* p = reinterpret_cast<const u32*>(st + (wrow + g + 8 * h) * G::WS + 32 * b + 8 * c);
-                        const u32 wv[2] = {p[0], p[1]};
-                        qmm_codes<0>(wv, 0, A[0][0].x[l][h], A[0][0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
-                        qmm_codes<0>(wv, 1, A[0][1].x[l][h], A[0][1].x[l][2 + h]);
-                    }
-                    d0[l][0] = mma_h2f(sd[(wrow + g) * G::BPC + b]);
-                    d1[l][0] = mma_h2f(sd[(wrow + g + 8) * G::BPC + b]);
-                }
-                qmm_block<0, NT, 1, G::XS>(A, d0, d1, xs_hi, xs_lo, b, &acc[q]);
-            }
-        }
-    }
-    if constexpr (KG > 1) {  // the groups' sums added in group order into group 0's (host: its own accumulators)
-#ifdef STRATA_HOST
-        for (int q = 1; q < KG; ++q)
-            for (int n = 0; n < NT; ++n)
-                for (int l = 0; l < MMA_LANES; ++l)
-                    for (int i = 0; i < 4; ++i) acc[0][n].x[l][i] += acc[q][n].x[l][i];
-#else
-        cp_async_wait<0>();
-        __syncthreads();  // every warp is done with the ring: its memory holds the groups' sums now
-        float* red = reinterpret_cast<float*>(ring);  // [KG - 1][rw][32 lanes][NT][4]
-        const int lane = (int)(threadIdx.x & 31);
-        if (grp > 0) {
-            float* r = red + (((grp - 1) * rw + wr) * 32 + lane) * NT * 4;
-            #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) r[n * 4 + i] = acc[0][n].x[0][i];
-        }
-        __syncthreads();
-        if (grp == 0) {
-            #pragma unroll 1
-            for (int q = 1; q < KG; ++q) {
-                const float* r = red + (((q - 1) * rw + wr) * 32 + lane) * NT * 4;
-                #pragma unroll
-                for (int n = 0; n < NT; ++n)
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[0][n].x[0][i] += r[n * 4 + i];
-            }
-        }
-#endif
-    }
-    if (grp == 0)  // (the other groups stay for the barriers below)
-        qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
-            const int t = tokrow[s];
-            if (row < R && t >= 0) dst[(long long)t * ldd + row] = acc[0][n].x[l][i] * xsc[t];
-        });
-    if (nz == 1 || cnt == nullptr) return;  // (no counters: the caller adds the slices)
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int c = (int)blockIdx.x + (int)gridDim.x * tile;
-        last = atomicAdd(cnt + c, 1) == nz - 1;
-        if (last) cnt[c] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    qmm_add_slices(P, Y, ldy, T, R, nz, rbase, min(nrows, R - rbase), t0, min(G::TOK, T - t0));
-}
-
 // The slots of a down job j (all threads of the block call it; ends with a barrier): dst[s] = job_dst[j JT + s] (the
 // pair's output row, -1 for an empty slot) and tokrow[s] = its hidden row j JT + s (-1 for an empty slot). Returns
 // whether the job has work (an empty job's first slot is empty: qmm_jobs' spares).
@@ -958,12 +784,20 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
 // Bytes a staged token row (rows 64 mod 128 bytes apart: a quarter warp's 16-byte loads fall on distinct banks).
 #define QI8_XS (QMM_KC + 64)
 
-// xh, xl [T, K] bytes (as words [T, K / 4]), xs [T, K / 64] float, xq [T, K / 64] int; K a multiple of 64. Rows t with
-// rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim) blocks, blockDim a multiple
-// of 32 (the host build: T K / 64 blocks of one thread).
-extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long ldx, int T, int K,
-                                        const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
-                                        float* __restrict__ xs, int* __restrict__ xq) {
+// The value of a block of 64 that byte i of plane word wd holds: ORD 0 (the Q2_0 jobs' order above) 16 (wd >> 2) +
+// 4 i + (wd & 3); ORD 1 (the Q8R dense ring, qmm_dense_ring<..., 1>) the values' own order, 4 wd + i.
+template <int ORD> __device__ __forceinline__ int qi8_value(int wd, int i) {
+    if constexpr (ORD == 0) return 16 * (wd >> 2) + 4 * i + (wd & 3);
+    else return 4 * wd + i;
+}
+
+// xh, xl [T, K] bytes (as words [T, K / 4]) in plane order ORD (qi8_value), xs [T, K / 64] float, xq [T, K / 64] int; K
+// a multiple of 64. Rows t with rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim)
+// blocks, blockDim a multiple of 32 (the host build: T K / 64 blocks of one thread).
+template <int ORD>
+__device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long ldx, int T, int K,
+                                          const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
+                                          float* __restrict__ xs, int* __restrict__ xq) {
     constexpr int WPT = 16 / QI8_GROUP;  // words a thread
     const int nb = K >> 6;
     const long long units = (long long)T * nb;
@@ -978,10 +812,10 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
     int bad = 0;
     #pragma unroll
     for (int p = 0; p < WPT; ++p) {
-        const int wd = gl * WPT + p, G = wd >> 2, r = wd & 3;
+        const int wd = gl * WPT + p;
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            v[p][i] = live ? x[16 * G + 4 * i + r] : 0.0f;
+            v[p][i] = live ? x[qi8_value<ORD>(wd, i)] : 0.0f;
             const float a = fabsf(v[p][i]);
             bad |= !(a <= 3.4028234663852886e38f);
             m = fmaxf(m, a);
@@ -1018,6 +852,19 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
         xs[(long long)t * nb + b] = bad ? __int_as_float(0x7fc00000) : m / 32767.0f;
         xq[(long long)t * nb + b] = qs;
     }
+}
+
+extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long ldx, int T, int K,
+                                        const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
+                                        float* __restrict__ xs, int* __restrict__ xq) {
+    qi8_split<0>(X, ldx, T, K, rowok, xh, xl, xs, xq);
+}
+
+// The split in the values' order (ORD 1) for the integer dense ring (qmm_dense_ring<..., 1>).
+extern "C" __global__ void qmm_split_i8d(const float* __restrict__ X, long long ldx, int T, int K,
+                                         const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
+                                         float* __restrict__ xs, int* __restrict__ xq) {
+    qi8_split<1>(X, ldx, T, K, rowok, xh, xl, xs, xq);
 }
 
 // Issue the copies of chunk `chunk` (RKC values) of the block's tokens' byte planes into stage buffer xs (hi: TOK rows
@@ -1343,4 +1190,292 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < H && tokrow[s] >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i];
     });
+}
+
+// ---- dense Q8R through a ring of stages (up to 32 tokens: the batched step; qmm.py RING_ENV) -----------------------
+// The products of qmm_dense<0, NT> in the same order (nz = 1: bit for bit its Y), the weights waiting elsewhere.
+// qmm_dense loads a lane's weights into registers one chunk ahead, so a block has one chunk of weights in flight: at 32
+// tokens the large matrices streamed at 0.5-0.7 TB/s (H200: the 12,288-row attention matrix 61 us in 192 blocks),
+// bounded by the loads' latency. Here the block copies its 16 nw rows' codes and scales, with its tokens' hi / lo
+// halves, into a ring of S stages of shared memory (cp.async), S - 1 chunks of RKC values ahead of the chunk computed;
+// one barrier a chunk (the stage refilled after it is the one every warp finished computing before it).
+// A stage (bytes): codes [16 nw][RKC + 32] (the padding puts lanes g = 0..7's 8-byte reads of their rows on distinct
+// banks), scales [16 nw][RKC / 32] fp16, then hi [8 NT][RKC + 32] and lo halves (as QmmXS<0>). K is a multiple of RKC
+// (qmm.py takes qmm_dense for other K). Grid, split of k (chunks of RKC), P and cnt as qmm_dense.
+//
+// I8 = 1 (qmm.py DENSE_I8_ENV): the products as the integer expert jobs make them. The activations come as
+// qmm_split_i8d's byte planes (16-bit fixed point per token and block of 64 values, q = 256 hi + lo, scale s_tb; the
+// planes in the values' order), the codes go to mma.m16n8k32 as signed bytes (no decode), and a k-step covers a Q8R
+// block of 32 values: its integer sum 256 (codes . hi) + (codes . lo) is exact and is scaled once by d s_tb. The fp16
+// form spends two products (hi, lo) a k-step of 16 values and a decode of the codes (240-280 instructions a block a
+// warp, bound by their latencies at few warps: Nsight Compute, bench/gpu-notes.md). Error: the fixed point's rounding
+// (at most s_tb / 2 a value) and float32 sums (tests: hostlib.i8_bound); Y needs no token scale (xsc: the block
+// scales [T, K / 64]). Its stage: codes and scales as above, the tokens' block scales [RKC / 64][8 NT] float, then the
+// planes hi [8 NT][RKC + 32] and lo (bytes; a half warp's 8-byte loads of rows g = 0..3 fall on distinct banks).
+template <int NT, int RKC, int I8 = 0> struct QmmRing {
+    static constexpr int BPC = RKC / 32, WS = RKC + 32, XS = RKC + 32, DB = RKC / 16, TOK = 8 * NT;
+    static constexpr int XB = I8 ? 1 : 2;                   // bytes a staged activation value (of each plane / half)
+    static constexpr int SB = I8 ? (RKC / 64) * TOK * 4 : 0;  // bytes of the tokens' block scales
+    // bytes of one stage for nw warps (qmm.py ring_stage_bytes)
+    static __device__ __forceinline__ int stage(int nw) { return 16 * nw * (WS + DB) + SB + 2 * TOK * XS * XB; }
+};
+
+// Issue the copies of chunk `chunk`'s Q8R codes and scales of rows rbase .. rbase + nrows - 1 (clamped to R - 1) into
+// stage st: codes [nrows][RKC + 32], then scales [nrows][RKC / 32] fp16 (both rings' stages begin so).
+template <int RKC>
+__device__ __forceinline__ void qmm_ring_rows(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
+                                              int rbase, int nrows, int chunk, u8* st) {
+    constexpr int WP = RKC / 16, WS = RKC + 32, DB = RKC / 16;  // 16-byte pieces of a row's codes; row bytes
+    u8* sd = st + nrows * WS;
+    const long long k0 = (long long)chunk * RKC;
+    for (int i = threadIdx.x; i < nrows * WP; i += blockDim.x) {
+        const int r = i / WP, p = i - r * WP;
+        const long long row = min(rbase + r, R - 1);
+        cp_async16(st + r * WS + 16 * p, w + row * K + k0 + 16 * p);
+    }
+    for (int r = threadIdx.x; r < nrows; r += blockDim.x) {
+        const long long row = min(rbase + r, R - 1);
+        const u16* src = wd + row * (long long)(K / 32) + k0 / 32;
+        if constexpr (DB == 16) cp_async16(sd + r * DB, src);
+        else cp_async_small<DB>(sd + r * DB, src);
+    }
+}
+
+// Issue the copies of chunk `chunk` into stage st: rows rbase .. rbase + nrows - 1 (clamped to R - 1), the block's
+// tokens (tokrow; a slot without a token gets zeros).
+// I8: xhi / xlo are qmm_split_i8d's planes [T, K] bytes and xsc its block scales [T, K / 64].
+template <int NT, int RKC, int I8 = 0>
+__device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
+                                              int rbase, int nrows, const u16* __restrict__ xhi,
+                                              const u16* __restrict__ xlo, const float* __restrict__ xsc,
+                                              const int* tokrow, int chunk, u8* st) {
+    using G = QmmRing<NT, RKC, I8>;
+    qmm_ring_rows<RKC>(w, wd, R, K, rbase, nrows, chunk, st);
+    u8* sx = st + nrows * (G::WS + G::DB);
+    if constexpr (I8) {
+        constexpr int BPC = RKC / 64;
+        for (int i = threadIdx.x; i < BPC * G::TOK; i += blockDim.x) {  // scales [b][slot]
+            const int b = i / G::TOK, slot = i - b * G::TOK, row = tokrow[slot];
+            float* d = reinterpret_cast<float*>(sx) + i;
+            if (row >= 0) cp_async_small<4>(d, xsc + (long long)row * (K >> 6) + chunk * BPC + b);
+            else *d = 0.0f;
+        }
+        qi8_stage<NT, RKC, G::XS>(reinterpret_cast<const u8*>(xhi), reinterpret_cast<const u8*>(xlo), K, tokrow, chunk,
+                                  sx + G::SB);
+    } else {
+        qmm_stage<0, NT, RKC, G::XS, true>(xhi, xlo, (long long)K, tokrow, K, chunk, reinterpret_cast<u16*>(sx));
+    }
+}
+
+// One Q8R block of 32 values (u of the staged chunk st; nrows rows staged) of a warp's 16 rows (from wrow) times the
+// block's 8 NT tokens' hi / lo halves (QmmRing<NT, RKC>): qmm_block's products, the codes decoded from the stage.
+template <int NT, int RKC>
+__device__ __forceinline__ void qmm_ring_f16_block(const u8* st, int nrows, int wrow, int u, mma_c (&acc)[NT]) {
+    using G = QmmRing<NT, RKC>;
+    const u16* sd = reinterpret_cast<const u16*>(st + nrows * G::WS);
+    const u16* xs_hi = reinterpret_cast<const u16*>(st + nrows * (G::WS + G::DB));
+    const u16* xs_lo = xs_hi + G::TOK * G::XS;
+    mma_a A[1][2];
+    float d0[MMA_LANES][1], d1[MMA_LANES][1];
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32* p = reinterpret_cast<const u32*>(st + (wrow + g + 8 * h) * G::WS + 32 * u + 8 * c);
+            const u32 wv[2] = {p[0], p[1]};
+            qmm_codes<0>(wv, 0, A[0][0].x[l][h], A[0][0].x[l][2 + h]);  // row g (h 0): a0 a1, a4 a5
+            qmm_codes<0>(wv, 1, A[0][1].x[l][h], A[0][1].x[l][2 + h]);
+        }
+        d0[l][0] = mma_h2f(sd[(wrow + g) * G::BPC + u]);
+        d1[l][0] = mma_h2f(sd[(wrow + g + 8) * G::BPC + u]);
+    }
+    qmm_block<0, NT, 1, G::XS>(A, d0, d1, xs_hi, xs_lo, u, &acc);
+}
+
+// One Q8R block of 32 values (u of the staged chunk st; nrows rows staged) of a warp's 16 rows (from wrow) times the
+// block's 8 NT tokens on the integer planes (QmmRing<NT, RKC, 1>): acc[n] += d_r s_tb (256 (codes . hi) + (codes .
+// lo)). A's registers: row g + 8 h's codes 32 u + 8 c + 0..3 (k-slots 4 c + 0..3) and + 4..7 (k-slots 16 + 4 c +
+// 0..3), one 8-byte load; B's: the token's plane bytes at the same values (planes in the values' order).
+template <int NT, int RKC>
+__device__ __forceinline__ void qmm_ring_i8_block(const u8* st, int nrows, int wrow, int u, mma_c (&acc)[NT]) {
+    using G = QmmRing<NT, RKC, 1>;
+    const u16* sd = reinterpret_cast<const u16*>(st + nrows * G::WS);
+    const float* ssx = reinterpret_cast<const float*>(st + nrows * (G::WS + G::DB));
+    const u8* xs_hi = st + nrows * (G::WS + G::DB) + G::SB;
+    const u8* xs_lo = xs_hi + G::TOK * G::XS;
+    mma_a A;
+    float d0[MMA_LANES], d1[MMA_LANES];
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint2 v = *reinterpret_cast<const uint2*>(st + (wrow + g + 8 * h) * G::WS + 32 * u + 8 * c);
+            A.x[l][h] = v.x;
+            A.x[l][2 + h] = v.y;
+        }
+        d0[l] = mma_h2f(sd[(wrow + g) * G::BPC + u]);
+        d1[l] = mma_h2f(sd[(wrow + g + 8) * G::BPC + u]);
+    }
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        mma_b Bh, Bl;
+        float s0[MMA_LANES], s1[MMA_LANES];
+        for (int l = 0; l < MMA_LANES; ++l) {
+            const int lane = mma_lane(l), g = lane >> 2, c = lane & 3;
+            const int o = (8 * n + g) * G::XS + 32 * u + 8 * c;
+            const uint2 vh = *reinterpret_cast<const uint2*>(xs_hi + o);
+            const uint2 vl = *reinterpret_cast<const uint2*>(xs_lo + o);
+            Bh.x[l][0] = vh.x; Bh.x[l][1] = vh.y;
+            Bl.x[l][0] = vl.x; Bl.x[l][1] = vl.y;
+            const float2 sv = *reinterpret_cast<const float2*>(ssx + (u >> 1) * G::TOK + 8 * n + 2 * c);
+            s0[l] = sv.x;
+            s1[l] = sv.y;
+        }
+        mma_ci Q;  // 256 (codes . hi), then + (codes . lo): the block's exact integer sums
+        for (int l = 0; l < MMA_LANES; ++l) Q.x[l][0] = Q.x[l][1] = Q.x[l][2] = Q.x[l][3] = 0;
+        mma_sync_i8<true, true>(Q, A, Bh);
+        for (int l = 0; l < MMA_LANES; ++l)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) Q.x[l][i] = (int)((u32)Q.x[l][i] << 8);
+        mma_sync_i8<true, false>(Q, A, Bl);
+        for (int l = 0; l < MMA_LANES; ++l) {
+            acc[n].x[l][0] += d0[l] * s0[l] * (float)Q.x[l][0];
+            acc[n].x[l][1] += d0[l] * s1[l] * (float)Q.x[l][1];
+            acc[n].x[l][2] += d1[l] * s0[l] * (float)Q.x[l][2];
+            acc[n].x[l][3] += d1[l] * s1[l] * (float)Q.x[l][3];
+        }
+    }
+}
+
+// The end of qmm_dense_ring (every thread calls it): the KG groups' sums acc added in
+// group order into group 0's (through the ring's memory, once every copy has landed; the host build's one thread
+// holds every group's, NG = KG), group 0's written to dst [T, ldd] (times xsc[t] with SCALE), then the split of k's
+// slices added into Y by the tile's last slice (cnt null: by the caller).
+template <int NT, int KG, int NG, bool SCALE>
+__device__ __forceinline__ void qmm_ring_finish(mma_c (*acc)[NT], u8* ring, int rw, int wr, int grp, const int* tokrow,
+                                                int r0, int R, const float* __restrict__ xsc, float* dst, long long ldd,
+                                                int nz, int* cnt, int tile, int* last, const float* P, float* Y,
+                                                long long ldy, int T, int rbase, int nrows, int t0) {
+    if constexpr (KG > 1) {  // the groups' sums added in group order into group 0's (host: its own accumulators)
+#ifdef STRATA_HOST
+        for (int q = 1; q < KG; ++q)
+            for (int n = 0; n < NT; ++n)
+                for (int l = 0; l < MMA_LANES; ++l)
+                    for (int i = 0; i < 4; ++i) acc[0][n].x[l][i] += acc[q][n].x[l][i];
+#else
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the ring: its memory holds the groups' sums now
+        float* red = reinterpret_cast<float*>(ring);  // [KG - 1][rw][32 lanes][NT][4]
+        const int lane = (int)(threadIdx.x & 31);
+        if (grp > 0) {
+            float* r = red + (((grp - 1) * rw + wr) * 32 + lane) * NT * 4;
+            #pragma unroll
+            for (int n = 0; n < NT; ++n)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) r[n * 4 + i] = acc[0][n].x[0][i];
+        }
+        __syncthreads();
+        if (grp == 0) {
+            #pragma unroll 1
+            for (int q = 1; q < KG; ++q) {
+                const float* r = red + (((q - 1) * rw + wr) * 32 + lane) * NT * 4;
+                #pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[0][n].x[0][i] += r[n * 4 + i];
+            }
+        }
+#endif
+    }
+    if (grp == 0)  // (the other groups stay for the barriers below)
+        qmm_each_out<NT>(r0, [&](int l, int n, int i, int row, int s) {
+            const int t = tokrow[s];
+            if (row < R && t >= 0)
+                dst[(long long)t * ldd + row] = SCALE ? acc[0][n].x[l][i] * xsc[t] : acc[0][n].x[l][i];
+        });
+    if (nz == 1 || cnt == nullptr) return;  // (no counters: the caller adds the slices)
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int c = (int)blockIdx.x + (int)gridDim.x * tile;
+        *last = atomicAdd(cnt + c, 1) == nz - 1;
+        if (*last) cnt[c] = 0;
+    }
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    qmm_add_slices(P, Y, ldy, T, R, nz, rbase, min(nrows, R - rbase), t0, min(8 * NT, T - t0));
+}
+
+// KG groups of warps share the block's rows and split each stage's blocks of k between them (group g takes blocks
+// [g BPC / KG, (g + 1) BPC / KG)): KG times the warps a block (128 KG threads) for the same rows and stages, so more
+// warps hide each other's latencies (at 32 tokens one group of 4 warps kept the SMs' issue slots 30% busy, dependency
+// waits first: Nsight Compute, bench/gpu-notes.md). At the end the groups' sums meet in shared memory, added in
+// group order 0 .. KG - 1 (the host build's one thread plays every group's part and adds in the same order). KG = 1:
+// qmm_dense's order exactly.
+template <int NT, int S, int RKC, int KG = 1, int I8 = 0>
+__global__ void __launch_bounds__(QMM_THREADS * KG) qmm_dense_ring(
+        const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
+        const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
+        int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
+    using G = QmmRing<NT, RKC, I8>;
+    static_assert(S >= 2, "a ring of at least two stages");
+    static_assert(G::BPC % KG == 0, "a stage's blocks split evenly between the groups");
+    constexpr int BPG = G::BPC / KG;  // blocks of a stage a group computes
+#ifdef STRATA_HOST
+    constexpr int NG = KG;  // (the host's one warp plays every group)
+#else
+    constexpr int NG = 1;
+#endif
+    (void)rb;  // (Q8R: K bytes a row)
+    u8* ring = reinterpret_cast<u8*>(QMM_SMEM_BASE);
+    __shared__ int tokrow[G::TOK];
+    __shared__ int last;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : KG;  // (host: one warp standing for KG)
+    const int rw = nw / KG;                                          // warps of one group: 16 rows each
+    const int warp = blockDim.x >= 32 ? (int)(threadIdx.x >> 5) : 0;
+    const int grp = warp / rw, wr = warp - grp * rw;
+    const int nrows = 16 * rw, stage = G::stage(rw);
+    const int z = (int)blockIdx.y % nz, tile = (int)blockIdx.y / nz;
+    const int t0 = tile * G::TOK;
+    const int nch = K / RKC, per = (nch + nz - 1) / nz;
+    const int c0 = min(nch, z * per), c1 = min(nch, c0 + per);
+    float* dst = nz == 1 ? Y : P + (long long)z * T * R;
+    const long long ldd = nz == 1 ? ldy : (long long)R;
+    for (int s = threadIdx.x; s < G::TOK; s += blockDim.x) tokrow[s] = t0 + s < T ? t0 + s : -1;
+    __syncthreads();
+    const int rbase = (int)blockIdx.x * nrows, wrow = 16 * wr;  // the warp's rows: rbase + wrow + 0 .. 15
+    const int r0 = rbase + wrow;
+    mma_c acc[NG][NT];
+    #pragma unroll
+    for (int q = 0; q < NG; ++q)
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) mma_zero(acc[q][n]);
+    #pragma unroll 1
+    for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
+        if (c0 + s < c1)
+            qmm_ring_copy<NT, RKC, I8>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c0 + s, ring + s * stage);
+        cp_async_commit();
+    }
+    for (int chunk = c0; chunk < c1; ++chunk) {
+        cp_async_wait<S - 2>();  // this chunk's group has landed (groups committed: S - 1 + (chunk - c0))
+        __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
+        const int nx = chunk + S - 1;
+        if (nx < c1)
+            qmm_ring_copy<NT, RKC, I8>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, nx,
+                                       ring + ((nx - c0) % S) * stage);
+        cp_async_commit();
+        const u8* st = ring + ((chunk - c0) % S) * stage;
+        #pragma unroll
+        for (int q = 0; q < NG; ++q) {
+            #pragma unroll
+            for (int bb = 0; bb < BPG; ++bb) {
+                const int b = (NG == 1 ? grp : q) * BPG + bb;
+                if constexpr (I8) qmm_ring_i8_block<NT, RKC>(st, nrows, wrow, b, acc[q]);
+                else qmm_ring_f16_block<NT, RKC>(st, nrows, wrow, b, acc[q]);
+            }
+        }
+    }
+    qmm_ring_finish<NT, KG, NG, !I8>(acc, ring, rw, wr, grp, tokrow, r0, R, xsc, dst, ldd, nz, cnt, tile, &last, P, Y,
+                                     ldy, T, rbase, nrows, t0);
 }

@@ -151,7 +151,7 @@ def kernel_names() -> list[str]:
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
-    names += ["qmm_split_i8"] + [f"qmm_moe_gu_i8<{jt}>" for jt in JOB_SIZES]
+    names += ["qmm_split_i8", "qmm_split_i8d"] + [f"qmm_moe_gu_i8<{jt}>" for jt in JOB_SIZES]
     names += [f"qmm_moe_down_i8<{jt}>" for jt in JOB_SIZES]
     return names
 
@@ -192,7 +192,8 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
 def host_source() -> str:
     """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
     lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and
-    ``host_qmm_dense_<F>_4_2``, two row tiles a warp; ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>``, :data:`RING_HOST`),
+    ``host_qmm_dense_<F>_4_2``, two row tiles a warp; ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>_<I8>``, I8 0:
+    :data:`RING_HOST`, 1: :data:`DENSE_I8_HOST`; ``host_qmm_split_i8`` / ``host_qmm_split_i8d``),
     ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
     wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
     D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
@@ -216,10 +217,11 @@ def host_source() -> str:
                        f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {nt}>({dense[1]}); }});\n}}\n")
         ent.append(f'extern "C" void host_qmm_dense_{f}_{DENSE2_NT}_2(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {DENSE2_NT}, 2>({dense[1]}); }});\n}}\n")
-    for nt, st, rkc, kg in RING_HOST:
-        inst = f"qmm_dense_ring<{nt}, {st}, {rkc}, {kg}>"
-        ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}(unsigned gx, unsigned gy, '
-                   f"{dense[0]}) {{\n    host_run_grid(gx, gy, [&]() {{ {inst}({dense[1]}); }});\n}}\n")
+    for i8, cfgs in ((0, RING_HOST), (1, DENSE_I8_HOST)):
+        for nt, st, rkc, kg in cfgs:
+            inst = f"qmm_dense_ring<{nt}, {st}, {rkc}, {kg}, {i8}>"
+            ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}_{i8}(unsigned gx, unsigned gy, '
+                       f"{dense[0]}) {{\n    host_run_grid(gx, gy, [&]() {{ {inst}({dense[1]}); }});\n}}\n")
     for f in sorted(set(LAYOUTS.values())):
         ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
@@ -241,9 +243,10 @@ def host_source() -> str:
             for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
                 ent.append(f'extern "C" void host_{name}_{jt}_{st}_{rkc}(unsigned gx, unsigned gy, {decl}) {{\n'
                            f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}, {st}, {rkc}>({call}); }});\n}}\n")
-    ent.append('extern "C" void host_qmm_split_i8(unsigned gx, unsigned gy, const float* X, long long ldx, int T, '
-               "int K, const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { "
-               "qmm_split_i8(X, ldx, T, K, rowok, xh, xl, xs, xq); });\n}\n")
+    for sfx in ("", "d"):
+        ent.append(f'extern "C" void host_qmm_split_i8{sfx}(unsigned gx, unsigned gy, const float* X, long long ldx, '
+                   "int T, int K, const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, "
+                   f"[&]() {{ qmm_split_i8{sfx}(X, ldx, T, K, rowok, xh, xl, xs, xq); }});\n}}\n")
     ent.append(
         'extern "C" void host_mma_tile(const u16* A, const u16* B, const float* C, float* D) {\n'
         "    mma_a a; mma_b b; mma_c c;\n"
@@ -449,11 +452,56 @@ SUM_GROUP = 8
 #: sequences: the step's dense Q8R products 6.80 -> 5.10 ms; 6 x 64 values with one group 5.66, bench/gpu-notes.md).
 RING_ENV = "STRATATOOLS_QMM_RING"
 RINGS: tuple[tuple[int, int, int], ...] = ((2, 64, 1), (3, 64, 1), (4, 64, 1), (6, 64, 1), (8, 64, 1), (3, 128, 1),
-                                           (4, 128, 1), (2, 64, 2), (4, 64, 2), (2, 128, 2), (3, 128, 4))
+                                           (4, 128, 1), (2, 64, 2), (4, 64, 2), (3, 128, 4))  # (2:128:2: nvcc spills)
 RING_DEFAULT: tuple[int, int, int] | None = (4, 64, 2)
 #: The ring instances the host build (tests) compiles: (NT, S, RKC, KG).
 RING_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2] for s, rkc, kg in ((2, 64, 1), (4, 64, 1), (3, 128, 1),
                                                                            (2, 64, 2), (3, 128, 4)))
+
+
+#: ``STRATATOOLS_QMM_DENSE_I8``: up to 32 tokens, the Q8R dense products through the ring on integer activations
+#: (``qmm_dense_ring<NT, S, RKC, KG, 1>``: qmm_split_i8d's 16-bit fixed point per block of 64 as two byte planes, the
+#: codes as signed bytes of ``mma.m16n8k32``, a k-step a Q8R block; qmm.cu): ``S:RKC[:KG]`` as
+#: :data:`RING_ENV` (RKC a multiple of 64, one of :data:`DENSE_I8_RINGS`), ``0`` never (the fp16 ring or
+#: ``qmm_dense``). Unset or empty: :data:`DENSE_I8_DEFAULT` (H200, 32 sequences, bench/gpu-notes.md eighteenth pass:
+#: the step's dense products and their splits 6.6 -> 5.2 ms; the products alone 1.0-1.5x the fp16 ring's, the
+#: splits 1.54 -> 0.5 ms). Where it applies (as the fp16 ring: :func:`ring_applies`, K whole chunks of the ring or of
+#: :data:`DENSE_I8_SMALL`) it takes the fp16 ring's place; its error is the fixed point's (at most half a step a
+#: value: about 1.5e-5 of its block of 64's largest) instead of fp16 hi + lo's.
+DENSE_I8_ENV = "STRATATOOLS_QMM_DENSE_I8"
+DENSE_I8_RINGS: tuple[tuple[int, int, int], ...] = (
+    (2, 64, 1), (4, 64, 1), (6, 64, 1), (2, 64, 2), (4, 64, 2), (6, 64, 2), (3, 128, 1), (4, 128, 1), (3, 128, 2),
+    (4, 128, 2), (6, 128, 2), (3, 128, 4), (3, 256, 1))  # (nvcc sm_90 spills 2:128:4 and 2:256:2)
+DENSE_I8_DEFAULT: tuple[int, int, int] | None = (3, 128, 2)
+#: The integer ring for K that is whole blocks of 64 but not whole chunks of the chosen ring (the 48 x 256 model's
+#: K = 320 matrices under a ring of 128 values): 4 stages of 64 values, 2 groups.
+DENSE_I8_SMALL: tuple[int, int, int] = (4, 64, 2)
+#: The integer ring instances the host build (tests) compiles: (NT, S, RKC, KG).
+DENSE_I8_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2]
+                      for s, rkc, kg in ((2, 64, 1), (4, 64, 2), (3, 128, 2), (3, 128, 4)))
+
+
+def dense_i8(cols: int | None = None) -> tuple[int, int, int] | None:
+    """:data:`DENSE_I8_ENV` as (stages, values of k a stage, groups of warps), or None (``0``); for rows of ``cols``
+    values that are not whole chunks of it, :data:`DENSE_I8_SMALL`. Raises StrataError for another value."""
+    cfg = _env_ring(DENSE_I8_ENV, DENSE_I8_RINGS, DENSE_I8_DEFAULT, (0, 0, 1),
+                    "stages:values of k a stage[:groups of warps], integer activations")
+    return DENSE_I8_SMALL if cfg is not None and cols is not None and int(cols) % cfg[1] else cfg
+
+
+class DensePlanes(tuple):
+    """:func:`split_i8` with ``dense=True``: (hi, lo, scales, sums) with the planes in the values' order (the
+    integer dense ring's), told apart from the expert jobs' split (another word order) by its type."""
+
+
+def split_kind(layout: Any, T: int, cols: int, w: Any, wd: Any) -> str:
+    """Which split of X [T, cols] :func:`dense` takes for this matrix (as :func:`dense` is given it): ``"i8d"`` (the
+    integer dense ring, :func:`split_i8` with ``dense=True``) or ``"f16"`` (:func:`split`). Raises StrataError as
+    :func:`dense_i8` does."""
+    cfg = dense_i8(cols)
+    f = _layout_id(layout)
+    ok = f == 0 and ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
+    return "i8d" if ok else "f16"
 
 
 def _ring_name(cfg: tuple[int, ...]) -> str:
@@ -482,11 +530,14 @@ def ring() -> tuple[int, int, int] | None:
     return _env_ring(RING_ENV, RINGS, RING_DEFAULT, (0, 0, 1), "stages:values of k a stage[:groups of warps]")
 
 
-def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32) -> int:
+def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32, i8: bool = False) -> int:
     """Bytes of one stage of ``qmm_dense_ring`` (qmm.cu QmmRing::stage): codes and scales of 16 rows a warp, the
-    hi / lo halves of 8 ``nt`` tokens, RKC values of k."""
+    hi / lo halves of 8 ``nt`` tokens, RKC values of k; ``i8`` (the integer ring): the tokens' block scales and their
+    hi / lo byte planes instead of the halves."""
     ws = xs = int(rkc) + 32
-    return 16 * int(warps) * (ws + int(rkc) // 16) + 2 * 8 * int(nt) * xs * 2
+    tok = 8 * int(nt)
+    acts = (int(rkc) // 64) * tok * 4 + 2 * tok * xs if i8 else 2 * tok * xs * 2
+    return 16 * int(warps) * (ws + int(rkc) // 16) + acts
 
 
 @functools.lru_cache(maxsize=None)
@@ -498,13 +549,14 @@ def instances_module(names: tuple[str, ...]) -> Any:
     return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=list(names))
 
 
-def ring_module(stages: int, rkc: int, kg: int = 1) -> Any:
+def ring_module(stages: int, rkc: int, kg: int = 1, i8: int = 0) -> Any:
     """The ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values and ``kg`` groups of warps (NT 2 and
-    4), compiled once."""
-    return instances_module(tuple(f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}, {int(kg)}>" for nt in TILES[:2]))
+    4; ``i8`` 1: the integer ring's), compiled once."""
+    return instances_module(tuple(f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}, {int(kg)}, {int(i8)}>"
+                                  for nt in TILES[:2]))
 
 
-def _ring_fn(name: str, cfg: tuple[int, int, int]) -> Any:
+def _ring_fn(name: str, cfg: tuple[int, ...]) -> Any:
     return ring_module(*cfg).get_function(name)
 
 
@@ -528,7 +580,9 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
     ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
     ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
-    None. ``xs``: X already split (:func:`split`). Returns ``out`` or a new float32 [T, rows].
+    None. ``xs``: X already split as :func:`split_kind` says (:func:`split`, or :func:`split_i8` with ``dense``: the
+    integer ring, :data:`DENSE_I8_ENV`); a split of the other kind is not used (X is split here). Returns ``out`` or a
+    new float32 [T, rows].
 
     Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
     or alignment, X not [T, cols]."""
@@ -537,15 +591,21 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     T = int(X.shape[0])
     import cupy as cp
 
-    hi, lo, sc = xs if xs is not None else split(X)
+    wd_ptr = int(wd.data.ptr) if wd is not None else 1
+    cfg8 = dense_i8(cols)
+    i8 = f == 0 and ring_applies(f, T, cols, cfg8, int(w.data.ptr), wd_ptr)
+    if i8:
+        hi, lo, sc, _ = xs if isinstance(xs, DensePlanes) else split_i8(X, dense=True)
+    else:
+        hi, lo, sc = xs if xs is not None and not isinstance(xs, DensePlanes) else split(X)
     if out is None:
         out = cp.empty((T, rows), dtype=cp.float32)
     from stratatools.runtime.gpu.kernels import _device_limits
 
     kc = chunk_values()
     n_sm = _device_limits()[0]
-    cfg = ring()
-    rung = ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
+    cfg = cfg8 if i8 else ring()
+    rung = i8 or ring_applies(f, T, cols, cfg, int(w.data.ptr), wd_ptr)
     nt, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, cfg[1] if rung and cfg else kc)
     mode = dense2()
     two = None if mode == "0" or rung else dense2_launch(T, rows, n_sm if mode == "auto" else 0)
@@ -563,8 +623,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     args = (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]), np.int32(T),
             np.int32(rows), np.int32(cols), np.int32(nz), part, cnt)
     if rung and cfg:
-        fn = _ring_fn(f"qmm_dense_ring<{nt}, {cfg[0]}, {cfg[1]}, {cfg[2]}>", cfg)
-        launch_big_shared(fn, (gx, gy), (THREADS * cfg[2],), args, cfg[0] * ring_stage_bytes(nt, cfg[1]))
+        fn = _ring_fn(f"qmm_dense_ring<{nt}, {cfg[0]}, {cfg[1]}, {cfg[2]}, {int(i8)}>", (*cfg, int(i8)))
+        launch_big_shared(fn, (gx, gy), (THREADS * cfg[2],), args, cfg[0] * ring_stage_bytes(nt, cfg[1], i8=i8))
     else:
         name = f"qmm_dense<{f}, {nt}, 2>" if two is not None else f"qmm_dense<{f}, {nt}>"
         launch_big_shared(_fn(name, kc), (gx, gy), (THREADS,), args, smem_bytes(f, nt, kc))
@@ -737,11 +797,12 @@ def jobs_i8(gu_layout: Any, down_layout: Any) -> bool:
     return on and _layout_id(gu_layout) == 42 and _layout_id(down_layout) == 42
 
 
-def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
+def split_i8(X: Any, rowok: Any = None, dense: bool = False) -> tuple[Any, Any, Any, Any]:
     """Quantize float32 activations X [T, K] (CuPy; K a multiple of 64) per block of 64 values to 16-bit fixed point
-    (``qmm_split_i8``): (hi, lo) byte planes uint8 [T, K] in the kernels' word order, block scales float32 [T, K / 64]
-    and block sums of q int32 [T, K / 64], X[t, k] ~= q s (|error| <= s / 2, s = max |block| / 32767). Rows t with
-    ``rowok[t] < 0`` (int32 [T] on the device, optional) are left unwritten. Raises StrataError for another shape."""
+    (``qmm_split_i8``): (hi, lo) byte planes uint8 [T, K] in the job kernels' word order (``dense``: in the values'
+    order, ``qmm_split_i8d``, returned as :class:`DensePlanes`), block scales float32 [T, K / 64] and block sums of q
+    int32 [T, K / 64], X[t, k] ~= q s (|error| <= s / 2, s = max |block| / 32767). Rows t with ``rowok[t] < 0``
+    (int32 [T] on the device, optional) are left unwritten. Raises StrataError for another shape."""
     import cupy as cp
 
     if X.ndim != 2 or X.shape[1] % 64 or X.shape[0] < 1:
@@ -755,9 +816,9 @@ def split_i8(X: Any, rowok: Any = None) -> tuple[Any, Any, Any, Any]:
     qs = cp.empty((T, nb), dtype=cp.int32)
     grid = -(-(T * nb * 16) // SPLIT_I8_THREADS)
     ok = cp.ascontiguousarray(rowok, dtype=cp.int32) if rowok is not None else None
-    _fn("qmm_split_i8", chunk_values(moe=True, layout=42))(
+    _fn("qmm_split_i8d" if dense else "qmm_split_i8", chunk_values(moe=True, layout=42))(
         (grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
-    return hi, lo, sc, qs
+    return DensePlanes((hi, lo, sc, qs)) if dense else (hi, lo, sc, qs)
 
 
 #: ``STRATATOOLS_QMM_JOBS_RING``: the integer expert jobs' weights through a ring of shared-memory stages
