@@ -461,11 +461,11 @@ RING_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2] for s, rkc, kg in ((2, 64
 
 #: ``STRATATOOLS_QMM_DENSE_I8``: up to 32 tokens, the Q8R dense products through the ring on integer activations
 #: (``qmm_dense_ring<NT, S, RKC, KG, 1>``: qmm_split_i8d's 16-bit fixed point per block of 64 as two byte planes, the
-#: codes as signed bytes of ``mma.m16n8k32``, a k-step a Q8R block; qmm.cu): ``S:RKC[:KG]`` as
-#: :data:`RING_ENV` (RKC a multiple of 64, one of :data:`DENSE_I8_RINGS`), ``0`` never (the fp16 ring or
-#: ``qmm_dense``). Unset or empty: :data:`DENSE_I8_DEFAULT` (H200, 32 sequences, bench/gpu-notes.md eighteenth pass:
-#: the step's dense products and their splits 6.6 -> 5.2 ms; the products alone 1.0-1.5x the fp16 ring's, the
-#: splits 1.54 -> 0.5 ms). Where it applies (as the fp16 ring: :func:`ring_applies`, K whole chunks of the ring or of
+#: codes as signed bytes of ``mma.m16n8k32``, a k-step a Q8R block; qmm.cu): ``S:RKC[:KG]`` as :data:`RING_ENV`
+#: (RKC a multiple of 64, one of :data:`DENSE_I8_RINGS`), ``0`` never (the fp16 ring or ``qmm_dense``). Unset or
+#: empty: :data:`DENSE_I8_DEFAULT` (H200, 32 sequences, bench/gpu-notes.md eighteenth pass: the step's dense products
+#: and the splits of their X 6.56 -> 5.46 ms, its device time 24.06 -> 22.89 ms; the products alone 1.0-1.1x the fp16
+#: ring's). Where it applies (as the fp16 ring: :func:`ring_applies`, K whole chunks of the ring or of
 #: :data:`DENSE_I8_SMALL`) it takes the fp16 ring's place; its error is the fixed point's (at most half a step a
 #: value: about 1.5e-5 of its block of 64's largest) instead of fp16 hi + lo's.
 DENSE_I8_ENV = "STRATATOOLS_QMM_DENSE_I8"
