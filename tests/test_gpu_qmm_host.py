@@ -331,18 +331,19 @@ def test_dense_two_row_tiles_a_warp_match_float64(lib, layout, rows, cols, T):
 
 
 def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: int, kg: int, nz: int = 1,
-              add: bool = True) -> np.ndarray:
-    """The host build's qmm_dense_ring<nt, stages, rkc, kg> (one-warp blocks of 16 rows, the warp playing the kg
-    groups) on Q8R weights, X split by the host qmm_split; k split into nz slices of chunks of rkc values as
-    :func:`dense_host` does, the slices added by the kernel's last slice (``add``) or here."""
+              add: bool = True, i8: bool = False) -> np.ndarray:
+    """The host build's qmm_dense_ring<nt, stages, rkc, kg, i8> (one-warp blocks of 16 rows, the warp playing the kg
+    groups) on Q8R weights, X split by the host qmm_split (``i8``: the integer ring, X split by qmm_split_i8d); k
+    split into nz slices of chunks of rkc values as :func:`dense_host` does, the slices added by the kernel's last
+    slice (``add``) or here."""
     T = X.shape[0]
-    hi, lo, sc = split_host(lib, X)
+    hi, lo, sc = split_i8d_host(lib, X)[:3] if i8 else split_host(lib, X)
     Y = np.full((T, rows), np.nan, dtype=np.float32)
     P = np.full((nz, T, rows), np.nan, dtype=np.float32)
     gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz
     cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
-    with shared_within(lib, stages * Q.ring_stage_bytes(nt, rkc, warps=1)):
-        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}_0")(
+    with shared_within(lib, stages * Q.ring_stage_bytes(nt, rkc, warps=1, i8=i8)):
+        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}_{int(i8)}")(
             gx, gy, _p(W8), _p(Wd), cols, _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P),
             _p(cnt) if add else None)
     if not add:
@@ -408,27 +409,6 @@ def test_split_i8d_is_split_i8_in_the_values_order(lib):
     assert np.array_equal(sd, sc) and np.array_equal(qd, qs)
 
 
-def ring_i8_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: int, kg: int, nz: int = 1,
-                 add: bool = True) -> np.ndarray:
-    """The host build's integer ring qmm_dense_ring<nt, stages, rkc, kg, 1> on Q8R weights, X split by the host
-    qmm_split_i8d; the split of k and its sums as :func:`ring_host`."""
-    T = X.shape[0]
-    hi, lo, sc, _ = split_i8d_host(lib, X)
-    Y = np.full((T, rows), np.nan, dtype=np.float32)
-    P = np.full((nz, T, rows), np.nan, dtype=np.float32)
-    gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz
-    cnt = np.zeros(gx * (gy // nz) + 1, dtype=np.int32)
-    with shared_within(lib, stages * Q.ring_stage_bytes(nt, rkc, warps=1, i8=True)):
-        getattr(lib, f"host_qmm_dense_ring_{nt}_{stages}_{rkc}_{kg}_1")(
-            gx, gy, _p(W8), _p(Wd), cols, _p(hi), _p(lo), _p(sc), _p(Y), rows, T, rows, cols, nz, _p(P),
-            _p(cnt) if add else None)
-    if not add:
-        assert np.all(np.isnan(Y)) and np.all(np.isfinite(P))
-        return P.sum(axis=0, dtype=np.float32)
-    assert np.all(np.isfinite(Y)) and not np.any(cnt)
-    return Y
-
-
 def check_i8(Y, W, X):
     """Every element of Y [T, R] within the integer products' bound of float64 (hostlib.i8_bound: each value of x off
     by at most half a step of its block's fixed point, float32 sums)."""
@@ -451,11 +431,11 @@ def test_dense_i8_ring_matches_float64(lib, nt, stages, rkc, kg, rows, cols, T, 
     rng = np.random.default_rng(rows * 5 + cols + T + nt + nz)
     W8, Wd, W = dense_case(rng, "Q8R", rows, cols)
     X = acts(rng, T, cols)
-    Y = ring_i8_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz)
+    Y = ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, i8=True)
     check_i8(Y, W, X)
-    assert np.array_equal(Y, ring_i8_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz))
+    assert np.array_equal(Y, ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, i8=True))
     if nz > 1:
-        check_i8(ring_i8_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, add=False), W, X)
+        check_i8(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, add=False, i8=True), W, X)
 
 
 def test_dense_i8_ring_fragments_on_host(lib):
@@ -470,7 +450,7 @@ def test_dense_i8_ring_fragments_on_host(lib):
             Wd = np.full(rows * cols // 32, np.float16(1.0)).view(np.uint16)
             X = np.zeros((T, cols), np.float32)
             X[t, kk] = 3.0
-            Y = ring_i8_host(lib, W8.view(np.uint8), Wd, X, rows, cols, 2, 2, 64, 1)
+            Y = ring_host(lib, W8.view(np.uint8), Wd, X, rows, cols, 2, 2, 64, 1, i8=True)
             want = np.zeros((T, rows), np.float32)
             want[t, r] = 3.0 if kk == k else 0.0
             assert np.array_equal(Y, want), (r, k, t, kk)
