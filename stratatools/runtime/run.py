@@ -511,9 +511,10 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         raise StrataError("--vram-gib and --budget-gib both size the tier; give one (--vram-gib: the whole device "
                           "footprint, --budget-gib: the expert slots alone)")
     if dev == "gpu":
-        from stratatools.runtime.gpu import require_cupy
+        from stratatools.runtime.gpu import check_switches, require_cupy
 
         xp = require_cupy()
+        check_switches()  # (a bad STRATATOOLS_* value fails here, before the model's load)
     if policy not in RUN_POLICIES:
         why = " is offline (it needs the whole future: use it in simulate)" if policy == "belady" else " is unknown"
         raise StrataError(f"--policy {policy}{why}; run's expert tier takes {', '.join(RUN_POLICIES)}")
