@@ -9,7 +9,8 @@ For each token count (``--tokens``) and shape (``--shapes``, rows x cols): ``qmm
 split of k's sum launch included), ``--reps`` launches on successive copies captured into a CUDA graph and one replay
 timed with CUDA events (launched from Python one by one, the small matrices measured Python's 40 us a launch), for each
 ring in ``--rings`` (``0``: ``qmm_dense``; ``S:RKC[:KG]``: the fp16 ring; ``i8:S:RKC[:KG]``: the integer ring, X
-split its way beforehand too); printed as us a launch, the weights' bytes a second (codes
+split its way beforehand too; a ``/w8`` suffix: groups of 8 warps, STRATATOOLS_QMM_RING_WARPS=8); printed as us a
+launch, the weights' bytes a second (codes
 and scales), the ratio to the first ring named (> 1: faster), and the largest difference from its output relative to
 its largest value.
 
@@ -40,7 +41,7 @@ SHAPES = "12288x2560,8192x2560,4096x2560,2560x4096,2560x6144,512x2560,320x10240,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32")
-    ap.add_argument("--rings", default="0,4:64:2,i8:4:64:2,i8:6:64:2,i8:3:128:2,i8:4:128:2,i8:6:128:2,i8:3:256")
+    ap.add_argument("--rings", default="0,4:64:2,i8:3:128:2,i8:4:128:2,i8:3:128:2/w8,i8:3:128/w8,i8:4:64:2/w8")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--bytes", type=float, default=256.0, help="MB of copies a shape (default 256: past L2)")
@@ -70,8 +71,10 @@ def main() -> int:
             res, outs = {}, {}
             for rg in rings:
                 i8 = rg.startswith("i8:")
-                os.environ[qmm.DENSE_I8_ENV] = rg[3:] if i8 else "0"
-                os.environ[qmm.RING_ENV] = "0" if i8 else rg
+                spec, _, warps = rg.partition("/w")
+                os.environ[qmm.DENSE_I8_ENV] = spec[3:] if i8 else "0"
+                os.environ[qmm.RING_ENV] = "0" if i8 else spec
+                os.environ[qmm.RING_WARPS_ENV] = warps or "4"
                 xa = xq if i8 else xs
                 out = cp.empty((T, R), dtype=cp.float32)
                 st = cp.cuda.Stream(non_blocking=True)
@@ -108,6 +111,7 @@ def main() -> int:
                 for rg in rings), flush=True)
     os.environ.pop(qmm.RING_ENV, None)
     os.environ.pop(qmm.DENSE_I8_ENV, None)
+    os.environ.pop(qmm.RING_WARPS_ENV, None)
     tot = {rg: sum(r["us"][rg] for r in rows_out) for rg in rings}
     print("sum over shapes (us): " + "  ".join(f"{rg} {tot[rg]:.1f}" for rg in rings))
     if a.out:

@@ -246,6 +246,34 @@ def test_gpu_dense_i8_ring_matches_float64(rows, cols, T, rg, monkeypatch):
     assert np.abs(Y1 - Y0).max() <= 1e-4 * np.abs(Y0).max()
 
 
+@pytest.mark.parametrize("rows,cols,T", [(12288, 2560, 32), (4, 10240, 32), (10240, 320, 17), (37, 640, 5)])
+@pytest.mark.parametrize("i8,ring", [("3:128:2", "0"), ("4:64:2", "0"), ("0", "4:64:2")])
+def test_gpu_dense_rings_of_8_warps(rows, cols, T, i8, ring, monkeypatch):
+    """STRATATOOLS_QMM_RING_WARPS=8 (groups of 8 warps, 128 rows a block) for the integer and the fp16 rings: within
+    their bounds of float64 (the fixed point's; fp16 hi + lo's 1e-5 of |W| |x|), the same bits twice."""
+    import cupy as cp
+
+    from hostlib import i8_bound
+
+    from stratatools.runtime.gpu import qmm
+
+    rng = np.random.default_rng(rows + cols + T + 8)
+    args, W = _matrix(rng, "Q8R", rows, cols)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    X[0] *= 1e3
+    monkeypatch.setenv(qmm.DENSE_I8_ENV, i8)
+    monkeypatch.setenv(qmm.RING_ENV, ring)
+    monkeypatch.setenv(qmm.RING_WARPS_ENV, "8")
+    Xd = cp.asarray(X)
+    Y = cp.asnumpy(qmm.dense(Xd, *args))
+    assert np.array_equal(Y, cp.asnumpy(qmm.dense(Xd, *args)))
+    ref = X.astype(np.float64) @ W.T
+    for t in range(T):
+        x = X[t].astype(np.float64)
+        bound = i8_bound(W, x) if i8 != "0" else 1e-5 * (np.abs(W) @ np.abs(x)) + 1e-30
+        assert np.all(np.abs(Y[t] - ref[t]) <= bound), t
+
+
 @pytest.mark.parametrize("hidden,ff", [(2560, 640), (1024, 512), (640, 192), (640, 704)])
 @pytest.mark.parametrize("jt", [8, 16, 32])
 def test_gpu_moe_jobs_i8_match_float64(hidden, ff, jt):

@@ -55,10 +55,10 @@ def _host_lib(tmp_path_factory, kc: int):
         for nt in Q.TILES:
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
         getattr(h, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
-    for i8, cfgs in ((0, Q.RING_HOST), (1, Q.DENSE_I8_HOST)):
-        for nt, st, rkc, kg in cfgs:
-            getattr(h, f"host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}_{i8}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I,
-                                                                                     I, I, I, P, P]
+    rings = [f"{nt}_{st}_{rkc}_{kg}_{i8}" for i8, cfgs in ((0, Q.RING_HOST), (1, Q.DENSE_I8_HOST))
+             for nt, st, rkc, kg in cfgs] + ["_".join(map(str, r)) + "_8" for r in Q.RING_WG8_HOST]
+    for r in rings:
+        getattr(h, f"host_qmm_dense_ring_{r}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         getattr(h, f"host_qmm_wsplit_{f}").argtypes = [U, U, P, P, LL, I, I, P, P, P]
     for f in (8, 42):
@@ -1149,6 +1149,46 @@ def test_dense_launcher_takes_the_integer_ring_on_host(hostcp, T, i8, cols, ring
         assert Q.split_kind("Q8R", T, cols, _h(q), _h(d)) == "f16"
 
 
+@pytest.mark.parametrize("i8,ring,name", [("3:128:2", "0", "qmm_dense_ring<4, 3, 128, 2, 1, 8>"),
+                                          ("0", "4:64:2", "qmm_dense_ring<4, 4, 64, 2, 0, 8>")])
+def test_ring_warps_launch_on_host(hostcp, i8, ring, name, monkeypatch):
+    """STRATATOOLS_QMM_RING_WARPS=8: both rings launched with groups of 8 warps (128 rows a block, half the row
+    blocks of 4 warps' grid, 8 warps x KG threads, the larger stages' shared memory), the instance named with its 8,
+    the result as with 4 warps (within its bound of float64)."""
+    monkeypatch.setenv(Q.DENSE_I8_ENV, i8)
+    monkeypatch.setenv(Q.RING_ENV, ring)
+    monkeypatch.setenv(Q.RING_WARPS_ENV, "8")
+    rng = np.random.default_rng(8)
+    rows, cols, T = 300, 640, 32
+    raw = blocks(rng, "Q8_0", rows, cols)
+    W = wmat(raw, "Q8_0", rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    X = acts(rng, T, cols)
+    launches = []
+    fn = Q._fn
+
+    def spy(name_, kc=Q.KC):
+        f = fn(name_, kc)
+
+        def launch(grid, block, args, shared_mem=0):
+            launches.append((name_, tuple(grid), tuple(block), shared_mem))
+            if hasattr(launch, "max_dynamic_shared_size_bytes"):  # (what launch_big_shared set, for the stand-in)
+                f.max_dynamic_shared_size_bytes = launch.max_dynamic_shared_size_bytes
+            return f(grid, block, args, shared_mem)
+        return launch
+
+    monkeypatch.setattr(Q, "_fn", spy)
+    Y = np.asarray(Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols))
+    (check_i8 if i8 != "0" else check)(Y, W, X)
+    ring_l = [x for x in launches if x[0].startswith("qmm_dense_ring")]
+    assert [x[0] for x in ring_l] == [name]
+    cfg = tuple(int(v) for v in (i8 if i8 != "0" else ring).split(":"))
+    _, grid, block, smem = ring_l[0]
+    assert grid[0] == -(-rows // 128) and block == (8 * 32 * cfg[2],)
+    assert smem == cfg[0] * Q.ring_stage_bytes(4, cfg[1], 8, i8 != "0")
+    assert grid[1] == Q.dense_launch(T, rows, cols, "Q8R", 132, cfg[1], 128)[2]
+
+
 def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
     """Q8R codes at an address 8 mod 16 (dense accepts 8-byte alignment) do not go through the ring's 16-byte copies:
     qmm_dense takes them, with the same result."""
@@ -1387,6 +1427,9 @@ def test_device_build_has_no_spills(tmp_path):
     rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}>({dsig});\n"
              for i8, cfgs in ((0, Q.RINGS), (1, Q.DENSE_I8_RINGS)) for s, kc, kg in cfgs
              for nt in Q.TILES[:2]]  # (ring_module's instances)
+    rings += [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}, 8>({dsig});\n"
+              for i8, (s, kc, kg) in ((0, Q.RING_DEFAULT), (1, Q.DENSE_I8_DEFAULT), (1, Q.DENSE_I8_SMALL))
+              for nt in Q.TILES[:2]]  # (8 warps a group: STRATATOOLS_QMM_RING_WARPS=8 on the defaults)
     gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     rings += [f"template __global__ void {k}<{jt}, {s}, {kc}>({sig});\n" for s, kc in Q.JOBS_RINGS

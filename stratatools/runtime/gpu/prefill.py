@@ -1344,7 +1344,10 @@ class ChunkPrefill:
             # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
             sg = self._sigmoid_x(self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
             if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
-                self._split(x)  # (a split not kept for x would be made by each GEMM that reads it, on its stream)
+                # (a split not kept for x would be made by each GEMM that reads it, on its stream; the shared
+                # expert's matrices are GGUF blocks, whose kind is "f16": were they Q8R, their "i8d" split would
+                # have to be made here too, or the side stream would write the memo while the main one reads it)
+                self._split(x)
             main = cp.cuda.get_current_stream()
             fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
             fork.record(main)

@@ -1408,13 +1408,14 @@ __device__ __forceinline__ void qmm_ring_finish(mma_c (*acc)[NT], u8* ring, int 
 }
 
 // KG groups of warps share the block's rows and split each stage's blocks of k between them (group g takes blocks
-// [g BPC / KG, (g + 1) BPC / KG)): KG times the warps a block (128 KG threads) for the same rows and stages, so more
-// warps hide each other's latencies (at 32 tokens one group of 4 warps kept the SMs' issue slots 30% busy, dependency
-// waits first: Nsight Compute, bench/gpu-notes.md). At the end the groups' sums meet in shared memory, added in
-// group order 0 .. KG - 1 (the host build's one thread plays every group's part and adds in the same order). KG = 1:
-// qmm_dense's order exactly.
-template <int NT, int S, int RKC, int KG = 1, int I8 = 0>
-__global__ void __launch_bounds__(QMM_THREADS * KG) qmm_dense_ring(
+// [g BPC / KG, (g + 1) BPC / KG)): KG times the warps a block (32 WG KG threads) for the same rows and stages, so
+// more warps hide each other's latencies (at 32 tokens one group of 4 warps kept the SMs' issue slots 30% busy,
+// dependency waits first: Nsight Compute, bench/gpu-notes.md). At the end the groups' sums meet in shared memory,
+// added in group order 0 .. KG - 1 (the host build's one thread plays every group's part and adds in the same order).
+// KG = 1: qmm_dense's order exactly. WG: warps of a group (4, or 8: 128 rows a block, the tokens' activations staged
+// once for twice the rows; qmm.py RING_WARPS_ENV); the kernel takes its rows from blockDim, WG bounds its launch.
+template <int NT, int S, int RKC, int KG = 1, int I8 = 0, int WG = 4>
+__global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
         int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {

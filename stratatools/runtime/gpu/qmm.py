@@ -217,11 +217,12 @@ def host_source() -> str:
                        f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {nt}>({dense[1]}); }});\n}}\n")
         ent.append(f'extern "C" void host_qmm_dense_{f}_{DENSE2_NT}_2(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {DENSE2_NT}, 2>({dense[1]}); }});\n}}\n")
-    for i8, cfgs in ((0, RING_HOST), (1, DENSE_I8_HOST)):
-        for nt, st, rkc, kg in cfgs:
-            inst = f"qmm_dense_ring<{nt}, {st}, {rkc}, {kg}, {i8}>"
-            ent.append(f'extern "C" void host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}_{i8}(unsigned gx, unsigned gy, '
-                       f"{dense[0]}) {{\n    host_run_grid(gx, gy, [&]() {{ {inst}({dense[1]}); }});\n}}\n")
+    rings = [(nt, st, rkc, kg, i8, 4) for i8, cfgs in ((0, RING_HOST), (1, DENSE_I8_HOST)) for nt, st, rkc, kg in cfgs]
+    for nt, st, rkc, kg, i8, wg in rings + [(*r, 8) for r in RING_WG8_HOST]:
+        inst = ring_instance(nt, (st, rkc, kg), bool(i8), wg)
+        entry = f"host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}_{i8}" + ("" if wg == 4 else f"_{wg}")
+        ent.append(f'extern "C" void {entry}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
+                   f"    host_run_grid(gx, gy, [&]() {{ {inst}({dense[1]}); }});\n}}\n")
     for f in sorted(set(LAYOUTS.values())):
         ent.append(f'extern "C" void host_qmm_wsplit_{f}(unsigned gx, unsigned gy, {WSPLIT_SIG[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_wsplit<{f}>({WSPLIT_SIG[1]}); }});\n}}\n")
@@ -344,7 +345,8 @@ def short_fill() -> int:
     return env_choice(SHORT_FILL_ENV, (2, 3, 4), SHORT_FILL_DEFAULT)
 
 
-def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC) -> tuple[int, int, int, int]:
+def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int = KC,
+                 rows_block: int = ROWS_PER_BLOCK) -> tuple[int, int, int, int]:
     """The launch of :func:`dense` for T tokens and a [rows, cols] matrix on a device of ``n_sm`` SMs: (NT, grid x,
     grid y, nz). NT from :func:`token_tile` (by T alone); while the row blocks times the token tiles would leave SMs
     idle (fewer than ``n_sm``, or, up to 32 tokens, row blocks fewer than ``n_sm``), k is split into nz slices
@@ -352,9 +354,10 @@ def dense_launch(T: int, rows: int, cols: int, layout: Any, n_sm: int, kc: int =
     blocks a SM (the kernel's occupancy), the
     slices' partial sums added by the kernel's last slice of each tile (up to 32 tokens by :func:`dense` after it).
     The 512-token prefill's few-row matrices (hyper-connection down
-    projections, GDN gates) ran as 160 blocks that each walked 80 chunks of k before this split."""
+    projections, GDN gates) ran as 160 blocks that each walked 80 chunks of k before this split. ``rows_block``: the
+    weight rows of a block (the rings with 8 warps a group: 128)."""
     f = _layout_id(layout)
-    gx = -(-int(rows) // ROWS_PER_BLOCK)
+    gx = -(-int(rows) // int(rows_block))
     nt = token_tile(T)
     ty = -(-int(T) // (8 * nt))
     chunks = -(-(int(cols) // BLOCK_VALUES[f]) // (int(kc) // BLOCK_VALUES[f]))
@@ -476,6 +479,9 @@ DENSE_I8_DEFAULT: tuple[int, int, int] | None = (3, 128, 2)
 #: The integer ring for K that is whole blocks of 64 but not whole chunks of the chosen ring (the 48 x 256 model's
 #: K = 320 matrices under a ring of 128 values): 4 stages of 64 values, 2 groups.
 DENSE_I8_SMALL: tuple[int, int, int] = (4, 64, 2)
+#: Ring instances with 8 warps a group the host build (tests) compiles: (NT, S, RKC, KG, I8) (the host plays one warp
+#: a block whatever the group's warps: these check the launchers' grids and names).
+RING_WG8_HOST = tuple((nt, s, rkc, kg, i8) for nt in TILES[:2] for s, rkc, kg, i8 in ((3, 128, 2, 1), (4, 64, 2, 0)))
 #: The integer ring instances the host build (tests) compiles: (NT, S, RKC, KG).
 DENSE_I8_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2]
                       for s, rkc, kg in ((2, 64, 1), (4, 64, 2), (3, 128, 2), (3, 128, 4)))
@@ -502,6 +508,24 @@ def split_kind(layout: Any, T: int, cols: int, w: Any, wd: Any) -> str:
     f = _layout_id(layout)
     ok = f == 0 and ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
     return "i8d" if ok else "f16"
+
+
+#: ``STRATATOOLS_QMM_RING_WARPS``: warps of a group in both dense rings (:data:`RING_ENV`, :data:`DENSE_I8_ENV`): 4
+#: (the default: 64 rows a block) or 8 (128 rows a block: the tokens' activations staged once for twice the rows, half
+#: the blocks; not measured yet, bench/gpu-notes.md's plan).
+RING_WARPS_ENV = "STRATATOOLS_QMM_RING_WARPS"
+RING_WARPS_DEFAULT = 4
+
+
+def ring_warps() -> int:
+    """:data:`RING_WARPS_ENV` (4 or 8; default :data:`RING_WARPS_DEFAULT`); raises StrataError for another value."""
+    return env_choice(RING_WARPS_ENV, (4, 8), RING_WARPS_DEFAULT)
+
+
+def ring_instance(nt: int, cfg: tuple[int, int, int], i8: bool, wg: int = RING_WARPS_DEFAULT) -> str:
+    """The name of ``qmm_dense_ring``'s instance for NT ``nt``, ring ``cfg`` (S, RKC, KG), the integer form ``i8`` and
+    ``wg`` warps a group (left out at the template's default of 4)."""
+    return f"qmm_dense_ring<{nt}, {cfg[0]}, {cfg[1]}, {cfg[2]}, {int(i8)}{'' if wg == 4 else f', {int(wg)}'}>"
 
 
 def _ring_name(cfg: tuple[int, ...]) -> str:
@@ -549,10 +573,10 @@ def instances_module(names: tuple[str, ...]) -> Any:
     return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=list(names))
 
 
-def ring_module(stages: int, rkc: int, kg: int = 1, i8: int = 0) -> Any:
-    """The ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values and ``kg`` groups of warps (NT 2 and
-    4; ``i8`` 1: the integer ring's), compiled once."""
-    return instances_module(tuple(f"qmm_dense_ring<{nt}, {int(stages)}, {int(rkc)}, {int(kg)}, {int(i8)}>"
+def ring_module(stages: int, rkc: int, kg: int = 1, i8: int = 0, wg: int = RING_WARPS_DEFAULT) -> Any:
+    """The ``qmm_dense_ring`` instances of ``stages`` stages of ``rkc`` values and ``kg`` groups of ``wg`` warps (NT 2
+    and 4; ``i8`` 1: the integer ring's), compiled once."""
+    return instances_module(tuple(ring_instance(nt, (int(stages), int(rkc), int(kg)), bool(i8), int(wg))
                                   for nt in TILES[:2]))
 
 
@@ -606,7 +630,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     n_sm = _device_limits()[0]
     cfg = cfg8 if i8 else ring()
     rung = i8 or ring_applies(f, T, cols, cfg, int(w.data.ptr), wd_ptr)
-    nt, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, cfg[1] if rung and cfg else kc)
+    wg = ring_warps() if rung else THREADS // 32
+    nt, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, cfg[1] if rung and cfg else kc, 16 * wg)
     mode = dense2()
     two = None if mode == "0" or rung else dense2_launch(T, rows, n_sm if mode == "auto" else 0)
     if two is not None:  # (no k split: the rows a multiple of 128 give the grid its blocks)
@@ -623,8 +648,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     args = (w, wd if wd is not None else w, np.int64(rb), hi, lo, sc, out, np.int64(out.shape[1]), np.int32(T),
             np.int32(rows), np.int32(cols), np.int32(nz), part, cnt)
     if rung and cfg:
-        fn = _ring_fn(f"qmm_dense_ring<{nt}, {cfg[0]}, {cfg[1]}, {cfg[2]}, {int(i8)}>", (*cfg, int(i8)))
-        launch_big_shared(fn, (gx, gy), (THREADS * cfg[2],), args, cfg[0] * ring_stage_bytes(nt, cfg[1], i8=i8))
+        fn = _ring_fn(ring_instance(nt, cfg, i8, wg), (*cfg, int(i8), wg))
+        launch_big_shared(fn, (gx, gy), (32 * wg * cfg[2],), args, cfg[0] * ring_stage_bytes(nt, cfg[1], wg, i8))
     else:
         name = f"qmm_dense<{f}, {nt}, 2>" if two is not None else f"qmm_dense<{f}, {nt}>"
         launch_big_shared(_fn(name, kc), (gx, gy), (THREADS,), args, smem_bytes(f, nt, kc))
