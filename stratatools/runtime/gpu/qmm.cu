@@ -1208,7 +1208,8 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
 // planes in the values' order), the codes go to mma.m16n8k32 as signed bytes (no decode), and a k-step covers a Q8R
 // block of 32 values: its integer sum 256 (codes . hi) + (codes . lo) is exact and is scaled once by d s_tb. The fp16
 // form spends two products (hi, lo) a k-step of 16 values and a decode of the codes (240-280 instructions a block a
-// warp, bound by their latencies at few warps: Nsight Compute, bench/gpu-notes.md). Error: the fixed point's rounding
+// warp: Nsight Compute, bench/gpu-notes.md); at the same ring the integer form measured only 0-5% faster, 3 x 128
+// values 8-10% (the eighteenth pass: the instructions were not the bound alone). Error: the fixed point's rounding
 // (at most s_tb / 2 a value) and float32 sums (tests: hostlib.i8_bound); Y needs no token scale (xsc: the block
 // scales [T, K / 64]). Its stage: codes and scales as above, the tokens' block scales [RKC / 64][8 NT] float, then the
 // planes hi [8 NT][RKC + 32] and lo (bytes; a half warp's 8-byte loads of rows g = 0..3 fall on distinct banks).
@@ -1347,10 +1348,10 @@ __device__ __forceinline__ void qmm_ring_i8_block(const u8* st, int nrows, int w
     }
 }
 
-// The end of qmm_dense_ring (every thread calls it): the KG groups' sums acc added in
-// group order into group 0's (through the ring's memory, once every copy has landed; the host build's one thread
-// holds every group's, NG = KG), group 0's written to dst [T, ldd] (times xsc[t] with SCALE), then the split of k's
-// slices added into Y by the tile's last slice (cnt null: by the caller).
+// The end of qmm_dense_ring (every thread calls it): the KG groups' sums acc added in group order into group 0's
+// (through the ring's memory, once every copy has landed; the host build's one thread holds every group's, NG = KG),
+// group 0's written to dst [T, ldd] (times xsc[t] with SCALE), then the split of k's slices added into Y by the
+// tile's last slice (cnt null: by the caller).
 template <int NT, int KG, int NG, bool SCALE>
 __device__ __forceinline__ void qmm_ring_finish(mma_c (*acc)[NT], u8* ring, int rw, int wr, int grp, const int* tokrow,
                                                 int r0, int R, const float* __restrict__ xsc, float* dst, long long ldd,
