@@ -1,4 +1,4 @@
-"""stratatools.runtime.gpu.check_switches (no CuPy needed): every STRATATOOLS_* switch of the GPU path read at once,
+"""stratatools.runtime.gpu.switches.check_switches (no CuPy needed): every STRATATOOLS_* switch of the GPU path read at once,
 so that a bad value fails before a run loads its model, not inside the step that first reads it (the integer dense
 ring's, for one, is read only for Q8R matrices of up to 32 tokens)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from stratatools.core.errors import StrataError
-from stratatools.runtime.gpu import check_switches, decode, experts, kernels, launch, prefill, qmm
+from stratatools.runtime.gpu import decode, experts, kernels, launch, prefill, qmm
+from stratatools.runtime.gpu.switches import check_switches
 
 #: (variable, a value it refuses)
 BAD = [(qmm.KC_ENV, "100"), (qmm.MOE_KC_ENV, "7"), (qmm.SHORT_FILL_ENV, "9"), (qmm.RING_ENV, "5:64"),

@@ -511,7 +511,8 @@ def run_prompts(pack: str | os.PathLike, prompts_path: str | os.PathLike, *, mod
         raise StrataError("--vram-gib and --budget-gib both size the tier; give one (--vram-gib: the whole device "
                           "footprint, --budget-gib: the expert slots alone)")
     if dev == "gpu":
-        from stratatools.runtime.gpu import check_switches, require_cupy
+        from stratatools.runtime.gpu import require_cupy
+        from stratatools.runtime.gpu.switches import check_switches
 
         xp = require_cupy()
         check_switches()  # (a bad STRATATOOLS_* value fails here, before the model's load)
