@@ -1,6 +1,6 @@
-"""stratatools.runtime.gpu.switches.check_switches (no CuPy needed): every STRATATOOLS_* switch of the GPU path read at once,
-so that a bad value fails before a run loads its model, not inside the step that first reads it (the integer dense
-ring's, for one, is read only for Q8R matrices of up to 32 tokens)."""
+"""stratatools.runtime.gpu.switches.check_switches (no CuPy needed): every STRATATOOLS_* switch of the GPU path read
+at once, so that a bad value fails before a run loads its model, not inside the step that first reads it (the integer
+dense ring's, for one, is read only for Q8R matrices of up to 32 tokens)."""
 
 from __future__ import annotations
 
