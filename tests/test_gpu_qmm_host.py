@@ -232,6 +232,14 @@ def test_split_threads():
     assert [Q.split_threads(k) for k in (8, 128, 640, 2560, 10240)] == [32, 32, 160, 256, 256]
 
 
+def q8r_case(rng, rows: int, cols: int, T: int) -> tuple:
+    """Random Q8_0 weights re-laid out as Q8R and activations: (W float64 [rows, cols], codes q, scales d, X [T,
+    cols] from :func:`acts`)."""
+    raw = blocks(rng, "Q8_0", rows, cols)
+    q, d = K.q8_relayout(raw, rows, cols)
+    return wmat(raw, "Q8_0", rows, cols), q, d, acts(rng, T, cols)
+
+
 def dense_case(rng, layout: str, rows: int, cols: int) -> tuple:
     """Random [rows, cols] weights as a dense kernel of ``layout`` reads them: (W8 codes or blocks, Wd Q8R scales or
     None, W the float64 matrix)."""
@@ -611,10 +619,8 @@ def test_dense_large_rows_precision(lib):
     the row's sum cancels."""
     rng = np.random.default_rng(7)
     rows, cols, T = 32, 512, 9
-    raw = blocks(rng, "Q8_0", rows, cols)
-    W = wmat(raw, "Q8_0", rows, cols)
-    q, d = K.q8_relayout(raw, rows, cols)
-    X = acts(rng, T, cols) * np.float32(1e3)
+    W, q, d, X = q8r_case(rng, rows, cols, T)
+    X = X * np.float32(1e3)
     worst = check(dense_host(lib, "Q8R", q.view(np.uint8), d, X, rows, cols), W, X, tol=1e-6)
     assert worst < 1e-6
 
@@ -1124,10 +1130,7 @@ def test_dense_launcher_takes_the_integer_ring_on_host(hostcp, T, i8, cols, ring
     asked = kernels_asked(monkeypatch)
     rng = np.random.default_rng(T + 3)
     rows = 70
-    raw = blocks(rng, "Q8_0", rows, cols)
-    W = wmat(raw, "Q8_0", rows, cols)
-    q, d = K.q8_relayout(raw, rows, cols)
-    X = acts(rng, T, cols)
+    W, q, d, X = q8r_case(rng, rows, cols, T)
     Y = np.asarray(Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols))
     name = f"qmm_dense_ring<{Q.token_tile(T)}, {ringed}, 1>"
     ringed = bool(ringed)
@@ -1160,10 +1163,7 @@ def test_ring_warps_launch_on_host(hostcp, i8, ring, name, monkeypatch):
     monkeypatch.setenv(Q.RING_WARPS_ENV, "8")
     rng = np.random.default_rng(8)
     rows, cols, T = 300, 640, 32
-    raw = blocks(rng, "Q8_0", rows, cols)
-    W = wmat(raw, "Q8_0", rows, cols)
-    q, d = K.q8_relayout(raw, rows, cols)
-    X = acts(rng, T, cols)
+    W, q, d, X = q8r_case(rng, rows, cols, T)
     launches = []
     fn = Q._fn
 
@@ -1195,10 +1195,7 @@ def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
     asked = kernels_asked(monkeypatch)
     rng = np.random.default_rng(5)
     rows, cols, T = 40, 192, 9
-    raw = blocks(rng, "Q8_0", rows, cols)
-    W = wmat(raw, "Q8_0", rows, cols)
-    q, d = K.q8_relayout(raw, rows, cols)
-    X = acts(rng, T, cols)
+    W, q, d, X = q8r_case(rng, rows, cols, T)
     buf = _h(np.zeros(rows * cols + 16, dtype=np.int8))
     off = (8 - buf.ctypes.data % 16) % 16
     w8 = buf[off:off + rows * cols]
