@@ -345,7 +345,7 @@ def ring_host(lib, W8, Wd, X, rows: int, cols: int, nt: int, stages: int, rkc: i
     split into nz slices of chunks of rkc values as :func:`dense_host` does, the slices added by the kernel's last
     slice (``add``) or here."""
     T = X.shape[0]
-    hi, lo, sc = split_i8d_host(lib, X)[:3] if i8 else split_host(lib, X)
+    hi, lo, sc = split_i8_host(lib, X, dense=True)[:3] if i8 else split_host(lib, X)
     Y = np.full((T, rows), np.nan, dtype=np.float32)
     P = np.full((nz, T, rows), np.nan, dtype=np.float32)
     gx, gy = -(-rows // 16), -(-T // (8 * nt)) * nz
@@ -396,23 +396,13 @@ def test_dense_ring_split_k_matches_float64(lib, nt, stages, rkc, kg, rows, cols
     check(ring_host(lib, W8, Wd, X, rows, cols, nt, stages, rkc, kg, nz, add=False), W, X)
 
 
-def split_i8d_host(lib, X: np.ndarray):
-    """The host build's qmm_split_i8d of X [T, K]: planes in the values' order (poisoned 0xAB first), block scales
-    and sums [T, K / 64]."""
-    T, Kc = X.shape
-    hi, lo = np.full((T, Kc), 0xAB, np.uint8), np.full((T, Kc), 0xAB, np.uint8)
-    sc, qs = np.full((T, Kc // 64), -7.0, np.float32), np.full((T, Kc // 64), 7777, np.int32)
-    lib.host_qmm_split_i8d(T * (Kc // 64), 1, _p(X), Kc, T, Kc, None, _p(hi), _p(lo), _p(sc), _p(qs))
-    return hi, lo, sc, qs
-
-
 def test_split_i8d_is_split_i8_in_the_values_order(lib):
     """qmm_split_i8d: the same fixed point as qmm_split_i8 (q, block scales and sums), its planes holding value k at
     byte k of the row (the integer dense ring's order)."""
     rng = np.random.default_rng(23)
     X = acts(rng, 7, 384)
     hi, lo, sc, qs = split_i8_host(lib, X)
-    hd, ld, sd, qd = split_i8d_host(lib, X)
+    hd, ld, sd, qd = split_i8_host(lib, X, dense=True)
     assert np.array_equal(hd.view(np.int8).astype(np.int64) * 256 + ld, i8_values(hi, lo))
     assert np.array_equal(sd, sc) and np.array_equal(qd, qs)
 
@@ -707,17 +697,17 @@ def check_i8_pair(g, u, dn, x, hrow, orow):
     assert np.all(np.abs(orow - dn @ hv) <= i8_bound(dn, hv))
 
 
-def split_i8_host(lib, X: np.ndarray, rowok=None):
-    """The host build's qmm_split_i8 of X [T, K]: (hi, lo) byte planes [T, K] (poisoned 0xAB first), block scales and
-    sums [T, K / 64] (poisoned)."""
+def split_i8_host(lib, X: np.ndarray, rowok=None, dense: bool = False):
+    """The host build's qmm_split_i8 of X [T, K] (``dense``: qmm_split_i8d, the planes in the values' order): (hi,
+    lo) byte planes [T, K] (poisoned 0xAB first), block scales and sums [T, K / 64] (poisoned)."""
     T, Kc = X.shape
     hi = np.full((T, Kc), 0xAB, np.uint8)
     lo = np.full((T, Kc), 0xAB, np.uint8)
     sc = np.full((T, Kc // 64), -7.0, np.float32)
     qs = np.full((T, Kc // 64), 7777, np.int32)
     ok = None if rowok is None else np.ascontiguousarray(rowok, dtype=np.int32)
-    lib.host_qmm_split_i8(T * (Kc // 64), 1, _p(X), Kc, T, Kc, None if ok is None else _p(ok), _p(hi), _p(lo), _p(sc),
-                          _p(qs))
+    split = lib.host_qmm_split_i8d if dense else lib.host_qmm_split_i8
+    split(T * (Kc // 64), 1, _p(X), Kc, T, Kc, None if ok is None else _p(ok), _p(hi), _p(lo), _p(sc), _p(qs))
     return hi, lo, sc, qs
 
 

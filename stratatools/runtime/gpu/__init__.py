@@ -32,4 +32,3 @@ def require_cupy() -> Any:
     import cupy
 
     return cupy
-

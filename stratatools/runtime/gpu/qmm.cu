@@ -1226,7 +1226,7 @@ template <int NT, int RKC, int I8 = 0> struct QmmRing {
 template <int RKC>
 __device__ __forceinline__ void qmm_ring_rows(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
                                               int rbase, int nrows, int chunk, u8* st) {
-    constexpr int WP = RKC / 16, WS = RKC + 32, DB = RKC / 16;  // 16-byte pieces of a row's codes; row bytes
+    constexpr int WP = RKC / 16, WS = QmmRing<1, RKC>::WS, DB = QmmRing<1, RKC>::DB;  // (WP: 16-byte pieces a row)
     u8* sd = st + nrows * WS;
     const long long k0 = (long long)chunk * RKC;
     for (int i = threadIdx.x; i < nrows * WP; i += blockDim.x) {

@@ -500,14 +500,19 @@ class DensePlanes(tuple):
     integer dense ring's), told apart from the expert jobs' split (another word order) by its type."""
 
 
+def _dense_i8_ring(f: int, T: int, cols: int, w: Any, wd: Any) -> tuple[int, int, int] | None:
+    """The integer ring :func:`dense` takes for T tokens over a matrix of layout id ``f`` (codes ``w``, scales
+    ``wd``), or None where it does not apply (:func:`ring_applies`)."""
+    cfg = dense_i8(cols)
+    ok = f == 0 and ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
+    return cfg if ok else None
+
+
 def split_kind(layout: Any, T: int, cols: int, w: Any, wd: Any) -> str:
     """Which split of X [T, cols] :func:`dense` takes for this matrix (as :func:`dense` is given it): ``"i8d"`` (the
     integer dense ring, :func:`split_i8` with ``dense=True``) or ``"f16"`` (:func:`split`). Raises StrataError as
     :func:`dense_i8` does."""
-    cfg = dense_i8(cols)
-    f = _layout_id(layout)
-    ok = f == 0 and ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
-    return "i8d" if ok else "f16"
+    return "i8d" if _dense_i8_ring(_layout_id(layout), T, cols, w, wd) else "f16"
 
 
 #: ``STRATATOOLS_QMM_RING_WARPS``: warps of a group in both dense rings (:data:`RING_ENV`, :data:`DENSE_I8_ENV`): 4
@@ -615,9 +620,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     T = int(X.shape[0])
     import cupy as cp
 
-    wd_ptr = int(wd.data.ptr) if wd is not None else 1
-    cfg8 = dense_i8(cols)
-    i8 = f == 0 and ring_applies(f, T, cols, cfg8, int(w.data.ptr), wd_ptr)
+    cfg8 = _dense_i8_ring(f, T, cols, w, wd)
+    i8 = cfg8 is not None
     if i8:
         hi, lo, sc, _ = xs if isinstance(xs, DensePlanes) else split_i8(X, dense=True)
     else:
@@ -629,7 +633,7 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     kc = chunk_values()
     n_sm = _device_limits()[0]
     cfg = cfg8 if i8 else ring()
-    rung = i8 or ring_applies(f, T, cols, cfg, int(w.data.ptr), wd_ptr)
+    rung = i8 or ring_applies(f, T, cols, cfg, int(w.data.ptr), int(wd.data.ptr) if wd is not None else 1)
     wg = ring_warps() if rung else THREADS // 32
     nt, gx, gy, nz = dense_launch(T, rows, cols, f, n_sm, cfg[1] if rung and cfg else kc, 16 * wg)
     mode = dense2()
