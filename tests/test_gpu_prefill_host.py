@@ -55,7 +55,8 @@ def _p(a):
 
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
-    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp"}
+    assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp",
+                        "pf_moe_sum_shared"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -137,6 +138,25 @@ def test_pf_moe_sum_weights_in_rank_order(lib, T, k, n, grid):
     for r in range(k):
         want = want + w[:, r:r + 1] * ya.reshape(T, k, n)[:, r]
     assert np.array_equal(y, want)
+
+
+@pytest.mark.parametrize("T,k,n,grid,ldg,goff", [(5, 3, 7, 1, 1, 0), (9, 10, 40, 3, 257, 256), (1, 1, 1, 1, 4, 2)])
+def test_pf_moe_sum_shared_adds_the_gated_shared_expert(lib, T, k, n, grid, ldg, goff):
+    """pf_moe_sum_shared = pf_moe_sum's rows + sigmoid(g[t, goff]) ys[t] (g read with its row stride: the router's
+    logits with the gate's column after the experts'), as the array code's separate launches: the rank-order sum,
+    then y + sigmoid(g) * ys (within the ulp of numpy's exp against the C library's expf)."""
+    rng = np.random.default_rng(T * k + n + ldg)
+    ya = rng.standard_normal((T * k, n)).astype(np.float32)
+    w = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    ys = rng.standard_normal((T, n)).astype(np.float32)
+    g = (3.0 * rng.standard_normal((T, ldg))).astype(np.float32)
+    y0 = np.full((T, n), np.nan, np.float32)
+    y = np.full((T, n), np.nan, np.float32)
+    lib.host_pf_moe_sum(grid, 1, _p(ya), _p(w), T, k, n, _p(y0))
+    lib.host_pf_moe_sum_shared(grid, 1, _p(ya), _p(w), T, k, n, _p(ys), _p(g), ldg, goff, _p(y))
+    sg = (np.float32(1.0) / (np.float32(1.0) + np.exp(-g[:, goff:goff + 1]))).astype(np.float32)
+    want = y0 + sg * ys
+    assert np.abs(y - want).max() <= 4e-7 * np.abs(ys).max(), np.abs(y - want).max()
 
 
 @pytest.mark.parametrize("tname", TYPES)

@@ -26,7 +26,7 @@ from hostlib import i8_bound, shared_within
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the qmm kernels")
-P, I, U, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong
+P, I, U, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong, ctypes.c_float
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def _host_lib(tmp_path_factory, kc: int):
     assert r.returncode == 0, r.stderr[-3000:]
     h = ctypes.CDLL(str(so))
     h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
-    h.host_qmm_sum_slices.argtypes = [U, U, P, P, LL, I]
+    h.host_qmm_sum_slices.argtypes = [U, U, P, P, LL, I, I, F]
+    h.host_qmm_act_rows.argtypes = [U, U, P, LL, I, F]
     h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
@@ -1008,6 +1009,8 @@ def hostcp(lib, monkeypatch):
                 gx *= block[0] // 16  # a block of 64 values: 16 threads on the device, one host block
             elif base == "qmm_sum_slices":
                 gx *= block[0] // Q.SUM_GROUP  # a run of 4 values: SUM_GROUP threads on the device
+            elif base == "qmm_act_rows":
+                gx *= block[0]  # a value a thread
             elif base == "qmm_dense_ring":  # 16 rows a warp of one of the KG groups (the host's warp plays all)
                 gx *= block[0] // 32 // int(targs.rstrip(">").split(",")[3])
             elif base not in ("qmm_split", "qmm_jobs"):
@@ -1232,11 +1235,58 @@ def test_sum_slices_adds_in_slice_order(lib, n, nz):
     P = rng.standard_normal((nz, n)).astype(np.float32)
     Y = np.full(n + 3, 7.0, np.float32)
     runs = n // 4 if n % 4 == 0 else n
-    lib.host_qmm_sum_slices(runs + 2, 1, _p(P), _p(Y), n, nz)  # (two spare blocks: past the runs, nothing written)
+    lib.host_qmm_sum_slices(runs + 2, 1, _p(P), _p(Y), n, nz, 0, 1.0)  # (two spare blocks: past the runs, nothing written)
     ref = np.zeros(n, np.float32)
     for z in range(nz):
         ref = ref + P[z]
     assert np.array_equal(Y[:n], ref) and np.all(Y[n:] == 7.0)
+
+
+def _act_ref(y, act, div):
+    """The activations of qmm.ACT_* in float64 (the kernels' float32 within a few ulps)."""
+    a = y.astype(np.float64) / div
+    with np.errstate(over="ignore"):
+        sg = 1.0 / (1.0 + np.exp(-a))
+    return {Q.ACT_NONE: y.astype(np.float64), Q.ACT_SILU: a * sg, Q.ACT_SIG2: 2.0 * sg}[act]
+
+
+@pytest.mark.parametrize("act", [Q.ACT_NONE, Q.ACT_SILU, Q.ACT_SIG2])
+@pytest.mark.parametrize("n,nz", [(4 * 320, 40), (130, 9)])
+def test_sum_slices_applies_the_activation(lib, act, n, nz):
+    """qmm_sum_slices with an activation: each sum (the same float32 sum as without one) through silu(s / div) or
+    2 sigmoid(s / div) before it is stored; qmm_act_rows applies the same to a stored array."""
+    rng = np.random.default_rng(n + 7 * act)
+    P = (3.0 * rng.standard_normal((nz, n))).astype(np.float32)
+    Y0, Y = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    runs = n // 4 if n % 4 == 0 else n
+    lib.host_qmm_sum_slices(runs, 1, _p(P), _p(Y0), n, nz, 0, 1.0)
+    lib.host_qmm_sum_slices(runs, 1, _p(P), _p(Y), n, nz, act, 4.0)
+    ref = _act_ref(Y0, act, 4.0)
+    assert np.allclose(Y, ref, rtol=1e-6, atol=1e-7)
+    assert act != Q.ACT_NONE or np.array_equal(Y, Y0)
+    Z = Y0.copy()
+    lib.host_qmm_act_rows(n, 1, _p(Z), n, act, 4.0)
+    assert np.array_equal(Z, Y)
+
+
+@pytest.mark.parametrize("rows,T,fused", [(320, 32, True), (4, 32, True), (2560, 33, False)])
+def test_dense_activation_in_the_sum_or_after(hostcp, monkeypatch, rows, T, fused):
+    """dense(act=...): with a split of k added by the sum kernel the activation is its epilogue (no launch of its
+    own), else qmm_act_rows after the product; both give the activation of the plain product; an unknown act is
+    refused."""
+    monkeypatch.setenv(Q.SUM_ENV, "1")
+    rng = np.random.default_rng(rows + T)
+    cols = 1024
+    raw = blocks(rng, "Q8_0", rows, cols)
+    X = acts(rng, T, cols)
+    plain = np.asarray(Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols))
+    for act in (Q.ACT_SILU, Q.ACT_SIG2):
+        asked = kernels_asked(monkeypatch)
+        Y = np.asarray(Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols, act=act, act_div=4.0))
+        assert ("qmm_sum_slices" in asked) == fused and ("qmm_act_rows" in asked) == (not fused)
+        assert np.allclose(Y, _act_ref(plain, act, 4.0), rtol=1e-6, atol=1e-7)
+    with pytest.raises(StrataError, match="unknown activation"):
+        Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols, act=3)
 
 
 def test_dense_sum_kernel_only_for_aligned_outputs(hostcp, monkeypatch):

@@ -158,6 +158,7 @@ class BatchDecoder(ChunkPrefill):
             self._w_all = cp.zeros((L, N, k), dtype=cp.float32)
             self._hbuf = cp.empty(N * k * max(ly.ff for ly in self.rt.tier.arena.layers), dtype=cp.float32)
             self._tok_cache: dict[int, tuple[Any, Any]] = {}
+            self._ones: dict[int, Any] = {}  # T -> float32 [T, 1] ones (the shared expert's sum after expert_ffn)
             from stratatools.runtime.gpu.experts import decoder_expert_kernels
 
             # the routed experts' kernels, as the batch-1 decoder chooses them: pipelined when the tier holds every
@@ -661,9 +662,10 @@ class BatchDecoder(ChunkPrefill):
             return self._moe_gpu(il, x, self._ids_dev[il, :T], self._w_all[il, :T]), None, None
         return super()._moe(il, x)
 
-    def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
+    def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int, tail: Any = None) -> Any:
         """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] (ids / w: their routing on the device):
-        the prefill's tensor-core jobs where the layer has them, else the batch-1 decoder's expert kernels."""
+        the prefill's tensor-core jobs where the layer has them, else the batch-1 decoder's expert kernels (and then
+        the shared expert's ``tail`` added by one sum of weight 1)."""
         from stratatools.runtime.gpu.experts import ExpertJobs, expert_ffn
 
         cp, k = self.cp, self.k
@@ -671,15 +673,42 @@ class BatchDecoder(ChunkPrefill):
         if self.experts == "mma" and self._mma_experts_ok(il):
             # STRATATOOLS_BATCH_GEMM=mma / hgemm: the prefill's tensor-core jobs (an expert, its tokens), the job table
             # built on the device from the routing (nothing read back)
-            return super()._routed_gpu(il, x, ids, w, T, n)
+            return super()._routed_gpu(il, x, ids, w, T, n, tail)
         self._tic("experts")
         base = self.dec.slot[il][ids.reshape(-1)]  # uint64 [T k] blob addresses
         gb = np.uint64(ly.gate_bytes)
         tok, tstart = self._jobs_layout(T)
         jobs = ExpertJobs(base, base + gb, base + gb + gb, tok, cp.ascontiguousarray(w.reshape(-1)), tstart,
                           per_token=k)
-        return expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
-                          kernels=self._kernels_routed, int8=self._moe_int8)
+        y = expert_ffn(x, jobs, ly.gu_type, ly.d_type, ly.hidden, ly.ff, hbuf=self._hbuf, fast=True,
+                       kernels=self._kernels_routed, int8=self._moe_int8)
+        if tail is None:
+            return y
+        ones = self._ones.get(T)
+        if ones is None:
+            ones = self._ones[T] = cp.ones((T, 1), dtype=cp.float32)
+        return self._moe_sum(y, ones, T, n, tail, k=1)  # (1 y: y's own bits)
+
+    def _router_gate_w(self, il: int) -> Any:
+        """Layer ``il``'s router rows and the shared expert's gate row as one float32 [E + 1, n] matrix (one SGEMM a
+        step for both), made once and kept with the other small float32 matrices (:data:`SMALL_F32_TOTAL`), where
+        both are float matrices (F32 / F16 / BF16: an SGEMM's) of the same width; else None."""
+        if not self.gpu:
+            return None
+        key = f"blk.{il}.router+shexp_gate"
+        if key in self._small_w:
+            return self._small_w[key]
+        names = (f"blk.{il}.ffn_gate_inp.weight", f"blk.{il}.ffn_gate_inp_shexp.weight")
+        W = None
+        if all(self.w.model.tensor(nm).type.name in ("F32", "F16", "BF16") for nm in names):
+            Wr, Wg = (ChunkPrefill._weight(self, nm) for nm in names)  # (transient: only the joined one is kept)
+            nb = (int(Wr.size) + int(Wg.size)) * 4
+            if (Wg.shape[0] == 1 and Wr.shape[1] == Wg.shape[1] and nb <= SMALL_F32_BYTES
+                    and self._small_w_bytes + nb <= SMALL_F32_TOTAL):
+                W = self.cp.ascontiguousarray(self.cp.concatenate([Wr, Wg]), dtype=self.cp.float32)
+                self._small_w_bytes += nb
+        self._small_w[key] = W
+        return W
 
 
 @dataclass

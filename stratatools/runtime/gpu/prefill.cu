@@ -205,6 +205,24 @@ extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float*
     }
 }
 
+// pf_moe_sum with the shared expert's output added: y[t, c] = (the k weighted routed rows, as pf_moe_sum) +
+// sigmoid(g[t ldg + goff]) ys[t, c] (the gate rounded, then its product, then the sum: the array code's y + sg ys).
+// The one launch replaces pf_moe_sum and the gate's sigmoid, product and sum (prefill.py _moe_sum).
+extern "C" __global__ void pf_moe_sum_shared(const float* __restrict__ ya, const float* __restrict__ w, int T, int k,
+                                             int n, const float* __restrict__ ys, const float* __restrict__ g,
+                                             int ldg, int goff, float* __restrict__ y) {
+    const long long total = (long long)T * n;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / n;
+        const long long c = i - t * n;
+        float acc = 0.0f;
+        for (int r = 0; r < k; ++r) acc = __fadd_rn(acc, __fmul_rn(w[t * k + r], ya[(t * k + r) * n + c]));
+        const float sg = 1.0f / (1.0f + expf(-g[t * ldg + goff]));
+        y[i] = __fadd_rn(acc, __fmul_rn(sg, ys[i]));
+    }
+}
+
 // ---- gated DeltaNet recurrence over a chunk of T tokens ----------------------------------------------------------
 // q, kk: [T, nk, dk] (L2-normalised; q scaled by dk^-1/2); v: [T, ldv] with value head j at v + j dv; beta, decay:
 // [T, nv]. Value head j = blockIdx.x uses key group j % nk. Block (j, b) owns columns [b cw, (b+1) cw) of head j

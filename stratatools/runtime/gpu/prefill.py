@@ -342,6 +342,21 @@ def prefill_scratch_bytes(cfg: Any, blob_bytes_f32: int, chunk: int = CHUNK, gro
     return int(act + experts_b + 2 * 4 * max_dense_values + attn)
 
 
+class _SharedTail:
+    """The shared expert's output ys [T, n] (unscaled) and gate logits (column ``goff`` of g [T, ld]) that the routed
+    outputs' sum adds (:meth:`ChunkPrefill._moe_sum`); ``ready()`` makes the main stream wait for the shared expert's
+    stream (once; no stream: nothing to wait for)."""
+
+    def __init__(self, ys: Any, g: Any, goff: int, main: Any, join: Any):
+        self.ys, self.g, self.goff = ys, g, int(goff)
+        self._main, self._join = main, join
+
+    def ready(self) -> None:
+        if self._join is not None:
+            self._main.wait_event(self._join)
+            self._join = None
+
+
 def _is_q8r(buf: Any) -> bool:
     """Is a decoder's matrix buffer a :class:`stratatools.runtime.gpu.decode.Q8R` (codes ``q`` and scales ``d`` in
     ``dense_q8.cu``'s layout) rather than GGUF block bytes?"""
@@ -410,6 +425,7 @@ class ChunkPrefill:
             self.k_route_warp = mod.get_function("pf_route_warp")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
+            self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
             from stratatools.runtime.gpu.kernels import shared_side
@@ -569,26 +585,47 @@ class ChunkPrefill:
         raw, t, rows, cols = self._raw_dev(name)
         return self._dequant(raw, t, rows, cols)
 
-    def _mm(self, X: Any, name: str) -> Any:
+    def _mm(self, X: Any, name: str, act: int = 0, div: float = 1.0) -> Any:
         """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32 (on the ``mma`` GEMM path through
-        :meth:`_qmm` where the matrix's layout allows, also on the ``hgemm`` path)."""
+        :meth:`_qmm` where the matrix's layout allows, also on the ``hgemm`` path). ``act`` (``qmm.ACT_*``): the
+        output through silu(y / div) or 2 sigmoid(y / div) (:meth:`_act`; on the ``mma`` path the product's own
+        epilogue)."""
         self._push("dense")
         out = None
         if self.gpu and self.gemm in ("mma", "hgemm"):
             raw, t, rows, cols = self._raw_dev(name)
-            out = self._qmm(X, raw, t, rows, cols, name)
+            out = self._qmm(X, raw, t, rows, cols, name, act=act, div=div)
         if out is None:
             W = self._weight(name)
-            out = self._sgemm(X, W)
+            out = self._act(self._sgemm(X, W), act, div)
         self._pop()
         return out
 
-    def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int, key: str | None = None) -> Any:
+    def _act(self, y: Any, act: int, div: float) -> Any:
+        """``qmm.ACT_SILU``: silu(y / div); ``qmm.ACT_SIG2``: 2 sigmoid(y / div) (float32, the array code's operations);
+        else y."""
+        from stratatools.runtime.gpu import qmm
+
+        if act == qmm.ACT_NONE:
+            return y
+        xp = self.xp
+        if act == qmm.ACT_SILU:
+            if not self.gpu:
+                return _silu(xp, y / xp.float32(div))
+            return self._ew("pf_silu_div", "float32 d, float32 div", "float32 m",
+                            "float a = d / div; m = a * (1.0f / (1.0f + expf(-a)));")(y, np.float32(div))
+        if act == qmm.ACT_SIG2:
+            return (2.0 * self._sigmoid_x(y / xp.float32(div))).astype(xp.float32)
+        return y
+
+    def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int, key: str | None = None, act: int = 0,
+             div: float = 1.0) -> Any:
         """X [T, cols] @ W.T on the tensor cores (:func:`stratatools.runtime.gpu.qmm.dense`; on the ``hgemm`` path
         :func:`stratatools.runtime.gpu.qmm.hgemm`, through ``dense`` for a matrix whose values do not fit fp16) for a
         matrix's device bytes as :meth:`_raw_dev` gives them: the decoder's re-laid-out Q8_0 rows (:class:`_Q8RRows`)
         or GGUF Q8_0 / Q2_0 blocks. ``key``: the matrix's name (hgemm's fp16 check is made once per name; None: on
-        every call). None where the layout has no qmm kernel (the caller dequantizes)."""
+        every call). ``act`` / ``div``: as :meth:`_mm`'s. None where the layout has no qmm kernel (the caller
+        dequantizes)."""
         from stratatools.runtime.gpu import qmm
 
         cp = self.cp
@@ -615,8 +652,8 @@ class ChunkPrefill:
                 if key is not None:
                     fits[key] = out is not None
                 if out is not None:
-                    return out
-        return qmm.dense(X, *args, xs=xs)
+                    return self._act(out, act, div)
+        return qmm.dense(X, *args, xs=xs, act=act, act_div=div)
 
     def _big_hgemm(self, rows: int, cols: int, T: int) -> bool:
         """On the ``mma`` path: does this [rows, cols] matrix times T rows go through the hgemm path's cuBLAS GEMMs
@@ -934,11 +971,11 @@ class ChunkPrefill:
             return self._hc_gpu_mix(prefix, hn, T, inject)
 
     def _hc_gpu_mix(self, prefix: str, hn: Any, T: int, inject: bool) -> tuple[Any, Any]:
+        from stratatools.runtime.gpu import qmm
+
         cp, cfg = self.cp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
-        d = self._mm(hn, f"{prefix}_down.weight")
-        m = self._ew("pf_silu_div", "float32 d, float32 div", "float32 m",
-                     "float a = d / div; m = a * (1.0f / (1.0f + expf(-a)));")(d, np.float32(hc))
+        m = self._mm(hn, f"{prefix}_down.weight", act=qmm.ACT_SILU, div=hc)  # silu(down hn / hc)
         u = cp.ascontiguousarray(self._mm(m, f"{prefix}_up.weight"))
         mixed = cp.empty((T, n), dtype=cp.float32)
         self._ew("pf_hc_mix", "raw float32 u, raw float32 hn, int32 hc, int32 n", "float32 out",
@@ -948,8 +985,7 @@ class ChunkPrefill:
                                                                                        np.int32(n), mixed)
         if not inject:
             return mixed, None
-        iw = 2.0 * self._sigmoid_x(self._mm(hn, f"{prefix}_inject.weight") / cp.float32(hc))
-        return mixed, iw.astype(cp.float32)
+        return mixed, self._mm(hn, f"{prefix}_inject.weight", act=qmm.ACT_SIG2, div=hc)  # 2 sigmoid(inject hn / hc)
 
     # -- PLE ----------------------------------------------------------------------------------------------
     def _ple_rows(self, toks: np.ndarray) -> dict[int, np.ndarray]:
@@ -1306,13 +1342,15 @@ class ChunkPrefill:
         y = y + self._shared_ffn(il, x, sg)
         return y.astype(xp.float32, copy=False), ids, w
 
-    def _route_launch(self, logits: Any, ids: Any, w: Any) -> None:
-        """The router of the rows ``logits`` [T, E] (CuPy float32) into ``ids`` int32 [T, k] and ``w`` float32 [T, k]
-        on the device: ``pf_route_warp`` (a warp a token) where :data:`ROUTE_WARP_ENV` is on and E <=
-        :data:`ROUTE_WARP_MAX_E`, else ``pf_route`` (a block a token)."""
+    def _route_launch(self, logits: Any, ids: Any, w: Any, E: int | None = None) -> None:
+        """The router of the rows ``logits`` [T, ld] (CuPy float32; the experts' logits in its first E columns, all
+        of them by default) into ``ids`` int32 [T, k] and ``w`` float32 [T, k] on the device: ``pf_route_warp`` (a
+        warp a token) where :data:`ROUTE_WARP_ENV` is on and E <= :data:`ROUTE_WARP_MAX_E`, else ``pf_route`` (a
+        block a token)."""
         cp, cfg, k = self.cp, self.cfg, self.k
-        T, E = (int(v) for v in logits.shape)
-        args = (cp.ascontiguousarray(logits), np.int32(T), np.int32(E), np.int32(E), np.int32(k),
+        T, ld = (int(v) for v in logits.shape)
+        E = ld if E is None else int(E)
+        args = (cp.ascontiguousarray(logits), np.int32(T), np.int32(ld), np.int32(E), np.int32(k),
                 np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)), np.float32(cfg.expert_weights_scale),
                 ids, w)
         if E <= ROUTE_WARP_MAX_E and route_warp():
@@ -1331,18 +1369,27 @@ class ChunkPrefill:
         p = f"blk.{il}."
         T, n = x.shape
         x = cp.ascontiguousarray(x, dtype=cp.float32)
-        logits = self._mm(x, p + "ffn_gate_inp.weight")  # [T, E]
-        E = int(logits.shape[1])
+        W = self._router_gate_w(il)
+        if W is not None:  # one SGEMM: the experts' logits [T, E], then the shared expert's gate logit
+            logits = self._sgemm(x, W)
+            E = int(W.shape[0]) - 1
+            g, goff = logits, E
+        else:
+            logits = self._mm(x, p + "ffn_gate_inp.weight")  # [T, E]
+            E = int(logits.shape[1])
+            g, goff = None, 0
         if k > E:
             raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
-        self._route_launch(logits, ids, w)
+        self._route_launch(logits, ids, w, E)
+        if g is None:  # (made here, before the side stream forks: it only reads it)
+            g = cp.ascontiguousarray(self._mm(x, p + "ffn_gate_inp_shexp.weight"), dtype=cp.float32)  # [T, 1]
         # the shared expert beside the routed ones (not while the breakdown is timed: its stream would not be
-        # synchronised by the timer)
+        # synchronised by the timer); its output, unscaled, is added with its gate by the routed outputs' sum
         side = self._shared_side if self.timing is None else None
+        main = join = None
         if side is not None:
-            # its gate and the split of x that both branches' tensor-core GEMMs read are made here first, so the
-            # side stream only reads them (and no cuBLAS call of the side stream runs beside one of the main stream)
-            sg = self._sigmoid_x(self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
+            # the split of x that both branches' tensor-core GEMMs read is made here first, so the side stream only
+            # reads it (and no cuBLAS call of the side stream runs beside one of the main stream)
             if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
                 # (a split not kept for x would be made by each GEMM that reads it, on its stream; the shared
                 # expert's matrices are GGUF blocks, whose kind is "f16": were they Q8R, their "i8d" split would
@@ -1354,42 +1401,58 @@ class ChunkPrefill:
             side.wait_event(fork)
             try:
                 with side:
-                    ys = self._shared_ffn(il, x, sg)
+                    ys = self._shared_ffn(il, x, None)
             finally:
                 join.record(side)
+        else:
+            ys = self._shared_ffn(il, x, None)
+        tail = _SharedTail(ys, g, goff, main, join)
         try:
-            y = self._routed_gpu(il, x, ids, w, int(T), int(n))
+            y = self._routed_gpu(il, x, ids, w, int(T), int(n), tail)
         finally:
-            if side is not None:
-                main.wait_event(join)
+            tail.ready()
         self._tic("shared")
-        if side is not None:
-            return (y + ys).astype(cp.float32, copy=False)
-        sg = self._sigmoid_x(self._mm(x, p + "ffn_gate_inp_shexp.weight"))  # [T, 1]
-        return (y + self._shared_ffn(il, x, sg)).astype(cp.float32, copy=False)
-
-    def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int) -> Any:
-        """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] with their routing ids / w [T, k] on the
-        device: the tensor-core jobs, their table built there (:meth:`_experts_mma_dev`), the k outputs of a token
-        summed with its weights in rank order. Returns [T, n] float32."""
-        self._tic("experts")
-        ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
-        return self._moe_sum(ya, w, T, n)
-
-    def _moe_sum(self, ya: Any, w: Any, T: int, n: int) -> Any:
-        """The routed outputs ya [T k, n] of T tokens weighted by their router weights w [T, k] and summed in rank
-        order (``pf_moe_sum``, CuPy): [T, n] float32."""
-        cp = self.cp
-        y = cp.empty((T, n), dtype=cp.float32)
-        self.k_moe_sum((max(1, min(-(-T * n // 256), 8192)),), (256,),
-                       (cp.ascontiguousarray(ya, dtype=cp.float32), cp.ascontiguousarray(w, dtype=cp.float32),
-                        np.int32(T), np.int32(self.k), np.int32(n), y))
         return y
 
+    def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int, tail: Any = None) -> Any:
+        """The routed experts of :meth:`_moe_gpu` for the T tokens x [T, n] with their routing ids / w [T, k] on the
+        device: the tensor-core jobs, their table built there (:meth:`_experts_mma_dev`), the k outputs of a token
+        summed with its weights in rank order (and the shared expert's output ``tail`` with its gate:
+        :meth:`_moe_sum`). Returns [T, n] float32."""
+        self._tic("experts")
+        ya = self._experts_mma_dev(il, x, ids)  # [T k, n] unweighted
+        return self._moe_sum(ya, w, T, n, tail)
+
+    def _moe_sum(self, ya: Any, w: Any, T: int, n: int, tail: Any = None, k: int | None = None) -> Any:
+        """The routed outputs ya [T k, n] of T tokens weighted by their router weights w [T, k] and summed in rank
+        order (``pf_moe_sum``, CuPy): [T, n] float32. With ``tail`` (:class:`_SharedTail`) the shared expert's
+        output is added as ``+ sigmoid(g) ys`` by the same launch (``pf_moe_sum_shared``), once its stream is
+        done."""
+        cp = self.cp
+        k = self.k if k is None else int(k)
+        y = cp.empty((T, n), dtype=cp.float32)
+        grid, args = (max(1, min(-(-T * n // 256), 8192)),), (cp.ascontiguousarray(ya, dtype=cp.float32),
+                                                              cp.ascontiguousarray(w, dtype=cp.float32),
+                                                              np.int32(T), np.int32(k), np.int32(n))
+        if tail is None:
+            self.k_moe_sum(grid, (256,), (*args, y))
+            return y
+        tail.ready()
+        self.k_moe_sum_shared(grid, (256,), (*args, cp.ascontiguousarray(tail.ys), tail.g,
+                                             np.int32(tail.g.shape[1]), np.int32(tail.goff), y))
+        return y
+
+    def _router_gate_w(self, il: int) -> Any:
+        """Layer ``il``'s router rows with the shared expert's gate row after them, float32 [E + 1, n], where the step
+        keeps such a matrix (one SGEMM gives both; the batched decoder); here None (two products)."""
+        return None
+
     def _shared_ffn(self, il: int, x: Any, sg: Any) -> Any:
-        """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x)."""
+        """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x) (sg
+        None: unscaled)."""
         hs = self._silu_x(self._shared_mm(il, x, 0), self._shared_mm(il, x, 1))
-        return sg * self._shared_mm(il, hs, 2)
+        down = self._shared_mm(il, hs, 2)
+        return down if sg is None else sg * down
 
     def _shared_mm(self, il: int, X: Any, which: int) -> Any:
         """X @ W.T for the shared expert's gate (0), up (1) or down (2) matrix."""

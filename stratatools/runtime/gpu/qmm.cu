@@ -429,13 +429,25 @@ __device__ __forceinline__ void qmm_add_slices(const float* __restrict__ P, floa
 // multiple of 4, else one value) shared by QSUM_G threads: thread g adds the slices z = g, g + G, ... in order, then
 // the G partial sums meet by shuffles (xor 4, 2, 1: the same order for every value and launch). The CuPy reduction
 // this replaces took 1.9-5.9 us a launch, 554 launches a 32-sequence step (H200, bench/gpu-notes.md). Grid: ceil(runs
-// QSUM_G / blockDim) blocks, blockDim a multiple of 32 (the host build: a block of one thread a run).
+// QSUM_G / blockDim) blocks, blockDim a multiple of 32 (the host build: a block of one thread a run). act (qmm_act)
+// applies the hyper-connection's activation to each sum before it is stored (the launches of its own it replaces: the
+// step's silu after the down projection, and the quotient, sigmoid, doubling and copy of the inject weights).
 #ifdef STRATA_HOST
 #define QSUM_G 1
 #else
 #define QSUM_G 8
 #endif
-extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz) {
+// The activations a sum kernel may apply (qmm.py ACT_*): 0 none, 1 silu(s / div) (a = s / div, a sigmoid(a)), 2 the
+// weights 2 sigmoid(s / div); the operations and roundings of prefill.py's element-wise kernels they replace.
+__device__ __forceinline__ float qmm_act(float s, int act, float div) {
+    if (act == 0) return s;
+    const float a = s / div;
+    const float sg = 1.0f / (1.0f + expf(-a));
+    return act == 1 ? a * sg : 2.0f * sg;
+}
+
+extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz,
+                                          int act, float div) {
     const bool v4 = (n & 3) == 0;
     const long long runs = v4 ? n >> 2 : n;
     const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QSUM_G;
@@ -457,8 +469,16 @@ extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __
         #pragma unroll
         for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
     if (u >= runs || g != 0) return;
-    if (v4) reinterpret_cast<float4*>(Y)[u] = make_float4(a[0], a[1], a[2], a[3]);
-    else Y[u] = a[0];
+    if (v4)
+        reinterpret_cast<float4*>(Y)[u] = make_float4(qmm_act(a[0], act, div), qmm_act(a[1], act, div),
+                                                      qmm_act(a[2], act, div), qmm_act(a[3], act, div));
+    else Y[u] = qmm_act(a[0], act, div);
+}
+
+// Y[i] = qmm_act(Y[i], act, div) for i < n: the activation where the product's sums were not made by qmm_sum_slices.
+extern "C" __global__ void qmm_act_rows(float* __restrict__ Y, long long n, int act, float div) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) Y[i] = qmm_act(Y[i], act, div);
 }
 
 // ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------

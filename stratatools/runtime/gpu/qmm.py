@@ -146,7 +146,7 @@ def device_source() -> str:
 
 def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
-    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices"]
+    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices", "qmm_act_rows"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
@@ -207,7 +207,10 @@ def host_source() -> str:
     ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
            "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n",
            'extern "C" void host_qmm_sum_slices(unsigned gx, unsigned gy, const float* P, float* Y, long long n, '
-           "int nz) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz); });\n}\n",
+           "int nz, int act, float div) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz, act, div); });"
+           "\n}\n",
+           'extern "C" void host_qmm_act_rows(unsigned gx, unsigned gy, float* Y, long long n, int act, float div) {\n'
+           "    host_run_grid(gx, gy, [&]() { qmm_act_rows(Y, n, act, div); });\n}\n",
            'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
            "const u64* ptr_row, int jmax, int jt, u64* job_ptr, int* job_tok, int* job_dst) {\n    host_run_grid(gx, gy, "
            "[&]() { qmm_jobs(ids, N, k, E, ptr_row, jmax, jt, job_ptr, job_tok, job_dst); });\n}\n"]
@@ -446,6 +449,11 @@ SUM_DEFAULT = True
 SUM_THREADS = 256
 SUM_GROUP = 8
 
+#: The activations :func:`dense` may apply to its output (qmm.cu ``qmm_act``): none; silu(y / div) (the
+#: hyper-connection's down projection); 2 sigmoid(y / div) (its inject weights). Up to 32 tokens with a split of k the
+#: sum kernel applies them (no launch of their own), else ``qmm_act_rows`` after the product.
+ACT_NONE, ACT_SILU, ACT_SIG2 = 0, 1, 2
+
 
 #: ``STRATATOOLS_QMM_RING``: up to 32 tokens, Q8R matrices whose K is a multiple of the ring's chunk go through
 #: ``qmm_dense_ring`` (qmm.cu: the weights copied into a ring of shared-memory stages, several chunks ahead; with one
@@ -605,17 +613,20 @@ def sum_kernel() -> bool:
 
 
 def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
-          out: Any = None) -> Any:
+          out: Any = None, act: int = ACT_NONE, act_div: float = 1.0) -> Any:
     """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
     ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
     ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
     None. ``xs``: X already split as :func:`split_kind` says (:func:`split`, or :func:`split_i8` with ``dense``: the
-    integer ring, :data:`DENSE_I8_ENV`); a split of the other kind is not used (X is split here). Returns ``out`` or a
-    new float32 [T, rows].
+    integer ring, :data:`DENSE_I8_ENV`); a split of the other kind is not used (X is split here). ``act`` /
+    ``act_div``: an activation of the output (:data:`ACT_SILU`, :data:`ACT_SIG2`). Returns ``out`` or a new float32
+    [T, rows].
 
     Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
-    or alignment, X not [T, cols]."""
+    or alignment, X not [T, cols], an unknown ``act``."""
     f = _check_matrix(layout, w, wd, rows, cols, X)
+    if act not in (ACT_NONE, ACT_SILU, ACT_SIG2):
+        raise StrataError(f"qmm: unknown activation {act!r} (one of {ACT_NONE}, {ACT_SILU}, {ACT_SIG2})")
     bv = BLOCK_VALUES[f]
     T = int(X.shape[0])
     import cupy as cp
@@ -657,16 +668,32 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     else:
         name = f"qmm_dense<{f}, {nt}, 2>" if two is not None else f"qmm_dense<{f}, {nt}>"
         launch_big_shared(_fn(name, kc), (gx, gy), (THREADS,), args, smem_bytes(f, nt, kc))
+    done = act == ACT_NONE
     if nz > 1 and not in_kernel:
         if (sum_kernel() and out.flags.c_contiguous and tuple(out.shape) == (T, int(rows))
                 and int(out.data.ptr) % 16 == 0):  # (the kernel's float4 stores)
             n = T * int(rows)
             runs = n // 4 if n % 4 == 0 else n
             _fn("qmm_sum_slices", kc)((-(-runs * SUM_GROUP // SUM_THREADS),), (SUM_THREADS,),
-                                  (part, out, np.int64(n), np.int32(nz)))
+                                  (part, out, np.int64(n), np.int32(nz), np.int32(act), np.float32(act_div)))
+            done = True
         else:
             cp.sum(part, axis=0, out=out)
+    if not done:
+        act_rows(out, act, act_div)
     return out
+
+
+def act_rows(Y: Any, act: int, div: float) -> Any:
+    """``Y = act(Y / div)`` in place (qmm.cu ``qmm_act_rows``; :data:`ACT_SILU`, :data:`ACT_SIG2`) for a float32
+    CuPy array: where :func:`dense`'s sums were not made by the sum kernel. Returns Y. Raises StrataError for a Y that
+    is not contiguous float32."""
+    if Y.dtype != np.float32 or not Y.flags.c_contiguous:
+        raise StrataError("qmm: an activation needs a contiguous float32 array")
+    n = int(Y.size)
+    if act != ACT_NONE and n:
+        _fn("qmm_act_rows")((-(-n // SUM_THREADS),), (SUM_THREADS,), (Y, np.int64(n), np.int32(act), np.float32(div)))
+    return Y
 
 
 # ---- hgemm: the weights as fp16 hi + lo, cuBLAS fp16 GEMMs with float32 accumulation ------------------------------
