@@ -49,7 +49,9 @@ def _host_lib(tmp_path_factory, kc: int):
     assert r.returncode == 0, r.stderr[-3000:]
     h = ctypes.CDLL(str(so))
     h.host_qmm_split.argtypes = [U, U, P, LL, I, I, P, P, P]
-    h.host_qmm_sum_slices.argtypes = [U, U, P, P, LL, I, I, F]
+    h.host_qmm_sum_slices.argtypes = [U, U, P, P, LL, I]
+    for a in (1, 2):
+        getattr(h, f"host_qmm_sum_act_{a}").argtypes = [U, U, P, P, LL, I, F]
     h.host_qmm_act_rows.argtypes = [U, U, P, LL, I, F]
     h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
@@ -1007,7 +1009,7 @@ def hostcp(lib, monkeypatch):
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
             if base in ("qmm_split_i8", "qmm_split_i8d"):
                 gx *= block[0] // 16  # a block of 64 values: 16 threads on the device, one host block
-            elif base == "qmm_sum_slices":
+            elif base in ("qmm_sum_slices", "qmm_sum_act"):
                 gx *= block[0] // Q.SUM_GROUP  # a run of 4 values: SUM_GROUP threads on the device
             elif base == "qmm_act_rows":
                 gx *= block[0]  # a value a thread
@@ -1235,7 +1237,7 @@ def test_sum_slices_adds_in_slice_order(lib, n, nz):
     P = rng.standard_normal((nz, n)).astype(np.float32)
     Y = np.full(n + 3, 7.0, np.float32)
     runs = n // 4 if n % 4 == 0 else n
-    lib.host_qmm_sum_slices(runs + 2, 1, _p(P), _p(Y), n, nz, 0, 1.0)  # (two spare blocks: past the runs, nothing written)
+    lib.host_qmm_sum_slices(runs + 2, 1, _p(P), _p(Y), n, nz)  # (two spare blocks: past the runs, nothing written)
     ref = np.zeros(n, np.float32)
     for z in range(nz):
         ref = ref + P[z]
@@ -1259,8 +1261,11 @@ def test_sum_slices_applies_the_activation(lib, act, n, nz):
     P = (3.0 * rng.standard_normal((nz, n))).astype(np.float32)
     Y0, Y = np.zeros(n, np.float32), np.zeros(n, np.float32)
     runs = n // 4 if n % 4 == 0 else n
-    lib.host_qmm_sum_slices(runs, 1, _p(P), _p(Y0), n, nz, 0, 1.0)
-    lib.host_qmm_sum_slices(runs, 1, _p(P), _p(Y), n, nz, act, 4.0)
+    lib.host_qmm_sum_slices(runs, 1, _p(P), _p(Y0), n, nz)
+    if act == Q.ACT_NONE:
+        lib.host_qmm_sum_slices(runs, 1, _p(P), _p(Y), n, nz)
+    else:
+        getattr(lib, f"host_qmm_sum_act_{act}")(runs, 1, _p(P), _p(Y), n, nz, 4.0)
     ref = _act_ref(Y0, act, 4.0)
     assert np.allclose(Y, ref, rtol=1e-6, atol=1e-7)
     assert act != Q.ACT_NONE or np.array_equal(Y, Y0)
@@ -1283,7 +1288,7 @@ def test_dense_activation_in_the_sum_or_after(hostcp, monkeypatch, rows, T, fuse
     for act in (Q.ACT_SILU, Q.ACT_SIG2):
         asked = kernels_asked(monkeypatch)
         Y = np.asarray(Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols, act=act, act_div=4.0))
-        assert ("qmm_sum_slices" in asked) == fused and ("qmm_act_rows" in asked) == (not fused)
+        assert (f"qmm_sum_act<{act}>" in asked) == fused and ("qmm_act_rows" in asked) == (not fused)
         assert np.allclose(Y, _act_ref(plain, act, 4.0), rtol=1e-6, atol=1e-7)
     with pytest.raises(StrataError, match="unknown activation"):
         Q.dense(_h(X), "Q8_0", _h(raw), None, rows, cols, act=3)

@@ -429,7 +429,7 @@ __device__ __forceinline__ void qmm_add_slices(const float* __restrict__ P, floa
 // multiple of 4, else one value) shared by QSUM_G threads: thread g adds the slices z = g, g + G, ... in order, then
 // the G partial sums meet by shuffles (xor 4, 2, 1: the same order for every value and launch). The CuPy reduction
 // this replaces took 1.9-5.9 us a launch, 554 launches a 32-sequence step (H200, bench/gpu-notes.md). Grid: ceil(runs
-// QSUM_G / blockDim) blocks, blockDim a multiple of 32 (the host build: a block of one thread a run). act (qmm_act)
+// QSUM_G / blockDim) blocks, blockDim a multiple of 32 (the host build: a block of one thread a run). qmm_sum_act
 // applies the hyper-connection's activation to each sum before it is stored (the launches of its own it replaces: the
 // step's silu after the down projection, and the quotient, sigmoid, doubling and copy of the inject weights).
 #ifdef STRATA_HOST
@@ -446,8 +446,11 @@ __device__ __forceinline__ float qmm_act(float s, int act, float div) {
     return act == 1 ? a * sg : 2.0f * sg;
 }
 
-extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz,
-                                          int act, float div) {
+// The sum of qmm_sum_slices with the activation ACT (a template argument: the plain sum keeps its code, which an
+// activation read at run time made 30-80% slower, H200 bench/gpu-notes.md nineteenth pass).
+template <int ACT>
+__device__ __forceinline__ void qmm_sum_body(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz,
+                                             float div) {
     const bool v4 = (n & 3) == 0;
     const long long runs = v4 ? n >> 2 : n;
     const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QSUM_G;
@@ -470,9 +473,19 @@ extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __
         for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
     if (u >= runs || g != 0) return;
     if (v4)
-        reinterpret_cast<float4*>(Y)[u] = make_float4(qmm_act(a[0], act, div), qmm_act(a[1], act, div),
-                                                      qmm_act(a[2], act, div), qmm_act(a[3], act, div));
-    else Y[u] = qmm_act(a[0], act, div);
+        reinterpret_cast<float4*>(Y)[u] = make_float4(qmm_act(a[0], ACT, div), qmm_act(a[1], ACT, div),
+                                                      qmm_act(a[2], ACT, div), qmm_act(a[3], ACT, div));
+    else Y[u] = qmm_act(a[0], ACT, div);
+}
+
+extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz) {
+    qmm_sum_body<0>(P, Y, n, nz, 1.0f);
+}
+
+// qmm_sum_slices, each sum through qmm_act<ACT>(s / div) before it is stored (ACT 1 or 2).
+template <int ACT>
+__global__ void qmm_sum_act(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz, float div) {
+    qmm_sum_body<ACT>(P, Y, n, nz, div);
 }
 
 // Y[i] = qmm_act(Y[i], act, div) for i < n: the activation where the product's sums were not made by qmm_sum_slices.

@@ -146,7 +146,7 @@ def device_source() -> str:
 
 def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
-    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices", "qmm_act_rows"]
+    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices", "qmm_act_rows", "qmm_sum_act<1>", "qmm_sum_act<2>"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
@@ -207,8 +207,10 @@ def host_source() -> str:
     ent = ['extern "C" void host_qmm_split(unsigned gx, unsigned gy, const float* X, long long ldx, int T, int K, '
            "u16* hi, u16* lo, float* sc) {\n    host_run_grid(gx, gy, [&]() { qmm_split(X, ldx, T, K, hi, lo, sc); });\n}\n",
            'extern "C" void host_qmm_sum_slices(unsigned gx, unsigned gy, const float* P, float* Y, long long n, '
-           "int nz, int act, float div) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz, act, div); });"
-           "\n}\n",
+           "int nz) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_slices(P, Y, n, nz); });\n}\n",
+           *('extern "C" void host_qmm_sum_act_%d(unsigned gx, unsigned gy, const float* P, float* Y, long long n, '
+             "int nz, float div) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_act<%d>(P, Y, n, nz, div); });\n}\n"
+             % (a, a) for a in (1, 2)),
            'extern "C" void host_qmm_act_rows(unsigned gx, unsigned gy, float* Y, long long n, int act, float div) {\n'
            "    host_run_grid(gx, gy, [&]() { qmm_act_rows(Y, n, act, div); });\n}\n",
            'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
@@ -674,8 +676,12 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
                 and int(out.data.ptr) % 16 == 0):  # (the kernel's float4 stores)
             n = T * int(rows)
             runs = n // 4 if n % 4 == 0 else n
-            _fn("qmm_sum_slices", kc)((-(-runs * SUM_GROUP // SUM_THREADS),), (SUM_THREADS,),
-                                  (part, out, np.int64(n), np.int32(nz), np.int32(act), np.float32(act_div)))
+            grid = (-(-runs * SUM_GROUP // SUM_THREADS),)
+            if act == ACT_NONE:
+                _fn("qmm_sum_slices", kc)(grid, (SUM_THREADS,), (part, out, np.int64(n), np.int32(nz)))
+            else:
+                _fn(f"qmm_sum_act<{act}>", kc)(grid, (SUM_THREADS,), (part, out, np.int64(n), np.int32(nz),
+                                                                   np.float32(act_div)))
             done = True
         else:
             cp.sum(part, axis=0, out=out)
