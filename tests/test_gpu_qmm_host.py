@@ -1255,8 +1255,8 @@ def _act_ref(y, act, div):
 @pytest.mark.parametrize("act", [Q.ACT_NONE, Q.ACT_SILU, Q.ACT_SIG2])
 @pytest.mark.parametrize("n,nz", [(4 * 320, 40), (130, 9)])
 def test_sum_slices_applies_the_activation(lib, act, n, nz):
-    """qmm_sum_slices with an activation: each sum (the same float32 sum as without one) through silu(s / div) or
-    2 sigmoid(s / div) before it is stored; qmm_act_rows applies the same to a stored array."""
+    """qmm_sum_act<ACT>: each sum (the same float32 sum as qmm_sum_slices') through silu(s / div) or 2 sigmoid(s /
+    div) before it is stored; qmm_act_rows applies the same to a stored array."""
     rng = np.random.default_rng(n + 7 * act)
     P = (3.0 * rng.standard_normal((nz, n))).astype(np.float32)
     Y0, Y = np.zeros(n, np.float32), np.zeros(n, np.float32)
