@@ -339,7 +339,7 @@ def test_gpu_moe_jobs_i8_ring_is_qi8_tile(hidden, ff, jt, monkeypatch):
     djt, djd = cp.asarray(jtok), cp.asarray(jd)
     got = {}
     monkeypatch.setattr(qmm, "JOBS_RING_MAX_JT", 32)
-    for rg in ["0"] + [f"{a}:{b}" for a, b in qmm.JOBS_RINGS]:
+    for rg in ["0"] + [f"{a}:{b}:{c}" for a, b, c in qmm.JOBS_RINGS]:
         monkeypatch.setenv(qmm.JOBS_RING_ENV, rg)
         hbuf = cp.full((je.size * jt, ff), cp.nan, dtype=cp.float32)
         qmm.moe_gate_up_i8(ptr, djt, qmm.split_i8(X), hbuf, hidden, ff, jt)

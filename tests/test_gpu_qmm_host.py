@@ -71,10 +71,10 @@ def _host_lib(tmp_path_factory, kc: int):
     for jt in Q.JOB_SIZES:
         getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
         getattr(h, f"host_qmm_moe_down_i8_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
-    for st, rkc in Q.JOBS_RING_HOST:
+    for st, rkc, pad in Q.JOBS_RING_HOST:
         for jt in Q.JOB_SIZES:
-            getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
-            getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
+            getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
+            getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
     h.host_qmm_split_i8.argtypes = h.host_qmm_split_i8d.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
@@ -835,8 +835,8 @@ def test_moe_jobs_i8_match_float64(request, hidden, ff, T, E, k, jt, kc):
 
 @pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 16), (320, 192, 41, 5, 3, 32),
                                                 (640, 320, 9, 4, 2, 8), (640, 704, 9, 4, 2, 16)])
-@pytest.mark.parametrize("st,rkc", Q.JOBS_RING_HOST)
-def test_moe_jobs_i8_ring_is_qi8_tile_bit_for_bit(lib, hidden, ff, T, E, k, jt, st, rkc):
+@pytest.mark.parametrize("st,rkc,pad", Q.JOBS_RING_HOST)
+def test_moe_jobs_i8_ring_is_qi8_tile_bit_for_bit(lib, hidden, ff, T, E, k, jt, st, rkc, pad):
     """The integer jobs with their weights through the ring (qi8r_tile: each row's chunk copied as the 16-byte pieces
     that cover it from any even offset) compute qi8_tile's products in its order: the same float32 bits, gate/up and
     down, for rows whose chunks start at every even offset mod 16 (rows of 54, 90, 180 or 198 bytes), a partial last
@@ -849,8 +849,8 @@ def test_moe_jobs_i8_ring_is_qi8_tile_bit_for_bit(lib, hidden, ff, T, E, k, jt, 
     xq = split_i8_host(lib, X)
     doff = 2 * (ff * hidden // 64) * 18
     got = []
-    for ring in (None, (st, rkc)):
-        sfx = "" if ring is None else f"_{st}_{rkc}"
+    for ring in (None, (st, rkc, pad)):
+        sfx = "" if ring is None else f"_{st}_{rkc}_{pad}"
         hbuf = np.full((J * jt, ff), np.nan, dtype=np.float32)
         with shared_within(lib, Q.smem_bytes_i8(jt // 8, hidden, Q.KC, ring, 2, warps=1)):
             getattr(lib, f"host_qmm_moe_gu_i8_{jt}{sfx}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq),
@@ -875,13 +875,19 @@ def test_jobs_ring_switch(monkeypatch):
     monkeypatch.setenv(Q.JOBS_RING_ENV, "0")
     assert Q.jobs_ring() is None
     monkeypatch.setenv(Q.JOBS_RING_ENV, "4:128")
-    assert Q.jobs_ring() == (4, 128)
+    assert Q.jobs_ring() == (4, 128, 16)
+    monkeypatch.setenv(Q.JOBS_RING_ENV, "3:256:0")
+    assert Q.jobs_ring() == (3, 256, 0)
     for bad in ("3:64", "3", "a:b", "-3:256"):
         monkeypatch.setenv(Q.JOBS_RING_ENV, bad)
         with pytest.raises(StrataError, match=Q.JOBS_RING_ENV):
             Q.jobs_ring()
     assert Q.jobs_ring_stage_bytes(1, 2, 256) == 2 * 64 * (6 * 16 + 16) + 2 * 8 * 320
-    assert Q.smem_bytes_i8(1, 2560, 256, (3, 256), 2) == 3 * Q.jobs_ring_stage_bytes(1, 2, 256) + 8 * 40 * 8
+    assert Q.jobs_ring_stage_bytes(1, 2, 256, pad=0) == 2 * 64 * 6 * 16 + 2 * 8 * 320
+    assert Q.smem_bytes_i8(1, 2560, 256, (3, 256, 16), 2) == 3 * Q.jobs_ring_stage_bytes(1, 2, 256) + 8 * 40 * 8
+    # (the gate/up kernel of jobs of 8 at 3 x 256: 3 blocks a SM of 228 KB with the padding, 4 without)
+    assert 228 * 1024 // (Q.smem_bytes_i8(1, 2560, 256, (3, 256, 16), 2) + 1024) == 3
+    assert 228 * 1024 // (Q.smem_bytes_i8(1, 2560, 256, (3, 256, 0), 2) + 1024) == 4
 
 
 @pytest.mark.parametrize("T,k,E,seed", [(32, 10, 64, 1), (5, 3, 7, 2), (1, 4, 300, 3), (40, 2, 3, 4),
@@ -1032,7 +1038,7 @@ def hostcp(lib, monkeypatch):
     monkeypatch.setenv(Q.RING_ENV, "4:64")  # a ring the host build has (RING_HOST)
     monkeypatch.setenv(Q.DENSE_I8_ENV, "0")  # (the fp16 ring; the tests of the integer ring set theirs)
     monkeypatch.setattr(Q, "_jobs_ring_fn", lambda name, cfg: Q._fn(name))
-    monkeypatch.setenv(Q.JOBS_RING_ENV, "3:256")  # (JOBS_RING_HOST)
+    monkeypatch.setenv(Q.JOBS_RING_ENV, "3:256")  # (JOBS_RING_HOST, padding 16)
     monkeypatch.setattr(K, "_device_limits", lambda: (132, 228 * 1024))
     return fake
 
@@ -1223,7 +1229,7 @@ def test_job_launchers_take_the_ring_for_small_jobs_on_host(hostcp, jt, rg, ring
     assert np.all(np.isfinite(outs[0][1]))
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
     names = [n for n in asked if n.startswith("qmm_moe")]
-    assert (f"qmm_moe_gu_i8<{jt}, 3, 256>" in names and f"qmm_moe_down_i8<{jt}, 3, 256>" in names) == ringed
+    assert (f"qmm_moe_gu_i8<{jt}, 3, 256, 16>" in names and f"qmm_moe_down_i8<{jt}, 3, 256, 16>" in names) == ringed
     assert f"qmm_moe_gu_i8<{jt}>" in names and f"qmm_moe_down_i8<{jt}>" in names
     del blobs
 
@@ -1461,6 +1467,8 @@ def test_device_build_has_no_spills(tmp_path):
             sig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
         elif base == "qmm_moe_down_i8":
             sig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
+        elif base == "qmm_sum_act":
+            sig = "const float*, float*, long long, int, float"
         else:
             sig = "const u64*, long long, const int*, const u16*, const u16*, const float*, float*, int, int"
         inst.append(f"template __global__ void {base}<{targs}({sig});\n")
@@ -1474,7 +1482,7 @@ def test_device_build_has_no_spills(tmp_path):
               for nt in Q.TILES[:2]]  # (8 warps a group: STRATATOOLS_QMM_RING_WARPS=8 on the defaults)
     gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
-    rings += [f"template __global__ void {k}<{jt}, {s}, {kc}>({sig});\n" for s, kc in Q.JOBS_RINGS
+    rings += [f"template __global__ void {k}<{jt}, {s}, {kc}, {pad}>({sig});\n" for s, kc, pad in Q.JOBS_RINGS
               for jt in Q.JOB_SIZES for k, sig in (("qmm_moe_gu_i8", gsig), ("qmm_moe_down_i8", dnsig))]
     src = tmp_path / "qmm_dev.cu"
     src.write_text(Q.device_source() + "".join(inst) + "".join(rings))

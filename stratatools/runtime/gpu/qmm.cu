@@ -902,15 +902,19 @@ extern "C" __global__ void qmm_split_i8d(const float* __restrict__ X, long long 
 
 // Issue the copies of chunk `chunk` (RKC values) of the block's tokens' byte planes into stage buffer xs (hi: TOK rows
 // of XS bytes, then lo); a slot without a token gets zeros.
-template <int NT, int RKC = QMM_KC, int XS = QI8_XS>
+template <int NT, int RKC = QMM_KC, int XS = QI8_XS, bool FIXED = false>
 __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
                                           const int* tokrow, int chunk, u8* xs) {
-    constexpr int BPC = RKC / 64, TOK = 8 * NT;
+    constexpr int BPC = RKC / 64, TOK = 8 * NT, PC = 4 * BPC;  // (PC: 16-byte pieces of a whole chunk's row)
     const int nb = K >> 6, b0 = chunk * BPC;
     const int pieces = min(BPC, nb - b0) * 4;
-    for (int i = threadIdx.x; i < 2 * TOK * pieces; i += blockDim.x) {
-        const int lohi = i / (TOK * pieces), rem = i - lohi * TOK * pieces;
-        const int slot = rem / pieces, p = rem - slot * pieces;
+    // FIXED: the pieces indexed by a whole chunk's constant strides (shifts, not the divisions by `pieces`: the
+    // integer jobs' ring; the dense ring keeps the divisions, its 8-warp instances spill with the other form)
+    const int n = FIXED ? PC : pieces;
+    for (int i = threadIdx.x; i < 2 * TOK * n; i += blockDim.x) {
+        const int lohi = i / (TOK * n), rem = i - lohi * TOK * n;
+        const int slot = rem / n, p = rem - slot * n;
+        if (FIXED && p >= pieces) continue;
         const int row = tokrow[slot];
         u8* dst = xs + (lohi * TOK + slot) * XS + 16 * p;
         if (row >= 0) cp_async16(dst, (lohi ? xl : xh) + (long long)row * K + 64LL * b0 + 16 * p);
@@ -1069,36 +1073,42 @@ __device__ __forceinline__ void qi8_tile(const u8* const* w, long long rb, int R
 // from the aligned address at or below its first byte (the extra bytes lie in the same 16-byte granules as the row's
 // own, never on another page, and are not read). Stage (bytes): weights [NM][16 nw rows][WS], then the tokens' planes
 // hi [TOK][XS], lo [TOK][XS].
-template <int NT, int NM, int RKC> struct QI8Ring {
+template <int NT, int NM, int RKC, int PAD = 16> struct QI8Ring {
     static constexpr int BPC = RKC / 64, TOK = 8 * NT;
     static constexpr int WP = (14 + 18 * BPC + 15) / 16;  // pieces that cover a chunk's blocks from any even offset
-    static constexpr int WS = 16 * WP + 16;               // a staged row (16 bytes of padding: rows' banks apart)
+    static constexpr int WS = 16 * WP + PAD;              // a staged row (PAD 16: rows' banks apart; 0: smaller)
     static constexpr int XS = RKC + 64;                   // a staged token row of one plane (as QI8_XS)
     static __device__ __forceinline__ int stage(int nw) { return NM * 16 * nw * WS + 2 * TOK * XS; }
 };
 
-template <int NT, int NM, int RKC>
+template <int NT, int NM, int RKC, int PAD>
 __device__ __forceinline__ void qi8r_copy(const u8* const* w, long long rb, int R, int K, int rbase, int nrows,
                                           const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
                                           int chunk, u8* st) {
-    using G = QI8Ring<NT, NM, RKC>;
+    using G = QI8Ring<NT, NM, RKC, PAD>;
     const int nb = K >> 6, b0 = chunk * G::BPC, nbc = min(G::BPC, nb - b0);
-    for (int i = threadIdx.x; i < NM * nrows * G::WP; i += blockDim.x) {
-        const int u = i / G::WP, p = i - u * G::WP, m = u / nrows, r = u - m * nrows;
+    // a staged row a thread: its pieces one after another (a piece a thread spent 40-50 instructions of index
+    // arithmetic a piece, a quarter of the gate/up kernel's instructions: Nsight Compute, bench/gpu-notes.md)
+    for (int u = threadIdx.x; u < NM * nrows; u += blockDim.x) {
+        int m = 0, r = u;
+        while (r >= nrows) r -= nrows, ++m;  // (m < NM)
         const long long row = min(rbase + r, R - 1);
         const unsigned long long a = reinterpret_cast<unsigned long long>(w[m] + row * rb + 18LL * b0);
         const unsigned long long a16 = a & ~15ull;
-        if (16 * p < (int)(a - a16) + 18 * nbc)
-            cp_async16(st + u * G::WS + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
+        const int np = ((int)(a - a16) + 18 * nbc + 15) >> 4;
+        u8* d = st + u * G::WS;
+        #pragma unroll
+        for (int p = 0; p < G::WP; ++p)
+            if (p < np) cp_async16(d + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
     }
-    qi8_stage<NT, RKC, G::XS>(xh, xl, K, tokrow, chunk, st + NM * nrows * G::WS);
+    qi8_stage<NT, RKC, G::XS, true>(xh, xl, K, tokrow, chunk, st + NM * nrows * G::WS);
 }
 
-template <int NT, int NM, int S, int RKC>
+template <int NT, int NM, int S, int RKC, int PAD>
 __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int R, int K, int rbase,
                                           const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
                                           const float* ssc, const int* sq, u8* ring, mma_c (*acc)[NT]) {
-    using G = QI8Ring<NT, NM, RKC>;
+    using G = QI8Ring<NT, NM, RKC, PAD>;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int nrows = 16 * nw, wrow = 16 * (int)(threadIdx.x >> 5), stage = G::stage(nw);
     const int nb = K >> 6, nch = (nb + G::BPC - 1) / G::BPC;
@@ -1108,32 +1118,38 @@ __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int 
         for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
     #pragma unroll 1
     for (int s = 0; s < S - 1; ++s) {
-        if (s < nch) qi8r_copy<NT, NM, RKC>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, s, ring + s * stage);
+        if (s < nch) qi8r_copy<NT, NM, RKC, PAD>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, s, ring + s * stage);
         cp_async_commit();
+    }
+    int su[MMA_LANES][NM][2], lo[MMA_LANES][NM][2];  // the lane's rows' staged offsets and addresses' low 4 bits
+    for (int l = 0; l < MMA_LANES; ++l) {
+        const int g = mma_lane(l) >> 2;
+        #pragma unroll
+        for (int m = 0; m < NM; ++m)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const long long row = min(rbase + wrow + g + 8 * h, R - 1);
+                su[l][m][h] = (m * nrows + wrow + g + 8 * h) * G::WS;
+                lo[l][m][h] = (int)(reinterpret_cast<unsigned long long>(w[m] + row * rb) & 15ull);
+            }
     }
     for (int chunk = 0; chunk < nch; ++chunk) {
         cp_async_wait<S - 2>();
         __syncthreads();
         const int nx = chunk + S - 1;
-        if (nx < nch) qi8r_copy<NT, NM, RKC>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, nx, ring + (nx % S) * stage);
+        if (nx < nch)
+            qi8r_copy<NT, NM, RKC, PAD>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, nx, ring + (nx % S) * stage);
         cp_async_commit();
         const u8* st = ring + (chunk % S) * stage;
         const u8* xs_hi = st + NM * nrows * G::WS;
         const u8* xs_lo = xs_hi + G::TOK * G::XS;
         const int b0 = chunk * G::BPC, nbc = min(G::BPC, nb - b0);
         int sh[MMA_LANES][NM][2];  // where the lane's rows' chunk starts in their staged pieces
-        for (int l = 0; l < MMA_LANES; ++l) {
-            const int g = mma_lane(l) >> 2;
+        for (int l = 0; l < MMA_LANES; ++l)
             #pragma unroll
             for (int m = 0; m < NM; ++m)
                 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const long long row = min(rbase + wrow + g + 8 * h, R - 1);
-                    const int u = m * nrows + wrow + g + 8 * h;
-                    sh[l][m][h] = u * G::WS
-                        + (int)(reinterpret_cast<unsigned long long>(w[m] + row * rb + 18LL * b0) & 15ull);
-                }
-        }
+                for (int h = 0; h < 2; ++h) sh[l][m][h] = su[l][m][h] + ((lo[l][m][h] + 18 * b0) & 15);
         #pragma unroll
         for (int b = 0; b < G::BPC; ++b) {
             if (b >= nbc) break;
@@ -1157,15 +1173,16 @@ __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int 
 
 // The bytes of stages before the scales in an integer job kernel's shared memory: QmmSmemI8's two buffers (S = 0:
 // qi8_tile), or the ring's S stages (qi8r_tile, RKC values a stage, NM matrices, nw warps).
-template <int JT, int NM, int S, int RKC> __device__ __forceinline__ int qi8_lead(int nw) {
+template <int JT, int NM, int S, int RKC, int PAD> __device__ __forceinline__ int qi8_lead(int nw) {
     if constexpr (S == 0) return QmmSmemI8<JT / 8>::stage;
-    else return S * QI8Ring<JT / 8, NM, RKC>::stage(nw);
+    else return S * QI8Ring<JT / 8, NM, RKC, PAD>::stage(nw);
 }
 
 // gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
 // S = 0: qi8_tile, dynamic shared memory QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes; else qi8r_tile (a ring of S
 // stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
-template <int JT, int S = 0, int RKC = 0> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
+template <int JT, int S = 0, int RKC = 0, int PAD = 16>
+__global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
         int H, int Fd) {
@@ -1173,7 +1190,7 @@ template <int JT, int S = 0, int RKC = 0> __global__ void __launch_bounds__(QMM_
     float* ssc;
     int* sq;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
-    qi8_smem<JT>(H, qi8_lead<JT, 2, S, RKC>(nw), stage, ssc, sq);
+    qi8_smem<JT>(H, qi8_lead<JT, 2, S, RKC, PAD>(nw), stage, ssc, sq);
     __shared__ int tokrow[JT];
     const int j = blockIdx.y;
     const int warp = (int)(threadIdx.x >> 5);
@@ -1187,7 +1204,7 @@ template <int JT, int S = 0, int RKC = 0> __global__ void __launch_bounds__(QMM_
     const u8* wm[2] = {G, G + (long long)Fd * rb};
     mma_c acc[2][JT / 8];
     if constexpr (S == 0) qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
-    else qi8r_tile<JT / 8, 2, S, RKC>(wm, rb, Fd, H, r0 - 16 * warp, xh, xl, tokrow, ssc, sq, stage, acc);
+    else qi8r_tile<JT / 8, 2, S, RKC, PAD>(wm, rb, Fd, H, r0 - 16 * warp, xh, xl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < Fd && tokrow[s] >= 0) {
             const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
@@ -1198,7 +1215,7 @@ template <int JT, int S = 0, int RKC = 0> __global__ void __launch_bounds__(QMM_
 
 // down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be
 // split). Dynamic shared memory as qmm_moe_gu_i8's over rows of Fd values, one matrix.
-template <int JT, int S = 0, int RKC = 0>
+template <int JT, int S = 0, int RKC = 0, int PAD = 16>
 __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u8* __restrict__ hh,
         const u8* __restrict__ hl, const float* __restrict__ hs, const int* __restrict__ hq, float* __restrict__ out,
@@ -1207,7 +1224,7 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
     float* ssc;
     int* sq;
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
-    qi8_smem<JT>(Fd, qi8_lead<JT, 1, S, RKC>(nw), stage, ssc, sq);
+    qi8_smem<JT>(Fd, qi8_lead<JT, 1, S, RKC, PAD>(nw), stage, ssc, sq);
     __shared__ int tokrow[JT];
     __shared__ int dst[JT];
     const int j = blockIdx.y;
@@ -1219,7 +1236,7 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
     const u8* wm[1] = {reinterpret_cast<const u8*>(job_ptr[j]) + doff};
     mma_c acc[1][JT / 8];
     if constexpr (S == 0) qi8_tile<JT / 8, 1>(wm, rb, H, Fd, r0, hh, hl, tokrow, ssc, sq, stage, acc);
-    else qi8r_tile<JT / 8, 1, S, RKC>(wm, rb, H, Fd, r0 - 16 * warp, hh, hl, tokrow, ssc, sq, stage, acc);
+    else qi8r_tile<JT / 8, 1, S, RKC, PAD>(wm, rb, H, Fd, r0 - 16 * warp, hh, hl, tokrow, ssc, sq, stage, acc);
     qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
         if (row < H && tokrow[s] >= 0) out[(long long)dst[s] * H + row] = acc[0][n].x[l][i];
     });

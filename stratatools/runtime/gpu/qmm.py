@@ -244,11 +244,11 @@ def host_source() -> str:
         for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
             ent.append(f'extern "C" void host_{name}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
                        f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}>({call}); }});\n}}\n")
-    for st, rkc in JOBS_RING_HOST:
+    for st, rkc, pad in JOBS_RING_HOST:
         for jt in JOB_SIZES:
             for name, (decl, call) in (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di)):
-                ent.append(f'extern "C" void host_{name}_{jt}_{st}_{rkc}(unsigned gx, unsigned gy, {decl}) {{\n'
-                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}, {st}, {rkc}>({call}); }});\n}}\n")
+                ent.append(f'extern "C" void host_{name}_{jt}_{st}_{rkc}_{pad}(unsigned gx, unsigned gy, {decl}) {{\n'
+                           f"    host_run_grid(gx, gy, [&]() {{ {name}<{jt}, {st}, {rkc}, {pad}>({call}); }});\n}}\n")
     for sfx in ("", "d"):
         ent.append(f'extern "C" void host_qmm_split_i8{sfx}(unsigned gx, unsigned gy, const float* X, long long ldx, '
                    "int T, int K, const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, "
@@ -885,58 +885,63 @@ def split_i8(X: Any, rowok: Any = None, dense: bool = False) -> tuple[Any, Any, 
 
 #: ``STRATATOOLS_QMM_JOBS_RING``: the integer expert jobs' weights through a ring of shared-memory stages
 #: (qmm.cu ``qi8r_tile``: several chunks of weights in flight a block instead of one chunk of a lane's in registers):
-#: ``S:RKC`` (stages : values of k a stage, one of :data:`JOBS_RINGS`), ``0`` never (``qi8_tile``). Unset or empty:
-#: :data:`JOBS_RING_DEFAULT`. The same products in the same order either way (the same bits).
+#: ``S:RKC[:PAD]`` (stages : values of k a stage : bytes of padding after a staged row, 16 when left out: rows' banks
+#: apart; 0: smaller stages, 4 blocks a SM instead of 3 at 3 x 256 for the gate/up kernel; one of :data:`JOBS_RINGS`),
+#: ``0`` never (``qi8_tile``). Unset or empty: :data:`JOBS_RING_DEFAULT`. The same products in the same order either
+#: way (the same bits).
 JOBS_RING_ENV = "STRATATOOLS_QMM_JOBS_RING"
-JOBS_RINGS: tuple[tuple[int, int], ...] = ((3, 256), (4, 256), (4, 128), (6, 128))
-JOBS_RING_DEFAULT: tuple[int, int] | None = (3, 256)
+JOBS_RINGS: tuple[tuple[int, int, int], ...] = ((3, 256, 16), (4, 256, 16), (4, 128, 16), (6, 128, 16), (3, 256, 0),
+                                                (4, 256, 0), (2, 256, 0))
+JOBS_RING_DEFAULT: tuple[int, int, int] | None = (3, 256, 16)
 #: The largest job (tokens) that takes the ring: jobs of 8 (the batched step) ran faster through it, jobs of 16 (the
 #: prefill) slower (H200, bench_qmm_jobs.py: 0.260 -> 0.235 ms a layer at 32 tokens in jobs of 8, 0.825 -> 0.902 at 512
 #: in jobs of 16; bench/gpu-notes.md).
 JOBS_RING_MAX_JT = 8
 #: The expert ring instances the host build compiles: (S, RKC).
-JOBS_RING_HOST = ((3, 256), (2, 128))
+JOBS_RING_HOST = ((3, 256, 16), (2, 128, 16), (3, 256, 0))
 
 
-def jobs_ring() -> tuple[int, int] | None:
-    """:data:`JOBS_RING_ENV` as (stages, values of k a stage), or None (``0``). Raises StrataError for another value."""
-    return _env_ring(JOBS_RING_ENV, JOBS_RINGS, JOBS_RING_DEFAULT, (0, 0), "stages:values of k a stage")
+def jobs_ring() -> tuple[int, int, int] | None:
+    """:data:`JOBS_RING_ENV` as (stages, values of k a stage, bytes of padding a staged row), or None (``0``). Raises
+    StrataError for another value."""
+    return _env_ring(JOBS_RING_ENV, JOBS_RINGS, JOBS_RING_DEFAULT, (0, 0, 16), "stages:values of k a stage[:padding]")
 
 
-def jobs_ring_stage_bytes(nt: int, nm: int, rkc: int, warps: int = THREADS // 32) -> int:
+def jobs_ring_stage_bytes(nt: int, nm: int, rkc: int, warps: int = THREADS // 32, pad: int = 16) -> int:
     """Bytes of one stage of the integer jobs' ring (qmm.cu QI8Ring::stage): ``nm`` matrices' rows of 16 a warp (the
-    16-byte pieces that cover a chunk of Q2_0 blocks from any even offset, plus 16 bytes), the 8 ``nt`` tokens' two
-    byte planes (rows of RKC + 64 bytes)."""
+    16-byte pieces that cover a chunk of Q2_0 blocks from any even offset, plus ``pad`` bytes), the 8 ``nt`` tokens'
+    two byte planes (rows of RKC + 64 bytes)."""
     wp = (14 + 18 * (int(rkc) // 64) + 15) // 16
-    return int(nm) * 16 * int(warps) * (16 * wp + 16) + 2 * 8 * int(nt) * (int(rkc) + 64)
+    return int(nm) * 16 * int(warps) * (16 * wp + int(pad)) + 2 * 8 * int(nt) * (int(rkc) + 64)
 
 
-def jobs_ring_module(stages: int, rkc: int) -> Any:
+def jobs_ring_module(stages: int, rkc: int, pad: int = 16) -> Any:
     """The integer job kernels' ring instances of jobs of up to :data:`JOBS_RING_MAX_JT` tokens (the sizes of
     :data:`JOB_SIZES` the launchers send there), compiled once."""
-    return instances_module(tuple(f"{k}<{jt}, {int(stages)}, {int(rkc)}>" for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8")
-                                  for jt in JOB_SIZES if jt <= JOBS_RING_MAX_JT))
+    return instances_module(tuple(f"{k}<{jt}, {int(stages)}, {int(rkc)}, {int(pad)}>"
+                                  for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8") for jt in JOB_SIZES
+                                  if jt <= JOBS_RING_MAX_JT))
 
 
-def _jobs_ring_fn(name: str, cfg: tuple[int, int]) -> Any:
+def _jobs_ring_fn(name: str, cfg: tuple[int, ...]) -> Any:
     return jobs_ring_module(*cfg).get_function(name)
 
 
-def smem_bytes_i8(nt: int, cols: int, kc: int = KC, ring_cfg: tuple[int, int] | None = None, nm: int = 1,
+def smem_bytes_i8(nt: int, cols: int, kc: int = KC, ring_cfg: tuple[int, ...] | None = None, nm: int = 1,
                   warps: int = THREADS // 32) -> int:
     """Dynamic shared memory of an integer job kernel (qmm.cu QmmSmemI8) with ``nt`` column tiles over rows of ``cols``
-    values: two stage buffers of both byte planes (rows of QMM_KC + 64 bytes), or with ``ring_cfg`` (S, RKC) the
-    ring's S stages (:func:`jobs_ring_stage_bytes` of ``nm`` matrices, ``warps`` warps), then the 8 nt tokens' block
-    scales and sums."""
+    values: two stage buffers of both byte planes (rows of QMM_KC + 64 bytes), or with ``ring_cfg`` (S, RKC[, PAD])
+    the ring's S stages (:func:`jobs_ring_stage_bytes` of ``nm`` matrices, ``warps`` warps), then the 8 nt tokens'
+    block scales and sums."""
     lead = 2 * 2 * 8 * int(nt) * (int(kc) + 64) if ring_cfg is None else \
-        ring_cfg[0] * jobs_ring_stage_bytes(nt, nm, ring_cfg[1], warps)
+        ring_cfg[0] * jobs_ring_stage_bytes(nt, nm, ring_cfg[1], warps, ring_cfg[2] if len(ring_cfg) > 2 else 16)
     return lead + 8 * (int(cols) // 64) * 8 * int(nt)
 
 
-def _job_kernel(base: str, jt: int, kc: int, cfg: tuple[int, int] | None) -> Any:
+def _job_kernel(base: str, jt: int, kc: int, cfg: tuple[int, int, int] | None) -> Any:
     if cfg is None:
         return _fn(f"{base}<{jt}>", kc)
-    return _jobs_ring_fn(f"{base}<{jt}, {cfg[0]}, {cfg[1]}>", cfg)
+    return _jobs_ring_fn(f"{base}<{jt}, {cfg[0]}, {cfg[1]}, {cfg[2]}>", cfg)
 
 
 def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any, hidden: int, ff: int,
