@@ -909,7 +909,7 @@ __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* _
     const int nb = K >> 6, b0 = chunk * BPC;
     const int pieces = min(BPC, nb - b0) * 4;
     // FIXED: the pieces indexed by a whole chunk's constant strides (shifts, not the divisions by `pieces`: the
-    // integer jobs' ring; the dense ring keeps the divisions, its 8-warp instances spill with the other form)
+    // integer jobs' ring and the dense ring's groups of 4 warps; its 8-warp instances spill with that form)
     const int n = FIXED ? PC : pieces;
     for (int i = threadIdx.x; i < 2 * TOK * n; i += blockDim.x) {
         const int lohi = i / (TOK * n), rem = i - lohi * TOK * n;
@@ -1295,7 +1295,7 @@ __device__ __forceinline__ void qmm_ring_rows(const u8* __restrict__ w, const u1
 // Issue the copies of chunk `chunk` into stage st: rows rbase .. rbase + nrows - 1 (clamped to R - 1), the block's
 // tokens (tokrow; a slot without a token gets zeros).
 // I8: xhi / xlo are qmm_split_i8d's planes [T, K] bytes and xsc its block scales [T, K / 64].
-template <int NT, int RKC, int I8 = 0>
+template <int NT, int RKC, int I8 = 0, bool FIXED = false>
 __device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
                                               int rbase, int nrows, const u16* __restrict__ xhi,
                                               const u16* __restrict__ xlo, const float* __restrict__ xsc,
@@ -1311,8 +1311,8 @@ __device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u1
             if (row >= 0) cp_async_small<4>(d, xsc + (long long)row * (K >> 6) + chunk * BPC + b);
             else *d = 0.0f;
         }
-        qi8_stage<NT, RKC, G::XS>(reinterpret_cast<const u8*>(xhi), reinterpret_cast<const u8*>(xlo), K, tokrow, chunk,
-                                  sx + G::SB);
+        qi8_stage<NT, RKC, G::XS, FIXED>(reinterpret_cast<const u8*>(xhi), reinterpret_cast<const u8*>(xlo), K,
+                                         tokrow, chunk, sx + G::SB);
     } else {
         qmm_stage<0, NT, RKC, G::XS, true>(xhi, xlo, (long long)K, tokrow, K, chunk, reinterpret_cast<u16*>(sx));
     }
@@ -1506,7 +1506,8 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
     #pragma unroll 1
     for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
         if (c0 + s < c1)
-            qmm_ring_copy<NT, RKC, I8>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c0 + s, ring + s * stage);
+            qmm_ring_copy<NT, RKC, I8, WG == 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c0 + s,
+                                                ring + s * stage);
         cp_async_commit();
     }
     for (int chunk = c0; chunk < c1; ++chunk) {
@@ -1514,8 +1515,8 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
         __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
         const int nx = chunk + S - 1;
         if (nx < c1)
-            qmm_ring_copy<NT, RKC, I8>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, nx,
-                                       ring + ((nx - c0) % S) * stage);
+            qmm_ring_copy<NT, RKC, I8, WG == 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, nx,
+                                                ring + ((nx - c0) % S) * stage);
         cp_async_commit();
         const u8* st = ring + ((chunk - c0) % S) * stage;
         #pragma unroll

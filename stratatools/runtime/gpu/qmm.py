@@ -887,18 +887,20 @@ def split_i8(X: Any, rowok: Any = None, dense: bool = False) -> tuple[Any, Any, 
 #: (qmm.cu ``qi8r_tile``: several chunks of weights in flight a block instead of one chunk of a lane's in registers):
 #: ``S:RKC[:PAD]`` (stages : values of k a stage : bytes of padding after a staged row, 16 when left out: rows' banks
 #: apart; 0: smaller stages, 4 blocks a SM instead of 3 at 3 x 256 for the gate/up kernel; one of :data:`JOBS_RINGS`),
-#: ``0`` never (``qi8_tile``). Unset or empty: :data:`JOBS_RING_DEFAULT`. The same products in the same order either
-#: way (the same bits).
+#: ``0`` never (``qi8_tile``). Unset or empty: :data:`JOBS_RING_DEFAULT` (H200, 32 sequences, bench/gpu-notes.md
+#: nineteenth pass: the step's gate/up and down jobs 4.05 + 2.46 ms at ``3:256``, 3.95 + 2.46 at ``3:256:0``, 3.70 +
+#: 2.23 at ``2:256:0``: six blocks a SM with one chunk in flight each beat three with two). The same products in the
+#: same order either way (the same bits).
 JOBS_RING_ENV = "STRATATOOLS_QMM_JOBS_RING"
 JOBS_RINGS: tuple[tuple[int, int, int], ...] = ((3, 256, 16), (4, 256, 16), (4, 128, 16), (6, 128, 16), (3, 256, 0),
-                                                (4, 256, 0), (2, 256, 0))
-JOBS_RING_DEFAULT: tuple[int, int, int] | None = (3, 256, 16)
+                                                (4, 256, 0), (2, 256, 0), (2, 256, 16), (2, 128, 0))
+JOBS_RING_DEFAULT: tuple[int, int, int] | None = (2, 256, 0)
 #: The largest job (tokens) that takes the ring: jobs of 8 (the batched step) ran faster through it, jobs of 16 (the
 #: prefill) slower (H200, bench_qmm_jobs.py: 0.260 -> 0.235 ms a layer at 32 tokens in jobs of 8, 0.825 -> 0.902 at 512
 #: in jobs of 16; bench/gpu-notes.md).
 JOBS_RING_MAX_JT = 8
 #: The expert ring instances the host build compiles: (S, RKC).
-JOBS_RING_HOST = ((3, 256, 16), (2, 128, 16), (3, 256, 0))
+JOBS_RING_HOST = ((3, 256, 16), (2, 128, 16), (2, 256, 0))
 
 
 def jobs_ring() -> tuple[int, int, int] | None:
