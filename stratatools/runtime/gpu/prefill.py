@@ -1405,13 +1405,13 @@ class ChunkPrefill:
             finally:
                 join.record(side)
         else:
+            self._tic("shared")
             ys = self._shared_ffn(il, x, None)
         tail = _SharedTail(ys, g, goff, main, join)
         try:
             y = self._routed_gpu(il, x, ids, w, int(T), int(n), tail)
         finally:
             tail.ready()
-        self._tic("shared")
         return y
 
     def _routed_gpu(self, il: int, x: Any, ids: Any, w: Any, T: int, n: int, tail: Any = None) -> Any:
