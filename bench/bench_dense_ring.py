@@ -9,10 +9,9 @@ For each token count (``--tokens``) and shape (``--shapes``, rows x cols): ``qmm
 split of k's sum launch included), ``--reps`` launches on successive copies captured into a CUDA graph and one replay
 timed with CUDA events (launched from Python one by one, the small matrices measured Python's 40 us a launch), for each
 ring in ``--rings`` (``0``: ``qmm_dense``; ``S:RKC[:KG]``: the fp16 ring; ``i8:S:RKC[:KG]``: the integer ring, X
-split its way beforehand too; a ``/w8`` suffix: groups of 8 warps, STRATATOOLS_QMM_RING_WARPS=8); printed as us a
-launch, the weights' bytes a second (codes
-and scales), the ratio to the first ring named (> 1: faster), and the largest difference from its output relative to
-its largest value.
+split its way beforehand too; a ``/w8`` or ``/w2`` suffix: groups of 8 or 2 warps, STRATATOOLS_QMM_RING_WARPS);
+printed as us a launch, the weights' bytes a second (codes and scales), the ratio to the first ring named (> 1:
+faster), and the largest difference from its output relative to its largest value.
 
 Usage: python bench/bench_dense_ring.py [--tokens 32] [--rings 0,4:64:2,i8:4:64:2] [--shapes 12288x2560,...] [--reps 40]
        [--out res.json]
@@ -41,7 +40,7 @@ SHAPES = "12288x2560,8192x2560,4096x2560,2560x4096,2560x6144,512x2560,320x10240,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32")
-    ap.add_argument("--rings", default="0,4:64:2,i8:3:128:2,i8:4:128:2,i8:3:128:2/w8,i8:3:128/w8,i8:4:64:2/w8")
+    ap.add_argument("--rings", default="i8:3:128:2,i8:3:128/w8,i8:3:128:2/w2,i8:4:128:2/w2,i8:4:64:2/w2")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--bytes", type=float, default=256.0, help="MB of copies a shape (default 256: past L2)")

@@ -68,7 +68,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: integer ring of 2, 4, 6 stages of 64 values with one group; ``i8kg2`` / ``i8r6b``: 4 / 6 x 64 with 2 groups;
 #: ``i8r4k`` / ``i8r6k``: 4 / 6 x 128 with 2 groups; ``i8kg4``: 3 x 128 with 4; ``i8x256``: 3 x 256 with one (the
 #: default: 3 x 128 with 2); ``w8``: both dense rings with groups of 8 warps (STRATATOOLS_QMM_RING_WARPS=8, 128 rows a
-#: block), ``w8kg1``: the integer ring 3 x 128 with one group of 8 warps.
+#: block), ``w8kg1``: the integer ring 3 x 128 with one group of 8 warps; ``w2`` / ``w2r4``: groups of 2 warps (32
+#: rows a block, twice the blocks), the integer ring 3 / 4 x 128 with two groups.
 _F16 = {"STRATATOOLS_QMM_DENSE_I8": "0"}  # (the fp16 ring variants: the integer dense ring off)
 VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOLS_GDN_PREP": "0",
                                       "STRATATOOLS_MOE_KERNEL": "staged"},
@@ -85,6 +86,8 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "i8r6k": {"STRATATOOLS_QMM_DENSE_I8": "6:128:2"}, "i8kg4": {"STRATATOOLS_QMM_DENSE_I8": "3:128:4"},
             "i8x256": {"STRATATOOLS_QMM_DENSE_I8": "3:256"}, "w8": {"STRATATOOLS_QMM_RING_WARPS": "8"},
             "w8kg1": {"STRATATOOLS_QMM_RING_WARPS": "8", "STRATATOOLS_QMM_DENSE_I8": "3:128"},
+            "w2": {"STRATATOOLS_QMM_RING_WARPS": "2"},
+            "w2r4": {"STRATATOOLS_QMM_RING_WARPS": "2", "STRATATOOLS_QMM_DENSE_I8": "4:128:2"},
             "noring": {**_F16, "STRATATOOLS_QMM_RING": "0"}, "ring4": {**_F16, "STRATATOOLS_QMM_RING": "4:64"},
             "ring8": {**_F16, "STRATATOOLS_QMM_RING": "8:64"}, "ring128": {**_F16, "STRATATOOLS_QMM_RING": "3:128"},
             "nojring": {"STRATATOOLS_QMM_JOBS_RING": "0"}, "jring4": {"STRATATOOLS_QMM_JOBS_RING": "4:256"},

@@ -247,10 +247,11 @@ def test_gpu_dense_i8_ring_matches_float64(rows, cols, T, rg, monkeypatch):
 
 
 @pytest.mark.parametrize("rows,cols,T", [(12288, 2560, 32), (4, 10240, 32), (10240, 320, 17), (37, 640, 5)])
+@pytest.mark.parametrize("wg", [8, 2])
 @pytest.mark.parametrize("i8,ring", [("3:128:2", "0"), ("4:64:2", "0"), ("0", "4:64:2")])
-def test_gpu_dense_rings_of_8_warps(rows, cols, T, i8, ring, monkeypatch):
-    """STRATATOOLS_QMM_RING_WARPS=8 (groups of 8 warps, 128 rows a block) for the integer and the fp16 rings: within
-    their bounds of float64 (the fixed point's; fp16 hi + lo's 1e-5 of |W| |x|), the same bits twice."""
+def test_gpu_dense_rings_of_8_or_2_warps(rows, cols, T, i8, ring, wg, monkeypatch):
+    """STRATATOOLS_QMM_RING_WARPS=8 / 2 (groups of 8 or 2 warps, 128 or 32 rows a block) for the integer and the fp16
+    rings: within their bounds of float64 (the fixed point's; fp16 hi + lo's 1e-5 of |W| |x|), the same bits twice."""
     import cupy as cp
 
     from hostlib import i8_bound
@@ -263,7 +264,7 @@ def test_gpu_dense_rings_of_8_warps(rows, cols, T, i8, ring, monkeypatch):
     X[0] *= 1e3
     monkeypatch.setenv(qmm.DENSE_I8_ENV, i8)
     monkeypatch.setenv(qmm.RING_ENV, ring)
-    monkeypatch.setenv(qmm.RING_WARPS_ENV, "8")
+    monkeypatch.setenv(qmm.RING_WARPS_ENV, str(wg))
     Xd = cp.asarray(X)
     Y = cp.asnumpy(qmm.dense(Xd, *args))
     assert np.array_equal(Y, cp.asnumpy(qmm.dense(Xd, *args)))

@@ -59,7 +59,8 @@ def _host_lib(tmp_path_factory, kc: int):
             getattr(h, f"host_qmm_dense_{f}_{nt}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
         getattr(h, f"host_qmm_dense_{f}_{Q.DENSE2_NT}_2").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
     rings = [f"{nt}_{st}_{rkc}_{kg}_{i8}" for i8, cfgs in ((0, Q.RING_HOST), (1, Q.DENSE_I8_HOST))
-             for nt, st, rkc, kg in cfgs] + ["_".join(map(str, r)) + "_8" for r in Q.RING_WG8_HOST]
+             for nt, st, rkc, kg in cfgs] + ["_".join(map(str, r)) + f"_{wg}" for wg in (8, 2)
+                                               for r in Q.RING_WG_HOST]
     for r in rings:
         getattr(h, f"host_qmm_dense_ring_{r}").argtypes = [U, U, P, P, LL, P, P, P, P, LL, I, I, I, I, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
@@ -1153,15 +1154,17 @@ def test_dense_launcher_takes_the_integer_ring_on_host(hostcp, T, i8, cols, ring
         assert Q.split_kind("Q8R", T, cols, _h(q), _h(d)) == "f16"
 
 
-@pytest.mark.parametrize("i8,ring,name", [("3:128:2", "0", "qmm_dense_ring<4, 3, 128, 2, 1, 8>"),
-                                          ("0", "4:64:2", "qmm_dense_ring<4, 4, 64, 2, 0, 8>")])
-def test_ring_warps_launch_on_host(hostcp, i8, ring, name, monkeypatch):
-    """STRATATOOLS_QMM_RING_WARPS=8: both rings launched with groups of 8 warps (128 rows a block, half the row
-    blocks of 4 warps' grid, 8 warps x KG threads, the larger stages' shared memory), the instance named with its 8,
-    the result as with 4 warps (within its bound of float64)."""
+@pytest.mark.parametrize("wg", [8, 2])
+@pytest.mark.parametrize("i8,ring,name", [("3:128:2", "0", "qmm_dense_ring<4, 3, 128, 2, 1, {}>"),
+                                          ("0", "4:64:2", "qmm_dense_ring<4, 4, 64, 2, 0, {}>")])
+def test_ring_warps_launch_on_host(hostcp, i8, ring, name, wg, monkeypatch):
+    """STRATATOOLS_QMM_RING_WARPS=8 / 2: both rings launched with groups of 8 or 2 warps (128 or 32 rows a block,
+    half or twice the row blocks of 4 warps' grid, wg warps x KG threads, the stages' shared memory for those rows),
+    the instance named with its warps, the result as with 4 warps (within its bound of float64)."""
+    name = name.format(wg)
     monkeypatch.setenv(Q.DENSE_I8_ENV, i8)
     monkeypatch.setenv(Q.RING_ENV, ring)
-    monkeypatch.setenv(Q.RING_WARPS_ENV, "8")
+    monkeypatch.setenv(Q.RING_WARPS_ENV, str(wg))
     rng = np.random.default_rng(8)
     rows, cols, T = 300, 640, 32
     W, q, d, X = q8r_case(rng, rows, cols, T)
@@ -1185,9 +1188,9 @@ def test_ring_warps_launch_on_host(hostcp, i8, ring, name, monkeypatch):
     assert [x[0] for x in ring_l] == [name]
     cfg = tuple(int(v) for v in (i8 if i8 != "0" else ring).split(":"))
     _, grid, block, smem = ring_l[0]
-    assert grid[0] == -(-rows // 128) and block == (8 * 32 * cfg[2],)
-    assert smem == cfg[0] * Q.ring_stage_bytes(4, cfg[1], 8, i8 != "0")
-    assert grid[1] == Q.dense_launch(T, rows, cols, "Q8R", 132, cfg[1], 128)[2]
+    assert grid[0] == -(-rows // (16 * wg)) and block == (wg * 32 * cfg[2],)
+    assert smem == cfg[0] * Q.ring_stage_bytes(4, cfg[1], wg, i8 != "0")
+    assert grid[1] == Q.dense_launch(T, rows, cols, "Q8R", 132, cfg[1], 16 * wg)[2]
 
 
 def test_dense_ring_only_for_aligned_codes_on_host(hostcp, monkeypatch):
@@ -1477,9 +1480,9 @@ def test_device_build_has_no_spills(tmp_path):
     rings = [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}>({dsig});\n"
              for i8, cfgs in ((0, Q.RINGS), (1, Q.DENSE_I8_RINGS)) for s, kc, kg in cfgs
              for nt in Q.TILES[:2]]  # (ring_module's instances)
-    rings += [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}, 8>({dsig});\n"
+    rings += [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}, {wg}>({dsig});\n"
               for i8, (s, kc, kg) in ((0, Q.RING_DEFAULT), (1, Q.DENSE_I8_DEFAULT), (1, Q.DENSE_I8_SMALL))
-              for nt in Q.TILES[:2]]  # (8 warps a group: STRATATOOLS_QMM_RING_WARPS=8 on the defaults)
+              for nt in Q.TILES[:2] for wg in (8, 2)]  # (STRATATOOLS_QMM_RING_WARPS=8 / 2 on the defaults)
     gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     rings += [f"template __global__ void {k}<{jt}, {s}, {kc}, {pad}>({sig});\n" for s, kc, pad in Q.JOBS_RINGS

@@ -909,7 +909,7 @@ __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* _
     const int nb = K >> 6, b0 = chunk * BPC;
     const int pieces = min(BPC, nb - b0) * 4;
     // FIXED: the pieces indexed by a whole chunk's constant strides (shifts, not the divisions by `pieces`: the
-    // integer jobs' ring and the dense ring's groups of 4 warps; its 8-warp instances spill with that form)
+    // integer jobs' ring and the dense ring's groups of 2 or 4 warps; its 8-warp instances spill with that form)
     const int n = FIXED ? PC : pieces;
     for (int i = threadIdx.x; i < 2 * TOK * n; i += blockDim.x) {
         const int lohi = i / (TOK * n), rem = i - lohi * TOK * n;
@@ -1463,8 +1463,9 @@ __device__ __forceinline__ void qmm_ring_finish(mma_c (*acc)[NT], u8* ring, int 
 // more warps hide each other's latencies (at 32 tokens one group of 4 warps kept the SMs' issue slots 30% busy,
 // dependency waits first: Nsight Compute, bench/gpu-notes.md). At the end the groups' sums meet in shared memory,
 // added in group order 0 .. KG - 1 (the host build's one thread plays every group's part and adds in the same order).
-// KG = 1: qmm_dense's order exactly. WG: warps of a group (4, or 8: 128 rows a block, the tokens' activations staged
-// once for twice the rows; qmm.py RING_WARPS_ENV); the kernel takes its rows from blockDim, WG bounds its launch.
+// KG = 1: qmm_dense's order exactly. WG: warps of a group (4; 8: 128 rows a block, the tokens' activations staged
+// once for twice the rows; 2: 32 rows a block, twice the blocks for the SMs to share evenly; qmm.py RING_WARPS_ENV);
+// the kernel takes its rows from blockDim, WG bounds its launch.
 template <int NT, int S, int RKC, int KG = 1, int I8 = 0, int WG = 4>
 __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
@@ -1506,7 +1507,7 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
     #pragma unroll 1
     for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
         if (c0 + s < c1)
-            qmm_ring_copy<NT, RKC, I8, WG == 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c0 + s,
+            qmm_ring_copy<NT, RKC, I8, WG <= 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c0 + s,
                                                 ring + s * stage);
         cp_async_commit();
     }
@@ -1515,7 +1516,7 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
         __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
         const int nx = chunk + S - 1;
         if (nx < c1)
-            qmm_ring_copy<NT, RKC, I8, WG == 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, nx,
+            qmm_ring_copy<NT, RKC, I8, WG <= 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, nx,
                                                 ring + ((nx - c0) % S) * stage);
         cp_async_commit();
         const u8* st = ring + ((chunk - c0) % S) * stage;

@@ -223,7 +223,7 @@ def host_source() -> str:
         ent.append(f'extern "C" void host_qmm_dense_{f}_{DENSE2_NT}_2(unsigned gx, unsigned gy, {dense[0]}) {{\n'
                    f"    host_run_grid(gx, gy, [&]() {{ qmm_dense<{f}, {DENSE2_NT}, 2>({dense[1]}); }});\n}}\n")
     rings = [(nt, st, rkc, kg, i8, 4) for i8, cfgs in ((0, RING_HOST), (1, DENSE_I8_HOST)) for nt, st, rkc, kg in cfgs]
-    for nt, st, rkc, kg, i8, wg in rings + [(*r, 8) for r in RING_WG8_HOST]:
+    for nt, st, rkc, kg, i8, wg in rings + [(*r, wg) for wg in (8, 2) for r in RING_WG_HOST]:
         inst = ring_instance(nt, (st, rkc, kg), bool(i8), wg)
         entry = f"host_qmm_dense_ring_{nt}_{st}_{rkc}_{kg}_{i8}" + ("" if wg == 4 else f"_{wg}")
         ent.append(f'extern "C" void {entry}(unsigned gx, unsigned gy, {dense[0]}) {{\n'
@@ -489,9 +489,9 @@ DENSE_I8_DEFAULT: tuple[int, int, int] | None = (3, 128, 2)
 #: The integer ring for K that is whole blocks of 64 but not whole chunks of the chosen ring (the 48 x 256 model's
 #: K = 320 matrices under a ring of 128 values): 4 stages of 64 values, 2 groups.
 DENSE_I8_SMALL: tuple[int, int, int] = (4, 64, 2)
-#: Ring instances with 8 warps a group the host build (tests) compiles: (NT, S, RKC, KG, I8) (the host plays one warp
-#: a block whatever the group's warps: these check the launchers' grids and names).
-RING_WG8_HOST = tuple((nt, s, rkc, kg, i8) for nt in TILES[:2] for s, rkc, kg, i8 in ((3, 128, 2, 1), (4, 64, 2, 0)))
+#: Ring instances with 8 and with 2 warps a group the host build (tests) compiles: (NT, S, RKC, KG, I8) (the host
+#: plays one warp a block whatever the group's warps: these check the launchers' grids and names).
+RING_WG_HOST = tuple((nt, s, rkc, kg, i8) for nt in TILES[:2] for s, rkc, kg, i8 in ((3, 128, 2, 1), (4, 64, 2, 0)))
 #: The integer ring instances the host build (tests) compiles: (NT, S, RKC, KG).
 DENSE_I8_HOST = tuple((nt, s, rkc, kg) for nt in TILES[:2]
                       for s, rkc, kg in ((2, 64, 1), (4, 64, 2), (3, 128, 2), (3, 128, 4)))
@@ -526,15 +526,18 @@ def split_kind(layout: Any, T: int, cols: int, w: Any, wd: Any) -> str:
 
 
 #: ``STRATATOOLS_QMM_RING_WARPS``: warps of a group in both dense rings (:data:`RING_ENV`, :data:`DENSE_I8_ENV`): 4
-#: (the default: 64 rows a block) or 8 (128 rows a block: the tokens' activations staged once for twice the rows, half
-#: the blocks; not measured yet, bench/gpu-notes.md's plan).
+#: (the default: 64 rows a block), 8 (128 rows a block: the tokens' activations staged once for twice the rows, half
+#: the blocks; H200, 32 sequences: the step's products 3.84 -> 4.31 ms, bench/gpu-notes.md nineteenth pass) or 2 (32
+#: rows a block: twice the blocks, which the SMs share more evenly; the 12,288-row matrix's 192 blocks of 64 rows
+#: are 1.45 a SM; not measured yet).
 RING_WARPS_ENV = "STRATATOOLS_QMM_RING_WARPS"
 RING_WARPS_DEFAULT = 4
 
 
 def ring_warps() -> int:
-    """:data:`RING_WARPS_ENV` (4 or 8; default :data:`RING_WARPS_DEFAULT`); raises StrataError for another value."""
-    return env_choice(RING_WARPS_ENV, (4, 8), RING_WARPS_DEFAULT)
+    """:data:`RING_WARPS_ENV` (2, 4 or 8; default :data:`RING_WARPS_DEFAULT`); raises StrataError for another
+    value."""
+    return env_choice(RING_WARPS_ENV, (2, 4, 8), RING_WARPS_DEFAULT)
 
 
 def ring_instance(nt: int, cfg: tuple[int, int, int], i8: bool, wg: int = RING_WARPS_DEFAULT) -> str:
