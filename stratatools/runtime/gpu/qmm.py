@@ -528,8 +528,8 @@ def split_kind(layout: Any, T: int, cols: int, w: Any, wd: Any) -> str:
 #: ``STRATATOOLS_QMM_RING_WARPS``: warps of a group in both dense rings (:data:`RING_ENV`, :data:`DENSE_I8_ENV`): 4
 #: (the default: 64 rows a block), 8 (128 rows a block: the tokens' activations staged once for twice the rows, half
 #: the blocks; H200, 32 sequences: the step's products 3.84 -> 4.31 ms, bench/gpu-notes.md nineteenth pass) or 2 (32
-#: rows a block: twice the blocks, which the SMs share more evenly; the 12,288-row matrix's 192 blocks of 64 rows
-#: are 1.45 a SM; not measured yet).
+#: rows a block: twice the blocks, which the SMs share more evenly; the products alone 132 -> 166 us over the
+#: release's nine shapes: the tokens' planes staged twice as often cost more than the balance gave).
 RING_WARPS_ENV = "STRATATOOLS_QMM_RING_WARPS"
 RING_WARPS_DEFAULT = 4
 
