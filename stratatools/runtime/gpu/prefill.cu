@@ -192,8 +192,11 @@ extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T
 // rounded before its sum: no multiply-add fusion, as the array code's multiply then sum). ya: [T k, n] (each pair's
 // unweighted output row), w: [T, k], y: [T, n]. Grid stride over the T n outputs (one pass over ya; the array code's
 // product and sum over the rank axis took two, the sum strided).
-extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float* __restrict__ w, int T, int k, int n,
-                                      float* __restrict__ y) {
+// SHARED: plus sigmoid(g[t ldg + goff]) ys[t, c] (pf_moe_sum_shared).
+template <bool SHARED>
+__device__ __forceinline__ void pf_moe_sum_rows(const float* __restrict__ ya, const float* __restrict__ w, int T, int k,
+                                                int n, const float* __restrict__ ys, const float* __restrict__ g,
+                                                int ldg, int goff, float* __restrict__ y) {
     const long long total = (long long)T * n;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -201,8 +204,17 @@ extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float*
         const long long c = i - t * n;
         float acc = 0.0f;
         for (int r = 0; r < k; ++r) acc = __fadd_rn(acc, __fmul_rn(w[t * k + r], ya[(t * k + r) * n + c]));
+        if (SHARED) {
+            const float sg = 1.0f / (1.0f + expf(-g[t * ldg + goff]));
+            acc = __fadd_rn(acc, __fmul_rn(sg, ys[i]));
+        }
         y[i] = acc;
     }
+}
+
+extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float* __restrict__ w, int T, int k, int n,
+                                      float* __restrict__ y) {
+    pf_moe_sum_rows<false>(ya, w, T, k, n, nullptr, nullptr, 0, 0, y);
 }
 
 // pf_moe_sum with the shared expert's output added: y[t, c] = (the k weighted routed rows, as pf_moe_sum) +
@@ -211,16 +223,7 @@ extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float*
 extern "C" __global__ void pf_moe_sum_shared(const float* __restrict__ ya, const float* __restrict__ w, int T, int k,
                                              int n, const float* __restrict__ ys, const float* __restrict__ g,
                                              int ldg, int goff, float* __restrict__ y) {
-    const long long total = (long long)T * n;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long t = i / n;
-        const long long c = i - t * n;
-        float acc = 0.0f;
-        for (int r = 0; r < k; ++r) acc = __fadd_rn(acc, __fmul_rn(w[t * k + r], ya[(t * k + r) * n + c]));
-        const float sg = 1.0f / (1.0f + expf(-g[t * ldg + goff]));
-        y[i] = __fadd_rn(acc, __fmul_rn(sg, ys[i]));
-    }
+    pf_moe_sum_rows<true>(ya, w, T, k, n, ys, g, ldg, goff, y);
 }
 
 // ---- gated DeltaNet recurrence over a chunk of T tokens ----------------------------------------------------------
