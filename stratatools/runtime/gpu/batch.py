@@ -179,11 +179,17 @@ class BatchDecoder(ChunkPrefill):
         if got is not None:
             return got
         W = super()._weight(name)
-        nb = int(W.size) * 4
-        if nb <= SMALL_F32_BYTES and self._small_w_bytes + nb <= SMALL_F32_TOTAL:
+        if self._keep_small(int(W.size) * 4):
             self._small_w[name] = W
-            self._small_w_bytes += nb
         return W
+
+    def _keep_small(self, nb: int) -> bool:
+        """May a float32 matrix of ``nb`` bytes join the kept small matrices (:data:`SMALL_F32_BYTES` each,
+        :data:`SMALL_F32_TOTAL` in all)? Counts it in when so."""
+        if nb > SMALL_F32_BYTES or self._small_w_bytes + nb > SMALL_F32_TOTAL:
+            return False
+        self._small_w_bytes += nb
+        return True
 
     def _dequant(self, raw: Any, t: Any, rows: int, cols: int) -> Any:
         """A matrix's device bytes as float32 [rows, cols] through :func:`stratatools.runtime.gpu.dequant.dequantize`
@@ -702,11 +708,8 @@ class BatchDecoder(ChunkPrefill):
         W = None
         if all(self.w.model.tensor(nm).type.name in ("F32", "F16", "BF16") for nm in names):
             Wr, Wg = (ChunkPrefill._weight(self, nm) for nm in names)  # (transient: only the joined one is kept)
-            nb = (int(Wr.size) + int(Wg.size)) * 4
-            if (Wg.shape[0] == 1 and Wr.shape[1] == Wg.shape[1] and nb <= SMALL_F32_BYTES
-                    and self._small_w_bytes + nb <= SMALL_F32_TOTAL):
+            if Wg.shape[0] == 1 and Wr.shape[1] == Wg.shape[1] and self._keep_small((int(Wr.size) + int(Wg.size)) * 4):
                 W = self.cp.ascontiguousarray(self.cp.concatenate([Wr, Wg]), dtype=self.cp.float32)
-                self._small_w_bytes += nb
         self._small_w[key] = W
         return W
 

@@ -602,21 +602,16 @@ class ChunkPrefill:
         return out
 
     def _act(self, y: Any, act: int, div: float) -> Any:
-        """``qmm.ACT_SILU``: silu(y / div); ``qmm.ACT_SIG2``: 2 sigmoid(y / div) (float32, the array code's operations);
-        else y."""
+        """``qmm.ACT_SILU``: silu(y / div); ``qmm.ACT_SIG2``: 2 sigmoid(y / div) (float32; on CuPy in place through
+        :func:`stratatools.runtime.gpu.qmm.act_rows`, the kernel of the products' own epilogue); else y."""
         from stratatools.runtime.gpu import qmm
 
         if act == qmm.ACT_NONE:
             return y
-        xp = self.xp
-        if act == qmm.ACT_SILU:
-            if not self.gpu:
-                return _silu(xp, y / xp.float32(div))
-            return self._ew("pf_silu_div", "float32 d, float32 div", "float32 m",
-                            "float a = d / div; m = a * (1.0f / (1.0f + expf(-a)));")(y, np.float32(div))
-        if act == qmm.ACT_SIG2:
-            return (2.0 * self._sigmoid_x(y / xp.float32(div))).astype(xp.float32)
-        return y
+        if self.gpu:
+            return qmm.act_rows(self.cp.ascontiguousarray(y, dtype=self.cp.float32), act, div)
+        a = y / np.float32(div)
+        return _silu(np, a) if act == qmm.ACT_SILU else (2.0 * _sigmoid(np, a)).astype(np.float32)
 
     def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int, key: str | None = None, act: int = 0,
              div: float = 1.0) -> Any:

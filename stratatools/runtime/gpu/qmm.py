@@ -902,7 +902,7 @@ JOBS_RING_DEFAULT: tuple[int, int, int] | None = (2, 256, 0)
 #: prefill) slower (H200, bench_qmm_jobs.py: 0.260 -> 0.235 ms a layer at 32 tokens in jobs of 8, 0.825 -> 0.902 at 512
 #: in jobs of 16; bench/gpu-notes.md).
 JOBS_RING_MAX_JT = 8
-#: The expert ring instances the host build compiles: (S, RKC).
+#: The expert ring instances the host build compiles: (S, RKC, PAD).
 JOBS_RING_HOST = ((3, 256, 16), (2, 128, 16), (2, 256, 0))
 
 
