@@ -453,3 +453,48 @@ def test_gpu_prefill_big_matrices_through_cublas(T, big, taken, monkeypatch):
     ref = X.astype(np.float64) @ W.T
     bound = np.abs(X.astype(np.float64)) @ np.abs(W).T
     assert np.all(np.abs(Y - ref) <= 1e-5 * bound)
+
+
+@pytest.mark.parametrize("T", [1, 32])
+def test_gpu_hc_kernels_split_as_split_i8(T):
+    """The hyper-connections' fused launches on the device: qmm.hc_norm_split (inject in place, RMS norm within 2e-6
+    of float64, its planes split_i8 ``dense`` of its hn bit for bit), qmm.hc_mix (within 2e-6 of float64, planes of
+    both kinds split_i8 of its output bit for bit), and dense(planes=True) of the down projection's shape (320 x
+    10,240 with silu: the sums' launch) equal to split_i8 of its output."""
+    import cupy as cp
+
+    rng = np.random.default_rng(T)
+    hc, n, eps = 4, 2560, 1e-6
+    H0 = rng.standard_normal((T, hc * n)).astype(np.float32)
+    y = rng.standard_normal((T, n)).astype(np.float32)
+    iw = rng.uniform(0.5, 1.5, (T, hc)).astype(np.float32)
+    w = (rng.standard_normal(hc * n) + 1).astype(np.float32)
+    H = cp.asarray(H0)
+    hn, pl = qmm_host.hc_norm_split(H, cp.asarray(w), eps, hc, n, cp.asarray(y), cp.asarray(iw), "i8d")
+    Hw = (H0.reshape(T, hc, n) + y[:, None, :] * iw[:, :, None]).reshape(T * hc, n).astype(np.float64)
+    assert np.allclose(cp.asnumpy(H).reshape(T * hc, n), Hw, rtol=1e-6, atol=1e-6)
+    ref = Hw / np.sqrt((Hw * Hw).mean(axis=1, keepdims=True) + eps) * np.resize(w, (T * hc, n))
+    assert np.allclose(cp.asnumpy(hn).reshape(T * hc, n), ref, rtol=2e-6, atol=2e-6)
+    for a, b in zip(pl, qmm_host.split_i8(hn, dense=True)):
+        assert np.array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    u = cp.asarray(rng.standard_normal((T, hc * n)).astype(np.float32))
+    su = 1.0 / (1.0 + np.exp(-cp.asnumpy(u).astype(np.float64)))
+    mref = (su * cp.asnumpy(hn).astype(np.float64)).reshape(T, hc, n).sum(axis=1) / hc
+    for kind in ("i8", "i8d"):
+        mixed, mp = qmm_host.hc_mix(u, hn, hc, n, kind)
+        assert np.allclose(cp.asnumpy(mixed), mref, rtol=2e-6, atol=2e-6)
+        for a, b in zip(mp, qmm_host.split_i8(mixed, dense=kind == "i8d")):
+            assert np.array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    rows, cols = 320, hc * n
+    raw = _blocks(rng, "Q8_0", rows, cols)
+    from stratatools.runtime.gpu.kernels import q8_relayout
+
+    q, d = q8_relayout(raw, rows, cols)
+    xs = qmm_host.split_i8(hn, dense=True)
+    plain = qmm_host.dense(hn, "Q8R", cp.asarray(q), cp.asarray(d), rows, cols, xs=xs, act=qmm_host.ACT_SILU,
+                           act_div=4.0)
+    m, mp = qmm_host.dense(hn, "Q8R", cp.asarray(q), cp.asarray(d), rows, cols, xs=xs, act=qmm_host.ACT_SILU,
+                           act_div=4.0, planes=True)
+    assert np.array_equal(cp.asnumpy(m), cp.asnumpy(plain))
+    for a, b in zip(mp, qmm_host.split_i8(m, dense=True)):
+        assert np.array_equal(cp.asnumpy(a), cp.asnumpy(b))

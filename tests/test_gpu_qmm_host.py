@@ -77,6 +77,11 @@ def _host_lib(tmp_path_factory, kc: int):
             getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
     h.host_qmm_split_i8.argtypes = h.host_qmm_split_i8d.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
+    h.host_qmm_hc_norm_split.argtypes = [U, U, P, P, P, I, I, P, I, F, P, P, P, P, P]
+    for o in (0, 1):
+        getattr(h, f"host_qmm_hc_mix_split_{o}").argtypes = [U, U, P, P, I, I, I, P, P, P, P, P]
+    for a in (0, 1, 2):
+        getattr(h, f"host_qmm_sum_act_split_{a}").argtypes = [U, U, P, P, I, I, F, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
     h.host_h2f.argtypes = [P, P, LL]
@@ -1014,7 +1019,7 @@ def hostcp(lib, monkeypatch):
             assert shared_mem <= 228 * 1024 and shared_mem <= getattr(launch, "max_dynamic_shared_size_bytes",
                                                                        48 * 1024)
             gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
-            if base in ("qmm_split_i8", "qmm_split_i8d"):
+            if base in ("qmm_split_i8", "qmm_split_i8d", "qmm_hc_mix_split"):
                 gx *= block[0] // 16  # a block of 64 values: 16 threads on the device, one host block
             elif base in ("qmm_sum_slices", "qmm_sum_act"):
                 gx *= block[0] // Q.SUM_GROUP  # a run of 4 values: SUM_GROUP threads on the device
@@ -1022,7 +1027,7 @@ def hostcp(lib, monkeypatch):
                 gx *= block[0]  # a value a thread
             elif base == "qmm_dense_ring":  # 16 rows a warp of one of the KG groups (the host's warp plays all)
                 gx *= block[0] // 32 // int(targs.rstrip(">").split(",")[3])
-            elif base not in ("qmm_split", "qmm_jobs"):
+            elif base not in ("qmm_split", "qmm_jobs", "qmm_hc_norm_split", "qmm_sum_act_split"):
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
             with shared_within(lib, shared_mem):  # the bytes the launcher asks the device for
                 f(gx, gy, *[a.ctypes.data if isinstance(a, np.ndarray) else (a.item() if isinstance(a, np.generic) else a)
@@ -1472,6 +1477,10 @@ def test_device_build_has_no_spills(tmp_path):
             sig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
         elif base == "qmm_sum_act":
             sig = "const float*, float*, long long, int, float"
+        elif base == "qmm_hc_mix_split":
+            sig = "const float*, const float*, int, int, int, float*, u32*, u32*, float*, int*"
+        elif base == "qmm_sum_act_split":
+            sig = "const float*, float*, int, int, float, u32*, u32*, float*, int*"
         else:
             sig = "const u64*, long long, const int*, const u16*, const u16*, const float*, float*, int, int"
         inst.append(f"template __global__ void {base}<{targs}({sig});\n")
@@ -1714,3 +1723,170 @@ def test_prefill_hgemm_falls_back_on_fp16_overflow(host_gemm16, monkeypatch):
     pf.gemm = "hgemm"
     assert pf._qmm(_h(X), _h(good), type_by_name("Q4_0"), rows, cols, "blk.0.q4") is None
     assert "blk.0.q4" not in pf._hgemm_fits()
+
+
+def _planes_host(T: int, K: int):
+    return (np.full((T, K), 0xAB, np.uint8), np.full((T, K), 0xAB, np.uint8),
+            np.full((T, K // 64), -7.0, np.float32), np.full((T, K // 64), 7777, np.int32))
+
+
+@pytest.mark.parametrize("wlen", [512, 128, 64, 0])
+@pytest.mark.parametrize("inject", [True, False])
+def test_hc_norm_split_injects_norms_and_splits_in_one_launch(lib, wlen, inject):
+    """qmm_hc_norm_split: H += y iw per stream where an inject is pending (H's new values exactly numpy's float32
+    H + y iw), hn the rows' RMS norm times w repeated over the rows (w of a row's length, of all the streams', of less
+    than a row: the modulo path, or none) within float32 rounding of float64, and the planes qmm_split_i8d makes of
+    that hn, bit for bit; without planes the same hn bits."""
+    h = lib
+    rng = np.random.default_rng(5)
+    T, hc, n, eps = 3, 4, 128, 1e-6
+    H0 = (rng.standard_normal((T, hc * n)) * 3).astype(np.float32)
+    H0[1, :n] *= 1e-3  # a quiet stream
+    y = rng.standard_normal((T, n)).astype(np.float32)
+    iw = rng.uniform(0.1, 2.0, (T, hc)).astype(np.float32)
+    w = (rng.standard_normal(wlen) + 1.0).astype(np.float32) if wlen else None
+    want_H = (H0.reshape(T, hc, n) + y[:, None, :] * iw[:, :, None]).reshape(T, hc * n) if inject else H0
+    x = want_H.astype(np.float64).reshape(T * hc, n)
+    ref = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+    if w is not None:
+        ref = ref * np.resize(w.astype(np.float64), T * hc * n).reshape(T * hc, n)
+    got = []
+    for split in (True, False):
+        H = H0.copy()
+        hn = np.full_like(H, -9.0)
+        pl = _planes_host(T, hc * n) if split else (None,) * 4
+        h.host_qmm_hc_norm_split(T * hc, 1, _p(H), _p(y) if inject else None, _p(iw) if inject else None, hc, n,
+                                 _p(w) if w is not None else None, wlen or 1, eps, _p(hn),
+                                 *[_p(a) if a is not None else None for a in pl])
+        assert np.array_equal(H, want_H)
+        assert np.allclose(hn.reshape(T * hc, n), ref, rtol=3e-6, atol=1e-7)
+        if split:
+            want = split_i8_host(lib, hn, dense=True)
+            for a, b in zip(pl, want):
+                assert np.array_equal(a, b)
+        got.append(hn)
+    assert np.array_equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_hc_mix_split_mixes_and_splits_in_one_launch(lib, order):
+    """qmm_hc_mix_split<ORD>: out = sum over the streams of sigmoid(u) hn, over hc, within float32 rounding of
+    float64; its planes qmm_split_i8 (ORD 0) / qmm_split_i8d (ORD 1) of that out, bit for bit (a block with a
+    non-finite value included); without planes the same out bits."""
+    h = lib
+    rng = np.random.default_rng(6)
+    T, hc, n = 2, 4, 192
+    u = rng.standard_normal((T, hc * n)).astype(np.float32)
+    hn = rng.standard_normal((T, hc * n)).astype(np.float32)
+    hn[1, 2 * n + 70] = np.inf  # (block 1 of token 1: NaN scale, q = 0)
+    su = 1.0 / (1.0 + np.exp(-u.astype(np.float64)))
+    ref = (su * hn.astype(np.float64)).reshape(T, hc, n).sum(axis=1) / hc
+    fn = getattr(h, f"host_qmm_hc_mix_split_{order}")
+    outs = []
+    for split in (True, False):
+        out = np.full((T, n), -9.0, np.float32)
+        pl = _planes_host(T, n) if split else (None,) * 4
+        fn(T * (n // 64), 1, _p(u), _p(hn), hc, n, T, _p(out), *[_p(a) if a is not None else None for a in pl])
+        fin = np.isfinite(ref)
+        assert np.allclose(out[fin], ref[fin], rtol=3e-6, atol=1e-7) and np.all(~np.isfinite(out[~fin]))
+        if split:
+            want = split_i8_host(lib, out, dense=order == 1)
+            for a, b in zip(pl, want):
+                assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_sum_act_split_is_the_sum_kernels_output_and_its_split(lib, act):
+    """qmm_sum_act_split<ACT>: Y the bits of qmm_sum_act<ACT> (qmm_sum_slices for ACT 0) over the same slices, and the
+    planes qmm_split_i8d makes of that Y, bit for bit (rows of 3 units of 64, 5 tokens, 7 slices)."""
+    h = lib
+    rng = np.random.default_rng(7 + act)
+    T, R, nz, div = 5, 192, 7, 4.0
+    Pt = rng.standard_normal((nz, T, R)).astype(np.float32)
+    n = T * R
+    want = np.full((T, R), -9.0, np.float32)
+    if act == 0:
+        h.host_qmm_sum_slices(n // 4, 1, _p(Pt), _p(want), n, nz)
+    else:
+        getattr(h, f"host_qmm_sum_act_{act}")(n // 4, 1, _p(Pt), _p(want), n, nz, div)
+    ref = Pt.astype(np.float64).sum(axis=0)
+    if act:
+        a = ref / div
+        ref = a / (1.0 + np.exp(-a)) if act == 1 else 2.0 / (1.0 + np.exp(-a))
+    assert np.allclose(want, ref, rtol=1e-5, atol=1e-6)
+    Y = np.full((T, R), -9.0, np.float32)
+    pl = _planes_host(T, R)
+    getattr(h, f"host_qmm_sum_act_split_{act}")(n // 64, 1, _p(Pt), _p(Y), R, nz, div, *[_p(x) for x in pl])
+    assert np.array_equal(Y, want)
+    for x, y in zip(pl, split_i8_host(lib, Y, dense=True)):
+        assert np.array_equal(x, y)
+
+
+def test_hc_launchers_on_host(hostcp, lib, monkeypatch):
+    """qmm.hc_norm_split and qmm.hc_mix launch their kernels as the host entries compute them (H injected in place,
+    hn, the planes of the kind asked as split_i8 makes them: ``i8d`` as DensePlanes); shapes that are not [T, hc n]
+    with n a multiple of 64, and kinds other than i8 / i8d, are refused."""
+    rng = np.random.default_rng(8)
+    T, hc, n, eps = 3, 4, 128, 1e-6
+    H0 = rng.standard_normal((T, hc * n)).astype(np.float32)
+    y = rng.standard_normal((T, n)).astype(np.float32)
+    iw = rng.uniform(0.5, 1.5, (T, hc)).astype(np.float32)
+    w = (rng.standard_normal(hc * n) + 1).astype(np.float32)
+    H = _h(H0.copy())
+    hn, pl = Q.hc_norm_split(H, _h(w), eps, hc, n, _h(y), _h(iw), "i8d")
+    want_H, want_hn = H0.copy(), np.zeros_like(H0)
+    want_pl = _planes_host(T, hc * n)
+    lib.host_qmm_hc_norm_split(T * hc, 1, _p(want_H), _p(y), _p(iw), hc, n, _p(w), w.size, eps, _p(want_hn),
+                               *[_p(a) for a in want_pl])
+    assert np.array_equal(np.asarray(H), want_H) and np.array_equal(np.asarray(hn), want_hn)
+    assert isinstance(pl, Q.DensePlanes) and all(np.array_equal(np.asarray(a), b) for a, b in zip(pl, want_pl))
+    hn2, none = Q.hc_norm_split(_h(want_H.copy()), None, eps, hc, n)
+    assert none is None and np.allclose(np.asarray(hn2) * np.resize(w, hn2.shape), want_hn, rtol=1e-6, atol=1e-7)
+    u = _h(rng.standard_normal((T, hc * n)).astype(np.float32))
+    outs = []
+    for kind in ("i8", "i8d", None):
+        asked = kernels_asked(monkeypatch)
+        out, pl = Q.hc_mix(u, hn, hc, n, kind)
+        assert asked == [f"qmm_hc_mix_split<{0 if kind == 'i8' else 1}>"]
+        outs.append(np.asarray(out))
+        if kind is None:
+            assert pl is None
+            continue
+        assert isinstance(pl, Q.DensePlanes) == (kind == "i8d")
+        for a, b in zip(pl, split_i8_host(lib, np.asarray(out), dense=kind == "i8d")):
+            assert np.array_equal(np.asarray(a), b)
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    with pytest.raises(StrataError, match="not contiguous float32"):
+        Q.hc_norm_split(_h(np.zeros((T, hc * 96), np.float32)), None, eps, hc, 96)
+    with pytest.raises(StrataError, match="'i8d', not 'f16'"):
+        Q.hc_norm_split(H, None, eps, hc, n, kind="f16")
+    with pytest.raises(StrataError, match="not \\[T, 4 x 128\\] twice"):
+        Q.hc_mix(u, _h(np.zeros((T, n), np.float32)), hc, n)
+    with pytest.raises(StrataError, match="'i8' or 'i8d'"):
+        Q.hc_mix(u, hn, hc, n, "f16")
+
+
+@pytest.mark.parametrize("rows,act,sums,fused", [(320, Q.ACT_SILU, "1", True), (192, Q.ACT_NONE, "1", True),
+                                                  (192, Q.ACT_SILU, "0", False), (70, Q.ACT_SILU, "1", False)])
+def test_dense_planes_from_the_sum_launch(hostcp, lib, monkeypatch, rows, act, sums, fused):
+    """dense(planes=True) on the integer ring at 32 tokens with a split of k: (out, out's split_i8 ``dense`` planes);
+    with the sum kernel the planes come from the sum's launch (qmm_sum_act_split, no qmm_split_i8d after it), else
+    from a split after the sum; rows not a multiple of 64 get None; out the bits of the plain call."""
+    monkeypatch.setenv(Q.SUM_ENV, sums)
+    monkeypatch.setenv(Q.DENSE_I8_ENV, "4:64:2")
+    rng = np.random.default_rng(rows)
+    T, cols = 32, 1024
+    _, q, d, X = q8r_case(rng, rows, cols, T)
+    plain = np.asarray(Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols, act=act, act_div=4.0))
+    xs = Q.split_i8(_h(X), dense=True)
+    asked = kernels_asked(monkeypatch)
+    out, pl = Q.dense(_h(X), "Q8R", _h(q), _h(d), rows, cols, xs=xs, act=act, act_div=4.0, planes=True)
+    assert np.array_equal(np.asarray(out), plain) and (f"qmm_sum_act_split<{act}>" in asked) == fused
+    if rows % 64:
+        assert pl is None and "qmm_split_i8d" not in asked
+        return
+    assert isinstance(pl, Q.DensePlanes) and ("qmm_split_i8d" in asked) != fused
+    for a, b in zip(pl, split_i8_host(lib, plain, dense=True)):
+        assert np.array_equal(np.asarray(a), b)

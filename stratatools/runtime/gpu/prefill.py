@@ -86,6 +86,21 @@ def route_warp() -> bool:
     from stratatools.runtime.gpu.kernels import env_on
 
     return env_on(ROUTE_WARP_ENV, "the router a warp a token", ROUTE_WARP_DEFAULT)
+#: ``STRATATOOLS_HC_FUSED``: the hyper-connections on CuPy as one launch for the pending inject, the norm and its
+#: split (``qmm.hc_norm_split``), one for the mix and its split (``qmm.hc_mix``), the down projection's split made by
+#: its sums' launch (1, the default), or as the inject, ``rmsnorm_rows``, ``pf_hc_mix`` and the splits each a launch
+#: of their own (0: the nineteenth pass's step, bench/gpu-notes.md).
+HC_FUSED_ENV = "STRATATOOLS_HC_FUSED"
+HC_FUSED_DEFAULT = True
+
+
+def hc_fused() -> bool:
+    """:data:`HC_FUSED_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(HC_FUSED_ENV, "the hyper-connections' fused launches", HC_FUSED_DEFAULT)
+
+
 #: Tokens of one expert job (``prefill.cu`` PF_TT): each weight row is decoded once per job.
 JOB_TOKENS = 8
 #: Tokens of one expert job of the ``mma`` expert path by default (``qmm.cu``'s JT; qmm.JOB_SIZES).
@@ -585,16 +600,16 @@ class ChunkPrefill:
         raw, t, rows, cols = self._raw_dev(name)
         return self._dequant(raw, t, rows, cols)
 
-    def _mm(self, X: Any, name: str, act: int = 0, div: float = 1.0) -> Any:
+    def _mm(self, X: Any, name: str, act: int = 0, div: float = 1.0, planes: bool = False) -> Any:
         """X [T, in] @ W.T for the matrix ``name`` [out, in]: [T, out] float32 (on the ``mma`` GEMM path through
         :meth:`_qmm` where the matrix's layout allows, also on the ``hgemm`` path). ``act`` (``qmm.ACT_*``): the
         output through silu(y / div) or 2 sigmoid(y / div) (:meth:`_act`; on the ``mma`` path the product's own
-        epilogue)."""
+        epilogue). ``planes``: where the integer dense ring makes the product, (out, its ``"i8d"`` split) instead."""
         self._push("dense")
         out = None
         if self.gpu and self.gemm in ("mma", "hgemm"):
             raw, t, rows, cols = self._raw_dev(name)
-            out = self._qmm(X, raw, t, rows, cols, name, act=act, div=div)
+            out = self._qmm(X, raw, t, rows, cols, name, act=act, div=div, planes=planes)
         if out is None:
             W = self._weight(name)
             out = self._act(self._sgemm(X, W), act, div)
@@ -614,29 +629,21 @@ class ChunkPrefill:
         return _silu(np, a) if act == qmm.ACT_SILU else (2.0 * _sigmoid(np, a)).astype(np.float32)
 
     def _qmm(self, X: Any, raw: Any, t: Any, rows: int, cols: int, key: str | None = None, act: int = 0,
-             div: float = 1.0) -> Any:
+             div: float = 1.0, planes: bool = False) -> Any:
         """X [T, cols] @ W.T on the tensor cores (:func:`stratatools.runtime.gpu.qmm.dense`; on the ``hgemm`` path
         :func:`stratatools.runtime.gpu.qmm.hgemm`, through ``dense`` for a matrix whose values do not fit fp16) for a
         matrix's device bytes as :meth:`_raw_dev` gives them: the decoder's re-laid-out Q8_0 rows (:class:`_Q8RRows`)
         or GGUF Q8_0 / Q2_0 blocks. ``key``: the matrix's name (hgemm's fp16 check is made once per name; None: on
         every call). ``act`` / ``div``: as :meth:`_mm`'s. None where the layout has no qmm kernel (the caller
-        dequantizes)."""
+        dequantizes). ``planes``: on the integer dense ring (out, its ``"i8d"`` split: :func:`qmm.dense`'s)."""
         from stratatools.runtime.gpu import qmm
 
         cp = self.cp
         if X.ndim != 2 or int(X.shape[0]) == 0 or int(X.shape[1]) != cols:
             return None
-        if isinstance(raw, _Q8RRows):
-            if not qmm.supports("Q8R", cols):
-                return None
-            a = raw.row0 * cols
-            args = ("Q8R", raw.m.q[a:a + rows * cols], raw.m.d[a // 32:(a + rows * cols) // 32], rows, cols)
-        else:
-            if t.name not in ("Q8_0", "Q2_0") or not qmm.supports(t.name, cols):
-                return None
-            if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
-                return None
-            args = (t.name, raw, None, rows, cols)
+        args = self._qmm_args(raw, t, rows, cols)
+        if args is None:
+            return None
         big = self.gemm == "hgemm" or self._big_hgemm(rows, cols, int(X.shape[0]))
         xs = self._split(X, "f16" if big else qmm.split_kind(args[0], int(X.shape[0]), cols, args[1], args[2]))
         X = cp.ascontiguousarray(X, dtype=cp.float32)
@@ -648,7 +655,25 @@ class ChunkPrefill:
                     fits[key] = out is not None
                 if out is not None:
                     return self._act(out, act, div)
-        return qmm.dense(X, *args, xs=xs, act=act, act_div=div)
+        i8d = planes and isinstance(xs, qmm.DensePlanes)
+        return qmm.dense(X, *args, xs=xs, act=act, act_div=div, planes=i8d)
+
+    @staticmethod
+    def _qmm_args(raw: Any, t: Any, rows: int, cols: int) -> tuple[Any, ...] | None:
+        """:func:`stratatools.runtime.gpu.qmm.dense`'s (layout, codes, scales, rows, cols) for a matrix's device bytes
+        as :meth:`_raw_dev` gives them, or None where the layout has no qmm kernel."""
+        from stratatools.runtime.gpu import qmm
+
+        if isinstance(raw, _Q8RRows):
+            if not qmm.supports("Q8R", cols):
+                return None
+            a = raw.row0 * cols
+            return ("Q8R", raw.m.q[a:a + rows * cols], raw.m.d[a // 32:(a + rows * cols) // 32], rows, cols)
+        if t.name not in ("Q8_0", "Q2_0") or not qmm.supports(t.name, cols):
+            return None
+        if int(raw.nbytes) != rows * t.row_bytes(cols) or int(raw.data.ptr) % 2:
+            return None
+        return (t.name, raw, None, rows, cols)
 
     def _big_hgemm(self, rows: int, cols: int, T: int) -> bool:
         """On the ``mma`` path: does this [rows, cols] matrix times T rows go through the hgemm path's cuBLAS GEMMs
@@ -872,12 +897,17 @@ class ChunkPrefill:
         routing [T, L, k] goes into ``ids_out`` / ``w_out`` where :meth:`_moe` returns it on the host (not None).
         The batched decoder runs the same trunk with its per-place versions of those methods."""
         cfg = self.cfg
+        T = int(H.shape[0])
+        pend = None  # a block's output and inject weights not yet added into H (the next norm's launch adds them)
         for il in range(cfg.n_layer):
             if il in cfg.ple_layers:
+                H = self._inject_pending(H, pend)
+                pend = None
                 self._tic("ple")
                 H = H + self._ple(il, H, ple_rows[il])
             self._tic("hc")
-            mixed, inject = self._hc(f"blk.{il}.hc_attn", H)
+            mixer = f"blk.{il}." + ("attn_qkv" if cfg.recurrent[il] else "attn_q") + ".weight"  # (its first matrix)
+            H, mixed, inject = self._hc_in(f"blk.{il}.hc_attn", H, pend, self._split_kind(mixer, T))
             with self._shared_split(mixed):  # the mixer's projections read one split of its input
                 if cfg.recurrent[il]:
                     self._tic("gdn")
@@ -886,8 +916,7 @@ class ChunkPrefill:
                     self._tic("attention")
                     y = self._attention(il, mixed, pos, cos, sin)
             self._tic("hc")
-            H = self._inject(H, y, inject)
-            mixed, inject = self._hc(f"blk.{il}.hc_ffn", H)
+            H, mixed, inject = self._hc_in(f"blk.{il}.hc_ffn", H, (y, inject), self._jobs_split_kind(il))
             self._tic("moe")
             with self._shared_split(mixed):  # router, routed and shared experts: one split
                 y, i, w = self._moe(il, mixed)
@@ -895,8 +924,50 @@ class ChunkPrefill:
                 ids_out[:, il] = i
                 w_out[:, il] = w
             self._tic("hc")
-            H = self._inject(H, y, inject)
-        return H
+            pend = (y, inject)
+        return self._inject_pending(H, pend)
+
+    def _inject_pending(self, H: Any, pend: tuple[Any, Any] | None) -> Any:
+        """H with a pending block output added (``pend`` = (y, inject weights): :meth:`_inject`), or H."""
+        return H if pend is None else self._inject(H, *pend)
+
+    def _hc_in(self, prefix: str, H: Any, pend: tuple[Any, Any] | None,
+               kind: str | None = None) -> tuple[Any, Any, Any]:
+        """(H, mixed, inject weights): H with the pending block output ``pend`` added (:meth:`_inject_pending`), then
+        :meth:`_hc` of it. On CuPy one launch adds, norms and splits (:meth:`_hc_gpu_in`), and ``kind`` (``"i8"``,
+        ``"i8d"``; None: none) names the split of mixed that the launch of the mix makes beside it, for the block
+        after it (:meth:`_shared_split` finds it)."""
+        if self.gpu:
+            return self._hc_gpu_in(prefix, H, True, pend, kind)
+        H = self._inject_pending(H, pend)
+        mixed, inject = self._hc(prefix, H)
+        return H, mixed, inject
+
+    def _split_kind(self, name: str, T: int) -> str | None:
+        """The split of T rows that :meth:`_qmm` reads for the matrix ``name`` (``"i8d"``, ``"f16"``), or None where
+        its product takes none (not on CuPy's tensor-core paths, a layout without a qmm kernel) or T exceeds the
+        integer ring's tokens (only ``"i8d"`` is asked for: the launches that make their own split)."""
+        from stratatools.runtime.gpu import qmm
+
+        if not self.gpu or self.gemm not in ("mma", "hgemm") or T > 8 * qmm.TILES[1]:
+            return None  # (longer X: never the integer ring; nothing looked up, nothing uploaded)
+        raw, t, rows, cols = self._raw_dev(name)
+        args = self._qmm_args(raw, t, rows, cols)
+        if args is None:
+            return None
+        if self.gemm == "hgemm" or self._big_hgemm(rows, cols, T):
+            return "f16"
+        return qmm.split_kind(args[0], T, cols, args[1], args[2])
+
+    def _jobs_split_kind(self, il: int) -> str | None:
+        """``"i8"`` where layer ``il``'s routed experts run as the integer tensor-core jobs (:meth:`_mma_jobs`: their
+        rows read :func:`stratatools.runtime.gpu.qmm.split_i8` of the MoE's input), else None."""
+        from stratatools.runtime.gpu import qmm
+
+        if not self.gpu or self.experts != "mma" or not self._mma_experts_ok(il):
+            return None
+        ly = self.rt.tier.arena.layers[il]
+        return "i8" if qmm.jobs_i8(ly.gu_type.id, ly.d_type.id) else None
 
     def _ew(self, name: str, params: str, out: str, body: str) -> Any:
         """A cached CuPy element-wise kernel."""
@@ -954,30 +1025,60 @@ class ChunkPrefill:
         return mixed.astype(xp.float32, copy=False), iw.astype(xp.float32)
 
     def _hc_gpu(self, prefix: str, H: Any, inject: bool = True) -> tuple[Any, Any]:
-        """:meth:`_hc` on CuPy: the decoder's ``rmsnorm_rows`` over the T hc streams, the mix as one kernel."""
-        cp, cfg = self.cp, self.cfg
-        hc, n = cfg.hc_count, cfg.n_embd
-        T = H.shape[0]
-        H = cp.ascontiguousarray(H, dtype=cp.float32)
-        w = self._f32(f"{prefix}_norm.weight")
-        hn = cp.empty_like(H)
-        self.dec.k_rms((T * hc,), (256,), (H, w, hn, np.int32(n), np.int32(w.size), np.float32(cfg.eps)))
-        with self._shared_split(hn):  # down and inject read the same normed streams
-            return self._hc_gpu_mix(prefix, hn, T, inject)
+        """:meth:`_hc` on CuPy (:meth:`_hc_gpu_in` without a pending inject)."""
+        return self._hc_gpu_in(prefix, H, inject)[1:]
 
-    def _hc_gpu_mix(self, prefix: str, hn: Any, T: int, inject: bool) -> tuple[Any, Any]:
+    def _hc_gpu_in(self, prefix: str, H: Any, inject: bool = True, pend: tuple[Any, Any] | None = None,
+                   kind: str | None = None) -> tuple[Any, Any, Any]:
+        """:meth:`_hc_in` on CuPy: (H, mixed, inject weights or None). Rows of a multiple of 64 values: the pending
+        inject, the norm over the T hc streams and, where the down projection reads the integer dense ring, the
+        split of the normed streams in one launch (``qmm.hc_norm_split``); else the inject, then the decoder's
+        ``rmsnorm_rows``. The mix: :meth:`_hc_gpu_mix` (its split of ``kind``)."""
         from stratatools.runtime.gpu import qmm
 
         cp, cfg = self.cp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
-        m = self._mm(hn, f"{prefix}_down.weight", act=qmm.ACT_SILU, div=hc)  # silu(down hn / hc)
-        u = cp.ascontiguousarray(self._mm(m, f"{prefix}_up.weight"))
-        mixed = cp.empty((T, n), dtype=cp.float32)
-        self._ew("pf_hc_mix", "raw float32 u, raw float32 hn, int32 hc, int32 n", "float32 out",
-                 "long long t = i / n; int c = (int)(i - t * n); float s = 0.0f;"
-                 " for (int h = 0; h < hc; ++h) { long long o = (t * hc + h) * n + c;"
-                 " s += (1.0f / (1.0f + expf(-u[o]))) * hn[o]; } out = s / (float)hc;")(u, hn, np.int32(hc),
-                                                                                       np.int32(n), mixed)
+        T = int(H.shape[0])
+        w = self._f32(f"{prefix}_norm.weight")
+        fused = n % 64 == 0 and hc_fused()
+        if not (fused and H.dtype == cp.float32 and H.flags.c_contiguous):
+            H = cp.ascontiguousarray(self._inject_pending(H, pend), dtype=cp.float32)
+            hn = cp.empty_like(H)
+            self.dec.k_rms((T * hc,), (256,), (H, w, hn, np.int32(n), np.int32(w.size), np.float32(cfg.eps)))
+        else:
+            y, iw = pend if pend is not None else (None, None)
+            split = "i8d" if self._split_kind(f"{prefix}_down.weight", T) == "i8d" else None
+            hn, planes = qmm.hc_norm_split(H, w, cfg.eps, hc, n, y, iw, split)
+            if planes is not None:
+                self._pre = (hn, {split: planes})
+        with self._shared_split(hn):  # down and inject read the same normed streams
+            return (H, *self._hc_gpu_mix(prefix, hn, T, inject, kind if fused else None))
+
+    def _hc_gpu_mix(self, prefix: str, hn: Any, T: int, inject: bool, kind: str | None = None) -> tuple[Any, Any]:
+        from stratatools.runtime.gpu import qmm
+
+        cp, cfg = self.cp, self.cfg
+        hc, n = cfg.hc_count, cfg.n_embd
+        # silu(down hn / hc), and the split of it that the up projection reads from the launch of its sums
+        fused = n % 64 == 0 and hc_fused()
+        m = self._mm(hn, f"{prefix}_down.weight", act=qmm.ACT_SILU, div=hc,
+                     planes=fused and self._split_kind(f"{prefix}_up.weight", T) == "i8d")
+        if isinstance(m, tuple):
+            m, mp = m
+            self._pre = (m, {"i8d": mp}) if mp is not None else None
+        with self._shared_split(m):
+            u = cp.ascontiguousarray(self._mm(m, f"{prefix}_up.weight"))
+        if fused:  # the mix and the split of it that the next block reads first: one launch
+            mixed, planes = qmm.hc_mix(u, hn, hc, n, kind if kind in ("i8", "i8d") else None)
+            if planes is not None:
+                self._pre = (mixed, {kind: planes})
+        else:
+            mixed = cp.empty((T, n), dtype=cp.float32)
+            self._ew("pf_hc_mix", "raw float32 u, raw float32 hn, int32 hc, int32 n", "float32 out",
+                     "long long t = i / n; int c = (int)(i - t * n); float s = 0.0f;"
+                     " for (int h = 0; h < hc; ++h) { long long o = (t * hc + h) * n + c;"
+                     " s += (1.0f / (1.0f + expf(-u[o]))) * hn[o]; } out = s / (float)hc;")(u, hn, np.int32(hc),
+                                                                                           np.int32(n), mixed)
         if not inject:
             return mixed, None
         return mixed, self._mm(hn, f"{prefix}_inject.weight", act=qmm.ACT_SIG2, div=hc)  # 2 sigmoid(inject hn / hc)
@@ -1480,6 +1581,8 @@ class ChunkPrefill:
     _dev_layers: list[int] = []
     #: [X, its splits by kind] while :meth:`_shared_split` is open for X
     _xs_memo: list[Any] | None = None
+    #: (X, its splits by kind) made by the launch that made X, for the next :meth:`_shared_split` of X
+    _pre: tuple[Any, dict[str, Any]] | None = None
 
     @contextlib.contextmanager
     def _shared_split(self, X: Any) -> Any:
@@ -1487,8 +1590,9 @@ class ChunkPrefill:
         share one :func:`stratatools.runtime.gpu.qmm.split` of it instead of splitting it once per matrix (the
         batched step split the same rows into fp16 halves 16 times a layer). The block must not write into ``X``.
         The split is made at the first use, so a block whose GEMMs take another path splits nothing."""
-        prev = self._xs_memo
-        self._xs_memo = [X, {}]
+        prev, pre = self._xs_memo, self._pre
+        self._pre = None  # (splits the launch that made X made beside it: _hc_gpu_in, _hc_gpu_mix)
+        self._xs_memo = [X, dict(pre[1]) if pre is not None and pre[0] is X else {}]
         try:
             yield
         finally:
@@ -1496,13 +1600,14 @@ class ChunkPrefill:
 
     def _split(self, X: Any, kind: str = "f16") -> tuple[Any, ...]:
         """The split of the rows ``X`` [T, K] (CuPy) of ``kind`` (:func:`stratatools.runtime.gpu.qmm.split_kind`):
-        ``"f16"`` :func:`stratatools.runtime.gpu.qmm.split`, ``"i8d"`` its ``split_i8`` with ``dense=True``; reused
+        ``"f16"`` :func:`stratatools.runtime.gpu.qmm.split`, ``"i8d"`` its ``split_i8`` with ``dense=True``, ``"i8"``
+        its ``split_i8`` (the expert jobs' planes); reused
         while a :meth:`_shared_split` of ``X`` is open."""
         from stratatools.runtime.gpu import qmm
 
         def make() -> tuple[Any, ...]:
             Xc = self.cp.ascontiguousarray(X, dtype=self.cp.float32)
-            return qmm.split_i8(Xc, dense=True) if kind == "i8d" else qmm.split(Xc)
+            return qmm.split_i8(Xc, dense=kind == "i8d") if kind in ("i8", "i8d") else qmm.split(Xc)
 
         memo = self._xs_memo
         if memo is not None and memo[0] is X:
@@ -1567,7 +1672,7 @@ class ChunkPrefill:
         J = int(ptr.size)
         if qmm.jobs_i8(ly.gu_type.id, ly.d_type.id):  # integer Q2_0 jobs: empty slots are neither written nor split
             hbuf = cp.empty((J * tt, ff), dtype=cp.float32)
-            qmm.moe_gate_up_i8(ptr, jt, qmm.split_i8(x), hbuf, hidden, ff, tt)
+            qmm.moe_gate_up_i8(ptr, jt, self._split(x, "i8"), hbuf, hidden, ff, tt)
             out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
             qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, hidden, ff, tt)
             return out

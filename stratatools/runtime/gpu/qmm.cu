@@ -824,22 +824,16 @@ template <int ORD> __device__ __forceinline__ int qi8_value(int wd, int i) {
     else return 4 * wd + i;
 }
 
-// xh, xl [T, K] bytes (as words [T, K / 4]) in plane order ORD (qi8_value), xs [T, K / 64] float, xq [T, K / 64] int; K
-// a multiple of 64. Rows t with rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim)
-// blocks, blockDim a multiple of 32 (the host build: T K / 64 blocks of one thread).
-template <int ORD>
-__device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long ldx, int T, int K,
-                                          const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
-                                          float* __restrict__ xs, int* __restrict__ xq) {
+// One block b of 64 values of row t as qi8_split stores it (every lane of a group of QI8_GROUP calls it; lane gl
+// takes words gl WPT .. (gl + 1) WPT - 1): the values come from val(j), j = the value's place in the block (0..63;
+// called for the lane's words in order, only when live), the planes xh, xl [T, K] bytes (as words [T, K / 4]) in
+// plane order ORD (qi8_value), the block's scale xs [T, K / 64] float and its sum of q xq [T, K / 64] int. Not live:
+// nothing written (the lane stays for the shuffles).
+template <int ORD, class Val>
+__device__ __forceinline__ void qi8_unit(Val val, bool live, int gl, long long t, int b, int K, u32* __restrict__ xh,
+                                         u32* __restrict__ xl, float* __restrict__ xs, int* __restrict__ xq) {
     constexpr int WPT = 16 / QI8_GROUP;  // words a thread
     const int nb = K >> 6;
-    const long long units = (long long)T * nb;
-    const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
-    const int gl = (int)(threadIdx.x % QI8_GROUP);
-    const long long uc = u < units ? u : units - 1;
-    const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
-    const bool live = u < units && (rowok == nullptr || rowok[t] >= 0);  // (every lane stays for the shuffles)
-    const float* x = X + (long long)t * ldx + 64 * b;
     float v[WPT][4];
     float m = 0.0f;
     int bad = 0;
@@ -848,7 +842,7 @@ __device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long
         const int wd = gl * WPT + p;
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            v[p][i] = live ? x[qi8_value<ORD>(wd, i)] : 0.0f;
+            v[p][i] = live ? val(qi8_value<ORD>(wd, i)) : 0.0f;
             const float a = fabsf(v[p][i]);
             bad |= !(a <= 3.4028234663852886e38f);
             m = fmaxf(m, a);
@@ -875,16 +869,34 @@ __device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long
             l |= (u32)(q & 0xff) << (8 * i);
         }
         if (live) {
-            const long long o = (long long)t * (K >> 2) + 16 * b + wd;
+            const long long o = t * (K >> 2) + 16 * b + wd;
             xh[o] = h;
             xl[o] = l;
         }
     }
     for (int o = QI8_GROUP / 2; o; o >>= 1) qs += __shfl_xor_sync(0xffffffffu, qs, o);
     if (live && gl == 0) {
-        xs[(long long)t * nb + b] = bad ? __int_as_float(0x7fc00000) : m / 32767.0f;
-        xq[(long long)t * nb + b] = qs;
+        xs[t * nb + b] = bad ? __int_as_float(0x7fc00000) : m / 32767.0f;
+        xq[t * nb + b] = qs;
     }
+}
+
+// xh, xl [T, K] bytes (as words [T, K / 4]) in plane order ORD (qi8_value), xs [T, K / 64] float, xq [T, K / 64] int; K
+// a multiple of 64. Rows t with rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim)
+// blocks, blockDim a multiple of 32 (the host build: T K / 64 blocks of one thread).
+template <int ORD>
+__device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long ldx, int T, int K,
+                                          const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
+                                          float* __restrict__ xs, int* __restrict__ xq) {
+    const int nb = K >> 6;
+    const long long units = (long long)T * nb;
+    const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
+    const int gl = (int)(threadIdx.x % QI8_GROUP);
+    const long long uc = u < units ? u : units - 1;
+    const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
+    const bool live = u < units && (rowok == nullptr || rowok[t] >= 0);  // (every lane stays for the shuffles)
+    const float* x = X + (long long)t * ldx + 64 * b;
+    qi8_unit<ORD>([&](int j) { return x[j]; }, live, gl, t, b, K, xh, xl, xs, xq);
 }
 
 extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long ldx, int T, int K,
@@ -898,6 +910,153 @@ extern "C" __global__ void qmm_split_i8d(const float* __restrict__ X, long long 
                                          const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
                                          float* __restrict__ xs, int* __restrict__ xq) {
     qi8_split<1>(X, ldx, T, K, rowok, xh, xl, xs, xq);
+}
+
+// ---- the hyper-connections' norm and mix with the split of their outputs (prefill.py _hc_in, _hc_gpu_mix) ----------
+// The batched step ran them as an inject, rmsnorm_rows (7.6 us a launch), pf_hc_mix and a split each (qmm_split_i8d,
+// 4.3 us): one launch now writes the rows and their planes.
+
+// The sum of v over the block (every thread calls it; blockDim a multiple of 32, the host build's 1; red: 32 floats
+// of shared memory, free again on return).
+__device__ __forceinline__ float qmm_block_sum(float v, float* red) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = (int)(threadIdx.x & 31), wid = (int)(threadIdx.x >> 5), nw = (int)((blockDim.x + 31) >> 5);
+    __syncthreads();  // (red is free: an earlier call's readers are past it)
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < nw ? red[lane] : 0.0f;
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) red[0] = v;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// The streams H [T, hc n] (rows r = t hc + h of n values, n a multiple of 64), a block a row. With y [T, n] the row
+// takes its pending inject first, H += y[t] iw[r] (iw [T, hc]; prefill.py _inject's formula, written back into H);
+// then hn [T, hc n] = x / sqrt(mean(x x) + eps) times w[(r n + c) mod wlen] (w null: none; decode_step.cu
+// rmsnorm_rows's formula, its sum in another order); with xh the split of hn as [T, hc n] into the planes of
+// qmm_split_i8d (the same bits as that kernel over this hn). Grid: T hc blocks (the host build: one thread each).
+extern "C" __global__ void qmm_hc_norm_split(float* __restrict__ H, const float* __restrict__ y,
+                                             const float* __restrict__ iw, int hc, int n,
+                                             const float* __restrict__ w, int wlen, float eps,
+                                             float* __restrict__ hn, u32* __restrict__ xh, u32* __restrict__ xl,
+                                             float* __restrict__ xs, int* __restrict__ xq) {
+    __shared__ float red[32];
+    const int r = (int)blockIdx.x, t = r / hc, h = r - t * hc;
+    const long long base = (long long)r * n;
+    float* x = H + base;
+    const float* yr = y != nullptr ? y + (long long)t * n : nullptr;
+    const float g = y != nullptr ? iw[r] : 0.0f;
+    float s = 0.0f;
+    for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) {
+        float v = x[i];
+        if (yr != nullptr) {
+            v = v + yr[i] * g;
+            x[i] = v;
+        }
+        s += v * v;
+    }
+    s = qmm_block_sum(s, red);  // (its barriers also make the row's injected values visible to every thread)
+    const float rs = 1.0f / sqrtf(s / (float)n + eps);
+    const bool whole = w != nullptr && wlen % n == 0;  // (w's values for this row: one run, no modulo a value)
+    const float* wr = whole ? w + base % wlen : nullptr;
+    float* o = hn + base;
+    auto val = [&](int c) {
+        float v = x[c] * rs;
+        if (w != nullptr) v = v * (whole ? wr[c] : w[(base + c) % wlen]);
+        return v;
+    };
+    if (xh == nullptr) {
+        for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) o[i] = val(i);
+        return;
+    }
+    const int nu = n >> 6, per = (int)blockDim.x / QI8_GROUP, gl = (int)(threadIdx.x % QI8_GROUP);
+    for (int u0 = 0; u0 < nu; u0 += per) {  // (every thread takes the same turns: the groups' shuffles)
+        const int u = u0 + (int)threadIdx.x / QI8_GROUP;
+        const int uc = u < nu ? u : nu - 1;
+        qi8_unit<1>([&](int j) {
+            const int c = 64 * uc + j;
+            const float v = val(c);
+            o[c] = v;
+            return v;
+        }, u < nu, gl, t, h * nu + uc, hc * n, xh, xl, xs, xq);
+    }
+}
+
+// The hyper-connections' mix out [T, n] = (sum over h < hc of sigmoid(u[t, h, c]) hn[t, h, c]) / hc (u, hn [T, hc n];
+// prefill.py pf_hc_mix's formula) and, with xh, its split into the planes of order ORD (qmm_split_i8 / qmm_split_i8d
+// of out, the same bits). n a multiple of 64; units of 64 outputs of QI8_GROUP threads each: grid
+// ceil(T n / 64 QI8_GROUP / blockDim) blocks (the host build: T n / 64 blocks of one thread).
+template <int ORD>
+__global__ void qmm_hc_mix_split(const float* __restrict__ u, const float* __restrict__ hn, int hc, int n, int T,
+                                 float* __restrict__ out, u32* __restrict__ xh, u32* __restrict__ xl,
+                                 float* __restrict__ xs, int* __restrict__ xq) {
+    const int nb = n >> 6;
+    const long long units = (long long)T * nb;
+    const long long un = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
+    const int gl = (int)(threadIdx.x % QI8_GROUP);
+    const long long uc = un < units ? un : units - 1;
+    const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
+    const long long r0 = (long long)t * hc * n + 64 * b;
+    float* o = out + (long long)t * n + 64 * b;
+    auto val = [&](int j) {
+        float s = 0.0f;
+        for (int h = 0; h < hc; ++h) {
+            const long long q = r0 + (long long)h * n + j;
+            s += (1.0f / (1.0f + expf(-u[q]))) * hn[q];
+        }
+        const float v = s / (float)hc;
+        o[j] = v;
+        return v;
+    };
+    if (xh != nullptr) {
+        qi8_unit<ORD>(val, un < units, gl, t, b, n, xh, xl, xs, xq);
+    } else if (un < units) {
+        constexpr int WPT = 16 / QI8_GROUP;
+        for (int p = 0; p < WPT; ++p)
+            for (int i = 0; i < 4; ++i) val(qi8_value<1>(gl * WPT + p, i));
+    }
+}
+
+// qmm_sum_act<ACT>'s sums of Y [T, R] (R a multiple of 64; ACT 0: none) and, from the same launch, their split
+// into qmm_split_i8d's planes [T, R] (the same bits as that kernel over this Y): a block a unit of 64 outputs
+// (grid T R / 64; 128 threads: QSUM_G a float4 of sums, as qmm_sum_body adds them, then a half warp's split; the
+// host build's one thread does it all). The hyper-connections' down projection's output is the up projection's input.
+template <int ACT>
+__global__ void __launch_bounds__(128) qmm_sum_act_split(const float* __restrict__ P, float* __restrict__ Y, int R,
+                                                         int nz, float div, u32* __restrict__ xh,
+                                                         u32* __restrict__ xl, float* __restrict__ xs,
+                                                         int* __restrict__ xq) {
+    __shared__ float v64[64];
+    const int nb = R >> 6, unit = (int)blockIdx.x, t = unit / nb, b = unit - t * nb;
+    const long long runs = (long long)gridDim.x * 16;  // float4 runs of Y (T R / 4)
+    const int g = (int)(threadIdx.x % QSUM_G);
+    for (int f = (int)threadIdx.x / QSUM_G; f < 16; f += (int)blockDim.x / QSUM_G) {
+        const long long run = (long long)unit * 16 + f;
+        const float4* p = reinterpret_cast<const float4*>(P) + run;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        #pragma unroll 4
+        for (int z = g; z < nz; z += QSUM_G) {
+            const float4 v = __ldcg(p + (long long)z * runs);
+            a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
+        }
+        #pragma unroll
+        for (int o = QSUM_G / 2; o; o >>= 1)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
+        if (g == 0) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) v64[4 * f + i] = qmm_act(a[i], ACT, div);
+            reinterpret_cast<float4*>(Y)[run] = make_float4(v64[4 * f], v64[4 * f + 1], v64[4 * f + 2],
+                                                            v64[4 * f + 3]);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32)  // (lanes 16..31 of the warp stand by in their own group of the shuffles)
+        qi8_unit<1>([&](int j) { return v64[j]; }, (int)threadIdx.x < QI8_GROUP, (int)(threadIdx.x % QI8_GROUP), t, b,
+                    R, xh, xl, xs, xq);
 }
 
 // Issue the copies of chunk `chunk` (RKC values) of the block's tokens' byte planes into stage buffer xs (hi: TOK rows

@@ -152,6 +152,8 @@ def kernel_names() -> list[str]:
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
     names += ["qmm_split_i8", "qmm_split_i8d"] + [f"qmm_moe_gu_i8<{jt}>" for jt in JOB_SIZES]
+    names += ["qmm_hc_norm_split", "qmm_hc_mix_split<0>", "qmm_hc_mix_split<1>"]
+    names += [f"qmm_sum_act_split<{a}>" for a in (ACT_NONE, ACT_SILU, ACT_SIG2)]
     names += [f"qmm_moe_down_i8<{jt}>" for jt in JOB_SIZES]
     return names
 
@@ -253,6 +255,19 @@ def host_source() -> str:
         ent.append(f'extern "C" void host_qmm_split_i8{sfx}(unsigned gx, unsigned gy, const float* X, long long ldx, '
                    "int T, int K, const int* rowok, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, "
                    f"[&]() {{ qmm_split_i8{sfx}(X, ldx, T, K, rowok, xh, xl, xs, xq); }});\n}}\n")
+    ent.append('extern "C" void host_qmm_hc_norm_split(unsigned gx, unsigned gy, float* H, const float* y, '
+               "const float* iw, int hc, int n, const float* w, int wlen, float eps, float* hn, u32* xh, u32* xl, "
+               "float* xs, int* xq) {\n    host_run_grid(gx, gy, [&]() { qmm_hc_norm_split(H, y, iw, hc, n, w, wlen, "
+               "eps, hn, xh, xl, xs, xq); });\n}\n")
+    for a in (ACT_NONE, ACT_SILU, ACT_SIG2):
+        ent.append(f'extern "C" void host_qmm_sum_act_split_{a}(unsigned gx, unsigned gy, const float* P, float* Y, '
+                   "int R, int nz, float div, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, "
+                   f"[&]() {{ qmm_sum_act_split<{a}>(P, Y, R, nz, div, xh, xl, xs, xq); }});\n}}\n")
+    for o in (0, 1):
+        ent.append(f'extern "C" void host_qmm_hc_mix_split_{o}(unsigned gx, unsigned gy, const float* u, '
+                   "const float* hn, int hc, int n, int T, float* out, u32* xh, u32* xl, float* xs, int* xq) {\n"
+                   f"    host_run_grid(gx, gy, [&]() {{ qmm_hc_mix_split<{o}>(u, hn, hc, n, T, out, xh, xl, xs, xq); "
+                   "});\n}\n")
     ent.append(
         'extern "C" void host_mma_tile(const u16* A, const u16* B, const float* C, float* D) {\n'
         "    mma_a a; mma_b b; mma_c c;\n"
@@ -618,14 +633,15 @@ def sum_kernel() -> bool:
 
 
 def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
-          out: Any = None, act: int = ACT_NONE, act_div: float = 1.0) -> Any:
+          out: Any = None, act: int = ACT_NONE, act_div: float = 1.0, planes: bool = False) -> Any:
     """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
     ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
     ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
     None. ``xs``: X already split as :func:`split_kind` says (:func:`split`, or :func:`split_i8` with ``dense``: the
     integer ring, :data:`DENSE_I8_ENV`); a split of the other kind is not used (X is split here). ``act`` /
     ``act_div``: an activation of the output (:data:`ACT_SILU`, :data:`ACT_SIG2`). Returns ``out`` or a new float32
-    [T, rows].
+    [T, rows]; with ``planes`` (out, its :func:`split_i8` ``dense`` planes: made by the sum of the split of k's slices
+    where it runs, ``qmm_sum_act_split``, else by a split after the product; None for rows not a multiple of 64).
 
     Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
     or alignment, X not [T, cols], an unknown ``act``."""
@@ -674,13 +690,18 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
         name = f"qmm_dense<{f}, {nt}, 2>" if two is not None else f"qmm_dense<{f}, {nt}>"
         launch_big_shared(_fn(name, kc), (gx, gy), (THREADS,), args, smem_bytes(f, nt, kc))
     done = act == ACT_NONE
+    pl = None
     if nz > 1 and not in_kernel:
         if (sum_kernel() and out.flags.c_contiguous and tuple(out.shape) == (T, int(rows))
                 and int(out.data.ptr) % 16 == 0):  # (the kernel's float4 stores)
             n = T * int(rows)
             runs = n // 4 if n % 4 == 0 else n
             grid = (-(-runs * SUM_GROUP // SUM_THREADS),)
-            if act == ACT_NONE:
+            if planes and int(rows) % 64 == 0:  # the sums and their split: one launch
+                pl = _planes(cp, T, int(rows), "i8d")
+                _fn(f"qmm_sum_act_split<{act}>", kc)((n // 64,), (128,), (part, out, np.int32(rows), np.int32(nz),
+                                                                        np.float32(act_div), *pl))
+            elif act == ACT_NONE:
                 _fn("qmm_sum_slices", kc)(grid, (SUM_THREADS,), (part, out, np.int64(n), np.int32(nz)))
             else:
                 _fn(f"qmm_sum_act<{act}>", kc)(grid, (SUM_THREADS,), (part, out, np.int64(n), np.int32(nz),
@@ -690,6 +711,8 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
             cp.sum(part, axis=0, out=out)
     if not done:
         act_rows(out, act, act_div)
+    if planes:
+        return out, (pl if pl is not None or int(rows) % 64 else split_i8(out, dense=True))
     return out
 
 
@@ -884,6 +907,70 @@ def split_i8(X: Any, rowok: Any = None, dense: bool = False) -> tuple[Any, Any, 
     _fn("qmm_split_i8d" if dense else "qmm_split_i8", chunk_values(moe=True, layout=42))(
         (grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
     return DensePlanes((hi, lo, sc, qs)) if dense else (hi, lo, sc, qs)
+
+
+def _planes(cp: Any, T: int, K: int, kind: str | None) -> tuple[Any, ...] | None:
+    """Empty planes of a split of [T, K] of ``kind`` (:func:`split_i8`'s arrays; ``"i8d"`` as :class:`DensePlanes`),
+    or None for no split (``kind`` None). Raises StrataError for another kind."""
+    if kind is None:
+        return None
+    if kind not in ("i8", "i8d"):
+        raise StrataError(f"qmm: the hyper-connection kernels split into 'i8' or 'i8d' planes, not {kind!r}")
+    got = (cp.empty((T, K), dtype=cp.uint8), cp.empty((T, K), dtype=cp.uint8),
+           cp.empty((T, K // 64), dtype=cp.float32), cp.empty((T, K // 64), dtype=cp.int32))
+    return DensePlanes(got) if kind == "i8d" else got
+
+
+#: Threads of a ``qmm_hc_norm_split`` block (a stream's row of the step).
+HC_NORM_THREADS = 256
+
+
+def hc_norm_split(H: Any, w: Any, eps: float, hc: int, n: int, y: Any = None, iw: Any = None,
+                  kind: str | None = None) -> tuple[Any, Any]:
+    """The hyper-connections' input norm of the streams H float32 [T, hc n] (CuPy, contiguous; rows of n values, n a
+    multiple of 64), one launch (``qmm_hc_norm_split``): with ``y`` [T, n] and ``iw`` [T, hc] the pending inject first,
+    H += y iw per stream (in place); then hn = rmsnorm(H rows) times ``w`` (float32, repeated over the rows, or None)
+    and, with ``kind`` ``"i8d"``, its :func:`split_i8` ``dense`` planes. Returns (hn [T, hc n], planes or None).
+    Raises StrataError for H that is not contiguous float32 [T, hc n], n not a multiple of 64, an unknown kind."""
+    import cupy as cp
+
+    T = int(H.shape[0]) if H.ndim == 2 else 0
+    if (H.dtype != np.float32 or not H.flags.c_contiguous or H.ndim != 2 or T < 1 or int(H.shape[1]) != hc * n
+            or n % 64 or n < 64):
+        raise StrataError(f"qmm: streams of shape {tuple(H.shape)} are not contiguous float32 [T, {hc} x {n}] "
+                          "with rows a multiple of 64 values")
+    if kind not in (None, "i8d"):
+        raise StrataError(f"qmm: the norm's split is 'i8d', not {kind!r}")
+    hn = cp.empty((T, hc * n), dtype=cp.float32)
+    pl = _planes(cp, T, hc * n, kind)
+    yc = cp.ascontiguousarray(y, dtype=cp.float32) if y is not None else None
+    ic = cp.ascontiguousarray(iw, dtype=cp.float32) if y is not None else None
+    wc = cp.ascontiguousarray(w, dtype=cp.float32) if w is not None else None
+    _fn("qmm_hc_norm_split")((T * hc,), (HC_NORM_THREADS,),
+                             (H, yc, ic, np.int32(hc), np.int32(n), wc, np.int32(wc.size if wc is not None else 1),
+                              np.float32(eps), hn, *(pl[:4] if pl is not None else (None,) * 4)))
+    return hn, pl
+
+
+def hc_mix(u: Any, hn: Any, hc: int, n: int, kind: str | None = None) -> tuple[Any, Any]:
+    """The hyper-connections' mix (``qmm_hc_mix_split``): out [T, n] = sum over the hc streams of sigmoid(u) hn, over
+    hc (u, hn float32 [T, hc n], CuPy), and with ``kind`` (``"i8"``: the expert jobs' planes, ``"i8d"``: the dense
+    ring's) its :func:`split_i8` planes from the same launch. Returns (out, planes or None). Raises StrataError for
+    shapes that differ or are not [T, hc n] with n a multiple of 64, or an unknown kind."""
+    import cupy as cp
+
+    if u.shape != hn.shape or u.ndim != 2 or int(u.shape[1]) != hc * n or n % 64 or n < 64 or int(u.shape[0]) < 1:
+        raise StrataError(f"qmm: a mix of {tuple(u.shape)} and {tuple(hn.shape)} is not [T, {hc} x {n}] twice "
+                          "with rows a multiple of 64 values")
+    T = int(u.shape[0])
+    out = cp.empty((T, n), dtype=cp.float32)
+    pl = _planes(cp, T, n, kind)
+    grid = -(-(T * (n // 64) * 16) // SPLIT_I8_THREADS)
+    _fn(f"qmm_hc_mix_split<{1 if kind != 'i8' else 0}>")(
+        (grid,), (SPLIT_I8_THREADS,), (cp.ascontiguousarray(u, dtype=cp.float32),
+                                       cp.ascontiguousarray(hn, dtype=cp.float32), np.int32(hc), np.int32(n),
+                                       np.int32(T), out, *(pl[:4] if pl is not None else (None,) * 4)))
+    return out, pl
 
 
 #: ``STRATATOOLS_QMM_JOBS_RING``: the integer expert jobs' weights through a ring of shared-memory stages
