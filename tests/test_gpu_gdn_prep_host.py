@@ -53,7 +53,8 @@ def test_pf_gdn_prep_matches_numpy(lib, nseq, length, Kc, nk, dk, nv, dv, blocks
 
     with shared_within(lib, gdn_prep_shared(nk, dk)):
         lib.host_pf_gdn_prep(blocks, parts, _p(qkv), _p(state), _p(st_out), _p(wc), C, Kc, nseq, length, _p(b), _p(a),
-                             _p(ssm_a), _p(dt_bias), nk, dk, nv, qscale, _p(qn), _p(kn), _p(v), _p(beta), _p(decay))
+                             _p(ssm_a), _p(dt_bias), nk, dk, nv, qscale, _p(qn), _p(kn), _p(v), _p(beta), _p(decay),
+                             C, nv)
     # numpy: the prefill's _gdn per sequence
     for s in range(nseq):
         rows = slice(s * length, (s + 1) * length)
@@ -81,10 +82,45 @@ def test_pf_gdn_out_matches_numpy(lib, R, nv, dv, wlen, gate, blocks, parts):
     o, z, w = _f(rng, R, nv * dv, scale=2.0), _f(rng, R, nv * dv), _f(rng, wlen) + 1
     y = np.full((R, nv * dv), np.nan, dtype=np.float32)
     eps = 1e-6
-    lib.host_pf_gdn_out(blocks, parts, _p(o), _p(z), _p(w), wlen, eps, gate, R, nv, dv, _p(y))
+    lib.host_pf_gdn_out(blocks, parts, _p(o), _p(z), _p(w), wlen, eps, gate, R, nv, dv, _p(y), nv * dv)
     on = _rmsnorm(np, o.reshape(R, nv, dv), w if wlen == dv else w.reshape(nv, dv), eps)
     act = _sigmoid(np, z) if gate else _silu(np, z)
     np.testing.assert_allclose(y, (on.reshape(R, nv * dv) * act), rtol=2e-6, atol=1e-7)
+
+
+def test_gdn_kernels_take_rows_of_a_wider_array(lib):
+    """pf_gdn_prep's qkv, b and a and pf_gdn_out's z given as columns of one wider array (the batched step's joined
+    in-projection: rows ldq / ldb / ldz floats apart) give the bits of the contiguous copies."""
+    from stratatools.runtime.gpu.prefill import gdn_prep_shared
+
+    rng = np.random.default_rng(12)
+    nseq, Kc, nk, dk, nv, dv = 5, 4, 2, 8, 4, 6
+    C, R = 2 * nk * dk + nv * dv, nseq
+    wide = _f(rng, R, C + nv * dv + 2 * nv + 3)  # [qkv | z | b | a | 3 spare]
+    qkv, z = wide[:, :C], wide[:, C:C + nv * dv]
+    b, a = wide[:, C + nv * dv:C + nv * dv + nv], wide[:, C + nv * dv + nv:C + nv * dv + 2 * nv]
+    state, wc = _f(rng, nseq, Kc - 1, C), _f(rng, C, Kc, scale=0.5)
+    ssm_a, dt_bias = -np.abs(_f(rng, nv)), _f(rng, nv)
+    ld = wide.shape[1]
+    res = []
+    for args in ((qkv, b, a, ld, ld), tuple(np.ascontiguousarray(x) for x in (qkv, b, a)) + (C, nv)):
+        q8, b8, a8, ldq, ldb = args
+        outs = [np.full(sh, np.nan, dtype=np.float32) for sh in ((nseq, Kc - 1, C), (R, nk, dk), (R, nk, dk),
+                                                               (R, nv * dv), (R, nv), (R, nv))]
+        with shared_within(lib, gdn_prep_shared(nk, dk)):
+            lib.host_pf_gdn_prep(2, 3, q8.ctypes.data, _p(state), _p(outs[0]), _p(wc), C, Kc, nseq, 1, b8.ctypes.data,
+                                 a8.ctypes.data, _p(ssm_a), _p(dt_bias), nk, dk, nv, np.float32(dk ** -0.5),
+                                 *[_p(x) for x in outs[1:]], ldq, ldb)
+        res.append(outs)
+    for x, y in zip(*res):
+        assert np.array_equal(x, y)
+    o, w = _f(rng, R, nv * dv, scale=2.0), _f(rng, dv) + 1
+    ys = []
+    for zz, ldz in ((z, ld), (np.ascontiguousarray(z), nv * dv)):
+        y = np.full((R, nv * dv), np.nan, dtype=np.float32)
+        lib.host_pf_gdn_out(3, 2, _p(o), zz.ctypes.data, _p(w), dv, 1e-6, 1, R, nv, dv, _p(y), ldz)
+        ys.append(y)
+    assert np.array_equal(ys[0], ys[1]) and not np.isnan(ys[0]).any()
 
 
 # -- the wiring in the batched paths (ChunkPrefill._gdn, BatchDecoder._gdn) on a stand-in for CuPy ----------------

@@ -19,9 +19,11 @@
 
 #include "step_common.cuh"  // step_sigm, step_softplus, step_warp_sum, STEP_DYN_SHARED
 
-// qkv [R, C]: the conv input of every row (C = 2 nk dk + nv dv: q heads, k heads, v heads); state [nseq, K-1, C]: each
-// sequence's previous K-1 inputs, oldest first (read only); state_out [nseq, K-1, C]: the K-1 inputs after the
-// sequence's rows (written by the block of its last row); wc [C, K]; b, a [R, nv]; ssm_a, dt_bias [nv].
+// qkv [R, C] (rows ldq floats apart): the conv input of every row (C = 2 nk dk + nv dv: q heads, k heads, v heads);
+// state [nseq, K-1, C]: each sequence's previous K-1 inputs, oldest first (read only); state_out [nseq, K-1, C]: the
+// K-1 inputs after the sequence's rows (written by the block of its last row); wc [C, K]; b, a [R, nv] (rows ldb
+// floats apart: both can be columns of one product's output, as the batched step's joined in-projection gives them);
+// ssm_a, dt_bias [nv].
 // Outputs: qn, kn [R, nk, dk] (L2-normalised with eps 1e-6; qn times qscale), v [R, nv dv] (conv + SiLU of the v
 // part), beta, decay [R, nv]. Grid: (any number of blocks (rows by grid stride), P parts): the C channels of a row are
 // U = 2 nk + ceil(nv dv / dk) units of dk (the q and k heads, then pieces of the v channels), part p takes units
@@ -32,7 +34,8 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
                                        int nseq, int len, const float* __restrict__ b, const float* __restrict__ a,
                                        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int nk,
                                        int dk, int nv, float qscale, float* __restrict__ qn, float* __restrict__ kn,
-                                       float* __restrict__ v, float* __restrict__ beta, float* __restrict__ decay) {
+                                       float* __restrict__ v, float* __restrict__ beta, float* __restrict__ decay,
+                                       int ldq, int ldb) {
     STEP_DYN_SHARED(float, qk);
     const int tid = threadIdx.x, nt = blockDim.x;
     const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
@@ -44,12 +47,12 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
         const int s = r / len, u = r - s * len;
         const float* st = state + (long long)s * km1 * C;
-        const float* rows = qkv + (long long)s * len * C;  // the sequence's first row
+        const float* rows = qkv + (long long)s * len * ldq;  // the sequence's first row
         for (int c = ch0 + tid; c < ch1; c += nt) {
             float acc = 0.0f;
             for (int i = 0; i < K; ++i) {
                 const int xi = u + i;  // index into [state; rows]
-                const float xv = xi < km1 ? st[(long long)xi * C + c] : rows[(long long)(xi - km1) * C + c];
+                const float xv = xi < km1 ? st[(long long)xi * C + c] : rows[(long long)(xi - km1) * ldq + c];
                 acc += xv * wc[(long long)c * K + i];
             }
             const float y = acc * step_sigm(acc);
@@ -59,7 +62,7 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
                 for (int i = 0; i < km1; ++i) {
                     const int xi = len + i;
                     state_out[((long long)s * km1 + i) * C + c] = xi < km1 ? st[(long long)xi * C + c]
-                                                                           : rows[(long long)(xi - km1) * C + c];
+                                                                           : rows[(long long)(xi - km1) * ldq + c];
                 }
             }
         }
@@ -78,21 +81,22 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
             }
         }
         for (int j = blockIdx.y == 0 ? tid : nv; j < nv; j += nt) {
-            const long long i = (long long)r * nv + j;
-            beta[i] = step_sigm(b[i]);
-            decay[i] = expf(ssm_a[j] * step_softplus(a[i] + dt_bias[j]));
+            const long long i = (long long)r * nv + j, ib = (long long)r * ldb + j;
+            beta[i] = step_sigm(b[ib]);
+            decay[i] = expf(ssm_a[j] * step_softplus(a[ib] + dt_bias[j]));
         }
         __syncthreads();  // qk is rewritten by the block's next row
     }
 }
 
-// o [R, nv dv]: the recurrence's output; z [R, nv dv]: the output gate's input; norm_w: wlen floats (indexed by the
-// value's place in the row modulo wlen: per head (dv) or whole row (nv dv)). y[r, j dv + c] = (o * rn_j) * norm_w *
-// act(z) with rn_j = 1 / sqrt(mean over the head's dv values of o^2 + eps), act sigmoid (sigmoid_gate) or SiLU.
+// o [R, nv dv]: the recurrence's output; z [R, nv dv] (rows ldz floats apart): the output gate's input; norm_w: wlen
+// floats (indexed by the value's place in the row modulo wlen: per head (dv) or whole row (nv dv)).
+// y[r, j dv + c] = (o * rn_j) * norm_w * act(z) with rn_j = 1 / sqrt(mean over the head's dv values of o^2 + eps),
+// act sigmoid (sigmoid_gate) or SiLU.
 // Grid: (any number of blocks (rows by grid stride), P): the heads go to the warps of the P blocks of a row.
 extern "C" __global__ void pf_gdn_out(const float* __restrict__ o, const float* __restrict__ z,
                                       const float* __restrict__ norm_w, int wlen, float eps, int sigmoid_gate, int R,
-                                      int nv, int dv, float* __restrict__ y) {
+                                      int nv, int dv, float* __restrict__ y, int ldz) {
     const int tid = threadIdx.x, nt = blockDim.x;
     const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
     const int warp = tid / lanes, lane = tid % lanes;
@@ -104,7 +108,7 @@ extern "C" __global__ void pf_gdn_out(const float* __restrict__ o, const float* 
             ss = step_warp_sum(ss);
             const float rn = 1.0f / sqrtf(ss / (float)dv + eps);
             for (int c = lane; c < dv; c += lanes) {
-                const float zz = z[base + c];
+                const float zz = z[(long long)r * ldz + (long long)j * dv + c];
                 const float act = sigmoid_gate ? step_sigm(zz) : zz * step_sigm(zz);
                 y[base + c] = ((o[base + c] * rn) * norm_w[(j * dv + c) % wlen]) * act;
             }

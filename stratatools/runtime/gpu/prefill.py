@@ -92,6 +92,18 @@ def route_warp() -> bool:
 #: of their own (0: the nineteenth pass's step, bench/gpu-notes.md).
 HC_FUSED_ENV = "STRATATOOLS_HC_FUSED"
 HC_FUSED_DEFAULT = True
+#: ``STRATATOOLS_JOINED_PROJ``: up to 32 rows on the integer dense ring, a GDN layer's four in-projections (qkv, the
+#: output gate, beta, alpha), which the decoder stacks in one buffer, as one product (1, the default: one launch and no
+#: split-k sums instead of four launches and three sums) or each its own (0).
+JOINED_ENV = "STRATATOOLS_JOINED_PROJ"
+JOINED_DEFAULT = True
+
+
+def joined_enabled() -> bool:
+    """:data:`JOINED_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(JOINED_ENV, "the GDN in-projections as one product", JOINED_DEFAULT)
 
 
 def hc_fused() -> bool:
@@ -250,15 +262,20 @@ def gdn_parts(rows: int, units: int) -> int:
 def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,
                     nk: int, dk: int, nv: int, dv: int) -> tuple[Any, Any, Any, Any, Any, Any]:
     """``pf_gdn_prep`` over ``nseq`` sequences of R / nseq rows each: qkv [R, C], state [nseq, K-1, C] (each
-    sequence's previous K-1 conv inputs), wc [C, K], b / a [R, nv], ssm_a / dt_bias [nv] (float32, contiguous, on
-    the device). Returns (qn [R, nk, dk] L2-normalised and scaled by dk^-1/2, kn [R, nk, dk], v [R, nv dv] after
+    sequence's previous K-1 conv inputs), wc [C, K], b / a [R, nv], ssm_a / dt_bias [nv] (float32 on the device;
+    qkv, b and a contiguous or rows of a wider array, b and a the same row stride: :func:`row_stride`; the rest
+    contiguous). Returns (qn [R, nk, dk] L2-normalised and scaled by dk^-1/2, kn [R, nk, dk], v [R, nv dv] after
     conv + SiLU, beta [R, nv], decay [R, nv], the next conv state [nseq, K-1, C]: new arrays). Raises StrataError
-    when R is not a multiple of ``nseq`` or the widths disagree."""
+    when R is not a multiple of ``nseq``, the widths disagree or b's and a's rows are not alike."""
     R, C = int(qkv.shape[0]), int(qkv.shape[1])
     K = int(wc.shape[1])
     if nseq < 1 or R % nseq or C != 2 * nk * dk + nv * dv or int(wc.shape[0]) != C:
         raise StrataError(f"GDN prep: {R} rows of {C} values in {nseq} sequences do not match heads "
                           f"2 x {nk} x {dk} + {nv} x {dv} and a conv of {int(wc.shape[0])} channels")
+    ldq, ldb = row_stride(qkv), row_stride(b)
+    if row_stride(a) != ldb or tuple(a.shape) != (R, nv) or tuple(b.shape) != (R, nv):
+        raise StrataError(f"GDN prep: beta and alpha inputs {tuple(b.shape)} / {tuple(a.shape)} are not [{R}, {nv}] "
+                          "rows alike")
     f32 = xp.float32
     qn, kn = xp.empty((R, nk, dk), dtype=f32), xp.empty((R, nk, dk), dtype=f32)
     v = xp.empty((R, nv * dv), dtype=f32)
@@ -268,20 +285,33 @@ def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_
     _gdn_module().get_function("pf_gdn_prep")(
         (max(1, min(R, 65535)), gdn_parts(R, units)), (GDN_PREP_THREADS,),
         (qkv, state, st_out, wc, np.int32(C), np.int32(K), np.int32(nseq), np.int32(R // nseq), b, a, ssm_a, dt_bias,
-         np.int32(nk), np.int32(dk), np.int32(nv), np.float32(dk ** -0.5), qn, kn, v, beta, decay),
+         np.int32(nk), np.int32(dk), np.int32(nv), np.float32(dk ** -0.5), qn, kn, v, beta, decay, np.int32(ldq),
+         np.int32(ldb)),
         shared_mem=gdn_prep_shared(nk, dk))
     return qn, kn, v, beta, decay, st_out
 
 
+def row_stride(x: Any) -> int:
+    """The row stride in floats of a float32 2-D array whose rows are contiguous (a contiguous array, or columns of a
+    wider one: the batched step's joined products); raises StrataError for another array (the kernels that take a
+    row stride index the values of a row as consecutive floats)."""
+    if x.ndim != 2 or x.dtype != np.float32 or (x.shape[1] > 1 and int(x.strides[1]) != 4) or int(x.strides[0]) % 4:
+        raise StrataError(f"GDN: an input of shape {tuple(x.shape)} and strides {tuple(x.strides)} is not float32 rows "
+                          "of consecutive values")
+    return int(x.strides[0]) // 4 if x.shape[0] > 1 else int(x.shape[1])
+
+
 def gdn_out_launch(xp: Any, o: Any, z: Any, norm_w: Any, eps: float, sigmoid_gate: bool, nv: int, dv: int) -> Any:
     """``pf_gdn_out``: per value head RMS norm of the recurrence output o [R, nv dv] times ``norm_w`` (dv or nv dv
-    floats) times the gate's activation of z [R, nv dv] (sigmoid, else SiLU); returns a new [R, nv dv] array."""
+    floats) times the gate's activation of z [R, nv dv] (sigmoid, else SiLU; contiguous or rows of a wider array:
+    :func:`row_stride`); returns a new [R, nv dv] array."""
     R = int(o.shape[0])
+    ldz = row_stride(z)
     y = xp.empty((R, nv * dv), dtype=xp.float32)
     _gdn_module().get_function("pf_gdn_out")(
         (max(1, min(R, 65535)), gdn_parts(R, -(-nv // (GDN_PREP_THREADS // 32)))), (GDN_PREP_THREADS,),
         (o, z, norm_w, np.int32(norm_w.size), np.float32(eps), np.int32(bool(sigmoid_gate)), np.int32(R),
-         np.int32(nv), np.int32(dv), y))
+         np.int32(nv), np.int32(dv), y, np.int32(ldz)))
     return y
 
 
@@ -927,6 +957,45 @@ class ChunkPrefill:
             pend = (y, inject)
         return self._inject_pending(H, pend)
 
+    def _mm_joined(self, X: Any, names: list[str], allow: bool = True) -> list[Any]:
+        """X [T, in] @ W.T for each matrix of ``names``: a list of [T, out] float32. With ``allow``, where the decoder
+        stacks a first run of them (two or more, in this order) in one Q8R buffer (its fast path's group) and T rows
+        take the integer dense ring (:data:`JOINED_ENV`), that run is one product and its results are column views of
+        its output (rows of the views lie apart: for the kernels that take a row stride); the others :meth:`_mm`."""
+        from stratatools.runtime.gpu import qmm
+
+        out: list[Any] = []
+        T = int(X.shape[0])
+        if (allow and self.gpu and self.gemm in ("mma", "hgemm") and joined_enabled() and X.ndim == 2
+                and T <= 8 * qmm.TILES[1]):
+            groups = self.dec._raw_groups
+            for k in range(len(names), 1, -1):
+                got = groups.get(tuple(names[:k]))
+                if got is None or not _is_q8r(got[0]):
+                    continue
+                rows, cols = [int(r) for r in got[1]], int(X.shape[1])
+                args = self._qmm_args(_Q8RRows(got[0], 0), None, int(sum(rows)), cols)
+                if args is None or qmm.split_kind(args[0], T, cols, args[1], args[2]) != "i8d":
+                    break
+                self._push("dense")
+                Y = qmm.dense(self.cp.ascontiguousarray(X, dtype=self.cp.float32), *args, xs=self._split(X, "i8d"))
+                self._pop()
+                o = 0
+                for r in rows:
+                    out.append(Y[:, o:o + r])
+                    o += r
+                break
+        return out + [self._mm(X, n) for n in names[len(out):]]
+
+    @staticmethod
+    def _rows_ok(x: Any) -> bool:
+        """Are x's rows float32 values one after another (:func:`row_stride` takes it)?"""
+        try:
+            row_stride(x)
+        except StrataError:
+            return False
+        return True
+
     def _inject_pending(self, H: Any, pend: tuple[Any, Any] | None) -> Any:
         """H with a pending block output added (``pend`` = (y, inject weights): :meth:`_inject`), or H."""
         return H if pend is None else self._inject(H, *pend)
@@ -1171,25 +1240,28 @@ class ChunkPrefill:
         nk, dk, nv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank
         dv = cfg.ssm_head_v_dim
         p = f"blk.{il}."
-        qkv = self._mm(x, p + "attn_qkv.weight")  # [T, C]
-        z = self._mm(x, p + "attn_gate.weight").reshape(T, nv, dv)
-        b = self._mm(x, p + "ssm_beta.weight")
-        a = self._mm(x, p + "ssm_alpha.weight")
+        prep = self.gpu and gdn_prep_enabled()
+        # [T, C], [T, nv dv], [T, nv] twice: on the GDN kernels' path one product where the decoder stacks the four
+        # matrices (columns of its output: the kernels take rows apart)
+        qkv, z, b, a = self._mm_joined(x, [p + n + ".weight" for n in ("attn_qkv", "attn_gate", "ssm_beta",
+                                                                        "ssm_alpha")], prep)
         wc = self._f32(p + "ssm_conv1d.weight")  # [C, K]
         C, K = wc.shape
-        if self.gpu and gdn_prep_enabled():  # gdn_prep.cu: the same formulas in two launches
+        if prep:  # gdn_prep.cu: the same formulas in two launches
             cp = self.cp
             c32 = functools.partial(cp.ascontiguousarray, dtype=cp.float32)
             state = c32(self._conv_state("gdn", il))
+            b, a = (b, a) if self._rows_ok(b) and self._rows_ok(a) and b.strides == a.strides else (c32(b), c32(a))
             qn, kn, v, beta, decay, st = gdn_prep_launch(
-                cp, c32(qkv), state, wc, c32(b), c32(a), self._f32(p + "ssm_a").reshape(-1),
+                cp, qkv if self._rows_ok(qkv) else c32(qkv), state, wc, b, a, self._f32(p + "ssm_a").reshape(-1),
                 self._f32(p + "ssm_dt.bias").reshape(-1), int(state.shape[0]), nk, dk, nv, dv)
             if K > 1:
                 self._set_conv_state("gdn", il, st)
             out = self._gdn_core(il, qn, kn, v, beta, decay, T)
-            y = gdn_out_launch(cp, out, c32(z.reshape(T, nv * dv)), self._f32(p + "ssm_norm.weight").reshape(-1),
+            y = gdn_out_launch(cp, out, z if self._rows_ok(z) else c32(z), self._f32(p + "ssm_norm.weight").reshape(-1),
                                cfg.eps, cfg.output_gate == "sigmoid", nv, dv)
             return self._mm(y, p + "ssm_out.weight")
+        z = z.reshape(T, nv, dv)
         conv = _silu(xp, self._causal_conv("gdn", il, qkv, wc))
         q = _l2norm(xp, conv[:, :nk * dk].reshape(T, nk, dk)) * xp.float32(dk ** -0.5)
         kn = _l2norm(xp, conv[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
