@@ -230,3 +230,30 @@ def test_prefill_and_batched_gdn_use_the_kernels_like_the_array_code(lib, small_
         assert np.array_equal(results[1][1][1], conv_p[1])  # place 1 was not in the step
     finally:
         w.close()
+
+
+def test_pf_gdn_prep_updates_the_state_in_place_for_one_row_a_sequence(lib):
+    """pf_gdn_prep with state_out = state (every sequence one row: the batched step) leaves in the state the bits a
+    separate state_out gets, and the same outputs."""
+    from stratatools.runtime.gpu.prefill import gdn_prep_shared
+
+    rng = np.random.default_rng(13)
+    nseq, Kc, nk, dk, nv, dv = 4, 4, 2, 8, 4, 6
+    C = 2 * nk * dk + nv * dv
+    qkv, state0, wc = _f(rng, nseq, C), _f(rng, nseq, Kc - 1, C), _f(rng, C, Kc, scale=0.5)
+    b, a = _f(rng, nseq, nv), _f(rng, nseq, nv)
+    ssm_a, dt_bias = -np.abs(_f(rng, nv)), _f(rng, nv)
+    res = []
+    for inplace in (False, True):
+        state = state0.copy()
+        st_out = state if inplace else np.full_like(state, np.nan)
+        outs = [np.full(sh, np.nan, dtype=np.float32) for sh in ((nseq, nk, dk), (nseq, nk, dk), (nseq, nv * dv),
+                                                               (nseq, nv), (nseq, nv))]
+        with shared_within(lib, gdn_prep_shared(nk, dk)):
+            lib.host_pf_gdn_prep(3, 2, _p(qkv), _p(state), _p(st_out), _p(wc), C, Kc, nseq, 1, _p(b), _p(a),
+                                 _p(ssm_a), _p(dt_bias), nk, dk, nv, np.float32(dk ** -0.5), *[_p(x) for x in outs],
+                                 C, nv)
+        res.append([st_out] + outs)
+    for x, y in zip(*res):
+        assert np.array_equal(x, y)
+    assert np.array_equal(res[1][0][:, :-1], state0[:, 1:]) and np.array_equal(res[1][0][:, -1], qkv)

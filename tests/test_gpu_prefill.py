@@ -403,7 +403,7 @@ def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
                   np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
         if name == "pf_gdn_step_rw":
             gy, th = PF.gdn_step_rw_launch(dk, dv)
-            mod.get_function(name)((nv, gy), (th,), common)
+            mod.get_function(name)((nv, gy), (th,), common + (np.int32(0), np.int32(0)))
         elif name != "pf_gdn_chunk":
             per = PF.GDN_WARP_COLUMNS * PF.GDN_WARP_WARPS
             mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common)

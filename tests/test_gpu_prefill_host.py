@@ -110,7 +110,7 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kern
     if kernel == "pf_gdn_step_rw":  # (the host's blocks of one thread: a block a column)
         with shared_within(lib, 0):
             getattr(lib, f"host_{kernel}")(nv, dv, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay),
-                                           _p(S), _p(out), T, nk, nv, dk, dv)
+                                           _p(S), _p(out), T, nk, nv, dk, dv, 0, 0)
     elif kernel == "pf_gdn_warp":
         with shared_within(lib, 0):  # no shared memory
             lib.host_pf_gdn_warp(nv, -(-dv // PF.GDN_WARP_COLUMNS), _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv,
@@ -239,3 +239,28 @@ def test_gdn_kernel_from_the_environment(monkeypatch):
     monkeypatch.setenv(PF.GDN_WARP_ENV, "2")
     with pytest.raises(StrataError, match=PF.GDN_WARP_ENV):
         PF.gdn_kernel()
+
+
+def test_pf_gdn_step_rw_reads_each_places_key_heads(lib):
+    """pf_gdn_step_rw with places folded into the heads (hpp value heads and kpp key heads a place: value head h of a
+    place reads its key head h mod kpp) gives the bits of the same launch over q and k repeated to every value head
+    (the batched step's copies before)."""
+    rng = np.random.default_rng(4)
+    P, nk, nv, dk, dv = 3, 2, 6, 8, 5
+    q = _l2norm(np, rng.standard_normal((P, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
+    kk = _l2norm(np, rng.standard_normal((P, nk, dk)).astype(np.float32))
+    v = rng.standard_normal((P, nv * dv)).astype(np.float32)
+    beta = _sigmoid(np, rng.standard_normal((P, nv)).astype(np.float32))
+    decay = np.exp(-rng.uniform(0, 2, (P, nv))).astype(np.float32)
+    S0 = (rng.standard_normal((P * nv, dk, dv)) * 0.1).astype(np.float32)
+    H = P * nv
+    got = []
+    for qq, kx, nkk, hpp, kpp in ((np.tile(q, (1, nv // nk, 1)), np.tile(kk, (1, nv // nk, 1)), H, 0, 0),
+                                  (q, kk, P * nk, nv, nk)):
+        S, out = S0.copy(), np.full((P, nv * dv), np.nan, np.float32)
+        with shared_within(lib, 0):
+            lib.host_pf_gdn_step_rw(H, dv, _p(np.ascontiguousarray(qq)), _p(np.ascontiguousarray(kx)), _p(v), H * dv,
+                                    _p(beta), _p(decay), _p(S), _p(out), 1, nkk, H, dk, dv, hpp, kpp)
+        got.append((S, out))
+    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+    assert not np.isnan(got[1][1]).any()

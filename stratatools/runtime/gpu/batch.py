@@ -64,8 +64,8 @@ import numpy as np
 from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
-from stratatools.runtime.gpu.prefill import (GDN_STEP_MAX_DK, ChunkPrefill, attn_module, gdn_chunk_shared,
-                                             gdn_step_rw_launch)
+from stratatools.runtime.gpu.prefill import (GDN_STEP_MAX_DK, ChunkPrefill, _same_memory, attn_module,
+                                             gdn_chunk_shared, gdn_step_rw_launch)
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
@@ -497,7 +497,9 @@ class BatchDecoder(ChunkPrefill):
         return self._take((self.conv if which == "gdn" else self.ple_conv)[il])
 
     def _set_conv_state(self, which: str, il: int, st: Any) -> None:
-        self._put((self.conv if which == "gdn" else self.ple_conv)[il], st)
+        buf = (self.conv if which == "gdn" else self.ple_conv)[il]
+        if not (self._all and _same_memory(buf, st)):  # (a launch that updated the buffer itself: nothing to copy)
+            self._put(buf, st)
 
     def _gdn_core(self, il: int, q: Any, kn: Any, v: Any, beta: Any, decay: Any, T: int) -> Any:
         """One delta-rule step of every active place (:meth:`_gdn_step_b`; the prefill's hook)."""
@@ -510,23 +512,30 @@ class BatchDecoder(ChunkPrefill):
         nk, dk, nv, dv = cfg.ssm_n_group, cfg.ssm_d_state, cfg.ssm_dt_rank, cfg.ssm_head_v_dim
         T = int(q.shape[0])
         rep = nv // nk
+        S = self._take(self.ssm[il])  # [T, nv, dk, dv]
+        if self.gpu and dk <= GDN_STEP_MAX_DK:
+            # the state's rows in registers over a block's warps (prefill.cu pf_gdn_step_rw); places folded into the
+            # head axis (head s nv + h is place s's head h), each value head reading its place's key head h mod nk
+            # (no repeated copies of q and k)
+            cp = self.cp
+            S = cp.ascontiguousarray(S)
+            out = cp.empty((T, nv * dv), dtype=cp.float32)
+            H = T * nv
+            gy, th = gdn_step_rw_launch(dk, dv)
+            self.k_gdn_step_rw((H, gy), (th,), (
+                cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(kn, dtype=cp.float32), v,
+                np.int32(H * dv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out, np.int32(1),
+                np.int32(T * nk), np.int32(H), np.int32(dk), np.int32(dv), np.int32(nv), np.int32(nk)))
+            if not self._all:
+                self._put(self.ssm[il], S)
+            return out
         qt = xp.tile(q, (1, rep, 1)) if rep > 1 else q  # [T, nv, dk]
         kt = xp.tile(kn, (1, rep, 1)) if rep > 1 else kn
-        S = self._take(self.ssm[il])  # [T, nv, dk, dv]
         if self.gpu:
             cp = self.cp
             S = cp.ascontiguousarray(S)
             out = cp.empty((T, nv * dv), dtype=cp.float32)
             H = T * nv  # places folded into the head axis: head s nv + h is place s's head h, key head the same
-            if dk <= GDN_STEP_MAX_DK:  # the state's rows in registers over a block's warps (prefill.cu pf_gdn_step_rw)
-                gy, th = gdn_step_rw_launch(dk, dv)
-                self.k_gdn_step_rw((H, gy), (th,), (
-                    cp.ascontiguousarray(qt, dtype=cp.float32), cp.ascontiguousarray(kt, dtype=cp.float32), v,
-                    np.int32(H * dv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out, np.int32(1),
-                    np.int32(H), np.int32(H), np.int32(dk), np.int32(dv)))
-                if not self._all:
-                    self._put(self.ssm[il], S)
-                return out
             cw = dv
             threads = 256 if cw >= 32 else 128
             rs = max(1, threads // cw)

@@ -20,18 +20,19 @@
 #include "step_common.cuh"  // step_sigm, step_softplus, step_warp_sum, STEP_DYN_SHARED
 
 // qkv [R, C] (rows ldq floats apart): the conv input of every row (C = 2 nk dk + nv dv: q heads, k heads, v heads);
-// state [nseq, K-1, C]: each sequence's previous K-1 inputs, oldest first (read only); state_out [nseq, K-1, C]: the
-// K-1 inputs after the sequence's rows (written by the block of its last row); wc [C, K]; b, a [R, nv] (rows ldb
-// floats apart: both can be columns of one product's output, as the batched step's joined in-projection gives them);
-// ssm_a, dt_bias [nv].
+// state [nseq, K-1, C]: each sequence's previous K-1 inputs, oldest first; state_out [nseq, K-1, C]: the K-1 inputs
+// after the sequence's rows (written by the block of its last row; state itself may be given where every sequence
+// has one row: a channel's thread reads its inputs before it writes them, no other reads them); wc [C, K]; b, a
+// [R, nv] (rows ldb floats apart: both can be columns of one product's output, as the batched step's joined
+// in-projection gives them); ssm_a, dt_bias [nv].
 // Outputs: qn, kn [R, nk, dk] (L2-normalised with eps 1e-6; qn times qscale), v [R, nv dv] (conv + SiLU of the v
 // part), beta, decay [R, nv]. Grid: (any number of blocks (rows by grid stride), P parts): the C channels of a row are
 // U = 2 nk + ceil(nv dv / dk) units of dk (the q and k heads, then pieces of the v channels), part p takes units
 // [p ceil(U / P), ...) (its heads normed by its own block) and part 0 beta and decay, so that a batched step's few rows
 // fill the device (32 rows: 32 blocks of 36.8 us before). Shared: 2 nk dk floats.
-extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const float* __restrict__ state,
-                                       float* __restrict__ state_out, const float* __restrict__ wc, int C, int K,
-                                       int nseq, int len, const float* __restrict__ b, const float* __restrict__ a,
+extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const float* state, float* state_out,
+                                       const float* __restrict__ wc, int C, int K, int nseq, int len,
+                                       const float* __restrict__ b, const float* __restrict__ a,
                                        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int nk,
                                        int dk, int nv, float qscale, float* __restrict__ qn, float* __restrict__ kn,
                                        float* __restrict__ v, float* __restrict__ beta, float* __restrict__ decay,

@@ -354,11 +354,14 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
 extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
         const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
-        float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
     __shared__ float red[2][PF_GDN_RW_WARPS][32];
     const int nl = blockDim.x >= 32 ? 32 : 1, nw = (int)blockDim.x / nl;
     const int lane = (int)threadIdx.x % nl, w = (int)threadIdx.x / nl;
-    const int j = blockIdx.x, g = j % nk, c = (int)blockIdx.y * nl + lane;
+    // hpp > 0: the heads are places' heads, hpp value heads and kpp key heads a place (value head h of a place reads
+    // its key head h mod kpp: the batched step needs no repeated copy of q and k); else key head j mod nk
+    const int j = blockIdx.x, g = hpp > 0 ? (j / hpp) * kpp + (j % hpp) % kpp : j % nk;
+    const int c = (int)blockIdx.y * nl + lane;
     if (nw > PF_GDN_RW_WARPS || nw * PF_GDN_RW_ROWS < dk) return;  // (uniform: the launcher's shapes never do this)
     const bool ok = c < dv;
     const int r0 = w * PF_GDN_RW_ROWS;

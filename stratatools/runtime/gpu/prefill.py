@@ -260,13 +260,14 @@ def gdn_parts(rows: int, units: int) -> int:
 
 
 def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_a: Any, dt_bias: Any, nseq: int,
-                    nk: int, dk: int, nv: int, dv: int) -> tuple[Any, Any, Any, Any, Any, Any]:
+                    nk: int, dk: int, nv: int, dv: int, in_place: bool = False) -> tuple[Any, Any, Any, Any, Any, Any]:
     """``pf_gdn_prep`` over ``nseq`` sequences of R / nseq rows each: qkv [R, C], state [nseq, K-1, C] (each
     sequence's previous K-1 conv inputs), wc [C, K], b / a [R, nv], ssm_a / dt_bias [nv] (float32 on the device;
     qkv, b and a contiguous or rows of a wider array, b and a the same row stride: :func:`row_stride`; the rest
     contiguous). Returns (qn [R, nk, dk] L2-normalised and scaled by dk^-1/2, kn [R, nk, dk], v [R, nv dv] after
-    conv + SiLU, beta [R, nv], decay [R, nv], the next conv state [nseq, K-1, C]: new arrays). Raises StrataError
-    when R is not a multiple of ``nseq``, the widths disagree or b's and a's rows are not alike."""
+    conv + SiLU, beta [R, nv], decay [R, nv], the next conv state [nseq, K-1, C]: new arrays; with ``in_place`` and
+    one row a sequence, the state is ``state`` itself, updated). Raises StrataError when R is not a multiple of
+    ``nseq``, the widths disagree or b's and a's rows are not alike."""
     R, C = int(qkv.shape[0]), int(qkv.shape[1])
     K = int(wc.shape[1])
     if nseq < 1 or R % nseq or C != 2 * nk * dk + nv * dv or int(wc.shape[0]) != C:
@@ -280,7 +281,7 @@ def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_
     qn, kn = xp.empty((R, nk, dk), dtype=f32), xp.empty((R, nk, dk), dtype=f32)
     v = xp.empty((R, nv * dv), dtype=f32)
     beta, decay = xp.empty((R, nv), dtype=f32), xp.empty((R, nv), dtype=f32)
-    st_out = xp.empty((nseq, K - 1, C), dtype=f32)
+    st_out = state if in_place and R == nseq else xp.empty((nseq, K - 1, C), dtype=f32)
     units = 2 * nk + -(-(nv * dv) // dk)
     _gdn_module().get_function("pf_gdn_prep")(
         (max(1, min(R, 65535)), gdn_parts(R, units)), (GDN_PREP_THREADS,),
@@ -406,6 +407,15 @@ def _is_q8r(buf: Any) -> bool:
     """Is a decoder's matrix buffer a :class:`stratatools.runtime.gpu.decode.Q8R` (codes ``q`` and scales ``d`` in
     ``dense_q8.cu``'s layout) rather than GGUF block bytes?"""
     return getattr(buf, "q", None) is not None and getattr(buf, "d", None) is not None
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Are the device arrays a and b the same values (data, shape and strides)? False for host arrays."""
+    try:
+        return (int(a.data.ptr) == int(b.data.ptr) and tuple(a.shape) == tuple(b.shape)
+                and tuple(a.strides) == tuple(b.strides))
+    except (AttributeError, TypeError):  # (numpy: .data is a buffer without a device pointer)
+        return False
 
 
 class _Q8RRows:
@@ -1207,8 +1217,10 @@ class ChunkPrefill:
         return (self.dec.conv if which == "gdn" else self.dec.ple_conv)[il][None]
 
     def _set_conv_state(self, which: str, il: int, st: Any) -> None:
-        """Store :meth:`_conv_state`'s next value ``st`` [sequences, history, C]."""
-        (self.dec.conv if which == "gdn" else self.dec.ple_conv)[il][...] = st[0]
+        """Store :meth:`_conv_state`'s next value ``st`` [sequences, history, C] (none where ``st`` is the buffer)."""
+        buf = (self.dec.conv if which == "gdn" else self.dec.ple_conv)[il]
+        if not _same_memory(buf[None], st):
+            buf[...] = st[0]
 
     def _causal_conv(self, which: str, il: int, xnew: Any, wc: Any, dil: int = 1) -> Any:
         """Depthwise causal conv of ``xnew`` [R, C] (the R / S rows of each of the S sequences of
@@ -1254,9 +1266,9 @@ class ChunkPrefill:
             b, a = (b, a) if self._rows_ok(b) and self._rows_ok(a) and b.strides == a.strides else (c32(b), c32(a))
             qn, kn, v, beta, decay, st = gdn_prep_launch(
                 cp, qkv if self._rows_ok(qkv) else c32(qkv), state, wc, b, a, self._f32(p + "ssm_a").reshape(-1),
-                self._f32(p + "ssm_dt.bias").reshape(-1), int(state.shape[0]), nk, dk, nv, dv)
+                self._f32(p + "ssm_dt.bias").reshape(-1), int(state.shape[0]), nk, dk, nv, dv, in_place=True)
             if K > 1:
-                self._set_conv_state("gdn", il, st)
+                self._set_conv_state("gdn", il, st)  # (nothing to copy where the launch updated the buffer itself)
             out = self._gdn_core(il, qn, kn, v, beta, decay, T)
             y = gdn_out_launch(cp, out, z if self._rows_ok(z) else c32(z), self._f32(p + "ssm_norm.weight").reshape(-1),
                                cfg.eps, cfg.output_gate == "sigmoid", nv, dv)

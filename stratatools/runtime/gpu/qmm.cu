@@ -937,35 +937,51 @@ __device__ __forceinline__ float qmm_block_sum(float v, float* red) {
 // takes its pending inject first, H += y[t] iw[r] (iw [T, hc]; prefill.py _inject's formula, written back into H);
 // then hn [T, hc n] = x / sqrt(mean(x x) + eps) times w[(r n + c) mod wlen] (w null: none; decode_step.cu
 // rmsnorm_rows's formula, its sum in another order); with xh the split of hn as [T, hc n] into the planes of
-// qmm_split_i8d (the same bits as that kernel over this hn). Grid: T hc blocks (the host build: one thread each).
+// qmm_split_i8d (the same bits as that kernel over this hn). The row is read once, by float4s, into shared memory
+// (2 n floats of dynamic shared memory: the row, then w's values for it) and normed and split from there (the first
+// form read it from global memory twice, 8.7 us a launch of the 32-sequence step: more than rmsnorm_rows alone).
+// Grid: T hc blocks (the host build: one thread each); blockDim a multiple of 32, n / 4 the fastest (a float4 a
+// thread, one turn of the split).
 extern "C" __global__ void qmm_hc_norm_split(float* __restrict__ H, const float* __restrict__ y,
                                              const float* __restrict__ iw, int hc, int n,
                                              const float* __restrict__ w, int wlen, float eps,
                                              float* __restrict__ hn, u32* __restrict__ xh, u32* __restrict__ xl,
                                              float* __restrict__ xs, int* __restrict__ xq) {
     __shared__ float red[32];
+    float* sx = reinterpret_cast<float*>(QMM_SMEM_BASE);  // [n] the row after the inject
+    float* sw = sx + n;                                    // [n] w's values for the row
     const int r = (int)blockIdx.x, t = r / hc, h = r - t * hc;
     const long long base = (long long)r * n;
-    float* x = H + base;
-    const float* yr = y != nullptr ? y + (long long)t * n : nullptr;
+    float4* x4 = reinterpret_cast<float4*>(H + base);
+    const float4* y4 = y != nullptr ? reinterpret_cast<const float4*>(y + (long long)t * n) : nullptr;
     const float g = y != nullptr ? iw[r] : 0.0f;
-    float s = 0.0f;
-    for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) {
-        float v = x[i];
-        if (yr != nullptr) {
-            v = v + yr[i] * g;
-            x[i] = v;
-        }
-        s += v * v;
-    }
-    s = qmm_block_sum(s, red);  // (its barriers also make the row's injected values visible to every thread)
-    const float rs = 1.0f / sqrtf(s / (float)n + eps);
     const bool whole = w != nullptr && wlen % n == 0;  // (w's values for this row: one run, no modulo a value)
-    const float* wr = whole ? w + base % wlen : nullptr;
+    const float4* w4 = whole ? reinterpret_cast<const float4*>(w + base % wlen) : nullptr;
+    float s = 0.0f;
+    for (int f = (int)threadIdx.x; f < (n >> 2); f += (int)blockDim.x) {
+        float4 v = x4[f];
+        if (y4 != nullptr) {
+            const float4 d = y4[f];
+            v = make_float4(v.x + d.x * g, v.y + d.y * g, v.z + d.z * g, v.w + d.w * g);
+            x4[f] = v;
+        }
+        reinterpret_cast<float4*>(sx)[f] = v;
+        if (whole) {
+            reinterpret_cast<float4*>(sw)[f] = w4[f];
+        } else if (w != nullptr) {
+            for (int i = 0; i < 4; ++i) sw[4 * f + i] = w[(base + 4 * f + i) % wlen];
+        }
+        s += v.x * v.x;
+        s += v.y * v.y;
+        s += v.z * v.z;
+        s += v.w * v.w;
+    }
+    s = qmm_block_sum(s, red);  // (its barriers also make sx and sw whole for every thread)
+    const float rs = 1.0f / sqrtf(s / (float)n + eps);
     float* o = hn + base;
     auto val = [&](int c) {
-        float v = x[c] * rs;
-        if (w != nullptr) v = v * (whole ? wr[c] : w[(base + c) % wlen]);
+        float v = sx[c] * rs;
+        if (w != nullptr) v = v * sw[c];
         return v;
     };
     if (xh == nullptr) {
@@ -985,39 +1001,50 @@ extern "C" __global__ void qmm_hc_norm_split(float* __restrict__ H, const float*
     }
 }
 
+// Units of 64 a block of qmm_hc_mix_split (its blockDim / QI8_GROUP, at most; the host build's blocks hold one).
+#define QI8_MIX_UNITS 16
+
 // The hyper-connections' mix out [T, n] = (sum over h < hc of sigmoid(u[t, h, c]) hn[t, h, c]) / hc (u, hn [T, hc n];
 // prefill.py pf_hc_mix's formula) and, with xh, its split into the planes of order ORD (qmm_split_i8 / qmm_split_i8d
-// of out, the same bits). n a multiple of 64; units of 64 outputs of QI8_GROUP threads each: grid
-// ceil(T n / 64 QI8_GROUP / blockDim) blocks (the host build: T n / 64 blocks of one thread).
+// of out, the same bits). n a multiple of 64; units of 64 outputs of QI8_GROUP threads each, a thread's outputs
+// from float4s of u and hn (then through shared memory into the plane order): grid ceil(T n / 64 QI8_GROUP /
+// blockDim) blocks, blockDim at most 16 QI8_GROUP (the host build: T n / 64 blocks of one thread).
 template <int ORD>
 __global__ void qmm_hc_mix_split(const float* __restrict__ u, const float* __restrict__ hn, int hc, int n, int T,
                                  float* __restrict__ out, u32* __restrict__ xh, u32* __restrict__ xl,
                                  float* __restrict__ xs, int* __restrict__ xq) {
+    constexpr int WPT = 16 / QI8_GROUP;  // float4s (words) a thread
+    __shared__ float sv[QI8_MIX_UNITS][64];
     const int nb = n >> 6;
     const long long units = (long long)T * nb;
     const long long un = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
     const int gl = (int)(threadIdx.x % QI8_GROUP);
     const long long uc = un < units ? un : units - 1;
     const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
-    const long long r0 = (long long)t * hc * n + 64 * b;
-    float* o = out + (long long)t * n + 64 * b;
-    auto val = [&](int j) {
-        float s = 0.0f;
-        for (int h = 0; h < hc; ++h) {
-            const long long q = r0 + (long long)h * n + j;
-            s += (1.0f / (1.0f + expf(-u[q]))) * hn[q];
+    const bool live = un < units;
+    float* buf = sv[threadIdx.x / QI8_GROUP];
+    if (live) {
+        const long long r0 = (long long)t * hc * n + 64 * b;
+        float4* o4 = reinterpret_cast<float4*>(out + (long long)t * n + 64 * b);
+        #pragma unroll
+        for (int p = 0; p < WPT; ++p) {
+            const int f = gl * WPT + p;  // values 4 f .. 4 f + 3 of the unit
+            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int h = 0; h < hc; ++h) {
+                const float4 uu = reinterpret_cast<const float4*>(u + r0 + (long long)h * n)[f];
+                const float4 xx = reinterpret_cast<const float4*>(hn + r0 + (long long)h * n)[f];
+                a[0] += (1.0f / (1.0f + expf(-uu.x))) * xx.x;
+                a[1] += (1.0f / (1.0f + expf(-uu.y))) * xx.y;
+                a[2] += (1.0f / (1.0f + expf(-uu.z))) * xx.z;
+                a[3] += (1.0f / (1.0f + expf(-uu.w))) * xx.w;
+            }
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) buf[4 * f + i] = a[i] / (float)hc;
+            o4[f] = make_float4(buf[4 * f], buf[4 * f + 1], buf[4 * f + 2], buf[4 * f + 3]);
         }
-        const float v = s / (float)hc;
-        o[j] = v;
-        return v;
-    };
-    if (xh != nullptr) {
-        qi8_unit<ORD>(val, un < units, gl, t, b, n, xh, xl, xs, xq);
-    } else if (un < units) {
-        constexpr int WPT = 16 / QI8_GROUP;
-        for (int p = 0; p < WPT; ++p)
-            for (int i = 0; i < 4; ++i) val(qi8_value<1>(gl * WPT + p, i));
     }
+    __syncwarp();  // (a unit's threads are one quarter or half of a warp)
+    if (xh != nullptr) qi8_unit<ORD>([&](int j) { return buf[j]; }, live, gl, t, b, n, xh, xl, xs, xq);
 }
 
 // qmm_sum_act<ACT>'s sums of Y [T, R] (R a multiple of 64; ACT 0: none) and, from the same launch, their split

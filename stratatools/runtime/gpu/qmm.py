@@ -921,8 +921,10 @@ def _planes(cp: Any, T: int, K: int, kind: str | None) -> tuple[Any, ...] | None
     return DensePlanes(got) if kind == "i8d" else got
 
 
-#: Threads of a ``qmm_hc_norm_split`` block (a stream's row of the step).
-HC_NORM_THREADS = 256
+def hc_norm_threads(n: int) -> int:
+    """Threads of a ``qmm_hc_norm_split`` block for rows of n values: a float4 a thread (n / 4 rounded up to whole
+    warps), at most 1,024."""
+    return min(1024, -(-int(n) // 128) * 32)
 
 
 def hc_norm_split(H: Any, w: Any, eps: float, hc: int, n: int, y: Any = None, iw: Any = None,
@@ -946,9 +948,9 @@ def hc_norm_split(H: Any, w: Any, eps: float, hc: int, n: int, y: Any = None, iw
     yc = cp.ascontiguousarray(y, dtype=cp.float32) if y is not None else None
     ic = cp.ascontiguousarray(iw, dtype=cp.float32) if y is not None else None
     wc = cp.ascontiguousarray(w, dtype=cp.float32) if w is not None else None
-    _fn("qmm_hc_norm_split")((T * hc,), (HC_NORM_THREADS,),
-                             (H, yc, ic, np.int32(hc), np.int32(n), wc, np.int32(wc.size if wc is not None else 1),
-                              np.float32(eps), hn, *(pl[:4] if pl is not None else (None,) * 4)))
+    launch_big_shared(_fn("qmm_hc_norm_split"), (T * hc,), (hc_norm_threads(n),),
+                      (H, yc, ic, np.int32(hc), np.int32(n), wc, np.int32(wc.size if wc is not None else 1),
+                       np.float32(eps), hn, *(pl[:4] if pl is not None else (None,) * 4)), 8 * n)
     return hn, pl
 
 
