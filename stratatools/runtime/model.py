@@ -108,9 +108,14 @@ class Rope:
         """cos and sin tables for token positions ``pos`` [T]: two float32 arrays [T, n_rot] (each half repeated,
         NEOX layout) on ``xp``.
         """
+        c, s = self.cos_sin_host(pos)
+        return self.xp.asarray(c), self.xp.asarray(s)
+
+    def cos_sin_host(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`cos_sin` as numpy arrays (for a caller that uploads them itself)."""
         f = np.asarray(pos, dtype=np.float32)[:, None] * self.inv_freq[None, :]
         f = np.concatenate([f, f], axis=-1)
-        return self.xp.asarray(np.cos(f)), self.xp.asarray(np.sin(f))
+        return np.cos(f), np.sin(f)
 
     def apply(self, x: Any, cos: Any, sin: Any) -> Any:
         """x [T, heads, d]; cos/sin [T, n_rot]."""

@@ -145,6 +145,7 @@ class BatchDecoder(ChunkPrefill):
         #: CuPy when a graph may be used, settable on numpy (no capture there: the same code eagerly, for tests)
         self.static_inputs = bool(self.gpu and graph_enabled())
         self._gin: dict[str, Any] | None = None  # the static input buffers
+        self._pin: dict[str, Any] | None = None  # their pinned host buffer and its device copy (CuPy)
         self._graph: Any = None
         self._gpool: Any = None
         self._gout: tuple[Any, Any] | None = None
@@ -342,6 +343,9 @@ class BatchDecoder(ChunkPrefill):
         and positions (as :meth:`_places`), the token embedding rows, the rope tables and each PLE layer's rows
         (the places' PLE contexts advance)."""
         xp, cfg, n = self.xp, self.cfg, self.n
+        if self.gpu:
+            self._stage_pinned(pl, toks, pos)
+            return
         x0 = self._rows("token_embd.weight", toks)
         cos, sin = self.rt.rope.cos_sin(pos)
         ple = ({il: self._ple_emb(il, r, n) for il, r in self._ple_rows_b(toks, pl).items()}
@@ -359,6 +363,51 @@ class BatchDecoder(ChunkPrefill):
         g["sin"][...] = sin
         for il, e in ple.items():
             g["ple"][il][...] = e
+        self._pl, self._all = pl, True
+        self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
+
+    def _stage_pinned(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
+        """:meth:`_stage_static` on CuPy: the step's inputs (positions, embedding rows, rope tables, each PLE layer's
+        rows) computed on the host into one pinned buffer and uploaded by one asynchronous copy on the decoder's
+        stream (before the replay that reads them) into one device buffer, whose views are the static input buffers
+        (the step's separate uploads and device copies took 1.4 ms of host time a step at 32 places, H200,
+        bench/gpu-notes.md). The copy of the step before is waited for before its buffer is written again."""
+        import cupyx
+
+        cp, cfg, n = self.cp, self.cfg, self.n
+        x0 = self._rows_host("token_embd.weight", toks)
+        cos, sin = self.rt.rope.cos_sin_host(pos)
+        ple = ({il: self._rows_host("per_layer_token_embd.weight", r.reshape(-1)).reshape(n, -1)
+                for il, r in self._ple_rows_b(toks, pl).items()} if cfg.ple_layers else {})
+        parts = {"pos_i32": np.asarray(pos, dtype=np.int32), "x0": x0, "cos": np.asarray(cos, dtype=np.float32),
+                 "sin": np.asarray(sin, dtype=np.float32), **{("ple", il): e for il, e in ple.items()}}
+        st = self._pin
+        if st is None:
+            lay, off = {}, 0
+            for key, a in parts.items():
+                lay[key] = (off, a.shape, a.dtype)
+                off += -(-a.nbytes // 256) * 256
+            host = cupyx.empty_pinned(off, dtype=np.uint8)
+            dev = cp.empty(off, dtype=cp.uint8)
+
+            def views(buf: Any) -> dict:
+                return {k: buf[o:o + int(np.prod(sh)) * np.dtype(dt).itemsize].view(dt).reshape(sh)
+                        for k, (o, sh, dt) in lay.items()}
+
+            st = self._pin = {"host": host, "dev": dev, "h": views(host), "d": views(dev), "ev": None}
+            d = st["d"]
+            self._gin = {"pl": cp.asarray(np.arange(n, dtype=np.int64)),
+                         "pl_i32": cp.asarray(np.arange(n, dtype=np.int32)), "pos_i32": d["pos_i32"],
+                         "x0": d["x0"], "cos": d["cos"], "sin": d["sin"], "ple": {il: d[("ple", il)] for il in ple}}
+        if st["ev"] is not None:
+            st["ev"].synchronize()  # (the previous step's copy has read the pinned buffer)
+        for key, a in parts.items():
+            st["h"][key][...] = a
+        s = self.dec._stream
+        st["dev"].set(st["host"], stream=s)
+        ev = st["ev"] = st["ev"] or cp.cuda.Event(disable_timing=True)
+        ev.record(s)
+        g = self._gin
         self._pl, self._all = pl, True
         self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
 

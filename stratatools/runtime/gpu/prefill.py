@@ -744,6 +744,10 @@ class ChunkPrefill:
     def _rows(self, name: str, ids: np.ndarray) -> Any:
         """Rows ``ids`` of a table (token / PLE embedding), dequantized on the host in one call: [len(ids), ne0]
         float32 on xp (the step's per-row decoding, vectorised)."""
+        return self.xp.asarray(self._rows_host(name, ids))
+
+    def _rows_host(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """:meth:`_rows` as a numpy array (contiguous float32). Raises StrataError for a row id out of range."""
         from stratatools.runtime.weights import dequantize
 
         t = self.w.model.tensor(name)
@@ -756,7 +760,7 @@ class ChunkPrefill:
         raw = np.asarray(self.w.model.raw(t)).reshape(n_rows, rb)
         got = raw[ids].reshape(-1)
         out = _to_host(dequantize(got, t.type, ids.size * ne0, xp=np)).reshape(ids.size, ne0)
-        return self.xp.asarray(np.ascontiguousarray(out, dtype=np.float32))
+        return np.ascontiguousarray(out, dtype=np.float32)
 
     # -- the chunk --------------------------------------------------------------------------------------
     def _chunk(self, toks: np.ndarray, last: bool) -> tuple[Any, np.ndarray, np.ndarray]:
