@@ -30,6 +30,7 @@
 // U = 2 nk + ceil(nv dv / dk) units of dk (the q and k heads, then pieces of the v channels), part p takes units
 // [p ceil(U / P), ...) (its heads normed by its own block) and part 0 beta and decay, so that a batched step's few rows
 // fill the device (32 rows: 32 blocks of 36.8 us before). Shared: 2 nk dk floats.
+#define PF_CONV_KMAX 8  // conv taps a thread keeps in registers (longer convs read the rest again)
 extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const float* state, float* state_out,
                                        const float* __restrict__ wc, int C, int K, int nseq, int len,
                                        const float* __restrict__ b, const float* __restrict__ a,
@@ -50,21 +51,27 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
         const float* st = state + (long long)s * km1 * C;
         const float* rows = qkv + (long long)s * len * ldq;  // the sequence's first row
         for (int c = ch0 + tid; c < ch1; c += nt) {
-            float acc = 0.0f;
-            for (int i = 0; i < K; ++i) {
-                const int xi = u + i;  // index into [state; rows]
-                const float xv = xi < km1 ? st[(long long)xi * C + c] : rows[(long long)(xi - km1) * ldq + c];
-                acc += xv * wc[(long long)c * K + i];
+            auto input = [&](int xi) {  // position xi of [state; rows]
+                return xi < km1 ? st[(long long)xi * C + c] : rows[(long long)(xi - km1) * ldq + c];
+            };
+            float acc = 0.0f, xin[PF_CONV_KMAX];  // (the first PF_CONV_KMAX inputs kept: one row a sequence writes
+            #pragma unroll                       // its next state from them, no load after a store of state_out)
+            for (int i = 0; i < PF_CONV_KMAX; ++i) {
+                if (i < K) {
+                    xin[i] = input(u + i);
+                    acc += xin[i] * wc[(long long)c * K + i];
+                }
             }
+            for (int i = PF_CONV_KMAX; i < K; ++i) acc += input(u + i) * wc[(long long)c * K + i];
             const float y = acc * step_sigm(acc);
             if (c < nqk) qk[c - ch0] = y;
             else v[(long long)r * (C - nqk) + (c - nqk)] = y;
             if (u == len - 1) {  // the sequence's next conv state: [state; rows] positions len .. len + K - 2
-                for (int i = 0; i < km1; ++i) {
-                    const int xi = len + i;
-                    state_out[((long long)s * km1 + i) * C + c] = xi < km1 ? st[(long long)xi * C + c]
-                                                                           : rows[(long long)(xi - km1) * ldq + c];
-                }
+                #pragma unroll
+                for (int i = 0; i < PF_CONV_KMAX - 1; ++i)
+                    if (i < km1) state_out[((long long)s * km1 + i) * C + c] = len == 1 ? xin[i + 1] : input(len + i);
+                for (int i = PF_CONV_KMAX - 1; i < km1; ++i)
+                    state_out[((long long)s * km1 + i) * C + c] = input(len + i);
             }
         }
         __syncthreads();
