@@ -498,3 +498,29 @@ def test_gpu_hc_kernels_split_as_split_i8(T):
     assert np.array_equal(cp.asnumpy(m), cp.asnumpy(plain))
     for a, b in zip(mp, qmm_host.split_i8(m, dense=True)):
         assert np.array_equal(cp.asnumpy(a), cp.asnumpy(b))
+
+
+def test_gpu_dense_hc_rd_matches_float64():
+    """dense(hc_rd=) on the device (the hyper-connection's down and inject projections as one 324 x 10,240 matrix at
+    32 tokens: one product, one qmm_sum_hc): silu and 2 sigmoid of the outputs within 1e-4 of float64's (relative to
+    the largest), the planes split_i8 of m bit for bit."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu.kernels import q8_relayout
+
+    rng = np.random.default_rng(3)
+    T, rd, cols, div = 32, 320, 10240, 4.0
+    raw = _blocks(rng, "Q8_0", rd + 4, cols)
+    q, d = q8_relayout(raw, rd + 4, cols)
+    W = np.asarray(dequantize(raw, "Q8_0", (rd + 4) * cols)).reshape(rd + 4, cols).astype(np.float64)
+    X = rng.standard_normal((T, cols)).astype(np.float32)
+    m, pl, iw = qmm_host.dense(cp.asarray(X), "Q8R", cp.asarray(q), cp.asarray(d), rd + 4, cols, act_div=div,
+                               hc_rd=rd)
+    ref = X.astype(np.float64) @ W.T
+    tol = 1e-4 * np.abs(ref).max()
+    a = ref[:, :rd] / div
+    with np.errstate(over="ignore"):
+        assert np.abs(cp.asnumpy(m) - a / (1 + np.exp(-a))).max() <= tol
+        assert np.abs(cp.asnumpy(iw) - 2 / (1 + np.exp(-ref[:, rd:] / div))).max() <= tol
+    for x, y in zip(pl, qmm_host.split_i8(m, dense=True)):
+        assert np.array_equal(cp.asnumpy(x), cp.asnumpy(y))

@@ -82,6 +82,7 @@ def _host_lib(tmp_path_factory, kc: int):
         getattr(h, f"host_qmm_hc_mix_split_{o}").argtypes = [U, U, P, P, I, I, I, P, P, P, P, P]
     for a in (0, 1, 2):
         getattr(h, f"host_qmm_sum_act_split_{a}").argtypes = [U, U, P, P, I, I, F, P, P, P, P]
+    h.host_qmm_sum_hc.argtypes = [U, U, P, P, P, I, I, I, F, P, P, P, P]
     h.host_mma_tile.argtypes = [P, P, P, P]
     h.host_f2h.argtypes = [P, P, LL]
     h.host_h2f.argtypes = [P, P, LL]
@@ -1027,7 +1028,7 @@ def hostcp(lib, monkeypatch):
                 gx *= block[0]  # a value a thread
             elif base == "qmm_dense_ring":  # 16 rows a warp of one of the KG groups (the host's warp plays all)
                 gx *= block[0] // 32 // int(targs.rstrip(">").split(",")[3])
-            elif base not in ("qmm_split", "qmm_jobs", "qmm_hc_norm_split", "qmm_sum_act_split"):
+            elif base not in ("qmm_split", "qmm_jobs", "qmm_hc_norm_split", "qmm_sum_act_split", "qmm_sum_hc"):
                 gx *= block[0] // 32  # rows: 16 per warp on the device, 16 per host block
             with shared_within(lib, shared_mem):  # the bytes the launcher asks the device for
                 f(gx, gy, *[a.ctypes.data if isinstance(a, np.ndarray) else (a.item() if isinstance(a, np.generic) else a)
@@ -1890,3 +1891,53 @@ def test_dense_planes_from_the_sum_launch(hostcp, lib, monkeypatch, rows, act, s
     assert isinstance(pl, Q.DensePlanes) and ("qmm_split_i8d" in asked) != fused
     for a, b in zip(pl, split_i8_host(lib, plain, dense=True)):
         assert np.array_equal(np.asarray(a), b)
+
+
+def test_sum_hc_is_the_two_activation_sums_and_the_split(lib):
+    """qmm_sum_hc over the slices of [T, rd + 4] (the down and inject projections as one matrix): m the bits of
+    qmm_sum_act<1> over the first rd columns, iw those of qmm_sum_act<2> over the other 4, m's planes qmm_split_i8d's
+    of m, bit for bit."""
+    rng = np.random.default_rng(21)
+    T, rd, ri, nz, div = 3, 128, 4, 9, 4.0
+    R = rd + ri
+    Pt = rng.standard_normal((nz, T, R)).astype(np.float32)
+    m, iw = np.full((T, rd), -9.0, np.float32), np.full((T, ri), -9.0, np.float32)
+    pl = _planes_host(T, rd)
+    lib.host_qmm_sum_hc(T * rd // 64, 1, _p(Pt), _p(m), _p(iw), R, rd, nz, div, *[_p(x) for x in pl])
+    for cols, act, got in ((slice(0, rd), 1, m), (slice(rd, R), 2, iw)):
+        part = np.ascontiguousarray(Pt[:, :, cols])
+        want = np.full(got.shape, -9.0, np.float32)
+        n = want.size
+        getattr(lib, f"host_qmm_sum_act_{act}")(n // 4, 1, _p(part), _p(want), n, nz, div)
+        assert np.array_equal(got, want)
+    for a, b in zip(pl, split_i8_host(lib, m, dense=True)):
+        assert np.array_equal(a, b)
+
+
+def test_dense_hc_rd_launcher_on_host(hostcp, lib, monkeypatch):
+    """dense(hc_rd=) of a [rd + 4, K] Q8R matrix at 32 tokens on the integer ring: (silu(y / div) of the first rd
+    rows' outputs, its planes, 2 sigmoid(y / div) of the others) from one product and one qmm_sum_hc launch, within
+    the fixed point's bound of float64's activations; without the sum kernel the same from a split after the product;
+    hc_rd not a multiple of 64 below the rows, or with an act, refused."""
+    monkeypatch.setenv(Q.DENSE_I8_ENV, "4:64:2")
+    rng = np.random.default_rng(22)
+    T, rd, cols, div = 32, 128, 1024, 4.0
+    W, q, d, X = q8r_case(rng, rd + 4, cols, T)
+    ref = X.astype(np.float64) @ W.T
+    tol = 1e-4 * np.abs(ref).max()
+    for sums in ("1", "0"):
+        monkeypatch.setenv(Q.SUM_ENV, sums)
+        asked = kernels_asked(monkeypatch)
+        m, pl, iw = Q.dense(_h(X), "Q8R", _h(q), _h(d), rd + 4, cols, act_div=div, hc_rd=rd)
+        assert ("qmm_sum_hc" in asked) == (sums == "1") and sum(n.startswith("qmm_dense") for n in asked) == 1
+        m, iw = np.asarray(m), np.asarray(iw)
+        assert m.shape == (T, rd) and iw.shape == (T, 4) and isinstance(pl, Q.DensePlanes)
+        a = ref[:, :rd] / div
+        with np.errstate(over="ignore"):  # (exp of large negative sums: the sigmoid's 0)
+            assert np.abs(m - a / (1 + np.exp(-a))).max() <= tol
+            assert np.abs(iw - 2 / (1 + np.exp(-ref[:, rd:] / div))).max() <= tol
+        for x, y in zip(pl, split_i8_host(lib, m, dense=True)):
+            assert np.array_equal(np.asarray(x), y)
+    for bad, act in ((100, Q.ACT_NONE), (rd + 4, Q.ACT_NONE), (rd, Q.ACT_SILU)):
+        with pytest.raises(StrataError, match="hc_rd"):
+            Q.dense(_h(X), "Q8R", _h(q), _h(d), rd + 4, cols, act=act, hc_rd=bad)

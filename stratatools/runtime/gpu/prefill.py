@@ -92,9 +92,10 @@ def route_warp() -> bool:
 #: of their own (0: the nineteenth pass's step, bench/gpu-notes.md).
 HC_FUSED_ENV = "STRATATOOLS_HC_FUSED"
 HC_FUSED_DEFAULT = True
-#: ``STRATATOOLS_JOINED_PROJ``: up to 32 rows on the integer dense ring, a GDN layer's four in-projections (qkv, the
-#: output gate, beta, alpha), which the decoder stacks in one buffer, as one product (1, the default: one launch and no
-#: split-k sums instead of four launches and three sums) or each its own (0).
+#: ``STRATATOOLS_JOINED_PROJ``: up to 32 rows on the integer dense ring, matrices the decoder stacks in one buffer as
+#: one product (1, the default) or each its own (0): a GDN layer's four in-projections (qkv, the output gate, beta,
+#: alpha: one launch and no split-k sums instead of four launches and three sums) and a hyper-connection's down and
+#: inject projections (one product and one launch of its sums, activations and split: ``qmm.dense(hc_rd=)``).
 JOINED_ENV = "STRATATOOLS_JOINED_PROJ"
 JOINED_DEFAULT = True
 
@@ -1144,8 +1145,13 @@ class ChunkPrefill:
         hc, n = cfg.hc_count, cfg.n_embd
         # silu(down hn / hc), and the split of it that the up projection reads from the launch of its sums
         fused = n % 64 == 0 and hc_fused()
-        m = self._mm(hn, f"{prefix}_down.weight", act=qmm.ACT_SILU, div=hc,
-                     planes=fused and self._split_kind(f"{prefix}_up.weight", T) == "i8d")
+        joined = self._hc_joined(prefix, hn, T) if fused and inject else None
+        if joined is not None:  # down and inject as one product: m, its split and the inject weights
+            m, mp, iw = joined
+            self._pre = (m, {"i8d": mp})
+        else:
+            m = self._mm(hn, f"{prefix}_down.weight", act=qmm.ACT_SILU, div=hc,
+                         planes=fused and self._split_kind(f"{prefix}_up.weight", T) == "i8d")
         if isinstance(m, tuple):
             m, mp = m
             self._pre = (m, {"i8d": mp}) if mp is not None else None
@@ -1164,7 +1170,30 @@ class ChunkPrefill:
                                                                                            np.int32(n), mixed)
         if not inject:
             return mixed, None
+        if joined is not None:
+            return mixed, joined[2]
         return mixed, self._mm(hn, f"{prefix}_inject.weight", act=qmm.ACT_SIG2, div=hc)  # 2 sigmoid(inject hn / hc)
+
+    def _hc_joined(self, prefix: str, hn: Any, T: int) -> tuple[Any, Any, Any] | None:
+        """The hyper-connection ``prefix``'s down and inject projections of the normed streams hn [T, hc n] as one
+        product where the decoder stacks the two matrices in one Q8R buffer and T rows take the integer dense ring
+        (:data:`JOINED_ENV`): (silu(down hn / hc) [T, rows], its ``"i8d"`` split, 2 sigmoid(inject hn / hc) [T, hc])
+        from one product and one launch of its sums (``qmm.dense(hc_rd=)``); else None."""
+        from stratatools.runtime.gpu import qmm
+
+        names = (f"{prefix}_down.weight", f"{prefix}_inject.weight")
+        got = self.dec._raw_groups.get(names)
+        if (got is None or not _is_q8r(got[0]) or not joined_enabled() or self.gemm not in ("mma", "hgemm")
+                or T > 8 * qmm.TILES[1]):
+            return None
+        rows, cols = [int(r) for r in got[1]], int(hn.shape[1])
+        args = self._qmm_args(_Q8RRows(got[0], 0), None, sum(rows), cols)
+        if args is None or rows[0] % 64 or qmm.split_kind(args[0], T, cols, args[1], args[2]) != "i8d":
+            return None
+        self._push("dense")
+        res = qmm.dense(hn, *args, xs=self._split(hn, "i8d"), act_div=float(self.cfg.hc_count), hc_rd=rows[0])
+        self._pop()
+        return res
 
     # -- PLE ----------------------------------------------------------------------------------------------
     def _ple_rows(self, toks: np.ndarray) -> dict[int, np.ndarray]:

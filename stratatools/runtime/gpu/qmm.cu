@@ -1047,6 +1047,57 @@ __global__ void qmm_hc_mix_split(const float* __restrict__ u, const float* __res
     if (xh != nullptr) qi8_unit<ORD>([&](int j) { return buf[j]; }, live, gl, t, b, n, xh, xl, xs, xq);
 }
 
+// The sums of the hyper-connections' down and inject projections made as one product (prefill.py _hc_joined): P
+// [nz, T, R] the split of k's slices of [T, R] (R a multiple of 4; columns [0, rd) the down projection's, rd a
+// multiple of 64, then R - rd inject columns). m [T, rd] = silu(s / div) with its split into qmm_split_i8d's planes
+// (the up projection's input), iw [T, R - rd] = 2 sigmoid(s / div) (the inject weights): qmm_sum_act_split's units,
+// and each token's unit 0 also adds its inject columns (QSUM_G threads a column, qmm_sum_body's order). Grid T rd /
+// 64 blocks of 128 threads (the host build: one thread each).
+extern "C" __global__ void __launch_bounds__(128) qmm_sum_hc(const float* __restrict__ P, float* __restrict__ m,
+                                                  float* __restrict__ iw, int R, int rd, int nz, float div,
+                                                  u32* __restrict__ xh, u32* __restrict__ xl, float* __restrict__ xs,
+                                                  int* __restrict__ xq) {
+    __shared__ float v64[64];
+    const int nb = rd >> 6, unit = (int)blockIdx.x, t = unit / nb, b = unit - t * nb, ni = R - rd;
+    const long long n = (long long)(gridDim.x / nb) * R;  // values of a slice (T R)
+    const int g = (int)(threadIdx.x % QSUM_G), per = (int)blockDim.x / QSUM_G;
+    for (int f = (int)threadIdx.x / QSUM_G; f < 16; f += per) {
+        const long long run = ((long long)t * R + 64 * b) / 4 + f;  // (R a multiple of 4: rows of whole float4s)
+        const float4* p = reinterpret_cast<const float4*>(P) + run;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        #pragma unroll 4
+        for (int z = g; z < nz; z += QSUM_G) {
+            const float4 v = __ldcg(p + (long long)z * (n >> 2));
+            a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
+        }
+        #pragma unroll
+        for (int o = QSUM_G / 2; o; o >>= 1)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
+        if (g == 0) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) v64[4 * f + i] = qmm_act(a[i], 1, div);
+            reinterpret_cast<float4*>(m + (long long)t * rd + 64 * b)[f] =
+                make_float4(v64[4 * f], v64[4 * f + 1], v64[4 * f + 2], v64[4 * f + 3]);
+        }
+    }
+    if (b == 0) {
+        for (int i0 = 0; i0 < ni; i0 += per) {  // (every thread takes the same turns: the groups' shuffles)
+            const int i = i0 + (int)threadIdx.x / QSUM_G;
+            float a = 0.0f;
+            if (i < ni)
+                for (int z = g; z < nz; z += QSUM_G) a += __ldcg(P + (long long)z * n + (long long)t * R + rd + i);
+            #pragma unroll
+            for (int o = QSUM_G / 2; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (g == 0 && i < ni) iw[(long long)t * ni + i] = qmm_act(a, 2, div);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32)  // (lanes 16..31 of the warp stand by in their own group of the shuffles)
+        qi8_unit<1>([&](int j) { return v64[j]; }, (int)threadIdx.x < QI8_GROUP, (int)(threadIdx.x % QI8_GROUP), t, b,
+                    rd, xh, xl, xs, xq);
+}
+
 // qmm_sum_act<ACT>'s sums of Y [T, R] (R a multiple of 64; ACT 0: none) and, from the same launch, their split
 // into qmm_split_i8d's planes [T, R] (the same bits as that kernel over this Y): a block a unit of 64 outputs
 // (grid T R / 64; 128 threads: QSUM_G a float4 of sums, as qmm_sum_body adds them, then a half warp's split; the

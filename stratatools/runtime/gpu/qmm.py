@@ -153,7 +153,7 @@ def kernel_names() -> list[str]:
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
     names += ["qmm_split_i8", "qmm_split_i8d"] + [f"qmm_moe_gu_i8<{jt}>" for jt in JOB_SIZES]
     names += ["qmm_hc_norm_split", "qmm_hc_mix_split<0>", "qmm_hc_mix_split<1>"]
-    names += [f"qmm_sum_act_split<{a}>" for a in (ACT_NONE, ACT_SILU, ACT_SIG2)]
+    names += [f"qmm_sum_act_split<{a}>" for a in (ACT_NONE, ACT_SILU, ACT_SIG2)] + ["qmm_sum_hc"]
     names += [f"qmm_moe_down_i8<{jt}>" for jt in JOB_SIZES]
     return names
 
@@ -263,6 +263,9 @@ def host_source() -> str:
         ent.append(f'extern "C" void host_qmm_sum_act_split_{a}(unsigned gx, unsigned gy, const float* P, float* Y, '
                    "int R, int nz, float div, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, "
                    f"[&]() {{ qmm_sum_act_split<{a}>(P, Y, R, nz, div, xh, xl, xs, xq); }});\n}}\n")
+    ent.append('extern "C" void host_qmm_sum_hc(unsigned gx, unsigned gy, const float* P, float* m, float* iw, '
+               "int R, int rd, int nz, float div, u32* xh, u32* xl, float* xs, int* xq) {\n    host_run_grid(gx, gy, "
+               "[&]() { qmm_sum_hc(P, m, iw, R, rd, nz, div, xh, xl, xs, xq); });\n}\n")
     for o in (0, 1):
         ent.append(f'extern "C" void host_qmm_hc_mix_split_{o}(unsigned gx, unsigned gy, const float* u, '
                    "const float* hn, int hc, int n, int T, float* out, u32* xh, u32* xl, float* xs, int* xq) {\n"
@@ -633,7 +636,7 @@ def sum_kernel() -> bool:
 
 
 def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[Any, Any, Any] | None = None,
-          out: Any = None, act: int = ACT_NONE, act_div: float = 1.0, planes: bool = False) -> Any:
+          out: Any = None, act: int = ACT_NONE, act_div: float = 1.0, planes: bool = False, hc_rd: int = 0) -> Any:
     """``Y = X W^T``: X float32 [T, cols] (CuPy), W [rows, cols] in ``layout`` (:data:`LAYOUTS` name, or its id):
     ``Q8R``: ``w`` int8 codes (rows * cols, 8-byte aligned) and ``wd`` fp16 scale bits uint16 (rows * cols / 32);
     ``Q8_0`` / ``Q2_0``: ``w`` the GGUF block bytes uint8 (rows * cols / block * block bytes, 2-byte aligned), ``wd``
@@ -642,12 +645,18 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
     ``act_div``: an activation of the output (:data:`ACT_SILU`, :data:`ACT_SIG2`). Returns ``out`` or a new float32
     [T, rows]; with ``planes`` (out, its :func:`split_i8` ``dense`` planes: made by the sum of the split of k's slices
     where it runs, ``qmm_sum_act_split``, else by a split after the product; None for rows not a multiple of 64).
+    ``hc_rd`` (the hyper-connections' down and inject projections as one matrix, rows [0, hc_rd) the down
+    projection's, hc_rd a multiple of 64; ``act`` none): (silu(y / act_div) of those rows [T, hc_rd], its
+    :func:`split_i8` ``dense`` planes, 2 sigmoid(y / act_div) of the others [T, rows - hc_rd]), contiguous arrays, from
+    the sum's launch where it runs (``qmm_sum_hc``), else after the product.
 
     Raises StrataError: an unknown layout, rows of ``cols`` values that are not whole blocks, weights of the wrong size
     or alignment, X not [T, cols], an unknown ``act``."""
     f = _check_matrix(layout, w, wd, rows, cols, X)
     if act not in (ACT_NONE, ACT_SILU, ACT_SIG2):
         raise StrataError(f"qmm: unknown activation {act!r} (one of {ACT_NONE}, {ACT_SILU}, {ACT_SIG2})")
+    if hc_rd and (act != ACT_NONE or planes or int(hc_rd) % 64 or not 0 < int(hc_rd) < int(rows)):
+        raise StrataError(f"qmm: hc_rd {hc_rd} of {rows} rows is not a multiple of 64 below them (with no act)")
     bv = BLOCK_VALUES[f]
     T = int(X.shape[0])
     import cupy as cp
@@ -697,6 +706,13 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
             n = T * int(rows)
             runs = n // 4 if n % 4 == 0 else n
             grid = (-(-runs * SUM_GROUP // SUM_THREADS),)
+            if hc_rd and int(rows) % 4 == 0:  # down and inject: their sums, activations and the split: one launch
+                rd = int(hc_rd)
+                m, iw = cp.empty((T, rd), dtype=cp.float32), cp.empty((T, int(rows) - rd), dtype=cp.float32)
+                pl = _planes(cp, T, rd, "i8d")
+                _fn("qmm_sum_hc", kc)((T * rd // 64,), (128,), (part, m, iw, np.int32(rows), np.int32(rd),
+                                                                np.int32(nz), np.float32(act_div), *pl))
+                return m, pl, iw
             if planes and int(rows) % 64 == 0:  # the sums and their split: one launch
                 pl = _planes(cp, T, int(rows), "i8d")
                 _fn(f"qmm_sum_act_split<{act}>", kc)((n // 64,), (128,), (part, out, np.int32(rows), np.int32(nz),
@@ -711,6 +727,9 @@ def dense(X: Any, layout: Any, w: Any, wd: Any, rows: int, cols: int, xs: tuple[
             cp.sum(part, axis=0, out=out)
     if not done:
         act_rows(out, act, act_div)
+    if hc_rd:
+        m = act_rows(cp.ascontiguousarray(out[:, :int(hc_rd)]), ACT_SILU, act_div)
+        return m, split_i8(m, dense=True), act_rows(cp.ascontiguousarray(out[:, int(hc_rd):]), ACT_SIG2, act_div)
     if planes:
         return out, (pl if pl is not None or int(rows) % 64 else split_i8(out, dense=True))
     return out
