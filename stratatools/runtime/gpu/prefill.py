@@ -94,10 +94,30 @@ HC_FUSED_ENV = "STRATATOOLS_HC_FUSED"
 HC_FUSED_DEFAULT = True
 #: ``STRATATOOLS_JOINED_PROJ``: up to 32 rows on the integer dense ring, matrices the decoder stacks in one buffer as
 #: one product (1, the default) or each its own (0): a GDN layer's four in-projections (qkv, the output gate, beta,
-#: alpha: one launch and no split-k sums instead of four launches and three sums) and a hyper-connection's down and
-#: inject projections (one product and one launch of its sums, activations and split: ``qmm.dense(hc_rd=)``).
+#: alpha: one launch and no split-k sums instead of four launches and three sums), a hyper-connection's down and
+#: inject projections (one product and one launch of its sums, activations and split: ``qmm.dense(hc_rd=)``) and the
+#: shared expert's gate and up (where the runtime holds them as one array).
 JOINED_ENV = "STRATATOOLS_JOINED_PROJ"
 JOINED_DEFAULT = True
+
+
+#: ``STRATATOOLS_ROUTER_ROWS``: the batched step's router and shared-gate rows through ``pf_router_rows`` (1, the
+#: default: one launch, the sums in a fixed order) or cuBLAS's SGEMM (0: a GEMM and its split-k reduction).
+ROUTER_ROWS_ENV = "STRATATOOLS_ROUTER_ROWS"
+ROUTER_ROWS_DEFAULT = True
+#: ``pf_router_rows``: the most tokens (a block's threads hold one each), rows a block, threads a token (prefill.cu
+#: PF_RR_ROWS, PF_RR_PARTS) and the multiple of values a row must be (a float4 a part).
+ROUTER_ROWS_MAX_T = 32
+ROUTER_ROWS_PER_BLOCK = 4
+ROUTER_ROWS_PARTS = 8
+ROUTER_ROWS_ALIGN = 4 * ROUTER_ROWS_PARTS
+
+
+def router_rows() -> bool:
+    """:data:`ROUTER_ROWS_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(ROUTER_ROWS_ENV, "the router rows' own kernel", ROUTER_ROWS_DEFAULT)
 
 
 def joined_enabled() -> bool:
@@ -484,6 +504,7 @@ class ChunkPrefill:
             self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
+            self.k_router_rows = mod.get_function("pf_router_rows")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched
@@ -1583,8 +1604,8 @@ class ChunkPrefill:
         T, n = x.shape
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         W = self._router_gate_w(il)
-        if W is not None:  # one SGEMM: the experts' logits [T, E], then the shared expert's gate logit
-            logits = self._sgemm(x, W)
+        if W is not None:  # one product: the experts' logits [T, E], then the shared expert's gate logit
+            logits = self._router_logits(x, W)
             E = int(W.shape[0]) - 1
             g, goff = logits, E
         else:
@@ -1655,6 +1676,21 @@ class ChunkPrefill:
                                              np.int32(tail.g.shape[1]), np.int32(tail.goff), y))
         return y
 
+    def _router_logits(self, x: Any, W: Any) -> Any:
+        """x [T, n] @ W.T for the float32 router rows W [R, n] (CuPy): up to :data:`ROUTER_ROWS_MAX_T` rows of x and
+        n a multiple of :data:`ROUTER_ROWS_ALIGN`, ``pf_router_rows`` (:data:`ROUTER_ROWS_ENV`); else :meth:`_sgemm`.
+        Returns [T, R] float32."""
+        T, n = int(x.shape[0]), int(x.shape[1])
+        if not (self.gpu and 0 < T <= ROUTER_ROWS_MAX_T and n % ROUTER_ROWS_ALIGN == 0 and router_rows()):
+            return self._sgemm(x, W)
+        cp = self.cp
+        R = int(W.shape[0])
+        out = cp.empty((T, R), dtype=cp.float32)
+        self.k_router_rows((-(-R // ROUTER_ROWS_PER_BLOCK),), (32 * ROUTER_ROWS_PARTS,),
+                           (cp.ascontiguousarray(x, dtype=cp.float32), cp.ascontiguousarray(W, dtype=cp.float32),
+                            np.int32(T), np.int32(R), np.int32(n), out))
+        return out
+
     def _router_gate_w(self, il: int) -> Any:
         """Layer ``il``'s router rows with the shared expert's gate row after them, float32 [E + 1, n], where the step
         keeps such a matrix (one SGEMM gives both; the batched decoder); here None (two products)."""
@@ -1663,9 +1699,26 @@ class ChunkPrefill:
     def _shared_ffn(self, il: int, x: Any, sg: Any) -> Any:
         """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x) (sg
         None: unscaled)."""
-        hs = self._silu_x(self._shared_mm(il, x, 0), self._shared_mm(il, x, 1))
+        gu = self._shared_gate_up(il, x)
+        hs = self._silu_x(*gu) if gu is not None else self._silu_x(self._shared_mm(il, x, 0), self._shared_mm(il, x, 1))
         down = self._shared_mm(il, hs, 2)
         return down if sg is None else sg * down
+
+    def _shared_gate_up(self, il: int, x: Any) -> tuple[Any, Any] | None:
+        """Layer ``il``'s shared expert's gate and up products of x [T, n] as one product where the runtime holds the
+        two matrices as one array (``_shared_gu``) and T rows take the tensor-core GEMMs (:data:`JOINED_ENV`): (gate
+        x, up x) as column views [T, ff] of its output; else None."""
+        from stratatools.runtime.gpu import qmm
+
+        if (not self.gpu or not joined_enabled() or self.gemm not in ("mma", "hgemm") or x.ndim != 2
+                or int(x.shape[0]) > 8 * qmm.TILES[1]):
+            return None
+        _dev, _ptrs, gu_t, _d_t, hidden, ff = self.rt._shared_expert(il)  # (made first: it sets _shared_gu)
+        joint = getattr(self.rt, "_shared_gu", {}).get(il)
+        if joint is None:
+            return None
+        out = self._qmm(x, joint, gu_t, 2 * ff, hidden, f"blk.{il}.ffn_gate_up_shexp")
+        return None if out is None else (out[:, :ff], out[:, ff:])
 
     def _shared_mm(self, il: int, X: Any, which: int) -> Any:
         """X @ W.T for the shared expert's gate (0), up (1) or down (2) matrix."""

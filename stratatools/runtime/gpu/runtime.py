@@ -37,6 +37,8 @@ class GPURuntime(Qwen4ExpRuntime):
             policy = AllResident(len(self.arena.layers), max(ly.n_expert for ly in self.arena.layers))
         self.tier = GPUExpertTier(self.arena, policy, miss_mode=miss_mode)
         self._shared: dict[int, tuple] = {}
+        #: layer -> the shared expert's gate and up matrices as one device array of 2 ff rows (where they lie so)
+        self._shared_gu: dict[int, Any] = {}
 
     def _shared_expert(self, il: int):
         got = self._shared.get(il)
@@ -44,7 +46,16 @@ class GPURuntime(Qwen4ExpRuntime):
             cp, m = self.cp, self.w.model
             p = f"blk.{il}."
             ts = [m.tensor(p + f"ffn_{r}_shexp.weight") for r in ("gate", "up", "down")]
-            dev = [cp.asarray(np.array(m.raw(t))) for t in ts]
+            raws = [np.asarray(m.raw(t)).reshape(-1) for t in ts]
+            if ts[0].type == ts[1].type and raws[0].nbytes % 256 == 0 and raws[1].nbytes % 256 == 0:
+                # one buffer, gate then up then down (aligned as separate uploads are): gate and up also read as one
+                # matrix of twice the rows (the batched step's one product of both, prefill.py _shared_gate_up)
+                buf = cp.asarray(np.concatenate(raws))
+                a, b = raws[0].nbytes, raws[0].nbytes + raws[1].nbytes
+                dev = [buf[:a], buf[a:b], buf[b:]]
+                self._shared_gu[il] = buf[:b]
+            else:
+                dev = [cp.asarray(np.array(r)) for r in raws]
             hidden, ff = int(ts[0].ne[0]), int(ts[0].ne[1])
             ptrs = [cp.asarray(np.array([int(d.data.ptr)], dtype=np.uint64)) for d in dev]
             got = (dev, ptrs, ts[0].type, ts[2].type, hidden, ff)
