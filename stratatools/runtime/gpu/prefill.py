@@ -101,10 +101,12 @@ JOINED_ENV = "STRATATOOLS_JOINED_PROJ"
 JOINED_DEFAULT = True
 
 
-#: ``STRATATOOLS_ROUTER_ROWS``: the batched step's router and shared-gate rows through ``pf_router_rows`` (1, the
-#: default: one launch, the sums in a fixed order) or cuBLAS's SGEMM (0: a GEMM and its split-k reduction).
+#: ``STRATATOOLS_ROUTER_ROWS``: the batched step's router and shared-gate rows through ``pf_router_rows`` (1: one
+#: launch, the sums in a fixed order) or cuBLAS's SGEMM (0, the default: a GEMM and its split-k reduction, 10.9 + 3.0
+#: us a layer at 32 tokens x 257 rows of 2,560; ``pf_router_rows`` took 71.4 us, its loads neither coalesced nor
+#: enough in flight: H200, bench/gpu-notes.md twentieth pass).
 ROUTER_ROWS_ENV = "STRATATOOLS_ROUTER_ROWS"
-ROUTER_ROWS_DEFAULT = True
+ROUTER_ROWS_DEFAULT = False
 #: ``pf_router_rows``: the most tokens (a block's threads hold one each), rows a block, threads a token (prefill.cu
 #: PF_RR_ROWS, PF_RR_PARTS) and the multiple of values a row must be (a float4 a part).
 ROUTER_ROWS_MAX_T = 32
