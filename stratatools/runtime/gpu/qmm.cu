@@ -1047,6 +1047,42 @@ __global__ void qmm_hc_mix_split(const float* __restrict__ u, const float* __res
     if (xh != nullptr) qi8_unit<ORD>([&](int j) { return buf[j]; }, live, gl, t, b, n, xh, xl, xs, xq);
 }
 
+// A unit of 64 sums of qmm_sum_act_split / qmm_sum_hc: the 16 float4 runs P4 + run0 + f over the nz slices `stride`
+// float4s apart (QSUM_G threads a run, qmm_sum_body's order), through qmm_act<ACT>, into o4[f] and v64 (shared).
+template <int ACT>
+__device__ __forceinline__ void qmm_sum_unit(const float4* __restrict__ P4, long long run0, long long stride, int nz,
+                                             float div, float4* __restrict__ o4, float* v64) {
+    const int g = (int)(threadIdx.x % QSUM_G);
+    for (int f = (int)threadIdx.x / QSUM_G; f < 16; f += (int)blockDim.x / QSUM_G) {
+        const float4* p = P4 + run0 + f;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        #pragma unroll 4
+        for (int z = g; z < nz; z += QSUM_G) {
+            const float4 v = __ldcg(p + (long long)z * stride);
+            a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
+        }
+        #pragma unroll
+        for (int o = QSUM_G / 2; o; o >>= 1)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
+        if (g == 0) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) v64[4 * f + i] = qmm_act(a[i], ACT, div);
+            o4[f] = make_float4(v64[4 * f], v64[4 * f + 1], v64[4 * f + 2], v64[4 * f + 3]);
+        }
+    }
+}
+
+// After qmm_sum_unit (every thread calls it): the unit's 64 values in v64 split as block b of row t of [T, K]
+// (qi8_unit, ORD 1) by the block's first half warp (lanes 16..31 stand by in their own group of the shuffles).
+__device__ __forceinline__ void qmm_split_v64(const float* v64, int t, int b, int K, u32* __restrict__ xh,
+                                              u32* __restrict__ xl, float* __restrict__ xs, int* __restrict__ xq) {
+    __syncthreads();
+    if (threadIdx.x < 32)
+        qi8_unit<1>([&](int j) { return v64[j]; }, (int)threadIdx.x < QI8_GROUP, (int)(threadIdx.x % QI8_GROUP), t, b,
+                    K, xh, xl, xs, xq);
+}
+
 // The sums of the hyper-connections' down and inject projections made as one product (prefill.py _hc_joined): P
 // [nz, T, R] the split of k's slices of [T, R] (R a multiple of 4; columns [0, rd) the down projection's, rd a
 // multiple of 64, then R - rd inject columns). m [T, rd] = silu(s / div) with its split into qmm_split_i8d's planes
@@ -1061,26 +1097,8 @@ extern "C" __global__ void __launch_bounds__(128) qmm_sum_hc(const float* __rest
     const int nb = rd >> 6, unit = (int)blockIdx.x, t = unit / nb, b = unit - t * nb, ni = R - rd;
     const long long n = (long long)(gridDim.x / nb) * R;  // values of a slice (T R)
     const int g = (int)(threadIdx.x % QSUM_G), per = (int)blockDim.x / QSUM_G;
-    for (int f = (int)threadIdx.x / QSUM_G; f < 16; f += per) {
-        const long long run = ((long long)t * R + 64 * b) / 4 + f;  // (R a multiple of 4: rows of whole float4s)
-        const float4* p = reinterpret_cast<const float4*>(P) + run;
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        #pragma unroll 4
-        for (int z = g; z < nz; z += QSUM_G) {
-            const float4 v = __ldcg(p + (long long)z * (n >> 2));
-            a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
-        }
-        #pragma unroll
-        for (int o = QSUM_G / 2; o; o >>= 1)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
-        if (g == 0) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) v64[4 * f + i] = qmm_act(a[i], 1, div);
-            reinterpret_cast<float4*>(m + (long long)t * rd + 64 * b)[f] =
-                make_float4(v64[4 * f], v64[4 * f + 1], v64[4 * f + 2], v64[4 * f + 3]);
-        }
-    }
+    qmm_sum_unit<1>(reinterpret_cast<const float4*>(P), ((long long)t * R + 64 * b) / 4, n >> 2, nz, div,
+                    reinterpret_cast<float4*>(m + (long long)t * rd + 64 * b), v64);  // (R: whole float4s a row)
     if (b == 0) {
         for (int i0 = 0; i0 < ni; i0 += per) {  // (every thread takes the same turns: the groups' shuffles)
             const int i = i0 + (int)threadIdx.x / QSUM_G;
@@ -1092,10 +1110,7 @@ extern "C" __global__ void __launch_bounds__(128) qmm_sum_hc(const float* __rest
             if (g == 0 && i < ni) iw[(long long)t * ni + i] = qmm_act(a, 2, div);
         }
     }
-    __syncthreads();
-    if (threadIdx.x < 32)  // (lanes 16..31 of the warp stand by in their own group of the shuffles)
-        qi8_unit<1>([&](int j) { return v64[j]; }, (int)threadIdx.x < QI8_GROUP, (int)(threadIdx.x % QI8_GROUP), t, b,
-                    rd, xh, xl, xs, xq);
+    qmm_split_v64(v64, t, b, rd, xh, xl, xs, xq);
 }
 
 // qmm_sum_act<ACT>'s sums of Y [T, R] (R a multiple of 64; ACT 0: none) and, from the same launch, their split
@@ -1109,32 +1124,9 @@ __global__ void __launch_bounds__(128) qmm_sum_act_split(const float* __restrict
                                                          int* __restrict__ xq) {
     __shared__ float v64[64];
     const int nb = R >> 6, unit = (int)blockIdx.x, t = unit / nb, b = unit - t * nb;
-    const long long runs = (long long)gridDim.x * 16;  // float4 runs of Y (T R / 4)
-    const int g = (int)(threadIdx.x % QSUM_G);
-    for (int f = (int)threadIdx.x / QSUM_G; f < 16; f += (int)blockDim.x / QSUM_G) {
-        const long long run = (long long)unit * 16 + f;
-        const float4* p = reinterpret_cast<const float4*>(P) + run;
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        #pragma unroll 4
-        for (int z = g; z < nz; z += QSUM_G) {
-            const float4 v = __ldcg(p + (long long)z * runs);
-            a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
-        }
-        #pragma unroll
-        for (int o = QSUM_G / 2; o; o >>= 1)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
-        if (g == 0) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) v64[4 * f + i] = qmm_act(a[i], ACT, div);
-            reinterpret_cast<float4*>(Y)[run] = make_float4(v64[4 * f], v64[4 * f + 1], v64[4 * f + 2],
-                                                            v64[4 * f + 3]);
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < 32)  // (lanes 16..31 of the warp stand by in their own group of the shuffles)
-        qi8_unit<1>([&](int j) { return v64[j]; }, (int)threadIdx.x < QI8_GROUP, (int)(threadIdx.x % QI8_GROUP), t, b,
-                    R, xh, xl, xs, xq);
+    qmm_sum_unit<ACT>(reinterpret_cast<const float4*>(P), (long long)unit * 16, (long long)gridDim.x * 16, nz, div,
+                      reinterpret_cast<float4*>(Y) + (long long)unit * 16, v64);
+    qmm_split_v64(v64, t, b, R, xh, xl, xs, xq);
 }
 
 // Issue the copies of chunk `chunk` (RKC values) of the block's tokens' byte planes into stage buffer xs (hi: TOK rows
