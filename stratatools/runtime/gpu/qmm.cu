@@ -881,6 +881,21 @@ __device__ __forceinline__ void qi8_unit(Val val, bool live, int gl, long long t
     }
 }
 
+// The unit of 64 values (row t, block b of K / 64) that a thread's group of QI8_GROUP takes in a grid over the T K / 64
+// units, lane gl of it; live false past the units (the last unit stands in: the lanes stay for the shuffles).
+struct QI8Pos {
+    int t, b, gl;
+    bool live;
+};
+__device__ __forceinline__ QI8Pos qi8_pos(int T, int K) {
+    const int nb = K >> 6;
+    const long long units = (long long)T * nb;
+    const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
+    const long long uc = u < units ? u : units - 1;
+    const int t = (int)(uc / nb);
+    return {t, (int)(uc - (long long)t * nb), (int)(threadIdx.x % QI8_GROUP), u < units};
+}
+
 // xh, xl [T, K] bytes (as words [T, K / 4]) in plane order ORD (qi8_value), xs [T, K / 64] float, xq [T, K / 64] int; K
 // a multiple of 64. Rows t with rowok[t] < 0 are skipped (rowok null: none). Grid: ceil(T K / 64 QI8_GROUP / blockDim)
 // blocks, blockDim a multiple of 32 (the host build: T K / 64 blocks of one thread).
@@ -888,15 +903,10 @@ template <int ORD>
 __device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long ldx, int T, int K,
                                           const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
                                           float* __restrict__ xs, int* __restrict__ xq) {
-    const int nb = K >> 6;
-    const long long units = (long long)T * nb;
-    const long long u = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
-    const int gl = (int)(threadIdx.x % QI8_GROUP);
-    const long long uc = u < units ? u : units - 1;
-    const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
-    const bool live = u < units && (rowok == nullptr || rowok[t] >= 0);  // (every lane stays for the shuffles)
-    const float* x = X + (long long)t * ldx + 64 * b;
-    qi8_unit<ORD>([&](int j) { return x[j]; }, live, gl, t, b, K, xh, xl, xs, xq);
+    const QI8Pos at = qi8_pos(T, K);
+    const bool live = at.live && (rowok == nullptr || rowok[at.t] >= 0);  // (every lane stays for the shuffles)
+    const float* x = X + (long long)at.t * ldx + 64 * at.b;
+    qi8_unit<ORD>([&](int j) { return x[j]; }, live, at.gl, at.t, at.b, K, xh, xl, xs, xq);
 }
 
 extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long ldx, int T, int K,
@@ -1015,13 +1025,9 @@ __global__ void qmm_hc_mix_split(const float* __restrict__ u, const float* __res
                                  float* __restrict__ xs, int* __restrict__ xq) {
     constexpr int WPT = 16 / QI8_GROUP;  // float4s (words) a thread
     __shared__ float sv[QI8_MIX_UNITS][64];
-    const int nb = n >> 6;
-    const long long units = (long long)T * nb;
-    const long long un = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / QI8_GROUP;
-    const int gl = (int)(threadIdx.x % QI8_GROUP);
-    const long long uc = un < units ? un : units - 1;
-    const int t = (int)(uc / nb), b = (int)(uc - (long long)t * nb);
-    const bool live = un < units;
+    const QI8Pos at = qi8_pos(T, n);
+    const int t = at.t, b = at.b, gl = at.gl;
+    const bool live = at.live;
     float* buf = sv[threadIdx.x / QI8_GROUP];
     if (live) {
         const long long r0 = (long long)t * hc * n + 64 * b;
