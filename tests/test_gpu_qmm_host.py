@@ -1941,3 +1941,15 @@ def test_dense_hc_rd_launcher_on_host(hostcp, lib, monkeypatch):
     for bad, act in ((100, Q.ACT_NONE), (rd + 4, Q.ACT_NONE), (rd, Q.ACT_SILU)):
         with pytest.raises(StrataError, match="hc_rd"):
             Q.dense(_h(X), "Q8R", _h(q), _h(d), rd + 4, cols, act=act, hc_rd=bad)
+
+
+def test_hc_mix_block_fits_its_shared_units():
+    """qmm.HC_MIX_THREADS: whole groups of 16 threads (the device's QI8_GROUP), no more of them than qmm.cu's
+    QI8_MIX_UNITS rows of shared memory (a larger block would index past them)."""
+    import re
+    from pathlib import Path
+
+    src = (Path(Q.__file__).parent / "qmm.cu").read_text()
+    units = int(re.search(r"#define QI8_MIX_UNITS (\d+)", src).group(1))
+    group = int(re.search(r"#else\s+#define QI8_GROUP (\d+)", src).group(1))
+    assert Q.HC_MIX_THREADS % 32 == 0 and Q.HC_MIX_THREADS // group <= units

@@ -103,7 +103,7 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 // W [R, n]^T in float32, a block PF_RR_ROWS rows of W for every token. Thread (t, part) sums token t's values
 // [part n / PF_RR_PARTS, ...) against each row in k order (fused multiply-adds of float4s), the parts added by xor
 // shuffles 4, 2, 1 (a fixed order: the result does not depend on timing). The rows' float4s are read by every token's
-// threads of the block (L1), x's by the blocks (L2). cuBLAS took 10.9 us and a 2.8 us split-k reduction a layer for
+// threads of the block (L1), x's by the blocks (L2). cuBLAS took 10.9 us and a 2.8-3.0 us split-k reduction a layer for
 // 32 tokens x 257 rows of 2,560 (H200, bench/gpu-notes.md). n a multiple of 4 PF_RR_PARTS; grid ceil(R /
 // PF_RR_ROWS), blockDim 32 PF_RR_PARTS (tokens by a block stride; the host build: one thread, every token and part).
 #ifdef STRATA_HOST

@@ -619,6 +619,13 @@ class ChunkPrefill:
         self._no_upload_in_capture(name)
         return cp.asarray(np.ascontiguousarray(np.asarray(self.w.model.raw(t))).reshape(-1)), t.type, rows, cols
 
+    def _held(self, name: str) -> bool:
+        """Does the decoder hold matrix ``name`` on the device (its own buffer or a stacked group's), so that
+        :meth:`_raw_dev` gives it without an upload?"""
+        dec = self.dec
+        got = dec._raw.get(name)
+        return (got is not None and got[0] is not None) or any(name in key for key in dec._raw_groups)
+
     def _no_upload_in_capture(self, what: str) -> None:
         """Raise StrataError where the prefill's graph is being captured: a host upload (a transient matrix, a pointer
         table) would be recorded as a copy from host memory, so the capture fails here instead (and full chunks stay
@@ -1004,8 +1011,8 @@ class ChunkPrefill:
 
         out: list[Any] = []
         T = int(X.shape[0])
-        if (allow and self.gpu and self.gemm in ("mma", "hgemm") and joined_enabled() and X.ndim == 2
-                and T <= 8 * qmm.TILES[1]):
+        if (allow and self.gpu and self.gemm == "mma" and joined_enabled() and X.ndim == 2
+                and T <= 8 * qmm.TILES[1]):  # (hgemm: every product on its fp16 path, none joined on the ring)
             groups = self.dec._raw_groups
             for k in range(len(names), 1, -1):
                 got = groups.get(tuple(names[:k]))
@@ -1056,8 +1063,8 @@ class ChunkPrefill:
         integer ring's tokens (only ``"i8d"`` is asked for: the launches that make their own split)."""
         from stratatools.runtime.gpu import qmm
 
-        if not self.gpu or self.gemm not in ("mma", "hgemm") or T > 8 * qmm.TILES[1]:
-            return None  # (longer X: never the integer ring; nothing looked up, nothing uploaded)
+        if not self.gpu or self.gemm not in ("mma", "hgemm") or T > 8 * qmm.TILES[1] or not self._held(name):
+            return None  # (longer X: never the integer ring; a matrix the decoder does not hold: not uploaded here)
         raw, t, rows, cols = self._raw_dev(name)
         args = self._qmm_args(raw, t, rows, cols)
         if args is None:
@@ -1206,7 +1213,7 @@ class ChunkPrefill:
 
         names = (f"{prefix}_down.weight", f"{prefix}_inject.weight")
         got = self.dec._raw_groups.get(names)
-        if (got is None or not _is_q8r(got[0]) or not joined_enabled() or self.gemm not in ("mma", "hgemm")
+        if (got is None or not _is_q8r(got[0]) or not joined_enabled() or self.gemm != "mma"
                 or T > 8 * qmm.TILES[1]):
             return None
         rows, cols = [int(r) for r in got[1]], int(hn.shape[1])

@@ -927,7 +927,7 @@ extern "C" __global__ void qmm_split_i8d(const float* __restrict__ X, long long 
 // 4.3 us): one launch now writes the rows and their planes.
 
 // The sum of v over the block (every thread calls it; blockDim a multiple of 32, the host build's 1; red: 32 floats
-// of shared memory, free again on return).
+// of shared memory, which a second call may reuse: its first barrier waits for this call's readers).
 __device__ __forceinline__ float qmm_block_sum(float v, float* red) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int lane = (int)(threadIdx.x & 31), wid = (int)(threadIdx.x >> 5), nw = (int)((blockDim.x + 31) >> 5);

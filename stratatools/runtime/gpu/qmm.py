@@ -973,6 +973,11 @@ def hc_norm_split(H: Any, w: Any, eps: float, hc: int, n: int, y: Any = None, iw
     return hn, pl
 
 
+#: Threads of a ``qmm_hc_mix_split`` block: 16 units of 64 outputs, 16 threads each (its shared memory holds
+#: qmm.cu QI8_MIX_UNITS = 16 units; tests/test_gpu_qmm_host.py checks the two agree).
+HC_MIX_THREADS = 256
+
+
 def hc_mix(u: Any, hn: Any, hc: int, n: int, kind: str | None = None) -> tuple[Any, Any]:
     """The hyper-connections' mix (``qmm_hc_mix_split``): out [T, n] = sum over the hc streams of sigmoid(u) hn, over
     hc (u, hn float32 [T, hc n], CuPy), and with ``kind`` (``"i8"``: the expert jobs' planes, ``"i8d"``: the dense
@@ -986,9 +991,9 @@ def hc_mix(u: Any, hn: Any, hc: int, n: int, kind: str | None = None) -> tuple[A
     T = int(u.shape[0])
     out = cp.empty((T, n), dtype=cp.float32)
     pl = _planes(cp, T, n, kind)
-    grid = -(-(T * (n // 64) * 16) // SPLIT_I8_THREADS)
+    grid = -(-(T * (n // 64) * 16) // HC_MIX_THREADS)
     _fn(f"qmm_hc_mix_split<{1 if kind != 'i8' else 0}>")(
-        (grid,), (SPLIT_I8_THREADS,), (cp.ascontiguousarray(u, dtype=cp.float32),
+        (grid,), (HC_MIX_THREADS,), (cp.ascontiguousarray(u, dtype=cp.float32),
                                        cp.ascontiguousarray(hn, dtype=cp.float32), np.int32(hc), np.int32(n),
                                        np.int32(T), out, *(pl[:4] if pl is not None else (None,) * 4)))
     return out, pl
