@@ -278,3 +278,32 @@ def test_pf_router_rows_matches_float64(lib, T, R, n):
     ref = x.astype(np.float64) @ W.T.astype(np.float64)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
     assert n % PF.ROUTER_ROWS_ALIGN == 0
+
+
+def test_row_stride_takes_rows_of_consecutive_floats_only():
+    """prefill.row_stride: a contiguous float32 array's row length, a column slice's parent row length (the joined
+    products' views), one row's own length; a transposed, float64, 1-D or element-strided array refused by name."""
+    a = np.zeros((4, 10), np.float32)
+    assert PF.row_stride(a) == 10 and PF.row_stride(a[:, 3:7]) == 10 and PF.row_stride(a[:1, 2:5]) == 3
+    for bad in (a.T, a.astype(np.float64), a[0], a[:, ::2]):
+        with pytest.raises(StrataError, match="not float32 rows of consecutive values"):
+            PF.row_stride(bad)
+
+
+def test_same_memory_and_held_matrices():
+    """prefill._same_memory: device arrays (anything with .data.ptr) of one pointer, shape and strides, never host
+    arrays; ChunkPrefill._held: a matrix the decoder keeps in its own buffer or a stacked group, not one it lacks or
+    keeps as None."""
+    from types import SimpleNamespace as NS
+
+    def dev(ptr, shape=(2, 3), strides=(12, 4)):
+        return NS(data=NS(ptr=ptr), shape=shape, strides=strides)
+
+    assert PF._same_memory(dev(64), dev(64)) and not PF._same_memory(dev(64), dev(128))
+    assert not PF._same_memory(dev(64), dev(64, (3, 2), (8, 4)))
+    h = np.zeros(3, np.float32)
+    assert not PF._same_memory(h, h)
+    fake = NS(dec=NS(_raw={"a.weight": ("buf", 3), "gone.weight": (None, 0)},
+                     _raw_groups={("b.weight", "c.weight"): ("buf", [1, 2])}))
+    held = [PF.ChunkPrefill._held(fake, n) for n in ("a.weight", "c.weight", "gone.weight", "d.weight")]
+    assert held == [True, True, False, False]
