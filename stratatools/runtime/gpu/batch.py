@@ -341,46 +341,45 @@ class BatchDecoder(ChunkPrefill):
     def _stage_static(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
         """Fill the static input buffers for a step of all places (host work and uploads, before a replay): places
         and positions (as :meth:`_places`), the token embedding rows, the rope tables and each PLE layer's rows
-        (the places' PLE contexts advance)."""
-        xp, cfg, n = self.xp, self.cfg, self.n
+        (the places' PLE contexts advance). On CuPy through one pinned host buffer and one asynchronous copy on the
+        decoder's stream (before the replay that reads them) into one device buffer whose views are the static
+        buffers (separate uploads and device copies took 1.4 ms of host time a step at 32 places, H200,
+        bench/gpu-notes.md); the copy of the step before is waited for before its buffer is written again."""
+        cfg, n = self.cfg, self.n
+        cos, sin = self.rt.rope.cos_sin_host(pos)
+        parts = {"pos_i32": np.asarray(pos, dtype=np.int32), "x0": self._rows_host("token_embd.weight", toks),
+                 "cos": np.asarray(cos, dtype=np.float32), "sin": np.asarray(sin, dtype=np.float32)}
+        if cfg.ple_layers:
+            for il, r in self._ple_rows_b(toks, pl).items():
+                parts[("ple", il)] = self._rows_host("per_layer_token_embd.weight", r.reshape(-1)).reshape(n, -1)
         if self.gpu:
-            self._stage_pinned(pl, toks, pos)
-            return
-        x0 = self._rows("token_embd.weight", toks)
-        cos, sin = self.rt.rope.cos_sin(pos)
-        ple = ({il: self._ple_emb(il, r, n) for il, r in self._ple_rows_b(toks, pl).items()}
-               if cfg.ple_layers else {})
+            self._upload_pinned(parts)
+        else:
+            if self._gin is None:
+                self._set_gin({k: np.empty_like(a) for k, a in parts.items()})
+            for key, a in parts.items():
+                self._gin_part(key)[...] = a
         g = self._gin
-        if g is None:
-            g = self._gin = {"pl": xp.asarray(np.arange(n, dtype=np.int64)),
-                             "pl_i32": xp.asarray(np.arange(n, dtype=np.int32)),
-                             "pos_i32": xp.zeros(n, dtype=xp.int32), "x0": xp.empty_like(x0),
-                             "cos": xp.empty_like(cos), "sin": xp.empty_like(sin),
-                             "ple": {il: xp.empty_like(e) for il, e in ple.items()}}
-        g["pos_i32"][...] = xp.asarray(np.asarray(pos, dtype=np.int32))
-        g["x0"][...] = x0
-        g["cos"][...] = cos
-        g["sin"][...] = sin
-        for il, e in ple.items():
-            g["ple"][il][...] = e
         self._pl, self._all = pl, True
         self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
 
-    def _stage_pinned(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
-        """:meth:`_stage_static` on CuPy: the step's inputs (positions, embedding rows, rope tables, each PLE layer's
-        rows) computed on the host into one pinned buffer and uploaded by one asynchronous copy on the decoder's
-        stream (before the replay that reads them) into one device buffer, whose views are the static input buffers
-        (the step's separate uploads and device copies took 1.4 ms of host time a step at 32 places, H200,
-        bench/gpu-notes.md). The copy of the step before is waited for before its buffer is written again."""
+    def _set_gin(self, bufs: dict) -> None:
+        """The static input buffers from ``bufs`` (:meth:`_stage_static`'s keys: their arrays are kept), with the
+        places' indices."""
+        xp, n = self.xp, self.n
+        self._gin = {"pl": xp.asarray(np.arange(n, dtype=np.int64)), "pl_i32": xp.asarray(np.arange(n, dtype=np.int32)),
+                     **{k: v for k, v in bufs.items() if not isinstance(k, tuple)},
+                     "ple": {k[1]: v for k, v in bufs.items() if isinstance(k, tuple)}}
+
+    def _gin_part(self, key: Any) -> Any:
+        return self._gin["ple"][key[1]] if isinstance(key, tuple) else self._gin[key]
+
+    def _upload_pinned(self, parts: dict) -> None:
+        """:meth:`_stage_static`'s upload on CuPy: ``parts`` (host arrays) into the pinned buffer (made at the first
+        step, with the device buffer whose views become the static buffers), then one asynchronous copy."""
         import cupyx
 
-        cp, cfg, n = self.cp, self.cfg, self.n
-        x0 = self._rows_host("token_embd.weight", toks)
-        cos, sin = self.rt.rope.cos_sin_host(pos)
-        ple = ({il: self._rows_host("per_layer_token_embd.weight", r.reshape(-1)).reshape(n, -1)
-                for il, r in self._ple_rows_b(toks, pl).items()} if cfg.ple_layers else {})
-        parts = {"pos_i32": np.asarray(pos, dtype=np.int32), "x0": x0, "cos": np.asarray(cos, dtype=np.float32),
-                 "sin": np.asarray(sin, dtype=np.float32), **{("ple", il): e for il, e in ple.items()}}
+        cp = self.cp
         st = self._pin
         if st is None:
             lay, off = {}, 0
@@ -394,11 +393,8 @@ class BatchDecoder(ChunkPrefill):
                 return {k: buf[o:o + int(np.prod(sh)) * np.dtype(dt).itemsize].view(dt).reshape(sh)
                         for k, (o, sh, dt) in lay.items()}
 
-            st = self._pin = {"host": host, "dev": dev, "h": views(host), "d": views(dev), "ev": None}
-            d = st["d"]
-            self._gin = {"pl": cp.asarray(np.arange(n, dtype=np.int64)),
-                         "pl_i32": cp.asarray(np.arange(n, dtype=np.int32)), "pos_i32": d["pos_i32"],
-                         "x0": d["x0"], "cos": d["cos"], "sin": d["sin"], "ple": {il: d[("ple", il)] for il in ple}}
+            st = self._pin = {"host": host, "dev": dev, "h": views(host), "ev": None}
+            self._set_gin(views(dev))
         if st["ev"] is not None:
             st["ev"].synchronize()  # (the previous step's copy has read the pinned buffer)
         for key, a in parts.items():
@@ -407,9 +403,6 @@ class BatchDecoder(ChunkPrefill):
         st["dev"].set(st["host"], stream=s)
         ev = st["ev"] = st["ev"] or cp.cuda.Event(disable_timing=True)
         ev.record(s)
-        g = self._gin
-        self._pl, self._all = pl, True
-        self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
 
     def _ple_emb(self, il: int, rows: Any, T: int) -> Any:
         if self._in_static:

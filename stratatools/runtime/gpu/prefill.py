@@ -982,7 +982,7 @@ class ChunkPrefill:
                 H = H + self._ple(il, H, ple_rows[il])
             self._tic("hc")
             mixer = f"blk.{il}." + ("attn_qkv" if cfg.recurrent[il] else "attn_q") + ".weight"  # (its first matrix)
-            H, mixed, inject = self._hc_in(f"blk.{il}.hc_attn", H, pend, self._split_kind(mixer, T))
+            H, mixed, inject = self._hc_in(f"blk.{il}.hc_attn", H, pend, self._ring_split(mixer, T))
             with self._shared_split(mixed):  # the mixer's projections read one split of its input
                 if cfg.recurrent[il]:
                     self._tic("gdn")
@@ -1010,18 +1010,12 @@ class ChunkPrefill:
         from stratatools.runtime.gpu import qmm
 
         out: list[Any] = []
-        T = int(X.shape[0])
-        if (allow and self.gpu and self.gemm == "mma" and joined_enabled() and X.ndim == 2
-                and T <= 8 * qmm.TILES[1]):  # (hgemm: every product on its fp16 path, none joined on the ring)
-            groups = self.dec._raw_groups
-            for k in range(len(names), 1, -1):
-                got = groups.get(tuple(names[:k]))
-                if got is None or not _is_q8r(got[0]):
+        if allow and X.ndim == 2:
+            for k in range(len(names), 1, -1):  # (the longest first run the decoder stacks)
+                got = self._joined(tuple(names[:k]), int(X.shape[0]), int(X.shape[1]))
+                if got is None:
                     continue
-                rows, cols = [int(r) for r in got[1]], int(X.shape[1])
-                args = self._qmm_args(_Q8RRows(got[0], 0), None, int(sum(rows)), cols)
-                if args is None or qmm.split_kind(args[0], T, cols, args[1], args[2]) != "i8d":
-                    break
+                args, rows = got
                 self._push("dense")
                 Y = qmm.dense(self.cp.ascontiguousarray(X, dtype=self.cp.float32), *args, xs=self._split(X, "i8d"))
                 self._pop()
@@ -1031,6 +1025,23 @@ class ChunkPrefill:
                     o += r
                 break
         return out + [self._mm(X, n) for n in names[len(out):]]
+
+    def _joined(self, names: tuple[str, ...], T: int, cols: int) -> tuple[tuple[Any, ...], list[int]] | None:
+        """Where the decoder stacks the matrices ``names`` (in this order) in one Q8R buffer and T rows of ``cols``
+        values take the integer dense ring (:data:`JOINED_ENV`, the ``mma`` path): (:func:`qmm.dense`'s arguments for
+        the stacked rows, each matrix's rows); else None."""
+        from stratatools.runtime.gpu import qmm
+
+        if not (self.gpu and self.gemm == "mma" and joined_enabled() and T <= 8 * qmm.TILES[1]):
+            return None  # (hgemm: every product on its fp16 path, none joined on the ring)
+        got = self.dec._raw_groups.get(names)
+        if got is None or not _is_q8r(got[0]):
+            return None
+        rows = [int(r) for r in got[1]]
+        args = self._qmm_args(_Q8RRows(got[0], 0), None, sum(rows), cols)
+        if args is None or qmm.split_kind(args[0], T, cols, args[1], args[2]) != "i8d":
+            return None
+        return args, rows
 
     @staticmethod
     def _rows_ok(x: Any) -> bool:
@@ -1057,21 +1068,19 @@ class ChunkPrefill:
         mixed, inject = self._hc(prefix, H)
         return H, mixed, inject
 
-    def _split_kind(self, name: str, T: int) -> str | None:
-        """The split of T rows that :meth:`_qmm` reads for the matrix ``name`` (``"i8d"``, ``"f16"``), or None where
-        its product takes none (not on CuPy's tensor-core paths, a layout without a qmm kernel) or T exceeds the
-        integer ring's tokens (only ``"i8d"`` is asked for: the launches that make their own split)."""
+    def _ring_split(self, name: str, T: int) -> str | None:
+        """``"i8d"`` where :meth:`_qmm` makes the product of the matrix ``name`` over T rows on the integer dense ring
+        (it then reads that split of X: the launches that make X can make it beside), else None (another path, a
+        layout without the ring, or a matrix the decoder does not hold: nothing is uploaded to find out)."""
         from stratatools.runtime.gpu import qmm
 
-        if not self.gpu or self.gemm not in ("mma", "hgemm") or T > 8 * qmm.TILES[1] or not self._held(name):
-            return None  # (longer X: never the integer ring; a matrix the decoder does not hold: not uploaded here)
+        if not self.gpu or self.gemm != "mma" or T > 8 * qmm.TILES[1] or not self._held(name):
+            return None
         raw, t, rows, cols = self._raw_dev(name)
         args = self._qmm_args(raw, t, rows, cols)
-        if args is None:
+        if args is None or self._big_hgemm(rows, cols, T):
             return None
-        if self.gemm == "hgemm" or self._big_hgemm(rows, cols, T):
-            return "f16"
-        return qmm.split_kind(args[0], T, cols, args[1], args[2])
+        return "i8d" if qmm.split_kind(args[0], T, cols, args[1], args[2]) == "i8d" else None
 
     def _jobs_split_kind(self, il: int) -> str | None:
         """``"i8"`` where layer ``il``'s routed experts run as the integer tensor-core jobs (:meth:`_mma_jobs`: their
@@ -1161,34 +1170,36 @@ class ChunkPrefill:
             self.dec.k_rms((T * hc,), (256,), (H, w, hn, np.int32(n), np.int32(w.size), np.float32(cfg.eps)))
         else:
             y, iw = pend if pend is not None else (None, None)
-            split = "i8d" if self._split_kind(f"{prefix}_down.weight", T) == "i8d" else None
+            split = self._ring_split(f"{prefix}_down.weight", T)
             hn, planes = qmm.hc_norm_split(H, w, cfg.eps, hc, n, y, iw, split)
             if planes is not None:
                 self._pre = (hn, {split: planes})
         with self._shared_split(hn):  # down and inject read the same normed streams
-            return (H, *self._hc_gpu_mix(prefix, hn, T, inject, kind if fused else None))
+            return (H, *self._hc_gpu_mix(prefix, hn, T, inject, kind, fused))
 
-    def _hc_gpu_mix(self, prefix: str, hn: Any, T: int, inject: bool, kind: str | None = None) -> tuple[Any, Any]:
+    def _hc_gpu_mix(self, prefix: str, hn: Any, T: int, inject: bool, kind: str | None,
+                    fused: bool) -> tuple[Any, Any]:
+        """The mix of :meth:`_hc_gpu_in` over its normed streams hn: with ``fused`` (:data:`HC_FUSED_ENV`, rows of a
+        multiple of 64) the launches that make each split beside their outputs (``kind``: the mix's), else one
+        element-wise mix."""
         from stratatools.runtime.gpu import qmm
 
         cp, cfg = self.cp, self.cfg
         hc, n = cfg.hc_count, cfg.n_embd
         # silu(down hn / hc), and the split of it that the up projection reads from the launch of its sums
-        fused = n % 64 == 0 and hc_fused()
         joined = self._hc_joined(prefix, hn, T) if fused and inject else None
         if joined is not None:  # down and inject as one product: m, its split and the inject weights
-            m, mp, iw = joined
-            self._pre = (m, {"i8d": mp})
+            m, mp, _ = joined
         else:
             m = self._mm(hn, f"{prefix}_down.weight", act=qmm.ACT_SILU, div=hc,
-                         planes=fused and self._split_kind(f"{prefix}_up.weight", T) == "i8d")
-        if isinstance(m, tuple):
-            m, mp = m
-            self._pre = (m, {"i8d": mp}) if mp is not None else None
+                         planes=fused and self._ring_split(f"{prefix}_up.weight", T) is not None)
+            m, mp = m if isinstance(m, tuple) else (m, None)
+        if mp is not None:
+            self._pre = (m, {"i8d": mp})
         with self._shared_split(m):
             u = cp.ascontiguousarray(self._mm(m, f"{prefix}_up.weight"))
         if fused:  # the mix and the split of it that the next block reads first: one launch
-            mixed, planes = qmm.hc_mix(u, hn, hc, n, kind if kind in ("i8", "i8d") else None)
+            mixed, planes = qmm.hc_mix(u, hn, hc, n, kind)
             if planes is not None:
                 self._pre = (mixed, {kind: planes})
         else:
@@ -1211,15 +1222,10 @@ class ChunkPrefill:
         from one product and one launch of its sums (``qmm.dense(hc_rd=)``); else None."""
         from stratatools.runtime.gpu import qmm
 
-        names = (f"{prefix}_down.weight", f"{prefix}_inject.weight")
-        got = self.dec._raw_groups.get(names)
-        if (got is None or not _is_q8r(got[0]) or not joined_enabled() or self.gemm != "mma"
-                or T > 8 * qmm.TILES[1]):
+        got = self._joined((f"{prefix}_down.weight", f"{prefix}_inject.weight"), T, int(hn.shape[1]))
+        if got is None or got[1][0] % 64:
             return None
-        rows, cols = [int(r) for r in got[1]], int(hn.shape[1])
-        args = self._qmm_args(_Q8RRows(got[0], 0), None, sum(rows), cols)
-        if args is None or rows[0] % 64 or qmm.split_kind(args[0], T, cols, args[1], args[2]) != "i8d":
-            return None
+        args, rows = got
         self._push("dense")
         res = qmm.dense(hn, *args, xs=self._split(hn, "i8d"), act_div=float(self.cfg.hc_count), hc_rd=rows[0])
         self._pop()
