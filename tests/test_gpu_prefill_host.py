@@ -56,7 +56,7 @@ def _p(a):
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
     assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp",
-                        "pf_moe_sum_shared", "pf_router_rows"}
+                        "pf_moe_sum_shared"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -264,20 +264,6 @@ def test_pf_gdn_step_rw_reads_each_places_key_heads(lib):
         got.append((S, out))
     assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
     assert not np.isnan(got[1][1]).any()
-
-
-@pytest.mark.parametrize("T,R,n", [(32, 257, 256), (5, 9, 64), (1, 4, 32)])
-def test_pf_router_rows_matches_float64(lib, T, R, n):
-    """pf_router_rows: out [T, R] = x W^T within float32 rounding of float64 (rows past a block's last, tokens by
-    the block stride), every value written."""
-    rng = np.random.default_rng(T + R)
-    x = rng.standard_normal((T, n)).astype(np.float32)
-    W = rng.standard_normal((R, n)).astype(np.float32)
-    out = np.full((T, R), np.nan, np.float32)
-    lib.host_pf_router_rows(-(-R // PF.ROUTER_ROWS_PER_BLOCK), 1, _p(x), _p(W), T, R, n, _p(out))
-    ref = x.astype(np.float64) @ W.T.astype(np.float64)
-    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
-    assert n % PF.ROUTER_ROWS_ALIGN == 0
 
 
 def test_row_stride_takes_rows_of_consecutive_floats_only():

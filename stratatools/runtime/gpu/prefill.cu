@@ -99,55 +99,6 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
     }
 }
 
-// The batched step's router rows (the experts' logits and the shared expert's gate logit): out [T, R] = x [T, n]
-// W [R, n]^T in float32, a block PF_RR_ROWS rows of W for every token. Thread (t, part) sums token t's values
-// [part n / PF_RR_PARTS, ...) against each row in k order (fused multiply-adds of float4s), the parts added by xor
-// shuffles 4, 2, 1 (a fixed order: the result does not depend on timing). The rows' float4s are read by every token's
-// threads of the block (L1), x's by the blocks (L2). cuBLAS took 10.9 us and a 2.8-3.0 us split-k reduction a layer for
-// 32 tokens x 257 rows of 2,560 (H200, bench/gpu-notes.md). n a multiple of 4 PF_RR_PARTS; grid ceil(R /
-// PF_RR_ROWS), blockDim 32 PF_RR_PARTS (tokens by a block stride; the host build: one thread, every token and part).
-#ifdef STRATA_HOST
-#define PF_RR_PARTS 1
-#else
-#define PF_RR_PARTS 8
-#endif
-#define PF_RR_ROWS 4
-extern "C" __global__ void pf_router_rows(const float* __restrict__ x, const float* __restrict__ W, int T, int R,
-                                          int n, float* __restrict__ out) {
-    const int part = (int)threadIdx.x % PF_RR_PARTS, tpb = (int)blockDim.x / PF_RR_PARTS;
-    const int r0 = (int)blockIdx.x * PF_RR_ROWS, per = n / PF_RR_PARTS;  // (per: a multiple of 4)
-    for (int t0 = 0; t0 < T; t0 += tpb) {  // (every thread takes the same turns: the shuffles)
-        const int t = t0 + (int)threadIdx.x / PF_RR_PARTS;
-        float acc[PF_RR_ROWS];
-        #pragma unroll
-        for (int q = 0; q < PF_RR_ROWS; ++q) acc[q] = 0.0f;
-        if (t < T) {
-            const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * n + (long long)part * per);
-            for (int i = 0; i < (per >> 2); ++i) {
-                const float4 xv = xp[i];
-                #pragma unroll
-                for (int q = 0; q < PF_RR_ROWS; ++q) {
-                    if (r0 + q >= R) break;
-                    const float4 wv = reinterpret_cast<const float4*>(W + (long long)(r0 + q) * n +
-                                                                      (long long)part * per)[i];
-                    acc[q] = fmaf(xv.x, wv.x, acc[q]);
-                    acc[q] = fmaf(xv.y, wv.y, acc[q]);
-                    acc[q] = fmaf(xv.z, wv.z, acc[q]);
-                    acc[q] = fmaf(xv.w, wv.w, acc[q]);
-                }
-            }
-        }
-        #pragma unroll
-        for (int o = PF_RR_PARTS / 2; o; o >>= 1)
-            #pragma unroll
-            for (int q = 0; q < PF_RR_ROWS; ++q) acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], o);
-        if (part == 0 && t < T)
-            #pragma unroll
-            for (int q = 0; q < PF_RR_ROWS; ++q)
-                if (r0 + q < R) out[(long long)t * R + r0 + q] = acc[q];
-    }
-}
-
 // pf_route's contract with one warp a token (E <= 32 PF_RW_VPL; STRATATOOLS_ROUTE_WARP): a lane holds the
 // probabilities i = lane + 32 j in registers, each of the k rounds takes the lane's best (the same predicate as
 // pf_route: larger, ties to the lower index; NaN never wins) and the warp's by five shuffles, with no barrier

@@ -101,27 +101,6 @@ JOINED_ENV = "STRATATOOLS_JOINED_PROJ"
 JOINED_DEFAULT = True
 
 
-#: ``STRATATOOLS_ROUTER_ROWS``: the batched step's router and shared-gate rows through ``pf_router_rows`` (1: one
-#: launch, the sums in a fixed order) or cuBLAS's SGEMM (0, the default: a GEMM and its split-k reduction, 10.9 + 3.0
-#: us a layer at 32 tokens x 257 rows of 2,560; ``pf_router_rows`` took 71.4 us, its loads neither coalesced nor
-#: enough in flight: H200, bench/gpu-notes.md twentieth pass).
-ROUTER_ROWS_ENV = "STRATATOOLS_ROUTER_ROWS"
-ROUTER_ROWS_DEFAULT = False
-#: ``pf_router_rows``: the most tokens (a block's threads hold one each), rows a block, threads a token (prefill.cu
-#: PF_RR_ROWS, PF_RR_PARTS) and the multiple of values a row must be (a float4 a part).
-ROUTER_ROWS_MAX_T = 32
-ROUTER_ROWS_PER_BLOCK = 4
-ROUTER_ROWS_PARTS = 8
-ROUTER_ROWS_ALIGN = 4 * ROUTER_ROWS_PARTS
-
-
-def router_rows() -> bool:
-    """:data:`ROUTER_ROWS_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
-    from stratatools.runtime.gpu.kernels import env_on
-
-    return env_on(ROUTER_ROWS_ENV, "the router rows' own kernel", ROUTER_ROWS_DEFAULT)
-
-
 def joined_enabled() -> bool:
     """:data:`JOINED_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
     from stratatools.runtime.gpu.kernels import env_on
@@ -506,7 +485,6 @@ class ChunkPrefill:
             self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
-            self.k_router_rows = mod.get_function("pf_router_rows")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched
@@ -1619,8 +1597,8 @@ class ChunkPrefill:
         T, n = x.shape
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         W = self._router_gate_w(il)
-        if W is not None:  # one product: the experts' logits [T, E], then the shared expert's gate logit
-            logits = self._router_logits(x, W)
+        if W is not None:  # one SGEMM: the experts' logits [T, E], then the shared expert's gate logit
+            logits = self._sgemm(x, W)
             E = int(W.shape[0]) - 1
             g, goff = logits, E
         else:
@@ -1690,21 +1668,6 @@ class ChunkPrefill:
         self.k_moe_sum_shared(grid, (256,), (*args, cp.ascontiguousarray(tail.ys), tail.g,
                                              np.int32(tail.g.shape[1]), np.int32(tail.goff), y))
         return y
-
-    def _router_logits(self, x: Any, W: Any) -> Any:
-        """x [T, n] @ W.T for the float32 router rows W [R, n] (CuPy): up to :data:`ROUTER_ROWS_MAX_T` rows of x and
-        n a multiple of :data:`ROUTER_ROWS_ALIGN`, ``pf_router_rows`` (:data:`ROUTER_ROWS_ENV`); else :meth:`_sgemm`.
-        Returns [T, R] float32."""
-        T, n = int(x.shape[0]), int(x.shape[1])
-        if not (self.gpu and 0 < T <= ROUTER_ROWS_MAX_T and n % ROUTER_ROWS_ALIGN == 0 and router_rows()):
-            return self._sgemm(x, W)
-        cp = self.cp
-        R = int(W.shape[0])
-        out = cp.empty((T, R), dtype=cp.float32)
-        self.k_router_rows((-(-R // ROUTER_ROWS_PER_BLOCK),), (32 * ROUTER_ROWS_PARTS,),
-                           (cp.ascontiguousarray(x, dtype=cp.float32), cp.ascontiguousarray(W, dtype=cp.float32),
-                            np.int32(T), np.int32(R), np.int32(n), out))
-        return out
 
     def _router_gate_w(self, il: int) -> Any:
         """Layer ``il``'s router rows with the shared expert's gate row after them, float32 [E + 1, n], where the step
