@@ -916,16 +916,12 @@ def split_i8(X: Any, rowok: Any = None, dense: bool = False) -> tuple[Any, Any, 
         raise StrataError(f"qmm: activations of shape {tuple(X.shape)} are not [T >= 1, K] with K a multiple of 64")
     X = cp.ascontiguousarray(X, dtype=cp.float32)
     T, K = (int(s) for s in X.shape)
-    nb = K // 64
-    hi = cp.empty((T, K), dtype=cp.uint8)
-    lo = cp.empty((T, K), dtype=cp.uint8)
-    sc = cp.empty((T, nb), dtype=cp.float32)
-    qs = cp.empty((T, nb), dtype=cp.int32)
-    grid = -(-(T * nb * 16) // SPLIT_I8_THREADS)
+    pl = _planes(cp, T, K, "i8d" if dense else "i8")
+    grid = -(-(T * (K // 64) * 16) // SPLIT_I8_THREADS)
     ok = cp.ascontiguousarray(rowok, dtype=cp.int32) if rowok is not None else None
     _fn("qmm_split_i8d" if dense else "qmm_split_i8", chunk_values(moe=True, layout=42))(
-        (grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, hi, lo, sc, qs))
-    return DensePlanes((hi, lo, sc, qs)) if dense else (hi, lo, sc, qs)
+        (grid,), (SPLIT_I8_THREADS,), (X, np.int64(K), np.int32(T), np.int32(K), ok, *pl))
+    return pl
 
 
 def _planes(cp: Any, T: int, K: int, kind: str | None) -> tuple[Any, ...] | None:
@@ -934,7 +930,7 @@ def _planes(cp: Any, T: int, K: int, kind: str | None) -> tuple[Any, ...] | None
     if kind is None:
         return None
     if kind not in ("i8", "i8d"):
-        raise StrataError(f"qmm: the hyper-connection kernels split into 'i8' or 'i8d' planes, not {kind!r}")
+        raise StrataError(f"qmm: the integer splits are 'i8' or 'i8d' planes, not {kind!r}")
     got = (cp.empty((T, K), dtype=cp.uint8), cp.empty((T, K), dtype=cp.uint8),
            cp.empty((T, K // 64), dtype=cp.float32), cp.empty((T, K // 64), dtype=cp.int32))
     return DensePlanes(got) if kind == "i8d" else got
