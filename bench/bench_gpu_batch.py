@@ -11,7 +11,11 @@ then
    ``--prompt`` tokens (distinct slices of the prompt suite) prefilled into them, two warm-up steps, then ``--steps``
    timed batched steps (greedy, synchronised by the per-step read-back of tokens and routing): aggregate tok/s =
    N x steps / seconds, ratio to batch 1; place 0 runs prompt 0, so its tokens and first logits are compared with
-   the batch-1 run (same tokens expected; logits relative error <= 1e-3);
+   the batch-1 run (same tokens expected; logits relative error <= 1e-3); then, where the step can be queued
+   (``BatchDecoder.queue_ready``: device staging, every expert resident), ``--steps`` + 2 more steps queued one
+   ahead (each launched from the device's arg-max before the host reads the step before, tokens and routing read
+   back every step), timed from the third: the ``queued`` tok/s a recording run (``run_batched``) gets while every
+   place is busy, place 0's tokens again against batch 1's;
 3. a per-part breakdown of one step at the largest N (host-timed with a device synchronisation between parts);
 4. end to end at the largest N: :func:`stratatools.runtime.gpu.batch.run_batched` over 2 N prompts with
    ``--steps`` new tokens each (prefills, continuous batching and the per-place accounting included).
@@ -64,6 +68,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: norm, the mix and their splits each a launch: STRATATOOLS_HC_FUSED=0); ``nojoin``: a GDN layer's four
 #: in-projections, a hyper-connection's down and inject projections, the shared expert's gate and up each a product
 #: (STRATATOOLS_JOINED_PROJ=0); ``nofuse``: the hyper-connections' launches unfused and no joined products;
+#: ``hoststage``: the graph step's inputs made on the host (STRATATOOLS_BATCH_DEV_STAGE=0; no queued steps);
 #: ``ring3f4`` / ``ring2f4`` / ``ring4f3``: dense rings of 3, 2, 4 stages of 64 values (4, 5, 3 blocks a SM) with the
 #: split of k aimed at 4, 4, 3 blocks a SM; ``kg2`` / ``kg2b`` / ``kg4``: dense rings whose blocks hold 2 or 4 groups
 #: of 4 warps sharing the rows (2 x 64, 4 x 64 values with 2 groups; 3 x 128 with 4). Every fp16-ring variant sets
@@ -99,6 +104,7 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "jring2p0": {"STRATATOOLS_QMM_JOBS_RING": "2:256:0"}, "jring3": {"STRATATOOLS_QMM_JOBS_RING": "3:256"},
             "nohcf": {"STRATATOOLS_HC_FUSED": "0"}, "nojoin": {"STRATATOOLS_JOINED_PROJ": "0"},
             "nofuse": {"STRATATOOLS_HC_FUSED": "0", "STRATATOOLS_JOINED_PROJ": "0"},
+            "hoststage": {"STRATATOOLS_BATCH_DEV_STAGE": "0"},
             "jring2p16": {"STRATATOOLS_QMM_JOBS_RING": "2:256:16"}, "jring2k128": {"STRATATOOLS_QMM_JOBS_RING": "2:128:0"},
             "ring3f4": {**_F16, "STRATATOOLS_QMM_RING": "3:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
             "ring2f4": {**_F16, "STRATATOOLS_QMM_RING": "2:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
@@ -114,6 +120,36 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "hgemm-eager": {"STRATATOOLS_PREFILL_GEMM": "hgemm", "STRATATOOLS_BATCH_GEMM": "hgemm",
                             "STRATATOOLS_BATCH_GRAPH": "0"},
             "sgemm": {"STRATATOOLS_PREFILL_GEMM": "sgemm", "STRATATOOLS_BATCH_GEMM": "sgemm"}}
+
+
+def queued_steps(cp, bd, toks: list, steps: int, ref_tok: list, var: str) -> dict:
+    """``steps`` + 2 steps of all places queued one ahead (BatchDecoder.launch / collect: each step launched from the
+    device's arg-max before the host reads the step before, the tokens and routing read back every step as a
+    recording run reads them), continuing the synchronous steps from ``toks``; timed from the third collected step:
+    aggregate tok/s and ms a step; place 0's tokens against batch 1's (``ref_tok`` continued)."""
+    n = bd.n
+    start = len(ref_tok) - (steps + 2) - 1  # the batch-1 index of toks[0] (the sync loop ran steps + 2)
+    got0 = [toks[0]]
+    bd.stats["wait_s"] = 0.0
+    bd.launch(toks)
+    t0 = time.perf_counter()
+    for s in range(steps + 2):
+        if s + 1 < steps + 2:
+            bd.launch()
+        _, nxt, _, _ = bd.collect()
+        got0.append(int(nxt[0]))
+        if s == 1:
+            t0 = time.perf_counter()
+            bd.stats["wait_s"] = 0.0
+    dt = time.perf_counter() - t0
+    agg = n * steps / dt
+    same = got0 == ref_tok[start:start + len(got0)]
+    out = {"queued_tok_s": agg, "queued_step_ms": dt / steps * 1e3, "queued_tokens_equal_batch1": same,
+           "queued_wait_ms": bd.stats["wait_s"] / steps * 1e3, "stage_errors": bd.stage_errors()}
+    print(f"{var:9s} N={n:3d}: {agg:9.1f} tok/s aggregate queued ({dt / steps * 1e3:7.2f} ms/step, wait in collect "
+          f"{out['queued_wait_ms']:.2f} ms a step); place 0 tokens vs batch 1 {'equal' if same else 'DIFFER'}; "
+          f"staging errors {out['stage_errors']}", flush=True)
+    return out
 
 
 def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict:
@@ -185,7 +221,8 @@ def main() -> None:
     t0 = time.perf_counter()
     w = load(gguf, xp=cp)
     grt = GPURuntime(w, policy=None, miss_mode="host")
-    rt = DecoderRuntime(grt, max_ctx=a.prompt + a.steps + 8)
+    # (the queued steps continue each variant's synchronous ones: 2 x (steps + 2) positions after the prompt)
+    rt = DecoderRuntime(grt, max_ctx=a.prompt + 2 * (a.steps + 2) + 8)
     res["load_s"] = time.perf_counter() - t0
     print(f"loaded in {res['load_s']:.0f} s", flush=True)
 
@@ -205,6 +242,10 @@ def main() -> None:
             ref_lg.append(cp.asnumpy(lg).astype(np.float64))
     cp.cuda.Device().synchronize()
     b1 = a.steps / (time.perf_counter() - t0)
+    for s in range(a.steps, 2 * (a.steps + 2) + 1):  # (untimed: the reference for the queued steps' tokens)
+        tok = rt.argmax(lg)
+        ref_tok.append(tok)
+        lg, _ = rt.forward([tok], st)
     rt.finish()  # the last step's bookkeeping (lag) before the decoder is used directly
     res["batch1_graph_tok_s"] = b1
     print(f"batch 1 (CUDA graph decoder): {b1:8.1f} tok/s", flush=True)
@@ -260,6 +301,11 @@ def main() -> None:
                   f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
                   f"{'equal' if same else 'DIFFER'}; {how}; host staging {row['host_stage_ms']:.2f} ms, "
                   f"wait for the replay {row['wait_ms']:.2f} ms a step", flush=True)
+            if bd.queue_ready()[0]:
+                row.update(queued_steps(cp, bd, toks, a.steps, ref_tok, var))
+            else:
+                row["queued"] = bd.queue_ready()[1]
+                print(f"{var:9s} N={n:3d}: no queued steps ({row['queued']})", flush=True)
             if a.kernel_profile > 0 and n == nmax:
                 res.setdefault("kernel_profile", {})[var] = step_profile(cp, bd, places, toks, a.kernel_profile, var)
     res["rows"] = rows

@@ -213,3 +213,130 @@ def test_gpu_batched_shared_expert_beside_the_routed_ones_gives_the_same_steps(k
         assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
+def test_gpu_device_staged_and_queued_steps_equal_host_staged_steps(kit, kit_prompts, model, gemm, monkeypatch):
+    """The graph step staged on the device (``stage_steps``) against the same step staged on the host
+    (STRATATOOLS_BATCH_DEV_STAGE=0): logits, tokens and routing bit for bit over synchronous steps; then queued steps
+    (each launched from the device's arg-max before the host reads the step before) give the same tokens and routing
+    step for step and leave the same positions and PLE contexts; the queue's misuse is refused."""
+    import cupy as cp
+
+    if not (kit / model).exists():
+        pytest.skip(f"{model} not carried")
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
+    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
+    from stratatools.core.errors import StrataError
+    from stratatools.runtime.gpu.batch import DEV_STAGE_ENV, BatchDecoder
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    ids = [t for _, p in kit_prompts for t in p]
+    prompts = [ids[0:2], ids[2:3], ids[3:5]]
+    w = load(kit / model, xp=cp)
+    try:
+        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
+        dec = rt.dec
+        bds = []
+        for flag in ("0", "1", "1"):
+            monkeypatch.setenv(DEV_STAGE_ENV, flag)
+            bds.append(BatchDecoder(dec, 3))
+        host, devs, q = bds
+        assert host.queue_ready()[0] is False and "DEV_STAGE" in host.queue_ready()[1]
+        assert q.queue_ready() == (True, "")
+        toks = []
+        for i, p in enumerate(prompts):
+            dec.load_state(rt.new_state())
+            lg, _, _ = dec.prefill(p)
+            for bd in bds:
+                bd.admit(i)
+            toks.append(int(cp.asnumpy(cp.argmax(lg))))
+        with pytest.raises(StrataError, match="needs every place's token"):
+            q.launch()
+        first = list(toks)
+        ref = []
+        for s in range(6):
+            got = [bd.step([0, 1, 2], toks) for bd in (host, devs)]
+            assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
+            for a, b in zip(got[0][1:], got[1][1:]):
+                assert np.array_equal(a, b), s
+            ref.append(got[0][1:])
+            toks = [int(t) for t in got[0][1]]
+        assert devs._dstage is not None and host._dstage is None and devs.stats["graph_steps"] >= 4
+        assert [list(c) for c in devs.ple_ctx] == [list(c) for c in host.ple_ctx]
+        # queued: two in flight, each next step from the device's tokens
+        q.launch(first)
+        with pytest.raises(StrataError, match="not collected"):
+            q.step([0, 1, 2], first)
+        with pytest.raises(StrataError, match="not collected"):
+            q.admit(0)
+        q.launch()
+        assert q.queued == 2
+        with pytest.raises(StrataError, match="queued already"):
+            q.launch()
+        out = [q.collect()[1:]]
+        for s in range(1, 6):
+            if s + 1 < 6:
+                q.launch()
+            out.append(q.collect()[1:])
+        assert q.queued == 0
+        with pytest.raises(StrataError, match="no queued step"):
+            q.collect()
+        for s, (a, b) in enumerate(zip(out, ref)):
+            for x, y in zip(a, b):
+                assert np.array_equal(x, y), s
+        assert q.pos.tolist() == host.pos.tolist()
+        assert [list(c) for c in q.ple_ctx] == [list(c) for c in host.ple_ctx]
+        assert q.stage_errors() == 0 and q.stats["graph_steps"] >= 4
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
+def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm, monkeypatch):
+    """run_batched with queued steps (device staging) against synchronous host-staged steps: five prompts over three
+    places (admissions while others run, a tail with some places idle), a stop token met mid-run (seen a step late
+    by the queue): the same new tokens, stops and routing records in the same order."""
+    import cupy as cp
+
+    if not (kit / model).exists():
+        pytest.skip(f"{model} not carried")
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
+    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
+    from stratatools.runtime.gpu.batch import DEV_STAGE_ENV, BatchDecoder, run_batched
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    ids = [t for _, p in kit_prompts for t in p]
+    prompts = [ids[0:2], ids[2:3], ids[3:5], ids[5:6], ids[6:8]]
+    w = load(kit / model, xp=cp)
+    try:
+        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
+        dec = rt.dec
+
+        def run(flag, stop_id):
+            monkeypatch.setenv(DEV_STAGE_ENV, flag)
+            bd = BatchDecoder(dec, 3)
+            recs = []
+            out, tot = run_batched(dec, bd, prompts, 6, stop_id,
+                                   on_record=lambda r, ph, rec: recs.append((r, ph, rec)))
+            return bd, out, tot, recs
+
+        _, base, _, _ = run("0", -1)
+        stop = base[1].new_ids[2]  # met mid-run by request 1 (and maybe others)
+        runs = [run(flag, stop) for flag in ("0", "1")]
+        assert runs[0][0].queue_ready()[0] is False and runs[1][0].queue_ready()[0] is True
+        assert runs[1][0].stats["graph_steps"] > 0
+        (_, oa, ta, ra), (_, ob, tb, rb) = runs
+        assert [(r.new_ids, r.stop) for r in oa] == [(r.new_ids, r.stop) for r in ob]
+        assert any(r.stop == "stop" for r in oa)
+        assert ta["decode_forwards"] == tb["decode_forwards"] and len(ra) == len(rb)
+        for (r1, p1, c1), (r2, p2, c2) in zip(ra, rb):
+            assert (r1, p1) == (r2, p2) and np.array_equal(c1.positions, c2.positions)
+            for a, b in zip(c1.ids + c1.weights, c2.ids + c2.weights):
+                assert np.array_equal(a, b)
+    finally:
+        w.close()

@@ -284,3 +284,117 @@ def test_decoder_device_staging_glue_matches_stage_on_the_host(lib, kit, monkeyp
         A.pos += 1
         B.pos += 1
     assert B.ple_ctx.tolist() == [eos, 7]
+
+
+def _batch_fake(S, layers, ctxs):
+    """A stand-in for BatchDecoder's PLE-context code (``_ple_rows_b``, ``_ctx_rows``, ``_advance_ctx``, ``_keep``):
+    the config of ``_setup`` with PLE layers ``layers`` and each place's context ``ctxs``."""
+    from stratatools.runtime.gpu.batch import BatchDecoder
+
+    cfg = SimpleNamespace(**vars(S.cfg), ple_layers=list(layers))
+    rt = SimpleNamespace(cfg=cfg)
+    rt.ple_ngram_ids_rows = lambda ids, ctx, lens: Qwen4ExpRuntime.ple_ngram_ids_rows(rt, ids, ctx, lens)
+    f = SimpleNamespace(cfg=cfg, rt=rt, ple_ctx=[np.array(c, dtype=np.int64) for c in ctxs])
+    for name in ("_ple_rows_b", "_ctx_rows", "_advance_ctx", "_keep"):
+        setattr(f, name, getattr(BatchDecoder, name).__get__(f))
+    return f
+
+
+@pytest.mark.parametrize("ngram,hpn,n_pl,tok_type,ple_type", CASES)
+def test_stage_steps_writes_what_the_batched_host_staging_writes(lib, ngram, hpn, n_pl, tok_type, ple_type):
+    """``stage_steps`` (a block a place) over 5 places with contexts of every length (empty, short, full; EOS in
+    them), step after step: x0 rows, each PLE layer's rows and the rope rows bit for bit what BatchDecoder's host
+    staging makes (``_ple_rows_b`` on the host contexts, rows dequantized, ``cos_sin_host`` rows), nothing else in
+    the buffer touched, and the device contexts equal to the host's after ``_advance_ctx`` (EOS-padded rows)."""
+    rng = np.random.default_rng(1000 + ngram * 100 + hpn * 10 + n_pl)
+    eos, N, nr, max_ctx = 3, 5, 6, 20
+    S = _setup(rng, ngram, hpn, n_pl, tok_type, ple_type, eos)
+    keep = ngram - 1
+    layers = [2 * li + 1 for li in range(n_pl)]
+    ctxs = [rng.integers(0, S.n_tok, size=m) for m in [0, 1, keep, keep, max(keep - 1, 0)]]
+    ctxs[2][0] = eos
+    host, devf = _batch_fake(S, layers, ctxs), _batch_fake(S, layers, ctxs)
+    wl = S.nh * S.ple_ne0
+    lay = {"x0": 0, "cos": N * S.n_embd + 3, "sin": N * S.n_embd + 3 + N * nr}
+    lay.update({("ple", li): lay["sin"] + N * nr + 5 + li * (N * wl + 2) for li in range(n_pl)})
+    size = (lay[("ple", n_pl - 1)] + N * wl if n_pl else lay["sin"] + N * nr) + 4
+    prm = np.concatenate([S.cfg.ple_multipliers, S.cfg.ple_head_vocab, S.cfg.ple_head_offsets,
+                          np.array([lay[("ple", li)] for li in range(n_pl)], dtype=np.int64)]).astype(np.int64)
+    cos_t = rng.standard_normal((max_ctx, nr)).astype(np.float32)
+    sin_t = rng.standard_normal((max_ctx, nr)).astype(np.float32)
+    pos = np.array([0, 4, 7, 19, 11], dtype=np.int32)
+    err = np.zeros(1, dtype=np.int32)
+    p = lambda a: a.ctypes.data  # noqa: E731
+    for step in range(12):
+        toks = rng.integers(0, S.n_tok, size=N).astype(np.int64)
+        toks[rng.random(N) < 0.3] = eos
+        pl = np.arange(N, dtype=np.int64)
+        ctx = np.ascontiguousarray(devf._ctx_rows(pl))
+        buf = np.full(size, SENTINEL, dtype=np.uint32).view(np.float32)
+        lib.host_stage_steps(N, 1, p(toks), p(ctx), ctx.shape[1], p(pos), p(cos_t), p(sin_t), max_ctx, nr,
+                             lay["cos"], lay["sin"], p(buf), lay["x0"], S.n_embd, p(S.tok_tab), TYPE_IDS[tok_type],
+                             S.n_tok, S.tok_tab.shape[1], S.n_embd, wl, p(S.ple_tab), TYPE_IDS[ple_type], S.ple_rows,
+                             S.ple_tab.shape[1], S.ple_ne0, p(prm), n_pl, ngram, hpn, eos, p(err))
+        want = np.full(size, SENTINEL, dtype=np.uint32).view(np.float32)
+        want[:N * S.n_embd] = _deq(S.tok_tab, tok_type, S.n_embd, toks)
+        for b in range(N):
+            o = lay["cos"] + b * nr
+            want[o:o + nr] = cos_t[pos[b]]
+            o = lay["sin"] + b * nr
+            want[o:o + nr] = sin_t[pos[b]]
+        rows = host._ple_rows_b(toks, pl) if n_pl else {}
+        for li, il in enumerate(layers):
+            o = lay[("ple", li)]
+            want[o:o + N * wl] = _deq(S.ple_tab, ple_type, S.ple_ne0, rows[il].reshape(-1))
+        assert np.array_equal(buf.view(np.uint32), want.view(np.uint32)), step
+        devf._advance_ctx(pl, toks)
+        assert [c.tolist() for c in devf.ple_ctx] == [c.tolist() for c in host.ple_ctx], step
+        assert np.array_equal(ctx, devf._ctx_rows(pl)), step
+        assert err[0] == 0
+        pos = (pos + 1) % max_ctx
+
+
+def test_stage_steps_bad_position_writes_nan_rope_rows_and_flags(lib):
+    """A place at a position outside [0, max_ctx) gets quiet-NaN rope rows and bit 4 (sticky); the other place's
+    rows and both places' embedding rows are still written."""
+    rng = np.random.default_rng(11)
+    S = _setup(rng, 3, 1, 1, "BF16", "F16", eos=3)
+    N, nr, max_ctx, wl = 2, 4, 8, S.nh * S.ple_ne0
+    cos_t = rng.standard_normal((max_ctx, nr)).astype(np.float32)
+    sin_t = rng.standard_normal((max_ctx, nr)).astype(np.float32)
+    x, c, s_, pb = 0, N * S.n_embd, N * S.n_embd + N * nr, N * S.n_embd + 2 * N * nr
+    prm = np.concatenate([S.cfg.ple_multipliers, S.cfg.ple_head_vocab, S.cfg.ple_head_offsets, [pb]]).astype(np.int64)
+    err = np.zeros(1, dtype=np.int32)
+    p = lambda a: a.ctypes.data  # noqa: E731
+    for bad in (max_ctx, -1):
+        buf = np.zeros(pb + N * wl, dtype=np.float32)
+        toks = np.array([5, 6], dtype=np.int64)
+        ctx = np.full((N, 2), 3, dtype=np.int64)
+        pos = np.array([2, bad], dtype=np.int32)
+        lib.host_stage_steps(N, 1, p(toks), p(ctx), 2, p(pos), p(cos_t), p(sin_t), max_ctx, nr, c, s_, p(buf), x,
+                             S.n_embd, p(S.tok_tab), TYPE_IDS["BF16"], S.n_tok, S.tok_tab.shape[1], S.n_embd, wl,
+                             p(S.ple_tab), TYPE_IDS["F16"], S.ple_rows, S.ple_tab.shape[1], S.ple_ne0, p(prm), 1, 3, 1,
+                             3, p(err))
+        assert err[0] == 4
+        assert np.array_equal(buf[c:c + nr], cos_t[2]) and np.array_equal(buf[s_:s_ + nr], sin_t[2])
+        assert np.isnan(buf[c + nr:c + 2 * nr]).all() and np.isnan(buf[s_ + nr:s_ + 2 * nr]).all()
+        want_x = _deq(S.tok_tab, "BF16", S.n_embd, toks)
+        assert np.array_equal(buf[:N * S.n_embd].view(np.uint32), want_x.view(np.uint32))
+        assert ctx.tolist() == [[3, 5], [3, 6]]
+        err[0] = 0
+
+
+def test_rope_rows_of_the_whole_table_equal_the_step_rows():
+    """The batched device staging copies rows of ``Rope.cos_sin_host(arange(max_ctx))``; the host staging computes
+    ``cos_sin_host(pos)`` for the step's positions: the same floats bit for bit (numpy's float32 cos / sin do not
+    depend on where a value sits in the array)."""
+    from stratatools.runtime.model import Rope
+
+    for n_rot, theta in [(64, 1e7), (32, 10000.0), (128, 5e6)]:
+        rope = Rope(np, n_rot, theta)
+        c_all, s_all = rope.cos_sin_host(np.arange(4096))
+        for pos in [np.array([0, 4095, 17, 1023, 2048, 5, 333, 4000, 9, 11, 77]), np.arange(3000, 3032),
+                    np.array([123])]:
+            c, s = rope.cos_sin_host(pos)
+            assert np.array_equal(c_all[pos].view(np.uint32), c.view(np.uint32))
+            assert np.array_equal(s_all[pos].view(np.uint32), s.view(np.uint32))

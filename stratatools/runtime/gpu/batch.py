@@ -50,12 +50,21 @@ batch 1), the attention kernels size their scores for ``max_ctx`` positions, and
 memory pool of the graph's own. The first such step runs eagerly from those buffers (its result is the step's) and
 is then captured. Eager instead: a step of some of the places, a long-context decoder (QSA selection on the host),
 the timed breakdown, ``STRATATOOLS_BATCH_GRAPH=0``, or a capture that failed (``stats["graph_error"]``).
+
+Device staging and queued steps (CuPy, :data:`DEV_STAGE_ENV`): the graph's first launch (``stage_step.cu``
+``stage_steps``) makes the embedding, PLE and rope rows from each place's token, position and PLE context, and its
+last ones write the step's arg-max and the next positions back into those buffers; the host uploads 32 tokens,
+positions and contexts instead of the rows (0.8 ms of host time a step at 32 places, H200). So a step can be launched
+from the step before's tokens without the host reading them (:meth:`BatchDecoder.launch` / :meth:`collect`, two
+queued at most): the device runs step t+1 while the host reads and accounts step t, and a step's wall time is its
+device time.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -96,6 +105,23 @@ def graph_enabled() -> bool:
 
     return os.environ.get(GRAPH_ENV, "1") != "0"
 
+
+#: ``0`` stages the graph step's token-dependent inputs on the host (embedding and PLE rows dequantized there, rope
+#: rows computed there, one upload); default: ``stage_step.cu``'s ``stage_steps`` writes them on the device at the
+#: start of the graph from the places' tokens, positions and PLE contexts, where the decoder can stage
+#: (:meth:`stratatools.runtime.gpu.decode.StaticDecoder.device_stage_ready`). Queued steps need it.
+DEV_STAGE_ENV = "STRATATOOLS_BATCH_DEV_STAGE"
+
+
+def dev_stage_enabled() -> bool:
+    """May the batched graph step stage its inputs on the device (:data:`DEV_STAGE_ENV`, default yes)?"""
+    import os
+
+    return os.environ.get(DEV_STAGE_ENV, "1") != "0"
+
+
+#: Steps :meth:`BatchDecoder.launch` may have queued (launched, not yet collected) at once.
+QUEUE_DEPTH = 2
 
 #: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
 SMALL_F32_BYTES = 8 << 20
@@ -150,6 +176,15 @@ class BatchDecoder(ChunkPrefill):
         self._gpool: Any = None
         self._gout: tuple[Any, Any] | None = None
         self._in_static = False  # inside the static body: PLE rows, attention sizes and GEMMs for the graph
+        self._dstage: Any = None  # device staging (stage_steps), made at the first static step that stages there
+        #: may the graph step stage on the device (:data:`DEV_STAGE_ENV`, the decoder's tables), and why not
+        self._dstage_ok = ((False, f"{DEV_STAGE_ENV}=0") if not dev_stage_enabled() else
+                           dec.device_stage_ready() if dec.gpu else (False, "device staging needs CuPy"))
+        self._queue: deque = deque()  # queued steps (launch / collect), oldest first
+        self._rb: list[dict] | None = None  # pinned read-back slots of queued steps
+        self._rb_i = 0
+        self._dev_live = False  # the device holds the next step's tokens, positions and PLE contexts
+        self._last_nxt: np.ndarray | None = None  # the last collected step's tokens (the next step's inputs)
         self._small_w: dict[str, Any] = {}
         self._small_w_bytes = 0
         if self.gpu:
@@ -232,6 +267,8 @@ class BatchDecoder(ChunkPrefill):
         dec = self.dec
         if not 0 <= place < self.n:
             raise StrataError(f"place {place} is outside 0..{self.n - 1}")
+        self._queue_empty("admit a sequence")
+        self._dev_live = False  # (the place's position and PLE context change on the host)
         if self.gpu:
             dec.synchronize()
         P = int(dec.pos)
@@ -259,22 +296,17 @@ class BatchDecoder(ChunkPrefill):
         advances by one.
 
         Raises:
-            StrataError: no place, a repeated place, a token outside the vocabulary, a place at ``max_ctx``.
+            StrataError: no place, a repeated place, a token outside the vocabulary, a place at ``max_ctx``, queued
+            steps not yet collected.
         """
-        cfg = self.cfg
+        self._queue_empty("run a step")
         pl = np.asarray(list(places), dtype=np.int64)
-        toks = np.asarray(list(tokens), dtype=np.int64)
         n = int(pl.size)
-        if n == 0 or toks.size != n:
-            raise StrataError(f"a batched step needs one token per place ({n} places, {toks.size} tokens)")
-        if np.unique(pl).size != n or pl.min() < 0 or pl.max() >= self.n:
+        if np.unique(pl).size != n or (n and (pl.min() < 0 or pl.max() >= self.n)):
             raise StrataError(f"places {pl.tolist()} must be distinct and within 0..{self.n - 1}")
-        if toks.min() < 0 or toks.max() >= cfg.n_vocab:
-            bad = int(toks[(toks < 0) | (toks >= cfg.n_vocab)][0])
-            raise StrataError(f"token id {bad} is outside the vocabulary [0, {cfg.n_vocab})")
+        toks = self._check_tokens(tokens, n)
         pos = self.pos[pl].copy()
-        if pos.max() >= self.dec.max_ctx:
-            raise StrataError(f"position {int(pos.max())} is past the static decoder's {self.dec.max_ctx} positions")
+        self._check_positions(pos)
         if self.gpu:
             self.dec._refresh_slots()
             with self.dec._ordered():
@@ -286,9 +318,30 @@ class BatchDecoder(ChunkPrefill):
         self.stats["tokens"] += n
         return lg, nxt, i, w
 
+    def _check_tokens(self, tokens: Iterable[int], n: int) -> np.ndarray:
+        """``tokens`` as int64 [n]. Raises StrataError for no place, a count other than n or a token outside the
+        vocabulary."""
+        V = self.cfg.n_vocab
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        if n == 0 or toks.size != n:
+            raise StrataError(f"a batched step needs one token per place ({n} places, {toks.size} tokens)")
+        if toks.min() < 0 or toks.max() >= V:
+            raise StrataError(f"token id {int(toks[(toks < 0) | (toks >= V)][0])} is outside the vocabulary [0, {V})")
+        return toks
+
+    def _check_positions(self, pos: np.ndarray) -> None:
+        if pos.max() >= self.dec.max_ctx:
+            raise StrataError(f"position {int(pos.max())} is past the static decoder's {self.dec.max_ctx} positions")
+
+    def _queue_empty(self, what: str) -> None:
+        if self._queue:
+            raise StrataError(f"cannot {what} while {len(self._queue)} queued step(s) are not collected: "
+                              f"call collect() first")
+
     def _step(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
         if self._static_ok(pl):
             return self._step_static(pl, toks, pos)
+        self._dev_live = False
         cfg, xp = self.cfg, self.xp
         n, L, k = int(pl.size), cfg.n_layer, self.k
         self._places(pl, pos)
@@ -339,29 +392,143 @@ class BatchDecoder(ChunkPrefill):
                                               if not cfg.recurrent[il])
 
     def _stage_static(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
-        """Fill the static input buffers for a step of all places (host work and uploads, before a replay): places
-        and positions (as :meth:`_places`), the token embedding rows, the rope tables and each PLE layer's rows
-        (the places' PLE contexts advance). On CuPy through one pinned host buffer and one asynchronous copy on the
-        decoder's stream (before the replay that reads them) into one device buffer whose views are the static
-        buffers (separate uploads and device copies took 1.4 ms of host time a step at 32 places, H200,
+        """Fill the static input buffers for a step of all places (host work and uploads, before a replay).
+
+        Device staging (:meth:`_dev_stage`): only the places' tokens, positions and PLE contexts (each right-aligned,
+        EOS in front of a short one, which hashes the same) go up; the graph's first launch (``stage_steps``) writes
+        the embedding, PLE and rope rows from them; the host's PLE contexts advance as the device's do. Else the host
+        makes those rows: places and positions (as :meth:`_places`), the token embedding rows, the rope tables and each
+        PLE layer's rows (the places' PLE contexts advance). On CuPy through one pinned host buffer and one asynchronous
+        copy on the decoder's stream (before the replay that reads them) into one device buffer whose views are the
+        static buffers (separate uploads and device copies took 1.4 ms of host time a step at 32 places, H200,
         bench/gpu-notes.md); the copy of the step before is waited for before its buffer is written again."""
         cfg, n = self.cfg, self.n
-        cos, sin = self.rt.rope.cos_sin_host(pos)
-        parts = {"pos_i32": np.asarray(pos, dtype=np.int32), "x0": self._rows_host("token_embd.weight", toks),
-                 "cos": np.asarray(cos, dtype=np.float32), "sin": np.asarray(sin, dtype=np.float32)}
-        if cfg.ple_layers:
-            for il, r in self._ple_rows_b(toks, pl).items():
-                parts[("ple", il)] = self._rows_host("per_layer_token_embd.weight", r.reshape(-1)).reshape(n, -1)
-        if self.gpu:
-            self._upload_pinned(parts)
+        if self._dev_stage():
+            self._upload_pinned({"pos_i32": np.asarray(pos, dtype=np.int32), "tok": np.asarray(toks, dtype=np.int64),
+                                 "ctx": self._ctx_rows(pl)})
+            if self._dstage is None:
+                self._dstage_init()
+            self._advance_ctx(pl, toks)
         else:
-            if self._gin is None:
-                self._set_gin({k: np.empty_like(a) for k, a in parts.items()})
-            for key, a in parts.items():
-                self._gin_part(key)[...] = a
+            cos, sin = self.rt.rope.cos_sin_host(pos)
+            parts = {"pos_i32": np.asarray(pos, dtype=np.int32), "x0": self._rows_host("token_embd.weight", toks),
+                     "cos": np.asarray(cos, dtype=np.float32), "sin": np.asarray(sin, dtype=np.float32)}
+            if cfg.ple_layers:
+                for il, r in self._ple_rows_b(toks, pl).items():
+                    parts[("ple", il)] = self._rows_host("per_layer_token_embd.weight", r.reshape(-1)).reshape(n, -1)
+            if self.gpu:
+                self._upload_pinned(parts)
+            else:
+                if self._gin is None:
+                    self._set_gin({k: np.empty_like(a) for k, a in parts.items()})
+                for key, a in parts.items():
+                    self._gin_part(key)[...] = a
         g = self._gin
         self._pl, self._all = pl, True
         self._pl_dev, self._pl_i32, self._pos_i32 = g["pl"], g["pl_i32"], g["pos_i32"]
+
+    # -- device staging (stage_step.cu stage_steps) --------------------------------------------------------
+    def _dev_stage(self) -> bool:
+        """Does the graph step stage its inputs on the device? CuPy, static inputs, and at construction
+        :data:`DEV_STAGE_ENV` on with a decoder that can stage (:meth:`StaticDecoder.device_stage_ready`;
+        ``_dstage_ok`` keeps why not)."""
+        return bool(self.gpu and self.static_inputs and self._dstage_ok[0])
+
+    def _keep(self) -> int:
+        """PLE context ids a place keeps (ple_ngram - 1 with PLE layers, else 0)."""
+        cfg = self.cfg
+        return max(cfg.ple_ngram - 1, 0) if cfg.ple_layers else 0
+
+    def _ctx_rows(self, pl: np.ndarray) -> np.ndarray:
+        """The places' PLE contexts as int64 [len(pl), max(keep, 1)], right-aligned, EOS in front of a short one."""
+        keep = self._keep()
+        out = np.full((pl.size, max(keep, 1)), self.cfg.eos_id, dtype=np.int64)
+        if keep:
+            for r, p in enumerate(pl.tolist()):
+                c = np.asarray(self.ple_ctx[p], dtype=np.int64).reshape(-1)[-keep:]
+                if c.size:
+                    out[r, keep - c.size:] = c
+        return out
+
+    def _advance_ctx(self, pl: np.ndarray, toks: np.ndarray) -> None:
+        """Each place's host PLE context after a step with its token (advanced once a PLE layer, as
+        :meth:`_ple_rows_b` and ``stage_steps`` advance it)."""
+        keep, n_pl = self._keep(), len(self.cfg.ple_layers)
+        if not keep:
+            return
+        for p, t in zip(pl.tolist(), np.asarray(toks, dtype=np.int64).tolist()):
+            c = np.concatenate([np.asarray(self.ple_ctx[p], dtype=np.int64).reshape(-1),
+                                np.full(n_pl, t, dtype=np.int64)])
+            self.ple_ctx[p] = c[-keep:].copy()
+
+    def _dstage_init(self) -> None:
+        """The device staging state (after the first upload made the token, position and context buffers): the
+        device-only buffer whose views become the static x0, rope and PLE buffers, the rope tables of every position
+        (Rope.cos_sin_host, so the rows are the host staging's bit for bit), the PLE constants with this buffer's
+        offsets, the kernel and its arguments; the token and PLE tables are the decoder's (uploaded once)."""
+        from stratatools.runtime.gpu.decode import STAGE_THREADS, STAGE_TYPES
+        from stratatools.runtime.gpu.kernels import cuda_source
+
+        import types
+
+        cp, cfg, dec, n, g = self.cp, self.cfg, self.dec, self.n, self._gin
+        model = self.w.model
+        dd = dec._dstage_init()
+        tok_tab, ple_tab = dd.tables
+        keep = self._keep()
+        n_pl = len(cfg.ple_layers) if keep else 0
+        nh = keep * cfg.ple_heads_per_ngram if n_pl else 0
+        cos_t, sin_t = self.rt.rope.cos_sin_host(np.arange(dec.max_ctx))
+        nr = int(cos_t.shape[1])
+        ple_ne0 = int(model.tensor("per_layer_token_embd.weight").ne[0]) if n_pl else 1
+        lay, off = {}, 0
+        for key, size in [("x0", n * cfg.n_embd), ("cos", n * nr), ("sin", n * nr)] + [
+                (("ple", il), n * nh * ple_ne0) for il in (cfg.ple_layers if n_pl else [])]:
+            lay[key] = off
+            off += -(-size // 64) * 64
+        d = types.SimpleNamespace()
+        with dec._stream:
+            d.buf = cp.empty(off, dtype=cp.float32)
+            d.cos, d.sin = cp.asarray(cos_t, dtype=cp.float32), cp.asarray(sin_t, dtype=cp.float32)
+            t = model.tensor("token_embd.weight")
+            tok_args = (tok_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
+                        np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(cfg.n_embd))
+            if n_pl:
+                t = model.tensor("per_layer_token_embd.weight")
+                ple_args = (ple_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
+                            np.int64(t.type.row_bytes(ple_ne0)), np.int32(ple_ne0))
+                prm = np.concatenate([np.asarray(cfg.ple_multipliers, dtype=np.int64)[:cfg.ple_ngram],
+                                      np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh],
+                                      np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh],
+                                      np.array([lay[("ple", il)] for il in cfg.ple_layers], dtype=np.int64)])
+            else:
+                ple_args = (tok_tab, np.int32(0), np.int64(0), np.int64(0), np.int32(1))
+                prm = np.zeros(1, dtype=np.int64)
+            d.prm = cp.asarray(prm)
+            d.err = cp.zeros(1, dtype=cp.int32)
+        d.kernel = cp.RawModule(code=cuda_source("stage_step.cu"), options=("--std=c++17",)).get_function("stage_steps")
+        d.grid, d.block = (n,), (STAGE_THREADS,)
+        d.args = ((g["tok"], g["ctx"], np.int32(max(keep, 1)), g["pos_i32"], d.cos, d.sin, np.int32(dec.max_ctx),
+                   np.int32(nr), np.int64(lay["cos"]), np.int64(lay["sin"]), d.buf, np.int64(lay["x0"]),
+                   np.int64(cfg.n_embd)) + tok_args + (np.int64(nh * ple_ne0),) + ple_args
+                  + (d.prm, np.int32(n_pl), np.int32(cfg.ple_ngram if n_pl else 0),
+                     np.int32(cfg.ple_heads_per_ngram if n_pl else 0), np.int64(cfg.eos_id), d.err))
+
+        def view(key: Any, cols: int) -> Any:
+            return d.buf[lay[key]:lay[key] + n * cols].reshape(n, cols)
+
+        g["x0"], g["cos"], g["sin"] = view("x0", cfg.n_embd), view("cos", nr), view("sin", nr)
+        g["ple"] = {il: view(("ple", il), nh * ple_ne0) for il in (cfg.ple_layers if n_pl else [])}
+        self._dstage = d
+
+    def stage_errors(self) -> int:
+        """``stage_steps``' sticky error bits since device staging began (0 none; 1 a token outside the token table,
+        2 a PLE row outside its table, 4 a position outside ``max_ctx``); waits for the decoder's stream. 0 where the
+        step stages on the host."""
+        if self._dstage is None:
+            return 0
+        self.dec._stream.synchronize()
+        return int(self._dstage.err.get()[0])
 
     def _set_gin(self, bufs: dict) -> None:
         """The static input buffers from ``bufs`` (:meth:`_stage_static`'s keys: their arrays are kept), with the
@@ -415,6 +582,9 @@ class BatchDecoder(ChunkPrefill):
         position-independent questions here (the attention's scores are sized for ``max_ctx``)."""
         xp, cfg, g = self.xp, self.cfg, self._gin
         n, L, k = self.n, cfg.n_layer, self.k
+        d = self._dstage
+        if d is not None:  # the token-dependent inputs from the places' tokens, positions and contexts
+            d.kernel(d.grid, d.block, d.args)
         H = xp.concatenate([g["x0"]] * cfg.hc_count, axis=-1)
         ids_out = np.zeros((n, L, k), dtype=np.int32)
         w_out = np.zeros((n, L, k), dtype=np.float32)
@@ -424,6 +594,9 @@ class BatchDecoder(ChunkPrefill):
             out_in, _ = self._hc("output_hc", H, inject=False)
             lg = self._mm(xp.ascontiguousarray(out_in, dtype=xp.float32), "output.weight")
             nxt = xp.argmax(lg, axis=-1)
+            if d is not None:  # the next step's inputs: this step's tokens, the next positions (contexts: stage_steps)
+                g["tok"][...] = nxt
+                g["pos_i32"] += 1
         finally:
             self._in_static = False
         if not self.gpu:
@@ -433,30 +606,132 @@ class BatchDecoder(ChunkPrefill):
     def _step_static(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray,
                                                                                        np.ndarray]:
         """A step of all places through the static buffers: on CuPy the graph's replay (the first such step runs
-        eagerly and is then captured, :meth:`_capture`); on numpy the same body eagerly. :meth:`_step`'s returns
-        (the logits a copy, not the graph's buffer)."""
-        t0 = time.perf_counter()
-        self._stage_static(pl, toks, pos)
-        self.stats["stage_s"] = self.stats.get("stage_s", 0.0) + (time.perf_counter() - t0)
-        self.stats["static_steps"] += 1
+        eagerly and is then captured, :meth:`_capture`) queued and collected at once; on numpy the same body eagerly.
+        :meth:`_step`'s returns (the logits a copy, not the graph's buffer)."""
         if not self.gpu:
+            self._stage_timed(pl, toks, pos)
+            self.stats["static_steps"] += 1
             lg, nxt = self._body_static(pos)
             ids_out, w_out = self._cpu_routing
             return lg, np.asarray(nxt, dtype=np.int64).reshape(-1), ids_out, w_out
+        self._enqueue(toks, pos, logits=True)
+        return self._collect()
+
+    def _stage_timed(self, pl: np.ndarray, toks: np.ndarray, pos: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        self._stage_static(pl, toks, pos)
+        self.stats["stage_s"] = self.stats.get("stage_s", 0.0) + (time.perf_counter() - t0)
+
+    def _enqueue(self, toks: np.ndarray | None, pos: np.ndarray, logits: bool) -> None:
+        """Queue a graph step of all places on the decoder's stream (CuPy): staged from ``toks`` (host), or from the
+        device's tokens, positions and contexts (``toks`` None: the step before's), then its tokens and routing
+        copied into a pinned read-back slot (and the logits into a device copy when asked); :meth:`_collect` takes
+        them. Positions on the host are the caller's."""
+        if self._rb is None:
+            import cupyx
+
+            n, L, k = self.n, self.cfg.n_layer, self.k
+            self._rb = [{"nxt": cupyx.empty_pinned((n,), dtype=np.int64),
+                         "ids": cupyx.empty_pinned((L, n, k), dtype=np.int32),
+                         "w": cupyx.empty_pinned((L, n, k), dtype=np.float32)} for _ in range(QUEUE_DEPTH)]
+        pl = np.arange(self.n, dtype=np.int64)
+        if toks is not None:
+            self._stage_timed(pl, toks, pos)
+        self.stats["static_steps"] += 1
         if self._graph is None:
             lg, nxt = self._capture(pos)
         else:
             self._graph.launch(stream=self.dec._stream)
             lg, nxt = self._gout
             self.stats["graph_steps"] += 1
-        lg = lg.copy()  # the graph's buffer is the next replay's output
-        n = self.n
-        t0 = time.perf_counter()  # (the copies wait for the replay: the step's device time and its host tail)
-        ids_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._ids_dev[:, :n]), (1, 0, 2)))
-        w_out = np.ascontiguousarray(np.transpose(self.cp.asnumpy(self._w_all[:, :n]), (1, 0, 2)))
-        nxt = np.asarray(self.cp.asnumpy(nxt), dtype=np.int64).reshape(-1)
+        s = self.dec._stream
+        with s:
+            lg = lg.copy() if logits else None  # (the graph's buffer is the next replay's output)
+        slot = self._rb[self._rb_i]
+        self._rb_i = (self._rb_i + 1) % QUEUE_DEPTH
+        d2h = self.cp.cuda.runtime.memcpyDeviceToHost
+        for key, src in (("nxt", nxt), ("ids", self._ids_dev), ("w", self._w_all)):
+            dst = slot[key]
+            self.cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes, d2h, s.ptr)
+        self._queue.append({"slot": slot, "ev": s.record(), "lg": lg, "fed": toks is None})
+        self._dev_live = self._dstage is not None
+
+    def _collect(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+        """The oldest queued step's (logits or None, tokens [n] int64, routing ids [n, L, k] int32, weights
+        [n, L, k] float32), waiting for its copies; a step staged on the device advances the host's PLE contexts by
+        its input tokens (the step before's)."""
+        q = self._queue.popleft()
+        t0 = time.perf_counter()  # (the wait: the step's device time and its host tail)
+        q["ev"].synchronize()
+        slot = q["slot"]
+        nxt = np.array(slot["nxt"], dtype=np.int64)
+        ids_out = np.ascontiguousarray(np.transpose(slot["ids"], (1, 0, 2)))
+        w_out = np.ascontiguousarray(np.transpose(slot["w"], (1, 0, 2)))
         self.stats["wait_s"] = self.stats.get("wait_s", 0.0) + (time.perf_counter() - t0)
-        return lg, nxt, ids_out, w_out
+        if q["fed"]:
+            self._advance_ctx(np.arange(self.n, dtype=np.int64), self._last_nxt)
+        self._last_nxt = nxt.copy()
+        return q["lg"], nxt, ids_out, w_out
+
+    # -- queued steps ------------------------------------------------------------------------------------
+    def queue_ready(self) -> tuple[bool, str]:
+        """Can steps be queued (:meth:`launch`)? (True, "") or (False, the reason): they need the CuPy graph step
+        with device staging (:data:`DEV_STAGE_ENV`, :meth:`StaticDecoder.device_stage_ready`), attention on the batch
+        kernels (:meth:`_static_ok`), no failed capture, and every expert resident (a partial tier's moves follow each
+        step's accounting, which queued steps run a step late)."""
+        if not self.gpu or not self.static_inputs:
+            return False, "queued steps need the CuPy graph step"
+        if not self._dstage_ok[0]:
+            return False, f"queued steps need device staging: {self._dstage_ok[1]}"
+        if "graph_error" in self.stats:
+            return False, f"the step's graph failed: {self.stats['graph_error']}"
+        if not self._static_ok(np.arange(self.n)):
+            return False, "the step runs eagerly (a long-context decoder, or attention outside the batch kernels)"
+        if getattr(self.rt.tier.policy, "policy", None) != "all-resident":
+            return False, "queued steps need every expert resident (--policy all-resident)"
+        return True, ""
+
+    @property
+    def queued(self) -> int:
+        """Steps launched and not yet collected."""
+        return len(self._queue)
+
+    def launch(self, tokens: Iterable[int] | None = None, logits: bool = False) -> None:
+        """Queue one decode position of every place (0..N-1) without waiting for it; :meth:`collect` returns its
+        results in launch order. ``tokens`` [N]: each place's token (staged from the host; the queue must be
+        empty); None: the tokens of the step launched before (its arg-max, staged on the device without the host
+        reading it), so step t+1 runs while the host still reads step t. Each place's position advances by one now.
+
+        Raises:
+            StrataError: :meth:`queue_ready` says no; :data:`QUEUE_DEPTH` steps queued; ``tokens`` None before any
+            step of all places since the last :meth:`admit` or eager step; a bad token; a place at ``max_ctx``.
+        """
+        ok, why = self.queue_ready()
+        if not ok:
+            raise StrataError(why)
+        if len(self._queue) >= QUEUE_DEPTH:
+            raise StrataError(f"{QUEUE_DEPTH} steps are queued already: collect() one first")
+        toks = None
+        if tokens is not None:
+            self._queue_empty("stage tokens from the host")
+            toks = self._check_tokens(tokens, self.n)
+        elif not self._dev_live:
+            raise StrataError("the first queued step after an admission needs every place's token (launch(tokens))")
+        pos = self.pos.copy()
+        self._check_positions(pos)
+        self.dec._refresh_slots()
+        with self.dec._ordered():
+            self._enqueue(toks, pos, logits)
+        self.pos += 1
+        self.stats["steps"] += 1
+        self.stats["tokens"] += self.n
+
+    def collect(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+        """The oldest queued step's results, as :meth:`step` returns them (logits None unless launched with
+        ``logits``); waits for that step. Raises StrataError when nothing is queued."""
+        if not self._queue:
+            raise StrataError("no queued step to collect: launch() one first")
+        return self._collect()
 
     def _capture(self, pos: np.ndarray) -> tuple[Any, Any]:
         """Run the static body eagerly (this step's result; it compiles the kernels and fills the graph's own memory
@@ -787,7 +1062,10 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
     Per prompt, in file order as places free up: its prefill through ``dec`` (one round: ``tier.phase`` prefill,
     the records fed layer-major, ``tier.end_round()``), its first new token from the prefill's logits (as
     :func:`stratatools.runtime.model.generate`); then, while it runs, one position per batched step; each step's
-    places are accounted in ascending place order, one round each. ``on_record(request, phase, record)`` gets
+    places are accounted in ascending place order, one round each. While every place holds a request and ``bd`` can
+    queue steps (:meth:`BatchDecoder.queue_ready`), step t+1 is launched from the device's tokens before the host
+    reads and accounts step t (the same rounds in the same order; a request stopping at EOS is seen a step late and
+    its place's row of the step queued behind is dropped). ``on_record(request, phase, record)`` gets
     every forward's routing in the order the tier saw it (phase :data:`stratatools.traces.table.PREFILL` /
     ``DECODE``).
 
@@ -860,19 +1138,15 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
             last_tok[pl] = nxt
             t_join[pl] = t1
 
-    for pl in range(bd.n):
-        admit(pl)
-    while any(r is not None for r in place_req):
-        act = [pl for pl in range(bd.n) if place_req[pl] is not None]
-        pos = bd.pos[act].copy()
-        t0 = time.perf_counter()
-        lg, nxt, ids, w = bd.step(act, [last_tok[pl] for pl in act])
-        t1 = time.perf_counter()
-        tot["decode_s"] += t1 - t0
+    def account(act: list[int], pos: np.ndarray, nxt: np.ndarray, ids: np.ndarray, w: np.ndarray, now: float) -> list:
+        """A step's rows of the places in ``act`` that still hold a request: one round each (ascending place order),
+        then their new tokens; returns the places whose request stopped."""
+        live = [j for j, pl in enumerate(act) if place_req[pl] is not None]
         tot["steps"] += 1
-        tot["active_sum"] += len(act)
-        tot["decode_forwards"] += len(act)
-        for j, pl in enumerate(act):  # one round per place, ascending place order
+        tot["active_sum"] += len(live)
+        tot["decode_forwards"] += len(live)
+        for j in live:  # one round per place, ascending place order
+            pl = act[j]
             ri = place_req[pl]
             if tier is not None:
                 tier.phase = "decode"
@@ -883,9 +1157,9 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
             if on_record is not None:
                 on_record(ri, DECODE, RoutingRecord(p.copy(), [ids[j, il][None].copy() for il in range(L)],
                                                     [w[j, il][None].copy() for il in range(L)]))
-        now = time.perf_counter()
         freed = []
-        for j, pl in enumerate(act):
+        for j in live:
+            pl = act[j]
             r = results[place_req[pl]]
             t = int(nxt[j])
             r.new_ids.append(t)
@@ -894,6 +1168,44 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
                 r.stop = "stop" if t == stop_id else "length"
                 finish(pl, now)
                 freed.append(pl)
+        return freed
+
+    def queued_run() -> list[int]:
+        """Steps of every place queued one ahead (:meth:`BatchDecoder.launch`): the first fed from the host, each
+        next launched from the device's tokens before the host reads the step before, while no request is due to
+        stop by length and every position fits; a request that stops (EOS) is seen a step late, and that place's row
+        of the step already queued is dropped. Returns the freed places."""
+        act = list(range(bd.n))
+        t0 = time.perf_counter()
+        bd.launch([last_tok[pl] for pl in act])
+        pending = [bd.pos[act] - 1]  # the queued steps' positions
+        freed: list[int] = []
+        while pending:
+            due = any(len(results[place_req[pl]].new_ids) + len(pending) >= max_new_tokens
+                      for pl in act if place_req[pl] is not None)
+            if not freed and not due and bd.pos.max() < bd.dec.max_ctx and len(pending) < QUEUE_DEPTH:
+                bd.launch()
+                pending.append(bd.pos[act] - 1)
+            _, nxt, ids, w = bd.collect()
+            now = time.perf_counter()
+            freed += account(act, pending.pop(0), nxt, ids, w, now)
+        tot["decode_s"] += time.perf_counter() - t0
+        return freed
+
+    for pl in range(bd.n):
+        admit(pl)
+    queued = bd.queue_ready()[0]
+    while any(r is not None for r in place_req):
+        act = [pl for pl in range(bd.n) if place_req[pl] is not None]
+        if queued and len(act) == bd.n:
+            freed = queued_run()
+        else:
+            pos = bd.pos[act].copy()
+            t0 = time.perf_counter()
+            lg, nxt, ids, w = bd.step(act, [last_tok[pl] for pl in act])
+            t1 = time.perf_counter()
+            tot["decode_s"] += t1 - t0
+            freed = account(act, pos, nxt, ids, w, t1)
         for pl in freed:
             admit(pl)
     tot["mean_active"] = tot["active_sum"] / tot["steps"] if tot["steps"] else 0.0

@@ -66,17 +66,17 @@ __device__ __forceinline__ float ss_value(const unsigned char* row, int type, lo
     }
 }
 
-extern "C" __global__ void stage_step(const long long* __restrict__ tok, long long* __restrict__ ctx,
-                                      float* __restrict__ inp, const unsigned char* __restrict__ tok_tab, int tok_type,
-                                      long long tok_rows, long long tok_row_bytes, int x_off, int n_embd,
-                                      const unsigned char* __restrict__ ple_tab, int ple_type, long long ple_rows,
-                                      long long ple_row_bytes, int ple_ne0, const long long* __restrict__ prm,
-                                      int n_pl, int ngram, int hpn, long long eos, int* __restrict__ err) {
-    __shared__ long long s_rows[SS_MAX_ROWS];
-    if (blockIdx.x != 0) return;
+// One sequence's staging (stage_step's contract, above), by every thread of the block (it holds a barrier): token t,
+// its context ctx (keep ids), x0 at inp[x_off ..), PLE layer li's rows at inp[pbase + poff[li] ..).
+__device__ __forceinline__ void ss_stage_one(long long t, long long* __restrict__ ctx, float* __restrict__ inp,
+                                             long long x_off, const unsigned char* __restrict__ tok_tab, int tok_type,
+                                             long long tok_rows, long long tok_row_bytes, int n_embd,
+                                             long long pbase, const unsigned char* __restrict__ ple_tab, int ple_type,
+                                             long long ple_rows, long long ple_row_bytes, int ple_ne0,
+                                             const long long* __restrict__ prm, int n_pl, int ngram, int hpn,
+                                             long long eos, int* __restrict__ err, long long* s_rows) {
     const int tid = threadIdx.x, nt = blockDim.x;
     const float qnan = __uint_as_float(0x7fc00000u);
-    const long long t = tok[0];
     const int keep = ngram > 1 ? ngram - 1 : 0;
     const int nh = keep * hpn;
     const long long* mult = prm;
@@ -121,9 +121,51 @@ extern "C" __global__ void stage_step(const long long* __restrict__ tok, long lo
         const long long row = s_rows[li * nh + j];
         const bool ok = row >= 0 && row < ple_rows;
         if (!ok && err != nullptr) ss_flag(err, 2);
-        inp[poff[li] + r] = ok ? ss_value(ple_tab + row * ple_row_bytes, ple_type, c) : qnan;
+        inp[pbase + poff[li] + r] = ok ? ss_value(ple_tab + row * ple_row_bytes, ple_type, c) : qnan;
     }
     // the next step's context (every thread read h0 before the barrier above)
     if (tid == 0)
         for (int i = 0; i < keep; ++i) ctx[i] = i + n_pl < keep ? h0[i + n_pl] : t;
+}
+
+extern "C" __global__ void stage_step(const long long* __restrict__ tok, long long* __restrict__ ctx,
+                                      float* __restrict__ inp, const unsigned char* __restrict__ tok_tab, int tok_type,
+                                      long long tok_rows, long long tok_row_bytes, int x_off, int n_embd,
+                                      const unsigned char* __restrict__ ple_tab, int ple_type, long long ple_rows,
+                                      long long ple_row_bytes, int ple_ne0, const long long* __restrict__ prm,
+                                      int n_pl, int ngram, int hpn, long long eos, int* __restrict__ err) {
+    __shared__ long long s_rows[SS_MAX_ROWS];
+    if (blockIdx.x != 0) return;
+    ss_stage_one(tok[0], ctx, inp, x_off, tok_tab, tok_type, tok_rows, tok_row_bytes, n_embd, 0, ple_tab, ple_type,
+                 ple_rows, ple_row_bytes, ple_ne0, prm, n_pl, ngram, hpn, eos, err, s_rows);
+}
+
+// stage_steps: the batched decode step's inputs for N places (BatchDecoder, queued steps), a block a place b (grid N):
+// stage_step's work for token tok[b] and context ctx[b * ctx_ld ..] (keep ids), x0 of place b at
+// inp[x_off + b * x_ld ..), its PLE rows at inp[b * p_ld + poff[li] ..) (poff in prm as for stage_step), and its rope
+// row: cos / sin [n_rot] at inp[cos_off + b * n_rot ..) / inp[sin_off + b * n_rot ..) copied from row pos[b] of the
+// tables rope_cos / rope_sin [max_ctx, n_rot] (Rope.cos_sin_host of every position, so bit for bit the host's); a
+// position outside [0, max_ctx) writes quiet NaNs there and sets bit 4 of *err.
+extern "C" __global__ void stage_steps(const long long* __restrict__ tok, long long* __restrict__ ctx, int ctx_ld,
+                                       const int* __restrict__ pos, const float* __restrict__ rope_cos,
+                                       const float* __restrict__ rope_sin, int max_ctx, int n_rot, long long cos_off,
+                                       long long sin_off, float* __restrict__ inp, long long x_off, long long x_ld,
+                                       const unsigned char* __restrict__ tok_tab, int tok_type, long long tok_rows,
+                                       long long tok_row_bytes, int n_embd, long long p_ld,
+                                       const unsigned char* __restrict__ ple_tab, int ple_type, long long ple_rows,
+                                       long long ple_row_bytes, int ple_ne0, const long long* __restrict__ prm,
+                                       int n_pl, int ngram, int hpn, long long eos, int* __restrict__ err) {
+    __shared__ long long s_rows[SS_MAX_ROWS];
+    const int b = blockIdx.x;
+    const int p = pos[b];
+    const bool pos_ok = p >= 0 && p < max_ctx;
+    if (!pos_ok && threadIdx.x == 0 && err != nullptr) ss_flag(err, 4);
+    const float qnan = __uint_as_float(0x7fc00000u);
+    for (int i = threadIdx.x; i < n_rot; i += blockDim.x) {
+        inp[cos_off + (long long)b * n_rot + i] = pos_ok ? rope_cos[(long long)p * n_rot + i] : qnan;
+        inp[sin_off + (long long)b * n_rot + i] = pos_ok ? rope_sin[(long long)p * n_rot + i] : qnan;
+    }
+    ss_stage_one(tok[b], ctx + (long long)b * ctx_ld, inp, x_off + (long long)b * x_ld, tok_tab, tok_type, tok_rows,
+                 tok_row_bytes, n_embd, (long long)b * p_ld, ple_tab, ple_type, ple_rows, ple_row_bytes, ple_ne0, prm,
+                 n_pl, ngram, hpn, eos, err, s_rows);
 }
