@@ -302,7 +302,14 @@ def main() -> None:
                   f"{'equal' if same else 'DIFFER'}; {how}; host staging {row['host_stage_ms']:.2f} ms, "
                   f"wait for the replay {row['wait_ms']:.2f} ms a step", flush=True)
             if bd.queue_ready()[0]:
-                row.update(queued_steps(cp, bd, toks, a.steps, ref_tok, var))
+                try:
+                    row.update(queued_steps(cp, bd, toks, a.steps, ref_tok, var))
+                except Exception as e:  # noqa: BLE001 - report it and keep the call's other rows
+                    import traceback
+
+                    traceback.print_exc()
+                    row["queued"] = f"failed: {type(e).__name__}: {e}"
+                    print(f"{var:9s} N={n:3d}: queued steps FAILED: {row['queued']}", flush=True)
             else:
                 row["queued"] = bd.queue_ready()[1]
                 print(f"{var:9s} N={n:3d}: no queued steps ({row['queued']})", flush=True)
