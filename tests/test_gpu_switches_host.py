@@ -17,7 +17,9 @@ BAD = [(qmm.KC_ENV, "100"), (qmm.MOE_KC_ENV, "7"), (qmm.SHORT_FILL_ENV, "9"), (q
        (qmm.DENSE2_ENV, "x"), (qmm.GEMM_ENV, "cublas"), (qmm.BATCH_GEMM_ENV, "fp8"), (qmm.JOB_ENV, "12"),
        (qmm.BATCH_JOB_ENV, "4"), (qmm.BIG_ENV, "-1"), (qmm.JOBS_I8_ENV, "yes"), (kernels.SHARED_SIDE_ENV, "2"),
        (kernels.DENSE_MIN_ROWS_ENV, "x"), (kernels.DQ_SPLIT_ENV, "0"), (kernels.DENSE_KERNEL_ENV, "fast"),
-       (launch.PDL_ENV, "on"), (prefill.ROUTE_WARP_ENV, "2"), (prefill.GRAPH_ENV, "2"), (prefill.GDN_WARP_ENV, "2"),
+       (launch.PDL_ENV, "on"), (prefill.ROUTE_WARP_ENV, "2"),
+       (prefill.ROUTER_TILE_ENV, "yes"), (prefill.HC_FUSED_ENV, "2"), (prefill.JOINED_ENV, "on"),
+       (prefill.GRAPH_ENV, "2"), (prefill.GDN_WARP_ENV, "2"),
        (decode.PREFETCH_BLOCKS_ENV, "0"), (decode.PREFETCH_EXTRA_ENV, "-3"), (decode.DECODE_QUEUE_ENV, "maybe"),
        (decode.MISS_FETCH_ENV, "later"), (decode.PREFETCH_ORDER_ENV, "last"), (experts.MOE_KERNEL_ENV, "magic"),
        (experts.MOE_PIPE_ENV, "gu=7x1x1")]

@@ -122,6 +122,8 @@ def dev_stage_enabled() -> bool:
 
 #: Steps :meth:`BatchDecoder.launch` may have queued (launched, not yet collected) at once.
 QUEUE_DEPTH = 2
+#: Threads of a ``stage_steps`` block (a block a place).
+STAGE_STEPS_THREADS = 512
 
 #: Dense matrices up to this many float32 bytes are kept dequantized by the batched step on CuPy (each once).
 SMALL_F32_BYTES = 8 << 20
@@ -466,7 +468,7 @@ class BatchDecoder(ChunkPrefill):
         device-only buffer whose views become the static x0, rope and PLE buffers, the rope tables of every position
         (Rope.cos_sin_host, so the rows are the host staging's bit for bit), the PLE constants with this buffer's
         offsets, the kernel and its arguments; the token and PLE tables are the decoder's (uploaded once)."""
-        from stratatools.runtime.gpu.decode import STAGE_THREADS, STAGE_TYPES
+        from stratatools.runtime.gpu.decode import STAGE_TYPES
         from stratatools.runtime.gpu.kernels import cuda_source
 
         import types
@@ -507,7 +509,7 @@ class BatchDecoder(ChunkPrefill):
             d.prm = cp.asarray(prm)
             d.err = cp.zeros(1, dtype=cp.int32)
         d.kernel = cp.RawModule(code=cuda_source("stage_step.cu"), options=("--std=c++17",)).get_function("stage_steps")
-        d.grid, d.block = (n,), (STAGE_THREADS,)
+        d.grid, d.block = (n,), (STAGE_STEPS_THREADS,)
         d.args = ((g["tok"], g["ctx"], np.int32(max(keep, 1)), g["pos_i32"], d.cos, d.sin, np.int32(dec.max_ctx),
                    np.int32(nr), np.int64(lay["cos"]), np.int64(lay["sin"]), d.buf, np.int64(lay["x0"]),
                    np.int64(cfg.n_embd)) + tok_args + (np.int64(nh * ple_ne0),) + ple_args
@@ -1064,8 +1066,9 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
     :func:`stratatools.runtime.model.generate`); then, while it runs, one position per batched step; each step's
     places are accounted in ascending place order, one round each. While every place holds a request and ``bd`` can
     queue steps (:meth:`BatchDecoder.queue_ready`), step t+1 is launched from the device's tokens before the host
-    reads and accounts step t (the same rounds in the same order; a request stopping at EOS is seen a step late and
-    its place's row of the step queued behind is dropped). ``on_record(request, phase, record)`` gets
+    reads and accounts step t (each request's rounds the same; a request stopping at EOS is seen a step late: its
+    place's row of the step queued behind is dropped, and the next prompt's prefill comes after that step, so the
+    requests' rounds interleave differently from synchronous steps). ``on_record(request, phase, record)`` gets
     every forward's routing in the order the tier saw it (phase :data:`stratatools.traces.table.PREFILL` /
     ``DECODE``).
 

@@ -226,6 +226,9 @@ def device_stage_check(model: Any, cfg: Any) -> tuple[bool, str]:
             return False, f"PLE n-gram size {cfg.ple_ngram} is over {STAGE_MAX_NGRAM}"
         if len(cfg.ple_layers) * nh > STAGE_MAX_ROWS:
             return False, f"{len(cfg.ple_layers)} PLE layers x {nh} heads is over {STAGE_MAX_ROWS} rows a step"
+        ne0 = int(model.tensor("per_layer_token_embd.weight").ne[0])
+        if len(cfg.ple_layers) * nh * ne0 >= 2 ** 31:
+            return False, f"{len(cfg.ple_layers) * nh} PLE rows of {ne0} values are 2^31 values or more a step"
         rows = int(model.tensor("per_layer_token_embd.weight").ne[1])
         vocab = np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh]
         off = np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh]

@@ -187,6 +187,83 @@ extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T
         }
 }
 
+// ---- the batched step's router and shared-gate rows: a tiled product of up to 32 tokens, split over k -----------
+// Y [T, R] = X [T, K] W [R, K]^T in float32 for T <= PF_RT_TOK (32) tokens, K a multiple of 4 (prefill.py
+// ROUTER_TILE_ALIGN). Grid (ceil(R / PF_RT_ROWS), ks) blocks of PF_RT_THREADS threads (a divisor of it in the host
+// build): block (rb, s) takes rows PF_RT_ROWS rb .. and k in [s kps, (s + 1) kps) (kps a multiple of PF_RT_KC), staged
+// PF_RT_KC values at a time into shared memory (tokens and rows k-major), a thread's tile of 4 tokens x 2 rows summed
+// in k order with fmaf; its partial sums go to P [ks][T][R]. The block of row block rb that finishes last (cnt[rb], an
+// atomic count it sets back to 0) sums the ks partials in s order into Y: the same floats whatever the blocks' timing.
+// cuBLAS's SGEMM of these shapes ran a GEMM and a split-k reduction, 10.9 + 3.0 us a layer at 32 x 257 x 2,560 (H200,
+// bench/gpu-notes.md).
+#define PF_RT_TOK 32
+#define PF_RT_ROWS 32
+#define PF_RT_KC 32
+#define PF_RT_THREADS 128
+#define PF_RT_LD (PF_RT_TOK + 4)  // a staged k's tokens / rows (padded)
+extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
+        const float* __restrict__ X, const float* __restrict__ W, float* __restrict__ P, float* __restrict__ Y,
+        int* __restrict__ cnt, int T, int R, int K, int kps) {
+    __shared__ __align__(16) float xs[PF_RT_KC][PF_RT_LD];
+    __shared__ __align__(16) float ws[PF_RT_KC][PF_RT_LD];
+    __shared__ int is_last;
+    const int tid = threadIdx.x, nt = blockDim.x, rb = blockIdx.x, s = blockIdx.y, ks = gridDim.y;
+    const int r0 = rb * PF_RT_ROWS, k0 = s * kps, k1 = min(K, k0 + kps);
+    constexpr int Q = PF_RT_KC / 4;  // float4s a staged row
+    // (a thread's tiles: one on the device; the host build's single thread takes all PF_RT_THREADS in turn)
+    for (int u = tid; u < PF_RT_THREADS; u += nt) {
+        const int tg = u & 7, rg = u >> 3;  // tokens 4 tg .. 4 tg + 3, rows 2 rg, 2 rg + 1 of the block
+        float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+        for (int kc = k0; kc < k1; kc += PF_RT_KC) {
+            for (int i = tid; i < 2 * PF_RT_TOK * Q; i += nt) {
+                const int m = i / (PF_RT_TOK * Q), rem = i - m * PF_RT_TOK * Q;
+                const int row = rem / Q, q = rem - row * Q, k = kc + 4 * q;
+                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (m == 0 && row < T && k < k1) v = *reinterpret_cast<const float4*>(X + (long long)row * K + k);
+                if (m == 1 && r0 + row < R && k < k1)
+                    v = *reinterpret_cast<const float4*>(W + (long long)(r0 + row) * K + k);
+                float (*d)[PF_RT_LD] = m == 0 ? xs : ws;
+                d[4 * q][row] = v.x;
+                d[4 * q + 1][row] = v.y;
+                d[4 * q + 2][row] = v.z;
+                d[4 * q + 3][row] = v.w;
+            }
+            __syncthreads();
+            #pragma unroll 8
+            for (int k = 0; k < PF_RT_KC; ++k) {
+                const float4 xv = *reinterpret_cast<const float4*>(&xs[k][4 * tg]);
+                const float2 wv = *reinterpret_cast<const float2*>(&ws[k][2 * rg]);
+                const float xa[4] = {xv.x, xv.y, xv.z, xv.w};
+                #pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    acc[a][0] = fmaf(xa[a], wv.x, acc[a][0]);
+                    acc[a][1] = fmaf(xa[a], wv.y, acc[a][1]);
+                }
+            }
+            __syncthreads();
+        }
+        for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < 2; ++b) {
+                const int t = 4 * tg + a, r = r0 + 2 * rg + b;
+                if (t < T && r < R) P[((long long)s * T + t) * R + r] = acc[a][b];
+            }
+    }
+    __threadfence();  // (the partials visible to the block that sums them)
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(&cnt[rb], 1) == ks - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int i = tid; i < T * PF_RT_ROWS; i += nt) {
+        const int t = i / PF_RT_ROWS, r = r0 + (i - t * PF_RT_ROWS);
+        if (r >= R) continue;
+        float y = 0.f;
+        for (int z = 0; z < ks; ++z) y += __ldcg(P + ((long long)z * T + t) * R + r);
+        Y[(long long)t * R + r] = y;
+    }
+    if (tid == 0) cnt[rb] = 0;
+}
+
 // ---- the routed experts' outputs of a token, weighted -----------------------------------------------------------
 // y[t, c] = w[t, 0] ya[t k, c] + w[t, 1] ya[t k + 1, c] + ... (k terms, summed in rank order from 0, every product
 // rounded before its sum: no multiply-add fusion, as the array code's multiply then sum). ya: [T k, n] (each pair's

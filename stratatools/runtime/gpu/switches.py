@@ -16,7 +16,8 @@ def check_switches() -> None:
                  qmm.batch_gemm, qmm.job_tokens, lambda: qmm.job_tokens(batch=True), qmm.big_matrix_values,
                  lambda: qmm.jobs_i8("Q2_0", "Q2_0"), kernels.shared_side, kernels.dense_min_rows_per_sm,
                  kernels.dq_split_blocks_per_sm, kernels.dense_kernel, launch.pdl_enabled, prefill.route_warp,
-                 prefill.graph_enabled, prefill.gdn_kernel, decode.route_warp, decode.prefetch_blocks,
+                 prefill.router_tile, prefill.hc_fused, prefill.joined_enabled, prefill.graph_enabled,
+                 prefill.gdn_kernel, decode.route_warp, decode.prefetch_blocks,
                  lambda: decode.prefetch_width(8), decode.decode_queue_setting, decode.miss_fetch_mode,
                  decode.prefetch_order, experts.expert_kernel_choice, experts.pipe_shapes):
         read()
