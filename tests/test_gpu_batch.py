@@ -299,7 +299,8 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
     """run_batched with queued steps (device staging) against synchronous host-staged steps: five prompts over three
     places (admissions while others run, a tail with some places idle), a stop token met mid-run (seen a step late
     by the queue, so the next prompt joins a step later): the same new tokens and stops, and each request's routing
-    records the same in the same order (the requests' records interleave differently where a prompt joined later)."""
+    records in the same order with the same experts and weights within 1e-5 (the requests' records interleave
+    differently where a prompt joined later)."""
     import cupy as cp
 
     if not (kit / model).exists():
@@ -340,7 +341,11 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
             assert len(mine[0]) == len(mine[1]) >= 1, req
             for (p1, c1), (p2, c2) in zip(*mine):
                 assert p1 == p2 and np.array_equal(c1.positions, c2.positions), req
-                for a, b in zip(c1.ids + c1.weights, c2.ids + c2.weights):
+                for a, b in zip(c1.ids, c2.ids):
                     assert np.array_equal(a, b), req
+                # (a request's step may be a graph step in one run and an eager one in the other, where a prompt
+                # joined a step later: their products agree within float32 rounding, as test_gpu_graph_steps_...)
+                for a, b in zip(c1.weights, c2.weights):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(req))
     finally:
         w.close()

@@ -277,8 +277,8 @@ def _router_tile(lib, x, W, kps=PF.ROUTER_TILE_KPS, cnt=None):
     return out, part, cnt
 
 
-@pytest.mark.parametrize("T,R,n,kps", [(32, 257, 2560, 256), (5, 9, 64, 32), (1, 4, 32, 32), (17, 40, 100, 64),
-                                       (32, 33, 256, 256)])
+@pytest.mark.parametrize("T,R,n,kps", [(32, 257, 2560, 128), (5, 9, 64, 128), (1, 4, 32, 128), (17, 40, 300, 128),
+                                       (32, 33, 640, 256)])
 def test_pf_router_tile_matches_float64_and_sums_partials_in_order(lib, T, R, n, kps):
     """pf_router_tile: out [T, R] = x W^T within float32 rounding of float64 (a last row block and k chunk partly
     outside, tokens under 32, k not a multiple of a stage); each block's partial is its k range's fmaf sum in k
@@ -299,18 +299,18 @@ def test_pf_router_tile_matches_float64_and_sums_partials_in_order(lib, T, R, n,
         p64 = x[:, k0:k1].astype(np.float64) @ W[:, k0:k1].T.astype(np.float64)
         assert np.abs(part[z] - p64).max() <= 2e-5 * max(np.abs(p64).max(), 1.0), z
     assert np.array_equal(out, want)
-    assert n % PF.ROUTER_TILE_ALIGN == 0 and kps % 32 == 0
+    assert n % PF.ROUTER_TILE_ALIGN == 0 and kps % 128 == 0
 
 
 def test_pf_router_tile_non_finite_rows_stay_their_own(lib):
     """A NaN in one token's row and an infinity in one router row reach only their own outputs; every other output
     is the clean product's bit for bit (an output sums its own token's and row's values only)."""
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((8, 96)).astype(np.float32)
-    W = rng.standard_normal((40, 96)).astype(np.float32)
-    clean, _, _ = _router_tile(lib, x, W, 32)
+    x = rng.standard_normal((8, 296)).astype(np.float32)
+    W = rng.standard_normal((40, 296)).astype(np.float32)
+    clean, _, _ = _router_tile(lib, x, W, 128)
     x[3, 50], W[33, 7] = np.nan, np.inf
-    out, _, cnt = _router_tile(lib, x, W, 32)
+    out, _, cnt = _router_tile(lib, x, W, 128)
     bad = np.zeros(out.shape, bool)
     bad[3, :] = bad[:, 33] = True
     assert not np.isfinite(out[bad]).any() and np.array_equal(out[~bad], clean[~bad]) and not cnt.any()

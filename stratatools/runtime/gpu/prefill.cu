@@ -190,17 +190,18 @@ extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T
 // ---- the batched step's router and shared-gate rows: a tiled product of up to 32 tokens, split over k -----------
 // Y [T, R] = X [T, K] W [R, K]^T in float32 for T <= PF_RT_TOK (32) tokens, K a multiple of 4 (prefill.py
 // ROUTER_TILE_ALIGN). Grid (ceil(R / PF_RT_ROWS), ks) blocks of PF_RT_THREADS threads (a divisor of it in the host
-// build): block (rb, s) takes rows PF_RT_ROWS rb .. and k in [s kps, (s + 1) kps) (kps a multiple of PF_RT_KC), staged
-// PF_RT_KC values at a time into shared memory (tokens and rows k-major), a thread's tile of 4 tokens x 2 rows summed
-// in k order with fmaf; its partial sums go to P [ks][T][R]. The block of row block rb that finishes last (cnt[rb], an
-// atomic count it sets back to 0) sums the ks partials in s order into Y: the same floats whatever the blocks' timing.
-// cuBLAS's SGEMM of these shapes ran a GEMM and a split-k reduction, 10.9 + 3.0 us a layer at 32 x 257 x 2,560 (H200,
-// bench/gpu-notes.md).
+// build): block (rb, s) takes rows PF_RT_ROWS rb .. and k in [s kps, (s + 1) kps) (kps a multiple of PF_RT_KC; the
+// launcher's kps = PF_RT_KC: one stage a block, all its loads in flight at once), staged PF_RT_KC values at a time
+// into shared memory (tokens and rows k-major), a thread's tile of 4 tokens x 2 rows summed in k order with fmaf; its
+// partial sums go to P [ks][T][R]. The block of row block rb that finishes last (cnt[rb], an atomic count it sets
+// back to 0) sums the ks partials in s order into Y: the same floats whatever the blocks' timing. cuBLAS's SGEMM of
+// these shapes ran a GEMM and a split-k reduction, 10.9 + 3.0 us a layer at 32 x 257 x 2,560; this kernel's first
+// form (stages of 32 values, eight a block, each waiting for its loads) took 34.5 us (H200, bench/gpu-notes.md).
 #define PF_RT_TOK 32
 #define PF_RT_ROWS 32
-#define PF_RT_KC 32
+#define PF_RT_KC 128
 #define PF_RT_THREADS 128
-#define PF_RT_LD (PF_RT_TOK + 4)  // a staged k's tokens / rows (padded)
+#define PF_RT_LD (PF_RT_TOK + 4)  // a staged k's tokens / rows (padded: a float4 a token group, aligned)
 extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
         const float* __restrict__ X, const float* __restrict__ W, float* __restrict__ P, float* __restrict__ Y,
         int* __restrict__ cnt, int T, int R, int K, int kps) {
@@ -215,9 +216,11 @@ extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
         const int tg = u & 7, rg = u >> 3;  // tokens 4 tg .. 4 tg + 3, rows 2 rg, 2 rg + 1 of the block
         float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
         for (int kc = k0; kc < k1; kc += PF_RT_KC) {
+            // a float4 of k a load; the row fastest over the threads (the transposed stores on distinct banks)
+            #pragma unroll 4
             for (int i = tid; i < 2 * PF_RT_TOK * Q; i += nt) {
                 const int m = i / (PF_RT_TOK * Q), rem = i - m * PF_RT_TOK * Q;
-                const int row = rem / Q, q = rem - row * Q, k = kc + 4 * q;
+                const int q = rem / PF_RT_TOK, row = rem - q * PF_RT_TOK, k = kc + 4 * q;
                 float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (m == 0 && row < T && k < k1) v = *reinterpret_cast<const float4*>(X + (long long)row * K + k);
                 if (m == 1 && r0 + row < R && k < k1)
@@ -257,8 +260,11 @@ extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
     for (int i = tid; i < T * PF_RT_ROWS; i += nt) {
         const int t = i / PF_RT_ROWS, r = r0 + (i - t * PF_RT_ROWS);
         if (r >= R) continue;
+        const float* pp = P + (long long)t * R + r;
+        const long long st = (long long)T * R;
         float y = 0.f;
-        for (int z = 0; z < ks; ++z) y += __ldcg(P + ((long long)z * T + t) * R + r);
+        #pragma unroll 4
+        for (int z = 0; z < ks; ++z) y += __ldcg(pp + z * st);
         Y[(long long)t * R + r] = y;
     }
     if (tid == 0) cnt[rb] = 0;

@@ -687,8 +687,7 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // job kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
 // any block size nt <= qmm.py JOBS_THREADS, a multiple of 32 (the host build: one thread). Dynamic shared memory
 // (qmm.py jobs_shared): 3 E + 1 + 2 JOBS_THREADS ints (of the last, the scan uses 2 (nt / 32)) and M keys, M the power
-// of two >= N; up to QMM_JOBS_RANK_MAX pairs with ceil(N / 32) E <= QMM_JOBS_CC_MAX also ceil(N / 32) E + N ints (the
-// ranks' tables); E N < 2^32.
+// of two >= N; E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
 // M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
 // expert's first position, and the table comes out the same for any block size (no atomics decide an order). Up to
@@ -697,7 +696,6 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 #ifndef QMM_JOBS_RANK_MAX
 #define QMM_JOBS_RANK_MAX 1024
 #endif
-#define QMM_JOBS_CC_MAX 16384  // the most ints of the ranks' chunk table (ceil(N / 32) E; more: the sort)
 extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row,
                                     int jmax, int jt, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
                                     int* __restrict__ job_dst) {
@@ -731,15 +729,14 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     }
     if (lane == 31 || tid == nt - 1) { tj[wid] = ij; tp[wid] = ip; }
     __syncthreads();
-    if (wid == 0) {  // the warps' totals -> their exclusive prefixes (a shuffle scan by warp 0); the jobs used
-        const int vj = lane < nwarps ? tj[lane] : 0, vp = lane < nwarps ? tp[lane] : 0;
-        int aj = vj, ap = vp;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int uj = __shfl_up_sync(0xffffffffu, aj, o), up = __shfl_up_sync(0xffffffffu, ap, o);
-            if (lane >= o) { aj += uj; ap += up; }
+    if (tid == 0) {  // the warps' totals -> their exclusive prefixes; the jobs the routing fills
+        int aj = 0, ap = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            const int vj = tj[w], vp = tp[w];
+            tj[w] = aj; tp[w] = ap;
+            aj += vj; ap += vp;
         }
-        if (lane < nwarps) { tj[lane] = aj - vj; tp[lane] = ap - vp; }
-        if (lane == nwarps - 1) *jused = aj;
+        *jused = aj;
     }
     __syncthreads();
     int bj = tj[wid] + ij - sj, bp = tp[wid] + ip - sp;
@@ -749,33 +746,14 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
         bj += (cnt[e] + jt - 1) / jt;
         bp += cnt[e];
     }
-    if (N <= QMM_JOBS_RANK_MAX && ((N + 31) >> 5) * E <= QMM_JOBS_CC_MAX) {
-        // few pairs (the batched step: 320), no sort: a pair's rank within its expert is its rank within its chunk
-        // of 32 pairs plus its expert's pairs in the chunks before (a table cc [C][E] after the keys, then the ranks
-        // within chunks rin [N]): at most 31 compares and C - 1 reads a pair (a count over every earlier pair, up to
-        // N compares a thread, took most of the launch's 12.9 us, H200, bench/gpu-notes.md)
-        const int C = (N + 31) >> 5;
-        int* cc = reinterpret_cast<int*>(key + M);
-        int* rin = cc + C * E;
-        for (int i = tid; i < C * E; i += nt) cc[i] = 0;
+    if (N <= QMM_JOBS_RANK_MAX) {
+        // few pairs (the batched step: 320): a pair's rank within its expert is the count of the earlier pairs of the
+        // same expert (at most N compares a thread, the warp's reads of key[q] one broadcast), no sort
         __syncthreads();
         for (int p = tid; p < N; p += nt) {
             const u32 e = key[p] / (u32)N, lo = e * (u32)N;  // (pair q is expert e's when key[q] - lo < N)
-            const int c0 = p & ~31, c1 = min(N, c0 + 32);
             int r = 0;
-            for (int q = c0; q < p; ++q) r += key[q] - lo < (u32)N;
-            rin[p] = r;
-            if (r == 0) {  // the chunk's first pair of expert e counts the chunk's
-                int m = 1;
-                for (int q = p + 1; q < c1; ++q) m += key[q] - lo < (u32)N;
-                cc[(p >> 5) * E + (int)e] = m;
-            }
-        }
-        __syncthreads();
-        for (int p = tid; p < N; p += nt) {
-            const int e = (int)(key[p] / (u32)N);
-            int r = rin[p];
-            for (int c = 0; c < (p >> 5); ++c) r += cc[c * E + e];
+            for (int q = 0; q < p; ++q) r += key[q] - lo < (u32)N;
             const int slot = js[e] * jt + r;
             job_tok[slot] = p / k;
             job_dst[slot] = p;

@@ -820,23 +820,14 @@ JOBS_THREADS = 1024
 JOBS_SHARED_MAX = 160 * 1024
 
 
-#: ``qmm_jobs`` ranks up to this many pairs without sorting them (qmm.cu QMM_JOBS_RANK_MAX), where its table of
-#: chunks of 32 pairs x experts holds at most :data:`JOBS_CC_MAX` ints (QMM_JOBS_CC_MAX).
-JOBS_RANK_MAX = 1024
-JOBS_CC_MAX = 16384
-
-
 def jobs_shared(n_pairs: int, n_expert: int) -> int:
     """Dynamic shared memory of ``qmm_jobs`` for ``n_pairs`` pairs over ``n_expert`` experts: 3 E + 1 ints (counts,
     first jobs, first sorted positions, jobs used), 2 :data:`JOBS_THREADS` ints (the threads' sums and their scan)
-    and M sort keys, M the power of two >= the pairs; up to :data:`JOBS_RANK_MAX` pairs also the ranks' tables
-    (ceil(N / 32) E + N ints, where the first is at most :data:`JOBS_CC_MAX`)."""
-    N, E = int(n_pairs), int(n_expert)
+    and M sort keys, M the power of two >= the pairs."""
     m = 1
-    while m < N:
+    while m < int(n_pairs):
         m <<= 1
-    ranks = -(-N // 32) * E + N if N <= JOBS_RANK_MAX and -(-N // 32) * E <= JOBS_CC_MAX else 0
-    return 4 * (3 * E + 1 + 2 * JOBS_THREADS + m + ranks)
+    return 4 * (3 * int(n_expert) + 1 + 2 * JOBS_THREADS + m)
 
 
 def device_jobs_ok(n_pairs: int, n_expert: int) -> bool:
