@@ -244,7 +244,7 @@ def _paths(obj, prefix=""):
 
 
 BATCH_EXTRA = {"batch." + k for k in ("places", "steps", "mean_active", "decode_forwards", "decode_tokens_per_s",
-                                      "state_bytes", "engine")}
+                                      "state_bytes", "graph_steps", "queued_steps", "engine")}
 
 
 def test_batch_json_has_the_same_keys_as_without_batch(demo_release, cli):

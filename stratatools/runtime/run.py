@@ -262,7 +262,9 @@ class RunResult:
             the prefill, so it is counted in ``prefill_tokens_per_s`` instead); with ``--batch N`` the aggregate
             over the sequences decoded together (decode positions run / wall seconds of the batched steps).
         batch: ``{"batch": N}``, and for N > 1 the batched decode's figures: ``steps``, ``mean_active`` (sequences
-            per step), ``decode_tokens_per_s`` (aggregate, as ``tokens_per_s``), ``engine``.
+            per step), ``decode_tokens_per_s`` (aggregate, as ``tokens_per_s``), ``graph_steps`` (steps replayed from
+            the CUDA graph), ``queued_steps`` (steps launched from the device's tokens before the host read the step
+            before), ``engine``.
         prefill_tokens_per_s: prompt tokens per prefill second.
         tier: the tier's stats (None without a tier); h_expert: the tier's decode-phase hit rate
             (cache-policy.md ``h_expert``; prefill and all-phase rates are in ``tier``).
@@ -427,11 +429,14 @@ def _run_batched(rt: Any, dev: str, w: Any, tier: ExpertTier | None, prompts: li
         results.append(RequestResult(r.request, pr.prompt_id, r.prompt_tokens, r.new_ids, text, r.stop, r.prefill_s,
                                      r.decode_s))
     dec_s = float(tot["decode_s"])
+    graph, queued = int(bd.stats.get("graph_steps", 0)), int(bd.stats.get("queued_steps", 0))
+    how = (f"{graph} of {int(tot['steps'])} steps replayed from a CUDA graph, {queued} queued from the device's "
+           f"tokens" if graph else "eager launches")
     info.update({"places": bd.n, "steps": int(tot["steps"]), "mean_active": float(tot["mean_active"]),
                  "decode_forwards": int(tot["decode_forwards"]),
                  "decode_tokens_per_s": (tot["decode_forwards"] / dec_s) if dec_s > 0 else 0.0,
-                 "state_bytes": bd.state_bytes(),
-                 "engine": "batched decode (continuous batching), eager launches"})
+                 "state_bytes": bd.state_bytes(), "graph_steps": graph, "queued_steps": queued,
+                 "engine": f"batched decode (continuous batching): {how}"})
     return float(tot["prefill_s"]), dec_s, int(tot["decode_forwards"])
 
 

@@ -727,6 +727,8 @@ class BatchDecoder(ChunkPrefill):
         self.pos += 1
         self.stats["steps"] += 1
         self.stats["tokens"] += self.n
+        if toks is None:
+            self.stats["queued_steps"] = self.stats.get("queued_steps", 0) + 1
 
     def collect(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
         """The oldest queued step's results, as :meth:`step` returns them (logits None unless launched with
