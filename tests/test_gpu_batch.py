@@ -289,7 +289,17 @@ def test_gpu_device_staged_and_queued_steps_equal_host_staged_steps(kit, kit_pro
                 assert np.array_equal(x, y), s
         assert q.pos.tolist() == host.pos.tolist()
         assert [list(c) for c in q.ple_ctx] == [list(c) for c in host.ple_ctx]
-        assert q.stage_errors() == 0 and q.stats["graph_steps"] >= 4
+        assert q.stage_errors() == 0 and q.stats["graph_steps"] >= 4 and q.stats["queued_steps"] == 5
+        # one place: the read-back arrays are copies, not views of a pinned slot a later step rewrites
+        one = BatchDecoder(dec, 1)
+        dec.load_state(rt.new_state())
+        lg, _, _ = dec.prefill(prompts[0])
+        one.admit(0)
+        one.launch([int(cp.asnumpy(cp.argmax(lg)))])
+        one.launch()
+        got = [one.collect(), one.collect()]
+        assert all(not np.shares_memory(a, sl[key]) for r in got for a in r[1:] for sl in one._rb for key in sl)
+        assert got[0][1][0] == ref[0][0][0]  # (place 0 of the three-place steps: the same prompt)
     finally:
         w.close()
 

@@ -666,9 +666,11 @@ class BatchDecoder(ChunkPrefill):
         t0 = time.perf_counter()  # (the wait: the step's device time and its host tail)
         q["ev"].synchronize()
         slot = q["slot"]
+        # (copies: with one place or one layer the transposed slot is already contiguous, and a view of it would
+        # change under the caller when a later step reuses the slot)
         nxt = np.array(slot["nxt"], dtype=np.int64)
-        ids_out = np.ascontiguousarray(np.transpose(slot["ids"], (1, 0, 2)))
-        w_out = np.ascontiguousarray(np.transpose(slot["w"], (1, 0, 2)))
+        ids_out = np.transpose(slot["ids"], (1, 0, 2)).copy()
+        w_out = np.transpose(slot["w"], (1, 0, 2)).copy()
         self.stats["wait_s"] = self.stats.get("wait_s", 0.0) + (time.perf_counter() - t0)
         if q["fed"]:
             self._advance_ctx(np.arange(self.n, dtype=np.int64), self._last_nxt)
@@ -718,7 +720,8 @@ class BatchDecoder(ChunkPrefill):
             self._queue_empty("stage tokens from the host")
             toks = self._check_tokens(tokens, self.n)
         elif not self._dev_live:
-            raise StrataError("the first queued step after an admission needs every place's token (launch(tokens))")
+            raise StrataError("the first queued step after an admission or a step of some places needs every "
+                              "place's token (launch(tokens))")
         pos = self.pos.copy()
         self._check_positions(pos)
         self.dec._refresh_slots()
@@ -1075,10 +1078,13 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
     ``DECODE``).
 
     Returns (per-request results in request order, totals: ``prefill_s``, ``decode_s`` (wall seconds of the
-    batched steps), ``decode_forwards`` (decode positions run), ``steps``, ``mean_active``).
+    batched steps; of a run of queued steps, from its first launch to its last collect, the host's accounting
+    overlapped with the device's steps), ``decode_forwards`` (decode positions run), ``steps`` (steps with a running
+    request), ``mean_active``).
 
     Raises:
-        StrataError: an empty prompt, a negative ``max_new_tokens``, a context past the decoder's ``max_ctx``.
+        StrataError: an empty prompt, a negative ``max_new_tokens``, a context past the decoder's ``max_ctx``, a fault
+        the device staging flagged (:meth:`BatchDecoder.stage_errors`).
     """
     from stratatools.traces.table import DECODE, PREFILL
 
@@ -1147,7 +1153,7 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
         """A step's rows of the places in ``act`` that still hold a request: one round each (ascending place order),
         then their new tokens; returns the places whose request stopped."""
         live = [j for j, pl in enumerate(act) if place_req[pl] is not None]
-        tot["steps"] += 1
+        tot["steps"] += 1 if live else 0  # (a queued step after every place stopped ran for nobody)
         tot["active_sum"] += len(live)
         tot["decode_forwards"] += len(live)
         for j in live:  # one round per place, ascending place order
@@ -1188,7 +1194,8 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
         while pending:
             due = any(len(results[place_req[pl]].new_ids) + len(pending) >= max_new_tokens
                       for pl in act if place_req[pl] is not None)
-            if not freed and not due and bd.pos.max() < bd.dec.max_ctx and len(pending) < QUEUE_DEPTH:
+            if (not freed and not due and bd.pos.max() < bd.dec.max_ctx and len(pending) < QUEUE_DEPTH
+                    and bd.queue_ready()[0]):  # (a capture that failed in this run's first launch: no more queueing)
                 bd.launch()
                 pending.append(bd.pos[act] - 1)
             _, nxt, ids, w = bd.collect()
@@ -1199,10 +1206,9 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
 
     for pl in range(bd.n):
         admit(pl)
-    queued = bd.queue_ready()[0]
     while any(r is not None for r in place_req):
         act = [pl for pl in range(bd.n) if place_req[pl] is not None]
-        if queued and len(act) == bd.n:
+        if len(act) == bd.n and bd.queue_ready()[0]:
             freed = queued_run()
         else:
             pos = bd.pos[act].copy()
@@ -1213,6 +1219,9 @@ def run_batched(dec: Any, bd: BatchDecoder, prompts: list[list[int]], max_new_to
             freed = account(act, pos, nxt, ids, w, t1)
         for pl in freed:
             admit(pl)
+    if bd.stage_errors():  # (tokens are checked before they reach the device: a fault of the staging itself)
+        raise StrataError(f"the batched step's device staging flagged bad input (bits {bd.stage_errors()}: 1 a token, "
+                          f"2 a PLE row, 4 a position out of range); set {DEV_STAGE_ENV}=0 to stage on the host")
     tot["mean_active"] = tot["active_sum"] / tot["steps"] if tot["steps"] else 0.0
     del tot["active_sum"]
     return results, tot
