@@ -202,6 +202,7 @@ extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T
 #define PF_RT_KC 128
 #define PF_RT_THREADS 128
 #define PF_RT_LD (PF_RT_TOK + 4)  // a staged k's tokens / rows (padded: a float4 a token group, aligned)
+#define PF_RT_SUMS 8              // outputs a thread of the last block sums at once
 extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
         const float* __restrict__ X, const float* __restrict__ W, float* __restrict__ P, float* __restrict__ Y,
         int* __restrict__ cnt, int T, int R, int K, int kps) {
@@ -216,8 +217,9 @@ extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
         const int tg = u & 7, rg = u >> 3;  // tokens 4 tg .. 4 tg + 3, rows 2 rg, 2 rg + 1 of the block
         float acc[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
         for (int kc = k0; kc < k1; kc += PF_RT_KC) {
-            // a float4 of k a load; the row fastest over the threads (the transposed stores on distinct banks)
-            #pragma unroll 4
+            // a float4 of k a load; the row fastest over the threads (the transposed stores on distinct banks);
+            // unrolled whole on the device: a thread's 16 loads in flight together
+            #pragma unroll 16
             for (int i = tid; i < 2 * PF_RT_TOK * Q; i += nt) {
                 const int m = i / (PF_RT_TOK * Q), rem = i - m * PF_RT_TOK * Q;
                 const int q = rem / PF_RT_TOK, row = rem - q * PF_RT_TOK, k = kc + 4 * q;
@@ -257,15 +259,25 @@ extern "C" __global__ void __launch_bounds__(PF_RT_THREADS) pf_router_tile(
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int i = tid; i < T * PF_RT_ROWS; i += nt) {
-        const int t = i / PF_RT_ROWS, r = r0 + (i - t * PF_RT_ROWS);
-        if (r >= R) continue;
-        const float* pp = P + (long long)t * R + r;
-        const long long st = (long long)T * R;
-        float y = 0.f;
-        #pragma unroll 4
-        for (int z = 0; z < ks; ++z) y += __ldcg(pp + z * st);
-        Y[(long long)t * R + r] = y;
+    // the sums: a thread's PF_RT_SUMS outputs i = tid + nt u at once, partial z of all of them loaded together (their
+    // loads in flight side by side; one output's 20 loads after one another took most of a 20.7 us launch, H200)
+    const long long st = (long long)T * R;
+    for (int i0 = tid; i0 < T * PF_RT_ROWS; i0 += PF_RT_SUMS * nt) {
+        float y[PF_RT_SUMS];
+        long long o[PF_RT_SUMS];
+        #pragma unroll
+        for (int u = 0; u < PF_RT_SUMS; ++u) {
+            const int i = i0 + u * nt, t = i / PF_RT_ROWS, r = r0 + (i - t * PF_RT_ROWS);
+            y[u] = 0.f;
+            o[u] = i < T * PF_RT_ROWS && r < R ? (long long)t * R + r : -1;
+        }
+        for (int z = 0; z < ks; ++z)
+            #pragma unroll
+            for (int u = 0; u < PF_RT_SUMS; ++u)
+                if (o[u] >= 0) y[u] += __ldcg(P + z * st + o[u]);
+        #pragma unroll
+        for (int u = 0; u < PF_RT_SUMS; ++u)
+            if (o[u] >= 0) Y[o[u]] = y[u];
     }
     if (tid == 0) cnt[rb] = 0;
 }
