@@ -370,35 +370,6 @@ def test_gpu_route_warp_matches_pf_route(gating, norm, E, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
-@pytest.mark.parametrize("T,R,K", [(32, 257, 2560), (7, 129, 1024), (1, 40, 96)])
-def test_gpu_router_tile_matches_float64_and_repeats_bit_for_bit(T, R, K):
-    """pf_router_tile on the device (the launcher's grid and block): within float32 rounding of float64, and five
-    launches in a row (the arrival counts reset by each) give the same floats bit for bit: the partials' order does
-    not follow the blocks' timing."""
-    import cupy as cp
-
-    from stratatools.runtime.gpu import prefill as PF
-
-    rng = np.random.default_rng(T + R)
-    x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
-    W = cp.asarray(rng.standard_normal((R, K)).astype(np.float32))
-    nrb, ks = -(-R // PF.ROUTER_TILE_ROWS), -(-K // PF.ROUTER_TILE_KPS)
-    cnt = cp.zeros(nrb, dtype=cp.int32)
-    fn = PF._module(False, ()).get_function("pf_router_tile")
-    outs = []
-    for _ in range(5):
-        part = cp.empty((ks, T, R), dtype=cp.float32)
-        out = cp.full((T, R), np.nan, dtype=cp.float32)
-        fn((nrb, ks), (PF.ROUTER_TILE_THREADS,), (x, W, part, out, cnt, np.int32(T), np.int32(R), np.int32(K),
-                                                  np.int32(PF.ROUTER_TILE_KPS)))
-        outs.append(cp.asnumpy(out))
-    ref = cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(W).T.astype(np.float64)
-    assert np.abs(outs[0] - ref).max() <= 2e-5 * np.abs(ref).max()
-    assert all(np.array_equal(o, outs[0]) for o in outs) and not cp.asnumpy(cnt).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 @pytest.mark.parametrize("T,nk,dk,nv,dv", [(64, 16, 128, 32, 128), (9, 2, 32, 4, 24), (5, 1, 100, 2, 10),
                                            (37, 2, 16, 4, 12), (1, 64, 128, 64, 128), (2, 3, 100, 6, 200),
                                            (1, 2, 16, 4, 8), (3, 2, 128, 4, 100)])

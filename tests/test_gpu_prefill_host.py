@@ -56,7 +56,7 @@ def _p(a):
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
     assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp",
-                        "pf_moe_sum_shared", "pf_router_tile"}
+                        "pf_moe_sum_shared"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -264,56 +264,6 @@ def test_pf_gdn_step_rw_reads_each_places_key_heads(lib):
         got.append((S, out))
     assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
     assert not np.isnan(got[1][1]).any()
-
-
-def _router_tile(lib, x, W, kps=PF.ROUTER_TILE_KPS, cnt=None):
-    T, n = x.shape
-    R = W.shape[0]
-    nrb, ks = -(-R // PF.ROUTER_TILE_ROWS), -(-n // kps)
-    part = np.full((ks, T, R), np.nan, np.float32)
-    out = np.full((T, R), np.nan, np.float32)
-    cnt = np.zeros(nrb, np.int32) if cnt is None else cnt
-    lib.host_pf_router_tile(nrb, ks, _p(x), _p(W), _p(part), _p(out), _p(cnt), T, R, n, kps)
-    return out, part, cnt
-
-
-@pytest.mark.parametrize("T,R,n,kps", [(32, 257, 2560, 128), (5, 9, 64, 128), (1, 4, 32, 128), (17, 40, 300, 128),
-                                       (32, 33, 640, 256)])
-def test_pf_router_tile_matches_float64_and_sums_partials_in_order(lib, T, R, n, kps):
-    """pf_router_tile: out [T, R] = x W^T within float32 rounding of float64 (a last row block and k chunk partly
-    outside, tokens under 32, k not a multiple of a stage); each block's partial is its k range's fmaf sum in k
-    order, out the partials summed in block order (bit for bit: the order that makes it independent of timing);
-    the arrival counts back at zero."""
-    rng = np.random.default_rng(T + R + n)
-    x = rng.standard_normal((T, n)).astype(np.float32)
-    W = rng.standard_normal((R, n)).astype(np.float32)
-    out, part, cnt = _router_tile(lib, x, W, kps)
-    ref = x.astype(np.float64) @ W.T.astype(np.float64)
-    assert np.abs(out - ref).max() <= 2e-5 * np.abs(ref).max()
-    assert not cnt.any()
-    ks = part.shape[0]
-    want = np.zeros((T, R), np.float32)
-    for z in range(ks):
-        want = (want + part[z]).astype(np.float32)
-        k0, k1 = z * kps, min(n, (z + 1) * kps)
-        p64 = x[:, k0:k1].astype(np.float64) @ W[:, k0:k1].T.astype(np.float64)
-        assert np.abs(part[z] - p64).max() <= 2e-5 * max(np.abs(p64).max(), 1.0), z
-    assert np.array_equal(out, want)
-    assert n % PF.ROUTER_TILE_ALIGN == 0 and kps % 128 == 0
-
-
-def test_pf_router_tile_non_finite_rows_stay_their_own(lib):
-    """A NaN in one token's row and an infinity in one router row reach only their own outputs; every other output
-    is the clean product's bit for bit (an output sums its own token's and row's values only)."""
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((8, 296)).astype(np.float32)
-    W = rng.standard_normal((40, 296)).astype(np.float32)
-    clean, _, _ = _router_tile(lib, x, W, 128)
-    x[3, 50], W[33, 7] = np.nan, np.inf
-    out, _, cnt = _router_tile(lib, x, W, 128)
-    bad = np.zeros(out.shape, bool)
-    bad[3, :] = bad[:, 33] = True
-    assert not np.isfinite(out[bad]).any() and np.array_equal(out[~bad], clean[~bad]) and not cnt.any()
 
 
 def test_row_stride_takes_rows_of_consecutive_floats_only():

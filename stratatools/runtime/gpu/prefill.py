@@ -101,28 +101,6 @@ JOINED_ENV = "STRATATOOLS_JOINED_PROJ"
 JOINED_DEFAULT = True
 
 
-#: ``STRATATOOLS_ROUTER_TILE``: the batched step's router and shared-gate rows (up to 32 tokens, rows of a multiple of
-#: 4 values) through ``pf_router_tile`` (1, the default: tiles of 32 rows x 32 tokens, k split over blocks and summed
-#: in a fixed order by the last block of each row block) or cuBLAS's SGEMM (0: a GEMM and a split-k reduction, 10.9 +
-#: 3.0 us a layer at 32 tokens x 257 rows of 2,560, H200, bench/gpu-notes.md).
-ROUTER_TILE_ENV = "STRATATOOLS_ROUTER_TILE"
-ROUTER_TILE_DEFAULT = True
-#: ``pf_router_tile``: the most tokens, rows a block (prefill.cu PF_RT_TOK, PF_RT_ROWS), its threads, the values of k
-#: a block sums (a multiple of PF_RT_KC) and the multiple of values a row must be (float4 loads).
-ROUTER_TILE_MAX_T = 32
-ROUTER_TILE_ROWS = 32
-ROUTER_TILE_THREADS = 128
-ROUTER_TILE_KPS = 128
-ROUTER_TILE_ALIGN = 4
-
-
-def router_tile() -> bool:
-    """:data:`ROUTER_TILE_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
-    from stratatools.runtime.gpu.kernels import env_on
-
-    return env_on(ROUTER_TILE_ENV, "the router rows' tiled kernel", ROUTER_TILE_DEFAULT)
-
-
 def joined_enabled() -> bool:
     """:data:`JOINED_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
     from stratatools.runtime.gpu.kernels import env_on
@@ -491,13 +469,10 @@ class ChunkPrefill:
         self._jt = job_tokens(batch=self._batch_step) if self.gpu else JOB_TOKENS_MMA
         self._small: dict[str, Any] = {}
         self.timing: dict[str, float] | None = None  # set to {} to collect per-part host-side timings (synchronises)
-        self._router_cnt: Any = None  # pf_router_tile's arrival counts (zeros between launches)
         if self.gpu:
             import cupy as cp
 
             self.cp = cp
-            # (made here, outside any capture's memory pool: 64 row blocks, routers of up to 2,048 rows)
-            self._router_cnt = cp.zeros(64, dtype=cp.int32)
             ex = {t for ly in dec.rt.tier.arena.layers for t in (ly.gu_type.id, ly.d_type.id) if t in UNIT}
             dense = {t.type.id for t in self.w.model.iter_tensors()
                      if "_exps." not in t.name and t.type.id in UNIT and t.type.name not in ("F32", "F16", "BF16")}
@@ -510,7 +485,6 @@ class ChunkPrefill:
             self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
-            self.k_router_tile = mod.get_function("pf_router_tile")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched
@@ -1623,8 +1597,8 @@ class ChunkPrefill:
         T, n = x.shape
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         W = self._router_gate_w(il)
-        if W is not None:  # one product: the experts' logits [T, E], then the shared expert's gate logit
-            logits = self._router_logits(x, W)
+        if W is not None:  # one SGEMM: the experts' logits [T, E], then the shared expert's gate logit
+            logits = self._sgemm(x, W)
             E = int(W.shape[0]) - 1
             g, goff = logits, E
         else:
@@ -1694,26 +1668,6 @@ class ChunkPrefill:
         self.k_moe_sum_shared(grid, (256,), (*args, cp.ascontiguousarray(tail.ys), tail.g,
                                              np.int32(tail.g.shape[1]), np.int32(tail.goff), y))
         return y
-
-    def _router_logits(self, x: Any, W: Any) -> Any:
-        """x [T, n] @ W.T for the float32 router rows W [R, n] (CuPy): up to :data:`ROUTER_TILE_MAX_T` rows of x and n
-        a multiple of :data:`ROUTER_TILE_ALIGN`, ``pf_router_tile`` (:data:`ROUTER_TILE_ENV`); else :meth:`_sgemm`.
-        Returns [T, R] float32."""
-        T, n = int(x.shape[0]), int(x.shape[1])
-        if not (self.gpu and 0 < T <= ROUTER_TILE_MAX_T and n % ROUTER_TILE_ALIGN == 0 and router_tile()):
-            return self._sgemm(x, W)
-        cp = self.cp
-        R = int(W.shape[0])
-        nrb, ks = -(-R // ROUTER_TILE_ROWS), -(-n // ROUTER_TILE_KPS)
-        cnt = self._router_cnt
-        if cnt is None or cnt.size < nrb:  # (the row blocks' arrival counts: zeros, each launch leaves them so)
-            cnt = self._router_cnt = cp.zeros(nrb, dtype=cp.int32)
-        part = cp.empty((ks, T, R), dtype=cp.float32)
-        out = cp.empty((T, R), dtype=cp.float32)
-        self.k_router_tile((nrb, ks), (ROUTER_TILE_THREADS,),
-                           (cp.ascontiguousarray(x, dtype=cp.float32), cp.ascontiguousarray(W, dtype=cp.float32),
-                            part, out, cnt, np.int32(T), np.int32(R), np.int32(n), np.int32(ROUTER_TILE_KPS)))
-        return out
 
     def _router_gate_w(self, il: int) -> Any:
         """Layer ``il``'s router rows with the shared expert's gate row after them, float32 [E + 1, n], where the step

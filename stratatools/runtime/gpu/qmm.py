@@ -814,21 +814,8 @@ def job_tokens(jt: Any = None, batch: bool = False) -> int:
     return int(jt)
 
 
-#: Threads of the ``qmm_jobs`` block (the most; :data:`JOBS_THREADS_ENV` may ask for fewer).
+#: Threads of the ``qmm_jobs`` block.
 JOBS_THREADS = 1024
-#: ``STRATATOOLS_QMM_JOBS_THREADS``: threads of the ``qmm_jobs`` block, 128, 256, 512 or 1024 (default): its phases
-#: loop over the pairs and experts by the block's stride and meet at a barrier each (a measuring switch).
-JOBS_THREADS_ENV = "STRATATOOLS_QMM_JOBS_THREADS"
-
-
-def jobs_threads() -> int:
-    """:data:`JOBS_THREADS_ENV`, default :data:`JOBS_THREADS`; raises StrataError for another value."""
-    import os
-
-    v = os.environ.get(JOBS_THREADS_ENV, str(JOBS_THREADS)).strip()
-    if v not in ("128", "256", "512", "1024"):
-        raise StrataError(f"{JOBS_THREADS_ENV}={v!r}: use 128, 256, 512 or 1024")
-    return int(v)
 #: Dynamic shared memory one ``qmm_jobs`` block may take (of the 227 KiB an H100 / H200 block may opt into).
 JOBS_SHARED_MAX = 160 * 1024
 
@@ -868,7 +855,7 @@ def moe_jobs(ids: Any, k: int, n_expert: int, ptr_row: Any, jt: int = JOB_TOKENS
     job_ptr = cp.empty(J, dtype=cp.uint64)
     job_tok = cp.empty(J * jt, dtype=cp.int32)
     job_dst = cp.empty(J * jt, dtype=cp.int32)
-    launch_big_shared(_fn("qmm_jobs"), (1,), (jobs_threads(),),
+    launch_big_shared(_fn("qmm_jobs"), (1,), (JOBS_THREADS,),
                       (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E), ptr_row,
                        np.int32(J), np.int32(jt), job_ptr, job_tok, job_dst), jobs_shared(N, E))
     return job_ptr, job_tok, job_dst
