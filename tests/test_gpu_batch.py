@@ -6,6 +6,7 @@ CuPy and a GPU, or without the kit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -26,6 +27,43 @@ def _prompts(kit_prompts, n):
         out.append(ids[a:a + m])
         a += m
     return out
+
+
+@contextlib.contextmanager
+def _kit_runtime(kit, model, gemm, monkeypatch, max_ctx=11):
+    """The kit's ``model`` loaded on CuPy with both GEMM switches set to ``gemm``, every expert resident: its batch-1
+    DecoderRuntime of ``max_ctx`` positions (within the full-selection range by default: no host-side QSA
+    selection); skips when the model is not carried; the weights closed after."""
+    import cupy as cp
+
+    if not (kit / model).exists():
+        pytest.skip(f"{model} not carried")
+    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
+    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
+    from stratatools.runtime.gpu.engine import DecoderRuntime
+    from stratatools.runtime.gpu.runtime import GPURuntime
+    from stratatools.runtime.weights import load
+
+    w = load(kit / model, xp=cp)
+    try:
+        yield DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=max_ctx)
+    finally:
+        w.close()
+
+
+def _admit_all(rt, bds, prompts):
+    """Prefill prompt i through ``rt``'s decoder and admit it at place i of every BatchDecoder in ``bds``; returns
+    each prompt's first new token (the prefill's arg-max)."""
+    import cupy as cp
+
+    dec, toks = rt.dec, []
+    for i, p in enumerate(prompts):
+        dec.load_state(rt.new_state())
+        lg, _, _ = dec.prefill(p)
+        for bd in bds:
+            bd.admit(i)
+        toks.append(int(cp.asnumpy(cp.argmax(lg))))
+    return toks
 
 
 @pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma"),
@@ -177,42 +215,24 @@ def test_gpu_batched_shared_expert_beside_the_routed_ones_gives_the_same_steps(k
     against =0: the same logits, tokens and routing bit for bit over graph-replayed steps of three places."""
     import cupy as cp
 
-    if not (kit / model).exists():
-        pytest.skip(f"{model} not carried")
-    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
-    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
     from stratatools.runtime.gpu.batch import BatchDecoder
     from stratatools.runtime.gpu.decode import SHARED_SIDE_ENV
-    from stratatools.runtime.gpu.engine import DecoderRuntime
-    from stratatools.runtime.gpu.runtime import GPURuntime
-    from stratatools.runtime.weights import load
 
     ids = [t for _, p in kit_prompts for t in p]
     prompts = [ids[0:2], ids[2:3], ids[3:5]]
-    w = load(kit / model, xp=cp)
-    try:
-        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
-        dec = rt.dec
+    with _kit_runtime(kit, model, gemm, monkeypatch) as rt:
         bds = []
         for flag in ("0", "1"):
             monkeypatch.setenv(SHARED_SIDE_ENV, flag)
-            bds.append(BatchDecoder(dec, 3))
+            bds.append(BatchDecoder(rt.dec, 3))
         assert bds[0]._shared_side is None and bds[1]._shared_side is not None
-        toks = []
-        for i, p in enumerate(prompts):
-            dec.load_state(rt.new_state())
-            lg, _, _ = dec.prefill(p)
-            for bd in bds:
-                bd.admit(i)
-            toks.append(int(cp.asnumpy(cp.argmax(lg))))
+        toks = _admit_all(rt, bds, prompts)
         for s in range(6):
             got = [bd.step([0, 1, 2], toks) for bd in bds]
             assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
             assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][2], got[1][2]), s
             toks = [int(t) for t in got[0][1]]
         assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
-    finally:
-        w.close()
 
 
 @pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
@@ -223,21 +243,12 @@ def test_gpu_device_staged_and_queued_steps_equal_host_staged_steps(kit, kit_pro
     step for step and leave the same positions and PLE contexts; the queue's misuse is refused."""
     import cupy as cp
 
-    if not (kit / model).exists():
-        pytest.skip(f"{model} not carried")
-    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
-    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
     from stratatools.core.errors import StrataError
     from stratatools.runtime.gpu.batch import DEV_STAGE_ENV, BatchDecoder
-    from stratatools.runtime.gpu.engine import DecoderRuntime
-    from stratatools.runtime.gpu.runtime import GPURuntime
-    from stratatools.runtime.weights import load
 
     ids = [t for _, p in kit_prompts for t in p]
     prompts = [ids[0:2], ids[2:3], ids[3:5]]
-    w = load(kit / model, xp=cp)
-    try:
-        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
+    with _kit_runtime(kit, model, gemm, monkeypatch) as rt:
         dec = rt.dec
         bds = []
         for flag in ("0", "1", "1"):
@@ -246,13 +257,7 @@ def test_gpu_device_staged_and_queued_steps_equal_host_staged_steps(kit, kit_pro
         host, devs, q = bds
         assert host.queue_ready()[0] is False and "DEV_STAGE" in host.queue_ready()[1]
         assert q.queue_ready() == (True, "")
-        toks = []
-        for i, p in enumerate(prompts):
-            dec.load_state(rt.new_state())
-            lg, _, _ = dec.prefill(p)
-            for bd in bds:
-                bd.admit(i)
-            toks.append(int(cp.asnumpy(cp.argmax(lg))))
+        toks = _admit_all(rt, bds, prompts)
         with pytest.raises(StrataError, match="needs every place's token"):
             q.launch()
         first = list(toks)
@@ -292,16 +297,11 @@ def test_gpu_device_staged_and_queued_steps_equal_host_staged_steps(kit, kit_pro
         assert q.stage_errors() == 0 and q.stats["graph_steps"] >= 4 and q.stats["queued_steps"] == 5
         # one place: the read-back arrays are copies, not views of a pinned slot a later step rewrites
         one = BatchDecoder(dec, 1)
-        dec.load_state(rt.new_state())
-        lg, _, _ = dec.prefill(prompts[0])
-        one.admit(0)
-        one.launch([int(cp.asnumpy(cp.argmax(lg)))])
+        one.launch(_admit_all(rt, [one], prompts[:1]))
         one.launch()
         got = [one.collect(), one.collect()]
         assert all(not np.shares_memory(a, sl[key]) for r in got for a in r[1:] for sl in one._rb for key in sl)
         assert got[0][1][0] == ref[0][0][0]  # (place 0 of the three-place steps: the same prompt)
-    finally:
-        w.close()
 
 
 @pytest.mark.parametrize("model,gemm", [(BF16, "sgemm"), ("quant/model-ISTA-mix.gguf", "mma")])
@@ -311,22 +311,11 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
     by the queue, so the next prompt joins a step later): the same new tokens and stops, and each request's routing
     records in the same order with the same experts and weights within 1e-5 (the requests' records interleave
     differently where a prompt joined later)."""
-    import cupy as cp
-
-    if not (kit / model).exists():
-        pytest.skip(f"{model} not carried")
-    monkeypatch.setenv("STRATATOOLS_PREFILL_GEMM", gemm)
-    monkeypatch.setenv("STRATATOOLS_BATCH_GEMM", gemm)
     from stratatools.runtime.gpu.batch import DEV_STAGE_ENV, BatchDecoder, run_batched
-    from stratatools.runtime.gpu.engine import DecoderRuntime
-    from stratatools.runtime.gpu.runtime import GPURuntime
-    from stratatools.runtime.weights import load
 
     ids = [t for _, p in kit_prompts for t in p]
     prompts = [ids[0:2], ids[2:3], ids[3:5], ids[5:6], ids[6:8]]
-    w = load(kit / model, xp=cp)
-    try:
-        rt = DecoderRuntime(GPURuntime(w, policy=None, miss_mode="host"), max_ctx=11)
+    with _kit_runtime(kit, model, gemm, monkeypatch) as rt:
         dec = rt.dec
 
         def run(flag, stop_id):
@@ -357,5 +346,3 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
                 # joined a step later: their products agree within float32 rounding, as test_gpu_graph_steps_...)
                 for a, b in zip(c1.weights, c2.weights):
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(req))
-    finally:
-        w.close()
