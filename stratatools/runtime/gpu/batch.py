@@ -468,10 +468,10 @@ class BatchDecoder(ChunkPrefill):
         device-only buffer whose views become the static x0, rope and PLE buffers, the rope tables of every position
         (Rope.cos_sin_host, so the rows are the host staging's bit for bit), the PLE constants with this buffer's
         offsets, the kernel and its arguments; the token and PLE tables are the decoder's (uploaded once)."""
+        import types
+
         from stratatools.runtime.gpu.decode import STAGE_TYPES
         from stratatools.runtime.gpu.kernels import cuda_source
-
-        import types
 
         cp, cfg, dec, n, g = self.cp, self.cfg, self.dec, self.n, self._gin
         model = self.w.model
