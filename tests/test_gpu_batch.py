@@ -346,3 +346,34 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
                 # joined a step later: their products agree within float32 rounding, as test_gpu_graph_steps_...)
                 for a, b in zip(c1.weights, c2.weights):
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(req))
+
+
+def test_gpu_self_jobs_give_the_table_jobs_steps(kit, kit_prompts, monkeypatch):
+    """STRATATOOLS_QMM_SELF_JOBS=1 (the Q2_0 gate/up jobs find their own pairs, no qmm_jobs launch) against =0 on the
+    kit's Q2_0 model: the batched steps' logits, tokens and routing bit for bit (a pair's outputs do not depend on its
+    job or slot, and the routed outputs are summed in rank order), eager and graph-replayed steps."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.batch import BatchDecoder
+
+    ids = [t for _, p in kit_prompts for t in p]
+    prompts = [ids[0:2], ids[2:3], ids[3:5]]
+    with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
+        ly = rt.dec.rt.tier.arena.layers[0]
+        assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id)
+        calls, real = [], qmm.moe_gate_up_i8_self
+        monkeypatch.setattr(qmm, "moe_gate_up_i8_self", lambda *a, **k: calls.append(1) or real(*a, **k))
+        bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
+        toks = _admit_all(rt, bds, prompts)
+        for s in range(6):
+            got = []
+            for flag, bd in zip(("0", "1"), bds):
+                monkeypatch.setenv(qmm.SELF_JOBS_ENV, flag)  # (read at the eager step and the capture)
+                got.append(bd.step([0, 1, 2], toks))
+            assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
+            for a, b in zip(got[0][1:], got[1][1:]):
+                assert np.array_equal(a, b), s
+            toks = [int(t) for t in got[0][1]]
+        assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
+        assert calls, "the self-made jobs never ran (the model's experts took another path)"

@@ -1416,6 +1416,33 @@ template <int JT, int NM, int S, int RKC, int PAD> __device__ __forceinline__ in
 // gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
 // S = 0: qi8_tile, dynamic shared memory QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes; else qi8r_tile (a ring of S
 // stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
+// The gate/up job body: job j's JT slots (tokrow: token rows of X, -1 empty) through expert blob G; the block's
+// dynamic shared memory as qmm_moe_gu_i8's (stage, ssc, sq: qi8_smem). All threads of the block call it.
+template <int JT, int S, int RKC, int PAD>
+__device__ __forceinline__ void qi8_gu_job(const u8* G, const int* tokrow, int j, const u8* __restrict__ xh,
+                                           const u8* __restrict__ xl, const float* __restrict__ xs,
+                                           const int* __restrict__ xq, float* __restrict__ Hbuf, int H, int Fd,
+                                           u8* stage, float* ssc, int* sq) {
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    const int warp = (int)(threadIdx.x >> 5);
+    qi8_scales<JT / 8>(xs, xq, H >> 6, tokrow, ssc, sq);
+    const int r0 = (blockIdx.x * nw + warp) * 16;
+    const long long rb = (long long)(H / 64) * 18;
+    const u8* wm[2] = {G, G + (long long)Fd * rb};
+    mma_c acc[2][JT / 8];
+    if constexpr (S == 0) qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
+    else qi8r_tile<JT / 8, 2, S, RKC, PAD>(wm, rb, Fd, H, r0 - 16 * warp, xh, xl, tokrow, ssc, sq, stage, acc);
+    qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
+        if (row < Fd && tokrow[s] >= 0) {
+            const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
+            Hbuf[((long long)j * JT + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
+        }
+    });
+}
+
+// gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
+// S = 0: qi8_tile, dynamic shared memory QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes; else qi8r_tile (a ring of S
+// stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
 template <int JT, int S = 0, int RKC = 0, int PAD = 16>
 __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
@@ -1428,24 +1455,123 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
     qi8_smem<JT>(H, qi8_lead<JT, 2, S, RKC, PAD>(nw), stage, ssc, sq);
     __shared__ int tokrow[JT];
     const int j = blockIdx.y;
-    const int warp = (int)(threadIdx.x >> 5);
     for (int s = threadIdx.x; s < JT; s += blockDim.x) tokrow[s] = job_tok[j * JT + s];
     __syncthreads();
     if (tokrow[0] < 0) return;
-    qi8_scales<JT / 8>(xs, xq, H >> 6, tokrow, ssc, sq);
-    const int r0 = (blockIdx.x * nw + warp) * 16;
-    const long long rb = (long long)(H / 64) * 18;
-    const u8* G = reinterpret_cast<const u8*>(job_ptr[j]);
-    const u8* wm[2] = {G, G + (long long)Fd * rb};
-    mma_c acc[2][JT / 8];
-    if constexpr (S == 0) qi8_tile<JT / 8, 2>(wm, rb, Fd, H, r0, xh, xl, tokrow, ssc, sq, stage, acc);
-    else qi8r_tile<JT / 8, 2, S, RKC, PAD>(wm, rb, Fd, H, r0 - 16 * warp, xh, xl, tokrow, ssc, sq, stage, acc);
-    qmm_each_out<JT / 8>(r0, [&](int l, int n, int i, int row, int s) {
-        if (row < Fd && tokrow[s] >= 0) {
-            const float gs = acc[0][n].x[l][i], us = acc[1][n].x[l][i];
-            Hbuf[((long long)j * JT + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
+    qi8_gu_job<JT, S, RKC, PAD>(reinterpret_cast<const u8*>(job_ptr[j]), tokrow, j, xh, xl, xs, xq, Hbuf, H, Fd,
+                                stage, ssc, sq);
+}
+
+// ---- gate/up jobs that find their own pairs (qmm.py SELF_JOBS_ENV): no qmm_jobs launch before them -------------
+// The exclusive prefix sum of v over the block's threads (thread order), and the total; ws: 33 ints of shared memory,
+// free again on return. Any block size (the host build: one thread).
+__device__ __forceinline__ int qmm_scan_excl(int v, int* ws, int* total) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nwarps = (int)(blockDim.x + 31) >> 5;
+    int inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int a = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += a;
+    }
+    if (lane == 31 || tid == (int)blockDim.x - 1) ws[wid] = inc;
+    __syncthreads();
+    if (tid == 0) {
+        int acc = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            const int x = ws[w];
+            ws[w] = acc;
+            acc += x;
         }
-    });
+        ws[32] = acc;
+    }
+    __syncthreads();
+    const int r = ws[wid] + inc - v;
+    *total = ws[32];
+    __syncthreads();
+    return r;
+}
+
+// Job y of a grid of E + ceil(N / JT) jobs over the routing ids [N] (pair i = t k + r, 0 <= ids[i] < E): y < E the
+// first JT pairs of expert y; y >= E the (y - E)-th further chunk of JT pairs (an expert of c pairs has ceil(c / JT)
+// - 1 of them, in expert order), each job's pairs in increasing pair index. Writes tokrow / dstrow [JT] (the slots'
+// tokens i / k and pairs i, -1 empty) and returns the expert, or -1 for an empty job. hist: E ints of shared memory
+// (the further chunks' count needs every expert's pairs), ws: 35 ints. All threads of the block call it.
+template <int JT>
+__device__ int qmm_find_job(const int* __restrict__ ids, int N, int k, int E, int y, int* tokrow, int* dstrow,
+                            int* hist, int* ws) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int s = tid; s < JT; s += nt) tokrow[s] = dstrow[s] = -1;
+    int e = y, lo = 0, total;
+    if (y >= E) {
+        for (int i = tid; i < E; i += nt) hist[i] = 0;
+        __syncthreads();
+        for (int i = tid; i < N; i += nt) atomicAdd(&hist[ids[i]], 1);
+        __syncthreads();
+        const int segE = (E + nt - 1) / nt, e0 = min(E, tid * segE), e1 = min(E, e0 + segE);
+        int mine = 0;
+        for (int i = e0; i < e1; ++i) mine += max(0, (hist[i] + JT - 1) / JT - 1);
+        int base = qmm_scan_excl(mine, ws, &total);
+        if (tid == 0) ws[33] = -1;
+        __syncthreads();
+        const int o = y - E;
+        for (int i = e0; i < e1; ++i) {
+            const int x = max(0, (hist[i] + JT - 1) / JT - 1);
+            if (o >= base && o < base + x) { ws[33] = i; ws[34] = (1 + o - base) * JT; }
+            base += x;
+        }
+        __syncthreads();
+        e = ws[33];
+        lo = ws[34];
+        __syncthreads();
+        if (e < 0) return -1;  // (uniform: every thread read the same word)
+    }
+    // the pairs of expert e ranked by pair index (a thread's run of pairs, the runs' counts scanned); ranks lo ..
+    // lo + JT - 1 fill the slots
+    const int seg = (N + nt - 1) / nt, p0 = min(N, tid * seg), p1 = min(N, p0 + seg);
+    int m = 0;
+    for (int p = p0; p < p1; ++p) m += ids[p] == e;
+    int r = qmm_scan_excl(m, ws, &total);
+    for (int p = p0; p < p1; ++p)
+        if (ids[p] == e) {
+            if (r >= lo && r < lo + JT) {
+                tokrow[r - lo] = p / k;
+                dstrow[r - lo] = p;
+            }
+            ++r;
+        }
+    __syncthreads();
+    return total > lo ? e : -1;
+}
+
+// qmm_moe_gu_i8 with job y = blockIdx.y found by the block itself (qmm_find_job) from the routing ids and the layer's
+// blob addresses ptr_row [E]: the blocks of grid column 0 write the job table (job_ptr [J], job_tok / job_dst [J JT],
+// J = E + ceil(N / JT); an empty job: ptr_row[0] and -1 slots) that qmm_split_i8 and qmm_moe_down_i8 read after. A
+// pair's outputs are the same bits in any job and slot. Dynamic shared memory: qmm_moe_gu_i8's, then E ints.
+template <int JT, int S = 0, int RKC = 0, int PAD = 16>
+__global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8s(
+        const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row, u64* __restrict__ job_ptr,
+        int* __restrict__ job_tok, int* __restrict__ job_dst, const u8* __restrict__ xh, const u8* __restrict__ xl,
+        const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf, int H, int Fd) {
+    u8* stage;
+    float* ssc;
+    int* sq;
+    const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
+    qi8_smem<JT>(H, qi8_lead<JT, 2, S, RKC, PAD>(nw), stage, ssc, sq);
+    int* hist = sq + (H >> 6) * JT;
+    __shared__ int tokrow[JT];
+    __shared__ int dstrow[JT];
+    __shared__ int ws[35];
+    const int y = blockIdx.y;
+    const int e = qmm_find_job<JT>(ids, N, k, E, y, tokrow, dstrow, hist, ws);
+    if (blockIdx.x == 0) {
+        for (int s = threadIdx.x; s < JT; s += blockDim.x) {
+            job_tok[(long long)y * JT + s] = tokrow[s];
+            job_dst[(long long)y * JT + s] = dstrow[s];
+        }
+        if (threadIdx.x == 0) job_ptr[y] = ptr_row[e >= 0 ? e : 0];
+    }
+    if (e < 0) return;
+    qi8_gu_job<JT, S, RKC, PAD>(reinterpret_cast<const u8*>(ptr_row[e]), tokrow, y, xh, xl, xs, xq, Hbuf, H, Fd,
+                                stage, ssc, sq);
 }
 
 // down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be
