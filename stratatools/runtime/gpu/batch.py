@@ -443,14 +443,10 @@ class BatchDecoder(ChunkPrefill):
 
     def _ctx_rows(self, pl: np.ndarray) -> np.ndarray:
         """The places' PLE contexts as int64 [len(pl), max(keep, 1)], right-aligned, EOS in front of a short one."""
-        keep = self._keep()
-        out = np.full((pl.size, max(keep, 1)), self.cfg.eos_id, dtype=np.int64)
-        if keep:
-            for r, p in enumerate(pl.tolist()):
-                c = np.asarray(self.ple_ctx[p], dtype=np.int64).reshape(-1)[-keep:]
-                if c.size:
-                    out[r, keep - c.size:] = c
-        return out
+        from stratatools.runtime.gpu.decode import padded_context
+
+        keep, eos = self._keep(), self.cfg.eos_id
+        return np.stack([padded_context(self.ple_ctx[p], keep, eos) for p in pl.tolist()]).reshape(pl.size, -1)
 
     def _advance_ctx(self, pl: np.ndarray, toks: np.ndarray) -> None:
         """Each place's host PLE context after a step with its token (advanced once a PLE layer, as
@@ -470,13 +466,12 @@ class BatchDecoder(ChunkPrefill):
         offsets, the kernel and its arguments; the token and PLE tables are the decoder's (uploaded once)."""
         import types
 
-        from stratatools.runtime.gpu.decode import STAGE_TYPES
+        from stratatools.runtime.gpu.decode import stage_table_args
         from stratatools.runtime.gpu.kernels import cuda_source
 
         cp, cfg, dec, n, g = self.cp, self.cfg, self.dec, self.n, self._gin
         model = self.w.model
-        dd = dec._dstage_init()
-        tok_tab, ple_tab = dd.tables
+        dd = dec._dstage_init()  # (its token and PLE tables on the device, uploaded once)
         keep = self._keep()
         n_pl = len(cfg.ple_layers) if keep else 0
         nh = keep * cfg.ple_heads_per_ngram if n_pl else 0
@@ -492,29 +487,16 @@ class BatchDecoder(ChunkPrefill):
         with dec._stream:
             d.buf = cp.empty(off, dtype=cp.float32)
             d.cos, d.sin = cp.asarray(cos_t, dtype=cp.float32), cp.asarray(sin_t, dtype=cp.float32)
-            t = model.tensor("token_embd.weight")
-            tok_args = (tok_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
-                        np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(cfg.n_embd))
-            if n_pl:
-                t = model.tensor("per_layer_token_embd.weight")
-                ple_args = (ple_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
-                            np.int64(t.type.row_bytes(ple_ne0)), np.int32(ple_ne0))
-                prm = np.concatenate([np.asarray(cfg.ple_multipliers, dtype=np.int64)[:cfg.ple_ngram],
-                                      np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh],
-                                      np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh],
-                                      np.array([lay[("ple", il)] for il in cfg.ple_layers], dtype=np.int64)])
-            else:
-                ple_args = (tok_tab, np.int32(0), np.int64(0), np.int64(0), np.int32(1))
-                prm = np.zeros(1, dtype=np.int64)
+            tok, ple, prm, tail = stage_table_args(model, cfg, dd.tables,
+                                                   [lay[("ple", il)] for il in cfg.ple_layers] if n_pl else [])
             d.prm = cp.asarray(prm)
             d.err = cp.zeros(1, dtype=cp.int32)
         d.kernel = cp.RawModule(code=cuda_source("stage_step.cu"), options=("--std=c++17",)).get_function("stage_steps")
         d.grid, d.block = (n,), (STAGE_STEPS_THREADS,)
         d.args = ((g["tok"], g["ctx"], np.int32(max(keep, 1)), g["pos_i32"], d.cos, d.sin, np.int32(dec.max_ctx),
                    np.int32(nr), np.int64(lay["cos"]), np.int64(lay["sin"]), d.buf, np.int64(lay["x0"]),
-                   np.int64(cfg.n_embd)) + tok_args + (np.int64(nh * ple_ne0),) + ple_args
-                  + (d.prm, np.int32(n_pl), np.int32(cfg.ple_ngram if n_pl else 0),
-                     np.int32(cfg.ple_heads_per_ngram if n_pl else 0), np.int64(cfg.eos_id), d.err))
+                   np.int64(cfg.n_embd)) + tok + (np.int32(cfg.n_embd), np.int64(nh * ple_ne0)) + ple
+                  + (d.prm,) + tail + (d.err,))
 
         def view(key: Any, cols: int) -> Any:
             return d.buf[lay[key]:lay[key] + n * cols].reshape(n, cols)

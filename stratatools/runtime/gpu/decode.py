@@ -237,6 +237,46 @@ def device_stage_check(model: Any, cfg: Any) -> tuple[bool, str]:
     return True, ""
 
 
+def stage_table_args(model: Any, cfg: Any, tables: tuple[Any, Any], poff: list[int]) -> tuple[tuple, tuple, np.ndarray,
+                                                                                          tuple]:
+    """The arguments ``stage_step.cu``'s kernels take about the tables (for :meth:`StaticDecoder._dstage_init` and the
+    batched step's ``stage_steps``): (token table (device bytes, ggml type id, rows, row bytes), PLE table (the same
+    and its row values; the token table's bytes with zeros when the model has no PLE rows to stage), the int64
+    constants [multipliers | head vocabularies | head offsets | poff] (numpy), (n_pl, ngram, heads a n-gram, eos)).
+    ``tables``: the device bytes (token, PLE or None); ``poff``: each PLE layer's offset in the caller's input buffer
+    (floats). Facts of the formats: :func:`device_stage_check` has accepted the model."""
+    keep = max(cfg.ple_ngram - 1, 0)
+    n_pl = len(cfg.ple_layers) if keep > 0 else 0
+    nh = keep * cfg.ple_heads_per_ngram if n_pl else 0
+    t = model.tensor("token_embd.weight")
+    tok = (tables[0], np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
+           np.int64(t.type.row_bytes(int(t.ne[0]))))
+    if n_pl:
+        t = model.tensor("per_layer_token_embd.weight")
+        ple = (tables[1], np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
+               np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(int(t.ne[0])))
+        prm = np.concatenate([np.asarray(cfg.ple_multipliers, dtype=np.int64)[:cfg.ple_ngram],
+                              np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh],
+                              np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh],
+                              np.asarray(poff, dtype=np.int64)])
+    else:  # no PLE rows: the kernels read no PLE table
+        ple = (tables[0], np.int32(0), np.int64(0), np.int64(0), np.int32(1))
+        prm = np.zeros(1, dtype=np.int64)
+    return tok, ple, prm, (np.int32(n_pl), np.int32(cfg.ple_ngram if n_pl else 0),
+                           np.int32(cfg.ple_heads_per_ngram if n_pl else 0), np.int64(cfg.eos_id))
+
+
+def padded_context(ctx: Any, keep: int, eos: int, width: int | None = None) -> np.ndarray:
+    """A PLE n-gram context as the staging kernels read it: its last ``keep`` ids right-aligned in ``width`` (default
+    max(keep, 1)) int64 slots, EOS in front of a shorter one (EOS cuts the n-gram there, so it hashes the same)."""
+    out = np.full(max(keep, 1) if width is None else width, eos, dtype=np.int64)
+    if keep:
+        have = np.asarray(ctx, dtype=np.int64).reshape(-1)[-keep:]
+        if have.size:
+            out[keep - have.size:keep] = have
+    return out
+
+
 #: How the offloaded fused step serves missed experts (a partial tier; ignored when every expert is resident):
 #: ``zero-copy`` (the staged expert kernels read a missed blob from the mapped host arena as they compute),
 #: ``fetch`` (``miss_fetch.cu`` first copies the layer's missed blobs into device staging with every SM, one burst over
@@ -1394,33 +1434,18 @@ class StaticDecoder:
         d.kernel = cp.RawModule(code=cuda_source("stage_step.cu"), options=("--std=c++17",)).get_function("stage_step")
         keep = max(cfg.ple_ngram - 1, 0)
         n_pl = len(cfg.ple_layers) if keep > 0 else 0
-        nh = keep * cfg.ple_heads_per_ngram if n_pl else 0
         with self._stream:
-            t = model.tensor("token_embd.weight")
-            tok_tab = cp.asarray(model.raw(t))
-            tok_args = (tok_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
-                        np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(self._x_sl[0]), np.int32(cfg.n_embd))
-            if n_pl:
-                t = model.tensor("per_layer_token_embd.weight")
-                ple_tab = cp.asarray(model.raw(t))
-                ple_args = (ple_tab, np.int32(STAGE_TYPES[t.type.name]), np.int64(int(t.ne[1])),
-                            np.int64(t.type.row_bytes(int(t.ne[0]))), np.int32(int(t.ne[0])))
-                prm = np.concatenate([np.asarray(cfg.ple_multipliers, dtype=np.int64)[:cfg.ple_ngram],
-                                      np.asarray(cfg.ple_head_vocab, dtype=np.int64)[:nh],
-                                      np.asarray(cfg.ple_head_offsets, dtype=np.int64)[:nh],
-                                      np.array([self._ple_sl[il][0] for il in cfg.ple_layers], dtype=np.int64)])
-            else:  # no PLE rows: the kernel reads no PLE table
-                ple_tab = None
-                ple_args = (tok_tab, np.int32(0), np.int64(0), np.int64(0), np.int32(1))
-                prm = np.zeros(1, dtype=np.int64)
+            tok_tab = cp.asarray(model.raw(model.tensor("token_embd.weight")))
+            ple_tab = cp.asarray(model.raw(model.tensor("per_layer_token_embd.weight"))) if n_pl else None
+            tok, ple, prm, tail = stage_table_args(model, cfg, (tok_tab, ple_tab),
+                                                   [self._ple_sl[il][0] for il in cfg.ple_layers] if n_pl else [])
             d.prm = cp.asarray(prm)
             d.ctx = cp.full(max(keep, 1), cfg.eos_id, dtype=cp.int64)
             d.err = cp.zeros(1, dtype=cp.int32)
         d.tables = (tok_tab, ple_tab)
         d.keep = keep
-        d.args = (self._tok_dev, d.ctx, self.inp) + tok_args + ple_args + (
-            d.prm, np.int32(n_pl), np.int32(cfg.ple_ngram if n_pl else 0),
-            np.int32(cfg.ple_heads_per_ngram if n_pl else 0), np.int64(cfg.eos_id), d.err)
+        d.args = ((self._tok_dev, d.ctx, self.inp) + tok + (np.int32(self._x_sl[0]), np.int32(cfg.n_embd)) + ple
+                  + (d.prm,) + tail + (d.err,))
         d.host = [cupyx.empty_pinned(self.n_in, dtype=np.float32) for _ in range(2)]
         d.events = [None, None]  # per pinned buffer: recorded after the copies that read it
         d.i = 0
@@ -1441,10 +1466,7 @@ class StaticDecoder:
             raise StrataError(f"token id {token} is outside the vocabulary [0, {self.cfg.n_vocab})")
         with self._ordered():
             d = self._dstage_init()
-            ctx = np.full(d.ctx.size, self.cfg.eos_id, dtype=np.int64)
-            if d.keep:
-                have = np.asarray(self.ple_ctx, dtype=np.int64).reshape(-1)[-d.keep:]
-                ctx[d.keep - have.size:] = have
+            ctx = padded_context(self.ple_ctx, d.keep, self.cfg.eos_id, int(d.ctx.size))
             self._tok_dev.set(np.array([token], dtype=np.int64), stream=self._stream)
             d.ctx.set(ctx, stream=self._stream)
         self._dev_token_live = True  # step(None) may stage from the device (each such step keeps it so)

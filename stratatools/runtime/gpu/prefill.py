@@ -1825,8 +1825,15 @@ class ChunkPrefill:
         hbuf = cp.empty((qmm.self_job_count(N, ly.n_expert, tt) * tt, ff), dtype=cp.float32)
         ptr, _, jd = qmm.moe_gate_up_i8_self(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il],
                                              self._split(x, "i8"), hbuf, hidden, ff, tt)
-        out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
-        qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, hidden, ff, tt)
+        return self._down_i8(ly, ptr, jd, hbuf, N, int(x.shape[1]), tt)
+
+    def _down_i8(self, ly: Any, ptr: Any, jd: Any, hbuf: Any, N: int, n: int, tt: int) -> Any:
+        """The integer down jobs of the table (``ptr``, ``jd``) over the hidden rows ``hbuf`` [J tt, ff] (split here,
+        empty slots' rows left out): the N pairs' unweighted outputs [N, n]."""
+        from stratatools.runtime.gpu import qmm
+
+        out = self.cp.empty((N, n), dtype=self.cp.float32)
+        qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, ly.hidden, ly.ff, tt)
         return out
 
     def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int, tt: int = JOB_TOKENS_MMA) -> Any:
@@ -1841,9 +1848,7 @@ class ChunkPrefill:
         if qmm.jobs_i8(ly.gu_type.id, ly.d_type.id):  # integer Q2_0 jobs: empty slots are neither written nor split
             hbuf = cp.empty((J * tt, ff), dtype=cp.float32)
             qmm.moe_gate_up_i8(ptr, jt, self._split(x, "i8"), hbuf, hidden, ff, tt)
-            out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
-            qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, hidden, ff, tt)
-            return out
+            return self._down_i8(ly, ptr, jd, hbuf, N, int(x.shape[1]), tt)
         xs = self._split(x)
         hbuf = cp.zeros((J * tt, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
         qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff, tt)
