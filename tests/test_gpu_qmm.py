@@ -13,6 +13,8 @@ from stratatools.runtime import gpu
 from stratatools.runtime.dequant import dequantize
 from stratatools.runtime.gpu import qmm as qmm_host  # (needs no CuPy: the parameters' ring list)
 
+from hostlib import i8_bound
+
 pytestmark = pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 
 
@@ -70,12 +72,17 @@ def test_gpu_dense_matches_float64_and_sgemm(layout, rows, cols, T):
     X[0] *= np.float32(1e4)
     Y = cp.asnumpy(qmm.dense(cp.asarray(X), *args)).astype(np.float64)
     ref = X.astype(np.float64) @ W.T.astype(np.float64)
-    bound = np.abs(X.astype(np.float64)) @ np.abs(W.T.astype(np.float64))
-    assert np.all(np.abs(Y - ref) <= 1e-5 * bound + 1e-30)
     sg = cp.asnumpy(cp.asarray(X) @ cp.asarray(W.astype(np.float32)).T).astype(np.float64)  # the SGEMM path's
     rel_q = np.abs(Y - ref).max() / np.abs(ref).max()
     rel_s = np.abs(sg - ref).max() / np.abs(ref).max()
     print(f"{layout} {rows}x{cols} T={T}: qmm rel {rel_q:.2e}, sgemm rel {rel_s:.2e}")
+    if qmm.split_kind(*args[:1], T, cols, *args[1:3]) == "i8d":  # the integer ring: the 16-bit fixed point's bound
+        for t in range(T):
+            assert np.all(np.abs(Y[t] - ref[t]) <= i8_bound(W, X[t].astype(np.float64))), t
+        assert rel_q < 1e-4
+        return
+    bound = np.abs(X.astype(np.float64)) @ np.abs(W.T.astype(np.float64))
+    assert np.all(np.abs(Y - ref) <= 1e-5 * bound + 1e-30)
     assert rel_q < 1e-5
 
 
