@@ -218,12 +218,13 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
 
 def host_source(cvt: str | None = None) -> str:
     """``mma.cuh`` and ``qmm.cu`` (the define of ``cvt``, :func:`device_source`) as host C++17
-    (``host_kernel_shim.cuh``: one thread per block playing its warp's 32 lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and
-    ``host_qmm_dense_<F>_4_2``, two row tiles a warp; ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>_<I8>``, I8 0:
-    :data:`RING_HOST`, 1: :data:`DENSE_I8_HOST`; ``host_qmm_split_i8`` / ``host_qmm_split_i8d``),
-    ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
-    wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
-    D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
+    (``host_kernel_shim.cuh``: one thread per block playing its warp's 32 lanes), with entries ``host_qmm_split(gx, gy,
+    ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and ``host_qmm_dense_<F>_4_2``, two row tiles a warp;
+    ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>_<I8>``, I8 0: :data:`RING_HOST`, 1: :data:`DENSE_I8_HOST`;
+    ``host_qmm_split_i8`` / ``host_qmm_split_i8d``), ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``,
+    ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16],
+    B [16, 8] half bits row-major, C, D [16, 8] float32: D = A B + C through the documented fragment layout) and
+    ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
              "long long ldy, int T, int R, int K, int nz, float* P, int* cnt",
              "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K, nz, P, cnt")
