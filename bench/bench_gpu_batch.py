@@ -106,7 +106,7 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "nohcf": {"STRATATOOLS_HC_FUSED": "0"}, "nojoin": {"STRATATOOLS_JOINED_PROJ": "0"},
             "nofuse": {"STRATATOOLS_HC_FUSED": "0", "STRATATOOLS_JOINED_PROJ": "0"},
             "hoststage": {"STRATATOOLS_BATCH_DEV_STAGE": "0"}, "selfjobs": {"STRATATOOLS_QMM_SELF_JOBS": "1"},
-            "cvtxu": {"STRATATOOLS_QMM_CVT": "xu"},
+            "cvtxu": {"STRATATOOLS_QMM_CVT": "xu"}, "gdnheads": {"STRATATOOLS_GDN_STEP_COLS": "0"},
             "jring2p16": {"STRATATOOLS_QMM_JOBS_RING": "2:256:16"}, "jring2k128": {"STRATATOOLS_QMM_JOBS_RING": "2:128:0"},
             "ring3f4": {**_F16, "STRATATOOLS_QMM_RING": "3:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
             "ring2f4": {**_F16, "STRATATOOLS_QMM_RING": "2:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},

@@ -396,14 +396,15 @@ def test_gpu_gdn_warp_and_chunk_kernels_match_the_recurrence(T, nk, dk, nv, dv):
     ref, St = gdn_reference(q, kk, v.reshape(T, nv, dv), beta, decay, S0)
     mod = PF._module(False, ())
     args = [cp.asarray(a) for a in (q, kk, v)]
-    for name in ("pf_gdn_warp", "pf_gdn_chunk", "pf_gdn_step_rw"):
+    for name in ("pf_gdn_warp", "pf_gdn_chunk", "pf_gdn_step_rw", "pf_gdn_step_rwc"):
         S = cp.asarray(S0)
         out = cp.full((T, nv * dv), cp.nan, dtype=cp.float32)
         common = (args[0], args[1], args[2], np.int32(nv * dv), cp.asarray(beta), cp.asarray(decay), S, out,
                   np.int32(T), np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv))
-        if name == "pf_gdn_step_rw":
+        if name.startswith("pf_gdn_step_rw"):
             gy, th = PF.gdn_step_rw_launch(dk, dv)
-            mod.get_function(name)((nv, gy), (th,), common + (np.int32(0), np.int32(0)))
+            mod.get_function(name)((gy, nv) if name.endswith("c") else (nv, gy), (th,),
+                                   common + (np.int32(0), np.int32(0)))
         elif name != "pf_gdn_chunk":
             per = PF.GDN_WARP_COLUMNS * PF.GDN_WARP_WARPS
             mod.get_function(name)((nv, -(-dv // per)), (32 * PF.GDN_WARP_WARPS,), common)

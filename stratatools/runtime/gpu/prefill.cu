@@ -351,17 +351,18 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
 #define PF_GDN_RW_ROWS 16
 #endif
 #define PF_GDN_RW_WARPS 8  // the most row parts (dk <= 128 on the device)
-extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
+// (the body of pf_gdn_step_rw and pf_gdn_step_rwc: head j, column part b)
+__device__ __forceinline__ void pf_gdn_step_rw_body(
         const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
-        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp, int j, int b) {
     __shared__ float red[2][PF_GDN_RW_WARPS][32];
     const int nl = blockDim.x >= 32 ? 32 : 1, nw = (int)blockDim.x / nl;
     const int lane = (int)threadIdx.x % nl, w = (int)threadIdx.x / nl;
     // hpp > 0: the heads are places' heads, hpp value heads and kpp key heads a place (value head h of a place reads
     // its key head h mod kpp: the batched step needs no repeated copy of q and k); else key head j mod nk
-    const int j = blockIdx.x, g = hpp > 0 ? (j / hpp) * kpp + (j % hpp) % kpp : j % nk;
-    const int c = (int)blockIdx.y * nl + lane;
+    const int g = hpp > 0 ? (j / hpp) * kpp + (j % hpp) % kpp : j % nk;
+    const int c = b * nl + lane;
     if (nw > PF_GDN_RW_WARPS || nw * PF_GDN_RW_ROWS < dk) return;  // (uniform: the launcher's shapes never do this)
     const bool ok = c < dv;
     const int r0 = w * PF_GDN_RW_ROWS;
@@ -412,6 +413,25 @@ extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
         if (i < nr) *p = s[i];
         p += dv;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
+        const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
+        const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+    pf_gdn_step_rw_body(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.x,
+                        (int)blockIdx.y);
+}
+
+// pf_gdn_step_rw with the grid's axes swapped: (ceil(dv / 32), nv), so that the blocks the device starts one after
+// another are one head's column parts, which together read and write its whole state (dk dv floats in one run)
+// instead of every head's same 128-byte piece of each 512-byte row.
+extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rwc(
+        const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
+        const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+    pf_gdn_step_rw_body(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.y,
+                        (int)blockIdx.x);
 }
 
 // ---- gated DeltaNet recurrence, one warp per PF_GDN_CPW value columns (the prefill's default) ----------------------

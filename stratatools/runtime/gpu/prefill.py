@@ -212,6 +212,19 @@ def gdn_step_rw_launch(dk: int, dv: int) -> tuple[int, int]:
     return -(-int(dv) // 32), 32 * -(-int(dk) // GDN_STEP_RW_ROWS)
 
 
+#: ``STRATATOOLS_GDN_STEP_COLS``: the batched step's recurrence launched with one head's column parts next to each other
+#: in the grid (``pf_gdn_step_rwc``: the blocks started together read and write whole states; 1, the default) or the
+#: heads first (``pf_gdn_step_rw``: every head's same column part first; 0). The same bits either way.
+GDN_STEP_COLS_ENV = "STRATATOOLS_GDN_STEP_COLS"
+
+
+def gdn_step_cols() -> bool:
+    """:data:`GDN_STEP_COLS_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(GDN_STEP_COLS_ENV, "a head's column parts next to each other in the recurrence's grid")
+
+
 def gdn_kernel() -> str:
     """:data:`GDN_WARP_ENV` as the kernel it names: ``chunk`` (0) or ``warp`` (1, the default when unset or empty).
     Raises StrataError for another value."""
@@ -485,6 +498,7 @@ class ChunkPrefill:
             self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
             self.k_gdn_warp = mod.get_function("pf_gdn_warp")
             self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
+            self.k_gdn_step_rwc = mod.get_function("pf_gdn_step_rwc")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched
