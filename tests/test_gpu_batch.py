@@ -348,10 +348,14 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(req))
 
 
-def test_gpu_self_jobs_give_the_table_jobs_steps(kit, kit_prompts, monkeypatch):
-    """STRATATOOLS_QMM_SELF_JOBS=1 (the Q2_0 gate/up jobs find their own pairs, no qmm_jobs launch) against =0 on the
-    kit's Q2_0 model: the batched steps' logits, tokens and routing bit for bit (a pair's outputs do not depend on its
-    job or slot, and the routed outputs are summed in rank order), eager and graph-replayed steps."""
+@pytest.mark.parametrize("env,before,now", [("STRATATOOLS_QMM_CVT", "xu", "fma"),
+                                             ("STRATATOOLS_GDN_STEP_COLS", "0", "1")])
+def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, before, now):
+    """The integer kernels' block sums made float on the FMA pipe (STRATATOOLS_QMM_CVT=fma, the default) against the
+    conversion instruction (xu), and the batched GDN recurrence's grid with one head's column parts together
+    (STRATATOOLS_GDN_STEP_COLS=1, the default) against heads first (0), on the kit's Q2_0 model (integer expert jobs,
+    the integer dense ring): the batched steps' logits, tokens and routing bit for bit, eager and graph-replayed
+    steps."""
     import cupy as cp
 
     from stratatools.runtime.gpu import qmm
@@ -362,18 +366,15 @@ def test_gpu_self_jobs_give_the_table_jobs_steps(kit, kit_prompts, monkeypatch):
     with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
         ly = rt.dec.rt.tier.arena.layers[0]
         assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id)
-        calls, real = [], qmm.moe_gate_up_i8_self
-        monkeypatch.setattr(qmm, "moe_gate_up_i8_self", lambda *a, **k: calls.append(1) or real(*a, **k))
         bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
         toks = _admit_all(rt, bds, prompts)
         for s in range(6):
             got = []
-            for flag, bd in zip(("0", "1"), bds):
-                monkeypatch.setenv(qmm.SELF_JOBS_ENV, flag)  # (read at the eager step and the capture)
+            for flag, bd in zip((before, now), bds):
+                monkeypatch.setenv(env, flag)  # (read at the eager step and the capture)
                 got.append(bd.step([0, 1, 2], toks))
             assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
             for a, b in zip(got[0][1:], got[1][1:]):
                 assert np.array_equal(a, b), s
             toks = [int(t) for t in got[0][1]]
         assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
-        assert calls, "the self-made jobs never ran (the model's experts took another path)"

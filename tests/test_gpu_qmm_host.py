@@ -75,16 +75,13 @@ def _host_lib(tmp_path_factory, kc: int, cvt: str = "fma"):
         for jt in Q.JOB_SIZES:
             getattr(h, f"host_qmm_moe_gu_{f}_{jt}").argtypes = [U, U, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_{f}_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
-    gs = [U, U, P, I, I, I, P, P, P, P, P, P, P, P, P, I, I]  # qmm_moe_gu_i8s
     for jt in Q.JOB_SIZES:
         getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
         getattr(h, f"host_qmm_moe_down_i8_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
-        getattr(h, f"host_qmm_moe_gu_i8s_{jt}").argtypes = gs
     for st, rkc, pad in Q.JOBS_RING_HOST:
         for jt in Q.JOB_SIZES:
             getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
-            getattr(h, f"host_qmm_moe_gu_i8s_{jt}_{st}_{rkc}_{pad}").argtypes = gs
     h.host_qmm_split_i8.argtypes = h.host_qmm_split_i8d.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_qmm_hc_norm_split.argtypes = [U, U, P, P, P, I, I, P, I, F, P, P, P, P, P]
     for o in (0, 1):
@@ -931,72 +928,6 @@ def _i8_down(lib, sfx, jt, ptr, job_dst, hbuf, J, T, k, hidden, ff, ring):
     return out
 
 
-@pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 8), (192, 128, 13, 5, 3, 16),
-                                                (320, 192, 41, 5, 3, 32), (128, 64, 2, 9, 2, 8),
-                                                (128, 64, 40, 12, 4, 8)])
-@pytest.mark.parametrize("ring", [None, (2, 256, 0)])
-def test_self_jobs_cover_every_pair_and_equal_the_table_jobs(lib, hidden, ff, T, E, k, jt, ring):
-    """qmm_moe_gu_i8s (the gate/up jobs that find their own pairs, no qmm_jobs): job y < E holds expert y's first jt
-    pairs, the further chunks of the busy experts (expert 0 has every token: two to five chunks) follow in expert
-    order, the rest are empty (ptr_row[0], -1 slots); every pair in exactly one slot, a job's pairs one expert's in
-    increasing order with their tokens; its hidden rows and the down jobs' outputs over the table it wrote are the
-    table jobs' bit for bit (expert_jobs' table, the same kernels); also with more experts than pairs and through the
-    ring."""
-    rng = np.random.default_rng(hidden + T + E + jt)
-    blobs, mats, ids, ptr, (je, jt_, jd), X = job_case(rng, "Q2_0", E, hidden, ff, T, k, jt)
-    N = ids.size
-    ptr_row = np.array([b.ctypes.data for b in blobs], dtype=np.uint64)
-    xq = split_i8_host(lib, X)
-    sfx = "" if ring is None else "_{}_{}_{}".format(*ring)
-    hb0, out0 = _i8_jobs(lib, sfx, jt, ptr, jt_, jd, xq, je.size, T, k, hidden, ff, ring)
-    J = Q.self_job_count(N, E, jt)
-    jp = np.full(J, 7, np.uint64)
-    jtok = np.full(J * jt, 7777, np.int32)
-    jdst = np.full(J * jt, 7777, np.int32)
-    hbuf = np.full((J * jt, ff), np.nan, dtype=np.float32)
-    flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int32)
-    with shared_within(lib, Q.smem_bytes_i8(jt // 8, hidden, Q.KC, ring, 2, warps=1) + 4 * E):
-        getattr(lib, f"host_qmm_moe_gu_i8s_{jt}{sfx}")(-(-ff // 16), J, _p(flat), N, k, E, _p(ptr_row), _p(jp),
-                                                       _p(jtok), _p(jdst), *(_p(a) for a in xq), _p(hbuf), hidden,
-                                                       ff)
-    slots = jdst.reshape(J, jt)
-    assert sorted(slots[slots >= 0].tolist()) == list(range(N))
-    assert np.array_equal(jtok >= 0, jdst >= 0) and np.array_equal(jtok[jdst >= 0], jdst[jdst >= 0] // k)
-    counts = np.bincount(flat, minlength=E)
-    extra = [max(0, -(-int(c) // jt) - 1) for c in counts]
-    chunks = [(e, 0) for e in range(E)] + [(e, c) for e in range(E) for c in range(1, extra[e] + 1)]
-    for y in range(J):
-        row = slots[y]
-        used = row[row >= 0]
-        assert np.all(row[:used.size] >= 0) and np.all(row[used.size:] == -1), y
-        if y >= len(chunks) or counts[chunks[y][0]] <= chunks[y][1] * jt:
-            assert used.size == 0 and jp[y] == ptr_row[0], y
-            continue
-        e, c = chunks[y]
-        want = np.nonzero(flat == e)[0][c * jt:(c + 1) * jt]
-        assert np.array_equal(used, want) and jp[y] == ptr_row[e], y
-    assert any(x > 0 for x in extra) or E > N
-    for p in range(N):
-        a, b = np.nonzero(jdst == p)[0][0], np.nonzero(jd == p)[0][0]
-        assert np.array_equal(hbuf[a], hb0[b]), p
-    out = _i8_down(lib, sfx, jt, jp, jdst, hbuf, J, T, k, hidden, ff, ring)
-    assert np.all(np.isfinite(out)) and np.array_equal(out, out0)
-
-
-def test_self_jobs_switch_and_refusals(monkeypatch):
-    """STRATATOOLS_QMM_SELF_JOBS: off by default, 1 on, other values refused; the job count one an expert plus the
-    most further chunks."""
-    monkeypatch.delenv(Q.SELF_JOBS_ENV, raising=False)
-    assert Q.self_jobs() is False
-    monkeypatch.setenv(Q.SELF_JOBS_ENV, "1")
-    assert Q.self_jobs() is True
-    monkeypatch.setenv(Q.SELF_JOBS_ENV, "yes")
-    with pytest.raises(StrataError, match=Q.SELF_JOBS_ENV):
-        Q.self_jobs()
-    assert Q.self_job_count(320, 256, 8) == 296 == Q.job_capacity(320, 256, 8)
-    assert Q.self_job_count(10, 256, 8) == 258 and Q.job_capacity(10, 256, 8) == 12
-
-
 def test_jobs_ring_switch(monkeypatch):
     """STRATATOOLS_QMM_JOBS_RING: the default ring unless 0, S:RKC from JOBS_RINGS, other values refused; the stage's
     bytes as qmm.cu's QI8Ring (rows of 16-byte pieces covering 4 blocks of 18 bytes from any even offset: 6 pieces)."""
@@ -1366,37 +1297,6 @@ def test_job_launchers_take_the_ring_for_small_jobs_on_host(hostcp, jt, rg, ring
     del blobs
 
 
-@pytest.mark.parametrize("jt", [8, 16])
-def test_self_jobs_launcher_on_host(hostcp, jt, monkeypatch):
-    """qmm.moe_gate_up_i8_self through the host build: the ring instance asked for (jobs of up to JOBS_RING_MAX_JT
-    tokens; the register path above), its shared memory (with the
-    experts' counts) as the launcher asks, the table it returns fed to moe_down_i8 gives the table jobs' outputs bit
-    for bit; hidden rows of another count or more pairs than SELF_JOBS_MAX_PAIRS refused."""
-    asked = kernels_asked(monkeypatch)
-    hidden, ff, T, E, k = 192, 128, 13, 5, 3
-    blobs, _, ids, ptr, (je, jtok, jd), X = job_case(np.random.default_rng(jt + 7), "Q2_0", E, hidden, ff, T, k, jt)
-    ptr_row = np.array([b.ctypes.data for b in blobs], dtype=np.uint64)
-    doff = 2 * (ff * hidden // 64) * 18
-    hbuf = _h(np.full((je.size * jt, ff), np.nan, dtype=np.float32))
-    Q.moe_gate_up_i8(_h(ptr), _h(jtok), Q.split_i8(_h(X)), hbuf, hidden, ff, jt)
-    want = _h(np.full((T * k, hidden), np.nan, dtype=np.float32))
-    Q.moe_down_i8(_h(ptr), doff, _h(jd), Q.split_i8(hbuf, _h(jd)), want, hidden, ff, jt)
-    J = Q.self_job_count(ids.size, E, jt)
-    hs = _h(np.full((J * jt, ff), np.nan, dtype=np.float32))
-    jp, jtk, jds = Q.moe_gate_up_i8_self(_h(ids.reshape(-1)), k, E, _h(ptr_row), Q.split_i8(_h(X)), hs, hidden, ff,
-                                         jt)
-    out = _h(np.full((T * k, hidden), np.nan, dtype=np.float32))
-    Q.moe_down_i8(jp, doff, jds, Q.split_i8(hs, jds), out, hidden, ff, jt)
-    assert np.all(np.isfinite(np.asarray(want))) and np.array_equal(np.asarray(out), np.asarray(want))
-    assert (f"qmm_moe_gu_i8s<{jt}, 3, 256, 16>" if jt <= Q.JOBS_RING_MAX_JT else f"qmm_moe_gu_i8s<{jt}>") in asked
-    with pytest.raises(StrataError, match="rows"):
-        Q.moe_gate_up_i8_self(_h(ids.reshape(-1)), k, E, _h(ptr_row), Q.split_i8(_h(X)), hbuf, hidden, ff, jt)
-    big = _h(np.zeros(Q.SELF_JOBS_MAX_PAIRS + 1, np.int32))
-    with pytest.raises(StrataError, match="pairs"):
-        Q.moe_gate_up_i8_self(big, k, E, _h(ptr_row), Q.split_i8(_h(X)), hs, hidden, ff, jt)
-    del blobs
-
-
 @pytest.mark.parametrize("n,nz", [(4 * 320, 40), (4 * 7, 1), (130, 9), (4 * 33, 64)])
 def test_sum_slices_adds_in_slice_order(lib, n, nz):
     """qmm_sum_slices: Y = the nz slices of P added in order z = 0 .. nz - 1 (the host build's one thread a run: the
@@ -1561,12 +1461,6 @@ def test_prefill_qmm_and_expert_paths_on_host(hostcp, i8, monkeypatch):
     pf.dec = SimpleNamespace(slot=[_h(pf._slots[0])])
     assert pf._mma_experts_ok(0)
     assert np.array_equal(np.asarray(pf._experts_mma_dev(0, _h(x), _h(ids))), out)
-    # ... and with the integer jobs finding their own pairs (STRATATOOLS_QMM_SELF_JOBS=1; the fp16 jobs ignore it)
-    monkeypatch.setenv(Q.SELF_JOBS_ENV, "1")
-    asked = kernels_asked(monkeypatch)
-    assert np.array_equal(np.asarray(pf._experts_mma_dev(0, _h(x), _h(ids))), out)
-    assert any(n.startswith("qmm_moe_gu_i8s") for n in asked) == (i8 == "1") and ("qmm_jobs" in asked) == (i8 == "0")
-    monkeypatch.delenv(Q.SELF_JOBS_ENV)
     ly.d_type = type_by_name("Q4_0")
     assert not pf._mma_experts_ok(0)
     pf._experts_rows = lambda il, xx, ii: "rows path"
@@ -1634,9 +1528,6 @@ def test_device_build_has_no_spills(tmp_path):
             sig = "const u64*, const int*, const u16*, const u16*, const float*, float*, int, int"
         elif base == "qmm_moe_gu_i8":
             sig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
-        elif base == "qmm_moe_gu_i8s":
-            sig = ("const int*, int, int, int, const u64*, u64*, int*, int*, const u8*, const u8*, const float*, "
-                   "const int*, float*, int, int")
         elif base == "qmm_moe_down_i8":
             sig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
         elif base == "qmm_sum_act":
@@ -1658,11 +1549,8 @@ def test_device_build_has_no_spills(tmp_path):
               for nt in Q.TILES[:2] for wg in (8, 2)]  # (STRATATOOLS_QMM_RING_WARPS=8 / 2 on the defaults)
     gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
-    ssig = ("const int*, int, int, int, const u64*, u64*, int*, int*, const u8*, const u8*, const float*, const int*, "
-            "float*, int, int")
     rings += [f"template __global__ void {k}<{jt}, {s}, {kc}, {pad}>({sig});\n" for s, kc, pad in Q.JOBS_RINGS
-              for jt in Q.JOB_SIZES for k, sig in (("qmm_moe_gu_i8", gsig), ("qmm_moe_down_i8", dnsig),
-                                                   ("qmm_moe_gu_i8s", ssig))]
+              for jt in Q.JOB_SIZES for k, sig in (("qmm_moe_gu_i8", gsig), ("qmm_moe_down_i8", dnsig))]
     src = tmp_path / "qmm_dev.cu"
     src.write_text(Q.device_source() + "".join(inst) + "".join(rings))
     r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
@@ -1676,8 +1564,8 @@ def test_device_build_has_no_spills(tmp_path):
         assert int(spill) == 0, name
     # the Q2_0 expert jobs' default chunk (MOE_KC_DEFAULT: 256 values; Q8_0's gate/up spills there, so it keeps 128)
     assert Q.MOE_KC_DEFAULT == {42: 256}
-    moe = [i for i in inst if "qmm_moe" in i and ("<42," in i or "_i8<" in i or "_i8s<" in i)]
-    assert len(moe) == 5 * len(Q.JOB_SIZES)
+    moe = [i for i in inst if "qmm_moe" in i and ("<42," in i or "_i8<" in i)]
+    assert len(moe) == 4 * len(Q.JOB_SIZES)
     src.write_text("#define QMM_KC 256\n" + Q.device_source() + "".join(moe))
     r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-o",
                         str(tmp_path / "qmm256.cubin"), str(src)], capture_output=True, text=True)

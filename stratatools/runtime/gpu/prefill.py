@@ -1820,26 +1820,8 @@ class ChunkPrefill:
 
         ly = self.rt.tier.arena.layers[il]
         tt = self._jt
-        if (qmm.jobs_i8(ly.gu_type.id, ly.d_type.id) and int(ids.size) <= qmm.SELF_JOBS_MAX_PAIRS
-                and qmm.self_jobs()):
-            return self._mma_jobs_self(il, x, ids, tt)
         ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
         return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size), tt)
-
-    def _mma_jobs_self(self, il: int, x: Any, ids: Any, tt: int) -> Any:
-        """:meth:`_mma_jobs` for integer Q2_0 jobs whose gate/up blocks find their own pairs from ``ids`` [T, k] on
-        the device (:func:`stratatools.runtime.gpu.qmm.moe_gate_up_i8_self`, :data:`qmm.SELF_JOBS_ENV`): no
-        ``qmm_jobs`` launch; the table the gate/up blocks write feeds the split and the down jobs. Returns [T k, n]
-        unweighted."""
-        from stratatools.runtime.gpu import qmm
-
-        cp = self.cp
-        ly = self.rt.tier.arena.layers[il]
-        hidden, ff, N = ly.hidden, ly.ff, int(ids.size)
-        hbuf = cp.empty((qmm.self_job_count(N, ly.n_expert, tt) * tt, ff), dtype=cp.float32)
-        ptr, _, jd = qmm.moe_gate_up_i8_self(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il],
-                                             self._split(x, "i8"), hbuf, hidden, ff, tt)
-        return self._down_i8(ly, ptr, jd, hbuf, N, int(x.shape[1]), tt)
 
     def _down_i8(self, ly: Any, ptr: Any, jd: Any, hbuf: Any, N: int, n: int, tt: int) -> Any:
         """The integer down jobs of the table (``ptr``, ``jd``) over the hidden rows ``hbuf`` [J tt, ff] (split here,

@@ -170,8 +170,7 @@ def kernel_names() -> list[str]:
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
     names += [f"qmm_wsplit<{f}>" for f in sorted(set(LAYOUTS.values()))]
-    names += ["qmm_split_i8", "qmm_split_i8d"] + [f"{g}<{jt}>" for g in ("qmm_moe_gu_i8", "qmm_moe_gu_i8s")
-                                                 for jt in JOB_SIZES]
+    names += ["qmm_split_i8", "qmm_split_i8d"] + [f"qmm_moe_gu_i8<{jt}>" for jt in JOB_SIZES]
     names += ["qmm_hc_norm_split", "qmm_hc_mix_split<0>", "qmm_hc_mix_split<1>"]
     names += [f"qmm_sum_act_split<{a}>" for a in (ACT_NONE, ACT_SILU, ACT_SIG2)] + ["qmm_sum_hc"]
     names += [f"qmm_moe_down_i8<{jt}>" for jt in JOB_SIZES]
@@ -268,10 +267,7 @@ def host_source(cvt: str | None = None) -> str:
           "float* Hbuf, int H, int Fd", "job_ptr, job_tok, xh, xl, xs, xq, Hbuf, H, Fd")
     di = ("const u64* job_ptr, long long doff, const int* job_dst, const u8* hh, const u8* hl, const float* hs, "
           "const int* hq, float* out, int H, int Fd", "job_ptr, doff, job_dst, hh, hl, hs, hq, out, H, Fd")
-    gs = ("const int* ids, int N, int k, int E, const u64* ptr_row, u64* job_ptr, int* job_tok, int* job_dst, "
-          "const u8* xh, const u8* xl, const float* xs, const int* xq, float* Hbuf, int H, int Fd",
-          "ids, N, k, E, ptr_row, job_ptr, job_tok, job_dst, xh, xl, xs, xq, Hbuf, H, Fd")
-    jobs_i8 = (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di), ("qmm_moe_gu_i8s", gs))
+    jobs_i8 = (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di))
     for jt in JOB_SIZES:
         for name, (decl, call) in jobs_i8:
             ent.append(f'extern "C" void host_{name}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
@@ -1068,7 +1064,7 @@ def jobs_ring_module(stages: int, rkc: int, pad: int = 16) -> Any:
     """The integer job kernels' ring instances of jobs of up to :data:`JOBS_RING_MAX_JT` tokens (the sizes of
     :data:`JOB_SIZES` the launchers send there), compiled once."""
     return instances_module(tuple(f"{k}<{jt}, {int(stages)}, {int(rkc)}, {int(pad)}>"
-                                  for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8", "qmm_moe_gu_i8s") for jt in JOB_SIZES
+                                  for k in ("qmm_moe_gu_i8", "qmm_moe_down_i8") for jt in JOB_SIZES
                                   if jt <= JOBS_RING_MAX_JT))
 
 
@@ -1103,54 +1099,6 @@ def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hb
     launch_big_shared(_job_kernel("qmm_moe_gu_i8", jt, kc, cfg), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
                       (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff)),
                       smem_bytes_i8(jt // 8, hidden, kc, cfg, 2))
-
-
-#: ``STRATATOOLS_QMM_SELF_JOBS``: the batched step's integer gate/up jobs find their own pairs from the routing
-#: (``qmm_moe_gu_i8s``: a job an expert plus the further chunks of the busiest experts, its blocks of grid column 0
-#: writing the table the split and down read; 1), or read the table ``qmm_jobs`` built before them (0, the default:
-#: one block of 1,024 threads, 12.4 us a layer of the 32-sequence step, H200, bench/gpu-notes.md). Up to
-#: :data:`SELF_JOBS_MAX_PAIRS` pairs.
-SELF_JOBS_ENV = "STRATATOOLS_QMM_SELF_JOBS"
-SELF_JOBS_DEFAULT = False
-SELF_JOBS_MAX_PAIRS = 1024
-
-
-def self_jobs() -> bool:
-    """:data:`SELF_JOBS_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
-    from stratatools.runtime.gpu.kernels import env_on
-
-    return env_on(SELF_JOBS_ENV, "the expert jobs that find their own pairs", SELF_JOBS_DEFAULT)
-
-
-def self_job_count(n_pairs: int, n_expert: int, jt: int) -> int:
-    """Jobs of :func:`moe_gate_up_i8_self`: one an expert, plus ceil(N / jt) for the further chunks (their most)."""
-    return int(n_expert) + -(-int(n_pairs) // int(jt))
-
-
-def moe_gate_up_i8_self(ids: Any, k: int, n_expert: int, ptr_row: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any,
-                        hidden: int, ff: int, jt: int = JOB_TOKENS) -> tuple[Any, Any, Any]:
-    """:func:`moe_gate_up_i8` without a job table made before it (``qmm_moe_gu_i8s``): ``ids`` int32 [N] the pairs'
-    experts on the device, ``ptr_row`` uint64 [>= n_expert] the layer's blob addresses, ``hbuf`` float32
-    [J jt, ff] with J = :func:`self_job_count`. Returns the table its blocks wrote (job_ptr uint64 [J], job_tok /
-    job_dst int32 [J jt]) for :func:`split_i8` and :func:`moe_down_i8`. Raises StrataError for more than
-    :data:`SELF_JOBS_MAX_PAIRS` pairs or a ``hbuf`` of another row count."""
-    import cupy as cp
-
-    N, E = int(ids.size), int(n_expert)
-    kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
-    J = self_job_count(N, E, jt)
-    if not 1 <= N <= SELF_JOBS_MAX_PAIRS or int(hbuf.shape[0]) != J * jt:
-        raise StrataError(f"qmm: self-made expert jobs of {N} pairs into {int(hbuf.shape[0])} rows (want 1.."
-                          f"{SELF_JOBS_MAX_PAIRS} pairs, {J * jt} rows)")
-    cfg = jobs_ring() if jt <= JOBS_RING_MAX_JT else None
-    job_ptr = cp.empty(J, dtype=cp.uint64)
-    job_tok = cp.empty(J * jt, dtype=cp.int32)
-    job_dst = cp.empty(J * jt, dtype=cp.int32)
-    launch_big_shared(_job_kernel("qmm_moe_gu_i8s", jt, kc, cfg), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
-                      (cp.ascontiguousarray(ids, dtype=cp.int32), np.int32(N), np.int32(k), np.int32(E), ptr_row,
-                       job_ptr, job_tok, job_dst, *xq, hbuf, np.int32(hidden), np.int32(ff)),
-                      smem_bytes_i8(jt // 8, hidden, kc, cfg, 2) + 4 * E)
-    return job_ptr, job_tok, job_dst
 
 
 def moe_down_i8(job_ptr: Any, doff: int, job_dst: Any, hq: tuple[Any, Any, Any, Any], out: Any, hidden: int, ff: int,
