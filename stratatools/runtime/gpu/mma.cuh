@@ -197,23 +197,6 @@ template <bool SA, bool SB> __device__ __forceinline__ void mma_sync_i8(mma_ci& 
 #endif
 }
 
-// The float of an integer product's block sum 256 h + l (h, l: two int32 accumulators of mma_sync_i8 that began at
-// MMA_I8_BIAS; |h|, |l| < 2^22), rounded once to nearest even as (float)(256 h + l) is. The accumulators began at the
-// bits of the float 1.5 2^23 (0x4B400000), so each reads as that float plus its sum, exactly: one subtraction each
-// and one fused multiply-add on the FMA pipe, where the int32 -> float32 conversion (I2F) runs on sm_90 at 16 a clock
-// a multiprocessor against the FMA pipe's 128 (CUDA C++ Programming Guide, arithmetic instructions' throughput). The
-// expert jobs convert one such sum a (row, token, block of 64) and the dense ring one a block of 32. QMM_CVT_XU (the
-// source's define, STRATATOOLS_QMM_CVT=xu) keeps the conversion instruction: the same bits either way.
-#ifdef QMM_CVT_XU
-#define MMA_I8_BIAS 0
-__device__ __forceinline__ float mma_i8_sum(int h, int l) { return (float)(256 * h + l); }
-#else
-#define MMA_I8_BIAS 0x4B400000
-__device__ __forceinline__ float mma_i8_sum(int h, int l) {
-    return fmaf(256.0f, __int_as_float(h) - 12582912.0f, __int_as_float(l) - 12582912.0f);
-}
-#endif
-
 // d += a b, a unsigned and b signed bytes.
 __device__ __forceinline__ void mma_sync_i8s(mma_ci& d, const mma_a& a, const mma_b& b) {
     mma_sync_i8<false, true>(d, a, b);

@@ -1229,19 +1229,19 @@ __device__ __forceinline__ void qi8_block(const u32 (*wc)[NM][2], const u16 (*dc
         for (int m = 0; m < NM; ++m) {
             mma_ci Ph, Pl;
             for (int l = 0; l < MMA_LANES; ++l) {
-                Ph.x[l][0] = Ph.x[l][1] = Ph.x[l][2] = Ph.x[l][3] = MMA_I8_BIAS;
-                Pl.x[l][0] = Pl.x[l][2] = MMA_I8_BIAS - q0[l];
-                Pl.x[l][1] = Pl.x[l][3] = MMA_I8_BIAS - q1[l];
+                Ph.x[l][0] = Ph.x[l][1] = Ph.x[l][2] = Ph.x[l][3] = 0;
+                Pl.x[l][0] = Pl.x[l][2] = -q0[l];
+                Pl.x[l][1] = Pl.x[l][3] = -q1[l];
             }
             mma_sync_i8s(Ph, A[m][0], Bh[0]);
             mma_sync_i8s(Ph, A[m][1], Bh[1]);
             mma_sync_i8u(Pl, A[m][0], Bl[0]);
             mma_sync_i8u(Pl, A[m][1], Bl[1]);
             for (int l = 0; l < MMA_LANES; ++l) {
-                acc[m][n].x[l][0] += d0[l][m] * s0[l] * mma_i8_sum(Ph.x[l][0], Pl.x[l][0]);
-                acc[m][n].x[l][1] += d0[l][m] * s1[l] * mma_i8_sum(Ph.x[l][1], Pl.x[l][1]);
-                acc[m][n].x[l][2] += d1[l][m] * s0[l] * mma_i8_sum(Ph.x[l][2], Pl.x[l][2]);
-                acc[m][n].x[l][3] += d1[l][m] * s1[l] * mma_i8_sum(Ph.x[l][3], Pl.x[l][3]);
+                acc[m][n].x[l][0] += d0[l][m] * s0[l] * (float)(256 * Ph.x[l][0] + Pl.x[l][0]);
+                acc[m][n].x[l][1] += d0[l][m] * s1[l] * (float)(256 * Ph.x[l][1] + Pl.x[l][1]);
+                acc[m][n].x[l][2] += d1[l][m] * s0[l] * (float)(256 * Ph.x[l][2] + Pl.x[l][2]);
+                acc[m][n].x[l][3] += d1[l][m] * s1[l] * (float)(256 * Ph.x[l][3] + Pl.x[l][3]);
             }
         }
     }
@@ -1631,17 +1631,18 @@ __device__ __forceinline__ void qmm_ring_i8_block(const u8* st, int nrows, int w
             s0[l] = sv.x;
             s1[l] = sv.y;
         }
-        mma_ci Qh, Ql;  // codes . hi and codes . lo: the block's exact integer sums (|each| < 2^21)
+        mma_ci Q;  // 256 (codes . hi), then + (codes . lo): the block's exact integer sums
+        for (int l = 0; l < MMA_LANES; ++l) Q.x[l][0] = Q.x[l][1] = Q.x[l][2] = Q.x[l][3] = 0;
+        mma_sync_i8<true, true>(Q, A, Bh);
         for (int l = 0; l < MMA_LANES; ++l)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) Qh.x[l][i] = Ql.x[l][i] = MMA_I8_BIAS;
-        mma_sync_i8<true, true>(Qh, A, Bh);
-        mma_sync_i8<true, false>(Ql, A, Bl);
+            for (int i = 0; i < 4; ++i) Q.x[l][i] = (int)((u32)Q.x[l][i] << 8);
+        mma_sync_i8<true, false>(Q, A, Bl);
         for (int l = 0; l < MMA_LANES; ++l) {
-            acc[n].x[l][0] += d0[l] * s0[l] * mma_i8_sum(Qh.x[l][0], Ql.x[l][0]);
-            acc[n].x[l][1] += d0[l] * s1[l] * mma_i8_sum(Qh.x[l][1], Ql.x[l][1]);
-            acc[n].x[l][2] += d1[l] * s0[l] * mma_i8_sum(Qh.x[l][2], Ql.x[l][2]);
-            acc[n].x[l][3] += d1[l] * s1[l] * mma_i8_sum(Qh.x[l][3], Ql.x[l][3]);
+            acc[n].x[l][0] += d0[l] * s0[l] * (float)Q.x[l][0];
+            acc[n].x[l][1] += d0[l] * s1[l] * (float)Q.x[l][1];
+            acc[n].x[l][2] += d1[l] * s0[l] * (float)Q.x[l][2];
+            acc[n].x[l][3] += d1[l] * s1[l] * (float)Q.x[l][3];
         }
     }
 }

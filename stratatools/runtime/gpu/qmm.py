@@ -139,28 +139,9 @@ def batch_gemm() -> str:
     return _gemm_from(BATCH_GEMM_ENV, "mma")
 
 
-#: ``STRATATOOLS_QMM_CVT``: how the integer kernels (the expert jobs, the integer dense ring) turn each block's integer
-#: sums into float32: ``fma`` (unset or empty: the default) two subtractions and a fused multiply-add on the FMA pipe
-#: from accumulators that begin at a float's bits (``mma.cuh`` ``mma_i8_sum``), ``xu`` the int32 -> float32
-#: conversion instruction (16 a clock a multiprocessor on sm_90). The same bits either way; read when the kernels
-#: are compiled (each setting its own modules).
-CVT_ENV = "STRATATOOLS_QMM_CVT"
-CVTS = ("fma", "xu")
-
-
-def cvt_mode() -> str:
-    """:data:`CVT_ENV` (``fma`` when unset or empty). Raises StrataError for another value."""
-    v = os.environ.get(CVT_ENV, "").strip() or CVTS[0]
-    if v not in CVTS:
-        raise StrataError(f"{CVT_ENV}={v!r}: use one of {', '.join(CVTS)}")
-    return v
-
-
-def device_source(cvt: str | None = None) -> str:
-    """The CUDA translation unit of the qmm kernels (``prelude.cuh``, ``mma.cuh``, ``qmm.cu``), with the define of
-    ``cvt`` (:func:`cvt_mode` when None)."""
-    head = "#define QMM_CVT_XU 1\n" if (cvt or cvt_mode()) == "xu" else ""
-    return head + cuda_source("prelude.cuh") + cuda_source("mma.cuh") + cuda_unit("qmm.cu")
+def device_source() -> str:
+    """The CUDA translation unit of the qmm kernels (``prelude.cuh``, ``mma.cuh``, ``qmm.cu``)."""
+    return cuda_source("prelude.cuh") + cuda_source("mma.cuh") + cuda_unit("qmm.cu")
 
 
 def kernel_names() -> list[str]:
@@ -191,19 +172,14 @@ def chunk_values(moe: bool = False, layout: Any = None) -> int:
     return env_choice(MOE_KC_ENV if moe else KC_ENV, KCS, default)
 
 
-def module(kc: int = KC) -> Any:
-    """Compile (once per chunk size ``kc``, :func:`chunk_values`, and :func:`cvt_mode`) the qmm kernels with
-    multiply-add fusion allowed (``cupy.RawModule``; needs sm_80 or newer for ``mma.m16n8k16`` with f32
-    accumulation)."""
-    return _module(int(kc), cvt_mode())
-
-
 @functools.lru_cache(maxsize=None)
-def _module(kc: int, cvt: str) -> Any:
+def module(kc: int = KC) -> Any:
+    """Compile (once per chunk size ``kc``, :func:`chunk_values`) the qmm kernels with multiply-add fusion allowed
+    (``cupy.RawModule``; needs sm_80 or newer for ``mma.m16n8k16`` with f32 accumulation)."""
     import cupy
 
     opts = ("--std=c++17",) + (() if kc == KC else (f"-DQMM_KC={int(kc)}",))
-    return cupy.RawModule(code=device_source(cvt), options=opts, name_expressions=kernel_names())
+    return cupy.RawModule(code=device_source(), options=opts, name_expressions=kernel_names())
 
 
 def _fn(name: str, kc: int = KC) -> Any:
@@ -215,15 +191,14 @@ WSPLIT_SIG = ("const u8* w, const u16* wd, long long rb, int R, int K, u16* wh, 
               "w, wd, rb, R, K, wh, wl, flag")
 
 
-def host_source(cvt: str | None = None) -> str:
-    """``mma.cuh`` and ``qmm.cu`` (the define of ``cvt``, :func:`device_source`) as host C++17
-    (``host_kernel_shim.cuh``: one thread per block playing its warp's 32 lanes), with entries ``host_qmm_split(gx, gy,
-    ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and ``host_qmm_dense_<F>_4_2``, two row tiles a warp;
-    ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>_<I8>``, I8 0: :data:`RING_HOST`, 1: :data:`DENSE_I8_HOST`;
-    ``host_qmm_split_i8`` / ``host_qmm_split_i8d``), ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``,
-    ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16],
-    B [16, 8] half bits row-major, C, D [16, 8] float32: D = A B + C through the documented fragment layout) and
-    ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
+def host_source() -> str:
+    """``mma.cuh`` and ``qmm.cu`` as host C++17 (``host_kernel_shim.cuh``: one thread per block playing its warp's 32
+    lanes), with entries ``host_qmm_split(gx, gy, ...)``, ``host_qmm_dense_<F>_<NT>(gx, gy, ...)`` (and
+    ``host_qmm_dense_<F>_4_2``, two row tiles a warp; ``host_qmm_dense_ring_<NT>_<S>_<RKC>_<KG>_<I8>``, I8 0:
+    :data:`RING_HOST`, 1: :data:`DENSE_I8_HOST`; ``host_qmm_split_i8`` / ``host_qmm_split_i8d``),
+    ``host_qmm_moe_gu_<F>_<JT>`` / ``host_qmm_moe_down_<F>_<JT>``, ``host_qmm_wsplit_<F>`` (the kernels' parameters) and the
+    wrapper checks ``host_mma_tile(A, B, C, D)`` (A [16, 16], B [16, 8] half bits row-major, C, D [16, 8] float32:
+    D = A B + C through the documented fragment layout) and ``host_f2h(x, h, n)`` / ``host_h2f(h, x, n)`` (tests/test_gpu_qmm_host.py)."""
     dense = ("const u8* w, const u16* wd, long long rb, const u16* xhi, const u16* xlo, const float* xsc, float* Y, "
              "long long ldy, int T, int R, int K, int nz, float* P, int* cnt",
              "w, wd, rb, xhi, xlo, xsc, Y, ldy, T, R, K, nz, P, cnt")
@@ -320,7 +295,7 @@ def host_source(cvt: str | None = None) -> str:
         "}\n"
         'extern "C" void host_f2h(const float* x, u16* h, long long n) { for (long long i = 0; i < n; ++i) h[i] = mma_f2h(x[i]); }\n'
         'extern "C" void host_h2f(const u16* h, float* x, long long n) { for (long long i = 0; i < n; ++i) x[i] = mma_h2f(h[i]); }\n')
-    return cuda_source("host_kernel_shim.cuh") + device_source(cvt) + "".join(ent)
+    return cuda_source("host_kernel_shim.cuh") + device_source() + "".join(ent)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------------------
@@ -626,18 +601,13 @@ def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32, i8: bool = F
     return 16 * int(warps) * (ws + int(rkc) // 16) + acts
 
 
-def instances_module(names: tuple[str, ...]) -> Any:
-    """Compile (once per set and :func:`cvt_mode`) the qmm source with only the template instances ``names`` (the
-    rings' kernels: each ring's instances in a module of their own, so that the main module does not compile every
-    ring)."""
-    return _instances_module(tuple(names), cvt_mode())
-
-
 @functools.lru_cache(maxsize=None)
-def _instances_module(names: tuple[str, ...], cvt: str) -> Any:
+def instances_module(names: tuple[str, ...]) -> Any:
+    """Compile (once per set) the qmm source with only the template instances ``names`` (the rings' kernels: each
+    ring's instances in a module of their own, so that the main module does not compile every ring)."""
     import cupy
 
-    return cupy.RawModule(code=device_source(cvt), options=("--std=c++17",), name_expressions=list(names))
+    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=list(names))
 
 
 def ring_module(stages: int, rkc: int, kg: int = 1, i8: int = 0, wg: int = RING_WARPS_DEFAULT) -> Any:
