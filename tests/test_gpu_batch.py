@@ -309,7 +309,7 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
     """run_batched with queued steps (device staging) against synchronous host-staged steps: five prompts over three
     places (admissions while others run, a tail with some places idle), a stop token met mid-run (seen a step late
     by the queue, so the next prompt joins a step later): the same new tokens and stops, and each request's routing
-    records in the same order with the same experts and weights within 1e-5 (the requests' records interleave
+    records in the same order with the same experts and weights within 1e-4 (the requests' records interleave
     differently where a prompt joined later)."""
     from stratatools.runtime.gpu.batch import DEV_STAGE_ENV, BatchDecoder, run_batched
 
@@ -342,20 +342,19 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
                 assert p1 == p2 and np.array_equal(c1.positions, c2.positions), req
                 for a, b in zip(c1.ids, c2.ids):
                     assert np.array_equal(a, b), req
-                # (a request's step may be a graph step in one run and an eager one in the other, where a prompt
-                # joined a step later: their products agree within float32 rounding, as test_gpu_graph_steps_...)
+                # (a request's step may be a graph step in one run and an eager one in the other, and run among
+                # other places, where a prompt joined a step later: the router's SGEMM over another count of rows
+                # adds in another order, float32 rounding apart; H200, the ISTA mix: 2.0e-5 relative)
                 for a, b in zip(c1.weights, c2.weights):
-                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(req))
+                    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(req))
 
 
 @pytest.mark.parametrize("env,before,now", [("STRATATOOLS_GDN_STEP_COLS", "0", "1"),
-                                             ("STRATATOOLS_ROUTE_JOBS", "0", "1"),
                                              ("STRATATOOLS_QMM_GU_SPLIT", "0", "1")])
 def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, before, now):
     """The batched GDN recurrence's grid with one head's column parts together (STRATATOOLS_GDN_STEP_COLS=1, the
-    default) against heads first (0), and the routing with the job table in one launch (STRATATOOLS_ROUTE_JOBS=1, the
-    default) against two (0), and the gate/up jobs splitting their own rows (STRATATOOLS_QMM_GU_SPLIT=1, the default)
-    against a split launch (0), on the kit's Q2_0 model (integer expert jobs, the integer dense ring): the
+    default) against heads first (0), and the gate/up jobs splitting their own rows (STRATATOOLS_QMM_GU_SPLIT=1, the
+    default) against a split launch (0), on the kit's Q2_0 model (integer expert jobs, the integer dense ring): the
     batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps."""
     import cupy as cp
 

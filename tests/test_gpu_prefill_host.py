@@ -56,7 +56,7 @@ def _p(a):
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
     assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp",
-                        "pf_moe_sum_shared", "pf_gdn_step_rwc", "pf_route_jobs"}
+                        "pf_moe_sum_shared", "pf_gdn_step_rwc"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -84,41 +84,6 @@ def test_pf_route_matches_stable_sort(lib, gating, norm, E, k, kernel):
     if norm:
         rw = rw / rw.sum(axis=-1, keepdims=True)
     assert np.allclose(w, rw * 1.5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("gating,norm,E,k,T,jt", [("softmax", True, 256, 10, 32, 8), ("sigmoid", False, 256, 10, 7, 16),
-                                                  ("softmax", False, 7, 7, 32, 8), ("sigmoid", True, 64, 4, 1, 32)])
-def test_pf_route_jobs_is_route_warp_then_the_job_table(lib, gating, norm, E, k, T, jt):
-    """pf_route_jobs (one block: the routing a warp a token, then qmm_jobs' table of the ids it wrote) gives
-    pf_route_warp's ids and weights bit for bit and expert_jobs' table (blob addresses from the layer's row, the
-    spare jobs up to job_capacity empty with expert 0's address), with tied logits and an expert of every token."""
-    from stratatools.runtime.gpu import qmm as Q
-
-    rng = np.random.default_rng(E + T + jt)
-    ld = E + 1
-    lg = rng.standard_normal((T, ld)).astype(np.float32)
-    lg[:, 5 % E] = lg[:, 3 % E]  # ties
-    lg[:, 1] = 30.0  # expert 1 in every token's choice: more than one job where T k > jt
-    ids = np.full((T, k), -1, np.int32)
-    w = np.zeros((T, k), np.float32)
-    lib.host_pf_route_warp(T, 1, _p(lg), T, ld, E, k, int(gating == "sigmoid"), int(norm), 1.5, _p(ids), _p(w))
-    N = T * k
-    ptr_row = (np.arange(E, dtype=np.uint64) * 4096 + 0x1000).astype(np.uint64)
-    J = Q.job_capacity(N, E, jt)
-    jp = np.zeros(J, np.uint64)
-    tok = np.full(J * jt, 7777, np.int32)
-    dst = np.full(J * jt, 7777, np.int32)
-    ids2 = np.full((T, k), -1, np.int32)
-    w2 = np.zeros((T, k), np.float32)
-    with shared_within(lib, Q.jobs_shared(N, E)):
-        lib.host_pf_route_jobs(1, 1, _p(lg), T, ld, E, k, int(gating == "sigmoid"), int(norm), 1.5, _p(ids2), _p(w2),
-                               _p(ptr_row), J, jt, _p(jp), _p(tok), _p(dst))
-    assert np.array_equal(ids, ids2) and np.array_equal(w, w2) and np.all(ids >= 0)
-    je, rt, rd = PF.expert_jobs(ids, jt)
-    n = je.size
-    assert np.array_equal(jp[:n], ptr_row[je]) and np.array_equal(tok[:n * jt], rt) and np.array_equal(dst[:n * jt], rd)
-    assert np.all(jp[n:] == ptr_row[0]) and np.all(tok[n * jt:] == -1) and np.all(dst[n * jt:] == -1)
-    assert T <= jt or np.count_nonzero(je == 1) >= 2  # (expert 1 has T pairs)
 
 
 @pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4),

@@ -1555,8 +1555,8 @@ def test_device_build_has_no_spills(tmp_path):
     rings += [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}, {wg}>({dsig});\n"
               for i8, (s, kc, kg) in ((0, Q.RING_DEFAULT), (1, Q.DENSE_I8_DEFAULT), (1, Q.DENSE_I8_SMALL))
               for nt in Q.TILES[:2] for wg in (8, 2)]  # (STRATATOOLS_QMM_RING_WARPS=8 / 2 on the defaults)
-    gsig = ("const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int, int*, u32*, u32*, "
-            "float*, int*")
+    gsig = ("const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int, int*, u32*, "
+            "u32*, float*, int*")
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     rings += [f"template __global__ void {k}<{jt}, {s}, {kc}, {pad}>({sig});\n" for s, kc, pad in Q.JOBS_RINGS
               for jt in Q.JOB_SIZES for k, sig in (("qmm_moe_gu_i8", gsig), ("qmm_moe_down_i8", dnsig))]

@@ -114,10 +114,12 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 #define PF_RW_LANES 32
 #define PF_RW_VPL 8
 #endif
-// (the body: token t's routing by the calling warp, lane its lane)
-__device__ __forceinline__ void pf_route_warp_token(const float* __restrict__ logits, int t, int ld, int E, int k,
-                                                    int sigmoid_gating, int norm, float scale, int* ids, float* w,
-                                                    int lane) {
+extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T, int ld, int E, int k,
+                                         int sigmoid_gating, int norm, float scale, int* __restrict__ ids,
+                                         float* __restrict__ w) {
+    const int lane = (int)threadIdx.x % PF_RW_LANES, wpb = (int)blockDim.x / PF_RW_LANES;
+    const int t = (int)blockIdx.x * wpb + (int)threadIdx.x / PF_RW_LANES;
+    if (t >= T || E > PF_RW_LANES * PF_RW_VPL) return;  // (a whole warp: t is the warp's)
     const float* lg = logits + (long long)t * ld;
     float v[PF_RW_VPL];
     if (sigmoid_gating) {
@@ -183,36 +185,6 @@ __device__ __forceinline__ void pf_route_warp_token(const float* __restrict__ lo
             const long long o = (long long)t * k + r;
             w[o] = (norm ? w[o] / tot : w[o]) * scale;
         }
-}
-
-extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T, int ld, int E, int k,
-                                         int sigmoid_gating, int norm, float scale, int* __restrict__ ids,
-                                         float* __restrict__ w) {
-    const int lane = (int)threadIdx.x % PF_RW_LANES, wpb = (int)blockDim.x / PF_RW_LANES;
-    const int t = (int)blockIdx.x * wpb + (int)threadIdx.x / PF_RW_LANES;
-    if (t >= T || E > PF_RW_LANES * PF_RW_VPL) return;  // (a whole warp: t is the warp's)
-    pf_route_warp_token(logits, t, ld, E, k, sigmoid_gating, norm, scale, ids, w, lane);
-}
-
-// pf_route_warp and qmm.cu's qmm_jobs in one launch (the batched step's MoE: one launch fewer on its serial chain
-// router -> routing -> job table -> expert jobs): one block, its warps take the tokens in turn (warp u the tokens u,
-// u + warps, ...), then, after a barrier (the block's global writes visible to the block), the block builds the job
-// table of the ids it wrote (jobs_table.cuh). The same ids, weights and table as the two launches. Grid 1 x 1, any
-// multiple of 32 threads up to qmm.py JOBS_THREADS (the host build: one thread); dynamic shared memory qmm.py
-// jobs_shared(T k, E); E <= 32 PF_RW_VPL.
-#include "jobs_table.cuh"
-extern "C" __global__ void pf_route_jobs(const float* __restrict__ logits, int T, int ld, int E, int k,
-                                         int sigmoid_gating, int norm, float scale, int* ids,
-                                         float* __restrict__ w, const u64* __restrict__ ptr_row, int jmax, int jt,
-                                         u64* __restrict__ job_ptr, int* __restrict__ job_tok,
-                                         int* __restrict__ job_dst) {
-    const int lane = (int)threadIdx.x % PF_RW_LANES, wpb = (int)blockDim.x / PF_RW_LANES;
-    if (E > PF_RW_LANES * PF_RW_VPL) return;  // (uniform)
-    for (int t = (int)threadIdx.x / PF_RW_LANES; t < T; t += wpb)
-        pf_route_warp_token(logits, t, ld, E, k, sigmoid_gating, norm, scale, ids, w, lane);
-    __syncthreads();
-    PF_DYN_SHARED(int, smem);
-    qmm_jobs_table(ids, T * k, k, E, ptr_row, jmax, jt, job_ptr, job_tok, job_dst, smem);
 }
 
 // ---- the routed experts' outputs of a token, weighted -----------------------------------------------------------

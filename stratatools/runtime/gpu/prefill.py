@@ -63,7 +63,7 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import qsa_select_mask, qsa_selects_all
 
-from stratatools.runtime.gpu.kernels import UNIT, cuda_source, cuda_unit, launch_big_shared
+from stratatools.runtime.gpu.kernels import UNIT, cuda_source, cuda_unit
 
 #: Tokens per chunk (default).
 CHUNK = 512
@@ -86,21 +86,6 @@ def route_warp() -> bool:
     from stratatools.runtime.gpu.kernels import env_on
 
     return env_on(ROUTE_WARP_ENV, "the router a warp a token", ROUTE_WARP_DEFAULT)
-
-
-#: ``STRATATOOLS_ROUTE_JOBS``: up to 32 tokens whose experts run as tensor-core jobs from a table built on the device
-#: (the batched step), the router's routing and the job table in one launch (``pf_route_jobs``: one block, a warp a
-#: token, then the table of ``qmm_jobs``; 1, the default) or two (``pf_route_warp``, then ``qmm_jobs``; 0). The same
-#: routing and table either way.
-ROUTE_JOBS_ENV = "STRATATOOLS_ROUTE_JOBS"
-ROUTE_JOBS_DEFAULT = True
-
-
-def route_jobs() -> bool:
-    """:data:`ROUTE_JOBS_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
-    from stratatools.runtime.gpu.kernels import env_on
-
-    return env_on(ROUTE_JOBS_ENV, "the routing and the job table in one launch", ROUTE_JOBS_DEFAULT)
 #: ``STRATATOOLS_HC_FUSED``: the hyper-connections on CuPy as one launch for the pending inject, the norm and its
 #: split (``qmm.hc_norm_split``), one for the mix and its split (``qmm.hc_mix``), the down projection's split made by
 #: its sums' launch (1, the default), or as the inject, ``rmsnorm_rows``, ``pf_hc_mix`` and the splits each a launch
@@ -496,7 +481,6 @@ class ChunkPrefill:
         # tokens of a tensor-core expert job (qmm.JOB_ENV; the batched step's qmm.BATCH_JOB_ENV)
         self._jt = job_tokens(batch=self._batch_step) if self.gpu else JOB_TOKENS_MMA
         self._small: dict[str, Any] = {}
-        self._jobs_made: tuple[int, Any, Any, Any] | None = None  # (the table pf_route_jobs made with the routing)
         self._gu_cnt: Any = None  # (the gate/up jobs' counters: _gu_counters)
         self.timing: dict[str, float] | None = None  # set to {} to collect per-part host-side timings (synchronises)
         if self.gpu:
@@ -510,7 +494,6 @@ class ChunkPrefill:
             mod = _module(False, self._tids[False])
             self.k_route = mod.get_function("pf_route")
             self.k_route_warp = mod.get_function("pf_route_warp")
-            self.k_route_jobs = mod.get_function("pf_route_jobs")
             self.k_gdn = mod.get_function("pf_gdn_chunk")
             self.k_moe_sum = mod.get_function("pf_moe_sum")
             self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
@@ -1617,31 +1600,6 @@ class ChunkPrefill:
         else:
             self.k_route((min(T, 65535),), (ROUTE_THREADS,), args, shared_mem=(E + 2 * ROUTE_THREADS) * 4)
 
-    def _route_jobs_launch(self, il: int, logits: Any, ids: Any, w: Any, E: int) -> tuple[int, Any, Any, Any] | None:
-        """:meth:`_route_launch` and the job table of :meth:`_experts_mma_dev` in one launch (``pf_route_jobs``,
-        :data:`ROUTE_JOBS_ENV`) where layer ``il``'s routed experts take the tensor-core jobs from a device table, the
-        router takes ``pf_route_warp`` and T <= qmm.JOBS_THREADS / 32: (il, job_ptr, job_tok, job_dst) for
-        :meth:`_experts_mma_dev`, else None (nothing launched)."""
-        from stratatools.runtime.gpu import qmm
-
-        T, ld = (int(v) for v in logits.shape)
-        ly = self.rt.tier.arena.layers[il]
-        if not (self.gpu and self.experts == "mma" and E <= ROUTE_WARP_MAX_E and T <= qmm.JOBS_THREADS // 32
-                and route_jobs() and route_warp() and self._mma_experts_ok(il)
-                and qmm.device_jobs_ok(T * self.k, ly.n_expert) and E <= ly.n_expert):
-            return None
-        cp, cfg, k, tt = self.cp, self.cfg, self.k, self._jt
-        J = qmm.job_capacity(T * k, ly.n_expert, tt)
-        job_ptr = cp.empty(J, dtype=cp.uint64)
-        job_tok = cp.empty(J * tt, dtype=cp.int32)
-        job_dst = cp.empty(J * tt, dtype=cp.int32)
-        launch_big_shared(self.k_route_jobs, (1,), (qmm.JOBS_THREADS,), (
-            cp.ascontiguousarray(logits), np.int32(T), np.int32(ld), np.int32(E), np.int32(k),
-            np.int32(cfg.gating == "sigmoid"), np.int32(bool(cfg.norm_topk)), np.float32(cfg.expert_weights_scale),
-            ids, w, self.dec.slot[il], np.int32(J), np.int32(tt), job_ptr, job_tok, job_dst),
-            qmm.jobs_shared(T * k, ly.n_expert))
-        return il, job_ptr, job_tok, job_dst
-
     def _moe_gpu(self, il: int, x: Any, ids: Any, w: Any) -> Any:
         """Layer ``il``'s MoE of the rows x [T, n] on CuPy with its routing left on the device: the router for T
         tokens (:meth:`_route_launch`) into ``ids`` int32 [T, k] / ``w`` float32 [T, k] (device views the caller reads
@@ -1664,9 +1622,7 @@ class ChunkPrefill:
             g, goff = None, 0
         if k > E:
             raise StrataError(f"layer {il}: {k} experts per token but only {E} experts")
-        self._jobs_made = self._route_jobs_launch(il, logits, ids, w, E)
-        if self._jobs_made is None:
-            self._route_launch(logits, ids, w, E)
+        self._route_launch(logits, ids, w, E)
         if g is None:  # (made here, before the side stream forks: it only reads it)
             g = cp.ascontiguousarray(self._mm(x, p + "ffn_gate_inp_shexp.weight"), dtype=cp.float32)  # [T, 1]
         # the shared expert beside the routed ones (not while the breakdown is timed: its stream would not be
@@ -1865,11 +1821,7 @@ class ChunkPrefill:
 
         ly = self.rt.tier.arena.layers[il]
         tt = self._jt
-        made, self._jobs_made = getattr(self, "_jobs_made", None), None
-        if made is not None and made[0] == il:  # (pf_route_jobs built it with the routing: _route_jobs_launch)
-            ptr, jt, jd = made[1:]
-        else:
-            ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
+        ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
         return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size), tt)
 
     def _down_i8(self, ly: Any, ptr: Any, jd: Any, hbuf: Any, N: int, n: int, tt: int, hq: Any = None) -> Any:

@@ -17,7 +17,6 @@ def check_switches() -> None:
                  lambda: qmm.jobs_i8("Q2_0", "Q2_0"), qmm.gu_split, kernels.shared_side,
                  kernels.dense_min_rows_per_sm,
                  kernels.dq_split_blocks_per_sm, kernels.dense_kernel, launch.pdl_enabled, prefill.route_warp,
-                 prefill.route_jobs,
                  prefill.hc_fused, prefill.joined_enabled, prefill.graph_enabled,
                  prefill.gdn_kernel, prefill.gdn_step_cols, decode.route_warp, decode.prefetch_blocks,
                  lambda: decode.prefetch_width(8), decode.decode_queue_setting, decode.miss_fetch_mode,
