@@ -349,12 +349,10 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
                     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(req))
 
 
-@pytest.mark.parametrize("env,before,now", [("STRATATOOLS_GDN_STEP_COLS", "0", "1"),
-                                             ("STRATATOOLS_QMM_GU_SPLIT", "0", "1")])
+@pytest.mark.parametrize("env,before,now", [("STRATATOOLS_GDN_STEP_COLS", "0", "1")])
 def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, before, now):
     """The batched GDN recurrence's grid with one head's column parts together (STRATATOOLS_GDN_STEP_COLS=1, the
-    default) against heads first (0), and the gate/up jobs splitting their own rows (STRATATOOLS_QMM_GU_SPLIT=1, the
-    default) against a split launch (0), on the kit's Q2_0 model (integer expert jobs, the integer dense ring): the
+    default) against heads first (0), on the kit's Q2_0 model (integer expert jobs, the integer dense ring): the
     batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps."""
     import cupy as cp
 

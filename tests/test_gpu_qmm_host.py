@@ -27,7 +27,6 @@ from hostlib import i8_bound, shared_within
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the host copy of the qmm kernels")
 P, I, U, LL, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong, ctypes.c_float
-NO_SPLIT = (None,) * 5  # (qmm_moe_gu_i8's counters and planes: no split by the jobs)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +70,11 @@ def _host_lib(tmp_path_factory, kc: int):
             getattr(h, f"host_qmm_moe_gu_{f}_{jt}").argtypes = [U, U, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_{f}_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, I, I]
     for jt in Q.JOB_SIZES:
-        getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I, P, P, P, P, P]
+        getattr(h, f"host_qmm_moe_gu_i8_{jt}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
         getattr(h, f"host_qmm_moe_down_i8_{jt}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
     for st, rkc, pad in Q.JOBS_RING_HOST:
         for jt in Q.JOB_SIZES:
-            getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, P, P, P, P, P, P, I, I, P, P,
-                                                                                P, P, P]
+            getattr(h, f"host_qmm_moe_gu_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, P, P, P, P, P, P, I, I]
             getattr(h, f"host_qmm_moe_down_i8_{jt}_{st}_{rkc}_{pad}").argtypes = [U, U, P, LL, P, P, P, P, P, P, I, I]
     h.host_qmm_split_i8.argtypes = h.host_qmm_split_i8d.argtypes = [U, U, P, LL, I, I, P, P, P, P, P]
     h.host_qmm_hc_norm_split.argtypes = [U, U, P, P, P, I, I, P, I, F, P, P, P, P, P]
@@ -794,7 +792,7 @@ def test_mma_i8_fragments_on_host(lib):
             tok = np.array([0] + [-1] * 7, np.int32)
             hbuf = np.zeros((8, ff), np.float32)
             with shared_within(lib, Q.smem_bytes_i8(1, hidden)):
-                lib.host_qmm_moe_gu_i8_8(1, 1, _p(ptr), _p(tok), *(_p(a) for a in xq), _p(hbuf), hidden, ff, *NO_SPLIT)
+                lib.host_qmm_moe_gu_i8_8(1, 1, _p(ptr), _p(tok), *(_p(a) for a in xq), _p(hbuf), hidden, ff)
             want = 3.0 / (1.0 + np.exp(-3.0)) * 3.0 if kk == k else 0.0
             assert abs(hbuf[0, 0] - want) <= 1e-4 * max(1.0, want), (k, kk, hbuf[0, 0])
             assert np.all(hbuf[0, 1:] == 0.0)
@@ -819,7 +817,7 @@ def test_moe_jobs_i8_match_float64(request, hidden, ff, T, E, k, jt, kc):
     hbuf = np.full((J * tt, ff), np.nan, dtype=np.float32)
     with shared_within(lib, Q.smem_bytes_i8(tt // 8, hidden, kc)):
         getattr(lib, f"host_qmm_moe_gu_i8_{tt}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq), _p(hbuf),
-                                                 hidden, ff, *NO_SPLIT)
+                                                 hidden, ff)
     used = jt_ >= 0
     assert np.all(np.isfinite(hbuf[used])) and np.all(np.isnan(hbuf[~used]))
     hq = split_i8_host(lib, hbuf, jd)
@@ -863,7 +861,7 @@ def test_moe_jobs_i8_ring_is_qi8_tile_bit_for_bit(lib, hidden, ff, T, E, k, jt, 
         hbuf = np.full((J * jt, ff), np.nan, dtype=np.float32)
         with shared_within(lib, Q.smem_bytes_i8(jt // 8, hidden, Q.KC, ring, 2, warps=1)):
             getattr(lib, f"host_qmm_moe_gu_i8_{jt}{sfx}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq),
-                                                          _p(hbuf), hidden, ff, *NO_SPLIT)
+                                                          _p(hbuf), hidden, ff)
         hq = split_i8_host(lib, hbuf, jd)
         out = np.full((T * k, hidden), np.nan, dtype=np.float32)
         with shared_within(lib, Q.smem_bytes_i8(jt // 8, ff, Q.KC, ring, 1, warps=1)):
@@ -881,49 +879,8 @@ def _i8_jobs(lib, sfx, jt, ptr, job_tok, job_dst, xq, J, T, k, hidden, ff, ring)
     hbuf = np.full((J * jt, ff), np.nan, dtype=np.float32)
     with shared_within(lib, Q.smem_bytes_i8(jt // 8, hidden, Q.KC, ring, 2, warps=1)):
         getattr(lib, f"host_qmm_moe_gu_i8_{jt}{sfx}")(-(-ff // 16), J, _p(ptr), _p(job_tok), *(_p(a) for a in xq),
-                                                      _p(hbuf), hidden, ff, *NO_SPLIT)
+                                                      _p(hbuf), hidden, ff)
     return hbuf, _i8_down(lib, sfx, jt, ptr, job_dst, hbuf, J, T, k, hidden, ff, ring)
-
-
-@pytest.mark.parametrize("hidden,ff,T,E,k,jt", [(192, 128, 21, 5, 3, 8), (320, 192, 41, 5, 3, 32),
-                                                (640, 320, 9, 4, 2, 16), (128, 64, 40, 12, 4, 8)])
-@pytest.mark.parametrize("ring", [None, (2, 256, 0)])
-def test_gate_up_jobs_split_their_rows_as_split_i8(lib, hidden, ff, T, E, k, jt, ring):
-    """qmm_moe_gu_i8 with counters and planes: each job's last block splits the job's rows of hbuf (slots with a
-    token) into the planes, bit for bit what qmm_split_i8 (rows of empty slots left out) writes there, and sets its
-    counter back to zero (a second launch on the same counters splits again); the down jobs from those planes give
-    the separate split's outputs bit for bit. Spare jobs (no token) leave their counters and rows alone."""
-    blobs, mats, ids, ptr, (je, jt_, jd), X = job_case(np.random.default_rng(hidden + jt + T), "Q2_0", E, hidden, ff,
-                                                       T, k, jt)
-    J = je.size + 2  # (two spare jobs: empty slots)
-    ptr = np.concatenate([ptr, ptr[:2]])
-    jt_ = np.concatenate([jt_, np.full(2 * jt, -1, np.int32)])
-    jd = np.concatenate([jd, np.full(2 * jt, -1, np.int32)])
-    xq = split_i8_host(lib, X)
-    sfx = "" if ring is None else "_" + "_".join(map(str, ring))
-    hbuf, want = _i8_jobs(lib, sfx, jt, ptr, jt_, jd, xq, J, T, k, hidden, ff, ring)
-    ref = split_i8_host(lib, hbuf, jd)
-    cnt = np.zeros(J + 3, np.int32)
-    for rep in range(2):
-        pl = (np.full((J * jt, ff // 4), 0xDEADBEEF, np.uint32), np.full((J * jt, ff // 4), 0xDEADBEEF, np.uint32),
-              np.full((J * jt, ff // 64), np.nan, np.float32), np.full((J * jt, ff // 64), -7, np.int32))
-        h2 = np.full((J * jt, ff), np.nan, dtype=np.float32)
-        with shared_within(lib, Q.smem_bytes_i8(jt // 8, hidden, Q.KC, ring, 2, warps=1)):
-            getattr(lib, f"host_qmm_moe_gu_i8_{jt}{sfx}")(-(-ff // 16), J, _p(ptr), _p(jt_), *(_p(a) for a in xq),
-                                                          _p(h2), hidden, ff, _p(cnt), *(_p(a) for a in pl))
-        assert not np.any(cnt), rep
-        used = jd >= 0
-        assert np.array_equal(h2[used], hbuf[used])
-        for a, b in zip(pl, ref):
-            rows = (np.ascontiguousarray(v).view(np.uint8).reshape(J * jt, -1)[used] for v in (a, b))
-            assert np.array_equal(*rows), rep
-        assert np.all(pl[3][~used] == -7) and np.all(np.isnan(pl[2][~used]))
-    out = np.full((T * k, hidden), np.nan, dtype=np.float32)
-    with shared_within(lib, Q.smem_bytes_i8(jt // 8, ff, Q.KC, ring, 1, warps=1)):
-        getattr(lib, f"host_qmm_moe_down_i8_{jt}{sfx}")(-(-hidden // 16), J, _p(ptr), 2 * (ff * hidden // 64) * 18,
-                                                        _p(jd), *(_p(a) for a in pl), _p(out), hidden, ff)
-    assert np.all(np.isfinite(want)) and np.array_equal(out, want)
-    del blobs
 
 
 def _i8_down(lib, sfx, jt, ptr, job_dst, hbuf, J, T, k, hidden, ff, ring):
@@ -1534,8 +1491,7 @@ def test_device_build_has_no_spills(tmp_path):
         elif base == "qmm_moe_gu":
             sig = "const u64*, const int*, const u16*, const u16*, const float*, float*, int, int"
         elif base == "qmm_moe_gu_i8":
-            sig = ("const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int, int*, "
-                   "u32*, u32*, float*, int*")
+            sig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
         elif base == "qmm_moe_down_i8":
             sig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
         elif base == "qmm_sum_act":
@@ -1555,8 +1511,7 @@ def test_device_build_has_no_spills(tmp_path):
     rings += [f"template __global__ void qmm_dense_ring<{nt}, {s}, {kc}, {kg}, {i8}, {wg}>({dsig});\n"
               for i8, (s, kc, kg) in ((0, Q.RING_DEFAULT), (1, Q.DENSE_I8_DEFAULT), (1, Q.DENSE_I8_SMALL))
               for nt in Q.TILES[:2] for wg in (8, 2)]  # (STRATATOOLS_QMM_RING_WARPS=8 / 2 on the defaults)
-    gsig = ("const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int, int*, u32*, "
-            "u32*, float*, int*")
+    gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
     rings += [f"template __global__ void {k}<{jt}, {s}, {kc}, {pad}>({sig});\n" for s, kc, pad in Q.JOBS_RINGS
               for jt in Q.JOB_SIZES for k, sig in (("qmm_moe_gu_i8", gsig), ("qmm_moe_down_i8", dnsig))]

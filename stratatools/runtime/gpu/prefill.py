@@ -481,7 +481,6 @@ class ChunkPrefill:
         # tokens of a tensor-core expert job (qmm.JOB_ENV; the batched step's qmm.BATCH_JOB_ENV)
         self._jt = job_tokens(batch=self._batch_step) if self.gpu else JOB_TOKENS_MMA
         self._small: dict[str, Any] = {}
-        self._gu_cnt: Any = None  # (the gate/up jobs' counters: _gu_counters)
         self.timing: dict[str, float] | None = None  # set to {} to collect per-part host-side timings (synchronises)
         if self.gpu:
             import cupy as cp
@@ -1824,30 +1823,14 @@ class ChunkPrefill:
         ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
         return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size), tt)
 
-    def _down_i8(self, ly: Any, ptr: Any, jd: Any, hbuf: Any, N: int, n: int, tt: int, hq: Any = None) -> Any:
+    def _down_i8(self, ly: Any, ptr: Any, jd: Any, hbuf: Any, N: int, n: int, tt: int) -> Any:
         """The integer down jobs of the table (``ptr``, ``jd``) over the hidden rows ``hbuf`` [J tt, ff] (split here,
-        empty slots' rows left out, unless the gate/up jobs made the split ``hq``): the N pairs' unweighted outputs
-        [N, n]."""
+        empty slots' rows left out): the N pairs' unweighted outputs [N, n]."""
         from stratatools.runtime.gpu import qmm
 
         out = self.cp.empty((N, n), dtype=self.cp.float32)
-        qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, hq if hq is not None else qmm.split_i8(hbuf, jd), out, ly.hidden,
-                        ly.ff, tt)
+        qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, ly.hidden, ly.ff, tt)
         return out
-
-    def _gu_counters(self, J: int) -> Any:
-        """The gate/up jobs' counters (int32, zero between launches: each job's last block sets its own back) for J
-        jobs, made (outside a capture) the first time more are asked for; None while a capture needs more than
-        there are (the split then takes its own launch)."""
-        from stratatools.runtime.gpu import qmm
-
-        c = getattr(self, "_gu_cnt", None)
-        if c is not None and int(c.size) >= J:
-            return c
-        if qmm._capturing(self.cp):
-            return None
-        self._gu_cnt = c = self.cp.zeros(max(int(J), 1024), dtype=self.cp.int32)
-        return c
 
     def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int, tt: int = JOB_TOKENS_MMA) -> Any:
         """Run the tensor-core expert jobs (blob addresses ``ptr`` [J], slots ``jt`` / ``jd`` [J tt] on the device,
@@ -1860,11 +1843,6 @@ class ChunkPrefill:
         J = int(ptr.size)
         if qmm.jobs_i8(ly.gu_type.id, ly.d_type.id):  # integer Q2_0 jobs: empty slots are neither written nor split
             hbuf = cp.empty((J * tt, ff), dtype=cp.float32)
-            cnt = self._gu_counters(J) if ff % 64 == 0 and qmm.gu_split() else None
-            if cnt is not None:  # each job's last gate/up block splits its rows (qmm.GU_SPLIT_ENV): no split launch
-                hq = qmm.split_planes(J * tt, ff)
-                qmm.moe_gate_up_i8(ptr, jt, self._split(x, "i8"), hbuf, hidden, ff, tt, split=(cnt, hq))
-                return self._down_i8(ly, ptr, jd, hbuf, N, int(x.shape[1]), tt, hq)
             qmm.moe_gate_up_i8(ptr, jt, self._split(x, "i8"), hbuf, hidden, ff, tt)
             return self._down_i8(ly, ptr, jd, hbuf, N, int(x.shape[1]), tt)
         xs = self._split(x)

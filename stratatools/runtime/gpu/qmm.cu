@@ -1418,17 +1418,11 @@ template <int JT, int NM, int S, int RKC, int PAD> __device__ __forceinline__ in
 // stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
 // The gate/up job body: job j's JT slots (tokrow: token rows of X, -1 empty) through expert blob G; the block's
 // dynamic shared memory as qmm_moe_gu_i8's (stage, ssc, sq: qi8_smem). All threads of the block call it.
-// jcnt (null: none) [>= J] ints, zero: the job's blocks count themselves in jcnt[j] once their rows are written, and
-// the last of the gridDim.x splits the job's rows of Hbuf (the slots with a token) into ph / pl / ps / pq as
-// qmm_split_i8 would (the same bits: the same values through qi8_unit) and sets jcnt[j] back to zero: the down jobs
-// need no split launch (Fd a multiple of 64).
 template <int JT, int S, int RKC, int PAD>
 __device__ __forceinline__ void qi8_gu_job(const u8* G, const int* tokrow, int j, const u8* __restrict__ xh,
                                            const u8* __restrict__ xl, const float* __restrict__ xs,
                                            const int* __restrict__ xq, float* __restrict__ Hbuf, int H, int Fd,
-                                           u8* stage, float* ssc, int* sq, int* __restrict__ jcnt,
-                                           u32* __restrict__ ph, u32* __restrict__ pl, float* __restrict__ ps,
-                                           int* __restrict__ pq) {
+                                           u8* stage, float* ssc, int* sq) {
     const int nw = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int warp = (int)(threadIdx.x >> 5);
     qi8_scales<JT / 8>(xs, xq, H >> 6, tokrow, ssc, sq);
@@ -1444,37 +1438,16 @@ __device__ __forceinline__ void qi8_gu_job(const u8* G, const int* tokrow, int j
             Hbuf[((long long)j * JT + s) * Fd + row] = gs / (1.0f + expf(-gs)) * us;
         }
     });
-    if (jcnt == nullptr) return;
-    __shared__ int last;
-    __threadfence();  // (this block's rows, before its count)
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(jcnt + j, 1) == (int)gridDim.x - 1;
-        if (last) jcnt[j] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int nb = Fd >> 6, units = JT * nb, per = max(1, (int)blockDim.x / QI8_GROUP);
-    const int gl = (int)(threadIdx.x % QI8_GROUP);
-    for (int u0 = 0; u0 < units; u0 += per) {  // (every thread takes the same turns: the groups' shuffles)
-        const int u = u0 + (int)threadIdx.x / QI8_GROUP, uc = min(u, units - 1), s = uc / nb, b = uc - s * nb;
-        const long long t = (long long)j * JT + s;
-        const float* x = Hbuf + t * Fd + 64 * b;  // (other blocks' rows: read through L2)
-        qi8_unit<0>([&](int q) { return __ldcg(x + q); }, u < units && tokrow[s] >= 0, gl, t, b, Fd, ph, pl, ps, pq);
-    }
 }
 
 // gate/up as qmm_moe_gu<42, JT>, the activations as qmm_split_i8's planes xh / xl, scales xs and sums xq of X [T, H].
 // S = 0: qi8_tile, dynamic shared memory QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes; else qi8r_tile (a ring of S
-// stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8). jcnt / ph
-// .. pq: qi8_gu_job's split of the rows by each job's last block (null: none).
+// stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
 template <int JT, int S = 0, int RKC = 0, int PAD = 16>
 __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
-        int H, int Fd, int* __restrict__ jcnt, u32* __restrict__ ph, u32* __restrict__ pl, float* __restrict__ ps,
-        int* __restrict__ pq) {
+        int H, int Fd) {
     u8* stage;
     float* ssc;
     int* sq;
@@ -1486,7 +1459,7 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
     __syncthreads();
     if (tokrow[0] < 0) return;
     qi8_gu_job<JT, S, RKC, PAD>(reinterpret_cast<const u8*>(job_ptr[j]), tokrow, j, xh, xl, xs, xq, Hbuf, H, Fd,
-                                stage, ssc, sq, jcnt, ph, pl, ps, pq);
+                                stage, ssc, sq);
 }
 
 // down as qmm_moe_down<42, JT>, h as qmm_split_i8's planes of Hbuf [J JT, Fd] (rows of empty slots need not be

@@ -239,8 +239,7 @@ def host_source() -> str:
                 ent.append(f'extern "C" void host_{name}_{f}_{jt}(unsigned gx, unsigned gy, {decl}) {{\n'
                            f"    host_run_grid(gx, gy, [&]() {{ {name}<{f}, {jt}>({call}); }});\n}}\n")
     gi = ("const u64* job_ptr, const int* job_tok, const u8* xh, const u8* xl, const float* xs, const int* xq, "
-          "float* Hbuf, int H, int Fd, int* jcnt, u32* ph, u32* pl, float* ps, int* pq",
-          "job_ptr, job_tok, xh, xl, xs, xq, Hbuf, H, Fd, jcnt, ph, pl, ps, pq")
+          "float* Hbuf, int H, int Fd", "job_ptr, job_tok, xh, xl, xs, xq, Hbuf, H, Fd")
     di = ("const u64* job_ptr, long long doff, const int* job_dst, const u8* hh, const u8* hl, const float* hs, "
           "const int* hq, float* out, int H, int Fd", "job_ptr, doff, job_dst, hh, hl, hs, hq, out, H, Fd")
     jobs_i8 = (("qmm_moe_gu_i8", gi), ("qmm_moe_down_i8", di))
@@ -1061,43 +1060,15 @@ def _job_kernel(base: str, jt: int, kc: int, cfg: tuple[int, int, int] | None) -
 
 
 def moe_gate_up_i8(job_ptr: Any, job_tok: Any, xq: tuple[Any, Any, Any, Any], hbuf: Any, hidden: int, ff: int,
-                   jt: int = JOB_TOKENS, split: tuple[Any, tuple[Any, Any, Any, Any]] | None = None) -> None:
+                   jt: int = JOB_TOKENS) -> None:
     """:func:`moe_gate_up` for Q2_0 experts on the integer kernel, ``xq`` :func:`split_i8` of X [T, hidden]; the
-    weights through the ring of :func:`jobs_ring` where set, for jobs of up to :data:`JOBS_RING_MAX_JT` tokens.
-    ``split`` (counters int32 [>= J] on the device, all zero; planes: :func:`split_i8`'s four arrays for [J jt, ff]):
-    each job's last block splits the job's rows of hbuf into the planes (the slots with a token: what
-    ``split_i8(hbuf, job_dst)`` writes, the same bits) and sets its counter back to zero, so :func:`moe_down_i8`
-    needs no split launch. Raises StrataError for ``split`` with ff not a multiple of 64 or too few counters."""
+    weights through the ring of :func:`jobs_ring` where set, for jobs of up to :data:`JOBS_RING_MAX_JT` tokens."""
     J = int(job_ptr.size)
     kc, jt = chunk_values(moe=True, layout=42), job_tokens(jt)
     cfg = jobs_ring() if jt <= JOBS_RING_MAX_JT else None
-    if split is not None and (int(ff) % 64 or int(split[0].size) < J):
-        raise StrataError(f"qmm: gate/up rows of {ff} values split by the jobs need ff a multiple of 64 and {J} "
-                          f"counters (got {int(split[0].size)})")
-    tail = (split[0], *split[1]) if split is not None else (None,) * 5
     launch_big_shared(_job_kernel("qmm_moe_gu_i8", jt, kc, cfg), (-(-ff // ROWS_PER_BLOCK), J), (THREADS,),
-                      (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff), *tail),
+                      (job_ptr, job_tok, *xq, hbuf, np.int32(hidden), np.int32(ff)),
                       smem_bytes_i8(jt // 8, hidden, kc, cfg, 2))
-
-
-#: ``STRATATOOLS_QMM_GU_SPLIT``: the integer gate/up jobs split their own rows for the down jobs (each job's last block,
-#: :func:`moe_gate_up_i8`'s ``split``; 1, the default) or a ``qmm_split_i8`` launch does between them (0). The same
-#: bits either way.
-GU_SPLIT_ENV = "STRATATOOLS_QMM_GU_SPLIT"
-GU_SPLIT_DEFAULT = True
-
-
-def gu_split() -> bool:
-    """:data:`GU_SPLIT_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
-    return env_on(GU_SPLIT_ENV, "the gate/up jobs split their rows for the down jobs", GU_SPLIT_DEFAULT)
-
-
-def split_planes(T: int, K: int) -> tuple[Any, Any, Any, Any]:
-    """Empty planes of :func:`split_i8` (the job kernels' order) for [T, K] (K a multiple of 64): what
-    :func:`moe_gate_up_i8`'s ``split`` fills."""
-    import cupy as cp
-
-    return _planes(cp, int(T), int(K), "i8")
 
 
 def moe_down_i8(job_ptr: Any, doff: int, job_dst: Any, hq: tuple[Any, Any, Any, Any], out: Any, hidden: int, ff: int,
