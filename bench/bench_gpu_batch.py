@@ -196,7 +196,11 @@ def main() -> None:
     ap.add_argument("--gguf", default=None, help="an existing model to use (no synth)")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--variants", default="default",
-                    help="comma-separated step variants, each timed at every N: " + ", ".join(VARIANTS))
+                    help="comma-separated step variants, each timed at every N (a variant named again is timed again: "
+                         "its rows' names get #2, #3, ...): " + ", ".join(VARIANTS))
+    ap.add_argument("--both-orders", action="store_true",
+                    help="time the variants again in the reverse order after the first pass (the order a call times "
+                         "them in has moved a queued step by 0.2-0.5 ms: bench/gpu-notes.md, twenty-second pass)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="per-kernel device time of STEPS steps at the largest N for every variant (torch.profiler), "
                          "against the steps' wall time")
@@ -259,7 +263,13 @@ def main() -> None:
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
-    for var, n in [(v, n) for v in variants for n in ns]:
+    if a.both_orders:
+        variants += variants[::-1]
+    labels, seen = [], {}  # (a variant's second and later runs: name#k)
+    for v in variants:
+        seen[v] = seen.get(v, 0) + 1
+        labels.append(v if seen[v] == 1 else f"{v}#{seen[v]}")
+    for (var, label), n in [(vl, n) for vl in zip(variants, labels) for n in ns]:
         with env_vars(VARIANTS[var]):
             if bd is not None:
                 del bd
@@ -289,7 +299,7 @@ def main() -> None:
             agg = n * a.steps / dt
             rel = float(np.abs(lg0 - ref_lg[0]).max() / np.abs(ref_lg[0]).max())
             same = got0[:a.steps] == ref_tok[:a.steps] if a.steps <= len(got0) else None
-            row = rows[n if var == "default" else f"{var}:{n}"] = {
+            row = rows[n if label == "default" else f"{label}:{n}"] = {
                 "aggregate_tok_s": agg, "step_ms": dt / a.steps * 1e3, "ratio_to_batch1": agg / b1,
                 "place0_first_logits_rel": rel, "place0_tokens_equal_batch1": same, "state_bytes": bd.state_bytes(),
                 "pool_bytes": int(cp.get_default_memory_pool().total_bytes()),
@@ -299,23 +309,23 @@ def main() -> None:
                 "wait_ms": bd.stats.get("wait_s", 0.0) / a.steps * 1e3}
             how = (f"graph ({bd.stats['graph_steps']} replays)" if bd.stats["graph_steps"]
                    else "eager" + (f": {bd.stats['graph_error']}" if bd.stats.get("graph_error") else ""))
-            print(f"{var:9s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
+            print(f"{label:9s} N={n:3d}: {agg:9.1f} tok/s aggregate ({dt / a.steps * 1e3:7.2f} ms/step), "
                   f"{agg / b1:5.2f}x batch 1; place 0 vs batch 1: first logits rel {rel:.2e}, tokens "
                   f"{'equal' if same else 'DIFFER'}; {how}; host staging {row['host_stage_ms']:.2f} ms, "
                   f"wait for the replay {row['wait_ms']:.2f} ms a step", flush=True)
             if bd.queue_ready()[0]:
                 try:
-                    row.update(queued_steps(cp, bd, toks, a.steps, ref_tok, var))
+                    row.update(queued_steps(cp, bd, toks, a.steps, ref_tok, label))
                 except Exception as e:  # noqa: BLE001 - report it and keep the call's other rows
                     import traceback
 
                     traceback.print_exc()
                     row["queued"] = f"failed: {type(e).__name__}: {e}"
-                    print(f"{var:9s} N={n:3d}: queued steps FAILED: {row['queued']}", flush=True)
+                    print(f"{label:9s} N={n:3d}: queued steps FAILED: {row['queued']}", flush=True)
             else:
                 row["queued"] = bd.queue_ready()[1]
-                print(f"{var:9s} N={n:3d}: no queued steps ({row['queued']})", flush=True)
-            if a.kernel_profile > 0 and n == nmax:
+                print(f"{label:9s} N={n:3d}: no queued steps ({row['queued']})", flush=True)
+            if a.kernel_profile > 0 and n == nmax and label == var:  # (once a variant)
                 res.setdefault("kernel_profile", {})[var] = step_profile(cp, bd, places, toks, a.kernel_profile, var)
     res["rows"] = rows
     # 3. breakdown at the largest N (the last variant's step)
