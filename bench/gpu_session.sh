@@ -63,7 +63,8 @@ if [ "$PV" != none ]; then
 fi
 if [ "$BN" != none ]; then
   el batched
-  timeout $([ "${BO:-0}" = 1 ] && echo 360 || echo 200) python3 bench/bench_gpu_batch.py --gguf "$GG" --layers 48 --n "$BN" --steps 8 $([ "${E2E:-0}" = 1 ] || echo --no-e2e) \
+  timeout $([ "${BO:-0}" = 1 ] && echo 360 || echo 200) python3 bench/bench_gpu_batch.py --gguf "$GG" --layers 48 \
+    --n "$BN" --steps 8 $([ "${E2E:-0}" = 1 ] || echo --no-e2e) \
     --variants "$BV" $([ "${BO:-0}" = 1 ] && echo --both-orders) --kernel-profile 2 --out "$OUT"/batch.json \
     > "$OUT"/batch.txt 2>&1
   grep -E "tok/s" "$OUT"/batch.txt
