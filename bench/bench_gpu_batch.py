@@ -200,7 +200,8 @@ def main() -> None:
                          "its rows' names get #2, #3, ...): " + ", ".join(VARIANTS))
     ap.add_argument("--both-orders", action="store_true",
                     help="time the variants again in the reverse order after the first pass (the order a call times "
-                         "them in has moved a queued step by 0.2-0.5 ms: bench/gpu-notes.md, twenty-second pass)")
+                         "them in has moved a queued step by 0.2-0.5 ms: bench/gpu-notes.md, twenty-second pass); "
+                         "no --kernel-profile then (a profile between two timings would make the orders unequal)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="per-kernel device time of STEPS steps at the largest N for every variant (torch.profiler), "
                          "against the steps' wall time")
@@ -265,6 +266,9 @@ def main() -> None:
             raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
     if a.both_orders:
         variants += variants[::-1]
+        if a.kernel_profile:
+            print("--both-orders: no kernel profiles (they would run between the timed variants)", flush=True)
+            a.kernel_profile = 0
     labels, seen = [], {}  # (a variant's second and later runs: name#k)
     for v in variants:
         seen[v] = seen.get(v, 0) + 1

@@ -365,6 +365,13 @@ def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, be
         ly = rt.dec.rt.tier.arena.layers[0]
         assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id)
         bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
+        calls = {"pf_gdn_step_rw": 0, "pf_gdn_step_rwc": 0}  # (each decoder's recurrence kernel, counted)
+        for bd in bds:
+            for attr, name in (("k_gdn_step_rw", "pf_gdn_step_rw"), ("k_gdn_step_rwc", "pf_gdn_step_rwc")):
+                def counted(*a, _k=getattr(bd, attr), _n=name, **kw):
+                    calls[_n] += 1
+                    return _k(*a, **kw)
+                setattr(bd, attr, counted)
         toks = _admit_all(rt, bds, prompts)
         for s in range(6):
             got = []
@@ -376,3 +383,4 @@ def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, be
                 assert np.array_equal(a, b), s
             toks = [int(t) for t in got[0][1]]
         assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
+        assert calls["pf_gdn_step_rw"] > 0 and calls["pf_gdn_step_rwc"] > 0, calls  # (both kernels ran)

@@ -243,6 +243,20 @@ def test_gdn_kernel_from_the_environment(monkeypatch):
         PF.gdn_kernel()
 
 
+def test_gdn_step_cols_switch(monkeypatch):
+    """STRATATOOLS_GDN_STEP_COLS: on by default (pf_gdn_step_rwc, a head's column parts together), 0 off (the heads
+    first), another value refused naming the variable."""
+    monkeypatch.delenv(PF.GDN_STEP_COLS_ENV, raising=False)
+    assert PF.gdn_step_cols() is True
+    monkeypatch.setenv(PF.GDN_STEP_COLS_ENV, "0")
+    assert PF.gdn_step_cols() is False
+    monkeypatch.setenv(PF.GDN_STEP_COLS_ENV, "1")
+    assert PF.gdn_step_cols() is True
+    monkeypatch.setenv(PF.GDN_STEP_COLS_ENV, "cols")
+    with pytest.raises(StrataError, match=PF.GDN_STEP_COLS_ENV):
+        PF.gdn_step_cols()
+
+
 def test_pf_gdn_step_rw_reads_each_places_key_heads(lib):
     """pf_gdn_step_rw with places folded into the heads (hpp value heads and kpp key heads a place: value head h of a
     place reads its key head h mod kpp) gives the bits of the same launch over q and k repeated to every value head
