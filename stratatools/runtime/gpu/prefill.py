@@ -1823,15 +1823,6 @@ class ChunkPrefill:
         ptr, jt, jd = qmm.moe_jobs(ids.reshape(-1), int(ids.shape[-1]), ly.n_expert, self.dec.slot[il], tt)
         return self._mma_jobs(il, x, ptr, jt, jd, int(ids.size), tt)
 
-    def _down_i8(self, ly: Any, ptr: Any, jd: Any, hbuf: Any, N: int, n: int, tt: int) -> Any:
-        """The integer down jobs of the table (``ptr``, ``jd``) over the hidden rows ``hbuf`` [J tt, ff] (split here,
-        empty slots' rows left out): the N pairs' unweighted outputs [N, n]."""
-        from stratatools.runtime.gpu import qmm
-
-        out = self.cp.empty((N, n), dtype=self.cp.float32)
-        qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, ly.hidden, ly.ff, tt)
-        return out
-
     def _mma_jobs(self, il: int, x: Any, ptr: Any, jt: Any, jd: Any, N: int, tt: int = JOB_TOKENS_MMA) -> Any:
         """Run the tensor-core expert jobs (blob addresses ``ptr`` [J], slots ``jt`` / ``jd`` [J tt] on the device,
         ``tt`` tokens a job) of layer ``il`` over the rows ``x``: the N pairs' unweighted outputs [N, n]."""
@@ -1844,7 +1835,9 @@ class ChunkPrefill:
         if qmm.jobs_i8(ly.gu_type.id, ly.d_type.id):  # integer Q2_0 jobs: empty slots are neither written nor split
             hbuf = cp.empty((J * tt, ff), dtype=cp.float32)
             qmm.moe_gate_up_i8(ptr, jt, self._split(x, "i8"), hbuf, hidden, ff, tt)
-            return self._down_i8(ly, ptr, jd, hbuf, N, int(x.shape[1]), tt)
+            out = cp.empty((N, int(x.shape[1])), dtype=cp.float32)
+            qmm.moe_down_i8(ptr, 2 * ly.gate_bytes, jd, qmm.split_i8(hbuf, jd), out, hidden, ff, tt)
+            return out
         xs = self._split(x)
         hbuf = cp.zeros((J * tt, ff), dtype=cp.float32)  # empty slots stay zero (their halves are split too)
         qmm.moe_gate_up(ptr, jt, xs, ly.gu_type.id, hbuf, hidden, ff, tt)
