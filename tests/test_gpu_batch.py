@@ -349,18 +349,38 @@ def test_gpu_run_batched_queued_equals_synchronous(kit, kit_prompts, model, gemm
                     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(req))
 
 
+def _steps_bits(rt, bds, prompts, env, before, now, monkeypatch) -> None:
+    """Six steps of the two decoders ``bds`` over ``prompts``, the first with ``env`` = ``before``, the second with
+    ``now`` (set before each step: read at the eager step and at the capture): the logits, tokens and routing bit for
+    bit, the second decoder's steps replayed from its graph from the third on."""
+    import cupy as cp
+
+    toks = _admit_all(rt, bds, prompts)
+    for s in range(6):
+        got = []
+        for flag, bd in zip((before, now), bds):
+            monkeypatch.setenv(env, flag)
+            got.append(bd.step([0, 1, 2], toks))
+        assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
+        for a, b in zip(got[0][1:], got[1][1:]):
+            assert np.array_equal(a, b), s
+        toks = [int(t) for t in got[0][1]]
+    assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
+
+
+def _kit_prompts3(kit_prompts) -> list[list[int]]:
+    ids = [t for _, p in kit_prompts for t in p]
+    return [ids[0:2], ids[2:3], ids[3:5]]
+
+
 @pytest.mark.parametrize("env,before,now", [("STRATATOOLS_GDN_STEP_COLS", "0", "1")])
 def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, before, now):
     """The batched GDN recurrence's grid with one head's column parts together (STRATATOOLS_GDN_STEP_COLS=1, the
     default) against heads first (0), on the kit's Q2_0 model (integer expert jobs, the integer dense ring): the
     batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps."""
-    import cupy as cp
-
     from stratatools.runtime.gpu import qmm
     from stratatools.runtime.gpu.batch import BatchDecoder
 
-    ids = [t for _, p in kit_prompts for t in p]
-    prompts = [ids[0:2], ids[2:3], ids[3:5]]
     with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
         ly = rt.dec.rt.tier.arena.layers[0]
         assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id)
@@ -372,15 +392,29 @@ def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, be
                     calls[_n] += 1
                     return _k(*a, **kw)
                 setattr(bd, attr, counted)
-        toks = _admit_all(rt, bds, prompts)
-        for s in range(6):
-            got = []
-            for flag, bd in zip((before, now), bds):
-                monkeypatch.setenv(env, flag)  # (read at the eager step and the capture)
-                got.append(bd.step([0, 1, 2], toks))
-            assert np.array_equal(cp.asnumpy(got[0][0]), cp.asnumpy(got[1][0])), s
-            for a, b in zip(got[0][1:], got[1][1:]):
-                assert np.array_equal(a, b), s
-            toks = [int(t) for t in got[0][1]]
-        assert bds[1].stats["graph_steps"] >= 4, bds[1].stats
+        _steps_bits(rt, bds, _kit_prompts3(kit_prompts), env, before, now, monkeypatch)
         assert calls["pf_gdn_step_rw"] > 0 and calls["pf_gdn_step_rwc"] > 0, calls  # (both kernels ran)
+
+
+def test_gpu_copy_plan_keeps_the_steps_bits(kit, kit_prompts, monkeypatch):
+    """The rings' copies from each thread's plan (STRATATOOLS_QMM_COPY_PLAN=1, the default) against worked out each
+    chunk (0), on the kit's Q2_0 model (the integer expert jobs' ring, the integer dense ring): the batched steps'
+    logits, tokens and routing bit for bit, eager and graph-replayed steps; both builds of the rings' modules ran."""
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.batch import BatchDecoder
+
+    seen: dict[bool, int] = {False: 0, True: 0}  # (ring module fetches under each setting)
+    fetch = qmm.instances_module
+
+    def spy(names):
+        seen[qmm.copy_plan()] += 1
+        return fetch(names)
+
+    monkeypatch.setattr(qmm, "instances_module", spy)
+    with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
+        ly = rt.dec.rt.tier.arena.layers[0]
+        assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id) and qmm.jobs_ring() is not None
+        assert qmm.dense_i8() is not None
+        bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
+        _steps_bits(rt, bds, _kit_prompts3(kit_prompts), qmm.COPY_PLAN_ENV, "0", "1", monkeypatch)
+    assert seen[False] > 0 and seen[True] > 0, seen

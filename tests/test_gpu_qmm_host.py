@@ -1542,6 +1542,52 @@ def test_device_build_has_no_spills(tmp_path):
         assert int(spill) == 0, name
 
 
+def test_copy_plan_switch(monkeypatch):
+    """STRATATOOLS_QMM_COPY_PLAN: on by default (the rings' copies from each thread's plan), 0 off, another value
+    refused naming the variable; the setting picks the rings' module build (-DQMM_COPY_PLAN=0 when off)."""
+    monkeypatch.delenv(Q.COPY_PLAN_ENV, raising=False)
+    assert Q.copy_plan() is True
+    monkeypatch.setenv(Q.COPY_PLAN_ENV, "0")
+    assert Q.copy_plan() is False
+    monkeypatch.setenv(Q.COPY_PLAN_ENV, "1")
+    assert Q.copy_plan() is True
+    monkeypatch.setenv(Q.COPY_PLAN_ENV, "plan")
+    with pytest.raises(StrataError, match=Q.COPY_PLAN_ENV):
+        Q.copy_plan()
+    built = []
+    monkeypatch.setattr(Q, "_instances_module", lambda names, plan: built.append((names, plan)) or "module")
+    for v, want in (("0", False), ("", True)):
+        monkeypatch.setenv(Q.COPY_PLAN_ENV, v)
+        assert Q.instances_module(("a<1>",)) == "module"
+        assert built[-1] == (("a<1>",), want)
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc to compile the device code")
+def test_device_build_without_copy_plan(tmp_path):
+    """The rings' default instances (the integer jobs' ring, the integer dense ring) compiled for sm_90 with
+    -DQMM_COPY_PLAN=0 (each chunk's copies worked out, STRATATOOLS_QMM_COPY_PLAN=0): compile without spills."""
+    import re
+
+    gsig = "const u64*, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
+    dnsig = "const u64*, long long, const int*, const u8*, const u8*, const float*, const int*, float*, int, int"
+    dsig = ("const u8*, const u16*, long long, const u16*, const u16*, const float*, float*, long long, int, int, int, "
+            "int, float*, int*")
+    s, kc, pad = Q.JOBS_RING_DEFAULT
+    st, rkc, kg = Q.DENSE_I8_DEFAULT
+    inst = [f"template __global__ void qmm_moe_gu_i8<8, {s}, {kc}, {pad}>({gsig});\n",
+            f"template __global__ void qmm_moe_down_i8<8, {s}, {kc}, {pad}>({dnsig});\n",
+            f"template __global__ void qmm_dense_ring<4, {st}, {rkc}, {kg}, 1, 4>({dsig});\n"]
+    src = tmp_path / "qmm_noplan.cu"
+    src.write_text(Q.device_source() + "".join(inst))
+    r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "--std=c++17", "-DQMM_COPY_PLAN=0",
+                        "-o", str(tmp_path / "noplan.cubin"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    entries = [e for e in re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores",
+                                     r.stderr + r.stdout, flags=re.S) if "moe" in e[0] or "ring" in e[0]]
+    assert len(entries) == 3, entries
+    assert all(int(sp) == 0 for _, sp in entries), entries
+
+
 # ---- hgemm: fp16 hi / lo weights (qmm_wsplit) and the cuBLAS path's numerics -------------------------------------
 def wide_blocks(rng, tname: str, rows: int, cols: int) -> np.ndarray:
     """:func:`blocks` with scales log-uniform over 1e-7 .. 500 of both signs (subnormal fp16 scales; products down to

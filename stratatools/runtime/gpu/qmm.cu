@@ -1137,19 +1137,15 @@ __global__ void __launch_bounds__(128) qmm_sum_act_split(const float* __restrict
 
 // Issue the copies of chunk `chunk` (RKC values) of the block's tokens' byte planes into stage buffer xs (hi: TOK rows
 // of XS bytes, then lo); a slot without a token gets zeros.
-template <int NT, int RKC = QMM_KC, int XS = QI8_XS, bool FIXED = false>
+template <int NT, int RKC = QMM_KC, int XS = QI8_XS>
 __device__ __forceinline__ void qi8_stage(const u8* __restrict__ xh, const u8* __restrict__ xl, int K,
                                           const int* tokrow, int chunk, u8* xs) {
-    constexpr int BPC = RKC / 64, TOK = 8 * NT, PC = 4 * BPC;  // (PC: 16-byte pieces of a whole chunk's row)
+    constexpr int BPC = RKC / 64, TOK = 8 * NT;
     const int nb = K >> 6, b0 = chunk * BPC;
-    const int pieces = min(BPC, nb - b0) * 4;
-    // FIXED: the pieces indexed by a whole chunk's constant strides (shifts, not the divisions by `pieces`: the
-    // integer jobs' ring and the dense ring's groups of 2 or 4 warps; its 8-warp instances spill with that form)
-    const int n = FIXED ? PC : pieces;
+    const int n = min(BPC, nb - b0) * 4;  // 16-byte pieces of the chunk's row
     for (int i = threadIdx.x; i < 2 * TOK * n; i += blockDim.x) {
         const int lohi = i / (TOK * n), rem = i - lohi * TOK * n;
         const int slot = rem / n, p = rem - slot * n;
-        if (FIXED && p >= pieces) continue;
         const int row = tokrow[slot];
         u8* dst = xs + (lohi * TOK + slot) * XS + 16 * p;
         if (row >= 0) cp_async16(dst, (lohi ? xl : xh) + (long long)row * K + 64LL * b0 + 16 * p);
@@ -1316,27 +1312,117 @@ template <int NT, int NM, int RKC, int PAD = 16> struct QI8Ring {
     static __device__ __forceinline__ int stage(int nw) { return NM * 16 * nw * WS + 2 * TOK * XS; }
 };
 
+// The rings' copies from each thread's plan (QI8RPlan, QmmRingPlan); 0: worked out each chunk (qmm.py COPY_PLAN_ENV).
+#ifndef QMM_COPY_PLAN
+#define QMM_COPY_PLAN 1
+#endif
+
+// 16 bytes from src to byte off of the shared buffer at st (st_s: its shared-space address on the device).
+__device__ __forceinline__ void qmm_cp16(u8* st, unsigned st_s, int off, const void* src) {
+#ifndef STRATA_HOST
+    (void)st;
+    cp_async16_s(st_s + (unsigned)off, src);
+#else
+    (void)st_s;
+    cp_async16(st + off, src);
+#endif
+}
+
+// N = 4 or 8 bytes from src to byte off of the shared buffer at st (as qmm_cp16).
+template <int N> __device__ __forceinline__ void qmm_cp_small(u8* st, unsigned st_s, int off, const void* src) {
+#ifndef STRATA_HOST
+    (void)st;
+    cp_async_small_s<N>(st_s + (unsigned)off, src);
+#else
+    (void)st_s;
+    cp_async_small<N>(st + off, src);
+#endif
+}
+
+// A thread's share of every stage's copies, fixed for the whole tile (QI8RPlan: made once, then each chunk issues its
+// copies by adding the chunk's offset; the copy of a chunk worked out from the thread index took about a quarter of
+// the gate/up kernel's instructions and a third of down's, cuobjdump of the H200 build): thread t of QMM_THREADS
+// copies staged row u = t (matrix u / nrows, row u mod nrows) when t < NM nrows, and the tokens' 16-byte pieces
+// i = t + j QMM_THREADS (plane i / (TOK PC), slot, piece p of the chunk's row). The device runs it with
+// blockDim.x == QMM_THREADS (qi8r_tile); otherwise qi8r_copy plays the plan's threads.
+template <int NT, int NM, int RKC, int PAD> struct QI8RPlan {
+    using G = QI8Ring<NT, NM, RKC, PAD>;
+    static constexpr int PC = 4 * G::BPC, TP = 2 * G::TOK * PC, TJ = (TP + QMM_THREADS - 1) / QMM_THREADS;
+    const u8* wsrc;   // the staged row's weights (row start), nullptr: the thread stages no row
+    int wdst;         // its bytes' offset in a stage
+    const u8* tsrc[TJ];  // piece j's bytes at chunk 0 (nullptr: an empty slot, zeros)
+    int tdst[TJ];     // its offset in a stage (-1: no piece j)
+    int tp[TJ];       // its place p in the chunk's row (copied while p < the chunk's pieces)
+};
+
+template <int NT, int NM, int RKC, int PAD>
+__device__ __forceinline__ void qi8r_plan(QI8RPlan<NT, NM, RKC, PAD>& pl, int t, const u8* const* w, long long rb,
+                                          int R, int K, int rbase, int nrows, const u8* __restrict__ xh,
+                                          const u8* __restrict__ xl, const int* tokrow) {
+    using G = QI8Ring<NT, NM, RKC, PAD>;
+    using P = QI8RPlan<NT, NM, RKC, PAD>;
+    static_assert(NM == 1 || NM == 2, "one or two matrices a job");
+    pl.wsrc = nullptr;
+    pl.wdst = t * G::WS;
+    if (t < NM * nrows) {
+        // (constant indices into w: a runtime index put the pointers in local memory)
+        const int m = t >= nrows, r = t - m * nrows;
+        pl.wsrc = (m ? w[NM - 1] : w[0]) + (long long)min(rbase + r, R - 1) * rb;
+    }
+    #pragma unroll
+    for (int j = 0; j < P::TJ; ++j) {
+        const int i = t + j * QMM_THREADS;
+        const int lohi = i / (G::TOK * P::PC), rem = i - lohi * G::TOK * P::PC;
+        const int slot = rem / P::PC, p = rem - slot * P::PC;
+        const int row = i < P::TP ? tokrow[slot] : -1;
+        pl.tsrc[j] = row >= 0 ? (lohi ? xl : xh) + (long long)row * K + 16 * p : nullptr;
+        pl.tdst[j] = i < P::TP ? NM * nrows * G::WS + (lohi * G::TOK + slot) * G::XS + 16 * p : -1;
+        pl.tp[j] = p;
+    }
+}
+
+// Issue one thread's copies of chunk `chunk` into the stage at st (shared address st_s on the device).
+template <int NT, int NM, int RKC, int PAD>
+__device__ __forceinline__ void qi8r_issue(const QI8RPlan<NT, NM, RKC, PAD>& pl, int K, int chunk, u8* st,
+                                           unsigned st_s) {
+    using G = QI8Ring<NT, NM, RKC, PAD>;
+    using P = QI8RPlan<NT, NM, RKC, PAD>;
+    const int nb = K >> 6, b0 = chunk * G::BPC, nbc = min(G::BPC, nb - b0);
+    if (pl.wsrc != nullptr) {
+        // the 16-byte pieces that cover the row's chunk, from the aligned address at or below its first byte
+        const unsigned long long a = reinterpret_cast<unsigned long long>(pl.wsrc + 18LL * b0);
+        const unsigned long long a16 = a & ~15ull;
+        const int np = ((int)(a - a16) + 18 * nbc + 15) >> 4;
+        #pragma unroll
+        for (int p = 0; p < G::WP; ++p)
+            if (p < np) qmm_cp16(st, st_s, pl.wdst + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
+    }
+    const int pieces = 4 * nbc;
+    #pragma unroll
+    for (int j = 0; j < P::TJ; ++j) {
+        if (pl.tdst[j] < 0 || pl.tp[j] >= pieces) continue;
+        if (pl.tsrc[j] != nullptr) qmm_cp16(st, st_s, pl.tdst[j], pl.tsrc[j] + (long long)RKC * chunk);
+        else *reinterpret_cast<uint4*>(st + pl.tdst[j]) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// A chunk's copies without a plan kept: the thread plays the plan's threads threadIdx.x, + blockDim.x, ... (the host
+// build's one thread all QMM_THREADS in turn; a device block of other than QMM_THREADS threads, which the launchers
+// do not make, stays correct).
 template <int NT, int NM, int RKC, int PAD>
 __device__ __forceinline__ void qi8r_copy(const u8* const* w, long long rb, int R, int K, int rbase, int nrows,
                                           const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
                                           int chunk, u8* st) {
-    using G = QI8Ring<NT, NM, RKC, PAD>;
-    const int nb = K >> 6, b0 = chunk * G::BPC, nbc = min(G::BPC, nb - b0);
-    // a staged row a thread: its pieces one after another (a piece a thread spent 40-50 instructions of index
-    // arithmetic a piece, a quarter of the gate/up kernel's instructions: Nsight Compute, bench/gpu-notes.md)
-    for (int u = threadIdx.x; u < NM * nrows; u += blockDim.x) {
-        int m = 0, r = u;
-        while (r >= nrows) r -= nrows, ++m;  // (m < NM)
-        const long long row = min(rbase + r, R - 1);
-        const unsigned long long a = reinterpret_cast<unsigned long long>(w[m] + row * rb + 18LL * b0);
-        const unsigned long long a16 = a & ~15ull;
-        const int np = ((int)(a - a16) + 18 * nbc + 15) >> 4;
-        u8* d = st + u * G::WS;
-        #pragma unroll
-        for (int p = 0; p < G::WP; ++p)
-            if (p < np) cp_async16(d + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
+#ifndef STRATA_HOST
+    const unsigned st_s = (unsigned)__cvta_generic_to_shared(st);
+#else
+    const unsigned st_s = 0u;
+#endif
+    for (int t = (int)threadIdx.x; t < QMM_THREADS; t += (int)blockDim.x) {
+        QI8RPlan<NT, NM, RKC, PAD> pl;
+        qi8r_plan(pl, t, w, rb, R, K, rbase, nrows, xh, xl, tokrow);
+        qi8r_issue(pl, K, chunk, st, st_s);
     }
-    qi8_stage<NT, RKC, G::XS, true>(xh, xl, K, tokrow, chunk, st + NM * nrows * G::WS);
 }
 
 template <int NT, int NM, int S, int RKC, int PAD>
@@ -1351,9 +1437,26 @@ __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int 
     for (int m = 0; m < NM; ++m)
         #pragma unroll
         for (int n = 0; n < NT; ++n) mma_zero(acc[m][n]);
+#ifndef STRATA_HOST
+    // (the plan made once; a block of other than QMM_THREADS threads works each chunk's copies out: qi8r_copy)
+    const bool planned = QMM_COPY_PLAN && blockDim.x == QMM_THREADS;
+    QI8RPlan<NT, NM, RKC, PAD> pl;
+    if (planned) qi8r_plan(pl, (int)threadIdx.x, w, rb, R, K, rbase, nrows, xh, xl, tokrow);
+    const unsigned ring_s = (unsigned)__cvta_generic_to_shared(ring);
+#endif
+    auto copy = [&](int c) {  // chunk c's copies into its stage
+        u8* st = ring + (c % S) * stage;
+#ifndef STRATA_HOST
+        if (planned) {
+            qi8r_issue(pl, K, c, st, ring_s + (unsigned)((c % S) * stage));
+            return;
+        }
+#endif
+        qi8r_copy<NT, NM, RKC, PAD>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, c, st);
+    };
     #pragma unroll 1
     for (int s = 0; s < S - 1; ++s) {
-        if (s < nch) qi8r_copy<NT, NM, RKC, PAD>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, s, ring + s * stage);
+        if (s < nch) copy(s);
         cp_async_commit();
     }
     int su[MMA_LANES][NM][2], lo[MMA_LANES][NM][2];  // the lane's rows' staged offsets and addresses' low 4 bits
@@ -1372,8 +1475,7 @@ __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int 
         cp_async_wait<S - 2>();
         __syncthreads();
         const int nx = chunk + S - 1;
-        if (nx < nch)
-            qi8r_copy<NT, NM, RKC, PAD>(w, rb, R, K, rbase, nrows, xh, xl, tokrow, nx, ring + (nx % S) * stage);
+        if (nx < nch) copy(nx);
         cp_async_commit();
         const u8* st = ring + (chunk % S) * stage;
         const u8* xs_hi = st + NM * nrows * G::WS;
@@ -1541,29 +1643,120 @@ __device__ __forceinline__ void qmm_ring_rows(const u8* __restrict__ w, const u1
     }
 }
 
-// Issue the copies of chunk `chunk` into stage st: rows rbase .. rbase + nrows - 1 (clamped to R - 1), the block's
-// tokens (tokrow; a slot without a token gets zeros).
-// I8: xhi / xlo are qmm_split_i8d's planes [T, K] bytes and xsc its block scales [T, K / 64].
-template <int NT, int RKC, int I8 = 0, bool FIXED = false>
+// Issue the copies of chunk `chunk` into stage st of the fp16 ring (QmmRing<NT, RKC>): rows rbase .. rbase + nrows - 1
+// (clamped to R - 1), the block's tokens' hi / lo halves (tokrow; a slot without a token gets zeros). The integer
+// ring's copies: QmmRingPlan.
+template <int NT, int RKC>
 __device__ __forceinline__ void qmm_ring_copy(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
                                               int rbase, int nrows, const u16* __restrict__ xhi,
-                                              const u16* __restrict__ xlo, const float* __restrict__ xsc,
-                                              const int* tokrow, int chunk, u8* st) {
-    using G = QmmRing<NT, RKC, I8>;
+                                              const u16* __restrict__ xlo, const int* tokrow, int chunk, u8* st) {
+    using G = QmmRing<NT, RKC>;
     qmm_ring_rows<RKC>(w, wd, R, K, rbase, nrows, chunk, st);
     u8* sx = st + nrows * (G::WS + G::DB);
-    if constexpr (I8) {
-        constexpr int BPC = RKC / 64;
-        for (int i = threadIdx.x; i < BPC * G::TOK; i += blockDim.x) {  // scales [b][slot]
-            const int b = i / G::TOK, slot = i - b * G::TOK, row = tokrow[slot];
-            float* d = reinterpret_cast<float*>(sx) + i;
-            if (row >= 0) cp_async_small<4>(d, xsc + (long long)row * (K >> 6) + chunk * BPC + b);
-            else *d = 0.0f;
-        }
-        qi8_stage<NT, RKC, G::XS, FIXED>(reinterpret_cast<const u8*>(xhi), reinterpret_cast<const u8*>(xlo), K,
-                                         tokrow, chunk, sx + G::SB);
-    } else {
-        qmm_stage<0, NT, RKC, G::XS, true>(xhi, xlo, (long long)K, tokrow, K, chunk, reinterpret_cast<u16*>(sx));
+    qmm_stage<0, NT, RKC, G::XS, true>(xhi, xlo, (long long)K, tokrow, K, chunk, reinterpret_cast<u16*>(sx));
+}
+
+// The integer ring's copies of one thread, fixed for the kernel (QmmRingPlan: made once, then each chunk issues them at
+// the chunk's offset; working each chunk's copies out from the thread index took about two fifths of the ring's
+// instructions, cuobjdump of the H200 build): thread t of NTH threads (a block of NR rows at most) copies the codes'
+// 16-byte pieces i = t + j NTH (row i / WP, piece i mod WP), row t's scales, the tokens' block scales t + j NTH
+// ([b][slot]) and the tokens' plane pieces t + j NTH (as qi8_stage). Sources are chunk
+// 0's (nullptr: an empty slot's zeros); a destination < 0: no such copy. The device runs it with blockDim.x == NTH;
+// otherwise (the host build's one thread) qmm_ring_copy_i8 plays the NTH threads in turn.
+template <int NT, int RKC, int NTH, int NR> struct QmmRingPlan {
+    using G = QmmRing<NT, RKC, 1>;
+    static constexpr int WP = RKC / 16, PC = RKC / 16, B64 = RKC / 64;
+    static constexpr int WJ = (NR * WP + NTH - 1) / NTH;
+    static constexpr int TJ = (2 * G::TOK * PC + NTH - 1) / NTH, SJ = (B64 * G::TOK + NTH - 1) / NTH;
+    const u8* ws[WJ];
+    int wdst[WJ];
+    const u8* ds;  // the row's scales
+    int ddst;
+    const u8* ss[SJ];
+    int sdst[SJ];
+    const u8* ts[TJ];
+    int tdst[TJ];
+};
+
+template <int NT, int RKC, int NTH, int NR>
+__device__ __forceinline__ void qmm_ring_plan(QmmRingPlan<NT, RKC, NTH, NR>& pl, int t, const u8* __restrict__ w,
+                                              const u16* __restrict__ wd, const u16* __restrict__ xhi,
+                                              const u16* __restrict__ xlo, const float* __restrict__ xsc, int R,
+                                              int K, int rbase, int nrows, const int* tokrow) {
+    using G = QmmRing<NT, RKC, 1>;
+    using P = QmmRingPlan<NT, RKC, NTH, NR>;
+    #pragma unroll
+    for (int j = 0; j < P::WJ; ++j) {
+        const int i = t + j * NTH, r = i / P::WP, p = i - r * P::WP;
+        pl.ws[j] = w + (long long)min(rbase + r, R - 1) * K + 16 * p;
+        pl.wdst[j] = i < nrows * P::WP ? r * G::WS + 16 * p : -1;
+    }
+    pl.ds = reinterpret_cast<const u8*>(wd + (long long)min(rbase + t, R - 1) * (K / 32));
+    pl.ddst = t < nrows ? nrows * G::WS + t * G::DB : -1;
+    const int sx = nrows * (G::WS + G::DB);  // the tokens' part of a stage
+    #pragma unroll
+    for (int j = 0; j < P::SJ; ++j) {
+        const int i = t + j * NTH, b = i / G::TOK, slot = i - b * G::TOK;
+        const int row = i < P::B64 * G::TOK ? tokrow[slot] : -1;
+        pl.ss[j] = row >= 0 ? reinterpret_cast<const u8*>(xsc + (long long)row * (K >> 6) + b) : nullptr;
+        pl.sdst[j] = i < P::B64 * G::TOK ? sx + 4 * i : -1;
+    }
+    #pragma unroll
+    for (int j = 0; j < P::TJ; ++j) {
+        const int i = t + j * NTH;
+        const int lohi = i / (G::TOK * P::PC), rem = i - lohi * G::TOK * P::PC;
+        const int slot = rem / P::PC, p = rem - slot * P::PC;
+        const int row = i < 2 * G::TOK * P::PC ? tokrow[slot] : -1;
+        const u8* plane = reinterpret_cast<const u8*>(lohi ? xlo : xhi);
+        pl.ts[j] = row >= 0 ? plane + (long long)row * K + 16 * p : nullptr;
+        pl.tdst[j] = i < 2 * G::TOK * P::PC ? sx + G::SB + (lohi * G::TOK + slot) * G::XS + 16 * p : -1;
+    }
+}
+
+// Issue one thread's copies of chunk `chunk` into the stage at st (shared address st_s on the device).
+template <int NT, int RKC, int NTH, int NR>
+__device__ __forceinline__ void qmm_ring_issue(const QmmRingPlan<NT, RKC, NTH, NR>& pl, int chunk, u8* st,
+                                               unsigned st_s) {
+    using G = QmmRing<NT, RKC, 1>;
+    using P = QmmRingPlan<NT, RKC, NTH, NR>;
+    const long long k0 = (long long)chunk * RKC;
+    #pragma unroll
+    for (int j = 0; j < P::WJ; ++j)
+        if (pl.wdst[j] >= 0) qmm_cp16(st, st_s, pl.wdst[j], pl.ws[j] + k0);
+    if (pl.ddst >= 0) {
+        if constexpr (G::DB == 16) qmm_cp16(st, st_s, pl.ddst, pl.ds + k0 / 16);
+        else qmm_cp_small<G::DB>(st, st_s, pl.ddst, pl.ds + k0 / 16);
+    }
+    #pragma unroll
+    for (int j = 0; j < P::SJ; ++j) {
+        if (pl.sdst[j] < 0) continue;
+        if (pl.ss[j] != nullptr) qmm_cp_small<4>(st, st_s, pl.sdst[j], pl.ss[j] + 4 * P::B64 * (long long)chunk);
+        else *reinterpret_cast<float*>(st + pl.sdst[j]) = 0.0f;
+    }
+    #pragma unroll
+    for (int j = 0; j < P::TJ; ++j) {
+        if (pl.tdst[j] < 0) continue;
+        if (pl.ts[j] != nullptr) qmm_cp16(st, st_s, pl.tdst[j], pl.ts[j] + k0);
+        else *reinterpret_cast<uint4*>(st + pl.tdst[j]) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// A chunk's copies of the integer ring without a plan kept: the thread plays the plan's threads threadIdx.x,
+// + blockDim.x, ... (the host build's one thread all NTH in turn).
+template <int NT, int RKC, int NTH, int NR>
+__device__ __forceinline__ void qmm_ring_copy_i8(const u8* __restrict__ w, const u16* __restrict__ wd, int R, int K,
+                                                 int rbase, int nrows, const u16* __restrict__ xhi,
+                                                 const u16* __restrict__ xlo, const float* __restrict__ xsc,
+                                                 const int* tokrow, int chunk, u8* st) {
+#ifndef STRATA_HOST
+    const unsigned st_s = (unsigned)__cvta_generic_to_shared(st);
+#else
+    const unsigned st_s = 0u;
+#endif
+    for (int t = (int)threadIdx.x; t < NTH; t += (int)blockDim.x) {
+        QmmRingPlan<NT, RKC, NTH, NR> pl;
+        qmm_ring_plan(pl, t, w, wd, xhi, xlo, xsc, R, K, rbase, nrows, tokrow);
+        qmm_ring_issue(pl, chunk, st, st_s);
     }
 }
 
@@ -1753,20 +1946,36 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
     for (int q = 0; q < NG; ++q)
         #pragma unroll
         for (int n = 0; n < NT; ++n) mma_zero(acc[q][n]);
+    constexpr int NTH = 32 * WG * KG;
+#ifndef STRATA_HOST
+    // (I8: the plan made once; a block of other than NTH threads works each chunk's copies out)
+    const bool planned = QMM_COPY_PLAN && I8 && blockDim.x == NTH;
+    QmmRingPlan<NT, RKC, NTH, 16 * WG> pl;
+    if (planned) qmm_ring_plan(pl, (int)threadIdx.x, w, wd, xhi, xlo, xsc, R, K, rbase, nrows, tokrow);
+    const unsigned ring_s = (unsigned)__cvta_generic_to_shared(ring);
+#endif
+    auto copy = [&](int c) {  // chunk c's copies into its stage
+        u8* st = ring + ((c - c0) % S) * stage;
+#ifndef STRATA_HOST
+        if (planned) {
+            qmm_ring_issue(pl, c, st, ring_s + (unsigned)(((c - c0) % S) * stage));
+            return;
+        }
+#endif
+        if constexpr (I8)
+            qmm_ring_copy_i8<NT, RKC, NTH, 16 * WG>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c, st);
+        else qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, c, st);
+    };
     #pragma unroll 1
     for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
-        if (c0 + s < c1)
-            qmm_ring_copy<NT, RKC, I8, WG <= 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c0 + s,
-                                                ring + s * stage);
+        if (c0 + s < c1) copy(c0 + s);
         cp_async_commit();
     }
     for (int chunk = c0; chunk < c1; ++chunk) {
         cp_async_wait<S - 2>();  // this chunk's group has landed (groups committed: S - 1 + (chunk - c0))
         __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
         const int nx = chunk + S - 1;
-        if (nx < c1)
-            qmm_ring_copy<NT, RKC, I8, WG <= 4>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, nx,
-                                                ring + ((nx - c0) % S) * stage);
+        if (nx < c1) copy(nx);
         cp_async_commit();
         const u8* st = ring + ((chunk - c0) % S) * stage;
         #pragma unroll

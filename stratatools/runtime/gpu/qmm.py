@@ -601,13 +601,34 @@ def ring_stage_bytes(nt: int, rkc: int, warps: int = THREADS // 32, i8: bool = F
     return 16 * int(warps) * (ws + int(rkc) // 16) + acts
 
 
-@functools.lru_cache(maxsize=None)
+#: ``STRATATOOLS_QMM_COPY_PLAN``: the rings' copies (the integer expert jobs' ``qi8r_tile``, the integer dense ring)
+#: from each thread's plan made once a block (qmm.cu ``QI8RPlan`` / ``QmmRingPlan``: working each chunk's copies out
+#: from the thread index took a quarter of the gate/up jobs' instructions, a third of down's and two fifths of the
+#: dense ring's, cuobjdump of the H200 build, bench/gpu-notes.md twenty-third pass); ``0``: worked out each chunk. The
+#: same bytes staged either way (the same bits).
+COPY_PLAN_ENV = "STRATATOOLS_QMM_COPY_PLAN"
+
+
+def copy_plan() -> bool:
+    """:data:`COPY_PLAN_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(COPY_PLAN_ENV, "the rings' copies from each thread's plan made once")
+
+
 def instances_module(names: tuple[str, ...]) -> Any:
-    """Compile (once per set) the qmm source with only the template instances ``names`` (the rings' kernels: each
-    ring's instances in a module of their own, so that the main module does not compile every ring)."""
+    """Compile (once per set and :func:`copy_plan` setting) the qmm source with only the template instances ``names``
+    (the rings' kernels: each ring's instances in a module of their own, so that the main module does not compile
+    every ring)."""
+    return _instances_module(tuple(names), copy_plan())
+
+
+@functools.lru_cache(maxsize=None)
+def _instances_module(names: tuple[str, ...], plan: bool) -> Any:
     import cupy
 
-    return cupy.RawModule(code=device_source(), options=("--std=c++17",), name_expressions=list(names))
+    opts = ("--std=c++17",) + (() if plan else ("-DQMM_COPY_PLAN=0",))
+    return cupy.RawModule(code=device_source(), options=opts, name_expressions=list(names))
 
 
 def ring_module(stages: int, rkc: int, kg: int = 1, i8: int = 0, wg: int = RING_WARPS_DEFAULT) -> Any:
