@@ -1223,21 +1223,26 @@ __device__ __forceinline__ void qi8_block(const u32 (*wc)[NM][2], const u16 (*dc
         }
         #pragma unroll
         for (int m = 0; m < NM; ++m) {
-            mma_ci Ph, Pl;
+            // the block's exact integer sums: codes . hi, then 256 times that - Q as the accumulator of codes . lo
+            // (int32 arithmetic wraps, so this is 256 (codes . hi) + (codes . lo) - Q in any order: no registers
+            // set to -Q before the lo products, which took moves a block, cuobjdump)
+            mma_ci P;
+            for (int l = 0; l < MMA_LANES; ++l) P.x[l][0] = P.x[l][1] = P.x[l][2] = P.x[l][3] = 0;
+            mma_sync_i8s(P, A[m][0], Bh[0]);
+            mma_sync_i8s(P, A[m][1], Bh[1]);
             for (int l = 0; l < MMA_LANES; ++l) {
-                Ph.x[l][0] = Ph.x[l][1] = Ph.x[l][2] = Ph.x[l][3] = 0;
-                Pl.x[l][0] = Pl.x[l][2] = -q0[l];
-                Pl.x[l][1] = Pl.x[l][3] = -q1[l];
+                P.x[l][0] = (int)(((u32)P.x[l][0] << 8) - (u32)q0[l]);
+                P.x[l][1] = (int)(((u32)P.x[l][1] << 8) - (u32)q1[l]);
+                P.x[l][2] = (int)(((u32)P.x[l][2] << 8) - (u32)q0[l]);
+                P.x[l][3] = (int)(((u32)P.x[l][3] << 8) - (u32)q1[l]);
             }
-            mma_sync_i8s(Ph, A[m][0], Bh[0]);
-            mma_sync_i8s(Ph, A[m][1], Bh[1]);
-            mma_sync_i8u(Pl, A[m][0], Bl[0]);
-            mma_sync_i8u(Pl, A[m][1], Bl[1]);
+            mma_sync_i8u(P, A[m][0], Bl[0]);
+            mma_sync_i8u(P, A[m][1], Bl[1]);
             for (int l = 0; l < MMA_LANES; ++l) {
-                acc[m][n].x[l][0] += d0[l][m] * s0[l] * (float)(256 * Ph.x[l][0] + Pl.x[l][0]);
-                acc[m][n].x[l][1] += d0[l][m] * s1[l] * (float)(256 * Ph.x[l][1] + Pl.x[l][1]);
-                acc[m][n].x[l][2] += d1[l][m] * s0[l] * (float)(256 * Ph.x[l][2] + Pl.x[l][2]);
-                acc[m][n].x[l][3] += d1[l][m] * s1[l] * (float)(256 * Ph.x[l][3] + Pl.x[l][3]);
+                acc[m][n].x[l][0] += d0[l][m] * s0[l] * (float)P.x[l][0];
+                acc[m][n].x[l][1] += d0[l][m] * s1[l] * (float)P.x[l][1];
+                acc[m][n].x[l][2] += d1[l][m] * s0[l] * (float)P.x[l][2];
+                acc[m][n].x[l][3] += d1[l][m] * s1[l] * (float)P.x[l][3];
             }
         }
     }
@@ -1347,12 +1352,16 @@ template <int N> __device__ __forceinline__ void qmm_cp_small(u8* st, unsigned s
 // blockDim.x == QMM_THREADS (qi8r_tile); otherwise qi8r_copy plays the plan's threads.
 template <int NT, int NM, int RKC, int PAD> struct QI8RPlan {
     using G = QI8Ring<NT, NM, RKC, PAD>;
-    static constexpr int PC = 4 * G::BPC, TP = 2 * G::TOK * PC, TJ = (TP + QMM_THREADS - 1) / QMM_THREADS;
-    const u8* wsrc;   // the staged row's weights (row start), nullptr: the thread stages no row
-    int wdst;         // its bytes' offset in a stage
-    const u8* tsrc[TJ];  // piece j's bytes at chunk 0 (nullptr: an empty slot, zeros)
-    int tdst[TJ];     // its offset in a stage (-1: no piece j)
-    int tp[TJ];       // its place p in the chunk's row (copied while p < the chunk's pieces)
+    static constexpr int PC = 4 * G::BPC, TJ = 2 * G::TOK * PC / QMM_THREADS;
+    static_assert(TJ * QMM_THREADS == 2 * G::TOK * PC, "whole rounds of the tokens' pieces");
+    // (QMM_THREADS a multiple of PC: a thread's pieces share their place p in the row, and piece j + 1 lies
+    // QMM_THREADS / PC staged rows after piece j)
+    static_assert(QMM_THREADS % PC == 0, "a thread's pieces at one place of the row");
+    static constexpr int TSTEP = QMM_THREADS / PC * G::XS;
+    const u8* wsrc;      // the staged row's weights (row start), nullptr: the thread stages no row
+    const u8* tsrc[TJ];  // token piece j's bytes at chunk 0 (nullptr: an empty slot, zeros)
+    int tdst;            // piece 0's offset in a stage (piece j's: + j TSTEP)
+    int tp;              // the pieces' place p in the chunk's row (copied while p < the chunk's pieces)
 };
 
 template <int NT, int NM, int RKC, int PAD>
@@ -1363,27 +1372,26 @@ __device__ __forceinline__ void qi8r_plan(QI8RPlan<NT, NM, RKC, PAD>& pl, int t,
     using P = QI8RPlan<NT, NM, RKC, PAD>;
     static_assert(NM == 1 || NM == 2, "one or two matrices a job");
     pl.wsrc = nullptr;
-    pl.wdst = t * G::WS;
     if (t < NM * nrows) {
         // (constant indices into w: a runtime index put the pointers in local memory)
         const int m = t >= nrows, r = t - m * nrows;
         pl.wsrc = (m ? w[NM - 1] : w[0]) + (long long)min(rbase + r, R - 1) * rb;
     }
+    pl.tp = t % P::PC;
+    pl.tdst = NM * nrows * G::WS + (t / P::PC) * G::XS + 16 * pl.tp;
     #pragma unroll
     for (int j = 0; j < P::TJ; ++j) {
         const int i = t + j * QMM_THREADS;
-        const int lohi = i / (G::TOK * P::PC), rem = i - lohi * G::TOK * P::PC;
-        const int slot = rem / P::PC, p = rem - slot * P::PC;
-        const int row = i < P::TP ? tokrow[slot] : -1;
-        pl.tsrc[j] = row >= 0 ? (lohi ? xl : xh) + (long long)row * K + 16 * p : nullptr;
-        pl.tdst[j] = i < P::TP ? NM * nrows * G::WS + (lohi * G::TOK + slot) * G::XS + 16 * p : -1;
-        pl.tp[j] = p;
+        const int lohi = i / (G::TOK * P::PC), slot = i / P::PC - lohi * G::TOK;
+        const int row = tokrow[slot];
+        pl.tsrc[j] = row >= 0 ? (lohi ? xl : xh) + (long long)row * K + 16 * pl.tp : nullptr;
     }
 }
 
-// Issue one thread's copies of chunk `chunk` into the stage at st (shared address st_s on the device).
+// Issue one thread's copies of chunk `chunk` into the stage at st (shared address st_s on the device); t: the
+// thread's staged row (the plan's).
 template <int NT, int NM, int RKC, int PAD>
-__device__ __forceinline__ void qi8r_issue(const QI8RPlan<NT, NM, RKC, PAD>& pl, int K, int chunk, u8* st,
+__device__ __forceinline__ void qi8r_issue(const QI8RPlan<NT, NM, RKC, PAD>& pl, int t, int K, int chunk, u8* st,
                                            unsigned st_s) {
     using G = QI8Ring<NT, NM, RKC, PAD>;
     using P = QI8RPlan<NT, NM, RKC, PAD>;
@@ -1395,14 +1403,14 @@ __device__ __forceinline__ void qi8r_issue(const QI8RPlan<NT, NM, RKC, PAD>& pl,
         const int np = ((int)(a - a16) + 18 * nbc + 15) >> 4;
         #pragma unroll
         for (int p = 0; p < G::WP; ++p)
-            if (p < np) qmm_cp16(st, st_s, pl.wdst + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
+            if (p < np) qmm_cp16(st, st_s, t * G::WS + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
     }
-    const int pieces = 4 * nbc;
+    if (pl.tp >= 4 * nbc) return;
     #pragma unroll
     for (int j = 0; j < P::TJ; ++j) {
-        if (pl.tdst[j] < 0 || pl.tp[j] >= pieces) continue;
-        if (pl.tsrc[j] != nullptr) qmm_cp16(st, st_s, pl.tdst[j], pl.tsrc[j] + (long long)RKC * chunk);
-        else *reinterpret_cast<uint4*>(st + pl.tdst[j]) = make_uint4(0u, 0u, 0u, 0u);
+        const int d = pl.tdst + j * P::TSTEP;
+        if (pl.tsrc[j] != nullptr) qmm_cp16(st, st_s, d, pl.tsrc[j] + (long long)RKC * chunk);
+        else *reinterpret_cast<uint4*>(st + d) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -1421,7 +1429,7 @@ __device__ __forceinline__ void qi8r_copy(const u8* const* w, long long rb, int 
     for (int t = (int)threadIdx.x; t < QMM_THREADS; t += (int)blockDim.x) {
         QI8RPlan<NT, NM, RKC, PAD> pl;
         qi8r_plan(pl, t, w, rb, R, K, rbase, nrows, xh, xl, tokrow);
-        qi8r_issue(pl, K, chunk, st, st_s);
+        qi8r_issue(pl, t, K, chunk, st, st_s);
     }
 }
 
@@ -1448,7 +1456,7 @@ __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int 
         u8* st = ring + (c % S) * stage;
 #ifndef STRATA_HOST
         if (planned) {
-            qi8r_issue(pl, K, c, st, ring_s + (unsigned)((c % S) * stage));
+            qi8r_issue(pl, (int)threadIdx.x, K, c, st, ring_s + (unsigned)((c % S) * stage));
             return;
         }
 #endif
@@ -1546,7 +1554,7 @@ __device__ __forceinline__ void qi8_gu_job(const u8* G, const int* tokrow, int j
 // S = 0: qi8_tile, dynamic shared memory QmmSmemI8<JT / 8>::stage + 8 (H / 64) JT bytes; else qi8r_tile (a ring of S
 // stages of RKC values), S QI8Ring<JT / 8, 2, RKC>::stage(nw) + 8 (H / 64) JT bytes (qmm.py smem_bytes_i8).
 template <int JT, int S = 0, int RKC = 0, int PAD = 16>
-__global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu_i8(
+__global__ void __launch_bounds__(QMM_THREADS, S > 0 && JT <= 8 ? 6 : (JT > 16 ? 2 : 3)) qmm_moe_gu_i8(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
         int H, int Fd) {
