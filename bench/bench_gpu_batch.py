@@ -70,7 +70,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 #: (STRATATOOLS_JOINED_PROJ=0); ``nofuse``: the hyper-connections' launches unfused and no joined products;
 #: ``hoststage``: the graph step's inputs made on the host (STRATATOOLS_BATCH_DEV_STAGE=0; no queued steps);
 #: ``gdnheads``: the batched GDN recurrence's grid heads first (STRATATOOLS_GDN_STEP_COLS=0); ``noplan``: the rings'
-#: copies worked out each chunk instead of from each thread's plan (STRATATOOLS_QMM_COPY_PLAN=0);
+#: copies worked out each chunk instead of from each thread's plan (STRATATOOLS_QMM_COPY_PLAN=0); ``shq80``: the
+#: shared expert's products from its Q8_0 blocks on the fp16 kernel (STRATATOOLS_Q8R_SHARED=0);
 #: ``ring3f4`` / ``ring2f4`` / ``ring4f3``: dense rings of 3, 2, 4 stages of 64 values (4, 5, 3 blocks a SM) with the
 #: split of k aimed at 4, 4, 3 blocks a SM; ``kg2`` / ``kg2b`` / ``kg4``: dense rings whose blocks hold 2 or 4 groups
 #: of 4 warps sharing the rows (2 x 64, 4 x 64 values with 2 groups; 3 x 128 with 4). Every fp16-ring variant sets
@@ -108,7 +109,7 @@ VARIANTS = {"default": {}, "before": {"STRATATOOLS_BATCH_ATTN": "0", "STRATATOOL
             "nofuse": {"STRATATOOLS_HC_FUSED": "0", "STRATATOOLS_JOINED_PROJ": "0"},
             "hoststage": {"STRATATOOLS_BATCH_DEV_STAGE": "0"},
             "gdnheads": {"STRATATOOLS_GDN_STEP_COLS": "0"},
-            "noplan": {"STRATATOOLS_QMM_COPY_PLAN": "0"},
+            "noplan": {"STRATATOOLS_QMM_COPY_PLAN": "0"}, "shq80": {"STRATATOOLS_Q8R_SHARED": "0"},
             "jring2p16": {"STRATATOOLS_QMM_JOBS_RING": "2:256:16"}, "jring2k128": {"STRATATOOLS_QMM_JOBS_RING": "2:128:0"},
             "ring3f4": {**_F16, "STRATATOOLS_QMM_RING": "3:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},
             "ring2f4": {**_F16, "STRATATOOLS_QMM_RING": "2:64", "STRATATOOLS_QMM_SHORT_FILL": "4"},

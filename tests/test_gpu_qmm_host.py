@@ -1562,6 +1562,18 @@ def test_copy_plan_switch(monkeypatch):
         assert built[-1] == (("a<1>",), want)
 
 
+def test_q8r_shared_switch(monkeypatch):
+    """STRATATOOLS_Q8R_SHARED: on by default (the shared expert's short products from Q8R copies), 0 off, another
+    value refused naming the variable."""
+    monkeypatch.delenv(Q.Q8R_SHARED_ENV, raising=False)
+    assert Q.q8r_shared() is True
+    monkeypatch.setenv(Q.Q8R_SHARED_ENV, "0")
+    assert Q.q8r_shared() is False
+    monkeypatch.setenv(Q.Q8R_SHARED_ENV, "yes")
+    with pytest.raises(StrataError, match=Q.Q8R_SHARED_ENV):
+        Q.q8r_shared()
+
+
 @pytest.mark.skipif(NVCC is None, reason="no nvcc to compile the device code")
 def test_device_build_without_copy_plan(tmp_path):
     """The rings' default instances (the integer jobs' ring, the integer dense ring) compiled for sm_90 with

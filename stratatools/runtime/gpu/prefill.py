@@ -1698,22 +1698,24 @@ class ChunkPrefill:
 
     def _shared_gate_up(self, il: int, x: Any) -> tuple[Any, Any] | None:
         """Layer ``il``'s shared expert's gate and up products of x [T, n] as one product where the runtime holds the
-        two matrices as one array (``_shared_gu``) and T rows take the tensor-core GEMMs (:data:`JOINED_ENV`): (gate
-        x, up x) as column views [T, ff] of its output; else None."""
+        two matrices as one array (``_shared_gu``, or its Q8R copy: :meth:`_shared_q8r`) and T rows take the
+        tensor-core GEMMs (:data:`JOINED_ENV`): (gate x, up x) as column views [T, ff] of its output; else None."""
         from stratatools.runtime.gpu import qmm
 
         if (not self.gpu or not joined_enabled() or self.gemm not in ("mma", "hgemm") or x.ndim != 2
                 or int(x.shape[0]) > 8 * qmm.TILES[1]):
             return None
         _dev, _ptrs, gu_t, _d_t, hidden, ff = self.rt._shared_expert(il)  # (made first: it sets _shared_gu)
-        joint = getattr(self.rt, "_shared_gu", {}).get(il)
+        q8r = self._shared_q8r(il, int(x.shape[0]))
+        joint = _Q8RRows(q8r[0], 0) if q8r is not None else getattr(self.rt, "_shared_gu", {}).get(il)
         if joint is None:
             return None
         out = self._qmm(x, joint, gu_t, 2 * ff, hidden, f"blk.{il}.ffn_gate_up_shexp")
         return None if out is None else (out[:, :ff], out[:, ff:])
 
     def _shared_mm(self, il: int, X: Any, which: int) -> Any:
-        """X @ W.T for the shared expert's gate (0), up (1) or down (2) matrix."""
+        """X @ W.T for the shared expert's gate (0), up (1) or down (2) matrix (down from its Q8R copy where
+        :meth:`_shared_q8r` makes one)."""
         name = f"blk.{il}.ffn_{('gate', 'up', 'down')[which]}_shexp.weight"
         if not self.gpu:
             return self._mm(X, name)
@@ -1721,11 +1723,47 @@ class ChunkPrefill:
         t = gu_t if which < 2 else d_t
         rows, cols = (ff, hidden) if which < 2 else (hidden, ff)
         if self.gemm in ("mma", "hgemm"):
-            out = self._qmm(X, dev[which], t, rows, cols, name)
+            q8r = self._shared_q8r(il, int(X.shape[0])) if which == 2 and X.ndim == 2 else None
+            out = self._qmm(X, _Q8RRows(q8r[1], 0) if q8r is not None else dev[which], t, rows, cols, name)
             if out is not None:
                 return out
         W = self._dequant(dev[which], t, rows, cols)
         return self._sgemm(X, W)
+
+    def _shared_q8r(self, il: int, T: int) -> tuple[Any, Any] | None:
+        """Layer ``il``'s shared expert as :class:`stratatools.runtime.gpu.decode.Q8R` copies on the device ((gate
+        and up as one matrix [2 ff, hidden], down [hidden, ff]), for products of T rows that take the integer dense
+        ring (:func:`stratatools.runtime.gpu.qmm.dense_i8`: up to 32 rows on the ``mma`` path; its GGUF Q8_0 blocks
+        went through the fp16 hi / lo kernel and an fp16 split of x, 34 us a layer of the 32-sequence step, H200,
+        bench/gpu-notes.md twenty-third pass), else None. Every layer's copies are made at the first call (the same
+        bytes re-laid out, :func:`stratatools.runtime.gpu.kernels.q8_relayout`: 1.06 bytes a weight more on the
+        device), outside a graph's capture (:meth:`_no_upload_in_capture`); kept on the runtime for every
+        decoder."""
+        from stratatools.runtime.gpu import qmm
+
+        if self.gemm != "mma" or T > 8 * qmm.TILES[1] or not qmm.q8r_shared() or qmm.dense_i8() is None:
+            return None
+        rt = self.rt
+        got = getattr(rt, "_shared_q8r", None)
+        if got is None:
+            from stratatools.runtime.gpu.decode import Q8R
+
+            self._no_upload_in_capture("the shared experts' Q8R copies")
+            got = {}
+            m = self.w.model
+            for j in range(self.cfg.n_layer):
+                p = f"blk.{j}."
+                try:
+                    ts = [m.tensor(p + f"ffn_{r}_shexp.weight") for r in ("gate", "up", "down")]
+                except (KeyError, StrataError):
+                    continue
+                if any(t.type.name != "Q8_0" for t in ts) or int(ts[0].ne[0]) % 32 or int(ts[2].ne[0]) % 32:
+                    continue
+                hidden, ff = int(ts[0].ne[0]), int(ts[0].ne[1])
+                raws = [np.asarray(m.raw(t)).reshape(-1) for t in ts]
+                got[j] = (Q8R(self.cp, np.concatenate(raws[:2]), 2 * ff, hidden), Q8R(self.cp, raws[2], hidden, ff))
+            rt._shared_q8r = got
+        return got.get(il)
 
     #: set by the batched decoder while it runs (or captures) its graph step: GEMMs through a capturable cuBLAS call
     _in_static = False

@@ -616,6 +616,19 @@ def copy_plan() -> bool:
     return env_on(COPY_PLAN_ENV, "the rings' copies from each thread's plan made once")
 
 
+#: ``STRATATOOLS_Q8R_SHARED``: the shared expert's products of up to 32 rows (the batched step, short prefills) from
+#: Q8R copies of its Q8_0 matrices on the integer dense ring (prefill.py ``ChunkPrefill._shared_q8r``); ``0``: from
+#: its GGUF blocks through the fp16 hi / lo kernel.
+Q8R_SHARED_ENV = "STRATATOOLS_Q8R_SHARED"
+
+
+def q8r_shared() -> bool:
+    """:data:`Q8R_SHARED_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
+    from stratatools.runtime.gpu.kernels import env_on
+
+    return env_on(Q8R_SHARED_ENV, "the shared expert's short products from Q8R copies on the integer ring")
+
+
 def instances_module(names: tuple[str, ...]) -> Any:
     """Compile (once per set and :func:`copy_plan` setting) the qmm source with only the template instances ``names``
     (the rings' kernels: each ring's instances in a module of their own, so that the main module does not compile

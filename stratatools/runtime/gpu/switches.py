@@ -13,7 +13,7 @@ def check_switches() -> None:
     the values it takes); needs no CuPy."""
     for read in (qmm.chunk_values, lambda: qmm.chunk_values(moe=True, layout=42), qmm.short_fill, qmm.ring,
                  qmm.ring_warps, qmm.dense_i8, qmm.jobs_ring, qmm.sum_kernel, qmm.dense2, qmm.prefill_gemm,
-                 qmm.batch_gemm, qmm.copy_plan, qmm.job_tokens, lambda: qmm.job_tokens(batch=True),
+                 qmm.batch_gemm, qmm.copy_plan, qmm.q8r_shared, qmm.job_tokens, lambda: qmm.job_tokens(batch=True),
                  qmm.big_matrix_values,
                  lambda: qmm.jobs_i8("Q2_0", "Q2_0"), kernels.shared_side,
                  kernels.dense_min_rows_per_sm,
