@@ -1542,36 +1542,30 @@ def test_device_build_has_no_spills(tmp_path):
         assert int(spill) == 0, name
 
 
-def test_copy_plan_switch(monkeypatch):
-    """STRATATOOLS_QMM_COPY_PLAN: on by default (the rings' copies from each thread's plan), 0 off, another value
-    refused naming the variable; the setting picks the rings' module build (-DQMM_COPY_PLAN=0 when off)."""
-    monkeypatch.delenv(Q.COPY_PLAN_ENV, raising=False)
-    assert Q.copy_plan() is True
-    monkeypatch.setenv(Q.COPY_PLAN_ENV, "0")
-    assert Q.copy_plan() is False
-    monkeypatch.setenv(Q.COPY_PLAN_ENV, "1")
-    assert Q.copy_plan() is True
-    monkeypatch.setenv(Q.COPY_PLAN_ENV, "plan")
-    with pytest.raises(StrataError, match=Q.COPY_PLAN_ENV):
-        Q.copy_plan()
+@pytest.mark.parametrize("env,read", [("COPY_PLAN_ENV", "copy_plan"), ("Q8R_SHARED_ENV", "q8r_shared")])
+def test_flag_switches(monkeypatch, env, read):
+    """STRATATOOLS_QMM_COPY_PLAN (the rings' copies from each thread's plan) and STRATATOOLS_Q8R_SHARED (the shared
+    expert's short products from Q8R copies): on by default, 0 off, another value refused naming the variable."""
+    name, fn = getattr(Q, env), getattr(Q, read)
+    monkeypatch.delenv(name, raising=False)
+    assert fn() is True
+    monkeypatch.setenv(name, "0")
+    assert fn() is False
+    monkeypatch.setenv(name, "1")
+    assert fn() is True
+    monkeypatch.setenv(name, "on")
+    with pytest.raises(StrataError, match=name):
+        fn()
+
+
+def test_copy_plan_picks_the_rings_build(monkeypatch):
+    """The rings' modules are built per STRATATOOLS_QMM_COPY_PLAN setting (-DQMM_COPY_PLAN=0 when off)."""
     built = []
     monkeypatch.setattr(Q, "_instances_module", lambda names, plan: built.append((names, plan)) or "module")
     for v, want in (("0", False), ("", True)):
         monkeypatch.setenv(Q.COPY_PLAN_ENV, v)
         assert Q.instances_module(("a<1>",)) == "module"
         assert built[-1] == (("a<1>",), want)
-
-
-def test_q8r_shared_switch(monkeypatch):
-    """STRATATOOLS_Q8R_SHARED: on by default (the shared expert's short products from Q8R copies), 0 off, another
-    value refused naming the variable."""
-    monkeypatch.delenv(Q.Q8R_SHARED_ENV, raising=False)
-    assert Q.q8r_shared() is True
-    monkeypatch.setenv(Q.Q8R_SHARED_ENV, "0")
-    assert Q.q8r_shared() is False
-    monkeypatch.setenv(Q.Q8R_SHARED_ENV, "yes")
-    with pytest.raises(StrataError, match=Q.Q8R_SHARED_ENV):
-        Q.q8r_shared()
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc to compile the device code")

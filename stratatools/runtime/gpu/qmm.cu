@@ -1322,6 +1322,16 @@ template <int NT, int NM, int RKC, int PAD = 16> struct QI8Ring {
 #define QMM_COPY_PLAN 1
 #endif
 
+// The shared-space address of shared buffer p on the device (0 in the host build, whose copies use p itself).
+__device__ __forceinline__ unsigned qmm_smem_addr(const void* p) {
+#ifndef STRATA_HOST
+    return (unsigned)__cvta_generic_to_shared(p);
+#else
+    (void)p;
+    return 0u;
+#endif
+}
+
 // 16 bytes from src to byte off of the shared buffer at st (st_s: its shared-space address on the device).
 __device__ __forceinline__ void qmm_cp16(u8* st, unsigned st_s, int off, const void* src) {
 #ifndef STRATA_HOST
@@ -1421,11 +1431,7 @@ template <int NT, int NM, int RKC, int PAD>
 __device__ __forceinline__ void qi8r_copy(const u8* const* w, long long rb, int R, int K, int rbase, int nrows,
                                           const u8* __restrict__ xh, const u8* __restrict__ xl, const int* tokrow,
                                           int chunk, u8* st) {
-#ifndef STRATA_HOST
-    const unsigned st_s = (unsigned)__cvta_generic_to_shared(st);
-#else
-    const unsigned st_s = 0u;
-#endif
+    const unsigned st_s = qmm_smem_addr(st);
     for (int t = (int)threadIdx.x; t < QMM_THREADS; t += (int)blockDim.x) {
         QI8RPlan<NT, NM, RKC, PAD> pl;
         qi8r_plan(pl, t, w, rb, R, K, rbase, nrows, xh, xl, tokrow);
@@ -1450,7 +1456,7 @@ __device__ __forceinline__ void qi8r_tile(const u8* const* w, long long rb, int 
     const bool planned = QMM_COPY_PLAN && blockDim.x == QMM_THREADS;
     QI8RPlan<NT, NM, RKC, PAD> pl;
     if (planned) qi8r_plan(pl, (int)threadIdx.x, w, rb, R, K, rbase, nrows, xh, xl, tokrow);
-    const unsigned ring_s = (unsigned)__cvta_generic_to_shared(ring);
+    const unsigned ring_s = qmm_smem_addr(ring);
 #endif
     auto copy = [&](int c) {  // chunk c's copies into its stage
         u8* st = ring + (c % S) * stage;
@@ -1756,11 +1762,7 @@ __device__ __forceinline__ void qmm_ring_copy_i8(const u8* __restrict__ w, const
                                                  int rbase, int nrows, const u16* __restrict__ xhi,
                                                  const u16* __restrict__ xlo, const float* __restrict__ xsc,
                                                  const int* tokrow, int chunk, u8* st) {
-#ifndef STRATA_HOST
-    const unsigned st_s = (unsigned)__cvta_generic_to_shared(st);
-#else
-    const unsigned st_s = 0u;
-#endif
+    const unsigned st_s = qmm_smem_addr(st);
     for (int t = (int)threadIdx.x; t < NTH; t += (int)blockDim.x) {
         QmmRingPlan<NT, RKC, NTH, NR> pl;
         qmm_ring_plan(pl, t, w, wd, xhi, xlo, xsc, R, K, rbase, nrows, tokrow);
@@ -1960,7 +1962,7 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
     const bool planned = QMM_COPY_PLAN && I8 && blockDim.x == NTH;
     QmmRingPlan<NT, RKC, NTH, 16 * WG> pl;
     if (planned) qmm_ring_plan(pl, (int)threadIdx.x, w, wd, xhi, xlo, xsc, R, K, rbase, nrows, tokrow);
-    const unsigned ring_s = (unsigned)__cvta_generic_to_shared(ring);
+    const unsigned ring_s = qmm_smem_addr(ring);
 #endif
     auto copy = [&](int c) {  // chunk c's copies into its stage
         u8* st = ring + ((c - c0) % S) * stage;
