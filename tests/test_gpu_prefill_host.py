@@ -311,3 +311,47 @@ def test_same_memory_and_held_matrices():
                      _raw_groups={("b.weight", "c.weight"): ("buf", [1, 2])}))
     held = [PF.ChunkPrefill._held(fake, n) for n in ("a.weight", "c.weight", "gone.weight", "d.weight")]
     assert held == [True, True, False, False]
+
+
+def test_shared_q8r_copies_on_the_host(kit, monkeypatch):
+    """ChunkPrefill._shared_q8r with numpy standing for CuPy, on the kit's ISTA mix (Q8_0 shared experts): every
+    layer whose three shared matrices are Q8_0 gets copies (gate and up as one [2 ff, hidden] matrix, then down)
+    holding q8_relayout's codes and scales of its GGUF blocks; made once (kept on the runtime); None past 32 rows,
+    on another GEMM path, and with STRATATOOLS_Q8R_SHARED=0."""
+    from types import SimpleNamespace
+
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.kernels import q8_relayout
+    from stratatools.runtime.gpu.prefill import ChunkPrefill
+    from stratatools.runtime.weights import load
+
+    path = kit / "quant/model-ISTA-mix.gguf"
+    if not path.exists():
+        pytest.skip("the kit's ISTA mix is absent")
+    monkeypatch.delenv(qmm.Q8R_SHARED_ENV, raising=False)
+    monkeypatch.delenv(qmm.DENSE_I8_ENV, raising=False)
+    w = load(path)
+    try:
+        m = w.model
+        fake = SimpleNamespace(gemm="mma", rt=SimpleNamespace(), cp=np, w=w, cfg=w.cfg,
+                               _no_upload_in_capture=lambda what: None)
+        got = ChunkPrefill._shared_q8r(fake, 0, 32)
+        assert got is not None
+        q8 = [j for j in range(w.cfg.n_layer)
+              if all(m.tensor(f"blk.{j}.ffn_{r}_shexp.weight").type.name == "Q8_0" for r in ("gate", "up", "down"))]
+        assert q8 and sorted(fake.rt._shared_q8r) == q8
+        j = q8[-1]
+        ts = [m.tensor(f"blk.{j}.ffn_{r}_shexp.weight") for r in ("gate", "up", "down")]
+        hidden, ff = int(ts[0].ne[0]), int(ts[0].ne[1])
+        gu, dn = fake.rt._shared_q8r[j]
+        q, d = q8_relayout(np.concatenate([np.asarray(m.raw(t)).reshape(-1) for t in ts[:2]]), 2 * ff, hidden)
+        assert np.array_equal(gu.q, q) and np.array_equal(gu.d, d)
+        q, d = q8_relayout(np.asarray(m.raw(ts[2])), hidden, ff)
+        assert np.array_equal(dn.q, q) and np.array_equal(dn.d, d)
+        assert ChunkPrefill._shared_q8r(fake, j, 1) is fake.rt._shared_q8r[j]  # (made once)
+        assert ChunkPrefill._shared_q8r(fake, j, 33) is None
+        assert ChunkPrefill._shared_q8r(SimpleNamespace(**{**vars(fake), "gemm": "hgemm"}), j, 8) is None
+        monkeypatch.setenv(qmm.Q8R_SHARED_ENV, "0")
+        assert ChunkPrefill._shared_q8r(fake, j, 8) is None
+    finally:
+        w.close()

@@ -433,6 +433,16 @@ def _same_memory(a: Any, b: Any) -> bool:
         return False
 
 
+class _Q8RCopy:
+    """A Q8_0 matrix re-laid out as the decoder's Q8R buffers are (``q`` int8 codes, ``d`` fp16 scale bits:
+    :func:`stratatools.runtime.gpu.kernels.q8_relayout`), made by the prefill (the shared experts' copies)."""
+
+    __slots__ = ("q", "d")
+
+    def __init__(self, q: Any, d: Any):
+        self.q, self.d = q, d
+
+
 class _Q8RRows:
     """Rows ``row0 ..`` of a decoder's :class:`Q8R` buffer (one matrix of a stacked group), for :meth:`ChunkPrefill._dequant`."""
 
@@ -1731,7 +1741,7 @@ class ChunkPrefill:
         return self._sgemm(X, W)
 
     def _shared_q8r(self, il: int, T: int) -> tuple[Any, Any] | None:
-        """Layer ``il``'s shared expert as :class:`stratatools.runtime.gpu.decode.Q8R` copies on the device ((gate
+        """Layer ``il``'s shared expert as Q8R copies on the device (:class:`_Q8RCopy`: (gate
         and up as one matrix [2 ff, hidden], down [hidden, ff]), for products of T rows that take the integer dense
         ring (:func:`stratatools.runtime.gpu.qmm.dense_i8`: up to 32 rows on the ``mma`` path; its GGUF Q8_0 blocks
         went through the fp16 hi / lo kernel and an fp16 split of x, 34 us a layer of the 32-sequence step, H200,
@@ -1746,7 +1756,13 @@ class ChunkPrefill:
         rt = self.rt
         got = getattr(rt, "_shared_q8r", None)
         if got is None:
-            from stratatools.runtime.gpu.decode import Q8R
+            from stratatools.runtime.gpu.kernels import q8_relayout
+
+            cp = self.cp
+
+            def q8r(raw: np.ndarray, rows: int, cols: int) -> _Q8RCopy:
+                q, d = q8_relayout(raw, rows, cols)
+                return _Q8RCopy(cp.asarray(q), cp.asarray(d))
 
             self._no_upload_in_capture("the shared experts' Q8R copies")
             got = {}
@@ -1761,7 +1777,7 @@ class ChunkPrefill:
                     continue
                 hidden, ff = int(ts[0].ne[0]), int(ts[0].ne[1])
                 raws = [np.asarray(m.raw(t)).reshape(-1) for t in ts]
-                got[j] = (Q8R(self.cp, np.concatenate(raws[:2]), 2 * ff, hidden), Q8R(self.cp, raws[2], hidden, ff))
+                got[j] = (q8r(np.concatenate(raws[:2]), 2 * ff, hidden), q8r(raws[2], hidden, ff))
             rt._shared_q8r = got
         return got.get(il)
 
