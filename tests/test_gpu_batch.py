@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -413,6 +414,15 @@ def test_gpu_shared_expert_q8r_copies(kit, kit_prompts, monkeypatch):
         assert m.tensor("blk.0.ffn_gate_shexp.weight").type.name == "Q8_0"
         bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
         toks = _admit_all(rt, bds, _kit_prompts3(kit_prompts))
+        used = {"0": 0, "1": 0}  # (steps' products from the copies, by setting)
+        for bd in bds:
+            shared = bd._shared_q8r
+
+            def spy(il, T, _f=shared):
+                got = _f(il, T)
+                used[os.environ.get(qmm.Q8R_SHARED_ENV, "")] += got is not None
+                return got
+            bd._shared_q8r = spy
         for s in range(4):
             got = []
             for flag, bd in zip(("0", "1"), bds):
@@ -422,6 +432,7 @@ def test_gpu_shared_expert_q8r_copies(kit, kit_prompts, monkeypatch):
             assert np.abs(la - lb).max() <= 1e-4 * np.abs(la).max(), s
             assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][2], got[1][2]), s
             toks = [int(t) for t in got[0][1]]
+        assert used["0"] == 0 and used["1"] > 0, used
         copies = rt.dec.rt._shared_q8r
         q8 = [j for j in range(rt.dec.rt.cfg.n_layer)
               if all(m.tensor(f"blk.{j}.ffn_{r}_shexp.weight").type.name == "Q8_0" for r in ("gate", "up", "down"))]

@@ -1642,10 +1642,10 @@ class ChunkPrefill:
             # the split of x that both branches' tensor-core GEMMs read is made here first, so the side stream only
             # reads it (and no cuBLAS call of the side stream runs beside one of the main stream)
             if self.gemm == "mma" and self._xs_memo is not None and self._xs_memo[0] is x:
-                # (a split not kept for x would be made by each GEMM that reads it, on its stream; the shared
-                # expert's matrices are GGUF blocks, whose kind is "f16": were they Q8R, their "i8d" split would
-                # have to be made here too, or the side stream would write the memo while the main one reads it)
-                self._split(x)
+                # (a split not kept for x would be made by each GEMM that reads it, on its stream: the kind the
+                # shared expert's products read, "i8d" for its Q8R copies on the integer ring, else "f16" for its
+                # GGUF blocks, is made here, so that the side stream only reads the memo)
+                self._split(x, "i8d" if self._shared_q8r(il, int(x.shape[0])) is not None else "f16")
             main = cp.cuda.get_current_stream()
             fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
             fork.record(main)
@@ -1747,8 +1747,10 @@ class ChunkPrefill:
         went through the fp16 hi / lo kernel and an fp16 split of x, 34 us a layer of the 32-sequence step, H200,
         bench/gpu-notes.md twenty-third pass), else None. Every layer's copies are made at the first call (the same
         bytes re-laid out, :func:`stratatools.runtime.gpu.kernels.q8_relayout`: 1.06 bytes a weight more on the
-        device), outside a graph's capture (:meth:`_no_upload_in_capture`); kept on the runtime for every
-        decoder."""
+        device), outside a graph's capture (:meth:`_no_upload_in_capture`), in device memory of their own
+        (``cupy.cuda.Memory``, as qmm.py's split counters: the first batched step's eager pass allocates from its
+        decoder's graph pool, which a failed capture or the decoder's end would give back); kept on the runtime for
+        every decoder."""
         from stratatools.runtime.gpu import qmm
 
         if self.gemm != "mma" or T > 8 * qmm.TILES[1] or not qmm.q8r_shared() or qmm.dense_i8() is None:
@@ -1760,9 +1762,17 @@ class ChunkPrefill:
 
             cp = self.cp
 
+            def own(a: np.ndarray) -> Any:  # (device memory of its own: see the docstring; numpy: a copy)
+                if cp is np:
+                    return a.copy()
+                out = cp.ndarray(a.shape, dtype=a.dtype,
+                                 memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(max(1, int(a.nbytes))), 0))
+                out.set(np.ascontiguousarray(a))
+                return out
+
             def q8r(raw: np.ndarray, rows: int, cols: int) -> _Q8RCopy:
                 q, d = q8_relayout(raw, rows, cols)
-                return _Q8RCopy(cp.asarray(q), cp.asarray(d))
+                return _Q8RCopy(own(q), own(d))
 
             self._no_upload_in_capture("the shared experts' Q8R copies")
             got = {}
