@@ -59,7 +59,7 @@ import numpy as np
 from stratatools.core.errors import StrataError
 
 from stratatools.runtime.gpu.kernels import SHARED_SIDE_ENV, _env_on, shared_side  # noqa: F401
-from stratatools.runtime.gpu.kernels import begin_capture, cuda_source, cuda_unit, dense_kernel, env_count
+from stratatools.runtime.gpu.kernels import Q8R, begin_capture, cuda_source, cuda_unit, dense_kernel, env_count
 from stratatools.runtime.gpu.launch import pdl, pdl_enabled, pdl_supported
 from stratatools.runtime.model import SequenceState, _l2norm, _rmsnorm, _sigmoid, _silu, _softmax, _softplus, _to_host
 from stratatools.runtime.topk import llamacpp_cells, torch_topk_indices
@@ -404,21 +404,6 @@ def graph_cuts(n_layer: int, spec: str | None = None) -> list[int]:
 
 #: Marks a layer's prefetch event already waited for (at a graph cut): its fetch uses the prefetched copies.
 _JOINED = object()
-
-
-class Q8R:
-    """A Q8_0 matrix in ``dense_q8.cu``'s layout on the device (:func:`stratatools.runtime.gpu.kernels.q8_relayout`):
-    ``q`` int8 codes [rows * cols], ``d`` fp16 scale bits uint16 [rows * cols / 32]. ``size``: its device bytes
-    (the GGUF blocks' size)."""
-
-    __slots__ = ("q", "d", "size")
-
-    def __init__(self, cp: Any, raw: np.ndarray, rows: int, cols: int):
-        from stratatools.runtime.gpu.kernels import q8_relayout
-
-        q, d = q8_relayout(raw, rows, cols)
-        self.q, self.d = cp.asarray(q), cp.asarray(d)
-        self.size = int(q.nbytes + d.nbytes)
 
 
 class StaticDecoder:

@@ -274,6 +274,31 @@ def q8_relayout(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
     return q, d
 
 
+def device_copy(cp: Any, a: np.ndarray) -> Any:
+    """Host array ``a`` uploaded into device memory of its own (``cupy.cuda.Memory``: cudaMalloc, outside every memory
+    pool, so that neither a CUDA graph's private pool nor its release can take it back; as qmm.py's split counters).
+    With numpy standing for CuPy (the host tests): a copy."""
+    if cp is np:
+        return np.array(a, copy=True)
+    out = cp.ndarray(a.shape, dtype=a.dtype, memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(max(1, int(a.nbytes))), 0))
+    out.set(np.ascontiguousarray(a))
+    return out
+
+
+class Q8R:
+    """A Q8_0 matrix in ``dense_q8.cu``'s layout on the device (:func:`q8_relayout`): ``q`` int8 codes
+    [rows * cols], ``d`` fp16 scale bits uint16 [rows * cols / 32]. ``size``: its device bytes (the GGUF blocks'
+    size). ``own``: in device memory of its own (:func:`device_copy`) rather than the current pool's."""
+
+    __slots__ = ("q", "d", "size")
+
+    def __init__(self, cp: Any, raw: np.ndarray, rows: int, cols: int, own: bool = False):
+        q, d = q8_relayout(raw, rows, cols)
+        up = (lambda a: device_copy(cp, a)) if own else cp.asarray
+        self.q, self.d = up(q), up(d)
+        self.size = int(q.nbytes + d.nbytes)
+
+
 def q8r_f32(xp: Any, q: Any, d: Any, row0: int, rows: int, cols: int) -> Any:
     """Rows ``row0 .. row0+rows-1`` of a Q8_0 matrix in :func:`q8_relayout`'s layout (int8 codes [R * cols], fp16
     scale bits uint16 [R * cols / 32]) as float32 [rows, cols] on ``xp``: code times scale, one float32 multiply per

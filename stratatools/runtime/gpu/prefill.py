@@ -419,7 +419,7 @@ class _SharedTail:
 
 
 def _is_q8r(buf: Any) -> bool:
-    """Is a decoder's matrix buffer a :class:`stratatools.runtime.gpu.decode.Q8R` (codes ``q`` and scales ``d`` in
+    """Is a decoder's matrix buffer a :class:`stratatools.runtime.gpu.kernels.Q8R` (codes ``q`` and scales ``d`` in
     ``dense_q8.cu``'s layout) rather than GGUF block bytes?"""
     return getattr(buf, "q", None) is not None and getattr(buf, "d", None) is not None
 
@@ -431,16 +431,6 @@ def _same_memory(a: Any, b: Any) -> bool:
                 and tuple(a.strides) == tuple(b.strides))
     except (AttributeError, TypeError):  # (numpy: .data is a buffer without a device pointer)
         return False
-
-
-class _Q8RCopy:
-    """A Q8_0 matrix re-laid out as the decoder's Q8R buffers are (``q`` int8 codes, ``d`` fp16 scale bits:
-    :func:`stratatools.runtime.gpu.kernels.q8_relayout`), made by the prefill (the shared experts' copies)."""
-
-    __slots__ = ("q", "d")
-
-    def __init__(self, q: Any, d: Any):
-        self.q, self.d = q, d
 
 
 class _Q8RRows:
@@ -1741,14 +1731,14 @@ class ChunkPrefill:
         return self._sgemm(X, W)
 
     def _shared_q8r(self, il: int, T: int) -> tuple[Any, Any] | None:
-        """Layer ``il``'s shared expert as Q8R copies on the device (:class:`_Q8RCopy`: (gate
+        """Layer ``il``'s shared expert as Q8R copies on the device (:class:`stratatools.runtime.gpu.kernels.Q8R`: (gate
         and up as one matrix [2 ff, hidden], down [hidden, ff]), for products of T rows that take the integer dense
         ring (:func:`stratatools.runtime.gpu.qmm.dense_i8`: up to 32 rows on the ``mma`` path; its GGUF Q8_0 blocks
         went through the fp16 hi / lo kernel and an fp16 split of x, 34 us a layer of the 32-sequence step, H200,
         bench/gpu-notes.md twenty-third pass), else None. Every layer's copies are made at the first call (the same
         bytes re-laid out, :func:`stratatools.runtime.gpu.kernels.q8_relayout`: 1.06 bytes a weight more on the
         device), outside a graph's capture (:meth:`_no_upload_in_capture`), in device memory of their own
-        (``cupy.cuda.Memory``, as qmm.py's split counters: the first batched step's eager pass allocates from its
+        (:func:`stratatools.runtime.gpu.kernels.device_copy`: the first batched step's eager pass allocates from its
         decoder's graph pool, which a failed capture or the decoder's end would give back); kept on the runtime for
         every decoder."""
         from stratatools.runtime.gpu import qmm
@@ -1758,36 +1748,22 @@ class ChunkPrefill:
         rt = self.rt
         got = getattr(rt, "_shared_q8r", None)
         if got is None:
-            from stratatools.runtime.gpu.kernels import q8_relayout
-
-            cp = self.cp
-
-            def own(a: np.ndarray) -> Any:  # (device memory of its own: see the docstring; numpy: a copy)
-                if cp is np:
-                    return a.copy()
-                out = cp.ndarray(a.shape, dtype=a.dtype,
-                                 memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(max(1, int(a.nbytes))), 0))
-                out.set(np.ascontiguousarray(a))
-                return out
-
-            def q8r(raw: np.ndarray, rows: int, cols: int) -> _Q8RCopy:
-                q, d = q8_relayout(raw, rows, cols)
-                return _Q8RCopy(own(q), own(d))
+            from stratatools.runtime.gpu.kernels import Q8R
 
             self._no_upload_in_capture("the shared experts' Q8R copies")
             got = {}
             m = self.w.model
             for j in range(self.cfg.n_layer):
-                p = f"blk.{j}."
                 try:
-                    ts = [m.tensor(p + f"ffn_{r}_shexp.weight") for r in ("gate", "up", "down")]
-                except (KeyError, StrataError):
+                    ts = [m.tensor(f"blk.{j}.ffn_{r}_shexp.weight") for r in ("gate", "up", "down")]
+                except StrataError:  # (a layer without a shared expert)
                     continue
-                if any(t.type.name != "Q8_0" for t in ts) or int(ts[0].ne[0]) % 32 or int(ts[2].ne[0]) % 32:
+                if any(t.type.name != "Q8_0" for t in ts):
                     continue
                 hidden, ff = int(ts[0].ne[0]), int(ts[0].ne[1])
                 raws = [np.asarray(m.raw(t)).reshape(-1) for t in ts]
-                got[j] = (q8r(np.concatenate(raws[:2]), 2 * ff, hidden), q8r(raws[2], hidden, ff))
+                got[j] = (Q8R(self.cp, np.concatenate(raws[:2]), 2 * ff, hidden, own=True),
+                          Q8R(self.cp, raws[2], hidden, ff, own=True))
             rt._shared_q8r = got
         return got.get(il)
 

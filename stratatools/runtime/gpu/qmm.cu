@@ -1332,25 +1332,16 @@ __device__ __forceinline__ unsigned qmm_smem_addr(const void* p) {
 #endif
 }
 
-// 16 bytes from src to byte off of the shared buffer at st (st_s: its shared-space address on the device).
-__device__ __forceinline__ void qmm_cp16(u8* st, unsigned st_s, int off, const void* src) {
+// N = 4, 8 or 16 bytes from src to byte off of the shared buffer at st (st_s: its shared-space address on the device).
+template <int N> __device__ __forceinline__ void qmm_cp(u8* st, unsigned st_s, int off, const void* src) {
 #ifndef STRATA_HOST
     (void)st;
-    cp_async16_s(st_s + (unsigned)off, src);
+    if constexpr (N == 16) cp_async16_s(st_s + (unsigned)off, src);
+    else cp_async_small_s<N>(st_s + (unsigned)off, src);
 #else
     (void)st_s;
-    cp_async16(st + off, src);
-#endif
-}
-
-// N = 4 or 8 bytes from src to byte off of the shared buffer at st (as qmm_cp16).
-template <int N> __device__ __forceinline__ void qmm_cp_small(u8* st, unsigned st_s, int off, const void* src) {
-#ifndef STRATA_HOST
-    (void)st;
-    cp_async_small_s<N>(st_s + (unsigned)off, src);
-#else
-    (void)st_s;
-    cp_async_small<N>(st + off, src);
+    if constexpr (N == 16) cp_async16(st + off, src);
+    else cp_async_small<N>(st + off, src);
 #endif
 }
 
@@ -1413,13 +1404,13 @@ __device__ __forceinline__ void qi8r_issue(const QI8RPlan<NT, NM, RKC, PAD>& pl,
         const int np = ((int)(a - a16) + 18 * nbc + 15) >> 4;
         #pragma unroll
         for (int p = 0; p < G::WP; ++p)
-            if (p < np) qmm_cp16(st, st_s, t * G::WS + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
+            if (p < np) qmm_cp<16>(st, st_s, t * G::WS + 16 * p, reinterpret_cast<const void*>(a16 + 16ull * p));
     }
     if (pl.tp >= 4 * nbc) return;
     #pragma unroll
     for (int j = 0; j < P::TJ; ++j) {
         const int d = pl.tdst + j * P::TSTEP;
-        if (pl.tsrc[j] != nullptr) qmm_cp16(st, st_s, d, pl.tsrc[j] + (long long)RKC * chunk);
+        if (pl.tsrc[j] != nullptr) qmm_cp<16>(st, st_s, d, pl.tsrc[j] + (long long)RKC * chunk);
         else *reinterpret_cast<uint4*>(st + d) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
@@ -1736,21 +1727,18 @@ __device__ __forceinline__ void qmm_ring_issue(const QmmRingPlan<NT, RKC, NTH, N
     const long long k0 = (long long)chunk * RKC;
     #pragma unroll
     for (int j = 0; j < P::WJ; ++j)
-        if (pl.wdst[j] >= 0) qmm_cp16(st, st_s, pl.wdst[j], pl.ws[j] + k0);
-    if (pl.ddst >= 0) {
-        if constexpr (G::DB == 16) qmm_cp16(st, st_s, pl.ddst, pl.ds + k0 / 16);
-        else qmm_cp_small<G::DB>(st, st_s, pl.ddst, pl.ds + k0 / 16);
-    }
+        if (pl.wdst[j] >= 0) qmm_cp<16>(st, st_s, pl.wdst[j], pl.ws[j] + k0);
+    if (pl.ddst >= 0) qmm_cp<G::DB>(st, st_s, pl.ddst, pl.ds + k0 / 16);
     #pragma unroll
     for (int j = 0; j < P::SJ; ++j) {
         if (pl.sdst[j] < 0) continue;
-        if (pl.ss[j] != nullptr) qmm_cp_small<4>(st, st_s, pl.sdst[j], pl.ss[j] + 4 * P::B64 * (long long)chunk);
+        if (pl.ss[j] != nullptr) qmm_cp<4>(st, st_s, pl.sdst[j], pl.ss[j] + 4 * P::B64 * (long long)chunk);
         else *reinterpret_cast<float*>(st + pl.sdst[j]) = 0.0f;
     }
     #pragma unroll
     for (int j = 0; j < P::TJ; ++j) {
         if (pl.tdst[j] < 0) continue;
-        if (pl.ts[j] != nullptr) qmm_cp16(st, st_s, pl.tdst[j], pl.ts[j] + k0);
+        if (pl.ts[j] != nullptr) qmm_cp<16>(st, st_s, pl.tdst[j], pl.ts[j] + k0);
         else *reinterpret_cast<uint4*>(st + pl.tdst[j]) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
