@@ -442,6 +442,27 @@ def test_gpu_shared_expert_q8r_copies(kit, kit_prompts, monkeypatch):
         assert np.array_equal(cp.asnumpy(copies[0][1].q), q) and np.array_equal(cp.asnumpy(copies[0][1].d), d)
 
 
+def test_gpu_batch_pdl_keeps_the_steps_bits(kit, kit_prompts, monkeypatch):
+    """The batched step's kernels by programmatic dependent launch inside its graph (STRATATOOLS_BATCH_PDL=1, the
+    default; the dense ring's first weight copies before its griddepcontrol.wait) against plain launches (0), on the
+    kit's Q2_0 model: the batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps; the
+    capture made launches with the attribute of the expert jobs, the dense ring, the job table and the router
+    (its logits by qmm_f32_nt, its top-k by pf_route_warp)."""
+    from stratatools.runtime.gpu import launch, qmm
+    from stratatools.runtime.gpu.batch import BatchDecoder
+
+    with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
+        ly = rt.dec.rt.tier.arena.layers[0]
+        assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id) and qmm.jobs_ring() is not None
+        assert qmm.dense_i8() is not None and launch.batch_pdl_on() is True
+        launch.BATCH_PDL_LAUNCHES.clear()
+        bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
+        _steps_bits(rt, bds, _kit_prompts3(kit_prompts), launch.BATCH_PDL_ENV, "0", "1", monkeypatch)
+    got = launch.BATCH_PDL_LAUNCHES
+    for name in ("qmm_moe_gu_i8", "qmm_moe_down_i8", "qmm_dense_ring", "qmm_jobs", "pf_route_warp", "qmm_f32_nt"):
+        assert sum(n for k, n in got.items() if k.startswith(name)) > 0, (name, got)
+
+
 def test_gpu_copy_plan_keeps_the_steps_bits(kit, kit_prompts, monkeypatch):
     """The rings' copies from each thread's plan (STRATATOOLS_QMM_COPY_PLAN=1, the default) against worked out each
     chunk (0), on the kit's Q2_0 model (the integer expert jobs' ring, the integer dense ring): the batched steps'

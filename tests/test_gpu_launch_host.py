@@ -17,16 +17,18 @@ from stratatools.runtime.gpu import kernels as K
 from stratatools.runtime.gpu import launch as L
 
 STEP_FILES = ("decode_step.cu", "fused_step.cu", "attn_step.cu", "qsa_step.cu", "dense_q8.cu", "moe_staged.cu")
+#: the prefill's and the batched step's kernel files (launch.batch_kernel)
+BATCH_FILES = ("qmm.cu", "prefill.cu", "gdn_prep.cu", "attn_batch.cu")
 #: kernels whose first weight loads come before PDL_ENTRY(), and the parameters those loads must not touch
 LATE_ENTRY = {"mv_q8r": ("x", "y", "part", "counter", "xdiv"), "mv_q8i": ("x", "y", "hn", "xdiv")}
 
 
-def _bodies() -> dict[str, str]:
-    """{kernel name: body text} of every __global__ kernel of the step files (their includes expanded)."""
+def _bodies(files: tuple[str, ...] = STEP_FILES) -> dict[str, str]:
+    """{kernel name: body text} of every __global__ kernel of ``files``."""
     out = {}
-    for f in STEP_FILES:
+    for f in files:
         src = K.cuda_source(f)
-        for m in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", src):
+        for m in re.finditer(r"__global__ void (?:__launch_bounds__\((?:[^()]|\([^()]*\))*\) )?(\w+)\(", src):
             i, depth = m.end(), 1
             while depth:
                 depth += (src[i] == "(") - (src[i] == ")")
@@ -53,6 +55,54 @@ def test_every_step_kernel_begins_with_pdl_entry():
                 assert not re.search(rf"(?<![.\w]){p}\b", code), (name, p)  # (not .x of a dim3)
         else:
             assert before.strip() == "", (name, before[:80])
+
+
+def test_every_batch_kernel_begins_with_pdl_entry():
+    bodies = _bodies(BATCH_FILES)
+    assert set(bodies) == set(L.BATCH_PDL_KERNELS)  # every kernel of the files, and nothing else
+    assert not set(bodies) & set(L.PDL_KERNELS)
+    for name, body in bodies.items():
+        assert body.count("PDL_ENTRY();") == 1, name
+        before = re.sub(r"//[^\n]*", "", body.split("PDL_ENTRY();")[0])
+        if name == "qmm_dense_ring":  # set-up from its arguments, the tokens' rows, then its first weights' copies
+            assert before.count("qmm_ring_issue<QMM_ISSUE_W>(") == 1 and "qmm_ring_copy" not in before
+            assert before.count("qmm_ring_issue") == 1 and "qmm_stage" not in before
+            assert not re.search(r"\b(?:Y|P|cnt|xsc|xhi|xlo)\s*\[", before) and "__ldg" not in before
+            assert not re.search(r"\bdst\s*\[|atomic", before)
+        elif name == "qmm_f32_nt":  # its slice of the weights (constant) into shared memory
+            assert before.count("__ldg(") == 1 and "W +" in before and "__syncthreads" not in before
+            assert not re.search(r"\b(?:X|P)\s*[\[+]", before)
+        else:
+            assert before.strip() == "", (name, before[:80])
+    units = [K.cuda_unit(f) for f in BATCH_FILES]
+    assert all("griddepcontrol.wait;" in u and not re.search(r'^\s*#include "', u, re.M) for u in units)
+
+
+def test_batch_kernel_wraps_only_the_listed_kernels(monkeypatch):
+    class Fn:  # stands for a CuPy RawKernel (a driver handle, a call)
+        kernel = types.SimpleNamespace(ptr=0x1234)
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, grid, block, args, shared_mem=0, stream=None):
+            self.calls.append((grid, block, args, shared_mem))
+
+    fn = Fn()
+    k = L.batch_kernel(fn, "qmm_dense_ring<4, 3, 128, 2, 1, 4>")
+    assert isinstance(k, L.PdlKernel) and k.switch is L.batch_pdl_on and k.fn is fn
+    assert L.batch_kernel(k, "qmm_jobs") is k
+    other = Fn()
+    assert L.batch_kernel(other, "route_topk") is other and L.batch_kernel(other, "cupy_copy") is other
+    assert L.batch_kernel(object(), "qmm_jobs").__class__ is object  # no driver handle: left alone
+    monkeypatch.setenv(L.BATCH_PDL_ENV, "2")
+    with pytest.raises(StrataError, match=L.BATCH_PDL_ENV):
+        L.pdl_enabled(env=L.BATCH_PDL_ENV)
+    for v, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv(L.BATCH_PDL_ENV, v)
+        assert L.pdl_enabled(env=L.BATCH_PDL_ENV) is on
+    monkeypatch.setenv(L.PDL_ENV, "0")  # the decode step's switch is another variable
+    assert L.pdl_enabled(env=L.BATCH_PDL_ENV) is True and L.pdl_enabled() is False
 
 
 def test_step_files_include_pdl_header_and_it_is_a_no_op_on_the_host():

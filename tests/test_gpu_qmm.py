@@ -384,6 +384,28 @@ def test_gpu_device_job_table_matches_expert_jobs(T, k, E, seed, jt):
     assert np.all(jp[n:] == ptr_row[0]) and np.all(tok[n * jt:] == -1) and np.all(dst[n * jt:] == -1)
 
 
+@pytest.mark.parametrize("T,R,K", [(32, 257, 2560), (1, 257, 2560), (7, 33, 132), (32, 64, 128), (5, 40, 260)])
+def test_gpu_f32_nt_matches_float64(T, R, K):
+    """qmm.f32_nt (the batched step's router: qmm_f32_nt's slices of k, qmm_sum_slices) within 2e-6 of float64
+    relative to |X| |W| element by element, the same bits on a second launch, and within the same bound of cuBLAS's
+    SGEMM."""
+    import cupy as cp
+
+    from stratatools.runtime.gpu import qmm
+    from stratatools.runtime.gpu.blas import sgemm_nt
+
+    rng = np.random.default_rng(T + R + K)
+    X = rng.standard_normal((T, K)).astype(np.float32)
+    W = (0.05 * rng.standard_normal((R, K))).astype(np.float32)
+    Xd, Wd = cp.asarray(X), cp.asarray(W)
+    assert qmm.f32_nt_applies(Xd, Wd)
+    Y = cp.asnumpy(qmm.f32_nt(Xd, Wd))
+    assert Y.shape == (T, R) and np.array_equal(Y, cp.asnumpy(qmm.f32_nt(Xd, Wd)))
+    mag = np.abs(X.astype(np.float64)) @ np.abs(W.astype(np.float64)).T
+    assert np.all(np.abs(Y - X.astype(np.float64) @ W.astype(np.float64).T) <= 2e-6 * mag)
+    assert np.all(np.abs(Y - cp.asnumpy(sgemm_nt(Xd, Wd))) <= 4e-6 * mag)
+
+
 @pytest.mark.parametrize("layout,rows,cols", [("Q8R", 2560, 2560), ("Q8R", 300, 1056), ("Q8_0", 520, 640),
                                               ("Q2_0", 264, 1024)])
 @pytest.mark.parametrize("T", [1, 7, 32, 512])

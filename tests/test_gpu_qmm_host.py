@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -53,6 +54,7 @@ def _host_lib(tmp_path_factory, kc: int):
     for a in (1, 2):
         getattr(h, f"host_qmm_sum_act_{a}").argtypes = [U, U, P, P, LL, I, F]
     h.host_qmm_act_rows.argtypes = [U, U, P, LL, I, F]
+    h.host_qmm_f32_nt.argtypes = [U, U, P, P, P, I, I, I]
     h.host_qmm_jobs.argtypes = [U, U, P, I, I, I, P, I, I, P, P, P]
     for f in sorted(set(Q.LAYOUTS.values())):
         for nt in Q.TILES:
@@ -1275,6 +1277,59 @@ def test_sum_slices_adds_in_slice_order(lib, n, nz):
     for z in range(nz):
         ref = ref + P[z]
     assert np.array_equal(Y[:n], ref) and np.all(Y[n:] == 7.0)
+
+
+@pytest.mark.parametrize("T,R,K", [(32, 257, 2560), (1, 1, 4), (7, 33, 132), (32, 64, 128), (5, 40, 260)])
+def test_f32_nt_slices_are_the_float32_products(lib, T, R, K):
+    """qmm_f32_nt (the batched step's router): slice z of P [nz, T, R] is X[:, k] . W[:, k] over k in [128 z,
+    128 (z + 1)) (rows past R, tokens past T and k past K read as zeros, nothing written outside P), each an fmaf chain
+    in float32 (within a few ulps of the float64 products); qmm_sum_slices of the slices is X W^T; the same bits each
+    run; whole blocks of 32 rows, partial ones, one token and 32."""
+    rng = np.random.default_rng(T * 1000 + R + K)
+    X = rng.standard_normal((T, K)).astype(np.float32)
+    W = (0.05 * rng.standard_normal((R, K))).astype(np.float32)
+    nz = -(-K // Q.F32_KS)
+    gx = -(-R // Q.F32_ROWS)
+    Pz = np.full((nz + 1, T, R), np.nan, np.float32)  # (a spare slice: must stay untouched)
+    lib.host_qmm_f32_nt(gx, nz, _p(X), _p(W), _p(Pz), T, R, K)
+    assert np.all(np.isnan(Pz[nz]))
+    X64, W64 = X.astype(np.float64), W.astype(np.float64)
+    for z in range(nz):
+        ks = slice(z * Q.F32_KS, min(K, (z + 1) * Q.F32_KS))
+        ref = X64[:, ks] @ W64[:, ks].T
+        mag = np.abs(X64[:, ks]) @ np.abs(W64[:, ks]).T
+        assert np.all(np.abs(Pz[z] - ref) <= 1e-6 * mag + 1e-30), z
+    again = np.full_like(Pz, np.nan)
+    lib.host_qmm_f32_nt(gx, nz, _p(X), _p(W), _p(again), T, R, K)
+    assert np.array_equal(again[:nz], Pz[:nz])
+    Y = np.zeros((T, R), np.float32)
+    n = T * R
+    lib.host_qmm_sum_slices(n // 4 if n % 4 == 0 else n, 1, _p(Pz), _p(Y), n, nz)  # (slices 0 .. nz - 1 of Pz)
+    ref = X64 @ W64.T
+    assert np.all(np.abs(Y - ref) <= 2e-6 * (np.abs(X64) @ np.abs(W64).T)), np.max(np.abs(Y - ref))
+
+
+def test_f32_nt_refuses_what_it_does_not_take():
+    """f32_nt_applies: float32 contiguous [T <= 32, K] and [R, K], K a multiple of 4, 16-byte aligned (numpy stands
+    for CuPy: only shapes, dtypes, flags and addresses are read); f32_nt raises StrataError for anything else."""
+    class Arr(np.ndarray):  # a numpy array with CuPy's .data.ptr
+        @property
+        def data(self):
+            return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def arr(shape, dtype=np.float32, off=0):
+        buf = np.zeros(int(np.prod(shape)) + 8, dtype)
+        a0 = (-buf.ctypes.data // buf.itemsize) % (16 // buf.itemsize)  # (first 16-byte aligned element)
+        return buf[a0 + off:a0 + off + int(np.prod(shape))].reshape(shape).view(Arr)
+
+    assert Q.f32_nt_applies(arr((32, 2560)), arr((257, 2560)))
+    assert Q.f32_nt_applies(arr((1, 4)), arr((1, 4)))
+    for X, W in ((arr((33, 2560)), arr((257, 2560))), (arr((4, 2562)), arr((9, 2562))), (arr((4, 64)), arr((9, 60))),
+                 (arr((4, 64), np.float64), arr((9, 64))), (arr((4, 64), off=1), arr((9, 64))),
+                 (arr((4, 64)), arr((9, 64), off=2)), (arr((4, 128))[:, ::2], arr((9, 64)))):
+        assert not Q.f32_nt_applies(X, W)
+        with pytest.raises(StrataError, match="f32_nt"):
+            Q.f32_nt(X, W)
 
 
 def _act_ref(y, act, div):

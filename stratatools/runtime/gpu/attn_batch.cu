@@ -11,6 +11,7 @@
 // Written for any block size (lanes = min(32, blockDim.x), warps = max(1, blockDim.x / lanes)).
 
 #include "step_common.cuh"  // step_sigm, step_warp_sum, step_block_sum, step_block_max, step_rms_rope_row
+#include "pdl.cuh"          // PDL_ENTRY: every kernel begins with it (launch.py BATCH_PDL_KERNELS)
 
 
 // Block (b, r): token r = blockIdx.y; b < nh: query head b of qraw [T, nh, 2 hd] (first hd values; the second half is
@@ -23,6 +24,7 @@ extern "C" __global__ void attn_prep_b(const float* __restrict__ qraw, const flo
                                        const float* __restrict__ sinv, int n_rot, int nh, int nkv, int hd, float eps,
                                        const int* __restrict__ place, const int* __restrict__ pos, int max_ctx,
                                        float* __restrict__ qout, float* __restrict__ Kc, float* __restrict__ Vc) {
+    PDL_ENTRY();
     STEP_DYN_SHARED(float, t);
     __shared__ float red[32];
     const int b = blockIdx.x, r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
@@ -46,6 +48,7 @@ extern "C" __global__ void attn_decode_b(const float* __restrict__ q, const floa
                                          const float* __restrict__ Vc, const int* __restrict__ place,
                                          const int* __restrict__ pos, int max_ctx, const float* __restrict__ qraw,
                                          float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    PDL_ENTRY();
     STEP_DYN_SHARED(float, sc);
     __shared__ float red[32];
     const int h = blockIdx.x, r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;

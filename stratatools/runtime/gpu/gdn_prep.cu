@@ -18,6 +18,7 @@
 // min(32, blockDim.x)), so the host build (blocks of one thread) runs the same code.
 
 #include "step_common.cuh"  // step_sigm, step_softplus, step_warp_sum, STEP_DYN_SHARED
+#include "pdl.cuh"          // PDL_ENTRY: every kernel begins with it (launch.py BATCH_PDL_KERNELS)
 
 // qkv [R, C] (rows ldq floats apart): the conv input of every row (C = 2 nk dk + nv dv: q heads, k heads, v heads);
 // state [nseq, K-1, C]: each sequence's previous K-1 inputs, oldest first; state_out [nseq, K-1, C]: the K-1 inputs
@@ -38,6 +39,7 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
                                        int dk, int nv, float qscale, float* __restrict__ qn, float* __restrict__ kn,
                                        float* __restrict__ v, float* __restrict__ beta, float* __restrict__ decay,
                                        int ldq, int ldb) {
+    PDL_ENTRY();
     STEP_DYN_SHARED(float, qk);
     const int tid = threadIdx.x, nt = blockDim.x;
     const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
@@ -105,6 +107,7 @@ extern "C" __global__ void pf_gdn_prep(const float* __restrict__ qkv, const floa
 extern "C" __global__ void pf_gdn_out(const float* __restrict__ o, const float* __restrict__ z,
                                       const float* __restrict__ norm_w, int wlen, float eps, int sigmoid_gate, int R,
                                       int nv, int dv, float* __restrict__ y, int ldz) {
+    PDL_ENTRY();
     const int tid = threadIdx.x, nt = blockDim.x;
     const int lanes = nt < 32 ? nt : 32, warps = nt / lanes > 0 ? nt / lanes : 1;
     const int warp = tid / lanes, lane = tid % lanes;

@@ -1,5 +1,6 @@
 """Programmatic dependent launch (PDL) of the batch-1 decode step's kernels (issue 12: the step is ~800 short
-launches bound by launch latency, not bytes).
+launches bound by launch latency, not bytes), and of the prefill's and the batched step's (about 1,500 launches a
+32-sequence step: :func:`batch_kernel`, :data:`BATCH_PDL_ENV`).
 
 A kernel launched with the driver's launch attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
 (value 6 of ``CUlaunchAttributeID``, CUDA driver API reference, "Data types used by CUDA driver") may be scheduled
@@ -48,16 +49,38 @@ PDL_KERNELS = frozenset({
     "moe_down_pipe_i8",
 })
 
+#: Environment variable: 1 (default) launches :data:`BATCH_PDL_KERNELS` with programmatic dependent launch inside the
+#: prefill's and the batched step's graphs (:func:`batch_kernel`); 0 launches them as CuPy does.
+BATCH_PDL_ENV = "STRATATOOLS_BATCH_PDL"
+
+#: The prefill's and the batched step's kernels that begin with PDL_ENTRY() (tests/test_gpu_launch_host.py checks each
+#: body): every kernel of qmm.cu, prefill.cu, gdn_prep.cu and attn_batch.cu, by the name its module exports.
+BATCH_PDL_KERNELS = frozenset({
+    # qmm.cu
+    "qmm_split", "qmm_sum_slices", "qmm_sum_act", "qmm_act_rows", "qmm_dense", "qmm_moe_gu", "qmm_moe_down",
+    "qmm_wsplit", "qmm_jobs", "qmm_split_i8", "qmm_split_i8d", "qmm_hc_norm_split", "qmm_hc_mix_split", "qmm_sum_hc",
+    "qmm_sum_act_split", "qmm_moe_gu_i8", "qmm_moe_down_i8", "qmm_dense_ring", "qmm_f32_nt",
+    # prefill.cu
+    "pf_route", "pf_route_warp", "pf_moe_sum", "pf_moe_sum_shared", "pf_gdn_chunk", "pf_gdn_step_rw",
+    "pf_gdn_step_rwc", "pf_gdn_warp", "pf_dequant_blobs", "pf_moe_gu", "pf_moe_down",
+    # gdn_prep.cu, attn_batch.cu
+    "pf_gdn_prep", "pf_gdn_out", "attn_prep_b", "attn_decode_b",
+})
+
+#: Launches made with the attribute by :func:`batch_kernel`'s wrappers, by kernel name (tests, notes; the wrappers
+#: are made at each kernel lookup, so their own counts do not last).
+BATCH_PDL_LAUNCHES: dict[str, int] = {}
+
 #: CUlaunchAttributeID's CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
-def pdl_enabled(value: str | None = None) -> bool:
-    """Is programmatic dependent launch on (``value``, else :data:`PDL_ENV`; unset or empty: on)? Raises StrataError
-    for a value other than 0 or 1."""
-    v = (os.environ.get(PDL_ENV, "") if value is None else value).strip() or "1"
+def pdl_enabled(value: str | None = None, env: str = PDL_ENV) -> bool:
+    """Is programmatic dependent launch on (``value``, else the variable ``env``: :data:`PDL_ENV` or
+    :data:`BATCH_PDL_ENV`; unset or empty: on)? Raises StrataError for a value other than 0 or 1."""
+    v = (os.environ.get(env, "") if value is None else value).strip() or "1"
     if v not in ("0", "1"):
-        raise StrataError(f"{PDL_ENV}={v!r}: use 1 (programmatic dependent launch inside the step's graphs) or 0")
+        raise StrataError(f"{env}={v!r}: use 1 (programmatic dependent launch inside the step's graphs) or 0")
     return v == "1"
 
 
@@ -132,9 +155,10 @@ class PdlKernel:
     that launches with programmatic dependent launch while the current stream is being captured and as plain
     CuPy otherwise. Attributes (``max_dynamic_shared_size_bytes``, ...) are the wrapped function's."""
 
-    def __init__(self, fn: Any, name: str) -> None:
+    def __init__(self, fn: Any, name: str, switch: Any = None) -> None:
         object.__setattr__(self, "fn", fn)
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "switch", switch)  # None, or a callable asked at each captured launch
         object.__setattr__(self, "pdl_launches", 0)  # launches made with the attribute (tests, notes)
 
     def __getattr__(self, attr: str) -> Any:
@@ -151,7 +175,8 @@ class PdlKernel:
             capturing = st.is_capturing()
         except cp.cuda.runtime.CUDARuntimeError:  # (the legacy stream while another captures): not ours to capture
             capturing = False
-        if not capturing:  # eager: CuPy's own launch (griddepcontrol.wait returns at once)
+        if not capturing or (self.switch is not None and not self.switch()):
+            # eager, or switched off: CuPy's own launch (griddepcontrol.wait returns at once)
             self.fn(grid, block, args, shared_mem=shared_mem, stream=stream)
             return
         params = [kernel_param(a) for a in args]
@@ -159,8 +184,11 @@ class PdlKernel:
         cfg = launch_config(grid, block, shared_mem, st.ptr, _PDL_ATTR)
         rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(driver_handle(self.fn)), ptrs, None)
         object.__setattr__(self, "pdl_launches", self.pdl_launches + 1)
+        if self.switch is not None:
+            BATCH_PDL_LAUNCHES[self.name] = BATCH_PDL_LAUNCHES.get(self.name, 0) + 1
         if rc != 0:
-            raise StrataError(f"{self.name}: cuLaunchKernelEx failed with CUDA error {rc}; set {PDL_ENV}=0 to launch "
+            env = PDL_ENV if self.switch is None else BATCH_PDL_ENV
+            raise StrataError(f"{self.name}: cuLaunchKernelEx failed with CUDA error {rc}; set {env}=0 to launch "
                               f"without programmatic dependent launch")
 
 
@@ -182,3 +210,29 @@ def pdl(fn: Any, name: str, enabled: bool) -> Any:
             or not _has_handle(fn)):
         return fn
     return PdlKernel(fn, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_takes_pdl(device_id: int) -> bool:
+    import cupy as cp
+
+    return pdl_supported(cp.cuda.Device(device_id).compute_capability)
+
+
+def batch_pdl_on() -> bool:
+    """:data:`BATCH_PDL_ENV` on and the current device sm_90 or later (:func:`pdl_supported`): asked by
+    :func:`batch_kernel`'s wrappers at each launch made while a stream is captured. Raises StrataError for a value
+    of the variable other than 0 or 1."""
+    import cupy as cp
+
+    return pdl_enabled(env=BATCH_PDL_ENV) and _device_takes_pdl(cp.cuda.Device().id)
+
+
+def batch_kernel(fn: Any, name: str) -> Any:
+    """A prefill or batched-step kernel ``fn`` (``RawModule.get_function``) of export name ``name`` wrapped in
+    :class:`PdlKernel`, which launches it by programmatic dependent launch while the current stream is captured and
+    :func:`batch_pdl_on` says so (plain CuPy otherwise); ``fn`` itself for a name not in :data:`BATCH_PDL_KERNELS`
+    (template arguments dropped) or a kernel with no driver handle."""
+    if name.split("<", 1)[0] not in BATCH_PDL_KERNELS or isinstance(fn, PdlKernel) or not _has_handle(fn):
+        return fn
+    return PdlKernel(fn, name, batch_pdl_on)

@@ -1,6 +1,7 @@
 // Part of stratatools (stratatools/runtime/gpu): programmatic dependent launch (sm_90, PTX griddepcontrol), shared by
-// the kernels of the batch-1 decode step, which include it with #include "pdl.cuh" (kernels.py's cuda_unit() puts the
-// text in place). launch.py launches these kernels with the launch attribute
+// the kernels of the batch-1 decode step and those of the prefill and the batched step (qmm.cu, prefill.cu,
+// gdn_prep.cu, attn_batch.cu), which include it with #include "pdl.cuh" (kernels.py's cuda_unit() puts the text in
+// place). launch.py launches these kernels with the launch attribute
 // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION while a step is captured into a CUDA graph: a kernel may then
 // start while the kernel before it on the stream still runs, so each of them begins with PDL_ENTRY():
 //   pdl_wait()    griddepcontrol.wait: returns once every grid this one depends on has finished and its writes are

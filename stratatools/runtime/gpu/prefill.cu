@@ -10,6 +10,8 @@
 // trees that a block of one thread skips), so the host build, which runs blocks of one thread, executes the same code.
 // Needs prelude.cuh, the tables and decoders.cuh before it (dequant_blobs decodes with deq8).
 
+#include "pdl.cuh"  // PDL_ENTRY: every kernel begins with it (launch.py BATCH_PDL_KERNELS)
+
 #ifdef STRATA_HOST
 #define PF_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(host_dyn_smem)
 #else
@@ -42,6 +44,7 @@ __device__ float pf_reduce(float v, bool is_max, float* sh) {
 // Shared: E + 2 blockDim floats.
 extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int ld, int E, int k, int sigmoid_gating,
                                     int norm, float scale, int* __restrict__ ids, float* __restrict__ w) {
+    PDL_ENTRY();
     PF_DYN_SHARED(float, sh);
     float* p = sh;
     float* rv = sh + E;
@@ -117,6 +120,7 @@ extern "C" __global__ void pf_route(const float* __restrict__ logits, int T, int
 extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T, int ld, int E, int k,
                                          int sigmoid_gating, int norm, float scale, int* __restrict__ ids,
                                          float* __restrict__ w) {
+    PDL_ENTRY();
     const int lane = (int)threadIdx.x % PF_RW_LANES, wpb = (int)blockDim.x / PF_RW_LANES;
     const int t = (int)blockIdx.x * wpb + (int)threadIdx.x / PF_RW_LANES;
     if (t >= T || E > PF_RW_LANES * PF_RW_VPL) return;  // (a whole warp: t is the warp's)
@@ -214,6 +218,7 @@ __device__ __forceinline__ void pf_moe_sum_rows(const float* __restrict__ ya, co
 
 extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float* __restrict__ w, int T, int k, int n,
                                       float* __restrict__ y) {
+    PDL_ENTRY();
     pf_moe_sum_rows<false>(ya, w, T, k, n, nullptr, nullptr, 0, 0, y);
 }
 
@@ -223,6 +228,7 @@ extern "C" __global__ void pf_moe_sum(const float* __restrict__ ya, const float*
 extern "C" __global__ void pf_moe_sum_shared(const float* __restrict__ ya, const float* __restrict__ w, int T, int k,
                                              int n, const float* __restrict__ ys, const float* __restrict__ g,
                                              int ldg, int goff, float* __restrict__ y) {
+    PDL_ENTRY();
     pf_moe_sum_rows<true>(ya, w, T, k, n, ys, g, ldg, goff, y);
 }
 
@@ -243,6 +249,7 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
                                         const float* __restrict__ v, int ldv, const float* __restrict__ beta,
                                         const float* __restrict__ decay, float* __restrict__ S,
                                         float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
+    PDL_ENTRY();
     PF_DYN_SHARED(float, sh);
     const int j = blockIdx.x, g = j % nk, tid = threadIdx.x, nt = blockDim.x;
     const int ncb = gridDim.y, cw = (dv + ncb - 1) / ncb, c0 = blockIdx.y * cw;
@@ -419,6 +426,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
         const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
         float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+    PDL_ENTRY();
     pf_gdn_step_rw_body(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.x,
                         (int)blockIdx.y);
 }
@@ -430,6 +438,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rwc(
         const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
         float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+    PDL_ENTRY();
     pf_gdn_step_rw_body(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.y,
                         (int)blockIdx.x);
 }
@@ -453,6 +462,7 @@ extern "C" __global__ void pf_gdn_warp(const float* __restrict__ q, const float*
                                        const float* __restrict__ v, int ldv, const float* __restrict__ beta,
                                        const float* __restrict__ decay, float* __restrict__ S,
                                        float* __restrict__ out, int T, int nk, int nv, int dk, int dv) {
+    PDL_ENTRY();
     const int nl = blockDim.x >= 32 ? 32 : 1, wpb = blockDim.x >= 32 ? (int)(blockDim.x >> 5) : 1;
     const int lane = (int)threadIdx.x & (nl - 1), warp = (int)threadIdx.x / nl;
     const int j = blockIdx.x, g = j % nk;
@@ -539,6 +549,7 @@ extern "C" __global__ void pf_gdn_warp(const float* __restrict__ q, const float*
 // pinned host memory) into dst + b * n_groups * 8 (float32). Groups by grid stride over blockIdx.x.
 template <int TQ> __global__ void pf_dequant_blobs(const u64* __restrict__ ptrs, long long off, long long n_groups,
                                                    float* __restrict__ dst) {
+    PDL_ENTRY();
     const int b = blockIdx.y;
     const u8* src = reinterpret_cast<const u8*>(ptrs[b]) + off;
     float* d = dst + (long long)b * n_groups * 8;
@@ -573,6 +584,7 @@ __device__ __forceinline__ float pf_warp_sum(float v) {
 template <int TQ> __global__ void __launch_bounds__(256) pf_moe_gu(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const float* __restrict__ X,
         float* __restrict__ Hbuf, int H, int F) {
+    PDL_ENTRY();
     PF_DYN_SHARED(float, xs);
     const int j = blockIdx.y;
     for (int i = threadIdx.x; i < PF_TT * H; i += blockDim.x) {
@@ -625,6 +637,7 @@ template <int TQ> __global__ void __launch_bounds__(256) pf_moe_gu(
 template <int TQ> __global__ void __launch_bounds__(256) pf_moe_down(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst,
         const float* __restrict__ Hbuf, float* __restrict__ out, int H, int F) {
+    PDL_ENTRY();
     PF_DYN_SHARED(float, hs);
     const int j = blockIdx.y;
     for (int i = threadIdx.x; i < PF_TT * F; i += blockDim.x) hs[i] = Hbuf[(long long)j * PF_TT * F + i];

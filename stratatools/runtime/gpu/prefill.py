@@ -64,6 +64,7 @@ from stratatools.runtime.model import _l2norm, _rmsnorm, _sigmoid, _silu, _softm
 from stratatools.runtime.topk import qsa_select_mask, qsa_selects_all
 
 from stratatools.runtime.gpu.kernels import UNIT, cuda_source, cuda_unit
+from stratatools.runtime.gpu.launch import batch_kernel
 
 #: Tokens per chunk (default).
 CHUNK = 512
@@ -298,7 +299,7 @@ def gdn_prep_launch(xp: Any, qkv: Any, state: Any, wc: Any, b: Any, a: Any, ssm_
     beta, decay = xp.empty((R, nv), dtype=f32), xp.empty((R, nv), dtype=f32)
     st_out = state if in_place and R == nseq else xp.empty((nseq, K - 1, C), dtype=f32)
     units = 2 * nk + -(-(nv * dv) // dk)
-    _gdn_module().get_function("pf_gdn_prep")(
+    batch_kernel(_gdn_module().get_function("pf_gdn_prep"), "pf_gdn_prep")(
         (max(1, min(R, 65535)), gdn_parts(R, units)), (GDN_PREP_THREADS,),
         (qkv, state, st_out, wc, np.int32(C), np.int32(K), np.int32(nseq), np.int32(R // nseq), b, a, ssm_a, dt_bias,
          np.int32(nk), np.int32(dk), np.int32(nv), np.float32(dk ** -0.5), qn, kn, v, beta, decay, np.int32(ldq),
@@ -324,7 +325,7 @@ def gdn_out_launch(xp: Any, o: Any, z: Any, norm_w: Any, eps: float, sigmoid_gat
     R = int(o.shape[0])
     ldz = row_stride(z)
     y = xp.empty((R, nv * dv), dtype=xp.float32)
-    _gdn_module().get_function("pf_gdn_out")(
+    batch_kernel(_gdn_module().get_function("pf_gdn_out"), "pf_gdn_out")(
         (max(1, min(R, 65535)), gdn_parts(R, -(-nv // (GDN_PREP_THREADS // 32)))), (GDN_PREP_THREADS,),
         (o, z, norm_w, np.int32(norm_w.size), np.float32(eps), np.int32(bool(sigmoid_gate)), np.int32(R),
          np.int32(nv), np.int32(dv), y, np.int32(ldz)))
@@ -491,14 +492,14 @@ class ChunkPrefill:
                      if "_exps." not in t.name and t.type.id in UNIT and t.type.name not in ("F32", "F16", "BF16")}
             self._tids = {True: tuple(sorted(ex | dense)), False: tuple(sorted(ex))}
             mod = _module(False, self._tids[False])
-            self.k_route = mod.get_function("pf_route")
-            self.k_route_warp = mod.get_function("pf_route_warp")
-            self.k_gdn = mod.get_function("pf_gdn_chunk")
-            self.k_moe_sum = mod.get_function("pf_moe_sum")
-            self.k_moe_sum_shared = mod.get_function("pf_moe_sum_shared")
-            self.k_gdn_warp = mod.get_function("pf_gdn_warp")
-            self.k_gdn_step_rw = mod.get_function("pf_gdn_step_rw")
-            self.k_gdn_step_rwc = mod.get_function("pf_gdn_step_rwc")
+            self.k_route = batch_kernel(mod.get_function("pf_route"), "pf_route")
+            self.k_route_warp = batch_kernel(mod.get_function("pf_route_warp"), "pf_route_warp")
+            self.k_gdn = batch_kernel(mod.get_function("pf_gdn_chunk"), "pf_gdn_chunk")
+            self.k_moe_sum = batch_kernel(mod.get_function("pf_moe_sum"), "pf_moe_sum")
+            self.k_moe_sum_shared = batch_kernel(mod.get_function("pf_moe_sum_shared"), "pf_moe_sum_shared")
+            self.k_gdn_warp = batch_kernel(mod.get_function("pf_gdn_warp"), "pf_gdn_warp")
+            self.k_gdn_step_rw = batch_kernel(mod.get_function("pf_gdn_step_rw"), "pf_gdn_step_rw")
+            self.k_gdn_step_rwc = batch_kernel(mod.get_function("pf_gdn_step_rwc"), "pf_gdn_step_rwc")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched
@@ -631,7 +632,7 @@ class ChunkPrefill:
     def _fn(self, exact: bool, kind: str, tid: int) -> Any:
         """Kernel ``kind<tid>`` of :func:`_module` (a type the model did not list gets a module of its own)."""
         tids = self._tids[exact] if tid in self._tids[exact] else (int(tid),)
-        return _module(exact, tids).get_function(f"{kind}<{int(tid)}>")
+        return batch_kernel(_module(exact, tids).get_function(f"{kind}<{int(tid)}>"), kind)
 
     def _dequant(self, raw: Any, t: Any, rows: int, cols: int) -> Any:
         """Device bytes of a matrix of type ``t`` as float32 [rows, cols], bit-identical to the numpy dequantizer
@@ -1478,14 +1479,14 @@ class ChunkPrefill:
         mc = int(kc.shape[1])
         q = cp.empty((T, nh, hd), dtype=cp.float32)
         threads = min(1024, (hd + 31) // 32 * 32)
-        mod.get_function("attn_prep_b")((nh + nkv, T), (threads,), (
+        batch_kernel(mod.get_function("attn_prep_b"), "attn_prep_b")((nh + nkv, T), (threads,), (
             qraw, kraw, vraw, wq, np.int32(wq.size), wk, np.int32(wk.size), c32(cos), c32(sin), np.int32(cfg.n_rot),
             np.int32(nh), np.int32(nkv), np.int32(hd), np.float32(cfg.eps), pl_d, pos_d, np.int32(mc), q, kc, vc),
             shared_mem=hd * 4)
         if between is not None:
             between()
         o = cp.empty((T, nh * hd), dtype=cp.float32)
-        k = mod.get_function("attn_decode_b")
+        k = batch_kernel(mod.get_function("attn_decode_b"), "attn_decode_b")
         if 4 * P > 48 * 1024 and getattr(k, "max_dynamic_shared_size_bytes", 0) < 4 * P:
             k.max_dynamic_shared_size_bytes = 4 * P
         k((nh, T), (128,), (q, kc, vc, pl_d, pos_d, np.int32(mc), qraw, o, np.int32(nh), np.int32(nkv), np.int32(hd),
@@ -1611,8 +1612,8 @@ class ChunkPrefill:
         T, n = x.shape
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         W = self._router_gate_w(il)
-        if W is not None:  # one SGEMM: the experts' logits [T, E], then the shared expert's gate logit
-            logits = self._sgemm(x, W)
+        if W is not None:  # one product: the experts' logits [T, E], then the shared expert's gate logit
+            logits = self._router_mm(x, W)
             E = int(W.shape[0]) - 1
             g, goff = logits, E
         else:
@@ -1687,6 +1688,16 @@ class ChunkPrefill:
         """Layer ``il``'s router rows with the shared expert's gate row after them, float32 [E + 1, n], where the step
         keeps such a matrix (one SGEMM gives both; the batched decoder); here None (two products)."""
         return None
+
+    def _router_mm(self, x: Any, W: Any) -> Any:
+        """x [T, n] @ W.T for the router matrix of :meth:`_router_gate_w`: ``qmm_f32_nt`` for up to 32 rows on the
+        device (:func:`stratatools.runtime.gpu.qmm.f32_nt`, :data:`stratatools.runtime.gpu.qmm.ROUTER_ENV`), else
+        :meth:`_sgemm`. Returns float32 [T, E + 1]."""
+        from stratatools.runtime.gpu import qmm
+
+        if self.gpu and qmm.router_kernel() and qmm.f32_nt_applies(x, W):
+            return qmm.f32_nt(x, W)
+        return self._sgemm(x, W)
 
     def _shared_ffn(self, il: int, x: Any, sg: Any) -> Any:
         """Layer ``il``'s shared expert for x [T, n] times its gate sg [T, 1]: sg * down(silu(gate x) * up x) (sg

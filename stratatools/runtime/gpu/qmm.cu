@@ -49,6 +49,7 @@ template <int F> struct QmmXS { static constexpr int v = QMM_KC + (F == 42 ? 40 
 // Asynchronous 16-byte copies global -> shared (cp_async.cuh; the host build copies at once), and the dynamic shared
 // memory that holds the staged activations (two chunks: the next one lands while the current one is computed).
 #include "cp_async.cuh"  // cp_async16, cp_async_commit, cp_async_wait
+#include "pdl.cuh"       // PDL_ENTRY: every kernel begins with it (launch.py BATCH_PDL_KERNELS)
 #ifndef STRATA_HOST
 extern __shared__ __align__(16) unsigned char qmm_smem[];
 #define QMM_SMEM_BASE qmm_smem
@@ -327,6 +328,7 @@ template <int NT, class Fn> __device__ __forceinline__ void qmm_each_out(int r0,
 #endif
 extern "C" __global__ void qmm_split(const float* __restrict__ X, long long ldx, int T, int K, u16* __restrict__ hi,
                                      u16* __restrict__ lo, float* __restrict__ sc) {
+    PDL_ENTRY();
     __shared__ float red[32];
     const int tid = threadIdx.x, nt = blockDim.x;
     const int nw = (nt + 31) >> 5;
@@ -479,19 +481,82 @@ __device__ __forceinline__ void qmm_sum_body(const float* __restrict__ P, float*
 }
 
 extern "C" __global__ void qmm_sum_slices(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz) {
+    PDL_ENTRY();
     qmm_sum_body<0>(P, Y, n, nz, 1.0f);
 }
 
 // qmm_sum_slices, each sum through qmm_act<ACT>(s / div) before it is stored (ACT 1 or 2).
 template <int ACT>
 __global__ void qmm_sum_act(const float* __restrict__ P, float* __restrict__ Y, long long n, int nz, float div) {
+    PDL_ENTRY();
     qmm_sum_body<ACT>(P, Y, n, nz, div);
 }
 
 // Y[i] = qmm_act(Y[i], act, div) for i < n: the activation where the product's sums were not made by qmm_sum_slices.
 extern "C" __global__ void qmm_act_rows(float* __restrict__ Y, long long n, int act, float div) {
+    PDL_ENTRY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) Y[i] = qmm_act(Y[i], act, div);
+}
+
+// ---- float32: P[z, T, R] = X W^T over k slice z (the batched step's router) ---------------------------------------
+// X [T, K] and W [R, K] float32 row-major, 16-byte aligned, K a multiple of 4, T <= QF_TOK. Block (b, z) computes rows
+// [QF_ROWS b, QF_ROWS (b + 1)) of every token over k in [QF_KS z, QF_KS (z + 1)) into P + z T R ([nz, T, R]; nz =
+// gridDim.y = ceil(K / QF_KS); qmm_sum_slices adds the slices). The slice of W and of X go to shared memory (rows of
+// QF_KS + 4 floats: a quarter warp's 16-byte reads of 8 tokens' rows fall in distinct banks); warp g, lane j: rows
+// 4 g .. 4 g + 3 of the tile for token j, each an fmaf chain over k in order (the result depends on nothing but the
+// inputs). cuBLAS's SGEMM of the 32 x 2,560 x 257 router took 10.9 us a launch and its split-k reduction 2.8 more
+// (H200, bench/gpu-notes.md twenty-third pass). W is constant: its slice is loaded before griddepcontrol.wait.
+// Grid (ceil(R / QF_ROWS), nz), blockDim a multiple of 32 up to 256 (the host build: 1).
+#define QF_ROWS 32
+#define QF_TOK 32
+#define QF_KS 128
+#define QF_LD (QF_KS + 4)
+extern "C" __global__ void __launch_bounds__(256) qmm_f32_nt(const float* __restrict__ X, const float* __restrict__ W,
+                                                             float* __restrict__ P, int T, int R, int K) {
+    __shared__ __align__(16) float ws[QF_ROWS * QF_LD];
+    __shared__ __align__(16) float xs[QF_TOK * QF_LD];
+    const int r0 = (int)blockIdx.x * QF_ROWS, z = (int)blockIdx.y, k0 = z * QF_KS, kn = min(QF_KS, K - k0);
+    const int nt = (int)blockDim.x, tid = (int)threadIdx.x;
+    constexpr int Q4 = QF_KS / 4;  // float4s a row of the slice
+    for (int i = tid; i < QF_ROWS * Q4; i += nt) {  // W's slice (rows past R, k past the slice: zeros)
+        const int r = i / Q4, q = i - r * Q4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r0 + r < R && 4 * q < kn) v = __ldg(reinterpret_cast<const float4*>(W + (long long)(r0 + r) * K + k0) + q);
+        *reinterpret_cast<float4*>(ws + r * QF_LD + 4 * q) = v;
+    }
+    PDL_ENTRY();
+    for (int i = tid; i < QF_TOK * Q4; i += nt) {  // X's slice (tokens past T: zeros)
+        const int t = i / Q4, q = i - t * Q4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (t < T && 4 * q < kn) v = reinterpret_cast<const float4*>(X + (long long)t * K + k0)[q];
+        *reinterpret_cast<float4*>(xs + t * QF_LD + 4 * q) = v;
+    }
+    __syncthreads();
+    for (int o = tid; o < QF_ROWS / 4 * QF_TOK; o += nt) {  // (the host build's one thread plays every lane)
+        const int g = o / QF_TOK, j = o - g * QF_TOK;
+        const float* xr = xs + j * QF_LD;
+        const float* w0 = ws + 4 * g * QF_LD;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        #pragma unroll 4
+        for (int k = 0; k < QF_KS; k += 4) {
+            const float4 x = *reinterpret_cast<const float4*>(xr + k);
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 w = *reinterpret_cast<const float4*>(w0 + i * QF_LD + k);
+                a[i] = fmaf(w.x, x.x, a[i]);
+                a[i] = fmaf(w.y, x.y, a[i]);
+                a[i] = fmaf(w.z, x.z, a[i]);
+                a[i] = fmaf(w.w, x.w, a[i]);
+            }
+        }
+        if (j < T) {
+            float* dst = P + ((long long)z * T + j) * R;
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (r0 + 4 * g + i < R) dst[r0 + 4 * g + i] = a[i];
+        }
+    }
 }
 
 // ---- dense: Y[T, R] = X W^T ----------------------------------------------------------------------------------------
@@ -511,6 +576,7 @@ template <int F, int NT, int MT = 1> __global__ void __launch_bounds__(QMM_THREA
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Y, long long ldy, int T,
         int R, int K, int nz, float* __restrict__ P, int* __restrict__ cnt) {
+    PDL_ENTRY();
     QMM_DYN_SHARED(xs);
     __shared__ int tokrow[8 * NT];
     __shared__ int last;
@@ -577,6 +643,7 @@ template <int JT> __device__ __forceinline__ bool qmm_down_slots(const int* __re
 template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_gu(
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u16* __restrict__ xhi,
         const u16* __restrict__ xlo, const float* __restrict__ xsc, float* __restrict__ Hbuf, int H, int Fd) {
+    PDL_ENTRY();
     QMM_DYN_SHARED(xs);
     __shared__ int tokrow[JT];
     const int j = blockIdx.y;
@@ -608,6 +675,7 @@ template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 
 template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u16* __restrict__ hhi,
         const u16* __restrict__ hlo, const float* __restrict__ hsc, float* __restrict__ out, int H, int Fd) {
+    PDL_ENTRY();
     QMM_DYN_SHARED(xs);
     __shared__ int tokrow[JT];
     __shared__ int dst[JT];
@@ -639,6 +707,7 @@ template <int F, int JT> __global__ void __launch_bounds__(QMM_THREADS, JT > 16 
 template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
         const u8* __restrict__ w, const u16* __restrict__ wd, long long rb, int R, int K, u16* __restrict__ wh,
         u16* __restrict__ wl, int* __restrict__ flag) {
+    PDL_ENTRY();
     constexpr int BV = QFmt<F>::bv, VPL = QFmt<F>::vpl, WPB = QFmt<F>::wpb;
     const int nb = K / BV;
     const long long units = (long long)R * nb * 4;  // 4 lanes' units (c = 0..3) a block
@@ -699,6 +768,7 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, int E, const u64* __restrict__ ptr_row,
                                     int jmax, int jt, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
                                     int* __restrict__ job_dst) {
+    PDL_ENTRY();
     int* cnt = reinterpret_cast<int*>(QMM_SMEM_BASE);
     int* js = cnt + E;       // first job of expert e
     int* first = js + E;     // first sorted position of expert e's pairs
@@ -912,6 +982,7 @@ __device__ __forceinline__ void qi8_split(const float* __restrict__ X, long long
 extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long ldx, int T, int K,
                                         const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
                                         float* __restrict__ xs, int* __restrict__ xq) {
+    PDL_ENTRY();
     qi8_split<0>(X, ldx, T, K, rowok, xh, xl, xs, xq);
 }
 
@@ -919,6 +990,7 @@ extern "C" __global__ void qmm_split_i8(const float* __restrict__ X, long long l
 extern "C" __global__ void qmm_split_i8d(const float* __restrict__ X, long long ldx, int T, int K,
                                          const int* __restrict__ rowok, u32* __restrict__ xh, u32* __restrict__ xl,
                                          float* __restrict__ xs, int* __restrict__ xq) {
+    PDL_ENTRY();
     qi8_split<1>(X, ldx, T, K, rowok, xh, xl, xs, xq);
 }
 
@@ -957,6 +1029,7 @@ extern "C" __global__ void qmm_hc_norm_split(float* __restrict__ H, const float*
                                              const float* __restrict__ w, int wlen, float eps,
                                              float* __restrict__ hn, u32* __restrict__ xh, u32* __restrict__ xl,
                                              float* __restrict__ xs, int* __restrict__ xq) {
+    PDL_ENTRY();
     __shared__ float red[32];
     float* sx = reinterpret_cast<float*>(QMM_SMEM_BASE);  // [n] the row after the inject
     float* sw = sx + n;                                    // [n] w's values for the row
@@ -1023,6 +1096,7 @@ template <int ORD>
 __global__ void qmm_hc_mix_split(const float* __restrict__ u, const float* __restrict__ hn, int hc, int n, int T,
                                  float* __restrict__ out, u32* __restrict__ xh, u32* __restrict__ xl,
                                  float* __restrict__ xs, int* __restrict__ xq) {
+    PDL_ENTRY();
     constexpr int WPT = 16 / QI8_GROUP;  // float4s (words) a thread
     __shared__ float sv[QI8_MIX_UNITS][64];
     const QI8Pos at = qi8_pos(T, n);
@@ -1099,6 +1173,7 @@ extern "C" __global__ void __launch_bounds__(128) qmm_sum_hc(const float* __rest
                                                   float* __restrict__ iw, int R, int rd, int nz, float div,
                                                   u32* __restrict__ xh, u32* __restrict__ xl, float* __restrict__ xs,
                                                   int* __restrict__ xq) {
+    PDL_ENTRY();
     __shared__ float v64[64];
     const int nb = rd >> 6, unit = (int)blockIdx.x, t = unit / nb, b = unit - t * nb, ni = R - rd;
     const long long n = (long long)(gridDim.x / nb) * R;  // values of a slice (T R)
@@ -1128,6 +1203,7 @@ __global__ void __launch_bounds__(128) qmm_sum_act_split(const float* __restrict
                                                          int nz, float div, u32* __restrict__ xh,
                                                          u32* __restrict__ xl, float* __restrict__ xs,
                                                          int* __restrict__ xq) {
+    PDL_ENTRY();
     __shared__ float v64[64];
     const int nb = R >> 6, unit = (int)blockIdx.x, t = unit / nb, b = unit - t * nb;
     qmm_sum_unit<ACT>(reinterpret_cast<const float4*>(P), (long long)unit * 16, (long long)gridDim.x * 16, nz, div,
@@ -1555,6 +1631,7 @@ __global__ void __launch_bounds__(QMM_THREADS, S > 0 && JT <= 8 ? 6 : (JT > 16 ?
         const u64* __restrict__ job_ptr, const int* __restrict__ job_tok, const u8* __restrict__ xh,
         const u8* __restrict__ xl, const float* __restrict__ xs, const int* __restrict__ xq, float* __restrict__ Hbuf,
         int H, int Fd) {
+    PDL_ENTRY();
     u8* stage;
     float* ssc;
     int* sq;
@@ -1576,6 +1653,7 @@ __global__ void __launch_bounds__(QMM_THREADS, JT > 16 ? 2 : 3) qmm_moe_down_i8(
         const u64* __restrict__ job_ptr, long long doff, const int* __restrict__ job_dst, const u8* __restrict__ hh,
         const u8* __restrict__ hl, const float* __restrict__ hs, const int* __restrict__ hq, float* __restrict__ out,
         int H, int Fd) {
+    PDL_ENTRY();
     u8* stage;
     float* ssc;
     int* sq;
@@ -1718,17 +1796,24 @@ __device__ __forceinline__ void qmm_ring_plan(QmmRingPlan<NT, RKC, NTH, NR>& pl,
     }
 }
 
-// Issue one thread's copies of chunk `chunk` into the stage at st (shared address st_s on the device).
-template <int NT, int RKC, int NTH, int NR>
+// Issue one thread's copies of chunk `chunk` into the stage at st (shared address st_s on the device): PART
+// QMM_ISSUE_W the weights' (codes and scales: constant, so qmm_dense_ring issues its first stages' before
+// griddepcontrol.wait), QMM_ISSUE_X the tokens', QMM_ISSUE_W | QMM_ISSUE_X both.
+#define QMM_ISSUE_W 1
+#define QMM_ISSUE_X 2
+template <int PART = QMM_ISSUE_W | QMM_ISSUE_X, int NT, int RKC, int NTH, int NR>
 __device__ __forceinline__ void qmm_ring_issue(const QmmRingPlan<NT, RKC, NTH, NR>& pl, int chunk, u8* st,
                                                unsigned st_s) {
     using G = QmmRing<NT, RKC, 1>;
     using P = QmmRingPlan<NT, RKC, NTH, NR>;
     const long long k0 = (long long)chunk * RKC;
-    #pragma unroll
-    for (int j = 0; j < P::WJ; ++j)
-        if (pl.wdst[j] >= 0) qmm_cp<16>(st, st_s, pl.wdst[j], pl.ws[j] + k0);
-    if (pl.ddst >= 0) qmm_cp<G::DB>(st, st_s, pl.ddst, pl.ds + k0 / 16);
+    if constexpr ((PART & QMM_ISSUE_W) != 0) {
+        #pragma unroll
+        for (int j = 0; j < P::WJ; ++j)
+            if (pl.wdst[j] >= 0) qmm_cp<16>(st, st_s, pl.wdst[j], pl.ws[j] + k0);
+        if (pl.ddst >= 0) qmm_cp<G::DB>(st, st_s, pl.ddst, pl.ds + k0 / 16);
+    }
+    if constexpr ((PART & QMM_ISSUE_X) == 0) return;
     #pragma unroll
     for (int j = 0; j < P::SJ; ++j) {
         if (pl.sdst[j] < 0) continue;
@@ -1951,29 +2036,41 @@ __global__ void __launch_bounds__(32 * WG * KG) qmm_dense_ring(
     QmmRingPlan<NT, RKC, NTH, 16 * WG> pl;
     if (planned) qmm_ring_plan(pl, (int)threadIdx.x, w, wd, xhi, xlo, xsc, R, K, rbase, nrows, tokrow);
     const unsigned ring_s = qmm_smem_addr(ring);
+    // the first S - 1 chunks' weights before griddepcontrol.wait: constant, so under programmatic dependent launch
+    // their copies overlap the end of the kernel before (nothing above reads memory an earlier kernel writes)
+    if (planned) {
+        #pragma unroll 1
+        for (int s = 0; s < S - 1; ++s)
+            if (c0 + s < c1) qmm_ring_issue<QMM_ISSUE_W>(pl, c0 + s, ring + s * stage, ring_s + (unsigned)(s * stage));
+    }
 #endif
-    auto copy = [&](int c) {  // chunk c's copies into its stage
+    PDL_ENTRY();
+    auto copy = [&](int c, bool w_issued) {  // chunk c's copies into its stage (w_issued: the tokens' alone)
         u8* st = ring + ((c - c0) % S) * stage;
 #ifndef STRATA_HOST
         if (planned) {
-            qmm_ring_issue(pl, c, st, ring_s + (unsigned)(((c - c0) % S) * stage));
+            const unsigned st_s = ring_s + (unsigned)(((c - c0) % S) * stage);
+            if (w_issued) qmm_ring_issue<QMM_ISSUE_X>(pl, c, st, st_s);
+            else qmm_ring_issue(pl, c, st, st_s);
             return;
         }
+#else
+        (void)w_issued;
 #endif
         if constexpr (I8)
             qmm_ring_copy_i8<NT, RKC, NTH, 16 * WG>(w, wd, R, K, rbase, nrows, xhi, xlo, xsc, tokrow, c, st);
         else qmm_ring_copy<NT, RKC>(w, wd, R, K, rbase, nrows, xhi, xlo, tokrow, c, st);
     };
     #pragma unroll 1
-    for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range)
-        if (c0 + s < c1) copy(c0 + s);
+    for (int s = 0; s < S - 1; ++s) {  // the first S - 1 chunks (a group each, empty past the range; the first
+        if (c0 + s < c1) copy(c0 + s, true);  // group also holds the weights issued before the wait)
         cp_async_commit();
     }
     for (int chunk = c0; chunk < c1; ++chunk) {
         cp_async_wait<S - 2>();  // this chunk's group has landed (groups committed: S - 1 + (chunk - c0))
         __syncthreads();         // ... for every thread's copies; and every warp is done with the previous stage
         const int nx = chunk + S - 1;
-        if (nx < c1) copy(nx);
+        if (nx < c1) copy(nx, false);
         cp_async_commit();
         const u8* st = ring + ((chunk - c0) % S) * stage;
         #pragma unroll

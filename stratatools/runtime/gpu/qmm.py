@@ -32,6 +32,7 @@ import numpy as np
 
 from stratatools.core.errors import StrataError
 from stratatools.runtime.gpu.kernels import cuda_source, cuda_unit, env_choice, env_count, env_on, launch_big_shared
+from stratatools.runtime.gpu.launch import batch_kernel
 
 #: Weight layouts the kernels read: name -> the kernels' template id F (qmm.cu).
 LAYOUTS: dict[str, int] = {"Q8R": 0, "Q8_0": 8, "Q2_0": 42}
@@ -146,7 +147,8 @@ def device_source() -> str:
 
 def kernel_names() -> list[str]:
     """Name expressions of every kernel the module instantiates."""
-    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices", "qmm_act_rows", "qmm_sum_act<1>", "qmm_sum_act<2>"]
+    names = ["qmm_split", "qmm_jobs", "qmm_sum_slices", "qmm_act_rows", "qmm_sum_act<1>", "qmm_sum_act<2>",
+             "qmm_f32_nt"]
     names += [f"qmm_dense<{f}, {nt}>" for f in sorted(set(LAYOUTS.values())) for nt in TILES]
     names += [f"qmm_dense<{f}, {DENSE2_NT}, 2>" for f in sorted(set(LAYOUTS.values()))]
     names += [f"{k}<{f}, {jt}>" for k in ("qmm_moe_gu", "qmm_moe_down") for f in (8, 42) for jt in JOB_SIZES]
@@ -183,7 +185,7 @@ def module(kc: int = KC) -> Any:
 
 
 def _fn(name: str, kc: int = KC) -> Any:
-    return module(kc).get_function(name)
+    return batch_kernel(module(kc).get_function(name), name)
 
 
 #: ``qmm_wsplit``'s parameters (declaration, call).
@@ -213,6 +215,8 @@ def host_source() -> str:
            *('extern "C" void host_qmm_sum_act_%d(unsigned gx, unsigned gy, const float* P, float* Y, long long n, '
              "int nz, float div) {\n    host_run_grid(gx, gy, [&]() { qmm_sum_act<%d>(P, Y, n, nz, div); });\n}\n"
              % (a, a) for a in (1, 2)),
+           'extern "C" void host_qmm_f32_nt(unsigned gx, unsigned gy, const float* X, const float* W, float* P, int T, '
+           "int R, int K) {\n    host_run_grid(gx, gy, [&]() { qmm_f32_nt(X, W, P, T, R, K); });\n}\n",
            'extern "C" void host_qmm_act_rows(unsigned gx, unsigned gy, float* Y, long long n, int act, float div) {\n'
            "    host_run_grid(gx, gy, [&]() { qmm_act_rows(Y, n, act, div); });\n}\n",
            'extern "C" void host_qmm_jobs(unsigned gx, unsigned gy, const int* ids, int N, int k, int E, '
@@ -652,7 +656,7 @@ def ring_module(stages: int, rkc: int, kg: int = 1, i8: int = 0, wg: int = RING_
 
 
 def _ring_fn(name: str, cfg: tuple[int, ...]) -> Any:
-    return ring_module(*cfg).get_function(name)
+    return batch_kernel(ring_module(*cfg).get_function(name), name)
 
 
 def ring_applies(layout_id: int, T: int, cols: int, cfg: tuple[int, int, int] | None, w_ptr: int = 0,
@@ -780,6 +784,54 @@ def act_rows(Y: Any, act: int, div: float) -> Any:
     if act != ACT_NONE and n:
         _fn("qmm_act_rows")((-(-n // SUM_THREADS),), (SUM_THREADS,), (Y, np.int64(n), np.int32(act), np.float32(div)))
     return Y
+
+
+#: ``STRATATOOLS_BATCH_ROUTER``: the batched step's router logits (with the shared expert's gate row) by
+#: :func:`f32_nt` (1, the default) or cuBLAS's SGEMM (0).
+ROUTER_ENV = "STRATATOOLS_BATCH_ROUTER"
+ROUTER_DEFAULT = True
+#: :func:`f32_nt`'s shape (qmm.cu QF_ROWS, QF_TOK, QF_KS): rows a block, the most tokens, values of k a slice.
+F32_ROWS, F32_TOK, F32_KS = 32, 32, 128
+F32_THREADS = 256
+
+
+def router_kernel() -> bool:
+    """:data:`ROUTER_ENV` as a flag; raises StrataError for a value other than 0 or 1."""
+    return env_on(ROUTER_ENV, "the batched step's router by qmm_f32_nt", ROUTER_DEFAULT)
+
+
+def f32_nt_applies(X: Any, W: Any) -> bool:
+    """Can :func:`f32_nt` take ``X @ W.T`` (float32 contiguous X [T, K], W [R, K], 1 <= T <= :data:`F32_TOK`, K a
+    multiple of 4, both 16-byte aligned)?"""
+    return (X.ndim == 2 and W.ndim == 2 and X.dtype == np.float32 and W.dtype == np.float32
+            and X.flags.c_contiguous and W.flags.c_contiguous and 0 < int(X.shape[0]) <= F32_TOK
+            and int(X.shape[1]) == int(W.shape[1]) and int(X.shape[1]) % 4 == 0 and int(X.shape[1]) > 0
+            and int(W.shape[0]) > 0 and int(X.data.ptr) % 16 == 0 and int(W.data.ptr) % 16 == 0)
+
+
+def f32_nt(X: Any, W: Any) -> Any:
+    """``X @ W.T`` in float32 for a few tokens (the batched step's router: 32 x 2,560 by 257 rows): ``qmm_f32_nt``,
+    each output an fmaf chain over a slice of :data:`F32_KS` values of k in order, the slices added by
+    ``qmm_sum_slices`` (one launch each; W's slice is loaded before the kernel's griddepcontrol.wait). X [T, K], W
+    [R, K] as :func:`f32_nt_applies` takes them (CuPy). Returns a new float32 [T, R] array. Raises StrataError for
+    arrays it does not take."""
+    if not f32_nt_applies(X, W):
+        raise StrataError(f"qmm: f32_nt takes contiguous aligned float32 [T <= {F32_TOK}, K] and [R, K], K a multiple "
+                          f"of 4; got {tuple(X.shape)} and {tuple(W.shape)}")
+    import cupy as cp
+
+    T, K = (int(s) for s in X.shape)
+    R = int(W.shape[0])
+    nz = -(-K // F32_KS)
+    out = cp.empty((T, R), dtype=cp.float32)
+    part = cp.empty((nz, T, R), dtype=cp.float32) if nz > 1 else out
+    _fn("qmm_f32_nt")((-(-R // F32_ROWS), nz), (F32_THREADS,), (X, W, part, np.int32(T), np.int32(R), np.int32(K)))
+    if nz > 1:
+        n = T * R
+        runs = n // 4 if n % 4 == 0 else n
+        _fn("qmm_sum_slices")((-(-runs * SUM_GROUP // SUM_THREADS),), (SUM_THREADS,),
+                              (part, out, np.int64(n), np.int32(nz)))
+    return out
 
 
 # ---- hgemm: the weights as fp16 hi + lo, cuBLAS fp16 GEMMs with float32 accumulation ------------------------------
@@ -1073,7 +1125,7 @@ def jobs_ring_module(stages: int, rkc: int, pad: int = 16) -> Any:
 
 
 def _jobs_ring_fn(name: str, cfg: tuple[int, ...]) -> Any:
-    return jobs_ring_module(*cfg).get_function(name)
+    return batch_kernel(jobs_ring_module(*cfg).get_function(name), name)
 
 
 def smem_bytes_i8(nt: int, cols: int, kc: int = KC, ring_cfg: tuple[int, ...] | None = None, nm: int = 1,
