@@ -113,9 +113,11 @@ _PDL_ATTR = _LaunchAttribute(_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
 
 def kernel_param(a: Any) -> ctypes._SimpleCData:
     """One kernel argument as the C value the kernel receives, as CuPy passes it: an array (anything with
-    ``.data.ptr``) or a memory pointer (``.ptr``) as its device address, a numpy scalar by its dtype. Raises
-    TypeError for anything else, Python scalars included: the step's launches pass numpy scalars of the kernel's C
-    types, and a Python number's width would be a guess."""
+    ``.data.ptr``) or a memory pointer (``.ptr``) as its device address, None as a null pointer, a numpy scalar by
+    its dtype. Raises TypeError for anything else, Python scalars included: the step's launches pass numpy scalars
+    of the kernel's C types, and a Python number's width would be a guess."""
+    if a is None:  # (CuPy passes None as a null pointer: the split kernels' absent row mask)
+        return ctypes.c_uint64(0)
     if isinstance(a, np.generic):
         try:
             return np.ctypeslib.as_ctypes_type(a.dtype)(a.item())
