@@ -397,6 +397,23 @@ def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, be
         assert calls["pf_gdn_step_rw"] > 0 and calls["pf_gdn_step_rwc"] > 0, calls  # (both kernels ran)
 
 
+@pytest.mark.parametrize("now,kernel", [("1", "pf_gdn_step_rwce"), ("cs", "pf_gdn_step_rwcs")])
+def test_gpu_gdn_state_loaded_early_keeps_the_steps_bits(kit, kit_prompts, monkeypatch, now, kernel):
+    """The batched recurrence's state loaded before griddepcontrol.wait (STRATATOOLS_GDN_STEP_EARLY=1, the default;
+    cs: loads and stores that evict first) against after it (0), on the kit's Q2_0 model: the batched steps' logits,
+    tokens and routing bit for bit, eager and graph-replayed steps (the graph's launches by programmatic dependent
+    launch, so the early loads overlap the kernels before); the early kernel was launched in the capture."""
+    from stratatools.runtime.gpu import launch
+    from stratatools.runtime.gpu.batch import BatchDecoder
+    from stratatools.runtime.gpu.prefill import GDN_STEP_EARLY_ENV
+
+    with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
+        launch.BATCH_PDL_LAUNCHES.clear()
+        bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
+        _steps_bits(rt, bds, _kit_prompts3(kit_prompts), GDN_STEP_EARLY_ENV, "0", now, monkeypatch)
+    assert launch.BATCH_PDL_LAUNCHES.get(kernel, 0) > 0 and launch.BATCH_PDL_LAUNCHES.get("pf_gdn_step_rwc", 0) > 0
+
+
 def test_gpu_shared_expert_q8r_copies(kit, kit_prompts, monkeypatch):
     """The shared expert's products of the batched step from Q8R copies on the integer dense ring
     (STRATATOOLS_Q8R_SHARED=1, the default) against its Q8_0 blocks on the fp16 kernel (0), on the kit's ISTA mix
@@ -446,7 +463,7 @@ def test_gpu_batch_pdl_keeps_the_steps_bits(kit, kit_prompts, monkeypatch):
     """The batched step's kernels by programmatic dependent launch inside its graph (STRATATOOLS_BATCH_PDL=1, the
     default; the dense ring's first weight copies before its griddepcontrol.wait) against plain launches (0), on the
     kit's Q2_0 model: the batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps; the
-    capture made launches with the attribute of the expert jobs, the dense ring, the job table and the router
+    capture made launches with the attribute of the expert jobs, the dense products, the job table and the router
     (its logits by qmm_f32_nt, its top-k by pf_route_warp)."""
     from stratatools.runtime.gpu import launch, qmm
     from stratatools.runtime.gpu.batch import BatchDecoder
@@ -459,7 +476,7 @@ def test_gpu_batch_pdl_keeps_the_steps_bits(kit, kit_prompts, monkeypatch):
         bds = [BatchDecoder(rt.dec, 3), BatchDecoder(rt.dec, 3)]
         _steps_bits(rt, bds, _kit_prompts3(kit_prompts), launch.BATCH_PDL_ENV, "0", "1", monkeypatch)
     got = launch.BATCH_PDL_LAUNCHES
-    for name in ("qmm_moe_gu_i8", "qmm_moe_down_i8", "qmm_dense_ring", "qmm_jobs", "pf_route_warp", "qmm_f32_nt"):
+    for name in ("qmm_moe_gu_i8", "qmm_moe_down_i8", "qmm_dense", "qmm_jobs", "pf_route_warp", "qmm_f32_nt"):
         assert sum(n for k, n in got.items() if k.startswith(name)) > 0, (name, got)
 
 

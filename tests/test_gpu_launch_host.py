@@ -69,6 +69,10 @@ def test_every_batch_kernel_begins_with_pdl_entry():
             assert before.count("qmm_ring_issue") == 1 and "qmm_stage" not in before
             assert not re.search(r"\b(?:Y|P|cnt|xsc|xhi|xlo)\s*\[", before) and "__ldg" not in before
             assert not re.search(r"\bdst\s*\[|atomic", before)
+        elif name in ("pf_gdn_step_rwce", "pf_gdn_step_rwcs"):  # the places' state (only the kernel writes it)
+            assert re.sub(r"\s+", " ", before).strip() in (
+                "float s[PF_GDN_RW_ROWS]; pf_gdn_step_rw_load<%s>(S, dk, dv, (int)blockIdx.y, (int)blockIdx.x, s);"
+                % cs for cs in ("false", "true")), name
         elif name == "qmm_f32_nt":  # its slice of the weights (constant) into shared memory
             assert before.count("__ldg(") == 1 and "W +" in before and "__syncthreads" not in before
             assert not re.search(r"\b(?:X|P)\s*[\[+]", before)

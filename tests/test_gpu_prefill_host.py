@@ -56,7 +56,7 @@ def _p(a):
 def test_prefill_kernel_signatures():
     sig = K.kernel_signatures("prefill.cu")
     assert set(sig) == {"pf_route", "pf_gdn_chunk", "pf_moe_sum", "pf_gdn_warp", "pf_gdn_step_rw", "pf_route_warp",
-                        "pf_moe_sum_shared", "pf_gdn_step_rwc"}
+                        "pf_moe_sum_shared", "pf_gdn_step_rwc", "pf_gdn_step_rwce", "pf_gdn_step_rwcs"}
     assert ("int", "ldv") in sig["pf_gdn_chunk"] and sig["pf_route"][-1][1] == "w"
 
 
@@ -89,13 +89,14 @@ def test_pf_route_matches_stable_sort(lib, gating, norm, E, k, kernel):
 @pytest.mark.parametrize("T,nk,dk,nv,dv,ncb", [(5, 2, 8, 4, 8, 3), (9, 2, 32, 4, 24, 1), (3, 1, 16, 3, 10, 4),
                                                 (9, 2, 32, 4, 24, 24), (6, 2, 128, 4, 9, 0),
                                                 (37, 2, 16, 4, 12, 0)])
-@pytest.mark.parametrize("kernel", ["pf_gdn_chunk", "pf_gdn_warp", "pf_gdn_step_rw", "pf_gdn_step_rwc"])
+@pytest.mark.parametrize("kernel", ["pf_gdn_chunk", "pf_gdn_warp", "pf_gdn_step_rw", "pf_gdn_step_rwc",
+                                    "pf_gdn_step_rwce", "pf_gdn_step_rwcs"])
 def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kernel):
     """pf_gdn_chunk over T tokens (columns split over ncb blocks, uneven split included; v read with a row stride)
     = T delta-rule steps of the decoder's numpy _gdn; the state is written back. pf_gdn_warp likewise (the host's
     one-lane warps take 4 columns each: the last warp of a head fewer where dv is not a multiple of 4), and
     pf_gdn_step_rw (a thread per column: the batched step's kernel, used there for one token) and pf_gdn_step_rwc
-    (its grid's axes swapped)."""
+    (its grid's axes swapped; rwce / rwcs: its state loaded before the wait, rwcs evicting first)."""
     rng = np.random.default_rng(T * dv)
     q = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
     kk = _l2norm(np, rng.standard_normal((T, nk, dk)).astype(np.float32))
@@ -109,7 +110,7 @@ def test_pf_gdn_chunk_matches_sequential_steps(lib, T, nk, dk, nv, dv, ncb, kern
     S = S0.copy()
     out = np.full((T, nv * dv), np.nan, np.float32)
     if kernel.startswith("pf_gdn_step_rw"):  # (the host's blocks of one thread: a block a column)
-        grid = (dv, nv) if kernel.endswith("c") else (nv, dv)
+        grid = (nv, dv) if kernel == "pf_gdn_step_rw" else (dv, nv)
         with shared_within(lib, 0):
             getattr(lib, f"host_{kernel}")(*grid, _p(q), _p(kk), vbuf.ctypes.data + 3 * 4, ldv, _p(beta), _p(decay),
                                            _p(S), _p(out), T, nk, nv, dk, dv, 0, 0)
@@ -243,6 +244,19 @@ def test_gdn_kernel_from_the_environment(monkeypatch):
         PF.gdn_kernel()
 
 
+def test_gdn_step_early_switch(monkeypatch):
+    """STRATATOOLS_GDN_STEP_EARLY: 1 by default (the state loaded before the wait), cs and 0 taken, another value
+    refused naming the variable."""
+    monkeypatch.delenv(PF.GDN_STEP_EARLY_ENV, raising=False)
+    assert PF.gdn_step_early() == "1"
+    for v in ("0", "1", "cs", " cs "):
+        monkeypatch.setenv(PF.GDN_STEP_EARLY_ENV, v)
+        assert PF.gdn_step_early() == v.strip()
+    monkeypatch.setenv(PF.GDN_STEP_EARLY_ENV, "early")
+    with pytest.raises(StrataError, match=PF.GDN_STEP_EARLY_ENV):
+        PF.gdn_step_early()
+
+
 def test_gdn_step_cols_switch(monkeypatch):
     """STRATATOOLS_GDN_STEP_COLS: on by default (pf_gdn_step_rwc, a head's column parts together), 0 off (the heads
     first), another value refused naming the variable."""
@@ -271,15 +285,17 @@ def test_pf_gdn_step_rw_reads_each_places_key_heads(lib):
     S0 = (rng.standard_normal((P * nv, dk, dv)) * 0.1).astype(np.float32)
     H = P * nv
     got = []
-    for qq, kx, nkk, hpp, kpp, cols in ((np.tile(q, (1, nv // nk, 1)), np.tile(kk, (1, nv // nk, 1)), H, 0, 0, 0),
-                                        (q, kk, P * nk, nv, nk, 0), (q, kk, P * nk, nv, nk, 1)):
+    for qq, kx, nkk, hpp, kpp, cols in ((np.tile(q, (1, nv // nk, 1)), np.tile(kk, (1, nv // nk, 1)), H, 0, 0, ""),
+                                        (q, kk, P * nk, nv, nk, ""), (q, kk, P * nk, nv, nk, "c"),
+                                        (q, kk, P * nk, nv, nk, "ce"), (q, kk, P * nk, nv, nk, "cs")):
         S, out = S0.copy(), np.full((P, nv * dv), np.nan, np.float32)
-        fn, grid = (lib.host_pf_gdn_step_rwc, (dv, H)) if cols else (lib.host_pf_gdn_step_rw, (H, dv))
+        fn, grid = (getattr(lib, f"host_pf_gdn_step_rw{cols}"), (dv, H)) if cols else (lib.host_pf_gdn_step_rw,
+                                                                                      (H, dv))
         with shared_within(lib, 0):
             fn(*grid, _p(np.ascontiguousarray(qq)), _p(np.ascontiguousarray(kx)), _p(v), H * dv,
                _p(beta), _p(decay), _p(S), _p(out), 1, nkk, H, dk, dv, hpp, kpp)
         got.append((S, out))
-    for g in got[1:]:  # (and pf_gdn_step_rwc, its grid's axes swapped: the same bits)
+    for g in got[1:]:  # (and pf_gdn_step_rwc, its grid's axes swapped, and rwce / rwcs: the same bits)
         assert np.array_equal(got[0][0], g[0]) and np.array_equal(got[0][1], g[1])
     assert not np.isnan(got[2][1]).any() and not np.array_equal(got[2][0], S0)
 

@@ -16,7 +16,7 @@ BAD = [(qmm.KC_ENV, "100"), (qmm.MOE_KC_ENV, "7"), (qmm.SHORT_FILL_ENV, "9"), (q
        (qmm.DENSE_I8_ENV, "2:256:2"), (qmm.DENSE_I8_ENV, "4:64:3"), (qmm.JOBS_RING_ENV, "1:1"), (qmm.SUM_ENV, "2"),
        (qmm.DENSE2_ENV, "x"), (qmm.GEMM_ENV, "cublas"), (qmm.BATCH_GEMM_ENV, "fp8"), (qmm.JOB_ENV, "12"),
        (qmm.BATCH_JOB_ENV, "4"), (qmm.BIG_ENV, "-1"), (qmm.JOBS_I8_ENV, "yes"), (qmm.ROUTER_ENV, "cublas"),
-       (prefill.GDN_STEP_COLS_ENV, "yes"),
+       (prefill.GDN_STEP_COLS_ENV, "yes"), (prefill.GDN_STEP_EARLY_ENV, "2"),
        (kernels.SHARED_SIDE_ENV, "2"),
        (kernels.DENSE_MIN_ROWS_ENV, "x"), (kernels.DQ_SPLIT_ENV, "0"), (kernels.DENSE_KERNEL_ENV, "fast"),
        (launch.PDL_ENV, "on"), (launch.BATCH_PDL_ENV, "yes"), (prefill.ROUTE_WARP_ENV, "2"),

@@ -74,7 +74,7 @@ from stratatools.core.errors import StrataError
 from stratatools.runtime.model import RoutingRecord, _rmsnorm, _softmax, _to_host
 
 from stratatools.runtime.gpu.prefill import (GDN_STEP_MAX_DK, ChunkPrefill, _same_memory, attn_module,
-                                             gdn_chunk_shared, gdn_step_cols, gdn_step_rw_launch)
+                                             gdn_chunk_shared, gdn_step_cols, gdn_step_early, gdn_step_rw_launch)
 
 
 #: ``0`` keeps the batched step's attention as array code (masked batched products; the earlier path, for
@@ -829,7 +829,10 @@ class BatchDecoder(ChunkPrefill):
             H = T * nv
             gy, th = gdn_step_rw_launch(dk, dv)
             cols = gdn_step_cols() and H < 65536  # (grid y's limit)
-            (self.k_gdn_step_rwc if cols else self.k_gdn_step_rw)((gy, H) if cols else (H, gy), (th,), (
+            k = self.k_gdn_step_rwc if cols else self.k_gdn_step_rw
+            if cols and _same_memory(S, self.ssm[il]):  # (the buffer itself: no kernel of the step but this writes it)
+                k = {"0": k, "1": self.k_gdn_step_rwce, "cs": self.k_gdn_step_rwcs}[gdn_step_early()]
+            k((gy, H) if cols else (H, gy), (th,), (
                 cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(kn, dtype=cp.float32), v,
                 np.int32(H * dv), cp.ascontiguousarray(beta), cp.ascontiguousarray(decay), S, out, np.int32(1),
                 np.int32(T * nk), np.int32(H), np.int32(dk), np.int32(dv), np.int32(nv), np.int32(nk)))

@@ -31,6 +31,8 @@ static inline unsigned __reduce_max_sync(unsigned, unsigned v) { return v; }
 static inline int __reduce_min_sync(unsigned, int v) { return v; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
+template <class T> static inline T __ldcs(const T* p) { return *p; }
+template <class T> static inline void __stcs(T* p, T v) { *p = v; }
 static inline void __threadfence() {}
 // Round-to-nearest products and sums that the device compiler may not fuse (the host build does not contract).
 static inline float __fmul_rn(float a, float b) { return a * b; }

@@ -62,7 +62,8 @@ BATCH_PDL_KERNELS = frozenset({
     "qmm_sum_act_split", "qmm_moe_gu_i8", "qmm_moe_down_i8", "qmm_dense_ring", "qmm_f32_nt",
     # prefill.cu
     "pf_route", "pf_route_warp", "pf_moe_sum", "pf_moe_sum_shared", "pf_gdn_chunk", "pf_gdn_step_rw",
-    "pf_gdn_step_rwc", "pf_gdn_warp", "pf_dequant_blobs", "pf_moe_gu", "pf_moe_down",
+    "pf_gdn_step_rwc", "pf_gdn_step_rwce", "pf_gdn_step_rwcs", "pf_gdn_warp", "pf_dequant_blobs", "pf_moe_gu",
+    "pf_moe_down",
     # gdn_prep.cu, attn_batch.cu
     "pf_gdn_prep", "pf_gdn_out", "attn_prep_b", "attn_decode_b",
 })

@@ -358,11 +358,31 @@ extern "C" __global__ void pf_gdn_chunk(const float* __restrict__ q, const float
 #define PF_GDN_RW_ROWS 16
 #endif
 #define PF_GDN_RW_WARPS 8  // the most row parts (dk <= 128 on the device)
-// (the body of pf_gdn_step_rw and pf_gdn_step_rwc: head j, column part b)
+// The thread's rows of head j's state, column part b, into s (CS: loads that evict first, __ldcs: the state is read
+// once a step). A launch whose shapes the body refuses loads nothing.
+template <bool CS>
+__device__ __forceinline__ void pf_gdn_step_rw_load(const float* __restrict__ S, int dk, int dv, int j, int b,
+                                                    float* s) {
+    const int nl = blockDim.x >= 32 ? 32 : 1, nw = (int)blockDim.x / nl;
+    const int lane = (int)threadIdx.x % nl, w = (int)threadIdx.x / nl;
+    const int c = b * nl + lane, r0 = w * PF_GDN_RW_ROWS;
+    const bool shapes = nw <= PF_GDN_RW_WARPS && nw * PF_GDN_RW_ROWS >= dk;
+    const int nr = shapes && c < dv ? max(0, min(PF_GDN_RW_ROWS, dk - r0)) : 0;  // rows of this thread
+    const float* p = S + (long long)j * dk * dv + (long long)r0 * dv + c;  // (one running address: 16 precomputed
+    #pragma unroll                                                          // 64-bit ones spilled at 80 registers)
+    for (int i = 0; i < PF_GDN_RW_ROWS; ++i) {
+        s[i] = i < nr ? (CS ? __ldcs(p) : *p) : 0.0f;
+        p += dv;
+    }
+}
+
+// (the body of pf_gdn_step_rw and pf_gdn_step_rwc: head j, column part b, its state's rows s as
+// pf_gdn_step_rw_load left them; CS: stores that evict first, __stcs)
+template <bool CS>
 __device__ __forceinline__ void pf_gdn_step_rw_body(
         const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
-        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp, int j, int b) {
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp, int j, int b, float* s) {
     __shared__ float red[2][PF_GDN_RW_WARPS][32];
     const int nl = blockDim.x >= 32 ? 32 : 1, nw = (int)blockDim.x / nl;
     const int lane = (int)threadIdx.x % nl, w = (int)threadIdx.x / nl;
@@ -375,15 +395,6 @@ __device__ __forceinline__ void pf_gdn_step_rw_body(
     const int r0 = w * PF_GDN_RW_ROWS;
     const int nr = ok ? max(0, min(PF_GDN_RW_ROWS, dk - r0)) : 0;  // rows of this thread
     float* Sj = S + (long long)j * dk * dv + (long long)r0 * dv + c;
-    float s[PF_GDN_RW_ROWS];
-    {
-        const float* p = Sj;  // (one running address: 16 precomputed 64-bit addresses spilled at 80 registers)
-        #pragma unroll
-        for (int i = 0; i < PF_GDN_RW_ROWS; ++i) {
-            s[i] = i < nr ? *p : 0.0f;
-            p += dv;
-        }
-    }
     for (int t = 0; t < T; ++t) {
         const float* qt = q + ((long long)t * nk + g) * dk + r0;
         const float* kt = kk + ((long long)t * nk + g) * dk + r0;
@@ -417,7 +428,10 @@ __device__ __forceinline__ void pf_gdn_step_rw_body(
     float* p = Sj;
     #pragma unroll
     for (int i = 0; i < PF_GDN_RW_ROWS; ++i) {
-        if (i < nr) *p = s[i];
+        if (i < nr) {
+            if (CS) __stcs(p, s[i]);
+            else *p = s[i];
+        }
         p += dv;
     }
 }
@@ -427,8 +441,10 @@ extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rw(
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
         float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
     PDL_ENTRY();
-    pf_gdn_step_rw_body(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.x,
-                        (int)blockIdx.y);
+    float s[PF_GDN_RW_ROWS];
+    pf_gdn_step_rw_load<false>(S, dk, dv, (int)blockIdx.x, (int)blockIdx.y, s);
+    pf_gdn_step_rw_body<false>(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.x,
+                               (int)blockIdx.y, s);
 }
 
 // pf_gdn_step_rw with the grid's axes swapped: (ceil(dv / 32), nv), so that the blocks the device starts one after
@@ -439,8 +455,37 @@ extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rwc(
         const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
         float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
     PDL_ENTRY();
-    pf_gdn_step_rw_body(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.y,
-                        (int)blockIdx.x);
+    float s[PF_GDN_RW_ROWS];
+    pf_gdn_step_rw_load<false>(S, dk, dv, (int)blockIdx.y, (int)blockIdx.x, s);
+    pf_gdn_step_rw_body<false>(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.y,
+                               (int)blockIdx.x, s);
+}
+
+// pf_gdn_step_rwc with the state's loads before griddepcontrol.wait (the batched step where S is its places' state
+// buffer itself, which no kernel of the step but this one writes: a step's graph replay starts once the one before
+// has ended), so that under programmatic dependent launch they overlap the kernels before it (pf_gdn_prep's q, k, v,
+// beta and decay are read after the wait). pf_gdn_step_rwcs: the same with the state's loads and stores evicting
+// first (__ldcs / __stcs: 64 MB of state a layer at 32 places, read and written once a step).
+extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rwce(
+        const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
+        const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+    float s[PF_GDN_RW_ROWS];
+    pf_gdn_step_rw_load<false>(S, dk, dv, (int)blockIdx.y, (int)blockIdx.x, s);
+    PDL_ENTRY();
+    pf_gdn_step_rw_body<false>(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.y,
+                               (int)blockIdx.x, s);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) pf_gdn_step_rwcs(
+        const float* __restrict__ q, const float* __restrict__ kk, const float* __restrict__ v, int ldv,
+        const float* __restrict__ beta, const float* __restrict__ decay, float* __restrict__ S,
+        float* __restrict__ out, int T, int nk, int nv, int dk, int dv, int hpp, int kpp) {
+    float s[PF_GDN_RW_ROWS];
+    pf_gdn_step_rw_load<true>(S, dk, dv, (int)blockIdx.y, (int)blockIdx.x, s);
+    PDL_ENTRY();
+    pf_gdn_step_rw_body<true>(q, kk, v, ldv, beta, decay, S, out, T, nk, nv, dk, dv, hpp, kpp, (int)blockIdx.y,
+                              (int)blockIdx.x, s);
 }
 
 // ---- gated DeltaNet recurrence, one warp per PF_GDN_CPW value columns (the prefill's default) ----------------------

@@ -219,6 +219,26 @@ def gdn_step_rw_launch(dk: int, dv: int) -> tuple[int, int]:
 GDN_STEP_COLS_ENV = "STRATATOOLS_GDN_STEP_COLS"
 
 
+#: ``STRATATOOLS_GDN_STEP_EARLY``: the batched step's recurrence (its column-parts grid) loads its places' state
+#: before griddepcontrol.wait where S is the state buffer itself (prefill.cu ``pf_gdn_step_rwce``; 1, the default),
+#: the same with loads and stores that evict first (``cs``: ``pf_gdn_step_rwcs``), or after it (0:
+#: ``pf_gdn_step_rwc``).
+GDN_STEP_EARLY_ENV = "STRATATOOLS_GDN_STEP_EARLY"
+GDN_STEP_EARLY = ("0", "1", "cs")
+
+
+def gdn_step_early() -> str:
+    """:data:`GDN_STEP_EARLY_ENV`: one of :data:`GDN_STEP_EARLY` (unset or empty: ``1``); raises StrataError for
+    another value."""
+    import os
+
+    v = os.environ.get(GDN_STEP_EARLY_ENV, "").strip() or "1"
+    if v not in GDN_STEP_EARLY:
+        raise StrataError(f"{GDN_STEP_EARLY_ENV}={v!r}: use 1 (the state loaded before the wait), cs (and evicting "
+                          f"first) or 0")
+    return v
+
+
 def gdn_step_cols() -> bool:
     """:data:`GDN_STEP_COLS_ENV` as a flag (default on); raises StrataError for a value other than 0 or 1."""
     from stratatools.runtime.gpu.kernels import env_on
@@ -500,6 +520,8 @@ class ChunkPrefill:
             self.k_gdn_warp = batch_kernel(mod.get_function("pf_gdn_warp"), "pf_gdn_warp")
             self.k_gdn_step_rw = batch_kernel(mod.get_function("pf_gdn_step_rw"), "pf_gdn_step_rw")
             self.k_gdn_step_rwc = batch_kernel(mod.get_function("pf_gdn_step_rwc"), "pf_gdn_step_rwc")
+            self.k_gdn_step_rwce = batch_kernel(mod.get_function("pf_gdn_step_rwce"), "pf_gdn_step_rwce")
+            self.k_gdn_step_rwcs = batch_kernel(mod.get_function("pf_gdn_step_rwcs"), "pf_gdn_step_rwcs")
             from stratatools.runtime.gpu.kernels import shared_side
 
             # the shared expert on a second stream beside the routed experts (kernels.SHARED_SIDE_ENV; the batched

@@ -21,7 +21,8 @@ def check_switches() -> None:
                  kernels.dq_split_blocks_per_sm, kernels.dense_kernel, launch.pdl_enabled,
                  lambda: launch.pdl_enabled(env=launch.BATCH_PDL_ENV), prefill.route_warp,
                  prefill.hc_fused, prefill.joined_enabled, prefill.graph_enabled,
-                 prefill.gdn_kernel, prefill.gdn_step_cols, decode.route_warp, decode.prefetch_blocks,
+                 prefill.gdn_kernel, prefill.gdn_step_cols, prefill.gdn_step_early, decode.route_warp,
+                 decode.prefetch_blocks,
                  lambda: decode.prefetch_width(8), decode.decode_queue_setting, decode.miss_fetch_mode,
                  decode.prefetch_order, experts.expert_kernel_choice, experts.pipe_shapes):
         read()
