@@ -339,10 +339,12 @@ def test_gpu_prefill_graph_equals_eager_chunks(chunk, big, tmp_path, monkeypatch
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason="CuPy with a CUDA GPU is not available")
 @pytest.mark.parametrize("gating,norm,E,k", [("sigmoid", True, 256, 10), ("softmax", True, 128, 8),
-                                             ("softmax", False, 250, 10), ("sigmoid", False, 7, 7)])
+                                             ("softmax", False, 250, 10), ("sigmoid", False, 7, 7),
+                                             ("softmax", True, 256, 40), ("sigmoid", True, 64, 32)])
 def test_gpu_route_warp_matches_pf_route(gating, norm, E, k):
     """pf_route_warp (a warp a token, 4 a block: the launcher's shape) = pf_route on the device: the same experts in
-    the same order (ties to the lower index: repeated logits), weights within 1e-6."""
+    the same order (ties to the lower index: repeated logits), weights within 1e-6; k up to 32 (each lane keeps a
+    round's pick) and past it (lane 0 writes each round's)."""
     import cupy as cp
 
     from stratatools.runtime.gpu import prefill as PF

@@ -61,12 +61,14 @@ def test_prefill_kernel_signatures():
 
 
 @pytest.mark.parametrize("gating,norm,E,k", [("softmax", True, 32, 4), ("sigmoid", False, 256, 10),
-                                             ("softmax", False, 250, 10), ("sigmoid", True, 7, 7)])
+                                             ("softmax", False, 250, 10), ("sigmoid", True, 7, 7),
+                                             ("softmax", True, 50, 1), ("sigmoid", True, 256, 1)])
 @pytest.mark.parametrize("kernel", ["pf_route", "pf_route_warp"])
 def test_pf_route_matches_stable_sort(lib, gating, norm, E, k, kernel):
     """Ids = the first k of a stable descending sort of the probabilities (ties to the lower index: some logits are
     repeated), weights = chosen probabilities (normalised), times the scale; the rows past E (ld > E) are ignored.
-    pf_route (a block a token, grid stride) and pf_route_warp (a warp a token; the host's one-thread warp)."""
+    pf_route (a block a token, grid stride) and pf_route_warp (a warp a token; the host's one-thread warp: with k 1
+    its lane keeps the pick as the device's lanes keep theirs for k <= 32)."""
     rng = np.random.default_rng(E)
     T, ld = 7, E + 1
     lg = rng.standard_normal((T, ld)).astype(np.float32)

@@ -155,7 +155,12 @@ extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T
         for (int j = 0; j < PF_RW_VPL; ++j)
             if (lane + PF_RW_LANES * j < E) v[j] = v[j] / sm;
     }
-    float tot = 0.0f;
+    // k <= the warp's lanes: lane r keeps round r's pick and writes it once the total is known (lane 0 writing each
+    // round's and reading them back for the weights' division waited on each store: about 2 us of the 7.2 a launch,
+    // H200 twenty-fourth pass); more rounds (and the host build's one lane): lane 0 writes them as they come
+    const bool held = k <= PF_RW_LANES;
+    float tot = 0.0f, mine = 0.0f;
+    int mine_i = 0;
     for (int r = 0; r < k; ++r) {
         float bv = PF_NEG_INF;
         int bi = 0x7fffffff;
@@ -179,16 +184,24 @@ extern "C" __global__ void pf_route_warp(const float* __restrict__ logits, int T
         #pragma unroll
         for (int j = 0; j < PF_RW_VPL; ++j)
             if (lane + PF_RW_LANES * j == ii) v[j] = PF_NEG_INF;
-        if (lane == 0) {
+        if (held) {
+            if (lane == r) { mine = val; mine_i = ii; }
+        } else if (lane == 0) {
             ids[(long long)t * k + r] = ii;
             w[(long long)t * k + r] = val;
         }
     }
-    if (lane == 0)
+    if (held) {
+        if (lane < k) {
+            ids[(long long)t * k + lane] = mine_i;
+            w[(long long)t * k + lane] = (norm ? mine / tot : mine) * scale;
+        }
+    } else if (lane == 0) {
         for (int r = 0; r < k; ++r) {
             const long long o = (long long)t * k + r;
             w[o] = (norm ? w[o] / tot : w[o]) * scale;
         }
+    }
 }
 
 // ---- the routed experts' outputs of a token, weighted -----------------------------------------------------------

@@ -519,19 +519,33 @@ extern "C" __global__ void __launch_bounds__(256) qmm_f32_nt(const float* __rest
     const int r0 = (int)blockIdx.x * QF_ROWS, z = (int)blockIdx.y, k0 = z * QF_KS, kn = min(QF_KS, K - k0);
     const int nt = (int)blockDim.x, tid = (int)threadIdx.x;
     constexpr int Q4 = QF_KS / 4;  // float4s a row of the slice
-    for (int i = tid; i < QF_ROWS * Q4; i += nt) {  // W's slice (rows past R, k past the slice: zeros)
-        const int r = i / Q4, q = i - r * Q4;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r0 + r < R && 4 * q < kn) v = __ldg(reinterpret_cast<const float4*>(W + (long long)(r0 + r) * K + k0) + q);
-        *reinterpret_cast<float4*>(ws + r * QF_LD + 4 * q) = v;
-    }
+    constexpr int LPT = QF_ROWS * Q4 / 256;  // float4s a thread of 256 (QF_TOK = QF_ROWS: the same for X)
+    auto stage = [&](const float* __restrict__ src, int rows, float* dst, bool weights) {
+        // rows [0, rows) of src (rows of K floats from k0) into dst's rows of QF_LD floats; past rows or the slice:
+        // zeros. With 256 threads all of a thread's loads are issued before its stores (a load and its store a round
+        // waited on each load: qmm_f32_nt took 9.4 us a launch, H200 twenty-fourth pass)
+        auto get = [&](int i) {
+            const int r = i / Q4, q = i - r * Q4;
+            const float4* p = reinterpret_cast<const float4*>(src + (long long)r * K + k0) + q;
+            return r < rows && 4 * q < kn ? (weights ? __ldg(p) : *p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        };
+        auto put = [&](int i, float4 v) {
+            const int r = i / Q4, q = i - r * Q4;
+            *reinterpret_cast<float4*>(dst + r * QF_LD + 4 * q) = v;
+        };
+        if (nt == 256) {
+            float4 v[LPT];
+            #pragma unroll
+            for (int j = 0; j < LPT; ++j) v[j] = get(tid + 256 * j);
+            #pragma unroll
+            for (int j = 0; j < LPT; ++j) put(tid + 256 * j, v[j]);
+        } else {
+            for (int i = tid; i < QF_ROWS * Q4; i += nt) put(i, get(i));
+        }
+    };
+    stage(W + (long long)r0 * K, R - r0, ws, true);  // W's slice (rows past R, k past the slice: zeros)
     PDL_ENTRY();
-    for (int i = tid; i < QF_TOK * Q4; i += nt) {  // X's slice (tokens past T: zeros)
-        const int t = i / Q4, q = i - t * Q4;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (t < T && 4 * q < kn) v = reinterpret_cast<const float4*>(X + (long long)t * K + k0)[q];
-        *reinterpret_cast<float4*>(xs + t * QF_LD + 4 * q) = v;
-    }
+    stage(X, T, xs, false);  // X's slice (tokens past T: zeros)
     __syncthreads();
     for (int o = tid; o < QF_ROWS / 4 * QF_TOK; o += nt) {  // (the host build's one thread plays every lane)
         const int g = o / QF_TOK, j = o - g * QF_TOK;
@@ -755,8 +769,8 @@ template <int F> __global__ void __launch_bounds__(256) qmm_wsplit(
 // slot, -1 for an empty slot); the jobs past the last are empty (their first slot -1, job_ptr that of expert 0: the
 // job kernels return at once on them). jmax >= ceil(N / jt) + min(E, N) holds every routing. One block (grid 1 x 1),
 // any block size nt <= qmm.py JOBS_THREADS, a multiple of 32 (the host build: one thread). Dynamic shared memory
-// (qmm.py jobs_shared): 3 E + 1 + 2 JOBS_THREADS ints (of the last, the scan uses 2 (nt / 32)) and M keys, M the power
-// of two >= N; E N < 2^32.
+// (qmm.py jobs_shared): M keys, M the power of two >= N, then 3 E + 1 + 2 JOBS_THREADS ints (of the last, the scan
+// uses 2 (nt / 32)); E N < 2^32.
 // The pairs are ordered by a bitonic sort of the keys e N + i in shared memory (log2(M) (log2(M) + 1) / 2 passes of
 // M / 2 compare-exchanges, a barrier each): a pair's rank within its expert is then its sorted position minus the
 // expert's first position, and the table comes out the same for any block size (no atomics decide an order). Up to
@@ -769,16 +783,16 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
                                     int jmax, int jt, u64* __restrict__ job_ptr, int* __restrict__ job_tok,
                                     int* __restrict__ job_dst) {
     PDL_ENTRY();
-    int* cnt = reinterpret_cast<int*>(QMM_SMEM_BASE);
+    int M = 1, lm = 0;
+    while (M < N) { M <<= 1; ++lm; }
+    u32* key = reinterpret_cast<u32*>(QMM_SMEM_BASE);  // [M] (first: 16-byte aligned for the rank's uint4 reads)
+    int* cnt = reinterpret_cast<int*>(key + M);
     int* js = cnt + E;       // first job of expert e
     int* first = js + E;     // first sorted position of expert e's pairs
     int* jused = first + E;  // jobs the routing fills
     const int tid = threadIdx.x, nt = blockDim.x;
     int* tj = jused + 1;     // [nt] the threads' job sums, then their inclusive scan
     int* tp = tj + nt;       // [nt] the same of pairs
-    u32* key = reinterpret_cast<u32*>(tp + nt);
-    int M = 1, lm = 0;
-    while (M < N) { M <<= 1; ++lm; }
     for (int e = tid; e < E; e += nt) cnt[e] = 0;
     for (int i = tid; i < M; i += nt) key[i] = i < N ? (u32)ids[i] * (u32)N + (u32)i : 0xffffffffu;
     __syncthreads();
@@ -799,14 +813,16 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     }
     if (lane == 31 || tid == nt - 1) { tj[wid] = ij; tp[wid] = ip; }
     __syncthreads();
-    if (tid == 0) {  // the warps' totals -> their exclusive prefixes; the jobs the routing fills
-        int aj = 0, ap = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            const int vj = tj[w], vp = tp[w];
-            tj[w] = aj; tp[w] = ap;
-            aj += vj; ap += vp;
+    if (wid == 0) {  // the warps' totals -> their exclusive prefixes (warp 0's shuffle scan: one thread's loop of
+        // loads and stores took about 1,300 cycles), and the jobs the routing fills
+        const int vj = lane < nwarps ? tj[lane] : 0, vp = lane < nwarps ? tp[lane] : 0;
+        int aj = vj, ap = vp;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int uj = __shfl_up_sync(0xffffffffu, aj, o), up = __shfl_up_sync(0xffffffffu, ap, o);
+            if (lane >= o) { aj += uj; ap += up; }
         }
-        *jused = aj;
+        if (lane < nwarps) { tj[lane] = aj - vj; tp[lane] = ap - vp; }
+        if (lane == nwarps - 1) *jused = aj;
     }
     __syncthreads();
     int bj = tj[wid] + ij - sj, bp = tp[wid] + ip - sp;
@@ -818,12 +834,20 @@ extern "C" __global__ void qmm_jobs(const int* __restrict__ ids, int N, int k, i
     }
     if (N <= QMM_JOBS_RANK_MAX) {
         // few pairs (the batched step: 320): a pair's rank within its expert is the count of the earlier pairs of the
-        // same expert (at most N compares a thread, the warp's reads of key[q] one broadcast), no sort
+        // same expert (at most N compares a thread, the warp's reads of key[q] one broadcast), no sort; eight keys a
+        // round in two 16-byte reads (a read a key, each waiting on the one before, took about 5 us at 320 pairs)
         __syncthreads();
         for (int p = tid; p < N; p += nt) {
             const u32 e = key[p] / (u32)N, lo = e * (u32)N;  // (pair q is expert e's when key[q] - lo < N)
-            int r = 0;
-            for (int q = 0; q < p; ++q) r += key[q] - lo < (u32)N;
+            int r = 0, q = 0;
+            for (; q + 8 <= p; q += 8) {
+                const uint4 a = *reinterpret_cast<const uint4*>(key + q);
+                const uint4 b = *reinterpret_cast<const uint4*>(key + q + 4);
+                r += (int)(a.x - lo < (u32)N) + (int)(a.y - lo < (u32)N) + (int)(a.z - lo < (u32)N) +
+                     (int)(a.w - lo < (u32)N) + (int)(b.x - lo < (u32)N) + (int)(b.y - lo < (u32)N) +
+                     (int)(b.z - lo < (u32)N) + (int)(b.w - lo < (u32)N);
+            }
+            for (; q < p; ++q) r += key[q] - lo < (u32)N;
             const int slot = js[e] * jt + r;
             job_tok[slot] = p / k;
             job_dst[slot] = p;

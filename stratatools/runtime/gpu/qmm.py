@@ -908,9 +908,9 @@ JOBS_SHARED_MAX = 160 * 1024
 
 
 def jobs_shared(n_pairs: int, n_expert: int) -> int:
-    """Dynamic shared memory of ``qmm_jobs`` for ``n_pairs`` pairs over ``n_expert`` experts: 3 E + 1 ints (counts,
-    first jobs, first sorted positions, jobs used), 2 :data:`JOBS_THREADS` ints (the threads' sums and their scan)
-    and M sort keys, M the power of two >= the pairs."""
+    """Dynamic shared memory of ``qmm_jobs`` for ``n_pairs`` pairs over ``n_expert`` experts: M sort keys, M the
+    power of two >= the pairs, then 3 E + 1 ints (counts, first jobs, first sorted positions, jobs used) and 2
+    :data:`JOBS_THREADS` ints (the threads' sums and their scan)."""
     m = 1
     while m < int(n_pairs):
         m <<= 1
