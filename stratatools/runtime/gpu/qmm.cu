@@ -505,9 +505,11 @@ extern "C" __global__ void qmm_act_rows(float* __restrict__ Y, long long n, int 
 // gridDim.y = ceil(K / QF_KS); qmm_sum_slices adds the slices). The slice of W and of X go to shared memory (rows of
 // QF_KS + 4 floats: a quarter warp's 16-byte reads of 8 tokens' rows fall in distinct banks); warp g, lane j: rows
 // 4 g .. 4 g + 3 of the tile for token j, each an fmaf chain over k in order (the result depends on nothing but the
-// inputs). cuBLAS's SGEMM of the 32 x 2,560 x 257 router took 10.9 us a launch and its split-k reduction 2.8 more
-// (H200, bench/gpu-notes.md twenty-third pass). W is constant: its slice is loaded before griddepcontrol.wait.
-// Grid (ceil(R / QF_ROWS), nz), blockDim a multiple of 32 up to 256 (the host build: 1).
+// inputs); the tile's sums go out through shared memory, a warp storing a token's rows (a thread's four stores a
+// token apart were 1,024 scattered writes a block). cuBLAS's SGEMM of the 32 x 2,560 x 257 router took 10.9 us a
+// launch and its split-k reduction 2.8 more (H200, bench/gpu-notes.md twenty-third pass). W is constant: its slice
+// is loaded before griddepcontrol.wait. Grid (ceil(R / QF_ROWS), nz), blockDim a multiple of 32 up to 256 (the host
+// build: 1).
 #define QF_ROWS 32
 #define QF_TOK 32
 #define QF_KS 128
@@ -516,6 +518,7 @@ extern "C" __global__ void __launch_bounds__(256) qmm_f32_nt(const float* __rest
                                                              float* __restrict__ P, int T, int R, int K) {
     __shared__ __align__(16) float ws[QF_ROWS * QF_LD];
     __shared__ __align__(16) float xs[QF_TOK * QF_LD];
+    __shared__ float os[QF_TOK * (QF_ROWS + 1)];  // the tile's sums [token][row] (a row of padding: no conflicts)
     const int r0 = (int)blockIdx.x * QF_ROWS, z = (int)blockIdx.y, k0 = z * QF_KS, kn = min(QF_KS, K - k0);
     const int nt = (int)blockDim.x, tid = (int)threadIdx.x;
     constexpr int Q4 = QF_KS / 4;  // float4s a row of the slice
@@ -564,12 +567,13 @@ extern "C" __global__ void __launch_bounds__(256) qmm_f32_nt(const float* __rest
                 a[i] = fmaf(w.w, x.w, a[i]);
             }
         }
-        if (j < T) {
-            float* dst = P + ((long long)z * T + j) * R;
-            #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (r0 + 4 * g + i < R) dst[r0 + 4 * g + i] = a[i];
-        }
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) os[j * (QF_ROWS + 1) + 4 * g + i] = a[i];
+    }
+    __syncthreads();
+    for (int i = tid; i < T * QF_ROWS; i += nt) {  // a warp a token's rows: one run of 128 bytes
+        const int t = i / QF_ROWS, r = i - t * QF_ROWS;
+        if (r0 + r < R) P[((long long)z * T + t) * R + r0 + r] = os[t * (QF_ROWS + 1) + r];
     }
 }
 
