@@ -199,6 +199,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--n", default="1,8,32")
+    ap.add_argument("--b1-steps", type=int, default=0, metavar="STEPS",
+                    help="also time batch 1 over this many greedy steps of prompt 0 afresh (the reference run's "
+                         "--steps are a short window); 0: no such row")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--gguf", default=None, help="an existing model to use (no synth)")
     ap.add_argument("--no-e2e", action="store_true")
@@ -236,7 +239,7 @@ def main() -> None:
     w = load(gguf, xp=cp)
     grt = GPURuntime(w, policy=None, miss_mode="host")
     # (the queued steps continue each variant's synchronous ones: 2 x (steps + 2) positions after the prompt)
-    rt = DecoderRuntime(grt, max_ctx=a.prompt + 2 * (a.steps + 2) + 8)
+    rt = DecoderRuntime(grt, max_ctx=a.prompt + max(2 * (a.steps + 2), a.b1_steps) + 8)
     res["load_s"] = time.perf_counter() - t0
     print(f"loaded in {res['load_s']:.0f} s", flush=True)
 
@@ -260,9 +263,26 @@ def main() -> None:
         tok = rt.argmax(lg)
         ref_tok.append(tok)
         lg, _ = rt.forward([tok], st)
-    rt.finish()  # the last step's bookkeeping (lag) before the decoder is used directly
     res["batch1_graph_tok_s"] = b1
     print(f"batch 1 (CUDA graph decoder): {b1:8.1f} tok/s", flush=True)
+    if a.b1_steps > 0:  # the same decoder over a longer window, from the prompt again
+        st = rt.new_state()
+        lg, _ = rt.forward(prompts[0], st)
+        long_tok = []
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for s in range(a.b1_steps):
+            tok = rt.argmax(lg)
+            long_tok.append(tok)
+            lg, _ = rt.forward([tok], st)
+        cp.cuda.Device().synchronize()
+        b1l = a.b1_steps / (time.perf_counter() - t0)
+        n_same = min(len(long_tok), len(ref_tok))
+        same = long_tok[:n_same] == ref_tok[:n_same]
+        res["batch1_graph_long"] = {"steps": a.b1_steps, "tok_s": b1l, "tokens_equal": bool(same)}
+        print(f"batch 1 (CUDA graph decoder, {a.b1_steps} steps): {b1l:8.1f} tok/s; first {n_same} tokens vs the "
+              f"reference run {'equal' if same else 'DIFFER'}", flush=True)
+    rt.finish()  # the last step's bookkeeping (lag) before the decoder is used directly
 
     dec = rt.dec
     rows = {}

@@ -12,6 +12,7 @@
 # TESTS: pytest arguments, quotes honoured (default the GPU decoder, prefill, GEMM and batch tests; "none" skips them)
 # PV: bench_qmm.py --prefill-variants (default mma; "none" skips the prefill); BN: bench_gpu_batch.py --n (default
 # 1,8,32; "none" skips it); BV: its --variants (default default); BO=1 times them again in the reverse order;
+# B1S: its --b1-steps (a longer batch-1 window, e.g. 64; default 0: none);
 # E2E=1 adds its end-to-end run_batched row;
 # LLAMA=0 skips the llama.cpp build and its benches;
 # TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
@@ -64,7 +65,7 @@ fi
 if [ "$BN" != none ]; then
   el batched
   timeout $([ "${BO:-0}" = 1 ] && echo 360 || echo 200) python3 bench/bench_gpu_batch.py --gguf "$GG" --layers 48 \
-    --n "$BN" --steps 8 $([ "${E2E:-0}" = 1 ] || echo --no-e2e) \
+    --n "$BN" --steps 8 --b1-steps "${B1S:-0}" $([ "${E2E:-0}" = 1 ] || echo --no-e2e) \
     --variants "$BV" $([ "${BO:-0}" = 1 ] && echo --both-orders) --kernel-profile 2 --out "$OUT"/batch.json \
     > "$OUT"/batch.txt 2>&1
   grep -E "tok/s" "$OUT"/batch.txt
