@@ -15,10 +15,10 @@
 # B1S: its --b1-steps (a longer batch-1 window, e.g. 64; default 0: none);
 # E2E=1 adds its end-to-end run_batched row;
 # LLAMA=0 skips the llama.cpp build and its benches;
-# TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured at the end by the resident
-# batch-1 row and llama-bench (run2.txt / .json, llama-bench2.md); PV2: prefill variants measured again after the
-# llama.cpp benches (qmm2.txt / .json), when the build no longer slows them; NPL: llama-batched-bench's -npl (default
-# 1,8,32). PRE: shell commands run after the tests,
+# TYPES2 (e.g. gu=IQ2_XS,down=IQ4_NL): a second model of those expert types, measured by the resident batch-1 row
+# (after the first model's rows, while llama.cpp builds) and at the end by llama-bench (run2.txt / .json,
+# llama-bench2.md); PV2: prefill variants measured again after the llama.cpp benches (qmm2.txt / .json), when the
+# build no longer slows them; NPL: llama-batched-bench's -npl (default 1,8,32). PRE: shell commands run after the tests,
 # while the model is synthesized (e.g. bench/bench_qmm_jobs.py, which needs no model); POST: after the batched bench
 # (the model's path in $GG).
 # Every result lands in $OUT (tests.txt, synth.json, qmm.txt / .json, batch.txt / .json, run.txt / .json,
@@ -77,17 +77,22 @@ if [ "$ROWS" != none ]; then
     --types "$TYPES" --configs "$ROWS" --compare-steps 0 --profile-steps 0 --out "$OUT"/run.json > "$OUT"/run.txt 2>&1
   grep -E "decode [0-9]" "$OUT"/run.txt | head -20
 fi
-second() {  # the TYPES2 model: the resident batch-1 row (and llama-bench where built)
+second() {  # the TYPES2 model's resident batch-1 row, run while llama.cpp builds
   [ -n "${TYPES2:-}" ] || return 0
   el second model; while [ ! -f /tmp/synth2.done ]; do sleep 2; done
   G2=$(find /tmp/fw2/model48x256 -name "*.gguf" | sort | head -1); echo "model 2: $G2"
   timeout 150 python3 bench/bench_gpu_run.py --gguf "$G2" --workdir /tmp/fw2 --prompt 512 --new 64 --slots 1872 \
     --types "$TYPES2" --configs resident --compare-steps 0 --profile-steps 0 --out "$OUT"/run2.json > "$OUT"/run2.txt 2>&1
   grep -E "decode [0-9]|prefill" "$OUT"/run2.txt | head -6
-  [ "$LLAMA" = 0 ] || timeout 100 /tmp/lcb/bin/llama-bench -m "$G2" -ngl 99 -p 512 -n 128 -r 3 -o md \
-    2> "$OUT"/llama-bench2.err | tee "$OUT"/llama-bench2.md
 }
-if [ "$LLAMA" = 0 ]; then second; el done; exit 0; fi
+second_llama() {  # llama-bench on the TYPES2 model, once built
+  [ -n "${TYPES2:-}" ] && [ -n "${G2:-}" ] || return 0
+  el llama-bench model 2
+  timeout 100 /tmp/lcb/bin/llama-bench -m "$G2" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench2.err \
+    | tee "$OUT"/llama-bench2.md
+}
+second
+if [ "$LLAMA" = 0 ]; then el done; exit 0; fi
 el wait build; while [ ! -f /tmp/lcb.done ]; do sleep 3; done; cat /tmp/lcb.done
 el llama-bench
 timeout 100 /tmp/lcb/bin/llama-bench -m "$GG" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench.err \
@@ -102,5 +107,5 @@ if [ -n "${PV2:-}" ]; then  # the prefill again, now that the build no longer sh
     --prefill-variants "$PV2" --prefill-reps 4 --out "$OUT"/qmm2.json > "$OUT"/qmm2.txt 2>&1
   grep -E "^prefill" "$OUT"/qmm2.txt
 fi
-second
+second_llama
 el done
