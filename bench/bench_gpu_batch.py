@@ -191,6 +191,23 @@ def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict
     return got
 
 
+
+def timed_greedy(cp, rt, st, lg, steps: int, keep_first: bool = False):
+    """``steps`` greedy batch-1 steps of the decoder runtime ``rt`` from logits ``lg`` on state ``st``, timed between
+    device synchronisations. Returns (tokens, tok/s, the last logits, the first step's logits as float64 numpy or
+    None; ``keep_first`` reads them back inside the timed loop, as the reference run always has)."""
+    toks, first = [], None
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for s in range(steps):
+        tok = rt.argmax(lg)
+        toks.append(tok)
+        lg, _ = rt.forward([tok], st)
+        if keep_first and s == 0:
+            first = cp.asnumpy(lg).astype(np.float64)
+    cp.cuda.Device().synchronize()
+    return toks, steps / (time.perf_counter() - t0), lg, first
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default="/tmp/bb")
@@ -248,17 +265,8 @@ def main() -> None:
     lg, _ = rt.forward(prompts[1][:16], st)  # compiles, captures, uploads the dense matrices
     st = rt.new_state()
     lg, _ = rt.forward(prompts[0], st)
-    ref_tok, ref_lg = [], []
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for s in range(a.steps):
-        tok = rt.argmax(lg)
-        ref_tok.append(tok)
-        lg, _ = rt.forward([tok], st)
-        if s == 0:
-            ref_lg.append(cp.asnumpy(lg).astype(np.float64))
-    cp.cuda.Device().synchronize()
-    b1 = a.steps / (time.perf_counter() - t0)
+    ref_tok, b1, lg, first = timed_greedy(cp, rt, st, lg, a.steps, keep_first=True)
+    ref_lg = [first]
     for s in range(a.steps, 2 * (a.steps + 2) + 1):  # (untimed: the reference for the queued steps' tokens)
         tok = rt.argmax(lg)
         ref_tok.append(tok)
@@ -268,15 +276,7 @@ def main() -> None:
     if a.b1_steps > 0:  # the same decoder over a longer window, from the prompt again
         st = rt.new_state()
         lg, _ = rt.forward(prompts[0], st)
-        long_tok = []
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        for s in range(a.b1_steps):
-            tok = rt.argmax(lg)
-            long_tok.append(tok)
-            lg, _ = rt.forward([tok], st)
-        cp.cuda.Device().synchronize()
-        b1l = a.b1_steps / (time.perf_counter() - t0)
+        long_tok, b1l, lg, _ = timed_greedy(cp, rt, st, lg, a.b1_steps)
         n_same = min(len(long_tok), len(ref_tok))
         same = long_tok[:n_same] == ref_tok[:n_same]
         res["batch1_graph_long"] = {"steps": a.b1_steps, "tok_s": b1l, "tokens_equal": bool(same)}
