@@ -378,10 +378,14 @@ def _kit_prompts3(kit_prompts) -> list[list[int]]:
 def test_gpu_switches_keep_the_steps_bits(kit, kit_prompts, monkeypatch, env, before, now):
     """The batched GDN recurrence's grid with one head's column parts together (STRATATOOLS_GDN_STEP_COLS=1, the
     default) against heads first (0), on the kit's Q2_0 model (integer expert jobs, the integer dense ring): the
-    batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps."""
+    batched steps' logits, tokens and routing bit for bit, eager and graph-replayed steps. The state is loaded after
+    griddepcontrol.wait (STRATATOOLS_GDN_STEP_EARLY=0), so that the column-parts grid runs pf_gdn_step_rwc itself
+    (the default, 1, runs pf_gdn_step_rwce there: test_gpu_gdn_state_loaded_early_keeps_the_steps_bits)."""
     from stratatools.runtime.gpu import qmm
     from stratatools.runtime.gpu.batch import BatchDecoder
+    from stratatools.runtime.gpu.prefill import GDN_STEP_EARLY_ENV
 
+    monkeypatch.setenv(GDN_STEP_EARLY_ENV, "0")
     with _kit_runtime(kit, "quant/model-Q2_0.gguf", "mma", monkeypatch) as rt:
         ly = rt.dec.rt.tier.arena.layers[0]
         assert qmm.jobs_i8(ly.gu_type.id, ly.d_type.id)
