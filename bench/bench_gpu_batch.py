@@ -191,7 +191,6 @@ def step_profile(cp, bd, places: list, toks: list, steps: int, var: str) -> dict
     return got
 
 
-
 def timed_greedy(cp, rt, st, lg, steps: int, keep_first: bool = False):
     """``steps`` greedy batch-1 steps of the decoder runtime ``rt`` from logits ``lg`` on state ``st``, timed between
     device synchronisations. Returns (tokens, tok/s, the last logits, the first step's logits as float64 numpy or
@@ -207,6 +206,7 @@ def timed_greedy(cp, rt, st, lg, steps: int, keep_first: bool = False):
             first = cp.asnumpy(lg).astype(np.float64)
     cp.cuda.Device().synchronize()
     return toks, steps / (time.perf_counter() - t0), lg, first
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -234,6 +234,8 @@ def main() -> None:
                          "against the steps' wall time")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.b1_steps < 0:
+        ap.error(f"--b1-steps {a.b1_steps}: give 0 (no such row) or more steps")
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
     from bench_gpu_run import env_vars, full_width_model, print_breakdown, suite_prompt_ids
