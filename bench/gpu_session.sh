@@ -86,7 +86,7 @@ second() {  # the TYPES2 model's resident batch-1 row, run while llama.cpp build
   grep -E "decode [0-9]|prefill" "$OUT"/run2.txt | head -6
 }
 second_llama() {  # llama-bench on the TYPES2 model, once built
-  [ -n "${TYPES2:-}" ] && [ -n "${G2:-}" ] || return 0
+  [ -n "${G2:-}" ] || return 0  # (second() sets G2 where TYPES2 is set)
   el llama-bench model 2
   timeout 100 /tmp/lcb/bin/llama-bench -m "$G2" -ngl 99 -p 512 -n 128 -r 3 -o md 2> "$OUT"/llama-bench2.err \
     | tee "$OUT"/llama-bench2.md
